@@ -6,10 +6,28 @@ from areal_fast.packing.planner_ref import (
     karmarkar_karp_ref,
     plan_microbatches_ref,
 )
+from areal_fast.packing.segments import (
+    gather_segments,
+    gather_segments_ref,
+    pack,
+    pack_ref,
+    scatter_segments,
+    scatter_segments_ref,
+    unpack,
+    unpack_ref,
+)
 
 __all__ = [
     "DEFAULT_ATTN_COEF",
     "Plan",
+    "gather_segments",
+    "gather_segments_ref",
+    "pack",
+    "pack_ref",
+    "scatter_segments",
+    "scatter_segments_ref",
+    "unpack",
+    "unpack_ref",
     "first_fit_decreasing_ref",
     "karmarkar_karp_ref",
     "lower_bound_mbs",

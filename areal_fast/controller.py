@@ -1,0 +1,530 @@
+"""The asynchronous RL controller: one asyncio loop that keeps the inference servers busy and
+trains whenever a batch is ready (AReaL-style), with the staleness bound of decoupled PPO.
+
+::
+
+      PromptStream (position p)        requeue (positions to regenerate: resume, strict drops)
+             |                                  |
+             v                                  v
+    +-------------------+   gate.try_admit()  (running < max_concurrent and
+    |  admission loop   |<----- wake -------   accepted + running < (eta + v + 1) * B)
+    +-------------------+
+             | one task per prompt (a *group*)
+             v
+    +-------------------+  n x rollout.generate(ids, sampling)   (interruptible; every token
+    |   group task      |------------------------------------>    keeps the version that made it)
+    |  (x max_concurrent)|<-- tokens, logprobs, versions ------   servers (embedded / SGLang)
+    |                   |  n x reward.score(task, text)  ------>  reward process pool
+    +-------------------+
+             | finished group (gate.finish)
+             v
+        buffer (FIFO of finished groups)  ------------------------------+
+             |  when >= B groups                                        |
+             v                                                          | checkpoint: version,
+    +-------------------+   trainer.train(samples)   (a thread; rollouts go on meanwhile)
+    |    train loop     |   rollout.pause() -> syncer.sync(v+1) -> rollout.resume()
+    |                   |   version v -> v+1, gate.set_version(v+1), wake admission
+    |                   |   every K steps: greedy eval (no version change while it runs)
+    |                   |   every K steps: checkpoint (trainer + controller state) ----+
+    +-------------------+
+
+eta = 0 is the synchronous baseline with the same code: capacity (v + 1) * B admits exactly
+one batch per version, so generation stops until the trainer has stepped and synced.
+
+Checkpoints hold the controller state: data position, version, counters, the finished groups
+still in the buffer, and the positions of groups still generating (they are regenerated after a
+restart: nothing is lost, and nothing trained twice because a checkpoint is written only at a
+step boundary, atomically, together with the trainer state). After a restore at version v the
+gate is recovered with ``accepted = v * B + len(buffer)``, so the bound holds as before.
+
+This module does no tensor math. Its collaborators are narrow async ports (see
+:class:`RolloutPort`, :class:`TrainerPort`, :class:`SyncPort`, :class:`RewardPort`,
+:class:`Gate`); ``areal_fast.launch.runtime`` builds them from the real parts, tests use fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "controller.json"
+COMPLETE_MARKER = "COMPLETE"
+
+
+# ----------------------------------------------------------------------------- ports
+
+
+@dataclass
+class Generation:
+    """What a rollout port returns for one sample."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+class RolloutPort(Protocol):
+    async def generate(self, input_ids: list[int], sampling: dict, rid: str) -> Generation: ...
+    async def pause(self) -> None: ...
+    async def resume(self) -> None: ...
+
+
+class TrainerPort(Protocol):
+    def train(self, samples: list[dict]) -> dict: ...  # blocking; run in a thread
+    def save(self, path: Path) -> None: ...
+    def load(self, path: Path) -> None: ...
+
+
+class SyncPort(Protocol):
+    async def sync(self, version: int) -> dict: ...
+
+
+class RewardPort(Protocol):
+    async def score(self, task: Any, completion: str) -> Any: ...  # .value, .status
+
+
+class Gate(Protocol):
+    """The staleness manager (admission side), see ``shared/spec/decoupled_ppo.md``."""
+
+    def try_admit(self) -> bool: ...
+    def finish(self, accepted: bool) -> None: ...
+    def drop(self) -> None: ...
+    def set_version(self, version: int) -> None: ...
+    def recover(self, version: int, accepted: int) -> None: ...
+    def stats(self) -> dict: ...
+
+
+# ----------------------------------------------------------------------------- state
+
+
+@dataclass
+class Group:
+    """The n samples of one prompt, finished and scored."""
+
+    position: int
+    row: int
+    admitted_version: int
+    prompt_ids: list[int]
+    outputs: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[list[int]]
+    rewards: list[float]
+    finish_reasons: list[str]
+    gen_seconds: float = 0.0
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    def min_version(self) -> int:
+        vs = [min(v) for v in self.versions if v]
+        return min(vs) if vs else self.admitted_version
+
+    def samples(self) -> list[dict]:
+        return [
+            dict(prompt_ids=list(self.prompt_ids), output_ids=o, output_logprobs=lp, output_versions=v,
+                 reward=r, group_id=self.position)
+            for o, lp, v, r in zip(self.outputs, self.logprobs, self.versions, self.rewards)
+        ]
+
+
+@dataclass
+class ControllerSettings:
+    """What the loop needs from the config (kept flat so tests can build it directly)."""
+
+    batch_size: int
+    group_size: int
+    max_staleness: int
+    total_steps: int
+    sampling: dict
+    eval_sampling: dict
+    strict_staleness: bool = False
+    eval_every: int = 0
+    eval_at_start: bool = True
+    checkpoint_every: int = 0
+    keep_last: int = 2
+    output_dir: Path = Path("runs/run")
+
+
+@dataclass
+class Counters:
+    admitted: int = 0
+    finished: int = 0
+    trained_groups: int = 0
+    trained_tokens: int = 0
+    dropped_stale: int = 0
+    regenerated: int = 0
+    reward_status: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- controller
+
+
+class Controller:
+    """See the module docstring. ``run()`` trains until ``total_steps`` versions exist."""
+
+    def __init__(self, settings: ControllerSettings, prompts, tokenizer, rollout: RolloutPort,
+                 reward: RewardPort, trainer: TrainerPort, syncer: SyncPort, gate: Gate,
+                 eval_prompts=(), callbacks: list[Callable[[dict], None]] | None = None):
+        self.s = settings
+        self.prompts, self.eval_prompts, self.tok = prompts, list(eval_prompts), tokenizer
+        self.rollout, self.reward, self.trainer, self.syncer, self.gate = rollout, reward, trainer, syncer, gate
+        self.callbacks = list(callbacks or [])
+        self.version = 0
+        self.position = 0
+        self.requeue: deque[int] = deque()
+        self.buffer: list[Group] = []
+        self.running: dict[int, asyncio.Task] = {}
+        self.counters = Counters()
+        self.incarnation = secrets.token_hex(4)  # makes rids unique across restarts
+        self.ckpt_dir = Path(settings.output_dir) / "checkpoints"
+        self.history: list[dict] = []
+        self.eval_history: list[dict] = []
+        self._wake = asyncio.Event()
+        self._buffer_ready = asyncio.Event()
+        self._failure: BaseException | None = None
+        self._t_start = 0.0
+        self._elapsed_before = 0.0  # wall seconds of earlier incarnations (resume)
+        self._timers = Counter()
+
+    # ------------------------------------------------------------- admission and groups
+    def _next_position(self) -> int | None:
+        if self.requeue:
+            self.counters.regenerated += 1
+            return self.requeue.popleft()
+        p = self.position
+        self.position += 1
+        return p
+
+    async def _admission_loop(self) -> None:
+        while True:
+            while self.gate.try_admit():
+                pos = self._next_position()
+                self.counters.admitted += 1
+                self.running[pos] = asyncio.create_task(self._run_group(pos), name=f"group-{pos}")
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _run_group(self, pos: int) -> None:
+        ok = False
+        try:
+            row = self.prompts.at(pos)
+            ids = self.tok.encode(row.text)
+            v0 = self.version
+            t0 = time.perf_counter()
+            gens = await asyncio.gather(*[
+                self.rollout.generate(ids, dict(self.s.sampling), rid=f"{self.incarnation}-{pos}-{k}")
+                for k in range(self.s.group_size)
+            ])
+            texts = [self.tok.decode(g.output_ids) for g in gens]
+            results = await asyncio.gather(*[self.reward.score(row.task, t) for t in texts])
+            for r in results:
+                st = getattr(r, "status", "ok")
+                self.counters.reward_status[st] = self.counters.reward_status.get(st, 0) + 1
+            group = Group(position=pos, row=row.index, admitted_version=v0, prompt_ids=list(ids),
+                          outputs=[list(g.output_ids) for g in gens], logprobs=[list(g.logprobs) for g in gens],
+                          versions=[list(g.versions) for g in gens], rewards=[float(r.value) for r in results],
+                          finish_reasons=[g.finish_reason for g in gens], gen_seconds=time.perf_counter() - t0)
+            self.buffer.append(group)
+            self.counters.finished += 1
+            ok = True
+            self._buffer_ready.set()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a failed group stops the run with its error (never silently)
+            log.error("group at position %d failed: %r", pos, e)
+            if self._failure is None:
+                self._failure = e
+            self._buffer_ready.set()
+        finally:
+            self.running.pop(pos, None)
+            self.gate.finish(ok)
+            self._wake.set()
+
+    # ------------------------------------------------------------- training
+    def _take_batch(self) -> tuple[list[Group], list[int]]:
+        """B groups FIFO; in strict mode groups with a token older than version - eta are dropped
+        and their prompts regenerated (counted)."""
+        batch, dropped = [], []
+        while self.buffer and len(batch) < self.s.batch_size:
+            g = self.buffer.pop(0)
+            if self.s.strict_staleness and self.version - g.min_version() > self.s.max_staleness:
+                dropped.append(g.position)
+                self.gate.drop()
+                continue
+            batch.append(g)
+        if dropped:
+            self.counters.dropped_stale += len(dropped)
+            self.requeue.extendleft(reversed(dropped))
+            self._wake.set()
+        if len(batch) < self.s.batch_size:  # not enough after drops: put back, wait for more
+            self.buffer[:0] = batch
+            batch = []
+        return batch, dropped
+
+    async def _wait_batch(self) -> list[Group]:
+        while True:
+            if self._failure is not None:
+                raise self._failure
+            if len(self.buffer) >= self.s.batch_size:
+                batch, _ = self._take_batch()
+                if batch:
+                    return batch
+            self._buffer_ready.clear()
+            await self._buffer_ready.wait()
+
+    async def _train_step(self) -> dict:
+        t0 = time.perf_counter()
+        batch = await self._wait_batch()
+        t1 = time.perf_counter()
+        samples = [s for g in batch for s in g.samples()]
+        tmetrics = await asyncio.to_thread(self.trainer.train, samples)
+        t2 = time.perf_counter()
+        await self.rollout.pause()
+        try:
+            smetrics = await self.syncer.sync(self.version + 1) or {}
+        finally:
+            # the version moves only after every server has the new weights (sync raised otherwise)
+            pass
+        self.version += 1
+        self.gate.set_version(self.version)
+        await self.rollout.resume()
+        self._wake.set()
+        t3 = time.perf_counter()
+        self._timers.update(wait_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2)
+        staleness = [self.version - 1 - g.min_version() for g in batch]
+        rewards = [r for g in batch for r in g.rewards]
+        ntok = sum(g.n_tokens for g in batch)
+        self.counters.trained_groups += len(batch)
+        self.counters.trained_tokens += ntok
+        elapsed = self.elapsed()
+        m = {
+            "step": self.version, "time": elapsed,
+            "reward": sum(rewards) / max(len(rewards), 1),
+            "tokens": ntok, "gen_len_mean": ntok / max(len(rewards), 1),
+            "gen_len_max": max((len(o) for g in batch for o in g.outputs), default=0),
+            "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+            "staleness": staleness, "positions": [g.position for g in batch],
+            "wait_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
+            "buffer": len(self.buffer), "running": len(self.running),
+            "trained_tokens_per_s": self.counters.trained_tokens / max(elapsed, 1e-9),
+            "trained_samples_per_s": self.counters.trained_groups * self.s.group_size / max(elapsed, 1e-9),
+            "dropped_stale": self.counters.dropped_stale,
+            **{f"gate/{k}": v for k, v in self.gate.stats().items()},
+            **{f"train/{k}": v for k, v in (tmetrics or {}).items() if isinstance(v, int | float)},
+            **{f"sync/{k}": v for k, v in smetrics.items() if isinstance(v, int | float)},
+        }
+        return m
+
+    def elapsed(self) -> float:
+        return self._elapsed_before + (time.perf_counter() - self._t_start)
+
+    # ------------------------------------------------------------- evaluation
+    async def evaluate(self) -> dict:
+        """Greedy generation on the held-out prompts at the current version; mean reward."""
+        if not self.eval_prompts:
+            return {}
+        t0 = time.perf_counter()
+
+        async def one(i, row):
+            ids = self.tok.encode(row.text)
+            g = await self.rollout.generate(ids, dict(self.s.eval_sampling), rid=f"{self.incarnation}-eval"
+                                            f"{self.version}-{i}")
+            r = await self.reward.score(row.task, self.tok.decode(g.output_ids))
+            return float(r.value), len(g.output_ids)
+
+        res = await asyncio.gather(*[one(i, r) for i, r in enumerate(self.eval_prompts)])
+        out = {"step": self.version, "time": self.elapsed(), "eval_reward": sum(r for r, _ in res) / len(res),
+               "eval_len_mean": sum(n for _, n in res) / len(res), "eval_s": time.perf_counter() - t0,
+               "eval_n": len(res)}
+        self._timers.update(eval_s=out["eval_s"])
+        self.eval_history.append(out)
+        return out
+
+    # ------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """Controller state at this instant (called synchronously at a step boundary)."""
+        return {
+            "version": self.version, "position": self.position,
+            "pending": sorted(self.running) + list(self.requeue),
+            "buffer": [asdict(g) for g in self.buffer],
+            "counters": asdict(self.counters), "elapsed": self.elapsed(),
+            "timers": dict(self._timers), "eval_history": self.eval_history,
+        }
+
+    def load_state_dict(self, st: dict) -> None:
+        self.version = int(st["version"])
+        self.position = int(st["position"])
+        self.requeue = deque(int(p) for p in st["pending"])
+        self.buffer = [Group(**g) for g in st["buffer"]]
+        self.counters = Counters(**st["counters"])
+        self._elapsed_before = float(st.get("elapsed", 0.0))
+        self._timers = Counter(st.get("timers", {}))
+        self.eval_history = list(st.get("eval_history", []))
+        self.gate.recover(self.version, self.version * self.s.batch_size + len(self.buffer))
+        self.gate.set_version(self.version)
+
+    def save_checkpoint(self) -> Path:
+        """Atomic: write step_N.tmp (trainer + controller.json + COMPLETE), then rename."""
+        state = self.state_dict()  # snapshot first: groups finishing during the save stay "pending"
+        final = self.ckpt_dir / f"step_{self.version:08d}"
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.trainer.save(tmp / "trainer")
+        _write_json(tmp / STATE_FILE, state)
+        (tmp / COMPLETE_MARKER).write_text("ok\n")
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync_dir(self.ckpt_dir)
+        for old in list_checkpoints(self.ckpt_dir)[: -self.s.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def restore(self, path: Path) -> None:
+        st = json.loads((path / STATE_FILE).read_text())
+        self.trainer.load(path / "trainer")
+        self.load_state_dict(st)
+        log.info("resumed from %s: version %d, position %d, %d buffered, %d to regenerate", path,
+                 self.version, self.position, len(self.buffer), len(self.requeue))
+
+    # ------------------------------------------------------------- main loop
+    def _emit(self, m: dict) -> None:
+        for cb in self.callbacks:
+            cb(m)
+
+    async def run(self, resume_from: Path | None = None) -> dict:
+        self._t_start = time.perf_counter()
+        if resume_from is not None:
+            self.restore(resume_from)
+            # the servers start from the initial weights: bring them to the restored version
+            await self.rollout.pause()
+            await self.syncer.sync(self.version)
+            await self.rollout.resume()
+        self.gate.set_version(self.version)
+        admission = asyncio.create_task(self._admission_loop(), name="admission")
+        try:
+            if self.s.eval_at_start and self.version == 0 and self.s.eval_every >= 0:
+                ev = await self.evaluate()
+                if ev:
+                    self._emit({"kind": "eval", **ev})
+            while self.version < self.s.total_steps:
+                m = await self._train_step()
+                self.history.append(m)
+                self._emit({"kind": "train", **m})
+                last = self.version >= self.s.total_steps
+                if (self.s.eval_every and self.version % self.s.eval_every == 0) or last:
+                    ev = await self.evaluate()
+                    if ev:
+                        self._emit({"kind": "eval", **ev})
+                if (self.s.checkpoint_every and self.version % self.s.checkpoint_every == 0) or last:
+                    t0 = time.perf_counter()
+                    path = await asyncio.to_thread(self.save_checkpoint) if False else self.save_checkpoint()
+                    self._timers.update(checkpoint_s=time.perf_counter() - t0)
+                    self._emit({"kind": "checkpoint", "step": self.version, "path": str(path)})
+        finally:
+            admission.cancel()
+            for t in list(self.running.values()):
+                t.cancel()
+            await asyncio.gather(admission, *self.running.values(), return_exceptions=True)
+        return self.summary()
+
+    def summary(self) -> dict:
+        stal = Counter(s for m in self.history for s in m["staleness"])
+        return {
+            "steps": self.version, "elapsed_s": self.elapsed(), "counters": asdict(self.counters),
+            "timers": dict(self._timers), "staleness_hist": {str(k): v for k, v in sorted(stal.items())},
+            "eval": self.eval_history[-1] if self.eval_history else None,
+            "eval_first": self.eval_history[0] if self.eval_history else None,
+        }
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+class SpecGate:
+    """The admission rule of the spec, used when ``areal_fast.rollout.staleness`` is unavailable
+    and in the controller's unit tests (the rollout package's manager is the real one)."""
+
+    def __init__(self, batch_size: int, max_staleness: int, max_concurrent: int):
+        self.B, self.eta, self.max_concurrent = batch_size, max_staleness, max_concurrent
+        self.version = self.accepted = self.running = 0
+        self.n_admitted = self.n_dropped = self.n_failed = 0
+
+    def capacity(self) -> int:
+        return (self.eta + self.version + 1) * self.B
+
+    def try_admit(self) -> bool:
+        if self.running < self.max_concurrent and self.accepted + self.running < self.capacity():
+            self.running += 1
+            self.n_admitted += 1
+            return True
+        return False
+
+    def finish(self, accepted: bool) -> None:
+        self.running -= 1
+        if accepted:
+            self.accepted += 1
+        else:
+            self.n_failed += 1
+
+    def drop(self) -> None:
+        self.accepted -= 1
+        self.n_dropped += 1
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    def recover(self, version: int, accepted: int) -> None:
+        self.version, self.accepted, self.running = version, accepted, 0
+
+    def stats(self) -> dict:
+        return {"accepted": self.accepted, "running": self.running, "capacity": self.capacity(),
+                "dropped": self.n_dropped}
+
+
+def list_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a directory without COMPLETE is ignored)."""
+    if not ckpt_dir.is_dir():
+        return []
+    out = [p for p in ckpt_dir.iterdir()
+           if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
+           and (p / COMPLETE_MARKER).is_file()]
+    return sorted(out, key=lambda p: p.name)
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    cks = list_checkpoints(ckpt_dir)
+    return cks[-1] if cks else None
+
+
+def _write_json(path: Path, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

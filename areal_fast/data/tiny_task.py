@@ -1,0 +1,72 @@
+"""The shipped tiny task: reverse a random string, with a long-tailed length distribution.
+
+    prompt  "cabjd="   ->   answer  "djbac"   (then <eos>)
+
+Why this task: it is verifiable exactly, a 300k-parameter Qwen2 learns it on one CPU core in
+minutes, and its answer length (= the input length) follows a log-normal tail
+(len = min_len + floor(exp(N(mu, sigma))), cut at max_len): with the defaults the median is
+4 characters and the longest 1 % are >= 17, so a synchronous batch waits for its few long
+samples while an asynchronous run keeps generating. That is exactly the regime where AReaL's
+asynchrony pays off.
+
+The reward (:func:`reward`) is importable by name (``areal_fast.data.tiny_task:reward``) so the
+reward service can run it in its worker processes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from areal_fast.config import SyntheticTaskConfig
+
+SEPARATOR = "="
+TRAIN_SEED_OFFSET = 0
+EVAL_SEED_OFFSET = 1_000_003  # a different stream for the held-out split
+
+
+def sample_length(rng: random.Random, cfg: SyntheticTaskConfig) -> int:
+    extra = int(math.exp(rng.gauss(cfg.log_mean, cfg.log_std)))
+    return min(cfg.min_len + extra, cfg.max_len)
+
+
+def make_row(rng: random.Random, cfg: SyntheticTaskConfig) -> dict:
+    s = "".join(rng.choice(cfg.alphabet) for _ in range(sample_length(rng, cfg)))
+    return {"prompt": s + SEPARATOR, "answer": s[::-1]}
+
+
+def generate(cfg: SyntheticTaskConfig, split: str, seed: int) -> list[dict]:
+    """Rows {'prompt','answer'} of 'train' (n_train) or 'eval' (n_eval); deterministic in seed."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"tiny_task.generate: split must be 'train' or 'eval', got {split!r}")
+    n = cfg.n_train if split == "train" else cfg.n_eval
+    rng = random.Random(seed * 7919 + (TRAIN_SEED_OFFSET if split == "train" else EVAL_SEED_OFFSET))
+    return [make_row(rng, cfg) for _ in range(n)]
+
+
+def vocabulary(cfg: SyntheticTaskConfig) -> str:
+    """Characters of the character-level tokenizer (alphabet + separator)."""
+    return cfg.alphabet + SEPARATOR
+
+
+def _answer_of(task) -> str:
+    if isinstance(task, dict):
+        for k in ("answer", "solution", "label"):
+            if k in task:
+                return str(task[k])
+        raise ValueError(f"tiny_task.reward: task has no 'answer' field (keys: {sorted(task)})")
+    return str(task)
+
+
+def reward(task, completion: str) -> float:
+    """1.0 when the completion (special tokens removed) is exactly the reversed string, else 0.0."""
+    return 1.0 if completion.strip() == _answer_of(task) else 0.0
+
+
+def char_accuracy(task, completion: str) -> float:
+    """Fraction of answer positions the completion gets right (a diagnostic, not the reward)."""
+    ans = _answer_of(task)
+    if not ans:
+        return float(completion.strip() == "")
+    got = completion.strip()
+    return sum(a == b for a, b in zip(ans, got)) / max(len(ans), len(got))

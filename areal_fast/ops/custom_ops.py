@@ -1,0 +1,225 @@
+"""torch.library registration of the [T, V] parts of the decoupled-PPO loss.
+
+Four custom ops (namespace ``areal_fast``), each with a fake kernel, so ``torch.compile`` traces
+through them, and autograd registered on the two forward ops:
+
+  * ``ppo_token_stats(logits, labels, temperature, grad_inplace, backend) -> (logp, entropy, lse)``
+  * ``ppo_token_stats_bwd(grad_out!, logits, labels, lse, entropy, grad_logp, grad_entropy,
+    temperature, backend)`` writes dloss/dlogits into ``grad_out`` (which may be ``logits``)
+  * ``fused_linear_token_stats(hidden, weight, bias, labels, temperature, chunk_size, backend)``
+  * ``fused_linear_token_stats_bwd(...) -> (grad_hidden, grad_weight, grad_bias)``
+
+``backend`` is 'triton' / 'interpret' (the kernels of ``areal_fast.kernels.ppo_loss``) or
+'reference' (row-chunked PyTorch, bounded memory, same formulas). The public functions in
+``ppo_loss.py``/``fused_linear.py`` choose it with ``areal_fast.backend.select``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Reference backend: rows per chunk so one fp32 chunk is ~64 Mi elements (256 MiB) at most.
+_REF_CHUNK_ELEMS = 1 << 26
+
+
+def _ref_rows(V: int) -> int:
+    return max(1, _REF_CHUNK_ELEMS // max(V, 1))
+
+
+def _math_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# implementations on a [T, V] block of logits
+
+
+def _stats_impl(logits: Tensor, labels: Tensor, temperature: float, backend: str):
+    if backend in ("triton", "interpret"):
+        from areal_fast.kernels.ppo_loss import token_stats_fwd
+
+        return token_stats_fwd(logits, labels.contiguous(), temperature)
+    T, V = logits.shape
+    logp = torch.empty(T, dtype=torch.float32, device=logits.device)
+    ent, lse = torch.empty_like(logp), torch.empty_like(logp)
+    step = _ref_rows(V)
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        x = logits[a:b].to(_math_dtype(logits.dtype)) / temperature
+        lse_c = torch.logsumexp(x, dim=-1)
+        logP = x - lse_c[:, None]
+        P = logP.exp()
+        ent[a:b] = -torch.where(P > 0, P * logP, torch.zeros_like(P)).sum(-1)
+        lab = labels[a:b]
+        valid = (lab >= 0) & (lab < V)
+        lp = logP.gather(1, torch.where(valid, lab, 0).long()[:, None])[:, 0]
+        logp[a:b] = torch.where(valid, lp, torch.zeros_like(lp))
+        lse[a:b] = lse_c
+    return logp, ent, lse
+
+
+def _bwd_impl(grad_out, logits, labels, lse, ent, grad_logp, grad_ent, temperature: float, backend: str) -> None:
+    if backend in ("triton", "interpret"):
+        from areal_fast.kernels.ppo_loss import token_stats_bwd
+
+        token_stats_bwd(grad_out, logits, labels.contiguous(), lse, ent, grad_logp.float(), grad_ent.float(),
+                        temperature)
+        return
+    T, V = logits.shape
+    step = _ref_rows(V)
+    md = _math_dtype(logits.dtype)
+    for a in range(0, T, step):
+        b = min(T, a + step)
+        x = logits[a:b].to(md) / temperature
+        logP = x - lse[a:b, None].to(md)
+        P = logP.exp()
+        g = grad_logp[a:b, None].to(md)
+        e = grad_ent[a:b, None].to(md)
+        onehot = torch.zeros_like(P).scatter_(1, labels[a:b].clamp(0, V - 1).long()[:, None], 1.0)
+        onehot = onehot * ((labels[a:b] >= 0) & (labels[a:b] < V))[:, None]
+        ent_term = torch.where(P > 0, P * (logP + ent[a:b, None].to(md)), torch.zeros_like(P))
+        grad_out[a:b] = ((g * (onehot - P) - e * ent_term) / temperature).to(grad_out.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# ops on logits
+
+
+@torch.library.custom_op("areal_fast::ppo_token_stats", mutates_args=())
+def ppo_token_stats(logits: Tensor, labels: Tensor, temperature: float, grad_inplace: bool,
+                    backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp, entropy, lse), fp32 [T]; lse is of logits / temperature (for the backward)."""
+    return _stats_impl(logits, labels, temperature, backend)
+
+
+@ppo_token_stats.register_fake
+def _(logits, labels, temperature, grad_inplace, backend):
+    T = logits.shape[0]
+    return tuple(logits.new_empty(T, dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("areal_fast::ppo_token_stats_bwd", mutates_args=("grad_out",))
+def ppo_token_stats_bwd(grad_out: Tensor, logits: Tensor, labels: Tensor, lse: Tensor, ent: Tensor,
+                        grad_logp: Tensor, grad_ent: Tensor, temperature: float, backend: str) -> None:
+    """dloss/dlogits = (g (onehot - P) - e P (log P + H)) / tau, written into ``grad_out``."""
+    _bwd_impl(grad_out, logits, labels, lse, ent, grad_logp, grad_ent, temperature, backend)
+
+
+@ppo_token_stats_bwd.register_fake
+def _(grad_out, logits, labels, lse, ent, grad_logp, grad_ent, temperature, backend):
+    return None
+
+
+def _token_stats_setup(ctx, inputs, output):
+    logits, labels, temperature, grad_inplace, backend = inputs
+    _, ent, lse = output
+    ctx.save_for_backward(logits, labels, lse, ent)
+    ctx.temperature, ctx.grad_inplace, ctx.backend = temperature, grad_inplace, backend
+    ctx.mark_non_differentiable(lse)
+
+
+def _token_stats_backward(ctx, grad_logp, grad_ent, _grad_lse):
+    logits, labels, lse, ent = ctx.saved_tensors
+    if grad_logp is None:
+        grad_logp = torch.zeros_like(lse)
+    if grad_ent is None:
+        grad_ent = torch.zeros_like(lse)
+    grad = logits if ctx.grad_inplace else torch.empty_like(logits)
+    torch.ops.areal_fast.ppo_token_stats_bwd(grad, logits, labels, lse, ent, grad_logp, grad_ent,
+                                             ctx.temperature, ctx.backend)
+    return grad, None, None, None, None
+
+
+ppo_token_stats.register_autograd(_token_stats_backward, setup_context=_token_stats_setup)
+
+
+# ----------------------------------------------------------------------------------------------
+# fused-linear ops: logits = hidden @ weight.T (+ bias), one chunk of rows at a time
+
+
+def _chunks(T: int, chunk_size: int):
+    for a in range(0, T, chunk_size):
+        yield a, min(T, a + chunk_size)
+
+
+@torch.library.custom_op("areal_fast::fused_linear_token_stats", mutates_args=())
+def fused_linear_token_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
+                             temperature: float, chunk_size: int, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp, entropy, lse) of softmax((hidden @ weight.T + bias) / tau); peak extra memory one chunk."""
+    T = hidden.shape[0]
+    logp = hidden.new_empty(T, dtype=torch.float32)
+    ent, lse = torch.empty_like(logp), torch.empty_like(logp)
+    for a, b in _chunks(T, chunk_size):
+        z = F.linear(hidden[a:b], weight, bias)
+        logp[a:b], ent[a:b], lse[a:b] = _stats_impl(z, labels[a:b], temperature, backend)
+    return logp, ent, lse
+
+
+@fused_linear_token_stats.register_fake
+def _(hidden, weight, bias, labels, temperature, chunk_size, backend):
+    T = hidden.shape[0]
+    return tuple(hidden.new_empty(T, dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("areal_fast::fused_linear_token_stats_bwd", mutates_args=())
+def fused_linear_token_stats_bwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, lse: Tensor,
+                                 ent: Tensor, grad_logp: Tensor, grad_ent: Tensor, temperature: float,
+                                 chunk_size: int, backend: str, need_hidden: bool, need_weight: bool,
+                                 need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden, grad_weight, grad_bias); each is empty [0] when not needed.
+
+    Recomputes each chunk of logits, writes dz into it in place, then grad_hidden = dz @ W and
+    grad_weight += dz^T @ h. grad_weight/grad_bias accumulate over chunks in fp32 (a bf16
+    accumulator would round 32 times at T = 32768 with 1024-row chunks).
+    """
+    T = hidden.shape[0]
+    gh = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
+    gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+    gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+    for a, b in _chunks(T, chunk_size):
+        h = hidden[a:b]
+        z = F.linear(h, weight, bias)
+        _bwd_impl(z, z, labels[a:b], lse[a:b], ent[a:b], grad_logp[a:b], grad_ent[a:b], temperature, backend)
+        if need_hidden:
+            torch.mm(z, weight, out=gh[a:b])
+        if need_weight:
+            gw += (z.t() @ h).float()
+        if need_bias:
+            gb += z.float().sum(0)
+    gw = gw.to(weight.dtype) if need_weight else weight.new_empty(0)
+    gb = gb.to(bias.dtype) if need_bias else weight.new_empty(0)
+    return gh, gw, gb
+
+
+@fused_linear_token_stats_bwd.register_fake
+def _(hidden, weight, bias, labels, lse, ent, grad_logp, grad_ent, temperature, chunk_size, backend,
+      need_hidden, need_weight, need_bias):
+    gh = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
+    gw = torch.empty_like(weight) if need_weight else weight.new_empty(0)
+    gb = weight.new_empty(weight.shape[0], dtype=bias.dtype) if need_bias else weight.new_empty(0)
+    return gh, gw, gb
+
+
+def _fl_setup(ctx, inputs, output):
+    hidden, weight, bias, labels, temperature, chunk_size, backend = inputs
+    _, ent, lse = output
+    ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
+    ctx.args = (temperature, chunk_size, backend)
+    ctx.mark_non_differentiable(lse)
+
+
+def _fl_backward(ctx, grad_logp, grad_ent, _grad_lse):
+    hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
+    if grad_logp is None:
+        grad_logp = torch.zeros_like(lse)
+    if grad_ent is None:
+        grad_ent = torch.zeros_like(lse)
+    nh, nw, nb = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+    gh, gw, gb = torch.ops.areal_fast.fused_linear_token_stats_bwd(
+        hidden, weight, bias, labels, lse, ent, grad_logp, grad_ent, *ctx.args, nh, nw, nb)
+    return (gh if nh else None), (gw if nw else None), (gb if nb else None), None, None, None, None
+
+
+fused_linear_token_stats.register_autograd(_fl_backward, setup_context=_fl_setup)

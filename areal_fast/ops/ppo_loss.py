@@ -1,0 +1,101 @@
+"""Public decoupled-PPO loss from logits, and log-probs from logits.
+
+The [T, V] work (log-softmax statistics and dloss/dlogits) is the custom op
+``areal_fast::ppo_token_stats`` (Triton kernels on GPU; see ``custom_ops.py``); the objective
+itself is the [T]-sized PyTorch code of ``ppo_objective.py``, identical for every backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from areal_fast.backend import select
+
+from . import custom_ops  # noqa: F401  (registers torch.ops.areal_fast.*)
+from .ppo_objective import PPOLossConfig, check_token_inputs, ppo_objective
+from .types import PPOLossOutput
+
+AVAILABLE = ("triton", "interpret", "reference")
+
+
+def _check_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [T, V] (tokens packed along T), got shape {tuple(logits.shape)}")
+    if not logits.dtype.is_floating_point:
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    if labels.shape != (logits.shape[0],):
+        raise ValueError(f"labels must have shape [{logits.shape[0]}], got {tuple(labels.shape)}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    return logits
+
+
+def decoupled_ppo_loss(
+    logits: Tensor,
+    labels: Tensor,
+    behav_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    prox_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    temperature: float = 1.0,
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    dual_clip: float | None = None,
+    behav_weight_cap: float | None = None,
+    behav_weight_mode: str = "mask",
+    importance_level: str = "token",
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    loss_agg: str = "token-mean",
+    normalizer: float | Tensor | None = None,
+    grad_inplace: bool = False,
+    backend: str | None = None,
+) -> PPOLossOutput:
+    """Decoupled-PPO loss of ``shared/spec/decoupled_ppo.md`` from packed logits [T, V].
+
+    Row t of ``logits`` scores ``labels[t]`` (already shifted). Per-token inputs are [T]
+    (``behav_logprobs``, ``advantages``, ``loss_mask``, optional ``prox_logprobs`` - None means
+    standard PPO, p = b - and ``ref_logprobs`` for the KL term). ``cu_seqlens`` ([S+1], int) is
+    needed for ``importance_level="sequence"`` and ``loss_agg="seq-mean-token-mean"``.
+    ``normalizer``: the global number of loss tokens (token-mean) or sequences
+    (seq-mean-token-mean) over all micro-batches and ranks; None uses this call's count.
+
+    No fp32 [T, V] tensor is made on the Triton path; the backward writes dloss/dlogits in the
+    logits' dtype. ``grad_inplace=True`` writes it into the logits buffer itself (no extra
+    memory): only use it when nothing else needs the logits' values after the backward.
+    Labels outside [0, V) (e.g. -100) must be masked out. ``backend``: 'triton', 'interpret',
+    'reference' or None (``areal_fast.backend.select``).
+    """
+    logits = _check_logits(logits, labels)
+    cfg = PPOLossConfig(temperature=temperature, eps_clip=eps_clip, eps_clip_higher=eps_clip_higher,
+                        dual_clip=dual_clip, behav_weight_cap=behav_weight_cap,
+                        behav_weight_mode=behav_weight_mode, importance_level=importance_level, kl_coef=kl_coef,
+                        kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg)
+    check_token_inputs(logits.shape[0], logits.device, labels, behav_logprobs, advantages, loss_mask,
+                       prox_logprobs, ref_logprobs, cu_seqlens, cfg)
+    be = select("ppo_loss", logits.device, available=AVAILABLE, override=backend)
+    logp, ent, _ = torch.ops.areal_fast.ppo_token_stats(logits, labels, float(temperature), bool(grad_inplace), be)
+    loss, stats = ppo_objective(logp, ent, behav_logprobs, advantages, loss_mask, prox=prox_logprobs,
+                                ref=ref_logprobs, cu_seqlens=cu_seqlens, normalizer=normalizer, cfg=cfg)
+    return PPOLossOutput(loss=loss, logprobs=logp.detach(), entropy=ent.detach(), stats=stats)
+
+
+def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0, return_entropy: bool = False,
+                   backend: str | None = None):
+    """log softmax(logits / temperature)[t, labels[t]] as fp32 [T], without gradient.
+
+    With ``return_entropy`` returns ``(logprobs, entropy)``. Used to recompute the proximal and
+    reference log-probs; same numerics as the loss. Labels outside [0, V) give 0.
+    """
+    logits = _check_logits(logits, labels)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    be = select("ppo_loss", logits.device, available=AVAILABLE, override=backend)
+    with torch.no_grad():
+        logp, ent, _ = torch.ops.areal_fast.ppo_token_stats(logits, labels, float(temperature), False, be)
+    return (logp, ent) if return_entropy else logp

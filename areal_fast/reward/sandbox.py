@@ -1,0 +1,347 @@
+"""Run untrusted programs (model-generated code) in a contained subprocess.
+
+Every run gets, whatever the isolation mode:
+  * its own session and process group (``start_new_session``), killed as a whole on timeout;
+  * a fresh temporary directory as cwd, ``HOME`` and ``TMPDIR``; a minimal environment;
+  * rlimits: CPU seconds, address space, file size, processes, open files, no core dumps;
+  * stdout/stderr read through pipes with a byte cap: a program that prints more is killed
+    (printing 1 GB costs ~1 MiB of our memory, not 1 GB);
+  * ``PR_SET_PDEATHSIG`` = SIGKILL, so when the pool worker that launched it dies (the reward
+    service kills workers on timeout) the sandbox dies with it.
+
+Isolation modes, detected once per process by actually running a probe (`isolation()`):
+
+``ns+uid`` (running as root, ``unshare`` works; the normal case on our CI and machines)
+    ``unshare --net --pid --ipc --fork --kill-child --setuid U --setgid U``: a new network
+    namespace (only a downed loopback: no network at all, not even 127.0.0.1), a new PID
+    namespace (the program is PID 1 there; when it exits the kernel kills everything it left
+    behind, so a child sleeping forever dies with it), and an unprivileged uid U used by no
+    other live process. RLIMIT_NPROC is not enforced for root, but it is for U, and because U
+    is unique (2**30 + 64 * launcher pid + slot) the limit counts only this sandbox's
+    processes: a fork bomb stops at ``nproc`` processes. U cannot read or write root's home
+    (0700) or any file not world-accessible. After each run every process of U is SIGKILLed.
+``ns`` (not root, user namespaces allowed)
+    ``unshare --user --net --pid --ipc --fork --kill-child``: no network, PID namespace as
+    above, but the program keeps our uid for file access (it can read and write what we can)
+    and RLIMIT_NPROC counts all of our uid's processes, so it is set to (our count + nproc).
+``uid`` (root, no ``unshare``): unique uid and rlimits, but NO network isolation.
+``plain`` (neither): process group and rlimits only, NO network isolation.
+The weaker modes log a warning once. ``AREAL_FAST_SANDBOX_PYTHON`` picks the interpreter;
+otherwise the first of ``sys.executable``, ``/usr/bin/python3``, ... that the sandbox uid can
+run is used (a pyenv under /root is not readable by an unprivileged uid).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import itertools
+import logging
+import os
+import resource
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+_UID_BASE = 1 << 30  # far above any real account; + 64 * pid (pid < 2**22) stays < 2**32
+_SLOTS_PER_PID = 64
+_slot_counter = itertools.count()
+_slot_lock = threading.Lock()
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_READ_CHUNK = 1 << 16
+_MIN_GRACE_S = 0.1  # after the main process exits, how long we still drain pipes held by orphans
+
+
+@dataclass(kw_only=True, slots=True)
+class SandboxLimits:
+    """Resource limits for one sandboxed run."""
+
+    timeout_s: float = 5.0
+    """Wall-clock limit; the whole process group is SIGKILLed when it passes."""
+    cpu_s: int | None = None
+    """RLIMIT_CPU in seconds; default ceil(timeout_s) + 1 (the wall limit normally fires first)."""
+    memory_bytes: int = 1 << 30
+    """RLIMIT_AS per process (1 GiB: a Python interpreter needs ~30 MiB of address space)."""
+    file_size_bytes: int = 16 << 20
+    """RLIMIT_FSIZE: the largest file the program may write (SIGXFSZ beyond)."""
+    nproc: int = 32
+    """Processes (and threads) the program may have at once (RLIMIT_NPROC)."""
+    nofile: int = 64
+    """RLIMIT_NOFILE: open file descriptors per process."""
+    output_bytes: int = 1 << 20
+    """Cap on each of stdout and stderr; the program is killed when it writes more."""
+
+    def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise ValueError(f"SandboxLimits.timeout_s must be > 0, got {self.timeout_s!r}")
+        for name in ("memory_bytes", "file_size_bytes", "nproc", "nofile", "output_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)!r}")
+
+
+@dataclass(slots=True)
+class SandboxResult:
+    """What a sandboxed run did. ``status`` is one of ok | exit | signal | timeout | output_limit."""
+
+    status: str
+    returncode: int | None
+    stdout: bytes
+    stderr: bytes
+    elapsed: float
+    mode: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass(frozen=True, slots=True)
+class Isolation:
+    mode: str  # ns+uid | ns | uid | plain
+    python: str  # interpreter the sandboxed program can run
+    network_isolated: bool
+
+
+class SandboxUnavailable(RuntimeError):
+    """No interpreter can be run inside the sandbox."""
+
+
+def _sandbox_uid() -> int:
+    with _slot_lock:
+        slot = next(_slot_counter) % _SLOTS_PER_PID
+    return _UID_BASE + os.getpid() * _SLOTS_PER_PID + slot
+
+
+def _count_own_processes() -> int:
+    uid, n = os.getuid(), 0
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                n += os.stat(f"/proc/{d}").st_uid == uid
+            except OSError:
+                pass
+    return n
+
+
+def kill_uid(uid: int) -> None:
+    """SIGKILL every process owned by ``uid`` (root only): catches orphans that left the group.
+
+    A forked helper takes the uid and calls kill(-1), which reaches exactly the processes that
+    uid may signal, i.e. its own.
+    """
+    if os.geteuid() != 0:
+        return
+    pid = os.fork()
+    if pid == 0:  # child: only syscalls, then _exit (safe even if the parent has threads)
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            # kill(-1) reports success whenever any other process exists, so it cannot tell us
+            # when none of ours is left; two passes cover a fork that raced the first one
+            # (new tasks join the tail of the list the kernel walks, so one pass usually does).
+            for _ in range(2):
+                os.kill(-1, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def kill_sandboxes_of(launcher_pid: int) -> None:
+    """Kill whatever sandboxes a (dead) launcher process had running (uid modes only)."""
+    if os.geteuid() == 0:
+        for slot in range(_SLOTS_PER_PID):
+            kill_uid(_UID_BASE + launcher_pid * _SLOTS_PER_PID + slot)
+
+
+def _unshare_prefix(mode: str, uid: int | None) -> list[str]:
+    if mode == "ns+uid":
+        return ["unshare", "--net", "--pid", "--ipc", "--fork", "--kill-child",
+                f"--setuid={uid}", f"--setgid={uid}", "--"]
+    if mode == "ns":
+        return ["unshare", "--user", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--"]
+    return []
+
+
+def _python_candidates() -> list[str]:
+    env = os.environ.get("AREAL_FAST_SANDBOX_PYTHON")
+    if env:
+        return [env]
+    cands = [sys.executable, getattr(sys, "_base_executable", ""), shutil.which("python3") or "",
+             "/usr/bin/python3", "/usr/local/bin/python3"]
+    out = []
+    for c in cands:
+        if c and os.path.exists(c) and c not in out:
+            out.append(c)
+    return out
+
+
+@functools.cache
+def isolation() -> Isolation:
+    """Detect (once per process) the strongest mode that works here and an interpreter for it."""
+    root = os.geteuid() == 0
+    modes = (["ns+uid", "uid"] if root else ["ns"]) + ["plain"]
+    if shutil.which("unshare") is None:
+        modes = [m for m in modes if not m.startswith("ns")]
+    for mode in modes:
+        for py in _python_candidates():
+            iso = Isolation(mode, py, mode.startswith("ns"))
+            try:
+                r = _run(iso, [py, "-I", "-c", "print('sandbox-ok')"], b"", {},
+                         SandboxLimits(timeout_s=10.0))
+            except OSError:
+                continue
+            if r.ok and r.stdout.strip() == b"sandbox-ok":
+                if not iso.network_isolated:
+                    log.warning("reward sandbox: mode %r has NO network isolation (unshare unavailable "
+                                "or refused); untrusted code can open sockets", mode)
+                return iso
+    raise SandboxUnavailable(
+        f"no interpreter runs inside the sandbox (tried {_python_candidates()} in modes {modes}); "
+        "set AREAL_FAST_SANDBOX_PYTHON to a Python that an unprivileged user can execute")
+
+
+def _preexec(limits: SandboxLimits, nproc: int):
+    cpu = limits.cpu_s if limits.cpu_s is not None else int(limits.timeout_s) + 2
+    settings = [
+        (resource.RLIMIT_CPU, cpu),
+        (resource.RLIMIT_AS, limits.memory_bytes),
+        (resource.RLIMIT_FSIZE, limits.file_size_bytes),
+        (resource.RLIMIT_NOFILE, limits.nofile),
+        (resource.RLIMIT_NPROC, nproc),
+        (resource.RLIMIT_CORE, 0),
+    ]
+
+    def fn():  # runs in the forked child before exec: syscalls only
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        for which, value in settings:
+            resource.setrlimit(which, (value, value))
+
+    return fn
+
+
+def run_sandboxed(argv: list[str], *, stdin: bytes = b"", files: dict[str, bytes | str] | None = None,
+                  limits: SandboxLimits | None = None) -> SandboxResult:
+    """Run ``argv`` contained. ``files`` are written into the fresh working directory first.
+
+    ``argv[0] == "python"`` is replaced by the interpreter chosen by `isolation()`.
+    """
+    if not argv:
+        raise ValueError("run_sandboxed: argv is empty")
+    iso = isolation()
+    if argv[0] == "python":
+        argv = [iso.python, *argv[1:]]
+    return _run(iso, argv, stdin, files or {}, limits or SandboxLimits())
+
+
+def _run(iso: Isolation, argv: list[str], stdin: bytes, files: dict[str, bytes | str],
+         limits: SandboxLimits) -> SandboxResult:
+    uid = _sandbox_uid() if iso.mode in ("ns+uid", "uid") else None
+    nproc = limits.nproc if uid is not None or iso.mode != "ns" else _count_own_processes() + limits.nproc
+    root = tempfile.mkdtemp(prefix="areal_sbx_")  # 0700, ours: the program cannot list it
+    try:
+        work = os.path.join(root, "work")
+        os.mkdir(work, 0o700)
+        for name, data in files.items():
+            if os.path.isabs(name) or ".." in name.split("/"):
+                raise ValueError(f"run_sandboxed: file name {name!r} must be relative, inside the work dir")
+            path = os.path.join(work, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data.encode() if isinstance(data, str) else data)
+        if uid is not None:
+            for dirpath, _dirs, names in os.walk(work):
+                os.chown(dirpath, uid, uid)
+                for n in names:
+                    os.chown(os.path.join(dirpath, n), uid, uid)
+        stdin_path = os.path.join(root, "stdin")
+        with open(stdin_path, "wb") as f:
+            f.write(stdin)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": work, "TMPDIR": work,
+               "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+        cmd = _unshare_prefix(iso.mode, uid) + list(argv)
+        extra = {"user": uid, "group": uid, "extra_groups": []} if iso.mode == "uid" else {}
+        with open(stdin_path, "rb") as fin:
+            start = time.perf_counter()
+            proc = subprocess.Popen(cmd, stdin=fin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    cwd=work, env=env, start_new_session=True,
+                                    preexec_fn=_preexec(limits, nproc), **extra)
+        try:
+            status, out, err = _supervise(proc, limits, start)
+        finally:
+            _kill_group(proc)
+            proc.wait()
+            if uid is not None:
+                kill_uid(uid)
+        rc = proc.returncode
+        if status == "ok" and rc != 0:
+            status = "signal" if rc < 0 else "exit"
+        notes = [] if iso.network_isolated else ["network not isolated"]
+        return SandboxResult(status, rc, out, err, time.perf_counter() - start, iso.mode, notes)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _supervise(proc: subprocess.Popen, limits: SandboxLimits, start: float) -> tuple[str, bytes, bytes]:
+    """Drain stdout/stderr under the byte cap until EOF; enforce the wall-clock deadline."""
+    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    sel = selectors.DefaultSelector()
+    for pipe in bufs:
+        os.set_blocking(pipe.fileno(), False)
+        sel.register(pipe, selectors.EVENT_READ)
+    deadline = start + limits.timeout_s
+    exited_at = None
+    status = "ok"
+    try:
+        while sel.get_map():
+            now = time.perf_counter()
+            if now >= deadline:
+                status = "timeout"
+                break
+            if exited_at is None and proc.poll() is not None:
+                exited_at = now
+            if exited_at is not None and now - exited_at > _MIN_GRACE_S:
+                break  # the main process is gone; orphans still hold the pipes (killed below)
+            wait = min(deadline - now, 0.05)
+            for key, _ in sel.select(wait):
+                try:
+                    chunk = os.read(key.fd, _READ_CHUNK)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buf = bufs[key.fileobj]
+                room = limits.output_bytes - len(buf)
+                buf += chunk[:max(room, 0)]
+                if len(chunk) > room:
+                    status = "output_limit"
+                    return status, bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr])
+        if status == "ok":
+            # pipes closed (or grace passed): wait for the exit itself, still under the deadline
+            try:
+                proc.wait(timeout=max(deadline - time.perf_counter(), 0.001))
+            except subprocess.TimeoutExpired:
+                status = "timeout"
+        return status, bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr])
+    finally:
+        sel.close()
+        proc.stdout.close()
+        proc.stderr.close()

@@ -1,0 +1,189 @@
+"""Start the embedded engine as a subprocess or inside this process; both return an ``EngineHandle``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+_POLL_S = 0.1
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (bind to 0 and close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@dataclass
+class EngineHandle:
+    """A running engine: ``url`` ("http://host:port"), ``stop()``; ``kill()`` for subprocesses."""
+
+    url: str
+    host: str
+    port: int
+    process: subprocess.Popen | None = None
+    log_path: str | None = None
+    server: object = field(default=None, repr=False)  # the EngineServer, for in-thread engines only
+    _stop_fn: object = field(default=None, repr=False)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after ``timeout``); idempotent."""
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
+        elif self._stop_fn is not None:
+            fn, self._stop_fn = self._stop_fn, None
+            fn()
+
+    def kill(self) -> None:
+        """SIGKILL a subprocess engine (simulates a crashed server)."""
+        if self.process is None:
+            raise RuntimeError("kill() needs a subprocess engine; use stop() for an in-thread one")
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def log_tail(self, n: int = 4000) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-n:]
+
+    def __enter__(self) -> EngineHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch_engine_subprocess(
+    model_path: str,
+    port: int | None = None,
+    *,
+    host: str = "127.0.0.1",
+    device: str = "cpu",
+    dtype: str = "auto",
+    seed: int = 0,
+    max_running_requests: int = 256,
+    weight_version: str = "default",
+    api_key: str | None = None,
+    env: dict[str, str] | None = None,
+    log_path: str | None = None,
+    startup_timeout: float = 180.0,
+    extra_args: tuple[str, ...] = (),
+) -> EngineHandle:
+    """Run ``python -m areal_fast.rollout.engine`` and wait until GET /health answers 200.
+
+    Raises RuntimeError with the server log's tail if the process exits or does not become healthy.
+    """
+    port = port or find_free_port(host)
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix=f"areal_engine_{port}_", suffix=".log")
+        os.close(fd)
+    cmd = [sys.executable, "-m", "areal_fast.rollout.engine", "--model", model_path, "--host", host,
+           "--port", str(port), "--device", device, "--dtype", dtype, "--seed", str(seed),
+           "--max-running-requests", str(max_running_requests), "--weight-version", weight_version,
+           *extra_args]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    full_env = {**os.environ, **(env or {})}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    handle = EngineHandle(url=f"http://{host}:{port}", host=host, port=port, process=proc, log_path=log_path)
+    deadline = time.monotonic() + startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with code {proc.returncode} during start-up:\n{handle.log_tail()}")
+        if _healthy(handle.url):
+            return handle
+        time.sleep(_POLL_S)
+    handle.stop()
+    raise RuntimeError(f"engine not healthy after {startup_timeout}s:\n{handle.log_tail()}")
+
+
+def start_engine_in_thread(
+    model_path: str,
+    port: int = 0,
+    *,
+    host: str = "127.0.0.1",
+    device: str = "cpu",
+    dtype: str = "auto",
+    seed: int = 0,
+    max_running_requests: int = 256,
+    weight_version: str = "default",
+    api_key: str | None = None,
+) -> EngineHandle:
+    """Serve the engine from a background thread of this process (its own event loop); port 0 = any."""
+    from aiohttp import web
+
+    from areal_fast.rollout.engine.server import EngineServer
+
+    server = EngineServer(model_path, device=device, dtype=dtype, seed=seed,
+                          max_running_requests=max_running_requests, weight_version=weight_version,
+                          host=host, port=port, api_key=api_key)
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    box: dict = {}
+
+    async def _start():
+        runner = web.AppRunner(server.build_app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        box["runner"] = runner
+        box["port"] = runner.addresses[0][1]
+        server.port = box["port"]
+
+    def _run():
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(_start())
+        except BaseException as e:  # noqa: BLE001 - reported to the caller below
+            box["error"] = e
+            ready.set()
+            return
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=_run, name=f"engine-http-{port}", daemon=True)
+    thread.start()
+    ready.wait()
+    if "error" in box:
+        server.scheduler.stop()
+        raise RuntimeError(f"engine failed to start on {host}:{port}: {box['error']}")
+
+    def _stop():
+        fut = asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop)
+        try:
+            fut.result(timeout=30)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
+            server.scheduler.stop()
+
+    p = box["port"]
+    return EngineHandle(url=f"http://{host}:{p}", host=host, port=p, server=server, _stop_fn=_stop)

@@ -1,0 +1,307 @@
+"""Continuous-batching scheduler of the embedded engine (one thread owns the model).
+
+Why our own loop and not transformers' continuous-batching manager: that manager (paged cache,
+``generate_batch`` / ``init_continuous_batching``) returns neither SGLang's logprobs of the *sampled*
+token at the request's temperature nor a cancellation that hands back the partial output at a step
+boundary, and it cannot stop for an in-place weight load. This loop is ~300 lines and does exactly that.
+
+Each iteration of the scheduler thread:
+  1. run queued control commands (abort, pause, continue, weight loads) -- they touch the model, so
+     they run here, between two steps, never concurrently with a forward pass;
+  2. admit waiting requests (up to ``max_running``): prefill each alone (batch 1, no padding, so no
+     attention row is ever fully masked), sample its first token, then merge its KV cache into the
+     running batch by left padding (pad keys/values are zero and masked out);
+  3. one decode step for every running request: input [B, 1], 2-D attention mask [B, L + 1],
+     explicit position ids (left padding shifts positions, so they are tracked per row);
+  4. finished rows leave the batch (``batch_select_indices``) and leading all-pad columns are cut.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from areal_fast.rollout.engine.sampling import SamplingParams, sample_batch
+
+
+@dataclass(eq=False)
+class Request:
+    """One /generate call inside the engine."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    on_finish: Callable[["Request"], None]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    finish_reason: dict | None = None
+    created: float = field(default_factory=time.monotonic)
+    next_input: int = -1  # last sampled token, not yet in the KV cache
+    position: int = 0  # position id of next_input
+
+
+class DuplicateRid(ValueError):
+    """A /generate whose rid is already waiting or running (SGLang >= 0.5.15 answers 400)."""
+
+
+class Scheduler:
+    """Owns the HF model; everything that touches it runs on this object's thread."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        eos_token_ids: list[int],
+        max_running: int = 256,
+        seed: int = 0,
+        weight_version: str = "default",
+        tokenizer=None,
+    ):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_running = max_running
+        self.weight_version = weight_version
+        self.tokenizer = tokenizer
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.paused = False
+        self.updating = False  # between begin_weight_update and end_weight_update
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._commands: collections.deque[tuple[Callable[[], object], concurrent.futures.Future]] = (
+            collections.deque()
+        )
+        self._rids: set[str] = set()
+        self._stop = False
+        # running batch state
+        self._rows: list[Request] = []
+        self._cache = None
+        self._mask: torch.Tensor | None = None  # [B, L] 1 = real token, 0 = left padding
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+
+    # ------------------------------------------------------------------ public, thread-safe
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, req: Request) -> None:
+        """Queue a request; raise DuplicateRid if its rid is in flight."""
+        with self._cv:
+            if req.rid in self._rids:
+                raise DuplicateRid(f"rid {req.rid!r} is already running or waiting")
+            self._rids.add(req.rid)
+            self._waiting.append(req)
+            self._cv.notify_all()
+
+    def call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run ``fn`` on the scheduler thread between two steps; the future holds its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._commands.append((fn, fut))
+            self._cv.notify_all()
+        return fut
+
+    def num_in_flight(self) -> int:
+        with self._cv:
+            return len(self._rids)
+
+    # ------------------------------------------------------------------ commands (scheduler thread)
+    def abort(self, rid: str | None, message: str) -> int:
+        """Abort ``rid`` (or everything when None); return how many requests were aborted."""
+        n = 0
+        with self._cv:
+            keep = collections.deque()
+            for req in self._waiting:
+                if rid is None or req.rid == rid:
+                    self._finish_waiting(req, {"type": "abort", "message": "Abort in waiting queue"})
+                    n += 1
+                else:
+                    keep.append(req)
+            self._waiting = keep
+        drop = [i for i, r in enumerate(self._rows) if rid is None or r.rid == rid]
+        for i in drop:
+            self._rows[i].finish_reason = {"type": "abort", "message": message}
+        n += len(drop)
+        if drop:
+            self._retire_finished()
+        return n
+
+    def pause(self) -> None:
+        self.paused = True
+        self.abort(None, "Abort by pause_generation")
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def is_idle(self) -> bool:
+        with self._cv:
+            return not self._rows and not self._waiting
+
+    # ------------------------------------------------------------------ loop
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stop or self._commands or (self._runnable() and (self._waiting or self._rows))):
+                    self._cv.wait()
+                if self._stop:
+                    break
+                cmds = list(self._commands)
+                self._commands.clear()
+            for fn, fut in cmds:
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - delivered to the HTTP handler
+                    fut.set_exception(e)
+            if not self._runnable():
+                continue
+            with torch.inference_mode():
+                self._admit()
+                if self._rows:
+                    self._decode_step()
+        # shutting down: nobody must hang on a future
+        self.abort(None, "Abort: server shutting down")
+
+    def _runnable(self) -> bool:
+        return not self.paused and not self.updating
+
+    def _admit(self) -> None:
+        while len(self._rows) < self.max_running:
+            with self._cv:
+                if not self._waiting:
+                    return
+                req = self._waiting.popleft()
+            if req.params.max_new_tokens == 0:
+                req.finish_reason = {"type": "length", "length": 0}
+                self._deliver(req)
+                continue
+            ids = torch.tensor([req.input_ids], device=self.device)
+            cache = self._new_cache()
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            tok, lp = sample_batch(out.logits[:, -1], [req.params], self.generator)
+            req.position = len(req.input_ids)
+            self._append_token(req, int(tok[0]), float(lp[0]))
+            if req.finish_reason is not None:
+                self._deliver(req)
+                continue
+            self._merge(req, out.past_key_values)
+
+    def _decode_step(self) -> None:
+        rows = self._rows
+        dev = self.device
+        ids = torch.tensor([[r.next_input] for r in rows], device=dev)
+        pos = torch.tensor([[r.position] for r in rows], device=dev)
+        mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=self._mask.dtype, device=dev)], dim=1)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self._cache, use_cache=True
+        )
+        self._mask = mask
+        self.steps += 1
+        toks, lps = sample_batch(out.logits[:, -1], [r.params for r in rows], self.generator)
+        for r, t, lp in zip(rows, toks.tolist(), lps.tolist()):
+            r.position += 1
+            self._append_token(r, t, lp)
+        self._retire_finished()
+
+    # ------------------------------------------------------------------ helpers
+    def _append_token(self, req: Request, tok: int, lp: float) -> None:
+        req.output_ids.append(tok)
+        req.logprobs.append(lp)
+        req.versions.append(self.weight_version)
+        req.next_input = tok
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            req.finish_reason = {"type": "stop", "matched": tok}
+        elif p.stop and self.tokenizer is not None:
+            tail = self.tokenizer.decode(req.output_ids[-32:], skip_special_tokens=p.skip_special_tokens)
+            for s in p.stop:
+                if s in tail:
+                    req.finish_reason = {"type": "stop", "matched": s}
+                    break
+        if req.finish_reason is None and len(req.output_ids) >= p.max_new_tokens:
+            req.finish_reason = {"type": "length", "length": len(req.output_ids)}
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _merge(self, req: Request, cache) -> None:
+        """Add a prefilled batch-1 cache to the running batch, left padding the shorter side."""
+        n_new = len(req.input_ids)
+        new_mask = torch.ones(1, n_new, dtype=torch.long, device=self.device)
+        if self._cache is None:
+            self._cache, self._mask, self._rows = cache, new_mask, [req]
+            return
+        length = self._mask.shape[1]
+        target = max(length, n_new)
+        for old_layer, new_layer in zip(self._cache.layers, cache.layers):
+            old_layer.keys = _left_pad(old_layer.keys, target)
+            old_layer.values = _left_pad(old_layer.values, target)
+            old_layer.keys = torch.cat([old_layer.keys, _left_pad(new_layer.keys, target)], dim=0)
+            old_layer.values = torch.cat([old_layer.values, _left_pad(new_layer.values, target)], dim=0)
+        self._mask = torch.cat([_left_pad(self._mask, target), _left_pad(new_mask, target)], dim=0)
+        self._rows.append(req)
+
+    def _retire_finished(self) -> None:
+        done = [r for r in self._rows if r.finish_reason is not None]
+        if not done:
+            return
+        keep = [i for i, r in enumerate(self._rows) if r.finish_reason is None]
+        if keep:
+            idx = torch.tensor(keep, device=self.device)
+            self._cache.batch_select_indices(idx)
+            self._mask = self._mask[idx]
+            self._rows = [self._rows[i] for i in keep]
+            # cut columns that are padding in every remaining row (they only cost attention FLOPs)
+            used = self._mask.sum(dim=0) > 0
+            first = int(used.nonzero()[0])
+            if first > 0:
+                for layer in self._cache.layers:
+                    layer.keys = layer.keys[:, :, first:]
+                    layer.values = layer.values[:, :, first:]
+                self._mask = self._mask[:, first:]
+        else:
+            self._rows, self._cache, self._mask = [], None, None
+        for r in done:
+            self._deliver(r)
+
+    def _finish_waiting(self, req: Request, reason: dict) -> None:
+        req.finish_reason = reason
+        self._rids.discard(req.rid)
+        req.on_finish(req)
+
+    def _deliver(self, req: Request) -> None:
+        with self._cv:
+            self._rids.discard(req.rid)
+        req.on_finish(req)
+
+
+def _left_pad(t: torch.Tensor, target: int) -> torch.Tensor:
+    """Left-pad dim -2 of a KV tensor [B, H, L, D] (or dim -1 of a mask [B, L]) with zeros to ``target``."""
+    dim = -1 if t.dim() == 2 else -2
+    missing = target - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)

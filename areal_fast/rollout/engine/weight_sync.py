@@ -1,0 +1,170 @@
+"""Server side of SGLang's weight-update protocol (``shared/spec/sglang_http.md``, "Weight updates").
+
+Group rendezvous exactly as SGLang (and vLLM / OpenRLHF before it) do it, so a trainer written for
+SGLang joins us unchanged: ``rendezvous("tcp://addr:port", rank, world_size)`` -> the store is wrapped
+in ``PrefixStore(group_name, store)`` -> ``_new_process_group_helper(..., group_name=group_name)``.
+The trainer is rank 0 and hosts the TCP store; this server (tensor parallel size 1) is
+``rank_offset``. No default process group is created in the server.
+
+Transfer layouts, in the order of ``names``:
+- per tensor (``load_format`` null): one broadcast per tensor of its shape and dtype;
+- ``flattened_bucket``: ONE uint8 broadcast; tensor i starts at the first multiple of its dtype size
+  at or after the end of tensor i-1 (the first at 0); the buffer ends where the last tensor ends.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+# Names SGLang skips on load (buffers recomputed by the model, never sent by a well-behaved trainer).
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@dataclass
+class TensorMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'bfloat16' -> torch.bfloat16 (SGLang sends torch attribute names without 'torch.')."""
+    if not isinstance(name, str):
+        raise ValueError(f"dtype must be a string like 'bfloat16', got {name!r}")
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+def flattened_bucket_layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
+    """Byte offsets of each tensor in a flattened bucket and the bucket's total size in bytes."""
+    offsets, end = [], 0
+    for m in metas:
+        item = torch.empty((), dtype=m.dtype).element_size()
+        start = (end + item - 1) // item * item
+        offsets.append(start)
+        n = 1
+        for s in m.shape:
+            n *= s
+        end = start + n * item
+    return offsets, end
+
+
+def init_custom_process_group(
+    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float = 300.0
+):
+    """Create a process group that is not the default group (SGLang's ``init_custom_process_group``)."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+class WeightReceiver:
+    """Holds the weight-update groups of one server and loads received tensors into the HF model."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.groups: dict[str, object] = {}
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+
+    # -------------------------------------------------------------- groups
+    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str) -> None:
+        if group_name in self.groups:
+            raise ValueError(f"weight update group {group_name!r} already exists; destroy it first")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise ValueError("backend 'nccl' needs the engine on --device cuda; use 'gloo' on CPU")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if backend == "gloo" and master_address.startswith("127."):
+            # gloo binds the interface its hostname resolves to; on loopback rendezvous force "lo"
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        pg = init_custom_process_group(
+            backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset, group_name
+        )
+        self.groups[group_name] = pg
+
+    def destroy_group(self, group_name: str) -> None:
+        import torch.distributed as dist
+
+        pg = self.groups.pop(group_name, None)
+        if pg is None:
+            raise ValueError(f"no weight update group named {group_name!r}")
+        dist.destroy_process_group(pg)
+
+    # -------------------------------------------------------------- transfer
+    def receive(self, metas: list[TensorMeta], group_name: str, load_format: str | None) -> None:
+        """Receive the broadcasts for one update call (rank 0 sends) and load them into the model."""
+        import torch.distributed as dist
+
+        pg = self.groups.get(group_name)
+        if pg is None:
+            raise ValueError(f"no weight update group named {group_name!r}; call /init_weights_update_group")
+        # check names before receiving nothing would leave the sender blocked, so receive first, then load
+        if load_format in (None, "direct"):
+            tensors = []
+            for m in metas:
+                t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
+                dist.broadcast(t, src=0, group=pg)
+                tensors.append(t)
+        elif load_format == "flattened_bucket":
+            offsets, total = flattened_bucket_layout(metas)
+            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+            dist.broadcast(buf, src=0, group=pg)
+            tensors = []
+            for m, off in zip(metas, offsets):
+                nbytes = torch.empty((), dtype=m.dtype).element_size()
+                for s in m.shape:
+                    nbytes *= s
+                tensors.append(buf[off:off + nbytes].view(m.dtype).view(m.shape))
+        else:
+            raise ValueError(f"load_format {load_format!r} not supported (null or 'flattened_bucket')")
+        self.load([(m.name, t) for m, t in zip(metas, tensors)])
+
+    def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model (dtype cast); unknown names raise before any copy."""
+        todo = [(n, t) for n, t in named if not n.endswith(_SKIPPED_SUFFIXES)]
+        unknown = [n for n, _ in todo if n not in self._params]
+        if unknown:
+            raise ValueError(f"unknown parameter names {unknown[:5]} (model has e.g. {list(self._params)[:3]})")
+        for n, t in todo:
+            p = self._params[n]
+            if tuple(p.shape) != tuple(t.shape):
+                raise ValueError(f"shape mismatch for {n}: model {tuple(p.shape)}, received {tuple(t.shape)}")
+        with torch.no_grad():
+            for n, t in todo:
+                self._params[n].copy_(t)
+
+    def load_from_disk(self, model_path: str) -> None:
+        """Load every ``*.safetensors`` file of a Hugging Face checkpoint directory."""
+        import glob
+
+        from safetensors.torch import load_file
+
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+        if not files:
+            raise ValueError(f"no *.safetensors files in {model_path!r}")
+        named = []
+        for f in files:
+            named.extend(load_file(f, device=str(self.device)).items())
+        self.load(named)

@@ -1,0 +1,43 @@
+"""``python -m areal_fast.trainer``: train on batches from a JSONL file (one JSON list of samples
+per line), under torchrun or as a single process. Rank 0 prints one JSON line of metrics per step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch.distributed as dist
+
+from areal_fast.trainer import PPOActor, TrainerConfig, export_hf, load_checkpoint, save_checkpoint
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m areal_fast.trainer", description=__doc__)
+    ap.add_argument("--config", required=True, help="JSON file with TrainerConfig fields (ppo/optim as objects)")
+    ap.add_argument("--batches", required=True, help="JSONL: each line a list of sample dicts")
+    ap.add_argument("--resume", help="checkpoint directory to resume from")
+    ap.add_argument("--save", help="checkpoint directory to write at the end")
+    ap.add_argument("--export-hf", help="directory for an HF safetensors export at the end")
+    args = ap.parse_args(argv)
+    with open(args.config) as f:
+        cfg = TrainerConfig(**json.load(f))
+    actor = PPOActor(cfg)
+    if args.resume:
+        load_checkpoint(actor, args.resume)
+    with open(args.batches) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            batch = json.loads(line) if actor.rank == 0 else None
+            metrics = actor.train_batch(batch)
+            if actor.rank == 0:
+                print(json.dumps(metrics), flush=True)
+    if args.save:
+        save_checkpoint(actor, args.save)
+    if args.export_hf:
+        export_hf(actor, args.export_hf)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""The FSDP2 PPO actor: one ``train_batch`` call = one trainer version.
+
+Per batch: broadcast the samples from rank 0 -> group advantages (whole batch) -> split into
+``ppo_n_minibatches`` token-balanced minibatches -> plan each into packed micro-batches over the
+data-parallel ranks (equal counts everywhere, FSDP2 collectives need it) -> optional batch
+normalisation of advantages (all-reduced) -> proximal (and reference) log-prob recompute for
+the whole batch before any update -> per minibatch: loss and backward per micro-batch with the
+global loss-token count as normalizer, global-norm clipping, AdamW step -> LR schedule step.
+
+Gradient invariance: each rank's loss is ``sum_local / D_global``; FSDP2 averages gradients
+over ranks, so the loss is multiplied by the world size to turn that mean into the sum.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from areal_fast import ops
+from areal_fast.packing import plan_microbatches
+from areal_fast.trainer import advantages as adv_mod
+from areal_fast.trainer.batch import Packed, Sample, Seq, dummy_seq, pack, split_minibatches, to_seq
+from areal_fast.trainer.config import TrainerConfig
+from areal_fast.trainer.model import build_policy, hf_name, init_process_group_if_needed
+
+
+def _loss_backend(configured: str | None, device: torch.device) -> str | None:
+    """The ``backend=`` passed to the ops. On CPU, unless asked otherwise (config or
+    AREAL_FAST_BACKEND), the reference: the Triton interpreter is for testing kernels, ~1000x slower."""
+    if configured is not None:
+        return configured
+    if device.type == "cpu" and os.environ.get("AREAL_FAST_BACKEND", "auto").lower() == "auto":
+        return "reference"
+    return None
+
+
+# Dense bf16 peak FLOP/s by device name (datasheet numbers, no sparsity).
+_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
+
+_MEAN_STATS = ("ratio_mean", "clip_fraction", "dual_clip_fraction", "approx_kl", "behav_kl",
+               "behav_weight_mean", "behav_capped_fraction", "entropy_mean", "kl_mean")
+
+
+class PPOActor:
+    """See the package docstring for the public API."""
+
+    def __init__(self, config: TrainerConfig):
+        self.config = config
+        if config.device is not None:
+            self.device = torch.device(config.device)
+        else:
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        init_process_group_if_needed(self.device)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
+        torch.manual_seed(config.seed)
+        kw = dict(device=self.device, mesh=self.mesh, param_dtype=config.param_dtype, attn_impl=config.attn_impl,
+                  seed=config.seed)
+        self.model = build_policy(config.model_path, gradient_checkpointing=config.gradient_checkpointing, **kw)
+        self.ref = None
+        if config.ppo.kl_coef > 0:
+            self.ref = build_policy(config.model_path, **kw)
+            self.ref.requires_grad_(False)
+            self.ref.eval()
+        self.hf_config = self.model.lm.config
+        o = config.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.version = 0
+        self.loss_backend = _loss_backend(config.loss_backend, self.device)
+        hidden = self.hf_config.hidden_size
+        self._attn_coef = 1.0 / (12 * hidden) if config.packing_cost == "attention" else None
+        self._matmul_params = self._count_matmul_params()
+
+    # ---------------------------------------------------------------- schedule
+    def _lr_factor(self, step: int) -> float:
+        o = self.config.optim
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.lr_schedule == "constant" or o.total_steps <= o.warmup_steps:
+            return 1.0
+        frac = min(1.0, (step - o.warmup_steps) / max(1, o.total_steps - o.warmup_steps))
+        decay = 1.0 - frac if o.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * decay
+
+    # ---------------------------------------------------------------- batch preparation
+    def _broadcast(self, samples):
+        if self.world == 1 or not self.config.broadcast_batch:
+            return samples
+        box = [samples if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _plan(self, seqs: list[Seq], idx: list[int]) -> list[tuple[list[int], list[Seq]]]:
+        """This rank's micro-batches of the samples ``idx``: (sample indices, seqs) each, -1 = dummy."""
+        need = self.world * self.config.min_mbs
+        ids = list(idx) + [-1] * max(0, need - len(idx))
+        items = [seqs[i] if i >= 0 else dummy_seq() for i in ids]
+        plan = plan_microbatches([len(s) for s in items], self.config.max_tokens_per_mb, n_ranks=self.world,
+                                 min_mbs=self.config.min_mbs, cost=self.config.packing_cost,
+                                 attn_coef=self._attn_coef)
+        return [([ids[j] for j in mb], [items[j] for j in mb]) for mb in plan.microbatches[self.rank]]
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        t = t.to(dev)
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t.cpu()
+
+    # ---------------------------------------------------------------- forward passes
+    @torch.no_grad()
+    def _logprobs(self, model, p: Packed) -> torch.Tensor:
+        tau, chunk, be = self.config.ppo.temperature, self.config.loss_chunk_size, self.loss_backend
+        labels = p.labels
+
+        def head(h, w, b):
+            return ops.fused_linear_token_logprobs(h, w, labels, bias=b, temperature=tau, chunk_size=chunk,
+                                                   backend=be)
+
+        return model(head, p.input_ids, p.position_ids, p.cu_seqlens, p.max_seqlen).float()
+
+    def compute_logprobs(self, samples: list) -> list[torch.Tensor]:
+        """Recomputed log-probs of each sample's output tokens under the current weights (fp32, CPU).
+        Collective: every rank calls it with the same samples; each rank computes its share."""
+        seqs = [to_seq(Sample.coerce(s, i)) for i, s in enumerate(samples)]
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        self.model.eval()
+        for ids, mb in self._plan(seqs, list(range(len(seqs)))):
+            p = pack(ids, mb, torch.zeros(len(ids)), self.device)
+            for i, s, lp in zip(ids, mb, p.split(self._logprobs(self.model, p).cpu())):
+                if i >= 0:
+                    out[i] = lp[s.loss_mask]
+        if self.world > 1:
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, out)
+            out = [next(g[i] for g in gathered if g[i] is not None) for i in range(len(seqs))]
+        return out
+
+    # ---------------------------------------------------------------- the step
+    def train_batch(self, samples: list | None) -> dict[str, float]:
+        """One PPO update (``ppo_n_minibatches`` optimizer steps) on ``samples``; returns metrics.
+
+        Collective: every rank calls it; with ``broadcast_batch`` only rank 0's samples count."""
+        t0 = time.perf_counter()
+        cfg, ppo = self.config, self.config.ppo
+        samples = self._broadcast(samples)
+        if not samples:
+            raise ValueError("train_batch needs at least one sample")
+        samples = [Sample.coerce(s, i) for i, s in enumerate(samples)]
+        seqs = [to_seq(s) for s in samples]
+        rewards = [float(s.reward) * ppo.reward_scale + ppo.reward_bias for s in samples]
+        adv = adv_mod.group_advantages(rewards, [s.group_id for s in samples], estimator=ppo.adv_estimator,
+                                       std_norm=ppo.adv_std_norm, eps=ppo.adv_eps)
+        minibatches = split_minibatches([len(s) for s in seqs], ppo.ppo_n_minibatches)
+        plans = [self._plan(seqs, mb) for mb in minibatches]
+        if ppo.adv_batch_norm:
+            mine = sorted({i for plan in plans for ids, _ in plan for i in ids if i >= 0})
+            w = torch.tensor([seqs[i].n_gen for i in mine], dtype=torch.float64)
+            adv = adv.clone()
+            adv[mine] = adv_mod.batch_normalize(adv[mine], w, eps=ppo.adv_eps)
+
+        def packed(ids, mb, prox=None, ref=None):
+            a = torch.stack([adv[i] if i >= 0 else adv.new_zeros(()) for i in ids])
+            return pack(ids, mb, a, self.device, prox, ref)
+
+        # proximal / reference log-probs for the whole batch, before any update
+        prox: dict | None = {} if ppo.prox_mode == "recompute" else None
+        ref: dict | None = {} if self.ref is not None else None
+        t_recompute = time.perf_counter()
+        if prox is not None or ref is not None:
+            self.model.eval()
+            for plan in plans:
+                for ids, mb in plan:
+                    p = packed(ids, mb)
+                    for store, model in ((prox, self.model), (ref, self.ref)):
+                        if store is not None:
+                            for i, lp in zip(ids, p.split(self._logprobs(model, p).cpu())):
+                                if i >= 0:
+                                    store[i] = lp
+        t_recompute = time.perf_counter() - t_recompute
+
+        self.model.train()
+        totals: dict[str, torch.Tensor] = {}
+        grad_norms, losses = [], []
+        n_tok_local = 0
+        for plan in plans:
+            if ppo.loss_agg == "token-mean":
+                local = sum(int(s.loss_mask.sum()) for _, mb in plan for s in mb)
+            else:
+                local = sum(int(s.loss_mask.any()) for _, mb in plan for s in mb)
+            denom = float(self._all_reduce(torch.tensor([local], dtype=torch.float64)).item())
+            normalizer = max(denom, 1.0)
+            loss_sum = 0.0
+            for ids, mb in plan:
+                p = packed(ids, mb, prox, ref)
+                n_tok_local += p.n_tokens
+                out = self.model(self._loss_fn(p, normalizer), p.input_ids, p.position_ids, p.cu_seqlens,
+                                 p.max_seqlen)
+                loss, stats = out[0], out[3]
+                (loss * self.world).backward()
+                loss_sum += float(loss.detach())
+                n = float(stats["n_tokens"])
+                totals["n_tokens"] = totals.get("n_tokens", 0.0) + n
+                for k in _MEAN_STATS:
+                    if k in stats:
+                        totals[k] = totals.get(k, 0.0) + float(stats[k]) * n
+                totals["nonfinite_count"] = totals.get("nonfinite_count", 0.0) + float(stats["nonfinite_count"])
+            grad_norms.append(self._clip_and_step())
+            losses.append(loss_sum)
+        self.scheduler.step()
+        self.version += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+
+        keys = sorted(totals)
+        red = self._all_reduce(torch.tensor([totals[k] for k in keys] + losses + [float(n_tok_local)],
+                                            dtype=torch.float64)).tolist()
+        tot = dict(zip(keys, red[: len(keys)]))
+        n_loss = max(tot.get("n_tokens", 0.0), 1.0)
+        metrics = {k: tot[k] / n_loss for k in keys if k in _MEAN_STATS}
+        metrics.update(
+            loss=sum(red[len(keys): len(keys) + len(losses)]) / len(losses),
+            n_loss_tokens=tot.get("n_tokens", 0.0),
+            nonfinite_count=tot.get("nonfinite_count", 0.0),
+            grad_norm=sum(grad_norms) / len(grad_norms),
+            lr=self.optimizer.param_groups[0]["lr"],
+            version=float(self.version),
+            n_samples=float(len(samples)),
+            n_tokens=red[-1],
+            step_time_s=elapsed,
+            recompute_time_s=t_recompute,
+            tokens_per_s=red[-1] / elapsed,
+        )
+        mfu = self._mfu(seqs, elapsed, recompute=(prox is not None) + (ref is not None))
+        if mfu is not None:
+            metrics["mfu"] = mfu
+        return metrics
+
+    def _loss_fn(self, p: Packed, normalizer: float):
+        ppo, chunk, be = self.config.ppo, self.config.loss_chunk_size, self.loss_backend
+        theta_version = self.version
+
+        def head(h, w, b):
+            prox = p.prox_logprobs
+            if ppo.prox_mode == "approx":
+                cur = ops.fused_linear_token_logprobs(h.detach(), w.detach(), p.labels, bias=b,
+                                                      temperature=ppo.temperature, chunk_size=chunk, backend=be)
+                prox = adv_mod.approx_prox_logprobs(p.behav_logprobs, cur, p.versions.clamp(min=0), theta_version)
+            out = ops.fused_linear_decoupled_ppo_loss(
+                h, w, p.labels, p.behav_logprobs, p.advantages, p.loss_mask, bias=b, chunk_size=chunk,
+                prox_logprobs=prox, ref_logprobs=p.ref_logprobs, cu_seqlens=p.cu_seqlens,
+                temperature=ppo.temperature, eps_clip=ppo.eps_clip, eps_clip_higher=ppo.eps_clip_higher,
+                dual_clip=ppo.dual_clip, behav_weight_cap=ppo.behav_weight_cap,
+                behav_weight_mode=ppo.behav_weight_mode, importance_level=ppo.importance_level,
+                kl_coef=ppo.kl_coef, kl_estimator=ppo.kl_estimator, entropy_coef=ppo.entropy_coef,
+                loss_agg=ppo.loss_agg, normalizer=normalizer, backend=be,
+            )
+            # a tuple (not the dataclass) so FSDP2 sees the loss and hooks its backward
+            return out.loss, out.logprobs, out.entropy, dict(out.stats)
+
+        return head
+
+    def _clip_and_step(self) -> float:
+        params = [q for q in self.model.parameters() if q.grad is not None]
+        clip = self.config.optim.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # ---------------------------------------------------------------- metrics
+    def _count_matmul_params(self) -> int:
+        embed = self.model.lm.get_input_embeddings().weight
+        tied = self.model.lm.lm_head.weight is embed
+        return sum(p.numel() for p in self.model.parameters() if p is not embed or tied)
+
+    def _mfu(self, seqs: list[Seq], elapsed: float, recompute: int) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        peak = self.config.peak_flops
+        if peak is None:
+            name = torch.cuda.get_device_name(self.device)
+            peak = next((v for k, v in _PEAK_BF16.items() if k in name), None)
+        if peak is None:
+            return None
+        c = self.hf_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        tokens = sum(len(s) for s in seqs)
+        sq = sum(len(s) ** 2 for s in seqs)
+        # forward: 2 N per token + causal attention 2 * 2 * layers * heads * d * L^2 / 2; backward 2x forward
+        fwd = 2 * self._matmul_params * tokens + 2 * c.num_hidden_layers * c.num_attention_heads * head_dim * sq
+        flops = fwd * (3 + recompute)
+        return flops / (elapsed * peak * self.world)
+
+    # ---------------------------------------------------------------- weights for sync / export
+    def sharded_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF name -> this rank's FSDP2 DTensor shard (no communication)."""
+        return {hf_name(k): v for k, v in self.model.state_dict().items()}
+
+    def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full unsharded tensor on this rank's device) one at a time, in a fixed
+        order; tied weights once. Collective: every rank must iterate it to the end."""
+        seen = set()
+        for k, v in self.model.state_dict().items():
+            name = hf_name(k)
+            if id(v) in seen or (name == "lm_head.weight" and getattr(self.hf_config, "tie_word_embeddings", False)):
+                continue
+            seen.add(id(v))
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            yield name, full if dtype is None else full.to(dtype)
+
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """HF-named unsharded CPU state dict (every rank gets it; collective)."""
+        return {k: v.cpu() for k, v in self.iter_full_params(dtype)}

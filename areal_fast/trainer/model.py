@@ -1,0 +1,183 @@
+"""Build a Hugging Face causal LM for training: meta-device init, FSDP2, local safetensors.
+
+Order (torchtitan's): activation checkpointing per decoder block, ``fully_shard`` per block,
+then the root (which then owns embeddings, final norm and lm_head), ``to_empty`` on the
+device, load the weights. The root is :class:`PolicyModule`, a thin wrapper whose forward
+runs the decoder and then the loss/log-prob head *inside* the root's FSDP2 forward, so the
+lm_head weight is unsharded there (the fused-linear ops need the full ``[V, H]`` weight).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from areal_fast.trainer import attention
+
+
+class PolicyModule(nn.Module):
+    """Root module: ``forward(fn, input_ids, position_ids, cu_seqlens, max_seqlen, **kw)`` runs
+    the decoder over one packed row and returns ``fn(hidden [T, H], weight [V, H], bias, **kw)``."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, fn, input_ids, position_ids, cu_seqlens, max_seqlen, **kw):
+        out = self.lm.model(
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
+            cu_seq_lens_q=cu_seqlens,
+            cu_seq_lens_k=cu_seqlens,
+            max_length_q=max_seqlen,
+            max_length_k=max_seqlen,
+            use_cache=False,
+        )
+        hidden = out.last_hidden_state[0]
+        head = self.lm.lm_head
+        return fn(hidden, head.weight, head.bias, **kw)
+
+
+def decoder_layers(lm: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a HF causal LM (Qwen2/2.5/3, Llama, Mistral: ``lm.model.layers``)."""
+    inner = getattr(lm, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(lm).__name__} has no .model.layers; only decoder-only HF LMs are supported")
+    return list(layers)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def _reinit_rotary(lm: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (RoPE inv_freq) are garbage after meta init + to_empty: rebuild them."""
+    for mod in lm.modules():
+        if hasattr(mod, "inv_freq") and hasattr(mod, "config"):
+            with torch.device(device):
+                fresh = type(mod)(mod.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                setattr(mod, name, buf.to(device))
+            if hasattr(fresh, "attention_scaling"):
+                mod.attention_scaling = fresh.attention_scaling
+
+
+def load_hf_state_dict(path: str) -> dict[str, torch.Tensor] | None:
+    """All tensors of the ``*.safetensors`` files in ``path`` (None when there are none)."""
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        return None
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(f))
+    return sd
+
+
+def random_hf_state_dict(config, seed: int) -> dict[str, torch.Tensor]:
+    """The state dict of a freshly initialised model (same on every rank for the same seed)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return lm.state_dict()
+
+
+def build_policy(
+    model_path: str,
+    *,
+    device: torch.device,
+    mesh=None,
+    param_dtype: str = "bfloat16",
+    gradient_checkpointing: bool = False,
+    attn_impl: str = "auto",
+    seed: int = 1,
+) -> PolicyModule:
+    """A sharded :class:`PolicyModule` with the weights of ``model_path`` (fp32 master weights).
+
+    ``mesh`` is a 1-D DeviceMesh (None = no sharding: a plain module, for world size 1 without
+    torch.distributed). On CUDA the compute runs in ``param_dtype`` with fp32 gradient reduction.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise FileNotFoundError(f"model_path {model_path!r} has no config.json (a local HF model directory is needed)")
+    config = AutoConfig.from_pretrained(model_path)
+    attn_name = attention.register(attn_impl)
+    attention.resolve_impl(attn_impl, device)  # fail early on an impossible explicit choice
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn_name, dtype=torch.float32)
+    lm.config.use_cache = False
+    if gradient_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        layers = lm.model.layers
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    policy = PolicyModule(lm)
+    if mesh is not None:
+        mp = None
+        if device.type == "cuda" and param_dtype != "float32":
+            mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype), reduce_dtype=torch.float32)
+        kw = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+        for layer in lm.model.layers:
+            fully_shard(layer, **kw)
+        fully_shard(policy, **kw)
+    policy.to_empty(device=device)
+    _reinit_rotary(lm, device)
+
+    full = load_hf_state_dict(model_path)
+    if full is None:
+        full = random_hf_state_dict(config, seed)
+    if getattr(config, "tie_word_embeddings", False):
+        full.pop("lm_head.weight", None)
+    expected = set(_hf_names(policy))
+    missing = expected - set(full)
+    if missing:
+        raise ValueError(f"{model_path}: safetensors lack {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+    full = {"lm." + k: v for k, v in full.items() if k in expected}
+    set_model_state_dict(policy, full, options=StateDictOptions(full_state_dict=True, strict=False))
+    return policy
+
+
+def _hf_names(policy: PolicyModule) -> list[str]:
+    """HF names of the parameters (tied ones once) and persistent buffers."""
+    names = [hf_name(k) for k, _ in policy.named_parameters()]
+    for mod_name, mod in policy.named_modules():
+        for b in mod._buffers:
+            if b not in mod._non_persistent_buffers_set:
+                names.append(hf_name(f"{mod_name}.{b}" if mod_name else b))
+    return names
+
+
+def hf_name(key: str) -> str:
+    """Map a PolicyModule state-dict key to the HF checkpoint name."""
+    key = key.replace("_checkpoint_wrapped_module.", "")
+    return key[3:] if key.startswith("lm.") else key
+
+
+def init_process_group_if_needed(device: torch.device) -> None:
+    """Single-process callers (a controller with world size 1) get a gloo/nccl group on a free port."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+        )
+    else:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

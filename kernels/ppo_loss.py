@@ -1,0 +1,137 @@
+"""Triton kernels of the decoupled-PPO loss: per-row log-softmax statistics and dloss/dlogits.
+
+One program per row (token), a 1-D grid: grid dimension 0 allows 2**31 - 1 programs, so there
+is no limit on T in practice (Liger's cross-entropy uses a 2-D launch that fails at T >= 65,536).
+Row offsets are computed in int64 (T * V passes 2**31 at T = 14,124 for V = 152,064).
+
+Forward (``token_stats_fwd``): one pass over the vocabulary in blocks with an online
+log-sum-exp, keeping three fp32 scalars per row: the running max m, s = sum exp(x - m) and
+t = sum exp(x - m) * x, with x = z / tau. Then lse = m + log s, H = lse - t / s and
+l = x_y - lse. Nothing of size [T, V] is written.
+
+Backward (``token_stats_bwd``): given g = dloss/dl and e = dloss/dH per row (computed by the
+shared [T]-sized objective), recompute P blockwise from z and lse and write
+``dz = (g (onehot(y) - P) - e P (log P + H)) / tau`` in the dtype of the output buffer, which may
+be the logits buffer itself (each block is read before it is overwritten by the same program).
+Rows with g = e = 0 (prompt and padding tokens) write zeros without reading the logits.
+
+All arithmetic is fp32 right after the load (bf16 arithmetic gives zeros in the interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from areal_fast.backend import interpreter_enabled
+
+# 4096 bf16 elements = 8 KiB per block and 8 warps: 16 elements per thread per iteration,
+# enough loads in flight to keep HBM busy; V = 152,064 is 38 iterations per row.
+MAX_BLOCK_V = 4096
+# Under the interpreter each block costs Python overhead; small blocks also make the tiny test
+# vocabularies (V ~ 200..1000) take several iterations, exercising the online update and tails.
+INTERPRET_BLOCK_V = 128
+
+
+def _block_v(V: int) -> int:
+    cap = INTERPRET_BLOCK_V if interpreter_enabled() else MAX_BLOCK_V
+    return max(16, min(triton.next_power_of_2(V), cap))
+
+
+@triton.jit
+def _ppo_token_stats_fwd_kernel(Z, stride_z, LABELS, LOGP, ENT, LSE, V, inv_tau, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_z
+    offs = tl.arange(0, BLOCK_V)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    t = tl.zeros((), tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        x = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_tau
+        m_new = tl.maximum(m, tl.max(x, 0))
+        # While every logit so far is -inf, shift by 0 instead of -inf (avoids inf - inf = NaN).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(x - m_safe)
+        alpha = tl.exp(m - m_safe)
+        s = s * alpha + tl.sum(p, 0)
+        # p * x with x = -inf (tail or masked vocab) would be 0 * -inf = NaN: use x = 0 there.
+        t = t * alpha + tl.sum(p * tl.where(p > 0, x, 0.0), 0)
+        m = m_new
+    lse = m + tl.log(s)
+    ent = lse - t / s
+    label = tl.load(LABELS + row).to(tl.int64)
+    valid = (label >= 0) & (label < V)
+    x_y = tl.load(z_row + tl.where(valid, label, 0)).to(tl.float32) * inv_tau
+    logp = tl.where(valid, x_y - lse, 0.0)
+    tl.store(LOGP + row, logp)
+    tl.store(ENT + row, ent)
+    tl.store(LSE + row, lse)
+
+
+@triton.jit
+def _ppo_token_stats_bwd_kernel(Z, stride_z, G, stride_g, LABELS, LSE, ENT, GRAD_LOGP, GRAD_ENT, V, inv_tau,
+                                BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_z
+    g_row = G + row * stride_g
+    offs = tl.arange(0, BLOCK_V)
+    g = tl.load(GRAD_LOGP + row).to(tl.float32)
+    e = tl.load(GRAD_ENT + row).to(tl.float32)
+    if (g == 0.0) & (e == 0.0):
+        zeros = tl.zeros((BLOCK_V,), tl.float32)
+        for start in range(0, V, BLOCK_V):
+            cols = start + offs
+            tl.store(g_row + cols, zeros.to(G.dtype.element_ty), mask=cols < V)
+    else:
+        lse = tl.load(LSE + row).to(tl.float32)
+        ent = tl.load(ENT + row).to(tl.float32)
+        label = tl.load(LABELS + row).to(tl.int64)
+        for start in range(0, V, BLOCK_V):
+            cols = start + offs
+            x = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_tau
+            logP = x - lse
+            P = tl.exp(logP)
+            onehot = tl.where(cols == label, 1.0, 0.0)
+            ent_term = P * (tl.where(P > 0, logP, 0.0) + ent)
+            dz = (g * (onehot - P) - e * ent_term) * inv_tau
+            tl.store(g_row + cols, dz.to(G.dtype.element_ty), mask=cols < V)
+
+
+def _check(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [T, V] with unit stride on V, got shape {tuple(logits.shape)} "
+                         f"strides {logits.stride()}")
+    if labels.shape != (logits.shape[0],) or (labels.numel() > 0 and labels.stride(0) != 1):
+        raise ValueError(f"labels must be a contiguous [T] tensor, got {tuple(labels.shape)}")
+
+
+def token_stats_fwd(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
+    """(logp, entropy, lse) fp32 [T] of softmax(logits / temperature); lse is of logits / temperature."""
+    _check(logits, labels)
+    T, V = logits.shape
+    logp = torch.empty(T, dtype=torch.float32, device=logits.device)
+    ent = torch.empty_like(logp)
+    lse = torch.empty_like(logp)
+    if T == 0:
+        return logp, ent, lse
+    BLOCK_V = _block_v(V)
+    _ppo_token_stats_fwd_kernel[(T,)](logits, logits.stride(0), labels, logp, ent, lse, V, 1.0 / temperature,
+                                      BLOCK_V=BLOCK_V, num_warps=8 if BLOCK_V >= 2048 else 4)
+    return logp, ent, lse
+
+
+def token_stats_bwd(grad_out: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                    ent: torch.Tensor, grad_logp: torch.Tensor, grad_ent: torch.Tensor, temperature: float) -> None:
+    """Write dloss/dlogits into ``grad_out`` (may be ``logits`` itself for an in-place gradient)."""
+    _check(logits, labels)
+    T, V = logits.shape
+    if grad_out.shape != logits.shape or grad_out.stride(1) != 1:
+        raise ValueError(f"grad_out must be [T, V] with unit stride on V, got {tuple(grad_out.shape)}")
+    if T == 0:
+        return
+    BLOCK_V = _block_v(V)
+    _ppo_token_stats_bwd_kernel[(T,)](logits, logits.stride(0), grad_out, grad_out.stride(0), labels, lse, ent,
+                                      grad_logp.contiguous(), grad_ent.contiguous(), V, 1.0 / temperature,
+                                      BLOCK_V=BLOCK_V, num_warps=8 if BLOCK_V >= 2048 else 4)

@@ -1,0 +1,70 @@
+"""The package itself: the native core, the kernels subpackage, and backend selection."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import areal_fast
+from areal_fast import backend
+
+
+def test_import_has_no_gpu_requirement():
+    # A fresh interpreter with no CUDA visible and no Triton interpreter must import everything.
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0")
+    code = "import areal_fast, areal_fast.kernels, areal_fast.packing; print(areal_fast.__version__)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == areal_fast.__version__
+
+
+def test_kernels_are_a_subpackage_not_top_level():
+    import areal_fast.kernels as k
+
+    assert k.__name__ == "areal_fast.kernels"
+    assert "kernels" not in sys.modules or sys.modules["kernels"] is not k
+
+
+def test_native_core_reports_its_build():
+    C = backend.native()
+    assert isinstance(C.has_cuda(), bool)
+    assert C.cuda_device_count() >= 0
+    if shutil.which("nvcc") and os.environ.get("AREAL_FAST_CUDA", "AUTO") != "OFF":
+        # This machine has nvcc, so the build must have compiled the CUDA sources.
+        assert C.has_cuda(), "nvcc is on PATH but areal_fast._C was built without CUDA"
+
+
+def test_reference_is_always_available():
+    assert backend.select("demo", "cpu", available=("triton", "reference")) in ("interpret", "reference")
+    assert backend.why_unavailable("reference", "cpu") is None
+
+
+def test_env_override(monkeypatch):
+    monkeypatch.setenv(backend.ENV_VAR, "reference")
+    assert backend.select("demo", "cpu") == "reference"
+    monkeypatch.setenv(backend.ENV_VAR, "warp")
+    with pytest.raises(backend.BackendUnavailable, match="AREAL_FAST_BACKEND='warp' is not a backend"):
+        backend.select("demo", "cpu")
+
+
+def test_explicit_backend_that_cannot_run_raises(monkeypatch):
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    with pytest.raises(backend.BackendUnavailable, match="backend 'triton' was requested but cannot run"):
+        backend.select("demo", "cpu", override="triton")
+    with pytest.raises(backend.BackendUnavailable, match="has only reference"):
+        backend.select("demo", "cpu", available=("reference",), override="cuda")
+
+
+def test_cuda_backend_needs_cuda_tensors():
+    reason = backend.why_unavailable("cuda", "cpu")
+    assert reason is not None and ("CUDA" in reason or "cuda" in reason)
+
+
+def test_describe_lists_every_backend():
+    d = backend.describe()
+    assert set(backend.BACKENDS) <= set(d)
+    assert d["reference"] == "available"
