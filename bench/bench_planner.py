@@ -48,9 +48,9 @@ def run(n: int, ranks: list[int], budget: int, reps: int, ref_reps: int) -> list
         for cost in ("tokens", "attention"):
             kw = dict(n_ranks=n_ranks, cost=cost)
             plan = plan_microbatches(lengths, budget, **kw)
-            t_cpp = time_call(lambda: plan_microbatches(lengths, budget, **kw), reps)
+            t_cpp = time_call(lambda kw=kw: plan_microbatches(lengths, budget, **kw), reps)
             ref = plan_microbatches_ref(lengths, budget, **kw)
-            t_ref = time_call(lambda: plan_microbatches_ref(lengths, budget, **kw), ref_reps)
+            t_ref = time_call(lambda kw=kw: plan_microbatches_ref(lengths, budget, **kw), ref_reps)
             rows.append({
                 "n_seqs": n, "ranks": n_ranks, "cost": cost, "budget": budget,
                 "cpp_ms": t_cpp * 1e3, "ref_ms": t_ref * 1e3, "speedup": t_ref / t_cpp,

@@ -86,8 +86,10 @@ def plan_microbatches_ref(
     lens = arr.tolist()
     costs = [n + coef * n * n for n in lens]
     ranks = karmarkar_karp_ref(costs, n_ranks)
-    per_rank = [[[ranks[r][i] for i in b] for b in first_fit_decreasing_ref([lens[i] for i in ranks[r]], max_tokens_per_mb)]
-                for r in range(n_ranks)]
+    per_rank = []
+    for members in ranks:
+        bins = first_fit_decreasing_ref([lens[i] for i in members], max_tokens_per_mb)
+        per_rank.append([[members[i] for i in b] for b in bins])
     m = max(max(len(b) for b in per_rank), min_mbs)
     m = -(-m // mbs_divisor) * mbs_divisor
     for bins in per_rank:
