@@ -29,6 +29,7 @@ validated; they only check what they need to be memory-safe (shapes, contiguity,
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -143,6 +144,11 @@ def _unpack_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
+def _on_device(t: torch.Tensor):
+    """Launch on ``t``'s GPU (Triton launches on the current device), not on cuda:0."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def row_bytes(t: torch.Tensor) -> int:
     """Bytes of one row (everything after dim 0)."""
     n = 1
@@ -159,10 +165,14 @@ def word_dtype(nbytes: int, *tensors: torch.Tensor) -> torch.dtype:
     raise AssertionError("unreachable: 1-byte words always fit")
 
 
-def as_words(t: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
-    """Contiguous ``t`` as a ``[rows, W]`` tensor of ``dtype`` words over the same memory."""
+def as_words(t: torch.Tensor, dtype: torch.dtype, words: int) -> torch.Tensor:
+    """Contiguous ``t`` as a ``[rows, words]`` tensor of ``dtype`` words over the same memory."""
     flat = t.reshape(-1).view(torch.uint8).view(dtype)  # 1-D, so only the total size must divide
-    return flat.view(rows, flat.numel() // rows if rows else 0)
+    return flat.view(-1, words)
+
+
+def words_of(nbytes: int, dtype: torch.dtype) -> int:
+    return nbytes // torch.empty((), dtype=dtype).element_size()
 
 
 def tile_shape(words: int) -> tuple[int, int]:
@@ -208,7 +218,8 @@ def segment_copy(
         if nbytes == 0:
             continue  # [T, 0] tensors: nothing to move
         wd = word_dtype(nbytes, s, d)
-        ws, wdst = as_words(s, s.shape[0], wd), as_words(d, d.shape[0], wd)
+        W = words_of(nbytes, wd)
+        ws, wdst = as_words(s, wd, W), as_words(d, wd, W)
         assert (ws if scatter else wdst).shape[0] == T
         bt, bw = tile_shape(ws.shape[1])
         wsrcs.append(ws)
@@ -226,12 +237,13 @@ def segment_copy(
         bt, bw = tile_shape(1)
         n_blocks, block_ts, block_ws = [triton.cdiv(T, bt)], [bt], [bw]
     grid = (min(max(n_blocks), max_programs), len(wsrcs))
-    _segment_copy_kernel[grid](
-        tuple(wsrcs), tuple(wdsts), tuple(widths), tuple(n_blocks), cu, other_start,
-        pos if pos is not None else other_start, T, B, B.bit_length(),
-        N_TENSORS=len(wsrcs), BLOCK_TS=tuple(block_ts), BLOCK_WS=tuple(block_ws),
-        SCATTER=bool(scatter), WRITE_POS=pos is not None,
-    )
+    with _on_device(cu):
+        _segment_copy_kernel[grid](
+            tuple(wsrcs), tuple(wdsts), tuple(widths), tuple(n_blocks), cu, other_start,
+            pos if pos is not None else other_start, T, B, B.bit_length(),
+            N_TENSORS=len(wsrcs), BLOCK_TS=tuple(block_ts), BLOCK_WS=tuple(block_ws),
+            SCATTER=bool(scatter), WRITE_POS=pos is not None,
+        )
 
 
 def unpack_rows(
@@ -257,13 +269,13 @@ def unpack_rows(
     assert row_bytes(packed) == nbytes and packed.dtype == out.dtype
     ptrs = (packed, out) + ((pad_row,) if pad_row is not None else ())
     wd = word_dtype(nbytes, *ptrs)
-    wsrc = as_words(packed, packed.shape[0], wd)
-    wdst = as_words(out, n_rows, wd)
-    wpad = as_words(pad_row.reshape(1, -1), 1, wd) if pad_row is not None else wdst
-    W = wsrc.shape[1]
+    W = words_of(nbytes, wd)
+    wsrc, wdst = as_words(packed, wd, W), as_words(out, wd, W)
+    wpad = as_words(pad_row, wd, W) if pad_row is not None else wdst
     bt, bw = tile_shape(W)
     n_blocks = triton.cdiv(n_rows, bt)
-    _unpack_kernel[(min(n_blocks, max_programs),)](
-        wsrc, wdst, wpad, cu, n_rows, max_len, W, n_blocks,
-        BLOCK_T=bt, BLOCK_W=bw, HAS_PAD=pad_row is not None,
-    )
+    with _on_device(cu):
+        _unpack_kernel[(min(n_blocks, max_programs),)](
+            wsrc, wdst, wpad, cu, n_rows, max_len, W, n_blocks,
+            BLOCK_T=bt, BLOCK_W=bw, HAS_PAD=pad_row is not None,
+        )

@@ -116,10 +116,10 @@ def _pack_kernel(padded: torch.Tensor, cu: torch.Tensor, T: int, with_pos: bool)
 
 def _pad_row(like: torch.Tensor, pad_value) -> torch.Tensor | None:
     """One row of ``pad_value`` in ``like``'s dtype, or None when it is all zero bytes."""
-    row = torch.full(like.shape[1:], pad_value, dtype=like.dtype, device=like.device)
+    row = torch.full(like.shape[1:], pad_value, dtype=like.dtype)  # on the host: checking it is free
     if not row.reshape(-1).view(torch.uint8).any():
         return None
-    return row
+    return row.to(like.device)
 
 
 def _unpack_kernel(packed: torch.Tensor, cu: torch.Tensor, max_len: int, pad_value):
@@ -301,13 +301,15 @@ def pack(padded: torch.Tensor, lengths, *, backend: str | None = None):
         raise TypeError(f"{op}: lengths must hold integers, got {lt.dtype}")
     if lt.dim() != 1 or lt.numel() != B:
         raise ValueError(f"{op}: lengths must have shape [B] = [{B}], got {tuple(lt.shape)}")
-    lt = lt.to(device=padded.device, dtype=torch.int64)
+    # Check on the host copy when lengths come from the host (no device sync), else one sync.
+    lt = lt.to(torch.int64)
     T = 0
     if B:
         lo, hi, T = torch.stack([lt.min(), lt.max(), lt.sum()]).tolist()
         if lo < 0 or hi > L:
             i = int(torch.nonzero((lt < 0) | (lt > L))[0])
             raise ValueError(f"{op}: lengths[{i}] = {int(lt[i])} is outside 0..L = 0..{L} (padded.shape[1])")
+    lt = lt.to(padded.device)
     which = select("packing.pack", padded.device, _AVAILABLE, override=backend)
     if which == "reference":
         return pack_ref(padded, lt)
