@@ -183,6 +183,9 @@ def _function_call(task: dict, code: str, tests: list[dict]) -> RewardResult:
         return RewardResult(0.0, "error", f"runtime error loading solution: {first['error']}")
     if not run.ok and passed < len(tests):
         return _failure(run, f"after {len(reports)} of {len(tests)} tests")
+    if first is None and passed < len(tests):  # e.g. os._exit() inside the function
+        return RewardResult(0.0, "error", f"program ended after {len(reports)} of {len(tests)} tests "
+                                          f"(exit {run.returncode})")
     bad = None
     if first is not None:
         if "error" in first:

@@ -1,0 +1,116 @@
+"""Reward service throughput and overhead.
+
+    python bench/bench_reward.py [--n 400] [--workers N] [--out bench/results/reward-cpu.json]
+
+Rows:
+  * math, plain numbers (fast path) and LaTeX (math-verify): rewards/s through the service with
+    all workers busy, vs one process calling `math_reward` directly. 64 distinct problems, each
+    scored n/64 times, as GRPO scores a group of samples per prompt (gold parses are cached);
+  * code, a trivial stdin/stdout program with one test: rewards/s through the service (each
+    reward starts a sandboxed interpreter: namespaces + `_nsinit.py` + Python startup, ~50-70 ms);
+  * overhead: a no-op reward, one call at a time (latency) and many in flight (throughput),
+    vs calling the function directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import print_table, write_result  # noqa: E402
+
+from areal_fast.reward import RewardService  # noqa: E402
+from areal_fast.reward.code import code_reward  # noqa: E402
+from areal_fast.reward.math import math_reward  # noqa: E402
+from areal_fast.reward.sandbox import isolation  # noqa: E402
+
+
+def noop(task, completion):
+    """The no-op reward used to measure the service's own cost per call."""
+    return 1.0
+
+
+MATH_NUMBERS = [({"reward": "math", "answer": str(i)}, f"... so the answer is \\boxed{{{i + i % 2}}}.")
+                for i in range(64)]
+MATH_LATEX = [({"reward": "math", "answer": f"\\frac{{{i}}}{{{i + 1}}}"},
+               f"we get $\\boxed{{\\dfrac{{{2 * i}}}{{{2 * i + 2}}}}}$") for i in range(1, 65)]
+CODE = ({"reward": "code", "tests": [{"input": "2 3\n", "output": "5\n"}]},
+        "```python\na, b = map(int, input().split())\nprint(a + b)\n```")
+
+
+async def service_rate(svc: RewardService, items: list, n: int) -> tuple[float, dict]:
+    calls = [items[i % len(items)] for i in range(n)]
+    t = time.perf_counter()
+    results = await asyncio.gather(*(svc.score(task, c) for task, c in calls))
+    dt = time.perf_counter() - t
+    statuses = {}
+    for r in results:
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+    return n / dt, statuses
+
+
+def direct_rate(fn, items: list, n: int) -> float:
+    t = time.perf_counter()
+    for i in range(n):
+        task, c = items[i % len(items)]
+        fn(task, c)
+    return n / (time.perf_counter() - t)
+
+
+async def run(args) -> list[dict]:
+    rows = []
+    async with RewardService(num_workers=args.workers, timeout_s=30) as svc:
+        # warm-up: every worker touches math-verify and the sandbox once
+        await service_rate(svc, MATH_LATEX, 4 * svc.num_workers)
+        await service_rate(svc, [CODE], 2 * svc.num_workers)
+        for name, items, fn in (("math (plain numbers, fast path)", MATH_NUMBERS, math_reward),
+                                ("math (LaTeX, math-verify)", MATH_LATEX, math_reward)):
+            direct_rate(fn, items, 8)  # warm this process
+            rate, st = await service_rate(svc, items, args.n)
+            rows.append({"reward": name, "service_per_s": rate, "direct_1proc_per_s": direct_rate(fn, items, args.n),
+                         "statuses": str(st)})
+        n_code = max(args.n // 8, 16)
+        rate, st = await service_rate(svc, [CODE], n_code)
+        rows.append({"reward": "code (trivial, 1 stdio test)", "service_per_s": rate,
+                     "direct_1proc_per_s": direct_rate(code_reward, [CODE], n_code // 2), "statuses": str(st)})
+
+        noop_task = ({"reward": "bench_reward:noop"}, "x")
+        lat = []
+        for _ in range(args.n):
+            t = time.perf_counter()
+            await svc.score(*noop_task)
+            lat.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for _ in range(args.n):
+            noop(*noop_task)
+        direct_us = (time.perf_counter() - t) / args.n * 1e6
+        rate, st = await service_rate(svc, [noop_task], args.n * 4)
+        rows.append({"reward": "no-op: overhead per call", "service_per_s": rate,
+                     "direct_1proc_per_s": 1e6 / direct_us, "statuses": str(st),
+                     "latency_median_us": statistics.median(lat) * 1e6,
+                     "latency_p99_us": sorted(lat)[int(0.99 * len(lat))] * 1e6})
+        print("service stats:", {k: v for k, v in svc.stats().items() if k != "by_reward"})
+    cols = ["reward", "service_per_s", "direct_1proc_per_s", "latency_median_us", "latency_p99_us", "statuses"]
+    return [{c: r.get(c, "") for c in cols} for r in rows]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=400, help="calls per measurement (code uses n/8)")
+    ap.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
+    ap.add_argument("--out", default=None, help="write a JSON result file")
+    args = ap.parse_args()
+    print(f"sandbox: {isolation()}")
+    rows = asyncio.run(run(args))
+    print_table(rows)
+    if args.out:
+        print("wrote", write_result("reward", rows, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Math reward: equivalence table (math-verify + the plain-number fast path), extraction, errors."""
+
+import pytest
+
+from areal_fast.reward.math import fast_numeric_equal, last_boxed, math_equal, math_reward
+from areal_fast.reward.result import RewardResult
+
+B = lambda s: "The final answer is $\\boxed{" + s + "}$."
+EQUIVALENT = [
+    (B("\\frac{3}{4}"), "3/4"),
+    (B("0.75"), "\\frac{3}{4}"),
+    (B("\\dfrac{3}{4}"), "0.75"),
+    (B("\\frac{1}{\\frac{2}{3}}"), "\\frac{3}{2}"),            # nested fraction
+    (B("\\frac{\\frac{1}{2}}{\\frac{3}{4}}"), "\\frac{2}{3}"),   # nested fraction
+    (B("\\frac{1}{1+\\frac{1}{2}}"), "2/3"),                    # continued fraction
+    (B("42"), "42"),
+    (B("-7"), "-7"),
+    (B("1,000"), "1000"),
+    (B("5\\text{ cm}"), "5"),                                   # units
+    (B("5 \\mathrm{m}"), "5"),
+    (B("90^\\circ"), "90"),
+    (B("12\\text{ dollars}"), "12"),
+    (B("10\\%"), "0.1"),
+    (B("[1,2)"), "[1,2)"),                                      # intervals
+    (B("(-\\infty, 2]"), "(-\\infty,2]"),
+    (B("(0, \\infty)"), "(0,\\infty)"),
+    (B("\\{1,2\\}"), "\\{2,1\\}"),
+    (B("x^2+2x+1"), "(x+1)^2"),
+    (B("\\sqrt{2}/2"), "\\frac{1}{\\sqrt2}"),
+    (B("2\\sqrt{2}"), "\\sqrt{8}"),
+    (B("x=3"), "3"),
+    (B("\\pi"), "\\pi"),
+    (B("2\\pi"), "\\pi \\cdot 2"),
+    (B("\\infty"), "\\infty"),
+    (B("(1, 2)"), "(1,2)"),
+    ("So the answer is 17.", "17"),                              # no box
+    (B("0.5"), "1/2"),
+    (B("\\frac12"), "0.5"),
+    (B("3.0"), "3"),
+    (B("\\frac{6}{8}"), "3/4"),
+    (B("\\frac{3}{4}"), "\\boxed{\\frac{6}{8}}"),
+]
+NOT_EQUIVALENT = [
+    (B("\\frac{4}{3}"), "3/4"),
+    (B("0.76"), "\\frac{3}{4}"),
+    (B("\\frac{1}{\\frac{3}{2}}"), "\\frac{3}{2}"),             # nested fraction, inverted
+    (B("(1,2)"), "[1,2]"),                                      # open vs closed interval
+    (B("[1,2]"), "[1,2)"),
+    (B("(-\\infty, 2)"), "(-\\infty,2]"),
+    (B("43"), "42"),
+    (B("-42"), "42"),
+    (B("x^2+1"), "(x+1)^2"),
+    (B("\\sqrt{3}"), "\\sqrt{2}"),
+    (B("\\{1,3\\}"), "\\{1,2\\}"),
+    (B("6\\text{ cm}"), "5"),
+    (B("2\\pi"), "\\pi"),
+    ("I don't know.", "42"),
+    (B(""), "3"),                                               # empty box
+    ("$$\\frac{", "3"),                                         # malformed LaTeX
+    (B("\\frac{3}{4"), "3/4"),                                  # unbalanced brace
+    ("\\boxed{\\frac{3}{4}", "1/2"),                            # unclosed box
+    (B("\\sqrt{}"), "2"),
+    (B("\\left( 1, 2"), "(1,2)"),                               # malformed delimiters
+    (B("}{}{\\\\"), "1"),
+    (B("0.333"), "1/3"),
+    (B("1e100"), "1"),
+]
+
+
+def test_table_is_big_enough():
+    assert len(EQUIVALENT) + len(NOT_EQUIVALENT) >= 40
+
+
+@pytest.mark.parametrize("pred,gold", EQUIVALENT)
+def test_equivalent(pred, gold):
+    assert math_equal(pred, gold), (pred, gold)
+
+
+@pytest.mark.parametrize("pred,gold", NOT_EQUIVALENT)
+def test_not_equivalent(pred, gold):
+    assert not math_equal(pred, gold), (pred, gold)
+
+
+# (prediction, gold, what the fast path must say: True/False, or None = defer to math-verify)
+FAST_CASES = [
+    (B("42"), "42", True),
+    (B("42.0"), "42", True),
+    (B("3/4"), "0.75", True),
+    (B("43"), "42", False),
+    (B("-3"), "3", False),
+    (B("0.3333333"), "0.333333", None),  # close: math-verify's 6-digit rounding decides
+    (B("1,000"), "1000", None),  # not a plain number: math-verify
+    (B("\\frac{3}{4}"), "0.75", None),
+    ("no box 42", "42", None),
+    (B("1") + B("2"), "2", None),  # several boxes: math-verify (it accepts any)
+    (B("5"), "x+1", None),  # gold not a number
+]
+
+
+@pytest.mark.parametrize("pred,gold,expected", FAST_CASES)
+def test_fast_path(pred, gold, expected):
+    assert fast_numeric_equal(pred, gold) is expected
+
+
+@pytest.mark.parametrize("pred,gold,_", [c for c in FAST_CASES if c[2] is not None])
+def test_fast_path_agrees_with_math_verify(pred, gold, _, monkeypatch):
+    fast = math_equal(pred, gold)
+    monkeypatch.setattr("areal_fast.reward.math.fast_numeric_equal", lambda p, g: None)
+    assert math_equal(pred, gold) == fast
+
+
+def test_last_boxed_nested_braces():
+    assert last_boxed("a \\boxed{\\frac{1}{2}} b \\fbox{x^{2}} c \\boxed{oops") == ["\\frac{1}{2}", "x^{2}"]
+
+
+def test_math_reward_result_and_errors():
+    r = math_reward({"answer": "3/4"}, B("\\frac{3}{4}"))
+    assert isinstance(r, RewardResult) and (r.value, r.status) == (1.0, "ok")
+    r = math_reward({"answer": 7}, B("8"))  # a non-string answer is accepted
+    assert (r.value, r.status) == (0.0, "ok")
+    with pytest.raises(KeyError, match="answer"):
+        math_reward({"gold": "1"}, B("1"))
+
+
+def test_malformed_inputs_never_raise():
+    for junk in ["\\", "{{{{", "\\boxed{\\frac{", "$" * 50, "\\begin{matrix", "\\sqrt[", "\x00\xff", "9" * 5000]:
+        assert math_equal(junk, "1") is False
+        assert math_equal(B("1"), junk) is False
