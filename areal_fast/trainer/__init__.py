@@ -24,7 +24,8 @@ Public API
     One trainer version (``ppo_n_minibatches`` optimizer steps). With ``broadcast_batch``
     (default) ranks other than 0 may pass None. Metrics: loss, the loss stats (ratio_mean,
     clip_fraction, approx_kl, behav_kl, entropy_mean, ...), grad_norm, lr, version,
-    n_tokens, n_loss_tokens, step_time_s, tokens_per_s and on GPU mfu.
+    n_tokens, n_loss_tokens, staleness_mean/max (versions behind the pre-step weights),
+    step_time_s, tokens_per_s and on GPU mfu.
 ``actor.version``  (int) trainer weight version; incremented by train_batch.
 ``actor.compute_logprobs(samples) -> list[Tensor]`` recomputed log-probs of the output tokens.
 ``actor.iter_full_params(dtype=None)`` yields (HF name, full tensor) one at a time (for weight sync).

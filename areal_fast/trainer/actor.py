@@ -78,6 +78,7 @@ class PPOActor:
                                            weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.version = 0
+        self._grad_observer = None
         self.loss_backend = _loss_backend(config.loss_backend, self.device)
         hidden = self.hf_config.hidden_size
         self._attn_coef = 1.0 / (12 * hidden) if config.packing_cost == "attention" else None
@@ -113,6 +114,7 @@ class PPOActor:
         return [([ids[j] for j in mb], [items[j] for j in mb]) for mb in plan.microbatches[self.rank]]
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks (on the device for nccl, on CPU for gloo); returns a CPU tensor."""
         dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
         t = t.to(dev)
         if self.world > 1:
@@ -120,14 +122,23 @@ class PPOActor:
         return t.cpu()
 
     # ---------------------------------------------------------------- forward passes
+    # The two LM-head ops; a benchmark subclass swaps in the materialised-logits references.
+    def _token_logprobs_op(self, hidden, weight, labels, bias):
+        return ops.fused_linear_token_logprobs(hidden, weight, labels, bias=bias,
+                                               temperature=self.config.ppo.temperature,
+                                               chunk_size=self.config.loss_chunk_size, backend=self.loss_backend)
+
+    def _loss_op(self, hidden, weight, labels, behav, adv, mask, **kw):
+        return ops.fused_linear_decoupled_ppo_loss(hidden, weight, labels, behav, adv, mask,
+                                                   chunk_size=self.config.loss_chunk_size,
+                                                   backend=self.loss_backend, **kw)
+
     @torch.no_grad()
     def _logprobs(self, model, p: Packed) -> torch.Tensor:
-        tau, chunk, be = self.config.ppo.temperature, self.config.loss_chunk_size, self.loss_backend
         labels = p.labels
 
         def head(h, w, b):
-            return ops.fused_linear_token_logprobs(h, w, labels, bias=b, temperature=tau, chunk_size=chunk,
-                                                   backend=be)
+            return self._token_logprobs_op(h, w, labels, b)
 
         return model(head, p.input_ids, p.position_ids, p.cu_seqlens, p.max_seqlen).float()
 
@@ -154,7 +165,7 @@ class PPOActor:
 
         Collective: every rank calls it; with ``broadcast_batch`` only rank 0's samples count."""
         t0 = time.perf_counter()
-        cfg, ppo = self.config, self.config.ppo
+        ppo = self.config.ppo
         samples = self._broadcast(samples)
         if not samples:
             raise ValueError("train_batch needs at least one sample")
@@ -192,7 +203,7 @@ class PPOActor:
         t_recompute = time.perf_counter() - t_recompute
 
         self.model.train()
-        totals: dict[str, torch.Tensor] = {}
+        totals: dict[str, torch.Tensor] = {}  # device float64 sums over this rank's micro-batches
         grad_norms, losses = [], []
         n_tok_local = 0
         for plan in plans:
@@ -202,7 +213,7 @@ class PPOActor:
                 local = sum(int(s.loss_mask.any()) for _, mb in plan for s in mb)
             denom = float(self._all_reduce(torch.tensor([local], dtype=torch.float64)).item())
             normalizer = max(denom, 1.0)
-            loss_sum = 0.0
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             for ids, mb in plan:
                 p = packed(ids, mb, prox, ref)
                 n_tok_local += p.n_tokens
@@ -210,13 +221,14 @@ class PPOActor:
                                  p.max_seqlen)
                 loss, stats = out[0], out[3]
                 (loss * self.world).backward()
-                loss_sum += float(loss.detach())
-                n = float(stats["n_tokens"])
-                totals["n_tokens"] = totals.get("n_tokens", 0.0) + n
+                # accumulate on the device: no host sync per micro-batch
+                loss_sum += loss.detach().double()
+                n = stats["n_tokens"].detach().double()
+                self._acc(totals, "n_tokens", n)
+                self._acc(totals, "nonfinite_count", stats["nonfinite_count"].detach().double())
                 for k in _MEAN_STATS:
                     if k in stats:
-                        totals[k] = totals.get(k, 0.0) + float(stats[k]) * n
-                totals["nonfinite_count"] = totals.get("nonfinite_count", 0.0) + float(stats["nonfinite_count"])
+                        self._acc(totals, k, stats[k].detach().double() * n)
             grad_norms.append(self._clip_and_step())
             losses.append(loss_sum)
         self.scheduler.step()
@@ -226,8 +238,8 @@ class PPOActor:
         elapsed = time.perf_counter() - t0
 
         keys = sorted(totals)
-        red = self._all_reduce(torch.tensor([totals[k] for k in keys] + losses + [float(n_tok_local)],
-                                            dtype=torch.float64)).tolist()
+        n_tok = torch.tensor(float(n_tok_local), dtype=torch.float64, device=self.device)
+        red = self._all_reduce(torch.stack([totals[k] for k in keys] + losses + [n_tok])).tolist()
         tot = dict(zip(keys, red[: len(keys)]))
         n_loss = max(tot.get("n_tokens", 0.0), 1.0)
         metrics = {k: tot[k] / n_loss for k in keys if k in _MEAN_STATS}
@@ -244,29 +256,35 @@ class PPOActor:
             recompute_time_s=t_recompute,
             tokens_per_s=red[-1] / elapsed,
         )
+        ages = torch.cat([self.version - 1 - s.versions[s.loss_mask] for s in seqs]).float()
+        if ages.numel():  # staleness of the trained tokens: versions behind the weights before this step
+            metrics.update(staleness_mean=float(ages.mean()), staleness_max=float(ages.max()))
         mfu = self._mfu(seqs, elapsed, recompute=(prox is not None) + (ref is not None))
         if mfu is not None:
             metrics["mfu"] = mfu
         return metrics
 
+    @staticmethod
+    def _acc(totals: dict, key: str, value: torch.Tensor) -> None:
+        totals[key] = value if key not in totals else totals[key] + value
+
     def _loss_fn(self, p: Packed, normalizer: float):
-        ppo, chunk, be = self.config.ppo, self.config.loss_chunk_size, self.loss_backend
+        ppo = self.config.ppo
         theta_version = self.version
 
         def head(h, w, b):
             prox = p.prox_logprobs
             if ppo.prox_mode == "approx":
-                cur = ops.fused_linear_token_logprobs(h.detach(), w.detach(), p.labels, bias=b,
-                                                      temperature=ppo.temperature, chunk_size=chunk, backend=be)
+                cur = self._token_logprobs_op(h.detach(), w.detach(), p.labels, b)
                 prox = adv_mod.approx_prox_logprobs(p.behav_logprobs, cur, p.versions.clamp(min=0), theta_version)
-            out = ops.fused_linear_decoupled_ppo_loss(
-                h, w, p.labels, p.behav_logprobs, p.advantages, p.loss_mask, bias=b, chunk_size=chunk,
+            out = self._loss_op(
+                h, w, p.labels, p.behav_logprobs, p.advantages, p.loss_mask, bias=b,
                 prox_logprobs=prox, ref_logprobs=p.ref_logprobs, cu_seqlens=p.cu_seqlens,
                 temperature=ppo.temperature, eps_clip=ppo.eps_clip, eps_clip_higher=ppo.eps_clip_higher,
                 dual_clip=ppo.dual_clip, behav_weight_cap=ppo.behav_weight_cap,
                 behav_weight_mode=ppo.behav_weight_mode, importance_level=ppo.importance_level,
                 kl_coef=ppo.kl_coef, kl_estimator=ppo.kl_estimator, entropy_coef=ppo.entropy_coef,
-                loss_agg=ppo.loss_agg, normalizer=normalizer, backend=be,
+                loss_agg=ppo.loss_agg, normalizer=normalizer,
             )
             # a tuple (not the dataclass) so FSDP2 sees the loss and hooks its backward
             return out.loss, out.logprobs, out.entropy, dict(out.stats)
@@ -279,6 +297,8 @@ class PPOActor:
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
+        if self._grad_observer is not None:  # tests: look at the (clipped) gradients before the step
+            self._grad_observer(self)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)

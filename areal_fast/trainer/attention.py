@@ -132,6 +132,7 @@ def varlen_attention_forward(
         from torch.nn.attention.varlen import varlen_attn
 
         # varlen_attn is causal-only; window (left, 0) keeps it causal with an optional sliding window
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = varlen_attn(q, k, v, cu_seq_lens_q, cu_k, max_q, max_k, scale=scaling, window_size=(window[0], 0),
                           enable_gqa=q.shape[1] != k.shape[1])
     else:

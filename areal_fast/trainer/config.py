@@ -25,9 +25,10 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (<= 0 disables clipping, the norm is still logged)."""
     warmup_steps: int = 0
-    """Linear warmup from 0 to ``lr`` over this many optimizer steps."""
+    """Linear warmup to ``lr`` over this many trainer steps (``train_batch`` calls; the LR is
+    constant across the ppo_n_minibatches optimizer steps of one batch)."""
     total_steps: int = 0
-    """Steps of the whole run, used by the decaying schedules (0 = constant after warmup)."""
+    """Trainer steps of the whole run, for the decaying schedules (0 = constant after warmup)."""
     lr_schedule: str = "constant"
     """'constant', 'linear' or 'cosine' decay after warmup."""
     min_lr_ratio: float = 0.0
@@ -138,7 +139,8 @@ class TrainerConfig:
     seed: int = 1
     """Seed for the random initialisation (when the directory has no weights) and the RNG."""
     broadcast_batch: bool = True
-    """In a multi-rank run only rank 0 needs to pass the samples; they are broadcast."""
+    """In a multi-rank run only rank 0 needs to pass the samples; they are broadcast. With False
+    every rank must pass the same full batch (the actor splits it over the ranks itself)."""
     peak_flops: float | None = None
     """Peak dense FLOP/s of one device for MFU (None = looked up from the device name)."""
     device: str | None = None
