@@ -145,13 +145,10 @@ class ModelSpec:
             if self.qk_norm:
                 s[f"{p}self_attn.q_norm.weight"] = (hd,)
                 s[f"{p}self_attn.k_norm.weight"] = (hd,)
-            s[f"{p}mlp.gate_proj.weight"] = (i_, h)
-            s[f"{p}mlp.up_proj.weight"] = (i_, h)
-            s[f"{p}mlp.down_proj.weight"] = (h, i_)
-            if self.mlp_bias:
-                s[f"{p}mlp.gate_proj.bias"] = (i_,)
-                s[f"{p}mlp.up_proj.bias"] = (i_,)
-                s[f"{p}mlp.down_proj.bias"] = (h,)
+            for n, shape in (("gate_proj", (i_, h)), ("up_proj", (i_, h)), ("down_proj", (h, i_))):
+                s[f"{p}mlp.{n}.weight"] = shape
+                if self.mlp_bias:
+                    s[f"{p}mlp.{n}.bias"] = shape[:1]
             s[f"{p}input_layernorm.weight"] = (h,)
             s[f"{p}post_attention_layernorm.weight"] = (h,)
         s["model.norm.weight"] = (h,)
@@ -241,7 +238,8 @@ class ModelSpec:
                 full(f"{a}q_norm.weight")
                 full(f"{a}k_norm.weight")
             for suf in ("weight", "bias") if self.mlp_bias else ("weight",):
-                stacked(f"{m}gate_up_proj.{suf}", [(f"{m}gate_proj.{suf}", rank * ni, ni), (f"{m}up_proj.{suf}", rank * ni, ni)])
+                stacked(f"{m}gate_up_proj.{suf}",
+                        [(f"{m}gate_proj.{suf}", rank * ni, ni), (f"{m}up_proj.{suf}", rank * ni, ni)])
             col_split(f"{m}down_proj.weight", rank * ni, ni)
             if self.mlp_bias:
                 full(f"{m}down_proj.bias")

@@ -14,6 +14,7 @@ sharded on dim 0 over ``n_ranks`` like FSDP2 (``torch.chunk``: rank r holds rows
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +46,7 @@ def rows_cols(shape) -> tuple[int, int]:
     """2-D view of a shape: (dim 0, product of the rest); a scalar is (1, 1)."""
     if len(shape) == 0:
         return 1, 1
-    return int(shape[0]), int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+    return int(shape[0]), math.prod(int(s) for s in shape[1:])
 
 
 def shard_rows(rows: int, n_ranks: int, rank: int) -> tuple[int, int]:

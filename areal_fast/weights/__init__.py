@@ -1,0 +1,28 @@
+"""Weight resharding and sync from FSDP2 trainers to inference servers.
+
+* :mod:`.layout` - HF <-> SGLang layouts (Qwen2/Qwen2.5, Qwen3, Llama), TP splits;
+* :mod:`.plan` - the reshard planner (C++ ``csrc/reshard/``) and its Python reference;
+* :mod:`.interval_copy` - executes plans (CUDA kernel / C++ CPU / torch reference);
+* :mod:`.gather` - FSDP2 shards -> flattened buckets on rank 0, pipelined;
+* :mod:`.sync` - :class:`WeightSync` transports (distributed broadcast, disk);
+* :mod:`.colocated` - per-TP-rank SGLang shards through CUDA IPC (GPU only).
+
+Submodules are imported lazily; ``import areal_fast.weights`` does not load the native core.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "WeightSync": "sync", "DistributedWeightSync": "sync", "DiskWeightSync": "sync", "WeightSyncConfig": "sync",
+    "ServerTarget": "sync", "WeightSyncError": "sync", "ModelSpec": "layout", "ColocatedWeightSync": "colocated",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"areal_fast.weights.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'areal_fast.weights' has no attribute {name!r}")

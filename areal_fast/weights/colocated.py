@@ -1,0 +1,111 @@
+"""Colocated weight update (GPU only): per-TP-rank SGLang-layout shards through CUDA IPC.
+
+Setting: one SGLang server with ``tp == trainer world size`` shares the trainer's GPUs, TP rank
+r on trainer rank r's GPU. Each trainer rank
+
+1. materialises the full HF tensors (``DTensor.full_tensor()``: one all-gather per parameter;
+   colocated models are small enough to hold once per GPU),
+2. builds its TP rank's SGLang-layout buffer with ONE interval-copy launch from a cached
+   ``plan_tp_shard`` plan (qkv / gate_up stacking, TP splits, replicated kv heads, vocabulary
+   padding, fp32 -> bf16 cast),
+3. serialises ``[(sglang_name, view)]`` with CUDA IPC handles exactly like SGLang's
+   ``MultiprocessingSerializer.serialize(..., output_str=True)`` (ForkingPickler + base64),
+
+and rank 0 posts ``/update_weights_from_tensor`` with one payload per TP rank and
+``load_format="direct"`` (the server copies each tensor into the parameter of that name).
+Buffers stay alive until the next update, since the server reads them after we return.
+
+Status: written against the protocol but not yet run on a GPU in CI (no device was lent); on a
+CPU-only machine :meth:`ColocatedWeightSync.update` raises NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import torch
+import torch.distributed as dist
+
+from areal_fast.weights.interval_copy import interval_copy
+from areal_fast.weights.layout import ModelSpec, clean_name, sendable
+from areal_fast.weights.plan import TPShardPlan, dtype_code, plan_tp_shard
+from areal_fast.weights.sync import WeightSync, WeightSyncConfig
+
+
+def serialize_for_sglang(obj) -> str:
+    """SGLang's MultiprocessingSerializer.serialize(obj, output_str=True): CUDA tensors become IPC handles."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers the CUDA tensor reductions with ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("utf-8")
+
+
+def build_tp_shard(full: dict[str, torch.Tensor], spec: ModelSpec, tp: int, tp_rank: int,
+                   dtype: torch.dtype = torch.bfloat16, plan: TPShardPlan | None = None
+                   ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]], TPShardPlan]:
+    """TP rank ``tp_rank``'s SGLang-layout parameters from full HF tensors, in one buffer (works on
+    CPU too; tests compare it with :func:`areal_fast.weights.layout.hf_to_sglang`)."""
+    names = list(spec.hf_shapes())
+    srcs = [full[n].contiguous() for n in names]
+    if plan is None:
+        plan = plan_tp_shard(spec, tp, tp_rank, names, [tuple(t.shape) for t in srcs],
+                             [dtype_code(t.dtype) for t in srcs], dtype)
+    buf = torch.zeros(plan.buffer_bytes, dtype=torch.uint8, device=srcs[0].device)  # zero: vocab padding rows
+    interval_copy(srcs, [buf], plan.intervals[0])
+    named = []
+    for n, shp, off in zip(plan.names, plan.shapes, plan.offsets.tolist()):
+        nb = dtype.itemsize * torch.Size(shp).numel()
+        named.append((n, buf[off : off + nb].view(dtype).view(shp)))
+    return buf, named, plan
+
+
+class ColocatedWeightSync(WeightSync):
+    """``/update_weights_from_tensor`` with per-TP-rank shards (see the module docstring)."""
+
+    def __init__(self, server, spec: ModelSpec, config: WeightSyncConfig | None = None, group=None):
+        super().__init__([server], config, group)
+        self.spec = spec
+        self._plan: TPShardPlan | None = None
+        self._alive: torch.Tensor | None = None
+
+    def update(self, model_or_state, version) -> None:
+        if not torch.cuda.is_available():
+            raise NotImplementedError("ColocatedWeightSync needs CUDA (CUDA IPC handles); on CPU use "
+                                      "DistributedWeightSync (gloo) or DiskWeightSync")
+        super().update(model_or_state, version)
+
+    def _send(self, model_or_state, version: str) -> None:
+        from torch.distributed.tensor import DTensor
+
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        rank = self.rank
+        state = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
+        full = {}
+        for n, t in sendable({clean_name(k): v for k, v in state.items()}, self.spec).items():
+            full[n] = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+        if rank == 0:
+            self._read_server_info()
+            if self.servers[0].tp_size != world:
+                raise ValueError(f"{self.servers[0].url} has tp_size={self.servers[0].tp_size}, the trainer group "
+                                 f"has {world} ranks; colocated sync needs one TP rank per trainer rank")
+        buf, named, self._plan = build_tp_shard(full, self.spec, world, rank, self.config.dtype or torch.bfloat16,
+                                                self._plan)
+        torch.cuda.current_stream().synchronize()  # the server reads through IPC on its own streams
+        self._alive = buf
+        payload = serialize_for_sglang(named)
+        payloads = [None] * world if rank == 0 else None
+        if world > 1:
+            dist.gather_object(payload, payloads, dst=dist.get_global_rank(self.group, 0) if self.group else 0,
+                               group=self.group)
+        else:
+            payloads = [payload]
+        if rank == 0:
+            begun = self._begin()
+            self.http.all([self.servers[0].url], "/update_weights_from_tensor", {
+                "serialized_named_tensors": payloads, "load_format": "direct", "flush_cache": self.config.flush_cache,
+                "abort_all_requests": False, "weight_version": version})
+            self._end(begun)
