@@ -15,6 +15,10 @@ from areal_fast.ops import STAT_NAMES, decoupled_ppo_loss_ref, token_logprobs_re
 FP64_TOL = 1e-10
 
 
+def _f(x) -> float:
+    return float(x.detach()) if torch.is_tensor(x) else float(x)
+
+
 def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
     """Loss (autograd-differentiable in z) and stats, per the spec, in fp64."""
     tau = o.get("temperature", 1.0)
@@ -26,23 +30,23 @@ def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
     logP = x - torch.logsumexp(x, -1, keepdim=True)
     P = logP.exp()
     T = z.shape[0]
-    l = [logP[t, y[t]] for t in range(T)]
+    l = [logP[t, y[t]] for t in range(T)]  # noqa: E741  (the spec's name)
     H = [-(P[t] * logP[t]).sum() for t in range(T)]
     pt = b if p is None else p
     rho, nonfinite = [], 0
     for t in range(T):
-        d = l[t] - float(pt[t])
-        if not math.isfinite(float(d)):
+        d = l[t] - _f(pt[t])
+        if not math.isfinite(_f(d)):
             nonfinite += int(m[t] != 0)
-            d = d * 0.0 if math.isnan(float(d)) else torch.zeros((), dtype=torch.float64)
+            d = d * 0.0 if math.isnan(_f(d)) else torch.zeros((), dtype=torch.float64)
         rho.append(torch.clamp(d, -20.0, 20.0))
 
     def surr(r, a):
         rc = torch.clamp(r, 1 - eps, 1 + eps_h)
-        clipped = float(-a * rc) > float(-a * r)
+        clipped = _f(-a * rc) > _f(-a * r)
         pg = -a * rc if clipped else -a * r
         dual = False
-        if c is not None and a < 0 and float(-c * a) < float(pg):
+        if c is not None and a < 0 and _f(-c * a) < _f(pg):
             pg, dual = -c * a + 0.0 * pg, True
         return pg, clipped, dual
 
@@ -51,21 +55,21 @@ def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
     if o.get("importance_level", "token") == "token":
         for t in range(T):
             r = torch.exp(rho[t])
-            pg[t], clip[t], dualf[t] = surr(r, float(A[t]))
-            ratio[t] = float(r)
+            pg[t], clip[t], dualf[t] = surr(r, _f(A[t]))
+            ratio[t] = _f(r)
     else:
         for s, e in segs:
             idx = [t for t in range(s, e) if m[t]]
             n = max(len(idx), 1)
             rs = torch.exp(sum((rho[t] for t in idx), torch.zeros((), dtype=torch.float64)) / n)
-            As = sum(float(A[t]) for t in idx) / n
+            As = sum(_f(A[t]) for t in idx) / n
             pgs, cl, du = surr(rs, As)
             for t in range(s, e):
-                pg[t], clip[t], dualf[t], ratio[t] = pgs, cl, du, float(rs)
+                pg[t], clip[t], dualf[t], ratio[t] = pgs, cl, du, _f(rs)
     L = []
     stat = {k: [] for k in ("w_raw", "capped", "kl")}
     for t in range(T):
-        w = 1.0 if p is None else math.exp(float(p[t]) - float(b[t]))
+        w = 1.0 if p is None else math.exp(_f(p[t]) - _f(b[t]))
         stat["w_raw"].append(w)
         capped = U is not None and w > U
         stat["capped"].append(capped)
@@ -73,9 +77,9 @@ def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
             w = 0.0 if o.get("behav_weight_mode", "mask") == "mask" else U
         Lt = w * pg[t]
         if o.get("kl_coef", 0.0) > 0:
-            d = l[t] - float(q[t])
+            d = l[t] - _f(q[t])
             k = {"k1": d, "k2": d * d / 2, "k3": torch.exp(-d) + d - 1}[o.get("kl_estimator", "k3")]
-            stat["kl"].append(float(k))
+            stat["kl"].append(_f(k))
             Lt = Lt + o["kl_coef"] * k
         Lt = Lt - o.get("entropy_coef", 0.0) * H[t]
         L.append(Lt)
@@ -94,14 +98,14 @@ def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
     n = max(len(masked), 1)
 
     def mean(v):
-        return sum(float(v[t]) for t in masked) / n
+        return sum(_f(v[t]) for t in masked) / n
 
     stats = {
         "n_tokens": len(masked), "ratio_mean": mean(ratio), "clip_fraction": mean(clip),
-        "dual_clip_fraction": mean(dualf), "approx_kl": mean([float(l[t]) - float(pt[t]) for t in range(T)]),
-        "behav_kl": mean([float(pt[t]) - float(b[t]) for t in range(T)]),
+        "dual_clip_fraction": mean(dualf), "approx_kl": mean([_f(l[t]) - _f(pt[t]) for t in range(T)]),
+        "behav_kl": mean([_f(pt[t]) - _f(b[t]) for t in range(T)]),
         "behav_weight_mean": mean(stat["w_raw"]), "behav_capped_fraction": mean(stat["capped"]),
-        "entropy_mean": mean([float(h) for h in H]), "nonfinite_count": nonfinite,
+        "entropy_mean": mean([_f(h) for h in H]), "nonfinite_count": nonfinite,
     }
     if stat["kl"]:
         stats["kl_mean"] = mean(stat["kl"])
@@ -237,7 +241,7 @@ def test_fully_masked_batch_gives_zero_loss_and_grad():
     out = decoupled_ppo_loss_ref(z, d["y"], d["b"], d["A"], torch.zeros(12), cu_seqlens=d["cu"],
                                  loss_agg="seq-mean-token-mean")
     out.loss.backward()
-    assert float(out.loss) == 0.0 and torch.all(z.grad == 0)
+    assert float(out.loss.detach()) == 0.0 and torch.all(z.grad == 0)
     assert float(out.stats["n_tokens"]) == 0.0
 
 

@@ -9,7 +9,12 @@ Public API::
     fused_linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
                                 return_entropy=False, chunk_size=None)
 
-and their pure-PyTorch references ``*_ref``. Importing this package does not import Triton.
+and their pure-PyTorch references ``*_ref``. Extra keywords beyond the issue's signatures:
+``backend=`` ('triton' | 'interpret' | 'reference' | None = ``areal_fast.backend.select``) on all
+four, ``grad_inplace=`` on ``decoupled_ppo_loss`` (write dloss/dlogits into the logits buffer) and
+``single_pass=`` on ``fused_linear_decoupled_ppo_loss`` (gradients during the forward; default on
+for token-level importance). The objective itself (``ppo_objective``) is plain PyTorch on [T]
+vectors, shared by every backend. Importing this package does not import Triton.
 """
 
 from .fused_linear import default_chunk_size, fused_linear_decoupled_ppo_loss, fused_linear_token_logprobs

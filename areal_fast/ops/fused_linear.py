@@ -7,9 +7,12 @@ grad_weight += dz^T @ h_c are matmuls. Peak extra memory is one chunk of logits 
 grad_weight accumulator ([V, H]); the materialised path holds [T, V] logits, their gradient and
 fp32 temporaries.
 
-Cost: one forward GEMM and three in the backward (recompute + two gradient GEMMs), i.e.
-4/3 of the bare lm_head GEMMs; the recompute is what lets the objective couple tokens
-(sequence-level ratios, any normaliser) while keeping memory at one chunk.
+Cost. Token-level importance (the default): every token's loss depends only on its own l_t and
+H_t, so g_t and e_t are known as soon as a chunk's statistics are, and the gradients are
+computed during the forward (``single_pass``): 3 GEMMs, as the bare lm_head (forward + two
+backward GEMMs), plus the memory-bound loss kernels. Sequence-level importance couples the
+tokens of a sequence: the forward keeps only [T] statistics and the backward recomputes each
+chunk's logits, 4 GEMMs (4/3 of the bare lm_head).
 
 FSDP2. ``weight`` must be the full (unsharded) [V, H] lm_head weight. With FSDP2
 (``fully_shard``), a parameter is only unsharded inside its module's forward (pre-forward
@@ -38,13 +41,17 @@ from torch import Tensor
 from areal_fast.backend import select
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.areal_fast.*)
-from .ppo_objective import PPOLossConfig, check_token_inputs, ppo_objective
+from .ppo_objective import PPOLossConfig, aggregation_weights, check_token_inputs, ppo_objective
 from .types import PPOLossOutput
 
 AVAILABLE = ("triton", "interpret", "reference")
 # At least 1024 rows per chunk: [1024, H] @ [H, V] GEMMs run near peak on H100, while smaller
 # chunks (Liger's heuristic gives 128 rows at T = 4096, H = 3584, V = 151936) lose efficiency.
 MIN_CHUNK = 1024
+
+
+def _opt_float(x) -> float | None:
+    return None if x is None else float(x)
 
 
 def default_chunk_size(T: int, H: int, V: int) -> int:
@@ -72,6 +79,10 @@ def _check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: T
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     if labels.shape != (hidden.shape[0],):
         raise ValueError(f"labels must have shape [{hidden.shape[0]}], got {tuple(labels.shape)}")
+    if labels.device != hidden.device or labels.dtype.is_floating_point:
+        raise ValueError(f"labels must be an integer tensor on {hidden.device}, got {labels.dtype} on {labels.device}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device}, hidden on {hidden.device}")
     T, H = hidden.shape
     if chunk_size is None:
         return default_chunk_size(T, H, weight.shape[0])
@@ -105,6 +116,7 @@ def fused_linear_decoupled_ppo_loss(
     entropy_coef: float = 0.0,
     loss_agg: str = "token-mean",
     normalizer: float | Tensor | None = None,
+    single_pass: bool | None = None,
     backend: str | None = None,
 ) -> PPOLossOutput:
     """:func:`areal_fast.ops.decoupled_ppo_loss` of ``logits = hidden @ weight.T (+ bias)``.
@@ -112,6 +124,9 @@ def fused_linear_decoupled_ppo_loss(
     ``hidden`` [T, H] (final hidden states, already shifted like the labels), ``weight`` [V, H]
     the full lm_head weight (see the module docstring for FSDP2), same dtype. Gradients flow to
     hidden, weight and bias. ``chunk_size`` rows per chunk (default: ``default_chunk_size``).
+    ``single_pass`` (default: when ``importance_level="token"``): compute the gradients during
+    the forward (3 GEMMs, no recompute); they are held (grad_hidden [T, H], grad_weight [V, H]
+    in the weight dtype) until the backward. Otherwise the backward recomputes the logits.
     """
     chunk = _check_linear(hidden, weight, bias, labels, chunk_size)
     cfg = PPOLossConfig(temperature=temperature, eps_clip=eps_clip, eps_clip_higher=eps_clip_higher,
@@ -121,6 +136,27 @@ def fused_linear_decoupled_ppo_loss(
     check_token_inputs(hidden.shape[0], hidden.device, labels, behav_logprobs, advantages, loss_mask,
                        prox_logprobs, ref_logprobs, cu_seqlens, cfg)
     be = select("ppo_loss", hidden.device, available=AVAILABLE, override=backend)
+    needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    if single_pass is None:
+        single_pass = cfg.importance_level == "token"
+    if single_pass and cfg.importance_level != "token":
+        raise ValueError("single_pass=True needs importance_level='token' (sequence-level ratios couple tokens)")
+    if single_pass and torch.is_grad_enabled() and any(needs):
+        # Gradients in the forward (3 GEMMs); the loss value and stats come from the same
+        # per-token function, evaluated on the detached [T] statistics.
+        coef = aggregation_weights(loss_mask, cu_seqlens, normalizer, cfg, torch.float32, hidden.device)
+        # detached inputs: the op has no autograd formula; attach_grads below carries the gradients
+        logp, ent, gh, gw, gb = torch.ops.areal_fast.fused_linear_ppo_single_pass(
+            hidden.detach(), weight.detach(), None if bias is None else bias.detach(), labels, behav_logprobs,
+            advantages, loss_mask, prox_logprobs, ref_logprobs, coef,
+            float(temperature), chunk, be, float(eps_clip), _opt_float(eps_clip_higher), _opt_float(dual_clip),
+            _opt_float(behav_weight_cap), behav_weight_mode, float(kl_coef), kl_estimator, float(entropy_coef),
+            *needs)
+        with torch.no_grad():
+            loss, stats = ppo_objective(logp, ent, behav_logprobs, advantages, loss_mask, prox=prox_logprobs,
+                                        ref=ref_logprobs, cu_seqlens=cu_seqlens, normalizer=normalizer, cfg=cfg)
+        loss = torch.ops.areal_fast.attach_grads(loss, hidden, weight, bias, gh, gw, gb)
+        return PPOLossOutput(loss=loss, logprobs=logp, entropy=ent, stats=stats)
     logp, ent, _ = torch.ops.areal_fast.fused_linear_token_stats(hidden, weight, bias, labels, float(temperature),
                                                                  chunk, be)
     loss, stats = ppo_objective(logp, ent, behav_logprobs, advantages, loss_mask, prox=prox_logprobs,

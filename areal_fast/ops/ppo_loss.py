@@ -26,6 +26,8 @@ def _check_logits(logits: Tensor, labels: Tensor) -> Tensor:
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     if labels.shape != (logits.shape[0],):
         raise ValueError(f"labels must have shape [{logits.shape[0]}], got {tuple(labels.shape)}")
+    if labels.device != logits.device or labels.dtype.is_floating_point:
+        raise ValueError(f"labels must be an integer tensor on {logits.device}, got {labels.dtype} on {labels.device}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     return logits
@@ -67,7 +69,8 @@ def decoupled_ppo_loss(
 
     No fp32 [T, V] tensor is made on the Triton path; the backward writes dloss/dlogits in the
     logits' dtype. ``grad_inplace=True`` writes it into the logits buffer itself (no extra
-    memory): only use it when nothing else needs the logits' values after the backward.
+    memory): only use it when nothing else needs the logits' values after the backward, and on
+    a non-leaf buffer (e.g. the output of the lm_head matmul; a leaf's ``.grad`` would alias it).
     Labels outside [0, V) (e.g. -100) must be masked out. ``backend``: 'triton', 'interpret',
     'reference' or None (``areal_fast.backend.select``).
     """

@@ -28,8 +28,9 @@ def token_stats_ref(logits: Tensor, labels: Tensor, temperature: float = 1.0) ->
     x = logits.to(_math_dtype(logits.dtype)) / temperature
     logP = F.log_softmax(x, dim=-1)
     P = logP.exp()
-    # P log P is 0 where P == 0 (logits of -inf), not NaN.
-    ent = -torch.where(P > 0, P * logP, torch.zeros_like(P)).sum(-1)
+    # P log P is 0 where P == 0 (logits of -inf), not NaN; log P is zeroed there *before* the
+    # product so that the backward does not form -inf * 0 either.
+    ent = -(P * torch.where(P > 0, logP, torch.zeros_like(logP))).sum(-1)
     valid = (labels >= 0) & (labels < V)
     lab = torch.where(valid, labels, torch.zeros_like(labels)).long()
     logp = logP.gather(1, lab[:, None])[:, 0]

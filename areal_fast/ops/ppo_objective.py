@@ -23,6 +23,7 @@ Choices the spec leaves open (written down here as the spec asks):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -159,6 +160,143 @@ def _surrogate(r: Tensor, A: Tensor, cfg: PPOLossConfig):
     return pg, clipped, dual
 
 
+class TokenConstants(NamedTuple):
+    """The constant per-token inputs, cleaned: zero on unmasked tokens, in the math dtype."""
+
+    m: Tensor  # bool mask
+    b: Tensor
+    A: Tensor
+    p: Tensor
+    q: Tensor | None
+    w_raw: Tensor  # behaviour weight exp(p - b) before the cap (1 without prox)
+    w: Tensor  # after the cap
+    capped: Tensor  # bool
+
+    def slice(self, a: int, b: int) -> TokenConstants:
+        return TokenConstants(*(None if x is None else x[a:b] for x in self))
+
+
+def token_constants(behav, adv, mask, prox, ref, dt, dev, cfg: PPOLossConfig) -> TokenConstants:
+    """Detached, cleaned constants. Values of unmasked tokens (prompt, padding) may hold anything
+    (NaN advantages, -inf log-probs); they are zeroed, since a NaN there would leak through
+    0 * NaN in the backward."""
+    with torch.no_grad():
+        m = mask.detach().to(dev) != 0
+        zero = torch.zeros((), dtype=dt, device=dev)
+
+        def const(x):
+            return torch.where(m, x.detach().to(dt), zero)
+
+        b = const(behav)
+        A = const(adv)
+        p = b if prox is None else const(prox)
+        q = None if ref is None else const(ref)
+        w_raw = torch.ones_like(b) if prox is None else torch.exp(p - b)
+        w = w_raw
+        capped = torch.zeros_like(m)
+        if cfg.behav_weight_cap is not None:
+            capped = w_raw > cfg.behav_weight_cap
+            if cfg.behav_weight_mode == "mask":
+                w = torch.where(capped, torch.zeros_like(w_raw), w_raw)
+            else:
+                w = w_raw.clamp(max=cfg.behav_weight_cap)
+    return TokenConstants(m, b, A, p, q, w_raw, w, capped)
+
+
+def _log_ratio(logp: Tensor, C: TokenConstants):
+    rho_raw = logp - C.p
+    finite = torch.isfinite(rho_raw)
+    rho_clean = torch.where(finite, rho_raw, torch.zeros_like(rho_raw))
+    return rho_clean.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), rho_clean, finite
+
+
+def per_token_loss(logp: Tensor, entropy: Tensor, C: TokenConstants, cfg: PPOLossConfig, pg=None):
+    """L_t = w_t pg_t + kl_coef KL_t - entropy_coef H_t on masked tokens, 0 elsewhere.
+
+    ``pg`` (the surrogate) is computed here at token level; at sequence level the caller passes
+    it. Elementwise in every input, so it can be evaluated on any slice of tokens (the fused
+    single-pass path evaluates it one chunk at a time). Returns (L, kl or None, aux) where aux is
+    (r, clipped, dual, rho_clean, finite) at token level, else None.
+    """
+    aux = None
+    if pg is None:
+        rho, rho_clean, finite = _log_ratio(logp, C)
+        r = torch.exp(rho)
+        pg, clipped, dual = _surrogate(r, C.A, cfg)
+        aux = (r, clipped, dual, rho_clean, finite)
+    L = C.w * pg
+    kl = None
+    if cfg.kl_coef > 0:
+        d = logp - C.q
+        if cfg.kl_estimator == "k1":
+            kl = d
+        elif cfg.kl_estimator == "k2":
+            kl = 0.5 * d * d
+        else:
+            kl = torch.exp(-d) + d - 1.0
+        L = L + cfg.kl_coef * kl
+    if cfg.entropy_coef != 0:
+        L = L - cfg.entropy_coef * entropy
+    return torch.where(C.m, L, torch.zeros_like(L)), kl, aux
+
+
+def per_token_grads(logp: Tensor, entropy: Tensor, C: TokenConstants, cfg: PPOLossConfig):
+    """(dL_t/dl_t, dL_t/dH_t) of :func:`per_token_loss` at token level, in closed form.
+
+    Used by the fused single-pass path, whose custom op runs below autograd. It follows
+    PyTorch's own derivative conventions so it equals autograd of ``per_token_loss`` exactly:
+    clamp passes the gradient on its closed interval, maximum/minimum split it at ties, and
+    ``where`` blocks it on the branch not taken (checked in tests/test_ppo_loss_fused_linear.py).
+    """
+    dt = logp.dtype
+    zero = torch.zeros((), dtype=dt, device=logp.device)
+    rho_raw = logp - C.p
+    finite = torch.isfinite(rho_raw)
+    rho_clean = torch.where(finite, rho_raw, zero)
+    drho = finite & (rho_clean >= -LOG_RATIO_CLAMP) & (rho_clean <= LOG_RATIO_CLAMP)
+    r = torch.exp(rho_clean.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    lo = 1.0 - cfg.eps_clip
+    hi = 1.0 + (cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher)
+    rc = r.clamp(lo, hi)
+    drc = ((r >= lo) & (r <= hi)).to(dt)
+    A = C.A
+    s1, s2 = -A * r, -A * rc
+    d1, d2 = -A, -A * drc  # d s / d r
+    dpg = torch.where(s1 > s2, d1, torch.where(s2 > s1, d2, 0.5 * (d1 + d2)))
+    if cfg.dual_clip is not None:
+        pg = torch.maximum(s1, s2)
+        bound = -cfg.dual_clip * A
+        dmin = torch.where(pg < bound, dpg, torch.where(pg > bound, zero, 0.5 * dpg))
+        dpg = torch.where(A < 0, dmin, dpg)
+    g = torch.where(drho, C.w * dpg * r, zero)  # where, not * 0: w may be NaN where p is
+    if cfg.kl_coef > 0:
+        d = logp - C.q
+        if cfg.kl_estimator == "k1":
+            dk = torch.ones_like(d)
+        elif cfg.kl_estimator == "k2":
+            dk = d
+        else:
+            dk = 1.0 - torch.exp(-d)
+        g = g + cfg.kl_coef * dk
+    e = torch.full_like(entropy, -cfg.entropy_coef)
+    return torch.where(C.m, g, zero), torch.where(C.m, e, zero)
+
+
+def aggregation_weights(mask: Tensor, cu_seqlens: Tensor | None, normalizer, cfg: PPOLossConfig, dt, dev) -> Tensor:
+    """Constant c_t with loss = sum_t c_t L_t: m_t / D (token-mean) or m_t / (max(n_s, 1) S')."""
+    with torch.no_grad():
+        mf = (mask.detach().to(dev) != 0).to(dt)
+        T = mf.shape[0]
+        if cfg.loss_agg == "token-mean":
+            D = mf.sum().clamp_min(1.0) if normalizer is None else normalizer
+            return mf / D
+        S = cu_seqlens.shape[0] - 1
+        seg = segment_ids(cu_seqlens, T, dev)
+        n_s = _segsum(mf, seg, S)
+        Sp = (n_s > 0).to(dt).sum().clamp_min(1.0) if normalizer is None else normalizer
+        return mf / (n_s.clamp_min(1.0)[seg] * Sp)
+
+
 def ppo_objective(
     logp: Tensor,
     entropy: Tensor,
@@ -179,78 +317,33 @@ def ppo_objective(
     """
     T = logp.shape[0]
     dt, dev = logp.dtype, logp.device
-    m = mask.detach().to(dev) != 0
-    mf = m.to(dt)
-    b = behav.detach().to(dt)
-    A = adv.detach().to(dt)
-    p = b if prox is None else prox.detach().to(dt)
-
-    rho_raw = logp - p
-    finite = torch.isfinite(rho_raw)
-    rho_clean = torch.where(finite, rho_raw, torch.zeros_like(rho_raw))
-    rho = rho_clean.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-
-    seg = S = n_s = None
-    if cfg.needs_segments:
-        S = cu_seqlens.shape[0] - 1
-        seg = segment_ids(cu_seqlens, T, dev)
-        n_s = _segsum(mf, seg, S)
+    C = token_constants(behav, adv, mask, prox, ref, dt, dev, cfg)
+    m = C.m
+    zero = torch.zeros((), dtype=dt, device=dev)
 
     if cfg.importance_level == "token":
-        r = torch.exp(rho)
-        pg, clipped, dual = _surrogate(r, A, cfg)
+        L, kl, (r, clipped, dual, rho_clean, finite) = per_token_loss(logp, entropy, C, cfg)
     else:
-        denom = n_s.clamp_min(1.0)
-        zero = torch.zeros_like(rho)
+        rho, rho_clean, finite = _log_ratio(logp, C)
+        S = cu_seqlens.shape[0] - 1
+        seg = segment_ids(cu_seqlens, T, dev)
+        denom = _segsum(m.to(dt), seg, S).clamp_min(1.0)
         rho_s = _segsum(torch.where(m, rho, zero), seg, S) / denom
-        A_s = _segsum(torch.where(m, A, zero), seg, S) / denom
+        A_s = _segsum(C.A, seg, S) / denom
         r_s = torch.exp(rho_s)
         pg_s, clipped_s, dual_s = _surrogate(r_s, A_s, cfg)
-        r, pg, clipped, dual = r_s[seg], pg_s[seg], clipped_s[seg], dual_s[seg]
+        r, clipped, dual = r_s[seg], clipped_s[seg], dual_s[seg]
+        L, kl, _ = per_token_loss(logp, entropy, C, cfg, pg=pg_s[seg])
+
+    c = aggregation_weights(mask, cu_seqlens, normalizer, cfg, dt, dev)
+    loss = (c * L).sum()
 
     with torch.no_grad():
-        if prox is None:
-            w_raw = torch.ones_like(b)
-        else:
-            w_raw = torch.exp(p - b)
-        w = w_raw
-        capped = torch.zeros_like(m)
-        if cfg.behav_weight_cap is not None:
-            capped = w_raw > cfg.behav_weight_cap
-            if cfg.behav_weight_mode == "mask":
-                w = torch.where(capped, torch.zeros_like(w_raw), w_raw)
-            else:
-                w = w_raw.clamp(max=cfg.behav_weight_cap)
-
-    L = w * pg
-    kl = None
-    if cfg.kl_coef > 0:
-        d = logp - ref.detach().to(dt)
-        if cfg.kl_estimator == "k1":
-            kl = d
-        elif cfg.kl_estimator == "k2":
-            kl = 0.5 * d * d
-        else:
-            kl = torch.exp(-d) + d - 1.0
-        L = L + cfg.kl_coef * kl
-    if cfg.entropy_coef != 0:
-        L = L - cfg.entropy_coef * entropy
-    L = torch.where(m, L, torch.zeros_like(L))
-
-    if cfg.loss_agg == "token-mean":
-        D = mf.sum().clamp_min(1.0) if normalizer is None else normalizer
-        loss = L.sum() / D
-    else:
-        per_seq = _segsum(L, seg, S) / n_s.clamp_min(1.0)
-        Sp = (n_s > 0).to(dt).sum().clamp_min(1.0) if normalizer is None else normalizer
-        loss = per_seq.sum() / Sp
-
-    with torch.no_grad():
-        n = mf.sum()
+        n = m.to(dt).sum()
         nd = n.clamp_min(1.0)
 
         def mean(x):
-            return torch.where(m, x.to(dt), torch.zeros((), dtype=dt, device=dev)).sum() / nd
+            return torch.where(m, x.to(dt), zero).sum() / nd
 
         stats = {
             "n_tokens": n,
@@ -258,9 +351,9 @@ def ppo_objective(
             "clip_fraction": mean(clipped),
             "dual_clip_fraction": mean(dual),
             "approx_kl": mean(rho_clean),
-            "behav_kl": mean(p - b),
-            "behav_weight_mean": mean(w_raw),
-            "behav_capped_fraction": mean(capped),
+            "behav_kl": mean(C.p - C.b),
+            "behav_weight_mean": mean(C.w_raw),
+            "behav_capped_fraction": mean(C.capped),
             "entropy_mean": mean(entropy),
             "nonfinite_count": (m & ~finite).to(dt).sum(),
         }

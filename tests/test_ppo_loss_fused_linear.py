@@ -1,0 +1,276 @@
+"""Fused-linear decoupled-PPO loss vs the materialised path; chunking and micro-batch invariance."""
+
+import pytest
+import torch
+
+from areal_fast.ops import (
+    PPOLossConfig,
+    decoupled_ppo_loss,
+    default_chunk_size,
+    fused_linear_decoupled_ppo_loss,
+    fused_linear_decoupled_ppo_loss_ref,
+    fused_linear_token_logprobs,
+    fused_linear_token_logprobs_ref,
+)
+from areal_fast.ops.ppo_objective import per_token_grads, per_token_loss, token_constants
+
+# fp32 GEMMs in another blocking (chunks) + fp32 loss math: a few ulps of the largest term.
+FP32_TOL = dict(atol=2e-5, rtol=2e-4)
+OPTS = dict(temperature=0.8, eps_clip=0.1, dual_clip=1.5, kl_coef=0.1, entropy_coef=0.05,
+            importance_level="sequence", loss_agg="seq-mean-token-mean")
+
+
+def make(T=10, H=16, V=150, seed=0, dtype=torch.float32, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, H, generator=g).to(dtype)
+    W = (torch.randn(V, H, generator=g) / H**0.5).to(dtype)
+    bvec = (0.1 * torch.randn(V, generator=g)).to(dtype) if bias else None
+    y = torch.randint(0, V, (T,), generator=g)
+    lp = torch.log_softmax((h.double() @ W.double().T) / OPTS["temperature"], -1)[torch.arange(T), y].float()
+    b = lp + 0.3 * torch.randn(T, generator=g)
+    p = b + 0.2 * torch.randn(T, generator=g)
+    q = lp + 0.3 * torch.randn(T, generator=g)
+    A = torch.randn(T, generator=g)
+    m = (torch.rand(T, generator=g) > 0.3).float()
+    m[0] = 1
+    cu = torch.tensor([0, 3, 7, T], dtype=torch.int32)
+    return dict(h=h, W=W, bias=bvec, y=y, b=b, p=p, q=q, A=A, m=m, cu=cu)
+
+
+def run_fused(fn, d, **kw):
+    h = d["h"].clone().requires_grad_()
+    W = d["W"].clone().requires_grad_()
+    bias = None if d["bias"] is None else d["bias"].clone().requires_grad_()
+    kwargs = dict(bias=bias, prox_logprobs=d["p"], ref_logprobs=d["q"], cu_seqlens=d["cu"], **OPTS) | kw
+    out = fn(h, W, d["y"], d["b"], d["A"], d["m"], **kwargs)
+    out.loss.backward()
+    return out, h.grad, W.grad, (None if bias is None else bias.grad)
+
+
+def assert_same(a, b, tol=FP32_TOL):
+    (oa, *ga), (ob, *gb) = a, b
+    torch.testing.assert_close(oa.loss, ob.loss, **tol)
+    torch.testing.assert_close(oa.logprobs, ob.logprobs, **tol)
+    for x, y in zip(ga, gb):
+        if x is None:
+            assert y is None
+        else:
+            torch.testing.assert_close(x.float(), y.float(), **tol)
+
+
+TOKEN_OPTS = dict(temperature=0.8, eps_clip=0.1, eps_clip_higher=0.15, dual_clip=1.2, behav_weight_cap=1.2,
+                  kl_coef=0.1, kl_estimator="k2", entropy_coef=0.05, importance_level="token")
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("chunk", [1, 3, 10, 64])
+def test_fused_matches_materialised_reference_backend(chunk, level):
+    """token level runs the single-pass path (gradients in the forward), sequence level the recompute."""
+    d = make()
+    kw = TOKEN_OPTS if level == "token" else {}
+    fused = run_fused(fused_linear_decoupled_ppo_loss, d, chunk_size=chunk, backend="reference", **kw)
+    ref = run_fused(fused_linear_decoupled_ppo_loss_ref, d, **kw)
+    assert_same(fused, ref)
+    assert fused[2].abs().sum() > 0 and fused[3].abs().sum() > 0
+    for k in ref[0].stats:
+        torch.testing.assert_close(fused[0].stats[k], ref[0].stats[k], **FP32_TOL)
+
+
+@pytest.mark.parametrize("single_pass", [True, False])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_single_pass_equals_recompute(single_pass, agg):
+    d = make(seed=9)
+    kw = dict(TOKEN_OPTS, loss_agg=agg, normalizer=4.0 if agg == "token-mean" else None)
+    a = run_fused(fused_linear_decoupled_ppo_loss, d, chunk_size=4, backend="reference", single_pass=single_pass,
+                  **kw)
+    b = run_fused(fused_linear_decoupled_ppo_loss_ref, d, **kw)
+    assert_same(a, b)
+
+
+PER_TOKEN_CASES = [
+    dict(),
+    dict(eps_clip=0.1, eps_clip_higher=0.3),
+    dict(eps_clip=0.05, dual_clip=1.05),
+    dict(behav_weight_cap=1.1, behav_weight_mode="mask", kl_coef=0.2, kl_estimator="k1"),
+    dict(behav_weight_cap=1.1, behav_weight_mode="clamp", kl_coef=0.2, kl_estimator="k3", entropy_coef=0.1),
+    dict(kl_coef=0.3, kl_estimator="k2", dual_clip=2.0),
+]
+
+
+@pytest.mark.parametrize("case", range(len(PER_TOKEN_CASES)))
+def test_per_token_grads_match_autograd(case):
+    """The closed-form derivative used by the single pass equals autograd of per_token_loss,
+    ties and boundaries included (A = 0, r inside the clip range, |rho| > 20, non-finite p)."""
+    cfg = PPOLossConfig(**PER_TOKEN_CASES[case])
+    g = torch.Generator().manual_seed(case)
+    T = 64
+    logp = -torch.rand(T, generator=g, dtype=torch.float64) * 5
+    b = logp + 0.5 * torch.randn(T, generator=g, dtype=torch.float64)
+    p = b + 0.2 * torch.randn(T, generator=g, dtype=torch.float64)
+    A = torch.randn(T, generator=g, dtype=torch.float64)
+    A[:4] = 0.0
+    p[4], p[5], p[6] = logp[4] + 25.0, logp[5] - 25.0, float("nan")
+    q = logp + 0.3 * torch.randn(T, generator=g, dtype=torch.float64)
+    m = (torch.rand(T, generator=g) > 0.2).float()
+    ent = torch.rand(T, generator=g, dtype=torch.float64)
+    C = token_constants(b, A, m, p, q, torch.float64, "cpu", cfg)
+    lv, ev = logp.clone().requires_grad_(), ent.clone().requires_grad_()
+    L, _, _ = per_token_loss(lv, ev, C, cfg)
+    gl, ge = torch.autograd.grad(L.sum(), (lv, ev), allow_unused=True)
+    ge = torch.zeros_like(ent) if ge is None else ge
+    g_cf, e_cf = per_token_grads(logp, ent, C, cfg)
+    torch.testing.assert_close(g_cf, gl, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(e_cf, ge, atol=1e-12, rtol=1e-12)
+    assert gl.abs().sum() > 0
+
+
+def test_fused_without_bias_and_frozen_weight():
+    d = make(bias=False)
+    h = d["h"].clone().requires_grad_()
+    out = fused_linear_decoupled_ppo_loss(h, d["W"], d["y"], d["b"], d["A"], d["m"], chunk_size=4,
+                                          backend="reference")
+    out.loss.backward()
+    h2 = d["h"].clone().requires_grad_()
+    ref = fused_linear_decoupled_ppo_loss_ref(h2, d["W"], d["y"], d["b"], d["A"], d["m"])
+    ref.loss.backward()
+    torch.testing.assert_close(h.grad, h2.grad, **FP32_TOL)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_interpreter_matches_materialised(dtype, level):
+    d = make(T=9, V=150, dtype=dtype, seed=1)
+    kw = TOKEN_OPTS if level == "token" else {}
+    fused = run_fused(fused_linear_decoupled_ppo_loss, d, chunk_size=4, backend="interpret", **kw)
+    if dtype == torch.float32:
+        assert_same(fused, run_fused(fused_linear_decoupled_ppo_loss_ref, d, **kw))
+    else:
+        # same bf16 GEMMs on both sides; the logits gradient is rounded to bf16 before the gradient
+        # GEMMs on the fused path (as in any bf16 training), not on the materialised fp32 one
+        mat = run_fused(lambda h, W, *a, bias=None, **k: decoupled_ppo_loss(
+            torch.nn.functional.linear(h, W, bias), *a, backend="interpret", **k), d, **kw)
+        torch.testing.assert_close(fused[0].loss, mat[0].loss, atol=1e-5, rtol=1e-5)
+        for x, y in zip(fused[1:], mat[1:]):
+            assert (x.float() - y.float()).abs().max() <= 0.02 * y.float().abs().max()
+
+
+def test_chunking_invariance_token_logprobs():
+    d = make(T=11, seed=2)
+    outs = [fused_linear_token_logprobs(d["h"], d["W"], d["y"], bias=d["bias"], temperature=0.8,
+                                        return_entropy=True, chunk_size=c, backend="reference")
+            for c in (1, 4, 11)]
+    ref = fused_linear_token_logprobs_ref(d["h"], d["W"], d["y"], bias=d["bias"], temperature=0.8,
+                                          return_entropy=True)
+    for lp, ent in outs:
+        torch.testing.assert_close(lp, ref[0], **FP32_TOL)
+        torch.testing.assert_close(ent, ref[1], **FP32_TOL)
+
+
+@pytest.mark.interpreter
+def test_fused_token_logprobs_interpreter():
+    d = make(T=6, seed=3)
+    lp = fused_linear_token_logprobs(d["h"], d["W"], d["y"], bias=d["bias"], chunk_size=4, backend="interpret")
+    torch.testing.assert_close(lp, fused_linear_token_logprobs_ref(d["h"], d["W"], d["y"], bias=d["bias"]),
+                               **FP32_TOL)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_microbatch_invariance(agg, fused, level):
+    """Two micro-batches with the global normalizer give the gradient of one batch."""
+    d = make(T=10, seed=4)
+    d["cu"] = torch.tensor([0, 3, 7, 10], dtype=torch.int32)
+    opts = dict(OPTS, loss_agg=agg, importance_level=level)
+    if agg == "token-mean":
+        norm = float(d["m"].sum())
+    else:
+        norm = float(sum(bool(d["m"][a:b].any()) for a, b in ((0, 3), (3, 7), (7, 10))))
+
+    def loss_of(h, W, sl, cu):
+        args = (d["y"][sl], d["b"][sl], d["A"][sl], d["m"][sl])
+        kw = dict(prox_logprobs=d["p"][sl], ref_logprobs=d["q"][sl], cu_seqlens=cu, normalizer=norm,
+                  backend="reference", **opts)
+        if fused:
+            return fused_linear_decoupled_ppo_loss(h[sl], W, *args, chunk_size=2, **kw).loss
+        return decoupled_ppo_loss(h[sl] @ W.T, *args, **kw).loss
+
+    h1, W1 = d["h"].clone().requires_grad_(), d["W"].clone().requires_grad_()
+    loss_of(h1, W1, slice(0, 10), d["cu"]).backward()
+    h2, W2 = d["h"].clone().requires_grad_(), d["W"].clone().requires_grad_()
+    total = loss_of(h2, W2, slice(0, 3), torch.tensor([0, 3])) + loss_of(h2, W2, slice(3, 10),
+                                                                          torch.tensor([0, 4, 7]))
+    total.backward()
+    torch.testing.assert_close(h1.grad, h2.grad, **FP32_TOL)
+    torch.testing.assert_close(W1.grad, W2.grad, **FP32_TOL)
+
+
+def test_opcheck_fused_linear_ops():
+    d = make(T=5, H=8, V=30, seed=5)
+    args = (d["h"].clone().requires_grad_(), d["W"].clone().requires_grad_(), d["bias"].clone().requires_grad_(),
+            d["y"], 1.0, 2, "reference")
+    torch.library.opcheck(torch.ops.areal_fast.fused_linear_token_stats, args)
+    lp, ent, lse = torch.ops.areal_fast.fused_linear_token_stats(d["h"], d["W"], d["bias"], d["y"], 1.0, 2,
+                                                                 "reference")
+    torch.library.opcheck(torch.ops.areal_fast.fused_linear_token_stats_bwd,
+                          (d["h"], d["W"], d["bias"], d["y"], lse, ent, torch.randn(5), torch.randn(5), 1.0, 2,
+                           "reference", True, True, True))
+
+
+def test_opcheck_single_pass_ops():
+    d = make(T=5, H=8, V=30, seed=5)
+    coef = d["m"] / d["m"].sum()
+    torch.library.opcheck(torch.ops.areal_fast.fused_linear_ppo_single_pass,
+                          (d["h"], d["W"], d["bias"], d["y"], d["b"], d["A"], d["m"], d["p"], d["q"], coef, 0.8, 2,
+                           "reference", 0.1, 0.15, 1.2, 1.2, "mask", 0.1, "k2", 0.05, True, True, True))
+    h = d["h"].clone().requires_grad_()
+    torch.library.opcheck(torch.ops.areal_fast.attach_grads,
+                          (torch.tensor(1.5), h, d["W"], None, torch.randn(5, 8), torch.empty(0), torch.empty(0)))
+
+
+def test_single_pass_traces_under_torch_compile_fullgraph():
+    d = make(seed=11)
+
+    def f(h, W, bias):
+        return fused_linear_decoupled_ppo_loss(h, W, d["y"], d["b"], d["A"], d["m"], bias=bias, prox_logprobs=d["p"],
+                                               ref_logprobs=d["q"], chunk_size=4, backend="reference",
+                                               **TOKEN_OPTS).loss
+
+    leaves = [[t.clone().requires_grad_() for t in (d["h"], d["W"], d["bias"])] for _ in range(2)]
+    torch._dynamo.reset()
+    torch.compile(f, backend="aot_eager", fullgraph=True)(*leaves[0]).backward()
+    f(*leaves[1]).backward()
+    for a, b in zip(*leaves):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_default_chunk_size_and_errors():
+    assert default_chunk_size(32768, 3584, 151936) == 1024
+    assert default_chunk_size(500, 64, 1000) == 500  # never more than T
+    assert default_chunk_size(1 << 20, 3584, 151936) == 32768  # ~ T * H elements of logits per chunk
+    d = make()
+    with pytest.raises(ValueError, match="same dtype"):
+        fused_linear_decoupled_ppo_loss(d["h"].double(), d["W"], d["y"], d["b"], d["A"], d["m"])
+    with pytest.raises(ValueError, match="chunk_size"):
+        fused_linear_decoupled_ppo_loss(d["h"], d["W"], d["y"], d["b"], d["A"], d["m"], chunk_size=0)
+    with pytest.raises(ValueError, match="weight"):
+        fused_linear_decoupled_ppo_loss(d["h"], d["W"][:, :5], d["y"], d["b"], d["A"], d["m"])
+    with pytest.raises(ValueError, match="single_pass"):
+        fused_linear_decoupled_ppo_loss(d["h"], d["W"], d["y"], d["b"], d["A"], d["m"], cu_seqlens=d["cu"],
+                                        importance_level="sequence", single_pass=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_fused_gpu_bf16_matches_materialised(level):
+    d = make(T=3000, H=256, V=32003, dtype=torch.bfloat16, seed=6)
+    d = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in d.items()}
+    d["cu"] = torch.tensor([0, 1000, 2500, 3000], dtype=torch.int32, device="cuda")
+    kw = TOKEN_OPTS if level == "token" else {}
+    fused = run_fused(fused_linear_decoupled_ppo_loss, d, chunk_size=1024, backend="triton", **kw)
+    mat = run_fused(lambda h, W, *a, bias=None, **k: decoupled_ppo_loss(
+        torch.nn.functional.linear(h, W, bias), *a, backend="triton", **k), d, **kw)
+    torch.testing.assert_close(fused[0].loss, mat[0].loss, atol=1e-4, rtol=1e-4)
+    for x, y in zip(fused[1:], mat[1:]):
+        assert (x.float() - y.float()).abs().max() <= 0.02 * y.float().abs().max()
