@@ -196,6 +196,8 @@ class RolloutConfig:
     """Device of launched embedded engines ('cpu' or 'cuda')."""
     server_args: list[str] = field(default_factory=list)
     """Extra command-line arguments for every launched server."""
+    gpus: list[str] = field(default_factory=list)
+    """CUDA_VISIBLE_DEVICES of each launched server, e.g. ["0", "1"] or ["0,1"] for tp 2 (empty: inherit)."""
     threads_per_server: int = 1
     """torch CPU threads of each embedded engine (OMP_NUM_THREADS)."""
     group_size: int = 8
@@ -238,6 +240,8 @@ class RolloutConfig:
             raise ValueError(f"max_concurrent: must be >= 1, got {self.max_concurrent!r}")
         if self.threads_per_server < 1:
             raise ValueError("threads_per_server: must be >= 1")
+        if self.gpus and len(self.gpus) != self.n_servers:
+            raise ValueError(f"gpus: one entry per server expected ({self.n_servers}), got {self.gpus!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -272,6 +276,8 @@ class TrainConfig:
     """torch CPU threads per trainer rank."""
     device: str | None = None
     """'cuda', 'cpu' or None (cuda when available)."""
+    gpus: str | None = None
+    """CUDA_VISIBLE_DEVICES of the trainer ranks, e.g. "4,5,6,7" (None: inherit; may share the servers' GPUs)."""
     max_tokens_per_mb: int = 16384
     """Token budget of one packed micro-batch."""
     attn_impl: str = "auto"
@@ -326,6 +332,9 @@ class EvalConfig:
     """Generation budget (None = rollout.max_new_tokens)."""
     at_start: bool = True
     """Evaluate the initial policy before training."""
+    reward: str | None = None
+    """Reward of the evaluation when it differs from training (e.g. exact match while training on a
+    dense partial-credit reward); None = reward.name."""
 
     def __post_init__(self):
         if self.every_steps < 0:
@@ -364,6 +373,8 @@ class LogConfig:
     """PNG plots of reward, throughput and staleness at the end (needs matplotlib)."""
     level: str = "INFO"
     """Python logging level of the controller."""
+    samples: bool = False
+    """Write every trained group (decoded text, rewards, token versions) to samples.jsonl."""
 
     def __post_init__(self):
         if self.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -529,8 +540,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {text!r}: bad key {key!r}")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {e}") from e
+    except yaml.YAMLError:
+        value = raw  # e.g. an unbalanced quote: take the text as it is
+    if isinstance(value, dict | list) and not raw.strip().startswith(("{", "[")):
+        value = raw  # 'Q: {prompt}' is a template string, not a YAML mapping
     return key.split("."), value
 
 

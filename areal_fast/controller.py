@@ -101,7 +101,7 @@ class Gate(Protocol):
 
     def try_admit(self) -> bool: ...
     def finish(self, accepted: bool) -> None: ...
-    def drop(self) -> None: ...
+    def check_consumed(self, token_versions: list[int]) -> bool: ...  # strict mode: False = drop
     def set_version(self, version: int) -> None: ...
     def recover(self, version: int, accepted: int) -> None: ...
     def stats(self) -> dict: ...
@@ -157,6 +157,8 @@ class ControllerSettings:
     checkpoint_every: int = 0
     keep_last: int = 2
     output_dir: Path = Path("runs/run")
+    dump_samples: bool = False
+    eval_reward: str | None = None  # reward name for evaluation (None = the training reward)
 
 
 @dataclass
@@ -199,6 +201,7 @@ class Controller:
         self._t_start = 0.0
         self._elapsed_before = 0.0  # wall seconds of earlier incarnations (resume)
         self._timers = Counter()
+        self._last_batch_dump: list = []
 
     # ------------------------------------------------------------- admission and groups
     def _next_position(self) -> int | None:
@@ -242,7 +245,8 @@ class Controller:
             self.counters.finished += 1
             ok = True
             self._buffer_ready.set()
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # shutdown: the prompt was not trained, keep it pending
+            self.requeue.append(pos)
             raise
         except BaseException as e:  # a failed group stops the run with its error (never silently)
             log.error("group at position %d failed: %r", pos, e)
@@ -261,9 +265,8 @@ class Controller:
         batch, dropped = [], []
         while self.buffer and len(batch) < self.s.batch_size:
             g = self.buffer.pop(0)
-            if self.s.strict_staleness and self.version - g.min_version() > self.s.max_staleness:
-                dropped.append(g.position)
-                self.gate.drop()
+            if self.s.strict_staleness and not self.gate.check_consumed([v for vs in g.versions for v in vs]):
+                dropped.append(g.position)  # the gate gave its slot back
                 continue
             batch.append(g)
         if dropped:
@@ -294,17 +297,21 @@ class Controller:
         tmetrics = await asyncio.to_thread(self.trainer.train, samples)
         t2 = time.perf_counter()
         await self.rollout.pause()
-        try:
-            smetrics = await self.syncer.sync(self.version + 1) or {}
-        finally:
-            # the version moves only after every server has the new weights (sync raised otherwise)
-            pass
+        # the version moves only after every server has the new weights (sync raises otherwise)
+        smetrics = await self.syncer.sync(self.version + 1) or {}
         self.version += 1
         self.gate.set_version(self.version)
         await self.rollout.resume()
         self._wake.set()
         t3 = time.perf_counter()
         self._timers.update(wait_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2)
+        if self.s.dump_samples:
+            self._last_batch_dump = [
+                {"position": g.position, "prompt": self.tok.decode(g.prompt_ids),
+                 "admitted_version": g.admitted_version,
+                 "samples": [{"text": self.tok.decode(o), "reward": r, "versions": v, "finish": f}
+                             for o, r, v, f in zip(g.outputs, g.rewards, g.versions, g.finish_reasons)]}
+                for g in batch]
         staleness = [self.version - 1 - g.min_version() for g in batch]
         rewards = [r for g in batch for r in g.rewards]
         ntok = sum(g.n_tokens for g in batch)
@@ -343,7 +350,8 @@ class Controller:
             ids = self.tok.encode(row.text)
             g = await self.rollout.generate(ids, dict(self.s.eval_sampling), rid=f"{self.incarnation}-eval"
                                             f"{self.version}-{i}")
-            r = await self.reward.score(row.task, self.tok.decode(g.output_ids))
+            task = {**row.task, "reward": self.s.eval_reward} if self.s.eval_reward else row.task
+            r = await self.reward.score(task, self.tok.decode(g.output_ids))
             return float(r.value), len(g.output_ids)
 
         res = await asyncio.gather(*[one(i, r) for i, r in enumerate(self.eval_prompts)])
@@ -377,10 +385,15 @@ class Controller:
         self.gate.recover(self.version, self.version * self.s.batch_size + len(self.buffer))
         self.gate.set_version(self.version)
 
-    def save_checkpoint(self) -> Path:
+    async def save_checkpoint(self) -> Path:
+        """Snapshot the state now (groups finishing during the write stay "pending" in it), then
+        write it in a thread so rollouts go on."""
+        state = self.state_dict()
+        return await asyncio.to_thread(self._write_checkpoint, state)
+
+    def _write_checkpoint(self, state: dict) -> Path:
         """Atomic: write step_N.tmp (trainer + controller.json + COMPLETE), then rename."""
-        state = self.state_dict()  # snapshot first: groups finishing during the save stay "pending"
-        final = self.ckpt_dir / f"step_{self.version:08d}"
+        final = self.ckpt_dir / f"step_{state['version']:08d}"
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -424,6 +437,8 @@ class Controller:
                     self._emit({"kind": "eval", **ev})
             while self.version < self.s.total_steps:
                 m = await self._train_step()
+                if self.s.dump_samples:
+                    self._emit({"kind": "samples", "step": m["step"], "groups": self._last_batch_dump})
                 self.history.append(m)
                 self._emit({"kind": "train", **m})
                 last = self.version >= self.s.total_steps
@@ -433,7 +448,7 @@ class Controller:
                         self._emit({"kind": "eval", **ev})
                 if (self.s.checkpoint_every and self.version % self.s.checkpoint_every == 0) or last:
                     t0 = time.perf_counter()
-                    path = await asyncio.to_thread(self.save_checkpoint) if False else self.save_checkpoint()
+                    path = await self.save_checkpoint()
                     self._timers.update(checkpoint_s=time.perf_counter() - t0)
                     self._emit({"kind": "checkpoint", "step": self.version, "path": str(path)})
         finally:
@@ -482,9 +497,12 @@ class SpecGate:
         else:
             self.n_failed += 1
 
-    def drop(self) -> None:
+    def check_consumed(self, token_versions: list[int]) -> bool:
+        if not token_versions or min(token_versions) >= self.version - self.eta:
+            return True
         self.accepted -= 1
         self.n_dropped += 1
+        return False
 
     def set_version(self, version: int) -> None:
         self.version = version

@@ -137,11 +137,17 @@ class StalenessManager:
             self._version = version
             self._wake_locked()
 
-    def restore(self, version: int) -> None:
-        """Recovery from a checkpoint at ``version``: accepted = version * B, nothing running."""
+    def restore(self, version: int, accepted: int | None = None) -> None:
+        """Recovery from a checkpoint at ``version``: accepted = version * B (the spec), nothing running.
+
+        ``accepted`` overrides the count when the checkpoint also restored buffered samples (they were
+        accepted before the crash and still count against the bound).
+        """
+        if accepted is not None and accepted < 0:
+            raise ValueError(f"accepted must be >= 0, got {accepted}")
         with self._lock:
             self._version = version
-            self._accepted = version * self.batch_size
+            self._accepted = version * self.batch_size if accepted is None else accepted
             self._running = 0
             self.stats.restores += 1
             self._wake_locked()

@@ -43,3 +43,133 @@ def perturbed_state_dict(path: str, *, seed: int, scale: float = 0.2) -> dict:
             t = torch.randn(t.shape, generator=g) * scale
         out[name] = t
     return out
+
+
+def reference_sender_main(argv: list[str] | None = None) -> None:
+    """Trainer side of the weight-update protocol, for tests (run as a separate process).
+
+    ``python -c "from areal_fast.rollout.testing import reference_sender_main; reference_sender_main()" SPEC``
+    where SPEC is a JSON file: {"url", "master_port", "group_name", "result_path",
+    "rounds": [{"tensors", "version", "load_format", "dtype"}], "probe": [prompt ids], "probe_new_tokens"}
+    and each round's "tensors" is a safetensors file of HF-named tensors (no transformers import here).
+    Rank 0 hosts the TCP store; the server joins as rank 1 (world size 2). For each round the HTTP
+    update call is sent from a thread (not awaited) and the broadcasts follow in ``names`` order.
+    After every round a greedy probe generation's output ids and weight_version are recorded.
+    """
+    import json
+    import os
+    import sys
+    import threading
+    import urllib.request
+
+    import torch
+    import torch.distributed as dist
+
+    from areal_fast.rollout.engine.weight_sync import TensorMeta, flattened_bucket_layout, init_custom_process_group
+
+    spec = json.load(open((argv or sys.argv[1:])[0]))
+    url, group = spec["url"], spec["group_name"]
+
+    def post(path: str, body: dict, box: dict | None = None):
+        req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                out = json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            out = {"http_error": e.code, "body": e.read().decode()}
+        if box is not None:
+            box["answer"] = out
+        return out
+
+    def in_thread(path: str, body: dict) -> tuple[threading.Thread, dict]:
+        box: dict = {}
+        t = threading.Thread(target=post, args=(path, body, box))
+        t.start()
+        return t, box
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    t, box = in_thread("/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": spec["master_port"], "rank_offset": 1, "world_size": 2,
+        "group_name": group, "backend": "gloo"})
+    pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{spec['master_port']}", 2, 0, group)
+    t.join()
+    results = {"init": box["answer"], "rounds": []}
+    for rnd in spec["rounds"]:
+        from safetensors.torch import load_file
+
+        sd = load_file(rnd["tensors"])
+        dtype = getattr(torch, rnd.get("dtype", "float32"))
+        names = list(sd)
+        tensors = [sd[n].to(dtype) for n in names]
+        body = {"names": names, "dtypes": [str(x.dtype).removeprefix("torch.") for x in tensors],
+                "shapes": [list(x.shape) for x in tensors], "group_name": group, "flush_cache": True,
+                "abort_all_requests": False, "weight_version": rnd["version"], "load_format": rnd["load_format"]}
+        t, box = in_thread("/update_weights_from_distributed", body)
+        if rnd["load_format"] == "flattened_bucket":
+            metas = [TensorMeta(n, x.dtype, tuple(x.shape)) for n, x in zip(names, tensors)]
+            offsets, total = flattened_bucket_layout(metas)
+            buf = torch.zeros(total, dtype=torch.uint8)
+            for off, x in zip(offsets, tensors):
+                raw = x.contiguous().view(-1).view(torch.uint8)
+                buf[off:off + raw.numel()] = raw
+            dist.broadcast(buf, src=0, group=pg)
+        else:
+            for x in tensors:
+                dist.broadcast(x.contiguous(), src=0, group=pg)
+        t.join()
+        probe = post("/generate", {"input_ids": spec["probe"], "sampling_params": {
+            "max_new_tokens": spec["probe_new_tokens"], "temperature": 0.0, "ignore_eos": True}})
+        results["rounds"].append({"update": box["answer"], "output_ids": probe["output_ids"],
+                                  "weight_version": probe["meta_info"]["weight_version"]})
+    results["destroy"] = post("/destroy_weights_update_group", {"group_name": group})
+    dist.destroy_process_group(pg)
+    with open(spec["result_path"], "w") as f:
+        json.dump(results, f)
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Plain ``model.generate`` greedy continuation of ``prompt`` for exactly ``n`` tokens (EOS ignored)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> list[float]:
+    """log_softmax(logits / T) of ``output`` tokens from one fresh forward pass (T < 1e-6: T = 1)."""
+    import torch
+
+    t = 1.0 if temperature < 1e-6 else temperature
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].float()
+    lp = torch.log_softmax(logits / t, dim=-1)
+    return lp.gather(1, torch.tensor(output)[:, None]).squeeze(1).tolist()
+
+
+def load_hf(path: str, state_dict: dict | None = None):
+    """The checkpoint at ``path`` in fp32 eval mode, optionally with ``state_dict`` loaded over it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if state_dict is not None:
+        model.load_state_dict(state_dict, strict=False)
+    return model
+
+
+def save_state_dict(state_dict: dict, src_path: str, dst_path: str) -> str:
+    """A checkpoint dir at ``dst_path``: config of ``src_path`` + ``state_dict`` as model.safetensors."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    os.makedirs(dst_path, exist_ok=True)
+    for f in ("config.json", "generation_config.json"):
+        if os.path.exists(os.path.join(src_path, f)):
+            shutil.copy(os.path.join(src_path, f), dst_path)
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, os.path.join(dst_path, "model.safetensors"))
+    return dst_path

@@ -59,6 +59,19 @@ class EngineHandle:
             fn, self._stop_fn = self._stop_fn, None
             fn()
 
+    def wait_healthy(self, timeout: float = 180.0, name: str = "engine") -> EngineHandle:
+        """Poll GET /health until 200; RuntimeError (with the log tail) if the process dies or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {self.process.returncode} during start-up:\n"
+                                   f"{self.log_tail()}")
+            if _healthy(self.url):
+                return self
+            time.sleep(_POLL_S)
+        self.stop()
+        raise RuntimeError(f"{name} not healthy after {timeout}s:\n{self.log_tail()}")
+
     def kill(self) -> None:
         """SIGKILL a subprocess engine (simulates a crashed server)."""
         if self.process is None:
@@ -95,10 +108,12 @@ def launch_engine_subprocess(
     log_path: str | None = None,
     startup_timeout: float = 180.0,
     extra_args: tuple[str, ...] = (),
+    wait: bool = True,
 ) -> EngineHandle:
     """Run ``python -m areal_fast.rollout.engine`` and wait until GET /health answers 200.
 
     Raises RuntimeError with the server log's tail if the process exits or does not become healthy.
+    ``wait=False`` returns at once; call ``handle.wait_healthy()`` later (start several in parallel).
     """
     port = port or find_free_port(host)
     if log_path is None:
@@ -114,15 +129,9 @@ def launch_engine_subprocess(
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     handle = EngineHandle(url=f"http://{host}:{port}", host=host, port=port, process=proc, log_path=log_path)
-    deadline = time.monotonic() + startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine exited with code {proc.returncode} during start-up:\n{handle.log_tail()}")
-        if _healthy(handle.url):
-            return handle
-        time.sleep(_POLL_S)
-    handle.stop()
-    raise RuntimeError(f"engine not healthy after {startup_timeout}s:\n{handle.log_tail()}")
+    if wait:
+        handle.wait_healthy(startup_timeout)
+    return handle
 
 
 def start_engine_in_thread(

@@ -147,14 +147,19 @@ def sample_batch(
         need_filter = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params if not p.greedy)
         if need_filter:
             probs = _filter_probs(probs, params)
-        sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        # inverse CDF: one uniform per row + searchsorted. On 2 CPU cores for [64, 8192] torch.multinomial
+        # took 33 ms and the exponential race 52 ms (both draw V random numbers per row); this ~2 ms.
+        # right=True returns the first index whose CDF exceeds u, so a zeroed (filtered) token never wins.
+        cdf = probs.cumsum(dim=-1)
+        u = torch.rand(cdf.shape[0], 1, generator=generator, device=dev, dtype=cdf.dtype) * cdf[:, -1:]
+        sampled = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
         tokens = torch.where(greedy, argmax, sampled)
     logprobs = logprobs_all.gather(1, tokens[:, None]).squeeze(1)
     return tokens, logprobs
 
 
 def _filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Zero the probabilities that top-k, top-p or min-p exclude (multinomial renormalises itself)."""
+    """Zero the probabilities that top-k, top-p or min-p exclude (the draw needs no renormalisation)."""
     dev = probs.device
     vocab = probs.shape[-1]
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)

@@ -220,6 +220,8 @@ class EngineServer:
         except asyncio.CancelledError:  # client went away: free the slot like SGLang does
             self.scheduler.call(lambda: self.scheduler.abort(rid, "Abort: client disconnected"))
             raise
+        if done.error is not None:  # a 5xx: the client retries on another server
+            return _err(f"engine failed while generating rid {rid!r}: {done.error}", status=500)
         return web.json_response(self._response(done, return_logprob))
 
     def _response(self, req: Request, return_logprob: bool) -> dict:
@@ -282,7 +284,7 @@ class EngineServer:
                 # no prefix cache to clear: KV lives only with running requests
                 return web.Response(text="Cache flushed.\nPlease check backend logs for more details. ")
             if time.monotonic() >= deadline:
-                return web.Response(status=400, text="Cache not flushed because there are pending requests.")
+                return web.Response(status=400, text="Cache not flushed because there are running requests.")
             await asyncio.sleep(_FLUSH_POLL_S)
 
     # ------------------------------------------------------------------ weight updates

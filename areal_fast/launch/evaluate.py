@@ -1,0 +1,83 @@
+"""``areal-fast eval CONFIG [--checkpoint DIR]``: greedy evaluation of a policy on the held-out set.
+
+DIR is a Hugging Face model directory (default ``<output_dir>/final``, written at the end of
+training) or a training checkpoint (``<output_dir>/checkpoints/step_N``), which is first exported
+to HF safetensors through the trainer. One inference server is launched for the evaluation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from areal_fast.config import AppConfig
+from areal_fast.controller import STATE_FILE
+
+
+def _export_training_checkpoint(cfg: AppConfig, ckpt: Path, dest: Path) -> Path:
+    from areal_fast.launch.train import model_dir, trainer_config
+    from areal_fast.trainer import PPOActor, export_hf, load_checkpoint
+
+    base = model_dir(cfg, say=lambda m: None)
+    actor = PPOActor(trainer_config(cfg, base))
+    load_checkpoint(actor, str(ckpt / "trainer"))
+    export_hf(actor, str(dest))
+    for f in Path(base).iterdir():  # the tokenizer files travel with the weights
+        if f.is_file() and not f.name.endswith(".safetensors") and not (dest / f.name).exists():
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+def run_eval(cfg: AppConfig, checkpoint: str | None = None) -> dict:
+    from areal_fast.data import load_tokenizer
+    from areal_fast.launch.local import LocalLauncher
+    from areal_fast.launch.train import load_data
+
+    out = cfg.experiment.out
+    path = Path(checkpoint) if checkpoint else out / "final"
+    if not path.is_dir():
+        raise FileNotFoundError(f"no model at {str(path)!r}: train first or pass --checkpoint DIR")
+    tmp = None
+    if (path / STATE_FILE).is_file():
+        tmp = Path(tempfile.mkdtemp(prefix="areal_eval_"))
+        path = _export_training_checkpoint(cfg, path, tmp)
+    try:
+        tok_dir = cfg.model.tokenizer or (str(out / "warm_start") if cfg.model.warm_start.enabled else str(path))
+        tok = load_tokenizer(tok_dir if (Path(tok_dir)).is_dir() else path)
+        _, evals = load_data(cfg, tok)
+        if not evals:
+            raise ValueError("no held-out prompts: set data.eval (or use the synthetic task)")
+        with LocalLauncher(out / "logs" / "eval") as launcher:
+            rollout_cfg = cfg.rollout
+            rollout_cfg.n_servers = 1
+            urls = [p.url for p in launcher.start_servers(rollout_cfg, str(path), seed=cfg.experiment.seed)]
+            return asyncio.run(_eval_async(cfg, tok, evals, urls, str(path)))
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def _eval_async(cfg: AppConfig, tok, evals, urls, path: str) -> dict:
+    from areal_fast.reward import RewardService
+    from areal_fast.rollout.client import RolloutClient
+
+    stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    sampling = {"max_new_tokens": cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, "temperature": 0.0,
+                "stop_token_ids": stop}
+    t0 = time.perf_counter()
+    async with RolloutClient(urls) as client, RewardService(num_workers=cfg.reward.workers,
+                                                            timeout_s=cfg.reward.timeout,
+                                                            default_reward=cfg.reward.name) as service:
+        async def one(i, row):
+            g = await client.generate(tok.encode(row.text), dict(sampling), rid=f"eval-{i}")
+            task = {**row.task, "reward": cfg.eval.reward} if cfg.eval.reward else dict(row.task)
+            r = await service.score(task, tok.decode(g.output_ids))
+            return r.value, len(g.output_ids)
+
+        res = await asyncio.gather(*[one(i, r) for i, r in enumerate(evals)])
+    return {"model": path, "eval_reward": sum(v for v, _ in res) / len(res),
+            "eval_len_mean": sum(n for _, n in res) / len(res), "eval_n": len(res),
+            "seconds": round(time.perf_counter() - t0, 2)}

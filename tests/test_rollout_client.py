@@ -1,0 +1,283 @@
+"""RolloutClient against embedded engines on loopback: interruption and stitching, abort, failover, load."""
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from areal_fast.rollout.client import RequestError, RolloutClient, version_to_int
+from areal_fast.rollout.engine import launch_engine_subprocess, start_engine_in_thread
+from areal_fast.rollout.testing import (
+    build_tiny_qwen2,
+    hf_greedy,
+    hf_logprobs,
+    load_hf,
+    perturbed_state_dict,
+    save_state_dict,
+)
+
+LOGPROB_ATOL = 1e-4  # fp32 engine vs a fresh fp32 forward: ~1e-5 seen
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    base = build_tiny_qwen2(str(tmp_path_factory.mktemp("tiny")), vocab_size=VOCAB)
+    sds = {v: perturbed_state_dict(base, seed=100 + v) for v in (1, 2)}
+    out = {0: base}
+    for v, sd in sds.items():
+        out[v] = save_state_dict(sd, base, str(tmp_path_factory.mktemp(f"v{v}")))
+    return out, sds
+
+
+@pytest.fixture(scope="module")
+def doomed(dirs):
+    """A subprocess engine for the kill test, started early so its start-up overlaps other tests."""
+    h = launch_engine_subprocess(dirs[0][0], wait=False)
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(dirs, doomed):
+    handles = [start_engine_in_thread(dirs[0][0], seed=i) for i in range(2)]
+    yield handles
+    for h in handles:
+        h.stop()
+
+
+def _run(coro, timeout=60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def _reset(client: RolloutClient, base: str) -> None:
+    await client.update_weights_from_disk(base, weight_version="0")
+
+
+async def _wait_tokens(engine, n: int, required: bool = True) -> None:
+    """Wait until some running request on this in-thread engine holds >= n output tokens."""
+    sched = engine.server.scheduler
+    for _ in range(2000):
+        if any(len(r.output_ids) >= n for r in list(sched._rows)):
+            return
+        await asyncio.sleep(0.002)
+    if required:
+        raise AssertionError(f"no request reached {n} tokens")
+
+
+def test_version_to_int():
+    assert version_to_int("7") == 7 and version_to_int("default") == 0 and version_to_int("x1") == -1
+
+
+def test_pause_update_continue_stitches_tokens_and_versions(engines, dirs):
+    paths, sds = dirs
+    prompt, n = [9, 8, 7, 6], 120
+
+    async def run():
+        async with RolloutClient([h.url for h in engines]) as c:
+            await _reset(c, paths[0])
+            task = asyncio.create_task(c.generate(prompt, {"max_new_tokens": n, "temperature": 0.0,
+                                                           "ignore_eos": True}, rid="stitch"))
+            await asyncio.gather(*(_wait_tokens(e, 15) for e in engines[:1]), return_exceptions=True)
+            await asyncio.sleep(0)
+            await c.pause_all()
+            await c.flush_cache_all()
+            await c.begin_weight_update_all()
+            await c.update_weights_from_disk(paths[1], weight_version="1")
+            await c.end_weight_update_all()
+            await c.continue_all()
+            res = await task
+            await _reset(c, paths[0])
+            return res
+
+    res = _run(run())
+    assert res.finish_reason == "length" and not res.aborted
+    assert len(res.output_ids) == len(res.output_logprobs) == len(res.output_versions) == n
+    assert res.num_segments == 2
+    k = res.output_versions.index(1)
+    assert 0 < k < n
+    assert res.output_versions == [0] * k + [1] * (n - k)  # versions change exactly at the seam
+    old, new = load_hf(paths[0]), load_hf(paths[0], sds[1])
+    assert res.output_ids[:k] == hf_greedy(old, prompt, k)
+    # greedy continuation after the update == generating from prompt + partial with the new weights
+    assert res.output_ids[k:] == hf_greedy(new, prompt + res.output_ids[:k], n - k)
+    ref = hf_logprobs(old, prompt, res.output_ids[:k], 0.0) + hf_logprobs(
+        new, prompt + res.output_ids[:k], res.output_ids[k:], 0.0)
+    assert max(abs(a - b) for a, b in zip(res.output_logprobs, ref)) < LOGPROB_ATOL
+
+
+def test_explicit_abort_ends_as_length(engines):
+    async def run():
+        async with RolloutClient([h.url for h in engines]) as c:
+            task = asyncio.create_task(c.generate([3, 4, 5], {"max_new_tokens": 400, "ignore_eos": True}, rid="ab"))
+            await _wait_tokens(engines[0], 5)
+            await c.abort("ab")
+            return await task
+
+    res = _run(run())
+    assert res.aborted and res.finish_reason == "length"
+    assert 0 < len(res.output_ids) < 400 and len(res.output_logprobs) == len(res.output_ids)
+
+
+def test_sglang_launcher_needs_sglang(monkeypatch):
+    import importlib.util
+
+    from areal_fast.rollout import sglang_launch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    with pytest.raises(RuntimeError, match="sglang is not installed"):
+        sglang_launch.launch_sglang_server("/nonexistent")
+    cmd = sglang_launch.sglang_command("/m", 30001, tp_size=2, weight_version="3")
+    assert cmd[1:3] == ["-m", "sglang.launch_server"] and "--skip-tokenizer-init" in cmd
+    assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--weight-version") + 1] == "3"
+
+
+def test_4xx_raises_without_retry(engines):
+    async def run():
+        async with RolloutClient([h.url for h in engines]) as c:
+            with pytest.raises(RequestError) as ei:
+                await c.generate([1, 2], {"max_new_tokens": 4, "no_such_key": 1})
+            return ei.value
+
+    err = _run(run())
+    assert err.status == 400 and "no_such_key" in str(err)
+
+
+def test_killed_server_request_completes_on_other(engines, dirs, doomed):
+    paths, _ = dirs
+    doomed.wait_healthy()
+    prompt, n = [11, 12, 13], 150
+    try:
+        async def run():
+            async with RolloutClient([doomed.url, engines[0].url], down_cooldown_s=60) as c:
+                await c.update_weights_from_disk(paths[0], weight_version="0")
+                task = asyncio.create_task(c.generate(prompt, {"max_new_tokens": n, "temperature": 0.0,
+                                                               "ignore_eos": True}, rid="failover"))
+                # the request went to the first (least loaded, equal) server: kill it mid-generation
+                for _ in range(500):
+                    info = await c._call(c.servers[0], "GET", "/get_server_info")
+                    if info["num_running_requests"] >= 1:
+                        break
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.1)
+                doomed.kill()
+                return await task
+
+        res = _run(run())
+    finally:
+        doomed.stop()
+    assert res.servers == [engines[0].url]  # the killed server never answered
+    assert res.finish_reason == "length" and len(res.output_ids) == n
+    assert res.output_ids == hf_greedy(load_hf(paths[0]), prompt, n)  # nothing duplicated or lost
+
+
+def test_200_concurrent_with_random_pauses_and_updates(engines, dirs):
+    paths, _ = dirs
+    rng = random.Random(0)
+    specs = [(f"r{i}", [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 12))], rng.randrange(1, 40),
+              rng.random() < 0.5) for i in range(200)]
+
+    async def run():
+        async with RolloutClient([h.url for h in engines]) as c:
+            await _reset(c, paths[0])
+
+            async def updater():
+                for v in (1, 2, 3):
+                    await _wait_tokens(engines[0], 1, required=v == 1)  # pause while something runs
+                    await asyncio.sleep(rng.uniform(0.0, 0.05))
+                    await c.pause_all()
+                    await c.flush_cache_all()
+                    await c.begin_weight_update_all()
+                    await c.update_weights_from_disk(paths[1 + v % 2], weight_version=str(v))
+                    await c.end_weight_update_all()
+                    await c.continue_all()
+
+            up = asyncio.create_task(updater())
+            results = await asyncio.gather(*(
+                c.generate(p, {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": ign}, rid=rid)
+                for rid, p, n, ign in specs))
+            await up
+            in_flight = [(await c._call(s, "GET", "/get_server_info"))["num_running_requests"] for s in c.servers]
+            await _reset(c, paths[0])
+            return results, in_flight
+
+    t0 = time.monotonic()
+    results, in_flight = _run(run(), timeout=90)
+    assert time.monotonic() - t0 < 90
+    assert sorted(r.rid for r in results) == sorted(s[0] for s in specs)  # each exactly once
+    assert in_flight == [0, 0]
+    interrupted = 0
+    for r, (_, p, n, ign) in zip(results, specs):
+        assert r.input_ids == p
+        assert len(r.output_ids) == len(r.output_logprobs) == len(r.output_versions) <= n
+        assert r.output_versions == sorted(r.output_versions)  # tokens never get older along a sequence
+        assert r.finish_reason in ("stop", "length") and not r.aborted
+        if ign or r.finish_reason == "length":
+            assert len(r.output_ids) == n
+        interrupted += r.num_segments > 1
+    assert interrupted > 0
+    assert {v for r in results for v in r.output_versions} >= {0, 3}
+
+
+def test_version_adaptation_and_5xx_failover_with_fake_servers():
+    """Fake servers: an old SGLang (0.5.5) and 0.5.20 get no pause mode / no begin-end; a 503 fails over."""
+    from aiohttp import web
+
+    async def run():
+        calls: list[tuple[str, str, dict]] = []
+
+        def make(name: str, version: str, gen_status: int):
+            async def info(request):
+                return web.json_response({"version": version, "tp_size": 1, "weight_version": "0"})
+
+            async def any_post(request):
+                body = await request.json() if request.can_read_body else {}
+                calls.append((name, request.path, body))
+                if request.path == "/generate":
+                    if gen_status != 200:
+                        return web.json_response({"error": {"message": "overloaded"}}, status=gen_status)
+                    n = body["sampling_params"]["max_new_tokens"]
+                    return web.json_response({"output_ids": [5] * n, "meta_info": {
+                        "id": body["rid"], "finish_reason": {"type": "length", "length": n},
+                        "weight_version": "4", "output_token_logprobs": [[-0.5, 5, None]] * n}})
+                return web.json_response({"success": True, "message": "", "status": "ok"})
+
+            app = web.Application()
+            app.router.add_get("/get_server_info", info)
+            app.router.add_post("/{tail:.*}", any_post)
+            return app
+
+        runners, urls = [], []
+        for name, version, st in (("old", "0.5.5", 503), ("mid", "0.5.20", 200)):
+            runner = web.AppRunner(make(name, version, st))
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+        try:
+            async with RolloutClient(urls, down_cooldown_s=60) as c:
+                await c.pause_all()
+                await c.begin_weight_update_all()
+                await c.end_weight_update_all()
+                await c.continue_all()
+                res = await c.generate([1, 2], {"max_new_tokens": 3}, rid="x")  # "old" answers 503 first
+                assert c.remove_server(urls[0]) and not c.remove_server(urls[0])
+                with pytest.raises(Exception, match="last server"):
+                    c.remove_server(urls[1])
+                await c.add_server(urls[0])
+                assert [s.url for s in c.servers] == [urls[1], urls[0]] and c.servers[1].version.release == (0, 5, 5)
+        finally:
+            for r in runners:
+                await r.cleanup()
+        return calls, res
+
+    calls, res = _run(run())
+    pauses = {name: body for name, path, body in calls if path == "/pause_generation"}
+    assert pauses == {"old": {}, "mid": {"mode": "abort"}}
+    assert not [c for c in calls if c[1] in ("/begin_weight_update", "/end_weight_update")]
+    gens = [name for name, path, _ in calls if path == "/generate"]
+    assert gens == ["old", "mid"]  # least loaded first, 503 -> retried once elsewhere
+    assert res.output_ids == [5, 5, 5] and res.output_versions == [4, 4, 4] and len(res.servers) == 1

@@ -1,0 +1,57 @@
+"""update_weights_from_distributed over gloo from a separate trainer-side process (exact spec protocol)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import save_file
+
+from areal_fast.rollout.engine import start_engine_in_thread
+from areal_fast.rollout.engine.launch import find_free_port
+from areal_fast.rollout.testing import build_tiny_qwen2, hf_greedy, load_hf, perturbed_state_dict
+
+PROBE = [4, 40, 14, 41]
+PROBE_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = build_tiny_qwen2(str(tmp_path_factory.mktemp("tiny")), vocab_size=256)
+    h = start_engine_in_thread(base)
+    yield base, h, tmp_path_factory.mktemp("sender")
+    h.stop()
+
+
+def _run_sender(spec: dict, tmp) -> dict:
+    spec_path = tmp / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    code = "from areal_fast.rollout.testing import reference_sender_main; reference_sender_main()"
+    proc = subprocess.run([sys.executable, "-c", code, str(spec_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(open(spec["result_path"]).read())
+
+
+def test_update_from_distributed_per_tensor_then_flattened_bucket(setup):
+    base, h, tmp = setup
+    old = hf_greedy(load_hf(base), PROBE, PROBE_TOKENS)
+    for seed in (1, 2):
+        save_file(perturbed_state_dict(base, seed=seed), str(tmp / f"sd{seed}.safetensors"))
+    spec = {"url": h.url, "master_port": find_free_port(), "group_name": "weight_update_group",
+            "result_path": str(tmp / "result.json"), "probe": PROBE, "probe_new_tokens": PROBE_TOKENS,
+            "rounds": [{"tensors": str(tmp / "sd1.safetensors"), "version": "1", "load_format": None,
+                        "dtype": "float32"},
+                       {"tensors": str(tmp / "sd2.safetensors"), "version": "2",
+                        "load_format": "flattened_bucket", "dtype": "bfloat16"}]}
+    res = _run_sender(spec, tmp)
+    assert res["init"]["success"] is True, res["init"]
+    assert res["destroy"]["success"] is True
+    r1, r2 = res["rounds"]
+    assert r1["update"]["success"] is True and r2["update"]["success"] is True, (r1["update"], r2["update"])
+    assert r1["weight_version"] == "1" and r2["weight_version"] == "2"
+    want1 = hf_greedy(load_hf(base, perturbed_state_dict(base, seed=1)), PROBE, PROBE_TOKENS)
+    sd2 = {k: v.bfloat16().float() for k, v in perturbed_state_dict(base, seed=2).items()}  # sent as bf16
+    want2 = hf_greedy(load_hf(base, sd2), PROBE, PROBE_TOKENS)
+    assert r1["output_ids"] == want1 and r1["output_ids"] != old
+    assert r2["output_ids"] == want2 and r2["output_ids"] != want1
+    assert not h.server.receiver.groups  # destroyed
