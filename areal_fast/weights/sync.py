@@ -329,6 +329,7 @@ class DistributedWeightSync(WeightSync):
         futs = [(s.url, self.http.submit(s.url, "/update_weights_from_distributed", body, what=what))
                 for s in self.servers]
         if cfg.load_format == "flattened_bucket":
+            _check_unpadded(bucket)
             works = [dist.broadcast(bucket.data, src=0, group=self.pg, async_op=True)]
         else:
             works = [dist.broadcast(bucket.tensor(i), src=0, group=self.pg, async_op=True)
@@ -424,3 +425,17 @@ class DiskWeightSync(WeightSync):
         finally:
             if not self.keep:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _check_unpadded(bucket: Bucket) -> None:
+    """SGLang unpacks a flattened bucket by laying the tensors back to back with no alignment
+    padding. Our buckets align each tensor to its dtype size, which adds padding only when a
+    bucket mixes dtypes in an unlucky order; refuse that rather than corrupt the weights."""
+    end = 0
+    for i, off in enumerate(bucket.offsets):
+        if off != end:
+            raise WeightSyncError(
+                f"bucket {bucket.index}: tensor {bucket.names[i]!r} would need {off - end} bytes of alignment "
+                "padding, which SGLang's flattened_bucket loader does not understand; send one dtype "
+                "(WeightSyncConfig(dtype=torch.bfloat16)) or load_format=None")
+        end = off + bucket.tensor(i).numel() * bucket.dtypes[i].itemsize
