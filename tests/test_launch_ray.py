@@ -27,7 +27,14 @@ ray = pytest.importorskip("ray")
 
 from areal_fast.config import RolloutConfig, load_config  # noqa: E402
 from areal_fast.launch.local import ProcessDied, http_ok  # noqa: E402
-from areal_fast.launch.ray_launcher import PYTHON, RayConfig, RayLauncher, run_with_ray  # noqa: E402
+from areal_fast.launch.ray_launcher import (  # noqa: E402
+    PYTHON,
+    RayConfig,
+    RayLauncher,
+    run_with_ray,
+    server_command,
+    tp_size,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_reverse.yaml"
@@ -56,6 +63,19 @@ print(f"rank={dist.get_rank()} world={dist.get_world_size()} local={os.environ['
       f"master={os.environ['MASTER_ADDR']} sum={t.item()}", flush=True)
 dist.destroy_process_group()
 """
+
+
+def test_config_validation_and_server_placement_helpers():
+    with pytest.raises(ValueError, match="server_strategy"):
+        RayConfig(server_strategy="EVERYWHERE")
+    with pytest.raises(ValueError, match="cpus_per_rank"):
+        RayConfig(cpus_per_rank=0)
+    assert tp_size(["--mem-fraction-static", "0.8", "--tp-size", "4"]) == 4
+    assert tp_size(["--tp=2"]) == 2 and tp_size([]) == 1
+    r = RolloutConfig(engine="sglang", server_args=["--tp-size", "2"])
+    cmd = server_command(r, "/m", "10.0.0.7", 30001, seed=0)
+    assert cmd[:3] == [PYTHON, "-m", "sglang.launch_server"] and cmd[-2:] == ["--tp-size", "2"]
+    assert cmd[cmd.index("--host") + 1] == "10.0.0.7" and cmd[cmd.index("--port") + 1] == "30001"
 
 
 def _proc_cmdlines() -> dict[int, str]:

@@ -396,6 +396,8 @@ class RayLauncher:
             p = refs[ref]
             try:
                 st = ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:  # transient (network, node under load): ask again
+                continue
             except ray.exceptions.RayActorError as e:
                 p.lost = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
                 self._pull_local(p)  # the actor cannot hand out its log any more; same node: read it here
@@ -468,6 +470,8 @@ class RayLauncher:
             p = refs[ref]
             try:
                 data, offset = ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:
+                continue
             except ray.exceptions.RayActorError:
                 self._pull_local(p)
                 continue
@@ -572,6 +576,8 @@ def _follow_metrics(path: Path, pos: int, bar) -> int:
     """Feed the progress bar with the metrics.jsonl lines written since byte ``pos``."""
     try:
         with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < pos:  # rank 0 cut the file back on resume
+                pos = 0
             f.seek(pos)
             chunk = f.read()
     except OSError:
@@ -585,8 +591,22 @@ def _follow_metrics(path: Path, pos: int, bar) -> int:
     return pos + end
 
 
-def _raise_exit(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+class _sigterm_as_exit:  # noqa: N801
+    """SIGTERM raises SystemExit in the main thread, so teardown runs as on Ctrl-C. Entered after
+    ray.init, whose own handler (print a stack, abort) would otherwise skip the teardown."""
+
+    def __enter__(self):
+        self.prev = None
+        if threading.current_thread() is threading.main_thread():
+            self.prev = signal.signal(signal.SIGTERM, self._raise)
+
+    @staticmethod
+    def _raise(signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    def __exit__(self, *exc) -> None:
+        if self.prev is not None:
+            signal.signal(signal.SIGTERM, self.prev)
 
 
 def run_with_ray(cfg, *, progress: bool | None = None, say=None, ray_cfg: RayConfig | None = None,
@@ -611,14 +631,11 @@ def run_with_ray(cfg, *, progress: bool | None = None, say=None, ray_cfg: RayCon
     pkg_log.addHandler(handler)
     old_level = pkg_log.level
     pkg_log.setLevel(logging.INFO)
-    prev_term = None
-    if threading.current_thread() is threading.main_thread():  # SIGTERM: tear down like Ctrl-C does
-        prev_term = signal.signal(signal.SIGTERM, _raise_exit)
     try:
         path = model_dir(cfg, say)
         path = str(Path(path).resolve()) if Path(path).exists() else path
         (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        with ray_session(rc), RayLauncher(out / "logs", rc) as launcher:
+        with ray_session(rc), _sigterm_as_exit(), RayLauncher(out / "logs", rc) as launcher:
             servers = [u.rstrip("/") for u in cfg.rollout.servers]
             if not servers:
                 say(f"starting {cfg.rollout.n_servers} {cfg.rollout.engine} server(s) on Ray...")
@@ -657,8 +674,6 @@ def run_with_ray(cfg, *, progress: bool | None = None, say=None, ray_cfg: RayCon
         summary_path = out / "summary.json"
         return json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     finally:
-        if prev_term is not None:
-            signal.signal(signal.SIGTERM, prev_term)
         pkg_log.removeHandler(handler)
         pkg_log.setLevel(old_level)
         handler.close()
