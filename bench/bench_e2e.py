@@ -48,7 +48,10 @@ def run_mode(name: str, eta: int, args, work: Path, warm: Path | None) -> dict:
     elapsed = train[-1]["time"]
     hit = next((e["time"] for e in evals if e["eval_reward"] >= args.target), None)
     timers = summary["timers"]
+    import yaml
+
     return {
+        "config": yaml.safe_load((out / "config.yaml").read_text()),
         "eta": eta, "steps": len(train), "elapsed_s": elapsed,
         "trained_samples_per_s": train[-1]["trained_samples_per_s"],
         "trained_tokens_per_s": train[-1]["trained_tokens_per_s"],

@@ -235,6 +235,10 @@ class DistributedSync:
         self.fallback = DiskSync(trainer, rollout, work_dir)
         self.broken = False
 
+    def _lost(self) -> list[str]:
+        live = set(self.rollout.urls)
+        return [t.url for t in self.ws.servers if t.url not in live or self.rollout.is_dead(t.url)]
+
     def _update(self, version: int) -> None:
         self.trainer._announce("wsync", (self.spec, version))
         self.ws.update(self.trainer.actor.sharded_state_dict(), version)
@@ -245,11 +249,13 @@ class DistributedSync:
         t0 = time.perf_counter()
         try:
             await self.rollout.control(self.rollout.client.flush_cache_all, "flush_cache")
+            if self._lost():  # a member of the broadcast group is gone: do not even start a broadcast
+                raise RuntimeError(f"servers left the pool: {self._lost()}")
             await asyncio.to_thread(self._update, version)
         except Exception as e:  # noqa: BLE001
-            if not any(self.rollout.is_dead(u) for u in self.rollout.urls):
+            if not self._lost():
                 raise
-            log.warning("distributed weight sync failed after a server died (%r); using disk sync from now on", e)
+            log.warning("distributed weight sync impossible after a server died (%r); using disk sync from now on", e)
             self.broken = True
             return await self.fallback.sync(version)
         return {"broadcast_s": time.perf_counter() - t0}

@@ -117,7 +117,7 @@ def run_train(cfg: AppConfig, *, progress: bool | None = None, say=None) -> dict
         die_with_parent()  # a rank must not outlive its torchrun agent (which dies with the launcher)
     setup_logging(out, cfg.log.level, console=rank == 0)
     if cfg.train.world_size > 1 and not under_torchrun:
-        return _run_torchrun(cfg, say)
+        return _run_torchrun(cfg, say, cfg.log.progress if progress is None else progress)
     if cfg.train.gpus and not under_torchrun:  # before anything initialises CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = cfg.train.gpus
     import torch
@@ -153,7 +153,7 @@ def _follower(cfg: AppConfig, path: str) -> dict:
     return {}
 
 
-def _run_torchrun(cfg: AppConfig, say) -> dict:
+def _run_torchrun(cfg: AppConfig, say, progress: bool) -> dict:
     out = cfg.experiment.out
     path = model_dir(cfg, say)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -172,16 +172,21 @@ def _run_torchrun(cfg: AppConfig, say) -> dict:
         if cfg.train.gpus:
             env["CUDA_VISIBLE_DEVICES"] = cfg.train.gpus
         trainer = launcher.start("trainer", cmd, env=env)
-        bar = ProgressBar(cfg.experiment.total_steps, 0, enabled=cfg.log.progress)
+        bar = ProgressBar(cfg.experiment.total_steps, 0, enabled=progress)
         metrics = out / "metrics.jsonl"
+        seen = 0
         try:
             while trainer.alive():
                 for p in launcher.dead():
                     if p is not trainer:
                         log.warning("%s", p.death_message())
-                for m in read_jsonl(metrics)[-2:] if metrics.is_file() else []:
+                rows = read_jsonl(metrics) if metrics.is_file() else []
+                for m in rows[seen:]:
                     bar(m)
+                seen = len(rows)
                 time.sleep(_WATCH_S)
+            for m in (read_jsonl(metrics) if metrics.is_file() else [])[seen:]:
+                bar(m)
         finally:
             bar.close()
         if trainer.proc.returncode != 0:
@@ -210,9 +215,13 @@ async def _run_async(cfg: AppConfig, path: str, urls: list[str], launcher: Local
     tok = load_tokenizer(cfg.model.tokenizer or path)
     prompts, evals = load_data(cfg, tok)
     resume = latest_checkpoint(out / "checkpoints") if cfg.experiment.resume else None
-    if resume is None and cfg.experiment.resume is False:
-        for f in ("metrics.jsonl",):
+    if resume is None:  # a fresh start: nothing of an earlier attempt may mix into this run's records
+        for f in ("metrics.jsonl", "samples.jsonl", "summary.json"):
             (out / f).unlink(missing_ok=True)
+        if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
+            aside = out / f"checkpoints.old-{time.strftime('%Y%m%d-%H%M%S')}"
+            (out / "checkpoints").rename(aside)
+            say(f"experiment.resume=false: moved the earlier checkpoints to {aside}")
     start_step = int(resume.name.split("_")[1]) if resume is not None else 0
     truncate_jsonl(out / "metrics.jsonl", start_step)
     if resume is not None:
