@@ -73,10 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (e.g. from `timeout` or a scheduler) unwinds like Ctrl-C: every process is shut down
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     if args.cmd == "train":
-        from areal_fast.launch.train import run_train
+        if cfg.launcher == "ray":
+            from areal_fast.launch.ray_launcher import run_with_ray as run
+        else:
+            from areal_fast.launch.train import run_train as run
 
         try:
-            s = run_train(cfg, progress=False if args.no_progress else None)
+            s = run(cfg, progress=False if args.no_progress else None)
         except KeyboardInterrupt:
             print("areal-fast: interrupted; every process was stopped. Run the same command to resume.",
                   file=sys.stderr)

@@ -22,11 +22,12 @@ from typing import Any
 
 import yaml
 
+from areal_fast.launch.ray_launcher import RayConfig
 from areal_fast.trainer.config import OptimConfig, PPOConfig
 
 __all__ = [
     "AppConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "ExperimentConfig",
-    "LogConfig", "ModelConfig", "OptimConfig", "PPOConfig", "RewardConfig", "RolloutConfig",
+    "LogConfig", "ModelConfig", "OptimConfig", "PPOConfig", "RayConfig", "RewardConfig", "RolloutConfig",
     "SyntheticTaskConfig", "TrainConfig", "WarmStartConfig", "WeightSyncConfig", "from_dict",
     "load_config", "parse_override", "to_dict",
 ]
@@ -395,8 +396,14 @@ class AppConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    launcher: str = "local"
+    """'local' (subprocesses and torchrun on this machine) or 'ray' (a Ray cluster, see ``ray``)."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Where the Ray launcher connects and how it places servers and trainer ranks."""
 
     def __post_init__(self):
+        if self.launcher not in ("local", "ray"):
+            raise ValueError(f"launcher: must be 'local' or 'ray', got {self.launcher!r}")
         if abs(self.train.ppo.temperature - self.rollout.temperature) > 1e-12:
             raise ValueError(
                 f"train.ppo.temperature ({self.train.ppo.temperature}) must equal rollout.temperature "

@@ -152,7 +152,9 @@ def test_a_dying_inference_server_does_not_stop_the_run_in_sync_mode(tmp_path, r
     """Synchronous baseline (eta = 0) with two servers and the distributed (gloo) weight sync; one
     server is SIGKILLed after step 2: the pool fails over and the sync falls back to disk."""
     out = tmp_path / "run"
-    steps = 5
+    # A step of this tiny run takes ~50 ms: 40 steps leave ~2 s after the kill at step 2, so the
+    # death is seen mid-run (with 5 steps the run could end before the SIGKILL landed).
+    steps = 40
     p = runner(_cmd(out, f"experiment.total_steps={steps}", "rollout.n_servers=2", "checkpoint.every_steps=0",
                     "rollout.max_staleness=0", "weights.method=distributed"))
     _wait_for(lambda: (out / "metrics.jsonl").is_file() and len(_train_events(out)) >= 2, p, "step 2")

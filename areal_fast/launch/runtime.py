@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -75,13 +76,9 @@ class ClientRollout:
     def remove_server(self, url: str) -> bool:
         """Drop ``url`` from the pool (requests in flight there are retried elsewhere by the client)."""
         url = url.rstrip("/")
-        keep = [s for s in self.client.servers if s.url != url]
-        if len(keep) == len(self.client.servers):
-            return False
-        if not keep:
+        if url in self.urls and len(self.client.servers) == 1:
             raise RuntimeError(f"the last inference server {url} died; cannot continue")
-        self.client.servers = keep  # TODO(rollout): a public RolloutClient.remove_server(url)
-        return True
+        return self.client.remove_server(url)
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -216,8 +213,10 @@ def make_distributed_sync(urls: tuple, bucket_bytes: int, timeout_s: float, dtyp
     from areal_fast.weights import DistributedWeightSync, WeightSyncConfig
 
     dtype = getattr(torch, dtype_name) if dtype_name else None
+    # Servers on other machines (Ray launcher) reach rank 0 at AREAL_FAST_HOST, not loopback.
+    master = os.environ.get("AREAL_FAST_HOST", "127.0.0.1")
     return DistributedWeightSync(list(urls), WeightSyncConfig(bucket_bytes=bucket_bytes, dtype=dtype,
-                                                              timeout_s=timeout_s))
+                                                              timeout_s=timeout_s, master_addr=master))
 
 
 class DistributedSync:
@@ -253,6 +252,10 @@ class DistributedSync:
                 raise RuntimeError(f"servers left the pool: {self._lost()}")
             await asyncio.to_thread(self._update, version)
         except Exception as e:  # noqa: BLE001
+            # A connection reset can arrive a moment before the server's exit is visible.
+            deadline = time.monotonic() + _DEATH_VISIBLE_S
+            while not self._lost() and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
             if not self._lost():
                 raise
             log.warning("distributed weight sync impossible after a server died (%r); using disk sync from now on", e)
@@ -294,11 +297,8 @@ class ManagerGate:
             self.m.set_version(version)
 
     def recover(self, version: int, accepted: int) -> None:
-        self.m.restore(version)
-        extra = accepted - version * self.m.batch_size
-        if extra:  # restored buffered groups count as accepted (the spec assumes the buffer was lost)
-            with self.m._lock:  # TODO(rollout): StalenessManager.restore(version, accepted=None)
-                self.m._accepted += extra
+        # Restored buffered groups were accepted before the crash and still count against the bound.
+        self.m.restore(version, accepted=accepted)
 
     def stats(self) -> dict:
         s = self.m.stats
