@@ -246,5 +246,54 @@ def main():
         print(f"wrote {out_dir / name}")
 
 
+
+# pytest-benchmark form: `python -m pytest bench/bench_ppo_loss.py --benchmark-only`. On a GPU it
+# times the Triton path against the eager reference and a same-size copy on the shapes;
+# on CPU only tiny shapes of the reference run (and the report says so in extra_info).
+_ON_GPU = torch.cuda.is_available()
+_BENCH_SHAPES = [(4096, 32000), (16384, 151936), (32768, 151936)] if _ON_GPU else [(256, 4096)]
+
+
+def _bench_inputs(T, V):
+    if _ON_GPU:
+        return inputs(T, V, "cuda")
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(T, V, generator=g)
+    return z, torch.randint(0, V, (T,), generator=g), torch.full((T,), -8.0), None, torch.randn(T, generator=g), \
+        torch.ones(T)
+
+
+def _sync():
+    if _ON_GPU:
+        torch.cuda.synchronize()
+
+
+import pytest  # noqa: E402  (only the pytest form needs it)
+
+
+@pytest.mark.parametrize("T,V", _BENCH_SHAPES)
+def test_bench_ppo_loss_fast_path(benchmark, T, V):
+    z, y, b, p, A, m = _bench_inputs(T, V)
+    step = loss_step(decoupled_ppo_loss, z, y, b, p, A, m, **({"backend": "triton"} if _ON_GPU else {}))
+    benchmark(lambda: (step(), _sync()))
+    nbytes = 2 * z.numel() * z.element_size()
+    benchmark.extra_info.update(device=torch.cuda.get_device_name() if _ON_GPU else "cpu (reference only)",
+                                gbs_effective=nbytes / benchmark.stats["median"] / 1e9)
+
+
+@pytest.mark.parametrize("T,V", _BENCH_SHAPES)
+def test_bench_ppo_loss_eager_reference(benchmark, T, V):
+    z, y, b, p, A, m = _bench_inputs(T, V)
+    step = loss_step(decoupled_ppo_loss_ref, z, y, b, p, A, m)
+    benchmark.pedantic(lambda: (step(), _sync()), rounds=3, iterations=1, warmup_rounds=1)
+
+
+@pytest.mark.parametrize("T,V", _BENCH_SHAPES)
+def test_bench_same_size_copy(benchmark, T, V):
+    z = _bench_inputs(T, V)[0]
+    buf = torch.empty_like(z)
+    benchmark(lambda: (buf.copy_(z), _sync()))
+    benchmark.extra_info.update(gbs=2 * z.numel() * z.element_size() / benchmark.stats["median"] / 1e9)
+
 if __name__ == "__main__":
     main()
