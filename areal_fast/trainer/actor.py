@@ -270,6 +270,7 @@ class PPOActor:
 
     def _loss_fn(self, p: Packed, normalizer: float):
         ppo = self.config.ppo
+        loss_opts = ppo.loss_options()  # computed once per step, not per micro-batch
         theta_version = self.version
 
         def head(h, w, b):
@@ -280,11 +281,7 @@ class PPOActor:
             out = self._loss_op(
                 h, w, p.labels, p.behav_logprobs, p.advantages, p.loss_mask, bias=b,
                 prox_logprobs=prox, ref_logprobs=p.ref_logprobs, cu_seqlens=p.cu_seqlens,
-                temperature=ppo.temperature, eps_clip=ppo.eps_clip, eps_clip_higher=ppo.eps_clip_higher,
-                dual_clip=ppo.dual_clip, behav_weight_cap=ppo.behav_weight_cap,
-                behav_weight_mode=ppo.behav_weight_mode, importance_level=ppo.importance_level,
-                kl_coef=ppo.kl_coef, kl_estimator=ppo.kl_estimator, entropy_coef=ppo.entropy_coef,
-                loss_agg=ppo.loss_agg, normalizer=normalizer,
+                normalizer=normalizer, **loss_opts,
             )
             # a tuple (not the dataclass) so FSDP2 sees the loss and hooks its backward
             return out.loss, out.logprobs, out.entropy, dict(out.stats)

@@ -49,6 +49,10 @@ class OptimConfig:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
 
 
+_LOSS_FIELDS = ("temperature", "eps_clip", "eps_clip_higher", "dual_clip", "behav_weight_cap", "behav_weight_mode",
+                "importance_level", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg")
+
+
 @dataclass(kw_only=True, slots=True)
 class PPOConfig:
     """The decoupled PPO objective (names follow ``shared/spec/decoupled_ppo.md``)."""
@@ -83,22 +87,7 @@ class PPOConfig:
     reward_bias: float = 0.0
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"ppo.temperature must be > 0, got {self.temperature!r}")
-        if not self.eps_clip > 0:
-            raise ValueError(f"ppo.eps_clip must be > 0, got {self.eps_clip!r}")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"ppo.dual_clip must be > 1 or None, got {self.dual_clip!r}")
-        if self.behav_weight_mode not in ("mask", "clamp"):
-            raise ValueError(f"ppo.behav_weight_mode must be 'mask' or 'clamp', got {self.behav_weight_mode!r}")
-        if self.importance_level not in ("token", "sequence"):
-            raise ValueError(f"ppo.importance_level must be 'token' or 'sequence', got {self.importance_level!r}")
-        if self.kl_estimator not in ("k1", "k2", "k3"):
-            raise ValueError(f"ppo.kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}")
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError("ppo.kl_coef and ppo.entropy_coef must be >= 0")
-        if self.loss_agg not in ("token-mean", "seq-mean-token-mean"):
-            raise ValueError(f"ppo.loss_agg must be 'token-mean' or 'seq-mean-token-mean', got {self.loss_agg!r}")
+        self.loss_options()  # the objective's own checks, with the key named under "ppo."
         if self.prox_mode not in _PROX_MODES:
             raise ValueError(f"ppo.prox_mode must be one of {_PROX_MODES}, got {self.prox_mode!r}")
         if self.ppo_n_minibatches < 1:
@@ -107,6 +96,18 @@ class PPOConfig:
             raise ValueError(f"ppo.adv_estimator must be one of {_ADV_ESTIMATORS}, got {self.adv_estimator!r}")
         if not self.adv_eps > 0:
             raise ValueError(f"ppo.adv_eps must be > 0, got {self.adv_eps!r}")
+
+    def loss_options(self) -> dict:
+        """The keyword arguments of ``areal_fast.ops.*decoupled_ppo_loss``, validated by the
+        objective's own :class:`~areal_fast.ops.PPOLossConfig` (one definition of what is legal)."""
+        from areal_fast.ops.ppo_objective import PPOLossConfig
+
+        opts = {f: getattr(self, f) for f in _LOSS_FIELDS}
+        try:
+            PPOLossConfig(**opts)
+        except ValueError as e:
+            raise ValueError(f"ppo.{e}") from None
+        return opts
 
 
 @dataclass(kw_only=True, slots=True)
