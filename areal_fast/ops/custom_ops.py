@@ -167,6 +167,33 @@ def _(hidden, weight, bias, labels, temperature, chunk_size, backend):
     return tuple(hidden.new_empty(T, dtype=torch.float32) for _ in range(3))
 
 
+class _LinearGrads:
+    """grad_hidden, grad_weight and grad_bias of z = h W^T + bias, accumulated chunk by chunk from
+    dz (written into the chunk's logits buffer). grad_weight/grad_bias accumulate in fp32 (a bf16
+    accumulator would round 32 times at T = 32768 with 1024-row chunks); unneeded ones are [0]."""
+
+    def __init__(self, hidden, weight, bias, need_hidden: bool, need_weight: bool, need_bias: bool):
+        self.weight, self.bias = weight, bias
+        self.gh = torch.empty_like(hidden) if need_hidden else None
+        self.gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        self.gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+
+    def add_chunk(self, a: int, b: int, h: Tensor, dz: Tensor) -> None:
+        if self.gh is not None:
+            torch.mm(dz, self.weight, out=self.gh[a:b])
+        if self.gw is not None:
+            self.gw += (dz.t() @ h).float()
+        if self.gb is not None:
+            self.gb += dz.float().sum(0)
+
+    def result(self) -> tuple[Tensor, Tensor, Tensor]:
+        # a fresh [0] per missing output: custom ops may not return aliased tensors
+        empty = self.weight.new_empty
+        return (empty(0) if self.gh is None else self.gh,
+                empty(0) if self.gw is None else self.gw.to(self.weight.dtype),
+                empty(0) if self.gb is None else self.gb.to(self.bias.dtype))
+
+
 @torch.library.custom_op("areal_fast::fused_linear_token_stats_bwd", mutates_args=())
 def fused_linear_token_stats_bwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, lse: Tensor,
                                  ent: Tensor, grad_logp: Tensor, grad_ent: Tensor, temperature: float,
@@ -179,21 +206,13 @@ def fused_linear_token_stats_bwd(hidden: Tensor, weight: Tensor, bias: Tensor | 
     accumulator would round 32 times at T = 32768 with 1024-row chunks).
     """
     T = hidden.shape[0]
-    gh = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
-    gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-    gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+    grads = _LinearGrads(hidden, weight, bias, need_hidden, need_weight, need_bias)
     for a, b in _chunks(T, chunk_size):
         h = hidden[a:b]
         z = F.linear(h, weight, bias)
         _bwd_impl(z, z, labels[a:b], lse[a:b], ent[a:b], grad_logp[a:b], grad_ent[a:b], temperature, backend)
-        if need_hidden:
-            torch.mm(z, weight, out=gh[a:b])
-        if need_weight:
-            gw += (z.t() @ h).float()
-        if need_bias:
-            gb += z.float().sum(0)
-    gw = gw.to(weight.dtype) if need_weight else weight.new_empty(0)
-    gb = gb.to(bias.dtype) if need_bias else weight.new_empty(0)
+        grads.add_chunk(a, b, h, z)
+    gh, gw, gb = grads.result()
     return gh, gw, gb
 
 
@@ -261,9 +280,7 @@ def fused_linear_ppo_single_pass(hidden: Tensor, weight: Tensor, bias: Tensor | 
     coef = coef.float()
     logp = hidden.new_empty(T, dtype=torch.float32)
     ent = torch.empty_like(logp)
-    gh = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
-    gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-    gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+    grads = _LinearGrads(hidden, weight, bias, need_hidden, need_weight, need_bias)
     for a, b in _chunks(T, chunk_size):
         h = hidden[a:b]
         z = F.linear(h, weight, bias)
@@ -272,14 +289,8 @@ def fused_linear_ppo_single_pass(hidden: Tensor, weight: Tensor, bias: Tensor | 
         g, e = per_token_grads(lp_c, ent_c, C.slice(a, b), cfg)
         g, e = coef[a:b] * g, coef[a:b] * e
         _bwd_impl(z, z, labels[a:b], lse_c, ent_c, g, e, temperature, backend)
-        if need_hidden:
-            torch.mm(z, weight, out=gh[a:b])
-        if need_weight:
-            gw += (z.t() @ h).float()
-        if need_bias:
-            gb += z.float().sum(0)
-    gw = gw.to(weight.dtype) if need_weight else weight.new_empty(0)
-    gb = gb.to(bias.dtype) if need_bias else weight.new_empty(0)
+        grads.add_chunk(a, b, h, z)
+    gh, gw, gb = grads.result()
     return logp, ent, gh, gw, gb
 
 
