@@ -50,6 +50,7 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -406,6 +407,7 @@ class Controller:
         _fsync_dir(self.ckpt_dir)
         for old in list_checkpoints(self.ckpt_dir)[: -self.s.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+        _failpoint_after_checkpoint(state["version"])
         return final
 
     def restore(self, path: Path) -> None:
@@ -513,6 +515,18 @@ class SpecGate:
     def stats(self) -> dict:
         return {"accepted": self.accepted, "running": self.running, "capacity": self.capacity(),
                 "dropped": self.n_dropped}
+
+
+HANG_AFTER_CHECKPOINT_ENV = "AREAL_FAST_TEST_HANG_AFTER_CHECKPOINT"
+
+
+def _failpoint_after_checkpoint(version: int) -> None:
+    """Test hook: with ``AREAL_FAST_TEST_HANG_AFTER_CHECKPOINT=N`` the run stops making progress
+    right after checkpoint N is complete, so a crash test can kill it at a point it controls (a run
+    that may finish, or whose retention may delete checkpoint N, before the kill makes tests flaky)."""
+    if os.environ.get(HANG_AFTER_CHECKPOINT_ENV) == str(version):
+        log.warning("%s=%d: holding the run after this checkpoint (test hook)", HANG_AFTER_CHECKPOINT_ENV, version)
+        threading.Event().wait()
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from areal_fast.controller import HANG_AFTER_CHECKPOINT_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "tiny_reverse.yaml")
 START_TIMEOUT_S = 240  # model build + server start-up + a few steps on a busy 2-core machine
@@ -92,8 +94,9 @@ def _wait_for(pred, proc: subprocess.Popen, what: str, timeout=START_TIMEOUT_S):
 def runner():
     procs = []
 
-    def start(cmd):
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    def start(cmd, env=None):
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env=None if env is None else {**os.environ, **env})
         procs.append(p)
         return p
 
@@ -112,7 +115,10 @@ def runner():
 def test_kill_9_then_the_same_command_resumes_without_loss_or_duplicates(tmp_path, runner):
     out = tmp_path / "run"
     steps = 5
-    p = runner(_cmd(out, f"experiment.total_steps={steps}", "weights.method=disk"))
+    # The first run holds still right after checkpoint 2 (a test hook), so the kill lands mid-run at
+    # a point the test controls: the run can neither finish nor let retention delete step 2 first.
+    p = runner(_cmd(out, f"experiment.total_steps={steps}", "weights.method=disk"),
+               env={HANG_AFTER_CHECKPOINT_ENV: "2"})
     _wait_for(lambda: (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file(), p, "checkpoint 2")
     kids = _children(p.pid)
     assert any("areal_fast.rollout.engine" in _cmdline(k) for k in kids), "no engine server was launched"

@@ -155,13 +155,19 @@ def test_killed_server_request_completes_on_other(engines, dirs, doomed):
                 await c.update_weights_from_disk(paths[0], weight_version="0")
                 task = asyncio.create_task(c.generate(prompt, {"max_new_tokens": n, "temperature": 0.0,
                                                                "ignore_eos": True}, rid="failover"))
-                # the request went to the first (least loaded, equal) server: kill it mid-generation
-                for _ in range(500):
+                # the request went to the first (least loaded, equal) server: kill it mid-generation.
+                # Freeze it there first (an in_place pause keeps the request, and sends nothing back), so
+                # it cannot finish before the kill however fast or slow this machine is.
+                for _ in range(3000):
                     info = await c._call(c.servers[0], "GET", "/get_server_info")
                     if info["num_running_requests"] >= 1:
                         break
                     await asyncio.sleep(0.01)
-                await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError("the request never started on the doomed server")
+                await c._call(c.servers[0], "POST", "/pause_generation", {"mode": "in_place"})
+                info = await c._call(c.servers[0], "GET", "/get_server_info")
+                assert info["num_running_requests"] == 1  # still there, frozen mid-generation
                 doomed.kill()
                 return await task
 

@@ -6,7 +6,6 @@ This file is also the torchrun worker (``python -m torch.distributed.run ... tes
 """
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -83,21 +82,17 @@ def worker(model_path, out_dir):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer_dist")
     model_path = str(root / "model")
     make_tiny_model(model_path, seed=7)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, model_path, str(root)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    # --standalone: torchrun's own store binds a free port itself (a port picked here and bound later
+    # by the child can be taken in between by any other process of the suite).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           __file__, model_path, str(root)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return model_path, root, torch.load(root / "two_ranks.pt", weights_only=False)
 
