@@ -13,7 +13,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 import torch
 from packaging.version import Version
 
+from areal_fast.netutil import find_free_port
 from areal_fast.weights.layout import ModelSpec, hf_to_sglang
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -78,12 +78,6 @@ def _wait_port(proc: subprocess.Popen) -> str:
     raise RuntimeError(f"receiver {proc.args} did not start")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
     spec = _spec()
@@ -102,7 +96,7 @@ def sync_run(tmp_path_factory):
             servers.append((_wait_port(proc), tp, ver, str(root / f"server{i}")))
         out = root / "trainer"
         out.mkdir()
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()), WORLD_SIZE="2",
                    GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
         cmd = [sys.executable, os.path.join(HERE, "_weights_trainer.py"), "--out", str(out), "--urls",
                *[s[0] for s in servers[:3]], "--fail-url", servers[3][0]]

@@ -17,7 +17,6 @@ import atexit
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from areal_fast.netutil import find_free_port
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.1
@@ -48,10 +49,6 @@ class ProcessDied(RuntimeError):
     """A launched process exited; the message names it, its exit code and its log tail."""
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:

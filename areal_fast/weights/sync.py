@@ -33,7 +33,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -44,6 +43,7 @@ import torch
 import torch.distributed as dist
 from packaging.version import InvalidVersion, Version
 
+from areal_fast.netutil import find_free_port as free_port
 from areal_fast.weights._http import HttpPool, WeightSyncError
 from areal_fast.weights.gather import Bucket, BucketGatherer, collect_sources, send_dtypes
 
@@ -93,10 +93,6 @@ class WeightSyncConfig:
             raise ValueError(f"backend={self.backend!r}; use 'nccl', 'gloo' or None")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,14 +14,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from areal_fast.netutil import find_free_port
+
 _POLL_S = 0.1
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bind to 0 and close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _healthy(url: str) -> bool:

@@ -1,0 +1,57 @@
+"""Ports for the processes we start: the one helper every launcher, engine and rendezvous uses.
+
+A port found by binding to 0 comes from the kernel's ephemeral range, the same range every
+outgoing TCP connection (HTTP clients, torch stores) takes its local port from, so between
+"found free" and "bound by the child" it can be taken by any connection on the machine. Ports
+handed out here come from below that range, are checked by binding, and are never handed out
+twice by one process.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+
+_LOW = 20000  # below the usual ephemeral range (32768-60999) and above well-known services
+_given: set[int] = set()
+_lock = threading.Lock()
+_rng = random.Random()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free now, outside the ephemeral range where possible, and
+    not returned before by this process."""
+    high = _ephemeral_low()
+    with _lock:
+        if high - _LOW > 1000:
+            for _ in range(200):
+                port = _rng.randrange(_LOW, high)
+                if port not in _given and _bindable(host, port):
+                    _given.add(port)
+                    return port
+        for _ in range(100):  # odd port ranges: fall back to the kernel's choice
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _given:
+                _given.add(port)
+                return port
+    raise RuntimeError(f"no free TCP port found on {host}")
