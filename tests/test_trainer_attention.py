@@ -1,5 +1,7 @@
 """Varlen attention: the packed forward equals the unpacked per-sequence forward."""
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -72,3 +74,85 @@ def test_packed_forward_equals_per_sequence_forward(arch):
     with torch.no_grad():
         leaky = packed_model(input_ids=ids).logits[0]
     assert not torch.allclose(leaky[cu[1]:cu[3]], packed[cu[1]:cu[3]], atol=ATOL)
+
+
+# ---------------------------------------------------------------- torch varlen_attn, per torch release
+# Fakes with the keyword sets of the releases we meet; each computes causal (optionally windowed)
+# attention per sequence and, like torch, refuses Hq != Hkv unless it has and gets enable_gqa.
+def _fake_attend(q, k, v, cu_q, scale, left, gqa):
+    if q.shape[1] != k.shape[1] and not gqa:
+        raise ValueError(f"fake varlen_attn: Hq={q.shape[1]} != Hkv={k.shape[1]} without enable_gqa")
+    return varlen_attention_ref(q, k, v, cu_q, scale, None if left < 0 else left + 1)
+
+
+def fake_varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, is_causal=False,
+                     scale=None):
+    assert is_causal, "the trainer's attention is causal"
+    return _fake_attend(query, key, value, cu_seq_q, scale, -1, False)
+
+
+def fake_varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1)):
+    assert window_size[1] == 0, "the trainer's attention is causal"
+    return _fake_attend(query, key, value, cu_seq_q, scale, window_size[0], False)
+
+
+def fake_varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    assert window_size[1] == 0, "the trainer's attention is causal"
+    return _fake_attend(query, key, value, cu_seq_q, scale, window_size[0], enable_gqa)
+
+
+def _packed_qkv(lens, hq=6, hkv=2, d=8):
+    g = torch.Generator().manual_seed(3)
+    T = sum(lens)
+    q = torch.randn(T, hq, d, generator=g)
+    k, v = torch.randn(T, hkv, d, generator=g), torch.randn(T, hkv, d, generator=g)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    return q, k, v, cu
+
+
+@pytest.mark.parametrize("fake", [fake_varlen_2_10, fake_varlen_2_11, fake_varlen_2_13])
+@pytest.mark.parametrize("hkv", [6, 2, 1])
+def test_torch_varlen_call_matches_reference_for_every_signature(fake, hkv):
+    lens = [5, 1, 9, 0, 3]
+    q, k, v, cu = _packed_qkv(lens, hkv=hkv)
+    args, kwargs = attention.torch_varlen_call(fake, q, k, v, cu, cu, max(lens), max(lens), 0.3)
+    inspect.signature(fake).bind(*args, **kwargs)
+    if fake is not fake_varlen_2_13 and hkv != 6:
+        assert args[1].shape[1] == 6, "K must be expanded to the query heads where GQA is not supported"
+    out = fake(*args, **kwargs)
+    torch.testing.assert_close(out, varlen_attention_ref(q, k, v, cu, 0.3), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("fake", [fake_varlen_2_11, fake_varlen_2_13])
+def test_torch_varlen_call_sliding_window(fake):
+    lens = [10, 6]
+    q, k, v, cu = _packed_qkv(lens)
+    args, kwargs = attention.torch_varlen_call(fake, q, k, v, cu, cu, 10, 10, 0.3, sliding_window=4)
+    assert kwargs["window_size"] == (3, 0)
+    torch.testing.assert_close(fake(*args, **kwargs), _dense_block_causal(q, k, v, cu, 0.3, 4), atol=ATOL, rtol=0)
+
+
+def test_torch_varlen_call_refuses_window_without_window_size():
+    q, k, v, cu = _packed_qkv([4])
+    with pytest.raises(NotImplementedError, match="sliding_window=4"):
+        attention.torch_varlen_call(fake_varlen_2_10, q, k, v, cu, cu, 4, 4, 0.3, sliding_window=4)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        q4, k4, v4, _ = _packed_qkv([4], hkv=4)  # 6 query heads cannot share 4 KV heads
+        attention.torch_varlen_call(fake_varlen_2_13, q4, k4, v4, cu, cu, 4, 4, 0.3)
+
+
+@pytest.mark.skipif(not attention._has_torch_varlen(), reason="this torch has no torch.nn.attention.varlen")
+@pytest.mark.parametrize("hkv,window", [(2, None), (6, None), (2, 4)])
+def test_torch_varlen_call_fits_installed_torch(hkv, window):
+    """The call we would make on CUDA binds to the installed signature and passes the installed
+    function's own checks: it is run on meta tensors (torch's fake kernel: shapes only)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    lens = [5, 7]
+    q, k, v, cu = (t.to("meta") for t in _packed_qkv(lens, hkv=hkv))
+    args, kwargs = attention.torch_varlen_call(varlen_attn, q, k, v, cu, cu, 7, 7, 0.3, window)
+    inspect.signature(varlen_attn).bind(*args, **kwargs)
+    out = varlen_attn(*args, **kwargs)
+    assert out.shape == q.shape and out.device.type == "meta"

@@ -7,7 +7,10 @@ every attention layer. Since ``areal_varlen`` has no entry in transformers' mask
 
 Kernels, in order of preference for ``impl="auto"``:
 - ``flash_attn``: ``flash_attn_varlen_func`` (CUDA, when flash-attn is installed);
-- ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, torch >= 2.9);
+- ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, torch >= 2.9), called through
+  ``torch_varlen_call``, which adapts to the installed signature: 2.10 takes ``is_causal=``, 2.11
+  ``window_size=`` (causal is ``(-1, 0)``), 2.13 adds ``enable_gqa=``; without it the KV heads are
+  repeated to the query heads;
 - ``sdpa_loop``: one ``scaled_dot_product_attention(is_causal=True)`` per sequence: exact
   everywhere (CPU tests), O(S) kernel launches.
 """
@@ -15,6 +18,7 @@ Kernels, in order of preference for ``impl="auto"``:
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +86,47 @@ def varlen_attention_ref(query, key, value, cu_seqlens, scaling, sliding_window=
     return out
 
 
+@functools.cache
+def _varlen_params(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def torch_varlen_call(fn, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale, sliding_window=None):
+    """``(args, kwargs)`` for a causal ``fn(*args, **kwargs)`` = ``torch.nn.attention.varlen.varlen_attn``
+    of the installed torch, whose keywords changed between releases:
+
+    - causality: ``window_size=(-1, 0)`` (2.11+) or ``is_causal=True`` (2.10);
+    - sliding window of ``W`` keys (the query and the ``W - 1`` before it, as the reference):
+      ``window_size=(W - 1, 0)``; refused where the function has no ``window_size``;
+    - grouped-query heads (``Hq = r * Hkv``): ``enable_gqa=True`` where accepted, else K and V are
+      repeated ``r`` times along the head dimension (query head ``h`` reads KV head ``h // r``, the
+      grouping of transformers and of the reference).
+    """
+    params = _varlen_params(fn)
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"varlen attention: query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    kwargs = {"scale": scale}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0) if sliding_window is None else (int(sliding_window) - 1, 0)
+    elif "is_causal" in params:
+        if sliding_window is not None:
+            raise NotImplementedError(
+                f"attn_impl='torch_varlen': the installed torch {torch.__version__} varlen_attn has no window_size, "
+                f"so sliding_window={sliding_window} cannot be honoured; use attn_impl='flash_attn' or 'sdpa_loop'")
+        kwargs["is_causal"] = True
+    else:
+        raise TypeError(f"torch {torch.__version__} varlen_attn takes neither window_size nor is_causal: "
+                        f"unknown signature {sorted(params)}; use attn_impl='sdpa_loop'")
+    if hq != hkv:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(hq // hkv, dim=1)
+            v = v.repeat_interleave(hq // hkv, dim=1)
+    return (q, k, v, cu_q, cu_k, max_q, max_k), kwargs
+
+
 def varlen_attention_forward(
     module,
     query: torch.Tensor,
@@ -131,10 +176,9 @@ def varlen_attention_forward(
     elif impl == "torch_varlen":
         from torch.nn.attention.varlen import varlen_attn
 
-        # varlen_attn is causal-only; window (left, 0) keeps it causal with an optional sliding window
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_k, max_q, max_k, scale=scaling, window_size=(window[0], 0),
-                          enable_gqa=q.shape[1] != k.shape[1])
+        args, kwargs = torch_varlen_call(varlen_attn, q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q,
+                                         cu_k, max_q, max_k, scaling, sliding_window)
+        out = varlen_attn(*args, **kwargs)
     else:
         out = varlen_attention_ref(q, k, v, cu_seq_lens_q, scaling, sliding_window)
     return out.unsqueeze(0), None
