@@ -123,13 +123,13 @@ def test_explicit_abort_ends_as_length(engines):
 def test_sglang_launcher_needs_sglang(monkeypatch):
     import importlib.util
 
-    from areal_fast.rollout import sglang_launch
+    from areal_fast.rollout import server_command as sc
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
     with pytest.raises(RuntimeError, match="sglang is not installed"):
-        sglang_launch.launch_sglang_server("/nonexistent")
-    cmd = sglang_launch.sglang_command("/m", 30001, tp_size=2, weight_version="3")
+        sc.launch_sglang_server("/nonexistent")
+    cmd = sc.server_command("sglang", "/m", "127.0.0.1", 30001, tp_size=2, weight_version="3")
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and "--skip-tokenizer-init" in cmd
     assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--weight-version") + 1] == "3"
 

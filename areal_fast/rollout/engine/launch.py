@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -15,10 +14,12 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from areal_fast.netutil import find_free_port
+from areal_fast.rollout.engine.compat import DEFAULT_SGLANG_VERSION
+from areal_fast.rollout.server_command import server_command
+
+__all__ = ["EngineHandle", "find_free_port", "launch_engine_subprocess", "start_engine_in_thread"]
 
 _POLL_S = 0.1
-
-
 
 
 def _healthy(url: str) -> bool:
@@ -39,6 +40,7 @@ class EngineHandle:
     process: subprocess.Popen | None = None
     log_path: str | None = None
     server: object = field(default=None, repr=False)  # the EngineServer, for in-thread engines only
+    api_key: str | None = field(default=None, repr=False)
     _stop_fn: object = field(default=None, repr=False)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -100,6 +102,7 @@ def launch_engine_subprocess(
     max_running_requests: int = 256,
     weight_version: str = "default",
     api_key: str | None = None,
+    sglang_version: str | None = None,
     env: dict[str, str] | None = None,
     log_path: str | None = None,
     startup_timeout: float = 180.0,
@@ -115,16 +118,15 @@ def launch_engine_subprocess(
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"areal_engine_{port}_", suffix=".log")
         os.close(fd)
-    cmd = [sys.executable, "-m", "areal_fast.rollout.engine", "--model", model_path, "--host", host,
-           "--port", str(port), "--device", device, "--dtype", dtype, "--seed", str(seed),
-           "--max-running-requests", str(max_running_requests), "--weight-version", weight_version,
-           *extra_args]
-    if api_key:
-        cmd += ["--api-key", api_key]
+    cmd = server_command("embedded", model_path, host, port, device=device, dtype=dtype, seed=seed,
+                         max_running_requests=max_running_requests, weight_version=weight_version,
+                         api_key=api_key, sglang_version=sglang_version, skip_tokenizer_init=False,
+                         extra_args=extra_args)
     full_env = {**os.environ, **(env or {})}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    handle = EngineHandle(url=f"http://{host}:{port}", host=host, port=port, process=proc, log_path=log_path)
+    handle = EngineHandle(url=f"http://{host}:{port}", host=host, port=port, process=proc, log_path=log_path,
+                          api_key=api_key)
     if wait:
         handle.wait_healthy(startup_timeout)
     return handle
@@ -141,15 +143,21 @@ def start_engine_in_thread(
     max_running_requests: int = 256,
     weight_version: str = "default",
     api_key: str | None = None,
+    sglang_version: str | None = None,
+    **server_options,
 ) -> EngineHandle:
-    """Serve the engine from a background thread of this process (its own event loop); port 0 = any."""
+    """Serve the engine from a background thread of this process (its own event loop); port 0 = any.
+
+    ``server_options`` go to ``EngineServer`` (e.g. ``health_check_timeout_s``, ``dist_timeout_s``).
+    """
     from aiohttp import web
 
     from areal_fast.rollout.engine.server import EngineServer
 
     server = EngineServer(model_path, device=device, dtype=dtype, seed=seed,
                           max_running_requests=max_running_requests, weight_version=weight_version,
-                          host=host, port=port, api_key=api_key)
+                          host=host, port=port, api_key=api_key,
+                          sglang_version=sglang_version or DEFAULT_SGLANG_VERSION, **server_options)
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     box: dict = {}
@@ -191,4 +199,4 @@ def start_engine_in_thread(
             server.scheduler.stop()
 
     p = box["port"]
-    return EngineHandle(url=f"http://{host}:{p}", host=host, port=p, server=server, _stop_fn=_stop)
+    return EngineHandle(url=f"http://{host}:{p}", host=host, port=p, server=server, _stop_fn=_stop, api_key=api_key)

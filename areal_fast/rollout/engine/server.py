@@ -60,6 +60,9 @@ class EngineServer:
         port: int = 30000,
         api_key: str | None = None,
         attn_implementation: str = "sdpa",
+        sglang_version: str = "0.5.23",
+        load_format: str = "auto",
+        skip_tokenizer_init: bool = False,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
