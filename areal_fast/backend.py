@@ -1,17 +1,43 @@
-"""One place that decides which implementation runs each op.
+"""The one place that decides which implementation runs each op.
 
-Backends, fastest first:
+Backends (``BACKENDS``, in the order automatic choice tries them):
   * ``cuda``      - CUDA kernels in the native extension ``areal_fast._C`` (built with nvcc);
   * ``triton``    - Triton kernels (``areal_fast.kernels``) compiled for a CUDA device;
-  * ``interpret`` - the same Triton kernels run by Triton's CPU interpreter
-                    (``TRITON_INTERPRET=1``; slow, for tests on machines without a GPU);
-  * ``reference`` - the pure-PyTorch reference beside every fast path.
+  * ``native``    - C++ CPU code in ``areal_fast._C`` (planners, CPU interval copy);
+  * ``interpret`` - the Triton kernels run by Triton's CPU interpreter (``TRITON_INTERPRET=1``);
+  * ``reference`` - the pure-Python/PyTorch reference beside every fast path; always runs.
 
-``AREAL_FAST_BACKEND`` forces one backend for every op (``auto`` or unset: choose). A
-backend that is requested explicitly and cannot run raises :class:`BackendUnavailable`
-naming what is missing; automatic choice falls back silently down the list.
+Automatic choice never picks ``interpret``: the interpreter exists to test kernels on machines
+without a GPU and is about 1000x slower than the reference, so it runs only when asked for.
 
-Ops declare which backends they have with ``select(op, device, available=...)``.
+Every op and the backends it has, fastest first (``OPS``; docs/architecture.md has the table):
+
+  ================================  =====================================  =======================
+  op                                backends                               where
+  ================================  =====================================  =======================
+  ``ppo_loss``                      triton, interpret, reference           ops/ppo_loss.py,
+                                                                           ops/fused_linear.py
+  ``packing.pack`` / ``.unpack``    triton, interpret, reference           packing/segments.py
+  ``packing.gather_segments`` /     triton, interpret, reference           packing/segments.py
+  ``packing.scatter_segments``
+  ``packing.plan``                  native, reference                      packing/planner.py
+  ``weights.plan``                  native, reference                      weights/plan.py
+  ``weights.interval_copy``         cuda, native, reference                weights/interval_copy.py
+  ================================  =====================================  =======================
+
+Each public op takes ``backend=`` (None or ``"auto"``: choose) and calls :func:`select`.
+``AREAL_FAST_BACKEND`` overrides the choice for ops called without ``backend=``:
+
+  * ``AREAL_FAST_BACKEND=reference`` - every op that has the named backend must use it (every op
+    has ``reference``); an op that does not have it at all chooses automatically, so
+    ``AREAL_FAST_BACKEND=triton`` forces the loss and packing kernels and leaves the C++ planner;
+  * ``AREAL_FAST_BACKEND=packing.plan=reference,ppo_loss=interpret`` - per op; a key also matches
+    every op below it (``packing=reference`` covers ``packing.pack`` and ``packing.plan``);
+    both forms mix: ``triton,packing.plan=reference``.
+
+A backend that is requested (argument, or the environment for an op that has it) and cannot run
+raises :class:`BackendUnavailable` naming the op and the reason; automatic choice falls back down
+the list, and warns once with the reason when the native core is missing (a broken install).
 """
 
 from __future__ import annotations
@@ -19,14 +45,27 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import warnings
 from types import ModuleType
 
-BACKENDS = ("cuda", "triton", "interpret", "reference")
+BACKENDS = ("cuda", "triton", "native", "interpret", "reference")
 ENV_VAR = "AREAL_FAST_BACKEND"
+
+_KERNEL_BACKENDS = ("triton", "interpret", "reference")
+OPS: dict[str, tuple[str, ...]] = {
+    "ppo_loss": _KERNEL_BACKENDS,
+    "packing.pack": _KERNEL_BACKENDS,
+    "packing.unpack": _KERNEL_BACKENDS,
+    "packing.gather_segments": _KERNEL_BACKENDS,
+    "packing.scatter_segments": _KERNEL_BACKENDS,
+    "packing.plan": ("native", "reference"),
+    "weights.plan": ("native", "reference"),
+    "weights.interval_copy": ("cuda", "native", "reference"),
+}
 
 
 class BackendUnavailable(RuntimeError):
-    """An explicitly requested backend cannot run here."""
+    """A requested backend cannot run here (the message names the op and the reason)."""
 
 
 @functools.cache
@@ -40,6 +79,14 @@ def native() -> ModuleType:
             "`pip install .` or `pip install -e .` from the repository root; importing from a "
             f"source tree without building does not work. ({e})"
         ) from e
+
+
+def _native_import_error() -> str | None:
+    try:
+        native()
+    except ImportError as e:
+        return str(e)
+    return None
 
 
 def native_has_cuda() -> bool:
@@ -83,10 +130,24 @@ def _device_type(device) -> str:
     return getattr(device, "type", None) or str(device).split(":")[0]
 
 
+def _check_backend_name(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)} or auto")
+
+
 def why_unavailable(backend: str, device) -> str | None:
-    """None if ``backend`` can run on ``device``, else the reason it cannot."""
+    """None if ``backend`` can run on ``device`` (a torch.device, 'cpu', 'cuda:0' or None = CPU),
+    else the reason it cannot."""
+    _check_backend_name(backend)
     dev = _device_type(device)
     if backend == "reference":
+        return None
+    if backend == "native":
+        err = _native_import_error()
+        if err is not None:
+            return err
+        if dev != "cpu":
+            return f"tensors are on {dev!r}, the native C++ backend runs on CPU data"
         return None
     if backend == "cuda":
         if not native_has_cuda():
@@ -94,56 +155,120 @@ def why_unavailable(backend: str, device) -> str | None:
         if dev != "cuda":
             return f"tensors are on {dev!r}, the CUDA backend needs CUDA tensors"
         return None
-    if backend in ("triton", "interpret"):
-        err = _triton_import_error()
-        if err is not None:
-            return f"Triton is not importable ({err}); install with `pip install areal_fast[triton]`"
-        if backend == "triton":
-            if interpreter_enabled():
-                return "TRITON_INTERPRET=1 is set, so Triton runs in the interpreter; use 'interpret'"
-            if dev != "cuda":
-                return f"tensors are on {dev!r}, compiled Triton kernels need a CUDA device"
-            return None
-        if not interpreter_enabled():
-            return "set TRITON_INTERPRET=1 before importing triton to use the Triton interpreter"
-        if dev != "cpu":
-            return f"the Triton interpreter runs on CPU tensors, got {dev!r}"
+    err = _triton_import_error()  # triton / interpret
+    if err is not None:
+        return f"Triton is not importable ({err}); install with `pip install areal_fast[triton]`"
+    if backend == "triton":
+        if interpreter_enabled():
+            return "TRITON_INTERPRET=1 is set, so Triton runs in the interpreter; use 'interpret'"
+        if dev != "cuda":
+            return f"tensors are on {dev!r}, compiled Triton kernels need a CUDA device"
         return None
-    raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS} or 'auto'")
+    if not interpreter_enabled():
+        return "set TRITON_INTERPRET=1 before importing triton to use the Triton interpreter"
+    if dev != "cpu":
+        return f"the Triton interpreter runs on CPU tensors, got {dev!r}"
+    return None
 
 
-def requested() -> str:
-    """The backend forced by ``AREAL_FAST_BACKEND`` ('auto' when unset)."""
-    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if value != "auto" and value not in BACKENDS:
-        raise BackendUnavailable(
-            f"{ENV_VAR}={value!r} is not a backend; choose one of {', '.join(BACKENDS)} or auto"
-        )
-    return value
+def _parse_env(value: str) -> tuple[str, dict[str, str]]:
+    """``AREAL_FAST_BACKEND`` -> (default backend or 'auto', {op prefix: backend})."""
+    default, per_op = "auto", {}
+    for part in value.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        key, sep, name = part.rpartition("=")
+        key = key.strip()
+        name = name.strip()
+        if name != "auto" and name not in BACKENDS:
+            raise BackendUnavailable(
+                f"{ENV_VAR}={value!r}: {name!r} is not a backend; choose one of {', '.join(BACKENDS)} or auto"
+            )
+        if sep and not key:
+            raise BackendUnavailable(f"{ENV_VAR}={value!r}: an entry {part!r} has no op name before '='")
+        if sep:
+            per_op[key] = name
+        else:
+            default = name
+    return default, per_op
 
 
-def select(op: str, device=None, available: tuple[str, ...] = BACKENDS, override: str | None = None) -> str:
-    """Pick the backend for ``op`` on ``device`` among the ones the op implements.
+def requested(op: str | None = None) -> tuple[str, bool]:
+    """What ``AREAL_FAST_BACKEND`` asks for ``op``: (backend or 'auto', whether it names this op).
 
-    ``override`` (an op's ``backend=`` argument) wins over ``AREAL_FAST_BACKEND``.
+    The longest matching per-op key wins (``packing.plan=`` over ``packing=``), else the bare value.
     """
-    want = (override or requested()).lower()
+    default, per_op = _parse_env(os.environ.get(ENV_VAR, ""))
+    if op is not None:
+        keys = [k for k in per_op if op == k or op.startswith(k + ".")]
+        if keys:
+            return per_op[max(keys, key=len)], True
+    return default, False
+
+
+@functools.cache
+def _warn_fallback(op: str, backend: str, reason: str) -> None:
+    warnings.warn(f"{op}: falling back from {backend!r} to a slower backend: {reason}", RuntimeWarning, stacklevel=3)
+
+
+def select(
+    op: str,
+    device=None,
+    available: tuple[str, ...] | None = None,
+    backend: str | None = None,
+    *,
+    override: str | None = None,
+) -> str:
+    """The backend that runs ``op`` on ``device``.
+
+    ``available`` defaults to ``OPS[op]``. ``backend`` is the op's own ``backend=`` argument
+    (None or 'auto': ``AREAL_FAST_BACKEND``, then automatic choice); ``override`` is its older
+    spelling, kept so callers can move over.
+    """
+    if available is None:
+        if op not in OPS:
+            raise ValueError(f"select: unknown op {op!r}; known ops: {', '.join(OPS)} (or pass available=)")
+        available = OPS[op]
+    for b in available:
+        _check_backend_name(b)
+    if backend is not None and override is not None and backend != override:
+        raise ValueError(f"{op}: backend={backend!r} and override={override!r} disagree")
+    want = (backend or override or "auto").lower()
+    source = "the backend= argument"
+    if want == "auto":
+        want, named = requested(op)
+        source = f"{ENV_VAR}={os.environ.get(ENV_VAR)!r}"
+        if want != "auto" and want not in available and not named:
+            want = "auto"  # a global override for a backend this op does not have
     if want != "auto":
+        if want not in BACKENDS:
+            raise BackendUnavailable(f"{op}: unknown backend {want!r}; choose one of {', '.join(BACKENDS)} or auto")
         if want not in available:
             raise BackendUnavailable(
-                f"{op}: backend {want!r} was requested but {op} has only {', '.join(available)}"
+                f"{op}: backend {want!r} was requested ({source}) but {op} has only {', '.join(available)}"
             )
         reason = why_unavailable(want, device)
         if reason is not None:
-            raise BackendUnavailable(f"{op}: backend {want!r} was requested but cannot run: {reason}")
+            raise BackendUnavailable(f"{op}: backend {want!r} was requested ({source}) but cannot run: {reason}")
         return want
+    reasons = []
     for b in BACKENDS:
-        if b in available and why_unavailable(b, device) is None:
+        if b not in available or b == "interpret":
+            continue
+        reason = why_unavailable(b, device)
+        if reason is None:
             return b
-    return "reference"
+        reasons.append(f"{b}: {reason}")
+        if b == "native" and _native_import_error() is not None:
+            _warn_fallback(op, b, reason)
+    why = "; ".join(reasons) or "it has only 'interpret', which is never chosen automatically"
+    raise BackendUnavailable(f"{op}: no backend can run here ({why})")
 
 
 def describe() -> dict[str, str]:
     """What each backend would do on this machine (for `areal-fast info` and bug reports)."""
     dev = "cuda" if cuda_available() else "cpu"
-    return {b: (why_unavailable(b, dev) or "available") for b in BACKENDS} | {"device": dev}
+    out = {b: (why_unavailable(b, dev) or "available") for b in BACKENDS}
+    out["native"] = why_unavailable("native", "cpu") or "available"  # the C++ CPU code runs on host data
+    return out | {"device": dev}

@@ -55,9 +55,9 @@ def bench_plan(reps: int = 20) -> dict:
     for impl in ("native", "reference"):
         r = reps if impl == "native" else 3
         out[f"fsdp8_buckets_ms_{impl}"] = _median_ms(
-            lambda impl=impl: plan_fsdp_buckets(rc[:, 0], rc[:, 1], [1] * n, [2] * n, 8, 512 << 20, impl=impl), r)
+            lambda impl=impl: plan_fsdp_buckets(rc[:, 0], rc[:, 1], [1] * n, [2] * n, 8, 512 << 20, backend=impl), r)
         out[f"tp4_shard_ms_{impl}"] = _median_ms(
-            lambda impl=impl: plan_tp_shard(spec, 4, 1, names, shapes, [1] * n, torch.bfloat16, n_ranks=8, impl=impl),
+            lambda impl=impl: plan_tp_shard(spec, 4, 1, names, shapes, [1] * n, torch.bfloat16, n_ranks=8, backend=impl),
             r)
     return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -129,7 +130,6 @@ def test_deterministic():
 
 
 def test_accepts_torch_and_numpy_lengths():
-    torch = pytest.importorskip("torch")
     lengths = [5, 3, 9, 1]
     p1 = plan_microbatches(torch.tensor(lengths), 10)
     p2 = plan_microbatches(np.array(lengths, dtype=np.int32), 10)
@@ -156,9 +156,10 @@ def test_accepts_torch_and_numpy_lengths():
         ([1.5, 2], 10, {}, r"integers"),
     ],
 )
-def test_bad_input_is_a_clear_error(lengths, budget, kwargs, match):
+@pytest.mark.parametrize("backend", ["native", "reference"])  # the reference is also the fallback
+def test_bad_input_is_a_clear_error(lengths, budget, kwargs, match, backend):
     with pytest.raises(ValueError, match=match):
-        plan_microbatches(lengths, budget, **kwargs)
+        plan_microbatches(lengths, budget, backend=backend, **kwargs)
 
 
 def test_ffd_ref():

@@ -60,7 +60,7 @@ def test_fsdp_bucket_plan(ts, n_ranks, bucket_bytes):
     sdt = [t[2][0] for t in ts]
     ddt = [t[2][1] for t in ts]
     p = plan_fsdp_buckets(rows, cols, sdt, ddt, n_ranks, bucket_bytes)
-    ref = plan_fsdp_buckets(rows, cols, sdt, ddt, n_ranks, bucket_bytes, impl="reference")
+    ref = plan_fsdp_buckets(rows, cols, sdt, ddt, n_ranks, bucket_bytes, backend="reference")
     for f in ("bucket", "offset", "bucket_bytes", "seg_bytes"):
         np.testing.assert_array_equal(getattr(p, f), getattr(ref, f), err_msg=f)
     for a, b in zip(p.pack + p.pack_bounds + p.unpack, ref.pack + ref.pack_bounds + ref.unpack):
@@ -117,7 +117,7 @@ def test_block_plan(srcs, raw_blocks, n_ranks, cast):
         blocks.append([t, r0, c0, nr, nc, di, dst_end[di], ld, ddt])
         dst_end[di] += nr * ld
     ivs = plan_blocks(rows, cols, sdt, n_ranks, blocks)
-    ref = plan_blocks(rows, cols, sdt, n_ranks, blocks, impl="reference")
+    ref = plan_blocks(rows, cols, sdt, n_ranks, blocks, backend="reference")
     assert len(ivs) == n_ranks
     for a, b in zip(ivs, ref):
         np.testing.assert_array_equal(a, b)
@@ -139,7 +139,7 @@ def test_assign_buckets_alignment_and_big_tensors():
     nbytes = [3, 8, 100, 2, 2, 7]
     align = [1, 4, 2, 2, 8, 1]
     b, off, sizes = assign_buckets(nbytes, align, 16)
-    rb, roff, rsizes = assign_buckets(nbytes, align, 16, impl="reference")
+    rb, roff, rsizes = assign_buckets(nbytes, align, 16, backend="reference")
     np.testing.assert_array_equal(b, rb)
     np.testing.assert_array_equal(off, roff)
     np.testing.assert_array_equal(sizes, rsizes)
@@ -156,8 +156,8 @@ def test_interval_layout_constant():
 @pytest.mark.parametrize("impl", ["native", "reference"])
 def test_bad_inputs_are_named(impl):
     with pytest.raises(ValueError, match="bucket_bytes"):
-        plan_fsdp_buckets([2], [2], [1], [2], 1, 0, impl=impl)
+        plan_fsdp_buckets([2], [2], [1], [2], 1, 0, backend=impl)
     with pytest.raises(ValueError, match="tensor 0: cast"):
-        plan_fsdp_buckets([2], [2], [6], [2], 1, 64, impl=impl)
+        plan_fsdp_buckets([2], [2], [6], [2], 1, 64, backend=impl)
     with pytest.raises(ValueError, match="block 0"):
-        plan_blocks([2], [2], [1], 1, [[0, 1, 0, 2, 2, 0, 0, 2, 1]], impl=impl)
+        plan_blocks([2], [2], [1], 1, [[0, 1, 0, 2, 2, 0, 0, 2, 1]], backend=impl)

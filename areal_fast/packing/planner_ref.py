@@ -3,7 +3,9 @@ Karmarkar-Karp k-way partitioning, and a plan built from the two.
 
 They are the baseline of bench/bench_planner.py and the oracle of the planner tests: the
 C++ planner must meet the same constraints with at most one micro-batch more per rank
-than the bound, and balance ranks at least as well as Karmarkar-Karp does.
+than the bound, and balance ranks at least as well as Karmarkar-Karp does. The plan reference is
+also what ``plan_microbatches(backend="reference")`` runs, and the fallback without the native
+core, so it checks its inputs like the C++ planner, with the same messages.
 """
 
 from __future__ import annotations
@@ -65,6 +67,31 @@ def karmarkar_karp_ref(costs, k: int) -> list[list[int]]:
     return heap[0][3]
 
 
+def check_plan_inputs(arr: np.ndarray, max_tokens_per_mb: int, n_ranks: int, min_mbs: int, mbs_divisor: int) -> None:
+    """The C++ planner's input checks, with its messages (the reference is also the fallback)."""
+    f = "plan_microbatches"
+    if arr.size == 0:
+        raise ValueError(f"{f}: `lengths` is empty; there is nothing to pack")
+    if max_tokens_per_mb <= 0:
+        raise ValueError(f"{f}: max_tokens_per_mb must be > 0, got {max_tokens_per_mb}")
+    for name, value in (("n_ranks", n_ranks), ("min_mbs", min_mbs), ("mbs_divisor", mbs_divisor)):
+        if value < 1:
+            raise ValueError(f"{f}: {name} must be >= 1, got {value}")
+    bad = np.nonzero(arr <= 0)[0]
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{f}: sequence {i} has length {int(arr[i])}; lengths must be > 0")
+    over = np.nonzero(arr > max_tokens_per_mb)[0]
+    if over.size:
+        i = int(over[0])
+        raise ValueError(f"{f}: sequence {i} has length {int(arr[i])}, "
+                         f"longer than max_tokens_per_mb={max_tokens_per_mb}")
+    m = lower_bound_mbs(arr, max_tokens_per_mb, n_ranks, min_mbs, mbs_divisor)
+    if arr.size < n_ranks * m:
+        raise ValueError(f"{f}: {arr.size} sequences cannot fill {n_ranks} ranks x {m} micro-batches (every "
+                         "micro-batch needs at least one sequence); lower min_mbs, mbs_divisor or n_ranks")
+
+
 def plan_microbatches_ref(
     lengths,
     max_tokens_per_mb: int,
@@ -79,10 +106,7 @@ def plan_microbatches_ref(
     split until every rank has the same valid count."""
     coef = resolve_attn_coef(cost, attn_coef)
     arr = as_lengths(lengths)
-    if arr.size == 0:
-        raise ValueError("plan_microbatches: `lengths` is empty; there is nothing to pack")
-    if max_tokens_per_mb <= 0:
-        raise ValueError(f"plan_microbatches: max_tokens_per_mb must be > 0, got {max_tokens_per_mb}")
+    check_plan_inputs(arr, max_tokens_per_mb, n_ranks, min_mbs, mbs_divisor)
     lens = arr.tolist()
     costs = [n + coef * n * n for n in lens]
     ranks = karmarkar_karp_ref(costs, n_ranks)

@@ -14,7 +14,7 @@ with ``cu_seqlens`` (int32 ``[B+1]``, ``cu_seqlens[0] = 0``, sequence ``b`` is r
 
 Each op has a pure-PyTorch reference (``*_ref``, differentiable through torch) and dispatches
 with :func:`areal_fast.backend.select` among ``triton``, ``interpret`` (the same Triton kernels
-in the CPU interpreter) and ``reference``. The kernel paths are differentiable too (autograd
+in the CPU interpreter, only when asked for) and ``reference``. The kernel paths are differentiable too (autograd
 Functions: pack <-> unpack and gather <-> scatter are each other's backward). All results are
 exact copies, so every backend gives bitwise-identical outputs.
 
@@ -32,7 +32,6 @@ import torch
 
 from areal_fast.backend import select
 
-_AVAILABLE = ("triton", "interpret", "reference")
 Tensors = torch.Tensor | Sequence[torch.Tensor]
 
 
@@ -310,7 +309,7 @@ def pack(padded: torch.Tensor, lengths, *, backend: str | None = None):
             i = int(torch.nonzero((lt < 0) | (lt > L))[0])
             raise ValueError(f"{op}: lengths[{i}] = {int(lt[i])} is outside 0..L = 0..{L} (padded.shape[1])")
     lt = lt.to(padded.device)
-    which = select("packing.pack", padded.device, _AVAILABLE, override=backend)
+    which = select("packing.pack", padded.device, backend=backend)
     if which == "reference":
         return pack_ref(padded, lt)
     cu = torch.zeros(B + 1, dtype=torch.int32, device=padded.device)
@@ -354,7 +353,7 @@ def unpack(
         )
         fits = (lengths <= max_len).all() if lengths.numel() else torch.tensor(True, device=cu.device)
         _check_cu_values(op, cu, packed.shape[0], "packed", extra=[(too_long, fits)])
-    which = select("packing.unpack", packed.device, _AVAILABLE, override=backend)
+    which = select("packing.unpack", packed.device, backend=backend)
     if which == "reference":
         return unpack_ref(packed, cu, max_len, pad_value)
     if torch.is_grad_enabled() and packed.requires_grad:
@@ -370,7 +369,7 @@ def _segments(op: str, tensors, cu_seqlens, order, backend, validate, scatter: b
     order_t = _check_order(op, order, B, device)
     if validate:
         _check_cu_values(op, cu, T, "tensors[0]", extra=[_permutation_check(order_t, B)])
-    which = select(f"packing.{op}", device, _AVAILABLE, override=backend)
+    which = select(f"packing.{op}", device, backend=backend)
     if which == "reference":
         if scatter:
             return scatter_segments_ref(tensors if single else ts, cu, order_t), None

@@ -28,17 +28,6 @@ from areal_fast.trainer.batch import Packed, Sample, Seq, dummy_seq, pack, split
 from areal_fast.trainer.config import TrainerConfig
 from areal_fast.trainer.model import build_policy, hf_name, init_process_group_if_needed
 
-
-def _loss_backend(configured: str | None, device: torch.device) -> str | None:
-    """The ``backend=`` passed to the ops. On CPU, unless asked otherwise (config or
-    AREAL_FAST_BACKEND), the reference: the Triton interpreter is for testing kernels, ~1000x slower."""
-    if configured is not None:
-        return configured
-    if device.type == "cpu" and os.environ.get("AREAL_FAST_BACKEND", "auto").lower() == "auto":
-        return "reference"
-    return None
-
-
 # Dense bf16 peak FLOP/s by device name (datasheet numbers, no sparsity).
 _PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
 
@@ -79,7 +68,7 @@ class PPOActor:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.version = 0
         self._grad_observer = None
-        self.loss_backend = _loss_backend(config.loss_backend, self.device)
+        self.loss_backend = config.loss_backend  # None: areal_fast.backend.select decides
         hidden = self.hf_config.hidden_size
         self._attn_coef = 1.0 / (12 * hidden) if config.packing_cost == "attention" else None
         self._matmul_params = self._count_matmul_params()

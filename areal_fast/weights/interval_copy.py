@@ -4,7 +4,9 @@ Backends: ``cuda`` (``csrc/reshard/interval_copy.cu``, one kernel launch on the 
 stream), ``native`` (the C++ CPU routine in ``csrc/reshard/interval_copy_cpu.cpp``) and
 ``reference`` (:func:`interval_copy_ref`, torch slicing + ``copy_``, which defines the result
 bit for bit: fp32 -> bf16/fp16 round to nearest even like ``Tensor.to``).
-``AREAL_FAST_BACKEND=reference`` or ``backend="reference"`` forces the reference.
+:func:`areal_fast.backend.select` (op ``weights.interval_copy``) chooses: cuda for CUDA tensors
+when the core has CUDA, native for CPU tensors, else the reference; ``backend=`` or
+``AREAL_FAST_BACKEND`` force one.
 """
 
 from __future__ import annotations
@@ -111,24 +113,15 @@ def interval_copy(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], in
     if len(devs) > 1:
         raise ValueError(f"interval_copy: tensors are on several devices {sorted(map(str, devs))}")
     dev = next(iter(devs)) if devs else torch.device("cpu")
-    want = (backend or _backend.requested()).lower()
-    if want == "auto":
-        want = "native" if dev.type == "cpu" else ("cuda" if _backend.native_has_cuda() else "reference")
+    want = _backend.select("weights.interval_copy", dev, backend=backend)
     if want == "reference":
         interval_copy_ref(srcs, dsts, iv)
         return "reference"
     if check:
         check_bounds(srcs, dsts, iv)
     if want == "native":
-        if dev.type != "cpu":
-            raise _backend.BackendUnavailable(f"interval_copy: backend 'native' runs on CPU tensors, got {dev}")
         _backend.native().interval_copy_cpu(_ptrs(srcs), _ptrs(dsts), iv, int(n_threads))
         return "native"
-    if want == "cuda":
-        reason = _backend.why_unavailable("cuda", dev)
-        if reason is not None:
-            raise _backend.BackendUnavailable(f"interval_copy: backend 'cuda' cannot run: {reason}")
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        _backend.native().interval_copy_cuda(_ptrs(srcs), _ptrs(dsts), iv, int(stream))
-        return "cuda"
-    raise _backend.BackendUnavailable(f"interval_copy: unknown backend {want!r} (auto, native, cuda, reference)")
+    stream = torch.cuda.current_stream(dev).cuda_stream  # "cuda"
+    _backend.native().interval_copy_cuda(_ptrs(srcs), _ptrs(dsts), iv, int(stream))
+    return "cuda"

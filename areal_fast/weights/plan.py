@@ -7,6 +7,9 @@ A plan is a set of copy *intervals*, int64 rows of ``INTERVAL_COLS`` columns
 ``src_idx`` to element ``dst_off + k*dst_ld`` of destination ``dst_idx`` (offsets in elements of
 each side's dtype), executed by :func:`areal_fast.weights.interval_copy.interval_copy`.
 
+``backend=`` on every planner: 'native' (C++), 'reference' or None (:func:`areal_fast.backend.select`,
+op ``weights.plan``: native when the core is built, else the reference with a warning).
+
 Sources are 2-D ``[rows, cols]`` views (dim 0 x the rest) that are full (``n_ranks=1``) or
 sharded on dim 0 over ``n_ranks`` like FSDP2 (``torch.chunk``: rank r holds rows
 ``[r*c, (r+1)*c)`` clipped, ``c = ceil(rows / n_ranks)``).
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from areal_fast.backend import native
+from areal_fast.backend import native, select
 
 INTERVAL_COLS = 10
 BLOCK_COLS = 9  # src, row0, col0, n_rows, n_cols, dst_idx, dst_off, dst_ld, dst_dtype
@@ -63,10 +66,10 @@ def _i64(x, name: str) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------- buckets
-def assign_buckets(nbytes, align, bucket_bytes: int, impl: str = "native"):
+def assign_buckets(nbytes, align, bucket_bytes: int, backend: str | None = None):
     """Greedy order-preserving packing -> (bucket [T], byte offset [T], bucket_bytes [B])."""
     nbytes, align = _i64(nbytes, "nbytes"), _i64(align, "align")
-    if impl == "reference":
+    if select("weights.plan", None, backend=backend) == "reference":
         return assign_buckets_ref(nbytes, align, bucket_bytes)
     return native().reshard_assign_buckets(nbytes, align, int(bucket_bytes))
 
@@ -110,12 +113,12 @@ def _as_intervals(rows: list) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------ blocks
-def plan_blocks(src_rows, src_cols, src_dtype, n_ranks: int, blocks, impl: str = "native") -> list[np.ndarray]:
+def plan_blocks(src_rows, src_cols, src_dtype, n_ranks: int, blocks, backend: str | None = None) -> list[np.ndarray]:
     """Intervals per source rank that copy each block (rows x cols of a source) to its
     destination; see BlockCol in planner.h for the block columns."""
     src_rows, src_cols, src_dtype = _i64(src_rows, "src_rows"), _i64(src_cols, "src_cols"), _i64(src_dtype, "src_dtype")
     blocks = np.ascontiguousarray(np.asarray(blocks, dtype=np.int64).reshape(-1, BLOCK_COLS))
-    if impl == "reference":
+    if select("weights.plan", None, backend=backend) == "reference":
         return plan_blocks_ref(src_rows, src_cols, src_dtype, n_ranks, blocks)
     return native().reshard_plan_blocks(src_rows, src_cols, src_dtype, int(n_ranks), blocks)
 
@@ -179,9 +182,9 @@ class BucketPlan:
 
 
 def plan_fsdp_buckets(rows, cols, src_dtype, dst_dtype, n_ranks: int, bucket_bytes: int,
-                      impl: str = "native") -> BucketPlan:
+                      backend: str | None = None) -> BucketPlan:
     args = [_i64(x, n) for x, n in ((rows, "rows"), (cols, "cols"), (src_dtype, "src_dtype"), (dst_dtype, "dst_dtype"))]
-    if impl == "reference":
+    if select("weights.plan", None, backend=backend) == "reference":
         return plan_fsdp_buckets_ref(*args, n_ranks, bucket_bytes)
     d = native().reshard_plan_fsdp_buckets(*args, int(n_ranks), int(bucket_bytes))
     return BucketPlan(n_ranks, d["bucket"], d["offset"], d["bucket_bytes"], d["seg_bytes"], list(d["pack"]),
@@ -247,7 +250,7 @@ class TPShardPlan:
 
 
 def plan_tp_shard(spec, tp: int, tp_rank: int, hf_names: list, hf_shapes: list, src_dtype, dst_dtype: torch.dtype,
-                  n_ranks: int = 1, impl: str = "native") -> TPShardPlan:
+                  n_ranks: int = 1, backend: str | None = None) -> TPShardPlan:
     """Plan the SGLang-layout buffer of TP rank ``tp_rank`` (``spec``: layout.ModelSpec) from the HF
     tensors ``hf_names`` (full when ``n_ranks=1``, else FSDP2 dim-0 shards over ``n_ranks``)."""
     index = {n: i for i, n in enumerate(hf_names)}
@@ -268,5 +271,5 @@ def plan_tp_shard(spec, tp: int, tp_rank: int, hf_names: list, hf_shapes: list, 
                            cur // es + pc.dst_row0 * pcol, pcol, ddt])
         cur += prow * pcol * es
     sdt = [int(x) for x in src_dtype]
-    ivs = plan_blocks([r for r, _ in rc], [c for _, c in rc], sdt, n_ranks, blocks, impl=impl)
+    ivs = plan_blocks([r for r, _ in rc], [c for _, c in rc], sdt, n_ranks, blocks, backend=backend)
     return TPShardPlan(names, shapes, np.array(offsets, np.int64), -(-cur // 16) * 16, ivs)
