@@ -1,13 +1,30 @@
 // CUDA interval copy: one launch for a whole plan. Every interval run is cut into chunks of
 // kChunkElems elements; block b handles chunk b (grid-stride) after a binary search over the
 // per-interval chunk prefix sums, so thousands of small tensors and a few huge ones are
-// spread evenly over the SMs. The plan (pointer tables, intervals, prefix) goes to the device
-// in one cudaMemcpyAsync on `stream` into stream-ordered scratch memory.
+// spread evenly over the SMs.
+//
+// Inside a chunk every thread keeps kUnroll vector loads in flight before its first store
+// (one 16-byte load per thread cannot cover HBM latency at 256 threads per block), loads go
+// through the read-only path (__ldg), and every supported cast is vectorised: N elements per
+// step so that the narrow side moves 16 bytes. Where source and destination cannot both be
+// vector-aligned at the same element, a narrower vector is tried; only the misaligned head
+// (< N elements) and tail of the chunk go element by element.
+//
+// The plan (pointer tables, intervals, prefix sums) is kept in device memory across calls: a
+// call whose table equals the previous one on that device launches at once; otherwise the
+// table goes through a pinned staging buffer (truly asynchronous, never blocking on pageable
+// memory) into a persistent device buffer that grows geometrically. All launches on a device
+// form one chain (a call on another stream waits for the previous launch), so a table is never
+// overwritten while a kernel reads it. Not usable inside CUDA graph capture (a host wait on the
+// previous upload may occur).
 #ifdef AREAL_FAST_WITH_CUDA
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <cstring>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -22,88 +39,275 @@ namespace {
 
 constexpr int64_t kChunkElems = 16384;  // 32-64 KiB per block: long enough to hide latency
 constexpr int kThreads = 256;
+constexpr int kUnroll = 4;  // vectors in flight per thread: 4 x 16 B = 64 B outstanding
 constexpr int64_t kMaxBlocks = 65536;
 
-__device__ void copy_bytes(const char* s, char* d, int64_t nbytes) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(d) |
-                      static_cast<uintptr_t>(nbytes);
-  if ((a & 15) == 0) {
-    const uint4* sp = reinterpret_cast<const uint4*>(s);
-    uint4* dp = reinterpret_cast<uint4*>(d);
-    for (int64_t i = threadIdx.x; i < nbytes / 16; i += blockDim.x) dp[i] = sp[i];
-  } else if ((a & 3) == 0) {
-    const uint32_t* sp = reinterpret_cast<const uint32_t*>(s);
-    uint32_t* dp = reinterpret_cast<uint32_t*>(d);
-    for (int64_t i = threadIdx.x; i < nbytes / 4; i += blockDim.x) dp[i] = sp[i];
+// ------------------------------------------------------------------------ vector loads / stores
+// BYTES in {4, 8, 16, 32}; words are 32-bit, little-endian element order. Loads take the
+// read-only path (ld.global.nc); stores are st.global.cg (L2 only: the buffer is written once
+// here and next read by NCCL or another copy, never by this kernel).
+template <int BYTES>
+__device__ __forceinline__ void load_ro(const char* __restrict__ p, uint32_t* w) {
+  if constexpr (BYTES >= 16) {
+#pragma unroll
+    for (int k = 0; k < BYTES / 16; ++k) {
+      const uint4 x = __ldg(reinterpret_cast<const uint4*>(p) + k);
+      w[4 * k] = x.x, w[4 * k + 1] = x.y, w[4 * k + 2] = x.z, w[4 * k + 3] = x.w;
+    }
+  } else if constexpr (BYTES == 8) {
+    const uint2 x = __ldg(reinterpret_cast<const uint2*>(p));
+    w[0] = x.x, w[1] = x.y;
   } else {
-    for (int64_t i = threadIdx.x; i < nbytes; i += blockDim.x) d[i] = s[i];
+    static_assert(BYTES == 4, "vector of 4, 8, 16 or 32 bytes");
+    w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
   }
 }
 
-__global__ void interval_copy_kernel(const int64_t* __restrict__ table, int64_t n_src, int64_t n_dst, int64_t n,
-                                     int64_t total_chunks) {
-  const int64_t* src_ptrs = table;
-  const int64_t* dst_ptrs = table + n_src;
-  const int64_t* iv = dst_ptrs + n_dst;
-  const int64_t* prefix = iv + n * kIntervalCols;
+template <int BYTES>
+__device__ __forceinline__ void store(char* __restrict__ p, const uint32_t* w) {
+  if constexpr (BYTES >= 16) {
+#pragma unroll
+    for (int k = 0; k < BYTES / 16; ++k)
+      __stcg(reinterpret_cast<uint4*>(p) + k, make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]));
+  } else if constexpr (BYTES == 8) {
+    __stcg(reinterpret_cast<uint2*>(p), make_uint2(w[0], w[1]));
+  } else {
+    static_assert(BYTES == 4, "vector of 4, 8, 16 or 32 bytes");
+    __stcg(reinterpret_cast<unsigned int*>(p), w[0]);
+  }
+}
+
+// ---------------------------------------------------------------------------------- conversions
+// Each Op converts N elements held in source words into destination words, and one element
+// (the narrow head and tail). Rounding is that of torch on CUDA (the same intrinsics).
+struct CopyOp {  // same dtype, treated as bytes (element size 1)
+  static constexpr int kSrc = 1, kDst = 1;
+  template <int N>
+  __device__ __forceinline__ static void vec(const uint32_t* s, uint32_t* d) {
+#pragma unroll
+    for (int k = 0; k < N / 4; ++k) d[k] = s[k];
+  }
+  __device__ __forceinline__ static void one(const char* s, char* d) { *d = *s; }
+};
+
+template <bool BF16>
+struct F32ToHalfOp {
+  static constexpr int kSrc = 4, kDst = 2;
+  template <int N>
+  __device__ __forceinline__ static void vec(const uint32_t* s, uint32_t* d) {
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) {
+      const float a = __uint_as_float(s[2 * k]), b = __uint_as_float(s[2 * k + 1]);
+      if constexpr (BF16) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+        d[k] = *reinterpret_cast<const uint32_t*>(&h);
+      } else {
+        const __half2 h = __floats2half2_rn(a, b);
+        d[k] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+    }
+  }
+  __device__ __forceinline__ static void one(const char* s, char* d) {
+    const float f = *reinterpret_cast<const float*>(s);
+    if constexpr (BF16) *reinterpret_cast<__nv_bfloat16*>(d) = __float2bfloat16_rn(f);
+    else *reinterpret_cast<__half*>(d) = __float2half_rn(f);
+  }
+};
+
+template <bool BF16>
+struct HalfToF32Op {
+  static constexpr int kSrc = 2, kDst = 4;
+  template <int N>
+  __device__ __forceinline__ static void vec(const uint32_t* s, uint32_t* d) {
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) {
+      if constexpr (BF16) {  // bf16 -> fp32 is a shift: exact for every value, NaN payloads kept
+        d[2 * k] = s[k] << 16;
+        d[2 * k + 1] = s[k] & 0xFFFF0000u;
+      } else {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&s[k]));
+        d[2 * k] = __float_as_uint(f.x);
+        d[2 * k + 1] = __float_as_uint(f.y);
+      }
+    }
+  }
+  __device__ __forceinline__ static void one(const char* s, char* d) {
+    if constexpr (BF16) *reinterpret_cast<float*>(d) = __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(s));
+    else *reinterpret_cast<float*>(d) = __half2float(*reinterpret_cast<const __half*>(s));
+  }
+};
+
+// ------------------------------------------------------------------------------------ one chunk
+// Elements [0, h) and [h + nv * N, cnt) one by one; the nv vectors in between, kUnroll per thread
+// and step, all loads of a step issued before its stores.
+template <class Op, int N>
+__device__ __forceinline__ void run_vectors(const char* __restrict__ s, char* __restrict__ d, int64_t cnt,
+                                            int64_t h) {
+  constexpr int SB = N * Op::kSrc, DB = N * Op::kDst;
+  const int64_t nv = (cnt - h) / N;
+  const char* __restrict__ sv = s + h * Op::kSrc;
+  char* __restrict__ dv = d + h * Op::kDst;
+  for (int64_t base = threadIdx.x; base < nv; base += int64_t(blockDim.x) * kUnroll) {
+    uint32_t in[kUnroll][SB / 4];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = base + int64_t(u) * blockDim.x;
+      if (v < nv) load_ro<SB>(sv + v * SB, in[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t v = base + int64_t(u) * blockDim.x;
+      if (v < nv) {
+        uint32_t out[DB / 4];
+        Op::template vec<N>(in[u], out);
+        store<DB>(dv + v * DB, out);
+      }
+    }
+  }
+  const int64_t tail = h + nv * N;
+  for (int64_t i = threadIdx.x; i < h + (cnt - tail); i += blockDim.x) {
+    const int64_t e = i < h ? i : tail + (i - h);
+    Op::one(s + e * Op::kSrc, d + e * Op::kDst);
+  }
+}
+
+// First element index h < N at which both s + h * kSrc and d + h * kDst are aligned to their
+// vector size (capped at 16 bytes); -1 if none. The same for every thread of the block.
+template <class Op, int N>
+__device__ __forceinline__ int64_t vector_head(const char* s, const char* d) {
+  constexpr int SA = N * Op::kSrc < 16 ? N * Op::kSrc : 16, DA = N * Op::kDst < 16 ? N * Op::kDst : 16;
+  const uintptr_t ps = reinterpret_cast<uintptr_t>(s), pd = reinterpret_cast<uintptr_t>(d);
+#pragma unroll 1
+  for (int h = 0; h < N; ++h)
+    if (((ps + h * Op::kSrc) % SA) == 0 && ((pd + h * Op::kDst) % DA) == 0) return h;
+  return -1;
+}
+
+// Widest vector first: N elements such that the narrow side moves 16, then 8, then 4 bytes.
+template <class Op>
+__device__ void run_chunk(const char* __restrict__ s, char* __restrict__ d, int64_t cnt) {
+  constexpr int kNarrow = Op::kSrc < Op::kDst ? Op::kSrc : Op::kDst;
+  constexpr int N16 = 16 / kNarrow, N8 = 8 / kNarrow, N4 = 4 / kNarrow;
+  int64_t h;
+  if ((h = vector_head<Op, N16>(s, d)) >= 0 && cnt >= h) return run_vectors<Op, N16>(s, d, cnt, h);
+  if ((h = vector_head<Op, N8>(s, d)) >= 0 && cnt >= h) return run_vectors<Op, N8>(s, d, cnt, h);
+  if constexpr (N4 >= 2) {
+    if ((h = vector_head<Op, N4>(s, d)) >= 0 && cnt >= h) return run_vectors<Op, N4>(s, d, cnt, h);
+  }
+  for (int64_t i = threadIdx.x; i < cnt; i += blockDim.x) Op::one(s + i * Op::kSrc, d + i * Op::kDst);
+}
+
+__global__ void __launch_bounds__(kThreads) interval_copy_kernel(const int64_t* __restrict__ table, int64_t n_src,
+                                                                 int64_t n_dst, int64_t n, int64_t total_chunks) {
+  const int64_t* __restrict__ src_ptrs = table;
+  const int64_t* __restrict__ dst_ptrs = table + n_src;
+  const int64_t* __restrict__ iv = dst_ptrs + n_dst;
+  const int64_t* __restrict__ prefix = iv + n * kIntervalCols;
   for (int64_t chunk = blockIdx.x; chunk < total_chunks; chunk += gridDim.x) {
     int64_t lo = 0, hi = n;  // find i with prefix[i] <= chunk < prefix[i + 1]
     while (hi - lo > 1) {
       const int64_t mid = (lo + hi) / 2;
-      if (prefix[mid] <= chunk) lo = mid; else hi = mid;
+      if (__ldg(prefix + mid) <= chunk) lo = mid; else hi = mid;
     }
-    const int64_t* p = iv + lo * kIntervalCols;
-    const int64_t per_row = (p[kLen] + kChunkElems - 1) / kChunkElems;
-    const int64_t k = chunk - prefix[lo];
+    const int64_t* __restrict__ p = iv + lo * kIntervalCols;
+    const int64_t len = __ldg(p + kLen);
+    const int64_t per_row = (len + kChunkElems - 1) / kChunkElems;
+    const int64_t k = chunk - __ldg(prefix + lo);
     const int64_t row = k / per_row, start = (k % per_row) * kChunkElems;
-    const int64_t cnt = min(kChunkElems, p[kLen] - start);
-    const int64_t sdt = p[kSrcDtype], ddt = p[kDstDtype];
+    const int64_t cnt = min(kChunkElems, len - start);
+    const int64_t sdt = __ldg(p + kSrcDtype), ddt = __ldg(p + kDstDtype);
     const int64_t ses = dtype_size(sdt), des = dtype_size(ddt);
-    const char* s = reinterpret_cast<const char*>(src_ptrs[p[kSrcIdx]]) + (p[kSrcOff] + row * p[kSrcLd] + start) * ses;
-    char* d = reinterpret_cast<char*>(dst_ptrs[p[kDstIdx]]) + (p[kDstOff] + row * p[kDstLd] + start) * des;
-    if (sdt == ddt) {
-      copy_bytes(s, d, cnt * ses);
-    } else if (sdt == kF32 && ddt == kBF16) {
-      const float* sp = reinterpret_cast<const float*>(s);
-      __nv_bfloat16* dp = reinterpret_cast<__nv_bfloat16*>(d);
-      int64_t done = 0;
-      if (((reinterpret_cast<uintptr_t>(s) & 15) | (reinterpret_cast<uintptr_t>(d) & 7)) == 0) {
-        // 16-byte loads, 8-byte stores: 4 elements per thread and step (the common, aligned case)
-        const float4* sp4 = reinterpret_cast<const float4*>(s);
-        uint2* dp4 = reinterpret_cast<uint2*>(d);
-        for (int64_t i = threadIdx.x; i < cnt / 4; i += blockDim.x) {
-          const float4 v = sp4[i];
-          const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y);
-          const __nv_bfloat162 hi = __floats2bfloat162_rn(v.z, v.w);
-          uint2 o;
-          o.x = *reinterpret_cast<const uint32_t*>(&lo);
-          o.y = *reinterpret_cast<const uint32_t*>(&hi);
-          dp4[i] = o;
-        }
-        done = cnt / 4 * 4;
-      }
-      for (int64_t i = done + threadIdx.x; i < cnt; i += blockDim.x) dp[i] = __float2bfloat16_rn(sp[i]);
-    } else if (sdt == kF32 && ddt == kF16) {
-      const float* sp = reinterpret_cast<const float*>(s);
-      __half* dp = reinterpret_cast<__half*>(d);
-      for (int64_t i = threadIdx.x; i < cnt; i += blockDim.x) dp[i] = __float2half_rn(sp[i]);
-    } else if (sdt == kBF16 && ddt == kF32) {
-      const __nv_bfloat16* sp = reinterpret_cast<const __nv_bfloat16*>(s);
-      float* dp = reinterpret_cast<float*>(d);
-      for (int64_t i = threadIdx.x; i < cnt; i += blockDim.x) dp[i] = __bfloat162float(sp[i]);
-    } else if (sdt == kF16 && ddt == kF32) {
-      const __half* sp = reinterpret_cast<const __half*>(s);
-      float* dp = reinterpret_cast<float*>(d);
-      for (int64_t i = threadIdx.x; i < cnt; i += blockDim.x) dp[i] = __half2float(sp[i]);
-    }
+    const char* s = reinterpret_cast<const char*>(__ldg(src_ptrs + __ldg(p + kSrcIdx))) +
+                    (__ldg(p + kSrcOff) + row * __ldg(p + kSrcLd) + start) * ses;
+    char* d = reinterpret_cast<char*>(__ldg(dst_ptrs + __ldg(p + kDstIdx))) +
+              (__ldg(p + kDstOff) + row * __ldg(p + kDstLd) + start) * des;
+    if (sdt == ddt) run_chunk<CopyOp>(s, d, cnt * ses);
+    else if (sdt == kF32 && ddt == kBF16) run_chunk<F32ToHalfOp<true>>(s, d, cnt);
+    else if (sdt == kF32 && ddt == kF16) run_chunk<F32ToHalfOp<false>>(s, d, cnt);
+    else if (sdt == kBF16 && ddt == kF32) run_chunk<HalfToF32Op<true>>(s, d, cnt);
+    else if (sdt == kF16 && ddt == kF32) run_chunk<HalfToF32Op<false>>(s, d, cnt);
   }
 }
 
+// ------------------------------------------------------------------------------ host: plan cache
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
     cudaGetLastError();
     throw std::runtime_error(std::string("interval_copy_cuda: ") + what + ": " + cudaGetErrorString(e));
   }
+}
+
+// One per device, never freed: CUDA may already be torn down when static destructors run.
+struct PlanCache {
+  std::mutex mu;
+  std::vector<int64_t> table;  // what the device buffer holds
+  void* dev = nullptr;
+  size_t dev_cap = 0;
+  int64_t* pinned = nullptr;
+  size_t pinned_cap = 0;
+  cudaEvent_t uploaded = nullptr, done = nullptr;  // after the last upload / the last launch
+  cudaStream_t last_stream = nullptr;
+  bool launched = false;
+};
+
+PlanCache& cache_for(int device) {
+  static std::mutex mu;
+  static auto* caches = new std::map<int, PlanCache*>();
+  std::lock_guard<std::mutex> lock(mu);
+  PlanCache*& c = (*caches)[device];
+  if (c == nullptr) {
+    c = new PlanCache();
+    check(cudaEventCreateWithFlags(&c->uploaded, cudaEventDisableTiming), "cudaEventCreate");
+    check(cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  return *c;
+}
+
+// The device the destination memory lives on (the stream handle alone does not say).
+int device_of(const void* ptr) {
+  cudaPointerAttributes a{};
+  check(cudaPointerGetAttributes(&a, ptr), "cudaPointerGetAttributes");
+  if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
+    throw std::invalid_argument("interval_copy_cuda: destination 0 is not device memory");
+  return a.device;
+}
+
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int dev) {
+    check(cudaGetDevice(&prev), "cudaGetDevice");
+    if (prev != dev) check(cudaSetDevice(dev), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
+  }
+};
+
+void upload(PlanCache& c, std::vector<int64_t>& table, cudaStream_t stream) {
+  const size_t bytes = table.size() * sizeof(int64_t);
+  // the staging buffer may still feed the previous upload (tiny and long done in practice)
+  if (c.launched) check(cudaEventSynchronize(c.uploaded), "cudaEventSynchronize");
+  if (c.pinned_cap < bytes) {
+    const size_t cap = bytes > 2 * c.pinned_cap ? bytes : 2 * c.pinned_cap;
+    if (c.pinned != nullptr) check(cudaFreeHost(c.pinned), "cudaFreeHost");
+    c.pinned = nullptr;
+    c.pinned_cap = 0;
+    check(cudaHostAlloc(reinterpret_cast<void**>(&c.pinned), cap, cudaHostAllocDefault), "cudaHostAlloc");
+    c.pinned_cap = cap;
+  }
+  if (c.dev_cap < bytes) {  // stream-ordered after every earlier launch (the chain), so no reader is left
+    if (c.dev != nullptr) check(cudaFreeAsync(c.dev, stream), "cudaFreeAsync");
+    c.dev = nullptr;
+    const size_t cap = bytes > 2 * c.dev_cap ? bytes : 2 * c.dev_cap;
+    c.dev_cap = 0;
+    check(cudaMallocAsync(&c.dev, cap, stream), "cudaMallocAsync");
+    c.dev_cap = cap;
+  }
+  std::memcpy(c.pinned, table.data(), bytes);
+  check(cudaMemcpyAsync(c.dev, c.pinned, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+  check(cudaEventRecord(c.uploaded, stream), "cudaEventRecord");
+  c.table.swap(table);
 }
 
 }  // namespace
@@ -125,16 +329,19 @@ void interval_copy_cuda(const int64_t* src_ptrs, int64_t n_src, const int64_t* d
   table.push_back(total);
   if (total == 0) return;
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_int);
-  void* dev = nullptr;
-  const size_t bytes = table.size() * sizeof(int64_t);
-  check(cudaMallocAsync(&dev, bytes, stream), "cudaMallocAsync");
-  // Pageable source: the call returns once the host data is staged, so `table` may go away.
-  check(cudaMemcpyAsync(dev, table.data(), bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
+  const int device = device_of(reinterpret_cast<const void*>(dst_ptrs[0]));
+  DeviceGuard guard(device);
+  PlanCache& c = cache_for(device);
+  std::lock_guard<std::mutex> lock(c.mu);
+  if (c.launched && stream != c.last_stream) check(cudaStreamWaitEvent(stream, c.done, 0), "cudaStreamWaitEvent");
+  if (!c.launched || table != c.table) upload(c, table, stream);
   const int64_t blocks = total < kMaxBlocks ? total : kMaxBlocks;
-  interval_copy_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(static_cast<const int64_t*>(dev),
+  interval_copy_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(static_cast<const int64_t*>(c.dev),
                                                                                n_src, n_dst, n, total);
   check(cudaGetLastError(), "kernel launch");
-  check(cudaFreeAsync(dev, stream), "cudaFreeAsync");
+  check(cudaEventRecord(c.done, stream), "cudaEventRecord");
+  c.last_stream = stream;
+  c.launched = true;
 }
 
 }  // namespace reshard
