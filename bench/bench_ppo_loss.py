@@ -1,73 +1,108 @@
-"""Benchmark of the fused decoupled-PPO loss (areal_fast.ops) against the PyTorch reference.
+"""Benchmark of the fused decoupled-PPO loss (areal_fast.ops) against a same-size copy and torch.
 
-    python bench/bench_ppo_loss.py [--quick] [--out [DIR]] [--skip-compile] [--skip-fused] [--skip-logits]
+    python bench/bench_ppo_loss.py [--quick | --production] [--skip-compile] [--skip-fused] [--skip-logits]
+                                   [--skip-liger] [--results DIR] [--no-results] [--dry-run]
 
-On a GPU, two tables:
-  * from logits, bf16, forward + backward: time, effective GB/s (logits read once + gradient
-    written once, over the time), the same against a same-size copy (read + write) timed in the
-    same run, the speed-up over the eager reference and over torch.compile of the reference, and
-    the peak memory above the inputs;
-  * fused linear (hidden @ W^T + loss), bf16, forward + backward: time against the bare lm_head
-    GEMMs (one forward, two backward) timed in the same run, and the peak memory against the
-    materialised path (F.linear + the Triton loss on the full logits).
-``--out`` writes bench/results/ppo_loss_<device>_<date>.json (or into DIR) with device, versions,
-commit and date.
+Two tables, bf16, forward + backward, every token in the loss (no row skipped):
+
+* ``from_logits`` [T, V]: our Triton kernels; the same with the gradient written into the logits
+  (``grad_inplace``); the forward alone; against a same-size ``copy_`` timed in the same run, the
+  eager PyTorch reference, ``torch.compile`` of it and, when ``liger-kernel`` is importable, its
+  Triton GRPO loss from logits (a related objective, not the same one: timing only).
+* ``fused_linear``: ``hidden [T, H] @ W[V, H]^T`` + loss without the whole logits, against the
+  bare lm_head GEMMs (one forward, two backward) and the materialised path (GEMM + our loss).
+
+Bytes model (the roofline): the from-logits kernels make THREE passes over the logits: the
+forward reads them (log-sum-exp, label logit, entropy), the backward reads them again and writes
+the gradient, so fwd+bwd moves ``3 * T * V * 2`` bytes in bf16 and the forward alone ``T * V * 2``.
+A same-size copy moves ``2 * T * V * 2`` (read + write); the ideal fwd+bwd therefore takes 1.5x
+the copy's time (``time_vs_copy`` -> 1.5 at the roof; ``frac_copy_bw`` -> 1.0). The fused-linear
+table reports TFLOP/s of the three GEMMs (``6 * T * H * V`` flops) and their fraction of the
+datasheet peak.
+
+Memory: before each variant the script estimates what it would allocate beyond the inputs (the
+eager reference holds about five fp32 [T, V] tensors: 20 * T * V bytes) and skips it, with the
+reason in the row, when that exceeds 90% of the free device memory; an out-of-memory error is
+caught and recorded as well. Rows go to bench/results/ppo_loss.jsonl with provenance.
 On CPU it runs tiny shapes of the reference only, and says so.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import pathlib
-import platform
-import statistics
-import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
-from areal_fast.ops import decoupled_ppo_loss, decoupled_ppo_loss_ref, fused_linear_decoupled_ppo_loss
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_harness_args, device_peaks, print_dry_run, print_table, provenance, save, time_fn  # noqa: E402
 
-# H100 SXM HBM3 peak from the datasheet; the copy measured in the same run is the practical roof.
-HBM_PEAK_GBS = {"H100": 3350.0, "H200": 4800.0}
+from areal_fast.ops import decoupled_ppo_loss, decoupled_ppo_loss_ref, fused_linear_decoupled_ppo_loss  # noqa: E402
+
 OPTS = dict(eps_clip=0.2, eps_clip_higher=0.28, behav_weight_cap=5.0, importance_level="token",
             loss_agg="token-mean")
+LOGIT_PASSES_FWD_BWD = 3  # forward read, backward read, gradient write
+LOGIT_PASSES_COPY = 2  # read + write
+FREE_FRACTION = 0.9  # leave 10% of the free memory to the allocator's fragmentation and workspaces
+
+QUICK = {"logits": [(4096, 32000)], "fused": [(4096, 1536, 151936)]}
+DEFAULT = {"logits": [(T, V) for V in (32000, 151936) for T in (4096, 16384, 32768)],
+           "fused": [(T, H, 151936) for H in (1536, 3584) for T in (4096, 16384, 32768)]}
+PRODUCTION = {"logits": [(32768, 151936)], "fused": [(32768, 3584, 151936)]}  # the GPU suite's shapes
 
 
-def timed(fn, warmup=2, iters=7):
-    """Median milliseconds of fn() over CUDA events, and the peak memory above the start (bytes)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times), torch.cuda.max_memory_allocated() - base
+# ------------------------------------------------------------------------------- memory estimates
+def logits_extra_bytes(T: int, V: int) -> dict[str, int]:
+    """Bytes each from-logits variant allocates beyond the bf16 logits (2 T V) it is given."""
+    tv = T * V
+    return {
+        "copy": 2 * tv,  # the destination
+        "ours": 2 * tv,  # the bf16 gradient; per-row stats are O(T)
+        "ours_inplace": 2 * tv,  # a clone of the logits that receives the gradient
+        "fwd": 0,
+        "eager": 20 * tv + 2 * tv,  # ~5 fp32 [T, V] (upcast, log-softmax, softmax, grad terms) + bf16 grad
+        "compiled": 12 * tv + 2 * tv,  # ~3 fp32 [T, V] survive fusion + bf16 grad
+        "liger": 2 * tv,  # a clone of its [1, T + 1, V] logits per call (its backward overwrites them)
+    }
 
 
-def try_timed(fn, **kw):
+def fused_extra_bytes(T: int, H: int, V: int) -> dict[str, int]:
+    chunk = 4096  # rows of logits the fused path holds at a time (bf16 + fp32 scratch), generous
+    return {
+        "gemms": 2 * T * V * 2,  # dz and z, bf16
+        "fused": chunk * V * 6 + V * H * 4 + T * H * 2,  # chunk logits, fp32 weight-gradient accumulator, dh
+        "materialised": T * V * 2 * 2 + V * H * 2 + T * H * 2,  # logits + their gradient, dW, dh
+    }
+
+
+def fits(need: int) -> tuple[bool, str]:
+    """Whether ``need`` more bytes fit on the current device (free memory as the driver sees it)."""
+    free, _ = torch.cuda.mem_get_info()
+    if need > FREE_FRACTION * free:
+        return False, f"skipped: needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+    return True, ""
+
+
+def guarded(fn, need: int, *, warmup: int, reps: int, memory: bool = True):
+    """``time_fn`` when the estimate fits, else ``(None, reason)``; out-of-memory is caught too."""
+    ok, reason = fits(need)
+    if not ok:
+        return None, reason
     try:
-        return timed(fn, **kw)
-    except torch.cuda.OutOfMemoryError:
+        return time_fn(fn, warmup=warmup, reps=reps, memory=memory), ""
+    except torch.cuda.OutOfMemoryError as e:
         torch.cuda.empty_cache()
-        return None, None
+        return None, f"OOM: {str(e).splitlines()[0][:120]}"
 
 
-def inputs(T, V, device, dtype=torch.bfloat16):
+# ------------------------------------------------------------------------------------------- cases
+def inputs(T, V, device, dtype=torch.bfloat16, extra_rows=0):
     g = torch.Generator(device=device).manual_seed(0)
-    z = torch.randn(T, V, device=device, dtype=dtype, generator=g) * 2
+    z = torch.randn(T + extra_rows, V, device=device, dtype=dtype, generator=g) * 2
     y = torch.randint(0, V, (T,), device=device, generator=g)
     with torch.no_grad():
-        b = torch.log_softmax(z[:, :1].float(), -1)[:, 0] - 10.0 + 0.1 * torch.randn(T, device=device, generator=g)
+        b = torch.log_softmax(z[:T, :1].float(), -1)[:, 0] - 10.0 + 0.1 * torch.randn(T, device=device, generator=g)
     p = b + 0.1 * torch.randn(T, device=device, generator=g)
     A = torch.randn(T, device=device, generator=g)
     m = torch.ones(T, device=device)  # every token in the loss: no row is skipped, honest GB/s
@@ -84,68 +119,104 @@ def loss_step(fn, z, y, b, p, A, m, **kw):
     return step
 
 
-def _time_copy(z):
-    out_buf = torch.empty_like(z)
-    return timed(lambda: out_buf.copy_(z))[0]
-
-
-def _time_inplace(z, y, b, p, A, m):
-    # the logits buffer receives the gradient (values change between iterations; the kernels'
-    # cost does not depend on them)
-    buf = z.clone()
+def _liger_step(T, V):
+    """Liger's Triton GRPO loss from logits [1, T + 1, V] (its layout), in place, or None."""
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+    except ImportError:
+        return None
+    z, y, b, _, A, m = inputs(T, V, "cuda", extra_rows=1)
 
     def step():
-        leaf = buf.detach().requires_grad_()
+        leaf = z.detach()[None].clone().requires_grad_()  # its backward overwrites the logits
+        loss, _ = triton_grpo_loss(leaf, b[None], None, y[None], A[:1], m[None], temperature=1.0, beta=0.0,
+                                   eps_low=0.2, eps_high=0.28, inplace=True, loss_type="bnpo", reduce=True)
+        loss.backward()
+
+    return step
+
+
+def bench_logits_shape(T, V, peaks, compiled, liger: bool) -> dict:
+    z, y, b, p, A, m = inputs(T, V, "cuda")
+    need = logits_extra_bytes(T, V)
+    tv_bytes = T * V * z.element_size()
+    row = dict(table="from_logits", T=T, V=V, dtype="bf16",
+               bytes_model=f"fwd+bwd {LOGIT_PASSES_FWD_BWD} passes x T*V*2 B; copy {LOGIT_PASSES_COPY} passes")
+    dst = torch.empty_like(z)
+    t_copy, _ = guarded(lambda: dst.copy_(z), 0, warmup=3, reps=20, memory=False)
+    dst = None
+    t_ours, why = guarded(loss_step(decoupled_ppo_loss, z, y, b, p, A, m, backend="triton"), need["ours"],
+                          warmup=2, reps=10)
+    if t_ours is None:
+        return row | {"error": why}
+    grad_buf = z.clone()
+
+    def inplace():
+        leaf = grad_buf.detach().requires_grad_()
         out = decoupled_ppo_loss(leaf, y, b, A, m, prox_logprobs=p, grad_inplace=True, backend="triton", **OPTS)
         torch.autograd.grad(out.loss, leaf)
 
-    return timed(step)
-
-
-def bench_logits_shape(T, V, device_peak, compiled):
-    z, y, b, p, A, m = inputs(T, V, "cuda")
-    nbytes = 2 * z.numel() * z.element_size()
-    t_copy = _time_copy(z)
-    t_ours, mem_ours = timed(loss_step(decoupled_ppo_loss, z, y, b, p, A, m, backend="triton"))
-    t_inpl, mem_inpl = _time_inplace(z, y, b, p, A, m)
-    t_fwd, _ = timed(lambda: decoupled_ppo_loss(z, y, b, A, m, prox_logprobs=p, backend="triton", **OPTS))
-    t_eager, mem_eager = try_timed(loss_step(decoupled_ppo_loss_ref, z, y, b, p, A, m), warmup=1, iters=3)
-    t_comp = mem_comp = None
+    t_inpl, _ = guarded(inplace, 0, warmup=2, reps=10)
+    grad_buf = None
+    t_fwd, _ = guarded(lambda: decoupled_ppo_loss(z, y, b, A, m, prox_logprobs=p, backend="triton", **OPTS), 0,
+                       warmup=2, reps=10)
+    t_eager, why_eager = guarded(loss_step(decoupled_ppo_loss_ref, z, y, b, p, A, m), need["eager"], warmup=1,
+                                 reps=3)
+    t_comp, why_comp = (None, "skipped: --skip-compile")
     if compiled is not None:
-        t_comp, mem_comp = try_timed(loss_step(compiled, z, y, b, p, A, m), warmup=2, iters=3)
-    return dict(
-        table="from_logits", T=T, V=V, dtype="bf16", ms_copy=t_copy, ms_fwd_bwd=t_ours, ms_fwd_bwd_inplace=t_inpl,
-        ms_fwd=t_fwd, ms_ref_eager=t_eager, ms_ref_compiled=t_comp,
-        gbs_effective=nbytes / t_ours / 1e6, gbs_copy=nbytes / t_copy / 1e6,
-        frac_hbm_peak=(nbytes / t_ours / 1e6) / device_peak if device_peak else None,
-        time_vs_copy=t_ours / t_copy, time_inplace_vs_copy=t_inpl / t_copy,
-        speedup_vs_eager=(t_eager / t_ours) if t_eager else None,
-        speedup_vs_compiled=(t_comp / t_ours) if t_comp else None,
-        peak_mem_gib=mem_ours / 2**30, peak_mem_inplace_gib=mem_inpl / 2**30,
-        peak_mem_ref_eager_gib=None if mem_eager is None else mem_eager / 2**30,
-        peak_mem_ref_compiled_gib=None if mem_comp is None else mem_comp / 2**30,
+        t_comp, why_comp = guarded(loss_step(compiled, z, y, b, p, A, m), need["compiled"], warmup=2, reps=3)
+    t_liger, why_liger = (None, "skipped: --skip-liger")
+    if liger:
+        del z
+        torch.cuda.empty_cache()
+        step = _liger_step(T, V)
+        t_liger, why_liger = (None, "skipped: liger-kernel not installed") if step is None else \
+            guarded(step, need["liger"], warmup=2, reps=5)
+    moved = LOGIT_PASSES_FWD_BWD * tv_bytes
+    gbs = moved / t_ours.median_ms / 1e6
+    gbs_copy = LOGIT_PASSES_COPY * tv_bytes / t_copy.median_ms / 1e6
+    row |= dict(
+        ms_copy=t_copy.median_ms, ms_fwd_bwd=t_ours.median_ms, ms_fwd_bwd_p10=t_ours.p10_ms,
+        ms_fwd_bwd_p90=t_ours.p90_ms, ms_fwd_bwd_inplace=t_inpl.median_ms if t_inpl else None,
+        ms_fwd=t_fwd.median_ms if t_fwd else None,
+        gbs_fwd_bwd=gbs, gbs_fwd=(tv_bytes / t_fwd.median_ms / 1e6) if t_fwd else None, gbs_copy=gbs_copy,
+        frac_copy_bw=gbs / gbs_copy, frac_hbm_peak=gbs / peaks["hbm_gbs"] if peaks["hbm_gbs"] else None,
+        time_vs_copy=t_ours.median_ms / t_copy.median_ms,
+        ms_ref_eager=t_eager.median_ms if t_eager else why_eager,
+        ms_ref_compiled=t_comp.median_ms if t_comp else why_comp,
+        ms_liger_grpo=t_liger.median_ms if t_liger else why_liger,
+        speedup_vs_eager=(t_eager.median_ms / t_ours.median_ms) if t_eager else None,
+        speedup_vs_compiled=(t_comp.median_ms / t_ours.median_ms) if t_comp else None,
+        speedup_vs_liger=(t_liger.median_ms / t_ours.median_ms) if t_liger else None,
+        peak_mem_gib=t_ours.peak_mem_bytes / 2**30,
+        peak_mem_inplace_gib=t_inpl.peak_mem_bytes / 2**30 if t_inpl else None,
+        peak_mem_ref_eager_gib=t_eager.peak_mem_bytes / 2**30 if t_eager else None,
     )
+    return row
 
 
-def _time_gemms(h, W):
-    dz = torch.randn(h.shape[0], W.shape[0], device="cuda", dtype=h.dtype)
-
-    def gemms():
-        z = h @ W.T
-        _ = dz @ W
-        _ = dz.T @ h
-        return z
-
-    return timed(gemms)[0]
-
-
-def bench_fused_shape(T, H, V):
+def bench_fused_shape(T, H, V, peaks) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
     W = torch.randn(V, H, device="cuda", dtype=torch.bfloat16, generator=g) / H**0.5
     _, _, b, p, A, m = inputs(T, 2, "cuda")
     y = torch.randint(0, V, (T,), device="cuda", generator=g)
-    t_gemm = _time_gemms(h, W)
+    need = fused_extra_bytes(T, H, V)
+    row = dict(table="fused_linear", T=T, H=H, V=V, dtype="bf16", flops_model="3 GEMMs: 6*T*H*V")
+
+    ok, why_gemm = fits(need["gemms"])
+    t_gemm = None
+    if ok:
+        dz = torch.randn(T, V, device="cuda", dtype=h.dtype, generator=g)
+
+        def gemms():
+            z = h @ W.T
+            _ = dz @ W
+            _ = dz.T @ h
+            return z
+
+        t_gemm, why_gemm = guarded(gemms, 0, warmup=2, reps=5, memory=False)
+        del dz
     torch.cuda.empty_cache()
 
     def fused():
@@ -158,13 +229,21 @@ def bench_fused_shape(T, H, V):
         out = decoupled_ppo_loss(hh @ WW.T, y, b, A, m, prox_logprobs=p, backend="triton", **OPTS)
         torch.autograd.grad(out.loss, (hh, WW))
 
-    t_fused, mem_fused = timed(fused, warmup=1, iters=5)
-    t_mat, mem_mat = try_timed(materialised, warmup=1, iters=3)
-    return dict(table="fused_linear", T=T, H=H, V=V, dtype="bf16", ms_gemms=t_gemm, ms_fused=t_fused,
-                ms_materialised=t_mat, time_vs_gemms=t_fused / t_gemm,
-                peak_mem_fused_gib=mem_fused / 2**30,
-                peak_mem_materialised_gib=None if mem_mat is None else mem_mat / 2**30,
-                mem_fused_vs_materialised=(mem_fused / mem_mat) if mem_mat else None)
+    t_fused, why = guarded(fused, need["fused"], warmup=1, reps=5)
+    if t_fused is None:
+        return row | {"error": why}
+    t_mat, why_mat = guarded(materialised, need["materialised"], warmup=1, reps=3)
+    flops = 6 * T * H * V
+    tflops = flops / t_fused.median_ms / 1e9
+    return row | dict(
+        ms_gemms=t_gemm.median_ms if t_gemm else why_gemm, ms_fused=t_fused.median_ms, ms_fused_p10=t_fused.p10_ms,
+        ms_fused_p90=t_fused.p90_ms, ms_materialised=t_mat.median_ms if t_mat else why_mat,
+        time_vs_gemms=(t_fused.median_ms / t_gemm.median_ms) if t_gemm else None,
+        tflops_fused=tflops, tflops_gemms=(flops / t_gemm.median_ms / 1e9) if t_gemm else None,
+        frac_bf16_peak=tflops / peaks["bf16_tflops"] if peaks["bf16_tflops"] else None,
+        peak_mem_fused_gib=t_fused.peak_mem_bytes / 2**30,
+        peak_mem_materialised_gib=t_mat.peak_mem_bytes / 2**30 if t_mat else None,
+    )
 
 
 def run_rows(fn, shapes, rows, *extra):
@@ -172,128 +251,61 @@ def run_rows(fn, shapes, rows, *extra):
         try:
             row = fn(*shape, *extra)
         except torch.cuda.OutOfMemoryError as e:
-            row = dict(shape=shape, error=f"OOM: {e}"[:200])
+            row = dict(shape=list(shape), error=f"OOM: {str(e).splitlines()[0][:160]}")
         rows.append(row)
-        print(fmt(row), flush=True)
+        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         torch.cuda.empty_cache()
 
 
-def fmt(row):
-    return "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
-
-
-def provenance():
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=pathlib.Path(__file__).parent, timeout=10).stdout.strip() or None
-    except Exception:
-        commit = None
-    import triton
-
-    return dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda, commit=commit,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                python=sys.version.split()[0])
-
-
-def cpu_note():
-    print("No CUDA device: running tiny shapes of the PyTorch reference only (no Triton kernels, "
-          "no meaningful rates). Run on a GPU for the real benchmark.")
-    import time
-
+def cpu_rows() -> list[dict]:
+    print("No CUDA device: tiny shapes of the PyTorch reference only (no Triton kernels, no meaningful rates). "
+          "Run on a GPU for the real benchmark.")
+    rows = []
     for T, V in ((256, 4096), (1024, 8192)):
         z, y = torch.randn(T, V), torch.randint(0, V, (T,))
         b, A, m = torch.full((T,), -8.0), torch.randn(T), torch.ones(T)
-        leaf = z.requires_grad_()
-        t0 = time.perf_counter()
-        out = decoupled_ppo_loss_ref(leaf, y, b, A, m, **OPTS)
-        out.loss.backward()
-        print(f"reference cpu T={T} V={V}: {(time.perf_counter() - t0) * 1e3:.1f} ms fwd+bwd")
+        t = time_fn(loss_step(decoupled_ppo_loss_ref, z, y, b, None, A, m), warmup=1, reps=3)
+        rows.append(dict(table="reference_cpu", T=T, V=V, dtype="fp32", **t.as_row("ref_")))
+    return rows
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one small shape per table")
-    ap.add_argument("--out", nargs="?", const=str(pathlib.Path(__file__).parent / "results"), default=None,
-                    metavar="DIR", help="write DIR/ppo_loss_<device>_<date>.json (default DIR: bench/results)")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="one small shape per table")
+    size.add_argument("--production", action="store_true", help="only 32k x 152k (and H = 3584 fused)")
     ap.add_argument("--skip-compile", action="store_true", help="no torch.compile baseline")
+    ap.add_argument("--skip-liger", action="store_true", help="no Liger GRPO baseline")
     ap.add_argument("--skip-fused", action="store_true")
     ap.add_argument("--skip-logits", action="store_true")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        cpu_note()
+    add_harness_args(ap)
+    args = ap.parse_args(argv)
+    shapes = QUICK if args.quick else PRODUCTION if args.production else DEFAULT
+    logit_shapes = [] if args.skip_logits else shapes["logits"]
+    fused_shapes = [] if args.skip_fused else shapes["fused"]
+    if args.dry_run:
+        cases = [dict(table="from_logits", T=T, V=V, **{f"gib_{k}": v / 2**30 for k, v in
+                                                       logits_extra_bytes(T, V).items()}) for T, V in logit_shapes]
+        cases += [dict(table="fused_linear", T=T, H=H, V=V, **{f"gib_{k}": v / 2**30 for k, v in
+                                                               fused_extra_bytes(T, H, V).items()})
+                  for T, H, V in fused_shapes]
+        print_dry_run("ppo_loss", cases)
         return
     prov = provenance()
-    print(json.dumps(prov))
-    peak = next((v for k, v in HBM_PEAK_GBS.items() if k in prov["device"]), None)
+    if not torch.cuda.is_available():
+        rows = cpu_rows()
+        print_table(rows)
+        save("ppo_loss", rows, args, prov)
+        return
+    peaks = device_peaks(prov["device"])
     rows: list[dict] = []
-    if args.quick:
-        logit_shapes, fused_shapes = [(4096, 32000)], [(4096, 1536, 151936)]
-    else:
-        logit_shapes = [(T, V) for V in (32000, 151936) for T in (4096, 16384, 32768)]
-        fused_shapes = [(T, H, 151936) for H in (1536, 3584) for T in (4096, 16384, 32768)]
-    if not args.skip_logits:
+    if logit_shapes:
         compiled = None if args.skip_compile else torch.compile(decoupled_ppo_loss_ref, dynamic=True)
-        run_rows(bench_logits_shape, logit_shapes, rows, peak, compiled)
-    if not args.skip_fused:
-        run_rows(bench_fused_shape, fused_shapes, rows)
-    if args.out:
-        out_dir = pathlib.Path(args.out)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        name = "ppo_loss_{}_{}.json".format(prov["device"].replace(" ", "_"), prov["date"][:10])
-        (out_dir / name).write_text(json.dumps(dict(provenance=prov, options=OPTS, hbm_peak_gbs=peak,
-                                                    rows=rows), indent=1))
-        print(f"wrote {out_dir / name}")
+        run_rows(bench_logits_shape, logit_shapes, rows, peaks, compiled, not args.skip_liger)
+    if fused_shapes:
+        run_rows(bench_fused_shape, fused_shapes, rows, peaks)
+    save("ppo_loss", rows, args, prov)
 
-
-
-# pytest-benchmark form: `python -m pytest bench/bench_ppo_loss.py --benchmark-only`. On a GPU it
-# times the Triton path against the eager reference and a same-size copy on the issue's shapes;
-# on CPU only tiny shapes of the reference run (and the report says so in extra_info).
-_ON_GPU = torch.cuda.is_available()
-_BENCH_SHAPES = [(4096, 32000), (16384, 151936), (32768, 151936)] if _ON_GPU else [(256, 4096)]
-
-
-def _bench_inputs(T, V):
-    if _ON_GPU:
-        return inputs(T, V, "cuda")
-    g = torch.Generator().manual_seed(0)
-    z = torch.randn(T, V, generator=g)
-    return z, torch.randint(0, V, (T,), generator=g), torch.full((T,), -8.0), None, torch.randn(T, generator=g), \
-        torch.ones(T)
-
-
-def _sync():
-    if _ON_GPU:
-        torch.cuda.synchronize()
-
-
-import pytest  # noqa: E402  (only the pytest form needs it)
-
-
-@pytest.mark.parametrize("T,V", _BENCH_SHAPES)
-def test_bench_ppo_loss_fast_path(benchmark, T, V):
-    z, y, b, p, A, m = _bench_inputs(T, V)
-    step = loss_step(decoupled_ppo_loss, z, y, b, p, A, m, **({"backend": "triton"} if _ON_GPU else {}))
-    benchmark(lambda: (step(), _sync()))
-    nbytes = 2 * z.numel() * z.element_size()
-    benchmark.extra_info.update(device=torch.cuda.get_device_name() if _ON_GPU else "cpu (reference only)",
-                                gbs_effective=nbytes / benchmark.stats["median"] / 1e9)
-
-
-@pytest.mark.parametrize("T,V", _BENCH_SHAPES)
-def test_bench_ppo_loss_eager_reference(benchmark, T, V):
-    z, y, b, p, A, m = _bench_inputs(T, V)
-    step = loss_step(decoupled_ppo_loss_ref, z, y, b, p, A, m)
-    benchmark.pedantic(lambda: (step(), _sync()), rounds=3, iterations=1, warmup_rounds=1)
-
-
-@pytest.mark.parametrize("T,V", _BENCH_SHAPES)
-def test_bench_same_size_copy(benchmark, T, V):
-    z = _bench_inputs(T, V)[0]
-    buf = torch.empty_like(z)
-    benchmark(lambda: (buf.copy_(z), _sync()))
-    benchmark.extra_info.update(gbs=2 * z.numel() * z.element_size() / benchmark.stats["median"] / 1e9)
 
 if __name__ == "__main__":
     main()

@@ -1,25 +1,111 @@
-"""Shared helpers of the benchmark scripts: provenance (device, versions, commit, date) and
-result files under bench/results/."""
+"""The benchmark harness every ``bench/`` script uses: timing, provenance and result rows.
+
+* :func:`time_fn` - warm-up, then one timing per call: CUDA events on a GPU (the kernels' time
+  on the stream, not the host's), ``time.perf_counter`` on CPU; returns :class:`Timing` with the
+  median and the 10th / 90th percentiles, and optionally the peak device memory above the start.
+* :func:`provenance` - where and with what a number was measured: date, commit, device, device
+  count, torch / CUDA / Triton / transformers versions, Python, CPU.
+* :func:`append_rows` - one JSON object per line appended to ``bench/results/<name>.jsonl``:
+  ``{"bench": name, ...the row..., "provenance": {...}}``; results accumulate across runs and
+  machines and are compared by filtering on the provenance.
+* :func:`add_harness_args` - the options every script shares: ``--results DIR``,
+  ``--no-results`` and ``--dry-run`` (build the cases and print them without running anything:
+  what the GPU suite's dry run calls on a machine without a GPU).
+* :func:`device_peaks` - datasheet peaks (HBM GB/s, dense bf16 TFLOP/s) of known devices for
+  rooflines; the same-size copy each script times in the same run is the practical roof.
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
 import platform
+import statistics
 import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
+# Datasheet peaks (SXM parts): HBM GB/s and dense bf16 tensor-core TFLOP/s. H200 has the H100's
+# compute with HBM3e. Matched by substring of torch.cuda.get_device_name().
+_PEAKS = {"H200": (4800.0, 989.0), "H100": (3350.0, 989.0), "A100": (2039.0, 312.0)}
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    reps: int
+    peak_mem_bytes: int | None = None  # device memory above the start, when asked for
+
+    def as_row(self, prefix: str = "") -> dict:
+        return {f"{prefix}{k}": v for k, v in asdict(self).items() if v is not None and k != "reps"}
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def time_fn(fn: Callable[[], object], *, warmup: int = 2, reps: int = 10, cuda: bool | None = None,
+            memory: bool = False) -> Timing:
+    """Time ``fn()``: ``warmup`` untimed calls, then ``reps`` timed ones (see the module docstring).
+
+    ``cuda=None`` uses CUDA events when torch sees a GPU. ``memory=True`` (GPU) also reports the
+    peak allocated bytes above what was allocated before the timed calls.
+    """
+    if reps < 1:
+        raise ValueError(f"time_fn: reps must be >= 1, got {reps}")
+    import torch
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    for _ in range(warmup):
+        fn()
+    times = []
+    peak = None
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        if memory:
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        if memory:
+            peak = torch.cuda.max_memory_allocated() - base
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return Timing(statistics.median(times), _percentile(times, 0.1), _percentile(times, 0.9), reps, peak)
+
 
 def git_commit() -> str:
+    here = Path(__file__).resolve().parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
+                             timeout=10)
+        if out.returncode != 0:
+            return "unknown"
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+                               text=True, cwd=here, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -32,6 +118,7 @@ def provenance() -> dict:
         "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
+        "device": "cpu",
     }
     try:
         import torch
@@ -39,36 +126,89 @@ def provenance() -> dict:
         info["torch"] = torch.__version__
         if torch.cuda.is_available():
             info["device"] = torch.cuda.get_device_name()
+            info["device_count"] = torch.cuda.device_count()
             info["cuda"] = torch.version.cuda
-        else:
-            info["device"] = "cpu"
+            info["capability"] = "sm_{}{}".format(*torch.cuda.get_device_capability())
     except ImportError:
-        info["device"] = "cpu"
+        pass
+    for mod in ("triton", "transformers"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
     try:
-        import triton
+        from areal_fast import backend
 
-        info["triton"] = triton.__version__
-    except ImportError:
+        info["areal_fast_cuda_core"] = bool(backend.native().has_cuda())
+    except Exception:  # noqa: BLE001 - provenance never fails a benchmark
         pass
     return info
 
 
+def device_peaks(device_name: str) -> dict:
+    """``{"hbm_gbs": ..., "bf16_tflops": ...}`` from the datasheet for a known device, else Nones."""
+    for key, (gbs, tflops) in _PEAKS.items():
+        if key in device_name:
+            return {"hbm_gbs": gbs, "bf16_tflops": tflops}
+    return {"hbm_gbs": None, "bf16_tflops": None}
+
+
+def append_rows(name: str, rows: list[dict], results_dir: str | os.PathLike | None = None,
+                prov: dict | None = None) -> Path:
+    """Append ``rows`` (with ``bench`` and ``provenance`` added) to ``<results_dir>/<name>.jsonl``."""
+    if not name or "/" in name:
+        raise ValueError(f"append_rows: bad benchmark name {name!r}")
+    prov = provenance() if prov is None else prov
+    path = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    path.mkdir(parents=True, exist_ok=True)
+    path = path / f"{name}.jsonl"
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps({"bench": name, **row, "provenance": prov}, default=str) + "\n")
+    return path
+
+
+def add_harness_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    ap.add_argument("--results", default=str(RESULTS_DIR), metavar="DIR",
+                    help="append result rows to DIR/<bench>.jsonl (default: bench/results)")
+    ap.add_argument("--no-results", action="store_true", help="print only; write no result rows")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="build and print the cases with their estimated sizes, run nothing")
+    return ap
+
+
+def save(name: str, rows: list[dict], args: argparse.Namespace, prov: dict | None = None) -> Path | None:
+    """Append the rows unless ``--no-results`` / ``--dry-run``; prints where they went."""
+    if getattr(args, "no_results", False) or getattr(args, "dry_run", False) or not rows:
+        return None
+    path = append_rows(name, rows, args.results, prov)
+    print(f"appended {len(rows)} rows to {path}")
+    return path
+
+
+def print_dry_run(name: str, cases: list[dict]) -> None:
+    print(f"[dry-run] {name}: {len(cases)} cases")
+    for c in cases:
+        print("  " + "  ".join(f"{k}={_fmt(v)}" for k, v in c.items()))
+
+
 def write_result(name: str, rows: list[dict], out: str | os.PathLike | None = None) -> Path:
-    """Write ``{"provenance": ..., "rows": rows}`` as JSON; default path bench/results/<name>-<device>.json."""
+    """Older form kept for callers that pass a path: appends the rows to bench/results/<name>.jsonl
+    and, when ``out`` is given, also writes ``{"provenance", "rows"}`` as JSON there."""
     prov = provenance()
-    if out is None:
-        device = prov["device"].replace(" ", "_").replace("/", "_")
-        out = RESULTS_DIR / f"{name}-{device}.json"
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=2) + "\n")
-    return out
+    path = append_rows(name, rows, prov=prov)
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=2, default=str) + "\n")
+        return out
+    return path
 
 
 def print_table(rows: list[dict]) -> None:
     if not rows:
         return
-    cols = list(rows[0])
+    cols = list(dict.fromkeys(k for r in rows for k in r))
     widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols}
     print("  ".join(c.rjust(widths[c]) for c in cols))
     for r in rows:
