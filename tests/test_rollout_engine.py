@@ -10,10 +10,11 @@ import urllib.request
 import aiohttp
 import pytest
 import torch
+from tolerances import ENGINE_LOGPROB_ATOL
 
 from areal_fast.rollout.engine import start_engine_in_thread
 from areal_fast.rollout.engine.sampling import SamplingParams, _filter_probs, sample_batch
-from areal_fast.rollout.engine.weight_sync import TensorMeta, flattened_bucket_layout
+from areal_fast.rollout.engine.weight_sync import TensorMeta, flattened_bucket_layout, unaligned_tensor
 from areal_fast.rollout.testing import (
     build_tiny_qwen2,
     hf_greedy,
@@ -23,7 +24,6 @@ from areal_fast.rollout.testing import (
     save_state_dict,
 )
 
-LOGPROB_ATOL = 1e-4  # fp32 engine (KV cache, left padding, batch) vs one fresh fp32 forward: ~1e-5 seen
 VOCAB = 256
 FREQ_TOL = 0.012  # 40k draws: one standard error of a frequency is <= 0.0025, so ~5 sigma
 
@@ -101,7 +101,7 @@ def test_greedy_equals_hf_generate_under_continuous_batching(engine, hf_model):
         assert meta["completion_tokens"] == n and meta["prompt_tokens"] == len(p)
         assert [x[1] for x in meta["output_token_logprobs"]] == r["output_ids"]
         ref = hf_logprobs(hf_model, p, r["output_ids"], 0.0)
-        assert max(abs(a[0] - b_) for a, b_ in zip(meta["output_token_logprobs"], ref)) < LOGPROB_ATOL
+        assert max(abs(a[0] - b_) for a, b_ in zip(meta["output_token_logprobs"], ref)) < ENGINE_LOGPROB_ATOL
 
 
 def test_sampled_logprobs_equal_fresh_forward(engine, hf_model):
@@ -116,7 +116,7 @@ def test_sampled_logprobs_equal_fresh_forward(engine, hf_model):
         got = [x[0] for x in r["meta_info"]["output_token_logprobs"]]
         ref = hf_logprobs(hf_model, p, r["output_ids"], b["sampling_params"]["temperature"])
         assert len(got) == 16
-        assert max(abs(a - c) for a, c in zip(got, ref)) < LOGPROB_ATOL
+        assert max(abs(a - c) for a, c in zip(got, ref)) < ENGINE_LOGPROB_ATOL
         if b["sampling_params"].get("top_k") == 5:  # only the 5 most likely tokens may ever be drawn
             logits = hf_model(torch.tensor([p + r["output_ids"]])).logits[0, len(p) - 1:-1]
             top5 = logits.topk(5, dim=-1).indices.tolist()
@@ -143,12 +143,13 @@ def test_stop_token_ids_and_eos(engine, hf_model):
 
 @pytest.mark.parametrize("body,needle", [
     ({"input_ids": []}, "input_ids"),
-    ({"input_ids": [1, 2], "sampling_params": {"bogus": 1}}, "bogus"),
     ({"input_ids": [1, VOCAB + 5]}, "vocabulary"),
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 0.0}}, "top_p"),
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10_000}}, "context length"),
-    ({"input_ids": [1, 2], "sampling_params": {"n": 2}}, "n=1"),
+    ({"input_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
     ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": float("nan")}}, "temperature"),
+    ({"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "regex"),
     ({"text": "hello"}, "input_ids"),
 ])
 def test_bad_request_is_sglang_400(engine, body, needle):
@@ -243,6 +244,8 @@ def test_health_and_info(engine, model_dir):
     status, info = _get(engine.url + "/get_server_info")
     assert status == 200 and info["version"] == "0.5.23" and info["tp_size"] == 1
     assert "weight_version" in info and "max_total_num_tokens" in info
+    assert _get(engine.url + "/server_info")[1]["version"] == "0.5.23"
+    assert _get(engine.url + "/model_info")[1]["model_path"] == model_dir
 
 
 def test_update_weights_from_disk_changes_outputs_and_version(engine, model_dir, hf_model, tmp_path):
@@ -305,11 +308,13 @@ def test_sampled_frequencies_follow_filtered_distribution():
     assert torch.allclose(lps, probs.log()[toks], atol=1e-6)
 
 
-def test_flattened_bucket_offsets_are_dtype_aligned():
+def test_flattened_bucket_is_packed_back_to_back():
     metas = [TensorMeta("a", torch.bfloat16, (3,)), TensorMeta("b", torch.float32, (2, 1)),
              TensorMeta("c", torch.uint8, (1,)), TensorMeta("d", torch.float64, (1,))]
     offsets, total = flattened_bucket_layout(metas)
-    assert offsets == [0, 8, 16, 24] and total == 32
+    assert offsets == [0, 6, 14, 15] and total == 23  # no padding, as SGLang's FlattenedTensorBucket
+    assert unaligned_tensor(metas) == "Unaligned received tensor b: byte offset 6, dtype torch.float32"
+    assert unaligned_tensor(metas[1:3]) is None
 
 
 def test_model_failure_is_a_500_and_the_engine_keeps_serving(engine):
@@ -330,3 +335,261 @@ def test_model_failure_is_a_500_and_the_engine_keeps_serving(engine):
     assert status == 500 and "simulated device failure" in ans["error"]["message"]
     status, ans = _post(engine.url + "/generate", {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": 3}})
     assert status == 200 and len(ans["output_ids"]) <= 3
+
+
+# ---------------------------------------------------------------------------- the strict SGLang twin
+# One engine per SGLang version mode, shared by the tests below (a tiny model starts in ~1 s).
+HEALTH_TIMEOUT_S = 1.0  # SGLang's probe waits 20 s; 1 s keeps the pause-health test short
+
+
+@pytest.fixture(scope="module")
+def twins(model_dir):
+    made: dict[str, object] = {}
+
+    def get(version: str, **options):
+        key = version + repr(sorted(options.items()))
+        if key not in made:
+            made[key] = start_engine_in_thread(model_dir, sglang_version=version,
+                                               health_check_timeout_s=HEALTH_TIMEOUT_S, **options)
+        return made[key]
+
+    yield get
+    for h in made.values():
+        h.stop()
+
+
+async def _post_async(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, object]:
+    async with s.post(url, json=body) as r:
+        text = await r.text()
+        try:
+            return r.status, json.loads(text)
+        except ValueError:
+            return r.status, text
+
+
+async def _wait_running(engine, n_tokens: int = 2, count: int = 1) -> None:
+    """Until ``count`` requests run on this in-thread engine with >= n_tokens outputs each."""
+    sched = engine.server.scheduler
+    for _ in range(5000):
+        if sum(len(r.output_ids) >= n_tokens for r in list(sched._rows)) >= count:
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError(f"{count} request(s) never reached {n_tokens} tokens")
+
+
+def test_n_greater_than_one_answers_a_list_with_suffixed_rids(twins, hf_model):
+    h = twins("0.5.23")
+    prompt = [5, 9, 2]
+    status, ans = _post(h.url + "/generate", {"input_ids": prompt, "rid": "grp", "return_logprob": True,
+                                              "sampling_params": {"n": 3, "max_new_tokens": 4,
+                                                                  "temperature": 0.0, "ignore_eos": True}})
+    assert status == 200 and isinstance(ans, list) and len(ans) == 3
+    assert [a["meta_info"]["id"] for a in ans] == ["grp_0", "grp_1", "grp_2"]
+    want = hf_greedy(hf_model, prompt, 4)
+    assert all(a["output_ids"] == want for a in ans)
+
+
+@pytest.mark.parametrize("version,status", [("0.5.6", 500), ("0.5.21", 500), ("0.5.22", 400), ("0.5.23", 400)])
+def test_unknown_sampling_key_status_per_version(twins, version, status):
+    h = twins(version)
+    got, ans = _post(h.url + "/generate", {"input_ids": [1, 2], "sampling_params": {"bogus": 1}})
+    assert got == status
+    text = json.dumps(ans)
+    assert "bogus" in text and "Traceback" not in text
+    if status == 400:
+        assert isinstance(ans["error"], str)  # the schema check's body: {"error": "unknown field ..."}
+
+
+def test_abort_request_aborts_every_rid_with_that_prefix(twins):
+    h = twins("0.5.23")
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            def gen(rid):
+                return asyncio.create_task(_post_async(s, h.url + "/generate", {
+                    "input_ids": [3, 4], "rid": rid, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))
+
+            tasks = {rid: gen(rid) for rid in ("q1-s1", "q1-s10", "q2-s1")}
+            await _wait_running(h, 1, count=3)
+            assert (await _post_async(s, h.url + "/abort_request", {"rid": "q1-s1"}))[0] == 200
+            done = {rid: (await asyncio.wait_for(t, 10))[1] for rid, t in tasks.items() if rid != "q2-s1"}
+            still = not tasks["q2-s1"].done()
+            await _post_async(s, h.url + "/abort_request", {"rid": "q2-s1"})
+            await tasks["q2-s1"]
+            return done, still
+
+    done, still = asyncio.run(run())
+    assert all(d["meta_info"]["finish_reason"]["type"] == "abort" for d in done.values())  # q1-s10 too
+    assert still  # q2-s1 does not start with q1-s1
+
+
+def test_retract_pause_recomputes_with_new_weights_and_in_place_keeps_running(twins, model_dir, tmp_path):
+    h = twins("0.5.23")
+    sd = perturbed_state_dict(model_dir, seed=11)
+    new_dir = save_state_dict(sd, model_dir, str(tmp_path / "v1"))
+    prompt, n = [7, 3, 9], 60
+
+    async def cycle(mode: str):
+        async with aiohttp.ClientSession() as s:
+            _post(h.url + "/update_weights_from_disk", {"model_path": model_dir, "weight_version": "0"})
+            task = asyncio.create_task(_post_async(s, h.url + "/generate", {
+                "input_ids": prompt, "rid": f"r-{mode}", "return_logprob": True,
+                "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}))
+            await _wait_running(h, 5)
+            await _post_async(s, h.url + "/pause_generation", {"mode": mode})
+            running = h.server.scheduler.has_running()
+            flush = await _post_async(s, h.url + "/update_weights_from_disk", {
+                "model_path": new_dir, "weight_version": "1", "flush_cache": mode == "retract"})
+            await _post_async(s, h.url + "/continue_generation", {})
+            ans = (await asyncio.wait_for(task, 30))[1]
+            _post(h.url + "/update_weights_from_disk", {"model_path": model_dir, "weight_version": "0"})
+            return running, flush, ans
+
+    running, flush, ans = asyncio.run(cycle("retract"))
+    assert not running and flush[0] == 200  # retract empties the batch, so the flush is allowed
+    meta = ans["meta_info"]
+    assert meta["finish_reason"]["type"] == "length" and meta["total_retractions"] == 1
+    spans = meta["weight_versions"]
+    assert [sp["version"] for sp in spans] == ["0", "1"] and spans[1]["end"] == n
+    k = spans[0]["end"]
+    out = ans["output_ids"]
+    assert out[:k] == hf_greedy(load_hf(model_dir), prompt, k)
+    # the retracted request was prefilled again by the new weights: exactly a fresh continuation
+    assert out[k:] == hf_greedy(load_hf(model_dir, sd), prompt + out[:k], n - k)
+
+    running, flush, ans = asyncio.run(cycle("in_place"))
+    assert running and flush[0] == 200  # flush_cache false: allowed with requests kept in place
+    assert ans["meta_info"]["total_retractions"] == 0
+    assert [sp["version"] for sp in ans["meta_info"]["weight_versions"]] == ["0", "1"]
+
+
+def test_in_place_pause_then_flushing_update_refused_from_0_5_22_and_crashes_before(twins, model_dir):
+    async def run(h):
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.create_task(_post_async(s, h.url + "/generate", {
+                "input_ids": [4, 4], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))
+            await _wait_running(h, 2)
+            await _post_async(s, h.url + "/pause_generation", {"mode": "in_place"})
+            upd = await _post_async(s, h.url + "/update_weights_from_disk",
+                                    {"model_path": model_dir, "weight_version": "5", "flush_cache": True})
+            async with s.get(h.url + "/health") as r:
+                health = r.status
+            await _post_async(s, h.url + "/continue_generation", {})
+            gen = await asyncio.wait_for(task, 30)
+            return upd, health, gen
+
+    upd, health, gen = asyncio.run(run(twins("0.5.22")))
+    assert upd[0] == 400 and upd[1]["success"] is False and "not flushed" in upd[1]["message"]
+    assert gen[0] == 200 and gen[1]["meta_info"]["weight_version"] == "5"  # the weights did load
+    # before 0.5.22 the scheduler dies on the failed flush: everything after is a 5xx
+    upd, health, gen = asyncio.run(run(twins("0.5.21")))
+    assert upd[0] >= 500 and "flush" in json.dumps(upd[1])
+    assert health == 503 and gen[0] >= 500
+
+
+def test_abort_in_waiting_has_no_weight_version_on_0_5_6(twins):
+    async def run(h):
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.create_task(_post_async(s, h.url + "/generate", {
+                "input_ids": [6, 2], "rid": "w", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))
+            await _wait_running(h, 3)
+            await _post_async(s, h.url + "/pause_generation", {"mode": "retract"})  # back to the waiting queue
+            await _post_async(s, h.url + "/abort_request", {"rid": "w"})
+            await _post_async(s, h.url + "/continue_generation", {})
+            return (await asyncio.wait_for(task, 10))[1]["meta_info"]
+
+    old, new = asyncio.run(run(twins("0.5.6"))), asyncio.run(run(twins("0.5.23")))
+    assert old["finish_reason"]["type"] == "abort" and "weight_version" not in old
+    assert "weight_versions" not in old  # spans exist from 0.5.19
+    assert new["weight_version"] == new["weight_versions"][0]["version"]
+
+
+def test_health_is_503_while_paused_longer_than_the_probe_timeout(twins):
+    h = twins("0.5.23")
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            await _post_async(s, h.url + "/pause_generation", {"mode": "abort"})
+            try:
+                statuses = []
+                for path in ("/health", "/health_generate"):
+                    async with s.get(h.url + path) as r:
+                        statuses.append(r.status)
+                async with s.get(h.url + "/model_info") as r:  # answers without the scheduler
+                    info = r.status
+            finally:
+                await _post_async(s, h.url + "/continue_generation", {})
+            async with s.get(h.url + "/health") as r:
+                after = r.status
+            return statuses, info, after
+
+    statuses, info, after = asyncio.run(run())
+    assert statuses == [503, 503] and info == 200 and after == 200
+
+
+def test_server_info_weight_version_is_the_launch_value_from_0_5_19(twins, model_dir):
+    for version, want in (("0.5.6", "3"), ("0.5.19", "default")):
+        h = twins(version)
+        assert _post(h.url + "/update_weights_from_disk", {"model_path": model_dir, "weight_version": "3"})[0] == 200
+        assert _get(h.url + "/server_info")[1]["weight_version"] == want
+        assert _get(h.url + "/model_info")[1]["weight_version"] == "3"  # the current one, every version
+        _post(h.url + "/update_weights_from_disk", {"model_path": model_dir, "weight_version": "default"})
+
+
+def test_weight_update_sessions_from_0_5_21(twins):
+    h = twins("0.5.21")
+    update = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
+              "group_name": "g", "load_format": None, "flush_cache": True}
+    st, ans = _post(h.url + "/update_weights_from_distributed", update)
+    assert st == 400 and "between begin_weight_update() and end_weight_update()" in ans["message"]
+    st, ans = _post(h.url + "/end_weight_update", {})
+    assert st == 400 and "no weight-update session is open" in ans["message"]
+    assert _post(h.url + "/begin_weight_update", {})[0] == 200
+    st, ans = _post(h.url + "/begin_weight_update", {})
+    assert st == 400 and "already open" in ans["message"]
+    assert _post(h.url + "/end_weight_update", {})[0] == 200
+    old = twins("0.5.6")
+    assert _post(old.url + "/begin_weight_update", {})[0] == 404  # no sessions before 0.5.21
+
+
+def test_unaligned_flattened_bucket_refused_before_receiving_on_0_5_23(twins):
+    h = twins("0.5.23")
+    assert _post(h.url + "/begin_weight_update", {})[0] == 200
+    try:
+        st, ans = _post(h.url + "/update_weights_from_distributed", {
+            "names": ["a", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[3], [2]],
+            "group_name": "none", "load_format": "flattened_bucket"})
+    finally:
+        _post(h.url + "/end_weight_update", {})
+    assert st == 400 and "Unaligned received tensor b: byte offset 6" in ans["message"]
+
+
+def test_disk_update_uses_the_launch_load_format_and_dummy_cannot_load(twins, model_dir, hf_model):
+    h = twins("0.5.23", load_format="dummy")
+    st, ans = _post(h.url + "/update_weights_from_disk", {"model_path": model_dir, "load_format": None})
+    assert st == 400 and "dummy" in ans["message"]
+    st, ans = _post(h.url + "/update_weights_from_disk", {"model_path": model_dir, "load_format": "safetensors",
+                                                          "weight_version": "1"})
+    assert st == 200 and ans["success"] is True
+    out = _post(h.url + "/generate", {"input_ids": [2, 5], "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}})[1]["output_ids"]
+    assert out == hf_greedy(hf_model, [2, 5], 6)  # the real weights replaced the dummy ones
+
+
+def test_api_key_required_except_health(twins):
+    h = twins("0.5.23", api_key="s3cret")
+    assert _get(h.url + "/health")[0] == 200
+    st, ans = _get(h.url + "/server_info")
+    assert st == 401 and ans == {"error": "Unauthorized"}
+    assert _post(h.url + "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})[0] == 401
+    req = urllib.request.Request(h.url + "/server_info", headers={"Authorization": "Bearer s3cret"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+
+
+def test_oversized_bodies_are_refused_with_413(engine):
+    huge = b'{"input_ids": [' + b"1, " * (engine.server.generate_limit // 3 + 1) + b'1]}'
+    st, ans = _post(engine.url + "/generate", None, raw=huge)
+    assert st == 413 and "limit" in json.dumps(ans)
+    st, ans = _post(engine.url + "/pause_generation", None, raw=b'{"mode": "' + b"a" * (1 << 17) + b'"}')
+    assert st == 413

@@ -7,6 +7,7 @@ returned logprob. Greedy rows (temperature < 1e-6) take the argmax and report ``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,13 @@ _IMPLEMENTED = {
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
     "skip_special_tokens", "no_stop_trim", "n",
 }
+# Every key SGLang's SamplingParams knows (0.5.6 .. 0.5.23). A key outside this set is SGLang's
+# "unknown key" case (a 500 before 0.5.22, a schema 400 from 0.5.22); a known key we do not
+# implement at a non-neutral value is our own 400.
+SGLANG_SAMPLING_KEYS = frozenset(_IMPLEMENTED | set(_NEUTRAL_DEFAULTS) | {
+    "stop_regex", "beam_width", "watermark", "choice",
+})
+MAX_N = 64  # parallel samples of one prompt (a GRPO group); more is almost certainly a mistake
 
 
 class SamplingError(ValueError):
@@ -54,6 +62,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    n: int = 1  # parallel samples: the server runs n requests and answers a list
 
     @property
     def greedy(self) -> bool:
@@ -68,8 +77,8 @@ def _num(d: dict, key: str, kind, default):
         if isinstance(v, bool) or not isinstance(v, int):
             raise SamplingError(f"sampling_params.{key} must be an integer, got {v!r}")
         return v
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise SamplingError(f"sampling_params.{key} must be a number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise SamplingError(f"sampling_params.{key} must be a finite number, got {v!r}")
     return float(v)
 
 
@@ -86,6 +95,10 @@ def parse_sampling_params(raw: object, vocab_size: int) -> SamplingParams:
             if value is not None and value != _NEUTRAL_DEFAULTS[key]:
                 raise SamplingError(f"sampling_params.{key}={value!r} is not supported by the embedded engine")
             continue
+        if key in SGLANG_SAMPLING_KEYS:
+            if value not in (None, [], False):
+                raise SamplingError(f"sampling_params.{key}={value!r} is not supported by the embedded engine")
+            continue
         raise SamplingError(f"unknown sampling_params key {key!r}")
     p = SamplingParams(
         max_new_tokens=_num(raw, "max_new_tokens", int, 128),
@@ -97,9 +110,9 @@ def parse_sampling_params(raw: object, vocab_size: int) -> SamplingParams:
         skip_special_tokens=bool(raw.get("skip_special_tokens", True)),
         no_stop_trim=bool(raw.get("no_stop_trim", False)),
     )
-    n = raw.get("n", 1)
-    if n != 1:
-        raise SamplingError(f"sampling_params.n={n!r}: the embedded engine supports n=1 only")
+    p.n = _num(raw, "n", int, 1)
+    if not 1 <= p.n <= MAX_N:
+        raise SamplingError(f"sampling_params.n must be in [1, {MAX_N}], got {p.n}")
     if p.max_new_tokens < 0:
         raise SamplingError(f"sampling_params.max_new_tokens must be >= 0, got {p.max_new_tokens}")
     if p.temperature < 0:

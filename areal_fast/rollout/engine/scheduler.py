@@ -8,7 +8,8 @@ boundary, and it cannot stop for an in-place weight load. This loop is ~300 line
 Each iteration of the scheduler thread:
   1. run queued control commands (abort, pause, continue, weight loads) -- they touch the model, so
      they run here, between two steps, never concurrently with a forward pass;
-  2. admit waiting requests (up to ``max_running``): prefill them in groups of equal prompt length
+  2. admit waiting requests (up to ``max_running``): prefill them in groups of equal length
+     (prompt plus any output kept from before a ``retract`` pause, which is recomputed)
      (no padding inside a prefill, so no attention row is ever fully masked), sample their first
      token, then merge their KV cache into the running batch by left padding (pad keys/values are
      zero and masked out);
@@ -47,14 +48,27 @@ class Request:
     versions: list[str] = field(default_factory=list)
     finish_reason: dict | None = None
     error: str | None = None  # the model failed while serving this request (HTTP 500)
+    aborted_in_waiting: bool = False  # aborted from the waiting queue (SGLang 0.5.6-0.5.8: no weight_version)
+    retractions: int = 0  # times a retract pause dropped its KV (recomputed on continue)
     delivered: bool = False
     created: float = field(default_factory=time.monotonic)
     next_input: int = -1  # last sampled token, not yet in the KV cache
     position: int = 0  # position id of next_input
 
+    def prefill_ids(self) -> list[int]:
+        """What a prefill computes KV for: the prompt, plus the output kept over a retract."""
+        return self.input_ids + self.output_ids
+
 
 class DuplicateRid(ValueError):
     """A /generate whose rid is already waiting or running (SGLang >= 0.5.15 answers 400)."""
+
+
+class SchedulerDown(RuntimeError):
+    """The scheduler thread has stopped (shut down, or crashed the way SGLang's scheduler does)."""
+
+
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class Scheduler:
@@ -79,7 +93,9 @@ class Scheduler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.paused = False
-        self.updating = False  # between begin_weight_update and end_weight_update
+        self.pause_mode: str | None = None
+        self.crash_reason: str | None = None  # set when the scheduler died (as SGLang's does on some errors)
+        self.last_output = time.monotonic()  # last time any request made progress (health probes read it)
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
         self._commands: collections.deque[tuple[Callable[[], object], concurrent.futures.Future]] = (
@@ -109,8 +125,10 @@ class Scheduler:
         return self._thread.is_alive()
 
     def submit(self, req: Request) -> None:
-        """Queue a request; raise DuplicateRid if its rid is in flight."""
+        """Queue a request; raise DuplicateRid if its rid is in flight, SchedulerDown if stopped."""
         with self._cv:
+            if self._stop:
+                raise SchedulerDown(self.crash_reason or "the engine is shutting down")
             if req.rid in self._rids:
                 raise DuplicateRid(f"rid {req.rid!r} is already running or waiting")
             self._rids.add(req.rid)
@@ -121,6 +139,9 @@ class Scheduler:
         """Run ``fn`` on the scheduler thread between two steps; the future holds its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cv:
+            if self._stop:
+                fut.set_exception(SchedulerDown(self.crash_reason or "the engine is shutting down"))
+                return fut
             self._commands.append((fn, fut))
             self._cv.notify_all()
         return fut
@@ -131,18 +152,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------ commands (scheduler thread)
     def abort(self, rid: str | None, message: str) -> int:
-        """Abort ``rid`` (or everything when None); return how many requests were aborted."""
+        """Abort every request whose rid STARTS WITH ``rid`` (SGLang's rule), or everything when None.
+
+        Returns how many requests were aborted.
+        """
         n = 0
         with self._cv:
             keep = collections.deque()
             for req in self._waiting:
-                if rid is None or req.rid == rid:
+                if rid is None or req.rid.startswith(rid):
+                    req.aborted_in_waiting = True
                     self._finish_waiting(req, {"type": "abort", "message": "Abort in waiting queue"})
                     n += 1
                 else:
                     keep.append(req)
             self._waiting = keep
-        drop = [i for i, r in enumerate(self._rows) if rid is None or r.rid == rid]
+        drop = [i for i, r in enumerate(self._rows) if rid is None or r.rid.startswith(rid)]
         for i in drop:
             self._rows[i].finish_reason = {"type": "abort", "message": message}
         n += len(drop)
@@ -150,16 +175,46 @@ class Scheduler:
             self._retire_finished()
         return n
 
-    def pause(self) -> None:
-        self.paused = True
-        self.abort(None, "Abort by pause_generation")
+    def pause(self, mode: str = "abort") -> None:
+        """SGLang's three pause modes.
+
+        - abort: every request (running and waiting) ends with finish_reason abort;
+        - in_place: running requests stay in the batch with their KV cache (computed by the weights of
+          before any update made while paused) and continue from there;
+        - retract: running requests go back to the front of the waiting queue and their KV cache is
+          dropped; after continue their prompt + output so far is prefilled again, by the weights
+          current then.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self.paused, self.pause_mode = True, mode
+        if mode == "abort":
+            self.abort(None, "Abort by pause_generation")
+        elif mode == "retract" and self._rows:
+            rows, self._rows, self._cache, self._mask = self._rows, [], None, None
+            for r in rows:
+                r.retractions += 1
+            with self._cv:
+                self._waiting.extendleft(reversed(rows))
 
     def resume(self) -> None:
-        self.paused = False
+        self.paused, self.pause_mode = False, None
 
     def is_idle(self) -> bool:
-        """Nothing holds KV cache. Queued requests (e.g. sent while paused) hold none, so they don't count."""
-        return not self._rows
+        """SGLang's flush condition: nothing running, and nothing waiting unless generation is paused."""
+        with self._cv:
+            return not self._rows and (self.paused or not self._waiting)
+
+    def has_running(self) -> bool:
+        return bool(self._rows)
+
+    def crash(self, reason: str) -> None:
+        """Stop serving for good, as SGLang's scheduler process does when an assertion fails."""
+        log.error("scheduler crashed: %s", reason)
+        self.crash_reason = reason
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
 
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
@@ -178,6 +233,8 @@ class Scheduler:
                     fut.set_result(fn())
                 except BaseException as e:  # noqa: BLE001 - delivered to the HTTP handler
                     fut.set_exception(e)
+            if self._stop:  # a command crashed the scheduler
+                break
             if not self._runnable():
                 continue
             try:
@@ -188,11 +245,23 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - fail the batch (HTTP 500, clients fail over), keep serving
                 log.exception("engine step failed; failing %d running requests", len(self._rows))
                 self._fail_running(f"{type(e).__name__}: {e}")
-        # shutting down: nobody must hang on a future
-        self.abort(None, "Abort: server shutting down")
+        # shutting down: nobody must hang on a future or a request
+        reason = self.crash_reason or "server shutting down"
+        with self._cv:
+            cmds = list(self._commands)
+            self._commands.clear()
+        for _, fut in cmds:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(SchedulerDown(reason))
+        rows, self._rows, self._cache, self._mask = self._rows, [], None, None
+        for r in rows:
+            r.error = reason if self.crash_reason else None
+            r.finish_reason = {"type": "abort", "message": f"Abort: {reason}"}
+            self._deliver(r)
+        self.abort(None, f"Abort: {reason}")
 
     def _runnable(self) -> bool:
-        return not self.paused and not self.updating
+        return not self.paused
 
     def _admit(self) -> None:
         admitted: list[Request] = []
@@ -207,7 +276,7 @@ class Scheduler:
                 req.finish_reason = {"type": "length", "length": 0}
                 self._deliver(req)
             else:
-                groups.setdefault(len(req.input_ids), []).append(req)
+                groups.setdefault(len(req.prefill_ids()), []).append(req)
         try:
             for length, reqs in groups.items():
                 self._prefill_group(length, reqs)
@@ -220,7 +289,7 @@ class Scheduler:
             raise
 
     def _prefill_group(self, length: int, reqs: list[Request]) -> None:
-        ids = torch.tensor([r.input_ids for r in reqs], device=self.device)
+        ids = torch.tensor([r.prefill_ids() for r in reqs], device=self.device)
         out = self.model(input_ids=ids, past_key_values=self._new_cache(), use_cache=True, logits_to_keep=1)
         toks, lps = sample_batch(out.logits[:, -1], [r.params for r in reqs], self.generator)
         for r, t, lp in zip(reqs, toks.tolist(), lps.tolist()):
@@ -255,6 +324,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
     def _append_token(self, req: Request, tok: int, lp: float) -> None:
+        self.last_output = time.monotonic()
         req.output_ids.append(tok)
         req.logprobs.append(lp)
         req.versions.append(self.weight_version)
@@ -323,9 +393,11 @@ class Scheduler:
         req.finish_reason = reason
         self._rids.discard(req.rid)
         req.delivered = True
+        self.last_output = time.monotonic()
         req.on_finish(req)
 
     def _deliver(self, req: Request) -> None:
+        self.last_output = time.monotonic()
         with self._cv:
             self._rids.discard(req.rid)
         req.delivered = True

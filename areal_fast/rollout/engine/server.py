@@ -1,36 +1,69 @@
 """aiohttp front end of the embedded engine: SGLang's HTTP subset with SGLang's JSON shapes.
 
+It behaves as one chosen SGLang release (``sglang_version``, default the newest we support); every
+version-gated behaviour is named in ``compat.SGLangBehaviour`` and described in docs/sglang.md.
+
 Handlers validate up front and answer 400 with ``{"error": {"message": ...}}`` (or
 ``{"object": "error", "message": ..., "code": 400}`` for schema failures, as SGLang does) naming the
 bad field; anything that touches the model goes through ``Scheduler.call`` so it runs between two
-decode steps on the scheduler thread. Blocking rendezvous calls run in the default executor so the
-event loop keeps answering /generate and /health meanwhile.
+decode steps on the scheduler thread. Rendezvous and broadcast receives run in the default executor
+(bounded by the group timeout) so the event loop keeps answering meanwhile, and bodies over
+``_PARSE_OFF_LOOP_BYTES`` are parsed there too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 
 import torch
 from aiohttp import web
 
-from areal_fast.rollout.engine.sampling import SamplingError, parse_sampling_params
-from areal_fast.rollout.engine.scheduler import DuplicateRid, Request, Scheduler
-from areal_fast.rollout.engine.weight_sync import TensorMeta, WeightReceiver, parse_dtype
+from areal_fast.rollout.engine.compat import ENGINE_LOAD_FORMATS, SGLangBehaviour
+from areal_fast.rollout.engine.sampling import SGLANG_SAMPLING_KEYS, SamplingError, parse_sampling_params
+from areal_fast.rollout.engine.scheduler import PAUSE_MODES, DuplicateRid, Request, Scheduler, SchedulerDown
+from areal_fast.rollout.engine.weight_sync import (
+    DEFAULT_GROUP_TIMEOUT_S,
+    TensorMeta,
+    WeightReceiver,
+    parse_dtype,
+    unaligned_tensor,
+)
 
-SGLANG_COMPAT_VERSION = "0.5.23"  # the SGLang release whose HTTP contract this engine follows
 _FLUSH_POLL_S = 0.01
+_HEALTH_POLL_S = 0.01
+# SGLang's probe waits this long for any output before /health answers 503 (env as in SGLang).
+DEFAULT_HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+# Body limits, sized to the largest legitimate body of each kind:
+# - /generate: the prompt's ids as JSON text, at most ~8 bytes per id ("151935, "), for a prompt of
+#   up to the context length, plus sampling params and the rest (64 KiB);
+# - /update_weights_from_distributed: names, dtypes and shapes of one bucket; a 100k-tensor MoE
+#   model's full name list is ~10 MB, so 16 MiB;
+# - every other control call: a few fields (64 KiB).
+_BYTES_PER_ID = 8
+_GENERATE_OVERHEAD = 64 << 10
+_UPDATE_META_LIMIT = 16 << 20
+_CONTROL_LIMIT = 64 << 10
+_PARSE_OFF_LOOP_BYTES = 256 << 10  # json.loads of 256 KiB takes ~1 ms; bigger bodies go to a thread
+_AUTH_EXEMPT_PREFIXES = ("/health", "/metrics")  # as SGLang's api-key middleware
+FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running "
+                 "or queued. Retract or finish them, then call /flush_cache.")
 
 
 class BadRequest(Exception):
     """Raised by validation; becomes a 400 in SGLang's shape."""
 
-    def __init__(self, message: str, schema: bool = False):
+    def __init__(self, message: str, schema: bool = False, status: int = 400):
         super().__init__(message)
         self.schema = schema
+        self.status = status
+
+
+class ContractError(Exception):
+    """SGLang >= 0.5.22 checks a /generate body against its schema first: 400 ``{"error": "<text>"}``."""
 
 
 def _err(message: str, schema: bool = False, status: int = 400) -> web.Response:
@@ -63,22 +96,38 @@ class EngineServer:
         sglang_version: str = "0.5.23",
         load_format: str = "auto",
         skip_tokenizer_init: bool = False,
+        health_check_timeout_s: float | None = None,
+        dist_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        self.sglang = SGLangBehaviour.of(sglang_version)
+        if load_format not in ENGINE_LOAD_FORMATS:
+            raise ValueError(f"--load-format {load_format!r}: the embedded engine loads {ENGINE_LOAD_FORMATS}")
+        if dist_timeout_s <= 0:
+            raise ValueError(f"dist_timeout_s must be > 0, got {dist_timeout_s}")
         self.model_path = model_path
         self.host, self.port, self.api_key = host, port, api_key
+        self.load_format = load_format
+        self.launch_weight_version = weight_version
+        self.health_check_timeout_s = (DEFAULT_HEALTH_CHECK_TIMEOUT_S if health_check_timeout_s is None
+                                       else health_check_timeout_s)
         self.device = torch.device(device)
         self.dtype = _resolve_dtype(dtype, self.device)
         torch.manual_seed(seed)
         self.config = AutoConfig.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=self.dtype, attn_implementation=attn_implementation
-        )
+        if load_format == "dummy":  # SGLang's dummy format: random weights, nothing read from disk
+            model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype,
+                                                     attn_implementation=attn_implementation)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=self.dtype, attn_implementation=attn_implementation
+            )
         self.model = model.to(self.device).eval()
-        self.tokenizer = self._try_tokenizer(model_path)
+        self.tokenizer = None if skip_tokenizer_init else self._try_tokenizer(model_path)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.context_length = int(getattr(self.config, "max_position_embeddings", 2**31 - 1))
+        self.generate_limit = _GENERATE_OVERHEAD + _BYTES_PER_ID * min(self.context_length, 1 << 22)
         self.max_running_requests = max_running_requests
         self.seed = seed
         self.scheduler = Scheduler(
@@ -89,13 +138,13 @@ class EngineServer:
             weight_version=weight_version,
             tokenizer=self.tokenizer,
         )
-        self.receiver = WeightReceiver(self.model)
+        self.receiver = WeightReceiver(self.model, timeout_s=dist_timeout_s)
+        self.session_open = False  # a begin_weight_update without its end (SGLang >= 0.5.21)
+        self.session_loaded = False
         self.scheduler.start()
 
     @staticmethod
     def _try_tokenizer(path: str):
-        import os
-
         # transformers 5 builds an empty tokenizer from config.json alone; only a real one is useful
         if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             return None
@@ -116,7 +165,8 @@ class EngineServer:
 
     # ------------------------------------------------------------------ app
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
+        limit = max(self.generate_limit, _UPDATE_META_LIMIT)
+        app = web.Application(middlewares=[self._middleware], client_max_size=limit)
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/abort_request", self.abort_request)
@@ -128,12 +178,15 @@ class EngineServer:
         r.add_post("/update_weights_from_distributed", self.update_from_distributed)
         r.add_post("/update_weights_from_disk", self.update_from_disk)
         r.add_post("/update_weights_from_tensor", self.update_from_tensor)
-        r.add_post("/begin_weight_update", self.begin_update)
-        r.add_post("/end_weight_update", self.end_update)
+        if self.sglang.weight_update_sessions:
+            r.add_post("/begin_weight_update", self.begin_update)
+            r.add_post("/end_weight_update", self.end_update)
         r.add_get("/health", self.health)
-        r.add_get("/health_generate", self.health_generate)
-        r.add_get("/get_model_info", self.model_info)
-        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/health_generate", self.health)
+        for path in ("/model_info", "/get_model_info"):  # the get_ forms are deprecated in SGLang
+            r.add_get(path, self.model_info)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
         app.on_shutdown.append(self._on_shutdown)
         return app
 
@@ -142,25 +195,39 @@ class EngineServer:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
-        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
-            return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
+        if (self.api_key and not request.path.startswith(_AUTH_EXEMPT_PREFIXES)
+                and request.headers.get("Authorization") != f"Bearer {self.api_key}"):
+            return web.json_response({"error": "Unauthorized"}, status=401)
         try:
             return await handler(request)
         except BadRequest as e:
-            return _err(str(e), schema=e.schema)
+            return _err(str(e), schema=e.schema, status=e.status)
+        except ContractError as e:
+            return web.json_response({"error": str(e)}, status=400)
+        except SchedulerDown as e:
+            return _err(f"the engine's scheduler is down: {e}", status=503)
         except web.HTTPException:
             raise
         except Exception as e:  # noqa: BLE001 - a 500 with a message instead of a stack trace
             return _err(f"{type(e).__name__}: {e}", status=500)
 
-    @staticmethod
-    async def _json(request: web.Request) -> dict:
+    async def _json(self, request: web.Request, limit: int = _CONTROL_LIMIT) -> dict:
+        """The JSON object body; 413 naming the limit when it is larger than this endpoint ever needs."""
+        if request.content_length is not None and request.content_length > limit:
+            raise BadRequest(f"{request.path}: body of {request.content_length} bytes exceeds this endpoint's "
+                             f"limit of {limit} bytes", status=413)
         raw = await request.read()
+        if len(raw) > limit:
+            raise BadRequest(f"{request.path}: body of {len(raw)} bytes exceeds this endpoint's limit of "
+                             f"{limit} bytes", status=413)
         if not raw.strip():
             return {}
         try:
-            body = json.loads(raw)
-        except json.JSONDecodeError as e:
+            if len(raw) > _PARSE_OFF_LOOP_BYTES:
+                body = await asyncio.get_running_loop().run_in_executor(None, json.loads, raw)
+            else:
+                body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"request body is not valid JSON: {e}", schema=True) from None
         if not isinstance(body, dict):
             raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}", schema=True)
@@ -170,7 +237,18 @@ class EngineServer:
         return await asyncio.wrap_future(self.scheduler.call(fn))
 
     # ------------------------------------------------------------------ /generate
-    def _parse_generate(self, body: dict) -> tuple[str, list[int], object, bool]:
+    def _check_sampling_keys(self, raw) -> None:
+        """Unknown sampling keys: a schema 400 from 0.5.22, a TypeError (HTTP 500) before."""
+        if not isinstance(raw, dict):
+            return
+        unknown = [k for k in raw if k not in SGLANG_SAMPLING_KEYS]
+        if not unknown:
+            return
+        if self.sglang.generate_schema_400:
+            raise ContractError(f"unknown field `{unknown[0]}` in sampling_params")
+        raise TypeError(f"SamplingParams.__init__() got an unexpected keyword argument '{unknown[0]}'")
+
+    def _parse_generate(self, body: dict) -> tuple[list[str], list[int], object, bool]:
         if "text" in body and "input_ids" not in body:
             raise BadRequest("the embedded engine has no text input; send input_ids")
         ids = body.get("input_ids")
@@ -187,8 +265,10 @@ class EngineServer:
             raise BadRequest("stream=true is not supported by the embedded engine")
         if body.get("logprob_start_len", -1) not in (-1, None):
             raise BadRequest("logprob_start_len must be -1 (output logprobs only) on the embedded engine")
+        raw_params = body.get("sampling_params")
+        self._check_sampling_keys(raw_params)
         try:
-            params = parse_sampling_params(body.get("sampling_params"), self.vocab_size)
+            params = parse_sampling_params(raw_params, self.vocab_size)
         except SamplingError as e:
             raise BadRequest(str(e)) from None
         if params.stop and self.tokenizer is None:
@@ -199,50 +279,67 @@ class EngineServer:
                 f"tokens. You requested a total of {len(ids) + params.max_new_tokens} tokens: {len(ids)} tokens "
                 f"from the input messages and {params.max_new_tokens} tokens for the completion."
             )
-        rid = body.get("rid") or uuid.uuid4().hex
-        if not isinstance(rid, str):
+        rid = body.get("rid")
+        if rid is not None and not isinstance(rid, str):
             raise BadRequest(f"rid must be a string, got {rid!r}", schema=True)
-        return rid, ids, params, bool(body.get("return_logprob", False))
+        # n > 1: SGLang expands one prompt into n requests named rid_0 .. rid_{n-1} and answers a list
+        if params.n == 1:
+            rids = [rid or uuid.uuid4().hex]
+        else:
+            rids = [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(params.n)]
+        return rids, ids, params, bool(body.get("return_logprob", False))
 
     async def generate(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        rid, ids, params, return_logprob = self._parse_generate(body)
+        body = await self._json(request, self.generate_limit)
+        rids, ids, params, return_logprob = self._parse_generate(body)
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-
-        def on_finish(req: Request) -> None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
-
-        req = Request(rid=rid, input_ids=ids, params=params, on_finish=on_finish)
+        futs: list[asyncio.Future] = []
+        submitted: list[str] = []
         try:
-            self.scheduler.submit(req)
+            for rid in rids:
+                fut: asyncio.Future = loop.create_future()
+
+                def on_finish(req: Request, fut=fut) -> None:
+                    loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
+
+                self.scheduler.submit(Request(rid=rid, input_ids=list(ids), params=params, on_finish=on_finish))
+                submitted.append(rid)
+                futs.append(fut)
         except DuplicateRid as e:
+            for rid in submitted:
+                self.scheduler.call(lambda rid=rid: self.scheduler.abort(rid, "Abort: sibling refused"))
             raise BadRequest(str(e)) from None
         try:
-            done = await asyncio.shield(fut)
-        except asyncio.CancelledError:  # client went away: free the slot like SGLang does
-            self.scheduler.call(lambda: self.scheduler.abort(rid, "Abort: client disconnected"))
+            done = await asyncio.shield(asyncio.gather(*futs))
+        except asyncio.CancelledError:  # client went away: free the slots like SGLang does
+            for rid in rids:
+                self.scheduler.call(lambda rid=rid: self.scheduler.abort(rid, "Abort: client disconnected"))
             raise
-        if done.error is not None:  # a 5xx: the client retries on another server
-            return _err(f"engine failed while generating rid {rid!r}: {done.error}", status=500)
-        return web.json_response(self._response(done, return_logprob))
+        failed = [d for d in done if d.error is not None]
+        if failed:  # a 5xx: the client retries on another server
+            return _err(f"engine failed while generating rid {failed[0].rid!r}: {failed[0].error}", status=500)
+        answers = [self._response(d, return_logprob) for d in done]
+        return web.json_response(answers if params.n > 1 else answers[0])
 
     def _response(self, req: Request, return_logprob: bool) -> dict:
-        spans, start = [], 0
-        for i in range(1, len(req.versions) + 1):
-            if i == len(req.versions) or req.versions[i] != req.versions[start]:
-                spans.append({"version": req.versions[start], "start": start, "end": i})
-                start = i
         meta = {
             "id": req.rid,
             "finish_reason": req.finish_reason,
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(req.output_ids),
             "cached_tokens": 0,
-            "weight_version": self.scheduler.weight_version,
-            "weight_versions": spans,
+            "total_retractions": req.retractions,
             "e2e_latency": time.monotonic() - req.created,
         }
+        if not req.aborted_in_waiting or self.sglang.abort_in_waiting_has_weight_version:
+            meta["weight_version"] = self.scheduler.weight_version
+        if self.sglang.weight_version_spans:
+            spans, start = [], 0
+            for i in range(1, len(req.versions) + 1):
+                if i == len(req.versions) or req.versions[i] != req.versions[start]:
+                    spans.append({"version": req.versions[start], "start": start, "end": i})
+                    start = i
+            meta["weight_versions"] = spans
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
         out = {"output_ids": req.output_ids, "meta_info": meta}
@@ -253,9 +350,10 @@ class EngineServer:
     # ------------------------------------------------------------------ request control
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await self._json(request)
-        rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
+        rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
         if not abort_all and not isinstance(rid, str):
             raise BadRequest("abort_request needs a string rid or abort_all=true", schema=True)
+        # SGLang aborts every request whose rid starts with the given one ("" aborts everything)
         target = None if abort_all else rid
         await self._on_scheduler(lambda: self.scheduler.abort(target, "Abort by abort_request"))
         return web.Response(status=200)
@@ -263,12 +361,9 @@ class EngineServer:
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await self._json(request)
         mode = body.get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
-            raise BadRequest(f"pause_generation mode must be abort, retract or in_place, got {mode!r}")
-        if mode == "abort":
-            await self._on_scheduler(self.scheduler.pause)
-        else:  # in_place and retract: running requests keep their state and resume on continue
-            await self._on_scheduler(lambda: setattr(self.scheduler, "paused", True))
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"pause_generation mode must be one of {PAUSE_MODES}, got {mode!r}", schema=True)
+        await self._on_scheduler(lambda: self.scheduler.pause(mode))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
@@ -277,10 +372,13 @@ class EngineServer:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
+        raw = request.query.get("timeout", "0") or "0"
         try:
-            timeout = float(request.query.get("timeout", 0) or 0)
+            timeout = float(raw)
         except ValueError:
-            raise BadRequest(f"flush_cache timeout must be a number, got {request.query['timeout']!r}") from None
+            raise BadRequest(f"flush_cache timeout must be a number, got {raw!r}") from None
+        if not 0 <= timeout < float("inf"):
+            raise BadRequest(f"flush_cache timeout must be a finite number >= 0, got {raw!r}")
         deadline = time.monotonic() + timeout
         while True:
             if await self._on_scheduler(self.scheduler.is_idle):
@@ -318,16 +416,23 @@ class EngineServer:
             return self._result(False, f"Failed to destroy group: {e}")
         return self._result(True, "Succeeded to destroy custom process group.")
 
-    def _apply_update(self, load, b: dict) -> None:
-        """Runs on the scheduler thread: optional abort, the load, then the version bump."""
+    def _apply_update(self, named, b: dict) -> tuple[bool, str]:
+        """Runs on the scheduler thread: optional abort, the load, the version, then SGLang's flush rule."""
         if b.get("abort_all_requests"):
             self.scheduler.abort(None, "Abort by weight update")
-        load()
+        self.receiver.load(named)
         if b.get("weight_version") is not None:
             self.scheduler.weight_version = str(b["weight_version"])
+        if b.get("flush_cache", True) and not self.scheduler.is_idle():
+            # requests still hold KV of the old weights (e.g. an in_place pause): the flush fails
+            if self.sglang.refuses_flush_with_running:
+                return False, FLUSH_REFUSED
+            self.scheduler.crash("AssertionError: Cache flush failed after updating weights")
+            raise SchedulerDown(self.scheduler.crash_reason)
+        return True, "Succeeded to update model weights."
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
-        b = await self._json(request)
+        b = await self._json(request, _UPDATE_META_LIMIT)
         names, dtypes, shapes = b.get("names"), b.get("dtypes"), b.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
             raise BadRequest("update_weights_from_distributed needs lists names, dtypes and shapes", schema=True)
@@ -338,28 +443,46 @@ class EngineServer:
                      for n, d, s in zip(names, dtypes, shapes)]
         except (ValueError, TypeError) as e:
             raise BadRequest(f"update_weights_from_distributed: {e}") from None
+        if self.sglang.weight_update_sessions and not self.session_open:
+            return self._result(False, "update_weights_from_distributed must run between begin_weight_update() "
+                                       "and end_weight_update()")
         group, fmt = str(b.get("group_name", "weight_update_group")), b.get("load_format")
-
-        def load():
-            self.receiver.receive(metas, group, fmt)
-
+        if fmt == "flattened_bucket" and self.sglang.checks_bucket_alignment and unaligned_tensor(metas):
+            return self._result(False, f"Failed to receive weights: {unaligned_tensor(metas)}")
+        loop = asyncio.get_running_loop()
+        try:  # off the scheduler: a silent trainer fails this call after the group timeout
+            named = await loop.run_in_executor(None, self.receiver.receive, metas, group, fmt,
+                                               self.sglang.checks_bucket_alignment)
+        except Exception as e:  # noqa: BLE001
+            return self._result(False, f"Failed to receive weights: {type(e).__name__}: {e}")
         try:
-            await self._on_scheduler(lambda: self._apply_update(load, b))
+            ok, message = await self._on_scheduler(lambda: self._apply_update(named, b))
+        except SchedulerDown:
+            raise
         except Exception as e:  # noqa: BLE001
             return self._result(False, f"Failed to update weights: {type(e).__name__}: {e}")
-        return self._result(True, "Succeeded to update model weights.")
+        self.session_loaded = self.session_loaded or ok or message == FLUSH_REFUSED
+        return self._result(ok, message)
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         b = await self._json(request)
         path = b.get("model_path")
         if not isinstance(path, str):
             raise BadRequest("update_weights_from_disk needs model_path (str)", schema=True)
+        fmt = b.get("load_format") or self.load_format  # null: the format the server was launched with
+        if fmt not in ENGINE_LOAD_FORMATS or fmt == "dummy":
+            return self._result(False, f"Failed to update weights: load_format {fmt!r} cannot load {path!r} "
+                                       f"(the embedded engine reads 'auto' or 'safetensors' checkpoints)",
+                                num_paused_requests=0)
         try:
-            await self._on_scheduler(lambda: self._apply_update(lambda: self.receiver.load_from_disk(path), b))
+            named = await asyncio.get_running_loop().run_in_executor(None, self.receiver.read_from_disk, path)
+            ok, message = await self._on_scheduler(lambda: self._apply_update(named, b))
+        except SchedulerDown:
+            raise
         except Exception as e:  # noqa: BLE001
             return self._result(False, f"Failed to update weights: {type(e).__name__}: {e}", num_paused_requests=0)
         self.model_path = path
-        return self._result(True, "Succeeded to update model weights.", num_paused_requests=0)
+        return self._result(ok, message, num_paused_requests=0)
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         await self._json(request)
@@ -367,31 +490,47 @@ class EngineServer:
 
     async def begin_update(self, request: web.Request) -> web.Response:
         await self._json(request)
-        await self._on_scheduler(lambda: setattr(self.scheduler, "updating", True))
-        return self._result(True, "Weight update begun.")
+        if self.session_open:
+            return self._result(False, "a weight-update session is already open; call end_weight_update() first")
+        self.session_open, self.session_loaded = True, False
+        return self._result(True, "Success")
 
     async def end_update(self, request: web.Request) -> web.Response:
         await self._json(request)
-        await self._on_scheduler(lambda: setattr(self.scheduler, "updating", False))
-        return self._result(True, "Weight update ended.")
+        if not self.session_open:
+            return self._result(False, "no weight-update session is open; call begin_weight_update() first")
+        self.session_open = False
+        return self._result(True, "Success")
 
     # ------------------------------------------------------------------ health and info
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.scheduler.alive else 503)
-
-    async def health_generate(self, request: web.Request) -> web.Response:
+        """SGLang's probe: a 1-token request; 200 as soon as the scheduler produces ANY output after the
+        probe was sent, 503 if nothing comes within the health-check timeout (so a server paused for
+        longer than that answers 503), and 503 at once when the scheduler is down."""
         if not self.scheduler.alive:
             return web.Response(status=503)
-        if self.scheduler.paused or self.scheduler.updating:
-            return web.Response(status=200)  # a probe would wait for continue
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        tic = time.monotonic()
+        done = loop.create_future()
         params = parse_sampling_params({"max_new_tokens": 1, "temperature": 0.0}, self.vocab_size)
-        req = Request(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0], params=params,
-                      on_finish=lambda r: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r)))
-        self.scheduler.submit(req)
-        done = await asyncio.wait_for(fut, timeout=20)
-        return web.Response(status=200 if done.output_ids or done.finish_reason["type"] == "abort" else 503)
+        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+        try:
+            self.scheduler.submit(Request(rid=rid, input_ids=[0], params=params,
+                                          on_finish=lambda r: loop.call_soon_threadsafe(
+                                              lambda: done.done() or done.set_result(r))))
+        except SchedulerDown:
+            return web.Response(status=503)
+        try:
+            while time.monotonic() < tic + self.health_check_timeout_s:
+                if done.done() or self.scheduler.last_output > tic:
+                    return web.Response(status=200)
+                if not self.scheduler.alive:
+                    return web.Response(status=503)
+                await asyncio.sleep(_HEALTH_POLL_S)
+            return web.Response(status=503)
+        finally:
+            if not done.done():
+                self.scheduler.call(lambda: self.scheduler.abort(rid, "Abort: health probe done"))
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({
@@ -399,28 +538,34 @@ class EngineServer:
             "tokenizer_path": self.model_path if self.tokenizer is not None else None,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": self.scheduler.weight_version,
+            "weight_version": self.scheduler.weight_version,  # the current one
+            "load_format": self.load_format,
             "has_image_understanding": False,
             "has_audio_understanding": False,
         })
 
     async def server_info(self, request: web.Request) -> web.Response:
+        # from 0.5.19 the launch configuration: weight_version is the launch value, /model_info the current
+        wv = (self.launch_weight_version if self.sglang.server_info_weight_version_is_launch_value
+              else self.scheduler.weight_version)
         return web.json_response({
             "model_path": self.model_path,
             "host": self.host,
             "port": self.port,
             "tp_size": 1,
             "dp_size": 1,
+            "pp_size": 1,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "random_seed": self.seed,
+            "load_format": self.load_format,
             "max_running_requests": self.max_running_requests,
             "context_length": self.context_length,
             "max_total_num_tokens": self.context_length * self.max_running_requests,
             "skip_tokenizer_init": self.tokenizer is None,
-            "version": SGLANG_COMPAT_VERSION,
+            "version": str(self.sglang.version),
             "engine": "areal_fast.embedded",
-            "weight_version": self.scheduler.weight_version,
+            "weight_version": wv,
             "paused": self.scheduler.paused,
             "num_running_requests": self.scheduler.num_in_flight(),
         })

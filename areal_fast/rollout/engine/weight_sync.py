@@ -1,4 +1,4 @@
-"""Server side of SGLang's weight-update protocol (``shared/spec/sglang_http.md``, "Weight updates").
+"""Server side of SGLang's weight-update protocol for the embedded engine (see docs/sglang.md).
 
 Group rendezvous exactly as SGLang (and vLLM / OpenRLHF before it) do it, so a trainer written for
 SGLang joins us unchanged: ``rendezvous("tcp://addr:port", rank, world_size)`` -> the store is wrapped
@@ -6,10 +6,15 @@ in ``PrefixStore(group_name, store)`` -> ``_new_process_group_helper(..., group_
 The trainer is rank 0 and hosts the TCP store; this server (tensor parallel size 1) is
 ``rank_offset``. No default process group is created in the server.
 
+Every wait is bounded by ``timeout_s`` (the group's timeout): a trainer that joins and then never
+sends makes the update call fail with a clear message instead of blocking the engine.
+
 Transfer layouts, in the order of ``names``:
-- per tensor (``load_format`` null): one broadcast per tensor of its shape and dtype;
-- ``flattened_bucket``: ONE uint8 broadcast; tensor i starts at the first multiple of its dtype size
-  at or after the end of tensor i-1 (the first at 0); the buffer ends where the last tensor ends.
+- per tensor (any ``load_format`` but "flattened_bucket"): one broadcast per tensor;
+- ``flattened_bucket``: ONE uint8 broadcast holding the tensors packed back to back (tensor i starts
+  where tensor i-1 ends, no padding), as SGLang's ``FlattenedTensorBucket`` lays them out. A tensor
+  whose byte offset is not a multiple of its element size cannot be viewed in place: SGLang 0.5.23
+  refuses such a bucket before receiving, older releases fail after receiving it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 # Names SGLang skips on load (buffers recomputed by the model, never sent by a well-behaved trainer).
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+DEFAULT_GROUP_TIMEOUT_S = 120.0  # one bucket (~1 GB) takes seconds; a silent trainer fails after this
 
 
 @dataclass
@@ -29,6 +35,13 @@ class TensorMeta:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for s in self.shape:
+            n *= s
+        return n
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -42,21 +55,27 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def flattened_bucket_layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
-    """Byte offsets of each tensor in a flattened bucket and the bucket's total size in bytes."""
+    """Byte offsets of each tensor in a flattened bucket (back to back) and the total size in bytes."""
     offsets, end = [], 0
     for m in metas:
-        item = torch.empty((), dtype=m.dtype).element_size()
-        start = (end + item - 1) // item * item
-        offsets.append(start)
-        n = 1
-        for s in m.shape:
-            n *= s
-        end = start + n * item
+        offsets.append(end)
+        end += m.nbytes
     return offsets, end
 
 
+def unaligned_tensor(metas: list[TensorMeta]) -> str | None:
+    """The message SGLang gives for the first tensor at an offset its dtype cannot be viewed at, or None."""
+    offsets, _ = flattened_bucket_layout(metas)
+    for m, off in zip(metas, offsets):
+        item = torch.empty((), dtype=m.dtype).element_size()
+        if off % item:
+            return f"Unaligned received tensor {m.name}: byte offset {off}, dtype {m.dtype}"
+    return None
+
+
 def init_custom_process_group(
-    backend: str, init_method: str, world_size: int, rank: int, group_name: str, timeout_s: float = 300.0
+    backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
 ):
     """Create a process group that is not the default group (SGLang's ``init_custom_process_group``)."""
     from torch.distributed.distributed_c10d import (
@@ -81,9 +100,10 @@ def init_custom_process_group(
 class WeightReceiver:
     """Holds the weight-update groups of one server and loads received tensors into the HF model."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S):
         self.model = model
         self.device = next(model.parameters()).device
+        self.timeout_s = timeout_s
         self.groups: dict[str, object] = {}
         self._params = dict(model.named_parameters(remove_duplicate=False))
 
@@ -100,7 +120,8 @@ class WeightReceiver:
             # gloo binds the interface its hostname resolves to; on loopback rendezvous force "lo"
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         pg = init_custom_process_group(
-            backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset, group_name
+            backend, f"tcp://{master_address}:{master_port}", world_size, rank_offset, group_name,
+            timeout_s=self.timeout_s,
         )
         self.groups[group_name] = pg
 
@@ -113,33 +134,36 @@ class WeightReceiver:
         dist.destroy_process_group(pg)
 
     # -------------------------------------------------------------- transfer
-    def receive(self, metas: list[TensorMeta], group_name: str, load_format: str | None) -> None:
-        """Receive the broadcasts for one update call (rank 0 sends) and load them into the model."""
+    def receive(self, metas: list[TensorMeta], group_name: str, load_format: str | None,
+                check_alignment: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """Receive the broadcasts of one update call (rank 0 sends); returns HF-named tensors.
+
+        Touches no model state, so it may run off the scheduler thread; each broadcast fails after
+        the group's timeout when the trainer sends nothing.
+        """
         import torch.distributed as dist
 
         pg = self.groups.get(group_name)
         if pg is None:
             raise ValueError(f"no weight update group named {group_name!r}; call /init_weights_update_group")
-        # check names before receiving nothing would leave the sender blocked, so receive first, then load
-        if load_format in (None, "direct"):
-            tensors = []
-            for m in metas:
-                t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
-                dist.broadcast(t, src=0, group=pg)
-                tensors.append(t)
-        elif load_format == "flattened_bucket":
+        if load_format == "flattened_bucket":
+            if not metas:
+                raise ValueError("Cannot create empty tensor bucket")
+            bad = unaligned_tensor(metas)
+            if bad and check_alignment:
+                raise ValueError(bad)  # refused before anything is received, as SGLang 0.5.23 does
             offsets, total = flattened_bucket_layout(metas)
             buf = torch.empty(total, dtype=torch.uint8, device=self.device)
             dist.broadcast(buf, src=0, group=pg)
-            tensors = []
-            for m, off in zip(metas, offsets):
-                nbytes = torch.empty((), dtype=m.dtype).element_size()
-                for s in m.shape:
-                    nbytes *= s
-                tensors.append(buf[off:off + nbytes].view(m.dtype).view(m.shape))
-        else:
-            raise ValueError(f"load_format {load_format!r} not supported (null or 'flattened_bucket')")
-        self.load([(m.name, t) for m, t in zip(metas, tensors)])
+            if bad:  # what older SGLang hits when it views the received bytes
+                raise RuntimeError(f"cannot view the received bucket: {bad}")
+            return [(m.name, buf[off:off + m.nbytes].view(m.dtype).view(m.shape)) for m, off in zip(metas, offsets)]
+        out = []
+        for m in metas:
+            t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
+            dist.broadcast(t, src=0, group=pg)
+            out.append((m.name, t))
+        return out
 
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the model (dtype cast); unknown names raise before any copy."""
@@ -155,8 +179,8 @@ class WeightReceiver:
             for n, t in todo:
                 self._params[n].copy_(t)
 
-    def load_from_disk(self, model_path: str) -> None:
-        """Load every ``*.safetensors`` file of a Hugging Face checkpoint directory."""
+    def read_from_disk(self, model_path: str) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of the ``*.safetensors`` files of a Hugging Face checkpoint directory."""
         import glob
 
         from safetensors.torch import load_file
@@ -167,4 +191,4 @@ class WeightReceiver:
         named = []
         for f in files:
             named.extend(load_file(f, device=str(self.device)).items())
-        self.load(named)
+        return named
