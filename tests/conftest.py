@@ -1,6 +1,41 @@
+"""Test-wide setup: markers applied by rule (gpu, interpreter, slow) and the Triton interpreter switch.
+
+The quick loop is ``python -m pytest -m "not slow" -q``; the slow part is ``-m slow``. Which tests
+are slow is decided HERE, in one list, rather than by decorators spread over files that many
+people edit: a test is slow when it starts other processes (torchrun ranks, an inference server
+subprocess, a Ray cluster, a sender process) or runs the system end to end.
+"""
+
 import os
+import warnings
+from pathlib import Path
 
 import pytest
+
+# Whole files: every test in them is multi-process or end to end.
+SLOW_FILES = {
+    "test_e2e.py": "full asynchronous training runs in subprocesses, killed and resumed",
+    "test_trainer_dist.py": "two trainer ranks under torchrun (gloo)",
+    "test_weights_sync.py": "a trainer process pushing weights to one receiver process per TP rank",
+    "test_rollout_weight_sync.py": "a sender process joins a gloo group with the engine",
+    "test_weights_engine_e2e.py": "the embedded engine in a subprocess, updated over HTTP and gloo",
+    "test_cli_launch.py": "the local launcher starting, killing and reaping processes",
+}
+# Any test that uses one of these fixtures (so new tests that use them are slow automatically).
+SLOW_FIXTURES = {
+    "ray_cluster": "a local Ray cluster with actors",
+    "doomed": "an engine subprocess that the test kills",
+    "engines": "two engines; their fixture also starts the `doomed` subprocess engine",
+}
+# Single tests, by file and name (parametrized cases included).
+SLOW_TESTS = {
+    ("test_trainer_actor.py", "test_engine_behaviour_logprobs_equal_trainer_recompute"):
+        "an engine serving over HTTP, then the trainer recomputing its log-probs, end to end",
+    ("test_packing_kernels.py", "test_kernels_compile_for_sm90_without_gpu"):
+        "a subprocess compiling every packing kernel ahead of time for sm_90",
+    ("test_ppo_loss_kernels.py", "test_kernels_compile_for_sm90_with_vector_loads"):
+        "a subprocess compiling the loss kernels ahead of time for sm_90",
+}
 
 
 def _has_cuda() -> bool:
@@ -19,14 +54,38 @@ def _has_triton() -> bool:
     return True
 
 
+def slow_reason(item) -> str | None:
+    """Why ``item`` is slow (from the lists above), or None."""
+    file = Path(str(item.fspath)).name
+    if file in SLOW_FILES:
+        return SLOW_FILES[file]
+    for name in getattr(item, "fixturenames", ()):
+        if name in SLOW_FIXTURES:
+            return SLOW_FIXTURES[name]
+    return SLOW_TESTS.get((file, getattr(item, "originalname", item.name)))
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     skip_interp = pytest.mark.skip(reason="needs Triton and TRITON_INTERPRET=1 (set by tests/conftest.py)")
+    seen_files, seen_tests = set(), set()
     for item in items:
+        file = Path(str(item.fspath)).name
+        seen_files.add(file)
+        seen_tests.add((file, getattr(item, "originalname", item.name)))
+        if slow_reason(item) is not None:
+            item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and not _has_cuda():
             item.add_marker(skip_gpu)
         if "interpreter" in item.keywords and (not _has_triton() or os.environ.get("TRITON_INTERPRET") != "1"):
             item.add_marker(skip_interp)
+    # A renamed test would silently fall out of SLOW_TESTS and slow the quick loop down: say so
+    # (when whole files were collected; `-k` and `-m` filter only after this hook).
+    whole_files = not any("::" in str(a) for a in config.args)
+    stale = [f"{f}::{t}" for f, t in SLOW_TESTS if f in seen_files and (f, t) not in seen_tests]
+    if stale and whole_files:
+        warnings.warn(pytest.PytestConfigWarning(f"tests/conftest.py SLOW_TESTS names missing tests: {stale}"),
+                      stacklevel=1)
 
 
 # Triton reads TRITON_INTERPRET when a kernel is defined, so it must be set before any kernel

@@ -5,6 +5,7 @@ import random
 import time
 
 import pytest
+from tolerances import ENGINE_LOGPROB_ATOL
 
 from areal_fast.rollout.client import RequestError, RolloutClient, version_to_int
 from areal_fast.rollout.engine import launch_engine_subprocess, start_engine_in_thread
@@ -17,7 +18,6 @@ from areal_fast.rollout.testing import (
     save_state_dict,
 )
 
-LOGPROB_ATOL = 1e-4  # fp32 engine vs a fresh fp32 forward: ~1e-5 seen
 VOCAB = 256
 
 
@@ -104,7 +104,7 @@ def test_pause_update_continue_stitches_tokens_and_versions(engines, dirs):
     assert res.output_ids[k:] == hf_greedy(new, prompt + res.output_ids[:k], n - k)
     ref = hf_logprobs(old, prompt, res.output_ids[:k], 0.0) + hf_logprobs(
         new, prompt + res.output_ids[:k], res.output_ids[k:], 0.0)
-    assert max(abs(a - b) for a, b in zip(res.output_logprobs, ref)) < LOGPROB_ATOL
+    assert max(abs(a - b) for a, b in zip(res.output_logprobs, ref)) < ENGINE_LOGPROB_ATOL
 
 
 def test_explicit_abort_ends_as_length(engines):

@@ -11,8 +11,6 @@ import urllib.request
 import pytest
 import torch
 
-pytest.importorskip("areal_fast.rollout.engine.launch")
-
 PROMPT = [5, 17, 42, 3, 99]
 N_NEW = 8
 
