@@ -4,13 +4,11 @@ import math
 
 import pytest
 import torch
+from tolerances import FP64_FEW_OPS_ATOL
 
 from areal_fast.trainer import OptimConfig, PPOConfig, Sample, TrainerConfig
 from areal_fast.trainer.advantages import approx_prox_logprobs, batch_normalize, group_advantages
 from areal_fast.trainer.batch import split_minibatches, to_seq
-
-# float64 arithmetic on a handful of numbers
-TOL = 1e-12
 
 
 def test_grpo_matches_formula_and_handles_lost_members():
@@ -21,15 +19,16 @@ def test_grpo_matches_formula_and_handles_lost_members():
     exp_a = (a - a.mean()) / (a.std(unbiased=True) + 1e-5)
     b = torch.tensor(rewards[4:6], dtype=torch.float64)
     exp_b = (b - b.mean()) / (b.std(unbiased=True) + 1e-5)
-    torch.testing.assert_close(adv[:4], exp_a, atol=TOL, rtol=0)
-    torch.testing.assert_close(adv[4:6], exp_b, atol=TOL, rtol=0)
+    torch.testing.assert_close(adv[:4], exp_a, atol=FP64_FEW_OPS_ATOL, rtol=0)
+    torch.testing.assert_close(adv[4:6], exp_b, atol=FP64_FEW_OPS_ATOL, rtol=0)
     assert adv[6] == 0 and adv[7] == 0  # a lone sample has nothing to compare with
     assert adv.dtype == torch.float64
 
 
 def test_grpo_no_std_and_constant_group():
     adv = group_advantages([1.0, 3.0, 2.0, 2.0], [0, 0, 1, 1], std_norm=False)
-    torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, 0.0, 0.0], dtype=torch.float64), atol=TOL, rtol=0)
+    torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, 0.0, 0.0], dtype=torch.float64),
+                               atol=FP64_FEW_OPS_ATOL, rtol=0)
     adv = group_advantages([2.0, 2.0, 2.0], [0, 0, 0], std_norm=True)
     assert torch.all(adv == 0)  # std 0: (0) / (0 + eps) = 0, never NaN
 
@@ -39,7 +38,7 @@ def test_rloo_is_leave_one_out():
     groups = [7, 7, 7, 8, 9]
     adv = group_advantages(rewards, groups, estimator="rloo")
     expect = [1 - 3.0, 4 - 1.5, 2 - 2.5, 0.0, 0.0]
-    torch.testing.assert_close(adv, torch.tensor(expect, dtype=torch.float64), atol=TOL, rtol=0)
+    torch.testing.assert_close(adv, torch.tensor(expect, dtype=torch.float64), atol=FP64_FEW_OPS_ATOL, rtol=0)
 
 
 def test_advantage_input_errors():
@@ -56,7 +55,7 @@ def test_batch_normalize_token_weighted():
     w = torch.tensor([3.0, 1.0, 2.0], dtype=torch.float64)
     out = batch_normalize(a, w, eps=0.0)
     flat = torch.repeat_interleave(a, w.long())  # every token carries its sequence's advantage
-    torch.testing.assert_close(out, (a - flat.mean()) / flat.std(unbiased=False), atol=TOL, rtol=0)
+    torch.testing.assert_close(out, (a - flat.mean()) / flat.std(unbiased=False), atol=FP64_FEW_OPS_ATOL, rtol=0)
 
 
 def test_proximal_approximation_numerics():
