@@ -3,8 +3,10 @@ same-size ``dst.copy_(src)`` measured in the same run (the practical peak for a 
 the PyTorch references.
 
     python bench/bench_packing_kernels.py                     # GPU: kernels; CPU: references only
-    python bench/bench_packing_kernels.py --out bench/results/packing_kernels-H100.json   # + .csv
     python bench/bench_packing_kernels.py --interpret         # CPU smoke run of the kernel paths
+    python bench/bench_packing_kernels.py --dry-run           # list the cases, run nothing
+
+Rows are appended to bench/results/packing_kernels.jsonl (``--results DIR``, ``--no-results``).
 
 Workload: B sequences with lognormal(7, 1.2) lengths clipped to [1, L] (median ~1.1k tokens, the
 shape of reasoning-model rollouts), per-token tensors of an RL batch (int64 ids, fp32 logprobs and
@@ -20,17 +22,14 @@ op's GB/s over the copy's. ``kernel`` times the launcher alone; ``api`` the publ
 from __future__ import annotations
 
 import argparse
-import csv
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, provenance, write_result  # noqa: E402
+from common import add_harness_args, print_dry_run, print_table, provenance, save, time_fn  # noqa: E402
 
 from areal_fast.packing import (  # noqa: E402
     gather_segments,
@@ -50,18 +49,8 @@ def lognormal_lengths(n: int, max_len: int, seed: int = 0) -> list[int]:
 
 
 def time_ms(fn, device: torch.device, reps: int) -> float:
-    """Median milliseconds of ``fn()``: CUDA events via triton's do_bench on GPU, wall clock on CPU."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=25, rep=max(reps, 20) * 5, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    """Median milliseconds of ``fn()`` (the harness: CUDA events on GPU, wall clock on CPU)."""
+    return time_fn(fn, warmup=3 if device.type == "cuda" else 1, reps=reps, cuda=device.type == "cuda").median_ms
 
 
 def per_token_tensors(T: int, device) -> list[torch.Tensor]:
@@ -183,10 +172,19 @@ def main(argv=None) -> None:
     ap.add_argument("--interpret", action="store_true",
                     help="on CPU also run the kernel paths in the Triton interpreter (a smoke test; "
                          "its timings say nothing about GPU speed)")
-    ap.add_argument("--out", default=None, help="write JSON here (and a .csv beside it)")
+    add_harness_args(ap)
     args = ap.parse_args(argv)
 
     gpu = torch.cuda.is_available()
+    B = args.batch or (64 if gpu else 16)
+    L = args.max_len or (8192 if gpu else 512)
+    H = args.hidden or (4096 if gpu else 64)
+    reps = args.reps or (50 if gpu else 3)
+    if args.dry_run:
+        lengths = lognormal_lengths(B, L)
+        print_dry_run("packing_kernels", [dict(B=B, L=L, H=H, tokens=sum(lengths), max_len=max(lengths),
+                                               padded_hidden_gib=B * L * H * 2 / 2**30, reps=reps)])
+        return
     device = torch.device("cuda" if gpu else "cpu")
     if not gpu:
         # One intra-op thread: on a loaded 2-core machine torch's thread pool made an 85 KB copy take
@@ -196,10 +194,6 @@ def main(argv=None) -> None:
         import os
 
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel module is first imported
-    B = args.batch or (64 if gpu else 16)
-    L = args.max_len or (8192 if gpu else 512)
-    H = args.hidden or (4096 if gpu else 64)
-    reps = args.reps or (50 if gpu else 3)
     prov = provenance()
     print(f"device: {prov['device']}  torch {prov.get('torch')}  triton {prov.get('triton', 'missing')}  "
           f"commit {prov['commit']}  {prov['date']}")
@@ -210,18 +204,9 @@ def main(argv=None) -> None:
                  if args.interpret else ""))
     rows = run(B, L, H, device, kernels=gpu or args.interpret, reps=reps)
     for r in rows:
-        r["device"] = prov["device"]
-    print_table([{k: v for k, v in r.items() if k != "device"} for r in rows])
-    if args.out:
-        path = write_result("packing_kernels", rows, args.out)
-        csv_path = path.with_suffix(".csv")
-        fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
-        with open(csv_path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fields + ["torch", "triton", "commit", "date"])
-            w.writeheader()
-            for r in rows:
-                w.writerow(r | {k: prov.get(k, "") for k in ("torch", "triton", "commit", "date")})
-        print(f"wrote {path} and {csv_path}")
+        r.update(B=B, L=L, H=H, interpret=bool(not gpu and args.interpret))
+    print_table(rows)
+    save("packing_kernels", rows, args, prov)
 
 
 if __name__ == "__main__":

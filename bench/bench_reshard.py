@@ -1,48 +1,51 @@
 """Benchmark the reshard planner, the interval copy and a full weight sync.
 
-    python bench/bench_reshard.py [--out] [--sync-params 100e6] [--skip-sync]
+    python bench/bench_reshard.py [--parts plan,cpu_copy,cuda_copy,sync,gpu_sync] [--layers 28]
+                                  [--sync-params 100e6] [--results DIR] [--no-results] [--dry-run]
 
 * plan: build time of the FSDP2 -> flattened-bucket plan and of one TP rank's SGLang-layout
   plan for a 7B-shaped model (Qwen2.5-7B shapes; goal <= 5 ms), C++ vs the Python reference;
 * cpu_copy: GB/s of the C++ interval copy (fp32 -> bf16 pack of a whole model into one
   buffer, and a same-dtype byte copy) vs torch ``copy_`` per tensor doing the same work;
-* cuda_copy (with a GPU): the CUDA kernel vs a same-size ``copy_`` (goal >= 80%);
+* cuda_copy (with a GPU): the CUDA kernel packing a Qwen2.5-7B layout (``--layers`` of its
+  layers, embeddings and head; fp32 -> bf16 into one flattened buffer) vs a same-size byte
+  ``copy_`` (read 4 + write 2 bytes per parameter; goal >= 80%) and vs torch ``copy_`` per tensor;
+  then the same model into the SGLang TP layout (the colocated path's shard build);
 * sync (CPU, gloo): bytes/s of DistributedWeightSync.update to a receiver process over
   loopback vs a raw ``dist.broadcast`` of one flat buffer of the same size in the same group
-  (goal >= 0.9x).
-``--out`` writes bench/results/reshard_<device>.json with device, versions, commit and date.
+  (goal >= 0.9x);
+* gpu_sync (with a GPU): a raw NCCL broadcast between two processes on GPU 0 where NCCL allows
+  it (it normally refuses two ranks on one device); otherwise the row says why, and the
+  colocated path (shard build + CUDA IPC serialisation) stands in for it.
+Rows go to bench/results/reshard.jsonl with provenance.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing as mp
 import os
-import platform
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from areal_fast.weights.interval_copy import interval_copy
-from areal_fast.weights.layout import ModelSpec
-from areal_fast.weights.plan import plan_fsdp_buckets, plan_tp_shard, rows_cols
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_harness_args, print_dry_run, provenance, save, time_fn  # noqa: E402
+
+from areal_fast.weights.interval_copy import interval_copy  # noqa: E402
+from areal_fast.weights.layout import ModelSpec  # noqa: E402
+from areal_fast.weights.plan import plan_fsdp_buckets, plan_tp_shard, rows_cols  # noqa: E402
 
 QWEN25_7B = ModelSpec("qwen2", num_layers=28, hidden_size=3584, intermediate_size=18944, num_heads=28, num_kv_heads=4,
                       head_dim=128, vocab_size=152064, qkv_bias=True)
 
 
 def _median_ms(fn, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts) * 1e3)
+    return time_fn(fn, warmup=1, reps=reps, cuda=False).median_ms
 
 
 def bench_plan(reps: int = 20) -> dict:
@@ -57,8 +60,8 @@ def bench_plan(reps: int = 20) -> dict:
         out[f"fsdp8_buckets_ms_{impl}"] = _median_ms(
             lambda impl=impl: plan_fsdp_buckets(rc[:, 0], rc[:, 1], [1] * n, [2] * n, 8, 512 << 20, backend=impl), r)
         out[f"tp4_shard_ms_{impl}"] = _median_ms(
-            lambda impl=impl: plan_tp_shard(spec, 4, 1, names, shapes, [1] * n, torch.bfloat16, n_ranks=8, backend=impl),
-            r)
+            lambda impl=impl: plan_tp_shard(spec, 4, 1, names, shapes, [1] * n, torch.bfloat16, n_ranks=8,
+                                            backend=impl), r)
     return out
 
 
@@ -97,40 +100,110 @@ def bench_cpu_copy(reps: int = 5) -> dict:
             "torch_flat_copy_GBps": _gbps(2 * buf.numel(), torch_byte_ms)}
 
 
-def bench_cuda_copy(reps: int = 20) -> dict:
+def _qwen25_7b(layers: int) -> ModelSpec:
+    return ModelSpec("qwen2", num_layers=layers, hidden_size=3584, intermediate_size=18944, num_heads=28,
+                     num_kv_heads=4, head_dim=128, vocab_size=152064, qkv_bias=True)
+
+
+def cuda_copy_bytes(layers: int) -> dict:
+    """Parameters and peak device bytes of the cuda_copy part (for --dry-run and the memory check)."""
+    n = sum(int(np.prod(s)) for s in _qwen25_7b(layers).hf_shapes().values())
+    return {"params": n, "peak_gib": max(6 * n, 4 * n + 2 * n + 2 * n) / 2**30}
+
+
+def bench_cuda_copy(layers: int = 28, reps: int = 10) -> dict:
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device"}
-    spec = ModelSpec("qwen2", num_layers=28, hidden_size=1536, intermediate_size=8960, num_heads=12, num_kv_heads=2,
-                     head_dim=128, vocab_size=151936, qkv_bias=True)  # Qwen2.5-1.5B
-    ts = [t.cuda() for t in _model_tensors(spec)]
+    spec = _qwen25_7b(layers)
+    sizes = cuda_copy_bytes(layers)
+    free = torch.cuda.mem_get_info()[0]
+    if sizes["peak_gib"] * 2**30 > 0.9 * free:
+        return {"skipped": f"needs ~{sizes['peak_gib']:.1f} GiB, {free / 2**30:.1f} GiB free; use fewer --layers"}
+    n_params = sizes["params"]
+    moved = n_params * 6  # read fp32 + write bf16
+    # the roof first, alone on the device: the same bytes through torch's copy (read 3N + write 3N)
+    a = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    same = time_fn(lambda: b.copy_(a), warmup=2, reps=reps)
+    a = b = None
+    torch.cuda.empty_cache()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = spec.hf_shapes()
+    ts = [torch.randn(s, device="cuda", generator=g) for s in shapes.values()]
     n = len(ts)
     rc = np.array([rows_cols(t.shape) for t in ts])
     plan = plan_fsdp_buckets(rc[:, 0], rc[:, 1], [1] * n, [2] * n, 1, 1 << 40)
     iv = plan.pack_intervals(0, 0)
     buf = torch.empty(int(plan.seg_bytes[0]), dtype=torch.uint8, device="cuda")
-    flat = torch.cat([t.reshape(-1) for t in ts])
-    flat_out = torch.empty(flat.numel(), dtype=torch.bfloat16, device="cuda")
-
-    def timed(fn):
-        fn()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        return s.elapsed_time(e) / reps
-
-    moved = flat.numel() * 6
-    ours = timed(lambda: interval_copy(ts, [buf], iv, check=False))
-    same = timed(lambda: flat_out.copy_(flat))
+    ours = time_fn(lambda: interval_copy(ts, [buf], iv, check=False), warmup=2, reps=reps)
     views = [buf[o : o + 2 * t.numel()].view(torch.bfloat16).view(t.shape) for o, t in zip(plan.offset.tolist(), ts)]
-    per_tensor = timed(lambda: [v.copy_(t) for v, t in zip(views, ts)])
     ok = all(torch.equal(v, t.to(torch.bfloat16)) for v, t in zip(views, ts))
-    return {"params": int(flat.numel()), "tensors": n, "kernel_GBps": _gbps(moved, ours),
-            "same_size_copy_GBps": _gbps(moved, same), "ratio": same / ours,
-            "torch_per_tensor_GBps": _gbps(moved, per_tensor), "bitwise_equal_torch": ok}
+    per_tensor = time_fn(lambda: [v.copy_(t) for v, t in zip(views, ts)], warmup=1, reps=max(3, reps // 3))
+    buf = views = None
+    torch.cuda.empty_cache()
+    # the colocated path's shard build: SGLang TP layout (qkv / gate_up stacked), tp = 1
+    from areal_fast.weights.colocated import build_tp_shard
+
+    full = dict(zip(shapes, ts))
+    _, _, tp_plan = build_tp_shard(full, spec, 1, 0)
+    tp = time_fn(lambda: build_tp_shard(full, spec, 1, 0, plan=tp_plan), warmup=1, reps=max(3, reps // 3))
+    return {"model": f"qwen2.5-7b layout, {layers} layers", "params": n_params, "tensors": n,
+            "bitwise_equal_torch": ok, "kernel_ms": ours.median_ms, "kernel_p10_ms": ours.p10_ms,
+            "kernel_p90_ms": ours.p90_ms, "kernel_GBps": _gbps(moved, ours.median_ms),
+            "same_size_copy_GBps": _gbps(moved, same.median_ms), "frac_copy": same.median_ms / ours.median_ms,
+            "torch_per_tensor_GBps": _gbps(moved, per_tensor.median_ms),
+            "sglang_tp1_shard_ms": tp.median_ms, "sglang_tp1_shard_GBps": _gbps(moved, tp.median_ms),
+            "bytes_model": "read fp32 + write bf16 = 6 B per parameter"}
+
+
+# ------------------------------------------------------------------------- NCCL on one GPU
+def _nccl_rank(rank: int, port: int, nbytes: int, reps: int, q) -> None:
+    import torch.distributed as dist
+
+    try:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank,
+                                device_id=torch.device("cuda", 0))
+        buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dist.broadcast(buf, src=0)
+        torch.cuda.synchronize()
+        t = time_fn(lambda: dist.broadcast(buf, src=0), warmup=1, reps=reps)
+        dist.destroy_process_group()
+        q.put((rank, "ok", t.median_ms))
+    except Exception as e:  # noqa: BLE001 - reported as the row's reason
+        q.put((rank, "error", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+
+
+def bench_gpu_sync(nbytes: int = 1 << 30, reps: int = 5, timeout_s: float = 120.0) -> dict:
+    """A raw NCCL broadcast between two processes sharing GPU 0, or why NCCL would not."""
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    from areal_fast.netutil import find_free_port
+
+    port = find_free_port("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_nccl_rank, args=(r, port, nbytes, reps, q), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(2):
+            rank, status, val = q.get(timeout=timeout_s)
+            results[rank] = (status, val)
+    except Exception:  # noqa: BLE001 - queue.Empty: a rank hung
+        results.setdefault(0, ("error", f"no answer within {timeout_s:.0f} s"))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    status, val = results.get(0, ("error", "rank 0 gave no answer"))
+    if status != "ok":
+        other = results.get(1, ("", ""))[1]
+        return {"nccl_one_gpu": "refused", "reason": val, "rank1": other,
+                "fallback": "colocated path: see cuda_copy.sglang_tp1_shard_* (CUDA IPC, no NCCL group)"}
+    return {"nccl_one_gpu": "ok", "bytes": nbytes, "broadcast_ms": val, "broadcast_GBps": _gbps(nbytes, val)}
 
 
 # ------------------------------------------------------------------------------------ sync (gloo)
@@ -202,7 +275,7 @@ def bench_sync(n_params: float, reps: int = 3, bucket_mb: int = 64) -> dict:
                          num_kv_heads=8, head_dim=128, vocab_size=16384, qkv_bias=True)
         state = {n: torch.randn(s) for n, s in spec.hf_shapes().items()}
         nbytes = sum(t.numel() * 2 for t in state.values())
-        sync = DistributedWeightSync([url], WeightSyncConfig(bucket_bytes=bucket_mb << 20, dtype=torch.bfloat16,
+        sync = DistributedWeightSync([url], WeightSyncConfig(bucket_bytes=bucket_mb << 20, dtype="bfloat16",
                                                              backend="gloo", timeout_s=300))
         sync.connect()
         sync.update(state, 0)  # warm-up: plan, buffers
@@ -231,43 +304,49 @@ def bench_sync(n_params: float, reps: int = 3, bucket_mb: int = 64) -> dict:
             proc.kill()
 
 
-def provenance() -> dict:
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                         cwd=os.path.dirname(__file__)).strip()
-    except Exception:  # noqa: BLE001
-        commit = "unknown"
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or 'x86_64'}, " \
-        f"{os.cpu_count()} cores)"
-    return {"device": dev, "torch": torch.__version__, "python": platform.python_version(), "commit": commit,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "loadavg_1m": os.getloadavg()[0]}  # CPU numbers on a shared, loaded box are noisy
+PARTS = ("plan", "cpu_copy", "cuda_copy", "sync", "gpu_sync")
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", action="store_true", help="write bench/results/reshard_<device>.json")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--layers", type=int, default=28, help="Qwen2.5-7B layers in the cuda_copy model (28: all)")
     ap.add_argument("--sync-params", type=float, default=100e6)
-    ap.add_argument("--skip-sync", action="store_true")
     ap.add_argument("--bucket-mb", type=int, default=32)
-    a = ap.parse_args()
-    res = {"provenance": provenance(), "plan": bench_plan()}
-    print(json.dumps(res["plan"], indent=1), flush=True)
-    res["cpu_copy"] = bench_cpu_copy()
-    print(json.dumps(res["cpu_copy"], indent=1), flush=True)
-    res["cuda_copy"] = bench_cuda_copy()
-    print(json.dumps(res["cuda_copy"], indent=1), flush=True)
-    if not a.skip_sync:
-        res["sync_gloo"] = bench_sync(a.sync_params, bucket_mb=a.bucket_mb)
-        print(json.dumps(res["sync_gloo"], indent=1), flush=True)
-    if a.out:
-        d = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-        os.makedirs(d, exist_ok=True)
-        tag = "gpu" if torch.cuda.is_available() else "cpu"
-        path = os.path.join(d, f"reshard_{tag}.json")
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1)
-        print("wrote", path)
+    ap.add_argument("--nccl-mb", type=int, default=1024, help="bytes of the one-GPU NCCL broadcast (MiB)")
+    add_harness_args(ap)
+    a = ap.parse_args(argv)
+    parts = [p for p in a.parts.split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        ap.error(f"--parts: unknown {bad}; choose from {PARTS}")
+    if a.dry_run:
+        cases = [{"part": p} for p in parts]
+        for c in cases:
+            if c["part"] == "cuda_copy":
+                c.update(layers=a.layers, **cuda_copy_bytes(a.layers))
+            elif c["part"] == "sync":
+                c.update(params=a.sync_params, bucket_mb=a.bucket_mb)
+            elif c["part"] == "gpu_sync":
+                c.update(nccl_mb=a.nccl_mb)
+        print_dry_run("reshard", cases)
+        return
+    prov = provenance()
+    rows = []
+    for part in parts:
+        if part == "plan":
+            res = bench_plan()
+        elif part == "cpu_copy":
+            res = bench_cpu_copy()
+        elif part == "cuda_copy":
+            res = bench_cuda_copy(a.layers)
+        elif part == "sync":
+            res = bench_sync(a.sync_params, bucket_mb=a.bucket_mb)
+        else:
+            res = bench_gpu_sync(a.nccl_mb << 20)
+        rows.append({"part": part, **res})
+        print(json.dumps(rows[-1], indent=1), flush=True)
+    save("reshard", rows, a, prov)
 
 
 if __name__ == "__main__":
