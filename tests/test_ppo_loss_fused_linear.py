@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tolerances import FP32_CHUNKED_GEMM_TOL
 
 from areal_fast.ops import (
     PPOLossConfig,
@@ -14,8 +15,6 @@ from areal_fast.ops import (
 )
 from areal_fast.ops.ppo_objective import per_token_grads, per_token_loss, token_constants
 
-# fp32 GEMMs in another blocking (chunks) + fp32 loss math: a few ulps of the largest term.
-FP32_TOL = dict(atol=2e-5, rtol=2e-4)
 OPTS = dict(temperature=0.8, eps_clip=0.1, dual_clip=1.5, kl_coef=0.1, entropy_coef=0.05,
             importance_level="sequence", loss_agg="seq-mean-token-mean")
 
@@ -47,7 +46,7 @@ def run_fused(fn, d, **kw):
     return out, h.grad, W.grad, (None if bias is None else bias.grad)
 
 
-def assert_same(a, b, tol=FP32_TOL):
+def assert_same(a, b, tol=FP32_CHUNKED_GEMM_TOL):
     (oa, *ga), (ob, *gb) = a, b
     torch.testing.assert_close(oa.loss, ob.loss, **tol)
     torch.testing.assert_close(oa.logprobs, ob.logprobs, **tol)
@@ -73,7 +72,7 @@ def test_fused_matches_materialised_reference_backend(chunk, level):
     assert_same(fused, ref)
     assert fused[2].abs().sum() > 0 and fused[3].abs().sum() > 0
     for k in ref[0].stats:
-        torch.testing.assert_close(fused[0].stats[k], ref[0].stats[k], **FP32_TOL)
+        torch.testing.assert_close(fused[0].stats[k], ref[0].stats[k], **FP32_CHUNKED_GEMM_TOL)
 
 
 @pytest.mark.parametrize("single_pass", [True, False])
@@ -133,7 +132,7 @@ def test_fused_without_bias_and_frozen_weight():
     h2 = d["h"].clone().requires_grad_()
     ref = fused_linear_decoupled_ppo_loss_ref(h2, d["W"], d["y"], d["b"], d["A"], d["m"])
     ref.loss.backward()
-    torch.testing.assert_close(h.grad, h2.grad, **FP32_TOL)
+    torch.testing.assert_close(h.grad, h2.grad, **FP32_CHUNKED_GEMM_TOL)
 
 
 @pytest.mark.interpreter
@@ -163,8 +162,8 @@ def test_chunking_invariance_token_logprobs():
     ref = fused_linear_token_logprobs_ref(d["h"], d["W"], d["y"], bias=d["bias"], temperature=0.8,
                                           return_entropy=True)
     for lp, ent in outs:
-        torch.testing.assert_close(lp, ref[0], **FP32_TOL)
-        torch.testing.assert_close(ent, ref[1], **FP32_TOL)
+        torch.testing.assert_close(lp, ref[0], **FP32_CHUNKED_GEMM_TOL)
+        torch.testing.assert_close(ent, ref[1], **FP32_CHUNKED_GEMM_TOL)
 
 
 @pytest.mark.interpreter
@@ -172,7 +171,7 @@ def test_fused_token_logprobs_interpreter():
     d = make(T=6, seed=3)
     lp = fused_linear_token_logprobs(d["h"], d["W"], d["y"], bias=d["bias"], chunk_size=4, backend="interpret")
     torch.testing.assert_close(lp, fused_linear_token_logprobs_ref(d["h"], d["W"], d["y"], bias=d["bias"]),
-                               **FP32_TOL)
+                               **FP32_CHUNKED_GEMM_TOL)
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
@@ -202,8 +201,8 @@ def test_microbatch_invariance(agg, fused, level):
     total = loss_of(h2, W2, slice(0, 3), torch.tensor([0, 3])) + loss_of(h2, W2, slice(3, 10),
                                                                           torch.tensor([0, 4, 7]))
     total.backward()
-    torch.testing.assert_close(h1.grad, h2.grad, **FP32_TOL)
-    torch.testing.assert_close(W1.grad, W2.grad, **FP32_TOL)
+    torch.testing.assert_close(h1.grad, h2.grad, **FP32_CHUNKED_GEMM_TOL)
+    torch.testing.assert_close(W1.grad, W2.grad, **FP32_CHUNKED_GEMM_TOL)
 
 
 def test_opcheck_fused_linear_ops():
