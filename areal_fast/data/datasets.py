@@ -1,19 +1,29 @@
 """Prompt datasets: the synthetic task, local JSONL / Parquet files, Hugging Face `datasets`.
 
 A dataset is a list of :class:`PromptRow` (index, text, task). ``task`` is what the reward
-function receives: a dict with 'answer' and, when the source has it, 'tests'. The training
+function receives: every field of the row except the prompt, with the answer field named
+'answer' and the tests field named 'tests' (so a code task keeps 'fn_name', 'time_limit_s',
+'memory_mb', 'partial', and any row may carry its own 'reward' or 'timeout_s'). The training
 order is a seeded permutation, cycled epoch after epoch, so the controller's data position
 (one integer) says exactly which prompts were already taken.
+
+Every problem with a file is an error that names the file (and the line for JSONL).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from areal_fast.config import DataConfig
+if TYPE_CHECKING:  # the config module imports this one (to check source names)
+    from areal_fast.config import DataConfig
+
+SYNTHETIC_TASKS = ("reverse",)
+FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,17 +36,50 @@ class PromptRow:
     """Passed to the reward function: {'answer': ..., 'tests': ...}."""
 
 
+def check_source(source: str) -> None:
+    """Check the form of a data source name without reading it; raises ValueError saying why."""
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"must name a data source, got {source!r}")
+    if source.startswith("synthetic:"):
+        kind = source.split(":", 1)[1]
+        if kind not in SYNTHETIC_TASKS:
+            raise ValueError(f"unknown synthetic task {source!r}; available: "
+                             f"{', '.join('synthetic:' + k for k in SYNTHETIC_TASKS)}")
+        return
+    if source.startswith("hf:"):
+        if not source[len("hf:"):].split(":")[0]:
+            raise ValueError(f"{source!r}: expected 'hf:NAME' or 'hf:NAME:CONFIG'")
+        return
+    if not source.endswith(FILE_SUFFIXES):
+        raise ValueError(f"data file {source!r}: expected a name ending in {', '.join(FILE_SUFFIXES)} "
+                         "(or 'synthetic:reverse', 'hf:NAME[:CONFIG]')")
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
+    opener = gzip.open if path.name.endswith(".gz") else open
+    n = 0
+    try:
+        with opener(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8").strip()
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                     f"{e.start + 1})") from None
+                if not line:
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{n}: a row must be a JSON object with named fields, got "
+                                     f"{type(row).__name__} {line[:40]!r}")
+                rows.append(row)
+    except (gzip.BadGzipFile, EOFError) as e:
+        where = f" after line {n}" if n else ""
+        raise ValueError(f"{path}: not a readable gzip file{where} ({e})") from None
     return rows
 
 
@@ -45,7 +88,10 @@ def _read_parquet(path: Path) -> list[dict]:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise ImportError(f"reading {path} needs pyarrow (`pip install pyarrow`)") from e
-    return pq.read_table(str(path)).to_pylist()
+    try:
+        return pq.read_table(str(path)).to_pylist()
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
+        raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
 
 
 def _read_hf(spec: str, split: str) -> list[dict]:
@@ -60,11 +106,10 @@ def _read_hf(spec: str, split: str) -> list[dict]:
 
 
 def read_rows(source: str, cfg: DataConfig, split: str, seed: int) -> list[dict]:
-    """Raw rows of a source ('synthetic:reverse', *.jsonl, *.parquet, 'hf:NAME[:CONFIG]')."""
+    """Raw rows of a source ('synthetic:reverse', *.jsonl, *.jsonl.gz, *.parquet, 'hf:NAME[:CONFIG]');
+    every row is a dict."""
+    check_source(source)
     if source.startswith("synthetic:"):
-        kind = source.split(":", 1)[1]
-        if kind != "reverse":
-            raise ValueError(f"data source {source!r}: the only synthetic task is 'synthetic:reverse'")
         from areal_fast.data import tiny_task
 
         return tiny_task.generate(cfg.synthetic, "train" if split == "train" else "eval", seed)
@@ -73,11 +118,9 @@ def read_rows(source: str, cfg: DataConfig, split: str, seed: int) -> list[dict]
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"data file {source!r} does not exist")
-    if path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz"):
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
         return _read_jsonl(path)
-    if path.suffix == ".parquet":
-        return _read_parquet(path)
-    raise ValueError(f"data file {source!r}: expected .jsonl or .parquet")
+    return _read_parquet(path)
 
 
 def build_prompts(rows: list[dict], cfg: DataConfig, tokenizer=None, source: str = "") -> list[PromptRow]:
@@ -85,22 +128,40 @@ def build_prompts(rows: list[dict], cfg: DataConfig, tokenizer=None, source: str
     an error naming the row and the key."""
     out = []
     for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{source or 'data'} row {i}: a row must be a mapping of fields, got "
+                             f"{type(row).__name__} {row!r:.40}")
         if cfg.prompt_key not in row:
             raise KeyError(f"{source or 'data'} row {i}: no field {cfg.prompt_key!r} (data.prompt_key); "
                            f"fields: {sorted(row)}")
-        text = cfg.prompt_template.format(prompt=row[cfg.prompt_key])
+        prompt = row[cfg.prompt_key]
+        if not isinstance(prompt, str):
+            raise ValueError(f"{source or 'data'} row {i}: field {cfg.prompt_key!r} (data.prompt_key) must be "
+                             f"text, got {type(prompt).__name__}")
+        text = cfg.prompt_template.format(prompt=prompt)
         if cfg.chat_template and tokenizer is not None:
             text = tokenizer.apply_chat_template(text)
-        task = {}
-        if cfg.answer_key in row:
-            task["answer"] = row[cfg.answer_key]
-        if cfg.tests_key in row:
-            task["tests"] = row[cfg.tests_key]
-        if not task:
+        task = task_of(row, cfg)
+        if "answer" not in task and "tests" not in task:
             raise KeyError(f"{source or 'data'} row {i}: neither {cfg.answer_key!r} (data.answer_key) nor "
                            f"{cfg.tests_key!r} (data.tests_key) is present")
         out.append(PromptRow(index=i, text=text, task=task))
     return out
+
+
+def task_of(row: dict, cfg: DataConfig) -> dict:
+    """What the reward receives for ``row``: every field but the prompt, the configured answer and
+    tests fields under the names the rewards read ('answer', 'tests')."""
+    renamed = {cfg.answer_key: "answer", cfg.tests_key: "tests"}
+    task = {}
+    for k, v in row.items():
+        if k == cfg.prompt_key:
+            continue
+        name = renamed.get(k, k)
+        if name in task and k not in renamed:
+            continue  # the configured field wins over a stray one of the same target name
+        task[name] = v
+    return task
 
 
 def load_split(cfg: DataConfig, split: str, seed: int, tokenizer=None) -> list[PromptRow]:

@@ -3,7 +3,10 @@ task, so that RL starts from a policy that is sometimes right (about 10-30 % exa
 the held-out split after the default 150 steps; 600 steps reach about 90 %, measured on 2 cores).
 
 The result is a normal Hugging Face directory (config.json, model.safetensors, char_vocab.json)
-cached under ``<output_dir>/warm_start``; a signature file makes a changed config rebuild it.
+cached under ``<output_dir>/warm_start``. Its signature file records everything the built model
+depends on (every warm-start setting, the task, the seed, the tokenizer's vocabulary, the model
+shape including the context length derived from ``data.synthetic.max_len`` and
+``rollout.max_new_tokens``, and the library versions); any difference rebuilds it.
 """
 
 from __future__ import annotations
@@ -14,36 +17,59 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from areal_fast.config import AppConfig
 from areal_fast.data import tiny_task
-from areal_fast.data.tokenizer import CharTokenizer
+from areal_fast.data.tokenizer import SPECIALS, CharTokenizer
+
+if TYPE_CHECKING:
+    from areal_fast.config import AppConfig
 
 log = logging.getLogger(__name__)
 SIGNATURE_FILE = "warm_start.json"
+SIGNATURE_FORMAT = 2  # bump when the build or the training recipe changes in a way the fields do not show
 
 
-def _signature(cfg: AppConfig) -> dict:
+def qwen2_kwargs(cfg: AppConfig, tokenizer: CharTokenizer) -> dict:
+    """Arguments of the ``transformers.Qwen2Config`` that :func:`build_tiny_qwen2` builds."""
+    ws = cfg.model.warm_start
+    return dict(
+        vocab_size=((tokenizer.vocab_size + 15) // 16) * 16,  # rows past the tokenizer are never trained on
+        hidden_size=ws.hidden_size, intermediate_size=ws.intermediate_size,
+        num_hidden_layers=ws.num_hidden_layers, num_attention_heads=ws.num_attention_heads,
+        num_key_value_heads=ws.num_key_value_heads,
+        # prompt + answer of the longest string, twice over, and never below 128 positions
+        max_position_embeddings=max(128, 2 * (cfg.data.synthetic.max_len + cfg.rollout.max_new_tokens)),
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+    )
+
+
+def signature(cfg: AppConfig) -> dict:
+    """Everything the warm-started model depends on (the cache key)."""
+    import importlib.metadata
+
     from areal_fast.config import to_dict
 
-    return {"warm_start": to_dict(cfg.model.warm_start), "task": to_dict(cfg.data.synthetic),
-            "seed": cfg.experiment.seed}
+    tok = CharTokenizer(tiny_task.vocabulary(cfg.data.synthetic))
+    versions = {}
+    for dist in ("torch", "transformers"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {"format": SIGNATURE_FORMAT, "warm_start": to_dict(cfg.model.warm_start),
+            "task": to_dict(cfg.data.synthetic), "seed": cfg.experiment.seed,
+            "max_new_tokens": cfg.rollout.max_new_tokens, "max_len": cfg.data.synthetic.max_len,
+            "tokenizer": {"chars": tok.chars, "specials": list(SPECIALS)},
+            "model": qwen2_kwargs(cfg, tok), "versions": versions}
 
 
 def build_tiny_qwen2(cfg: AppConfig, tokenizer: CharTokenizer):
     import torch
     import transformers
 
-    ws = cfg.model.warm_start
-    vocab = ((tokenizer.vocab_size + 15) // 16) * 16  # rows past the tokenizer are never trained on
-    qcfg = transformers.Qwen2Config(
-        vocab_size=vocab, hidden_size=ws.hidden_size, intermediate_size=ws.intermediate_size,
-        num_hidden_layers=ws.num_hidden_layers, num_attention_heads=ws.num_attention_heads,
-        num_key_value_heads=ws.num_key_value_heads,
-        max_position_embeddings=max(128, 2 * (cfg.data.synthetic.max_len + cfg.rollout.max_new_tokens)),
-        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
-    )
+    qcfg = transformers.Qwen2Config(**qwen2_kwargs(cfg, tokenizer))
     torch.manual_seed(cfg.experiment.seed)
     return transformers.Qwen2ForCausalLM(qcfg)
 
@@ -94,9 +120,14 @@ def supervised_warm_start(model, cfg: AppConfig, tok: CharTokenizer, progress=No
 def ensure_warm_start(cfg: AppConfig, progress=None) -> Path:
     """Return the warm-started model directory, building it when missing or stale."""
     out = cfg.experiment.out / "warm_start"
-    sig = _signature(cfg)
-    if (out / SIGNATURE_FILE).is_file() and json.loads((out / SIGNATURE_FILE).read_text()).get("sig") == sig:
+    sig = json.loads(json.dumps(signature(cfg)))  # as it reads back from the file (tuples -> lists)
+    cached = _cached_signature(out / SIGNATURE_FILE)
+    if cached == sig:
         return out
+    if cached is not None:
+        changed = sorted(k for k in set(sig) | set(cached) if sig.get(k) != cached.get(k))
+        log.info("warm start: the cached model at %s was built for different settings (%s); rebuilding",
+                 out, ", ".join(changed))
     import torch
 
     tok = CharTokenizer(tiny_task.vocabulary(cfg.data.synthetic))
@@ -115,3 +146,12 @@ def ensure_warm_start(cfg: AppConfig, progress=None) -> Path:
     log.info("warm start: %d steps in %.1f s, final loss %s", len(losses), time.perf_counter() - t0,
              f"{losses[-1]:.3f}" if losses else "-")
     return out
+
+
+def _cached_signature(path: Path) -> dict | None:
+    """The signature of a cached build, or None when there is none or it cannot be read (a build
+    that died half-way never gets here: the directory is renamed into place only when complete)."""
+    try:
+        return json.loads(path.read_text()).get("sig")
+    except (OSError, ValueError, AttributeError):
+        return None
