@@ -1,12 +1,13 @@
 """Asynchronous (eta = 4) vs synchronous (eta = 0) RL on the shipped tiny task, same machine, same
 seed, same processes (one embedded engine + the trainer inside the controller), same batch size.
 
-    python bench/bench_e2e.py [--steps 60] [--eta 4] [--target 0.6] [--out bench/results] [KEY=VALUE ...]
+    python bench/bench_e2e.py [--steps 60] [--eta 4] [--target 0.6] [--out bench/results] [--dry-run] [KEY=VALUE ...]
 
 Reports, per mode: trained samples/s and tokens/s, time to the first held-out (greedy) reward >=
 target, final held-out reward, the staleness histogram, and where the wall time went (waiting
 for a batch = generation-bound, training, weight sync, evaluation). Writes
-``bench/results/e2e_<date>.json`` and ``e2e_<date>.png``. The synchronous baseline is the same
+``bench/results/e2e_<date>.json`` (the curves) and ``e2e_<date>.png``, and appends a summary row
+with provenance to ``bench/results/e2e.jsonl``. The synchronous baseline is the same
 code with eta = 0: the same engine with continuous batching, batch size and kernels.
 """
 
@@ -15,14 +16,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_rows, print_dry_run, provenance  # noqa: E402
 
 
 def read(path: Path) -> list[dict]:
@@ -93,7 +94,7 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "examples" / "tiny_reverse.yaml"))
     ap.add_argument("--steps", type=int, default=60)
@@ -102,8 +103,14 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--work", default="/tmp/areal_bench_e2e")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--dry-run", action="store_true", help="print the two runs' commands, run nothing")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        print_dry_run("e2e", [dict(mode=m, eta=e, config=args.config, steps=args.steps, overrides=args.overrides)
+                              for m, e in (("async", args.eta), ("sync", 0))])
+        return
+    prov = provenance()
     work = Path(args.work)
     modes, warm = {}, None
     for name, eta in (("async", args.eta), ("sync", 0)):
@@ -111,12 +118,7 @@ def main() -> None:
         warm = warm or (out / "warm_start" if (out / "warm_start").is_dir() else None)
     a, s = modes["async"], modes["sync"]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    import torch
-
-    res = {"date": stamp, "commit": commit, "machine": f"{platform.processor() or platform.machine()}, "
-           f"{os.cpu_count()} cores", "torch": torch.__version__, "steps": args.steps, "target": args.target,
+    res = {"date": stamp, "provenance": prov, "steps": args.steps, "target": args.target,
            "overrides": args.overrides, "modes": modes,
            "speedup_tokens_per_s": a["trained_tokens_per_s"] / s["trained_tokens_per_s"],
            "speedup_samples_per_s": a["trained_samples_per_s"] / s["trained_samples_per_s"]}
@@ -132,6 +134,10 @@ def main() -> None:
               f"{r['trained_tokens_per_s']:.0f} tokens/s, {r['elapsed_s']:.0f} s, "
               f"eval {r['eval_first']} -> {r['eval_final']}, time to {args.target}: {r['time_to_target_s']}, "
               f"breakdown {({k: round(v, 1) for k, v in r['time_breakdown_s'].items()})}")
+    summary = {k: res[k] for k in ("steps", "target", "overrides", "speedup_tokens_per_s", "speedup_samples_per_s")}
+    summary |= {f"{n}_{k}": r[k] for n, r in modes.items() for k in ("eta", "trained_tokens_per_s",
+                                                                       "time_to_target_s", "eval_final")}
+    append_rows("e2e", [summary | {"curves": f"e2e_{stamp}.json"}], out, prov)
     print(f"speedup (tokens/s): {res['speedup_tokens_per_s']:.2f}x; results in {out / f'e2e_{stamp}.json'}")
 
 

@@ -5,26 +5,26 @@
 Builds a small random Qwen2 (no download), serves it with ``python -m areal_fast.rollout.engine`` in a
 subprocess (so client and server do not share a GIL) and reports aggregate output tokens/s of both
 modes and their ratio (goal >= 4x on CPU: proves requests really share forward passes). A row with
-device, versions, commit and date is appended to bench/results/bench_engine.jsonl.
+provenance is appended to bench/results/engine.jsonl (``--results DIR``, ``--no-results``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
-import os
-import platform
 import random
-import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import aiohttp
 
-from areal_fast.rollout.engine import launch_engine_subprocess
-from areal_fast.rollout.testing import build_tiny_qwen2
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_harness_args, print_dry_run, provenance, save  # noqa: E402
+
+from areal_fast.rollout.engine import launch_engine_subprocess  # noqa: E402
+from areal_fast.rollout.testing import build_tiny_qwen2  # noqa: E402
 
 
 async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], n: int) -> int:
@@ -48,15 +48,7 @@ async def _run(url: str, prompts: list[list[int]], n: int, concurrent: bool) -> 
         return sum(counts), time.perf_counter() - t0
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(__file__)).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -65,12 +57,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args()
-
-    import torch
-    import transformers
-
+    add_harness_args(ap)
+    args = ap.parse_args(argv)
+    model = f"qwen2 h{args.hidden} L{args.layers} V{args.vocab}"
+    if args.dry_run:
+        print_dry_run("engine", [dict(model=model, device=args.device, requests=args.requests,
+                                      prompt_len=args.prompt_len, new_tokens=args.new_tokens)])
+        return
+    prov = provenance()
     tmp = tempfile.mkdtemp(prefix="bench_engine_")
     build_tiny_qwen2(tmp, hidden_size=args.hidden, num_layers=args.layers, vocab_size=args.vocab,
                      num_heads=max(1, args.hidden // 64), num_kv_heads=max(1, args.hidden // 128),
@@ -82,24 +76,14 @@ def main() -> None:
         con_tok, con_s = asyncio.run(_run(h.url, prompts, args.new_tokens, concurrent=True))
     seq_rate, con_rate = seq_tok / seq_s, con_tok / con_s
     row = {
-        "bench": "engine_continuous_batching", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "commit": _commit(), "device": args.device if args.device != "cpu" else f"cpu x{os.cpu_count()} "
-        f"({platform.processor() or platform.machine()})", "torch": torch.__version__,
-        "transformers": transformers.__version__, "model": f"qwen2 h{args.hidden} L{args.layers} V{args.vocab}",
-        "requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "sequential_tok_s": round(seq_rate, 1), "concurrent_tok_s": round(con_rate, 1),
+        "model": model, "engine_device": args.device, "requests": args.requests, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "sequential_tok_s": round(seq_rate, 1), "concurrent_tok_s": round(con_rate, 1),
         "ratio": round(con_rate / seq_rate, 2),
     }
     print(f"one at a time : {seq_tok} tokens in {seq_s:.2f} s = {seq_rate:.1f} tok/s")
     print(f"{args.requests} concurrent : {con_tok} tokens in {con_s:.2f} s = {con_rate:.1f} tok/s")
     print(f"ratio         : {con_rate / seq_rate:.2f}x (goal >= 4x)")
-    if not args.no_save:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_engine.jsonl")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(f"appended to {path}")
-
+    save("engine", [row], args, prov)
 
 if __name__ == "__main__":
     main()

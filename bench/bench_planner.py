@@ -2,25 +2,24 @@
 (Karmarkar-Karp over ranks + first-fit-decreasing per rank) in the same run.
 
     python bench/bench_planner.py                       # 65,536 lognormal lengths, 1..32k tokens
-    python bench/bench_planner.py --out bench/results/planner-cpu.json
+    python bench/bench_planner.py --dry-run             # list the cases, run nothing
     python -m pytest bench/bench_planner.py --benchmark-only   # pytest-benchmark form
 
 Goals (issue 2): <= 20 ms single-threaded for 65,536 sequences and >= 50x the references;
 reports micro-batches per rank vs the lower bound and the rank imbalance (max/mean cost).
+Rows are appended to bench/results/planner.jsonl with provenance.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_result  # noqa: E402
+from common import add_harness_args, print_dry_run, print_table, provenance, save, time_fn  # noqa: E402
 
 from areal_fast.packing import plan_microbatches, plan_microbatches_ref  # noqa: E402
 
@@ -33,12 +32,8 @@ def long_tailed_lengths(n: int, seed: int = 0, max_len: int = 32768) -> np.ndarr
 
 
 def time_call(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of ``fn()`` (wall clock: the planner runs on the CPU)."""
+    return time_fn(fn, warmup=1 if reps > 1 else 0, reps=reps, cuda=False).median_ms / 1e3
 
 
 def run(n: int, ranks: list[int], budget: int, reps: int, ref_reps: int) -> list[dict]:
@@ -67,12 +62,16 @@ def main(argv=None) -> None:
     ap.add_argument("--budget", type=int, default=32768, help="max tokens per micro-batch")
     ap.add_argument("--reps", type=int, default=20, help="timed runs of the C++ planner (median)")
     ap.add_argument("--ref-reps", type=int, default=1, help="timed runs of the Python reference")
-    ap.add_argument("--out", default=None, help="write a JSON result file (e.g. bench/results/planner-cpu.json)")
+    add_harness_args(ap)
     args = ap.parse_args(argv)
+    if args.dry_run:
+        print_dry_run("planner", [dict(n_seqs=args.n, ranks=r, cost=c, budget=args.budget)
+                                  for r in args.ranks for c in ("tokens", "attention")])
+        return
+    prov = provenance()
     rows = run(args.n, args.ranks, args.budget, args.reps, args.ref_reps)
     print_table(rows)
-    if args.out:
-        print("wrote", write_result("planner", rows, args.out))
+    save("planner", rows, args, prov)
 
 
 # pytest-benchmark form: `python -m pytest bench/bench_planner.py --benchmark-only`.

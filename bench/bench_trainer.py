@@ -1,15 +1,16 @@
 """Benchmark of one PPO trainer step: fused LM-head loss vs materialised logits + torch loss.
 
-    python bench/bench_trainer.py [--shape qwen2-1.5b|tiny] [--tokens 32768] [--mb-tokens 16384]
-                                  [--steps 3] [--no-ckpt] [--out]
+    python bench/bench_trainer.py [--shape qwen2-1.5b|qwen2-0.5b|tiny] [--tokens 32768] [--mb-tokens 16384]
+                                  [--steps 3] [--no-ckpt] [--results DIR] [--no-results] [--dry-run]
 
 A random-initialised model of the given shape (nothing downloaded), packed batches of about
 ``--tokens`` tokens (lengths drawn log-uniformly in [256, 4096], a quarter prompt), one
 ``train_batch`` per step (proximal recompute + loss + backward + AdamW). Both variants run in
 the same process on the same model and batches: ``fused`` (areal_fast.ops fused-linear loss and
 log-probs, logits never whole) and ``unfused`` (``hidden @ W^T`` materialised, then the
-pure-PyTorch reference loss). Reports tokens/s, MFU (GPU) and peak memory; ``--out`` writes
-bench/results/trainer-<device>.json with provenance.
+pure-PyTorch reference loss). Reports tokens/s, MFU (GPU: model FLOPs per token, 6 N plus
+attention, over the device's dense bf16 peak) and peak memory; rows are appended to
+bench/results/trainer.jsonl with provenance.
 
 On CPU it runs the ``tiny`` shape with a few hundred tokens: a smoke run, not a measurement.
 """
@@ -27,7 +28,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, write_result  # noqa: E402
+from common import add_harness_args, print_dry_run, print_table, provenance, save  # noqa: E402
 
 from areal_fast.ops import fused_linear_decoupled_ppo_loss_ref, fused_linear_token_logprobs_ref  # noqa: E402
 from areal_fast.trainer import OptimConfig, PPOActor, PPOConfig, Sample, TrainerConfig  # noqa: E402
@@ -35,6 +36,10 @@ from areal_fast.trainer import OptimConfig, PPOActor, PPOConfig, Sample, Trainer
 SHAPES = {
     # Qwen2-1.5B: 28 layers, d 1536, 12 heads / 2 KV heads, MLP 8960, vocab 151936, tied embeddings
     "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                       tie_word_embeddings=True, rope_theta=1e6),
+    # Qwen2-0.5B: 24 layers, d 896, 14 heads / 2 KV heads, MLP 4864, vocab 151936, tied embeddings
+    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
                        tie_word_embeddings=True, rope_theta=1e6),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -101,7 +106,7 @@ def run_variant(cls, cfg, batches, steps):
     return res
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=list(SHAPES), default=None)
     ap.add_argument("--tokens", type=int, default=None, help="tokens per batch (default 32768 GPU, 512 CPU)")
@@ -109,16 +114,25 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-ckpt", action="store_true", help="disable activation checkpointing")
     ap.add_argument("--variants", default="fused,unfused")
-    ap.add_argument("--out", action="store_true")
-    args = ap.parse_args()
+    add_harness_args(ap)
+    args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     shape = args.shape or ("qwen2-1.5b" if cuda else "tiny")
     tokens = args.tokens or (32768 if cuda else 512)
     mb_tokens = args.mb_tokens or (16384 if cuda else 256)
     if not cuda:
         tokens = min(tokens, 4 * mb_tokens)
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in variants if v not in ("fused", "unfused")]
+    if bad:
+        ap.error(f"--variants: unknown {bad}; choose from fused, unfused")
+    if args.dry_run:
+        print_dry_run("trainer", [dict(variant=v, shape=shape, tokens=tokens, mb_tokens=mb_tokens, steps=args.steps,
+                                       act_ckpt=not args.no_ckpt) for v in variants])
+        return
     if not cuda:
         print("# CPU: tiny shapes, a smoke run of the code path, not a measurement")
+    prov = provenance()
     from transformers import Qwen2Config
 
     with tempfile.TemporaryDirectory() as d:
@@ -128,15 +142,14 @@ def main():
         vocab = SHAPES[shape]["vocab_size"]
         batches = [make_batch(tokens, vocab, seed=s, max_len=mb_tokens) for s in range(args.steps + 1)]
         rows = []
-        for name in args.variants.split(","):
+        for name in variants:
             cls = {"fused": PPOActor, "unfused": UnfusedActor}[name]
             res = run_variant(cls, cfg, batches, args.steps)
             rows.append({"variant": name, "shape": shape, "tokens": tokens, "mb_tokens": mb_tokens,
                          "act_ckpt": not args.no_ckpt, **res})
             print(json.dumps(rows[-1]), flush=True)
     print_table(rows)
-    if args.out:
-        print("wrote", write_result("trainer", rows))
+    save("trainer", rows, args, prov)
 
 
 if __name__ == "__main__":
