@@ -5,7 +5,7 @@
     python bench/bench_planner.py --dry-run             # list the cases, run nothing
     python -m pytest bench/bench_planner.py --benchmark-only   # pytest-benchmark form
 
-Goals (issue 2): <= 20 ms single-threaded for 65,536 sequences and >= 50x the references;
+Goals: <= 20 ms single-threaded for 65,536 sequences and >= 50x the references;
 reports micro-batches per rank vs the lower bound and the rank imbalance (max/mean cost).
 Rows are appended to bench/results/planner.jsonl with provenance.
 """

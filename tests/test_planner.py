@@ -17,7 +17,7 @@ from areal_fast.packing import (
     plan_microbatches_ref,
 )
 
-# Quality targets of the issue: micro-batches per rank <= the next valid count after the
+# Quality targets of the planner (docs/architecture.md): micro-batches per rank <= the next valid count after the
 # lower bound, and max/mean rank cost <= 1.02 with >= 64 sequences per rank.
 MAX_IMBALANCE = 1.02
 

@@ -1,7 +1,7 @@
 """The PyTorch reference of the decoupled-PPO loss against a direct fp64 evaluation of the spec.
 
 ``spec_eval`` below is written independently of ``areal_fast.ops.ppo_objective``: token by token
-and sequence by sequence, with Python control flow, straight from shared/spec/decoupled_ppo.md.
+and sequence by sequence, with Python control flow, straight from docs/objective.md.
 """
 
 import math

@@ -1,4 +1,4 @@
-"""Asyncio client for SGLang servers and the embedded engine (``shared/spec/sglang_http.md``).
+"""Asyncio client for SGLang servers and the embedded engine (the HTTP contract: ``docs/sglang.md``).
 
     client = RolloutClient(["http://127.0.0.1:30000", ...])
     async with client:                       # opens the session, reads /get_server_info of every server

@@ -1,6 +1,6 @@
 """Hugging Face <-> SGLang weight layouts for Qwen2/Qwen2.5, Qwen3 and Llama.
 
-Two layouts matter for weight sync (``shared/spec/sglang_http.md``):
+Two layouts matter for weight sync (``docs/weight_sync.md``):
 
 * **HF layout** (broadcast and disk paths): full tensors named as in the checkpoint; SGLang
   stacks and splits them itself. :meth:`ModelSpec.hf_shapes` lists them in sending order,

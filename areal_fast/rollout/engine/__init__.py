@@ -1,4 +1,4 @@
-"""Embedded SGLang-compatible inference engine (HTTP subset of ``shared/spec/sglang_http.md``).
+"""Embedded SGLang-compatible inference engine (the HTTP subset in ``docs/sglang.md``).
 
 Launch it
 ---------
