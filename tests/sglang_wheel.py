@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["sglang_module", "install_dir", "stubbed_modules"]
+__all__ = ["sglang_module", "install_dir", "install_dir_or_skip", "stubbed_modules"]
 
 # Packages SGLang imports at module level that need a GPU (or are optional and heavy); they are
 # stubbed even when installed, so a test never initialises a GPU runtime by accident.
@@ -86,6 +86,15 @@ def install_dir(version: str) -> Path:
         if not marker.is_file():
             raise
     return target
+
+
+def install_dir_or_skip(version: str) -> Path:
+    """:func:`install_dir`, or ``pytest.skip`` with the reason when the wheel cannot be installed
+    (for tests that read the wheel's sources instead of importing them)."""
+    try:
+        return install_dir(version)
+    except (RuntimeError, OSError) as e:
+        pytest.skip(f"SGLang {version} wheel not available: {e}")
 
 
 # ----------------------------------------------------------------------------- stubs

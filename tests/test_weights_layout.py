@@ -57,7 +57,7 @@ def test_round_trip_and_shapes(model_and_spec, tp):
     hd, h = spec.head_dim, spec.hidden_size
     nkv = max(1, spec.num_kv_heads // tp)
     vp = spec.padded_vocab(tp)
-    assert vp % (64 * tp) == 0 and vp >= spec.vocab_size > vp - 64 * tp
+    assert vp % 64 == 0 and vp % tp == 0 and vp >= spec.vocab_size > vp - 64 * tp  # rule: test_weights_vocab.py
     for r, d in enumerate(shards):
         assert d["model.layers.0.self_attn.qkv_proj.weight"].shape == ((spec.num_heads // tp + 2 * nkv) * hd, h)
         assert d["model.layers.0.mlp.gate_up_proj.weight"].shape == (2 * spec.intermediate_size // tp, h)

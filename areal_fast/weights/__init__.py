@@ -4,8 +4,14 @@
 * :mod:`.plan` - the reshard planner (C++ ``csrc/reshard/``) and its Python reference;
 * :mod:`.interval_copy` - executes plans (CUDA kernel / C++ CPU / torch reference);
 * :mod:`.gather` - FSDP2 shards -> flattened buckets on rank 0, pipelined;
-* :mod:`.sync` - :class:`WeightSync` transports (distributed broadcast, disk);
-* :mod:`.colocated` - per-TP-rank SGLang shards through CUDA IPC (GPU only).
+* :mod:`.config` - :class:`WeightSyncConfig`, the one configuration (torch-free);
+* :mod:`.group` - the weight-update process group (hosted store, backend choice);
+* :mod:`.sync` - :class:`WeightSync` transports (distributed broadcast, disk), sessions;
+* :mod:`.colocated` - per-TP-rank SGLang shards through CUDA IPC (GPU only);
+* :mod:`.port` - the controller's sync port over those transports, with the disk fallback;
+* :mod:`._http` - the one HTTP speaker of SGLang's weight-update endpoints.
+
+The protocol is described in ``docs/weight_sync.md``.
 
 Submodules are imported lazily; ``import areal_fast.weights`` does not load the native core.
 """
@@ -15,8 +21,9 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "WeightSync": "sync", "DistributedWeightSync": "sync", "DiskWeightSync": "sync", "WeightSyncConfig": "sync",
-    "ServerTarget": "sync", "WeightSyncError": "sync", "ModelSpec": "layout", "ColocatedWeightSync": "colocated",
+    "WeightSync": "sync", "DistributedWeightSync": "sync", "DiskWeightSync": "sync", "WeightSyncConfig": "config",
+    "ServerFacts": "group", "WeightSyncError": "_http", "ModelSpec": "layout", "ColocatedWeightSync": "colocated",
+    "DistributedSync": "port", "DiskSync": "port", "make_sync_port": "port", "padded_vocab_size": "layout",
 }
 
 __all__ = list(_LAZY)

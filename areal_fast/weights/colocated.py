@@ -27,10 +27,11 @@ import io
 import torch
 import torch.distributed as dist
 
+from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.interval_copy import interval_copy
 from areal_fast.weights.layout import ModelSpec, clean_name, sendable
 from areal_fast.weights.plan import TPShardPlan, dtype_code, plan_tp_shard
-from areal_fast.weights.sync import WeightSync, WeightSyncConfig
+from areal_fast.weights.sync import WeightSync
 
 
 def serialize_for_sglang(obj) -> str:
@@ -78,6 +79,9 @@ class ColocatedWeightSync(WeightSync):
                                       "DistributedWeightSync (gloo) or DiskWeightSync")
         super().update(model_or_state, version)
 
+    def _collect(self, model_or_state):
+        return model_or_state  # the full tensors are materialised in _send (one all-gather each)
+
     def _send(self, model_or_state, version: str) -> None:
         from torch.distributed.tensor import DTensor
 
@@ -88,12 +92,13 @@ class ColocatedWeightSync(WeightSync):
         for n, t in sendable({clean_name(k): v for k, v in state.items()}, self.spec).items():
             full[n] = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
         if rank == 0:
-            self._read_server_info()
-            if self.servers[0].tp_size != world:
-                raise ValueError(f"{self.servers[0].url} has tp_size={self.servers[0].tp_size}, the trainer group "
+            facts = self.read_facts()[self.urls[0]]
+            facts.check_layout()
+            if facts.tp_size != world:
+                raise ValueError(f"{self.urls[0]} has tp_size={facts.tp_size}, the trainer group "
                                  f"has {world} ranks; colocated sync needs one TP rank per trainer rank")
-        buf, named, self._plan = build_tp_shard(full, self.spec, world, rank, self.config.dtype or torch.bfloat16,
-                                                self._plan)
+        buf, named, self._plan = build_tp_shard(full, self.spec, world, rank,
+                                                self.config.send_dtype("cuda") or torch.bfloat16, self._plan)
         torch.cuda.current_stream().synchronize()  # the server reads through IPC on its own streams
         self._alive = buf
         payload = serialize_for_sglang(named)
@@ -104,8 +109,7 @@ class ColocatedWeightSync(WeightSync):
         else:
             payloads = [payload]
         if rank == 0:
-            begun = self._begin()
-            self.http.all([self.servers[0].url], "/update_weights_from_tensor", {
-                "serialized_named_tensors": payloads, "load_format": "direct", "flush_cache": self.config.flush_cache,
-                "abort_all_requests": False, "weight_version": version})
-            self._end(begun)
+            with self.session():  # ended even when the update is refused: the next update can begin
+                self.http.all(self.urls, "/update_weights_from_tensor", {
+                    "serialized_named_tensors": payloads, "load_format": "direct",
+                    "flush_cache": self.config.flush_cache, "abort_all_requests": False, "weight_version": version})

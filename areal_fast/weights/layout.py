@@ -8,8 +8,8 @@ Two layouts matter for weight sync (``docs/weight_sync.md``):
 * **SGLang layout** (colocated "direct" path): per TP rank, ``qkv_proj`` = [q heads of rank r;
   its k heads; its v heads] (kv heads replicated when ``kv_heads < tp``: rank r takes head
   ``r // (tp // kv_heads)``), ``gate_up_proj`` = [gate rows of r; up rows of r], ``o_proj`` and
-  ``down_proj`` split by columns, embeddings and lm_head split by rows of the vocabulary padded
-  to a multiple of ``64 * tp`` (padding rows are zero), norms replicated.
+  ``down_proj`` split by columns, embeddings and lm_head split by rows of the padded vocabulary
+  (:func:`padded_vocab_size`; padding rows are zero), norms replicated.
 
 Every SGLang parameter is described by :class:`Piece` s (2-D blocks of HF tensors, 1-D
 tensors seen as ``[n, 1]``), so the same description drives the reference conversion here and
@@ -23,11 +23,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-VOCAB_PAD = 64  # SGLang's DEFAULT_VOCAB_PADDING_SIZE; the vocabulary is padded to 64 * tp here
+VOCAB_PAD = 64  # SGLang's DEFAULT_VOCAB_PADDING_SIZE
 SKIPPED_RE = re.compile(r"rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 # Wrappers that prefix parameter names (torch.compile, activation checkpointing, FSDP1).
 WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 FAMILIES = ("qwen2", "qwen3", "llama")
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Rows of SGLang's vocab-parallel embedding / lm_head over ``tp`` ranks: the vocabulary is
+    padded to a multiple of 64, and to a multiple of ``64 * tp`` only when that first size does
+    not split evenly over ``tp`` ranks (Qwen's 151,936 stays 151,936 at tp 8; 64 * tp would give
+    152,064). Each rank holds ``padded // tp`` rows."""
+    if vocab_size < 1 or tp < 1:
+        raise ValueError(f"vocab_size={vocab_size} and tp={tp} must be >= 1")
+    pad = VOCAB_PAD
+    if -(-vocab_size // pad) * pad % tp:
+        pad *= tp
+    return -(-vocab_size // pad) * pad
 
 
 def clean_name(name: str) -> str:
@@ -171,8 +184,7 @@ class ModelSpec:
 
     # ------------------------------------------------------------------------- SGLang layout
     def padded_vocab(self, tp: int) -> int:
-        m = VOCAB_PAD * tp
-        return (self.vocab_size + m - 1) // m * m
+        return padded_vocab_size(self.vocab_size, tp)
 
     def kv_heads_on_rank(self, tp: int, rank: int) -> tuple[int, int]:
         """(first kv head, number of kv heads) held by TP rank ``rank``."""

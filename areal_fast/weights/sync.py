@@ -2,144 +2,101 @@
 
 Usage on every trainer rank (collective calls; only trainer rank 0 talks HTTP)::
 
-    sync = DistributedWeightSync(["http://127.0.0.1:30000"], WeightSyncConfig(dtype=torch.bfloat16))
+    sync = DistributedWeightSync(["http://127.0.0.1:30000"], WeightSyncConfig(dtype="bfloat16"))
     sync.connect()                        # once: group rendezvous with all servers
-    ...                                   # controller: /pause_generation + /flush_cache
+    ...                                   # controller: /pause_generation
     sync.update(model, version=step)      # begin -> buckets -> end; raises WeightSyncError on failure
     ...                                   # controller: /continue_generation
     sync.close()
 
-Transports:
-* :class:`DistributedWeightSync` - SGLang's protocol exactly (``shared/spec/sglang_http.md``):
-  ``/init_weights_update_group`` on every server concurrently with the trainer's own group init
-  (tcp rendezvous hosted by trainer rank 0, ``PrefixStore(group_name)``), then per update
-  ``/begin_weight_update`` (servers >= 0.5.21), one ``/update_weights_from_distributed`` per
-  bucket (``load_format="flattened_bucket"`` and ``weight_version``; or null: one broadcast per
-  tensor) answered while rank 0 broadcasts the bucket, ``/end_weight_update``. NCCL on GPU,
-  gloo on CPU. The group is created once and reused by every update.
-* :class:`DiskWeightSync` - safetensors in HF layout + ``/update_weights_from_disk``; the
-  directory is removed afterwards (the servers must see the same file system).
-* :class:`ColocatedWeightSync` (``areal_fast.weights.colocated``) - GPU only.
+Transports (the protocol is described in ``docs/weight_sync.md``):
 
-Buckets come from :class:`areal_fast.weights.gather.BucketGatherer` (one gather per bucket,
-pipelined with the send of the previous bucket). ``version`` is bumped only when every server
+* :class:`DistributedWeightSync` - ``/init_weights_update_group`` on every server while trainer
+  rank 0 hosts the group's store (:mod:`areal_fast.weights.group`); per update, inside a
+  weight-update session on servers >= 0.5.21, one ``/update_weights_from_distributed`` per
+  bucket (``load_format="flattened_bucket"``, or null: one broadcast per tensor) answered while
+  rank 0 broadcasts it. The group is created once and reused.
+* :class:`DiskWeightSync` - safetensors in HF layout + ``/update_weights_from_disk`` with a real
+  ``load_format``; no session (the server runs its post-load processing itself). The
+  directory is removed afterwards (the servers must see the same file system).
+* :class:`areal_fast.weights.colocated.ColocatedWeightSync` - GPU only.
+
+Sessions: every server that answered ``/begin_weight_update`` gets ``/end_weight_update``
+whatever happens afterwards; a begin refused by one server ends the ones already begun. A
+failed update therefore never leaves a session open, and the next update can begin.
+
+Server facts (version, tp, dp, pp) are read from ``/server_info`` before every use, so a server
+that was down or restarted is asked again. ``version`` is bumped only when every server
 succeeded; any failure raises :class:`WeightSyncError` on every trainer rank.
 """
 
 from __future__ import annotations
 
 import abc
-import datetime
+import contextlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from packaging.version import InvalidVersion, Version
 
-from areal_fast.netutil import find_free_port as free_port
 from areal_fast.weights._http import HttpPool, WeightSyncError
-from areal_fast.weights.gather import Bucket, BucketGatherer, collect_sources, send_dtypes
+from areal_fast.weights.config import WeightSyncConfig
+from areal_fast.weights.gather import Bucket, BucketGatherer, Sources, collect_sources, send_dtypes
+from areal_fast.weights.group import (
+    HostedStore,
+    ServerFacts,
+    choose_backend,
+    host_weight_group,
+    init_custom_process_group,
+)
 
-__all__ = ["ServerTarget", "WeightSyncConfig", "WeightSync", "DistributedWeightSync", "DiskWeightSync",
-           "WeightSyncError", "init_custom_process_group"]
+__all__ = ["WeightSyncConfig", "WeightSync", "DistributedWeightSync", "DiskWeightSync", "WeightSyncError",
+           "ServerFacts", "init_custom_process_group", "uses_sessions", "write_safetensors"]
 
-V_BEGIN_END = Version("0.5.21")  # /begin_weight_update and /end_weight_update exist from here
+log = logging.getLogger(__name__)
+V_SESSIONS = Version("0.5.21")  # /begin_weight_update and /end_weight_update exist (and are required) from here
 POLL_S = 0.0005  # broadcast/HTTP completion polling period (a bucket takes >= milliseconds)
+# After every server answered a bucket (success or not), our side of its broadcast completes within
+# milliseconds if every rank took part; 10 s is slack for a loaded 2-core host. Past that, a rank
+# never joined and the group's collectives are out of step for good.
+BROADCAST_GRACE_S = 10.0
 
 
-@dataclass(kw_only=True)
-class ServerTarget:
-    """One inference server. ``tp_size``/``version`` None: read from ``GET /get_server_info``."""
-
-    url: str
-    tp_size: int | None = None
-    version: str | None = None
-
-
-@dataclass(kw_only=True)
-class WeightSyncConfig:
-    bucket_bytes: int = 256 << 20
-    """Largest flattened bucket (bytes); a larger tensor travels alone."""
-    dtype: torch.dtype | None = torch.bfloat16
-    """Floating tensors are sent in this dtype (fp32 masters are cast while packing); None: as is."""
-    load_format: str | None = "flattened_bucket"
-    """"flattened_bucket" (one broadcast per bucket) or None (one broadcast per tensor)."""
-    group_name: str = "weight_update_group"
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
-    """TCP store port on trainer rank 0; 0 picks a free one."""
-    backend: str | None = None
-    """"nccl" or "gloo"; None: nccl when the tensors are on CUDA, else gloo."""
-    timeout_s: float = 600.0
-    """Limit for each HTTP call and for the group rendezvous / broadcasts."""
-    api_key: str | None = None
-    flush_cache: bool = True
-    save_root: str | None = None
-    """DiskWeightSync: parent directory of the temporary checkpoint (None: the system temp dir)."""
-
-    def __post_init__(self):
-        if self.bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes={self.bucket_bytes} must be > 0")
-        if self.load_format not in (None, "flattened_bucket"):
-            raise ValueError(f"load_format={self.load_format!r}; use 'flattened_bucket' or None")
-        if self.backend not in (None, "nccl", "gloo"):
-            raise ValueError(f"backend={self.backend!r}; use 'nccl', 'gloo' or None")
+def uses_sessions(version: str | None) -> bool:
+    """Does a server of this SGLang version need begin/end around distributed and tensor updates?"""
+    if not version:
+        return False
+    try:
+        return Version(version) >= V_SESSIONS
+    except InvalidVersion:
+        return True  # not a release number (a source build): assume a new server
 
 
-
-
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout_s: float = 600.0):
-    """A process group outside the default one, created exactly as SGLang's
-    ``init_custom_process_group`` does (tcp rendezvous, ``PrefixStore(group_name, store)``,
-    ``_new_process_group_helper``) so both sides agree on every store key."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "gloo" and init_method.startswith("tcp://127."):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback rendezvous: gloo must bind lo too
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-def _as_targets(servers) -> list[ServerTarget]:
-    out = []
-    for s in servers:
-        out.append(s if isinstance(s, ServerTarget) else ServerTarget(url=str(s)))
+def _urls(servers) -> list[str]:
+    out = [str(s).rstrip("/") for s in servers]
     if not out:
         raise ValueError("weight sync needs at least one server")
     return out
 
 
-def _supports_begin_end(version: str | None) -> bool:
-    try:
-        return version is not None and Version(version) >= V_BEGIN_END
-    except InvalidVersion:
-        return True  # dev builds ("0.5.23.dev1+g..." parse; anything else: assume new)
-
-
 class WeightSync(abc.ABC):
-    """Interface of every transport. All methods are collective over the trainer group."""
+    """Interface of every transport. ``update`` and ``close`` are collective over the trainer group."""
 
     def __init__(self, servers, config: WeightSyncConfig | None = None, group=None):
-        self.servers = _as_targets(servers)
+        self.urls = _urls(servers)
         self.config = config or WeightSyncConfig()
         self.group = group
         self.version: str | None = None
+        self.facts: dict[str, ServerFacts] = {}
         self._http: HttpPool | None = None
-        self._info_read = False
 
     @property
     def rank(self) -> int:
@@ -148,35 +105,44 @@ class WeightSync(abc.ABC):
     @property
     def http(self) -> HttpPool:
         if self._http is None:
-            self._http = HttpPool(max(4, 2 * len(self.servers)), self.config.timeout_s, self.config.api_key)
+            self._http = HttpPool(max(4, 2 * len(self.urls)), self.config.timeout_s, self.config.resolved_api_key)
         return self._http
 
-    def _read_server_info(self) -> None:
-        if self._info_read:
-            return
-        missing = [s for s in self.servers if s.tp_size is None or s.version is None]
-        infos = self.http.all([s.url for s in missing], "/get_server_info", method="GET") if missing else []
-        for s, info in zip(missing, infos):
-            s.tp_size = int(info.get("tp_size", 1)) if s.tp_size is None else s.tp_size
-            s.version = str(info.get("version", "")) if s.version is None else s.version
-        self._info_read = True
+    def read_facts(self) -> dict[str, ServerFacts]:
+        """(Re)read every server's facts now (rank 0). A server that does not answer is named."""
+        res = self.http.each(self.urls, "/server_info", method="GET")
+        missing = [u for u, _a, e in res if e is not None and e.status == 404]
+        if missing:  # servers without /server_info (older builds, some twins) still have the old route
+            old = {u: (a, e) for u, a, e in self.http.each(missing, "/get_server_info", method="GET")}
+            res = [(u, *old[u]) if u in old else (u, a, e) for u, a, e in res]
+        for u, info, err in res:
+            if err is not None:
+                raise WeightSyncError(f"cannot read the facts of server {u} before the weight update: {err}") from err
+            self.facts[u] = ServerFacts.from_info(u, info or {})
+        return self.facts
 
     def connect(self) -> None:  # noqa: B027 - optional hook
         """Prepare the transport (idempotent)."""
 
+    def _collect(self, model_or_state) -> tuple[Sources, list[torch.dtype]]:
+        """What this rank contributes: its (shards of the) tensors and the dtypes they are sent in."""
+        src = collect_sources(model_or_state, self.group)
+        device_type = src.local[0].device.type if src.local else "cpu"
+        return src, send_dtypes(src, self.config.send_dtype(device_type))
+
     @abc.abstractmethod
-    def _send(self, model_or_state, version: str) -> None:
-        """Rank 0 raises on failure; other ranks only contribute their shards."""
+    def _send(self, prepared, version: str) -> None:
+        """Rank 0 sends ``prepared`` (from :meth:`_collect`) and raises on failure; other ranks only
+        contribute their shards."""
 
     def update(self, model_or_state, version) -> None:
         """Send the weights of ``model_or_state`` (nn.Module, FSDP2 or plain, or a state dict) and set
         every server's weight_version to ``str(version)``. Raises WeightSyncError on every rank if
         any server failed; ``self.version`` changes only on success."""
         version = str(version)
-        self.connect()
         err = None
         try:
-            self._send(model_or_state, version)
+            self._send(self._collect(model_or_state), version)
         except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then raised
             err = e
         msg = [None if err is None else f"{type(err).__name__}: {err}"]
@@ -191,15 +157,29 @@ class WeightSync(abc.ABC):
             raise WeightSyncError(f"weight update to version {version} failed on trainer rank 0: {msg[0]}")
         self.version = version
 
-    def _begin(self) -> list[ServerTarget]:
-        begun = [s for s in self.servers if _supports_begin_end(s.version)]
-        if begun:
-            self.http.all([s.url for s in begun], "/begin_weight_update", {"selector": "all"})
-        return begun
+    @contextlib.contextmanager
+    def session(self, urls: list[str] | None = None):
+        """A weight-update session on every server (of ``urls``) whose version needs one.
 
-    def _end(self, begun: list[ServerTarget]) -> None:
-        if begun:
-            self.http.all([s.url for s in begun], "/end_weight_update", {})
+        Every server that began gets ``/end_weight_update`` on the way out, also when the body or
+        another server's begin failed; an end that fails after a successful body is raised."""
+        urls = self.urls if urls is None else urls
+        need = [u for u in urls if uses_sessions(self.facts[u].version)]
+        begun: list[str] = []
+        try:
+            failed = []
+            for u, _answer, err in self.http.each(need, "/begin_weight_update", {"selector": "all"}):
+                (begun.append(u) if err is None else failed.append(err))
+            if failed:
+                raise failed[0]
+            yield begun
+        except BaseException:
+            for u, _a, err in self.http.each(begun, "/end_weight_update", {}):
+                if err is not None:
+                    log.warning("closing the weight-update session on %s after a failure: %s", u, err)
+            raise
+        else:
+            self.http.all(begun, "/end_weight_update", {})
 
     def close(self) -> None:
         if self._http is not None:
@@ -207,7 +187,6 @@ class WeightSync(abc.ABC):
             self._http = None
 
     def __enter__(self):
-        self.connect()
         return self
 
     def __exit__(self, *exc):
@@ -217,20 +196,33 @@ class WeightSync(abc.ABC):
 class _PendingSend:
     """Broadcast work handles + the servers' HTTP answers for one bucket."""
 
-    def __init__(self, futs: list[tuple[str, Future]], works: list, timeout_s: float, what: str):
-        self.futs, self.works, self.timeout_s, self.what = futs, works, timeout_s, what
+    def __init__(self, owner: DistributedWeightSync, futs: list[tuple[str, Future]], works: list, what: str):
+        self.owner, self.futs, self.works, self.what = owner, futs, works, what
+
+    def _failed(self) -> BaseException | None:
+        for _url, f in self.futs:
+            if f.done() and f.exception() is not None:
+                return f.exception()
+        return None
 
     def wait(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            for _url, f in self.futs:  # a server that failed early: do not wait for its broadcast
-                if f.done() and f.exception() is not None:
-                    raise f.exception()
-            if all(w.is_completed() for w in self.works) and all(f.done() for _, f in self.futs):
-                break
+        timeout_s = self.owner.config.timeout_s
+        deadline = time.monotonic() + timeout_s
+        while not (all(w.is_completed() for w in self.works) and all(f.done() for _, f in self.futs)):
+            err = self._failed()
+            if err is not None and all(f.done() for _, f in self.futs):
+                # every server answered, one refused: the others took the bucket, so the broadcast
+                # completes at once unless the refusing server never joined it (then the group is dead)
+                grace = time.monotonic() + min(BROADCAST_GRACE_S, timeout_s)
+                while not all(w.is_completed() for w in self.works) and time.monotonic() < grace:
+                    time.sleep(POLL_S)
+                if not all(w.is_completed() for w in self.works):
+                    self.owner.mark_broken(f"{self.what}: the broadcast did not complete after {err}")
+                raise err
             if time.monotonic() > deadline:
                 late = [u for u, f in self.futs if not f.done()]
-                raise WeightSyncError(f"{self.what}: no answer within {self.timeout_s}s from {late or 'the group'}")
+                self.owner.mark_broken(f"{self.what}: no answer within {timeout_s}s")
+                raise WeightSyncError(f"{self.what}: no answer within {timeout_s}s from {late or 'the group'}")
             time.sleep(POLL_S)
         for w in self.works:
             w.wait()
@@ -246,74 +238,99 @@ class DistributedWeightSync(WeightSync):
         super().__init__(servers, config, group)
         self.device = device
         self.pg = None
-        self.world_size = None
+        self.backend: str | None = None
+        self.world_size: int | None = None
+        self.group_tp: dict[str, int] = {}  # tp size of each server when the group was made
         self.n_inits = 0
+        self._store: HostedStore | None = None
         self._gatherer = BucketGatherer(self.config.bucket_bytes, group, device)
         self._broken: str | None = None
 
-    def _backend(self) -> str:
-        if self.config.backend:
-            return self.config.backend
-        if self.device is not None:
-            return "nccl" if torch.device(self.device).type == "cuda" else "gloo"
-        return "nccl" if torch.cuda.is_available() else "gloo"
+    def mark_broken(self, reason: str) -> None:
+        self._broken = reason[:300]
 
-    def connect(self) -> None:
+    def _tensor_device(self, src: Sources | None) -> torch.device:
+        if src is not None and src.local:
+            return src.local[0].device if self.device is None else torch.device(self.device)
+        return torch.device(self.device) if self.device is not None else torch.device("cpu")
+
+    def connect(self, src: Sources | None = None) -> None:
+        """Create the group (rank 0; idempotent). The backend follows where ``src``'s tensors are."""
         if self.pg is not None or self.rank != 0:
             return
         cfg = self.config
-        self._read_server_info()
-        self.world_size = 1 + sum(s.tp_size for s in self.servers)
-        port = cfg.master_port or free_port(cfg.master_addr)
-        backend = self._backend()
+        facts = self.read_facts()
+        for f in facts.values():
+            f.check_layout()
+        self.backend = choose_backend(cfg.backend, self._tensor_device(src), list(facts.values()))
+        self.world_size = 1 + sum(f.tp_size for f in facts.values())
+        store = HostedStore(cfg.resolved_master_addr, cfg.master_port, self.world_size, cfg.timeout_s)
         futs, offset = [], 1
-        for s in self.servers:
-            body = {"master_address": cfg.master_addr, "master_port": port, "rank_offset": offset,
-                    "world_size": self.world_size, "group_name": cfg.group_name, "backend": backend}
-            futs.append((s.url, self.http.submit(s.url, "/init_weights_update_group", body)))
-            offset += s.tp_size
+        for u in self.urls:
+            body = {"master_address": store.host, "master_port": store.port, "rank_offset": offset,
+                    "world_size": self.world_size, "group_name": cfg.group_name, "backend": self.backend}
+            futs.append((u, self.http.submit(u, "/init_weights_update_group", body)))
+            offset += facts[u].tp_size
         box: dict = {}
 
         def own_init():
             try:
-                box["pg"] = init_custom_process_group(backend, f"tcp://{cfg.master_addr}:{port}", self.world_size, 0,
-                                                      cfg.group_name, cfg.timeout_s)
+                box["pg"] = host_weight_group(self.backend, store, self.world_size, cfg.group_name, cfg.timeout_s)
             except Exception as e:  # noqa: BLE001
                 box["err"] = e
 
         th = threading.Thread(target=own_init, name="weight-group-init", daemon=True)
         th.start()
         deadline = time.monotonic() + cfg.timeout_s
-        while th.is_alive() or not all(f.done() for _, f in futs):
-            for _url, f in futs:
-                if f.done() and f.exception() is not None:
-                    raise f.exception()
-            if time.monotonic() > deadline:
-                raise WeightSyncError(f"weight update group rendezvous timed out after {cfg.timeout_s}s")
-            time.sleep(0.005)
-        if "err" in box:
-            raise WeightSyncError(f"trainer side of the weight update group failed: {box['err']}") from box["err"]
-        for _, f in futs:
-            f.result()
-        self.pg = box["pg"]
+        try:
+            while th.is_alive() or not all(f.done() for _, f in futs):
+                for _url, f in futs:
+                    if f.done() and f.exception() is not None:
+                        raise f.exception()
+                if time.monotonic() > deadline:
+                    late = [u for u, f in futs if not f.done()]
+                    raise WeightSyncError(f"weight update group rendezvous timed out after {cfg.timeout_s}s "
+                                          f"(store {store.host}:{store.port}; waiting for {late or 'the group'})")
+                time.sleep(0.005)
+            if "err" in box:
+                raise WeightSyncError(f"trainer side of the weight update group failed: {box['err']}") from box["err"]
+            for _, f in futs:
+                f.result()
+        except BaseException:
+            if not th.is_alive():
+                store.close()
+            raise
+        self.pg, self._store = box["pg"], store
+        self.group_tp = {u: facts[u].tp_size for u in self.urls}
         self.n_inits += 1
 
-    def _send(self, model_or_state, version: str) -> None:
-        src = collect_sources(model_or_state, self.group)
-        dtypes = send_dtypes(src, self.config.dtype)
+    def _send(self, prepared: tuple[Sources, list[torch.dtype]], version: str) -> None:
+        src, dtypes = prepared
         if self.rank != 0:
             self._gatherer.run(src, dtypes, None)
             return
-        if self._broken:
-            raise WeightSyncError(f"the weight update group is unusable after an earlier failure ({self._broken}); "
-                                  "close() and create a new DistributedWeightSync")
-        begun = self._begin()
+        started = False
         try:
-            self._gatherer.run(src, dtypes, lambda b: self._send_bucket(b, version))
-        except Exception as e:
-            self._broken = str(e)[:200]
+            if self._broken:
+                raise WeightSyncError(f"the weight update group is unusable after an earlier failure ({self._broken});"
+                                      " close() and create a new DistributedWeightSync")
+            self.connect(src)
+            facts = self.read_facts()
+            changed = [u for u in self.urls if facts[u].tp_size != self.group_tp[u]]
+            if changed:
+                self.mark_broken(f"tp size changed on {changed}")
+                raise WeightSyncError(f"servers {changed} changed their tp size since the weight group was made "
+                                      "(restarted?); close() and create a new DistributedWeightSync")
+            if self.config.load_format == "flattened_bucket":
+                for layout in _bucket_layouts(self._gatherer.plan(src, dtypes), src, dtypes):
+                    _check_unpadded(*layout)
+            with self.session():
+                started = True
+                self._gatherer.run(src, dtypes, lambda b: self._send_bucket(b, version))
+        except Exception:
+            if not started and src.n_ranks > 1:
+                self._gatherer.run(src, dtypes, None)  # the other ranks are gathering: take part, send nothing
             raise
-        self._end(begun)
 
     def _send_bucket(self, bucket: Bucket, version: str) -> _PendingSend:
         cfg = self.config
@@ -322,25 +339,25 @@ class DistributedWeightSync(WeightSync):
                 "flush_cache": cfg.flush_cache, "abort_all_requests": False, "weight_version": version,
                 "load_format": cfg.load_format}
         what = f"bucket {bucket.index} ({len(bucket.names)} tensors, {bucket.names[0]} .. {bucket.names[-1]})"
-        futs = [(s.url, self.http.submit(s.url, "/update_weights_from_distributed", body, what=what))
-                for s in self.servers]
+        futs = [(u, self.http.submit(u, "/update_weights_from_distributed", body, what=what)) for u in self.urls]
         if cfg.load_format == "flattened_bucket":
-            _check_unpadded(bucket)
             works = [dist.broadcast(bucket.data, src=0, group=self.pg, async_op=True)]
         else:
             works = [dist.broadcast(bucket.tensor(i), src=0, group=self.pg, async_op=True)
                      for i in range(len(bucket.names))]
-        return _PendingSend(futs, works, cfg.timeout_s, what)
+        return _PendingSend(self, futs, works, what)
 
     def close(self) -> None:
         if self.pg is not None:
             try:
-                self.http.all([s.url for s in self.servers], "/destroy_weights_update_group",
-                              {"group_name": self.config.group_name})
-            except WeightSyncError:
-                pass  # best effort: the servers may be gone already
+                self.http.all(self.urls, "/destroy_weights_update_group", {"group_name": self.config.group_name})
+            except WeightSyncError as e:
+                log.info("destroying the weight update group: %s", e)  # the servers may be gone already
             dist.destroy_process_group(self.pg)
             self.pg = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
         super().close()
 
 
@@ -367,13 +384,16 @@ def write_safetensors(path: str, bucket: Bucket) -> None:
         f.write(h)
         for a, nbytes in zip(bucket.offsets, sizes):  # tensors are contiguous in the file, not in the bucket
             f.write(memoryview(data[a : a + nbytes]))
+        f.flush()
+        os.fsync(f.fileno())  # the servers read it next, maybe from another machine's view of the file system
 
 
 class DiskWeightSync(WeightSync):
     """HF-layout safetensors written by trainer rank 0 + ``/update_weights_from_disk``.
 
     ``config_dir``: a checkpoint directory whose non-weight files (config.json, tokenizer...)
-    are copied next to the weights, for servers that reload the model config."""
+    are copied next to the weights, for servers that reload the model config. ``keep``: leave
+    the directory in place (``last_path``) instead of removing it after the update."""
 
     def __init__(self, servers, config: WeightSyncConfig | None = None, group=None, config_dir: str | None = None,
                  keep: bool = False):
@@ -383,14 +403,18 @@ class DiskWeightSync(WeightSync):
         self.last_path: str | None = None
         self._gatherer = BucketGatherer(self.config.bucket_bytes, group)
 
-    def _send(self, model_or_state, version: str) -> None:
-        src = collect_sources(model_or_state, self.group)
-        dtypes = send_dtypes(src, self.config.dtype)
+    def _send(self, prepared: tuple[Sources, list[torch.dtype]], version: str) -> None:
+        src, dtypes = prepared
         if self.rank != 0:
             self._gatherer.run(src, dtypes, None)
             return
-        self._read_server_info()
-        path = tempfile.mkdtemp(prefix=f"areal_weights_v{version}_", dir=self.config.save_root)
+        try:
+            path = tempfile.mkdtemp(prefix=f"areal_weights_v{version}_", dir=self.config.save_root)
+        except OSError as e:
+            if src.n_ranks > 1:
+                self._gatherer.run(src, dtypes, None)  # the other ranks are gathering: take part
+            raise WeightSyncError(f"cannot create the weight directory under {self.config.save_root or 'the temp dir'}"
+                                  f": {e}") from e
         self.last_path = path
         weight_map: dict[str, str] = {}
 
@@ -413,25 +437,32 @@ class DiskWeightSync(WeightSync):
                     full = os.path.join(self.config_dir, fn)
                     if os.path.isfile(full) and not fn.endswith((".safetensors", ".bin", ".pt", ".index.json")):
                         shutil.copy(full, path)
-            begun = self._begin()
-            body = {"model_path": path, "load_format": None, "abort_all_requests": False,
-                    "weight_version": version}
-            self.http.all([s.url for s in self.servers], "/update_weights_from_disk", body)
-            self._end(begun)
+            body = {"model_path": path, "load_format": self.config.disk_load_format, "abort_all_requests": False,
+                    "weight_version": version, "flush_cache": self.config.flush_cache}
+            self.http.all(self.urls, "/update_weights_from_disk", body)
         finally:
             if not self.keep:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def _check_unpadded(bucket: Bucket) -> None:
+def _bucket_layouts(plan, src: Sources, dtypes: list[torch.dtype]):
+    """(bucket index, names, byte offsets, byte sizes) of every bucket of ``plan``."""
+    for b in range(plan.n_buckets):
+        ts = plan.tensors_of(b).tolist()
+        sizes = [int(torch.Size(src.shapes[t]).numel()) * dtypes[t].itemsize for t in ts]
+        yield b, [src.names[t] for t in ts], [int(plan.offset[t]) for t in ts], sizes
+
+
+def _check_unpadded(bucket_index: int, names: list[str], offsets: list[int], nbytes: list[int]) -> None:
     """SGLang unpacks a flattened bucket by laying the tensors back to back with no alignment
     padding. Our buckets align each tensor to its dtype size, which adds padding only when a
-    bucket mixes dtypes in an unlucky order; refuse that rather than corrupt the weights."""
+    bucket mixes dtypes in an unlucky order; refuse that (before any server is asked to
+    receive) rather than corrupt the weights."""
     end = 0
-    for i, off in enumerate(bucket.offsets):
+    for name, off, n in zip(names, offsets, nbytes):
         if off != end:
             raise WeightSyncError(
-                f"bucket {bucket.index}: tensor {bucket.names[i]!r} would need {off - end} bytes of alignment "
-                "padding, which SGLang's flattened_bucket loader does not understand; send one dtype "
-                "(WeightSyncConfig(dtype=torch.bfloat16)) or load_format=None")
-        end = off + bucket.tensor(i).numel() * bucket.dtypes[i].itemsize
+                f"bucket {bucket_index}: tensor {name!r} would need {off - end} bytes of alignment padding, which "
+                "SGLang's flattened_bucket loader does not understand; send one dtype "
+                "(WeightSyncConfig(dtype='bfloat16')) or load_format=None")
+        end = off + n

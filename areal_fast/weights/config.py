@@ -1,0 +1,92 @@
+"""The one weight-sync configuration: the ``weights:`` section of a run's YAML and the argument of
+every transport in :mod:`areal_fast.weights`. Torch-free, so loading a config does not import torch."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+__all__ = ["WeightSyncConfig", "METHODS", "DISK_LOAD_FORMATS", "API_KEY_ENV", "HOST_ENV"]
+
+METHODS = ("distributed", "disk")
+# What /update_weights_from_disk may name as ``load_format`` for an HF-layout safetensors
+# directory (SGLang's LoadFormat values that read such a directory); never null, which would
+# mean "the launch format" and fails on servers launched with ``--load-format dummy``.
+DISK_LOAD_FORMATS = ("auto", "safetensors")
+API_KEY_ENV = "AREAL_FAST_API_KEY"
+HOST_ENV = "AREAL_FAST_HOST"  # the address servers on other machines reach trainer rank 0 at
+_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightSyncConfig:
+    """How new weights reach the inference servers after each trainer step."""
+
+    method: str = "distributed"
+    """'distributed' (NCCL / gloo broadcast of flattened buckets; falls back to disk for the rest
+    of the run when a server of the group dies) or 'disk' (safetensors + /update_weights_from_disk)."""
+    bucket_bytes: int = 256 << 20
+    """Largest flattened bucket (bytes); a larger tensor travels alone."""
+    dtype: str | None = "auto"
+    """Floating tensors are sent in this dtype ('bfloat16', 'float16', 'float32'); 'auto': bfloat16
+    when the trainer runs on CUDA, as stored otherwise; null: always as stored."""
+    load_format: str | None = "flattened_bucket"
+    """Distributed path: 'flattened_bucket' (one broadcast per bucket) or null (one per tensor)."""
+    disk_load_format: str = "auto"
+    """``load_format`` sent with /update_weights_from_disk: 'auto' or 'safetensors'."""
+    group_name: str = "weight_update_group"
+    """Name of the weight-update process group on the servers."""
+    master_addr: str | None = None
+    """Address of the group's store on trainer rank 0; null: $AREAL_FAST_HOST, else 127.0.0.1.
+    The store listens on this address only."""
+    master_port: int = 0
+    """Port of that store; 0 picks a free one."""
+    backend: str | None = None
+    """'nccl' or 'gloo'; null: chosen from where the tensors are (see docs/weight_sync.md)."""
+    timeout_s: float = 600.0
+    """Limit for each HTTP call, the group rendezvous and each broadcast."""
+    api_key: str | None = field(default=None, repr=False)
+    """Bearer token for the servers; null: $AREAL_FAST_API_KEY when set."""
+    flush_cache: bool = True
+    """Ask the servers to flush their prefix cache with each update."""
+    save_root: str | None = None
+    """Disk path: parent directory of the temporary checkpoint (null: the system temp dir)."""
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method: must be one of {METHODS}, got {self.method!r}")
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1 << 10:
+            raise ValueError(f"bucket_bytes: must be an integer >= 1024, got {self.bucket_bytes!r}")
+        if self.dtype is not None and not isinstance(self.dtype, str):  # a torch.dtype from Python callers
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: must be one of {_DTYPES} or null, got {self.dtype!r}")
+        if self.load_format not in (None, "flattened_bucket"):
+            raise ValueError(f"load_format: must be 'flattened_bucket' or null, got {self.load_format!r}")
+        if self.disk_load_format not in DISK_LOAD_FORMATS:
+            raise ValueError(f"disk_load_format: must be one of {DISK_LOAD_FORMATS}, got {self.disk_load_format!r}")
+        if not self.group_name:
+            raise ValueError("group_name: must not be empty")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port: must be in [0, 65535], got {self.master_port!r}")
+        if self.backend not in (None, "nccl", "gloo"):
+            raise ValueError(f"backend: must be 'nccl', 'gloo' or null, got {self.backend!r}")
+        if not (isinstance(self.timeout_s, int | float) and self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ValueError(f"timeout_s: must be a finite number > 0, got {self.timeout_s!r}")
+
+    @property
+    def resolved_master_addr(self) -> str:
+        return self.master_addr or os.environ.get(HOST_ENV) or "127.0.0.1"
+
+    @property
+    def resolved_api_key(self) -> str | None:
+        return self.api_key if self.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+
+    def send_dtype(self, device_type: str):
+        """The torch dtype floating tensors are sent in (None: as stored) on a trainer on ``device_type``."""
+        import torch
+
+        if self.dtype is None or (self.dtype == "auto" and device_type != "cuda"):
+            return None  # fp32 on CPU: the CPU engine computes in fp32, behaviour log-probs must match
+        return torch.bfloat16 if self.dtype == "auto" else getattr(torch, self.dtype)
