@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,3 +83,24 @@ def test_describe_lists_every_backend():
     d = backend.describe()
     assert set(backend.BACKENDS) <= set(d)
     assert d["reference"] == "available"
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("doc", ["architecture.md", "glossary.md"])
+def test_every_file_a_doc_names_exists(doc):
+    """Paths in backticks (``areal_fast/x.py``, ``trainer/batch.py``) and linked docs must exist:
+    from the repository root, from ``docs/``, from ``areal_fast/`` (or its ``rollout/``), or
+    from a directory named in backticks in the ``###`` heading above them."""
+    roots = [os.path.join(REPO, *d) for d in ((), ("docs",), ("areal_fast",), ("areal_fast", "rollout"))]
+    named, section = [], []
+    for line in open(os.path.join(REPO, "docs", doc)):
+        if line.startswith("#"):
+            section = [os.path.join(REPO, d) for d in re.findall(r"`([\w./-]+/)`", line)]
+            continue
+        for p in re.findall(r"`([\w./-]+\.(?:py|cpp|cu|h|md|txt))`", line) + re.findall(r"\]\(([\w./-]+\.md)", line):
+            named.append((p, roots + section))
+    assert named, f"docs/{doc} names no file"
+    missing = sorted({p for p, where in named if not any(os.path.exists(os.path.join(r, p)) for r in where)})
+    assert missing == [], f"docs/{doc} names files that do not exist: {missing}"
