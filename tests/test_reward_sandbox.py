@@ -7,9 +7,7 @@ limit 10 -> 9 forks) in test_nproc_limit_counts_only_this_sandbox before it was 
 
 import os
 import secrets
-import shutil
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -72,6 +70,7 @@ def test_runs_in_fresh_temp_dir_as_home_and_removes_it():
 
 @needs_uid
 def test_cannot_write_or_read_the_real_home():
+    """The sandbox's root holds no home: writes hit a read-only root, the secret does not exist."""
     home = Path.home()
     token = secrets.token_hex(8)
     target = home / f"areal_sbx_pwned_{token}"
@@ -81,11 +80,11 @@ def test_cannot_write_or_read_the_real_home():
     try:
         prog = (f"open({str(target)!r}, 'w').write('pwned')\n")
         r = score(prog)
-        assert (r.value, r.status) == (0.0, "error") and "Permission" in r.detail, r
+        assert (r.value, r.status) == (0.0, "error") and "Read-only file system" in r.detail, r
         assert not target.exists()
         r = code_reward({"tests": [{"input": "", "output": token}], "time_limit_s": LIMIT_S},
                         f"print(open({str(secret)!r}).read())")
-        assert r.value == 0.0 and "Permission" in r.detail, r
+        assert r.value == 0.0 and "No such file" in r.detail, r
     finally:
         secret.unlink()
         if target.exists():
@@ -96,11 +95,15 @@ def test_cannot_write_or_read_the_real_home():
 def test_writes_to_world_writable_places_stay_inside():
     """/tmp, /dev/shm are fresh size-capped tmpfs inside the namespace; the rest is read-only."""
     token = secrets.token_hex(8)
-    paths = [f"{d}/areal_sbx_probe_{token}" for d in ("/tmp", "/dev/shm", "/var/tmp")]
-    prog = (f"for p in {paths!r}:\n    try:\n        open(p, 'w').write('x')\n"
-            "    except OSError as e:\n        print(e)\n")
+    paths = [f"{d}/areal_sbx_probe_{token}" for d in ("/tmp", "/dev/shm", "/var/tmp", "")]
+    prog = (f"for p in {paths!r}:\n    try:\n        open(p, 'w').write('x')\n        print('wrote', p)\n"
+            "    except OSError as e:\n        print(type(e).__name__, e.strerror)\n")
     r = run_sandboxed(["python", "-c", prog])
-    assert r.ok and b"Read-only file system" in r.stdout, r  # /var/tmp is on the read-only root
+    assert r.ok, r
+    # its own /tmp and /dev/shm; no /var on its root; the root itself is read-only
+    assert r.stdout.decode().splitlines() == [f"wrote {paths[0]}", f"wrote {paths[1]}",
+                                              "FileNotFoundError No such file or directory",
+                                              "OSError Read-only file system"], r
     assert not any(os.path.exists(p) for p in paths)
     fill = "for i in range(100):\n    open('f%d' % i, 'wb').write(b'x' * (8 << 20))\n"  # 800 MB
     r = run_sandboxed(["python", "-c", fill], limits=SandboxLimits(disk_bytes=32 << 20))
@@ -174,20 +177,6 @@ def test_child_sleeping_forever_after_parent_exits_is_killed():
     assert time.perf_counter() - t < LIMIT_S, "the run must not wait for the orphan"
     if ISO.mode == "ns+uid":
         assert_no_leftovers()
-
-
-@pytest.mark.skipif(os.geteuid() != 0 or not all(shutil.which(t) for t in ("unshare", "setpriv", "mount")),
-                    reason="bind-mounted interpreter mode needs root, unshare, setpriv and mount")
-def test_bind_mounted_interpreter_mode():
-    """The fallback for an interpreter the sandbox uid cannot reach: our own, bind-mounted."""
-    exe = os.path.realpath(sys._base_executable)
-    iso = sandbox.Isolation("ns+uid", exe, True, os.path.realpath(sys.base_prefix))
-    major, minor = sys.version_info[:2]
-    prog = f"import os, sys\nprint(os.getuid() >= (1 << 30), sys.version_info[:2] == ({major}, {minor}))\n"
-    prog += "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), timeout=0.5)\nexcept OSError:\n"
-    prog += "    print('no network')\n"
-    r = sandbox._run(iso, [exe, "-I", "-c", prog], b"", {}, SandboxLimits())
-    assert r.ok and r.stdout.decode().split("\n")[:2] == ["True True", "no network"], r
 
 
 def test_limits_are_validated():

@@ -50,6 +50,17 @@ def sys_exit(task, completion):
     sys.exit(2)
 
 
+def dies_once(task, completion):
+    """SIGKILLs its worker the first time it sees ``task["marker"]`` missing (an OOM kill, say)."""
+    marker = task["marker"]
+    if not os.path.exists(marker):
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    with open(marker) as f:
+        return RewardResult(1.0, "ok", f"{f.read()} {os.getpid()}")
+
+
 def returns_nan(task, completion):
     return math.nan
 
@@ -99,15 +110,15 @@ def test_math_and_code_through_the_pool():
 
 
 def test_failing_custom_rewards_score_zero_are_counted_and_the_pool_recovers(caplog):
-    cases = [  # (function, status, substring of detail, kills the worker)
-        ("raises", "error", "RuntimeError: custom boom", False),
-        ("hangs", "timeout", "exceeded", True),
-        ("exits", "error", "died (exit code 7", True),
-        ("sigkill_self", "error", "died (exit code -9", True),
-        ("sys_exit", "error", "SystemExit", False),
-        ("returns_nan", "error", "non-finite", False),
-        ("returns_text", "error", "returned str", False),
-        ("no_such_function", "error", "no attribute", False),
+    cases = [  # (function, status, substring of detail, workers it kills: a death is retried once)
+        ("raises", "error", "RuntimeError: custom boom", 0),
+        ("hangs", "timeout", "exceeded", 1),
+        ("exits", "error", "died (exit code 7", 2),
+        ("sigkill_self", "error", "died (exit code -9", 2),
+        ("sys_exit", "error", "SystemExit", 0),
+        ("returns_nan", "error", "non-finite", 0),
+        ("returns_text", "error", "returned str", 0),
+        ("no_such_function", "error", "no attribute", 0),
     ]
 
     async def main():
@@ -128,6 +139,8 @@ def test_failing_custom_rewards_score_zero_are_counted_and_the_pool_recovers(cap
     n_kills = sum(c[3] for c in cases)
     assert stats["timeout"] == 1 and stats["error"] == len(cases) - 1 and stats["ok"] == len(cases)
     assert stats["worker_restarts"] == n_kills and stats["workers"] == 2
+    assert stats["worker_deaths"] == 4 and stats["retries"] == 2 and stats["retried_ok"] == 0  # no retry on timeout
+    assert "retried on a fresh worker" in out[2][0].detail
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("1 timeouts" in w and f"{len(cases) - 1} errors" in w for w in warnings), warnings
 
@@ -193,6 +206,22 @@ def test_worker_killed_mid_sandbox_leaves_nothing_behind():
         while sandbox_processes() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sandbox_processes() == []
+
+
+def test_call_whose_worker_is_killed_is_retried_once_on_a_fresh_worker(tmp_path):
+    """A worker SIGKILLed mid-call (as by the OOM killer) does not cost the sample its reward."""
+    async def main():
+        async with RewardService(num_workers=1, timeout_s=30) as svc:
+            first_pid = svc._workers[0].proc.pid
+            r = await svc.score({"reward": f"{ME}:dies_once", "marker": str(tmp_path / "died")}, "")
+            return first_pid, r, svc.stats()
+
+    first_pid, r, stats = run(main())
+    assert (r.value, r.status) == (1.0, "ok"), r
+    killed_pid, retry_pid = map(int, r.detail.split())
+    assert killed_pid == first_pid and retry_pid != first_pid
+    assert stats["calls"] == 1 and stats["ok"] == 1 and stats["error"] == 0
+    assert stats["worker_deaths"] == 1 and stats["retries"] == 1 and stats["retried_ok"] == 1
 
 
 def test_concurrency_is_bounded_by_the_workers():

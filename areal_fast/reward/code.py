@@ -8,7 +8,7 @@ Task keys::
      # or function-call style: all tests in one sandboxed run of a small harness
      "fn_name": "add", "tests": [{"args": [1, 2], "kwargs": {}, "expected": 3}, ...],
      "time_limit_s": 2.0,     # per test (function-call style: per test, summed for the run)
-     "memory_mb": 1024,       # address-space limit of the program
+     "memory_mb": 1024,       # memory of the whole run, all its processes together
      "partial": False}        # True: value = fraction of tests passed instead of all-or-nothing
 
 The program is the last fenced code block of the completion (```python ... ```), or the whole
@@ -17,9 +17,15 @@ Outcomes: all tests pass -> (1, ok); a wrong answer -> (0, ok); a crash, a resou
 too much output -> (0, error); too slow -> (0, timeout). Tests stop at the first failure unless
 ``partial``.
 
-The harness runs in the same process as the solution and marks its result line with a random
-nonce, which stops accidental output mixing; it is not a defence against a program that
-deliberately inspects the harness's frames (run stdin/stdout tests for that).
+Function-call style: a small harness in the sandbox imports the solution, calls the function on
+each test's arguments and writes back what it returned, serialised as JSON; the comparison with
+the expected values happens here, outside the sandbox, and the expected values never enter it.
+The harness shares its process with the solution, so the solution can reach everything the
+harness holds (its frames, the result fd, ``json.dumps``, builtins): that is why the harness
+decides nothing. The most a solution can do through the harness is claim return values, which
+it could as well return; a return value that is not plain JSON data (an object whose ``__eq__``
+always says True) is a failure; a result stream that is not exactly one record per test, in
+order, is refused as tampered.
 """
 
 from __future__ import annotations
@@ -39,47 +45,32 @@ _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
 _STDERR_TAIL = 400
 
 _HARNESS = r'''
-import json, math, os, sys
+import json, os, sys
 spec = json.loads(sys.stdin.read())
 out = os.fdopen(os.dup(1), "w")
 sys.stdout = open(os.devnull, "w")
-def eq(a, b):
-    if isinstance(a, float) or isinstance(b, float):
-        try:
-            return math.isclose(float(a), float(b), rel_tol=spec["tol"], abs_tol=spec["tol"])
-        except (TypeError, ValueError):
-            return False
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(eq(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(eq(a[k], b[k]) for k in a)
-    return a == b
 def report(**kw):
     out.write(spec["nonce"] + json.dumps(kw) + "\n"); out.flush()
 ns = {"__name__": "solution"}
 try:
     exec(compile(open("solution.py").read(), "solution.py", "exec"), ns)
 except BaseException as e:
-    report(test=-1, ok=False, error="%s: %s" % (type(e).__name__, e)); sys.exit(0)
+    report(test=-1, error="%s: %s" % (type(e).__name__, e)); sys.exit(0)
 fn = ns.get(spec["fn"])
 if fn is None and isinstance(ns.get("Solution"), type):
     fn = getattr(ns["Solution"](), spec["fn"], None)
 if not callable(fn):
-    report(test=-1, ok=False, error="no function %r defined" % spec["fn"]); sys.exit(0)
+    report(test=-1, error="no function %r defined" % spec["fn"]); sys.exit(0)
 for i, t in enumerate(spec["tests"]):
     try:
-        got = fn(*t.get("args", []), **t.get("kwargs", {}))
-        try:
-            got = json.loads(json.dumps(got))
-        except (TypeError, ValueError):
-            pass
-        ok = eq(got, t["expected"])
-        report(test=i, ok=ok, got=repr(got)[:200])
+        got = fn(*t["args"], **t["kwargs"])
     except BaseException as e:
-        report(test=i, ok=False, error="%s: %s" % (type(e).__name__, e))
-        ok = False
-    if not ok and not spec["partial"]:
-        break
+        report(test=i, error="%s: %s" % (type(e).__name__, e))
+        continue
+    try:
+        report(test=i, value=json.loads(json.dumps(got)))
+    except (TypeError, ValueError, RecursionError) as e:
+        report(test=i, error="returned %s, not JSON data (%s)" % (type(got).__name__, e))
 '''
 
 
@@ -125,11 +116,13 @@ def outputs_match(got: str, expected: str) -> bool:
 def _failure(run: SandboxResult, where: str) -> RewardResult:
     """Map a sandbox run that did not finish cleanly to a (0, timeout|error) result."""
     tail = run.stderr.decode("utf-8", "replace")[-_STDERR_TAIL:]
+    if run.memory_exceeded:  # the run's processes together went over the cap: one of them was killed
+        return RewardResult(0.0, "error", f"memory limit exceeded {where} (the run's processes together)")
     if run.status == "timeout" or run.returncode in (-24, 128 + 24):  # SIGXCPU: CPU rlimit
         return RewardResult(0.0, "timeout", f"time limit exceeded {where}")
     if run.status == "output_limit":
         return RewardResult(0.0, "error", f"output limit exceeded {where}")
-    kind = "memory limit" if "MemoryError" in tail else "runtime error"
+    kind = "memory limit" if run.memory_exceeded or "MemoryError" in tail else "runtime error"
     return RewardResult(0.0, "error", f"{kind} {where} (exit {run.returncode}): {tail}")
 
 
@@ -149,10 +142,11 @@ def _stdio(task: dict, code: str, tests: list[dict]) -> RewardResult:
             raise ValueError(f"code reward: test {i} needs 'input' and 'output' keys, got {sorted(t)}")
         run = run_sandboxed(["python", "-I", "solution.py"], stdin=str(t["input"]).encode(),
                             files={"solution.py": code}, limits=limits)
-        if run.ok and outputs_match(run.stdout.decode("utf-8", "replace"), str(t["output"])):
+        clean = run.ok and not run.memory_exceeded
+        if clean and outputs_match(run.stdout.decode("utf-8", "replace"), str(t["output"])):
             passed += 1
             continue
-        bad = _failure(run, f"on test {i}") if not run.ok else RewardResult(0.0, "ok", f"wrong answer on test {i}")
+        bad = _failure(run, f"on test {i}") if not clean else RewardResult(0.0, "ok", f"wrong answer on test {i}")
         first_bad = first_bad or bad
         if not partial:
             return bad
@@ -167,31 +161,87 @@ def _summary(passed: int, n: int, partial: bool, first_bad: RewardResult | None)
     return first_bad or RewardResult(0.0, "ok", f"passed {passed}/{n}")
 
 
+def values_equal(got: object, expected: object) -> bool:
+    """JSON values equal, floats (anywhere inside) within 1e-6; lists and tuples alike."""
+    if isinstance(got, bool) or isinstance(expected, bool):
+        return type(got) is type(expected) and got == expected
+    if isinstance(got, float) or isinstance(expected, float):
+        if not isinstance(got, (int, float)) or not isinstance(expected, (int, float)):
+            return False
+        return math.isclose(got, expected, rel_tol=_FLOAT_REL_TOL, abs_tol=_FLOAT_REL_TOL)
+    if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
+        return len(got) == len(expected) and all(values_equal(g, e) for g, e in zip(got, expected))
+    if isinstance(got, dict) and isinstance(expected, dict):
+        return got.keys() == expected.keys() and all(values_equal(got[k], expected[k]) for k in got)
+    return type(got) is type(expected) and got == expected
+
+
+class _Tampered(ValueError):
+    pass
+
+
+def _read_reports(stdout: bytes, nonce: str, n_tests: int) -> list[dict]:
+    """The harness's records, checked: test -1 alone, or tests 0, 1, ... once each, in order."""
+    reports = []
+    for line in stdout.decode("utf-8", "replace").splitlines():
+        if not line.startswith(nonce):
+            continue
+        try:
+            rec = json.loads(line[len(nonce):])
+        except ValueError as e:
+            raise _Tampered(f"unreadable result record: {e}") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("test"), int) or ("value" in rec) == ("error" in rec):
+            raise _Tampered(f"malformed result record {line[len(nonce):][:100]!r}")
+        reports.append(rec)
+    expected_ids = [-1] if reports and reports[0]["test"] == -1 else list(range(len(reports)))
+    if [r["test"] for r in reports] != expected_ids or len(reports) > n_tests:
+        raise _Tampered(f"result records for tests {[r['test'] for r in reports][:20]}")
+    return reports
+
+
 def _function_call(task: dict, code: str, tests: list[dict]) -> RewardResult:
     nonce = "@@" + secrets.token_hex(16) + "@@"
     partial = bool(task.get("partial", False))
-    spec = {"fn": task["fn_name"], "tests": tests, "nonce": nonce, "partial": partial, "tol": _FLOAT_REL_TOL}
+    calls = []
+    for i, t in enumerate(tests):
+        if not isinstance(t, dict) or "expected" not in t:
+            raise ValueError(f"code reward: function-call test {i} needs an 'expected' key, got {t!r:.100}")
+        calls.append({"args": list(t.get("args", [])), "kwargs": dict(t.get("kwargs", {}))})
+    # the sandbox gets the arguments only: what is expected stays here
+    spec = {"fn": task["fn_name"], "tests": calls, "nonce": nonce}
     run = run_sandboxed(["python", "-I", "harness.py"], stdin=json.dumps(spec).encode(),
                         files={"solution.py": code, "harness.py": _HARNESS}, limits=_limits(task, len(tests)))
-    reports = []
-    for line in run.stdout.decode("utf-8", "replace").splitlines():
-        if line.startswith(nonce):
-            reports.append(json.loads(line[len(nonce):]))
-    passed = sum(1 for r in reports if r["ok"])
-    first = next((r for r in reports if not r["ok"]), None)
-    if first is not None and first["test"] == -1:
-        return RewardResult(0.0, "error", f"runtime error loading solution: {first['error']}")
-    if not run.ok and passed < len(tests):
+    try:
+        reports = _read_reports(run.stdout, nonce, len(tests))
+    except _Tampered as e:
+        return RewardResult(0.0, "error", f"the solution tampered with the test harness: {e}")
+    if reports and reports[0]["test"] == -1:
+        return RewardResult(0.0, "error", f"runtime error loading solution: {reports[0]['error']}")
+    if run.memory_exceeded:
         return _failure(run, f"after {len(reports)} of {len(tests)} tests")
-    if first is None and passed < len(tests):  # e.g. os._exit() inside the function
-        return RewardResult(0.0, "error", f"program ended after {len(reports)} of {len(tests)} tests "
-                                          f"(exit {run.returncode})")
+    passed = 0
     bad = None
-    if first is not None:
-        if "error" in first:
-            bad = RewardResult(0.0, "error", f"runtime error on test {first['test']}: {first['error']}")
+    for r in reports:
+        i = r["test"]
+        if "error" in r:
+            res = RewardResult(0.0, "error", f"runtime error on test {i}: {r['error']}")
+        elif values_equal(r["value"], tests[i]["expected"]):
+            passed += 1
+            continue
         else:
-            bad = RewardResult(0.0, "ok", f"wrong answer on test {first['test']}: got {first['got']}")
+            res = RewardResult(0.0, "ok", f"wrong answer on test {i}: got {json.dumps(r['value'])[:200]}")
+        bad = bad or res
+        if not partial:
+            return res
+    if len(reports) < len(tests):
+        where = f"after {len(reports)} of {len(tests)} tests"
+        if not run.ok:
+            res = _failure(run, where)
+        else:  # e.g. os._exit() inside the function
+            res = RewardResult(0.0, "error", f"program ended {where} (exit {run.returncode})")
+        if not partial:
+            return res
+        bad = bad or res
     return _summary(passed, len(tests), partial, bad)
 
 

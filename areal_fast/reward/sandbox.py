@@ -3,7 +3,14 @@
 Every run gets, whatever the isolation mode:
   * its own session and process group (``start_new_session``), killed as a whole on timeout;
   * a fresh temporary directory as cwd, ``HOME`` and ``TMPDIR``; a minimal environment;
-  * rlimits: CPU seconds, address space, file size, processes, open files, no core dumps;
+  * a memory cap for the run as a whole, all its processes together (`cgroup.py`): a cgroup of
+    its own with ``memory`` = ``memory_bytes`` and ``pids`` = ``nproc`` + 1 where one can be
+    created; otherwise (logged once) RLIMIT_AS = ``memory_bytes`` / N per process with at most
+    N = min(``nproc``, FALLBACK_NPROC) processes, which bounds the total the same way;
+  * rlimits: CPU seconds, address space (``memory_bytes`` per process: one big allocation fails
+    with a MemoryError before the cgroup has to kill anything), file size, processes, open
+    files, no core dumps;
+  * ``no_new_privs``: no setuid or file-capability binary raises its privileges;
   * stdout/stderr read through pipes with a byte cap: a program that prints more is killed
     (printing 1 GB costs ~1 MiB of our memory, not 1 GB);
   * ``PR_SET_PDEATHSIG`` = SIGKILL, so when the pool worker that launched it dies (the reward
@@ -13,42 +20,44 @@ Isolation modes, detected once per process by actually running a probe (`isolati
 
 ``ns+uid`` (running as root, ``unshare`` works; the normal case on our CI and machines)
     ``unshare --mount --net --pid --ipc --fork --kill-child`` then, still root inside,
-    `_nsinit.py` prepares the mounts, drops to uid U and execs the program:
+    `_nsinit.py` builds the run's own root file system, drops to uid U and execs the program:
       - network namespace: only a downed loopback, no network at all (not even 127.0.0.1);
-      - PID namespace: the program is PID 1; when it exits the kernel kills everything it
-        left behind, so a child sleeping forever dies with it;
-      - mount namespace: a fresh size-capped tmpfs is /tmp (the work dir is /tmp/work), another
-        is /dev/shm, and / is remounted read-only, so the program can write nowhere but its
-        own tmpfs (host /tmp, /var/tmp, /dev/shm and homes are untouched, and disk/RAM use
-        by files is capped at ``disk_bytes``); all of it vanishes with the namespace;
+      - PID namespace with its own /proc: the program is PID 1 and sees only its own processes
+        (no other command line, environment or fd of the host); when it exits the kernel kills
+        everything it left behind, so a child sleeping forever dies with it;
+      - mount namespace and a new root (`rootfs.py`): only the interpreter, its module path and
+        its shared libraries, read-only, at their host paths; a few /dev nodes; a fresh
+        size-capped tmpfs as /tmp (the work dir is /tmp/work) and another as /dev/shm. Every
+        mount is nosuid and nodev, the writable ones noexec. /work, /root, /etc, /home, /sys and
+        every other host file are simply absent; all of it vanishes with the namespace;
       - uid U, unprivileged and used by no other live process. RLIMIT_NPROC is not enforced
         for root, but it is for U, and because U is unique (2**30 + 64 * launcher pid + slot)
-        the limit counts only this sandbox's processes: a fork bomb stops at ``nproc``. U
-        cannot read root's home (0700) or any file that is not world-readable.
-    After a timeout every process of U is SIGKILLed. Cost: ~20 ms per run over a bare
-    interpreter start (namespaces ~8 ms, `_nsinit.py` ~10 ms).
+        the limit counts only this sandbox's processes: a fork bomb stops at ``nproc``.
+    After a timeout every process of U is SIGKILLed. Cost: ~25 ms per run over a bare
+    interpreter start (namespaces ~8 ms, `_nsinit.py` and its ~50 mounts ~15 ms, cgroup ~0.3 ms).
 ``ns`` (not root, user namespaces allowed)
     ``unshare --user --net --pid --ipc --fork --kill-child``: no network, PID namespace as
-    above, but the program keeps our uid for file access (it can read and write what we can)
-    and RLIMIT_NPROC counts all of our uid's processes, so it is set to (our count + nproc).
-``uid`` (root, no ``unshare``): unique uid and rlimits, but NO network isolation, and the
-    work dir is a 0700 directory in the host's /tmp (the uid can still write world-writable
-    places such as /tmp).
+    above, but the program keeps our uid and sees our file system (it can read and write what
+    we can), and RLIMIT_NPROC counts all of our uid's processes, so it is set to (our count + nproc).
+``uid`` (root, no ``unshare``): unique uid, cgroup and rlimits, but NO network isolation, the
+    host's file system (what any user may read) and /proc; the work dir is a 0700 directory
+    in the host's /tmp (the uid can still write world-writable places such as /tmp).
 ``plain`` (not root, no user namespaces): process group and rlimits only, NO network
     isolation, our uid's file access. Root never falls back to it (nor to ``ns``): RLIMIT_NPROC
     is never enforced for uid 0, so root without a working uid switch raises SandboxUnavailable.
 The weaker modes log a warning once. ``AREAL_FAST_SANDBOX_PYTHON`` picks the interpreter;
-otherwise the first of ``sys.executable``, ``/usr/bin/python3``, ... that the sandbox uid can
-run is used. When none can (e.g. a pyenv under a 0700 /root and no system Python), ``ns+uid``
-bind-mounts our interpreter's install prefix at /tmp/.python inside the namespace.
+otherwise the first of our own base interpreter (never a virtualenv's: it would need the venv
+inside), ``/usr/bin/python3``, ... that works in the sandbox is used.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import glob
 import itertools
+import json
 import logging
 import os
 import resource
@@ -62,6 +71,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from . import cgroup as _cgroup
+from . import rootfs
+from .cgroup import CgroupSupport, RunCgroup
+
 log = logging.getLogger(__name__)
 
 _UID_BASE = 1 << 30  # far above any real account; + 64 * pid (pid < 2**22) stays < 2**32
@@ -73,6 +86,11 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _READ_CHUNK = 1 << 16
 _RUN_PREFIX = "areal_sbx_"  # + launcher pid + "_": run dirs of a killed worker can be found
 _MIN_GRACE_S = 0.1  # after the main process exits, how long we still drain pipes held by orphans
+_PR_SET_NO_NEW_PRIVS = 38
+FALLBACK_NPROC = 8
+"""Process cap without a cgroup: RLIMIT_AS is then memory_bytes / 8 per process (128 MiB of the
+default 1 GiB; a Python interpreter maps ~25 MiB at start), so 8 processes stay within the cap."""
+_PIDS_OVERHEAD = 1  # unshare, which waits inside the run's cgroup for the program
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,7 +102,8 @@ class SandboxLimits:
     cpu_s: int | None = None
     """RLIMIT_CPU in seconds; default ceil(timeout_s) + 1 (the wall limit normally fires first)."""
     memory_bytes: int = 1 << 30
-    """RLIMIT_AS per process (1 GiB: a Python interpreter needs ~30 MiB of address space)."""
+    """Memory of the whole run, all processes together (cgroup; see the module docstring for the
+    fallback), and RLIMIT_AS of each process (1 GiB: a Python interpreter maps ~25 MiB)."""
     file_size_bytes: int = 16 << 20
     """RLIMIT_FSIZE: the largest file the program may write (SIGXFSZ beyond)."""
     nproc: int = 32
@@ -115,6 +134,8 @@ class SandboxResult:
     elapsed: float
     mode: str
     notes: list[str] = field(default_factory=list)
+    memory_exceeded: bool = False
+    """The run's cgroup OOM-killed a process: together its processes wanted more than the cap."""
 
     @property
     def ok(self) -> bool:
@@ -126,9 +147,10 @@ class Isolation:
     mode: str  # ns+uid | ns | uid | plain
     python: str  # interpreter the sandboxed program can run
     network_isolated: bool
-    bind_prefix: str | None = None
-    """ns+uid only: the interpreter's install prefix, unreadable by the sandbox uid (a pyenv
-    under /root), bind-mounted at <run dir>/py in a private mount namespace for each run."""
+    layout: tuple[tuple[str, ...], ...] = ()
+    """ns+uid only: what the run's root file system holds (`rootfs.layout`)."""
+    cgroup: CgroupSupport | None = None
+    """Where each run's cgroup is created; None: the RLIMIT fallback caps the run's memory."""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -181,21 +203,23 @@ def cleanup_after(launcher_pid: int) -> None:
 
     Its sandboxed processes need no help: PR_SET_PDEATHSIG kills ``unshare`` (or, without
     namespaces, the program) when the launcher dies. In ns+uid mode the work dir is a tmpfs that
-    vanishes with the namespace; what is left is the small staging dir (files and stdin).
+    vanishes with the namespace; what is left is the small staging dir (files and stdin) and the
+    run's cgroup.
     """
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{_RUN_PREFIX}{launcher_pid}_*")):
         shutil.rmtree(path, ignore_errors=True)
+    _cgroup.cleanup_after(launcher_pid)
 
 
 _NSINIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_nsinit.py")  # runs as root: any python
 _NS_WORK = "/tmp/work"  # the program's cwd/HOME inside the mount namespace
-_NS_PYTHON = "/tmp/.python"
 
 
-def _unshare_prefix(iso: Isolation, uid: int | None, run_dir: str, limits: SandboxLimits) -> list[str]:
+def _unshare_prefix(iso: Isolation, uid: int | None, run_dir: str, limits: SandboxLimits,
+                    layout: tuple[tuple[str, ...], ...]) -> list[str]:
     if iso.mode == "ns+uid":
         return ["unshare", "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--",
-                sys.executable, "-I", "-S", _NSINIT, str(uid), run_dir, str(limits.disk_bytes), iso.bind_prefix or ""]
+                sys.executable, "-I", "-S", _NSINIT, str(uid), run_dir, str(limits.disk_bytes), json.dumps(layout)]
     if iso.mode == "ns":
         return ["unshare", "--user", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--"]
     return []
@@ -205,10 +229,13 @@ def _python_candidates() -> list[str]:
     env = os.environ.get("AREAL_FAST_SANDBOX_PYTHON")
     if env:
         return [env]
-    cands = [sys.executable, getattr(sys, "_base_executable", ""), shutil.which("python3") or "",
-             "/usr/bin/python3", "/usr/local/bin/python3"]
+    # real paths: a virtualenv's python would look for its pyvenv.cfg and site-packages, which
+    # the sandbox does not show; its base interpreter is the same Python without them
+    cands = [getattr(sys, "_base_executable", "") or sys.executable, sys.executable,
+             shutil.which("python3") or "", "/usr/bin/python3", "/usr/local/bin/python3"]
     out = []
     for c in cands:
+        c = os.path.realpath(c) if c else c
         if c and os.path.exists(c) and c not in out:
             out.append(c)
     return out
@@ -223,18 +250,24 @@ def isolation() -> Isolation:
     modes = ["ns+uid", "uid"] if root else ["ns", "plain"]
     if shutil.which("unshare") is None:
         modes = [m for m in modes if not m.startswith("ns")]
-    attempts = [Isolation(m, py, m.startswith("ns")) for m in modes[:1] for py in _python_candidates()]
-    if modes[0] == "ns+uid":
-        exe = os.path.realpath(getattr(sys, "_base_executable", "") or sys.executable)
-        prefix = os.path.realpath(sys.base_prefix)
-        if exe.startswith(prefix + os.sep):
-            attempts.append(Isolation("ns+uid", exe, True, prefix))
-    attempts += [Isolation(m, py, m.startswith("ns")) for m in modes[1:] for py in _python_candidates()]
-    for iso in attempts:
-        if _probe(iso):
+    cg = _cgroup.support()
+    for mode in modes:
+        for py in _python_candidates():
+            iso = Isolation(mode, py, mode.startswith("ns"), cgroup=cg)
+            if mode == "ns+uid":
+                try:
+                    iso = dataclasses.replace(iso, layout=rootfs.layout(py))
+                except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
+                    log.info("reward sandbox: %s cannot be laid out for the sandbox root: %s", py, e)
+                    continue
+            if not _probe(iso):
+                continue
             if not iso.network_isolated:
                 log.warning("reward sandbox: mode %r has NO network isolation (unshare unavailable "
                             "or refused); untrusted code can open sockets", iso.mode)
+            if mode != "ns+uid":
+                log.warning("reward sandbox: mode %r shows the program the host's file system and /proc "
+                            "(run as root with unshare for a private root)", iso.mode)
             return iso
     raise SandboxUnavailable(
         f"no interpreter runs inside the sandbox (tried {_python_candidates()} in modes {modes}); "
@@ -256,11 +289,11 @@ _PROBE = ("import os, sys; exe = os.path.realpath(sys.executable); "
           "print('sandbox-ok' if exe.startswith(os.path.realpath(sys.base_prefix) + os.sep) else 'mixed ' + exe)")
 
 
-def _preexec(limits: SandboxLimits, nproc: int):
+def _preexec(limits: SandboxLimits, nproc: int, address_space: int, cg: RunCgroup | None, uid: int | None):
     cpu = limits.cpu_s if limits.cpu_s is not None else int(limits.timeout_s) + 2
     settings = [
         (resource.RLIMIT_CPU, cpu),
-        (resource.RLIMIT_AS, limits.memory_bytes),
+        (resource.RLIMIT_AS, address_space),
         (resource.RLIMIT_FSIZE, limits.file_size_bytes),
         (resource.RLIMIT_NOFILE, limits.nofile),
         (resource.RLIMIT_NPROC, nproc),
@@ -269,32 +302,62 @@ def _preexec(limits: SandboxLimits, nproc: int):
 
     def fn():  # runs in the forked child before exec: syscalls only
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if cg is not None:
+            cg.join()  # while still root: cgroup.procs is root's
         for which, value in settings:
             resource.setrlimit(which, (value, value))
+        if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if uid is not None:  # mode uid (ns+uid drops in _nsinit.py, after building the root)
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # cleared by the uid change
 
     return fn
 
 
+def _run_memory(iso: Isolation, limits: SandboxLimits) -> tuple[int, int]:
+    """(process cap, RLIMIT_AS per process) that keep the run's total within ``memory_bytes``."""
+    if iso.cgroup is not None:
+        return limits.nproc, limits.memory_bytes
+    nproc = min(limits.nproc, FALLBACK_NPROC)
+    return nproc, limits.memory_bytes // nproc
+
+
 def run_sandboxed(argv: list[str], *, stdin: bytes = b"", files: dict[str, bytes | str] | None = None,
-                  limits: SandboxLimits | None = None) -> SandboxResult:
+                  limits: SandboxLimits | None = None, ro_paths: tuple[str, ...] = ()) -> SandboxResult:
     """Run ``argv`` contained. ``files`` are written into the fresh working directory first.
 
-    ``argv[0] == "python"`` is replaced by the interpreter chosen by `isolation()`.
+    ``argv[0] == "python"`` is replaced by the interpreter chosen by `isolation()`. ``ro_paths``:
+    host files or directories the program may also read (ns+uid mode: bound read-only, nosuid,
+    at the same path; the other modes show the host anyway).
     """
     if not argv:
         raise ValueError("run_sandboxed: argv is empty")
+    for p in ro_paths:
+        if not os.path.isabs(p) or not os.path.exists(p):
+            raise ValueError(f"run_sandboxed: ro_paths entry {p!r} must be an existing absolute path")
+        if os.path.realpath(p).split("/")[1] in rootfs.OWN_TOPS:
+            raise ValueError(f"run_sandboxed: ro_paths entry {p!r} is under /tmp, /dev or /proc, which the "
+                             "sandbox mounts afresh")
     iso = isolation()
     if argv[0] == "python":
         argv = [iso.python, *argv[1:]]
-    return _run(iso, argv, stdin, files or {}, limits or SandboxLimits())
+    return _run(iso, argv, stdin, files or {}, limits or SandboxLimits(), ro_paths)
 
 
 def _run(iso: Isolation, argv: list[str], stdin: bytes, files: dict[str, bytes | str],
-         limits: SandboxLimits) -> SandboxResult:
+         limits: SandboxLimits, ro_paths: tuple[str, ...] = ()) -> SandboxResult:
     uid = _sandbox_uid() if iso.mode in ("ns+uid", "uid") else None
+    nproc, address_space = _run_memory(iso, limits)
     # same uid as us (modes ns, plain): RLIMIT_NPROC counts all our processes, so allow ours + nproc
-    nproc = limits.nproc if uid is not None else _count_own_processes() + limits.nproc
+    rlimit_nproc = nproc if uid is not None else _count_own_processes() + nproc
+    layout = iso.layout
+    if ro_paths and iso.mode == "ns+uid":
+        layout = rootfs.with_paths(layout, ro_paths)
     root = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}_")
+    cg = None
     try:
         os.chmod(root, 0o711)  # the sandbox uid may traverse to work/ but not list or read stdin
         in_ns = iso.mode == "ns+uid"
@@ -319,17 +382,15 @@ def _run(iso: Isolation, argv: list[str], stdin: bytes, files: dict[str, bytes |
         home = _NS_WORK if in_ns else work
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home,
                "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
-        if in_ns:
-            os.mkdir(os.path.join(root, "tmp"), 0o700)
-            if iso.bind_prefix and argv[0] == iso.python:
-                argv = [os.path.join(_NS_PYTHON, os.path.relpath(iso.python, iso.bind_prefix)), *argv[1:]]
-        cmd = _unshare_prefix(iso, uid, root, limits) + list(argv)
-        extra = {"user": uid, "group": uid, "extra_groups": []} if iso.mode == "uid" else {}
+        cmd = _unshare_prefix(iso, uid, root, limits, layout) + list(argv)
+        if iso.cgroup is not None:
+            cg = RunCgroup(iso.cgroup, memory_bytes=limits.memory_bytes, pids_max=nproc + _PIDS_OVERHEAD)
+        drop_to = uid if iso.mode == "uid" else None
         with open(stdin_path, "rb") as fin:
             start = time.perf_counter()
             proc = subprocess.Popen(cmd, stdin=fin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     cwd=root if in_ns else work, env=env, start_new_session=True,
-                                    preexec_fn=_preexec(limits, nproc), **extra)
+                                    preexec_fn=_preexec(limits, rlimit_nproc, address_space, cg, drop_to))
         try:
             status, out, err = _supervise(proc, limits, start)
         finally:
@@ -342,8 +403,11 @@ def _run(iso: Isolation, argv: list[str], stdin: bytes, files: dict[str, bytes |
         if status == "ok" and rc != 0:
             status = "signal" if rc < 0 else "exit"
         notes = [] if iso.network_isolated else ["network not isolated"]
-        return SandboxResult(status, rc, out, err, time.perf_counter() - start, iso.mode, notes)
+        oom = cg is not None and cg.oom_kills() > 0
+        return SandboxResult(status, rc, out, err, time.perf_counter() - start, iso.mode, notes, oom)
     finally:
+        if cg is not None:
+            cg.remove()
         shutil.rmtree(root, ignore_errors=True)
 
 

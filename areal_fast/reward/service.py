@@ -7,9 +7,15 @@
       |  conn.send((id, reward, task, completion)) ---->  fn = get_reward_fn(reward)
       |  await reply (loop.add_reader on the pipe) <----  fn(task, completion) -> RewardResult
       |  ...or per-call timeout: SIGKILL the worker, start a fresh one, result (0, timeout)
-      |  ...or the worker died (os._exit, SIGKILL, segfault): fresh one, result (0, error)
+      |  ...or the worker died (OOM, SIGKILL, os._exit, segfault): fresh one, and the same call
+      |     once more on it; a second death gives (0, error)
       v
     RewardResult(value, status ok|timeout|error, detail, elapsed)
+
+A call that timed out is not retried: it would most likely time out again and hold a worker
+for another full timeout. A worker that died mid-call is different: the cause is often outside
+the call (the OOM killer picked the worker, an operator killed it), so the call is retried once
+on a fresh worker; ``stats()["retries"]`` counts these, ``retried_ok`` those that then succeeded.
 
 Every timeout and error is counted (`stats()`) and logged as a warning with the running counts,
 at most once per ``warn_interval_s`` (and at close), so a reward that silently returns 0 for a
@@ -183,15 +189,25 @@ class RewardService:
         finally:
             self._waiting -= 1
         try:
-            res = await self._call(worker, name, task, completion, timeout)
+            res, died = await self._call(worker, name, task, completion, timeout)
+            if died and not self._closed:  # retry once, on the fresh worker that replaced it
+                self._counts["retries"] += 1
+                first = res
+                res, died = await self._call(worker, name, task, completion, timeout)
+                if res.status == "ok":
+                    self._counts["retried_ok"] += 1
+                else:
+                    res.detail = f"{first.detail}; retried on a fresh worker: {res.detail}"
         finally:
             self._idle.put_nowait(worker)
         self._record(name, res)
         return res
 
-    async def _call(self, w: _Worker, name: str, task: dict, completion: str, timeout: float) -> RewardResult:
+    async def _call(self, w: _Worker, name: str, task: dict, completion: str,
+                    timeout: float) -> tuple[RewardResult, bool]:
+        """One attempt on worker ``w``: (result, whether the worker died running it)."""
         if self._closed:
-            return RewardResult(0.0, "error", "reward service is closed")
+            return RewardResult(0.0, "error", "reward service is closed"), False
         if not w.alive():
             if w.proc is not None:
                 self._counts["worker_deaths"] += 1
@@ -199,7 +215,7 @@ class RewardService:
             try:
                 await self._spawn(w)
             except Exception as e:
-                return RewardResult(0.0, "error", f"cannot start a reward worker: {e!r}")
+                return RewardResult(0.0, "error", f"cannot start a reward worker: {e!r}"), False
         w.call_id = next(self._ids)
         w.future = self._loop.create_future()
         start = time.perf_counter()
@@ -207,19 +223,21 @@ class RewardService:
             w.conn.send((w.call_id, name, task, completion))
         except Exception as e:  # unpicklable task, or the pipe broke
             w.future = None
-            if isinstance(e, OSError):
+            if isinstance(e, OSError):  # the worker died before it got the call
+                self._counts["worker_deaths"] += 1
                 await self._restart(w)
-            return RewardResult(0.0, "error", f"cannot send the call to a worker: {e!r}")
+                return RewardResult(0.0, "error", f"cannot send the call to a worker: {e!r}"), True
+            return RewardResult(0.0, "error", f"cannot send the call to a worker: {e!r}"), False
         try:
             res = await asyncio.wait_for(asyncio.shield(w.future), timeout)
         except asyncio.TimeoutError:
             await self._restart(w)
             return RewardResult(0.0, "timeout", f"reward {name!r} exceeded {timeout:g} s (worker killed)",
-                                time.perf_counter() - start)
+                                time.perf_counter() - start), False
         except _WorkerDied as e:
             self._counts["worker_deaths"] += 1
             await self._restart(w)
-            return RewardResult(0.0, "error", f"reward {name!r}: {e}", time.perf_counter() - start)
+            return RewardResult(0.0, "error", f"reward {name!r}: {e}", time.perf_counter() - start), True
         except asyncio.CancelledError:
             # the caller gave up; the worker is still busy with this call: replace it
             await asyncio.shield(self._restart(w))
@@ -227,7 +245,7 @@ class RewardService:
         finally:
             w.future = None
         res.elapsed = time.perf_counter() - start
-        return res
+        return res, False
 
     def _on_readable(self, w: _Worker) -> None:
         try:
@@ -326,10 +344,12 @@ class RewardService:
         self._unreported = {"timeout": 0, "error": 0}
 
     def stats(self) -> dict:
-        """Counters: calls, ok, timeout, error, worker_restarts, worker_deaths, workers_started,
-        workers (alive), queued, and per reward name: calls, ok, timeout, error, elapsed_s."""
+        """Counters: calls, ok, timeout, error, worker_restarts, worker_deaths, retries (calls
+        retried after their worker died), retried_ok (of those, the ones that then succeeded),
+        workers_started, workers (alive), queued, and per reward name: calls, ok, timeout, error,
+        elapsed_s."""
         out = {k: self._counts.get(k, 0) for k in ("calls", "ok", "timeout", "error", "worker_restarts",
-                                                    "worker_deaths", "workers_started")}
+                                                    "worker_deaths", "retries", "retried_ok", "workers_started")}
         out["workers"] = sum(w.alive() for w in self._workers)
         out["queued"] = self._waiting
         out["by_reward"] = {k: dict(v) for k, v in self._by_reward.items()}

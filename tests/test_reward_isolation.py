@@ -1,0 +1,250 @@
+"""Hostile programs against what the sandbox must not let them see or take.
+
+* memory: a run's processes together stay within the run's cap (a cgroup, or the RLIMIT fallback);
+* the host: no host /proc (other processes' command lines), no /work, no repository, no /etc,
+  no setuid escalation (every mount nosuid, no_new_privs set).
+
+Each test waits only on events it controls (pipes, process exit), never on a timer.
+"""
+
+import dataclasses
+import glob
+import json
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from test_reward_sandbox import assert_no_leftovers
+
+from areal_fast.reward import cgroup, sandbox
+from areal_fast.reward.code import code_reward
+from areal_fast.reward.sandbox import SandboxLimits, run_sandboxed
+
+ISO = sandbox.isolation()
+REPO = Path(__file__).resolve().parents[1]
+needs_root_fs = pytest.mark.skipif(ISO.mode != "ns+uid", reason=f"private root needs root + unshare ({ISO.mode})")
+needs_cgroup = pytest.mark.skipif(ISO.cgroup is None, reason="no writable cgroup here (see the warning logged)")
+MiB = 1 << 20
+CAP = 256 * MiB  # the run's cap in the memory tests
+CHILD_BYTES = 100 * MiB  # each child's share: under RLIMIT_AS (= CAP) alone, six of them are 600 MiB together
+N_CHILDREN = 6
+
+# Forks N children; each touches CHILD_BYTES (bytes(n) would only map zero pages), reports on its own
+# pipe, then blocks until released. The parent counts the children that got their memory: a
+# child the OOM killer took closes its pipe with nothing written. Prints "allocated K".
+GREEDY_CHILDREN = f"""
+import os
+release_r, release_w = os.pipe()
+pipes = []
+for _ in range({N_CHILDREN}):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.close(r)
+        os.close(release_w)
+        try:
+            block = bytearray(b"\\x01") * {CHILD_BYTES}
+            os.write(w, b"1")
+        except MemoryError:
+            os._exit(3)
+        os.read(release_r, 1)  # until the parent is done counting
+        os._exit(0)
+    os.close(w)
+    pipes.append(r)
+allocated = sum(os.read(r, 1) == b"1" for r in pipes)
+print("allocated", allocated, flush=True)
+os.close(release_w)
+"""
+
+
+def run_greedy(iso, limits):
+    return sandbox._run(iso, [iso.python, "-I", "-c", GREEDY_CHILDREN], b"", {}, limits)
+
+
+def our_cgroups() -> list[str]:
+    if ISO.cgroup is None:
+        return []
+    parents = [p for p in (ISO.cgroup.memory_parent, ISO.cgroup.pids_parent) if p]
+    return [d for p in parents for d in glob.glob(os.path.join(p, f"areal_sbx_{os.getpid()}_*"))]
+
+
+# ---------------------------------------------------------------- memory of the whole run (cgroup)
+@needs_cgroup
+def test_children_that_together_exceed_the_run_cap_are_killed():
+    r = run_greedy(ISO, SandboxLimits(timeout_s=20.0, memory_bytes=CAP))
+    assert f"allocated {N_CHILDREN}".encode() not in r.stdout, r
+    assert r.memory_exceeded, r  # the cgroup's OOM killer acted, inside the run only
+    assert_no_leftovers()
+    assert our_cgroups() == []  # the run's cgroup is gone with it
+    # the host and the next run are untouched
+    assert run_sandboxed(["python", "-c", "print(6 * 7)"]).stdout == b"42\n"
+
+
+@needs_cgroup
+def test_the_same_children_fit_under_a_larger_cap():
+    """The control for the test above: it fails because of the cap, not because forking failed."""
+    r = run_greedy(ISO, SandboxLimits(timeout_s=20.0, memory_bytes=2 * N_CHILDREN * CHILD_BYTES))
+    assert r.ok and r.stdout == f"allocated {N_CHILDREN}\n".encode(), r
+    assert not r.memory_exceeded
+
+
+@needs_cgroup
+def test_code_reward_reports_the_run_memory_cap():
+    prog = GREEDY_CHILDREN + "print(42)\n"
+    r = code_reward({"tests": [{"input": "", "output": "42"}], "time_limit_s": 20.0, "memory_mb": CAP // MiB}, prog)
+    assert (r.value, r.status) == (0.0, "error") and r.detail.startswith("memory limit exceeded"), r
+
+
+def test_without_a_cgroup_the_fallback_still_bounds_the_total(caplog):
+    """RLIMIT_AS per process = cap / process cap: six 100 MiB children under a 512 MiB cap all fail."""
+    iso = dataclasses.replace(ISO, cgroup=None)
+    limits = SandboxLimits(timeout_s=20.0, memory_bytes=2 * CAP)
+    nproc, per_process = sandbox._run_memory(iso, limits)
+    assert nproc == sandbox.FALLBACK_NPROC and nproc * per_process <= limits.memory_bytes
+    r = run_greedy(iso, limits)
+    assert r.ok and r.stdout == b"allocated 0\n", r
+    assert_no_leftovers()
+
+
+def test_cgroup_detection_can_be_turned_off_and_says_so(monkeypatch, caplog):
+    monkeypatch.setenv("AREAL_FAST_SANDBOX_CGROUP", "off")
+    with caplog.at_level(logging.WARNING, logger="areal_fast.reward.cgroup"):
+        assert cgroup.support.__wrapped__() is None
+    assert any("AREAL_FAST_SANDBOX_CGROUP=off" in m and "RLIMIT_AS" in m for m in caplog.messages), caplog.messages
+    monkeypatch.setenv("AREAL_FAST_SANDBOX_CGROUP", "/nonexistent/cgroup")
+    with pytest.raises(ValueError, match="AREAL_FAST_SANDBOX_CGROUP='/nonexistent/cgroup'"):
+        cgroup.support.__wrapped__()
+
+
+def test_mount_table_parsing_maps_our_cgroup_to_its_directory():
+    mount = ("/sys/fs/cgroup/memory", "/")
+    assert cgroup._dir(mount, "/a/b") == "/sys/fs/cgroup/memory/a/b"
+    assert cgroup._dir(("/sys/fs/cgroup", "/"), "/") == "/sys/fs/cgroup"
+    # a cgroup namespace or a bind mount exposes a subtree: paths are relative to its root
+    assert cgroup._dir(("/sys/fs/cgroup", "/kubepods/pod1"), "/kubepods/pod1/c") == "/sys/fs/cgroup/c"
+
+
+# ---------------------------------------------------------------- the host stays out of sight
+@needs_root_fs
+def test_host_processes_and_their_command_lines_are_invisible():
+    token = secrets.token_hex(12)
+    host = subprocess.Popen([sys.executable, "-c", "print('up', flush=True); import sys; sys.stdin.read()",
+                             f"--password={token}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert host.stdout.readline() == b"up\n"  # running, its command line in place
+        with open(f"/proc/{host.pid}/cmdline", "rb") as f:
+            assert token.encode() in f.read()  # the secret is there for anyone on the host to read
+        prog = (f"import os\npids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\nprint(pids)\n"
+                f"try:\n    print(open('/proc/{host.pid}/cmdline').read())\nexcept OSError as e:\n"
+                f"    print(type(e).__name__)\n"
+                "for p in os.listdir('/proc'):\n    try:\n        print(open(f'/proc/{p}/cmdline').read())\n"
+                "    except OSError:\n        pass\n")
+        r = run_sandboxed(["python", "-I", "-c", prog])
+        assert r.ok, r
+        assert token.encode() not in r.stdout and token.encode() not in r.stderr
+        lines = r.stdout.decode().splitlines()
+        assert lines[0] == "[1]", r  # its own PID namespace: it is PID 1 and alone
+        assert lines[1] == "FileNotFoundError", r
+    finally:
+        host.stdin.close()
+        host.wait()
+        host.stdout.close()
+
+
+@needs_root_fs
+def test_work_the_repository_and_host_files_are_absent():
+    repo_file = REPO / "pyproject.toml"
+    assert repo_file.exists()
+    targets = ["/work", str(REPO), str(repo_file), "/etc/passwd", "/etc/hostname", "/home", "/root",
+               os.path.expanduser("~"), "/var", "/sys/kernel", "/usr/bin/su", "/bin/su", "/usr/bin/env"]
+    prog = ("import os, json\nout = {}\n"
+            f"for p in {targets!r}:\n"
+            "    try:\n        out[p] = sorted(os.listdir(p)) if os.path.isdir(p) else open(p).read()[:50]\n"
+            "    except OSError as e:\n        out[p] = type(e).__name__\n"
+            "print(json.dumps([sorted(os.listdir('/')), out]))\n")
+    r = run_sandboxed(["python", "-I", "-c", prog])
+    assert r.ok, r
+    top, seen = json.loads(r.stdout)
+    assert not {"work", "etc", "home", "var", "sys", "boot", "opt", "srv", "mnt"} & set(top), top
+    for p in ["/work", str(REPO), str(repo_file), "/etc/passwd", "/etc/hostname", "/home", "/var", "/sys/kernel",
+              "/usr/bin/su", "/bin/su", "/usr/bin/env"]:
+        assert seen[p] == "FileNotFoundError", (p, seen[p])
+    # /root may hold the skeleton of an interpreter installed under it (a pyenv), nothing else
+    for p in ("/root", os.path.expanduser("~")):
+        assert seen[p] in ("FileNotFoundError", [".pyenv"]), (p, seen[p])
+
+
+@needs_root_fs
+def test_every_mount_is_nosuid_nodev_and_no_new_privs_is_set():
+    prog = ("mounts = [l.split() for l in open('/proc/self/mountinfo')]\n"
+            "for m in mounts:\n    print(m[4], m[5])\n"
+            "print([l for l in open('/proc/self/status') if l.startswith('NoNewPrivs')][0].split()[1])\n")
+    r = run_sandboxed(["python", "-I", "-c", prog])
+    assert r.ok, r
+    *mounts, nnp = r.stdout.decode().splitlines()
+    assert nnp == "1"
+    assert len(mounts) > 5
+    for line in mounts:
+        point, opts = line.split()
+        opts = opts.split(",")
+        assert "nosuid" in opts, line
+        if not point.startswith("/dev/"):  # the device nodes themselves must stay usable
+            assert "nodev" in opts, line
+        if point in ("/", ) or not point.startswith(("/tmp", "/dev", "/proc")):
+            assert "ro" in opts, line  # all but the run's own tmpfs and the device nodes are read-only
+
+
+@pytest.fixture
+def setuid_root_python():
+    """A setuid-root copy of the sandbox's interpreter, outside the sandbox; checked to escalate there."""
+    d = tempfile.mkdtemp(prefix="areal_setuid_", dir="/var/tmp")  # /tmp is the sandbox's own tmpfs
+    try:
+        os.chmod(d, 0o755)
+        helper = os.path.join(d, "python-suid")
+        shutil.copy(ISO.python, helper)
+        os.chown(helper, 0, 0)
+        os.chmod(helper, 0o4755)
+        probe = subprocess.run([helper, "-I", "-S", "-c", "import os; print(os.geteuid())"], capture_output=True,
+                               user=65534, group=65534, extra_groups=[])
+        if probe.stdout != b"0\n":
+            pytest.skip(f"cannot build a setuid-root helper here ({d} is nosuid?): {probe}")
+        yield helper
+    finally:
+        shutil.rmtree(d)
+
+
+@needs_root_fs
+def test_a_setuid_root_binary_does_not_raise_privileges(setuid_root_python):
+    helper = setuid_root_python
+    prog = ("import os, subprocess\nprint(os.geteuid())\n"
+            f"r = subprocess.run([{helper!r}, '-I', '-S', '-c', 'import os; print(os.geteuid(), os.getuid())'],"
+            " capture_output=True)\nprint(r.returncode, r.stdout.decode().strip(), r.stderr.decode()[-200:])\n")
+    r = run_sandboxed(["python", "-I", "-c", prog], ro_paths=(os.path.dirname(helper),))
+    assert r.ok, r
+    me, child = r.stdout.decode().splitlines()
+    assert int(me) >= sandbox._UID_BASE
+    rc, euid, uid, *_ = child.split()
+    assert rc == "0" and euid == uid == me, child  # ran, and stayed the sandbox uid
+
+
+@needs_root_fs
+def test_a_program_not_in_the_sandbox_cannot_run_and_says_why():
+    r = run_sandboxed(["/usr/bin/env"])
+    assert r.status == "exit" and r.returncode == 127, r
+    assert b"only the interpreter" in r.stderr
+
+
+@needs_root_fs
+def test_only_the_standard_library_is_importable():
+    """The host's site-packages (torch, numpy, our own package) stay outside."""
+    prog = ("import ctypes, decimal, hashlib, json, lzma, sqlite3, ssl, zlib  # extension modules: their libs\n"
+            "import importlib.util\n"
+            "print(json.dumps([importlib.util.find_spec(m) is not None for m in ('areal_fast', 'torch', 'pytest')]))\n")
+    r = run_sandboxed(["python", "-I", "-c", prog])
+    assert r.ok, r
+    assert r.stdout.strip() == b"[false, false, false]", r
