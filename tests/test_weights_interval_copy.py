@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from areal_fast.weights.interval_copy import interval_copy, interval_copy_ref
+from areal_fast.weights.interval_copy import check_bounds, interval_copy, interval_copy_ref
 from areal_fast.weights.plan import DTYPE_CODES, INTERVAL_COLS
 
 
@@ -97,6 +97,26 @@ def test_bounds_and_inputs_are_checked():
         interval_copy([x], [y], np.zeros((1, 4), np.int64), backend="reference")
 
 
+# Two intervals into one 65,536-byte buffer: 100 strided rows of 5 fp32 -> bf16 at bf16 element 1
+# (ld 9, bytes 2..1,792), then 999 fp32 at fp32 element 5,001 (bytes 20,004..24,000). Shared by the
+# CPU bounds check and the GPU test, so the GPU test can never write outside its buffer again.
+MIXED_BUF_BYTES = 1 << 16
+MIXED_PLAN = [[0, 3, 7, 0, 1, 9, 5, 100, 1, 2], [0, 1, 0, 0, 5001, 0, 999, 1, 1, 1]]
+
+
+def test_mixed_plan_is_in_bounds_and_matches_reference():
+    x = _special_f32(100_003)
+    buf = torch.zeros(MIXED_BUF_BYTES, dtype=torch.uint8)
+    check_bounds([x], [buf], np.asarray(MIXED_PLAN, np.int64))  # raises if any byte lies outside
+    ref = buf.clone()
+    interval_copy([x], [buf], MIXED_PLAN)
+    interval_copy_ref([x], [ref], MIXED_PLAN)
+    assert torch.equal(buf, ref)
+    assert ref[20_004:24_000].any() and not ref[24_000:].any()
+    with pytest.raises(ValueError, match="destination tensor 0"):  # the old plan (bytes 80,004..84,000)
+        check_bounds([x], [buf], np.asarray([[0, 1, 0, 0, 20001, 0, 999, 1, 1, 1]], np.int64))
+
+
 @pytest.mark.gpu
 def test_cuda_kernel_matches_reference():
     n = 100_003
@@ -105,9 +125,9 @@ def test_cuda_kernel_matches_reference():
     iv = [[0, 2, 0, 0, 5, 0, n - 2, 1, 1, 2]]
     assert interval_copy([x], [y], iv) == "cuda"
     _assert_same_bits(y[5:].cpu(), x[2:].to(torch.bfloat16).cpu())
-    buf = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+    buf = torch.zeros(MIXED_BUF_BYTES, dtype=torch.uint8, device="cuda")
     ref = buf.clone()
-    iv2 = [[0, 3, 7, 0, 1, 9, 5, 100, 1, 2], [0, 1, 0, 0, 20001, 0, 999, 1, 1, 1]]
-    interval_copy([x], [buf], iv2)
-    interval_copy_ref([x], [ref], iv2)
+    check_bounds([x], [buf], np.asarray(MIXED_PLAN, np.int64))
+    interval_copy([x], [buf], MIXED_PLAN)
+    interval_copy_ref([x], [ref], MIXED_PLAN)
     assert torch.equal(buf, ref)

@@ -221,3 +221,42 @@ def test_wrong_api_key_is_a_clear_error(servers):
     with pytest.raises(WeightSyncError, match="HTTP 401.*API key"):
         ws.update(_state(), 1)
     ws.close()
+
+
+# ----------------------------------------------------------------------------- backend choice
+
+
+def test_cpu_tensors_use_gloo_even_with_a_visible_gpu(servers, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU is "visible"...
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    s = servers()
+    ws = DistributedWeightSync([s.url], _cfg(backend=None))  # ...but the tensors are on the CPU
+    try:
+        ws.update(_state(), 1)
+        assert ws.backend == "gloo"
+        assert [b["backend"] for p, b, _ in s.calls if p == "/init_weights_update_group"] == ["gloo"]
+        _assert_received(s, _state())
+    finally:
+        ws.close()
+
+
+def test_backend_choice_from_tensors_and_gpus(monkeypatch, caplog):
+    from areal_fast.weights.group import ServerFacts, choose_backend
+
+    cuda0 = torch.device("cuda", 0)
+    local = ServerFacts(url="http://127.0.0.1:30000", version="0.5.23")
+    remote = ServerFacts(url="http://10.1.2.3:30000", version="0.5.23")
+    with pytest.raises(WeightSyncError, match="NCCL only moves CUDA tensors"):
+        choose_backend("nccl", torch.device("cpu"), [local])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with caplog.at_level("WARNING"):
+        assert choose_backend(None, cuda0, [local]) == "gloo"  # one GPU, shared with a local server
+    assert "share GPU" in caplog.text and "ColocatedWeightSync" in caplog.text
+    with pytest.raises(WeightSyncError, match="share GPU"):
+        choose_backend("nccl", cuda0, [local])
+    assert choose_backend(None, cuda0, [remote]) == "nccl"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    elsewhere = ServerFacts(url=local.url, version="0.5.23", gpu_ids=(1,))
+    same = ServerFacts(url=local.url, version="0.5.23", gpu_ids=(0,))
+    assert choose_backend(None, cuda0, [elsewhere]) == "nccl"
+    assert choose_backend(None, cuda0, [same]) == "gloo"

@@ -59,7 +59,8 @@ from areal_fast.weights.group import (
 )
 
 __all__ = ["WeightSyncConfig", "WeightSync", "DistributedWeightSync", "DiskWeightSync", "WeightSyncError",
-           "ServerFacts", "init_custom_process_group", "uses_sessions", "write_safetensors"]
+           "ServerFacts", "init_custom_process_group", "uses_sessions", "write_safetensors", "bucket_request",
+           "check_unpadded"]
 
 log = logging.getLogger(__name__)
 V_SESSIONS = Version("0.5.21")  # /begin_weight_update and /end_weight_update exist (and are required) from here
@@ -193,6 +194,14 @@ class WeightSync(abc.ABC):
         self.close()
 
 
+def bucket_request(bucket: Bucket, version: str, config: WeightSyncConfig) -> dict:
+    """The body of ``/update_weights_from_distributed`` announcing ``bucket``."""
+    return {"names": bucket.names, "dtypes": [str(d).removeprefix("torch.") for d in bucket.dtypes],
+            "shapes": [list(s) for s in bucket.shapes], "group_name": config.group_name,
+            "flush_cache": config.flush_cache, "abort_all_requests": False, "weight_version": version,
+            "load_format": config.load_format}
+
+
 class _PendingSend:
     """Broadcast work handles + the servers' HTTP answers for one bucket."""
 
@@ -323,7 +332,7 @@ class DistributedWeightSync(WeightSync):
                                       "(restarted?); close() and create a new DistributedWeightSync")
             if self.config.load_format == "flattened_bucket":
                 for layout in _bucket_layouts(self._gatherer.plan(src, dtypes), src, dtypes):
-                    _check_unpadded(*layout)
+                    check_unpadded(*layout)
             with self.session():
                 started = True
                 self._gatherer.run(src, dtypes, lambda b: self._send_bucket(b, version))
@@ -334,10 +343,7 @@ class DistributedWeightSync(WeightSync):
 
     def _send_bucket(self, bucket: Bucket, version: str) -> _PendingSend:
         cfg = self.config
-        body = {"names": bucket.names, "dtypes": [str(d).removeprefix("torch.") for d in bucket.dtypes],
-                "shapes": [list(s) for s in bucket.shapes], "group_name": cfg.group_name,
-                "flush_cache": cfg.flush_cache, "abort_all_requests": False, "weight_version": version,
-                "load_format": cfg.load_format}
+        body = bucket_request(bucket, version, cfg)
         what = f"bucket {bucket.index} ({len(bucket.names)} tensors, {bucket.names[0]} .. {bucket.names[-1]})"
         futs = [(u, self.http.submit(u, "/update_weights_from_distributed", body, what=what)) for u in self.urls]
         if cfg.load_format == "flattened_bucket":
@@ -453,7 +459,7 @@ def _bucket_layouts(plan, src: Sources, dtypes: list[torch.dtype]):
         yield b, [src.names[t] for t in ts], [int(plan.offset[t]) for t in ts], sizes
 
 
-def _check_unpadded(bucket_index: int, names: list[str], offsets: list[int], nbytes: list[int]) -> None:
+def check_unpadded(bucket_index: int, names: list[str], offsets: list[int], nbytes: list[int]) -> None:
     """SGLang unpacks a flattened bucket by laying the tensors back to back with no alignment
     padding. Our buckets align each tensor to its dtype size, which adds padding only when a
     bucket mixes dtypes in an unlucky order; refuse that (before any server is asked to
