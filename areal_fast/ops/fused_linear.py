@@ -135,7 +135,7 @@ def fused_linear_decoupled_ppo_loss(
                         kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg)
     check_token_inputs(hidden.shape[0], hidden.device, labels, behav_logprobs, advantages, loss_mask,
                        prox_logprobs, ref_logprobs, cu_seqlens, cfg)
-    be = select("ppo_loss", hidden.device, available=AVAILABLE, override=backend)
+    be = select("ppo_loss", hidden.device, available=AVAILABLE, backend=backend)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     if single_pass is None:
         single_pass = cfg.importance_level == "token"
@@ -171,7 +171,7 @@ def fused_linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, 
     chunk = _check_linear(hidden, weight, bias, labels, chunk_size)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    be = select("ppo_loss", hidden.device, available=AVAILABLE, override=backend)
+    be = select("ppo_loss", hidden.device, available=AVAILABLE, backend=backend)
     with torch.no_grad():
         logp, ent, _ = torch.ops.areal_fast.fused_linear_token_stats(hidden, weight, bias, labels,
                                                                      float(temperature), chunk, be)

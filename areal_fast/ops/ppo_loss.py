@@ -81,7 +81,7 @@ def decoupled_ppo_loss(
                         kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg)
     check_token_inputs(logits.shape[0], logits.device, labels, behav_logprobs, advantages, loss_mask,
                        prox_logprobs, ref_logprobs, cu_seqlens, cfg)
-    be = select("ppo_loss", logits.device, available=AVAILABLE, override=backend)
+    be = select("ppo_loss", logits.device, available=AVAILABLE, backend=backend)
     logp, ent, _ = torch.ops.areal_fast.ppo_token_stats(logits, labels, float(temperature), bool(grad_inplace), be)
     loss, stats = ppo_objective(logp, ent, behav_logprobs, advantages, loss_mask, prox=prox_logprobs,
                                 ref=ref_logprobs, cu_seqlens=cu_seqlens, normalizer=normalizer, cfg=cfg)
@@ -98,7 +98,7 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0, 
     logits = _check_logits(logits, labels)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    be = select("ppo_loss", logits.device, available=AVAILABLE, override=backend)
+    be = select("ppo_loss", logits.device, available=AVAILABLE, backend=backend)
     with torch.no_grad():
         logp, ent, _ = torch.ops.areal_fast.ppo_token_stats(logits, labels, float(temperature), False, be)
     return (logp, ent) if return_entropy else logp
