@@ -11,13 +11,13 @@ step            limit  what
 env               30   versions (python, torch, CUDA, Triton, nvcc), ``nvidia-smi``, missing modules
 install          240   ``pip install -e . --no-build-isolation --no-deps`` with the CUDA sources
                        (``AREAL_FAST_CUDA=ON``, sm_90a), then checks that ``_C`` has CUDA
-gpu_tests        240   ``pytest -m gpu`` over ``tests/`` (every test marked ``gpu``)
+gpu_tests        300   ``pytest -m gpu`` over ``tests/`` (every test marked ``gpu``), 120 s per test
 ppo_loss         240   loss 16k/32k x 151,936 bf16 fwd+bwd vs copy, eager, compiled, Liger;
                        fused linear at H = 3584 vs the bare GEMMs
 packing           90   pack / unpack / gather / scatter vs a same-size copy, H = 3584
-reshard          180   interval copy of the whole Qwen2.5-7B layout vs copy, SGLang TP shard build,
+reshard          150   interval copy of the whole Qwen2.5-7B layout vs copy, SGLang TP shard build,
                        NCCL between two processes on one GPU (or why not: then the colocated path)
-trainer          180   PPO trainer step, Qwen2-0.5B shape, fused vs unfused: tokens/s, MFU
+trainer          150   PPO trainer step, Qwen2-0.5B shape, fused vs unfused: tokens/s, MFU
 ==============  =====  ==========================================================================
 
 A step that fails or runs out of time is recorded (exit status, the tail of its output) and the
@@ -25,9 +25,10 @@ suite goes on. Benchmarks write their rows into a scratch directory; the suite g
 the provenance (device, versions, commit, date), into ONE file, by default
 ``bench/results/gpu_suite-<device>-<date>.json``. Exit status: 0 when every step passed.
 
-No network is assumed: where the image lacks the build requirements (scikit-build-core, pybind11)
-or test requirements, ``--wheelhouse DIR`` installs them from local wheels first
-(``pip install --no-index --find-links DIR``).
+No network is assumed: the image must hold torch, Triton, nvcc, CMake, scikit-build-core,
+pybind11, pytest (+ pytest-timeout), transformers, aiohttp, safetensors and PyYAML (the ``env``
+step lists what is missing). Anything else, e.g. ``liger-kernel`` for the Liger baseline, is
+installed first from local wheels with ``--wheelhouse DIR`` (``pip install --no-index --no-deps``).
 """
 
 from __future__ import annotations
@@ -85,20 +86,22 @@ STEPS: tuple[Step, ...] = (
     Step("env", 30, ("bash", "-c", "{py} -c " + shlex.quote(ENV_PY) + "; nvcc --version | tail -2; "
                      "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv"),
          dry_argv=("{py}", "-c", ENV_PY)),
-    Step("install", 240, ("bash", "-c", "{py} -m pip install -e . --no-build-isolation --no-deps -v 2>&1 | tail -40 "
-                          "&& {py} -c " + shlex.quote(CHECK_C)),
+    Step("install", 240, ("bash", "-c", "set -o pipefail; export CUDACXX=${CUDACXX:-$(command -v nvcc || "
+                          "echo /usr/local/cuda/bin/nvcc)}; {py} -m pip install -e . --no-build-isolation --no-deps -v "
+                          "2>&1 | tail -40 && {py} -c " + shlex.quote(CHECK_C)),
          dry_argv=("{py}", "-m", "pip", "--version"), needs=("pyproject.toml", "CMakeLists.txt"),
-         env={"CMAKE_ARGS": "-DAREAL_FAST_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a", "CMAKE_BUILD_PARALLEL_LEVEL": "16"}),
-    Step("gpu_tests", 240, ("{py}", "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider",
-                            "--junitxml", "{results}/gpu_tests.xml"),
+         env={"AREAL_FAST_CUDA": "ON", "CMAKE_ARGS": "-DCMAKE_CUDA_ARCHITECTURES=90a",
+              "CMAKE_BUILD_PARALLEL_LEVEL": "16"}),
+    Step("gpu_tests", 300, ("{py}", "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider",
+                            "--timeout", "120", "--junitxml", "{results}/gpu_tests.xml"),
          dry_argv=("{py}", "-m", "pytest", "-q", "--collect-only", "-m", "gpu", "-p", "no:cacheprovider",
                    "{gpu_test_files}"),
          needs=("tests/conftest.py",)),
     _bench("ppo_loss", 240, "bench_ppo_loss.py", "--production"),
     _bench("packing", 90, "bench_packing_kernels.py", "--batch", "64", "--max-len", "8192", "--hidden", "3584",
            "--reps", "30"),
-    _bench("reshard", 180, "bench_reshard.py", "--parts", "plan,cuda_copy,gpu_sync", "--layers", "28"),
-    _bench("trainer", 180, "bench_trainer.py", "--shape", "qwen2-0.5b", "--tokens", "16384", "--mb-tokens", "8192",
+    _bench("reshard", 150, "bench_reshard.py", "--parts", "plan,cuda_copy,gpu_sync", "--layers", "28"),
+    _bench("trainer", 150, "bench_trainer.py", "--shape", "qwen2-0.5b", "--tokens", "16384", "--mb-tokens", "8192",
            "--steps", "3"),
 )
 
@@ -175,8 +178,11 @@ def main(argv=None) -> int:
         wh = Path(args.wheelhouse)
         if not wh.is_dir():
             ap.error(f"--wheelhouse {wh}: not a directory")
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(wh),
-                        *sorted({p.name.split("-")[0] for p in wh.glob("*.whl")})], cwd=ROOT, check=False)
+        wheels = sorted(str(p) for p in wh.glob("*.whl"))
+        if not wheels:
+            ap.error(f"--wheelhouse {wh}: no .whl files")
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", *wheels], cwd=ROOT,
+                       check=False)
     start = time.perf_counter()
     records = []
     with tempfile.TemporaryDirectory(prefix="gpu_suite_") as results:
