@@ -2,25 +2,24 @@
 
 - :class:`ClientRollout`  <- ``areal_fast.rollout.client.RolloutClient`` (pool, interruptible generate)
 - :class:`ActorTrainer`   <- ``areal_fast.trainer.PPOActor`` (rank 0 drives followers on other ranks)
-- :class:`DiskSync`       <- safetensors of the full state dict + /update_weights_from_disk on every server
+- weight sync ports: ``areal_fast.weights.port`` (:class:`DistributedSync`, :class:`DiskSync`), re-exported
 - :class:`RewardPort`     <- ``areal_fast.reward.RewardService``
 - :class:`ManagerGate`    <- ``areal_fast.rollout.staleness.StalenessManager``
 
 Multi-rank trainers (torchrun): rank 0 runs the controller; every collective trainer call is
 announced to the other ranks with one ``broadcast_object_list`` of ``(op, arg)`` first, and
-:func:`follower_loop` on ranks > 0 executes the same call. Ops: train, save, load, state, export, stop.
+:func:`follower_loop` on ranks > 0 executes the same call. Ops: train, save, load, state, export, wsync, stop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import shutil
 import time
 from pathlib import Path
 
 from areal_fast.controller import Generation
+from areal_fast.weights.port import DiskSync, DistributedSync, make_sync_port  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 _DEATH_VISIBLE_S = 3.0  # how long a failed control call waits for a server's death to show
@@ -90,6 +89,14 @@ class ActorTrainer:
     def __init__(self, actor):
         self.actor = actor
         self.world = actor.world
+        self.weight_syncs: dict = {}  # this rank's weight-sync transports (areal_fast.weights.port)
+
+    def update_weights(self, spec, version: int) -> None:
+        """Run the weight update ``spec`` (``areal_fast.weights.port.SyncSpec``) on every rank."""
+        from areal_fast.weights.port import apply_update
+
+        self._announce("wsync", (spec, version))
+        apply_update(self.weight_syncs, spec, version, self.actor.sharded_state_dict())
 
     def _announce(self, op: str, arg=None) -> None:
         if self.world > 1:
@@ -148,120 +155,15 @@ def follower_loop(actor) -> None:
             actor.full_state_dict()
         elif op == "export":
             export_hf(actor, arg)
-        elif op == "wsync":
+        elif op == "wsync":  # each rank holds its own transports (it joins the gathers)
+            from areal_fast.weights.port import apply_update
+
             spec, version = arg
-            if spec not in syncs:  # each rank holds its own sync object (it joins the gathers)
-                syncs[spec] = make_distributed_sync(*spec)
-            syncs[spec].update(actor.sharded_state_dict(), version)
+            apply_update(syncs, spec, version, actor.sharded_state_dict())
         elif op == "stop":
             return
         else:
             raise RuntimeError(f"follower: unknown op {op!r} from rank 0")
-
-
-# ----------------------------------------------------------------------------- weight sync
-
-
-class DiskSync:
-    """SyncPort: write the full HF state dict as safetensors, then /update_weights_from_disk on
-    every live server with ``weight_version``. The controller has already paused generation.
-
-    A server that cannot be reached is checked; if its process is gone it is dropped from the
-    pool (``on_dead(url)``) and the sync goes on with the others. A live server answering
-    success=false fails the sync (the version is not bumped)."""
-
-    def __init__(self, trainer: ActorTrainer, rollout: ClientRollout, work_dir: Path):
-        self.trainer, self.rollout = trainer, rollout
-        self.work_dir = Path(work_dir)
-        self._last: Path | None = None
-
-    def _write(self, version: int) -> Path:
-        from safetensors.torch import save_file
-
-        sd = self.trainer.full_state_dict()
-        d = self.work_dir / f"v{version:08d}"
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in sd.items()}, str(d / "model.safetensors"))
-        return d
-
-    async def sync(self, version: int) -> dict:
-        t0 = time.perf_counter()
-        d = await asyncio.to_thread(self._write, version)
-        t1 = time.perf_counter()
-        client = self.rollout.client
-
-        async def update():
-            await client.flush_cache_all()
-            await client.begin_weight_update_all()
-            try:
-                await client.update_weights_from_disk(str(d), weight_version=str(version))
-            finally:
-                await client.end_weight_update_all()
-
-        await self.rollout.control(update, f"weight sync to version {version}")
-        if self._last is not None and self._last != d:
-            shutil.rmtree(self._last, ignore_errors=True)
-        self._last = d
-        nbytes = sum(f.stat().st_size for f in d.iterdir())
-        return {"write_s": t1 - t0, "load_s": time.perf_counter() - t1, "bytes": nbytes}
-
-
-def make_distributed_sync(urls: tuple, bucket_bytes: int, timeout_s: float, dtype_name: str | None):
-    import torch
-
-    from areal_fast.weights import DistributedWeightSync, WeightSyncConfig
-
-    dtype = getattr(torch, dtype_name) if dtype_name else None
-    # Servers on other machines (Ray launcher) reach rank 0 at AREAL_FAST_HOST, not loopback.
-    master = os.environ.get("AREAL_FAST_HOST", "127.0.0.1")
-    return DistributedWeightSync(list(urls), WeightSyncConfig(bucket_bytes=bucket_bytes, dtype=dtype,
-                                                              timeout_s=timeout_s, master_addr=master))
-
-
-class DistributedSync:
-    """SyncPort over ``areal_fast.weights.DistributedWeightSync`` (SGLang's broadcast protocol,
-    gloo on CPU / NCCL on GPU, flattened buckets, group created once). Every trainer rank takes
-    part (followers get a 'wsync' announcement). If a server of the group dies, the broadcast
-    group is unusable; the sync then falls back to :class:`DiskSync` for the rest of the run."""
-
-    def __init__(self, trainer: ActorTrainer, rollout: ClientRollout, urls: list[str], work_dir: Path,
-                 bucket_bytes: int, timeout_s: float, device_type: str):
-        # fp32 on CPU: the engine computes in fp32 there, and the behaviour log-probs must match
-        self.spec = (tuple(urls), bucket_bytes, timeout_s, "bfloat16" if device_type == "cuda" else None)
-        self.ws = make_distributed_sync(*self.spec)
-        self.trainer, self.rollout = trainer, rollout
-        self.fallback = DiskSync(trainer, rollout, work_dir)
-        self.broken = False
-
-    def _lost(self) -> list[str]:
-        live = set(self.rollout.urls)
-        return [t.url for t in self.ws.servers if t.url not in live or self.rollout.is_dead(t.url)]
-
-    def _update(self, version: int) -> None:
-        self.trainer._announce("wsync", (self.spec, version))
-        self.ws.update(self.trainer.actor.sharded_state_dict(), version)
-
-    async def sync(self, version: int) -> dict:
-        if self.broken:
-            return await self.fallback.sync(version)
-        t0 = time.perf_counter()
-        try:
-            await self.rollout.control(self.rollout.client.flush_cache_all, "flush_cache")
-            if self._lost():  # a member of the broadcast group is gone: do not even start a broadcast
-                raise RuntimeError(f"servers left the pool: {self._lost()}")
-            await asyncio.to_thread(self._update, version)
-        except Exception as e:  # noqa: BLE001
-            # A connection reset can arrive a moment before the server's exit is visible.
-            deadline = time.monotonic() + _DEATH_VISIBLE_S
-            while not self._lost() and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            if not self._lost():
-                raise
-            log.warning("distributed weight sync impossible after a server died (%r); using disk sync from now on", e)
-            self.broken = True
-            return await self.fallback.sync(version)
-        return {"broadcast_s": time.perf_counter() - t0}
 
 
 # ----------------------------------------------------------------------------- reward and gate
