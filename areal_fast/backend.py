@@ -212,19 +212,11 @@ def _warn_fallback(op: str, backend: str, reason: str) -> None:
     warnings.warn(f"{op}: falling back from {backend!r} to a slower backend: {reason}", RuntimeWarning, stacklevel=3)
 
 
-def select(
-    op: str,
-    device=None,
-    available: tuple[str, ...] | None = None,
-    backend: str | None = None,
-    *,
-    override: str | None = None,
-) -> str:
-    """The backend that runs ``op`` on ``device``.
+def select(op: str, device=None, available: tuple[str, ...] | None = None, backend: str | None = None) -> str:
+    """The backend that runs ``op`` on ``device`` (a torch.device, 'cuda:0', or None for host data).
 
     ``available`` defaults to ``OPS[op]``. ``backend`` is the op's own ``backend=`` argument
-    (None or 'auto': ``AREAL_FAST_BACKEND``, then automatic choice); ``override`` is its older
-    spelling, kept so callers can move over.
+    (None or 'auto': ``AREAL_FAST_BACKEND``, then automatic choice).
     """
     if available is None:
         if op not in OPS:
@@ -232,9 +224,7 @@ def select(
         available = OPS[op]
     for b in available:
         _check_backend_name(b)
-    if backend is not None and override is not None and backend != override:
-        raise ValueError(f"{op}: backend={backend!r} and override={override!r} disagree")
-    want = (backend or override or "auto").lower()
+    want = (backend or "auto").lower()
     source = "the backend= argument"
     if want == "auto":
         want, named = requested(op)
