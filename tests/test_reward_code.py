@@ -63,6 +63,62 @@ def test_function_call_cannot_fake_results_by_printing():
     assert r.value == 0.0
 
 
+# Solutions that attack the function-call harness instead of solving the task. Each one scored 1.0
+# when the harness judged inside the sandbox (in __main__, next to the solution); none may score.
+FORGE = "import __main__, os\nnonce = __main__.spec['nonce']\n"
+HARNESS_HACKS = {
+    "call report(ok=True)": "import __main__\nfor i in range(3):\n    __main__.report(test=i, ok=True)\n"
+                            "import os\nos._exit(0)\n",
+    "print the verdict line": FORGE + "for i in range(3):\n"
+                              "    os.write(1, (nonce + '{\"test\": %d, \"ok\": true}\\n' % i).encode())\n"
+                              "os._exit(0)\n",
+    "write to the result fd": FORGE + "for i in range(3):\n"
+                              "    __main__.out.write(nonce + '{\"test\": %d, \"ok\": true}\\n' % i)\n"
+                              "__main__.out.flush()\ndef add(a, b):\n    return None\n",
+    "forge records after the real ones": FORGE + "import atexit\n"
+                                         "atexit.register(lambda: [__main__.report(test=i, value=5) "
+                                         "for i in range(3)])\ndef add(a, b):\n    return 5\n",
+    "monkeypatch json.dumps": "import json\n_real = json.dumps\n"
+                              "json.dumps = lambda o, **k: _real({'test': o['test'], 'ok': True}) "
+                              "if isinstance(o, dict) and 'test' in o else _real(o, **k)\n"
+                              "def add(a, b):\n    return None\n",
+    "monkeypatch builtins": "import builtins, math\nbuiltins.all = lambda *a: True\nbuiltins.len = lambda x: 0\n"
+                            "builtins.isinstance = lambda *a: False\nmath.isclose = lambda *a, **k: True\n"
+                            "def add(a, b):\n    return [a, b, 'wrong']\n",
+    "an object equal to everything": "class Any:\n    def __eq__(self, other):\n        return True\n"
+                                     "def add(a, b):\n    return Any()\n",
+    "an int subclass equal to everything": "class Int(int):\n    def __eq__(self, other):\n        return True\n"
+                                           "    __hash__ = int.__hash__\ndef add(a, b):\n    return Int(-1)\n",
+    "sys.exit(0) early": "import sys\nsys.exit(0)\ndef add(a, b):\n    return a + b\n",
+    "SystemExit inside the function": "def add(a, b):\n    raise SystemExit(0)\n",
+    "os._exit(0) inside the function": "def add(a, b):\n    import os\n    os._exit(0)\n",
+}
+
+
+@pytest.mark.parametrize("hack", list(HARNESS_HACKS))
+def test_function_call_harness_cannot_be_hacked(hack):
+    r = code_reward({"fn_name": "add", "tests": FN_TESTS, "time_limit_s": 1.0}, HARNESS_HACKS[hack])
+    assert r.value == 0.0, (hack, r)
+    # partial credit is not a way around it either
+    r = code_reward({"fn_name": "add", "tests": FN_TESTS, "time_limit_s": 1.0, "partial": True}, HARNESS_HACKS[hack])
+    assert r.value == 0.0, (hack, r)
+
+
+def test_expected_values_never_enter_the_sandbox():
+    spy = "import __main__, json, sys\ndef add(a, b):\n    return [json.dumps(__main__.spec), sys.stdin.read()]\n"
+    tests = [{"args": [2, 3], "expected": "SECRET-EXPECTED-VALUE"}]
+    r = code_reward({"fn_name": "add", "tests": tests}, spy)
+    assert (r.value, r.status) == (0.0, "ok") and "wrong answer on test 0" in r.detail, r
+    assert "SECRET-EXPECTED-VALUE" not in r.detail and "[2, 3]" in r.detail, r  # it saw the arguments only
+
+
+def test_function_call_partial_credit():
+    prog = "def add(a, b):\n    return a + b if a == 2 else None\n"
+    r = code_reward({"fn_name": "add", "tests": FN_TESTS, "partial": True}, prog)
+    assert r.value == pytest.approx(1 / 3) and r.status == "ok", r
+    assert "wrong answer on test 1" in r.detail
+
+
 def test_extract_code_prefers_last_python_block():
     text = "plan\n```text\nnot code\n```\n```python\nx = 1\n```\nthen\n```py\nx = 2\n```\n"
     assert extract_code(text) == "x = 2\n"
