@@ -6,8 +6,12 @@ exactly like an SGLang scheduler. Every worker keeps the full HF tensors it rece
 after each update, saves ``{dump}/v{version}_rank{r}.pt`` with those tensors and its
 SGLang-layout TP shard built by the planner + interval copy (the fast path under test).
 
-``--fail-tensor NAME``: updates containing NAME are received, then answered success=false,
-like a server whose load_weights rejects a tensor.
+``--fail-tensor NAME``: the first update containing NAME is received, then answered 400 with
+success=false, like a server whose load_weights rejects a tensor; later ones succeed.
+
+From ``--version`` 0.5.21 on, weight-update sessions are enforced as SGLang does: a second
+begin, an end without begin and a distributed update outside a session are refused (400,
+before any broadcast is joined); disk updates need no session.
 """
 
 from __future__ import annotations
@@ -123,7 +127,8 @@ class Receiver:
             p.start()
             self.conns.append(a)
             self.procs.append(p)
-        self.state = {"init_count": 0, "begin": 0, "end": 0, "weight_version": "default", "calls": []}
+        self.state = {"init_count": 0, "begin": 0, "end": 0, "weight_version": "default", "calls": [],
+                      "session_open": False, "refused": 0}
         self.lock = asyncio.Lock()
 
     async def to_workers(self, cmd, arg):
@@ -143,17 +148,36 @@ class Receiver:
 
         path = request.path
         if request.method == "GET":
-            if path == "/get_server_info":
+            if path in ("/server_info", "/get_server_info"):
                 return web.json_response({"tp_size": self.tp, "version": self.args.version,
                                           "weight_version": self.state["weight_version"]})
             if path == "/debug/state":
                 return web.json_response(self.state)
             return web.json_response({"error": "not found"}, status=404)
         body = await request.json()
-        old = Version(self.args.version) < Version("0.5.21")
+        sessions = Version(self.args.version) >= Version("0.5.21")
+        st = self.state
+
+        def refuse(message):
+            st["refused"] += 1
+            return web.json_response({"success": False, "message": message}, status=400)
+
         async with self.lock:
             try:
-                if path == "/init_weights_update_group":
+                if path == "/begin_weight_update" and sessions:
+                    if st["session_open"]:
+                        return refuse("a weight-update session is already open; call end_weight_update() first")
+                    st["session_open"] = True
+                    st["begin"] += 1
+                elif path == "/end_weight_update" and sessions:
+                    if not st["session_open"]:
+                        return refuse("no weight-update session is open; call begin_weight_update() first")
+                    st["session_open"] = False
+                    st["end"] += 1
+                elif path == "/update_weights_from_distributed" and sessions and not st["session_open"]:
+                    return refuse("update_weights_from_distributed must run between begin_weight_update() and "
+                                  "end_weight_update()")
+                elif path == "/init_weights_update_group":
                     await self.to_workers("init", body)
                     self.state["init_count"] += 1
                 elif path == "/update_weights_from_distributed":
@@ -163,21 +187,21 @@ class Receiver:
                     self.state["calls"].append({"n": len(body["names"]), "load_format": body["load_format"],
                                                 "weight_version": body["weight_version"]})
                     if self.args.fail_tensor and self.args.fail_tensor in body["names"]:
-                        return web.json_response({"success": False,
-                                                  "message": f"shape mismatch for {self.args.fail_tensor}"})
+                        name, self.args.fail_tensor = self.args.fail_tensor, None  # once
+                        return refuse(f"Failed to update parameter online: shape mismatch for {name}")
                     self.state["weight_version"] = body["weight_version"]
                 elif path == "/update_weights_from_disk":
                     await self.to_workers("disk", body)
                     self.state["calls"].append({"disk": body["model_path"], "weight_version": body["weight_version"]})
                     self.state["weight_version"] = body["weight_version"]
-                elif path in ("/begin_weight_update", "/end_weight_update") and not old:
-                    self.state[path.split("_")[0].strip("/")] += 1
+                elif path in ("/begin_weight_update", "/end_weight_update"):
+                    return web.json_response({"detail": "Not Found"}, status=404)  # before 0.5.21
                 elif path == "/destroy_weights_update_group":
                     await self.to_workers("destroy", body)
                 else:
                     return web.json_response({"error": {"message": f"no route {path}"}}, status=404)
             except Exception as e:  # noqa: BLE001
-                return web.json_response({"success": False, "message": str(e)[-2000:]})
+                return web.json_response({"success": False, "message": str(e)[-2000:]}, status=400)
         return web.json_response({"success": True, "message": "ok"})
 
 

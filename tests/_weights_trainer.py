@@ -3,7 +3,8 @@
 Run with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (one process per rank). Scenario:
 v1 flattened buckets (small buckets, several calls), v2 per-tensor broadcasts after changing
 the weights, v3 through disk; then, if --fail-url is given, an update to a server that rejects
-a tensor must raise WeightSyncError and leave the version unchanged. Rank 0 saves the full
+a tensor once must raise WeightSyncError and leave the version unchanged, and the next update
+(v5, same group) must succeed: the failed one left no weight-update session open. Rank 0 saves the full
 expected tensors (bf16, the declared cast) per version and a JSON summary into --out.
 """
 
@@ -111,6 +112,13 @@ def main():
             summary["fail_error"] = str(e)
         _t("fail")
         summary["fail_version"] = bad.version
+        try:
+            bad.update(model, 5)
+            summary["retry_error"] = None
+        except WeightSyncError as e:
+            summary["retry_error"] = str(e)
+        summary["retry_version"] = bad.version
+        summary["retry_n_inits"] = bad.n_inits
         bad.close()
     sync.close()
     if rank == 0:

@@ -53,6 +53,7 @@ def _expected_greedy(base, state):
     return hf_greedy(model, PROMPT, N_NEW)
 
 
+@pytest.mark.slow  # an engine subprocess
 def test_broadcast_then_disk_update_real_engine(engine):
     from areal_fast.rollout.testing import perturbed_state_dict
     from areal_fast.weights.sync import DiskWeightSync, DistributedWeightSync, WeightSyncConfig
@@ -61,7 +62,7 @@ def test_broadcast_then_disk_update_real_engine(engine):
     before, _ = _engine_greedy(h.url)
     s1 = perturbed_state_dict(base, seed=1)
     sync = DistributedWeightSync([h.url], WeightSyncConfig(bucket_bytes=64 << 10, backend="gloo", timeout_s=60,
-                                                           group_name="e2e_weight_group"))
+                                                           dtype="bfloat16", group_name="e2e_weight_group"))
     try:
         sync.update(s1, 7)
         assert sync.version == "7"
@@ -76,6 +77,6 @@ def test_broadcast_then_disk_update_real_engine(engine):
     finally:
         sync.close()
     s3 = perturbed_state_dict(base, seed=3)
-    disk = DiskWeightSync([h.url], WeightSyncConfig(timeout_s=60), config_dir=base)
+    disk = DiskWeightSync([h.url], WeightSyncConfig(timeout_s=60, dtype="bfloat16"), config_dir=base)
     disk.update(s3, 9)
     assert _engine_greedy(h.url) == (_expected_greedy(base, s3), "9")

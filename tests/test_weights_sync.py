@@ -78,6 +78,9 @@ def _wait_port(proc: subprocess.Popen) -> str:
     raise RuntimeError(f"receiver {proc.args} did not start")
 
 
+pytestmark = pytest.mark.slow  # 2 trainer processes and 4 receivers with 8 TP workers
+
+
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
     spec = _spec()
@@ -162,3 +165,16 @@ def test_failure_names_server_and_tensor(sync_run):
     err = summary["fail_error"]
     assert err is not None and servers[3][0] in err and "model.layers.1.mlp.up_proj.weight" in err
     assert summary["fail_version"] is None
+
+
+def test_next_sync_after_a_refused_bucket_succeeds(sync_run):
+    """0.5.21+ sessions: the failed update still ended its session, so the next one can begin."""
+    import urllib.request
+
+    _spec_, servers, out = sync_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["retry_error"] is None and summary["retry_version"] == "5"
+    assert summary["retry_n_inits"] == 1  # the same group: the refusing server had taken the bucket
+    st = json.loads(urllib.request.urlopen(servers[3][0] + "/debug/state", timeout=10).read())
+    assert st["begin"] == st["end"] == 2 and not st["session_open"]
+    assert st["refused"] == 1 and st["weight_version"] == "5"
