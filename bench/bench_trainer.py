@@ -52,7 +52,7 @@ class UnfusedActor(PPOActor):
 
     def _token_logprobs_op(self, hidden, weight, labels, bias):
         return fused_linear_token_logprobs_ref(hidden, weight, labels, bias=bias,
-                                               temperature=self.config.ppo.temperature)
+                                               temperature=self.loss_config.temperature)
 
     def _loss_op(self, hidden, weight, labels, behav, adv, mask, **kw):
         return fused_linear_decoupled_ppo_loss_ref(hidden, weight, labels, behav, adv, mask, **kw)

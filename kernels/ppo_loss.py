@@ -5,9 +5,13 @@ is no limit on T in practice (Liger's cross-entropy uses a 2-D launch that fails
 Row offsets are computed in int64 (T * V passes 2**31 at T = 14,124 for V = 152,064).
 
 Forward (``token_stats_fwd``): one pass over the vocabulary in blocks with an online
-log-sum-exp, keeping three fp32 scalars per row: the running max m, s = sum exp(x - m) and
-t = sum exp(x - m) * x, with x = z / tau. Then lse = m + log s, H = lse - t / s and
-l = x_y - lse. Nothing of size [T, V] is written.
+log-sum-exp kept *per lane* (each of the BLOCK_V lanes carries its own running max m, s = sum
+exp(x - m) and t = sum exp(x - m) x across the loop), and one cross-lane reduction after it:
+the loop body has no barrier or shuffle (the first version reduced three block-wide values per
+block: 6 barriers and 24 shuffles per iteration in the sm_90a code). Exponentials are exp2 with
+log2(e) folded into the 1/tau scale, one exp2 per element (the max either moves, and the old sums
+are rescaled, or it does not, and the new term is exponentiated). Then lse = m + log s,
+H = lse - t / s and l = x_y - lse. Nothing of size [T, V] is written.
 
 Backward (``token_stats_bwd``): given g = dloss/dl and e = dloss/dH per row (computed by the
 shared [T]-sized objective), recompute P blockwise from z and lse and write
@@ -44,26 +48,46 @@ def _block_v(V: int) -> int:
 
 @triton.jit
 def _ppo_token_stats_fwd_kernel(Z, stride_z, LABELS, LOGP, ENT, LSE, V, inv_tau, BLOCK_V: tl.constexpr):
+    # Work in base 2: u = z * inv_tau * log2(e), so exp(x) = exp2(u) with one multiply per element.
+    LOG2E: tl.constexpr = 1.4426950408889634
+    LN2: tl.constexpr = 0.6931471805599453
+    # Scaled logits below -1e30 count as -inf (a logit that low has probability 0 in fp32 anyway).
+    NEG_FLOOR: tl.constexpr = -1e30
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
     offs = tl.arange(0, BLOCK_V)
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    t = tl.zeros((), tl.float32)
+    scale = inv_tau * LOG2E
+    # Per-lane online statistics, reduced across lanes once after the loop: m = running max of u,
+    # s = sum exp2(u - m), t = sum exp2(u - m) * u. No cross-lane reduction (barrier) per block.
+    m = tl.full((BLOCK_V,), NEG_FLOOR, tl.float32)
+    s = tl.zeros((BLOCK_V,), tl.float32)
+    t = tl.zeros((BLOCK_V,), tl.float32)
     for start in range(0, V, BLOCK_V):
         cols = start + offs
-        x = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_tau
-        m_new = tl.maximum(m, tl.max(x, 0))
-        # While every logit so far is -inf, shift by 0 instead of -inf (avoids inf - inf = NaN).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(x - m_safe)
-        alpha = tl.exp(m - m_safe)
-        s = s * alpha + tl.sum(p, 0)
-        # p * x with x = -inf (tail or masked vocab) would be 0 * -inf = NaN: use x = 0 there.
-        t = t * alpha + tl.sum(p * tl.where(p > 0, x, 0.0), 0)
-        m = m_new
-    lse = m + tl.log(s)
-    ent = lse - t / s
+        u = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * scale
+        # -inf (tail, masked vocabulary) -> a finite floor: no inf - inf or 0 * inf, no selects. A
+        # floored entry counts 1 at scale 2^NEG_FLOOR, rescaled to exactly 0 once the lane (or,
+        # after the loop, the row) sees a real value.
+        u = tl.maximum(u, NEG_FLOOR)
+        # One exp2 per element: with d = u - m, either the max moves (d > 0: rescale the old sums
+        # by exp2(-d), the new term is 1) or it does not (the new term is exp2(d)).
+        d = u - m
+        e = tl.exp2(-tl.abs(d))
+        up = d > 0
+        alpha = tl.where(up, e, 1.0)
+        p = tl.where(up, 1.0, e)
+        s = s * alpha + p
+        t = t * alpha + p * u
+        m = tl.maximum(m, u)
+    m_row = tl.max(m, 0)
+    w = tl.exp2(m - m_row)
+    s_row = tl.sum(s * w, 0)
+    t_row = tl.sum(t * w, 0)
+    lse2 = m_row + tl.log2(s_row)  # log-sum-exp in base-2 units of u
+    # a row whose logits are all -inf (or below the floor) has no distribution: lse = -inf as in torch
+    lse2 = tl.where(m_row > NEG_FLOOR, lse2, float("-inf"))
+    lse = lse2 * LN2
+    ent = (lse2 - t_row / s_row) * LN2
     label = tl.load(LABELS + row).to(tl.int64)
     valid = (label >= 0) & (label < V)
     x_y = tl.load(z_row + tl.where(valid, label, 0)).to(tl.float32) * inv_tau
@@ -88,14 +112,19 @@ def _ppo_token_stats_bwd_kernel(Z, stride_z, G, stride_g, LABELS, LSE, ENT, GRAD
             cols = start + offs
             tl.store(g_row + cols, zeros.to(G.dtype.element_ty), mask=cols < V)
     else:
-        lse = tl.load(LSE + row).to(tl.float32)
+        LOG2E: tl.constexpr = 1.4426950408889634
+        LN2: tl.constexpr = 0.6931471805599453
+        scale = inv_tau * LOG2E
+        lse2 = tl.load(LSE + row).to(tl.float32) * LOG2E
         ent = tl.load(ENT + row).to(tl.float32)
         label = tl.load(LABELS + row).to(tl.int64)
         for start in range(0, V, BLOCK_V):
             cols = start + offs
-            x = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_tau
-            logP = x - lse
-            P = tl.exp(logP)
+            # base 2 as in the forward: P = exp2(u - lse2), log P = (u - lse2) ln 2
+            u = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * scale
+            logP2 = u - lse2
+            P = tl.exp2(logP2)
+            logP = logP2 * LN2
             onehot = tl.where(cols == label, 1.0, 0.0)
             ent_term = P * (tl.where(P > 0, logP, 0.0) + ent)
             dz = (g * (onehot - P) - e * ent_term) * inv_tau

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tolerances import FP32_ERR_FLOOR, FP32_REORDER_TOL
 
 from areal_fast.ops import decoupled_ppo_loss, decoupled_ppo_loss_ref, ppo_objective, token_logprobs
-from areal_fast.ops.ppo_objective import PPOLossConfig
+from areal_fast.ops.objective import PPOLossConfig
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 OPTS = dict(temperature=0.7, eps_clip=0.1, dual_clip=1.5, behav_weight_cap=1.5, kl_coef=0.1,

@@ -1,6 +1,6 @@
-"""The PyTorch reference of the decoupled-PPO loss against a direct fp64 evaluation of the spec.
+"""The PyTorch reference of the decoupled-PPO loss against a direct fp64 evaluation of its definition.
 
-``spec_eval`` below is written independently of ``areal_fast.ops.ppo_objective``: token by token
+``spec_eval`` below is written independently of ``areal_fast.ops.objective``: token by token
 and sequence by sequence, with Python control flow, straight from docs/objective.md.
 """
 
@@ -18,7 +18,7 @@ def _f(x) -> float:
 
 
 def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
-    """Loss (autograd-differentiable in z) and stats, per the spec, in fp64."""
+    """Loss (autograd-differentiable in z) and stats, per docs/objective.md, in fp64."""
     tau = o.get("temperature", 1.0)
     eps = o.get("eps_clip", 0.2)
     eps_h = o.get("eps_clip_higher") or eps
@@ -28,16 +28,28 @@ def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
     logP = x - torch.logsumexp(x, -1, keepdim=True)
     P = logP.exp()
     T = z.shape[0]
-    l = [logP[t, y[t]] for t in range(T)]  # noqa: E741  (the spec's name)
+    l = [logP[t, y[t]] for t in range(T)]  # noqa: E741  (the name in docs/objective.md)
     H = [-(P[t] * logP[t]).sum() for t in range(T)]
     pt = b if p is None else p
-    rho, nonfinite = [], 0
+    # behaviour weight; a loss token whose weight cannot be formed (b or p not finite, overflow) is
+    # dropped: weight 0, log-ratio 0, out of the sequence statistics, counted as non-finite
+    w_raw, dropped = [], []
     for t in range(T):
-        d = l[t] - _f(pt[t])
-        if not math.isfinite(_f(d)):
+        ok = math.isfinite(_f(b[t])) and math.isfinite(_f(pt[t]))
+        w = (1.0 if p is None else math.exp(min(_f(p[t]) - _f(b[t]), 800.0))) if ok else math.inf
+        drop = bool(m[t] != 0) and not math.isfinite(w)
+        dropped.append(drop)
+        w_raw.append(0.0 if drop else w)
+    rho, rho_unclamped, nonfinite = [], [], 0
+    for t in range(T):
+        d = l[t] - (0.0 if dropped[t] else _f(pt[t]))
+        if dropped[t] or not math.isfinite(_f(d)):
             nonfinite += int(m[t] != 0)
             d = d * 0.0 if math.isnan(_f(d)) else torch.zeros((), dtype=torch.float64)
+        rho_unclamped.append(d)
         rho.append(torch.clamp(d, -20.0, 20.0))
+    mask_mode = o.get("behav_weight_mode", "mask") == "mask"
+    rejected = [U is not None and mask_mode and w_raw[t] > U for t in range(T)]
 
     def surr(r, a):
         rc = torch.clamp(r, 1 - eps, 1 + eps_h)
@@ -57,7 +69,8 @@ def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
             ratio[t] = _f(r)
     else:
         for s, e in segs:
-            idx = [t for t in range(s, e) if m[t]]
+            # the sequence's ratio and advantage are means over its kept tokens only
+            idx = [t for t in range(s, e) if m[t] and not dropped[t] and not rejected[t]]
             n = max(len(idx), 1)
             rs = torch.exp(sum((rho[t] for t in idx), torch.zeros((), dtype=torch.float64)) / n)
             As = sum(_f(A[t]) for t in idx) / n
@@ -67,7 +80,7 @@ def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
     L = []
     stat = {k: [] for k in ("w_raw", "capped", "kl")}
     for t in range(T):
-        w = 1.0 if p is None else math.exp(_f(p[t]) - _f(b[t]))
+        w = w_raw[t]
         stat["w_raw"].append(w)
         capped = U is not None and w > U
         stat["capped"].append(capped)
@@ -100,8 +113,8 @@ def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
 
     stats = {
         "n_tokens": len(masked), "ratio_mean": mean(ratio), "clip_fraction": mean(clip),
-        "dual_clip_fraction": mean(dualf), "approx_kl": mean([_f(l[t]) - _f(pt[t]) for t in range(T)]),
-        "behav_kl": mean([_f(pt[t]) - _f(b[t]) for t in range(T)]),
+        "dual_clip_fraction": mean(dualf), "approx_kl": mean([_f(rho_unclamped[t]) for t in range(T)]),
+        "behav_kl": mean([0.0 if dropped[t] else _f(pt[t]) - _f(b[t]) for t in range(T)]),
         "behav_weight_mean": mean(stat["w_raw"]), "behav_capped_fraction": mean(stat["capped"]),
         "entropy_mean": mean([_f(h) for h in H]), "nonfinite_count": nonfinite,
     }
@@ -137,6 +150,10 @@ OPTIONS = {
     "sequence": dict(importance_level="sequence", eps_clip=0.05),
     "sequence_dual_seqmean": dict(importance_level="sequence", eps_clip=0.05, dual_clip=1.05,
                                   loss_agg="seq-mean-token-mean"),
+    "sequence_cap_mask": dict(importance_level="sequence", eps_clip=0.05, behav_weight_cap=1.05,
+                              behav_weight_mode="mask"),
+    "sequence_cap_clamp": dict(importance_level="sequence", eps_clip=0.05, behav_weight_cap=1.05,
+                               behav_weight_mode="clamp", loss_agg="seq-mean-token-mean"),
     "kl_k1": dict(kl_coef=0.1, kl_estimator="k1"),
     "kl_k2": dict(kl_coef=0.1, kl_estimator="k2"),
     "kl_k3": dict(kl_coef=0.1, kl_estimator="k3"),
@@ -188,7 +205,8 @@ def test_reference_matches_spec_fp64(name):
 def test_option_data_exercises_branches():
     """The random data above must actually clip, dual-clip and cap, else the tests prove little."""
     for name, key in (("default", "clip_fraction"), ("dual_clip", "dual_clip_fraction"),
-                      ("cap_mask", "behav_capped_fraction"), ("sequence_dual_seqmean", "clip_fraction"),
+                      ("cap_mask", "behav_capped_fraction"), ("sequence_cap_mask", "behav_capped_fraction"),
+                      ("sequence_dual_seqmean", "clip_fraction"),
                       ("sequence_dual_seqmean", "dual_clip_fraction")):
         opts, _, _ = split_options(OPTIONS[name])
         d = make_inputs(seed=list(OPTIONS).index(name))
@@ -274,3 +292,51 @@ def test_bad_shapes_name_the_input():
     d = make_inputs()
     with pytest.raises(ValueError, match="advantages"):
         decoupled_ppo_loss_ref(d["z"], d["y"], d["b"], d["A"][:5], d["m"])
+
+
+def test_sequence_mask_cap_leaves_rejected_tokens_out_of_the_sequence_statistics():
+    """GSPO with a mask-mode cap: a rejected token does not pull its sequence's mean log-ratio or
+    mean advantage (computed here by hand for one sequence)."""
+    d = make_inputs(T=6, V=7, S=1, seed=11)
+    m = torch.ones(6)
+    p = d["b"].clone()
+    p[2] = d["b"][2] + 1.0  # w = e = 2.7 > cap: rejected
+    A = torch.tensor([1.0, 1.0, -50.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    cu = torch.tensor([0, 6])
+    opts = dict(importance_level="sequence", behav_weight_cap=2.0, eps_clip=10.0)  # no clipping
+    z = d["z"].clone().requires_grad_()
+    out = decoupled_ppo_loss_ref(z, d["y"], d["b"], A, m, prox_logprobs=p, cu_seqlens=cu, **opts)
+    out.loss.backward()
+    logp = torch.log_softmax(d["z"], -1)[torch.arange(6), d["y"]]
+    kept = [0, 1, 3, 4, 5]
+    rho_s = (logp[kept] - p[kept]).mean()
+    A_s = A[kept].mean()  # 1.0: the rejected token's -50 does not enter
+    w = torch.exp(p - d["b"])
+    expect = sum(-A_s * torch.exp(rho_s) * w[t] for t in kept) / 6  # the rejected token stays in D
+    torch.testing.assert_close(out.loss, expect, atol=FP64_REORDER_TOL, rtol=FP64_REORDER_TOL)
+    assert float(out.stats["behav_capped_fraction"]) == pytest.approx(1 / 6)
+    assert torch.all(z.grad[2] == 0)  # no gradient through the rejected token's log-prob
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("with_prox", [True, False])
+@pytest.mark.parametrize("bad", [float("-inf"), float("nan"), float("inf")])
+def test_nonfinite_behaviour_logprob_never_poisons_the_loss(level, with_prox, bad):
+    """A -inf/NaN/inf behaviour log-prob on a loss token (no cap set) drops that token: finite loss
+    and gradient, equal to the loss without it (it stays in the normaliser), counted in the stats."""
+    d = make_inputs(seed=12)
+    t = int(torch.nonzero(d["m"])[2])
+    b = d["b"].clone()
+    b[t] = bad
+    kw = dict(prox_logprobs=d["p"] if with_prox else None, cu_seqlens=d["cu"], importance_level=level)
+    z = d["z"].clone().requires_grad_()
+    out = decoupled_ppo_loss_ref(z, d["y"], b, d["A"], d["m"], **kw)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(z.grad).all()
+    assert float(out.stats["nonfinite_count"]) == 1.0
+    assert all(math.isfinite(float(v)) for v in out.stats.values())
+    assert torch.all(z.grad[t] == 0)
+    # the same as masking the token's policy-gradient term out by hand (same normaliser)
+    loss, _ = spec_eval(d["z"], d["y"], b, d["A"], d["m"], kw["prox_logprobs"], d["q"], d["cu"], None,
+                        dict(importance_level=level))
+    torch.testing.assert_close(out.loss, loss, atol=FP64_REORDER_TOL, rtol=FP64_REORDER_TOL)

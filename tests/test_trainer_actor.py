@@ -36,7 +36,7 @@ def make_batch(n=12, seed=0, version=0, group_size=4, max_prompt=8, max_out=20):
         o = int(torch.randint(1, max_out, (1,), generator=g))
         out.append(Sample(prompt_ids=torch.randint(2, VOCAB, (p,), generator=g).tolist(),
                           output_ids=torch.randint(2, VOCAB, (o,), generator=g).tolist(),
-                          output_logprobs=(-torch.rand(o, generator=g) * 4 - 1).tolist(),
+                          behav_logprobs=(-torch.rand(o, generator=g) * 4 - 1).tolist(),
                           output_versions=[version] * o,
                           reward=float(torch.rand((), generator=g) > 0.5), group_id=i // group_size))
     return out
@@ -87,7 +87,7 @@ def test_steps_reduce_the_loss_on_a_fixed_batch(tiny):
     actor = actor_for(path, ppo={"prox_mode": "none"}, optim={"lr": 3e-3})
     batch = make_batch(8, seed=1)
     for s in batch:  # on-policy behaviour log-probs: the PPO ratio starts at 1
-        s.output_logprobs = hf_logprobs(model, s).tolist()
+        s.behav_logprobs = hf_logprobs(model, s).tolist()
     losses = [actor.train_batch(batch)["loss"] for _ in range(4)]
     assert losses[-1] < losses[0] - 0.05, losses
     assert actor.version == 4
@@ -100,7 +100,7 @@ def test_proximal_approximation_through_the_actor(tiny):
     actor.version = 5
     batch = make_batch(6, seed=4, version=3)
     cur = torch.cat(actor.compute_logprobs(batch))
-    b = torch.cat([torch.tensor(s.output_logprobs) for s in batch])
+    b = torch.cat([torch.tensor(s.behav_logprobs) for s in batch])
     m = actor.train_batch(batch)
     assert m["behav_kl"] == pytest.approx(float((cur - b).mean()) / 2, abs=1e-5)
     assert m["staleness_mean"] == m["staleness_max"] == 2  # made by v3, trained from weights v5
@@ -118,7 +118,7 @@ def test_minibatches_warmup_and_metrics(tiny):
     path, _ = tiny
     actor = actor_for(path, max_tokens_per_mb=40,
                       ppo={"ppo_n_minibatches": 3, "adv_estimator": "rloo", "adv_batch_norm": True,
-                           "kl_coef": 0.1, "entropy_coef": 0.01},
+                           "loss": {"kl_coef": 0.1, "entropy_coef": 0.01}},
                       optim={"lr": 1e-3, "warmup_steps": 2, "total_steps": 4, "lr_schedule": "cosine"})
     m = actor.train_batch(make_batch(12, seed=6))
     assert m["lr"] == pytest.approx(1e-3)  # after 1 of 2 warmup steps the next factor is 2/2
@@ -167,9 +167,9 @@ def test_engine_behaviour_logprobs_equal_trainer_recompute(tiny):
     finally:
         handle.stop()
     for temp, s in samples:
-        actor = actor_for(path, ppo={"temperature": temp})
+        actor = actor_for(path, sampling_temperature=temp)
         got = actor.compute_logprobs([s])[0]
-        torch.testing.assert_close(got, torch.tensor(s.output_logprobs), atol=ENGINE_LOGPROB_ATOL, rtol=0)
+        torch.testing.assert_close(got, torch.tensor(s.behav_logprobs), atol=ENGINE_LOGPROB_ATOL, rtol=0)
 
 
 def test_activation_checkpointing_gives_the_same_update(tiny):

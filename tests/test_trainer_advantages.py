@@ -53,9 +53,14 @@ def test_advantage_input_errors():
 def test_batch_normalize_token_weighted():
     a = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
     w = torch.tensor([3.0, 1.0, 2.0], dtype=torch.float64)
-    out = batch_normalize(a, w, eps=0.0)
     flat = torch.repeat_interleave(a, w.long())  # every token carries its sequence's advantage
-    torch.testing.assert_close(out, (a - flat.mean()) / flat.std(unbiased=False), atol=FP64_FEW_OPS_ATOL, rtol=0)
+    for unbiased in (True, False):
+        out = batch_normalize(a, w, eps=0.0, unbiased=unbiased)
+        torch.testing.assert_close(out, (a - flat.mean()) / flat.std(unbiased=unbiased), atol=FP64_FEW_OPS_ATOL,
+                                   rtol=0)
+    # the default is the unbiased std (n - 1), as AReaL's
+    torch.testing.assert_close(batch_normalize(a, w, eps=0.0), (a - flat.mean()) / flat.std(unbiased=True),
+                               atol=FP64_FEW_OPS_ATOL, rtol=0)
 
 
 def test_proximal_approximation_numerics():
@@ -71,7 +76,7 @@ def test_proximal_approximation_numerics():
 
 
 def test_sample_to_seq_shift_and_masks():
-    s = Sample(prompt_ids=[5, 6, 7], output_ids=[8, 9], output_logprobs=[-0.1, -0.2], output_versions=[3, 4],
+    s = Sample(prompt_ids=[5, 6, 7], output_ids=[8, 9], behav_logprobs=[-0.1, -0.2], output_versions=[3, 4],
                reward=1.0, group_id=0)
     q = to_seq(s)
     assert q.input_ids.tolist() == [5, 6, 7, 8] and q.labels.tolist() == [6, 7, 8, 9]
@@ -79,10 +84,10 @@ def test_sample_to_seq_shift_and_masks():
     assert q.behav_logprobs.tolist() == pytest.approx([0, 0, -0.1, -0.2])
     assert q.versions.tolist() == [-1, -1, 3, 4]
     with pytest.raises(ValueError, match="sample 3: output_ids"):
-        Sample.coerce(dict(prompt_ids=[1], output_ids=[2], output_logprobs=[], output_versions=[0], reward=0,
+        Sample.coerce(dict(prompt_ids=[1], output_ids=[2], behav_logprobs=[], output_versions=[0], reward=0,
                            group_id=0), 3)
     with pytest.raises(ValueError, match="lacks key 'reward'"):
-        Sample.coerce(dict(prompt_ids=[1], output_ids=[2], output_logprobs=[0.0], output_versions=[0],
+        Sample.coerce(dict(prompt_ids=[1], output_ids=[2], behav_logprobs=[0.0], output_versions=[0],
                            group_id=0))
 
 
@@ -103,8 +108,8 @@ def test_config_validation_names_the_field():
         PPOConfig(prox_mode="magic")
     with pytest.raises(ValueError, match="lr_schedule"):
         OptimConfig(lr_schedule="step")
-    cfg = TrainerConfig(model_path="/x", ppo={"eps_clip": 0.1}, optim={"lr": 1e-5})
-    assert cfg.ppo.eps_clip == 0.1 and math.isclose(cfg.optim.lr, 1e-5)
+    cfg = TrainerConfig(model_path="/x", ppo={"loss": {"eps_clip": 0.1}}, optim={"lr": 1e-5})
+    assert cfg.ppo.loss.eps_clip == 0.1 and math.isclose(cfg.optim.lr, 1e-5)
 
 
 def test_lr_schedule_warmup_then_decay():
@@ -122,3 +127,63 @@ def test_lr_schedule_warmup_then_decay():
     lin = factors(warmup_steps=0, total_steps=4, lr_schedule="linear")
     assert lin[:5] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
     assert factors(warmup_steps=3)[3:] == [1.0] * 5
+
+
+def test_grpo_population_std_option():
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.5]
+    adv = group_advantages(rewards, [0, 0, 0, 0, 1], unbiased=False)
+    a = torch.tensor(rewards[:4], dtype=torch.float64)
+    torch.testing.assert_close(adv[:4], (a - a.mean()) / (a.std(unbiased=False) + 1e-5), atol=FP64_FEW_OPS_ATOL,
+                               rtol=0)
+    assert adv[4] == 0  # a group of one stays 0 with either std
+    unbiased = group_advantages(rewards, [0, 0, 0, 0, 1])
+    # sqrt(n / (n - 1)) between the two conventions for a group of n = 4 (eps aside)
+    assert float(adv[0] / unbiased[0]) == pytest.approx(math.sqrt(4 / 3), rel=1e-4)
+
+
+def test_rloo_group_of_one_is_zero():
+    """RLOO's leave-one-out mean is undefined for a lone sample: its advantage is 0 (documented)."""
+    adv = group_advantages([5.0, 1.0, 3.0], ["a", "b", "b"], estimator="rloo")
+    assert adv[0] == 0 and adv[1] == -2.0 and adv[2] == 2.0
+
+
+def test_trainer_config_is_torch_free_and_names_bad_keys():
+    import subprocess
+    import sys
+
+    code = ("import sys, areal_fast.trainer.config as c; assert 'torch' not in sys.modules, 'torch imported'; "
+            "c.TrainerConfig(ppo={'loss': {'eps_clip': 0.3}})")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    cases = [
+        (dict(ppo={"loss": {"eps_clip": -1.0}}), "ppo.loss.eps_clip"),
+        (dict(ppo={"loss": {"behav_weight_mode": "drop"}}), "behav_weight_mode"),
+        (dict(ppo={"eps_clip": 0.1}), "ppo.eps_clip: unknown key"),
+        (dict(ppo={"adv_eps": float("nan")}), "ppo.adv_eps"),
+        (dict(optim={"lr": float("inf")}), "optim.lr"),
+        (dict(device="gpu"), "device"),
+        (dict(attn_impl="flash"), "attn_impl"),
+        (dict(param_dtype="bf16"), "param_dtype"),
+        (dict(max_tokens_per_mb=0), "max_tokens_per_mb"),
+        (dict(min_mbs=0), "min_mbs"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(world_size=0), "world_size"),
+        (dict(gpus="0;1"), "gpus"),
+        (dict(loss_backend="cuda"), "loss_backend"),
+        (dict(loss_chunk_size=0), "loss_chunk_size"),
+        (dict(peak_flops=-1.0), "peak_flops"),
+        (dict(sampling_temperature=0.0), "sampling_temperature"),
+        (dict(ppo={"loss": {"temperature": 0.5}}), "ppo.loss.temperature"),
+    ]
+    for kwargs, culprit in cases:
+        with pytest.raises(ValueError, match=culprit.replace(".", r"\.")):
+            TrainerConfig(**kwargs)
+    assert TrainerConfig(device="cuda:1").device == "cuda:1"
+
+
+def test_trainer_config_hands_the_sampling_temperature_to_the_loss():
+    cfg = TrainerConfig(sampling_temperature=0.7, ppo={"loss": {"eps_clip": 0.3}})
+    assert cfg.loss.temperature == 0.7 and cfg.loss.eps_clip == 0.3
+    assert cfg.ppo.loss.temperature == 1.0  # the section itself holds no temperature of its own
+    # a round trip (the launcher writes the resolved config for the ranks) keeps it valid
+    assert TrainerConfig(sampling_temperature=0.7, ppo={"loss": {"temperature": 0.7}}).loss.temperature == 0.7

@@ -18,7 +18,8 @@ sys.path.insert(0, HERE)
 from test_trainer_actor import make_batch, make_tiny_model  # noqa: E402
 from tolerances import FP32_GRAD_TOL, FP32_MULTI_RANK_PARAM_ATOL  # noqa: E402
 
-from areal_fast.trainer import OptimConfig, PPOActor, PPOConfig, TrainerConfig, load_checkpoint, save_checkpoint  # noqa: E402  # noqa: E402
+from areal_fast.ops import PPOLossConfig  # noqa: E402
+from areal_fast.trainer import OptimConfig, PPOActor, PPOConfig, TrainerConfig, load_checkpoint, save_checkpoint  # noqa: E402
 from areal_fast.trainer.batch import to_seq  # noqa: E402
 
 LR = 1e-3
@@ -30,7 +31,7 @@ ADAM_EPS = 1e-6
 
 def config(model_path, max_tokens):
     return TrainerConfig(model_path=model_path, device="cpu", max_tokens_per_mb=max_tokens,
-                         ppo=PPOConfig(ppo_n_minibatches=2, adv_batch_norm=True, kl_coef=0.05),
+                         ppo=PPOConfig(ppo_n_minibatches=2, adv_batch_norm=True, loss=PPOLossConfig(kl_coef=0.05)),
                          optim=OptimConfig(lr=LR, eps=ADAM_EPS, grad_clip=0.5, warmup_steps=1, total_steps=5,
                                            lr_schedule="linear"))
 

@@ -1,48 +1,62 @@
-"""Fused RL loss ops: the decoupled-PPO objective (``shared/spec/decoupled_ppo.md``).
+"""Fused RL loss ops: the decoupled-PPO objective of ``docs/objective.md``.
 
 Public API::
 
-    decoupled_ppo_loss(logits, labels, behav_logprobs, advantages, loss_mask, *, ...) -> PPOLossOutput
+    decoupled_ppo_loss(logits, labels, behav_logprobs, advantages, loss_mask, *,
+                       config=PPOLossConfig(...), **overrides) -> PPOLossOutput
     fused_linear_decoupled_ppo_loss(hidden, weight, labels, behav_logprobs, advantages, loss_mask, *,
-                                    bias=None, chunk_size=None, ...) -> PPOLossOutput
+                                    bias=None, chunk_size=None, config=None, **overrides) -> PPOLossOutput
     token_logprobs(logits, labels, *, temperature=1.0, return_entropy=False)
     fused_linear_token_logprobs(hidden, weight, labels, *, bias=None, temperature=1.0,
                                 return_entropy=False, chunk_size=None)
 
-and their pure-PyTorch references ``*_ref``. Extra keywords beyond the issue's signatures:
-``backend=`` ('triton' | 'interpret' | 'reference' | None = ``areal_fast.backend.select``) on all
-four, ``grad_inplace=`` on ``decoupled_ppo_loss`` (write dloss/dlogits into the logits buffer) and
-``single_pass=`` on ``fused_linear_decoupled_ppo_loss`` (gradients during the forward; default on
-for token-level importance). The objective itself (``ppo_objective``) is plain PyTorch on [T]
-vectors, shared by every backend. Importing this package does not import Triton.
+and their pure-PyTorch references ``*_ref`` (same arguments). The objective's options travel as
+one :class:`PPOLossConfig` value (``config=``); keyword overrides replace single options, so
+``decoupled_ppo_loss(..., eps_clip=0.3)`` works without building a config. Other keywords:
+``prox_logprobs``, ``ref_logprobs``, ``cu_seqlens``, ``normalizer``; ``backend=`` ('triton' |
+'interpret' | 'reference' | None = ``areal_fast.backend.select``) on all four, ``grad_inplace=`` on
+``decoupled_ppo_loss`` (write dloss/dlogits into the logits buffer) and ``single_pass=`` on
+``fused_linear_decoupled_ppo_loss`` (gradients during the forward; default on for token-level
+importance). The objective itself (``objective.ppo_objective``) is plain PyTorch on [T] vectors, shared by
+every backend. Importing this package does not import Triton; ``areal_fast.ops.loss_config``
+does not import torch.
 """
 
-from .fused_linear import default_chunk_size, fused_linear_decoupled_ppo_loss, fused_linear_token_logprobs
-from .ppo_loss import decoupled_ppo_loss, token_logprobs
-from .ppo_loss_ref import (
-    decoupled_ppo_loss_ref,
-    fused_linear_decoupled_ppo_loss_ref,
-    fused_linear_token_logprobs_ref,
-    token_logprobs_ref,
-    token_stats_ref,
-)
-from .ppo_objective import LOG_RATIO_CLAMP, STAT_NAMES, PPOLossConfig, ppo_objective
-from .types import PPOLossOutput
+from __future__ import annotations
 
-__all__ = [
-    "LOG_RATIO_CLAMP",
-    "PPOLossConfig",
-    "PPOLossOutput",
-    "STAT_NAMES",
-    "decoupled_ppo_loss",
-    "decoupled_ppo_loss_ref",
-    "default_chunk_size",
-    "fused_linear_decoupled_ppo_loss",
-    "fused_linear_decoupled_ppo_loss_ref",
-    "fused_linear_token_logprobs",
-    "fused_linear_token_logprobs_ref",
-    "ppo_objective",
-    "token_logprobs",
-    "token_logprobs_ref",
-    "token_stats_ref",
-]
+import importlib
+
+# name -> submodule; loaded on first use, so that ``areal_fast.ops.loss_config`` (and the trainer's
+# config, which holds a PPOLossConfig) can be imported without importing torch
+_EXPORTS = {
+    "PPOLossConfig": "loss_config",
+    "resolve_loss_config": "loss_config",
+    "LOG_RATIO_CLAMP": "objective",
+    "STAT_NAMES": "objective",
+    "ppo_objective": "objective",
+    "PPOLossOutput": "types",
+    "decoupled_ppo_loss": "ppo_loss",
+    "token_logprobs": "ppo_loss",
+    "default_chunk_size": "fused_linear",
+    "fused_linear_decoupled_ppo_loss": "fused_linear",
+    "fused_linear_token_logprobs": "fused_linear",
+    "decoupled_ppo_loss_ref": "ppo_loss_ref",
+    "fused_linear_decoupled_ppo_loss_ref": "ppo_loss_ref",
+    "fused_linear_token_logprobs_ref": "ppo_loss_ref",
+    "token_logprobs_ref": "ppo_loss_ref",
+    "token_stats_ref": "ppo_loss_ref",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

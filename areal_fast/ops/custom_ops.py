@@ -8,8 +8,10 @@ through them, and autograd registered on the differentiable ones:
     temperature, backend)`` writes dloss/dlogits into ``grad_out`` (which may be ``logits``)
   * ``fused_linear_token_stats(hidden, weight, bias, labels, temperature, chunk_size, backend)``
   * ``fused_linear_token_stats_bwd(...) -> (grad_hidden, grad_weight, grad_bias)``
-  * ``fused_linear_ppo_single_pass(...) -> (logp, entropy, grad_hidden, grad_weight, grad_bias)``
-    (token-level objectives: the gradients during the forward, no recompute)
+  * ``fused_linear_ppo_single_pass(..., *op_args(config)) -> (logp, entropy, grad_hidden,
+    grad_weight, grad_bias)`` (token-level objectives: the gradients during the forward, no
+    recompute); call it through the Python function of the same name, which takes a
+    :class:`PPOLossConfig` (``op_args`` is the one place that flattens it)
   * ``attach_grads(value, hidden, weight, bias, gh, gw, gb) -> value`` (its backward hands the
     precomputed gradients, scaled by the incoming one, to hidden / weight / bias)
 
@@ -23,6 +25,9 @@ through them, and autograd registered on the differentiable ones:
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .loss_config import LOSS_OPTION_NAMES, PPOLossConfig
+from .objective import per_token_grads, token_constants
 
 # Reference backend: rows per chunk so one fp32 chunk is ~64 Mi elements (256 MiB) at most.
 _REF_CHUNK_ELEMS = 1 << 26
@@ -167,10 +172,47 @@ def _(hidden, weight, bias, labels, temperature, chunk_size, backend):
     return tuple(hidden.new_empty(T, dtype=torch.float32) for _ in range(3))
 
 
+# Whether torch.addmm(acc_fp32, a_lowp, b_lowp, out_dtype=float32, out=acc_fp32) runs on a device
+# type and input dtype (cuBLAS does on CUDA for bf16/fp16 in recent torch; CPU does not in 2.13).
+_FP32_ADDMM_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def fp32_addmm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Probe once per (device type, dtype) whether the GEMM can accumulate low-precision inputs
+    into an fp32 output itself; cached, so the cost is one tiny GEMM per process."""
+    key = (device.type, dtype)
+    if key not in _FP32_ADDMM_OK:
+        ok = False
+        if dtype != torch.float32:
+            try:
+                acc = torch.zeros(2, 2, dtype=torch.float32, device=device)
+                a = torch.ones(2, 2, dtype=dtype, device=device)
+                torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+                ok = bool(acc[0, 0] == 2.0)
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _FP32_ADDMM_OK[key] = ok
+    return _FP32_ADDMM_OK[key]
+
+
+def addmm_fp32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 and the products summed in fp32, with no rounding of the
+    partial product to the inputs' dtype. Uses the GEMM's fp32 output where the installed torch
+    supports it (no extra traffic); else upcasts the inputs (exact, at the cost of an fp32 copy)."""
+    if a.dtype == torch.float32 or a.dtype == torch.float64:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+    elif fp32_addmm_supported(acc.device, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
 class _LinearGrads:
     """grad_hidden, grad_weight and grad_bias of z = h W^T + bias, accumulated chunk by chunk from
-    dz (written into the chunk's logits buffer). grad_weight/grad_bias accumulate in fp32 (a bf16
-    accumulator would round 32 times at T = 32768 with 1024-row chunks); unneeded ones are [0]."""
+    dz (written into the chunk's logits buffer). grad_weight is accumulated in fp32 *inside* the
+    GEMM (``addmm_fp32_``): rounding each chunk's [V, H] product to bf16 before adding it cost
+    ~2^-9 relative error per chunk and a full extra read/write of [V, H]; grad_bias is a column sum
+    with an fp32 accumulator (no fp32 copy of the chunk). Unneeded outputs are [0]."""
 
     def __init__(self, hidden, weight, bias, need_hidden: bool, need_weight: bool, need_bias: bool):
         self.weight, self.bias = weight, bias
@@ -182,9 +224,9 @@ class _LinearGrads:
         if self.gh is not None:
             torch.mm(dz, self.weight, out=self.gh[a:b])
         if self.gw is not None:
-            self.gw += (dz.t() @ h).float()
+            addmm_fp32_(self.gw, dz.t(), h)
         if self.gb is not None:
-            self.gb += dz.float().sum(0)
+            self.gb += dz.sum(0, dtype=torch.float32)
 
     def result(self) -> tuple[Tensor, Tensor, Tensor]:
         # a fresh [0] per missing output: custom ops may not return aliased tensors
@@ -202,8 +244,7 @@ def fused_linear_token_stats_bwd(hidden: Tensor, weight: Tensor, bias: Tensor | 
     """(grad_hidden, grad_weight, grad_bias); each is empty [0] when not needed.
 
     Recomputes each chunk of logits, writes dz into it in place, then grad_hidden = dz @ W and
-    grad_weight += dz^T @ h. grad_weight/grad_bias accumulate over chunks in fp32 (a bf16
-    accumulator would round 32 times at T = 32768 with 1024-row chunks).
+    grad_weight += dz^T @ h (see ``_LinearGrads`` for the fp32 accumulation).
     """
     T = hidden.shape[0]
     grads = _LinearGrads(hidden, weight, bias, need_hidden, need_weight, need_bias)
@@ -254,29 +295,30 @@ fused_linear_token_stats.register_autograd(_fl_backward, setup_context=_fl_setup
 # statistics are, so the gradients are computed in the forward: 3 GEMMs instead of 4.
 
 
+def op_args(config: PPOLossConfig) -> tuple:
+    """The one place a :class:`PPOLossConfig` becomes custom-op arguments (torch.library schemas
+    take scalars, not dataclasses), in the order of ``PPOLossConfig``'s fields."""
+    return tuple(getattr(config, name) for name in LOSS_OPTION_NAMES)
+
+
+def _config_from_op_args(args) -> PPOLossConfig:
+    return PPOLossConfig(**dict(zip(LOSS_OPTION_NAMES, args)))
+
+
 @torch.library.custom_op("areal_fast::fused_linear_ppo_single_pass", mutates_args=())
-def fused_linear_ppo_single_pass(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
-                                 behav: Tensor, adv: Tensor, mask: Tensor, prox: Tensor | None, ref: Tensor | None,
-                                 coef: Tensor, temperature: float, chunk_size: int, backend: str,
-                                 eps_clip: float, eps_clip_higher: float | None, dual_clip: float | None,
-                                 behav_weight_cap: float | None, behav_weight_mode: str, kl_coef: float,
-                                 kl_estimator: str, entropy_coef: float, need_hidden: bool, need_weight: bool,
-                                 need_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(logp, entropy, grad_hidden, grad_weight, grad_bias) of loss = sum_t coef_t L_t.
-
-    The scalar options are those of a token-level ``PPOLossConfig``; ``coef`` the aggregation weights
-    (``ppo_objective.aggregation_weights``). g and e come from ``ppo_objective.per_token_grads``
-    (the closed-form derivative of ``per_token_loss``, the function the loss value comes from;
-    autograd is not available below the dispatcher's autograd layer, where this runs).
-    Gradients not needed are empty [0].
-    """
-    from .ppo_objective import PPOLossConfig, per_token_grads, token_constants
-
-    cfg = PPOLossConfig(temperature=temperature, eps_clip=eps_clip, eps_clip_higher=eps_clip_higher,
-                        dual_clip=dual_clip, behav_weight_cap=behav_weight_cap, behav_weight_mode=behav_weight_mode,
-                        kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef)
+def _fused_linear_ppo_single_pass(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
+                                  behav_logprobs: Tensor, adv: Tensor, mask: Tensor, prox: Tensor | None,
+                                  ref: Tensor | None, coef: Tensor, chunk_size: int, backend: str,
+                                  need_hidden: bool, need_weight: bool, need_bias: bool,
+                                  temperature: float, eps_clip: float, eps_clip_higher: float | None,
+                                  dual_clip: float | None, behav_weight_cap: float | None, behav_weight_mode: str,
+                                  importance_level: str, kl_coef: float, kl_estimator: str, entropy_coef: float,
+                                  loss_agg: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # the trailing scalars are op_args(config); see fused_linear_ppo_single_pass
+    cfg = _config_from_op_args((temperature, eps_clip, eps_clip_higher, dual_clip, behav_weight_cap,
+                                behav_weight_mode, importance_level, kl_coef, kl_estimator, entropy_coef, loss_agg))
     T = hidden.shape[0]
-    C = token_constants(behav, adv, mask, prox, ref, torch.float32, hidden.device, cfg)
+    C = token_constants(behav_logprobs, adv, mask, prox, ref, torch.float32, hidden.device, cfg)
     coef = coef.float()
     logp = hidden.new_empty(T, dtype=torch.float32)
     ent = torch.empty_like(logp)
@@ -284,25 +326,44 @@ def fused_linear_ppo_single_pass(hidden: Tensor, weight: Tensor, bias: Tensor | 
     for a, b in _chunks(T, chunk_size):
         h = hidden[a:b]
         z = F.linear(h, weight, bias)
-        lp_c, ent_c, lse_c = _stats_impl(z, labels[a:b], temperature, backend)
+        lp_c, ent_c, lse_c = _stats_impl(z, labels[a:b], cfg.temperature, backend)
         logp[a:b], ent[a:b] = lp_c, ent_c
         g, e = per_token_grads(lp_c, ent_c, C.slice(a, b), cfg)
         g, e = coef[a:b] * g, coef[a:b] * e
-        _bwd_impl(z, z, labels[a:b], lse_c, ent_c, g, e, temperature, backend)
+        _bwd_impl(z, z, labels[a:b], lse_c, ent_c, g, e, cfg.temperature, backend)
         grads.add_chunk(a, b, h, z)
     gh, gw, gb = grads.result()
     return logp, ent, gh, gw, gb
 
 
-@fused_linear_ppo_single_pass.register_fake
-def _(hidden, weight, bias, labels, behav, adv, mask, prox, ref, coef, temperature, chunk_size, backend, eps_clip,
-      eps_clip_higher, dual_clip, behav_weight_cap, behav_weight_mode, kl_coef, kl_estimator, entropy_coef,
-      need_hidden, need_weight, need_bias):
+@_fused_linear_ppo_single_pass.register_fake
+def _(hidden, weight, bias, labels, behav_logprobs, adv, mask, prox, ref, coef, chunk_size, backend,
+      need_hidden, need_weight, need_bias, *options):
     T = hidden.shape[0]
     gh = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
     gw = torch.empty_like(weight) if need_weight else weight.new_empty(0)
     gb = weight.new_empty(weight.shape[0], dtype=bias.dtype) if need_bias else weight.new_empty(0)
     return hidden.new_empty(T, dtype=torch.float32), hidden.new_empty(T, dtype=torch.float32), gh, gw, gb
+
+
+def fused_linear_ppo_single_pass(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
+                                 behav_logprobs: Tensor, adv: Tensor, mask: Tensor, prox: Tensor | None,
+                                 ref: Tensor | None, coef: Tensor, config: PPOLossConfig, chunk_size: int,
+                                 backend: str, need_hidden: bool, need_weight: bool, need_bias: bool):
+    """(logp, entropy, grad_hidden, grad_weight, grad_bias) of loss = sum_t coef_t L_t, through the
+    custom op ``areal_fast::fused_linear_ppo_single_pass``.
+
+    ``config`` must be token-level; ``coef`` the aggregation weights
+    (``objective.aggregation_weights``). g and e come from ``objective.per_token_grads``
+    (the closed-form derivative of ``per_token_loss``, the function the loss value comes from;
+    autograd is not available below the dispatcher's autograd layer, where the op runs).
+    Gradients not needed are empty [0].
+    """
+    if config.importance_level != "token":
+        raise ValueError("the single pass needs importance_level='token' (sequence-level ratios couple tokens)")
+    return torch.ops.areal_fast.fused_linear_ppo_single_pass(
+        hidden, weight, bias, labels, behav_logprobs, adv, mask, prox, ref, coef, chunk_size, backend,
+        need_hidden, need_weight, need_bias, *op_args(config))
 
 
 @torch.library.custom_op("areal_fast::attach_grads", mutates_args=())

@@ -40,18 +40,15 @@ from torch import Tensor
 
 from areal_fast.backend import select
 
-from . import custom_ops  # noqa: F401  (registers torch.ops.areal_fast.*)
-from .ppo_objective import PPOLossConfig, aggregation_weights, check_token_inputs, ppo_objective
+from . import custom_ops  # (also registers torch.ops.areal_fast.*)
+from .loss_config import PPOLossConfig, resolve_loss_config
+from .objective import aggregation_weights, check_token_inputs, ppo_objective
 from .types import PPOLossOutput
 
 AVAILABLE = ("triton", "interpret", "reference")
 # At least 1024 rows per chunk: [1024, H] @ [H, V] GEMMs run near peak on H100, while smaller
 # chunks (Liger's heuristic gives 128 rows at T = 4096, H = 3584, V = 151936) lose efficiency.
 MIN_CHUNK = 1024
-
-
-def _opt_float(x) -> float | None:
-    return None if x is None else float(x)
 
 
 def default_chunk_size(T: int, H: int, V: int) -> int:
@@ -104,22 +101,14 @@ def fused_linear_decoupled_ppo_loss(
     prox_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
-    temperature: float = 1.0,
-    eps_clip: float = 0.2,
-    eps_clip_higher: float | None = None,
-    dual_clip: float | None = None,
-    behav_weight_cap: float | None = None,
-    behav_weight_mode: str = "mask",
-    importance_level: str = "token",
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_coef: float = 0.0,
-    loss_agg: str = "token-mean",
+    config: PPOLossConfig | None = None,
     normalizer: float | Tensor | None = None,
     single_pass: bool | None = None,
     backend: str | None = None,
+    **overrides,
 ) -> PPOLossOutput:
-    """:func:`areal_fast.ops.decoupled_ppo_loss` of ``logits = hidden @ weight.T (+ bias)``.
+    """:func:`areal_fast.ops.decoupled_ppo_loss` of ``logits = hidden @ weight.T (+ bias)``
+    (same ``config`` and keyword ``overrides``).
 
     ``hidden`` [T, H] (final hidden states, already shifted like the labels), ``weight`` [V, H]
     the full lm_head weight (see the module docstring for FSDP2), same dtype. Gradients flow to
@@ -129,10 +118,7 @@ def fused_linear_decoupled_ppo_loss(
     in the weight dtype) until the backward. Otherwise the backward recomputes the logits.
     """
     chunk = _check_linear(hidden, weight, bias, labels, chunk_size)
-    cfg = PPOLossConfig(temperature=temperature, eps_clip=eps_clip, eps_clip_higher=eps_clip_higher,
-                        dual_clip=dual_clip, behav_weight_cap=behav_weight_cap,
-                        behav_weight_mode=behav_weight_mode, importance_level=importance_level, kl_coef=kl_coef,
-                        kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg)
+    cfg = resolve_loss_config(config, overrides)
     check_token_inputs(hidden.shape[0], hidden.device, labels, behav_logprobs, advantages, loss_mask,
                        prox_logprobs, ref_logprobs, cu_seqlens, cfg)
     be = select("ppo_loss", hidden.device, available=AVAILABLE, backend=backend)
@@ -146,19 +132,16 @@ def fused_linear_decoupled_ppo_loss(
         # per-token function, evaluated on the detached [T] statistics.
         coef = aggregation_weights(loss_mask, cu_seqlens, normalizer, cfg, torch.float32, hidden.device)
         # detached inputs: the op has no autograd formula; attach_grads below carries the gradients
-        logp, ent, gh, gw, gb = torch.ops.areal_fast.fused_linear_ppo_single_pass(
+        logp, ent, gh, gw, gb = custom_ops.fused_linear_ppo_single_pass(
             hidden.detach(), weight.detach(), None if bias is None else bias.detach(), labels, behav_logprobs,
-            advantages, loss_mask, prox_logprobs, ref_logprobs, coef,
-            float(temperature), chunk, be, float(eps_clip), _opt_float(eps_clip_higher), _opt_float(dual_clip),
-            _opt_float(behav_weight_cap), behav_weight_mode, float(kl_coef), kl_estimator, float(entropy_coef),
-            *needs)
+            advantages, loss_mask, prox_logprobs, ref_logprobs, coef, cfg, chunk, be, *needs)
         with torch.no_grad():
             loss, stats = ppo_objective(logp, ent, behav_logprobs, advantages, loss_mask, prox=prox_logprobs,
                                         ref=ref_logprobs, cu_seqlens=cu_seqlens, normalizer=normalizer, cfg=cfg)
         loss = torch.ops.areal_fast.attach_grads(loss, hidden, weight, bias, gh, gw, gb)
         return PPOLossOutput(loss=loss, logprobs=logp, entropy=ent, stats=stats)
-    logp, ent, _ = torch.ops.areal_fast.fused_linear_token_stats(hidden, weight, bias, labels, float(temperature),
-                                                                 chunk, be)
+    logp, ent, _ = torch.ops.areal_fast.fused_linear_token_stats(hidden, weight, bias, labels,
+                                                                 float(cfg.temperature), chunk, be)
     loss, stats = ppo_objective(logp, ent, behav_logprobs, advantages, loss_mask, prox=prox_logprobs,
                                 ref=ref_logprobs, cu_seqlens=cu_seqlens, normalizer=normalizer, cfg=cfg)
     return PPOLossOutput(loss=loss, logprobs=logp.detach(), entropy=ent.detach(), stats=stats)
@@ -169,8 +152,7 @@ def fused_linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, 
                                 chunk_size: int | None = None, backend: str | None = None):
     """:func:`areal_fast.ops.token_logprobs` of ``hidden @ weight.T (+ bias)``, chunked, no grad."""
     chunk = _check_linear(hidden, weight, bias, labels, chunk_size)
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    temperature = PPOLossConfig(temperature=temperature).temperature  # the loss's own check
     be = select("ppo_loss", hidden.device, available=AVAILABLE, backend=backend)
     with torch.no_grad():
         logp, ent, _ = torch.ops.areal_fast.fused_linear_token_stats(hidden, weight, bias, labels,

@@ -2,7 +2,7 @@
 
 The [T, V] work (log-softmax statistics and dloss/dlogits) is the custom op
 ``areal_fast::ppo_token_stats`` (Triton kernels on GPU; see ``custom_ops.py``); the objective
-itself is the [T]-sized PyTorch code of ``ppo_objective.py``, identical for every backend.
+itself is the [T]-sized PyTorch code of ``objective.py``, identical for every backend.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from torch import Tensor
 from areal_fast.backend import select
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.areal_fast.*)
-from .ppo_objective import PPOLossConfig, check_token_inputs, ppo_objective
+from .loss_config import PPOLossConfig, resolve_loss_config
+from .objective import check_token_inputs, ppo_objective
 from .types import PPOLossOutput
 
 AVAILABLE = ("triton", "interpret", "reference")
@@ -43,27 +44,20 @@ def decoupled_ppo_loss(
     prox_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
-    temperature: float = 1.0,
-    eps_clip: float = 0.2,
-    eps_clip_higher: float | None = None,
-    dual_clip: float | None = None,
-    behav_weight_cap: float | None = None,
-    behav_weight_mode: str = "mask",
-    importance_level: str = "token",
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_coef: float = 0.0,
-    loss_agg: str = "token-mean",
+    config: PPOLossConfig | None = None,
     normalizer: float | Tensor | None = None,
     grad_inplace: bool = False,
     backend: str | None = None,
+    **overrides,
 ) -> PPOLossOutput:
-    """Decoupled-PPO loss of ``shared/spec/decoupled_ppo.md`` from packed logits [T, V].
+    """Decoupled-PPO loss (``docs/objective.md``) from packed logits [T, V].
 
     Row t of ``logits`` scores ``labels[t]`` (already shifted). Per-token inputs are [T]
     (``behav_logprobs``, ``advantages``, ``loss_mask``, optional ``prox_logprobs`` - None means
     standard PPO, p = b - and ``ref_logprobs`` for the KL term). ``cu_seqlens`` ([S+1], int) is
     needed for ``importance_level="sequence"`` and ``loss_agg="seq-mean-token-mean"``.
+    ``config``: the objective's options (:class:`PPOLossConfig`, default: all defaults); keyword
+    ``overrides`` (e.g. ``eps_clip=0.3``) replace single options of it.
     ``normalizer``: the global number of loss tokens (token-mean) or sequences
     (seq-mean-token-mean) over all micro-batches and ranks; None uses this call's count.
 
@@ -75,14 +69,11 @@ def decoupled_ppo_loss(
     'reference' or None (``areal_fast.backend.select``).
     """
     logits = _check_logits(logits, labels)
-    cfg = PPOLossConfig(temperature=temperature, eps_clip=eps_clip, eps_clip_higher=eps_clip_higher,
-                        dual_clip=dual_clip, behav_weight_cap=behav_weight_cap,
-                        behav_weight_mode=behav_weight_mode, importance_level=importance_level, kl_coef=kl_coef,
-                        kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg)
+    cfg = resolve_loss_config(config, overrides)
     check_token_inputs(logits.shape[0], logits.device, labels, behav_logprobs, advantages, loss_mask,
                        prox_logprobs, ref_logprobs, cu_seqlens, cfg)
     be = select("ppo_loss", logits.device, available=AVAILABLE, backend=backend)
-    logp, ent, _ = torch.ops.areal_fast.ppo_token_stats(logits, labels, float(temperature), bool(grad_inplace), be)
+    logp, ent, _ = torch.ops.areal_fast.ppo_token_stats(logits, labels, float(cfg.temperature), bool(grad_inplace), be)
     loss, stats = ppo_objective(logp, ent, behav_logprobs, advantages, loss_mask, prox=prox_logprobs,
                                 ref=ref_logprobs, cu_seqlens=cu_seqlens, normalizer=normalizer, cfg=cfg)
     return PPOLossOutput(loss=loss, logprobs=logp.detach(), entropy=ent.detach(), stats=stats)
@@ -96,8 +87,7 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0, 
     reference log-probs; same numerics as the loss. Labels outside [0, V) give 0.
     """
     logits = _check_logits(logits, labels)
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    temperature = PPOLossConfig(temperature=temperature).temperature  # the loss's own check
     be = select("ppo_loss", logits.device, available=AVAILABLE, backend=backend)
     with torch.no_grad():
         logp, ent, _ = torch.ops.areal_fast.ppo_token_stats(logits, labels, float(temperature), False, be)

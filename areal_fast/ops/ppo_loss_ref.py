@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ppo_objective import PPOLossConfig, check_token_inputs, ppo_objective
+from .loss_config import PPOLossConfig, resolve_loss_config
+from .objective import check_token_inputs, ppo_objective
 from .types import PPOLossOutput
 
 
@@ -40,6 +41,7 @@ def token_stats_ref(logits: Tensor, labels: Tensor, temperature: float = 1.0) ->
 
 def token_logprobs_ref(logits: Tensor, labels: Tensor, *, temperature: float = 1.0, return_entropy: bool = False):
     """Reference of :func:`areal_fast.ops.token_logprobs` (no grad)."""
+    temperature = PPOLossConfig(temperature=temperature).temperature  # the loss's own check
     with torch.no_grad():
         logp, ent = token_stats_ref(logits, labels, temperature)
     logp, ent = logp.float(), ent.float()
@@ -56,11 +58,12 @@ def decoupled_ppo_loss_ref(
     prox_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
+    config: PPOLossConfig | None = None,
     normalizer=None,
-    **options,
+    **overrides,
 ) -> PPOLossOutput:
-    """Reference of :func:`areal_fast.ops.decoupled_ppo_loss` (same keywords)."""
-    cfg = PPOLossConfig(**options)
+    """Reference of :func:`areal_fast.ops.decoupled_ppo_loss` (same ``config`` and keyword overrides)."""
+    cfg = resolve_loss_config(config, overrides)
     check_token_inputs(logits.shape[0], logits.device, labels, behav_logprobs, advantages, loss_mask,
                        prox_logprobs, ref_logprobs, cu_seqlens, cfg)
     logp, ent = token_stats_ref(logits, labels, cfg.temperature)

@@ -1,12 +1,12 @@
-"""FSDP2 PPO trainer (issue 7): packed micro-batches, varlen attention, proximal recompute,
-fused decoupled-PPO loss, checkpoints.
+"""FSDP2 PPO trainer: packed micro-batches, varlen attention, proximal recompute, fused
+decoupled-PPO loss (``docs/objective.md``), checkpoints.
 
 Batch format (what the controller passes)
 -----------------------------------------
 A list of :class:`Sample` or of dicts with the same keys::
 
     Sample(prompt_ids=[...], output_ids=[...],
-           output_logprobs=[...],   # behaviour log-probs of output_ids (sampling temperature)
+           behav_logprobs=[...],    # behaviour log-probs of output_ids (sampling temperature)
            output_versions=[...],   # weight version that generated each output token
            reward=1.0,              # scalar reward of the sample
            group_id="prompt-17")    # samples of one prompt share it (groups may have lost members)
@@ -16,7 +16,7 @@ minibatch split, packing into micro-batches under ``max_tokens_per_mb``, balanci
 
 Public API
 ----------
-``PPOActor(TrainerConfig(model_path=..., ppo=PPOConfig(...), optim=OptimConfig(...)))``
+``PPOActor(TrainerConfig(model_path=..., ppo=PPOConfig(loss=PPOLossConfig(...)), optim=OptimConfig(...)))``
     Builds (and joins or creates) the process group: under torchrun it uses the env://
     rendezvous; in a plain process it creates a world-size-1 group (gloo on CPU, nccl on GPU)
     on a free loopback port. Every method below is collective (all ranks call it).
@@ -40,22 +40,36 @@ Command line (torchrun)::
         --config trainer.json --batches batches.jsonl [--resume DIR] [--save DIR] [--export-hf DIR]
 """
 
-from areal_fast.trainer.actor import PPOActor
-from areal_fast.trainer.advantages import approx_prox_logprobs, batch_normalize, group_advantages
-from areal_fast.trainer.batch import Sample
-from areal_fast.trainer.checkpoint import export_hf, load_checkpoint, save_checkpoint
-from areal_fast.trainer.config import OptimConfig, PPOConfig, TrainerConfig
+from __future__ import annotations
 
-__all__ = [
-    "OptimConfig",
-    "PPOActor",
-    "PPOConfig",
-    "Sample",
-    "TrainerConfig",
-    "approx_prox_logprobs",
-    "batch_normalize",
-    "export_hf",
-    "group_advantages",
-    "load_checkpoint",
-    "save_checkpoint",
-]
+import importlib
+
+# name -> submodule, loaded on first use: ``areal_fast.trainer.config`` stays importable without
+# torch (the run config loads and validates it before any process starts)
+_EXPORTS = {
+    "PPOActor": "actor",
+    "approx_prox_logprobs": "advantages",
+    "batch_normalize": "advantages",
+    "group_advantages": "advantages",
+    "Sample": "batch",
+    "export_hf": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint",
+    "OptimConfig": "config",
+    "PPOConfig": "config",
+    "TrainerConfig": "config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

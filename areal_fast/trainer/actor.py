@@ -39,7 +39,10 @@ class PPOActor:
     """See the package docstring for the public API."""
 
     def __init__(self, config: TrainerConfig):
+        if config.model_path is None:
+            raise ValueError("TrainerConfig.model_path is required by the actor (a local HF model directory)")
         self.config = config
+        self.loss_config = config.loss  # the objective's options at the sampling temperature
         if config.device is not None:
             self.device = torch.device(config.device)
         else:
@@ -57,7 +60,7 @@ class PPOActor:
                   seed=config.seed)
         self.model = build_policy(config.model_path, gradient_checkpointing=config.gradient_checkpointing, **kw)
         self.ref = None
-        if config.ppo.kl_coef > 0:
+        if self.loss_config.kl_coef > 0:
             self.ref = build_policy(config.model_path, **kw)
             self.ref.requires_grad_(False)
             self.ref.eval()
@@ -114,11 +117,11 @@ class PPOActor:
     # The two LM-head ops; a benchmark subclass swaps in the materialised-logits references.
     def _token_logprobs_op(self, hidden, weight, labels, bias):
         return ops.fused_linear_token_logprobs(hidden, weight, labels, bias=bias,
-                                               temperature=self.config.ppo.temperature,
+                                               temperature=self.loss_config.temperature,
                                                chunk_size=self.config.loss_chunk_size, backend=self.loss_backend)
 
-    def _loss_op(self, hidden, weight, labels, behav, adv, mask, **kw):
-        return ops.fused_linear_decoupled_ppo_loss(hidden, weight, labels, behav, adv, mask,
+    def _loss_op(self, hidden, weight, labels, behav_logprobs, adv, mask, **kw):
+        return ops.fused_linear_decoupled_ppo_loss(hidden, weight, labels, behav_logprobs, adv, mask,
                                                    chunk_size=self.config.loss_chunk_size,
                                                    backend=self.loss_backend, **kw)
 
@@ -162,14 +165,14 @@ class PPOActor:
         seqs = [to_seq(s) for s in samples]
         rewards = [float(s.reward) * ppo.reward_scale + ppo.reward_bias for s in samples]
         adv = adv_mod.group_advantages(rewards, [s.group_id for s in samples], estimator=ppo.adv_estimator,
-                                       std_norm=ppo.adv_std_norm, eps=ppo.adv_eps)
+                                       std_norm=ppo.adv_std_norm, unbiased=ppo.adv_std_unbiased, eps=ppo.adv_eps)
         minibatches = split_minibatches([len(s) for s in seqs], ppo.ppo_n_minibatches)
         plans = [self._plan(seqs, mb) for mb in minibatches]
         if ppo.adv_batch_norm:
             mine = sorted({i for plan in plans for ids, _ in plan for i in ids if i >= 0})
             w = torch.tensor([seqs[i].n_gen for i in mine], dtype=torch.float64)
             adv = adv.clone()
-            adv[mine] = adv_mod.batch_normalize(adv[mine], w, eps=ppo.adv_eps)
+            adv[mine] = adv_mod.batch_normalize(adv[mine], w, unbiased=ppo.adv_std_unbiased, eps=ppo.adv_eps)
 
         def packed(ids, mb, prox=None, ref=None):
             a = torch.stack([adv[i] if i >= 0 else adv.new_zeros(()) for i in ids])
@@ -196,7 +199,7 @@ class PPOActor:
         grad_norms, losses = [], []
         n_tok_local = 0
         for plan in plans:
-            if ppo.loss_agg == "token-mean":
+            if self.loss_config.loss_agg == "token-mean":
                 local = sum(int(s.loss_mask.sum()) for _, mb in plan for s in mb)
             else:
                 local = sum(int(s.loss_mask.any()) for _, mb in plan for s in mb)
@@ -259,7 +262,6 @@ class PPOActor:
 
     def _loss_fn(self, p: Packed, normalizer: float):
         ppo = self.config.ppo
-        loss_opts = ppo.loss_options()  # computed once per step, not per micro-batch
         theta_version = self.version
 
         def head(h, w, b):
@@ -270,7 +272,7 @@ class PPOActor:
             out = self._loss_op(
                 h, w, p.labels, p.behav_logprobs, p.advantages, p.loss_mask, bias=b,
                 prox_logprobs=prox, ref_logprobs=p.ref_logprobs, cu_seqlens=p.cu_seqlens,
-                normalizer=normalizer, **loss_opts,
+                normalizer=normalizer, config=self.loss_config,
             )
             # a tuple (not the dataclass) so FSDP2 sees the loss and hooks its backward
             return out.loss, out.logprobs, out.entropy, dict(out.stats)

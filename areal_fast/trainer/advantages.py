@@ -1,8 +1,13 @@
-"""Critic-free advantage estimators (shared/spec/decoupled_ppo.md, "Advantages").
+"""Critic-free advantage estimators (``docs/objective.md``, "Advantages").
 
 A group is the samples of one prompt. Groups may have lost members (failed or dropped
 rollouts): every estimator works on whatever group sizes it is given, and a group of one
-sample has advantage 0 (there is nothing to compare it with). All arithmetic is float64.
+sample has advantage 0 under both GRPO and RLOO (there is nothing to compare it with; RLOO's
+leave-one-out mean of an empty set is undefined, and 0 keeps the sample out of the gradient
+instead of pushing it by its raw reward). All arithmetic is float64.
+
+Standard deviations (GRPO's group std, the batch normalisation's std) are unbiased (divide by
+n - 1) by default, as AReaL does; ``unbiased=False`` gives the population std (divide by n).
 """
 
 from __future__ import annotations
@@ -26,13 +31,14 @@ def group_advantages(
     *,
     estimator: str = "grpo",
     std_norm: bool = True,
+    unbiased: bool = True,
     eps: float = 1e-5,
 ) -> torch.Tensor:
     """Per-sample scalar advantages, float64 [N].
 
-    - ``grpo``: ``(R - mean_g) / (std_g + eps)`` with the unbiased std (``std_norm=False``:
-      ``R - mean_g``, Dr. GRPO). A group of one has std 0 by convention here (unbiased std is
-      undefined), so its advantage is 0.
+    - ``grpo``: ``(R - mean_g) / (std_g + eps)`` with the unbiased (default) or population
+      (``unbiased=False``) std (``std_norm=False``: ``R - mean_g``, Dr. GRPO). A group of one has
+      advantage 0 (its centred reward is 0; std 0 by convention, the unbiased one is undefined).
     - ``rloo``: ``R_i - mean_{j != i} R_j`` = ``n / (n - 1) * (R_i - mean_g)``; 0 for n = 1.
     """
     r = torch.as_tensor(rewards, dtype=torch.float64).reshape(-1)
@@ -52,7 +58,8 @@ def group_advantages(
         if not std_norm:
             return centred
         ss = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, gi, centred * centred)
-        std = torch.where(cnt > 1, (ss / (cnt - 1).clamp(min=1)).sqrt(), torch.zeros_like(ss))
+        dof = (cnt - 1).clamp(min=1) if unbiased else cnt
+        std = torch.where(cnt > 1, (ss / dof).sqrt(), torch.zeros_like(ss))
         return centred / (std[gi] + eps)
     if estimator == "rloo":
         return torch.where(n > 1, centred * n / (n - 1).clamp(min=1), torch.zeros_like(centred))
@@ -63,15 +70,18 @@ def batch_normalize(
     advantages: torch.Tensor,
     weights: torch.Tensor | None = None,
     *,
+    unbiased: bool = True,
     eps: float = 1e-5,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """``(A - mean) / (std + eps)`` over the whole batch, all ranks together.
 
     ``weights`` (e.g. each sample's number of generated tokens) makes it a token-level
-    normalisation of broadcast sequence advantages. Sums of w, wA, wA^2 are all-reduced in
-    float64 over ``group`` when torch.distributed is initialised (each rank passes only its own
-    samples); std is the population std of the weighted distribution.
+    normalisation of broadcast sequence advantages: the weights count observations (frequency
+    weights), so the std is that of the advantages repeated once per token. Sums of w, wA, wA^2
+    are all-reduced in float64 over ``group`` when torch.distributed is initialised (each rank
+    passes only its own samples). ``unbiased`` (default): divide the squared deviations by
+    ``sum w - 1`` (Bessel's correction, as AReaL does); else by ``sum w`` (population std).
     """
     a = advantages.to(torch.float64)
     w = torch.ones_like(a) if weights is None else torch.as_tensor(weights, dtype=torch.float64).reshape(a.shape)
@@ -86,7 +96,9 @@ def batch_normalize(
     if total_w <= 0:
         return a.clone()
     mean = s1 / total_w
-    var = max(s2 / total_w - mean * mean, 0.0)
+    ss = max(s2 - total_w * mean * mean, 0.0)  # sum of w (A - mean)^2
+    dof = total_w - 1.0 if unbiased else total_w
+    var = ss / dof if dof > 0 else 0.0
     return (a - mean) / (var**0.5 + eps)
 
 
@@ -96,7 +108,7 @@ def approx_prox_logprobs(
     behav_versions: torch.Tensor,
     theta_version: int,
 ) -> torch.Tensor:
-    """Proximal approximation of the spec: ``p = b + alpha (l - b)``,
+    """Log-linear proximal approximation (``docs/objective.md``): ``p = b + alpha (l - b)``,
     ``alpha = clamp((v_prox - v_b) / (v_theta - v_b), 0, 1)``, ``v_prox = v_theta - 1``, alpha = 0
     where ``v_theta == v_b``. Returns fp32 with no gradient."""
     b = behav_logprobs.float()

@@ -20,7 +20,8 @@ class Sample:
 
     - ``prompt_ids``: the prompt tokens (>= 1).
     - ``output_ids``: the generated tokens (may be empty: the sample then has no loss tokens).
-    - ``output_logprobs``: behaviour log-probs of ``output_ids`` (same length), at the sampling temperature.
+    - ``behav_logprobs``: behaviour log-probs of ``output_ids`` (same length), at the sampling
+      temperature (the server's ``output_logprobs``, renamed once it becomes a training sample).
     - ``output_versions``: weight version that generated each output token (same length).
     - ``reward``: scalar reward of the whole sample.
     - ``group_id``: samples of the same prompt share it (GRPO/RLOO groups; may have lost members).
@@ -28,7 +29,7 @@ class Sample:
 
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
-    output_logprobs: Sequence[float]
+    behav_logprobs: Sequence[float]
     output_versions: Sequence[int]
     reward: float
     group_id: Hashable
@@ -46,9 +47,9 @@ class Sample:
         g = len(s.output_ids)
         if len(s.prompt_ids) < 1:
             raise ValueError(f"sample {index} has an empty prompt")
-        if len(s.output_logprobs) != g or len(s.output_versions) != g:
+        if len(s.behav_logprobs) != g or len(s.output_versions) != g:
             raise ValueError(
-                f"sample {index}: output_ids ({g}), output_logprobs ({len(s.output_logprobs)}) and "
+                f"sample {index}: output_ids ({g}), behav_logprobs ({len(s.behav_logprobs)}) and "
                 f"output_versions ({len(s.output_versions)}) must have the same length"
             )
         if len(s.prompt_ids) + g < 2:
@@ -77,11 +78,11 @@ def to_seq(s: Sample) -> Seq:
     n = p + g - 1
     mask = torch.zeros(n, dtype=torch.bool)
     mask[p - 1 :] = True
-    behav = torch.zeros(n, dtype=torch.float32)
-    behav[p - 1 :] = torch.tensor(list(s.output_logprobs), dtype=torch.float32)
+    behav_logprobs = torch.zeros(n, dtype=torch.float32)
+    behav_logprobs[p - 1 :] = torch.tensor(list(s.behav_logprobs), dtype=torch.float32)
     ver = torch.full((n,), -1, dtype=torch.long)
     ver[p - 1 :] = torch.tensor(list(s.output_versions), dtype=torch.long)
-    return Seq(ids[:-1], ids[1:], mask, behav, ver, g)
+    return Seq(ids[:-1], ids[1:], mask, behav_logprobs, ver, g)
 
 
 def dummy_seq() -> Seq:

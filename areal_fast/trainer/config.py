@@ -1,13 +1,62 @@
-"""Trainer configuration: one dataclass per concern, validated on construction."""
+"""The trainer's whole configuration: one dataclass per concern, validated on construction.
+
+:class:`TrainerConfig` is the ONE trainer configuration: the run config's ``train`` section is
+this class, so every trainer setting is reachable from YAML (``train.*``) and is checked when the
+config is loaded, before any process starts. Importing this module does not import torch.
+
+YAML layout (dotted keys of a run config)::
+
+    train.batch_size / world_size / threads / gpus / device / max_tokens_per_mb / min_mbs /
+          packing_cost / param_dtype / gradient_checkpointing / attn_impl / loss_chunk_size /
+          loss_backend / broadcast_batch / peak_flops
+    train.ppo.prox_mode / ppo_n_minibatches / adv_estimator / adv_std_norm / adv_std_unbiased /
+              adv_batch_norm / adv_eps / reward_scale / reward_bias
+    train.ppo.loss.*      the objective's options (PPOLossConfig, docs/objective.md)
+    train.optim.*         AdamW and the learning-rate schedule
+
+``model_path``, ``seed`` and ``sampling_temperature`` are filled by the launcher (from
+``model.path`` or the warm-start cache, ``experiment.seed`` and ``rollout.temperature``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 
-_ADV_ESTIMATORS = ("grpo", "rloo")
-_PROX_MODES = ("recompute", "approx", "none")
-_LR_SCHEDULES = ("constant", "linear", "cosine")
-_ATTN_IMPLS = ("auto", "flash_attn", "torch_varlen", "sdpa_loop")
+from areal_fast.ops.loss_config import PPOLossConfig
+
+ADV_ESTIMATORS = ("grpo", "rloo")
+PROX_MODES = ("recompute", "approx", "none")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+ATTN_IMPLS = ("auto", "flash_attn", "torch_varlen", "sdpa_loop")
+PARAM_DTYPES = ("bfloat16", "float16", "float32")
+PACKING_COSTS = ("tokens", "attention")
+LOSS_BACKENDS = ("triton", "interpret", "reference")
+_DEVICE_RE = re.compile(r"(cpu|cuda(:\d+)?)")
+
+
+def _finite(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _section(cls, value, name: str):
+    """A sub-config from a dict (errors prefixed with the section name), or the value itself."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a {cls.__name__} or a mapping, got {value!r}")
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ValueError(f"{name}.{unknown[0]}: unknown key (valid keys under {name!r}: {', '.join(names)})")
+    try:
+        return cls(**value)
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        raise ValueError(msg if msg.startswith(name + ".") else f"{name}.{msg}") from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -15,154 +64,188 @@ class OptimConfig:
     """AdamW with global-norm clipping and a warmup-then-decay learning rate."""
 
     lr: float = 1e-6
-    """Peak learning rate."""
+    """Peak learning rate (>= 0)."""
     weight_decay: float = 0.0
-    """Decoupled (AdamW) weight decay."""
+    """Decoupled (AdamW) weight decay (>= 0)."""
     betas: tuple[float, float] = (0.9, 0.999)
-    """Adam betas."""
+    """Adam betas, each in [0, 1)."""
     eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam epsilon (> 0)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (<= 0 disables clipping, the norm is still logged)."""
     warmup_steps: int = 0
     """Linear warmup to ``lr`` over this many trainer steps (``train_batch`` calls; the LR is
     constant across the ppo_n_minibatches optimizer steps of one batch)."""
     total_steps: int = 0
-    """Trainer steps of the whole run, for the decaying schedules (0 = constant after warmup)."""
+    """Trainer steps of the whole run, for the decaying schedules (0 = constant after warmup; the
+    launcher fills it from ``experiment.total_steps`` when a decaying schedule leaves it at 0)."""
     lr_schedule: str = "constant"
     """'constant', 'linear' or 'cosine' decay after warmup."""
     min_lr_ratio: float = 0.0
-    """Floor of the decayed learning rate as a fraction of ``lr``."""
+    """Floor of the decayed learning rate as a fraction of ``lr``, in [0, 1]."""
 
     def __post_init__(self):
+        for name in ("lr", "weight_decay", "eps", "grad_clip", "min_lr_ratio"):
+            _finite(f"optim.{name}", getattr(self, name))
         if not self.lr >= 0:
             raise ValueError(f"optim.lr must be >= 0, got {self.lr!r}")
         if self.weight_decay < 0:
             raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay!r}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+        if not self.eps > 0:
+            raise ValueError(f"optim.eps must be > 0, got {self.eps!r}")
+        self.betas = tuple(self.betas)
+        if len(self.betas) != 2 or not all(isinstance(b, int | float) and 0 <= b < 1 for b in self.betas):
             raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
-        if self.warmup_steps < 0 or self.total_steps < 0:
-            raise ValueError("optim.warmup_steps and optim.total_steps must be >= 0")
-        if self.lr_schedule not in _LR_SCHEDULES:
-            raise ValueError(f"optim.lr_schedule must be one of {_LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        if self.total_steps < 0:
+            raise ValueError(f"optim.total_steps must be >= 0, got {self.total_steps!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"optim.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
 
 
-_LOSS_FIELDS = ("temperature", "eps_clip", "eps_clip_higher", "dual_clip", "behav_weight_cap", "behav_weight_mode",
-                "importance_level", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg")
-
-
 @dataclass(kw_only=True, slots=True)
 class PPOConfig:
-    """The decoupled PPO objective (names follow ``shared/spec/decoupled_ppo.md``)."""
+    """The PPO update: the objective's options (``loss``), the proximal policy, the advantages."""
 
-    temperature: float = 1.0
-    """Sampling temperature; the recomputed log-probs and the loss use the same one."""
-    eps_clip: float = 0.2
-    eps_clip_higher: float | None = None
-    dual_clip: float | None = None
-    behav_weight_cap: float | None = None
-    """Cap U on the behaviour weight exp(p - b); None = no cap."""
-    behav_weight_mode: str = "mask"
-    importance_level: str = "token"
-    kl_coef: float = 0.0
-    """> 0 loads a frozen reference copy of the initial weights and adds the KL term."""
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    loss_agg: str = "token-mean"
+    loss: PPOLossConfig = field(default_factory=PPOLossConfig)
+    """Options of the decoupled-PPO objective (``docs/objective.md``). Leave ``loss.temperature``
+    unset: the loss uses the rollout's sampling temperature (``TrainerConfig.sampling_temperature``)."""
     prox_mode: str = "recompute"
-    """'recompute' (no-grad forward before the update), 'approx' (version interpolation of the
-    spec, no extra forward pass) or 'none' (p = b: standard PPO)."""
+    """Proximal policy: 'recompute' (a no-grad forward before the update), 'approx' (log-linear
+    interpolation between behaviour and current log-probs by weight version, no extra forward) or
+    'none' (p = b: standard PPO on the behaviour policy)."""
     ppo_n_minibatches: int = 1
     """Optimizer steps per batch; the batch is split into this many token-balanced minibatches."""
     adv_estimator: str = "grpo"
-    """'grpo' or 'rloo' (per group of samples of one prompt)."""
+    """'grpo' or 'rloo' (per group of samples of one prompt; a group of one gets advantage 0)."""
     adv_std_norm: bool = True
-    """GRPO divides by the group std (False = Dr. GRPO)."""
+    """GRPO divides by the group std (False = Dr. GRPO: mean-centred only)."""
+    adv_std_unbiased: bool = True
+    """Standard deviations of the group (GRPO) and batch normalisations: True = unbiased (divide by
+    n - 1, as AReaL does), False = population (divide by n)."""
     adv_batch_norm: bool = False
     """Normalise the advantages over the whole batch (token-weighted, all-reduced in float64)."""
     adv_eps: float = 1e-5
+    """Added to the std before dividing (> 0)."""
     reward_scale: float = 1.0
+    """Rewards are ``reward * reward_scale + reward_bias`` before the advantages."""
     reward_bias: float = 0.0
+    """See ``reward_scale``."""
 
     def __post_init__(self):
-        self.loss_options()  # the objective's own checks, with the key named under "ppo."
-        if self.prox_mode not in _PROX_MODES:
-            raise ValueError(f"ppo.prox_mode must be one of {_PROX_MODES}, got {self.prox_mode!r}")
+        self.loss = _section(PPOLossConfig, self.loss, "ppo.loss")
+        if self.prox_mode not in PROX_MODES:
+            raise ValueError(f"ppo.prox_mode must be one of {PROX_MODES}, got {self.prox_mode!r}")
         if self.ppo_n_minibatches < 1:
             raise ValueError(f"ppo.ppo_n_minibatches must be >= 1, got {self.ppo_n_minibatches!r}")
-        if self.adv_estimator not in _ADV_ESTIMATORS:
-            raise ValueError(f"ppo.adv_estimator must be one of {_ADV_ESTIMATORS}, got {self.adv_estimator!r}")
+        if self.adv_estimator not in ADV_ESTIMATORS:
+            raise ValueError(f"ppo.adv_estimator must be one of {ADV_ESTIMATORS}, got {self.adv_estimator!r}")
+        for name in ("adv_eps", "reward_scale", "reward_bias"):
+            _finite(f"ppo.{name}", getattr(self, name))
         if not self.adv_eps > 0:
             raise ValueError(f"ppo.adv_eps must be > 0, got {self.adv_eps!r}")
-
-    def loss_options(self) -> dict:
-        """The keyword arguments of ``areal_fast.ops.*decoupled_ppo_loss``, validated by the
-        objective's own :class:`~areal_fast.ops.PPOLossConfig` (one definition of what is legal)."""
-        from areal_fast.ops.ppo_objective import PPOLossConfig
-
-        opts = {f: getattr(self, f) for f in _LOSS_FIELDS}
-        try:
-            PPOLossConfig(**opts)
-        except ValueError as e:
-            raise ValueError(f"ppo.{e}") from None
-        return opts
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig:
-    """Everything the PPO actor needs. ``model_path`` is a local HF directory (config.json and
-    optionally *.safetensors; without weights the model is randomly initialised from ``seed``)."""
+    """Everything the trainer needs, and the run config's ``train`` section.
 
-    model_path: str
-    """Local directory with config.json (+ safetensors)."""
+    The PPO actor needs ``model_path``: a local HF directory (config.json and optionally
+    *.safetensors; without weights the model is randomly initialised from ``seed``)."""
+
+    model_path: str | None = None
+    """Local directory with config.json (+ safetensors). Filled by the launcher (from ``model.path``
+    or the warm-start cache); required by the actor."""
+    sampling_temperature: float = 1.0
+    """Sampling temperature of the rollouts (> 0). Filled by the launcher from ``rollout.temperature``;
+    the recomputed log-probs and the loss use it (the one temperature of a run)."""
+    seed: int = 1
+    """Seed of the random initialisation (when the directory has no weights) and the RNG. Filled by
+    the launcher from ``experiment.seed``."""
+    batch_size: int = 8
+    """B: groups (prompts) per trainer step (read by the controller)."""
+    world_size: int = 1
+    """Trainer ranks (torchrun); 1 = the trainer runs inside the controller process (read by the launcher)."""
+    threads: int = 1
+    """torch CPU threads per trainer rank (read by the launcher)."""
+    gpus: str | None = None
+    """CUDA_VISIBLE_DEVICES of the trainer ranks, e.g. "4,5,6,7" (None: inherit; may share the
+    servers' GPUs). Read by the launcher."""
+    device: str | None = None
+    """'cpu', 'cuda', 'cuda:N' or None (cuda when available)."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    """The PPO update: objective, proximal policy, advantages."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW and the learning-rate schedule."""
     max_tokens_per_mb: int = 16384
-    """Token budget of one packed micro-batch (a sequence longer than this is an error)."""
+    """Token budget of one packed micro-batch (>= 2; a sequence longer than this is an error)."""
     min_mbs: int = 1
-    """Minimum micro-batches per rank and minibatch."""
+    """Minimum micro-batches per rank and minibatch (>= 1)."""
     packing_cost: str = "attention"
     """Balance ranks by 'tokens' or by 'attention' cost (len + len^2 / (12 d))."""
     param_dtype: str = "bfloat16"
-    """Compute dtype of the FSDP2 mixed-precision policy on GPU (master weights and the
-    gradient reduction stay fp32). CPU always computes in float32."""
+    """Compute dtype of the FSDP2 mixed-precision policy on GPU: 'bfloat16', 'float16' or
+    'float32' (master weights and the gradient reduction stay fp32). CPU always computes in float32."""
     gradient_checkpointing: bool = False
     """Activation checkpointing per decoder block."""
     attn_impl: str = "auto"
     """'auto' (flash-attn varlen if installed, else torch varlen on CUDA, else a per-sequence
     SDPA loop), or one of 'flash_attn', 'torch_varlen', 'sdpa_loop'."""
     loss_chunk_size: int | None = None
-    """Token chunk of the fused-linear loss (None = the op's default)."""
+    """Token rows per chunk of the fused-linear loss (None = the op's default, ~ T * H logits)."""
     loss_backend: str | None = None
-    """``backend=`` of the areal_fast.ops calls (None: auto on GPU, the reference on CPU)."""
-    seed: int = 1
-    """Seed for the random initialisation (when the directory has no weights) and the RNG."""
+    """``backend=`` of the loss ops: 'triton', 'interpret', 'reference' or None (automatic: the
+    Triton kernels on GPU, the reference on CPU)."""
     broadcast_batch: bool = True
     """In a multi-rank run only rank 0 needs to pass the samples; they are broadcast. With False
     every rank must pass the same full batch (the actor splits it over the ranks itself)."""
     peak_flops: float | None = None
-    """Peak dense FLOP/s of one device for MFU (None = looked up from the device name)."""
-    device: str | None = None
-    """'cuda' / 'cpu' / None (cuda when available)."""
+    """Peak dense FLOP/s of one device for the MFU metric (None = looked up from the device name)."""
 
     def __post_init__(self):
-        if not self.model_path:
-            raise ValueError("model_path must name a local HF model directory")
-        if self.max_tokens_per_mb < 2:
-            raise ValueError(f"max_tokens_per_mb must be >= 2, got {self.max_tokens_per_mb!r}")
-        if self.min_mbs < 1:
-            raise ValueError(f"min_mbs must be >= 1, got {self.min_mbs!r}")
-        if self.packing_cost not in ("tokens", "attention"):
-            raise ValueError(f"packing_cost must be 'tokens' or 'attention', got {self.packing_cost!r}")
-        if self.param_dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"param_dtype must be bfloat16, float16 or float32, got {self.param_dtype!r}")
-        if self.attn_impl not in _ATTN_IMPLS:
-            raise ValueError(f"attn_impl must be one of {_ATTN_IMPLS}, got {self.attn_impl!r}")
+        if self.model_path is not None and not (isinstance(self.model_path, str) and self.model_path):
+            raise ValueError(f"model_path must name a local HF model directory, got {self.model_path!r}")
+        _finite("sampling_temperature", self.sampling_temperature)
+        if not self.sampling_temperature > 0:
+            raise ValueError(f"sampling_temperature must be > 0, got {self.sampling_temperature!r}")
+        for name in ("batch_size", "world_size", "threads", "max_tokens_per_mb", "min_mbs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name, low in (("batch_size", 1), ("world_size", 1), ("threads", 1), ("max_tokens_per_mb", 2),
+                          ("min_mbs", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)!r}")
+        if self.gpus is not None and not re.fullmatch(r"\d+(,\d+)*", str(self.gpus)):
+            raise ValueError(f"gpus must be a comma-separated list of GPU indices like '0,1', got {self.gpus!r}")
+        if self.device is not None and not _DEVICE_RE.fullmatch(str(self.device)):
+            raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or null, got {self.device!r}")
+        if self.packing_cost not in PACKING_COSTS:
+            raise ValueError(f"packing_cost must be one of {PACKING_COSTS}, got {self.packing_cost!r}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"param_dtype must be one of {PARAM_DTYPES}, got {self.param_dtype!r}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
         if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
-            raise ValueError(f"loss_chunk_size must be >= 1 or None, got {self.loss_chunk_size!r}")
-        if isinstance(self.ppo, dict):
-            self.ppo = PPOConfig(**self.ppo)
-        if isinstance(self.optim, dict):
-            self.optim = OptimConfig(**self.optim)
+            raise ValueError(f"loss_chunk_size must be >= 1 or null, got {self.loss_chunk_size!r}")
+        if self.loss_backend is not None and self.loss_backend not in LOSS_BACKENDS:
+            raise ValueError(f"loss_backend must be one of {LOSS_BACKENDS} or null, got {self.loss_backend!r}")
+        if self.peak_flops is not None:
+            _finite("peak_flops", self.peak_flops)
+            if not self.peak_flops > 0:
+                raise ValueError(f"peak_flops must be > 0 or null, got {self.peak_flops!r}")
+        self.ppo = _section(PPOConfig, self.ppo, "ppo")
+        self.optim = _section(OptimConfig, self.optim, "optim")
+        lt = self.ppo.loss.temperature
+        if lt != 1.0 and lt != self.sampling_temperature:
+            raise ValueError(
+                f"ppo.loss.temperature ({lt}) differs from sampling_temperature ({self.sampling_temperature}): "
+                "the loss uses the rollout's sampling temperature; set rollout.temperature instead")
+
+    @property
+    def loss(self) -> PPOLossConfig:
+        """The objective's options as the loss ops take them, at the sampling temperature."""
+        return dataclasses.replace(self.ppo.loss, temperature=self.sampling_temperature)

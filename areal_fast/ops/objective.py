@@ -2,33 +2,40 @@
 
 Every backend (reference, Triton, fused-linear) first produces two differentiable [T] vectors,
 the label log-probability ``l_t`` and the entropy ``H_t``; this module turns them into the loss
-and the stats of ``shared/spec/decoupled_ppo.md``. It is plain PyTorch on [T]-sized tensors
-(a few hundred kilobytes at T = 32768), so autograd gives ``g_t = dloss/dl_t`` and
-``e_t = dloss/dH_t`` for free and the [T, V] kernels only need those two numbers per row.
+and the stats defined in ``docs/objective.md``. It is plain PyTorch on [T]-sized tensors (a few
+hundred kilobytes at T = 32768), so autograd gives ``g_t = dloss/dl_t`` and ``e_t = dloss/dH_t``
+for free and the [T, V] kernels only need those two numbers per row.
 
-Choices the spec leaves open (written down here as the spec asks):
-  * ``rho_t = l_t - p_t``: non-finite values become 0 (counted in ``nonfinite_count`` over masked
-    tokens), then it is clamped to [-20, 20] (zero gradient outside).
-  * Sequence level: ``rho_s`` is the masked mean of that cleaned, clamped ``rho_t``.
+Choices written down in ``docs/objective.md`` (and implemented here only):
+  * ``rho_t = l_t - p_t``: non-finite values become 0, then it is clamped to [-20, 20] (zero
+    gradient outside).
+  * A loss token whose behaviour weight ``exp(p_t - b_t)`` cannot be formed (``b_t`` or ``p_t``
+    non-finite, or the weight overflows) is *dropped*: ``w_t = 0`` and it leaves the sequence
+    statistics, like a token rejected by the cap in mask mode. ``nonfinite_count`` counts the loss
+    tokens with a dropped weight or a non-finite log-ratio.
+  * Sequence level: ``rho_s`` and ``A_s`` are means over the sequence's *kept* loss tokens (not
+    rejected by a mask-mode cap, not dropped as non-finite).
   * The KL estimators are evaluated exactly as written (no clamp of ``d_t``); a KL term needs
     ``ref_logprobs`` (an error otherwise).
   * Stats are means over the masked tokens of *this call* (the trainer aggregates across
     micro-batches); ``ratio_mean``/``clip_fraction`` use the ratio that entered the surrogate
     (``r_s`` broadcast to its tokens at sequence level); ``approx_kl`` is the mean of the
-    cleaned, unclamped ``l - p``; ``behav_capped_fraction`` counts tokens with ``w_t > U``.
+    cleaned, unclamped ``l - p``; ``behav_capped_fraction`` counts tokens with ``w_t > U``;
+    ``behav_weight_mean``/``behav_kl`` count a dropped token as weight 0 / log-ratio 0.
   * Masked-out tokens contribute exactly zero (``torch.where``, so NaN/inf there cannot leak).
   * A zero denominator is replaced by 1 (an empty micro-batch gives loss 0, not NaN).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-# exp(20) = 4.9e8: far beyond any clip range, and exp stays finite in fp32 (spec).
+from .loss_config import PPOLossConfig
+
+# exp(20) = 4.9e8: far beyond any clip range, and exp stays finite in fp32.
 LOG_RATIO_CLAMP = 20.0
 
 STAT_NAMES = (
@@ -44,69 +51,10 @@ STAT_NAMES = (
     "nonfinite_count",
 )
 
-_MODES = ("mask", "clamp")
-_LEVELS = ("token", "sequence")
-_ESTIMATORS = ("k1", "k2", "k3")
-_AGGS = ("token-mean", "seq-mean-token-mean")
 
-
-@dataclass(frozen=True, kw_only=True)
-class PPOLossConfig:
-    """Scalar options of the objective (see the spec for their meaning)."""
-
-    temperature: float = 1.0
-    """Sampling temperature tau > 0; P = softmax(z / tau)."""
-    eps_clip: float = 0.2
-    """Lower (and, without ``eps_clip_higher``, upper) clip range of the ratio."""
-    eps_clip_higher: float | None = None
-    """Upper clip range (clip-higher / DAPO); None means ``eps_clip``."""
-    dual_clip: float | None = None
-    """Dual-clip bound c > 1 for negative advantages; None disables it."""
-    behav_weight_cap: float | None = None
-    """Cap U on the behaviour weight exp(p - b); None disables it."""
-    behav_weight_mode: str = "mask"
-    """'mask' (w = 0 above the cap) or 'clamp' (w = min(w, U))."""
-    importance_level: str = "token"
-    """'token' or 'sequence' (GSPO-style; needs cu_seqlens)."""
-    kl_coef: float = 0.0
-    """Coefficient of the KL term to the reference policy (needs ref_logprobs when > 0)."""
-    kl_estimator: str = "k3"
-    """'k1', 'k2' or 'k3'."""
-    entropy_coef: float = 0.0
-    """Coefficient of the entropy bonus (L_t -= entropy_coef * H_t)."""
-    loss_agg: str = "token-mean"
-    """'token-mean' or 'seq-mean-token-mean' (needs cu_seqlens)."""
-
-    def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if not self.eps_clip >= 0:
-            raise ValueError(f"eps_clip must be >= 0, got {self.eps_clip}")
-        if self.eps_clip_higher is not None and not self.eps_clip_higher >= 0:
-            raise ValueError(f"eps_clip_higher must be >= 0, got {self.eps_clip_higher}")
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
-        if self.behav_weight_cap is not None and not self.behav_weight_cap > 0:
-            raise ValueError(f"behav_weight_cap must be > 0, got {self.behav_weight_cap}")
-        for name, value, allowed in (
-            ("behav_weight_mode", self.behav_weight_mode, _MODES),
-            ("importance_level", self.importance_level, _LEVELS),
-            ("kl_estimator", self.kl_estimator, _ESTIMATORS),
-            ("loss_agg", self.loss_agg, _AGGS),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}")
-
-    @property
-    def needs_segments(self) -> bool:
-        return self.importance_level == "sequence" or self.loss_agg == "seq-mean-token-mean"
-
-
-def check_token_inputs(T: int, device, labels, behav, adv, mask, prox, ref, cu_seqlens, cfg) -> None:
+def check_token_inputs(T: int, device, labels, behav_logprobs, adv, mask, prox, ref, cu_seqlens, cfg) -> None:
     """Shape checks with messages that name the bad input (no device syncs)."""
-    for name, t in (("labels", labels), ("behav_logprobs", behav), ("advantages", adv), ("loss_mask", mask),
+    for name, t in (("labels", labels), ("behav_logprobs", behav_logprobs), ("advantages", adv), ("loss_mask", mask),
                     ("prox_logprobs", prox), ("ref_logprobs", ref)):
         if t is None:
             continue
@@ -146,8 +94,7 @@ def _segsum(x: Tensor, seg: Tensor, S: int) -> Tensor:
 
 def _surrogate(r: Tensor, A: Tensor, cfg: PPOLossConfig):
     """Clipped surrogate max(-A r, -A clamp(r)), with the optional dual clip."""
-    eps_high = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
-    rc = r.clamp(1.0 - cfg.eps_clip, 1.0 + eps_high)
+    rc = r.clamp(1.0 - cfg.eps_clip, 1.0 + cfg.eps_high)
     s1, s2 = -A * r, -A * rc
     pg = torch.maximum(s1, s2)
     clipped = s2 > s1
@@ -163,23 +110,26 @@ def _surrogate(r: Tensor, A: Tensor, cfg: PPOLossConfig):
 class TokenConstants(NamedTuple):
     """The constant per-token inputs, cleaned: zero on unmasked tokens, in the math dtype."""
 
-    m: Tensor  # bool mask
-    b: Tensor
+    m: Tensor  # bool loss mask
+    behav_logprobs: Tensor  # b, 0 where dropped
     A: Tensor
-    p: Tensor
+    p: Tensor  # proximal log-probs (b without prox), 0 where dropped
     q: Tensor | None
-    w_raw: Tensor  # behaviour weight exp(p - b) before the cap (1 without prox)
-    w: Tensor  # after the cap
-    capped: Tensor  # bool
+    w_raw: Tensor  # behaviour weight exp(p - b) before the cap (1 without prox; 0 where dropped)
+    w: Tensor  # after the cap (0 where rejected by a mask-mode cap or dropped)
+    capped: Tensor  # bool: w_raw > U
+    dropped: Tensor  # bool: loss token whose behaviour weight is not finite
+    kept: Tensor  # bool: loss token that enters the sequence statistics
 
     def slice(self, a: int, b: int) -> TokenConstants:
         return TokenConstants(*(None if x is None else x[a:b] for x in self))
 
 
-def token_constants(behav, adv, mask, prox, ref, dt, dev, cfg: PPOLossConfig) -> TokenConstants:
+def token_constants(behav_logprobs, adv, mask, prox, ref, dt, dev, cfg: PPOLossConfig) -> TokenConstants:
     """Detached, cleaned constants. Values of unmasked tokens (prompt, padding) may hold anything
     (NaN advantages, -inf log-probs); they are zeroed, since a NaN there would leak through
-    0 * NaN in the backward."""
+    0 * NaN in the backward. A loss token whose behaviour weight is not finite is dropped
+    (``docs/objective.md``, "Non-finite inputs")."""
     with torch.no_grad():
         m = mask.detach().to(dev) != 0
         zero = torch.zeros((), dtype=dt, device=dev)
@@ -187,25 +137,32 @@ def token_constants(behav, adv, mask, prox, ref, dt, dev, cfg: PPOLossConfig) ->
         def const(x):
             return torch.where(m, x.detach().to(dt), zero)
 
-        b = const(behav)
+        b = const(behav_logprobs)
         A = const(adv)
         p = b if prox is None else const(prox)
         q = None if ref is None else const(ref)
         w_raw = torch.ones_like(b) if prox is None else torch.exp(p - b)
+        dropped = m & ~(torch.isfinite(b) & torch.isfinite(p) & torch.isfinite(w_raw))
+        b = torch.where(dropped, zero, b)
+        p = torch.where(dropped, zero, p) if prox is not None else b
+        w_raw = torch.where(dropped, zero, w_raw)
         w = w_raw
         capped = torch.zeros_like(m)
+        kept = m & ~dropped
         if cfg.behav_weight_cap is not None:
             capped = w_raw > cfg.behav_weight_cap
             if cfg.behav_weight_mode == "mask":
-                w = torch.where(capped, torch.zeros_like(w_raw), w_raw)
+                w = torch.where(capped, zero, w_raw)
+                kept = kept & ~capped
             else:
                 w = w_raw.clamp(max=cfg.behav_weight_cap)
-    return TokenConstants(m, b, A, p, q, w_raw, w, capped)
+    return TokenConstants(m, b, A, p, q, w_raw, w, capped, dropped, kept)
 
 
 def _log_ratio(logp: Tensor, C: TokenConstants):
+    """(rho clamped, rho cleaned, finite): a dropped token's log-ratio counts as non-finite (0)."""
     rho_raw = logp - C.p
-    finite = torch.isfinite(rho_raw)
+    finite = torch.isfinite(rho_raw) & ~C.dropped
     rho_clean = torch.where(finite, rho_raw, torch.zeros_like(rho_raw))
     return rho_clean.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), rho_clean, finite
 
@@ -251,12 +208,12 @@ def per_token_grads(logp: Tensor, entropy: Tensor, C: TokenConstants, cfg: PPOLo
     dt = logp.dtype
     zero = torch.zeros((), dtype=dt, device=logp.device)
     rho_raw = logp - C.p
-    finite = torch.isfinite(rho_raw)
+    finite = torch.isfinite(rho_raw) & ~C.dropped
     rho_clean = torch.where(finite, rho_raw, zero)
     drho = finite & (rho_clean >= -LOG_RATIO_CLAMP) & (rho_clean <= LOG_RATIO_CLAMP)
     r = torch.exp(rho_clean.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     lo = 1.0 - cfg.eps_clip
-    hi = 1.0 + (cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher)
+    hi = 1.0 + cfg.eps_high
     rc = r.clamp(lo, hi)
     drc = ((r >= lo) & (r <= hi)).to(dt)
     A = C.A
@@ -300,7 +257,7 @@ def aggregation_weights(mask: Tensor, cu_seqlens: Tensor | None, normalizer, cfg
 def ppo_objective(
     logp: Tensor,
     entropy: Tensor,
-    behav: Tensor,
+    behav_logprobs: Tensor,
     adv: Tensor,
     mask: Tensor,
     *,
@@ -317,7 +274,7 @@ def ppo_objective(
     """
     T = logp.shape[0]
     dt, dev = logp.dtype, logp.device
-    C = token_constants(behav, adv, mask, prox, ref, dt, dev, cfg)
+    C = token_constants(behav_logprobs, adv, mask, prox, ref, dt, dev, cfg)
     m = C.m
     zero = torch.zeros((), dtype=dt, device=dev)
 
@@ -327,9 +284,12 @@ def ppo_objective(
         rho, rho_clean, finite = _log_ratio(logp, C)
         S = cu_seqlens.shape[0] - 1
         seg = segment_ids(cu_seqlens, T, dev)
-        denom = _segsum(m.to(dt), seg, S).clamp_min(1.0)
-        rho_s = _segsum(torch.where(m, rho, zero), seg, S) / denom
-        A_s = _segsum(C.A, seg, S) / denom
+        # means over the kept tokens only: a token rejected by the cap (mask mode) or dropped as
+        # non-finite would otherwise still pull the sequence's ratio and advantage
+        kept = C.kept
+        denom = _segsum(kept.to(dt), seg, S).clamp_min(1.0)
+        rho_s = _segsum(torch.where(kept, rho, zero), seg, S) / denom
+        A_s = _segsum(torch.where(kept, C.A, zero), seg, S) / denom
         r_s = torch.exp(rho_s)
         pg_s, clipped_s, dual_s = _surrogate(r_s, A_s, cfg)
         r, clipped, dual = r_s[seg], clipped_s[seg], dual_s[seg]
@@ -351,7 +311,7 @@ def ppo_objective(
             "clip_fraction": mean(clipped),
             "dual_clip_fraction": mean(dual),
             "approx_kl": mean(rho_clean),
-            "behav_kl": mean(C.p - C.b),
+            "behav_kl": mean(C.p - C.behav_logprobs),
             "behav_weight_mean": mean(C.w_raw),
             "behav_capped_fraction": mean(C.capped),
             "entropy_mean": mean(entropy),
