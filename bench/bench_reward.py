@@ -1,6 +1,6 @@
 """Reward service throughput and overhead.
 
-    python bench/bench_reward.py [--n 400] [--workers N] [--out bench/results/reward-cpu.json]
+    python bench/bench_reward.py [--n 400] [--workers N] [--results DIR | --no-results | --dry-run]
 
 Rows:
   * math, plain numbers (fast path) and LaTeX (math-verify): rewards/s through the service with
@@ -9,25 +9,32 @@ Rows:
   * code, a trivial stdin/stdout program with one test: rewards/s through the service (each
     reward starts a sandboxed interpreter: namespaces + `_nsinit.py` + Python startup, ~50-70 ms);
   * overhead: a no-op reward, one call at a time (latency) and many in flight (throughput),
-    vs calling the function directly.
+    vs calling the function directly;
+  * sandbox cost per run, one at a time: the bare interpreter start, a full sandboxed run (own
+    root, namespaces, cgroup), the same without a cgroup (the RLIMIT fallback), and creating and
+    removing a run's cgroup alone.
+Rows are appended to bench/results/reward.jsonl with provenance (bench/common.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_result  # noqa: E402
+from common import add_harness_args, print_dry_run, print_table, save, time_fn  # noqa: E402
 
-from areal_fast.reward import RewardService  # noqa: E402
+from areal_fast.reward import RewardService, sandbox  # noqa: E402
+from areal_fast.reward.cgroup import RunCgroup  # noqa: E402
 from areal_fast.reward.code import code_reward  # noqa: E402
 from areal_fast.reward.math import math_reward  # noqa: E402
-from areal_fast.reward.sandbox import isolation  # noqa: E402
+from areal_fast.reward.sandbox import SandboxLimits, isolation  # noqa: E402
 
 
 def noop(task, completion):
@@ -99,17 +106,54 @@ async def run(args) -> list[dict]:
     return [{c: r.get(c, "") for c in cols} for r in rows]
 
 
+def sandbox_cases(iso: sandbox.Isolation) -> list[tuple[str, object]]:
+    """(name, fn) of the per-run costs, one run at a time."""
+    argv = [iso.python, "-I", "-c", "pass"]
+    limits = SandboxLimits()
+
+    def checked(i):
+        def fn():
+            r = sandbox._run(i, argv, b"", {}, limits)
+            assert r.ok, r
+        return fn
+
+    cases = [("interpreter start, bare", lambda: subprocess.run(argv, check=True)),
+             (f"sandboxed run ({iso.mode}, {'cgroup' if iso.cgroup else 'RLIMIT fallback'})", checked(iso))]
+    if iso.cgroup is not None:
+        cases.append((f"sandboxed run ({iso.mode}, RLIMIT fallback)", checked(dataclasses.replace(iso, cgroup=None))))
+        sup = iso.cgroup
+        cases.append((f"run cgroup create + remove (v{sup.version})",
+                      lambda: RunCgroup(sup, memory_bytes=1 << 30, pids_max=33).remove()))
+    return cases
+
+
+def sandbox_rows(iso: sandbox.Isolation, reps: int) -> list[dict]:
+    rows = []
+    for name, fn in sandbox_cases(iso):
+        t = time_fn(fn, warmup=3, reps=reps, cuda=False)
+        rows.append({"sandbox": name, "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms,
+                     "runs_per_s": 1e3 / t.median_ms, "reps": reps})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=400, help="calls per measurement (code uses n/8)")
+    ap.add_argument("--n", type=int, default=400, help="calls per measurement (code uses n/8, sandbox rows n/10)")
     ap.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
-    ap.add_argument("--out", default=None, help="write a JSON result file")
+    add_harness_args(ap)
     args = ap.parse_args()
-    print(f"sandbox: {isolation()}")
+    iso = isolation()
+    cg = iso.cgroup.describe() if iso.cgroup else "none (RLIMIT fallback)"
+    print(f"sandbox: mode {iso.mode}, python {iso.python}, {len(iso.layout)} root layout entries, cgroup: {cg}")
+    if args.dry_run:
+        print_dry_run("reward", [{"case": name} for name, _ in sandbox_cases(iso)]
+                      + [{"case": "service rates: math numbers, math LaTeX, code, no-op", "n": args.n}])
+        return
     rows = asyncio.run(run(args))
     print_table(rows)
-    if args.out:
-        print("wrote", write_result("reward", rows, args.out))
+    sb = sandbox_rows(iso, max(args.n // 10, 10))
+    print_table(sb)
+    save("reward", rows + sb, args)
 
 
 if __name__ == "__main__":

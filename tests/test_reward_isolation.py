@@ -248,3 +248,22 @@ def test_only_the_standard_library_is_importable():
     r = run_sandboxed(["python", "-I", "-c", prog])
     assert r.ok, r
     assert r.stdout.strip() == b"[false, false, false]", r
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK), reason="needs root and "
+                    "/usr/bin/python3 (an interpreter any uid can run)")
+def test_uid_mode_drops_to_its_uid_with_no_new_privs_and_the_run_cap():
+    """The fallback for root without unshare: the uid switch happens in the child, after joining the cgroup."""
+    iso = sandbox.Isolation("uid", "/usr/bin/python3", False, cgroup=ISO.cgroup)
+    prog = ("import os\nprint(os.getuid(), os.geteuid(), os.getgroups())\n"
+            "print([l for l in open('/proc/self/status') if l.startswith('NoNewPrivs')][0].split()[1])\n"
+            "print(open('/proc/self/cgroup').read().count('areal_sbx_'))\n")
+    r = sandbox._run(iso, [iso.python, "-I", "-c", prog], b"", {}, SandboxLimits())
+    assert r.ok, r
+    ids, nnp, in_cgroups = r.stdout.decode().splitlines()
+    uid, euid, groups = ids.split(" ", 2)
+    assert int(uid) == int(euid) >= sandbox._UID_BASE and groups == "[]", ids
+    assert nnp == "1"
+    expected = 0 if ISO.cgroup is None else 1 + (ISO.cgroup.version == 1 and ISO.cgroup.pids_parent is not None)
+    assert int(in_cgroups) == expected, r
+    assert_no_leftovers()
