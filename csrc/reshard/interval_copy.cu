@@ -39,7 +39,7 @@ namespace {
 
 constexpr int64_t kChunkElems = 16384;  // 32-64 KiB per block: long enough to hide latency
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;  // vectors in flight per thread: 4 x 16 B = 64 B outstanding
+constexpr int kLoadBytesInFlight = 64;  // per thread and step: 4 x 16 B or 2 x 32 B loads before the stores
 constexpr int64_t kMaxBlocks = 65536;
 
 // ------------------------------------------------------------------------ vector loads / stores
@@ -139,11 +139,12 @@ struct HalfToF32Op {
 
 // ------------------------------------------------------------------------------------ one chunk
 // Elements [0, h) and [h + nv * N, cnt) one by one; the nv vectors in between, kUnroll per thread
-// and step, all loads of a step issued before its stores.
+// and step (64 bytes of loads), all loads of a step issued before its stores.
 template <class Op, int N>
 __device__ __forceinline__ void run_vectors(const char* __restrict__ s, char* __restrict__ d, int64_t cnt,
                                             int64_t h) {
   constexpr int SB = N * Op::kSrc, DB = N * Op::kDst;
+  constexpr int kUnroll = SB >= kLoadBytesInFlight / 2 ? 2 : 4;  // 2 x 32 B or 4 x (<= 16 B)
   const int64_t nv = (cnt - h) / N;
   const char* __restrict__ sv = s + h * Op::kSrc;
   char* __restrict__ dv = d + h * Op::kDst;
@@ -263,13 +264,22 @@ PlanCache& cache_for(int device) {
   return *c;
 }
 
-// The device the destination memory lives on (the stream handle alone does not say).
-int device_of(const void* ptr) {
-  cudaPointerAttributes a{};
-  check(cudaPointerGetAttributes(&a, ptr), "cudaPointerGetAttributes");
-  if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
-    throw std::invalid_argument("interval_copy_cuda: destination 0 is not device memory");
-  return a.device;
+// The device the destination memory lives on (the stream handle alone does not say): that of
+// the first non-null destination when the driver knows it, else the current device.
+int target_device(const int64_t* dst_ptrs, int64_t n_dst) {
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  for (int64_t i = 0; i < n_dst; ++i) {
+    if (dst_ptrs[i] == 0) continue;
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, reinterpret_cast<const void*>(dst_ptrs[i])) != cudaSuccess) {
+      cudaGetLastError();
+      break;
+    }
+    if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) dev = a.device;
+    break;
+  }
+  return dev;
 }
 
 struct DeviceGuard {
@@ -329,7 +339,7 @@ void interval_copy_cuda(const int64_t* src_ptrs, int64_t n_src, const int64_t* d
   table.push_back(total);
   if (total == 0) return;
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_int);
-  const int device = device_of(reinterpret_cast<const void*>(dst_ptrs[0]));
+  const int device = target_device(dst_ptrs, n_dst);
   DeviceGuard guard(device);
   PlanCache& c = cache_for(device);
   std::lock_guard<std::mutex> lock(c.mu);
