@@ -3,8 +3,10 @@
 // per-interval chunk prefix sums, so thousands of small tensors and a few huge ones are
 // spread evenly over the SMs.
 //
-// Inside a chunk every thread keeps kUnroll vector loads in flight before its first store
-// (one 16-byte load per thread cannot cover HBM latency at 256 threads per block), loads go
+// Inside a chunk every thread issues 64 bytes of vector loads (4 x 16 B, or 2 x 32 B for the
+// fp32 -> 16-bit casts) before its first store: one 16-byte load per thread cannot cover HBM
+// latency. sm_90a: 80 registers, no spills, 3 blocks (24 warps) per SM, ~48 KiB of loads in
+// flight per SM (the old one-load loop: 30 registers, 16 B per thread). Loads go
 // through the read-only path (__ldg), and every supported cast is vectorised: N elements per
 // step so that the narrow side moves 16 bytes. Where source and destination cannot both be
 // vector-aligned at the same element, a narrower vector is tried; only the misaligned head
