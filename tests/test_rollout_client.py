@@ -1,13 +1,22 @@
 """RolloutClient against embedded engines on loopback: interruption and stitching, abort, failover, load."""
 
 import asyncio
+import json
 import random
 import time
+import urllib.request
 
 import pytest
 from tolerances import ENGINE_LOGPROB_ATOL
 
-from areal_fast.rollout.client import RequestError, RolloutClient, version_to_int
+from areal_fast.rollout.client import (
+    RequestError,
+    RolloutClient,
+    RolloutError,
+    ServerError,
+    server_rid,
+    version_to_int,
+)
 from areal_fast.rollout.engine import launch_engine_subprocess, start_engine_in_thread
 from areal_fast.rollout.testing import (
     build_tiny_qwen2,
@@ -51,8 +60,24 @@ def _run(coro, timeout=60):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
+def _disk_update(urls: list[str], path: str, version: str, api_key: str | None = None) -> None:
+    """POST /update_weights_from_disk to every server (the client does no weight updates)."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    for url in urls:
+        req = urllib.request.Request(url + "/update_weights_from_disk", headers=headers, data=json.dumps(
+            {"model_path": path, "weight_version": version}).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["success"] is True
+
+
+async def _update(client: RolloutClient, path: str, version: str) -> None:
+    await asyncio.to_thread(_disk_update, [s.url for s in client.servers], path, version)
+
+
 async def _reset(client: RolloutClient, base: str) -> None:
-    await client.update_weights_from_disk(base, weight_version="0")
+    await _update(client, base, "0")
 
 
 async def _wait_tokens(engine, n: int, required: bool = True) -> None:
@@ -83,9 +108,7 @@ def test_pause_update_continue_stitches_tokens_and_versions(engines, dirs):
             await asyncio.sleep(0)
             await c.pause_all()
             await c.flush_cache_all()
-            await c.begin_weight_update_all()
-            await c.update_weights_from_disk(paths[1], weight_version="1")
-            await c.end_weight_update_all()
+            await _update(c, paths[1], "1")
             await c.continue_all()
             res = await task
             await _reset(c, paths[0])
@@ -138,11 +161,12 @@ def test_4xx_raises_without_retry(engines):
     async def run():
         async with RolloutClient([h.url for h in engines]) as c:
             with pytest.raises(RequestError) as ei:
-                await c.generate([1, 2], {"max_new_tokens": 4, "no_such_key": 1})
-            return ei.value
+                await c.generate([1, 2], {"max_new_tokens": 4, "top_p": 0.0})
+            return ei.value, [s.down_until for s in c.servers]
 
-    err = _run(run())
-    assert err.status == 400 and "no_such_key" in str(err)
+    err, down = _run(run())
+    assert err.status == 400 and "top_p" in str(err)
+    assert down == [0.0, 0.0]  # a caller error never takes a server out of the pool
 
 
 def test_killed_server_request_completes_on_other(engines, dirs, doomed):
@@ -152,7 +176,7 @@ def test_killed_server_request_completes_on_other(engines, dirs, doomed):
     try:
         async def run():
             async with RolloutClient([doomed.url, engines[0].url], down_cooldown_s=60) as c:
-                await c.update_weights_from_disk(paths[0], weight_version="0")
+                await _update(c, paths[0], "0")
                 task = asyncio.create_task(c.generate(prompt, {"max_new_tokens": n, "temperature": 0.0,
                                                                "ignore_eos": True}, rid="failover"))
                 # the request went to the first (least loaded, equal) server: kill it mid-generation.
@@ -195,9 +219,7 @@ def test_200_concurrent_with_random_pauses_and_updates(engines, dirs):
                     await asyncio.sleep(rng.uniform(0.0, 0.05))
                     await c.pause_all()
                     await c.flush_cache_all()
-                    await c.begin_weight_update_all()
-                    await c.update_weights_from_disk(paths[1 + v % 2], weight_version=str(v))
-                    await c.end_weight_update_all()
+                    await _update(c, paths[1 + v % 2], str(v))
                     await c.continue_all()
 
             up = asyncio.create_task(updater())
@@ -228,7 +250,7 @@ def test_200_concurrent_with_random_pauses_and_updates(engines, dirs):
 
 
 def test_version_adaptation_and_5xx_failover_with_fake_servers():
-    """Fake servers: an old SGLang (0.5.5) and 0.5.20 get no pause mode / no begin-end; a 503 fails over."""
+    """Fake servers: an old SGLang (0.5.5, only /get_server_info) gets no pause mode; a 503 fails over."""
     from aiohttp import web
 
     async def run():
@@ -266,8 +288,6 @@ def test_version_adaptation_and_5xx_failover_with_fake_servers():
         try:
             async with RolloutClient(urls, down_cooldown_s=60) as c:
                 await c.pause_all()
-                await c.begin_weight_update_all()
-                await c.end_weight_update_all()
                 await c.continue_all()
                 res = await c.generate([1, 2], {"max_new_tokens": 3}, rid="x")  # "old" answers 503 first
                 assert c.remove_server(urls[0]) and not c.remove_server(urls[0])
@@ -283,7 +303,218 @@ def test_version_adaptation_and_5xx_failover_with_fake_servers():
     calls, res = _run(run())
     pauses = {name: body for name, path, body in calls if path == "/pause_generation"}
     assert pauses == {"old": {}, "mid": {"mode": "abort"}}
-    assert not [c for c in calls if c[1] in ("/begin_weight_update", "/end_weight_update")]
     gens = [name for name, path, _ in calls if path == "/generate"]
     assert gens == ["old", "mid"]  # least loaded first, 503 -> retried once elsewhere
     assert res.output_ids == [5, 5, 5] and res.output_versions == [4, 4, 4] and len(res.servers) == 1
+
+
+# ---------------------------------------------------------------------------- against the SGLang twin
+HEALTH_TIMEOUT_S = 1.0  # the twin's probe timeout (SGLang: 20 s), so a paused twin answers 503 in 1 s
+
+
+@pytest.fixture(scope="module")
+def twins(dirs):
+    made: dict[str, object] = {}
+
+    def get(version: str, **options):
+        key = version + repr(sorted(options.items()))
+        if key not in made:
+            made[key] = start_engine_in_thread(dirs[0][0], sglang_version=version,
+                                               health_check_timeout_s=HEALTH_TIMEOUT_S, **options)
+        return made[key]
+
+    yield get
+    for h in made.values():
+        h.stop()
+
+
+async def _until_running(engine, n_tokens: int, count: int = 1) -> None:
+    sched = engine.server.scheduler
+    for _ in range(5000):
+        if sum(len(r.output_ids) >= n_tokens for r in list(sched._rows)) >= count:
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError(f"{count} request(s) never reached {n_tokens} tokens")
+
+
+def test_n_greater_than_one_and_unknown_keys_refused_before_sending(twins):
+    h = twins("0.5.6")
+
+    async def run():
+        async with RolloutClient([h.url]) as c:
+            with pytest.raises(ValueError, match=r"sampling_params.n=4.*one sample per call"):
+                await c.generate([1, 2], {"n": 4})
+            with pytest.raises(ValueError, match="sampling_params.no_such_key"):
+                await c.generate([1, 2], {"no_such_key": 1})
+            with pytest.raises(ValueError, match="without '\\|'"):
+                await c.generate([1, 2], {}, rid="a|b")
+            return h.server.scheduler.steps
+
+    steps = h.server.scheduler.steps
+    assert _run(run()) == steps  # nothing reached the server
+
+
+def test_server_rids_are_never_prefixes_of_each_other():
+    rids = [server_rid(r, k) for r in ("q1-s1", "q1-s10", "q1-s1|x".replace("|", "-"), "q") for k in (0, 1, 10)]
+    assert len(set(rids)) == len(rids)
+    assert not [(a, b) for a in rids for b in rids if a != b and b.startswith(a)]
+
+
+def test_abort_of_one_rid_leaves_the_rids_it_prefixes_running(twins):
+    h = twins("0.5.23")
+
+    async def run():
+        async with RolloutClient([h.url]) as c:
+            sp = {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True}
+            short = asyncio.create_task(c.generate([3, 4], sp, rid="q1-s1"))
+            longer = asyncio.create_task(c.generate([3, 4], sp, rid="q1-s10"))
+            await _until_running(h, 2, count=2)
+            await c.abort("q1-s1")
+            return await short, await longer
+
+    a, b = _run(run())
+    assert a.aborted and len(a.output_ids) < 300
+    assert not b.aborted and len(b.output_ids) == 300  # SGLang would have aborted it by prefix
+
+
+def test_missing_weight_version_on_0_5_6_is_not_labelled_version_0(twins, dirs):
+    h = twins("0.5.6")
+    _disk_update([h.url], dirs[0][0], "3")
+
+    async def run():
+        async with RolloutClient([h.url]) as c:
+            task = asyncio.create_task(c.generate([6, 2], {"max_new_tokens": 300, "ignore_eos": True}, rid="w"))
+            await _until_running(h, 3)
+            await c.pause_all("retract")  # the request goes back to the server's waiting queue
+            await c.abort("w")  # aborted while waiting: 0.5.6 sends no weight_version
+            await c.continue_all()
+            return await task
+
+    res = _run(run())
+    assert res.aborted and len(res.output_ids) >= 3
+    assert set(res.output_versions) == {3}
+
+
+def test_in_place_pause_forbids_flush_and_retract_allows_it(twins):
+    h = twins("0.5.23")
+
+    async def run():
+        async with RolloutClient([h.url]) as c:
+            task = asyncio.create_task(c.generate([8, 1], {"max_new_tokens": 200, "ignore_eos": True}, rid="ip"))
+            await _until_running(h, 2)
+            await c.pause_all("in_place")
+            assert not c.may_flush
+            with pytest.raises(RolloutError, match="in_place"):
+                await c.flush_cache_all(timeout_s=5)
+            await c.continue_all()
+            await _until_running(h, 4)
+            await c.pause_all("retract")
+            assert c.may_flush
+            await c.flush_cache_all(timeout_s=5)  # retracted requests hold no KV
+            await c.continue_all()
+            return await task
+
+    res = _run(run())
+    assert len(res.output_ids) == 200 and not res.aborted
+
+
+def test_health_tells_a_paused_server_from_a_dead_one(twins):
+    h = twins("0.5.23")
+
+    async def run():
+        async with RolloutClient([h.url]) as c:
+            ok = await c.health(h.url)
+            await c.pause_all()
+            try:
+                async with c._session.get(h.url + "/health") as r:
+                    raw = r.status  # SGLang's probe: 503 once the pause outlasts it
+                paused = await c.health(h.url)
+            finally:
+                await c.continue_all()
+            gone = await c.health("http://127.0.0.1:9")  # nothing listens on the discard port
+            return ok, raw, paused, gone
+
+    ok, raw, paused, gone = _run(run())
+    assert ok.state == "ok" and raw == 503
+    assert paused.state == "paused" and paused.alive
+    assert gone.state == "down" and not gone.alive
+
+
+def test_current_weight_version_comes_from_model_info_from_0_5_19(twins, dirs):
+    h = twins("0.5.19")
+    _disk_update([h.url], dirs[0][0], "7")
+
+    async def run():
+        async with RolloutClient([h.url]) as c:
+            return c.servers[0].info["weight_version"], c.servers[0].weight_version, await c.weight_versions()
+
+    launch, current, listed = _run(run())
+    assert launch == "default" and current == "7" and listed == ["7"]
+
+
+def test_api_key_from_the_environment(twins, monkeypatch):
+    h = twins("0.5.23", api_key="k3y")
+
+    async def run(key=None):
+        async with RolloutClient([h.url], api_key=key) as c:
+            return (await c.generate([1, 2], {"max_new_tokens": 2})).output_ids
+
+    monkeypatch.delenv("AREAL_FAST_API_KEY", raising=False)
+    with pytest.raises(RequestError) as ei:
+        _run(run())
+    assert ei.value.status == 401
+    monkeypatch.setenv("AREAL_FAST_API_KEY", "k3y")
+    assert len(_run(run())) == 2
+
+
+def test_answers_are_classified_by_what_they_say():
+    """Fake 0.5.21 server: a 500 TypeError is the caller's error (not retried, server kept); a 400
+    from /flush_cache is a transient state (retried until 200); a 502 is the server's (retried)."""
+    from aiohttp import web
+
+    async def run():
+        state = {"flush": 0, "gen": 0}
+
+        async def info(request):
+            return web.json_response({"version": "0.5.21", "tp_size": 1, "weight_version": "0"})
+
+        async def flush(request):
+            state["flush"] += 1
+            if state["flush"] < 3:
+                return web.Response(status=400, text="Cache not flushed because there are running requests.")
+            return web.Response(text="Cache flushed.")
+
+        async def generate(request):
+            state["gen"] += 1
+            body = await request.json()
+            if "min_p" in body["sampling_params"]:
+                return web.Response(status=500, text="TypeError: unexpected keyword argument 'min_p'")
+            if state["gen"] == 2:
+                return web.Response(status=502, text="bad gateway")
+            n = body["sampling_params"]["max_new_tokens"]
+            return web.json_response({"output_ids": [5] * n, "meta_info": {
+                "id": body["rid"], "finish_reason": {"type": "length"}, "weight_version": "0",
+                "output_token_logprobs": [[-0.1, 5, None]] * n}})
+
+        app = web.Application()
+        app.router.add_get("/server_info", info)
+        app.router.add_post("/flush_cache", flush)
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with RolloutClient([url], retry_backoff_s=0.0, down_cooldown_s=0.0) as c:
+                with pytest.raises(RequestError) as ei:
+                    await c.generate([1], {"max_new_tokens": 2, "min_p": 0.1})
+                await c.flush_cache_all(timeout_s=10, poll_s=0.0)
+                res = await c.generate([1], {"max_new_tokens": 2})  # the 502 is retried
+                return ei.value, state, res, c.servers[0]
+        finally:
+            await runner.cleanup()
+
+    err, state, res, server = _run(run())
+    assert err.status == 500 and state["gen"] == 3  # the TypeError was sent once, never retried
+    assert state["flush"] == 3 and res.output_ids == [5, 5] and server.url in res.servers
+    assert issubclass(ServerError, RolloutError)

@@ -7,12 +7,13 @@ import sys
 import pytest
 from safetensors.torch import save_file
 
+from areal_fast.netutil import find_free_port
 from areal_fast.rollout.engine import start_engine_in_thread
-from areal_fast.rollout.engine.launch import find_free_port
 from areal_fast.rollout.testing import build_tiny_qwen2, hf_greedy, load_hf, perturbed_state_dict
 
 PROBE = [4, 40, 14, 41]
 PROBE_TOKENS = 12
+DIST_TIMEOUT_S = 3.0  # the engine's group timeout in the silent-trainer test
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +56,25 @@ def test_update_from_distributed_per_tensor_then_flattened_bucket(setup):
     assert r1["output_ids"] == want1 and r1["output_ids"] != old
     assert r2["output_ids"] == want2 and r2["output_ids"] != want1
     assert not h.server.receiver.groups  # destroyed
+
+
+def test_a_trainer_that_joins_and_never_sends_fails_the_update_in_bounded_time(tmp_path_factory):
+    """The update call fails after the group timeout with a clear message; meanwhile the engine keeps
+    answering, and the probe generation after it runs on the unchanged weights."""
+    base = build_tiny_qwen2(str(tmp_path_factory.mktemp("tiny_silent")), vocab_size=256)
+    h = start_engine_in_thread(base, dist_timeout_s=DIST_TIMEOUT_S)
+    tmp = tmp_path_factory.mktemp("silent")
+    try:
+        save_file(perturbed_state_dict(base, seed=3), str(tmp / "sd.safetensors"))
+        spec = {"url": h.url, "master_port": find_free_port(), "group_name": "weight_update_group",
+                "result_path": str(tmp / "result.json"), "probe": PROBE, "probe_new_tokens": PROBE_TOKENS,
+                "rounds": [{"tensors": str(tmp / "sd.safetensors"), "version": "1", "load_format": None,
+                            "dtype": "float32", "silent": True}]}
+        res = _run_sender(spec, tmp)
+    finally:
+        h.stop()
+    (rnd,) = res["rounds"]
+    assert rnd["update"]["success"] is False and "Failed to receive weights" in rnd["update"]["message"]
+    assert rnd["waited_s"] < DIST_TIMEOUT_S + 30  # bounded by the group timeout, not 300 s or forever
+    assert rnd["weight_version"] == "default"
+    assert rnd["output_ids"] == hf_greedy(load_hf(base), PROBE, PROBE_TOKENS)

@@ -1,9 +1,12 @@
-"""Asyncio client for SGLang servers and the embedded engine (the HTTP contract: ``docs/sglang.md``).
+"""Asyncio client for SGLang servers and the embedded engine (the contract is in docs/sglang.md).
 
-    client = RolloutClient(["http://127.0.0.1:30000", ...])
-    async with client:                       # opens the session, reads /get_server_info of every server
+    client = RolloutClient(["http://127.0.0.1:30000", ...])   # api_key: AREAL_FAST_API_KEY by default
+    async with client:                       # opens the session, reads /server_info of every server
         res = await client.generate(prompt_ids, {"max_new_tokens": 256, "temperature": 1.0}, rid="q1-s0")
         res.output_ids, res.output_logprobs, res.output_versions, res.finish_reason
+
+The client generates, pauses, continues, flushes and aborts. Weight updates are not its job: every
+weight-update transport lives in ``areal_fast.weights``.
 
 Interruptible generation: when a segment comes back with ``finish_reason.type == "abort"`` (a pause in
 mode abort, or an update with abort_all_requests) the client waits until ``continue_all()`` (if it
@@ -13,21 +16,26 @@ are only ever appended from *completed* HTTP answers, so a token cannot be lost 
 seam; each token keeps the version of the weights that produced it. An explicit ``abort(rid)`` ends
 the request: its finish reason is ``"length"`` (a truncated sample) with ``aborted=True``.
 
-Server pool: a request sticks to one server (rid affinity); new requests go to the server with the
-fewest requests in flight. 5xx answers, connection errors and timeouts mark the server down for
-``down_cooldown_s`` and retry the same segment elsewhere; 4xx raises ``RequestError`` at once.
+Request ids on the server: SGLang's /abort_request aborts every request whose rid STARTS WITH the
+given one, so the client never sends the caller's rid as is: segment ``k`` of ``rid`` is sent as
+``f"{rid}|{k}|"``. A caller rid holds no ``|``, so the first ``|`` ends it and the segment number is
+closed by the second: no server rid is ever a prefix of another.
 
-Weight sync (order of the spec, begin/end only on servers >= 0.5.21)::
-
-    await client.pause_all(); await client.flush_cache_all(); await client.begin_weight_update_all()
-    # trainer: broadcast tensors from rank 0 on a thread that is NOT this event loop's thread, while
-    # this loop awaits client.update_weights_from_distributed(names, dtypes, shapes, weight_version="3")
-    await client.end_weight_update_all(); await client.continue_all()
+Failures are classified by what the answer says, never by the status class alone:
+- no answer (connection refused or reset, timeout) or a 5xx that is not the caller's fault: the
+  server is skipped for ``down_cooldown_s`` and the segment retried elsewhere. Nothing is ever
+  declared dead here; ``health()`` tells a paused server from a gone one for a watchdog.
+- 4xx, and the 500 that SGLang before 0.5.22 gives for an unknown sampling key (a TypeError):
+  ``RequestError`` at once, the server stays in the pool.
+- 400 for a transient state on control calls (a cache that cannot be flushed yet): retried by the
+  control call until its deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
 import time
 import uuid
@@ -36,9 +44,17 @@ from dataclasses import dataclass, field
 import aiohttp
 from packaging.version import InvalidVersion, Version
 
+from areal_fast.rollout.engine.compat import SGLANG_SAMPLING_KEYS
+
+API_KEY_ENV = "AREAL_FAST_API_KEY"
 V_PAUSE_MODE = Version("0.5.6")  # pause_generation accepts {"mode": ...}
-V_BEGIN_END = Version("0.5.21")  # begin_weight_update / end_weight_update exist
+V_SCHEMA_400 = Version("0.5.22")  # unknown sampling keys are a 400 (a 500 TypeError before)
+PAUSE_MODES = ("abort", "retract", "in_place")
+RID_SEP = "|"
+# An SGLang /health probe waits up to 20 s for the scheduler; give it that plus a margin.
+HEALTH_PROBE_TIMEOUT_S = 25.0
 _INT_RE = re.compile(r"^-?\d+$")
+_CALLER_500 = ("TypeError", "unexpected keyword argument")
 
 
 class RolloutError(RuntimeError):
@@ -46,7 +62,15 @@ class RolloutError(RuntimeError):
 
 
 class RequestError(RolloutError):
-    """A 4xx answer: the request itself is wrong; never retried."""
+    """The request itself is wrong (a 4xx, or SGLang's 500 for an unknown sampling key): never retried."""
+
+    def __init__(self, url: str, status: int, body: object):
+        super().__init__(f"{url} answered {status}: {body}")
+        self.url, self.status, self.body = url, status, body
+
+
+class ServerError(RolloutError):
+    """A live server answered 5xx for a reason that is not the caller's (retried elsewhere)."""
 
     def __init__(self, url: str, status: int, body: object):
         super().__init__(f"{url} answered {status}: {body}")
@@ -64,6 +88,21 @@ def version_to_int(v: str | int | None) -> int:
     if v is not None and _INT_RE.match(v):
         return int(v)
     return 0 if v in (None, "default") else -1
+
+
+def server_rid(rid: str, segment: int) -> str:
+    """The rid sent to the server for ``segment`` of ``rid``; never a prefix of another one."""
+    return f"{rid}{RID_SEP}{segment}{RID_SEP}"
+
+
+def is_caller_error(status: int, body: object, version: Version | None = None) -> bool:
+    """True when an answer blames the request, not the server (see the module docstring)."""
+    if 400 <= status < 500:
+        return True
+    if status == 500 and (version is None or version < V_SCHEMA_400):
+        text = body if isinstance(body, str) else json.dumps(body)
+        return any(m in text for m in _CALLER_500)
+    return False
 
 
 @dataclass
@@ -88,9 +127,24 @@ class ServerState:
     url: str
     version: Version = field(default_factory=lambda: Version("0"))
     tp_size: int = 1
-    info: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # empty until /server_info answered: re-read before use
+    weight_version: str | None = None  # the latest current version seen (answers, /model_info)
     in_flight: int = 0
     down_until: float = 0.0
+
+
+@dataclass(frozen=True)
+class ServerHealth:
+    """What ``RolloutClient.health`` found. ``alive`` is what a watchdog should act on."""
+
+    url: str
+    state: str  # "ok" | "paused" | "unhealthy" | "down"
+    detail: str = ""
+
+    @property
+    def alive(self) -> bool:
+        """The process answers HTTP. A paused server (503 on /health after ~20 s) is alive."""
+        return self.state != "down"
 
 
 class RolloutClient:
@@ -103,9 +157,10 @@ class RolloutClient:
             raise ValueError("RolloutClient needs at least one server url")
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
         self._by_url = {s.url: s for s in self.servers}
-        self.api_key = api_key
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self.request_timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
         self.control_timeout = aiohttp.ClientTimeout(total=control_timeout_s, sock_connect=connect_timeout_s)
+        self.connect_timeout_s = connect_timeout_s
         self.max_attempts, self.retry_backoff_s = max_attempts, retry_backoff_s
         self.down_cooldown_s, self.max_segments = down_cooldown_s, max_segments
         self._session: aiohttp.ClientSession | None = None
@@ -115,14 +170,31 @@ class RolloutClient:
         self._active: set[str] = set()
         self._running = asyncio.Event()
         self._running.set()
-        self.paused = False
+        self.pause_mode: str | None = None  # the mode of our pause_all while paused, else None
+
+    @property
+    def is_paused(self) -> bool:
+        """True between our ``pause_all`` and ``continue_all`` (the servers answer 503 on /health then)."""
+        return self.pause_mode is not None
+
+    @property
+    def paused(self) -> bool:  # older name
+        return self.is_paused
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         if self._session is None:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
             self._session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
-        await self.detect_versions()
+        infos = await asyncio.gather(*(self._read_info(s) for s in self.servers), return_exceptions=True)
+        refused = [i for i in infos if isinstance(i, RequestError)]
+        if refused:  # e.g. 401: a wrong or missing api key is the caller's bug, not a down server
+            raise refused[0]
+        if all(isinstance(i, BaseException) for i in infos):
+            raise ServerUnavailable(f"no server answered GET /server_info: {infos[0]!r}")
+        for s, info in zip(self.servers, infos):
+            if isinstance(info, BaseException):  # down for now; its facts are read again before use
+                s.down_until = time.monotonic() + self.down_cooldown_s
 
     async def close(self) -> None:
         if self._session is not None:
@@ -130,28 +202,48 @@ class RolloutClient:
             self._session = None
 
     async def __aenter__(self) -> RolloutClient:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()
+            raise
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def detect_versions(self) -> None:
-        """Read ``version`` and ``tp_size`` of every server from GET /get_server_info."""
-        infos = await asyncio.gather(*(self._call(s, "GET", "/get_server_info") for s in self.servers),
-                                     return_exceptions=True)
-        if all(isinstance(i, BaseException) for i in infos):
-            raise ServerUnavailable(f"no server answered GET /get_server_info: {infos[0]!r}")
-        for s, info in zip(self.servers, infos):
-            if isinstance(info, BaseException):  # down for now; generate() retries it after the cooldown
-                s.down_until = time.monotonic() + self.down_cooldown_s
-                info = {}
-            _apply_info(s, info)
+    async def _read_info(self, s: ServerState) -> dict:
+        """GET /server_info (falls back to the deprecated /get_server_info of old servers) and /model_info."""
+        try:
+            info = await self._call(s, "GET", "/server_info", timeout=self._short_timeout())
+        except RequestError as e:
+            if e.status not in (404, 405):  # a server older than /server_info
+                raise
+            info = await self._call(s, "GET", "/get_server_info", timeout=self._short_timeout())
+        _apply_info(s, info)
+        if not _reports_launch_version(s):
+            s.weight_version = _str_or_none(s.info.get("weight_version"))
+        else:  # from 0.5.19 server_info holds the launch value; the current one is in /model_info
+            try:
+                mi = await self._call(s, "GET", "/model_info", timeout=self._short_timeout())
+                s.weight_version = _str_or_none((mi or {}).get("weight_version"))
+            except RolloutError:
+                pass
+        return s.info
+
+    async def _ensure_info(self, servers: list[ServerState]) -> None:
+        """Read the facts of servers that were down when last asked (they are used right after)."""
+        missing = [s for s in servers if not s.info]
+        if missing:
+            await asyncio.gather(*(self._read_info(s) for s in missing), return_exceptions=True)
+
+    def _short_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=max(30.0, self.connect_timeout_s), sock_connect=self.connect_timeout_s)
 
     # ------------------------------------------------------------------ HTTP
-    async def _call(self, server: ServerState, method: str, path: str, body: dict | None = None,
-                    timeout: aiohttp.ClientTimeout | None = None, ok_400: bool = False):
-        """One HTTP call; returns the decoded answer (JSON, text or None). 4xx -> RequestError."""
+    async def _request(self, server: ServerState, method: str, path: str, body: dict | None = None,
+                       timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, object]:
+        """One HTTP call: (status, decoded body). Connection problems raise aiohttp/asyncio errors."""
         if self._session is None:
             raise RolloutError("client not started: use 'async with RolloutClient(...)' or await start()")
         kwargs = {"timeout": timeout or self.control_timeout}
@@ -159,13 +251,17 @@ class RolloutClient:
             kwargs["json"] = body if body is not None else {}
         async with self._session.request(method, server.url + path, **kwargs) as r:
             text = await r.text()
-            ctype = r.headers.get("Content-Type", "")
-            data = _decode(text, ctype)
-            if 400 <= r.status < 500 and not (ok_400 and r.status == 400):
-                raise RequestError(server.url + path, r.status, data)
-            if r.status >= 500:
-                raise aiohttp.ClientResponseError(r.request_info, r.history, status=r.status, message=str(data))
-            return (r.status, data) if ok_400 else data
+            return r.status, _decode(text, r.headers.get("Content-Type", ""))
+
+    async def _call(self, server: ServerState, method: str, path: str, body: dict | None = None,
+                    timeout: aiohttp.ClientTimeout | None = None):
+        """One HTTP call that must succeed: the decoded answer, else RequestError / ServerError."""
+        status, data = await self._request(server, method, path, body, timeout)
+        if status >= 400:
+            if is_caller_error(status, data, server.version if server.info else None):
+                raise RequestError(server.url + path, status, data)
+            raise ServerError(server.url + path, status, data)
+        return data
 
     # ------------------------------------------------------------------ pool membership
     def remove_server(self, url: str) -> bool:
@@ -182,13 +278,41 @@ class RolloutClient:
         return True
 
     async def add_server(self, url: str) -> None:
-        """Add ``url`` to the pool (its version is read from /get_server_info first)."""
+        """Add ``url`` to the pool (its facts are read from /server_info first)."""
         server = ServerState(url.rstrip("/"))
         if server.url in self._by_url:
             return
-        _apply_info(server, await self._call(server, "GET", "/get_server_info"))
+        await self._read_info(server)
         self.servers.append(server)
         self._by_url[server.url] = server
+
+    async def health(self, url: str) -> ServerHealth:
+        """Is the server at ``url`` alive? Safe for a watchdog during pauses and weight updates.
+
+        GET /model_info answers without the scheduler (SGLang and our engine), so any answer there
+        means the process is up. While we have the servers paused, /health is not asked: SGLang's
+        probe answers 503 after ~20 s of a pause, which says nothing about the process. Otherwise
+        /health runs the probe (up to ``HEALTH_PROBE_TIMEOUT_S``): 200 is "ok", anything else
+        "unhealthy" (alive, but its scheduler produced nothing).
+        """
+        s = self._by_url.get(url.rstrip("/")) or ServerState(url.rstrip("/"))
+        try:
+            status, _ = await self._request(s, "GET", "/model_info", timeout=self._short_timeout())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return ServerHealth(s.url, "down", f"{type(e).__name__}: {e}")
+        if status == 401:
+            return ServerHealth(s.url, "unhealthy", "401 on /model_info: wrong or missing api key")
+        if self.is_paused:
+            return ServerHealth(s.url, "paused", f"paused by this client (mode {self.pause_mode})")
+        try:
+            status, _ = await self._request(
+                s, "GET", "/health",
+                timeout=aiohttp.ClientTimeout(total=HEALTH_PROBE_TIMEOUT_S, sock_connect=self.connect_timeout_s))
+        except asyncio.TimeoutError:
+            return ServerHealth(s.url, "unhealthy", f"/health did not answer in {HEALTH_PROBE_TIMEOUT_S}s")
+        except (aiohttp.ClientError, OSError) as e:
+            return ServerHealth(s.url, "down", f"{type(e).__name__}: {e}")
+        return ServerHealth(s.url, "ok" if status == 200 else "unhealthy", f"/health {status}")
 
     def _pick(self, rid: str, exclude: set[str]) -> ServerState:
         now = time.monotonic()
@@ -202,21 +326,27 @@ class RolloutClient:
         self._affinity[rid] = best.url
         return best
 
-    async def _generate_segment(self, rid: str, seg_rid: str, payload: dict) -> tuple[dict, str]:
-        """POST /generate with failover; returns (answer, server url)."""
+    async def _generate_segment(self, rid: str, seg_rid: str, payload: dict) -> tuple[dict, ServerState, str | None]:
+        """POST /generate with failover; returns (answer, server, its known weight_version at send time)."""
         tried: set[str] = set()
         last_err: Exception | None = None
         for attempt in range(self.max_attempts):
             server = self._pick(rid, tried)
             self._segment_rid[rid] = (server.url, seg_rid)
+            known_version = server.weight_version
             server.in_flight += 1
             try:
                 data = await self._call(server, "POST", "/generate", {**payload, "rid": seg_rid},
                                         timeout=self.request_timeout)
-                return data, server.url
+                if not isinstance(data, dict):
+                    raise RolloutError(f"{server.url}/generate answered {type(data).__name__}, not one result "
+                                       f"(rid {seg_rid!r}): {str(data)[:200]}")
+                if not server.info:  # it was down when the client started: learn its facts now
+                    await asyncio.gather(self._read_info(server), return_exceptions=True)
+                return data, server, known_version
             except RequestError:
                 raise
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+            except (ServerError, aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
                 last_err = e
                 server.down_until = time.monotonic() + self.down_cooldown_s
                 self._affinity.pop(rid, None)
@@ -230,12 +360,28 @@ class RolloutClient:
                                 f"{type(last_err).__name__}: {last_err}")
 
     # ------------------------------------------------------------------ generation
+    @staticmethod
+    def _check_request(input_ids: list[int], sampling: dict, rid: str | None) -> None:
+        if not input_ids:
+            raise ValueError("input_ids must be a non-empty list of token ids")
+        unknown = sorted(k for k in sampling if k not in SGLANG_SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(f"sampling_params.{unknown[0]}: not a sampling parameter SGLang knows (SGLang "
+                             "answers it with a bare 500 before 0.5.22 and a 400 from 0.5.22)")
+        n = sampling.get("n", 1)
+        if n not in (1, None):
+            raise ValueError(f"sampling_params.n={n!r}: RolloutClient.generate asks for one sample per call "
+                             "(SGLang answers n > 1 with a list); call generate once per sample with its own rid")
+        if rid is not None and (not isinstance(rid, str) or not rid or RID_SEP in rid):
+            raise ValueError(f"rid {rid!r} must be a non-empty string without {RID_SEP!r} (the client appends "
+                             f"'{RID_SEP}segment{RID_SEP}' so that no rid on a server is a prefix of another)")
+
     async def generate(self, input_ids: list[int], sampling: dict | None = None, rid: str | None = None,
                        ) -> GenerateResult:
         """Generate to completion across pauses and weight updates; see the module docstring."""
-        if not input_ids:
-            raise ValueError("input_ids must be a non-empty list of token ids")
         sampling = dict(sampling or {})
+        self._check_request(input_ids, sampling, rid)
+        sampling.pop("n", None)
         max_new = int(sampling.get("max_new_tokens", 128))
         rid = rid or uuid.uuid4().hex
         if rid in self._active:
@@ -259,17 +405,21 @@ class RolloutClient:
                 payload = {"input_ids": list(input_ids) + out_ids,
                            "sampling_params": {**sampling, "max_new_tokens": remaining},
                            "return_logprob": True, "logprob_start_len": -1, "stream": False}
-                data, url = await self._generate_segment(rid, rid if seg == 0 else f"{rid}.{seg}", payload)
+                data, server, known = await self._generate_segment(rid, server_rid(rid, seg), payload)
                 seg += 1
-                servers.append(url)
+                servers.append(server.url)
                 meta = data["meta_info"]
                 ids = list(data["output_ids"])
                 seg_lps = [x[0] for x in meta.get("output_token_logprobs") or []]
                 if len(seg_lps) != len(ids):
-                    raise RolloutError(f"{url}: {len(ids)} output ids but {len(seg_lps)} logprobs (rid {rid})")
+                    raise RolloutError(f"{server.url}: {len(ids)} output ids but {len(seg_lps)} logprobs (rid {rid})")
+                if meta.get("weight_version") is not None:
+                    server.weight_version = str(meta["weight_version"])
+                elif ids and known is None:
+                    known = await self._current_weight_version(server)
                 out_ids += ids
                 lps += seg_lps
-                versions += _token_versions(meta, len(ids))
+                versions += _token_versions(meta, len(ids), fallback=known)
                 fr = meta.get("finish_reason") or {"type": "length"}
                 if fr.get("type") == "abort":
                     if rid in self._user_aborted or seg >= self.max_segments:
@@ -288,6 +438,14 @@ class RolloutClient:
                               output_versions=versions, finish_reason=finish, matched=matched, aborted=aborted,
                               num_segments=seg, servers=servers, latency_s=time.monotonic() - t0)
 
+    async def _current_weight_version(self, server: ServerState) -> str | None:
+        try:
+            mi = await self._call(server, "GET", "/model_info", timeout=self._short_timeout())
+        except (RolloutError, aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+        server.weight_version = _str_or_none((mi or {}).get("weight_version"))
+        return server.weight_version
+
     async def abort(self, rid: str) -> None:
         """End generation ``rid`` (its result comes back with finish_reason "length", aborted=True)."""
         if rid not in self._active:
@@ -300,13 +458,23 @@ class RolloutClient:
                 await self._call(self._by_url[url], "POST", "/abort_request", {"rid": seg_rid, "abort_all": False})
 
     # ------------------------------------------------------------------ control of all servers
-    async def _all(self, method: str, path: str, body: dict | None = None, only=None) -> list:
-        targets = [s for s in self.servers if only is None or only(s)]
-        return await asyncio.gather(*(self._call(s, method, path, body) for s in targets))
+    async def _all(self, method: str, path: str, body: dict | None = None) -> list:
+        return await asyncio.gather(*(self._call(s, method, path, body) for s in self.servers))
 
     async def pause_all(self, mode: str = "abort") -> None:
-        """Pause every server; interrupted requests wait in ``generate`` until ``continue_all()``."""
-        self.paused = True
+        """Pause every server; interrupted requests wait in ``generate`` until ``continue_all()``.
+
+        ``abort`` ends running requests (the client resubmits them after continue); ``retract``
+        keeps them on the server without KV (recomputed after continue); ``in_place`` keeps them
+        with their KV, so no update may flush the cache until continue (see ``may_flush``).
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        await self._ensure_info(self.servers)
+        old = [s.url for s in self.servers if s.version < V_PAUSE_MODE]
+        if mode != "abort" and old:
+            raise RolloutError(f"pause mode {mode!r} needs SGLang >= {V_PAUSE_MODE}; {old[0]} is older")
+        self.pause_mode = mode
         self._running.clear()
         await asyncio.gather(*(self._call(s, "POST", "/pause_generation",
                                           {"mode": mode} if s.version >= V_PAUSE_MODE else {})
@@ -314,95 +482,56 @@ class RolloutClient:
 
     async def continue_all(self) -> None:
         await self._all("POST", "/continue_generation", {})
-        self.paused = False
+        self.pause_mode = None
         self._running.set()
+
+    @property
+    def may_flush(self) -> bool:
+        """False after an ``in_place`` pause: requests keep KV, and an update with flush_cache then
+        crashes SGLang's scheduler (0.5.6-0.5.21) or is refused (0.5.22+). Pause with ``retract``
+        (or ``abort``) before an update that flushes."""
+        return self.pause_mode != "in_place"
 
     async def abort_all(self) -> None:
         """Abort every request on every server (interrupted client requests are resubmitted)."""
         await self._all("POST", "/abort_request", {"rid": "", "abort_all": True})
 
     async def flush_cache_all(self, timeout_s: float = 60.0, poll_s: float = 0.05) -> None:
-        """POST /flush_cache on every server, retrying each until it answers 200."""
+        """POST /flush_cache on every server, retrying each while it answers 400 (requests still hold KV)."""
+        if not self.may_flush:
+            raise RolloutError("flush_cache_all after an in_place pause: the paused requests keep their KV, so "
+                               "the flush cannot succeed; pause with mode='retract' or 'abort' to flush")
+
         async def one(s: ServerState):
             deadline = time.monotonic() + timeout_s
             while True:
-                status, body = await self._call(s, "POST", "/flush_cache", ok_400=True)
+                status, body = await self._request(s, "POST", "/flush_cache")
                 if status == 200:
                     return
+                if status != 400:
+                    cls = RequestError if is_caller_error(status, body, s.version) else ServerError
+                    raise cls(s.url + "/flush_cache", status, body)
                 if time.monotonic() > deadline:
                     raise RolloutError(f"{s.url}/flush_cache kept answering {status} for {timeout_s}s: {body}")
                 await asyncio.sleep(poll_s)
 
         await asyncio.gather(*(one(s) for s in self.servers))
 
-    async def begin_weight_update_all(self) -> None:
-        _check_success(await self._all("POST", "/begin_weight_update", {"selector": "all"},
-                                       only=lambda s: s.version >= V_BEGIN_END))
-
-    async def end_weight_update_all(self) -> None:
-        _check_success(await self._all("POST", "/end_weight_update", {}, only=lambda s: s.version >= V_BEGIN_END))
-
-    def group_world_size(self) -> int:
-        """1 (the trainer, rank 0) + the tensor-parallel sizes of all servers."""
-        return 1 + sum(s.tp_size for s in self.servers)
-
-    async def init_weights_update_group(self, master_address: str, master_port: int, *,
-                                        group_name: str = "weight_update_group", backend: str = "nccl") -> int:
-        """Ask every server to join the group (rank_offset = 1 + tp of the servers before); returns world size.
-
-        The call blocks in the rendezvous until the trainer joins as rank 0, so the trainer must init
-        its side concurrently (from another thread or process).
-        """
-        world, offset, calls = self.group_world_size(), 1, []
-        for s in self.servers:
-            calls.append(self._call(s, "POST", "/init_weights_update_group", {
-                "master_address": master_address, "master_port": master_port, "rank_offset": offset,
-                "world_size": world, "group_name": group_name, "backend": backend}))
-            offset += s.tp_size
-        _check_success(await asyncio.gather(*calls))
-        return world
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        _check_success(await self._all("POST", "/destroy_weights_update_group", {"group_name": group_name}))
-
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                              shapes: list[list[int]], *, weight_version: str | None = None,
-                                              load_format: str | None = None,
-                                              group_name: str = "weight_update_group", flush_cache: bool = True,
-                                              abort_all_requests: bool = False) -> None:
-        """One update call on every server; the trainer broadcasts in ``names`` order meanwhile."""
-        body = {"names": names, "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
-                "shapes": [list(s) for s in shapes], "group_name": group_name, "flush_cache": flush_cache,
-                "abort_all_requests": abort_all_requests, "weight_version": weight_version,
-                "load_format": load_format}
-        _check_success(await self._all("POST", "/update_weights_from_distributed", body))
-
-    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
-                                       abort_all_requests: bool = False) -> None:
-        _check_success(await self._all("POST", "/update_weights_from_disk", {
-            "model_path": model_path, "load_format": None, "abort_all_requests": abort_all_requests,
-            "weight_version": weight_version}))
-
-    async def sync_weights_from_disk(self, model_path: str, weight_version: str) -> None:
-        """The whole cycle: pause, flush, begin, load from disk, end, continue."""
-        await self.pause_all()
-        try:
-            await self.flush_cache_all()
-            await self.begin_weight_update_all()
-            try:
-                await self.update_weights_from_disk(model_path, weight_version=weight_version)
-            finally:
-                await self.end_weight_update_all()
-        finally:
-            await self.continue_all()
-
     async def weight_versions(self) -> list[str]:
-        """Each server's weight_version (from /get_model_info)."""
-        return [str(d.get("weight_version")) for d in await self._all("GET", "/get_model_info")]
+        """Each server's current weight_version (from /model_info; /server_info's is the launch value)."""
+        return [str(d.get("weight_version")) for d in await self._all("GET", "/model_info")]
+
+
+def _str_or_none(v) -> str | None:
+    return None if v is None else str(v)
+
+
+def _reports_launch_version(s: ServerState) -> bool:
+    return s.version >= Version("0.5.19")
 
 
 def _apply_info(server: ServerState, info) -> None:
-    """Record /get_server_info: ``version`` (unparseable -> 0, the most conservative) and ``tp_size``."""
+    """Record /server_info: ``version`` (unparseable -> 0, the most conservative) and ``tp_size``."""
     server.info = info if isinstance(info, dict) else {}
     try:
         server.version = Version(str(server.info.get("version", "0")))
@@ -413,8 +542,6 @@ def _apply_info(server: ServerState, info) -> None:
 
 def _decode(text: str, ctype: str):
     if "json" in ctype:
-        import json
-
         try:
             return json.loads(text) if text else None
         except ValueError:
@@ -422,20 +549,22 @@ def _decode(text: str, ctype: str):
     return text
 
 
-def _check_success(answers: list) -> None:
-    bad = [a for a in answers if isinstance(a, dict) and a.get("success") is False]
-    if bad:
-        raise RolloutError(f"weight update call failed: {bad[0].get('message')}")
+def _token_versions(meta: dict, n: int, fallback: str | None = None) -> list[int]:
+    """Per-token versions of one answer: from weight_versions spans (>= 0.5.19) or weight_version.
 
-
-def _token_versions(meta: dict, n: int) -> list[int]:
-    """Per-token versions of one answer: from weight_versions spans (>= 0.5.20) or weight_version."""
+    SGLang 0.5.6-0.5.8 sends no weight_version for requests aborted while waiting (e.g. retracted);
+    their tokens get ``fallback``, the server's version known when the segment was sent, never 0 by
+    default. With neither, RolloutError: a wrong label would corrupt the staleness accounting.
+    """
+    wv = meta.get("weight_version")
+    if wv is None:
+        wv = fallback
     spans = meta.get("weight_versions")
-    if spans:
-        out = [version_to_int(meta.get("weight_version"))] * n
-        for sp in spans:
-            v = version_to_int(sp.get("version"))
-            for i in range(max(0, int(sp["start"])), min(n, int(sp["end"]))):
-                out[i] = v
-        return out
-    return [version_to_int(meta.get("weight_version"))] * n
+    if wv is None and n and not spans:
+        raise RolloutError(f"answer for rid {meta.get('id')!r} carries no weight_version and none is known")
+    out = [version_to_int(wv)] * n
+    for sp in spans or []:
+        v = version_to_int(sp.get("version"))
+        for i in range(max(0, int(sp["start"])), min(n, int(sp["end"]))):
+            out[i] = v
+    return out

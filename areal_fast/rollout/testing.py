@@ -50,20 +50,24 @@ def reference_sender_main(argv: list[str] | None = None) -> None:
 
     ``python -c "from areal_fast.rollout.testing import reference_sender_main; reference_sender_main()" SPEC``
     where SPEC is a JSON file: {"url", "master_port", "group_name", "result_path",
-    "rounds": [{"tensors", "version", "load_format", "dtype"}], "probe": [prompt ids], "probe_new_tokens"}
-    and each round's "tensors" is a safetensors file of HF-named tensors (no transformers import here).
-    Rank 0 hosts the TCP store; the server joins as rank 1 (world size 2). For each round the HTTP
-    update call is sent from a thread (not awaited) and the broadcasts follow in ``names`` order.
-    After every round a greedy probe generation's output ids and weight_version are recorded.
+    "rounds": [{"tensors", "version", "load_format", "dtype", "silent"}], "probe": [prompt ids],
+    "probe_new_tokens"} and each round's "tensors" is a safetensors file of HF-named tensors (no
+    transformers import here). Rank 0 hosts the TCP store; the server joins as rank 1 (world size 2).
+    Servers >= 0.5.21 get begin_weight_update / end_weight_update around each round. For each round
+    the HTTP update call is sent from a thread (not awaited) and the broadcasts follow in ``names``
+    order; a "silent" round sends none (the server's wait must end by itself). After every round a
+    greedy probe generation's output ids and weight_version are recorded.
     """
     import json
     import os
     import sys
     import threading
+    import time
     import urllib.request
 
     import torch
     import torch.distributed as dist
+    from packaging.version import Version
 
     from areal_fast.rollout.engine.weight_sync import TensorMeta, flattened_bucket_layout, init_custom_process_group
 
@@ -77,7 +81,11 @@ def reference_sender_main(argv: list[str] | None = None) -> None:
             with urllib.request.urlopen(req, timeout=120) as r:
                 out = json.loads(r.read() or b"null")
         except urllib.error.HTTPError as e:
-            out = {"http_error": e.code, "body": e.read().decode()}
+            text = e.read().decode()
+            try:
+                out = {**json.loads(text), "http_error": e.code}
+            except (ValueError, TypeError):
+                out = {"http_error": e.code, "body": text}
         if box is not None:
             box["answer"] = out
         return out
@@ -89,6 +97,8 @@ def reference_sender_main(argv: list[str] | None = None) -> None:
         return t, box
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with urllib.request.urlopen(url + "/server_info", timeout=60) as r:
+        sessions = Version(json.loads(r.read())["version"]) >= Version("0.5.21")
     t, box = in_thread("/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": spec["master_port"], "rank_offset": 1, "world_size": 2,
         "group_name": group, "backend": "gloo"})
@@ -105,8 +115,13 @@ def reference_sender_main(argv: list[str] | None = None) -> None:
         body = {"names": names, "dtypes": [str(x.dtype).removeprefix("torch.") for x in tensors],
                 "shapes": [list(x.shape) for x in tensors], "group_name": group, "flush_cache": True,
                 "abort_all_requests": False, "weight_version": rnd["version"], "load_format": rnd["load_format"]}
+        if sessions:
+            post("/begin_weight_update", {})
+        t0 = time.monotonic()
         t, box = in_thread("/update_weights_from_distributed", body)
-        if rnd["load_format"] == "flattened_bucket":
+        if rnd.get("silent"):
+            pass
+        elif rnd["load_format"] == "flattened_bucket":
             metas = [TensorMeta(n, x.dtype, tuple(x.shape)) for n, x in zip(names, tensors)]
             offsets, total = flattened_bucket_layout(metas)
             buf = torch.zeros(total, dtype=torch.uint8)
@@ -118,9 +133,12 @@ def reference_sender_main(argv: list[str] | None = None) -> None:
             for x in tensors:
                 dist.broadcast(x.contiguous(), src=0, group=pg)
         t.join()
+        waited = time.monotonic() - t0
+        if sessions:
+            post("/end_weight_update", {})
         probe = post("/generate", {"input_ids": spec["probe"], "sampling_params": {
             "max_new_tokens": spec["probe_new_tokens"], "temperature": 0.0, "ignore_eos": True}})
-        results["rounds"].append({"update": box["answer"], "output_ids": probe["output_ids"],
+        results["rounds"].append({"update": box["answer"], "waited_s": waited, "output_ids": probe["output_ids"],
                                   "weight_version": probe["meta_info"]["weight_version"]})
     results["destroy"] = post("/destroy_weights_update_group", {"group_name": group})
     dist.destroy_process_group(pg)

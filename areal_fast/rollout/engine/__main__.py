@@ -27,6 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health*)")
     p.add_argument("--sglang-version", default=DEFAULT_SGLANG_VERSION,
                    help="the SGLang release whose behaviour to reproduce (0.5.6 .. 0.5.23)")
+    p.add_argument("--dist-timeout", type=float, default=120.0,
+                   help="seconds a weight-update rendezvous or broadcast may wait before the call fails")
     p.add_argument("--attn-implementation", default="sdpa", help="sdpa or eager")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         sglang_version=args.sglang_version,
         load_format=args.load_format,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        dist_timeout_s=args.dist_timeout,
     )
     web.run_app(server.build_app(), host=args.host, port=args.port, print=None, access_log=None)
 

@@ -19,6 +19,16 @@ DEFAULT_SGLANG_VERSION = str(NEWEST_SUPPORTED)
 # (HF safetensors checkpoints; "dummy" = random weights at launch). Others are refused by name.
 ENGINE_LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
+# Every key SGLang's sampling params know (0.5.6 .. 0.5.23). Another key is a 500 (TypeError, plain
+# "Internal Server Error") before 0.5.22 and a schema 400 from 0.5.22, so the client refuses it first.
+SGLANG_SAMPLING_KEYS = frozenset({
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "custom_params", "stream_interval", "logit_bias", "sampling_seed", "beam_width",
+    "watermark", "choice",
+})
+
 
 def parse_sglang_version(value: str | Version) -> Version:
     """'0.5.23' -> Version; ValueError naming the value when unparseable or outside 0.5.6..0.5.23."""

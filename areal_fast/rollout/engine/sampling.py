@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from areal_fast.rollout.engine.compat import SGLANG_SAMPLING_KEYS
+
 GREEDY_EPS = 1e-6  # SGLang: temperature below this means greedy
 
 # Keys SGLang accepts in sampling_params that we implement (value checked), and keys we accept only at
@@ -35,12 +37,8 @@ _IMPLEMENTED = {
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos",
     "skip_special_tokens", "no_stop_trim", "n",
 }
-# Every key SGLang's SamplingParams knows (0.5.6 .. 0.5.23). A key outside this set is SGLang's
-# "unknown key" case (a 500 before 0.5.22, a schema 400 from 0.5.22); a known key we do not
-# implement at a non-neutral value is our own 400.
-SGLANG_SAMPLING_KEYS = frozenset(_IMPLEMENTED | set(_NEUTRAL_DEFAULTS) | {
-    "stop_regex", "beam_width", "watermark", "choice",
-})
+# A key SGLang knows that we do not implement, at a non-neutral value, is our own 400.
+assert _IMPLEMENTED | set(_NEUTRAL_DEFAULTS) <= SGLANG_SAMPLING_KEYS
 MAX_N = 64  # parallel samples of one prompt (a GRPO group); more is almost certainly a mistake
 
 

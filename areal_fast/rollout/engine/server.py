@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 import uuid
@@ -22,8 +23,8 @@ import uuid
 import torch
 from aiohttp import web
 
-from areal_fast.rollout.engine.compat import ENGINE_LOAD_FORMATS, SGLangBehaviour
-from areal_fast.rollout.engine.sampling import SGLANG_SAMPLING_KEYS, SamplingError, parse_sampling_params
+from areal_fast.rollout.engine.compat import ENGINE_LOAD_FORMATS, SGLANG_SAMPLING_KEYS, SGLangBehaviour
+from areal_fast.rollout.engine.sampling import SamplingError, parse_sampling_params
 from areal_fast.rollout.engine.scheduler import PAUSE_MODES, DuplicateRid, Request, Scheduler, SchedulerDown
 from areal_fast.rollout.engine.weight_sync import (
     DEFAULT_GROUP_TIMEOUT_S,
@@ -33,6 +34,7 @@ from areal_fast.rollout.engine.weight_sync import (
     unaligned_tensor,
 )
 
+log = logging.getLogger(__name__)
 _FLUSH_POLL_S = 0.01
 _HEALTH_POLL_S = 0.01
 # SGLang's probe waits this long for any output before /health answers 503 (env as in SGLang).
@@ -60,6 +62,10 @@ class BadRequest(Exception):
         super().__init__(message)
         self.schema = schema
         self.status = status
+
+
+class InternalServerError(Exception):
+    """An exception SGLang does not catch: answered 500 with a plain "Internal Server Error"."""
 
 
 class ContractError(Exception):
@@ -204,6 +210,8 @@ class EngineServer:
             return _err(str(e), schema=e.schema, status=e.status)
         except ContractError as e:
             return web.json_response({"error": str(e)}, status=400)
+        except InternalServerError:
+            return web.Response(status=500, text="Internal Server Error")
         except SchedulerDown as e:
             return _err(f"the engine's scheduler is down: {e}", status=503)
         except web.HTTPException:
@@ -246,7 +254,9 @@ class EngineServer:
             return
         if self.sglang.generate_schema_400:
             raise ContractError(f"unknown field `{unknown[0]}` in sampling_params")
-        raise TypeError(f"SamplingParams.__init__() got an unexpected keyword argument '{unknown[0]}'")
+        # SGLang: SamplingParams(**params) raises TypeError, which nothing catches: a bare 500
+        log.error("TypeError: SamplingParams.__init__() got an unexpected keyword argument %r", unknown[0])
+        raise InternalServerError()
 
     def _parse_generate(self, body: dict) -> tuple[list[str], list[int], object, bool]:
         if "text" in body and "input_ids" not in body:
