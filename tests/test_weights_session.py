@@ -140,6 +140,9 @@ def test_refused_bucket_then_next_sync_succeeds(servers, monkeypatch):
         assert not any(p.endswith("_weight_update") for p in old.paths())
         buckets = [b for p, b, _ in strict.calls if p == "/update_weights_from_distributed"]
         assert len(buckets) > 2 and all(b["load_format"] == "flattened_bucket" for b in buckets)
+        second = [b for b in buckets if b["weight_version"] == "2"]
+        assert [b["flush_cache"] for b in second] == [False] * (len(second) - 1) + [True]  # once, at the end
+        assert strict.paths().count("/server_info") == 2  # facts read before each update, once
     finally:
         ws.close()
 

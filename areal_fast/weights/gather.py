@@ -103,6 +103,7 @@ class Bucket:
     shapes: list[tuple[int, ...]]
     offsets: list[int]  # byte offsets in data
     data: torch.Tensor  # uint8, exactly the flattened bucket (ends where the last tensor ends)
+    last: bool = False  # the last bucket of this update
 
     def tensor(self, i: int) -> torch.Tensor:
         n = int(np.prod(self.shapes[i], dtype=np.int64)) * self.dtypes[i].itemsize
@@ -174,7 +175,7 @@ class BucketGatherer:
                     out = bbuf[b % 2][: int(plan.bucket_bytes[b])]
                     interval_copy([g], [out], up)
                 bucket = Bucket(b, [src.names[t] for t in ts], [dtypes[t] for t in ts], [src.shapes[t] for t in ts],
-                                [int(plan.offset[t]) for t in ts], out)
+                                [int(plan.offset[t]) for t in ts], out, last=b == nb - 1)
                 try:  # after a failure keep gathering, so the other ranks do not hang
                     if handle is not None:
                         handle, h = None, handle

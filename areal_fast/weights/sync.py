@@ -195,11 +195,12 @@ class WeightSync(abc.ABC):
 
 
 def bucket_request(bucket: Bucket, version: str, config: WeightSyncConfig) -> dict:
-    """The body of ``/update_weights_from_distributed`` announcing ``bucket``."""
+    """The body of ``/update_weights_from_distributed`` announcing ``bucket``. The prefix cache is
+    flushed once, with the last bucket: generation is paused until the update is complete."""
     return {"names": bucket.names, "dtypes": [str(d).removeprefix("torch.") for d in bucket.dtypes],
             "shapes": [list(s) for s in bucket.shapes], "group_name": config.group_name,
-            "flush_cache": config.flush_cache, "abort_all_requests": False, "weight_version": version,
-            "load_format": config.load_format}
+            "flush_cache": config.flush_cache and bucket.last, "abort_all_requests": False,
+            "weight_version": version, "load_format": config.load_format}
 
 
 class _PendingSend:
@@ -254,6 +255,7 @@ class DistributedWeightSync(WeightSync):
         self._store: HostedStore | None = None
         self._gatherer = BucketGatherer(self.config.bucket_bytes, group, device)
         self._broken: str | None = None
+        self._stale_facts = True
 
     def mark_broken(self, reason: str) -> None:
         self._broken = reason[:300]
@@ -312,6 +314,7 @@ class DistributedWeightSync(WeightSync):
         self.pg, self._store = box["pg"], store
         self.group_tp = {u: facts[u].tp_size for u in self.urls}
         self.n_inits += 1
+        self._stale_facts = False  # just read; the update that follows uses them
 
     def _send(self, prepared: tuple[Sources, list[torch.dtype]], version: str) -> None:
         src, dtypes = prepared
@@ -323,8 +326,10 @@ class DistributedWeightSync(WeightSync):
             if self._broken:
                 raise WeightSyncError(f"the weight update group is unusable after an earlier failure ({self._broken});"
                                       " close() and create a new DistributedWeightSync")
-            self.connect(src)
-            facts = self.read_facts()
+            if self.pg is None:
+                self.connect(src)  # reads the facts
+            facts = self.read_facts() if self._stale_facts else self.facts
+            self._stale_facts = True  # read again before the next update
             changed = [u for u in self.urls if facts[u].tp_size != self.group_tp[u]]
             if changed:
                 self.mark_broken(f"tp size changed on {changed}")
