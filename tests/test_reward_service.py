@@ -201,6 +201,10 @@ def test_worker_killed_mid_sandbox_leaves_nothing_behind():
     assert (r.value, r.status) == (0.0, "timeout") and "worker killed" in r.detail, r
     assert again.value == 1.0
     assert glob.glob(os.path.join(tempfile.gettempdir(), f"areal_sbx_{pid}_*")) == []
+    cg = isolation().cgroup  # the run's cgroup, created by the killed worker, is gone too
+    if cg is not None:
+        assert [d for p in (cg.memory_parent, cg.pids_parent) if p
+                for d in glob.glob(os.path.join(p, f"areal_sbx_{pid}_*"))] == []
     if isolation().mode == "ns+uid":
         deadline = time.monotonic() + 5.0  # PDEATHSIG delivery and namespace teardown are asynchronous
         while sandbox_processes() and time.monotonic() < deadline:

@@ -20,8 +20,9 @@ Where the cgroup lives, detected once per process (`support()`) and logged:
   the run's total with RLIMIT_AS = cap / processes and a lower process cap.
 
 Creating, limiting and removing a run's cgroup costs ~0.3 ms here (bench/bench_reward.py).
-Per-run cgroups are named ``areal_sbx_<launcher pid>_<n>`` so that those of a killed launcher
-can be found and removed (`cleanup_after`).
+Per-run cgroups are named ``areal_sbx_<launcher pid>_<pid namespace>_<n>`` so that those of a
+killed launcher can be found and removed (`cleanup_after`), and a process in another PID
+namespace (a container sharing the hierarchy) never takes ours for stale.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _PREFIX = "areal_sbx_"
 _counter = itertools.count()
+_PIDNS = os.stat("/proc/self/ns/pid").st_ino if os.path.exists("/proc/self/ns/pid") else 0
 _RMDIR_WAIT_S = 2.0  # a PID namespace's processes are reaped asynchronously (~1-50 ms here)
 
 
@@ -189,7 +191,7 @@ class RunCgroup:
     (`join` runs in the forked child before exec), read for OOM kills, then removed."""
 
     def __init__(self, sup: CgroupSupport, *, memory_bytes: int, pids_max: int):
-        name = f"{_PREFIX}{os.getpid()}_{next(_counter)}"
+        name = f"{_PREFIX}{os.getpid()}_{_PIDNS}_{next(_counter)}"
         self.dirs: list[str] = []
         self.version = sup.version
         try:
@@ -273,8 +275,8 @@ def _kill_and_rmdir(d: str) -> None:
 
 
 def _remove_stale(parent: str) -> None:
-    """Remove per-run cgroups whose launcher process no longer exists."""
-    for d in glob.glob(os.path.join(parent, f"{_PREFIX}*_*")):
+    """Remove per-run cgroups whose launcher process (in our PID namespace) no longer exists."""
+    for d in glob.glob(os.path.join(parent, f"{_PREFIX}*_{_PIDNS}_*")):
         pid = os.path.basename(d)[len(_PREFIX):].split("_")[0]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             _kill_and_rmdir(d)
@@ -287,5 +289,5 @@ def cleanup_after(launcher_pid: int) -> None:
         return
     for parent in (sup.memory_parent, sup.pids_parent):
         if parent:
-            for d in glob.glob(os.path.join(parent, f"{_PREFIX}{launcher_pid}_*")):
+            for d in glob.glob(os.path.join(parent, f"{_PREFIX}{launcher_pid}_{_PIDNS}_*")):
                 _kill_and_rmdir(d)
