@@ -1,5 +1,6 @@
 """The asynchronous RL controller: one asyncio loop that keeps the inference servers busy and
-trains whenever a batch is ready (AReaL-style), with the staleness bound of decoupled PPO.
+trains whenever a batch is ready (AReaL-style), with the staleness bound of decoupled PPO
+(``docs/staleness.md``).
 
 ::
 
@@ -35,11 +36,15 @@ Checkpoints hold the controller state: data position, version, counters, the fin
 still in the buffer, and the positions of groups still generating (they are regenerated after a
 restart: nothing is lost, and nothing trained twice because a checkpoint is written only at a
 step boundary, atomically, together with the trainer state). After a restore at version v the
-gate is recovered with ``accepted = v * B + len(buffer)``, so the bound holds as before.
+gate is restored with ``accepted = v * B + len(buffer)``, so the bound holds as before.
+A checkpoint also records what the data order depends on (``ControllerSettings.resume_key``);
+resuming with different values is refused with the changed keys named. A newest checkpoint that
+cannot be read is moved aside (``step_N.corrupt``) with a warning and the previous one is used.
 
-This module does no tensor math. Its collaborators are narrow async ports (see
-:class:`RolloutPort`, :class:`TrainerPort`, :class:`SyncPort`, :class:`RewardPort`,
-:class:`Gate`); ``areal_fast.launch.runtime`` builds them from the real parts, tests use fakes.
+This module does no tensor math. Its collaborators are narrow ports (see :class:`RolloutPort`,
+:class:`TrainerPort`, :class:`SyncPort`, :class:`RewardPort`, :class:`Gate`, which
+``areal_fast.rollout.staleness.StalenessManager`` implements); ``areal_fast.launch.runtime``
+builds them from the real parts, tests use fakes for all but the gate.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import threading
@@ -72,7 +78,7 @@ class Generation:
     """What a rollout port returns for one sample."""
 
     output_ids: list[int]
-    logprobs: list[float]
+    behav_logprobs: list[float]  # the server's output_logprobs: log-probs of the behaviour policy
     versions: list[int]
     finish_reason: str  # "stop" | "length" | "abort"
 
@@ -86,6 +92,7 @@ class RolloutPort(Protocol):
 class TrainerPort(Protocol):
     def train(self, samples: list[dict]) -> dict: ...  # blocking; run in a thread
     def save(self, path: Path) -> None: ...
+    def check(self, path: Path) -> None: ...  # raise if the checkpoint at path cannot be loaded
     def load(self, path: Path) -> None: ...
 
 
@@ -98,13 +105,13 @@ class RewardPort(Protocol):
 
 
 class Gate(Protocol):
-    """The staleness manager (admission side), see ``shared/spec/decoupled_ppo.md``."""
+    """The staleness gate (``docs/staleness.md``); ``StalenessManager`` is the implementation."""
 
     def try_admit(self) -> bool: ...
     def finish(self, accepted: bool) -> None: ...
     def check_consumed(self, token_versions: list[int]) -> bool: ...  # strict mode: False = drop
     def set_version(self, version: int) -> None: ...
-    def recover(self, version: int, accepted: int) -> None: ...
+    def restore(self, version: int, accepted: int | None = None) -> None: ...
     def stats(self) -> dict: ...
 
 
@@ -120,7 +127,7 @@ class Group:
     admitted_version: int
     prompt_ids: list[int]
     outputs: list[list[int]]
-    logprobs: list[list[float]]
+    behav_logprobs: list[list[float]]
     versions: list[list[int]]
     rewards: list[float]
     finish_reasons: list[str]
@@ -136,23 +143,22 @@ class Group:
 
     def samples(self) -> list[dict]:
         return [
-            dict(prompt_ids=list(self.prompt_ids), output_ids=o, output_logprobs=lp, output_versions=v,
+            dict(prompt_ids=list(self.prompt_ids), output_ids=o, behav_logprobs=lp, output_versions=v,
                  reward=r, group_id=self.position)
-            for o, lp, v, r in zip(self.outputs, self.logprobs, self.versions, self.rewards)
+            for o, lp, v, r in zip(self.outputs, self.behav_logprobs, self.versions, self.rewards)
         ]
 
 
 @dataclass
 class ControllerSettings:
-    """What the loop needs from the config (kept flat so tests can build it directly)."""
+    """What the loop needs from the config (kept flat so tests can build it directly). The
+    staleness bound and strict mode belong to the gate, not here."""
 
     batch_size: int
     group_size: int
-    max_staleness: int
     total_steps: int
     sampling: dict
     eval_sampling: dict
-    strict_staleness: bool = False
     eval_every: int = 0
     eval_at_start: bool = True
     checkpoint_every: int = 0
@@ -160,6 +166,9 @@ class ControllerSettings:
     output_dir: Path = Path("runs/run")
     dump_samples: bool = False
     eval_reward: str | None = None  # reward name for evaluation (None = the training reward)
+    resume_key: dict = field(default_factory=dict)
+    """What the data order and the meaning of a saved position depend on (seed, data source and
+    fingerprint, batch and group sizes...): stored in every checkpoint, compared on resume."""
 
 
 @dataclass
@@ -239,7 +248,8 @@ class Controller:
                 st = getattr(r, "status", "ok")
                 self.counters.reward_status[st] = self.counters.reward_status.get(st, 0) + 1
             group = Group(position=pos, row=row.index, admitted_version=v0, prompt_ids=list(ids),
-                          outputs=[list(g.output_ids) for g in gens], logprobs=[list(g.logprobs) for g in gens],
+                          outputs=[list(g.output_ids) for g in gens],
+                          behav_logprobs=[list(g.behav_logprobs) for g in gens],
                           versions=[list(g.versions) for g in gens], rewards=[float(r.value) for r in results],
                           finish_reasons=[g.finish_reason for g in gens], gen_seconds=time.perf_counter() - t0)
             self.buffer.append(group)
@@ -266,7 +276,7 @@ class Controller:
         batch, dropped = [], []
         while self.buffer and len(batch) < self.s.batch_size:
             g = self.buffer.pop(0)
-            if self.s.strict_staleness and not self.gate.check_consumed([v for vs in g.versions for v in vs]):
+            if not self.gate.check_consumed([v for vs in g.versions for v in vs]):  # strict mode only
                 dropped.append(g.position)  # the gate gave its slot back
                 continue
             batch.append(g)
@@ -372,19 +382,19 @@ class Controller:
             "buffer": [asdict(g) for g in self.buffer],
             "counters": asdict(self.counters), "elapsed": self.elapsed(),
             "timers": dict(self._timers), "eval_history": self.eval_history,
+            "resume_key": self.s.resume_key,
         }
 
     def load_state_dict(self, st: dict) -> None:
         self.version = int(st["version"])
         self.position = int(st["position"])
         self.requeue = deque(int(p) for p in st["pending"])
-        self.buffer = [Group(**g) for g in st["buffer"]]
+        self.buffer = [Group(**_group_fields(g)) for g in st["buffer"]]
         self.counters = Counters(**st["counters"])
         self._elapsed_before = float(st.get("elapsed", 0.0))
         self._timers = Counter(st.get("timers", {}))
         self.eval_history = list(st.get("eval_history", []))
-        self.gate.recover(self.version, self.version * self.s.batch_size + len(self.buffer))
-        self.gate.set_version(self.version)
+        self.gate.restore(self.version, self.version * self.s.batch_size + len(self.buffer))
 
     async def save_checkpoint(self) -> Path:
         """Snapshot the state now (groups finishing during the write stay "pending" in it), then
@@ -400,7 +410,8 @@ class Controller:
         tmp.mkdir(parents=True)
         self.trainer.save(tmp / "trainer")
         _write_json(tmp / STATE_FILE, state)
-        (tmp / COMPLETE_MARKER).write_text("ok\n")
+        _fsync_tree(tmp)  # everything COMPLETE promises is on disk before the marker is
+        _write_json(tmp / COMPLETE_MARKER, "ok")
         _fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
@@ -411,11 +422,37 @@ class Controller:
         return final
 
     def restore(self, path: Path) -> None:
-        st = json.loads((path / STATE_FILE).read_text())
+        """Restore the trainer and this controller from the checkpoint at ``path``.
+
+        Raises :class:`ResumeMismatch` when the checkpoint was written with another ``resume_key``,
+        :class:`CorruptCheckpoint` when it cannot be read (nothing is loaded then)."""
+        st = read_state(path)
+        self.check_resume_key(st, path)
+        try:
+            self.trainer.check(path / "trainer")
+        except Exception as e:  # noqa: BLE001 - whatever the trainer's reader raised, named with the path
+            raise CorruptCheckpoint(f"checkpoint {path}: trainer state unreadable: {e!r}") from e
         self.trainer.load(path / "trainer")
         self.load_state_dict(st)
         log.info("resumed from %s: version %d, position %d, %d buffered, %d to regenerate", path,
                  self.version, self.position, len(self.buffer), len(self.requeue))
+
+    def restore_newest(self) -> Path | None:
+        """Restore from the newest readable checkpoint (None when there is none). An unreadable one
+        is moved aside to ``<name>.corrupt`` with a warning naming it, and the previous is tried."""
+        for path in reversed(list_checkpoints(self.ckpt_dir)):
+            try:
+                self.restore(path)
+                return path
+            except CorruptCheckpoint as e:
+                aside = path.with_name(path.name + ".corrupt")
+                shutil.rmtree(aside, ignore_errors=True)
+                os.rename(path, aside)
+                log.warning("%s; moved it to %s and falling back to the previous checkpoint", e, aside)
+        return None
+
+    def check_resume_key(self, st: dict, path: Path) -> None:
+        check_resume_key(st, self.s.resume_key, path)
 
     # ------------------------------------------------------------- main loop
     def _emit(self, m: dict) -> None:
@@ -423,9 +460,12 @@ class Controller:
             cb(m)
 
     async def run(self, resume_from: Path | None = None) -> dict:
+        """Train until ``total_steps``. ``resume_from`` restores that checkpoint first; a controller
+        already restored (:meth:`restore_newest`) goes on from its version."""
         self._t_start = time.perf_counter()
         if resume_from is not None:
             self.restore(resume_from)
+        if self.version > 0:
             # the servers start from the initial weights: bring them to the restored version
             await self.rollout.pause()
             await self.syncer.sync(self.version)
@@ -473,48 +513,48 @@ class Controller:
 # ----------------------------------------------------------------------------- helpers
 
 
-class SpecGate:
-    """The admission rule of the spec, used when ``areal_fast.rollout.staleness`` is unavailable
-    and in the controller's unit tests (the rollout package's manager is the real one)."""
+class ResumeMismatch(RuntimeError):
+    """The checkpoint was written by a run whose data order differs from this one."""
 
-    def __init__(self, batch_size: int, max_staleness: int, max_concurrent: int):
-        self.B, self.eta, self.max_concurrent = batch_size, max_staleness, max_concurrent
-        self.version = self.accepted = self.running = 0
-        self.n_admitted = self.n_dropped = self.n_failed = 0
 
-    def capacity(self) -> int:
-        return (self.eta + self.version + 1) * self.B
+class CorruptCheckpoint(RuntimeError):
+    """A checkpoint marked complete cannot be read; the message names its path."""
 
-    def try_admit(self) -> bool:
-        if self.running < self.max_concurrent and self.accepted + self.running < self.capacity():
-            self.running += 1
-            self.n_admitted += 1
-            return True
-        return False
 
-    def finish(self, accepted: bool) -> None:
-        self.running -= 1
-        if accepted:
-            self.accepted += 1
-        else:
-            self.n_failed += 1
+def check_resume_key(st: dict, key: dict, path: Path) -> None:
+    """Refuse the checkpoint state ``st`` (at ``path``) when its data order (resume key) differs from
+    ``key``; the message names every changed key with both values."""
+    saved = st.get("resume_key")
+    if saved is None:
+        log.warning("checkpoint %s records no resume key (written by an older version); resuming "
+                    "without checking that the data order is unchanged", path)
+        return
+    changed = sorted(k for k in set(saved) | set(key) if saved.get(k) != key.get(k))
+    if changed:
+        diff = "; ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {key.get(k)!r} now" for k in changed)
+        raise ResumeMismatch(
+            f"cannot resume from {path}: the data order depends on {', '.join(changed)}, which changed "
+            f"({diff}). Resuming would train some prompts twice and skip others. Put the old values "
+            f"back, or start over with experiment.resume=false (the previous run is moved aside).")
 
-    def check_consumed(self, token_versions: list[int]) -> bool:
-        if not token_versions or min(token_versions) >= self.version - self.eta:
-            return True
-        self.accepted -= 1
-        self.n_dropped += 1
-        return False
 
-    def set_version(self, version: int) -> None:
-        self.version = version
+def _group_fields(g: dict) -> dict:
+    if "logprobs" in g:  # checkpoints written before the behaviour log-probs got their one name
+        g = {**g, "behav_logprobs": g["logprobs"]}
+        del g["logprobs"]
+    return g
 
-    def recover(self, version: int, accepted: int) -> None:
-        self.version, self.accepted, self.running = version, accepted, 0
 
-    def stats(self) -> dict:
-        return {"accepted": self.accepted, "running": self.running, "capacity": self.capacity(),
-                "dropped": self.n_dropped}
+def read_state(path: Path) -> dict:
+    """The controller state of the checkpoint at ``path``; CorruptCheckpoint names the file otherwise."""
+    f = path / STATE_FILE
+    try:
+        st = json.loads(f.read_text())
+        for key in ("version", "position", "pending", "buffer", "counters"):
+            st[key]  # noqa: B018 - a missing key is a corrupt file
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpoint(f"checkpoint {path}: {f.name} unreadable: {e!r}") from e
+    return st
 
 
 HANG_AFTER_CHECKPOINT_ENV = "AREAL_FAST_TEST_HANG_AFTER_CHECKPOINT"
@@ -529,13 +569,16 @@ def _failpoint_after_checkpoint(version: int) -> None:
         threading.Event().wait()
 
 
+_CKPT_NAME = re.compile(r"step_\d{8}")
+
+
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a directory without COMPLETE is ignored)."""
+    """Complete checkpoints, oldest first (``step_N.tmp``, ``step_N.corrupt`` and a directory
+    without COMPLETE are ignored)."""
     if not ckpt_dir.is_dir():
         return []
     out = [p for p in ckpt_dir.iterdir()
-           if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")
-           and (p / COMPLETE_MARKER).is_file()]
+           if p.is_dir() and _CKPT_NAME.fullmatch(p.name) and (p / COMPLETE_MARKER).is_file()]
     return sorted(out, key=lambda p: p.name)
 
 
@@ -549,6 +592,17 @@ def _write_json(path: Path, obj) -> None:
         json.dump(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
 
 
 def _fsync_dir(path: Path) -> None:

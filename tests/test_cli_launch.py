@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from areal_fast.launch.local import LocalLauncher, ProcessDied, find_free_port
+from areal_fast.launch.local import LocalLauncher, ProcessDied
 from areal_fast.launch.metrics import plot_run, read_jsonl, truncate_jsonl
+from areal_fast.netutil import find_free_port
 
 
 def test_a_process_dying_at_start_up_fails_fast_with_its_log(tmp_path):
@@ -28,16 +29,16 @@ def test_a_process_dying_at_start_up_fails_fast_with_its_log(tmp_path):
 def test_shutdown_stops_every_process_and_check_reports_deaths(tmp_path):
     L = LocalLauncher(tmp_path)
     sleeper = L.start("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"], critical=False)
-    quitter = L.start("quitter", [sys.executable, "-c", "pass"], critical=True)
-    quitter.proc.wait()
-    with pytest.raises(ProcessDied, match="quitter"):
+    quitter = L.start("quitter", [sys.executable, "-c", "raise SystemExit(4)"], critical=True)
+    quitter.popen.wait()
+    with pytest.raises(ProcessDied, match="quitter.*code 4"):
         L.check()
     assert sleeper.alive()
     L.shutdown()
     assert not sleeper.alive()
     assert (tmp_path / "sleeper.log").is_file()
     with pytest.raises(ProcessLookupError):
-        os.kill(sleeper.proc.pid, 0)
+        os.kill(sleeper.pid, 0)
 
 
 def test_metrics_truncate_on_resume_and_plots(tmp_path):

@@ -1,6 +1,7 @@
-"""Controller logic with in-process fakes (no servers, no torch): admission under the staleness
-bound, the synchronous baseline, strict mode, failures, and checkpoint/resume without losing or
-repeating a sample."""
+"""Controller logic with in-process fakes (no servers, no torch) and the production staleness gate:
+admission under the staleness bound, the synchronous baseline, strict mode, failures, and
+checkpoint/resume without losing or repeating a sample, refusing a changed data order, and falling
+back from a corrupt newest checkpoint."""
 
 from __future__ import annotations
 
@@ -12,8 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from areal_fast.controller import Controller, ControllerSettings, Generation, SpecGate, latest_checkpoint
-from areal_fast.launch.runtime import ManagerGate
+from areal_fast.controller import (
+    Controller,
+    ControllerSettings,
+    Generation,
+    ResumeMismatch,
+    latest_checkpoint,
+    list_checkpoints,
+)
 from areal_fast.rollout.staleness import StalenessManager
 
 
@@ -121,29 +128,32 @@ class FakeTrainer:
         path.mkdir(parents=True, exist_ok=True)
         (path / "t.json").write_text(json.dumps(self.trained))
 
+    def check(self, path: Path):
+        json.loads((path / "t.json").read_text())
+
     def load(self, path: Path):
         self.trained = json.loads((path / "t.json").read_text())
 
 
-class CheckedGate(SpecGate):
-    """SpecGate that asserts the bound at every admission."""
+class CheckedGate(StalenessManager):
+    """The production gate, asserting the bound after every admission."""
 
     def try_admit(self):
         ok = super().try_admit()
         if ok:
-            assert self.accepted + self.running <= (self.eta + self.version + 1) * self.B
+            assert self.accepted + self.running <= (self.max_staleness + self.version + 1) * self.batch_size
         return ok
 
 
 def make(tmp_path, *, eta=2, steps=6, B=2, n=2, strict=False, ckpt=0, seed=0, gate=None, rollout_kw=None,
-         server=None):
+         server=None, resume_key=None):
     server = server or Server()
-    s = ControllerSettings(batch_size=B, group_size=n, max_staleness=eta, total_steps=steps,
+    s = ControllerSettings(batch_size=B, group_size=n, total_steps=steps,
                            sampling={"max_new_tokens": 8}, eval_sampling={"temperature": 0.0},
-                           strict_staleness=strict, eval_every=0, eval_at_start=False, checkpoint_every=ckpt,
-                           output_dir=tmp_path)
+                           eval_every=0, eval_at_start=False, checkpoint_every=ckpt,
+                           output_dir=tmp_path, resume_key=resume_key or {"seed": 0})
     trainer = FakeTrainer()
-    gate = gate or CheckedGate(B, eta, max_concurrent=16)
+    gate = gate or CheckedGate(B, eta, max_concurrent=16, strict=strict)
     ctl = Controller(s, Prompts(), Tok(), FakeRollout(server, seed, **(rollout_kw or {})), FakeReward(), trainer,
                      FakeSync(server), gate)
     return ctl, trainer, server
@@ -169,12 +179,13 @@ def test_sync_mode_eta0_trains_only_fresh_samples(tmp_path):
     assert all(m["staleness_max"] == 0 for m in ctl.history)
 
 
-def test_real_staleness_manager_plugs_in(tmp_path):
-    gate = ManagerGate(StalenessManager(2, 1, 16))
+def test_gate_counts_match_the_controller(tmp_path):
+    gate = StalenessManager(2, 1, 16)
     ctl, trainer, _ = make(tmp_path, eta=1, steps=5, gate=gate)
     asyncio.run(ctl.run())
     assert len(trainer.trained) == len(set(trainer.trained)) == 10
-    assert gate.m.stats.admitted == ctl.counters.admitted
+    assert gate.stats()["admitted"] == ctl.counters.admitted
+    assert ctl.history[-1]["gate/admitted"] <= ctl.counters.admitted  # metrics come from the same gate
 
 
 def test_strict_mode_drops_stale_groups_and_regenerates_them(tmp_path):
@@ -235,3 +246,40 @@ def test_checkpoint_write_is_atomic(tmp_path):
     bad = tmp_path / "checkpoints" / "step_00000008"
     bad.mkdir()
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000002"
+
+
+def _crashed_run(tmp_path, steps=4, ckpt=1):
+    ctl, _, _ = make(tmp_path, eta=2, steps=steps, ckpt=ckpt)
+    asyncio.run(ctl.run())
+    return list_checkpoints(tmp_path / "checkpoints")
+
+
+def test_resume_with_a_changed_data_order_is_refused_naming_the_keys(tmp_path):
+    _crashed_run(tmp_path)
+    ctl, _, _ = make(tmp_path, eta=2, steps=8, ckpt=1, resume_key={"seed": 1, "data.rows": 10})
+    with pytest.raises(ResumeMismatch) as e:
+        ctl.restore_newest()
+    msg = str(e.value)
+    assert "seed" in msg and "data.rows" in msg and "step_00000004" in msg and "experiment.resume=false" in msg
+    assert ctl.version == 0  # nothing was loaded
+    ok, trainer, _ = make(tmp_path, eta=2, steps=8, ckpt=1)  # the same key resumes
+    assert ok.restore_newest().name == "step_00000004" and ok.version == 4 and len(trainer.trained) == 8
+
+
+@pytest.mark.parametrize("damage", ["state_json", "trainer_state"])
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage, caplog):
+    cks = _crashed_run(tmp_path)
+    newest = cks[-1]
+    if damage == "state_json":
+        (newest / "controller.json").write_text('{"version": 4, "posi')  # cut short, as by a full disk
+    else:
+        (newest / "trainer" / "t.json").write_bytes(b"\x80\x04")
+    ctl, trainer, _ = make(tmp_path, eta=2, steps=6, ckpt=1)
+    with caplog.at_level("WARNING"):
+        assert ctl.restore_newest() == cks[-2]
+    assert ctl.version == 3 and len(trainer.trained) == 6
+    assert str(newest) in caplog.text and "falling back" in caplog.text
+    assert not newest.exists() and newest.with_name(newest.name + ".corrupt").is_dir()
+    asyncio.run(ctl.run())  # and the run goes on from there, writing a fresh step 4
+    assert ctl.version == 6 and latest_checkpoint(tmp_path / "checkpoints").name == "step_00000006"
+    assert len(trainer.trained) == len(set(trainer.trained)) == 12

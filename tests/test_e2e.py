@@ -3,9 +3,11 @@ engine servers over HTTP, reward worker processes, the PPO actor, disk weight sy
 
 - a run is killed with SIGKILL after its second checkpoint; the same command resumes and finishes:
   every step is trained once, no prompt is trained twice, the staleness bound holds, the
-  servers of the killed run did not outlive it;
+  servers of the killed run did not outlive it. While the first run is alive, its server refuses a
+  request without the run's API key (401) and a second run on the same output directory is refused;
 - one of two inference servers is killed mid-training of a synchronous (eta = 0) run, which still
-  finishes with only fresh samples.
+  finishes with only fresh samples;
+- two trainer ranks (torchrun, gloo) with the default distributed weight sync finish a run.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -75,6 +79,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def _train_events(out: Path) -> list[dict]:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return [r for r in rows if r.get("kind") == "train"]
@@ -121,7 +133,17 @@ def test_kill_9_then_the_same_command_resumes_without_loss_or_duplicates(tmp_pat
                env={HANG_AFTER_CHECKPOINT_ENV: "2"})
     _wait_for(lambda: (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file(), p, "checkpoint 2")
     kids = _children(p.pid)
-    assert any("areal_fast.rollout.engine" in _cmdline(k) for k in kids), "no engine server was launched"
+    engines = [_cmdline(k).split() for k in kids if "areal_fast.rollout.engine" in _cmdline(k)]
+    assert engines, "no engine server was launched"
+    url = f"http://127.0.0.1:{engines[0][engines[0].index('--port') + 1]}"
+    assert "--api-key" in engines[0]
+    assert _status(url + "/get_model_info") == 401  # no key, no answer
+    assert _status(url + "/health") == 200  # health stays open, as in SGLang
+    # a second live run on the same output directory is refused at once, naming the directory
+    r = subprocess.run(_cmd(out, f"experiment.total_steps={steps}", "weights.method=disk"), cwd=ROOT,
+                       capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert r.returncode == 1 and "in use by another live run" in r.stderr and str(out) in r.stderr, r.stderr[-2000:]
+    assert p.poll() is None
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     deadline = time.monotonic() + 30
@@ -173,3 +195,22 @@ def test_a_dying_inference_server_does_not_stop_the_run_in_sync_mode(tmp_path, r
     assert [e["step"] for e in events] == list(range(1, steps + 1))
     assert all(e["staleness_max"] == 0 for e in events)  # eta = 0: every sample from the current weights
     assert "died" in (out / "logs" / "controller.log").read_text()
+
+
+def test_two_trainer_ranks_with_the_default_distributed_sync_finish(tmp_path, runner):
+    """The local launcher with train.world_size=2 (torchrun, gloo) and the example's default weight
+    sync (distributed): the run makes every step and exits 0; the API key is in the ranks'
+    environment, never on a command line."""
+    out = tmp_path / "run"
+    steps = 3
+    p = runner(_cmd(out, f"experiment.total_steps={steps}", "train.world_size=2", "checkpoint.every_steps=0",
+                    "log.plots=false"))
+    cmdlines: list[str] = []
+    while p.poll() is None and len(cmdlines) < 3:  # record the ranks' command lines while they run
+        cmdlines = [c for c in (_cmdline(k) for k in _children(p.pid)) if "areal_fast.launch.rank" in c]
+        time.sleep(0.2)
+    _, err = p.communicate(timeout=START_TIMEOUT_S * 2)
+    assert p.returncode == 0, err.decode()[-3000:] + (out / "logs" / "trainer.log").read_text()[-3000:]
+    assert [e["step"] for e in _train_events(out)] == list(range(1, steps + 1))
+    assert json.loads((out / "summary.json").read_text())["steps"] == steps
+    assert cmdlines and not [c for c in cmdlines if "api-key" in c or "API_KEY" in c]

@@ -8,6 +8,7 @@ to HF safetensors through the trainer. One inference server is launched for the 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import shutil
 import tempfile
 import time
@@ -18,7 +19,8 @@ from areal_fast.controller import STATE_FILE
 
 
 def _export_training_checkpoint(cfg: AppConfig, ckpt: Path, dest: Path) -> Path:
-    from areal_fast.launch.train import model_dir, trainer_config
+    from areal_fast.launch.rank import trainer_config
+    from areal_fast.launch.train import model_dir
     from areal_fast.trainer import PPOActor, export_hf, load_checkpoint
 
     base = model_dir(cfg, say=lambda m: None)
@@ -34,7 +36,7 @@ def _export_training_checkpoint(cfg: AppConfig, ckpt: Path, dest: Path) -> Path:
 def run_eval(cfg: AppConfig, checkpoint: str | None = None) -> dict:
     from areal_fast.data import load_tokenizer
     from areal_fast.launch.local import LocalLauncher
-    from areal_fast.launch.train import load_data
+    from areal_fast.launch.rank import load_data
 
     out = cfg.experiment.out
     path = Path(checkpoint) if checkpoint else out / "final"
@@ -53,14 +55,16 @@ def run_eval(cfg: AppConfig, checkpoint: str | None = None) -> dict:
         with LocalLauncher(out / "logs" / "eval") as launcher:
             rollout_cfg = cfg.rollout
             rollout_cfg.n_servers = 1
-            urls = [p.url for p in launcher.start_servers(rollout_cfg, str(path), seed=cfg.experiment.seed)]
-            return asyncio.run(_eval_async(cfg, tok, evals, urls, str(path)))
+            api_key = secrets.token_urlsafe(32)
+            urls = [p.url for p in launcher.start_servers(rollout_cfg, str(path), seed=cfg.experiment.seed,
+                                                          api_key=api_key)]
+            return asyncio.run(_eval_async(cfg, tok, evals, urls, str(path), api_key))
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-async def _eval_async(cfg: AppConfig, tok, evals, urls, path: str) -> dict:
+async def _eval_async(cfg: AppConfig, tok, evals, urls, path: str, api_key: str) -> dict:
     from areal_fast.reward import RewardService
     from areal_fast.rollout.client import RolloutClient
 
@@ -68,7 +72,7 @@ async def _eval_async(cfg: AppConfig, tok, evals, urls, path: str) -> dict:
     sampling = {"max_new_tokens": cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, "temperature": 0.0,
                 "stop_token_ids": stop}
     t0 = time.perf_counter()
-    async with RolloutClient(urls) as client, RewardService(num_workers=cfg.reward.workers,
+    async with RolloutClient(urls, api_key=api_key) as client, RewardService(num_workers=cfg.reward.workers,
                                                             timeout_s=cfg.reward.timeout,
                                                             default_reward=cfg.reward.name) as service:
         async def one(i, row):

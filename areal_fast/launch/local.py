@@ -1,14 +1,15 @@
-"""Local launcher: start inference servers (and other helper processes) as subprocesses, each with
-its own log file, wait for their health, watch them, and shut everything down on exit or Ctrl-C.
+"""Local launcher: inference servers and trainer ranks as subprocesses of this machine, each with its
+own log file; health checks, watching, and shutdown of everything on exit or Ctrl-C.
 
     with LocalLauncher(log_dir) as L:
-        urls = L.start_servers(cfg.rollout, model_path)      # waits for GET /health == 200
-        ...                                                  # L.check() raises if a process died
+        servers = L.start_servers(cfg.rollout, model_path, seed=0, api_key=key)  # GET /health == 200
+        ranks = L.start_trainer_ranks(cfg.train, config_file, env)               # torchrun, N ranks
+        ...                                                  # L.check() raises if a critical process died
     # every process is stopped here (SIGTERM, then SIGKILL after a grace period)
 
 A server that dies is reported with the tail of its log; whether the run can go on is the
-caller's decision (`on_death`): the controller drops a dead server from the pool while at least
-one is left, and fails fast (with the log tail in the message) when none is.
+caller's decision: the controller drops a dead server from the pool while at least one is left.
+Every child gets PR_SET_PDEATHSIG, so a launcher killed with SIGKILL leaves no orphans.
 """
 
 from __future__ import annotations
@@ -20,97 +21,54 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_fast.launch.base import (
+    LaunchedProcess,
+    ProcessDied,
+    die_with_parent,
+    http_ok,
+    rank_command,
+    server_command,
+    server_env,
+)
 from areal_fast.netutil import find_free_port
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.1
 _GRACE_S = 10.0
 
-
-def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGKILL this child when the launching process dies, even by kill -9 (no orphans)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except Exception:  # noqa: BLE001 - other OSes: shutdown() still cleans up on a normal exit
-        pass
-
-
-_die_with_parent = die_with_parent  # the name areal_fast.launch.ray_launcher imports
-
-
-class ProcessDied(RuntimeError):
-    """A launched process exited; the message names it, its exit code and its log tail."""
-
-
-
-
-def http_ok(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-@dataclass
-class Managed:
-    """One launched process."""
-
-    name: str
-    cmd: list[str]
-    log_path: Path
-    proc: subprocess.Popen
-    url: str | None = None
-    critical: bool = True
-    reported: bool = field(default=False)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def death_message(self) -> str:
-        return (f"process '{self.name}' (pid {self.proc.pid}) exited with code {self.proc.returncode}; "
-                f"log {self.log_path}:\n{self.log_tail()}")
+__all__ = ["LocalLauncher", "ProcessDied", "LaunchedProcess"]
 
 
 class LocalLauncher:
-    """Owns the subprocesses of one run."""
+    """Owns the subprocesses of one run (the ``Launcher`` of ``launch.base`` on this machine)."""
 
-    def __init__(self, log_dir: str | Path):
+    def __init__(self, log_dir: str | Path, host: str = "127.0.0.1"):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.procs: list[Managed] = []
+        self.host = host
+        self.procs: list[LaunchedProcess] = []
         self._closed = False
         atexit.register(self.shutdown)
 
     # ------------------------------------------------------------ starting
     def start(self, name: str, cmd: list[str], env: dict | None = None, url: str | None = None,
-              critical: bool = True) -> Managed:
-        """Start ``cmd`` with stdout+stderr to ``<log_dir>/<name>.log`` in its own process group."""
+              critical: bool = True) -> LaunchedProcess:
+        """Start ``cmd`` with stdout+stderr to ``<log_dir>/<name>.log`` in its own process group.
+        ``env`` is added to this process's environment (secrets travel here, never in ``cmd``)."""
         log_path = self.log_dir / f"{name}.log"
         full_env = {**os.environ, **(env or {})}
         with open(log_path, "ab") as f:
-            f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+            f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(_redact(cmd))}\n".encode())
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env,
                                     start_new_session=True, preexec_fn=die_with_parent)
-        m = Managed(name=name, cmd=cmd, log_path=log_path, proc=proc, url=url, critical=critical)
-        self.procs.append(m)
+        p = LaunchedProcess(name=name, log_path=log_path, url=url, critical=critical, pid=proc.pid, popen=proc)
+        self.procs.append(p)
         log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
-        return m
+        return p
 
-    def wait_healthy(self, procs: list[Managed], timeout: float, path: str = "/health") -> None:
+    def wait_healthy(self, procs: list[LaunchedProcess], timeout: float, path: str = "/health") -> None:
         """Block until every process answers 200 on ``path``; fail fast when one exits."""
         deadline = time.monotonic() + timeout
         pending = [p for p in procs if p.url]
@@ -127,31 +85,31 @@ class LocalLauncher:
                 raise TimeoutError(f"not healthy after {timeout:.0f}s: {names}; see logs in {self.log_dir}")
             time.sleep(_POLL_S)
 
-    def start_servers(self, rollout_cfg, model_path: str, seed: int = 0) -> list[Managed]:
-        """Launch ``rollout.n_servers`` inference servers on free loopback ports and wait for health."""
+    def start_servers(self, rollout_cfg, model_path: str, *, seed: int = 0, api_key: str | None = None
+                      ) -> list[LaunchedProcess]:
+        """``rollout.n_servers`` inference servers on free ports of ``host``; waits for their health."""
         out = []
         for i in range(rollout_cfg.n_servers):
-            port = find_free_port()
-            if rollout_cfg.engine == "embedded":
-                cmd = [sys.executable, "-m", "areal_fast.rollout.engine", "--model", model_path,
-                       "--host", "127.0.0.1", "--port", str(port), "--device", rollout_cfg.device,
-                       "--seed", str(seed + i), "--weight-version", "0",
-                       "--max-running-requests", str(max(256, rollout_cfg.max_concurrent * rollout_cfg.group_size)),
-                       *rollout_cfg.server_args]
-            else:
-                cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-                       "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
-                       "--weight-version", "0", *rollout_cfg.server_args]
-            threads = str(rollout_cfg.threads_per_server)
-            env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+            port = find_free_port(self.host)
+            cmd = server_command(rollout_cfg, model_path, self.host, port, seed=seed + i, api_key=api_key)
+            env = server_env(rollout_cfg)
             if rollout_cfg.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = str(rollout_cfg.gpus[i])
-            out.append(self.start(f"server{i}", cmd, env=env, url=f"http://127.0.0.1:{port}", critical=False))
+            out.append(self.start(f"server{i}", cmd, env=env, url=f"http://{self.host}:{port}", critical=False))
         self.wait_healthy(out, rollout_cfg.health_timeout)
         return out
 
+    def start_trainer_ranks(self, train_cfg, config_file: Path, env: dict[str, str]) -> list[LaunchedProcess]:
+        """``train.world_size`` ranks under one ``torchrun --standalone`` (its own rendezvous port)."""
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(train_cfg.world_size), *rank_command(config_file)[1:]]
+        e = {"OMP_NUM_THREADS": str(train_cfg.threads), **env}
+        if train_cfg.gpus:
+            e["CUDA_VISIBLE_DEVICES"] = str(train_cfg.gpus)
+        return [self.start("trainer", cmd, env=e)]
+
     # ------------------------------------------------------------ watching
-    def dead(self) -> list[Managed]:
+    def dead(self) -> list[LaunchedProcess]:
         """Processes that exited since the last call (each reported once)."""
         out = []
         for p in self.procs:
@@ -160,13 +118,15 @@ class LocalLauncher:
                 out.append(p)
         return out
 
-    def check(self) -> list[Managed]:
-        """Raise ProcessDied for a dead critical process; return newly dead non-critical ones."""
+    def check(self) -> list[LaunchedProcess]:
+        """Raise ProcessDied for a critical process that failed; return the others that ended since
+        the last call (dead servers are logged as warnings)."""
         dead = self.dead()
         for p in dead:
-            if p.critical:
+            if p.critical and p.returncode != 0:
                 raise ProcessDied(p.death_message())
-            log.warning("%s", p.death_message())
+            if not p.critical:
+                log.warning("%s", p.death_message())
         return dead
 
     # ------------------------------------------------------------ stopping
@@ -178,19 +138,20 @@ class LocalLauncher:
         for p in self.procs:
             if p.alive():
                 try:
-                    os.killpg(p.proc.pid, signal.SIGTERM)
+                    os.killpg(p.pid, signal.SIGTERM)
                 except (ProcessLookupError, PermissionError):
                     pass
         deadline = time.monotonic() + _GRACE_S
         for p in self.procs:
             try:
-                p.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 try:
-                    os.killpg(p.proc.pid, signal.SIGKILL)
+                    os.killpg(p.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-                p.proc.wait()
+                p.popen.wait()
+            p.alive()  # records the exit code
         try:
             atexit.unregister(self.shutdown)
         except Exception:  # noqa: BLE001
@@ -201,3 +162,8 @@ class LocalLauncher:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _redact(cmd: list[str]) -> list[str]:
+    """The command for a log line, with the value of --api-key hidden."""
+    return [("***" if i and cmd[i - 1] == "--api-key" else c) for i, c in enumerate(cmd)]

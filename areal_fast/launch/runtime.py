@@ -3,8 +3,9 @@
 - :class:`ClientRollout`  <- ``areal_fast.rollout.client.RolloutClient`` (pool, interruptible generate)
 - :class:`ActorTrainer`   <- ``areal_fast.trainer.PPOActor`` (rank 0 drives followers on other ranks)
 - weight sync ports: ``areal_fast.weights.port`` (:class:`DistributedSync`, :class:`DiskSync`), re-exported
-- :class:`RewardPort`     <- ``areal_fast.reward.RewardService``
-- :class:`ManagerGate`    <- ``areal_fast.rollout.staleness.StalenessManager``
+- :class:`ServiceReward`  <- ``areal_fast.reward.RewardService``
+
+The controller's gate needs no adapter: ``areal_fast.rollout.staleness.StalenessManager`` is it.
 
 Multi-rank trainers (torchrun): rank 0 runs the controller; every collective trainer call is
 announced to the other ranks with one ``broadcast_object_list`` of ``(op, arg)`` first, and
@@ -59,7 +60,7 @@ class ClientRollout:
 
     async def generate(self, input_ids, sampling, rid) -> Generation:
         r = await self.client.generate(list(input_ids), sampling, rid=rid)
-        return Generation(output_ids=list(r.output_ids), logprobs=list(r.output_logprobs),
+        return Generation(output_ids=list(r.output_ids), behav_logprobs=list(r.output_logprobs),
                           versions=list(r.output_versions), finish_reason=r.finish_reason)
 
     async def pause(self) -> None:
@@ -114,6 +115,17 @@ class ActorTrainer:
         self._announce("save", str(path))
         save_checkpoint(self.actor, str(path))
 
+    def check(self, path: Path) -> None:
+        """Raise if the trainer checkpoint at ``path`` cannot be read (rank 0 only, before the
+        collective load is announced, so a corrupt checkpoint never reaches the other ranks)."""
+        import torch
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from areal_fast.trainer.checkpoint import _STATE_FILE
+
+        torch.load(Path(path) / _STATE_FILE, weights_only=False, map_location="cpu")
+        FileSystemReader(str(path)).read_metadata()
+
     def load(self, path: Path) -> None:
         from areal_fast.trainer import load_checkpoint
 
@@ -166,7 +178,7 @@ def follower_loop(actor) -> None:
             raise RuntimeError(f"follower: unknown op {op!r} from rank 0")
 
 
-# ----------------------------------------------------------------------------- reward and gate
+# ----------------------------------------------------------------------------- reward
 
 
 class ServiceReward:
@@ -177,32 +189,3 @@ class ServiceReward:
 
     async def score(self, task, completion):
         return await self.service.score(dict(task), completion)
-
-
-class ManagerGate:
-    """The controller's Gate over ``StalenessManager``."""
-
-    def __init__(self, manager):
-        self.m = manager
-
-    def try_admit(self) -> bool:
-        return self.m.try_admit()
-
-    def finish(self, accepted: bool) -> None:
-        (self.m.on_accept if accepted else self.m.on_reject)()
-
-    def check_consumed(self, token_versions: list[int]) -> bool:
-        return self.m.check_consumed(token_versions)
-
-    def set_version(self, version: int) -> None:
-        if version >= self.m.version:
-            self.m.set_version(version)
-
-    def recover(self, version: int, accepted: int) -> None:
-        # Restored buffered groups were accepted before the crash and still count against the bound.
-        self.m.restore(version, accepted=accepted)
-
-    def stats(self) -> dict:
-        s = self.m.stats
-        return {"accepted": self.m.accepted, "running": self.m.running, "bound": self.m.bound(),
-                "admitted": s.admitted, "dropped_stale": s.dropped_stale}

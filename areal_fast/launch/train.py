@@ -1,9 +1,16 @@
-"""``areal-fast train``: prepare the model and data, launch the servers, run the controller.
+"""``areal-fast train``: the one driver of a run, for the local and the Ray launcher alike.
 
-World size 1 (default): servers are subprocesses, the trainer lives inside this process next to
-the controller (its step runs in a thread). World size > 1: this process launches the servers
-and ``torchrun`` with the trainer ranks; rank 0 of torchrun runs the controller against the
-already running servers and the other ranks follow it (``runtime.follower_loop``).
+Read top to bottom, :func:`run_train` is the whole run:
+
+1. hold the output directory (a second live run on it is refused) and, with
+   ``experiment.resume=false``, move the previous run aside;
+2. prepare the model (warm start) and check the reward with one real call, before any server starts;
+3. start the inference servers with a fresh API key (``--api-key``; the ranks get it in their
+   environment, never on a command line);
+4. write the resolved trainer config and start the trainer ranks, which read only that file
+   (``launch.rank``); rank 0 runs the controller. One local rank runs inside this process;
+5. watch every process until rank 0 is done (a dead server is reported, a dead rank fails the run),
+   then plot the metrics.
 """
 
 from __future__ import annotations
@@ -12,35 +19,82 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-import yaml
-
-from areal_fast.config import AppConfig, to_dict
-from areal_fast.controller import Controller, ControllerSettings, latest_checkpoint
-from areal_fast.launch.local import LocalLauncher, ProcessDied, die_with_parent, find_free_port, http_ok
-from areal_fast.launch.metrics import JsonlSink, ProgressBar, TensorBoardSink, plot_run, read_jsonl, truncate_jsonl
+from areal_fast.controller import ResumeMismatch
+from areal_fast.launch.base import API_KEY_ENV, TRAINER_CONFIG_FILE, LaunchedProcess, ProcessDied
+from areal_fast.launch.metrics import ProgressBar, plot_run
+from areal_fast.launch.rank import run_rank, setup_logging
+from areal_fast.launch.run_dir import RunDirBusy, RunLock, move_previous_run_aside
 
 log = logging.getLogger("areal_fast")
 _WATCH_S = 0.5
+_FOLLOWER_EXIT_S = 30.0  # ranks > 0 leave right after rank 0's 'stop'; longer means they hang
 
 
-def setup_logging(out: Path, level: str, console: bool = True) -> None:
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    handlers: list[logging.Handler] = [logging.FileHandler(out / "logs" / "controller.log")]
-    if console:
-        h = logging.StreamHandler(sys.stderr)
-        h.setLevel(logging.WARNING)  # the progress bar owns the terminal; details go to the log file
-        handlers.append(h)
-    logging.basicConfig(level=level.upper(), handlers=handlers, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+class RewardCheckFailed(RuntimeError):
+    """The configured reward could not score a trivial input."""
 
 
-def model_dir(cfg: AppConfig, say=print) -> str:
+RUN_REFUSED = (RunDirBusy, ResumeMismatch, RewardCheckFailed)
+"""Errors that refuse a run before it starts, with a message that says what to do (no traceback needed)."""
+
+
+def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
+    """Train one run; returns the controller's summary (also in ``<output_dir>/summary.json``)."""
+    from areal_fast.config import save_config
+
+    say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    progress = cfg.log.progress if progress is None else progress
+    out = cfg.experiment.out.resolve()
+    in_process = cfg.launcher == "local" and cfg.train.world_size == 1
+    with RunLock(out):
+        if not cfg.experiment.resume:
+            move_previous_run_aside(out, say)
+        setup_logging(out, cfg.log.level, name="launcher.log")
+        if in_process and cfg.train.gpus:  # before anything initialises CUDA in this process
+            os.environ["CUDA_VISIBLE_DEVICES"] = cfg.train.gpus
+        save_config(cfg, out / "config.yaml")
+        model = model_dir(cfg, say)
+        check_data_and_reward(cfg, model)
+        api_key = os.environ.get(API_KEY_ENV) if cfg.rollout.servers else secrets.token_urlsafe(32)
+        with open_launcher(cfg, out / "logs") as launcher:
+            urls = [u.rstrip("/") for u in cfg.rollout.servers]
+            if not urls:
+                say(f"starting {cfg.rollout.n_servers} {cfg.rollout.engine} server(s)...")
+                urls = [p.url for p in launcher.start_servers(cfg.rollout, model, seed=cfg.experiment.seed,
+                                                              api_key=api_key)]
+            log.info("inference servers: %s; API key auth %s", ", ".join(urls),
+                     "on (a fresh key for this run)" if api_key else "off (AREAL_FAST_API_KEY is not set)")
+            tcfg = trainer_run_config(cfg, model, urls, out)
+            save_config(tcfg, out / TRAINER_CONFIG_FILE)
+            if in_process:  # rank 0 here, with the key in this process's environment as a rank has it
+                with _env(API_KEY_ENV, api_key):
+                    summary = run_rank(tcfg, progress=progress, say=say)
+            else:
+                say(f"starting {cfg.train.world_size} trainer rank(s) ({cfg.launcher}); logs in {out / 'logs'}")
+                ranks = launcher.start_trainer_ranks(cfg.train, out / TRAINER_CONFIG_FILE,
+                                                     {API_KEY_ENV: api_key} if api_key else {})
+                summary = _watch_ranks(launcher, ranks, out, ProgressBar(cfg.experiment.total_steps, 0,
+                                                                          enabled=progress))
+        if cfg.log.plots:
+            plots = plot_run(out / "metrics.jsonl", out / "plots")
+            if plots:
+                say(f"plots: {', '.join(str(p) for p in plots)}")
+        return summary
+
+
+# ----------------------------------------------------------------------------- the steps
+
+
+def model_dir(cfg, say=print) -> str:
+    """The model the run starts from: ``model.path``, or the warm-started tiny model (built once, cached)."""
     if not cfg.model.warm_start.enabled:
-        return cfg.model.path
+        return str(Path(cfg.model.path).resolve()) if Path(cfg.model.path).exists() else cfg.model.path
     from areal_fast.data.warm_start import ensure_warm_start
 
     t0 = time.perf_counter()
@@ -53,259 +107,139 @@ def model_dir(cfg: AppConfig, say=print) -> str:
 
     path = ensure_warm_start(cfg, progress)
     say(f"model: {path} ({time.perf_counter() - t0:.1f} s)")
-    return str(path)
+    return str(Path(path).resolve())
 
 
-def load_data(cfg: AppConfig, tokenizer):
-    from areal_fast.data import PromptStream, load_split
+def check_data_and_reward(cfg, model: str) -> None:
+    """Before any server starts: the data order matches the checkpoint to resume (when resuming), and
+    the reward scores a real task."""
+    from areal_fast.data import load_tokenizer
+    from areal_fast.launch.rank import load_data, resume_key
 
-    seed = cfg.experiment.seed
-    train = load_split(cfg.data, "train", seed, tokenizer)
-    n0 = len(train)
-    train = [r for r in train if len(tokenizer.encode(r.text)) <= cfg.data.max_prompt_tokens]
-    if len(train) < n0:
-        log.warning("skipped %d of %d training prompts longer than data.max_prompt_tokens=%d",
-                    n0 - len(train), n0, cfg.data.max_prompt_tokens)
-    evals = load_split(cfg.data, "eval", seed, tokenizer)
-    if cfg.eval.size is not None:
-        evals = evals[: cfg.eval.size]
-    return PromptStream(train, seed, cfg.data.shuffle), evals
+    prompts, _ = load_data(cfg, load_tokenizer(cfg.model.tokenizer or model))
+    if cfg.experiment.resume:
+        check_resume(cfg.experiment.out.resolve() / "checkpoints", resume_key(cfg, prompts))
+    check_reward(cfg, prompts.rows[0].task)
 
 
-def controller_settings(cfg: AppConfig, tokenizer) -> ControllerSettings:
-    r = cfg.rollout
-    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    sampling = {"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
-                "top_k": r.top_k, "stop_token_ids": stop}
-    eval_sampling = {"max_new_tokens": cfg.eval.max_new_tokens or r.max_new_tokens, "temperature": 0.0,
-                     "stop_token_ids": stop}
-    return ControllerSettings(
-        batch_size=cfg.train.batch_size, group_size=r.group_size, max_staleness=r.max_staleness,
-        total_steps=cfg.experiment.total_steps, sampling=sampling, eval_sampling=eval_sampling,
-        strict_staleness=r.strict_staleness, eval_every=cfg.eval.every_steps, eval_at_start=cfg.eval.at_start,
-        checkpoint_every=cfg.checkpoint.every_steps, keep_last=cfg.checkpoint.keep_last,
-        output_dir=cfg.experiment.out, dump_samples=cfg.log.samples,
-        eval_reward=cfg.eval.reward)
+def check_resume(ckpt_dir: Path, key: dict) -> None:
+    """Refuse (ResumeMismatch, naming the changed keys) when the newest readable checkpoint was written
+    with another data order. Rank 0 checks again when it restores; this check saves starting servers."""
+    from areal_fast.controller import CorruptCheckpoint, check_resume_key, list_checkpoints, read_state
 
-
-def trainer_config(cfg: AppConfig, model_path: str):
-    from areal_fast.trainer import TrainerConfig
-
-    t = cfg.train
-    optim = t.optim
-    if optim.total_steps == 0 and optim.lr_schedule != "constant":
-        import dataclasses
-
-        optim = dataclasses.replace(optim, total_steps=cfg.experiment.total_steps)
-    return TrainerConfig(model_path=model_path, ppo=t.ppo, optim=optim, max_tokens_per_mb=t.max_tokens_per_mb,
-                         attn_impl=t.attn_impl, param_dtype=t.param_dtype,
-                         gradient_checkpointing=t.gradient_checkpointing, seed=cfg.experiment.seed,
-                         device=t.device)
-
-
-# ----------------------------------------------------------------------------- the run
-
-
-def run_train(cfg: AppConfig, *, progress: bool | None = None, say=None) -> dict:
-    """Train one run; returns the controller's summary (also written to <out>/summary.json)."""
-    out = cfg.experiment.out
-    out.mkdir(parents=True, exist_ok=True)
-    say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    rank = int(os.environ.get("RANK", "0"))
-    under_torchrun = "LOCAL_RANK" in os.environ
-    if under_torchrun:
-        die_with_parent()  # a rank must not outlive its torchrun agent (which dies with the launcher)
-    setup_logging(out, cfg.log.level, console=rank == 0)
-    if cfg.train.world_size > 1 and not under_torchrun:
-        return _run_torchrun(cfg, say, cfg.log.progress if progress is None else progress)
-    if cfg.train.gpus and not under_torchrun:  # before anything initialises CUDA in this process
-        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.train.gpus
-    import torch
-
-    # one thread: 2 OpenMP threads on 2 busy cores spin and run ~10x slower than one (measured)
-    torch.set_num_threads(cfg.train.threads)
-    path = model_dir(cfg, say) if rank == 0 or not cfg.model.warm_start.enabled else cfg.model.path
-    if rank > 0:
-        return _follower(cfg, path)
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    with LocalLauncher(out / "logs") as launcher:
-        if cfg.rollout.servers:
-            urls = [u.rstrip("/") for u in cfg.rollout.servers]
-        else:
-            say(f"starting {cfg.rollout.n_servers} {cfg.rollout.engine} server(s)...")
-            urls = [p.url for p in launcher.start_servers(cfg.rollout, path, seed=cfg.experiment.seed)]
-        summary = asyncio.run(_run_async(cfg, path, urls, launcher, say,
-                                         cfg.log.progress if progress is None else progress))
-    if cfg.log.plots:
-        plots = plot_run(out / "metrics.jsonl", out / "plots")
-        if plots:
-            say(f"plots: {', '.join(str(p) for p in plots)}")
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
-
-
-def _follower(cfg: AppConfig, path: str) -> dict:
-    from areal_fast.launch.runtime import follower_loop
-    from areal_fast.trainer import PPOActor
-
-    actor = PPOActor(trainer_config(cfg, path))
-    follower_loop(actor)
-    return {}
-
-
-def _run_torchrun(cfg: AppConfig, say, progress: bool) -> dict:
-    out = cfg.experiment.out
-    path = model_dir(cfg, say)
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    with LocalLauncher(out / "logs") as launcher:
-        servers = cfg.rollout.servers
-        if not servers:
-            say(f"starting {cfg.rollout.n_servers} {cfg.rollout.engine} server(s)...")
-            servers = [p.url for p in launcher.start_servers(cfg.rollout, path, seed=cfg.experiment.seed)]
-        overrides = [f"model.path={path}", "model.warm_start.enabled=false", f"rollout.servers={json.dumps(servers)}",
-                     "log.progress=false"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.train.world_size),
-               "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
-               "-m", "areal_fast.cli", "train", str(out / "config.yaml"), *overrides]
-        say(f"starting {cfg.train.world_size} trainer ranks (torchrun); log {out / 'logs' / 'trainer.log'}")
-        env = {"OMP_NUM_THREADS": str(cfg.train.threads)}
-        if cfg.train.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = cfg.train.gpus
-        trainer = launcher.start("trainer", cmd, env=env)
-        bar = ProgressBar(cfg.experiment.total_steps, 0, enabled=progress)
-        metrics = out / "metrics.jsonl"
-        seen = 0
+    for path in reversed(list_checkpoints(ckpt_dir)):
         try:
-            while trainer.alive():
-                for p in launcher.dead():
-                    if p is not trainer:
-                        log.warning("%s", p.death_message())
-                rows = read_jsonl(metrics) if metrics.is_file() else []
-                for m in rows[seen:]:
-                    bar(m)
-                seen = len(rows)
-                time.sleep(_WATCH_S)
-            for m in (read_jsonl(metrics) if metrics.is_file() else [])[seen:]:
-                bar(m)
-        finally:
-            bar.close()
-        if trainer.proc.returncode != 0:
-            raise ProcessDied(trainer.death_message())
+            st = read_state(path)
+        except CorruptCheckpoint:
+            continue  # rank 0 moves it aside and falls back, with a warning
+        check_resume_key(st, key, path)
+        return
+
+
+def check_reward(cfg, task: dict) -> None:
+    """Score ``task`` (a real training task) with an empty completion, for ``reward.name`` and
+    ``eval.reward``, in the reward service's own worker: a reward that cannot be imported or fails on a
+    real task stops the run now (naming it), instead of training the whole run on zero rewards."""
+    from areal_fast.reward import RewardService
+
+    checks = [("reward.name", cfg.reward.name)] + ([("eval.reward", cfg.eval.reward)] if cfg.eval.reward else [])
+
+    async def smoke() -> list[tuple[str, str, object]]:
+        async with RewardService(num_workers=1, timeout_s=cfg.reward.timeout, default_reward=cfg.reward.name) as s:
+            return [(key, name, await s.score({**task, "reward": name}, "")) for key, name in checks]
+
+    for key, name, res in asyncio.run(smoke()):
+        if res.status != "ok":
+            raise RewardCheckFailed(f"{key} = {name!r}: a test call (first training prompt, empty completion) "
+                                    f"ended with status {res.status!r}: {res.detail or 'no detail'}")
+    log.info("reward check: %s scored a test input", ", ".join(f"{k}={n!r}" for k, n in checks))
+
+
+def trainer_run_config(cfg, model: str, urls: list[str], out: Path):
+    """The config the trainer ranks read: this run's, with the model resolved, the warm start done,
+    the servers filled in and the output directory absolute."""
+    from areal_fast.config import AppConfig, from_dict, to_dict
+
+    d = to_dict(cfg)
+    d["experiment"]["output_dir"] = str(out)
+    d["model"]["path"] = model
+    d["model"]["warm_start"]["enabled"] = False
+    d["rollout"]["servers"] = list(urls)
+    d["log"]["progress"] = False
+    if cfg.launcher == "ray":
+        d["train"]["gpus"] = None  # Ray gives each rank its GPU (CUDA_VISIBLE_DEVICES)
+    return from_dict(AppConfig, d)
+
+
+@contextmanager
+def open_launcher(cfg, log_dir: Path):
+    """The launcher of ``cfg.launcher``, shut down (every process stopped) on exit."""
+    if cfg.launcher == "ray":
+        from areal_fast.launch.ray_launcher import open_ray_launcher
+
+        with open_ray_launcher(cfg.ray, log_dir) as launcher:
+            yield launcher
+    else:
+        from areal_fast.launch.local import LocalLauncher
+
+        with LocalLauncher(log_dir) as launcher:
+            yield launcher
+
+
+@contextmanager
+def _env(name: str, value: str | None):
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _watch_ranks(launcher, ranks: list[LaunchedProcess], out: Path, bar) -> dict:
+    """Follow the ranks (and the progress from metrics.jsonl) until rank 0 is done; a critical death
+    raises ProcessDied with its log tail."""
+    metrics_pos = 0
+    finished_at = None
+    try:
+        while any(p.alive() for p in ranks):
+            launcher.check()
+            metrics_pos = _follow_metrics(out / "metrics.jsonl", metrics_pos, bar)
+            if finished_at is None and ranks[0].returncode == 0:
+                finished_at = time.monotonic()
+            if finished_at is not None and time.monotonic() - finished_at > _FOLLOWER_EXIT_S:
+                log.warning("trainer ranks still running %.0f s after rank 0 finished; stopping them",
+                            _FOLLOWER_EXIT_S)
+                break
+            time.sleep(_WATCH_S)
+        launcher.check()
+        _follow_metrics(out / "metrics.jsonl", metrics_pos, bar)
+    finally:
+        bar.close()
+    if ranks[0].returncode != 0:
+        raise ProcessDied(ranks[0].death_message())
     summary_path = out / "summary.json"
     return json.loads(summary_path.read_text()) if summary_path.is_file() else {}
 
 
-async def _run_async(cfg: AppConfig, path: str, urls: list[str], launcher: LocalLauncher, say,
-                     progress: bool) -> dict:
-    from areal_fast.data import load_tokenizer
-    from areal_fast.launch.runtime import (
-        ActorTrainer,
-        ClientRollout,
-        DiskSync,
-        DistributedSync,
-        ManagerGate,
-        ServiceReward,
-    )
-    from areal_fast.reward import RewardService
-    from areal_fast.rollout.client import RolloutClient
-    from areal_fast.rollout.staleness import StalenessManager
-    from areal_fast.trainer import PPOActor
-
-    out = cfg.experiment.out
-    tok = load_tokenizer(cfg.model.tokenizer or path)
-    prompts, evals = load_data(cfg, tok)
-    resume = latest_checkpoint(out / "checkpoints") if cfg.experiment.resume else None
-    if resume is None:  # a fresh start: nothing of an earlier attempt may mix into this run's records
-        for f in ("metrics.jsonl", "samples.jsonl", "summary.json"):
-            (out / f).unlink(missing_ok=True)
-        if (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir()):
-            aside = out / f"checkpoints.old-{time.strftime('%Y%m%d-%H%M%S')}"
-            (out / "checkpoints").rename(aside)
-            say(f"experiment.resume=false: moved the earlier checkpoints to {aside}")
-    start_step = int(resume.name.split("_")[1]) if resume is not None else 0
-    truncate_jsonl(out / "metrics.jsonl", start_step)
-    if resume is not None:
-        say(f"resuming from {resume}")
-
-    def is_dead(url: str) -> bool:
-        for p in launcher.procs:
-            if p.url == url:
-                return not p.alive()
-        return not http_ok(url + "/health")
-
-    client = RolloutClient(urls, request_timeout_s=cfg.rollout.request_timeout, down_cooldown_s=2.0)
-    service = RewardService(num_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout,
-                            default_reward=cfg.reward.name)
-    metrics_sink = JsonlSink(out / "metrics.jsonl")
-    sinks = [lambda m: m.get("kind") == "samples" or metrics_sink(m)]
-    closers = [metrics_sink]
-    if cfg.log.samples:
-        truncate_jsonl(out / "samples.jsonl", start_step)
-        samples_sink = JsonlSink(out / "samples.jsonl")
-        sinks.append(lambda m: m.get("kind") == "samples" and samples_sink(m))
-        closers.append(samples_sink)
-    if cfg.log.tensorboard:
-        closers.append(TensorBoardSink(out / "tensorboard"))
-        sinks.append(closers[-1])
-    bar = ProgressBar(cfg.experiment.total_steps, start_step, enabled=progress)
-    sinks.append(bar)
-    closers.append(bar)
-    trainer = None
+def _follow_metrics(path: Path, pos: int, bar) -> int:
+    """Feed the progress bar with the metrics.jsonl lines written since byte ``pos``."""
     try:
-        async with client:
-            await service.start()
-            actor = await asyncio.to_thread(PPOActor, trainer_config(cfg, path))
-            trainer = ActorTrainer(actor)
-            rollout = ClientRollout(client, is_dead=is_dead)
-            if cfg.weights.method == "distributed":
-                syncer = DistributedSync(trainer, rollout, urls, out / "weights_sync", cfg.weights.bucket_bytes,
-                                         cfg.weights.timeout, actor.device.type)
-            else:
-                syncer = DiskSync(trainer, rollout, out / "weights_sync")
-            r = cfg.rollout
-            gate = ManagerGate(StalenessManager(cfg.train.batch_size, r.max_staleness, r.max_concurrent,
-                                                strict=r.strict_staleness))
-            ctl = Controller(controller_settings(cfg, tok), prompts, tok, rollout, ServiceReward(service), trainer,
-                             syncer, gate, eval_prompts=evals, callbacks=sinks)
-            watch = asyncio.create_task(_watchdog(launcher, rollout))
-            run = asyncio.create_task(ctl.run(resume))
-            done, _ = await asyncio.wait({watch, run}, return_when=asyncio.FIRST_COMPLETED)
-            if run not in done:
-                run.cancel()
-                await asyncio.gather(run, return_exceptions=True)
-                watch.result()  # raises the watchdog's error
-            watch.cancel()
-            summary = run.result()
-            if cfg.checkpoint.save_hf:
-                await asyncio.to_thread(trainer.export, out / "final")
-                _copy_tokenizer(Path(cfg.model.tokenizer or path), out / "final")
-            summary["reward_stats"] = service.stats()
-            return summary
-    finally:
-        if trainer is not None:
-            trainer.stop()
-        service.close()
-        for s in closers:
-            s.close()
-
-
-def _copy_tokenizer(src: Path, dest: Path) -> None:
-    """Tokenizer files travel with the exported weights so that final/ is a complete model dir."""
-    import shutil
-
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and not (dest / f.name).exists():
-            shutil.copy(f, dest / f.name)
-
-
-async def _watchdog(launcher: LocalLauncher, rollout) -> None:
-    """Drop dead servers from the pool; fail fast when none is left or a critical process died."""
-    while True:
-        for p in launcher.check():
-            if p.url and p.url in rollout.urls:
-                logging.getLogger("areal_fast").warning("server %s died; continuing with %d server(s)", p.url,
-                                                        len(rollout.urls) - 1)
-                if len(rollout.urls) == 1:
-                    raise ProcessDied(f"the last inference server died: {p.death_message()}")
-                rollout.remove_server(p.url)
-        await asyncio.sleep(_WATCH_S)
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < pos:  # rank 0 cut the file back on resume
+                pos = 0
+            f.seek(pos)
+            chunk = f.read()
+    except OSError:
+        return pos
+    end = chunk.rfind(b"\n") + 1  # only whole lines
+    for line in chunk[:end].splitlines():
+        try:
+            bar(json.loads(line))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    return pos + end

@@ -1,0 +1,162 @@
+"""What every launcher shares: the one process handle, the launcher interface, and the server command.
+
+A launcher places the processes of one run and watches them; ``launch.train.run_train`` drives it:
+
+    with make_launcher(cfg, log_dir) as launcher:                 # LocalLauncher or RayLauncher
+        servers = launcher.start_servers(cfg.rollout, model, seed=..., api_key=key)  # healthy on return
+        ranks = launcher.start_trainer_ranks(cfg.train, trainer_config_file, env)
+        while any(r.alive() for r in ranks):
+            launcher.check()                                      # ProcessDied names the dead process
+    # every process is stopped here (SIGTERM, then SIGKILL after a grace period)
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+PYTHON = "{python}"  # placeholder in a command: the interpreter of the machine that runs it
+API_KEY_ENV = "AREAL_FAST_API_KEY"
+TRAINER_CONFIG_FILE = "trainer_config.yaml"  # in the output dir: what the trainer ranks read
+
+
+class ProcessDied(RuntimeError):
+    """A launched process exited; the message names it, its exit code and its log tail."""
+
+
+@dataclass(eq=False)
+class LaunchedProcess:
+    """One process of a run, on this machine (``popen`` set) or on a Ray node (the Ray launcher
+    updates ``returncode`` / ``lost`` from its actor)."""
+
+    name: str
+    log_path: Path
+    url: str | None = None  # servers: their base URL
+    critical: bool = True  # a critical process that dies fails the run; a server is not critical
+    pid: int | None = None
+    node: str = "localhost"
+    popen: Any = None  # subprocess.Popen of a local process
+    actor: Any = None  # the Ray actor that runs a remote process
+    returncode: int | None = None
+    lost: str | None = None  # why a remote process is gone without an exit code (actor killed, node lost)
+    reported: bool = False
+    extra: dict = field(default_factory=dict)  # launcher-specific bookkeeping (log offsets, health times)
+
+    def alive(self) -> bool:
+        if self.popen is not None and self.returncode is None:
+            self.returncode = self.popen.poll()
+        return self.returncode is None and self.lost is None
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def death_message(self) -> str:
+        how = f"is gone ({self.lost})" if self.lost else f"exited with code {self.returncode}"
+        where = "" if self.node == "localhost" else f"node {self.node}, "
+        return f"process '{self.name}' ({where}pid {self.pid}) {how}; log {self.log_path}:\n{self.log_tail()}"
+
+
+class Launcher(Protocol):
+    """Places the processes of one run (``LocalLauncher``, ``RayLauncher``)."""
+
+    log_dir: Path
+
+    def start_servers(self, rollout_cfg, model_path: str, *, seed: int, api_key: str | None
+                      ) -> list[LaunchedProcess]: ...  # returns when every server answers /health
+
+    def start_trainer_ranks(self, train_cfg, config_file: Path, env: dict[str, str]) -> list[LaunchedProcess]: ...
+
+    def check(self) -> list[LaunchedProcess]: ...  # raises ProcessDied for a dead critical process
+
+    def shutdown(self) -> None: ...
+
+
+def rank_command(config_file: Path, python: str = sys.executable) -> list[str]:
+    """The command of one trainer rank: it reads everything from the resolved config file."""
+    return [python, "-m", "areal_fast.launch.rank", str(config_file)]
+
+
+def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGKILL this child when the process that started it dies, even by kill -9 (no orphans)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except Exception:  # noqa: BLE001 - other OSes: shutdown() still cleans up on a normal exit
+        pass
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """GET ``url`` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def http_reachable(url: str, timeout: float = 2.0) -> bool:
+    """Something answers HTTP at ``url``, whatever the status. A server pausing generation for a
+    weight update may answer 503 on /health for a long time (SGLang does): it is alive."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except TimeoutError:
+        return True  # busy, not gone; a refused or reset connection is what a dead server gives
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return isinstance(getattr(e, "reason", None), TimeoutError)
+
+
+def _split_tp(server_args: list[str]) -> tuple[int, list[str]]:
+    """The tensor-parallel size named in SGLang arguments (--tp-size N, --tp N, --tp-size=N; else 1)
+    and the other arguments."""
+    tp, rest, skip = 1, [], False
+    for i, a in enumerate(server_args):
+        if skip:
+            skip = False
+            continue
+        for flag in ("--tp-size", "--tp", "--tensor-parallel-size"):
+            if a == flag and i + 1 < len(server_args):
+                tp, skip = int(server_args[i + 1]), True
+                break
+            if a.startswith(flag + "="):
+                tp = int(a.split("=", 1)[1])
+                break
+        else:
+            rest.append(a)
+    return tp, rest
+
+
+def tp_size(server_args: list[str]) -> int:
+    return _split_tp(server_args)[0]
+
+
+def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: int, api_key: str | None,
+                   python: str = sys.executable) -> list[str]:
+    """The command of one inference server of the run (``rollout.engine``), through the one builder
+    of server command lines; ``rollout.server_args`` are appended."""
+    from areal_fast.rollout.server_command import server_command as build
+
+    r = rollout_cfg
+    if r.engine == "embedded":
+        return build("embedded", model_path, host, port, api_key=api_key, weight_version="0", seed=seed,
+                     device=r.device, max_running_requests=max(256, r.max_concurrent * r.group_size),
+                     extra_args=list(r.server_args), python=python)
+    tp, rest = _split_tp(list(r.server_args))
+    return build("sglang", model_path, host, port, tp_size=tp, api_key=api_key, weight_version="0", seed=seed,
+                 extra_args=rest, python=python)
+
+
+def server_env(rollout_cfg) -> dict[str, str]:
+    threads = str(rollout_cfg.threads_per_server)
+    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}

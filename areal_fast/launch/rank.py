@@ -1,0 +1,248 @@
+"""One trainer rank of a run: ``python -m areal_fast.launch.rank TRAINER_CONFIG``.
+
+The launcher writes the resolved config of the run (model path resolved, warm start done, the
+servers' URLs filled in) to ``<output_dir>/trainer_config.yaml``; every rank reads it, nothing else.
+The API key of the servers comes in the environment (``AREAL_FAST_API_KEY``), never on a command line.
+
+Rank 0 builds the real parts, wraps them in the controller's ports (``launch.runtime``) and runs the
+controller; ranks > 0 follow rank 0's announced trainer calls (``runtime.follower_loop``). With
+``train.world_size = 1`` on the local launcher, rank 0 runs inside the launching process
+(:func:`run_rank`), which saves a second interpreter and its imports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from areal_fast.controller import Controller, ControllerSettings
+from areal_fast.launch.base import API_KEY_ENV, die_with_parent, http_reachable
+from areal_fast.launch.metrics import JsonlSink, ProgressBar, TensorBoardSink, truncate_jsonl
+
+log = logging.getLogger("areal_fast")
+_WATCH_S = 0.5
+_UNREACHABLE_ROUNDS = 3  # a server is declared dead after this many refused connections in a row
+
+
+def setup_logging(out: Path, level: str, console: bool = True, name: str = "controller.log") -> None:
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    handlers: list[logging.Handler] = [logging.FileHandler(out / "logs" / name)]
+    if console:
+        h = logging.StreamHandler(sys.stderr)
+        h.setLevel(logging.WARNING)  # the progress bar owns the terminal; details go to the log file
+        handlers.append(h)
+    logging.basicConfig(level=level.upper(), handlers=handlers, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def load_data(cfg, tokenizer):
+    from areal_fast.data import PromptStream, load_split
+
+    seed = cfg.experiment.seed
+    train = load_split(cfg.data, "train", seed, tokenizer)
+    n0 = len(train)
+    train = [r for r in train if len(tokenizer.encode(r.text)) <= cfg.data.max_prompt_tokens]
+    if len(train) < n0:
+        log.warning("skipped %d of %d training prompts longer than data.max_prompt_tokens=%d",
+                    n0 - len(train), n0, cfg.data.max_prompt_tokens)
+    evals = load_split(cfg.data, "eval", seed, tokenizer)
+    if cfg.eval.size is not None:
+        evals = evals[: cfg.eval.size]
+    return PromptStream(train, seed, cfg.data.shuffle), evals
+
+
+def resume_key(cfg, prompts) -> dict:
+    """What the data order and the meaning of a saved position depend on: a checkpoint written
+    with other values cannot be resumed without training some prompts twice."""
+    h = hashlib.sha256()
+    for row in prompts.rows:
+        h.update(row.text.encode())
+        h.update(b"\0")
+    return {"experiment.seed": cfg.experiment.seed, "data.train": cfg.data.train, "data.shuffle": cfg.data.shuffle,
+            "data.rows": len(prompts.rows), "data.sha256": h.hexdigest()[:16],
+            "train.batch_size": cfg.train.batch_size, "rollout.group_size": cfg.rollout.group_size}
+
+
+def controller_settings(cfg, tokenizer, key: dict) -> ControllerSettings:
+    r = cfg.rollout
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    sampling = {"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
+                "top_k": r.top_k, "stop_token_ids": stop}
+    eval_sampling = {"max_new_tokens": cfg.eval.max_new_tokens or r.max_new_tokens, "temperature": 0.0,
+                     "stop_token_ids": stop}
+    return ControllerSettings(
+        batch_size=cfg.train.batch_size, group_size=r.group_size, total_steps=cfg.experiment.total_steps,
+        sampling=sampling, eval_sampling=eval_sampling, eval_every=cfg.eval.every_steps,
+        eval_at_start=cfg.eval.at_start, checkpoint_every=cfg.checkpoint.every_steps,
+        keep_last=cfg.checkpoint.keep_last, output_dir=cfg.experiment.out, dump_samples=cfg.log.samples,
+        eval_reward=cfg.eval.reward, resume_key=key)
+
+
+def trainer_config(cfg, model_path: str):
+    from areal_fast.trainer import TrainerConfig
+
+    t = cfg.train
+    optim = t.optim
+    if optim.total_steps == 0 and optim.lr_schedule != "constant":
+        import dataclasses
+
+        optim = dataclasses.replace(optim, total_steps=cfg.experiment.total_steps)
+    return TrainerConfig(model_path=model_path, ppo=t.ppo, optim=optim, max_tokens_per_mb=t.max_tokens_per_mb,
+                         attn_impl=t.attn_impl, param_dtype=t.param_dtype,
+                         gradient_checkpointing=t.gradient_checkpointing, seed=cfg.experiment.seed,
+                         device=t.device)
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+def run_rank(cfg, *, progress: bool = False, say=None) -> dict:
+    """Run this process's trainer rank of the run described by ``cfg`` (a trainer config: model
+    path resolved, ``rollout.servers`` filled in). Returns rank 0's summary ({} on other ranks)."""
+    say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    out = cfg.experiment.out
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(out, cfg.log.level, console=rank == 0)
+    import torch
+
+    # one thread: 2 OpenMP threads on 2 busy cores spin and run ~10x slower than one (measured)
+    torch.set_num_threads(cfg.train.threads)
+    if rank > 0:
+        from areal_fast.launch.runtime import follower_loop
+        from areal_fast.trainer import PPOActor
+
+        follower_loop(PPOActor(trainer_config(cfg, cfg.model.path)))
+        return {}
+    summary = asyncio.run(_rank0(cfg, os.environ.get(API_KEY_ENV), say, progress))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
+    from areal_fast.data import load_tokenizer
+    from areal_fast.launch.runtime import (
+        ActorTrainer,
+        ClientRollout,
+        ServiceReward,
+        make_sync_port,
+    )
+    from areal_fast.reward import RewardService
+    from areal_fast.rollout.client import RolloutClient
+    from areal_fast.rollout.staleness import StalenessManager
+    from areal_fast.trainer import PPOActor
+
+    out, path, urls = cfg.experiment.out, cfg.model.path, [u.rstrip("/") for u in cfg.rollout.servers]
+    tok = load_tokenizer(cfg.model.tokenizer or path)
+    prompts, evals = load_data(cfg, tok)
+    r = cfg.rollout
+    gate = StalenessManager(cfg.train.batch_size, r.max_staleness, r.max_concurrent, strict=r.strict_staleness)
+    client = RolloutClient(urls, api_key=api_key, request_timeout_s=r.request_timeout, down_cooldown_s=2.0)
+    service = RewardService(num_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout,
+                            default_reward=cfg.reward.name)
+    closers: list = []
+    trainer = None
+    try:
+        async with client:
+            await service.start()
+            actor = await asyncio.to_thread(PPOActor, trainer_config(cfg, path))
+            trainer = ActorTrainer(actor)
+            rollout = ClientRollout(client, is_dead=lambda url: not http_reachable(url + "/health"))
+            syncer = make_sync_port(cfg.weights, trainer, rollout, urls, out / "weights_sync")
+            ctl = Controller(controller_settings(cfg, tok, resume_key(cfg, prompts)), prompts, tok, rollout,
+                             ServiceReward(service), trainer, syncer, gate, eval_prompts=evals)
+            resumed = ctl.restore_newest() if cfg.experiment.resume else None
+            if resumed is not None:
+                say(f"resuming from {resumed}")
+            ctl.callbacks = _sinks(cfg, ctl.version, progress, closers)
+            watch = asyncio.create_task(_watch_servers(rollout))
+            run = asyncio.create_task(ctl.run())
+            done, _ = await asyncio.wait({watch, run}, return_when=asyncio.FIRST_COMPLETED)
+            if run not in done:
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+                watch.result()  # raises the watchdog's error
+            watch.cancel()
+            summary = run.result()
+            if cfg.checkpoint.save_hf:
+                await asyncio.to_thread(trainer.export, out / "final")
+                _copy_tokenizer(Path(cfg.model.tokenizer or path), out / "final")
+            summary["reward_stats"] = service.stats()
+            return summary
+    finally:
+        if trainer is not None:
+            trainer.stop()
+        service.close()
+        for s in closers:
+            s.close()
+
+
+def _sinks(cfg, start_step: int, progress: bool, closers: list) -> list:
+    """metrics.jsonl (cut back to the resumed step), samples.jsonl, TensorBoard, the progress bar."""
+    out = cfg.experiment.out
+    truncate_jsonl(out / "metrics.jsonl", start_step)
+    metrics_sink = JsonlSink(out / "metrics.jsonl")
+    sinks = [lambda m: m.get("kind") == "samples" or metrics_sink(m)]
+    closers.append(metrics_sink)
+    if cfg.log.samples:
+        truncate_jsonl(out / "samples.jsonl", start_step)
+        samples_sink = JsonlSink(out / "samples.jsonl")
+        sinks.append(lambda m: m.get("kind") == "samples" and samples_sink(m))
+        closers.append(samples_sink)
+    if cfg.log.tensorboard:
+        closers.append(TensorBoardSink(out / "tensorboard"))
+        sinks.append(closers[-1])
+    bar = ProgressBar(cfg.experiment.total_steps, start_step, enabled=progress)
+    sinks.append(bar)
+    closers.append(bar)
+    return sinks
+
+
+def _copy_tokenizer(src: Path, dest: Path) -> None:
+    """Tokenizer files travel with the exported weights so that final/ is a complete model dir."""
+    import shutil
+
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and not (dest / f.name).exists():
+            shutil.copy(f, dest / f.name)
+
+
+async def _watch_servers(rollout) -> None:
+    """Drop servers that stopped answering from the pool; fail when none is left.
+
+    Dead means the connection is refused (or reset) several times in a row; any HTTP answer, a 503
+    from a server paused for a weight update included, means alive."""
+    misses: dict[str, int] = {}
+    while True:
+        for url in list(rollout.urls):
+            alive = await asyncio.to_thread(http_reachable, url + "/health")
+            misses[url] = 0 if alive else misses.get(url, 0) + 1
+            if misses[url] >= _UNREACHABLE_ROUNDS:
+                if len(rollout.urls) == 1:
+                    raise RuntimeError(f"the last inference server {url} stopped answering (connection refused "
+                                       f"{_UNREACHABLE_ROUNDS} times); see its log in {Path('logs')}")
+                log.warning("server %s died (connection refused %d times); continuing with %d server(s)", url,
+                            _UNREACHABLE_ROUNDS, len(rollout.urls) - 1)
+                rollout.remove_server(url)
+        await asyncio.sleep(_WATCH_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from areal_fast.config import load_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m areal_fast.launch.rank TRAINER_CONFIG", file=sys.stderr)
+        return 2
+    if "LOCAL_RANK" in os.environ:
+        die_with_parent()  # a rank must not outlive its torchrun agent (which dies with the launcher)
+    run_rank(load_config(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
