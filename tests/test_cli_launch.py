@@ -1,4 +1,5 @@
-"""The local launcher (fail fast with the log tail, clean shutdown) and the metric files."""
+"""The local launcher (fail fast with the log tail, clean shutdown, servers that require the run's API
+key) and the metric files."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import json
 import os
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
+from areal_fast.config import RolloutConfig
 from areal_fast.launch.local import LocalLauncher, ProcessDied
 from areal_fast.launch.metrics import plot_run, read_jsonl, truncate_jsonl
 from areal_fast.netutil import find_free_port
@@ -51,3 +55,27 @@ def test_metrics_truncate_on_resume_and_plots(tmp_path):
     paths = plot_run(f, tmp_path / "plots")
     assert {p.name for p in paths} == {"reward.png", "throughput.png", "staleness.png"}
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def _get(url: str, key: str | None = None) -> int:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_launched_servers_refuse_requests_without_the_api_key(tmp_path):
+    from areal_fast.rollout.testing import build_tiny_qwen2
+
+    model = build_tiny_qwen2(str(tmp_path / "model"), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64)
+    key = "k-" + os.urandom(8).hex()
+    with LocalLauncher(tmp_path / "logs") as L:
+        (server,) = L.start_servers(RolloutConfig(n_servers=1, health_timeout=120), model, seed=0, api_key=key)
+        assert _get(server.url + "/get_model_info") == 401
+        assert _get(server.url + "/get_model_info", "wrong") == 401
+        assert _get(server.url + "/get_model_info", key) == 200
+        assert _get(server.url + "/health") == 200  # health needs no key (as in SGLang)
+    assert key not in server.log_path.read_text()  # the command line is logged with the key hidden

@@ -159,7 +159,7 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
             if resumed is not None:
                 say(f"resuming from {resumed}")
             ctl.callbacks = _sinks(cfg, ctl.version, progress, closers)
-            watch = asyncio.create_task(_watch_servers(rollout))
+            watch = asyncio.create_task(_watch_servers(rollout, out / "logs"))
             run = asyncio.create_task(ctl.run())
             done, _ = await asyncio.wait({watch, run}, return_when=asyncio.FIRST_COMPLETED)
             if run not in done:
@@ -211,7 +211,7 @@ def _copy_tokenizer(src: Path, dest: Path) -> None:
             shutil.copy(f, dest / f.name)
 
 
-async def _watch_servers(rollout) -> None:
+async def _watch_servers(rollout, log_dir) -> None:
     """Drop servers that stopped answering from the pool; fail when none is left.
 
     Dead means the connection is refused (or reset) several times in a row; any HTTP answer, a 503
@@ -224,7 +224,7 @@ async def _watch_servers(rollout) -> None:
             if misses[url] >= _UNREACHABLE_ROUNDS:
                 if len(rollout.urls) == 1:
                     raise RuntimeError(f"the last inference server {url} stopped answering (connection refused "
-                                       f"{_UNREACHABLE_ROUNDS} times); see its log in {Path('logs')}")
+                                       f"{_UNREACHABLE_ROUNDS} times); see logs in {log_dir}")
                 log.warning("server %s died (connection refused %d times); continuing with %d server(s)", url,
                             _UNREACHABLE_ROUNDS, len(rollout.urls) - 1)
                 rollout.remove_server(url)
