@@ -31,7 +31,9 @@ Public API
 ``actor.iter_full_params(dtype=None)`` yields (HF name, full tensor) one at a time (for weight sync).
 ``actor.sharded_state_dict()`` HF name -> FSDP2 DTensor shard (no communication).
 ``actor.full_state_dict(dtype=None)`` HF-named unsharded CPU dict.
-``save_checkpoint(actor, dir)`` / ``load_checkpoint(actor, dir)`` (any rank count on load),
+``save_checkpoint(actor, dir)`` / ``load_checkpoint(actor, dir)`` (any rank count on load; every
+file is fsynced before save returns; a damaged file raises ``CheckpointError`` naming it;
+``read_trainer_state(dir)`` checks a checkpoint cheaply without a model),
 ``export_hf(actor, dir, dtype=None)`` safetensors + config.json.
 
 Command line (torchrun)::
@@ -52,7 +54,9 @@ _EXPORTS = {
     "batch_normalize": "advantages",
     "group_advantages": "advantages",
     "Sample": "batch",
+    "CheckpointError": "checkpoint",
     "export_hf": "checkpoint",
+    "read_trainer_state": "checkpoint",
     "load_checkpoint": "checkpoint",
     "save_checkpoint": "checkpoint",
     "OptimConfig": "config",

@@ -5,6 +5,11 @@ Layout of a checkpoint directory: DCP files (``.metadata``, ``__<rank>_0.distcp`
 ``model`` and ``optim`` under the HF-canonical FQNs (``lm.`` prefix), and ``trainer_state.pt``
 (rank 0): version, scheduler state, and the RNG states (CPU and CUDA of rank 0, restored on
 every rank; the trainer itself draws no random numbers during a step).
+
+Durability: when :func:`save_checkpoint` returns, every file it wrote is on disk (each rank
+fsyncs its own DCP shard, rank 0 the metadata; ``trainer_state.pt`` is written to a temporary
+name, fsynced, renamed, and the directory fsynced), so a caller may mark the checkpoint complete
+right after. A damaged checkpoint raises :class:`CheckpointError` naming the file.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -23,17 +29,49 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 _STATE_FILE = "trainer_state.pt"
+_METADATA_FILE = ".metadata"
+_STATE_KEYS = ("version", "scheduler", "rng_cpu", "rng_cuda")
+
+
+class CheckpointError(RuntimeError):
+    """A trainer checkpoint is missing a file or a file is damaged; the message names the path."""
+
+
+def _fsync_path(path: str) -> None:
+    """fsync a file or a directory (the directory entry of a rename)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_state_durably(extra: dict, path: str) -> None:
+    final = os.path.join(path, _STATE_FILE)
+    tmp = final + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(extra, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_path(path)
 
 
 def save_checkpoint(actor, path: str) -> None:
-    """Save everything needed to resume ``actor`` (collective: every rank calls it)."""
+    """Save everything needed to resume ``actor`` (collective: every rank calls it). Returns once
+    every file is on disk (see the module docstring)."""
     os.makedirs(path, exist_ok=True)
     state = {
         "model": get_model_state_dict(actor.model),
         "optim": get_optimizer_state_dict(actor.model, actor.optimizer),
     }
     dcp.save(state, checkpoint_id=path)
-    if dist.get_rank() == 0:
+    rank = dist.get_rank()
+    # each rank makes its own shard durable (ranks may not share a page cache); rank 0 the metadata
+    for name in os.listdir(path):
+        if name.startswith(f"__{rank}_") or (rank == 0 and name == _METADATA_FILE):
+            _fsync_path(os.path.join(path, name))
+    if rank == 0:
         extra = {
             "version": actor.version,
             "scheduler": actor.scheduler.state_dict(),
@@ -41,22 +79,43 @@ def save_checkpoint(actor, path: str) -> None:
             "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
             "world_size": dist.get_world_size(),
         }
-        torch.save(extra, os.path.join(path, _STATE_FILE))
+        _write_state_durably(extra, path)
     dist.barrier()
 
 
+def read_trainer_state(path: str) -> dict:
+    """The small ``trainer_state.pt`` of checkpoint ``path`` (no model needed): a cheap check that a
+    checkpoint is readable before choosing it. Raises :class:`CheckpointError` naming the file."""
+    state_file = os.path.join(path, _STATE_FILE)
+    if not os.path.isfile(state_file):
+        raise CheckpointError(f"{state_file}: missing; {path!r} is not a complete trainer checkpoint")
+    if not os.path.isfile(os.path.join(path, _METADATA_FILE)):
+        raise CheckpointError(f"{os.path.join(path, _METADATA_FILE)}: missing; the model/optimizer state of "
+                              f"{path!r} was not written completely")
+    try:
+        extra = torch.load(state_file, weights_only=False)
+    except Exception as e:  # truncated or garbage: EOFError, UnpicklingError, RuntimeError (zip)...
+        raise CheckpointError(f"{state_file}: cannot be read ({type(e).__name__}: {e}); the file is damaged") from e
+    if not isinstance(extra, dict) or any(k not in extra for k in _STATE_KEYS):
+        raise CheckpointError(f"{state_file}: not a trainer state (expected the keys {list(_STATE_KEYS)})")
+    return extra
+
+
 def load_checkpoint(actor, path: str) -> None:
-    """Restore ``actor`` from ``path`` written by :func:`save_checkpoint` on any rank count."""
-    if not os.path.isfile(os.path.join(path, _STATE_FILE)):
-        raise FileNotFoundError(f"{path!r} is not a trainer checkpoint (no {_STATE_FILE})")
+    """Restore ``actor`` from ``path`` written by :func:`save_checkpoint` on any rank count.
+    A missing or damaged file raises :class:`CheckpointError` naming it."""
+    extra = read_trainer_state(path)
     state = {
         "model": get_model_state_dict(actor.model),
         "optim": get_optimizer_state_dict(actor.model, actor.optimizer),
     }
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as e:  # DCP's own error derives from BaseException
+        raise CheckpointError(f"{path}: the model/optimizer state (DCP files) cannot be read "
+                              f"({type(e).__name__}: {str(e)[:300]})") from e
     set_model_state_dict(actor.model, state["model"])
     set_optimizer_state_dict(actor.model, actor.optimizer, state["optim"])
-    extra = torch.load(os.path.join(path, _STATE_FILE), weights_only=False)
     actor.version = int(extra["version"])
     actor.scheduler.load_state_dict(extra["scheduler"])
     torch.set_rng_state(extra["rng_cpu"])
