@@ -4,7 +4,8 @@ SGLang needs CUDA to serve, but the code that judges our payloads (its request t
 flattened-bucket unpacker, its argument parser) is plain Python. This helper:
 
 1. installs ``sglang==VERSION`` with ``pip install --no-deps --target`` into
-   ``~/.cache/areal_fast/sglang-VERSION`` (once; ``AREAL_FAST_SGLANG_CACHE`` moves the root);
+   ``~/.cache/areal_fast/sglang-VERSION`` (once; ``AREAL_FAST_SGLANG_CACHE`` moves the root),
+   and a few pinned plain-CPU packages its request types need (:data:`CPU_DEPS`);
 2. registers the package ``sglang`` without running its ``__init__.py`` (which imports the
    whole frontend and serving stack), so only the submodules a test asks for are loaded;
 3. answers imports of GPU-only or uninstalled third-party packages with permissive stub
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["sglang_module", "install_dir", "install_dir_or_skip", "stubbed_modules"]
+__all__ = ["sglang_module", "install_dir", "install_dir_or_skip", "deps_dir", "stubbed_modules", "CPU_DEPS"]
 
 # Packages SGLang imports at module level that need a GPU (or are optional and heavy); they are
 # stubbed even when installed, so a test never initialises a GPU runtime by accident.
@@ -45,6 +46,12 @@ GPU_ONLY = ("sgl_kernel", "flashinfer", "vllm", "deep_gemm", "deep_ep", "cuda", 
             "flash_attn", "xgrammar", "llguidance", "outlines", "outlines_core", "decord", "torchao",
             "triton_kernels", "mooncake", "nixl", "aiter", "sgl_kernel_npu", "torch_npu", "habana_frameworks",
             "quack", "cutlass", "tilelang", "flashinfer_python", "mscclpp", "compressed_tensors", "gguf")
+
+# Plain CPU packages SGLang's request types import at module level (``io_struct`` pulls in the
+# scheduler's modules), pinned, installed once with ``--no-deps`` into a shared directory that is
+# put at the *end* of sys.path: whatever the project's environment already has wins.
+CPU_DEPS = ("dill==0.4.1", "orjson==3.13.0", "msgspec==0.22.0", "pybase64==1.5.1", "psutil==7.2.2",
+            "pyzmq==27.3.0", "partial_json_parser==0.2.1.1.post7")
 
 _ACTIVE: str | None = None
 _SAVED: dict[str, dict[str, types.ModuleType]] = {}  # version -> its sglang.* modules while inactive
@@ -60,7 +67,19 @@ def install_dir(version: str) -> Path:
     """The wheel's install directory (contains ``sglang/``), installing it on first use.
 
     Raises RuntimeError naming the version and pip's last lines when the install fails."""
-    target = _cache_root() / f"sglang-{version}"
+    return _pip_target(f"sglang-{version}", [f"sglang=={version}"], must_have="sglang")
+
+
+def deps_dir() -> Path:
+    """The shared directory of :data:`CPU_DEPS`, installing them on first use."""
+    import hashlib
+
+    key = hashlib.sha1(" ".join(CPU_DEPS).encode()).hexdigest()[:8]
+    return _pip_target(f"sglang-deps-{key}", list(CPU_DEPS), must_have="msgspec")
+
+
+def _pip_target(name: str, requirements: list[str], must_have: str) -> Path:
+    target = _cache_root() / name
     marker = target / ".installed"
     if marker.is_file():
         return target
@@ -68,17 +87,17 @@ def install_dir(version: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--disable-pip-version-check",
-           "--quiet", "--target", str(tmp), f"sglang=={version}"]
+           "--quiet", "--target", str(tmp), *requirements]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"pip install sglang=={version} took longer than {INSTALL_TIMEOUT_S}s") from None
-    if r.returncode != 0 or not (tmp / "sglang").is_dir():
+        raise RuntimeError(f"pip install {' '.join(requirements)} took longer than {INSTALL_TIMEOUT_S}s") from None
+    if r.returncode != 0 or not (tmp / must_have).is_dir():
         shutil.rmtree(tmp, ignore_errors=True)
         tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-5:])
-        raise RuntimeError(f"pip install --no-deps sglang=={version} failed (exit {r.returncode}): {tail}")
-    (tmp / ".installed").write_text(version + "\n")
+        raise RuntimeError(f"pip install --no-deps {' '.join(requirements)} failed (exit {r.returncode}): {tail}")
+    (tmp / ".installed").write_text(" ".join(requirements) + "\n")
     try:
         tmp.rename(target)  # atomic; a concurrent installer that won the race is just as good
     except OSError:
@@ -265,8 +284,11 @@ def sglang_module(version: str, name: str) -> types.ModuleType:
         raise ValueError(f"sglang_module: {name!r} is not a module of the sglang package")
     try:
         root = install_dir(version)
+        deps = str(deps_dir())
     except (RuntimeError, OSError) as e:
-        pytest.skip(f"SGLang {version} wheel not available: {e}")
+        pytest.skip(f"SGLang {version} wheel (or its CPU dependencies) not available: {e}")
+    if deps not in sys.path:
+        sys.path.append(deps)
     import torch  # noqa: F401 - loaded before any stub exists, so nothing of torch's is stubbed
 
     _activate(version, root)
