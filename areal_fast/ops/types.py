@@ -12,7 +12,7 @@ class PPOLossOutput(NamedTuple):
 
     ``loss``: 0-dim, differentiable. ``logprobs``/``entropy``: [T] fp32, detached (for logging
     and reuse, e.g. as the proximal log-probs of the next step). ``stats``: dict of 0-dim fp32
-    detached tensors with the names of the spec (see ``objective.STAT_NAMES``), means over
+    detached tensors named in ``docs/objective.md`` (see ``objective.STAT_NAMES``), means over
     the masked tokens of this call; no device sync is made to build them.
     """
 
