@@ -13,7 +13,8 @@ from areal_fast.trainer import PPOActor, TrainerConfig, export_hf, load_checkpoi
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m areal_fast.trainer", description=__doc__)
-    ap.add_argument("--config", required=True, help="JSON file with TrainerConfig fields (ppo, ppo.loss and optim as objects; model_path required)")
+    ap.add_argument("--config", required=True,
+                    help="JSON file of TrainerConfig fields (ppo, ppo.loss, optim as objects; model_path required)")
     ap.add_argument("--batches", required=True, help="JSONL: each line a list of sample dicts")
     ap.add_argument("--resume", help="checkpoint directory to resume from")
     ap.add_argument("--save", help="checkpoint directory to write at the end")
