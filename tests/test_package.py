@@ -104,3 +104,13 @@ def test_every_file_a_doc_names_exists(doc):
     assert named, f"docs/{doc} names no file"
     missing = sorted({p for p, where in named if not any(os.path.exists(os.path.join(r, p)) for r in where)})
     assert missing == [], f"docs/{doc} names files that do not exist: {missing}"
+
+
+def test_no_test_skips_on_an_import_error_of_our_own_code():
+    """A broken import of areal_fast must fail the suite, not show up as a skip."""
+    hidden = re.compile(r"importorskip\(\s*[\"']areal_fast|except\s*\(?\s*(ImportError|ModuleNotFoundError)[^\n]*:\s*\n"
+                        r"\s*pytest\.skip")
+    tests = os.path.join(REPO, "tests")
+    offenders = sorted(f for f in os.listdir(tests)
+                       if f.endswith(".py") and hidden.search(open(os.path.join(tests, f)).read()))
+    assert offenders == [], f"these tests turn an ImportError into a skip: {offenders}"
