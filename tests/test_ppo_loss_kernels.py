@@ -140,6 +140,26 @@ def test_kernel_neg_inf_logits():
 
 
 @pytest.mark.interpreter
+def test_kernel_per_lane_statistics_when_the_max_moves_late():
+    """The forward keeps per-lane running maxima and rescales once at the end: rows whose first
+    vocabulary blocks are all -inf, whose maximum sits in the last (partial) block, or whose logits
+    span a huge range must still match the reference (V = 400: several 128-wide interpreter blocks)."""
+    d = make(4, 400, torch.float32, seed=9)
+    z = d["z"].clone()
+    z[0, :256] = float("-inf")  # lanes start at the floor, then see real values
+    z[1, 390] = 60.0  # the max in the tail block, far above the rest
+    z[2] = torch.linspace(-3000.0, 30.0, 400)  # exp underflows for most of the row
+    z[3, ::2] = float("-inf")  # every other lane -inf throughout
+    d["z"] = z
+    d["y"] = torch.tensor([300, 390, 399, 1])
+    out, grad = run(decoupled_ppo_loss, d, "interpret")
+    ref, grad_ref = run(decoupled_ppo_loss_ref, d)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, **FP32_REORDER_TOL)
+    torch.testing.assert_close(out.entropy, ref.entropy, **FP32_REORDER_TOL)
+    torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_grad_inplace_overwrites_logits(dtype):
     d = make(5, 130, dtype, seed=4)
