@@ -91,12 +91,16 @@ class ColocatedWeightSync(WeightSync):
         full = {}
         for n, t in sendable({clean_name(k): v for k, v in state.items()}, self.spec).items():
             full[n] = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
-        if rank == 0:
-            facts = self.read_facts()[self.urls[0]]
-            facts.check_layout()
-            if facts.tp_size != world:
-                raise ValueError(f"{self.urls[0]} has tp_size={facts.tp_size}, the trainer group "
-                                 f"has {world} ranks; colocated sync needs one TP rank per trainer rank")
+        layout_error = None
+        if rank == 0:  # checked now, raised after the gather below (the other ranks take part in it)
+            try:
+                facts = self.read_facts()[self.urls[0]]
+                facts.check_layout()
+                if facts.tp_size != world:
+                    raise ValueError(f"{self.urls[0]} has tp_size={facts.tp_size}, the trainer group "
+                                     f"has {world} ranks; colocated sync needs one TP rank per trainer rank")
+            except Exception as e:  # noqa: BLE001 - re-raised below
+                layout_error = e
         buf, named, self._plan = build_tp_shard(full, self.spec, world, rank,
                                                 self.config.send_dtype("cuda") or torch.bfloat16, self._plan)
         torch.cuda.current_stream().synchronize()  # the server reads through IPC on its own streams
@@ -108,6 +112,8 @@ class ColocatedWeightSync(WeightSync):
                                group=self.group)
         else:
             payloads = [payload]
+        if layout_error is not None:
+            raise layout_error
         if rank == 0:
             with self.session():  # ended even when the update is refused: the next update can begin
                 self.http.all(self.urls, "/update_weights_from_tensor", {
