@@ -1,12 +1,15 @@
 """``areal-fast``: the command line.
 
-    areal-fast train CONFIG [KEY=VALUE ...]     train (resumes from the newest checkpoint)
-    areal-fast eval CONFIG [--checkpoint DIR]   greedy evaluation of a checkpoint (or the final model)
-    areal-fast info                             versions, backends, devices
-    areal-fast config CONFIG [KEY=VALUE ...]    print the resolved configuration
+    areal-fast train CONFIG [KEY=VALUE ...] [--no-progress]   train (resumes from the newest checkpoint)
+    areal-fast eval CONFIG [KEY=VALUE ...] [--checkpoint DIR]  greedy evaluation of a checkpoint or final/
+    areal-fast info                                            versions, backends, devices
+    areal-fast config CONFIG [KEY=VALUE ...] [--check]        print the resolved configuration
 
-Overrides use dotted keys: ``areal-fast train examples/tiny_reverse.yaml train.optim.lr=1e-3``.
-A bad key or value exits with status 2 and a message naming the key.
+Overrides use dotted keys: ``areal-fast train examples/tiny_reverse.yaml train.optim.lr=1e-3``;
+flags may come anywhere after the command (before, between or after the overrides). A bad key
+or value, a name that does not resolve, or something this machine lacks (a model directory, a
+data file, a CUDA device) exits with status 2 and a message naming the key, before any process
+is started. ``docs/config.md`` describes every key.
 """
 
 from __future__ import annotations
@@ -16,35 +19,63 @@ import json
 import signal
 import sys
 
-import yaml
+_COMMANDS = {
+    "train": "train from a YAML config",
+    "eval": "greedy evaluation on the held-out set",
+    "config": "print the resolved configuration",
+    "info": "versions, backends and devices",
+}
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="areal-fast", description="Fast asynchronous RL for reasoning LLMs.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train from a YAML config")
-    t.add_argument("config")
-    t.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    e = sub.add_parser("eval", help="greedy evaluation on the held-out set")
-    e.add_argument("config")
-    e.add_argument("overrides", nargs="*")
-    e.add_argument("--checkpoint", help="HF model directory or training checkpoint (default: <output_dir>/final)")
-    c = sub.add_parser("config", help="print the resolved configuration")
-    c.add_argument("config")
-    c.add_argument("overrides", nargs="*")
-    sub.add_parser("info", help="versions and backends")
+def _command_parser(cmd: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"areal-fast {cmd}", description=_COMMANDS[cmd], allow_abbrev=False)
+    if cmd == "info":
+        return p
+    p.add_argument("config", help="YAML run configuration (see docs/config.md)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.optim.lr=1e-5")
+    if cmd == "train":
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    elif cmd == "eval":
+        p.add_argument("--checkpoint", help="HF model directory or training checkpoint (default: <output_dir>/final)")
+    elif cmd == "config":
+        p.add_argument("--check", action="store_true",
+                       help="also check what the config asks of this machine (files, CUDA devices, packages)")
     return p
 
 
-def _load(args):
-    from areal_fast.config import ConfigError, load_config
+def _top_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="areal-fast", description="Fast asynchronous RL for reasoning LLMs.",
+                                epilog="commands: " + "; ".join(f"{k}: {v}" for k, v in _COMMANDS.items()))
+    p.add_argument("cmd", choices=list(_COMMANDS), help="command")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command, then its arguments parsed so that flags may sit anywhere among the overrides."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        _top_parser().parse_args(argv or ["--help"])
+    top = _top_parser().parse_args(argv[:1])
+    args = _command_parser(top.cmd).parse_intermixed_args(argv[1:])
+    args.cmd = top.cmd
+    return args
+
+
+def _fail(msg: str) -> SystemExit:
+    print(f"areal-fast: config error: {msg}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def _load(args, machine: bool):
+    from areal_fast.config import ConfigError, check_machine, load_config
 
     try:
-        return load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)
+        if machine:
+            check_machine(cfg)
     except ConfigError as e:
-        print(f"areal-fast: config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise _fail(str(e)) from None
+    return cfg
 
 
 def _terminate_as_interrupt(signum, frame):
@@ -52,7 +83,7 @@ def _terminate_as_interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     if args.cmd == "info":
         from areal_fast import __version__, backend
 
@@ -64,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                 info[mod] = "not installed"
         print(json.dumps(info, indent=1, default=str))
         return 0
-    cfg = _load(args)
+    cfg = _load(args, machine=args.cmd != "config" or args.check)
     if args.cmd == "config":
+        import yaml
+
         from areal_fast.config import to_dict
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
@@ -73,13 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (e.g. from `timeout` or a scheduler) unwinds like Ctrl-C: every process is shut down
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     if args.cmd == "train":
-        if cfg.launcher == "ray":
-            from areal_fast.launch.ray_launcher import run_with_ray as run
-        else:
-            from areal_fast.launch.train import run_train as run
+        from areal_fast.launch.train import RUN_REFUSED, run_train  # local or Ray launcher (cfg.launcher)
 
         try:
-            s = run(cfg, progress=False if args.no_progress else None)
+            s = run_train(cfg, progress=False if args.no_progress else None)
+        except RUN_REFUSED as e:
+            print(f"areal-fast: {e}", file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
             print("areal-fast: interrupted; every process was stopped. Run the same command to resume.",
                   file=sys.stderr)

@@ -6,14 +6,28 @@ Every section is a ``@dataclass(kw_only=True, slots=True)`` whose ``__post_init_
 ``ValueError`` on a bad value. :func:`load_config` builds the tree from plain dicts, checks
 each value against the field's type and turns every problem into a :class:`ConfigError`
 that names the full dotted key (``unknown key 'train.optim.lrr'``, ``train.batch_size: must
-be >= 1``). The PPO objective and optimizer sections are the trainer's own dataclasses
+be >= 1``). The trainer's sections are the trainer's own dataclasses
 (``areal_fast.trainer.config``), so their validation is shared, not copied.
+
+What is checked, and when (``docs/config.md`` lists every key):
+
+- :func:`load_config`: types, ranges (no NaN or infinity anywhere), cross-section rules, and the
+  names resolved later (``reward.name``, ``eval.reward``, data sources, launcher and engine
+  kinds), all without starting a process and without importing torch.
+- :func:`check_machine` (``areal-fast train`` and ``eval`` call it right after loading): what
+  depends on this machine: the model and data files, CUDA devices and the GPU indices asked for,
+  optional packages (sglang, ray, datasets).
+
+:func:`save_config` writes the resolved config; :func:`load_config` of that file gives back an
+equal config (trainer ranks read the run's config this way).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,19 +36,40 @@ from typing import Any
 
 import yaml
 
-from areal_fast.launch.ray_launcher import RayConfig
-from areal_fast.trainer.config import OptimConfig, PPOConfig
+from areal_fast.data.datasets import check_source
+from areal_fast.data.tiny_task import SEPARATOR as _TASK_SEPARATOR
+from areal_fast.ops.loss_config import PPOLossConfig
+from areal_fast.trainer.config import OptimConfig, PPOConfig, TrainerConfig
+from areal_fast.weights.config import WeightSyncConfig
 
 __all__ = [
-    "AppConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "ExperimentConfig",
-    "LogConfig", "ModelConfig", "OptimConfig", "PPOConfig", "RayConfig", "RewardConfig", "RolloutConfig",
-    "SyntheticTaskConfig", "TrainConfig", "WarmStartConfig", "WeightSyncConfig", "from_dict",
-    "load_config", "parse_override", "to_dict",
+    "DERIVED", "AppConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig", "ExperimentConfig",
+    "LogConfig", "ModelConfig", "OptimConfig", "PPOConfig", "PPOLossConfig", "RayConfig", "RewardConfig",
+    "RolloutConfig", "SyntheticTaskConfig", "TrainerConfig", "WarmStartConfig", "WeightSyncConfig",
+    "check_machine", "check_names", "from_dict", "gpu_count", "load_config", "parse_override", "save_config",
+    "to_dict",
 ]
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the dotted key."""
+
+
+def _positive_seconds(name: str, value: float) -> None:
+    if not value > 0:  # NaN and infinity never get here: the loader refuses non-finite numbers
+        raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")
+
+
+def _device_indices(text: str) -> list[int] | None:
+    """'4,5' -> [4, 5]; None when the list names devices by UUID (not checkable by index)."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if any(not p for p in parts):
+        raise ValueError(f"empty entry in the device list {text!r}")
+    if all(p.isdigit() for p in parts):
+        return [int(p) for p in parts]
+    if all(p.startswith(("GPU-", "MIG-")) for p in parts):
+        return None
+    raise ValueError(f"expected comma-separated GPU indices (e.g. '0,1') or GPU UUIDs, got {text!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -55,6 +90,8 @@ class ExperimentConfig:
     def __post_init__(self):
         if not self.name:
             raise ValueError("name: must not be empty")
+        if not self.output_dir:
+            raise ValueError("output_dir: must not be empty")
         if self.total_steps < 1:
             raise ValueError(f"total_steps: must be >= 1, got {self.total_steps!r}")
 
@@ -68,7 +105,7 @@ class SyntheticTaskConfig:
     """The procedurally generated reversal task (``areal_fast.data.tiny_task``)."""
 
     alphabet: str = "abcdefghij"
-    """Characters of the strings to reverse."""
+    """Characters of the strings to reverse (distinct, without the separator '=')."""
     min_len: int = 2
     """Shortest string."""
     max_len: int = 24
@@ -85,18 +122,22 @@ class SyntheticTaskConfig:
     def __post_init__(self):
         if len(set(self.alphabet)) != len(self.alphabet) or not self.alphabet:
             raise ValueError(f"alphabet: must be non-empty distinct characters, got {self.alphabet!r}")
+        if _TASK_SEPARATOR in self.alphabet:
+            raise ValueError(f"alphabet: must not contain the separator {_TASK_SEPARATOR!r}")
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"min_len/max_len: need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
         if self.log_std < 0:
             raise ValueError(f"log_std: must be >= 0, got {self.log_std!r}")
-        if self.n_train < 1 or self.n_eval < 0:
-            raise ValueError("n_train must be >= 1 and n_eval >= 0")
+        if self.n_train < 1:
+            raise ValueError(f"n_train: must be >= 1, got {self.n_train!r}")
+        if self.n_eval < 0:
+            raise ValueError(f"n_eval: must be >= 0, got {self.n_eval!r}")
 
 
 @dataclass(kw_only=True, slots=True)
 class WarmStartConfig:
     """Build a tiny Qwen2 from a config and fine-tune it briefly on the synthetic task (supervised),
-    so RL starts from a policy that is sometimes right. Cached in ``<output_dir>/warm_start``."""
+    so RL starts from a policy that is sometimes right. Cached under ``<output_dir>/warm_start``."""
 
     enabled: bool = False
     """Build the model this way instead of loading ``model.path``."""
@@ -118,14 +159,20 @@ class WarmStartConfig:
     """Key/value heads (grouped-query attention)."""
 
     def __post_init__(self):
-        if self.steps < 0 or self.batch_size < 1:
-            raise ValueError("steps must be >= 0 and batch_size >= 1")
+        if self.steps < 0:
+            raise ValueError(f"steps: must be >= 0, got {self.steps!r}")
+        for key in ("batch_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)!r}")
         if not self.lr > 0:
             raise ValueError(f"lr: must be > 0, got {self.lr!r}")
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size: must be a multiple of num_attention_heads")
+            raise ValueError(f"hidden_size: must be a multiple of num_attention_heads ({self.num_attention_heads}), "
+                             f"got {self.hidden_size}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_key_value_heads: must divide num_attention_heads")
+            raise ValueError(f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
+                             f"got {self.num_key_value_heads}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -141,8 +188,8 @@ class ModelConfig:
     """Build and warm-start a tiny model instead (the shipped example)."""
 
     def __post_init__(self):
-        if self.path is None and not self.warm_start.enabled:
-            raise ValueError("path: a model directory is required unless warm_start.enabled is true")
+        if not self.path and not self.warm_start.enabled:
+            raise ValueError("path: a local model directory is required unless warm_start.enabled is true")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -150,7 +197,8 @@ class DataConfig:
     """Prompts and their verifiable answers."""
 
     train: str = "synthetic:reverse"
-    """'synthetic:reverse', a local .jsonl/.parquet file, or 'hf:NAME[:CONFIG]' (needs `datasets`)."""
+    """'synthetic:reverse', a local .jsonl / .jsonl.gz / .parquet file, or 'hf:NAME[:CONFIG]' (needs
+    `datasets`)."""
     eval: str | None = None
     """Held-out set, same forms; None = the synthetic held-out split, or no evaluation for files."""
     split: str = "train"
@@ -160,11 +208,11 @@ class DataConfig:
     prompt_key: str = "prompt"
     """Field holding the prompt text."""
     answer_key: str = "answer"
-    """Field holding the reference answer (math-style rewards)."""
+    """Field holding the reference answer (math-style rewards); passed to the reward as 'answer'."""
     tests_key: str = "tests"
-    """Field holding test cases (code rewards); used when present."""
+    """Field holding test cases (code rewards); passed to the reward as 'tests'."""
     prompt_template: str = "{prompt}"
-    """Python format string applied to the prompt ({prompt} is the field)."""
+    """Python format string applied to the prompt ({prompt} is the field; write '{{' for a brace)."""
     chat_template: bool = False
     """Wrap the prompt with the tokenizer's chat template (user turn + generation prompt)."""
     max_prompt_tokens: int = 1024
@@ -175,12 +223,29 @@ class DataConfig:
     """Parameters of the 'synthetic:reverse' task."""
 
     def __post_init__(self):
-        if not self.train:
-            raise ValueError("train: must name a data source")
+        for key in ("train", "eval"):
+            source = getattr(self, key)
+            if source is None and key == "eval":
+                continue
+            try:
+                check_source(source)
+            except ValueError as e:
+                raise ValueError(f"{key}: {e}") from None
         if "{prompt}" not in self.prompt_template:
             raise ValueError(f"prompt_template: must contain '{{prompt}}', got {self.prompt_template!r}")
+        try:
+            self.prompt_template.format(prompt="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"prompt_template: not a format string with only {{prompt}} ({e!r}); write '{{{{' "
+                             f"and '}}}}' for literal braces, got {self.prompt_template!r}") from None
+        for key in ("prompt_key", "answer_key", "tests_key", "split", "eval_split"):
+            if not getattr(self, key):
+                raise ValueError(f"{key}: must not be empty")
         if self.max_prompt_tokens < 1:
-            raise ValueError("max_prompt_tokens: must be >= 1")
+            raise ValueError(f"max_prompt_tokens: must be >= 1, got {self.max_prompt_tokens!r}")
+
+
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -194,7 +259,7 @@ class RolloutConfig:
     n_servers: int = 1
     """Servers to launch."""
     device: str = "cpu"
-    """Device of launched embedded engines ('cpu' or 'cuda')."""
+    """Device of launched embedded engines ('cpu', 'cuda' or 'cuda:N')."""
     server_args: list[str] = field(default_factory=list)
     """Extra command-line arguments for every launched server."""
     gpus: list[str] = field(default_factory=list)
@@ -206,11 +271,11 @@ class RolloutConfig:
     max_new_tokens: int = 64
     """Generation budget per sample."""
     temperature: float = 1.0
-    """Sampling temperature (the trainer recomputes log-probs at the same one)."""
+    """Sampling temperature, set once for the run: the trainer recomputes log-probs at the same one."""
     top_p: float = 1.0
-    """Nucleus sampling."""
+    """Nucleus sampling, in (0, 1]."""
     top_k: int = -1
-    """Top-k sampling (-1 = off)."""
+    """Top-k sampling: -1 = off (the whole vocabulary), else >= 1 (SGLang refuses 0)."""
     max_staleness: int = 4
     """eta: a sample may start at most eta versions before the one that trains on it. 0 = synchronous."""
     max_concurrent: int = 64
@@ -225,8 +290,15 @@ class RolloutConfig:
     def __post_init__(self):
         if self.engine not in ("embedded", "sglang"):
             raise ValueError(f"engine: must be 'embedded' or 'sglang', got {self.engine!r}")
+        for i, url in enumerate(self.servers):
+            if not re.match(r"^https?://[^/\s]+", url):
+                raise ValueError(f"servers[{i}]: expected 'http://host:port', got {url!r}")
         if self.n_servers < 1 and not self.servers:
-            raise ValueError("n_servers: must be >= 1")
+            raise ValueError(f"n_servers: must be >= 1, got {self.n_servers!r}")
+        if not _DEVICE.match(self.device):
+            raise ValueError(f"device: must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.threads_per_server < 1:
+            raise ValueError(f"threads_per_server: must be >= 1, got {self.threads_per_server!r}")
         if self.group_size < 1:
             raise ValueError(f"group_size: must be >= 1, got {self.group_size!r}")
         if self.max_new_tokens < 1:
@@ -235,14 +307,21 @@ class RolloutConfig:
             raise ValueError(f"temperature: must be > 0 for RL sampling, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k: must be -1 (off) or >= 1, got {self.top_k!r}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness!r}")
         if self.max_concurrent < 1:
             raise ValueError(f"max_concurrent: must be >= 1, got {self.max_concurrent!r}")
-        if self.threads_per_server < 1:
-            raise ValueError("threads_per_server: must be >= 1")
-        if self.gpus and len(self.gpus) != self.n_servers:
+        _positive_seconds("request_timeout", self.request_timeout)
+        _positive_seconds("health_timeout", self.health_timeout)
+        if self.gpus and not self.servers and len(self.gpus) != self.n_servers:
             raise ValueError(f"gpus: one entry per server expected ({self.n_servers}), got {self.gpus!r}")
+        for i, g in enumerate(self.gpus):
+            try:
+                _device_indices(g)
+            except ValueError as e:
+                raise ValueError(f"gpus[{i}]: {e}") from None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -250,7 +329,8 @@ class RewardConfig:
     """The verifiable reward (``areal_fast.reward``)."""
 
     name: str = "math"
-    """'math', 'code', or 'module:function' for a custom reward."""
+    """'math', 'code', or 'package.module:function' for a custom reward (resolved when the config
+    is loaded)."""
     timeout: float = 10.0
     """Seconds per call; a timeout scores 0 and is counted."""
     workers: int | None = None
@@ -259,66 +339,9 @@ class RewardConfig:
     def __post_init__(self):
         if not self.name:
             raise ValueError("name: must not be empty")
-        if not self.timeout > 0:
-            raise ValueError(f"timeout: must be > 0, got {self.timeout!r}")
+        _positive_seconds("timeout", self.timeout)
         if self.workers is not None and self.workers < 1:
-            raise ValueError("workers: must be >= 1 or null")
-
-
-@dataclass(kw_only=True, slots=True)
-class TrainConfig:
-    """The PPO actor (``areal_fast.trainer``)."""
-
-    batch_size: int = 8
-    """B: groups (prompts) per trainer step."""
-    world_size: int = 1
-    """Trainer ranks (torchrun); 1 = the trainer runs inside the controller process."""
-    threads: int = 1
-    """torch CPU threads per trainer rank."""
-    device: str | None = None
-    """'cuda', 'cpu' or None (cuda when available)."""
-    gpus: str | None = None
-    """CUDA_VISIBLE_DEVICES of the trainer ranks, e.g. "4,5,6,7" (None: inherit; may share the servers' GPUs)."""
-    max_tokens_per_mb: int = 16384
-    """Token budget of one packed micro-batch."""
-    attn_impl: str = "auto"
-    """Attention over packed sequences (see TrainerConfig.attn_impl)."""
-    param_dtype: str = "bfloat16"
-    """Compute dtype on GPU (CPU computes in float32)."""
-    gradient_checkpointing: bool = False
-    """Activation checkpointing per decoder block."""
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    """The decoupled PPO objective and advantages."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """AdamW and the learning-rate schedule."""
-
-    def __post_init__(self):
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size: must be >= 1, got {self.batch_size!r}")
-        if self.world_size < 1:
-            raise ValueError(f"world_size: must be >= 1, got {self.world_size!r}")
-        if self.threads < 1:
-            raise ValueError("threads: must be >= 1")
-        if self.device not in (None, "cpu", "cuda"):
-            raise ValueError(f"device: must be 'cpu', 'cuda' or null, got {self.device!r}")
-
-
-@dataclass(kw_only=True, slots=True)
-class WeightSyncConfig:
-    """How new weights reach the servers after each step (``areal_fast.weights``)."""
-
-    method: str = "distributed"
-    """'distributed' (NCCL / gloo broadcast in flattened buckets) or 'disk' (safetensors + reload)."""
-    bucket_bytes: int = 256 << 20
-    """Largest flattened bucket of the broadcast path."""
-    timeout: float = 600.0
-    """Seconds for one sync before it fails."""
-
-    def __post_init__(self):
-        if self.method not in ("distributed", "disk"):
-            raise ValueError(f"method: must be 'distributed' or 'disk', got {self.method!r}")
-        if self.bucket_bytes < 1 << 10:
-            raise ValueError(f"bucket_bytes: must be >= 1024, got {self.bucket_bytes!r}")
+            raise ValueError(f"workers: must be >= 1 or null, got {self.workers!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -335,13 +358,17 @@ class EvalConfig:
     """Evaluate the initial policy before training."""
     reward: str | None = None
     """Reward of the evaluation when it differs from training (e.g. exact match while training on a
-    dense partial-credit reward); None = reward.name."""
+    dense partial-credit reward); None = reward.name. Resolved when the config is loaded."""
 
     def __post_init__(self):
         if self.every_steps < 0:
-            raise ValueError("every_steps: must be >= 0")
+            raise ValueError(f"every_steps: must be >= 0, got {self.every_steps!r}")
         if self.size is not None and self.size < 1:
-            raise ValueError("size: must be >= 1 or null")
+            raise ValueError(f"size: must be >= 1 or null, got {self.size!r}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1 or null, got {self.max_new_tokens!r}")
+        if self.reward is not None and not self.reward:
+            raise ValueError("reward: must be a reward name or null")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -357,9 +384,9 @@ class CheckpointConfig:
 
     def __post_init__(self):
         if self.every_steps < 0:
-            raise ValueError("every_steps: must be >= 0")
+            raise ValueError(f"every_steps: must be >= 0, got {self.every_steps!r}")
         if self.keep_last < 1:
-            raise ValueError("keep_last: must be >= 1")
+            raise ValueError(f"keep_last: must be >= 1, got {self.keep_last!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -382,6 +409,57 @@ class LogConfig:
             raise ValueError(f"level: must be DEBUG/INFO/WARNING/ERROR, got {self.level!r}")
 
 
+_RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(kw_only=True, slots=True)
+class RayConfig:
+    """Where and how the Ray launcher places the run (``launcher: ray``)."""
+
+    address: str | None = None
+    """Cluster to join: 'auto', 'HOST:6379' or 'ray://HOST:10001'. None = the RAY_ADDRESS environment
+    variable, or a local single-node Ray started (and stopped) by the launcher."""
+    num_cpus: int | None = None
+    """CPUs of a local Ray started by the launcher (None = all)."""
+    server_strategy: str = "SPREAD"
+    """Placement strategy of the server bundles: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."""
+    trainer_strategy: str = "PACK"
+    """Placement strategy of the trainer-rank bundles (PACK keeps NCCL traffic inside nodes)."""
+    cpus_per_server: float | None = None
+    """Logical CPUs per server bundle (None = rollout.threads_per_server)."""
+    gpus_per_server: int | None = None
+    """GPUs per server bundle (None = the --tp-size of server_args for SGLang, 1 for a CUDA embedded
+    engine, 0 otherwise)."""
+    cpus_per_rank: float | None = None
+    """Logical CPUs per trainer-rank bundle (None = train.threads)."""
+    host: str | None = None
+    """Address servers bind and ranks meet on (None = 127.0.0.1 on a one-node cluster, else each
+    node's IP)."""
+    placement_timeout: float = 300.0
+    """Seconds to wait for the placement groups (and autoscaled nodes) before failing."""
+    grace: float = 10.0
+    """Seconds between SIGTERM and SIGKILL at teardown."""
+
+    def __post_init__(self):
+        for key in ("server_strategy", "trainer_strategy"):
+            if getattr(self, key) not in _RAY_STRATEGIES:
+                raise ValueError(f"{key}: must be one of {_RAY_STRATEGIES}, got {getattr(self, key)!r}")
+        for key in ("cpus_per_server", "cpus_per_rank"):
+            v = getattr(self, key)
+            if v is not None and not v > 0:
+                raise ValueError(f"{key}: must be > 0 or null, got {v!r}")
+        if self.gpus_per_server is not None and self.gpus_per_server < 0:
+            raise ValueError(f"gpus_per_server: must be >= 0 or null, got {self.gpus_per_server!r}")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ValueError(f"num_cpus: must be >= 1 or null, got {self.num_cpus!r}")
+        _positive_seconds("placement_timeout", self.placement_timeout)
+        if self.grace < 0:
+            raise ValueError(f"grace: must be >= 0 seconds, got {self.grace!r}")
+
+
+LAUNCHERS = ("local", "ray")
+
+
 @dataclass(kw_only=True, slots=True)
 class AppConfig:
     """One training run."""
@@ -391,8 +469,11 @@ class AppConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainerConfig = field(default_factory=TrainerConfig)
+    """The trainer's own configuration (``areal_fast.trainer.config``); the keys in :data:`DERIVED`
+    are filled from the sections named there."""
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """The weight-sync configuration (``areal_fast.weights.config``)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -402,22 +483,37 @@ class AppConfig:
     """Where the Ray launcher connects and how it places servers and trainer ranks."""
 
     def __post_init__(self):
-        if self.launcher not in ("local", "ray"):
-            raise ValueError(f"launcher: must be 'local' or 'ray', got {self.launcher!r}")
-        if abs(self.train.ppo.temperature - self.rollout.temperature) > 1e-12:
-            raise ValueError(
-                f"train.ppo.temperature ({self.train.ppo.temperature}) must equal rollout.temperature "
-                f"({self.rollout.temperature}): the trainer recomputes log-probs at the sampling temperature"
-            )
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher: must be one of {LAUNCHERS}, got {self.launcher!r}")
+        self._fill_derived()
         if self.model.warm_start.enabled and not self.data.train.startswith("synthetic:"):
-            raise ValueError("model.warm_start: only available with data.train = 'synthetic:reverse'")
+            raise ValueError(f"model.warm_start.enabled: only available with data.train = 'synthetic:reverse', "
+                             f"got data.train = {self.data.train!r}")
+
+
+    def _fill_derived(self) -> None:
+        """Set the trainer's copies of values that have one home elsewhere (:data:`DERIVED`)."""
+        t = self.train
+        for key, value in (("model_path", self.model.path), ("seed", self.experiment.seed),
+                           ("sampling_temperature", self.rollout.temperature)):
+            setattr(t, key, value)
+        if t.ppo.loss.temperature != self.rollout.temperature:
+            t.ppo.loss = dataclasses.replace(t.ppo.loss, temperature=self.rollout.temperature)
+        if t.optim.total_steps == 0 and t.optim.lr_schedule != "constant":  # a decay needs the run's length
+            t.optim.total_steps = self.experiment.total_steps
+
+
+DERIVED = {
+    "train.model_path": "model.path",
+    "train.seed": "experiment.seed",
+    "train.sampling_temperature": "rollout.temperature",
+    "train.ppo.loss.temperature": "rollout.temperature",
+}
+"""Keys of the trainer's configuration that a run config does not set: each is filled from the key
+it maps to (one home per value; the launcher replaces ``model.path`` by the warm-start directory)."""
 
 
 # ----------------------------------------------------------------------------- loading
-
-
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
 
 
 def _type_name(tp) -> str:
@@ -444,6 +540,8 @@ def _coerce(value, tp, key: str):
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {_type_name(tp)}")
+    if value is None:
+        raise ConfigError(f"{key}: must not be null")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -476,14 +574,19 @@ def _coerce(value, tp, key: str):
             return int(value)
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads '1e-5' (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML reads '1e-5' (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(number):  # "no limit" is written null where a field allows it
+            raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -499,39 +602,51 @@ def from_dict(cls, data: dict, prefix: str = ""):
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
-    hints = _hints(cls)
+    hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs = {}
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
+        if key in DERIVED:
+            raise ConfigError(f"{key}: set from {DERIVED[key]} (one setting per value); set {DERIVED[key]} instead")
         if k not in names:
+            valid = [n for n in names if f"{prefix}.{n}" not in DERIVED]
             raise ConfigError(f"unknown key '{key}' (valid keys{' under ' + repr(prefix) if prefix else ''}: "
-                              f"{', '.join(names)})")
+                              f"{', '.join(valid)})")
         kwargs[k] = _coerce(v, hints[k], key)
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
-        msg = str(e)
-        # Section validators name their field first ("lr: must be ..."); add the section path.
-        # The trainer's own sections already write "optim.lr ..."; keep just the last part.
-        if prefix and not msg.startswith(prefix):
-            tail = prefix.rsplit(".", 1)[-1]
-            if msg.startswith(tail + "."):
-                msg = msg[len(tail) + 1:]
-            msg = f"{prefix}.{msg}"
-        raise ConfigError(msg) from e
+        raise ConfigError(_with_prefix(str(e), prefix)) from e
 
 
-def to_dict(cfg) -> dict:
-    """The config as plain data (YAML/JSON-able), the inverse of :func:`from_dict`."""
+def _with_prefix(msg: str, prefix: str) -> str:
+    """Section validators name their field first ("lr: must be ..."); add the section path. The
+    trainer's own sections already write "optim.lr ..."; keep only the part below the prefix."""
+    if not prefix or msg.startswith(prefix + ".") or msg.startswith(prefix + ":"):
+        return msg
+    tail = prefix.rsplit(".", 1)[-1]
+    if msg.startswith(tail + "."):
+        msg = msg[len(tail) + 1:]
+    return f"{prefix}.{msg}"
+
+
+def to_dict(cfg, prefix: str = "") -> dict:
+    """The config as plain data (YAML/JSON-able), the inverse of :func:`from_dict` (the keys in
+    :data:`DERIVED` are left out: they are filled again from their home)."""
     out = {}
     for f in dataclasses.fields(cfg):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if key in DERIVED:
+            continue
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
-            v = to_dict(v)
+            v = to_dict(v, key)
         elif isinstance(v, tuple):
+            v = list(v)
+        elif isinstance(v, list):
             v = list(v)
         out[f.name] = v
     return out
@@ -566,28 +681,65 @@ def _apply(tree: dict, path: list[str], value) -> None:
     node[path[-1]] = value
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> AppConfig:
-    """Read a YAML file (or start from defaults when ``path`` is None) and apply dotted overrides.
+RESOLVED_HEADER = "# areal-fast resolved configuration"
+"""First line of a file written by :func:`save_config`; its paths are taken as they are."""
 
-    Relative paths inside the file (model.path, data.train, data.eval) are resolved against the
-    YAML file's directory when they exist there, so a config works from any working directory.
+
+def _read_yaml(p: Path) -> tuple[dict, bool]:
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist" if not p.exists()
+                          else f"config file {str(p)!r} is not a regular file")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from None
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping, got {type(tree).__name__}")
+    return tree, text.startswith(RESOLVED_HEADER)
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> AppConfig:
+    """Read a YAML file (or start from defaults when ``path`` is None), apply dotted overrides,
+    validate every value and resolve every name (:func:`check_names`).
+
+    Relative paths inside the file (model.path, model.tokenizer, data.train, data.eval) are resolved
+    against the YAML file's directory when they exist there, so a config works from any working
+    directory (not in a file written by :func:`save_config`, whose paths are already resolved).
     """
     tree: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file {str(p)!r}: the top level must be a mapping")
-        _resolve_relative(tree, p.parent)
+        tree, resolved = _read_yaml(p)
+        if not resolved:
+            _resolve_relative(tree, p.parent)
     for ov in overrides:
         keys, value = parse_override(ov)
         _apply(tree, keys, value)
-    return from_dict(AppConfig, tree)
+    cfg = from_dict(AppConfig, tree)
+    check_names(cfg)
+    return cfg
+
+
+def save_config(cfg: AppConfig, path: str | os.PathLike) -> Path:
+    """Write ``cfg`` as YAML so that ``load_config(path) == cfg`` (written to a temporary file and
+    renamed, so a reader never sees half a file). Returns the path."""
+    p = Path(path)
+    text = f"{RESOLVED_HEADER} (load_config reads it back exactly)\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, p)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, f"cannot write the run config {str(p)!r}: {e.strerror or e}") from e
+    return p
 
 
 def _resolve_relative(tree: dict, base: Path) -> None:
@@ -600,3 +752,116 @@ def _resolve_relative(tree: dict, base: Path) -> None:
             cand = base / v
             if cand.exists() and not Path(v).exists():
                 sec[key] = str(cand)
+
+
+# ----------------------------------------------------------------------------- names and this machine
+
+
+def check_names(cfg: AppConfig) -> None:
+    """Resolve what is otherwise looked up only inside worker processes: ``reward.name`` and
+    ``eval.reward`` (registry names are checked against the registry, 'module:function' is
+    imported and must be callable). Raises :class:`ConfigError` naming the key."""
+    from areal_fast.reward.registry import get_reward_fn
+
+    for key, name in (("reward.name", cfg.reward.name), ("eval.reward", cfg.eval.reward)):
+        if name is None:
+            continue
+        try:
+            get_reward_fn(name)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - a user module that fails to import for any reason
+            raise ConfigError(f"{key}: importing {name!r} failed: {type(e).__name__}: {e}") from None
+
+
+def gpu_count() -> int:
+    """NVIDIA devices on this machine, counted without importing torch or initialising CUDA (the
+    driver lists one directory per device under /proc/driver/nvidia/gpus; device nodes otherwise)."""
+    proc = Path("/proc/driver/nvidia/gpus")
+    if proc.is_dir():
+        return sum(1 for _ in proc.iterdir())
+    return sum(1 for d in Path("/dev").glob("nvidia[0-9]*") if d.name[len("nvidia"):].isdigit())
+
+
+def _visible(physical: int) -> int:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None:
+        return physical
+    entries = [e for e in env.split(",") if e.strip()]
+    if any(e.strip().startswith("-") for e in entries):  # '-1' hides every device
+        return 0
+    return min(len(entries), physical)
+
+
+def check_machine(cfg: AppConfig, *, gpus: int | None = None) -> None:
+    """What the config asks of this machine, checked before any process starts: the model and
+    tokenizer directories, the data files (read once: encoding, JSON, row shape, the prompt field),
+    CUDA devices and the GPU indices in ``train.gpus`` / ``rollout.gpus``, and optional packages.
+    ``gpus`` overrides the detected device count (tests). With ``launcher: ray`` the servers and
+    ranks run on other machines: only the Ray package is checked here."""
+    import importlib.util
+
+    def need(module: str, key: str, why: str) -> None:
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{key}: {why} needs the `{module}` package, which is not installed")
+
+    if cfg.launcher == "ray":
+        need("ray", "launcher", "launcher 'ray'")
+        return
+    if not cfg.model.warm_start.enabled:
+        _check_model_dir("model.path", cfg.model.path)
+    if cfg.model.tokenizer:
+        _check_model_dir("model.tokenizer", cfg.model.tokenizer, weights=False)
+    for key in ("train", "eval"):
+        source = getattr(cfg.data, key)
+        if source and source.startswith("hf:"):
+            need("datasets", f"data.{key}", f"source {source!r}")
+        elif source and not source.startswith("synthetic:"):
+            from areal_fast.data.datasets import build_prompts, read_rows
+
+            try:
+                build_prompts(read_rows(source, cfg.data, key, cfg.experiment.seed), cfg.data, None, source)
+            except (ValueError, KeyError, OSError) as e:
+                raise ConfigError(f"data.{key}: {e.args[0] if isinstance(e, KeyError) else e}") from None
+    physical = gpu_count() if gpus is None else gpus
+    visible = physical if gpus is not None else _visible(physical)
+    r, t = cfg.rollout, cfg.train
+    launching = not r.servers
+    server_gpus = physical if r.gpus else visible  # rollout.gpus replaces what the servers inherit
+    if launching and r.engine == "sglang":
+        need("sglang", "rollout.engine", "engine 'sglang'")
+        if server_gpus == 0:
+            raise ConfigError("rollout.engine: 'sglang' servers need a CUDA device and this machine has none "
+                              "(use rollout.engine=embedded)")
+    if launching and r.engine == "embedded" and r.device.startswith("cuda") and server_gpus == 0:
+        raise ConfigError(f"rollout.device: {r.device!r} asked for, but this machine has no CUDA device")
+    train_gpus = physical if t.gpus else visible
+    if t.device and t.device.startswith("cuda") and train_gpus == 0:
+        raise ConfigError(f"train.device: {t.device!r} asked for, but this machine has no CUDA device "
+                          "(use train.device=cpu)")
+    for key, lists in (("rollout.gpus", r.gpus if launching else []), ("train.gpus", [t.gpus] if t.gpus else [])):
+        for i, text in enumerate(lists):
+            indices = _device_indices(text) or []
+            bad = [g for g in indices if g >= physical]
+            if bad:
+                where = f"{key}[{i}]" if key == "rollout.gpus" else key
+                raise ConfigError(f"{where}: GPU {bad[0]} asked for, but this machine has {physical} GPU(s) "
+                                  f"(indices 0..{physical - 1})" if physical else
+                                  f"{where}: GPU {bad[0]} asked for, but this machine has no GPU")
+    uses_cuda = (t.device or "").startswith("cuda") or (t.device is None and train_gpus > 0)
+    if uses_cuda and t.world_size > 1:
+        have = len(_device_indices(t.gpus) or [None] * t.world_size) if t.gpus else train_gpus
+        if have < t.world_size:
+            raise ConfigError(f"train.world_size: {t.world_size} GPU ranks asked for, but "
+                              f"{'train.gpus lists' if t.gpus else 'this machine has'} {have} GPU(s)")
+
+
+def _check_model_dir(key: str, path: str | None, weights: bool = True) -> None:
+    p = Path(path or "")
+    if not p.exists():
+        raise ConfigError(f"{key}: local directory {str(p)!r} does not exist (models are loaded from a local "
+                          f"directory, not downloaded by name)")
+    if not p.is_dir():
+        raise ConfigError(f"{key}: {str(p)!r} is not a directory")
+    if weights and not (p / "config.json").is_file():
+        raise ConfigError(f"{key}: {str(p)!r} has no config.json (expected a Hugging Face model directory)")

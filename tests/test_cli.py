@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_fast.cli import main
+from areal_fast.cli import main, parse_args
 from areal_fast.config import load_config
 from areal_fast.data import CharTokenizer, PromptStream, load_split, read_rows, tiny_task
 
@@ -23,6 +23,40 @@ def test_info_prints_backends(capsys):
 def test_config_prints_resolved_yaml(capsys):
     assert main(["config", EXAMPLE, "train.batch_size=3"]) == 0
     assert "batch_size: 3" in capsys.readouterr().out
+
+
+def test_config_does_not_print_the_derived_trainer_keys(capsys):
+    assert main(["config", EXAMPLE, "rollout.temperature=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "temperature: 0.5" in out and out.count("temperature") == 1  # set once, shown once
+    assert "sampling_temperature" not in out and "model_path" not in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", EXAMPLE, "--no-progress", "train.batch_size=3", "rollout.top_k=5"],
+    ["train", "--no-progress", EXAMPLE, "train.batch_size=3", "rollout.top_k=5"],
+    ["train", EXAMPLE, "train.batch_size=3", "--no-progress", "rollout.top_k=5"],
+    ["train", EXAMPLE, "train.batch_size=3", "rollout.top_k=5", "--no-progress"],
+])
+def test_flags_may_come_anywhere_among_the_overrides(argv):
+    args = parse_args(argv)
+    assert args.cmd == "train" and args.no_progress and args.config == EXAMPLE
+    assert args.overrides == ["train.batch_size=3", "rollout.top_k=5"]
+
+
+def test_eval_and_config_flags_anywhere():
+    a = parse_args(["eval", EXAMPLE, "--checkpoint", "ckpt", "eval.size=3"])
+    assert a.checkpoint == "ckpt" and a.overrides == ["eval.size=3"]
+    a = parse_args(["config", "--check", EXAMPLE, "eval.size=3"])
+    assert a.check and a.overrides == ["eval.size=3"]
+
+
+def test_unknown_command_and_flag_exit_2(capsys):
+    for argv in (["trian", EXAMPLE], ["train", EXAMPLE, "--no-progres"]):
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        assert e.value.code == 2
+    assert "--no-progres" in capsys.readouterr().err
 
 
 def test_train_with_a_bad_key_exits_2_naming_it(capsys):
