@@ -153,5 +153,8 @@ def test_torch_varlen_call_fits_installed_torch(hkv, window):
     q, k, v, cu = (t.to("meta") for t in _packed_qkv(lens, hkv=hkv))
     args, kwargs = attention.torch_varlen_call(varlen_attn, q, k, v, cu, cu, 7, 7, 0.3, window)
     inspect.signature(varlen_attn).bind(*args, **kwargs)
+    if window is None and "window_size" in kwargs:
+        # torch derives is_causal from `window_size == (-1, 0)`: a list would silently mean non-causal
+        assert type(kwargs["window_size"]) is tuple and kwargs["window_size"] == (-1, 0)
     out = varlen_attn(*args, **kwargs)
     assert out.shape == q.shape and out.device.type == "meta"
