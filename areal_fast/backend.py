@@ -257,8 +257,15 @@ def select(op: str, device=None, available: tuple[str, ...] | None = None, backe
 
 
 def describe() -> dict[str, str]:
-    """What each backend would do on this machine (for `areal-fast info` and bug reports)."""
+    """What each backend would do on this machine, and what each op would run (``op:NAME``), for
+    `areal-fast info` and bug reports."""
     dev = "cuda" if cuda_available() else "cpu"
     out = {b: (why_unavailable(b, dev) or "available") for b in BACKENDS}
     out["native"] = why_unavailable("native", "cpu") or "available"  # the C++ CPU code runs on host data
+    for op, names in OPS.items():
+        host_only = set(names) <= {"native", "reference"}  # planners: host data whatever the device
+        try:
+            out[f"op:{op}"] = select(op, None if host_only else dev)
+        except BackendUnavailable as e:
+            out[f"op:{op}"] = f"error: {e}"
     return out | {"device": dev}

@@ -210,3 +210,14 @@ def test_planner_results_do_not_depend_on_lengths_type_under_reference():
     lengths = np.array([5, 3, 9, 1], dtype=np.int32)
     assert same_plan(plan_microbatches(lengths, 10, backend="reference"),
                      plan_microbatches(torch.tensor([5, 3, 9, 1]), 10, backend="reference"))
+
+
+def test_describe_reports_every_backend_and_what_each_op_runs(monkeypatch):
+    d = backend.describe()
+    assert set(backend.BACKENDS) <= set(d) and d["reference"] == "available"
+    assert {f"op:{op}" for op in backend.OPS} <= set(d)
+    assert d["op:packing.plan"] == "native"
+    monkeypatch.setenv(backend.ENV_VAR, "packing.plan=reference")
+    assert backend.describe()["op:packing.plan"] == "reference"
+    monkeypatch.setenv(backend.ENV_VAR, "weights.plan=triton")
+    assert backend.describe()["op:weights.plan"].startswith("error: weights.plan: backend 'triton'")
