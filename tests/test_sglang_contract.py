@@ -1,0 +1,186 @@
+"""SGLang's own code judges what we send it, for the oldest and newest release we support.
+
+(a) A recorder server captures every body the rollout client sends (generate, pause in each mode,
+    continue, flush, abort). Each body is parsed the way SGLang's HTTP server parses it: pydantic
+    validation into the request
+    type of ``sglang.srt.managers.io_struct`` (what FastAPI does with the handler's argument),
+    plus for /generate ``GenerateReqInput.normalize_batch_and_arguments`` and
+    ``SamplingParams(**params).normalize(None)`` / ``.verify(vocab)``, and on 0.5.22+ the schema
+    check of ``sglang.srt.entrypoints.api_contract``. Every key we send must also be a field of
+    that type: SGLang ignores unknown keys, so a misspelt option would silently do nothing.
+(c) Our SGLang launch command (``server_command("sglang", ...)``) parsed by
+    ``ServerArgs.add_cli_args`` + ``ServerArgs.from_cli_args``.
+The weight sync's bodies (init group, begin/end, buckets, destroy, disk update) are judged the same
+way in test_weights_sglang_requests.py, and (b), our bucket unpacked by SGLang's
+``FlattenedTensorBucket``, in test_weights_sglang_bucket.py.
+
+The wheels (and the plain-CPU packages io_struct imports) are installed by tests/sglang_wheel.py;
+a test skips, with the reason, only when that install fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import sys
+
+import pytest
+from packaging.version import Version
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sglang_wheel import sglang_module  # noqa: E402
+
+from areal_fast.rollout.client import RolloutClient  # noqa: E402
+from areal_fast.rollout.server_command import server_command  # noqa: E402
+
+VERSIONS = ("0.5.6", "0.5.23")
+VOCAB = 256
+IO_TYPES = {
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/abort_request": "AbortReq",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+}
+NO_BODY = {"/flush_cache", "/server_info", "/get_server_info", "/model_info", "/health"}
+
+
+def _fields(cls) -> set[str]:
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(cls.__struct_fields__)  # msgspec.Struct (0.5.21+)
+
+
+def _parse_like_sglang(version: str, path: str, body: dict | None) -> None:
+    """Parse one recorded body the way SGLang ``version``'s HTTP server does; raise on refusal."""
+    from pydantic import TypeAdapter
+
+    io = sglang_module(version, "sglang.srt.managers.io_struct")
+    if path == "/generate":
+        if Version(version) >= Version("0.5.22"):
+            contract = sglang_module(version, "sglang.srt.entrypoints.api_contract")
+            err = contract.generate_contract_error(body)
+            assert err is None, f"SGLang {version} schema refuses our /generate body: {err}"
+        extra = set(body) - _fields(io.GenerateReqInput)
+        assert not extra, f"/generate keys SGLang {version} does not know (silently ignored): {extra}"
+        obj = TypeAdapter(io.GenerateReqInput).validate_python(body)
+        obj.normalize_batch_and_arguments()
+        sp_mod = sglang_module(version, "sglang.srt.sampling.sampling_params")
+        params = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params]
+        for p in params:
+            sp = sp_mod.SamplingParams(**(p or {}))
+            sp.normalize(None)
+            sp.verify(VOCAB)
+        return
+    if path in NO_BODY:
+        return
+    cls = getattr(io, IO_TYPES[path], None)
+    assert cls is not None, f"SGLang {version} has no request type for {path}"
+    extra = set(body or {}) - _fields(cls)
+    assert not extra, f"{path} keys SGLang {version} does not know (silently ignored): {extra}"
+    TypeAdapter(cls).validate_python(body or {})
+
+
+# ----------------------------------------------------------------------------- (a) rollout client
+def _record_client_calls(version: str) -> list[tuple[str, dict | None]]:
+    """Drive the rollout client against a recorder that answers as SGLang ``version`` would."""
+    from aiohttp import web
+
+    async def run():
+        calls: list[tuple[str, dict | None]] = []
+        release = asyncio.Event()
+
+        async def info(request):
+            calls.append((request.path, None))
+            return web.json_response({"version": version, "tp_size": 1, "weight_version": "0"})
+
+        async def post(request):
+            body = await request.json() if request.can_read_body else None
+            calls.append((request.path, body))
+            if request.path == "/generate":
+                if body["rid"].startswith("held"):
+                    await release.wait()  # in flight until the test has aborted it
+                n = body["sampling_params"]["max_new_tokens"]
+                return web.json_response({"output_ids": [7] * n, "meta_info": {
+                    "id": body["rid"], "finish_reason": {"type": "length", "length": n}, "weight_version": "0",
+                    "output_token_logprobs": [[-0.1, 7, None]] * n}})
+            return web.json_response({"success": True, "message": "ok", "status": "ok"})
+
+        app = web.Application()
+        for p in ("/server_info", "/model_info"):
+            app.router.add_get(p, info)
+        app.router.add_post("/{tail:.*}", post)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with RolloutClient([url], api_key="k") as c:
+                await c.generate([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
+                                             "min_p": 0.05, "stop_token_ids": [2], "ignore_eos": True}, rid="g0")
+                held = asyncio.create_task(c.generate([4, 5], {"max_new_tokens": 3}, rid="held-1"))
+                while not any(p == "/generate" and b["rid"].startswith("held") for p, b in calls):
+                    await asyncio.sleep(0.01)
+                await c.abort("held-1")
+                release.set()
+                await held
+                for mode in ("abort", "retract", "in_place"):
+                    await c.pause_all(mode)
+                    if c.may_flush:
+                        await c.flush_cache_all(timeout_s=5)
+                    await c.continue_all()
+                await c.abort_all()
+        finally:
+            await runner.cleanup()
+        return calls
+
+    return asyncio.run(asyncio.wait_for(run(), 60))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_rollout_client_bodies_parse_with_sglang_types(version):
+    calls = _record_client_calls(version)
+    sent = {p for p, _ in calls}
+    assert {"/generate", "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request"} <= sent
+    modes = [b.get("mode") for p, b in calls if p == "/pause_generation"]
+    assert modes == ["abort", "retract", "in_place"]
+    for path, body in calls:
+        _parse_like_sglang(version, path, body)
+
+
+# ----------------------------------------------------------------------------- (c) launch command
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sglang_launch_command_parses_with_sglang_server_args(version, monkeypatch):
+    cmd = server_command("sglang", "/models/qwen", "127.0.0.1", 30001, tp_size=2, api_key="key",
+                         weight_version="0", load_format="dummy", dtype="bfloat16", seed=3,
+                         max_running_requests=64, mem_fraction_static=0.7, disable_radix_cache=True,
+                         enable_memory_saver=True, skip_server_warmup=True)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    server_args = sglang_module(version, "sglang.srt.server_args")
+    parser = argparse.ArgumentParser()
+    server_args.ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(cmd[3:])  # argparse exits (a test failure) on any flag SGLang does not know
+    # __post_init__ probes the hardware (CUDA, HPU, ...), which this machine may not have; the field
+    # mapping of from_cli_args is what we check, so the probe is switched off
+    monkeypatch.setattr(server_args.ServerArgs, "__post_init__", lambda self: None, raising=False)
+    sa = server_args.ServerArgs.from_cli_args(ns)
+    assert (sa.model_path, sa.host, sa.port, sa.tp_size) == ("/models/qwen", "127.0.0.1", 30001, 2)
+    assert (sa.api_key, sa.weight_version, sa.load_format, sa.dtype) == ("key", "0", "dummy", "bfloat16")
+    assert (sa.random_seed, sa.max_running_requests, sa.mem_fraction_static) == (3, 64, 0.7)
+    assert sa.skip_tokenizer_init and sa.disable_radix_cache and sa.enable_memory_saver and sa.skip_server_warmup
+
+
+@pytest.mark.parametrize("version,error", [("0.5.6", TypeError), ("0.5.23", AssertionError)])
+def test_the_judge_refuses_an_unknown_sampling_key(version, error):
+    """The parse above can fail: SGLang's own code refuses what our client refuses before sending
+    (0.5.6: ``SamplingParams(**params)`` raises TypeError, SGLang's bare 500; 0.5.23: its schema)."""
+    with pytest.raises(error, match="bogus"):
+        _parse_like_sglang(version, "/generate", {"input_ids": [1, 2], "sampling_params": {"bogus": 1}})
+    with pytest.raises(AssertionError, match="silently ignored"):
+        _parse_like_sglang(version, "/pause_generation", {"mode": "abort", "flush": True})
