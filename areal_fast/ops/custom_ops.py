@@ -22,6 +22,8 @@ through them, and autograd registered on the differentiable ones:
 
 # No `from __future__ import annotations` here: torch.library.custom_op reads the annotations
 # at runtime to infer the op schemas.
+import typing
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -305,18 +307,26 @@ def _config_from_op_args(args) -> PPOLossConfig:
     return PPOLossConfig(**dict(zip(LOSS_OPTION_NAMES, args)))
 
 
-@torch.library.custom_op("areal_fast::fused_linear_ppo_single_pass", mutates_args=())
-def _fused_linear_ppo_single_pass(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
-                                  behav_logprobs: Tensor, adv: Tensor, mask: Tensor, prox: Tensor | None,
-                                  ref: Tensor | None, coef: Tensor, chunk_size: int, backend: str,
-                                  need_hidden: bool, need_weight: bool, need_bias: bool,
-                                  temperature: float, eps_clip: float, eps_clip_higher: float | None,
-                                  dual_clip: float | None, behav_weight_cap: float | None, behav_weight_mode: str,
-                                  importance_level: str, kl_coef: float, kl_estimator: str, entropy_coef: float,
-                                  loss_agg: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    # the trailing scalars are op_args(config); see fused_linear_ppo_single_pass
-    cfg = _config_from_op_args((temperature, eps_clip, eps_clip_higher, dual_clip, behav_weight_cap,
-                                behav_weight_mode, importance_level, kl_coef, kl_estimator, entropy_coef, loss_agg))
+def _options_schema() -> str:
+    """The op-schema text of ``op_args``, derived from PPOLossConfig's annotations (no list of the
+    options is written out here)."""
+    kinds = {float: "float", float | None: "float?", str: "str", int: "int", bool: "bool"}
+    hints = typing.get_type_hints(PPOLossConfig)
+    return ", ".join(f"{kinds[hints[name]]} {name}" for name in LOSS_OPTION_NAMES)
+
+
+_SINGLE_PASS = "areal_fast::fused_linear_ppo_single_pass"
+torch.library.define(
+    _SINGLE_PASS,
+    "(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor behav_logprobs, Tensor adv, Tensor mask, "
+    "Tensor? prox, Tensor? ref, Tensor coef, SymInt chunk_size, str backend, bool need_hidden, bool need_weight, "
+    f"bool need_bias, {_options_schema()}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+@torch.library.impl(_SINGLE_PASS, "CompositeExplicitAutograd")
+def _fused_linear_ppo_single_pass(hidden, weight, bias, labels, behav_logprobs, adv, mask, prox, ref, coef,
+                                  chunk_size, backend, need_hidden, need_weight, need_bias, *options):
+    cfg = _config_from_op_args(options)  # the trailing scalars are op_args(config)
     T = hidden.shape[0]
     C = token_constants(behav_logprobs, adv, mask, prox, ref, torch.float32, hidden.device, cfg)
     coef = coef.float()
@@ -336,7 +346,7 @@ def _fused_linear_ppo_single_pass(hidden: Tensor, weight: Tensor, bias: Tensor |
     return logp, ent, gh, gw, gb
 
 
-@_fused_linear_ppo_single_pass.register_fake
+@torch.library.register_fake(_SINGLE_PASS)
 def _(hidden, weight, bias, labels, behav_logprobs, adv, mask, prox, ref, coef, chunk_size, backend,
       need_hidden, need_weight, need_bias, *options):
     T = hidden.shape[0]
