@@ -350,3 +350,18 @@ def test_kernels_compile_for_sm90_with_vector_loads():
         assert "ld.global.v4.b32" in line, line  # 16-byte vector loads of the logits
         if " bwd " in line:
             assert "st.global.v4.b32" in line, line  # and 16-byte vector stores of the gradient
+
+
+@pytest.mark.interpreter
+def test_kernel_path_drops_nonfinite_behaviour_like_the_reference():
+    """GSPO with a mask-mode cap and a -inf behaviour log-prob: the Triton path (interpreter) gives
+    the reference's finite loss, gradient and counts."""
+    d = make(9, 300, torch.float32, seed=12)
+    d["b"] = d["b"].clone()
+    d["b"][int(torch.nonzero(d["m"])[1])] = float("-inf")
+    out, grad = run(decoupled_ppo_loss, d, "interpret")
+    ref, grad_ref = run(decoupled_ppo_loss_ref, d)
+    assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+    torch.testing.assert_close(out.loss, ref.loss, **FP32_REORDER_TOL)
+    torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=1e-4)
+    assert float(out.stats["nonfinite_count"]) == float(ref.stats["nonfinite_count"]) >= 1.0
