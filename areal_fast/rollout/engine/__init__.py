@@ -2,11 +2,14 @@
 
 Launch it
 ---------
-Command line (one server per process)::
+Command line (one server per process; shared flags have SGLang's names, and
+``areal_fast.rollout.server_command.server_command("embedded", ...)`` builds it)::
 
-    python -m areal_fast.rollout.engine --model PATH --host 127.0.0.1 --port N \\
-        [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--seed 0] \\
-        [--max-running-requests 256] [--weight-version default] [--api-key KEY]
+    python -m areal_fast.rollout.engine --model-path PATH --host 127.0.0.1 --port N \\
+        [--sglang-version 0.5.23] [--device cpu|cuda] [--dtype auto|float32|bfloat16] \\
+        [--random-seed 0] [--max-running-requests 256] [--weight-version default] \\
+        [--load-format auto|safetensors|dummy] [--api-key KEY] [--skip-tokenizer-init] \\
+        [--dist-timeout 120]
 
 From Python (``areal_fast.rollout.engine.launch``)::
 
@@ -16,17 +19,19 @@ From Python (``areal_fast.rollout.engine.launch``)::
     h.url          # "http://127.0.0.1:PORT"
     h.stop()       # SIGTERM then SIGKILL; h.kill() kills at once (failure tests)
 
-    h = start_engine_in_thread(model_path)  # same handle, server inside this process (port 0 allowed)
+    h = start_engine_in_thread(model_path, sglang_version="0.5.6")  # in this process (port 0 allowed)
 
-Both take ``device``, ``dtype``, ``seed``, ``max_running_requests``, ``weight_version``, ``api_key``.
-``launch_engine_subprocess`` also takes ``env`` (extra environment, e.g. CUDA_VISIBLE_DEVICES),
-``log_path`` (server stdout/stderr; a temp file by default) and ``startup_timeout`` (s).
+Both take ``device``, ``dtype``, ``seed``, ``max_running_requests``, ``weight_version``, ``api_key``,
+``sglang_version``. ``launch_engine_subprocess`` also takes ``env``, ``log_path`` and
+``startup_timeout`` (s); ``start_engine_in_thread`` passes other keywords to ``EngineServer``
+(``health_check_timeout_s``, ``dist_timeout_s``, ``load_format``, ...).
 
-What it serves: /generate, /abort_request, /pause_generation, /continue_generation, /flush_cache,
-/init_weights_update_group, /update_weights_from_distributed (per-tensor and flattened_bucket),
-/destroy_weights_update_group, /begin_weight_update, /end_weight_update, /update_weights_from_disk,
-/health, /health_generate, /get_model_info, /get_server_info (``version`` "0.5.23", the SGLang
-contract it follows; ``engine`` "areal_fast.embedded").
+What it serves, as the chosen SGLang release does (docs/sglang.md has the version table):
+/generate, /abort_request, /pause_generation, /continue_generation, /flush_cache,
+/init_weights_update_group, /update_weights_from_distributed (per tensor and flattened_bucket),
+/destroy_weights_update_group, /update_weights_from_disk, /begin_weight_update and
+/end_weight_update (0.5.21+), /health, /health_generate, /model_info, /server_info (and the
+deprecated /get_model_info, /get_server_info; ``engine`` "areal_fast.embedded").
 """
 
 from areal_fast.rollout.engine.launch import EngineHandle, launch_engine_subprocess, start_engine_in_thread
