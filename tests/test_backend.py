@@ -130,7 +130,9 @@ def test_missing_native_core_falls_back_with_the_reason(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         assert select("weights.interval_copy", "cpu") == "reference"
-    assert backend.describe()["native"].startswith("areal_fast._C (the native core) is not built")
+        info = backend.describe()
+    assert info["native"].startswith("areal_fast._C (the native core) is not built")
+    assert info["op:weights.plan"] == "reference"
     backend._warn_fallback.cache_clear()
 
 
