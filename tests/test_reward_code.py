@@ -5,7 +5,8 @@ import pytest
 from areal_fast.reward.code import code_reward, extract_code, outputs_match
 
 ADD_TESTS = [{"input": "2 3\n", "output": "5\n"}, {"input": "10 -4\n", "output": "6"}]
-FAST = {"time_limit_s": 1.0}  # per test; slow programs fail fast
+TIMEOUT_S = 0.5  # per test, for programs that must time out: any limit gets there, a short one sooner
+FINISH_S = 20.0  # per test, for programs that must end by themselves: never the limit on a loaded machine
 
 CORRECT = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 WRONG = "```python\na, b = map(int, input().split())\nprint(a - b)\n```"
@@ -14,23 +15,23 @@ SLOW = "```python\nwhile True:\n    pass\n```"
 
 
 @pytest.mark.parametrize(
-    "completion,value,status,detail",
+    "completion,value,status,detail,limit_s",
     [
-        (CORRECT, 1.0, "ok", "passed 2/2"),
-        (WRONG, 0.0, "ok", "wrong answer on test 0"),
-        (CRASH, 0.0, "error", "RuntimeError: boom"),
-        (SLOW, 0.0, "timeout", "time limit exceeded on test 0"),
+        (CORRECT, 1.0, "ok", "passed 2/2", FINISH_S),
+        (WRONG, 0.0, "ok", "wrong answer on test 0", FINISH_S),
+        (CRASH, 0.0, "error", "RuntimeError: boom", FINISH_S),
+        (SLOW, 0.0, "timeout", "time limit exceeded on test 0", TIMEOUT_S),
     ],
 )
-def test_stdio_outcomes(completion, value, status, detail):
-    r = code_reward({"tests": ADD_TESTS, **FAST}, completion)
+def test_stdio_outcomes(completion, value, status, detail, limit_s):
+    r = code_reward({"tests": ADD_TESTS, "time_limit_s": limit_s}, completion)
     assert (r.value, r.status) == (value, status), r
     assert detail in r.detail
 
 
 def test_stdio_partial_credit():
     prog = "a, b = map(int, input().split())\nprint(5 if a == 2 else 0)"
-    r = code_reward({"tests": ADD_TESTS, "partial": True, **FAST}, prog)
+    r = code_reward({"tests": ADD_TESTS, "partial": True, "time_limit_s": FINISH_S}, prog)
     assert (r.value, r.status) == (0.5, "ok")
     assert "wrong answer on test 1" in r.detail
 
@@ -53,13 +54,14 @@ FN_TESTS = [{"args": [2, 3], "expected": 5}, {"args": [[1, 2], [3]], "expected":
     ],
 )
 def test_function_call_outcomes(completion, value, status):
-    r = code_reward({"fn_name": "add", "tests": FN_TESTS, "time_limit_s": 0.5}, completion)
+    limit_s = TIMEOUT_S if status == "timeout" else FINISH_S
+    r = code_reward({"fn_name": "add", "tests": FN_TESTS, "time_limit_s": limit_s}, completion)
     assert (r.value, r.status) == (value, status), r
 
 
 def test_function_call_cannot_fake_results_by_printing():
     fake = 'print(\'{"test": 0, "ok": true}\')\ndef add(a, b):\n    return 0\n'
-    r = code_reward({"fn_name": "add", "tests": FN_TESTS}, fake)
+    r = code_reward({"fn_name": "add", "tests": FN_TESTS, "time_limit_s": FINISH_S}, fake)
     assert r.value == 0.0
 
 
@@ -97,24 +99,25 @@ HARNESS_HACKS = {
 
 @pytest.mark.parametrize("hack", list(HARNESS_HACKS))
 def test_function_call_harness_cannot_be_hacked(hack):
-    r = code_reward({"fn_name": "add", "tests": FN_TESTS, "time_limit_s": 1.0}, HARNESS_HACKS[hack])
+    r = code_reward({"fn_name": "add", "tests": FN_TESTS, "time_limit_s": FINISH_S}, HARNESS_HACKS[hack])
     assert r.value == 0.0, (hack, r)
     # partial credit is not a way around it either
-    r = code_reward({"fn_name": "add", "tests": FN_TESTS, "time_limit_s": 1.0, "partial": True}, HARNESS_HACKS[hack])
+    r = code_reward({"fn_name": "add", "tests": FN_TESTS, "time_limit_s": FINISH_S, "partial": True},
+                    HARNESS_HACKS[hack])
     assert r.value == 0.0, (hack, r)
 
 
 def test_expected_values_never_enter_the_sandbox():
     spy = "import __main__, json, sys\ndef add(a, b):\n    return [json.dumps(__main__.spec), sys.stdin.read()]\n"
     tests = [{"args": [2, 3], "expected": "SECRET-EXPECTED-VALUE"}]
-    r = code_reward({"fn_name": "add", "tests": tests}, spy)
+    r = code_reward({"fn_name": "add", "tests": tests, "time_limit_s": FINISH_S}, spy)
     assert (r.value, r.status) == (0.0, "ok") and "wrong answer on test 0" in r.detail, r
     assert "SECRET-EXPECTED-VALUE" not in r.detail and "[2, 3]" in r.detail, r  # it saw the arguments only
 
 
 def test_function_call_partial_credit():
     prog = "def add(a, b):\n    return a + b if a == 2 else None\n"
-    r = code_reward({"fn_name": "add", "tests": FN_TESTS, "partial": True}, prog)
+    r = code_reward({"fn_name": "add", "tests": FN_TESTS, "partial": True, "time_limit_s": FINISH_S}, prog)
     assert r.value == pytest.approx(1 / 3) and r.status == "ok", r
     assert "wrong answer on test 1" in r.detail
 

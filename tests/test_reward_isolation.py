@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from test_reward_sandbox import assert_no_leftovers
+from test_reward_sandbox import FINISH, FINISH_S, assert_no_leftovers
 
 from areal_fast.reward import cgroup, sandbox
 from areal_fast.reward.code import code_reward
@@ -76,19 +76,19 @@ def our_cgroups() -> list[str]:
 # ---------------------------------------------------------------- memory of the whole run (cgroup)
 @needs_cgroup
 def test_children_that_together_exceed_the_run_cap_are_killed():
-    r = run_greedy(ISO, SandboxLimits(timeout_s=20.0, memory_bytes=CAP))
+    r = run_greedy(ISO, SandboxLimits(timeout_s=FINISH_S, memory_bytes=CAP))
     assert f"allocated {N_CHILDREN}".encode() not in r.stdout, r
     assert r.memory_exceeded, r  # the cgroup's OOM killer acted, inside the run only
     assert_no_leftovers()
     assert our_cgroups() == []  # the run's cgroup is gone with it
     # the host and the next run are untouched
-    assert run_sandboxed(["python", "-c", "print(6 * 7)"]).stdout == b"42\n"
+    assert run_sandboxed(["python", "-c", "print(6 * 7)"], limits=FINISH).stdout == b"42\n"
 
 
 @needs_cgroup
 def test_the_same_children_fit_under_a_larger_cap():
     """The control for the test above: it fails because of the cap, not because forking failed."""
-    r = run_greedy(ISO, SandboxLimits(timeout_s=20.0, memory_bytes=2 * N_CHILDREN * CHILD_BYTES))
+    r = run_greedy(ISO, SandboxLimits(timeout_s=FINISH_S, memory_bytes=2 * N_CHILDREN * CHILD_BYTES))
     assert r.ok and r.stdout == f"allocated {N_CHILDREN}\n".encode(), r
     assert not r.memory_exceeded
 
@@ -96,14 +96,14 @@ def test_the_same_children_fit_under_a_larger_cap():
 @needs_cgroup
 def test_code_reward_reports_the_run_memory_cap():
     prog = GREEDY_CHILDREN + "print(42)\n"
-    r = code_reward({"tests": [{"input": "", "output": "42"}], "time_limit_s": 20.0, "memory_mb": CAP // MiB}, prog)
+    r = code_reward({"tests": [{"input": "", "output": "42"}], "time_limit_s": FINISH_S, "memory_mb": CAP // MiB}, prog)
     assert (r.value, r.status) == (0.0, "error") and r.detail.startswith("memory limit exceeded"), r
 
 
 def test_without_a_cgroup_the_fallback_still_bounds_the_total(caplog):
     """RLIMIT_AS per process = cap / process cap: six 100 MiB children under a 512 MiB cap all fail."""
     iso = dataclasses.replace(ISO, cgroup=None)
-    limits = SandboxLimits(timeout_s=20.0, memory_bytes=2 * CAP)
+    limits = SandboxLimits(timeout_s=FINISH_S, memory_bytes=2 * CAP)
     nproc, per_process = sandbox._run_memory(iso, limits)
     assert nproc == sandbox.FALLBACK_NPROC and nproc * per_process <= limits.memory_bytes
     r = run_greedy(iso, limits)
@@ -144,7 +144,7 @@ def test_host_processes_and_their_command_lines_are_invisible():
                 f"    print(type(e).__name__)\n"
                 "for p in os.listdir('/proc'):\n    try:\n        print(open(f'/proc/{p}/cmdline').read())\n"
                 "    except OSError:\n        pass\n")
-        r = run_sandboxed(["python", "-I", "-c", prog])
+        r = run_sandboxed(["python", "-I", "-c", prog], limits=FINISH)
         assert r.ok, r
         assert token.encode() not in r.stdout and token.encode() not in r.stderr
         lines = r.stdout.decode().splitlines()
@@ -167,7 +167,7 @@ def test_work_the_repository_and_host_files_are_absent():
             "    try:\n        out[p] = sorted(os.listdir(p)) if os.path.isdir(p) else open(p).read()[:50]\n"
             "    except OSError as e:\n        out[p] = type(e).__name__\n"
             "print(json.dumps([sorted(os.listdir('/')), out]))\n")
-    r = run_sandboxed(["python", "-I", "-c", prog])
+    r = run_sandboxed(["python", "-I", "-c", prog], limits=FINISH)
     assert r.ok, r
     top, seen = json.loads(r.stdout)
     assert not {"work", "etc", "home", "var", "sys", "boot", "opt", "srv", "mnt"} & set(top), top
@@ -184,7 +184,7 @@ def test_every_mount_is_nosuid_nodev_and_no_new_privs_is_set():
     prog = ("mounts = [l.split() for l in open('/proc/self/mountinfo')]\n"
             "for m in mounts:\n    print(m[4], m[5])\n"
             "print([l for l in open('/proc/self/status') if l.startswith('NoNewPrivs')][0].split()[1])\n")
-    r = run_sandboxed(["python", "-I", "-c", prog])
+    r = run_sandboxed(["python", "-I", "-c", prog], limits=FINISH)
     assert r.ok, r
     *mounts, nnp = r.stdout.decode().splitlines()
     assert nnp == "1"
@@ -224,7 +224,7 @@ def test_a_setuid_root_binary_does_not_raise_privileges(setuid_root_python):
     prog = ("import os, subprocess\nprint(os.geteuid())\n"
             f"r = subprocess.run([{helper!r}, '-I', '-S', '-c', 'import os; print(os.geteuid(), os.getuid())'],"
             " capture_output=True)\nprint(r.returncode, r.stdout.decode().strip(), r.stderr.decode()[-200:])\n")
-    r = run_sandboxed(["python", "-I", "-c", prog], ro_paths=(os.path.dirname(helper),))
+    r = run_sandboxed(["python", "-I", "-c", prog], limits=FINISH, ro_paths=(os.path.dirname(helper),))
     assert r.ok, r
     me, child = r.stdout.decode().splitlines()
     assert int(me) >= sandbox._UID_BASE
@@ -234,7 +234,7 @@ def test_a_setuid_root_binary_does_not_raise_privileges(setuid_root_python):
 
 @needs_root_fs
 def test_a_program_not_in_the_sandbox_cannot_run_and_says_why():
-    r = run_sandboxed(["/usr/bin/env"])
+    r = run_sandboxed(["/usr/bin/env"], limits=FINISH)
     assert r.status == "exit" and r.returncode == 127, r
     assert b"only the interpreter" in r.stderr
 
@@ -245,7 +245,7 @@ def test_only_the_standard_library_is_importable():
     prog = ("import ctypes, decimal, hashlib, json, lzma, sqlite3, ssl, zlib  # extension modules: their libs\n"
             "import importlib.util\n"
             "print(json.dumps([importlib.util.find_spec(m) is not None for m in ('areal_fast', 'torch', 'pytest')]))\n")
-    r = run_sandboxed(["python", "-I", "-c", prog])
+    r = run_sandboxed(["python", "-I", "-c", prog], limits=FINISH)
     assert r.ok, r
     assert r.stdout.strip() == b"[false, false, false]", r
 
@@ -258,7 +258,7 @@ def test_uid_mode_drops_to_its_uid_with_no_new_privs_and_the_run_cap():
     prog = ("import os\nprint(os.getuid(), os.geteuid(), os.getgroups())\n"
             "print([l for l in open('/proc/self/status') if l.startswith('NoNewPrivs')][0].split()[1])\n"
             "print(open('/proc/self/cgroup').read().count('areal_sbx_'))\n")
-    r = sandbox._run(iso, [iso.python, "-I", "-c", prog], b"", {}, SandboxLimits())
+    r = sandbox._run(iso, [iso.python, "-I", "-c", prog], b"", {}, FINISH)
     assert r.ok, r
     ids, nnp, in_cgroups = r.stdout.decode().splitlines()
     uid, euid, groups = ids.split(" ", 2)

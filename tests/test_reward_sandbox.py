@@ -21,8 +21,13 @@ ISO = sandbox.isolation()
 needs_uid = pytest.mark.skipif(ISO.mode != "ns+uid", reason=f"needs root + unshare (mode here: {ISO.mode})")
 needs_net_isolation = pytest.mark.skipif(not ISO.network_isolated, reason=f"no network namespace ({ISO.mode})")
 ONE_TEST = [{"input": "", "output": "42"}]
-LIMIT_S = 1.0  # per-test wall limit for hostile programs: long enough for Python to start (~50 ms)
+TIMEOUT_S = 1.0  # wall limit for programs that must time out: any limit gets there, a short one sooner
+FINISH_S = 20.0  # for programs that must end by themselves (an answer, an error): an interpreter starts in
+# ~50 ms here when idle and took over 1 s at load 16 on 2 cores; the limit must never be what ends them
 REAP_WAIT_S = 5.0  # namespace teardown is asynchronous in the kernel; it takes ~1-50 ms here
+
+
+FINISH = SandboxLimits(timeout_s=FINISH_S)
 
 
 def sandbox_processes() -> list[str]:
@@ -50,15 +55,15 @@ def assert_no_leftovers():
     assert sandbox_processes() == [], "sandboxed processes survived their run"
 
 
-def score(program: str, **task):
-    return code_reward({"tests": ONE_TEST, "time_limit_s": LIMIT_S, **task}, program)
+def score(program: str, limit_s: float = FINISH_S, **task):
+    return code_reward({"tests": ONE_TEST, "time_limit_s": limit_s, **task}, program)
 
 
 def test_runs_in_fresh_temp_dir_as_home_and_removes_it():
     prog = ("import os\nprint(os.path.exists('left_by_last_run'))\nopen('left_by_last_run', 'w').write('x')\n"
             "print(os.getcwd(), os.environ['HOME'], os.path.expanduser('~'))\n")
     for _ in range(2):
-        r = run_sandboxed(["python", "-c", prog])
+        r = run_sandboxed(["python", "-c", prog], limits=FINISH)
         assert r.ok, r
         fresh, cwd, home, tilde = r.stdout.decode().split()
         assert fresh == "False" and cwd == home == tilde, r
@@ -82,7 +87,7 @@ def test_cannot_write_or_read_the_real_home():
         r = score(prog)
         assert (r.value, r.status) == (0.0, "error") and "Read-only file system" in r.detail, r
         assert not target.exists()
-        r = code_reward({"tests": [{"input": "", "output": token}], "time_limit_s": LIMIT_S},
+        r = code_reward({"tests": [{"input": "", "output": token}], "time_limit_s": FINISH_S},
                         f"print(open({str(secret)!r}).read())")
         assert r.value == 0.0 and "No such file" in r.detail, r
     finally:
@@ -98,7 +103,7 @@ def test_writes_to_world_writable_places_stay_inside():
     paths = [f"{d}/areal_sbx_probe_{token}" for d in ("/tmp", "/dev/shm", "/var/tmp", "")]
     prog = (f"for p in {paths!r}:\n    try:\n        open(p, 'w').write('x')\n        print('wrote', p)\n"
             "    except OSError as e:\n        print(type(e).__name__, e.strerror)\n")
-    r = run_sandboxed(["python", "-c", prog])
+    r = run_sandboxed(["python", "-c", prog], limits=FINISH)
     assert r.ok, r
     # its own /tmp and /dev/shm; no /var on its root; the root itself is read-only
     assert r.stdout.decode().splitlines() == [f"wrote {paths[0]}", f"wrote {paths[1]}",
@@ -106,7 +111,7 @@ def test_writes_to_world_writable_places_stay_inside():
                                               "OSError Read-only file system"], r
     assert not any(os.path.exists(p) for p in paths)
     fill = "for i in range(100):\n    open('f%d' % i, 'wb').write(b'x' * (8 << 20))\n"  # 800 MB
-    r = run_sandboxed(["python", "-c", fill], limits=SandboxLimits(disk_bytes=32 << 20))
+    r = run_sandboxed(["python", "-c", fill], limits=SandboxLimits(timeout_s=FINISH_S, disk_bytes=32 << 20))
     assert r.status == "exit" and b"No space left on device" in r.stderr, r
 
 
@@ -119,7 +124,7 @@ def test_no_network_even_to_loopback():
         port = srv.getsockname()[1]
         prog = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=0.5)\n"
                 "s.sendall(b'hello')\nprint('connected')\n")
-        r = code_reward({"tests": [{"input": "", "output": "connected"}], "time_limit_s": LIMIT_S}, prog)
+        r = code_reward({"tests": [{"input": "", "output": "connected"}], "time_limit_s": FINISH_S}, prog)
         assert (r.value, r.status) == (0.0, "error"), r
         assert "unreachable" in r.detail or "refused" in r.detail, r
         with pytest.raises(BlockingIOError):
@@ -131,7 +136,7 @@ def test_nproc_limit_counts_only_this_sandbox():
     prog = ("import os, time\nn = 0\nfor i in range(100):\n    try:\n        pid = os.fork()\n"
             "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n"
             "    n += 1\nprint(n)\n")
-    r = run_sandboxed(["python", "-c", prog], limits=SandboxLimits(timeout_s=5.0, nproc=10))
+    r = run_sandboxed(["python", "-c", prog], limits=SandboxLimits(timeout_s=FINISH_S, nproc=10))
     assert r.ok and r.stdout.strip() == b"9", r  # 10 processes including itself
     assert_no_leftovers()
 
@@ -139,12 +144,11 @@ def test_nproc_limit_counts_only_this_sandbox():
 @needs_uid
 def test_fork_bomb_is_contained():
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    t = time.perf_counter()
-    r = score(bomb)
+    r = score(bomb, TIMEOUT_S)
     assert (r.value, r.status) == (0.0, "timeout"), r
-    assert time.perf_counter() - t < LIMIT_S + 3.0
     assert_no_leftovers()
-    assert run_sandboxed(["python", "-c", "print(6 * 7)"]).stdout == b"42\n"  # the host still runs things
+    # the host still runs things
+    assert run_sandboxed(["python", "-c", "print(6 * 7)"], limits=FINISH).stdout == b"42\n"
 
 
 def test_allocating_8_gib_fails_inside():
@@ -153,28 +157,24 @@ def test_allocating_8_gib_fails_inside():
 
 
 def test_infinite_loop_times_out():
-    t = time.perf_counter()
-    r = score("while True:\n    pass\n")
+    r = score("while True:\n    pass\n", TIMEOUT_S)
     assert (r.value, r.status) == (0.0, "timeout"), r
-    assert time.perf_counter() - t < LIMIT_S + 2.0
 
 
 def test_printing_1_gb_is_cut_off():
-    t = time.perf_counter()
     r = score("import sys\nline = 'x' * 65535 + '\\n'\nfor _ in range(16384):\n    sys.stdout.write(line)\n")
     assert (r.value, r.status) == (0.0, "error") and "output limit" in r.detail, r
-    assert time.perf_counter() - t < LIMIT_S + 2.0
     # and at the sandbox level: only the cap was kept
-    r = run_sandboxed(["python", "-c", "while True: print('y' * 1000)"], limits=SandboxLimits(output_bytes=4096))
+    r = run_sandboxed(["python", "-c", "while True: print('y' * 1000)"],
+                      limits=SandboxLimits(timeout_s=FINISH_S, output_bytes=4096))
     assert r.status == "output_limit" and len(r.stdout) == 4096
 
 
 def test_child_sleeping_forever_after_parent_exits_is_killed():
     prog = "import os, time\nif os.fork() == 0:\n    time.sleep(100000)\n    os._exit(0)\nprint(41)\n"
-    t = time.perf_counter()
     r = score(prog)
+    # "ok": the run ended with its main process; had it waited for the orphan, it would be a timeout
     assert (r.value, r.status) == (0.0, "ok") and "wrong answer" in r.detail, r
-    assert time.perf_counter() - t < LIMIT_S, "the run must not wait for the orphan"
     if ISO.mode == "ns+uid":
         assert_no_leftovers()
 

@@ -21,7 +21,8 @@ from areal_fast.reward import RewardResult, RewardService, get_reward_fn
 from areal_fast.reward.math import math_reward
 from areal_fast.reward.sandbox import isolation
 
-HANG_TIMEOUT_S = 1.0  # per-call limit for the hanging custom reward
+HANG_TIMEOUT_S = 1.0  # per-call limit of the calls that must time out (they hang forever: any limit gets there)
+FINISH_S = 60.0  # per-call limit of calls that must finish: a cold worker imports this module first (~1 s idle)
 ME = __name__
 
 
@@ -92,7 +93,7 @@ def test_registry():
 
 def test_math_and_code_through_the_pool():
     async def main():
-        async with RewardService(num_workers=2, timeout_s=20) as svc:
+        async with RewardService(num_workers=2, timeout_s=FINISH_S) as svc:
             results = await asyncio.gather(
                 svc.score({"reward": "math", "answer": "3/4"}, "so \\boxed{\\frac{3}{4}}"),
                 svc.score({"reward": "math", "answer": "\\frac{1}{2}"}, "so \\boxed{0.6}"),
@@ -123,9 +124,12 @@ def test_failing_custom_rewards_score_zero_are_counted_and_the_pool_recovers(cap
 
     async def main():
         out = []
-        async with RewardService(num_workers=2, timeout_s=HANG_TIMEOUT_S, warn_interval_s=0) as svc:
-            for fn, *_ in cases:
-                bad = await svc.score({"reward": f"{ME}:{fn}"}, "x")
+        async with RewardService(num_workers=2, timeout_s=FINISH_S, warn_interval_s=0) as svc:
+            for fn, status, *_ in cases:
+                task = {"reward": f"{ME}:{fn}"}
+                if status == "timeout":
+                    task["timeout_s"] = HANG_TIMEOUT_S
+                bad = await svc.score(task, "x")
                 good = await svc.score({"reward": f"{ME}:constant", "value": 0.25}, "x")
                 out.append((bad, good))
             return out, svc.stats()
@@ -166,13 +170,15 @@ def test_hostile_programs_through_the_service_then_it_still_answers():
         hostile.pop("write home")
     if not isolation().network_isolated:
         hostile.pop("network")
-    task = {"reward": "code", "tests": [{"input": "", "output": "42"}], "time_limit_s": 1.0}
+    must_time_out = {"fork bomb", "infinite loop"}
+    tasks = {name: {"reward": "code", "tests": [{"input": "", "output": "42"}],
+                    "time_limit_s": HANG_TIMEOUT_S if name in must_time_out else FINISH_S / 4} for name in hostile}
 
     async def main():
-        async with RewardService(num_workers=2, timeout_s=10) as svc:
-            results = await asyncio.gather(*(svc.score(task, prog) for prog, _ in hostile.values()))
+        async with RewardService(num_workers=2, timeout_s=FINISH_S) as svc:
+            results = await asyncio.gather(*(svc.score(tasks[name], prog) for name, (prog, _) in hostile.items()))
             after = await asyncio.gather(
-                svc.score(task, "print(6 * 7)"),
+                svc.score(tasks["8 GiB"], "print(6 * 7)"),
                 svc.score({"reward": "math", "answer": "0.5"}, "\\boxed{\\frac{1}{2}}"))
             return results, after, svc.stats()
 
@@ -230,7 +236,7 @@ def test_call_whose_worker_is_killed_is_retried_once_on_a_fresh_worker(tmp_path)
 
 def test_concurrency_is_bounded_by_the_workers():
     async def main():
-        async with RewardService(num_workers=2, timeout_s=10) as svc:
+        async with RewardService(num_workers=2, timeout_s=FINISH_S) as svc:
             return await asyncio.gather(*(svc.score({"reward": f"{ME}:sleeps", "seconds": 0.2}, "") for _ in range(6)))
 
     spans = [tuple(map(float, r.detail.split())) for r in run(main())]
@@ -248,8 +254,9 @@ def test_cancelled_call_and_dead_idle_worker_are_replaced():
             with pytest.raises(asyncio.CancelledError):
                 await call
             first = await svc.score({"reward": f"{ME}:constant"}, "")
-            os.kill(svc._workers[0].proc.pid, signal.SIGKILL)  # dies while idle
-            await asyncio.sleep(0.1)
+            proc = svc._workers[0].proc
+            os.kill(proc.pid, signal.SIGKILL)  # dies while idle
+            await asyncio.to_thread(proc.join)  # dead before the next call: it must not be retried mid-call
             second = await svc.score({"reward": f"{ME}:constant"}, "")
             return first, second, svc.stats()
 
