@@ -808,6 +808,7 @@ def check_machine(cfg: AppConfig, *, gpus: int | None = None) -> None:
     if cfg.launcher == "ray":
         need("ray", "launcher", "launcher 'ray'")
         return
+    _check_writable_dir("experiment.output_dir", cfg.experiment.out)
     if not cfg.model.warm_start.enabled:
         _check_model_dir("model.path", cfg.model.path)
     if cfg.model.tokenizer:
@@ -854,6 +855,17 @@ def check_machine(cfg: AppConfig, *, gpus: int | None = None) -> None:
         if have < t.world_size:
             raise ConfigError(f"train.world_size: {t.world_size} GPU ranks asked for, but "
                               f"{'train.gpus lists' if t.gpus else 'this machine has'} {have} GPU(s)")
+
+
+def _check_writable_dir(key: str, path: Path) -> None:
+    """``path`` is a directory we can write in, or can be created (its nearest existing ancestor is)."""
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        raise ConfigError(f"{key}: {str(path)!r} cannot be a directory: {str(p)!r} is a file")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: {str(path)!r} is not writable (no write permission on {str(p)!r})")
 
 
 def _check_model_dir(key: str, path: str | None, weights: bool = True) -> None:

@@ -75,6 +75,8 @@ CASES = [
     ("rollout-gpus-beyond-machine", lambda t: (EXAMPLE, ["rollout.gpus=['3']"]), 2, ["rollout.gpus[0]", "GPU 3"]),
     ("world-size-beyond-gpus", lambda t: (EXAMPLE, ["train.device=cuda", "train.world_size=4"]), 2,
      ["train.world_size", "2 GPU"]),
+    ("output-dir-under-a-file", lambda t: (EXAMPLE, [f"experiment.output_dir={_config_file(t, b'x: 1')}/run"]), 0,
+     ["experiment.output_dir", "run.yaml", "is a file"]),
     ("top-k-zero", lambda t: (EXAMPLE, ["rollout.top_k=0"]), 0, ["rollout.top_k", "-1"]),
     ("eval-max-new-tokens-negative", lambda t: (EXAMPLE, ["eval.max_new_tokens=-5"]), 0, ["eval.max_new_tokens"]),
     ("max-tokens-per-mb-zero", lambda t: (EXAMPLE, ["train.max_tokens_per_mb=0"]), 0, ["train.max_tokens_per_mb"]),
