@@ -4,8 +4,8 @@
 - a failing rank fails fast with its name and log tail;
 - an embedded-engine server is placed, becomes healthy and generates; killing its actor kills
   the engine and, as it was the last server, fails fast like the local launcher;
-- the tiny end-to-end training run through ``run_with_ray`` with two servers and two trainer
-  ranks, one server's actor killed mid-run: the run still finishes (as with the local launcher);
+- the tiny end-to-end training run through ``run_train`` with ``launcher: ray``, two servers and two
+  trainer ranks, one server's actor killed mid-run: the run still finishes (as with the local launcher);
 - teardown leaves no actors, placement groups or engine processes, and ``ray.shutdown`` leaves no
   raylet behind.
 
@@ -25,16 +25,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from areal_fast.config import RolloutConfig, load_config  # noqa: E402
-from areal_fast.launch.local import ProcessDied, http_ok  # noqa: E402
-from areal_fast.launch.ray_launcher import (  # noqa: E402
-    PYTHON,
-    RayConfig,
-    RayLauncher,
-    run_with_ray,
-    server_command,
-    tp_size,
-)
+from areal_fast.config import RayConfig, RolloutConfig, load_config  # noqa: E402
+from areal_fast.launch.base import PYTHON, ProcessDied, http_ok, server_command, tp_size  # noqa: E402
+from areal_fast.launch.ray_launcher import RayLauncher  # noqa: E402
+from areal_fast.launch.train import run_train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_reverse.yaml"
@@ -73,8 +67,9 @@ def test_config_validation_and_server_placement_helpers():
     assert tp_size(["--mem-fraction-static", "0.8", "--tp-size", "4"]) == 4
     assert tp_size(["--tp=2"]) == 2 and tp_size([]) == 1
     r = RolloutConfig(engine="sglang", server_args=["--tp-size", "2"])
-    cmd = server_command(r, "/m", "10.0.0.7", 30001, seed=0)
-    assert cmd[:3] == [PYTHON, "-m", "sglang.launch_server"] and cmd[-2:] == ["--tp-size", "2"]
+    cmd = server_command(r, "/m", "10.0.0.7", 30001, seed=0, api_key="k", python=PYTHON)
+    assert cmd[:3] == [PYTHON, "-m", "sglang.launch_server"] and cmd.count("--tp-size") == 1
+    assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--api-key") + 1] == "k"
     assert cmd[cmd.index("--host") + 1] == "10.0.0.7" and cmd[cmd.index("--port") + 1] == "30001"
 
 
@@ -140,7 +135,7 @@ def _wait_done(launcher: RayLauncher, procs, timeout: float) -> None:
 
 def test_trainer_ranks_rendezvous_and_all_reduce(ray_cluster, tmp_path):
     with RayLauncher(tmp_path / "logs", LIGHT) as launcher:
-        ranks = launcher.start_trainer_ranks([PYTHON, "-c", ALL_REDUCE], 2, cpus=0.5)
+        ranks = launcher.start_ranks([PYTHON, "-c", ALL_REDUCE], 2, cpus=0.5)
         _wait_done(launcher, ranks, 120)
         assert [p.returncode for p in ranks] == [0, 0]
         for r, p in enumerate(ranks):
@@ -152,7 +147,7 @@ def test_trainer_ranks_rendezvous_and_all_reduce(ray_cluster, tmp_path):
 def test_a_failing_rank_fails_fast_with_its_log(ray_cluster, tmp_path):
     cmd = [PYTHON, "-c", "import sys; print('bad batch at step 7', flush=True); sys.exit(3)"]
     with RayLauncher(tmp_path / "logs", LIGHT) as launcher:
-        launcher.start_trainer_ranks(cmd, 1, cpus=0.5)
+        launcher.start_ranks(cmd, 1, cpus=0.5)
         with pytest.raises(ProcessDied, match=r"(?s)trainer0.*exited with code 3.*bad batch at step 7"):
             _wait_done(launcher, launcher.procs, 60)
     _assert_torn_down(launcher)
@@ -175,7 +170,7 @@ def test_server_health_generate_and_killed_actor(ray_cluster, tmp_path):
         assert len(res["output_ids"]) == len(res["meta_info"]["output_token_logprobs"]) >= 1
         assert launcher.check() == []
         ray.kill(server.actor)
-        with pytest.raises(ProcessDied, match=r"(?s)the last inference server died: process 'server0'.*actor died"):
+        with pytest.raises(ProcessDied, match=r"(?s)the last inference server died: process 'server0'.*is gone"):
             deadline = time.monotonic() + GONE_TIMEOUT_S
             while time.monotonic() < deadline:
                 launcher.check()
@@ -192,12 +187,13 @@ def test_tiny_e2e_run_survives_a_killed_server_actor(ray_cluster, tmp_path):
     out = tmp_path / "run"
     steps = 3  # the server dies after step 1; steps 2-3 (seconds of work) cannot finish before the kill
     cfg = load_config(EXAMPLE, [*TINY, f"experiment.output_dir={out}", f"experiment.total_steps={steps}",
-                                "rollout.n_servers=2", "train.world_size=2"])
+                                "rollout.n_servers=2", "train.world_size=2", "launcher=ray"])
+    cfg.ray = LIGHT
     box: dict = {}
 
     def run():
         try:
-            box["summary"] = run_with_ray(cfg, ray_cfg=LIGHT, say=lambda m: None)
+            box["summary"] = run_train(cfg, say=lambda m: None)
         except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
             box["error"] = e
 

@@ -84,18 +84,11 @@ def controller_settings(cfg, tokenizer, key: dict) -> ControllerSettings:
 
 
 def trainer_config(cfg, model_path: str):
-    from areal_fast.trainer import TrainerConfig
+    """The run's trainer section (``cfg.train`` is the trainer's own config, its derived values
+    filled in) for the model at ``model_path``."""
+    import dataclasses
 
-    t = cfg.train
-    optim = t.optim
-    if optim.total_steps == 0 and optim.lr_schedule != "constant":
-        import dataclasses
-
-        optim = dataclasses.replace(optim, total_steps=cfg.experiment.total_steps)
-    return TrainerConfig(model_path=model_path, ppo=t.ppo, optim=optim, max_tokens_per_mb=t.max_tokens_per_mb,
-                         attn_impl=t.attn_impl, param_dtype=t.param_dtype,
-                         gradient_checkpointing=t.gradient_checkpointing, seed=cfg.experiment.seed,
-                         device=t.device)
+    return dataclasses.replace(cfg.train, model_path=model_path)
 
 
 # ----------------------------------------------------------------------------- one rank

@@ -1,4 +1,5 @@
-"""Ray launcher: the same run as ``areal-fast train`` on a Ray cluster of one machine or many.
+"""Ray launcher: the ``Launcher`` of ``launch.base`` on a Ray cluster of one machine or many
+(``launcher: ray``; ``launch.train.run_train`` drives it exactly as it drives the local one).
 
 ::
 
@@ -7,11 +8,11 @@
       |-- placement group "servers":  n_servers x {CPU: c, GPU: tp}    (SPREAD: one server per node first)
       |     `-- ProcessHost actor per bundle --> python -m areal_fast.rollout.engine | sglang.launch_server
       |-- placement group "trainers": world_size x {CPU: c, GPU: 1}    (PACK: ranks on as few nodes as possible)
-      |     `-- ProcessHost actor per bundle --> python -m areal_fast.launch.ray_launcher rank CONFIG ...
-      |           env RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (what torchrun would set);
-      |           rank 0 runs the controller against rollout.servers=[the servers' addresses]
-      `-- watch loop (0.5 s): actor liveness and exit codes, server health, per-process logs pulled
-          into <output_dir>/logs/<name>.log, the progress bar from <output_dir>/metrics.jsonl
+      |     `-- ProcessHost actor per bundle --> python -m areal_fast.launch.rank <output_dir>/trainer_config.yaml
+      |           env RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (what torchrun would set),
+      |           AREAL_FAST_API_KEY; rank 0 runs the controller against the servers named in the file
+      `-- watch loop (run_train, 0.5 s): actor liveness and exit codes, server health, per-process logs
+          pulled into <output_dir>/logs/<name>.log
 
 Every program runs as a child process of a small actor (:class:`ProcessHost`) on the node of its
 bundle, not inside the actor: the programs are exactly those the local launcher starts (no Ray
@@ -33,7 +34,6 @@ by all ranks). See ``docs/multinode.md``.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
@@ -44,61 +44,26 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 from pathlib import Path
 
-from areal_fast.launch.local import ProcessDied, find_free_port, http_ok
+from areal_fast.config import RayConfig
+from areal_fast.launch.base import (
+    PYTHON,
+    LaunchedProcess,
+    ProcessDied,
+    http_reachable,
+    rank_command,
+    server_command,
+    server_env,
+    tp_size,
+)
+from areal_fast.netutil import find_free_port
 
 log = logging.getLogger(__name__)
-PYTHON = "{python}"  # placeholder in a command: the interpreter of the node that runs it
 _LOG_CHUNK = 1 << 20  # bytes pulled per process per round; a log never lags more than ~1 MiB/s
 _UNHEALTHY_WARN_S = 60.0  # a busy CPU engine answers /health within ~1 s; a minute means it is stuck
-_FOLLOWER_EXIT_S = 30.0  # ranks > 0 leave right after rank 0's 'stop'; longer means they hang
-
-
-@dataclass(kw_only=True, slots=True)
-class RayConfig:
-    """Where and how the Ray launcher places the run (``launcher: ray``)."""
-
-    address: str | None = None
-    """Cluster to join: 'auto', 'HOST:6379' or 'ray://HOST:10001'. None = the RAY_ADDRESS environment
-    variable, or a local single-node Ray started (and stopped) by the launcher."""
-    num_cpus: int | None = None
-    """CPUs of a local Ray started by the launcher (None = all)."""
-    server_strategy: str = "SPREAD"
-    """Placement strategy of the server bundles: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."""
-    trainer_strategy: str = "PACK"
-    """Placement strategy of the trainer-rank bundles (PACK keeps NCCL traffic inside nodes)."""
-    cpus_per_server: float | None = None
-    """Logical CPUs per server bundle (None = rollout.threads_per_server)."""
-    gpus_per_server: int | None = None
-    """GPUs per server bundle (None = the --tp-size of server_args for SGLang, 1 for a CUDA embedded
-    engine, 0 otherwise)."""
-    cpus_per_rank: float | None = None
-    """Logical CPUs per trainer-rank bundle (None = train.threads)."""
-    host: str | None = None
-    """Address servers bind and ranks meet on (None = 127.0.0.1 on a one-node cluster, else each
-    node's IP)."""
-    placement_timeout: float = 300.0
-    """Seconds to wait for the placement groups (and autoscaled nodes) before failing."""
-    grace: float = 10.0
-    """Seconds between SIGTERM and SIGKILL at teardown."""
-
-    def __post_init__(self):
-        strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-        for key in ("server_strategy", "trainer_strategy"):
-            if getattr(self, key) not in strategies:
-                raise ValueError(f"{key}: must be one of {strategies}, got {getattr(self, key)!r}")
-        for key in ("cpus_per_server", "cpus_per_rank"):
-            v = getattr(self, key)
-            if v is not None and not v > 0:
-                raise ValueError(f"{key}: must be > 0 or null, got {v!r}")
-        if self.gpus_per_server is not None and self.gpus_per_server < 0:
-            raise ValueError(f"gpus_per_server: must be >= 0 or null, got {self.gpus_per_server!r}")
-        if self.num_cpus is not None and self.num_cpus < 1:
-            raise ValueError(f"num_cpus: must be >= 1 or null, got {self.num_cpus!r}")
-        if not self.placement_timeout > 0 or self.grace < 0:
-            raise ValueError("placement_timeout must be > 0 and grace >= 0")
+_HEALTH_EVERY = 10  # check() asks /health on every 10th call: ~5 s apart at the driver's 0.5 s poll
 
 
 # ----------------------------------------------------------------------------- the actor
@@ -147,7 +112,8 @@ class ProcessHost:
 
     def poll(self, health_url: str | None = None) -> dict:
         rc = self.proc.poll() if self.proc else None
-        healthy = http_ok(health_url, timeout=1.0) if health_url and rc is None else None
+        # answering at all counts: a server paused for a weight update may answer 503 for minutes
+        healthy = http_reachable(health_url, timeout=1.0) if health_url and rc is None else None
         return {"returncode": rc, "healthy": healthy}
 
     def read_log(self, offset: int, limit: int = _LOG_CHUNK) -> tuple[bytes, int]:
@@ -192,40 +158,6 @@ def _remove_log(path: str) -> None:
 # ----------------------------------------------------------------------------- the driver side
 
 
-@dataclass(eq=False)
-class RayProcess:
-    """One program run by a ProcessHost actor, as the driver sees it."""
-
-    name: str
-    actor: object
-    node_ip: str
-    log_path: Path  # on the driver, filled by pulling
-    url: str | None = None
-    critical: bool = True
-    returncode: int | None = None
-    lost: str | None = None  # why the actor is gone (killed, node lost), if it is
-    pid: int | None = None
-    remote_log: str | None = None
-    offset: int = 0
-    reported: bool = False
-    last_healthy: float = field(default_factory=time.monotonic)
-    warned_unhealthy: bool = False
-
-    def alive(self) -> bool:
-        return self.returncode is None and self.lost is None
-
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def death_message(self) -> str:
-        how = f"its actor died ({self.lost})" if self.lost else f"exited with code {self.returncode}"
-        return f"process '{self.name}' (node {self.node_ip}, pid {self.pid}) {how}; log {self.log_path}:\n" \
-               f"{self.log_tail()}"
-
-
 def _ray():
     try:
         import ray
@@ -236,28 +168,6 @@ def _ray():
 
 def _resources(cpus: float, gpus: int) -> dict:
     return {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}
-
-
-def tp_size(server_args: list[str]) -> int:
-    """Tensor-parallel size named in SGLang arguments (--tp-size N, --tp N, --tp-size=N), else 1."""
-    for i, a in enumerate(server_args):
-        for flag in ("--tp-size", "--tp", "--tensor-parallel-size"):
-            if a == flag and i + 1 < len(server_args):
-                return int(server_args[i + 1])
-            if a.startswith(flag + "="):
-                return int(a.split("=", 1)[1])
-    return 1
-
-
-def server_command(rollout_cfg, model_path: str, host: str, port: int, seed: int) -> list[str]:
-    """The command the local launcher runs for one server, with the node's Python."""
-    r = rollout_cfg
-    if r.engine == "embedded":
-        return [PYTHON, "-m", "areal_fast.rollout.engine", "--model", model_path, "--host", host,
-                "--port", str(port), "--device", r.device, "--seed", str(seed), "--weight-version", "0",
-                "--max-running-requests", str(max(256, r.max_concurrent * r.group_size)), *r.server_args]
-    return [PYTHON, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
-            "--skip-tokenizer-init", "--weight-version", "0", *r.server_args]
 
 
 class RayLauncher:
@@ -274,10 +184,11 @@ class RayLauncher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = uuid.uuid4().hex[:8]
         self.node_log_dir = os.path.join(tempfile.gettempdir(), "areal_fast_ray", self.run_id)
-        self.procs: list[RayProcess] = []
+        self.procs: list[LaunchedProcess] = []
         self.actors: list = []  # every actor created, started or not (all are killed at teardown)
         self.groups: list = []
         self.single_node = sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+        self._checks = 0
         self._closed = False
         self._lock = threading.Lock()
         self._stop_pump = threading.Event()
@@ -320,17 +231,20 @@ class RayLauncher:
         return list(zip(actors, infos, strict=True))
 
     def _run(self, actor, info: dict, name: str, cmd: list[str], env: dict, url: str | None,
-             critical: bool) -> RayProcess:
+             critical: bool) -> LaunchedProcess:
         ray = _ray()
         started = ray.get(actor.start.remote(name, cmd, {k: str(v) for k, v in env.items()}, os.getcwd()))
-        p = RayProcess(name=name, actor=actor, node_ip=info["node_ip"], log_path=self.log_dir / f"{name}.log",
-                       url=url, critical=critical, pid=started["pid"], remote_log=started["log_path"])
+        p = LaunchedProcess(name=name, actor=actor, node=info["node_ip"], log_path=self.log_dir / f"{name}.log",
+                            url=url, critical=critical, pid=started["pid"],
+                            extra={"remote_log": started["log_path"], "offset": 0, "last_healthy": time.monotonic(),
+                                   "warned_unhealthy": False})
         with self._lock:
             self.procs.append(p)
-        log.info("started %s on %s (pid %d), log %s", name, p.node_ip, p.pid, p.log_path)
+        log.info("started %s on %s (pid %d), log %s", name, p.node, p.pid, p.log_path)
         return p
 
-    def start_servers(self, rollout_cfg, model_path: str, seed: int = 0) -> list[RayProcess]:
+    def start_servers(self, rollout_cfg, model_path: str, *, seed: int = 0, api_key: str | None = None
+                      ) -> list[LaunchedProcess]:
         """``rollout.n_servers`` servers, one per bundle of a placement group; waits for health."""
         ray = _ray()
         r = rollout_cfg
@@ -344,18 +258,32 @@ class RayLauncher:
         bundles = [_resources(cpus, gpus)] * r.n_servers
         pg = self._placement_group(bundles, self.cfg.server_strategy, "servers")
         out = []
-        threads = str(r.threads_per_server)
-        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+        env = server_env(r)
         for i, (actor, info) in enumerate(self._hosts(pg, bundles, "server")):
             host = self.host_for(info["node_ip"])
             port = ray.get(actor.free_port.remote(host))
-            out.append(self._run(actor, info, f"server{i}", server_command(r, model_path, host, port, seed + i),
-                                 {**env, "AREAL_FAST_HOST": host}, f"http://{host}:{port}", critical=False))
+            cmd = server_command(r, model_path, host, port, seed=seed + i, api_key=api_key, python=PYTHON)
+            out.append(self._run(actor, info, f"server{i}", cmd, {**env, "AREAL_FAST_HOST": host},
+                                 f"http://{host}:{port}", critical=False))
         self.wait_healthy(out, r.health_timeout)
         return out
 
-    def start_trainer_ranks(self, cmd: list[str], world_size: int, *, env: dict | None = None, cpus: float = 1.0,
-                            gpus: int = 0) -> list[RayProcess]:
+    def start_trainer_ranks(self, train_cfg, config_file: Path, env: dict[str, str]) -> list[LaunchedProcess]:
+        """``train.world_size`` trainer ranks reading ``config_file``, one per bundle (GPU ranks when
+        ``train.device`` is cuda, or unset on a cluster with GPUs)."""
+        ray = _ray()
+        t = train_cfg
+        cluster_gpus = ray.cluster_resources().get("GPU", 0)
+        gpus = int(t.device == "cuda" or (t.device is None and cluster_gpus > 0))
+        if gpus and cluster_gpus < t.world_size:
+            raise ValueError(f"train: {t.world_size} GPU rank(s) requested but the Ray cluster has "
+                             f"{cluster_gpus:g} GPU(s) (train.device=cpu runs the ranks on CPU)")
+        return self.start_ranks(rank_command(config_file, python=PYTHON), t.world_size,
+                                env={"OMP_NUM_THREADS": str(t.threads), **env},
+                                cpus=self.cfg.cpus_per_rank or float(t.threads), gpus=gpus)
+
+    def start_ranks(self, cmd: list[str], world_size: int, *, env: dict | None = None, cpus: float = 1.0,
+                    gpus: int = 0) -> list[LaunchedProcess]:
         """``world_size`` copies of ``cmd`` with the torch.distributed rendezvous torchrun would give.
 
         Ranks are numbered node by node (the node of bundle 0 first), so LOCAL_RANK counts ranks on
@@ -406,39 +334,43 @@ class RayLauncher:
                 self.pull_logs([p])
                 p.returncode = st["returncode"]
             if st["healthy"]:
-                p.last_healthy = time.monotonic()
+                p.extra["last_healthy"] = time.monotonic()
 
-    def wait_healthy(self, procs: list[RayProcess], timeout: float) -> None:
+    def wait_healthy(self, procs: list[LaunchedProcess], timeout: float) -> None:
         """Block until every process with a url answers 200 on /health; fail fast when one dies."""
         deadline = time.monotonic() + timeout
         pending = [p for p in procs if p.url]
         for p in pending:
-            p.last_healthy = 0.0
+            p.extra["last_healthy"] = 0.0
         while pending:
             t0 = time.monotonic()
             self.refresh(health=True)
             for p in list(pending):
                 if not p.alive():
                     raise ProcessDied(f"{p.death_message()}\n(it died while starting up)")
-                if p.last_healthy >= t0:
+                if p.extra["last_healthy"] >= t0:
                     pending.remove(p)
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"not healthy after {timeout:.0f}s: {', '.join(p.name for p in pending)}; "
                                    f"see logs in {self.log_dir}")
             time.sleep(0.2)
 
-    def dead(self) -> list[RayProcess]:
+    def dead(self) -> list[LaunchedProcess]:
         """Processes that ended since the last call (each reported once; exit code 0 included)."""
         out = [p for p in self.procs if not p.reported and not p.alive()]
         for p in out:
             p.reported = True
         return out
 
-    def check(self, health: bool = False) -> list[RayProcess]:
+    def check(self, health: bool | None = None) -> list[LaunchedProcess]:
         """Refresh; raise ProcessDied when a critical process failed or the last server is gone.
 
         Returns the processes that ended since the last call (finished critical ones with code 0,
-        and dead servers, which are logged as warnings)."""
+        and dead servers, which are logged as warnings). ``health`` (default: every 10th call) also
+        asks each server's /health; any answer counts, so a paused server is never reported."""
+        if health is None:
+            health = self._checks % _HEALTH_EVERY == 0
+        self._checks += 1
         self.refresh(health=health)
         dead = self.dead()
         for p in dead:
@@ -449,20 +381,21 @@ class RayLauncher:
         servers = [p for p in self.procs if p.url]
         now = time.monotonic()
         for p in servers:
-            if health and p.alive() and not p.warned_unhealthy and now - p.last_healthy > _UNHEALTHY_WARN_S:
-                p.warned_unhealthy = True
-                log.warning("server %s (%s) has not answered /health for %.0f s", p.name, p.url, now - p.last_healthy)
+            quiet = now - p.extra["last_healthy"]
+            if health and p.alive() and not p.extra["warned_unhealthy"] and quiet > _UNHEALTHY_WARN_S:
+                p.extra["warned_unhealthy"] = True
+                log.warning("server %s (%s) has not answered /health for %.0f s", p.name, p.url, quiet)
         if servers and any(p.url for p in dead) and not any(p.alive() for p in servers):
             last = [p for p in dead if p.url][-1]
             raise ProcessDied(f"the last inference server died: {last.death_message()}")
         return dead
 
     # ------------------------------------------------------------ logs
-    def pull_logs(self, procs: list[RayProcess] | None = None) -> None:
+    def pull_logs(self, procs: list[LaunchedProcess] | None = None) -> None:
         """Append what each process wrote since the last pull to ``<log_dir>/<name>.log``."""
         ray = _ray()
         procs = [p for p in (procs if procs is not None else list(self.procs)) if p.lost is None]
-        refs = {p.actor.read_log.remote(p.offset): p for p in procs}
+        refs = {p.actor.read_log.remote(p.extra["offset"]): p for p in procs}
         if not refs:
             return
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=10.0)
@@ -477,19 +410,20 @@ class RayLauncher:
                 continue
             self._append(p, data, offset)
 
-    def _append(self, p: RayProcess, data: bytes, offset: int) -> None:
+    def _append(self, p: LaunchedProcess, data: bytes, offset: int) -> None:
         with self._lock:
-            if data and offset > p.offset:
+            if data and offset > p.extra["offset"]:
                 with open(p.log_path, "ab") as f:
-                    f.write(data[len(data) - (offset - p.offset):])
-                p.offset = offset
+                    f.write(data[len(data) - (offset - p.extra["offset"]):])
+                p.extra["offset"] = offset
 
-    def _pull_local(self, p: RayProcess) -> None:
-        if p.remote_log and os.path.isfile(p.remote_log):
-            with open(p.remote_log, "rb") as f:
-                f.seek(p.offset)
+    def _pull_local(self, p: LaunchedProcess) -> None:
+        remote = p.extra["remote_log"]
+        if remote and os.path.isfile(remote):
+            with open(remote, "rb") as f:
+                f.seek(p.extra["offset"])
                 data = f.read()
-            self._append(p, data, p.offset + len(data))
+            self._append(p, data, p.extra["offset"] + len(data))
 
     def _pump_logs(self, every: float) -> None:
         while not self._stop_pump.wait(every):
@@ -522,8 +456,8 @@ class RayLauncher:
         except Exception as e:  # noqa: BLE001 - teardown goes on whatever happened
             log.warning("stopping processes: %r", e)
         for p in self.procs:
-            if p.lost is not None and p.remote_log:  # same machine: pulled by _pull_local, not needed now
-                _remove_log(p.remote_log)
+            if p.lost is not None and p.extra["remote_log"]:  # same machine: pulled by _pull_local already
+                _remove_log(p.extra["remote_log"])
         from ray.util.placement_group import remove_placement_group
 
         for actor in self.actors:
@@ -569,26 +503,7 @@ class ray_session:  # noqa: N801 - used like a function: ``with ray_session(cfg)
             _ray().shutdown()
 
 
-# ----------------------------------------------------------------------------- the run
-
-
-def _follow_metrics(path: Path, pos: int, bar) -> int:
-    """Feed the progress bar with the metrics.jsonl lines written since byte ``pos``."""
-    try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size < pos:  # rank 0 cut the file back on resume
-                pos = 0
-            f.seek(pos)
-            chunk = f.read()
-    except OSError:
-        return pos
-    end = chunk.rfind(b"\n") + 1  # only whole lines
-    for line in chunk[:end].splitlines():
-        try:
-            bar(json.loads(line))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
-    return pos + end
+# ----------------------------------------------------------------------------- the session
 
 
 class _sigterm_as_exit:  # noqa: N801
@@ -609,88 +524,25 @@ class _sigterm_as_exit:  # noqa: N801
             signal.signal(signal.SIGTERM, self.prev)
 
 
-def run_with_ray(cfg, *, progress: bool | None = None, say=None, ray_cfg: RayConfig | None = None,
-                 poll_s: float = 0.5) -> dict:
-    """``areal-fast train`` through Ray: the same run as ``launch.train.run_train``, placed by Ray.
-
-    ``cfg`` is an ``AppConfig``; ``ray_cfg`` defaults to ``cfg.ray`` when the config has that section.
-    Returns the controller's summary (``<output_dir>/summary.json``, written by trainer rank 0)."""
-    import yaml
-
-    from areal_fast.config import to_dict
-    from areal_fast.launch.metrics import ProgressBar
-    from areal_fast.launch.train import model_dir
-
-    rc = ray_cfg or getattr(cfg, "ray", None) or RayConfig()
-    say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    out = cfg.experiment.out.resolve()
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(out / "logs" / "launcher.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    pkg_log = logging.getLogger("areal_fast")
-    pkg_log.addHandler(handler)
-    old_level = pkg_log.level
-    pkg_log.setLevel(logging.INFO)
+@contextmanager
+def open_ray_launcher(ray_cfg: RayConfig, log_dir: Path):
+    """Connect to (or start) Ray, make SIGTERM unwind like Ctrl-C, and yield a RayLauncher; on exit
+    every process, actor and placement group of the run is gone, and a Ray started here is stopped."""
+    handler = logging.FileHandler(Path(log_dir) / "launcher.log") if not _logs_to(log_dir) else None
+    if handler is not None:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger("areal_fast").addHandler(handler)
     try:
-        path = model_dir(cfg, say)
-        path = str(Path(path).resolve()) if Path(path).exists() else path
-        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        with ray_session(rc), _sigterm_as_exit(), RayLauncher(out / "logs", rc) as launcher:
-            servers = [u.rstrip("/") for u in cfg.rollout.servers]
-            if not servers:
-                say(f"starting {cfg.rollout.n_servers} {cfg.rollout.engine} server(s) on Ray...")
-                servers = [p.url for p in launcher.start_servers(cfg.rollout, path, seed=cfg.experiment.seed)]
-            ray = _ray()
-            t = cfg.train
-            cluster_gpus = ray.cluster_resources().get("GPU", 0)
-            gpus = int(t.device == "cuda" or (t.device is None and cluster_gpus > 0))
-            if gpus and cluster_gpus < t.world_size:
-                raise ValueError(f"train: {t.world_size} GPU rank(s) requested but the Ray cluster has "
-                                 f"{cluster_gpus:g} GPU(s) (train.device=cpu runs the ranks on CPU)")
-            overrides = [f"model.path={path}", "model.warm_start.enabled=false",
-                         f"rollout.servers={json.dumps(servers)}", f"experiment.output_dir={out}", "log.progress=false"]
-            cmd = [PYTHON, "-m", "areal_fast.launch.ray_launcher", "rank", str(out / "config.yaml"), *overrides]
-            say(f"starting {t.world_size} trainer rank(s) on Ray ({'GPU' if gpus else 'CPU'}); logs in {out / 'logs'}")
-            ranks = launcher.start_trainer_ranks(cmd, t.world_size, env={"OMP_NUM_THREADS": t.threads},
-                                                 cpus=rc.cpus_per_rank or float(t.threads), gpus=gpus)
-            bar = ProgressBar(cfg.experiment.total_steps, 0, enabled=cfg.log.progress if progress is None else progress)
-            metrics_pos, rounds = 0, 0
-            try:
-                finished_at = None
-                while any(p.alive() for p in ranks):
-                    launcher.check(health=rounds % 10 == 0)  # HTTP health every ~5 s, liveness every poll
-                    rounds += 1
-                    metrics_pos = _follow_metrics(out / "metrics.jsonl", metrics_pos, bar)
-                    if finished_at is None and ranks[0].returncode == 0:
-                        finished_at = time.monotonic()
-                    if finished_at is not None and time.monotonic() - finished_at > _FOLLOWER_EXIT_S:
-                        log.warning("trainer ranks still running %.0f s after rank 0 finished; stopping them",
-                                    _FOLLOWER_EXIT_S)
-                        break
-                    time.sleep(poll_s)
-                _follow_metrics(out / "metrics.jsonl", metrics_pos, bar)
-            finally:
-                bar.close()
-        summary_path = out / "summary.json"
-        return json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        with ray_session(ray_cfg), _sigterm_as_exit(), RayLauncher(log_dir, ray_cfg) as launcher:
+            yield launcher
     finally:
-        pkg_log.removeHandler(handler)
-        pkg_log.setLevel(old_level)
-        handler.close()
+        if handler is not None:
+            logging.getLogger("areal_fast").removeHandler(handler)
+            handler.close()
 
 
-def _rank_main(argv: list[str]) -> None:
-    """Entry of one trainer rank: the local training path with rollout.servers given (no Ray here)."""
-    from areal_fast.config import load_config
-    from areal_fast.launch.train import run_train
-
-    cfg = load_config(argv[0], argv[1:])
-    if getattr(cfg.train, "gpus", None):  # Ray chose this rank's GPU (CUDA_VISIBLE_DEVICES); no pinning
-        cfg.train.gpus = None
-    run_train(cfg, progress=False)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] != "rank":
-        sys.exit("usage: python -m areal_fast.launch.ray_launcher rank CONFIG [KEY=VALUE ...]")
-    _rank_main(sys.argv[2:])
+def _logs_to(log_dir: Path) -> bool:
+    """Some handler of the package already writes launcher.log in ``log_dir`` (run_train sets one up)."""
+    target = os.path.abspath(Path(log_dir) / "launcher.log")
+    handlers = logging.getLogger().handlers + logging.getLogger("areal_fast").handlers
+    return any(getattr(h, "baseFilename", None) == target for h in handlers)
