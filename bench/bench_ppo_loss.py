@@ -247,14 +247,15 @@ def bench_fused_shape(T, H, V, peaks) -> dict:
     )
 
 
-def run_rows(fn, shapes, rows, *extra):
+def run_rows(fn, shapes, keep, *extra):
+    """One row per shape, handed to ``keep`` at once (a run cut short keeps what it measured)."""
     for shape in shapes:
         try:
             row = fn(*shape, *extra)
         except torch.cuda.OutOfMemoryError as e:
             row = dict(shape=list(shape), error=f"OOM: {str(e).splitlines()[0][:160]}")
-        rows.append(row)
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        keep(row)
         torch.cuda.empty_cache()
 
 
@@ -299,13 +300,17 @@ def main(argv=None):
         save("ppo_loss", rows, args, prov)
         return
     peaks = device_peaks(prov["device"])
-    rows: list[dict] = []
+
+    def keep(row):
+        save("ppo_loss", [row], args, prov)
+
+    if fused_shapes and args.production:  # first: the from-logits table spends minutes compiling the baseline
+        run_rows(bench_fused_shape, fused_shapes, keep, peaks)
     if logit_shapes:
         compiled = None if args.skip_compile else torch.compile(decoupled_ppo_loss_ref, dynamic=True)
-        run_rows(bench_logits_shape, logit_shapes, rows, peaks, compiled, not args.skip_liger)
-    if fused_shapes:
-        run_rows(bench_fused_shape, fused_shapes, rows, peaks)
-    save("ppo_loss", rows, args, prov)
+        run_rows(bench_logits_shape, logit_shapes, keep, peaks, compiled, not args.skip_liger)
+    if fused_shapes and not args.production:
+        run_rows(bench_fused_shape, fused_shapes, keep, peaks)
 
 
 if __name__ == "__main__":

@@ -148,8 +148,8 @@ def main(argv=None):
             rows.append({"variant": name, "shape": shape, "tokens": tokens, "mb_tokens": mb_tokens,
                          "act_ckpt": not args.no_ckpt, **res})
             print(json.dumps(rows[-1]), flush=True)
+            save("trainer", rows[-1:], args, prov)  # at once: a run cut short keeps what it measured
     print_table(rows)
-    save("trainer", rows, args, prov)
 
 
 if __name__ == "__main__":
