@@ -586,6 +586,12 @@ def test_api_key_required_except_health(twins):
         assert r.status == 200
 
 
+@pytest.mark.parametrize("timeout", ["inf", "nan", "-1", "soon"])
+def test_flush_cache_timeout_must_be_finite(engine, timeout):
+    status, ans = _post(engine.url + f"/flush_cache?timeout={timeout}", {})
+    assert status == 400 and "timeout" in json.dumps(ans)
+
+
 def test_oversized_bodies_are_refused_with_413(engine):
     huge = b'{"input_ids": [' + b"1, " * (engine.server.generate_limit // 3 + 1) + b'1]}'
     st, ans = _post(engine.url + "/generate", None, raw=huge)

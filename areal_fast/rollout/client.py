@@ -471,13 +471,16 @@ class RolloutClient:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         await self._ensure_info(self.servers)
-        old = [s.url for s in self.servers if s.version < V_PAUSE_MODE]
+
+        def knows_modes(s: ServerState) -> bool:  # a server still without facts is taken as current
+            return not s.info or s.version >= V_PAUSE_MODE
+
+        old = [s.url for s in self.servers if not knows_modes(s)]
         if mode != "abort" and old:
             raise RolloutError(f"pause mode {mode!r} needs SGLang >= {V_PAUSE_MODE}; {old[0]} is older")
         self.pause_mode = mode
         self._running.clear()
-        await asyncio.gather(*(self._call(s, "POST", "/pause_generation",
-                                          {"mode": mode} if s.version >= V_PAUSE_MODE else {})
+        await asyncio.gather(*(self._call(s, "POST", "/pause_generation", {"mode": mode} if knows_modes(s) else {})
                                for s in self.servers))
 
     async def continue_all(self) -> None:
