@@ -144,8 +144,10 @@ def bench_logits_shape(T, V, peaks, compiled, liger: bool) -> dict:
     row = dict(table="from_logits", T=T, V=V, dtype="bf16",
                bytes_model=f"fwd+bwd {LOGIT_PASSES_FWD_BWD} passes x T*V*2 B; copy {LOGIT_PASSES_COPY} passes")
     dst = torch.empty_like(z)
-    t_copy, _ = guarded(lambda: dst.copy_(z), 0, warmup=3, reps=20, memory=False)
+    t_copy, why = guarded(lambda: dst.copy_(z), 0, warmup=3, reps=20, memory=False)
     dst = None
+    if t_copy is None:
+        return row | {"error": f"copy baseline: {why}"}
     t_ours, why = guarded(loss_step(decoupled_ppo_loss, z, y, b, p, A, m, backend="triton"), need["ours"],
                           warmup=2, reps=10)
     if t_ours is None:
