@@ -78,8 +78,9 @@ def fused_extra_bytes(T: int, H: int, V: int) -> dict[str, int]:
 
 
 def fits(need: int) -> tuple[bool, str]:
-    """Whether ``need`` more bytes fit on the current device (free memory as the driver sees it)."""
-    free, _ = torch.cuda.mem_get_info()
+    """Whether ``need`` more bytes fit on the current device: free memory as the driver sees it,
+    plus what torch's caching allocator holds but does not use."""
+    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     if need > FREE_FRACTION * free:
         return False, f"skipped: needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
     return True, ""

@@ -55,7 +55,10 @@ def test_eager_reference_estimate_and_skip(monkeypatch):
     need = bench_ppo_loss.logits_extra_bytes(T, V)
     assert need["eager"] >= 5 * 4 * T * V, "the eager reference holds about five fp32 [T, V] tensors"
     assert need["ours"] < need["compiled"] < need["eager"]
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 12 * 2**30)  # 10 GiB cached, unused
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 2 * 2**30)
+    assert bench_ppo_loss.fits(int(0.89 * 80 * 2**30))[0] and not bench_ppo_loss.fits(int(0.91 * 80 * 2**30))[0]
     ok, why = bench_ppo_loss.fits(need["eager"])
     assert not ok and "GiB" in why and "skipped" in why
     assert bench_ppo_loss.fits(need["ours"]) == (True, "")
