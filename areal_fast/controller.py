@@ -92,7 +92,7 @@ class RolloutPort(Protocol):
 class TrainerPort(Protocol):
     def train(self, samples: list[dict]) -> dict: ...  # blocking; run in a thread
     def save(self, path: Path) -> None: ...
-    def check(self, path: Path) -> None: ...  # raise if the checkpoint at path cannot be loaded
+    def check(self, path: Path) -> None: ...  # optional: raise if the checkpoint at path cannot be loaded
     def load(self, path: Path) -> None: ...
 
 
@@ -428,8 +428,10 @@ class Controller:
         :class:`CorruptCheckpoint` when it cannot be read (nothing is loaded then)."""
         st = read_state(path)
         self.check_resume_key(st, path)
+        check = getattr(self.trainer, "check", None)  # optional: a trainer without it is trusted
         try:
-            self.trainer.check(path / "trainer")
+            if check is not None:
+                check(path / "trainer")
         except Exception as e:  # noqa: BLE001 - whatever the trainer's reader raised, named with the path
             raise CorruptCheckpoint(f"checkpoint {path}: trainer state unreadable: {e!r}") from e
         self.trainer.load(path / "trainer")

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from areal_fast.weights.config import API_KEY_ENV, HOST_ENV  # noqa: F401 - the names every launcher uses
+
 PYTHON = "{python}"  # placeholder in a command: the interpreter of the machine that runs it
-API_KEY_ENV = "AREAL_FAST_API_KEY"
 TRAINER_CONFIG_FILE = "trainer_config.yaml"  # in the output dir: what the trainer ranks read
 
 

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from areal_fast.config import RayConfig
 from areal_fast.launch.base import (
+    HOST_ENV,
     PYTHON,
     LaunchedProcess,
     ProcessDied,
@@ -263,7 +264,7 @@ class RayLauncher:
             host = self.host_for(info["node_ip"])
             port = ray.get(actor.free_port.remote(host))
             cmd = server_command(r, model_path, host, port, seed=seed + i, api_key=api_key, python=PYTHON)
-            out.append(self._run(actor, info, f"server{i}", cmd, {**env, "AREAL_FAST_HOST": host},
+            out.append(self._run(actor, info, f"server{i}", cmd, {**env, HOST_ENV: host},
                                  f"http://{host}:{port}", critical=False))
         self.wait_healthy(out, r.health_timeout)
         return out
@@ -301,7 +302,7 @@ class RayLauncher:
         out = []
         for rank, (actor, info) in enumerate(hosts):
             same = [h for h in hosts if h[1]["node_id"] == info["node_id"]]
-            e = {**(env or {}), "AREAL_FAST_HOST": self.host_for(info["node_ip"])}
+            e = {**(env or {}), HOST_ENV: self.host_for(info["node_ip"])}
             if world_size > 1:
                 e.update(RANK=rank, WORLD_SIZE=world_size, LOCAL_RANK=same.index((actor, info)),
                          LOCAL_WORLD_SIZE=len(same), GROUP_RANK=nodes.index(info["node_id"]),

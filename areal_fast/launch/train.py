@@ -65,7 +65,7 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
         with open_launcher(cfg, out / "logs") as launcher:
             urls = [u.rstrip("/") for u in cfg.rollout.servers]
             if not urls:
-                say(f"starting {cfg.rollout.n_servers} {cfg.rollout.engine} server(s)...")
+                say(f"starting {cfg.rollout.n_servers} {cfg.rollout.engine} server(s) (API key required)...")
                 urls = [p.url for p in launcher.start_servers(cfg.rollout, model, seed=cfg.experiment.seed,
                                                               api_key=api_key)]
             log.info("inference servers: %s; API key auth %s", ", ".join(urls),
