@@ -30,6 +30,7 @@ from torch import Tensor
 
 from .loss_config import LOSS_OPTION_NAMES, PPOLossConfig
 from .objective import per_token_grads, token_constants
+from .ppo_loss_ref import math_dtype, row_stats_ref
 
 # Reference backend: rows per chunk so one fp32 chunk is ~64 Mi elements (256 MiB) at most.
 _REF_CHUNK_ELEMS = 1 << 26
@@ -37,10 +38,6 @@ _REF_CHUNK_ELEMS = 1 << 26
 
 def _ref_rows(V: int) -> int:
     return max(1, _REF_CHUNK_ELEMS // max(V, 1))
-
-
-def _math_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # ----------------------------------------------------------------------------------------------
@@ -56,18 +53,10 @@ def _stats_impl(logits: Tensor, labels: Tensor, temperature: float, backend: str
     logp = torch.empty(T, dtype=torch.float32, device=logits.device)
     ent, lse = torch.empty_like(logp), torch.empty_like(logp)
     step = _ref_rows(V)
-    for a in range(0, T, step):
-        b = min(T, a + step)
-        x = logits[a:b].to(_math_dtype(logits.dtype)) / temperature
-        lse_c = torch.logsumexp(x, dim=-1)
-        logP = x - lse_c[:, None]
-        P = logP.exp()
-        ent[a:b] = -torch.where(P > 0, P * logP, torch.zeros_like(P)).sum(-1)
-        lab = labels[a:b]
-        valid = (lab >= 0) & (lab < V)
-        lp = logP.gather(1, torch.where(valid, lab, 0).long()[:, None])[:, 0]
-        logp[a:b] = torch.where(valid, lp, torch.zeros_like(lp))
-        lse[a:b] = lse_c
+    with torch.no_grad():  # the op's backward is its own (closed form), not autograd of this
+        for a in range(0, T, step):
+            b = min(T, a + step)
+            logp[a:b], ent[a:b], lse[a:b] = row_stats_ref(logits[a:b], labels[a:b], temperature)
     return logp, ent, lse
 
 
@@ -80,7 +69,7 @@ def _bwd_impl(grad_out, logits, labels, lse, ent, grad_logp, grad_ent, temperatu
         return
     T, V = logits.shape
     step = _ref_rows(V)
-    md = _math_dtype(logits.dtype)
+    md = math_dtype(logits.dtype)
     for a in range(0, T, step):
         b = min(T, a + step)
         x = logits[a:b].to(md) / temperature

@@ -19,7 +19,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
 
 
-def _finite_number(name: str, value: Any) -> None:
+def check_finite(name: str, value: Any) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is a finite int or float (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
 
@@ -58,10 +59,10 @@ class PPOLossConfig:
 
     def __post_init__(self):
         for name in ("temperature", "eps_clip", "kl_coef", "entropy_coef"):
-            _finite_number(name, getattr(self, name))
+            check_finite(name, getattr(self, name))
         for name in ("eps_clip_higher", "dual_clip", "behav_weight_cap"):
             if getattr(self, name) is not None:
-                _finite_number(name, getattr(self, name))
+                check_finite(name, getattr(self, name))
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
         if not self.eps_clip >= 0:

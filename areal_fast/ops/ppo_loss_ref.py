@@ -17,17 +17,20 @@ from .objective import check_token_inputs, ppo_objective
 from .types import PPOLossOutput
 
 
-def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+def math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the loss computes in: fp64 for fp64 inputs (gradchecks), else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def token_stats_ref(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-    """(log P[y], entropy) per row, differentiable, in fp32 (fp64 for fp64 logits)."""
+def row_stats_ref(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    """(log P[y], entropy, log-sum-exp of logits / temperature) per row, differentiable, in
+    :func:`math_dtype`. Also the forward of the custom ops' 'reference' backend (row chunks)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [T, V], got {tuple(logits.shape)}")
     V = logits.shape[1]
-    x = logits.to(_math_dtype(logits.dtype)) / temperature
-    logP = F.log_softmax(x, dim=-1)
+    x = logits.to(math_dtype(logits.dtype)) / temperature
+    lse = torch.logsumexp(x, dim=-1)
+    logP = x - lse[:, None]
     P = logP.exp()
     # P log P is 0 where P == 0 (logits of -inf), not NaN; log P is zeroed there *before* the
     # product so that the backward does not form -inf * 0 either.
@@ -36,6 +39,12 @@ def token_stats_ref(logits: Tensor, labels: Tensor, temperature: float = 1.0) ->
     lab = torch.where(valid, labels, torch.zeros_like(labels)).long()
     logp = logP.gather(1, lab[:, None])[:, 0]
     logp = torch.where(valid, logp, torch.zeros_like(logp))
+    return logp, ent, lse
+
+
+def token_stats_ref(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """(log P[y], entropy) per row, differentiable, in fp32 (fp64 for fp64 logits)."""
+    logp, ent, _ = row_stats_ref(logits, labels, temperature)
     return logp, ent
 
 

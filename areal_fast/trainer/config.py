@@ -21,11 +21,10 @@ YAML layout (dotted keys of a run config)::
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass, field
 
-from areal_fast.ops.loss_config import PPOLossConfig
+from areal_fast.ops.loss_config import PPOLossConfig, check_finite
 
 ADV_ESTIMATORS = ("grpo", "rloo")
 PROX_MODES = ("recompute", "approx", "none")
@@ -35,11 +34,6 @@ PARAM_DTYPES = ("bfloat16", "float16", "float32")
 PACKING_COSTS = ("tokens", "attention")
 LOSS_BACKENDS = ("triton", "interpret", "reference")
 _DEVICE_RE = re.compile(r"(cpu|cuda(:\d+)?)")
-
-
-def _finite(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 def _section(cls, value, name: str):
@@ -86,7 +80,7 @@ class OptimConfig:
 
     def __post_init__(self):
         for name in ("lr", "weight_decay", "eps", "grad_clip", "min_lr_ratio"):
-            _finite(f"optim.{name}", getattr(self, name))
+            check_finite(f"optim.{name}", getattr(self, name))
         if not self.lr >= 0:
             raise ValueError(f"optim.lr must be >= 0, got {self.lr!r}")
         if self.weight_decay < 0:
@@ -144,7 +138,7 @@ class PPOConfig:
         if self.adv_estimator not in ADV_ESTIMATORS:
             raise ValueError(f"ppo.adv_estimator must be one of {ADV_ESTIMATORS}, got {self.adv_estimator!r}")
         for name in ("adv_eps", "reward_scale", "reward_bias"):
-            _finite(f"ppo.{name}", getattr(self, name))
+            check_finite(f"ppo.{name}", getattr(self, name))
         if not self.adv_eps > 0:
             raise ValueError(f"ppo.adv_eps must be > 0, got {self.adv_eps!r}")
 
@@ -208,7 +202,7 @@ class TrainerConfig:
     def __post_init__(self):
         if self.model_path is not None and not (isinstance(self.model_path, str) and self.model_path):
             raise ValueError(f"model_path must name a local HF model directory, got {self.model_path!r}")
-        _finite("sampling_temperature", self.sampling_temperature)
+        check_finite("sampling_temperature", self.sampling_temperature)
         if not self.sampling_temperature > 0:
             raise ValueError(f"sampling_temperature must be > 0, got {self.sampling_temperature!r}")
         for name in ("batch_size", "world_size", "threads", "max_tokens_per_mb", "min_mbs"):
@@ -234,7 +228,7 @@ class TrainerConfig:
         if self.loss_backend is not None and self.loss_backend not in LOSS_BACKENDS:
             raise ValueError(f"loss_backend must be one of {LOSS_BACKENDS} or null, got {self.loss_backend!r}")
         if self.peak_flops is not None:
-            _finite("peak_flops", self.peak_flops)
+            check_finite("peak_flops", self.peak_flops)
             if not self.peak_flops > 0:
                 raise ValueError(f"peak_flops must be > 0 or null, got {self.peak_flops!r}")
         self.ppo = _section(PPOConfig, self.ppo, "ppo")
