@@ -1,6 +1,7 @@
 """One command for a fresh GPU machine: install, run every GPU test and GPU benchmark, one result file.
 
     python bench/gpu_suite.py [--out FILE] [--only STEP,...] [--wheelhouse DIR] [--budget-s 1200]
+    python bench/gpu_suite.py --part a|b|c    # a third of it, each under 10 minutes (see PARTS)
     python bench/gpu_suite.py --dry-run       # on CPU: every step found, every bench parses its arguments
 
 Steps, in order, each under its own time limit and all under ``--budget-s`` (20 minutes):
@@ -106,6 +107,13 @@ STEPS: tuple[Step, ...] = (
 )
 
 
+# For machines that limit one command to 10 minutes: three parts, each repeating the install
+# (incremental, seconds, when the build directory is still there) and within 590 s of limits.
+PARTS = {"a": ("env", "install", "gpu_tests"), "b": ("install", "ppo_loss", "packing"),
+         "c": ("install", "reshard", "trainer")}
+PART_BUDGET_S = 590
+
+
 def gpu_test_files() -> list[str]:
     """Test files with a ``gpu`` mark (what ``pytest -m gpu`` will select from)."""
     out = []
@@ -164,13 +172,20 @@ def collect_rows(results: str) -> dict[str, list[dict]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="check every step on CPU; run no GPU work")
-    ap.add_argument("--only", default=None, help="comma-separated steps to run (default: all)")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--only", default=None, help="comma-separated steps to run (default: all)")
+    which.add_argument("--part", choices=sorted(PARTS), default=None,
+                       help=f"one of the parts for a 10-minute command limit: {PARTS}")
     ap.add_argument("--out", default=None, help="result file (default bench/results/gpu_suite-<device>-<date>.json)")
     ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="time for the whole suite (default 1200 s)")
     ap.add_argument("--wheelhouse", default=None, help="install missing requirements from these local wheels first")
     args = ap.parse_args(argv)
     names = [s.name for s in STEPS]
-    only = names if args.only is None else [x for x in args.only.split(",") if x]
+    if args.part is not None:
+        only = list(PARTS[args.part])
+        args.budget_s = min(args.budget_s, PART_BUDGET_S)
+    else:
+        only = names if args.only is None else [x for x in args.only.split(",") if x]
     bad = [x for x in only if x not in names]
     if bad:
         ap.error(f"--only: unknown steps {bad}; steps are {names}")
@@ -199,7 +214,7 @@ def main(argv=None) -> int:
             records.append(rec)
         rows = collect_rows(results)
     prov = provenance()
-    res = {"suite": "gpu_suite", "dry_run": args.dry_run, "provenance": prov,
+    res = {"suite": "gpu_suite", "dry_run": args.dry_run, "part": args.part, "provenance": prov,
            "seconds": round(time.perf_counter() - start, 1), "budget_s": args.budget_s,
            "passed": all(r["status"] == "ok" for r in records), "steps": records, "rows": rows}
     if args.out:
@@ -207,7 +222,8 @@ def main(argv=None) -> int:
     else:
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d_%H%M")
         device = prov.get("device", "cpu").replace(" ", "_").replace("/", "_")
-        out = ROOT / "bench" / "results" / f"gpu_suite{'-dry' if args.dry_run else ''}-{device}-{stamp}.json"
+        tag = ("-dry" if args.dry_run else "") + (f"-part{args.part}" if args.part else "")
+        out = ROOT / "bench" / "results" / f"gpu_suite{tag}-{device}-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=str) + "\n")
     print(f"[gpu_suite] {'passed' if res['passed'] else 'FAILED'}: "

@@ -30,6 +30,14 @@ def test_steps_cover_the_gpu_work_within_the_budget():
     assert gpu_suite.gpu_test_files(), "no test file carries a gpu mark"
 
 
+def test_parts_fit_a_ten_minute_command_and_cover_every_step():
+    limits = {s.name: s.limit_s for s in gpu_suite.STEPS}
+    for part, steps in gpu_suite.PARTS.items():
+        assert sum(limits[s] for s in steps) <= gpu_suite.PART_BUDGET_S < 600, part
+        assert steps[0] in ("env", "install") and "install" in steps, f"part {part} must build the package first"
+    assert {s for steps in gpu_suite.PARTS.values() for s in steps} == set(limits)
+
+
 BENCH_STEPS = [s for s in gpu_suite.STEPS if s.name in ("ppo_loss", "packing", "reshard", "trainer")]
 
 
