@@ -99,3 +99,13 @@ def test_failure_with_every_server_alive_is_raised(tmp_path):
     with pytest.raises(RuntimeError, match="bucket 3 refused"):
         asyncio.run(disk.sync(1))
     assert len(trainer.calls) == 2  # not retried: nobody died
+
+
+def test_liveness_is_probed_only_after_a_failure(tmp_path):
+    """is_dead may be slow (a health probe of a paused server): a good sync never calls it."""
+    pool = FakePool([A, B])
+    probes = []
+    pool.is_dead = lambda url: probes.append(url) or False
+    sync = DistributedSync(FakeTrainer(), pool, [A, B], tmp_path)
+    asyncio.run(sync.sync(1))
+    assert probes == []

@@ -123,17 +123,23 @@ class DistributedSync:
         self.fallback = DiskSync(trainer, rollout, work_dir, config)
         self.broken = False
 
-    def _lost(self) -> list[str]:
+    def _removed(self) -> list[str]:
         live = set(self.rollout.urls)
-        return [u for u in self.spec.urls if u not in live or self.rollout.is_dead(u)]
+        return [u for u in self.spec.urls if u not in live]
+
+    def _lost(self) -> list[str]:
+        """Members of the group that left the pool or died. ``is_dead`` may probe the server
+        (a paused server can take seconds to answer), so it is asked only after a failure."""
+        removed = self._removed()
+        return removed + [u for u in self.spec.urls if u not in removed and self.rollout.is_dead(u)]
 
     async def sync(self, version: int) -> dict:
         if self.broken:
             return await self.fallback.sync(version)
         t0 = time.perf_counter()
         try:
-            if self._lost():  # a member of the broadcast group is gone: do not even start a broadcast
-                raise RuntimeError(f"servers left the pool: {self._lost()}")
+            if self._removed():  # a member of the broadcast group is gone: do not even start a broadcast
+                raise RuntimeError(f"servers left the pool: {self._removed()}")
             await asyncio.to_thread(self.trainer.update_weights, self.spec, version)
         except Exception as e:  # noqa: BLE001 - re-raised unless a server died
             deadline = time.monotonic() + DEATH_VISIBLE_S
