@@ -105,14 +105,6 @@ class PPOActor:
                                  attn_coef=self._attn_coef)
         return [([ids[j] for j in mb], [items[j] for j in mb]) for mb in plan.microbatches[self.rank]]
 
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks (on the device for nccl, on CPU for gloo); returns a CPU tensor."""
-        dev = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        t = t.to(dev)
-        if self.world > 1:
-            dist.all_reduce(t)
-        return t.cpu()
-
     # ---------------------------------------------------------------- forward passes
     # The two LM-head ops; a benchmark subclass swaps in the materialised-logits references.
     def _token_logprobs_op(self, hidden, weight, labels, bias):
@@ -203,7 +195,7 @@ class PPOActor:
                 local = sum(int(s.loss_mask.sum()) for _, mb in plan for s in mb)
             else:
                 local = sum(int(s.loss_mask.any()) for _, mb in plan for s in mb)
-            denom = float(self._all_reduce(torch.tensor([local], dtype=torch.float64)).item())
+            denom = float(adv_mod.all_reduce_sum(torch.tensor([local], dtype=torch.float64)).item())
             normalizer = max(denom, 1.0)
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             for ids, mb in plan:
@@ -231,7 +223,7 @@ class PPOActor:
 
         keys = sorted(totals)
         n_tok = torch.tensor(float(n_tok_local), dtype=torch.float64, device=self.device)
-        red = self._all_reduce(torch.stack([totals[k] for k in keys] + losses + [n_tok])).tolist()
+        red = adv_mod.all_reduce_sum(torch.stack([totals[k] for k in keys] + losses + [n_tok])).tolist()
         tot = dict(zip(keys, red[: len(keys)]))
         n_loss = max(tot.get("n_tokens", 0.0), 1.0)
         metrics = {k: tot[k] / n_loss for k in keys if k in _MEAN_STATS}

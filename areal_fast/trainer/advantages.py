@@ -66,6 +66,17 @@ def group_advantages(
     raise ValueError(f"estimator must be 'grpo' or 'rloo', got {estimator!r}")
 
 
+def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum ``t`` over the ranks of ``group`` (when torch.distributed is initialised), on the device
+    the backend needs (the current CUDA device for nccl, CPU for gloo); returns a CPU tensor."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return t.cpu()
+    nccl = dist.get_backend(group) == "nccl"
+    t = t.to(torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu"))
+    dist.all_reduce(t, group=group)
+    return t.cpu()
+
+
 def batch_normalize(
     advantages: torch.Tensor,
     weights: torch.Tensor | None = None,
@@ -85,13 +96,7 @@ def batch_normalize(
     """
     a = advantages.to(torch.float64)
     w = torch.ones_like(a) if weights is None else torch.as_tensor(weights, dtype=torch.float64).reshape(a.shape)
-    sums = torch.stack([w.sum(), (w * a).sum(), (w * a * a).sum()])
-    if dist.is_available() and dist.is_initialized():
-        backend = dist.get_backend(group)
-        dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        sums = sums.to(dev)
-        dist.all_reduce(sums, group=group)
-        sums = sums.cpu()
+    sums = all_reduce_sum(torch.stack([w.sum(), (w * a).sum(), (w * a * a).sum()]), group)
     total_w, s1, s2 = sums.tolist()
     if total_w <= 0:
         return a.clone()
