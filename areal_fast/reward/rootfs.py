@@ -143,7 +143,17 @@ def layout(python: str, extra: tuple[str, ...] = ()) -> tuple[tuple[str, ...], .
         libs = [d for d in _FALLBACK_LIB_DIRS if os.path.exists(d)]
     for lib in libs:
         lay.add(lib)
-    return tuple(lay.ops)
+    ops = tuple(lay.ops)
+    encode(ops)  # refuse what cannot be passed on, now rather than at every run
+    return ops
+
+
+def encode(ops: tuple[tuple[str, ...], ...]) -> str:
+    """The text form `_nsinit.py` reads: one operation per line, fields separated by tabs."""
+    for op in ops:
+        if any("\t" in f or "\n" in f for f in op):
+            raise ValueError(f"sandbox root: path {op[1]!r} contains a tab or a newline")
+    return "\n".join("\t".join(op) for op in ops)
 
 
 def with_paths(ops: tuple[tuple[str, ...], ...], paths: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
@@ -156,4 +166,6 @@ def with_paths(ops: tuple[tuple[str, ...], ...], paths: tuple[str, ...]) -> tupl
             lay._bound.append(op[1])
     for p in paths:
         lay.add(os.path.abspath(p))
-    return tuple(lay.ops)
+    ops = tuple(lay.ops)
+    encode(ops)
+    return ops

@@ -57,7 +57,6 @@ import dataclasses
 import functools
 import glob
 import itertools
-import json
 import logging
 import os
 import resource
@@ -219,7 +218,7 @@ def _unshare_prefix(iso: Isolation, uid: int | None, run_dir: str, limits: Sandb
                     layout: tuple[tuple[str, ...], ...]) -> list[str]:
     if iso.mode == "ns+uid":
         return ["unshare", "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--",
-                sys.executable, "-I", "-S", _NSINIT, str(uid), run_dir, str(limits.disk_bytes), json.dumps(layout)]
+                sys.executable, "-I", "-S", _NSINIT, str(uid), run_dir, str(limits.disk_bytes), rootfs.encode(layout)]
     if iso.mode == "ns":
         return ["unshare", "--user", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--"]
     return []
