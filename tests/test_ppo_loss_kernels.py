@@ -324,16 +324,26 @@ for dt in ("bf16", "fp16", "fp32"):
             if "ptxas" in str(e).lower():
                 print("SKIP", e); sys.exit(0)
             raise
-        ops = sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", c.asm["ptx"])))
-        out.append(f"{dt} {name} {' '.join(ops)}")
+        ptx = c.asm["ptx"]
+        ops = sorted(set(re.findall(r"(?:ld|st)\.global[.\w]*", ptx)))
+        # barriers inside the vocabulary loop (the body between a label and the branch back to it)
+        lines = ptx.splitlines()
+        labels = {l.strip().split(":")[0]: i for i, l in enumerate(lines) if re.match(r"^\$L__\w+:", l.strip())}
+        loop_bars = 0
+        for i, l in enumerate(lines):
+            m = re.search(r"bra\S*\s+(\$L__\w+);", l)
+            if m and labels.get(m.group(1), i) < i:
+                loop_bars += sum("bar.sync" in x or "barrier.sync" in x for x in lines[labels[m.group(1)]:i])
+        out.append(f"{dt} {name} loop_barriers={loop_bars} {' '.join(ops)}")
 print("\n".join(out))
 """
 
 
 def test_kernels_compile_for_sm90_with_vector_loads():
     """Compile both kernels ahead of time for an H100 (no GPU needed): catches what the interpreter
-    does not (typing of loop-carried scalars, scalar branches), and checks 128-bit loads/stores
-    when the row stride is a multiple of 16 (scalar 2-byte loads would cap bandwidth)."""
+    does not (typing of loop-carried scalars, scalar branches), checks 128-bit loads/stores
+    when the row stride is a multiple of 16 (scalar 2-byte loads would cap bandwidth), and that the
+    vocabulary loops hold no barrier (the forward reduces across lanes once, after its loop)."""
     import os
     import subprocess
     import sys
@@ -348,6 +358,8 @@ def test_kernels_compile_for_sm90_with_vector_loads():
     assert len(lines) == 6, res.stdout
     for line in lines:
         assert "ld.global.v4.b32" in line, line  # 16-byte vector loads of the logits
+        # per-lane accumulators: no block-wide reduction (barrier) per vocabulary block
+        assert "loop_barriers=0" in line, line
         if " bwd " in line:
             assert "st.global.v4.b32" in line, line  # and 16-byte vector stores of the gradient
 
