@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -267,3 +268,43 @@ def test_uid_mode_drops_to_its_uid_with_no_new_privs_and_the_run_cap():
     expected = 0 if ISO.cgroup is None else 1 + (ISO.cgroup.version == 1 and ISO.cgroup.pids_parent is not None)
     assert int(in_cgroups) == expected, r
     assert_no_leftovers()
+
+
+@needs_root_fs
+def test_host_unix_sockets_and_processes_are_out_of_reach():
+    """Abstract and file-system unix sockets of the host, and kill(-1), reach nothing outside."""
+    token = secrets.token_hex(8)
+    sock_dir = tempfile.mkdtemp(prefix="areal_sock_", dir="/var/tmp")
+    path = os.path.join(sock_dir, "s")
+    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    on_disk = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    victim = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        os.chmod(sock_dir, 0o755)
+        abstract.bind(f"\0areal_sbx_{token}")
+        on_disk.bind(path)
+        os.chmod(path, 0o777)
+        for s in (abstract, on_disk):
+            s.listen(4)
+            s.setblocking(False)
+        prog = ("import os, signal, socket\n"
+                f"for addr in ('\\0areal_sbx_{token}', {path!r}):\n"
+                "    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+                "    try:\n        s.connect(addr)\n        print('connected')\n"
+                "    except OSError as e:\n        print(type(e).__name__)\n"
+                "try:\n    os.kill(-1, signal.SIGKILL)  # every process it may signal but itself\n"
+                "except OSError as e:\n    print(type(e).__name__)\n")
+        r = run_sandboxed(["python", "-I", "-c", prog], limits=FINISH)
+        # PID 1 of its namespace, alone in it: kill(-1) finds nobody to signal
+        assert r.ok and r.stdout.decode().split() == ["ConnectionRefusedError", "FileNotFoundError",
+                                                      "ProcessLookupError"], r
+        for s in (abstract, on_disk):
+            with pytest.raises(BlockingIOError):
+                s.accept()  # nobody ever connected
+        assert victim.poll() is None  # the host process it tried to kill is alive
+    finally:
+        abstract.close()
+        on_disk.close()
+        victim.stdin.close()
+        victim.wait()
+        shutil.rmtree(sock_dir)
