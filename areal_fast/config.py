@@ -821,9 +821,10 @@ def check_machine(cfg: AppConfig, *, gpus: int | None = None) -> None:
             from areal_fast.data.datasets import build_prompts, read_rows
 
             try:
-                build_prompts(read_rows(source, cfg.data, key, cfg.experiment.seed), cfg.data, None, source)
+                rows = build_prompts(read_rows(source, cfg.data, key, cfg.experiment.seed), cfg.data, None, source)
             except (ValueError, KeyError, OSError) as e:
                 raise ConfigError(f"data.{key}: {e.args[0] if isinstance(e, KeyError) else e}") from None
+            _check_row_rewards(f"data.{key}", source, rows)
     physical = gpu_count() if gpus is None else gpus
     visible = physical if gpus is not None else _visible(physical)
     r, t = cfg.rollout, cfg.train
@@ -855,6 +856,22 @@ def check_machine(cfg: AppConfig, *, gpus: int | None = None) -> None:
         if have < t.world_size:
             raise ConfigError(f"train.world_size: {t.world_size} GPU ranks asked for, but "
                               f"{'train.gpus lists' if t.gpus else 'this machine has'} {have} GPU(s)")
+
+
+def _check_row_rewards(key: str, source: str, rows) -> None:
+    """A row may name its own reward ('reward' field); each distinct name must resolve like reward.name."""
+    from areal_fast.reward.registry import get_reward_fn
+
+    first: dict = {}
+    for row in rows:
+        name = row.task.get("reward")
+        if name is not None and name not in first:
+            first[name] = row.index
+    for name, index in first.items():
+        try:
+            get_reward_fn(name)
+        except Exception as e:  # noqa: BLE001 - ValueError from the registry, anything from a user module
+            raise ConfigError(f"{key}: {source} row {index}: field 'reward' = {name!r} does not resolve: {e}") from None
 
 
 def _check_writable_dir(key: str, path: Path) -> None:

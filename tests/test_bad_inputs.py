@@ -55,6 +55,10 @@ CASES = [
      ["data.train", "d.jsonl.gz", "gzip"]),
     ("data-gz-no-prompt-field", lambda t: (EXAMPLE, _data_file(t, "d.jsonl.gz", gzip.compress(b'{"q": "a"}\n'))), 0,
      ["data.train", "d.jsonl.gz", "data.prompt_key"]),
+    ("data-row-reward-misspelled",
+     lambda t: (EXAMPLE, _data_file(t, "d.jsonl", b'{"prompt": "a", "answer": "b"}\n'
+                                                  b'{"prompt": "a", "tests": [], "reward": "cod"}\n')), 0,
+     ["data.train", "d.jsonl row 1", "'reward'", "cod"]),
     ("data-missing-file", lambda t: (EXAMPLE, [f"data.train={t / 'nope.jsonl'}", "model.warm_start.enabled=false",
                                                f"model.path={_model_dir(t)}"]), 0, ["data.train", "nope.jsonl"]),
     ("data-unknown-format", lambda t: (EXAMPLE, ["data.train=rows.csv", "model.warm_start.enabled=false",
