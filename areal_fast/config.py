@@ -490,7 +490,6 @@ class AppConfig:
             raise ValueError(f"model.warm_start.enabled: only available with data.train = 'synthetic:reverse', "
                              f"got data.train = {self.data.train!r}")
 
-
     def _fill_derived(self) -> None:
         """Set the trainer's copies of values that have one home elsewhere (:data:`DERIVED`)."""
         t = self.train
