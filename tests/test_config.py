@@ -147,8 +147,12 @@ def test_ray_section_lives_with_the_other_sections():
 # ----------------------------------------------------------------------------- imports
 
 
-def test_importing_the_config_does_not_import_torch():
-    code = ("import sys, areal_fast.config as c; c.load_config(sys.argv[1]); "
+@pytest.mark.parametrize("load", [
+    "import areal_fast.config as c; c.check_machine(c.load_config(sys.argv[1]))",
+    "from areal_fast.cli import main; main(['config', sys.argv[1], '--check'])",  # what `areal-fast config` runs
+])
+def test_loading_and_checking_a_config_does_not_import_torch(load):
+    code = (f"import sys; {load}; "
             "bad = sorted(m for m in ('torch', 'transformers', 'triton', 'numpy') if m in sys.modules); "
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code, str(EXAMPLE)], capture_output=True, text=True, timeout=120)
