@@ -125,7 +125,13 @@ def main(argv: list[str] | None = None) -> int:
                               "output_dir": str(cfg.experiment.out)}))
         return 0
     if args.cmd == "eval":
+        from pathlib import Path
+
         from areal_fast.launch.evaluate import run_eval
+
+        if args.checkpoint and not Path(args.checkpoint).is_dir():
+            raise _fail(f"--checkpoint: {args.checkpoint!r} is not a directory (a Hugging Face model directory "
+                        "or a training checkpoint)")
 
         print(json.dumps(run_eval(cfg, args.checkpoint)))
         return 0

@@ -104,3 +104,10 @@ def test_jsonl_dataset_fields_and_errors(tmp_path):
         load_split(bad, "train", seed=0)
     with pytest.raises(FileNotFoundError, match="nothing.jsonl"):
         read_rows(str(tmp_path / "nothing.jsonl"), cfg, "train", 0)
+
+
+def test_eval_with_a_missing_checkpoint_exits_2_naming_it(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["eval", EXAMPLE, f"experiment.output_dir={tmp_path}", "--checkpoint", str(tmp_path / "step_9")])
+    assert e.value.code == 2
+    assert "--checkpoint" in capsys.readouterr().err
