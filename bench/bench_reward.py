@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -117,7 +119,9 @@ def sandbox_cases(iso: sandbox.Isolation) -> list[tuple[str, object]]:
             assert r.ok, r
         return fn
 
+    bare_no_site = [iso.python, "-I", "-S", "-c", "pass"]  # the host's site-packages (.pth files) excluded
     cases = [("interpreter start, bare", lambda: subprocess.run(argv, check=True)),
+             ("interpreter start, bare, no site", lambda: subprocess.run(bare_no_site, check=True)),
              (f"sandboxed run ({iso.mode}, {'cgroup' if iso.cgroup else 'RLIMIT fallback'})", checked(iso))]
     if iso.cgroup is not None:
         cases.append((f"sandboxed run ({iso.mode}, RLIMIT fallback)", checked(dataclasses.replace(iso, cgroup=None))))
@@ -128,11 +132,16 @@ def sandbox_cases(iso: sandbox.Isolation) -> list[tuple[str, object]]:
 
 
 def sandbox_rows(iso: sandbox.Isolation, reps: int) -> list[dict]:
+    """Wall time per run, and the CPU time of the run's processes (less sensitive to a busy machine)."""
     rows = []
     for name, fn in sandbox_cases(iso):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t = time_fn(fn, warmup=3, reps=reps, cuda=False)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime) / (reps + 3) * 1e3
         rows.append({"sandbox": name, "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms,
-                     "runs_per_s": 1e3 / t.median_ms, "reps": reps})
+                     "runs_per_s": 1e3 / t.median_ms, "child_cpu_ms": cpu, "reps": reps,
+                     "loadavg_1m": os.getloadavg()[0]})
     return rows
 
 
