@@ -11,13 +11,16 @@ the loop body has no barrier or shuffle (the first version reduced three block-w
 block: 6 barriers and 24 shuffles per iteration in the sm_90a code). Exponentials are exp2 with
 log2(e) folded into the 1/tau scale, one exp2 per element (the max either moves, and the old sums
 are rescaled, or it does not, and the new term is exponentiated). Then lse = m + log s,
-H = lse - t / s and l = x_y - lse. Nothing of size [T, V] is written.
+H = lse - t / s and l = x_y - lse. Nothing of size [T, V] is written. Compiled for sm_90a (bf16,
+BLOCK_V 4096, 8 warps): 13.7 SASS instructions per element in the loop (was 19.6), 71 registers
+(was 48; 3 blocks = 24 warps per SM, ~24 KB of loads in flight per SM), no spills.
 
 Backward (``token_stats_bwd``): given g = dloss/dl and e = dloss/dH per row (computed by the
 shared [T]-sized objective), recompute P blockwise from z and lse and write
 ``dz = (g (onehot(y) - P) - e P (log P + H)) / tau`` in the dtype of the output buffer, which may
 be the logits buffer itself (each block is read before it is overwritten by the same program).
-Rows with g = e = 0 (prompt and padding tokens) write zeros without reading the logits.
+Rows with g = e = 0 (prompt and padding tokens) write zeros without reading the logits. Also in
+base 2 with the 1/tau scale folded in: 15.1 SASS instructions per element (was 23.2), 32 registers.
 
 All arithmetic is fp32 right after the load (bf16 arithmetic gives zeros in the interpreter).
 Loads and stores are 16-byte vectors when the row stride is a multiple of 16 elements (Triton's
@@ -114,20 +117,23 @@ def _ppo_token_stats_bwd_kernel(Z, stride_z, G, stride_g, LABELS, LSE, ENT, GRAD
     else:
         LOG2E: tl.constexpr = 1.4426950408889634
         LN2: tl.constexpr = 0.6931471805599453
+        # exp2 of anything below -200 is exactly 0 in fp32 (the smallest denormal is 2^-149), so
+        # flooring log2 P there changes no value and keeps -inf logits out of 0 * inf.
+        LOG2P_FLOOR: tl.constexpr = -200.0
         scale = inv_tau * LOG2E
         lse2 = tl.load(LSE + row).to(tl.float32) * LOG2E
         ent = tl.load(ENT + row).to(tl.float32)
         label = tl.load(LABELS + row).to(tl.int64)
+        g_s = g * inv_tau
+        e_s = e * inv_tau
         for start in range(0, V, BLOCK_V):
             cols = start + offs
-            # base 2 as in the forward: P = exp2(u - lse2), log P = (u - lse2) ln 2
+            # base 2 as in the forward: P = exp2(u - lse2), log P = (u - lse2) ln 2;
+            # dz = (g (onehot - P) - e P (log P + H)) / tau, regrouped as below
             u = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * scale
-            logP2 = u - lse2
+            logP2 = tl.maximum(u - lse2, LOG2P_FLOOR)
             P = tl.exp2(logP2)
-            logP = logP2 * LN2
-            onehot = tl.where(cols == label, 1.0, 0.0)
-            ent_term = P * (tl.where(P > 0, logP, 0.0) + ent)
-            dz = (g * (onehot - P) - e * ent_term) * inv_tau
+            dz = tl.where(cols == label, g_s, 0.0) - P * (g_s + e_s * (logP2 * LN2 + ent))
             tl.store(g_row + cols, dz.to(G.dtype.element_ty), mask=cols < V)
 
 
