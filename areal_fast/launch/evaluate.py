@@ -55,7 +55,7 @@ def run_eval(cfg: AppConfig, checkpoint: str | None = None) -> dict:
         with LocalLauncher(out / "logs" / "eval") as launcher:
             rollout_cfg = cfg.rollout
             rollout_cfg.n_servers = 1
-            api_key = secrets.token_urlsafe(32)
+            api_key = secrets.token_hex(32)  # hex: a key starting with "-" would read as a flag
             urls = [p.url for p in launcher.start_servers(rollout_cfg, str(path), seed=cfg.experiment.seed,
                                                           api_key=api_key)]
             return asyncio.run(_eval_async(cfg, tok, evals, urls, str(path), api_key))

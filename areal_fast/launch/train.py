@@ -61,7 +61,8 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
         save_config(cfg, out / "config.yaml")
         model = model_dir(cfg, say)
         check_data_and_reward(cfg, model)
-        api_key = os.environ.get(API_KEY_ENV) if cfg.rollout.servers else secrets.token_urlsafe(32)
+        # hex: a key starting with "-" would be read as a flag by the server's argument parser
+        api_key = os.environ.get(API_KEY_ENV) if cfg.rollout.servers else secrets.token_hex(32)
         with open_launcher(cfg, out / "logs") as launcher:
             urls = [u.rstrip("/") for u in cfg.rollout.servers]
             if not urls:
