@@ -142,3 +142,7 @@ def test_bad_task_is_named():
         code_reward({"tests": []}, "print(1)")
     with pytest.raises(ValueError, match="'input' and 'output'"):
         code_reward({"tests": [{"in": "1"}]}, "print(1)")
+    with pytest.raises(ValueError, match="test 1 needs an 'expected' key"):
+        code_reward({"fn_name": "f", "tests": [{"args": [1], "expected": 1}, {"args": [2]}]}, "def f(x): return x")
+    with pytest.raises(ValueError, match="test 0: 'args' must be a list"):
+        code_reward({"fn_name": "f", "tests": [{"args": {"x": 1}, "expected": 1}]}, "def f(x): return x")

@@ -107,6 +107,9 @@ def test_without_a_cgroup_the_fallback_still_bounds_the_total(caplog):
     limits = SandboxLimits(timeout_s=FINISH_S, memory_bytes=2 * CAP)
     nproc, per_process = sandbox._run_memory(iso, limits)
     assert nproc == sandbox.FALLBACK_NPROC and nproc * per_process <= limits.memory_bytes
+    for memory, nproc_cap in ((1 << 30, 32), (256 * MiB, 32), (64 * MiB, 32), (8 * MiB, 32), (1 << 30, 2)):
+        n, each = sandbox._run_memory(iso, SandboxLimits(memory_bytes=memory, nproc=nproc_cap))
+        assert 1 <= n <= nproc_cap and n * each <= memory, (memory, n, each)  # the total stays bounded
     r = run_greedy(iso, limits)
     assert r.ok and r.stdout == b"allocated 0\n", r
     assert_no_leftovers()

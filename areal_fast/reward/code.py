@@ -206,7 +206,11 @@ def _function_call(task: dict, code: str, tests: list[dict]) -> RewardResult:
     for i, t in enumerate(tests):
         if not isinstance(t, dict) or "expected" not in t:
             raise ValueError(f"code reward: function-call test {i} needs an 'expected' key, got {t!r:.100}")
-        calls.append({"args": list(t.get("args", [])), "kwargs": dict(t.get("kwargs", {}))})
+        args, kwargs = t.get("args", []), t.get("kwargs", {})
+        if not isinstance(args, (list, tuple)) or not isinstance(kwargs, dict):
+            raise ValueError(f"code reward: function-call test {i}: 'args' must be a list and 'kwargs' a dict, "
+                             f"got {type(args).__name__} and {type(kwargs).__name__}")
+        calls.append({"args": list(args), "kwargs": kwargs})
     # the sandbox gets the arguments only: what is expected stays here
     spec = {"fn": task["fn_name"], "tests": calls, "nonce": nonce}
     run = run_sandboxed(["python", "-I", "harness.py"], stdin=json.dumps(spec).encode(),

@@ -6,7 +6,8 @@ Every run gets, whatever the isolation mode:
   * a memory cap for the run as a whole, all its processes together (`cgroup.py`): a cgroup of
     its own with ``memory`` = ``memory_bytes`` and ``pids`` = ``nproc`` + 1 where one can be
     created; otherwise (logged once) RLIMIT_AS = ``memory_bytes`` / N per process with at most
-    N = min(``nproc``, FALLBACK_NPROC) processes, which bounds the total the same way;
+    N = min(``nproc``, FALLBACK_NPROC, ``memory_bytes`` / 64 MiB) processes, which bounds the
+    total the same way;
   * rlimits: CPU seconds, address space (``memory_bytes`` per process: one big allocation fails
     with a MemoryError before the cgroup has to kill anything), file size, processes, open
     files, no core dumps;
@@ -92,6 +93,8 @@ _PR_SET_NO_NEW_PRIVS = 38
 FALLBACK_NPROC = 8
 """Process cap without a cgroup: RLIMIT_AS is then memory_bytes / 8 per process (128 MiB of the
 default 1 GiB; a Python interpreter maps ~25 MiB at start), so 8 processes stay within the cap."""
+FALLBACK_MIN_PROCESS_BYTES = 64 << 20
+"""Without a cgroup, fewer processes rather than less than this each (a 256 MiB run: 4 of 64 MiB)."""
 _PIDS_OVERHEAD = 1  # unshare, which waits inside the run's cgroup for the program
 
 
@@ -323,7 +326,7 @@ def _run_memory(iso: Isolation, limits: SandboxLimits) -> tuple[int, int]:
     """(process cap, RLIMIT_AS per process) that keep the run's total within ``memory_bytes``."""
     if iso.cgroup is not None:
         return limits.nproc, limits.memory_bytes
-    nproc = min(limits.nproc, FALLBACK_NPROC)
+    nproc = max(1, min(limits.nproc, FALLBACK_NPROC, limits.memory_bytes // FALLBACK_MIN_PROCESS_BYTES))
     return nproc, limits.memory_bytes // nproc
 
 
