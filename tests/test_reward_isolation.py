@@ -311,3 +311,23 @@ def test_host_unix_sockets_and_processes_are_out_of_reach():
         victim.stdin.close()
         victim.wait()
         shutil.rmtree(sock_dir)
+
+
+def test_cgroup_v2_files_written_and_read(tmp_path, monkeypatch):
+    """The v2 protocol against a plain directory (no v2 memory controller on this CI host): the
+    files a run's cgroup writes, how it is joined, how OOM kills are read, and its removal."""
+    monkeypatch.setattr(cgroup, "_kill_and_rmdir", shutil.rmtree)  # a plain directory keeps its files
+    sup = cgroup.CgroupSupport(2, str(tmp_path))
+    run = cgroup.RunCgroup(sup, memory_bytes=300 * MiB, pids_max=33)
+    (d,) = run.dirs
+    assert os.path.basename(d).startswith(f"areal_sbx_{os.getpid()}_")
+    assert sorted(os.listdir(d)) == ["memory.max", "pids.max"]  # memory.swap.max only where the kernel made one
+    assert (Path(d) / "memory.max").read_text() == str(300 * MiB) and (Path(d) / "pids.max").read_text() == "33"
+    (Path(d) / "cgroup.procs").write_text("")
+    run.join()
+    assert (Path(d) / "cgroup.procs").read_text() == str(os.getpid())
+    assert run.oom_kills() == 0  # no memory.events: nothing known, nothing claimed
+    (Path(d) / "memory.events").write_text("low 0\nhigh 0\nmax 5\noom 1\noom_kill 2\n")
+    assert run.oom_kills() == 2
+    run.remove()
+    assert not os.path.exists(d) and run.dirs == []
