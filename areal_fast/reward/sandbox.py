@@ -112,7 +112,8 @@ class SandboxLimits:
     file_size_bytes: int = 16 << 20
     """RLIMIT_FSIZE: the largest file the program may write (SIGXFSZ beyond)."""
     nproc: int = 32
-    """Processes (and threads) the program may have at once (RLIMIT_NPROC)."""
+    """Processes (and threads) the program may have at once: RLIMIT_NPROC, and the run cgroup's
+    pids limit (+ 1 for ``unshare``); without a cgroup, at most FALLBACK_NPROC."""
     nofile: int = 64
     """RLIMIT_NOFILE: open file descriptors per process."""
     output_bytes: int = 1 << 20
@@ -282,9 +283,14 @@ def isolation() -> Isolation:
 def _probe(iso: Isolation) -> bool:
     try:
         r = _run(iso, [iso.python, "-I", "-c", _PROBE], b"", {}, SandboxLimits(timeout_s=10.0))
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError) as e:
+        log.info("reward sandbox: probe of mode %r with %s failed: %r", iso.mode, iso.python, e)
         return False
-    return r.ok and r.stdout.strip() == b"sandbox-ok"
+    if r.ok and r.stdout.strip() == b"sandbox-ok":
+        return True
+    log.info("reward sandbox: probe of mode %r with %s failed: %s, %r %r", iso.mode, iso.python, r.status,
+             r.stdout[-200:], r.stderr[-500:])
+    return False
 
 
 # An interpreter whose own prefix is unreadable can still start (exec happens before the caps
