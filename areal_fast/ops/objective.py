@@ -137,14 +137,14 @@ def token_constants(behav_logprobs, adv, mask, prox, ref, dt, dev, cfg: PPOLossC
         def const(x):
             return torch.where(m, x.detach().to(dt), zero)
 
-        b = const(behav_logprobs)
+        behav_logprobs = const(behav_logprobs)
         A = const(adv)
-        p = b if prox is None else const(prox)
+        p = behav_logprobs if prox is None else const(prox)
         q = None if ref is None else const(ref)
-        w_raw = torch.ones_like(b) if prox is None else torch.exp(p - b)
-        dropped = m & ~(torch.isfinite(b) & torch.isfinite(p) & torch.isfinite(w_raw))
-        b = torch.where(dropped, zero, b)
-        p = torch.where(dropped, zero, p) if prox is not None else b
+        w_raw = torch.ones_like(behav_logprobs) if prox is None else torch.exp(p - behav_logprobs)
+        dropped = m & ~(torch.isfinite(behav_logprobs) & torch.isfinite(p) & torch.isfinite(w_raw))
+        behav_logprobs = torch.where(dropped, zero, behav_logprobs)
+        p = torch.where(dropped, zero, p) if prox is not None else behav_logprobs
         w_raw = torch.where(dropped, zero, w_raw)
         w = w_raw
         capped = torch.zeros_like(m)
@@ -156,7 +156,7 @@ def token_constants(behav_logprobs, adv, mask, prox, ref, dt, dev, cfg: PPOLossC
                 kept = kept & ~capped
             else:
                 w = w_raw.clamp(max=cfg.behav_weight_cap)
-    return TokenConstants(m, b, A, p, q, w_raw, w, capped, dropped, kept)
+    return TokenConstants(m, behav_logprobs, A, p, q, w_raw, w, capped, dropped, kept)
 
 
 def _log_ratio(logp: Tensor, C: TokenConstants):

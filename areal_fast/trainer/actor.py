@@ -121,8 +121,8 @@ class PPOActor:
     def _logprobs(self, model, p: Packed) -> torch.Tensor:
         labels = p.labels
 
-        def head(h, w, b):
-            return self._token_logprobs_op(h, w, labels, b)
+        def head(h, w, bias):
+            return self._token_logprobs_op(h, w, labels, bias)
 
         return model(head, p.input_ids, p.position_ids, p.cu_seqlens, p.max_seqlen).float()
 
@@ -256,13 +256,13 @@ class PPOActor:
         ppo = self.config.ppo
         theta_version = self.version
 
-        def head(h, w, b):
+        def head(h, w, bias):
             prox = p.prox_logprobs
             if ppo.prox_mode == "approx":
-                cur = self._token_logprobs_op(h.detach(), w.detach(), p.labels, b)
+                cur = self._token_logprobs_op(h.detach(), w.detach(), p.labels, bias)
                 prox = adv_mod.approx_prox_logprobs(p.behav_logprobs, cur, p.versions.clamp(min=0), theta_version)
             out = self._loss_op(
-                h, w, p.labels, p.behav_logprobs, p.advantages, p.loss_mask, bias=b,
+                h, w, p.labels, p.behav_logprobs, p.advantages, p.loss_mask, bias=bias,
                 prox_logprobs=prox, ref_logprobs=p.ref_logprobs, cu_seqlens=p.cu_seqlens,
                 normalizer=normalizer, config=self.loss_config,
             )
