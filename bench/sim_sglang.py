@@ -1,0 +1,678 @@
+"""Simulated SGLang servers: many per process, cheap on CPU, with a batching decode-rate model.
+
+Each server is one aiohttp app on its own port; all servers of a :class:`SimCluster` share one
+event loop. They speak the HTTP subset of ``docs/sglang.md`` that our rollout client uses, with the
+real JSON shapes: ``/generate`` (``output_ids``, ``meta_info.output_token_logprobs`` triples,
+``finish_reason``, ``weight_version`` and, from 0.5.19, ``weight_versions`` spans),
+``/pause_generation`` in modes abort / retract / in_place, ``/continue_generation``,
+``/flush_cache``, ``/abort_request`` (by rid prefix), ``/server_info``, ``/model_info``,
+``/health``, and the weight-update endpoints (success; a ``weight_version`` in the body becomes
+the current version). ``/sim_stats`` is ours: the cluster's counters.
+
+Decode-rate model (what a batching GPU server does, event-driven, no per-step tick):
+every running request gets one token per decode step; a step takes, in model seconds,
+``a + b * batch + c * context_tokens_in_batch`` (a: weights read and launch overhead, b: per
+sequence work, c: KV-cache reads). ``tokens_per_token`` (S) model tokens stand behind each token
+a server returns (S decode steps per returned token), so a 32k-token answer can travel as 32k / S
+ids; ``time_scale`` (K) compresses time (wall = model seconds / K). Admission (new, resubmitted
+or retracted requests) costs a prefill of its whole context at ``prefill_tokens_per_s``; at most
+``max_running`` requests decode at once, the rest wait.
+
+Determinism, so a client's stitching can be checked exactly: the answer length of a caller rid
+(its part before the first ``|``) is drawn from a log-normal (median, sigma, cap) seeded by the
+rid; the token at sequence position p is a hash of (rid, p); the last token of a full answer is
+EOS (``finish_reason`` stop); every log-prob encodes the version that made the token and the
+token (:func:`logprob_of`), so per-token versions reported through spans can be checked against
+the weights that really produced each token. :func:`check_sample` is that check.
+
+Use: ``SimCluster(n, cfg)`` in-process (``await start()``), or :func:`start_sim_process` for a
+child process (the client's CPU is then measured alone); the child binds port 0 itself and
+reports its ports, so no port can be taken between finding and binding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import json
+import math
+import subprocess
+import sys
+import zlib
+from collections import deque
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from statistics import NormalDist
+
+from aiohttp import web
+from packaging.version import Version
+
+EOS_ID = 1
+_FIRST_ID = 2  # ids 0 (pad) and 1 (EOS) are never drawn
+_V_SPANS = Version("0.5.19")
+_V_SESSIONS = Version("0.5.21")
+_V_FLUSH_REFUSED = Version("0.5.22")
+_OPEN_PATHS = ("/health", "/health_generate")
+_NORMAL = NormalDist()
+
+
+@dataclass(kw_only=True)
+class SimConfig:
+    """One simulated server's behaviour (all servers of a cluster share it)."""
+
+    decode_a_s: float = 0.010
+    """Model seconds per decode step, independent of the batch (weights read, launch overhead)."""
+    decode_b_s: float = 0.0002
+    """Model seconds per decode step per running request."""
+    decode_c_s: float = 0.0
+    """Model seconds per decode step per context token of the running requests (KV reads)."""
+    prefill_tokens_per_s: float = 50_000.0
+    """Prefill rate (model tokens / model second) for admitted, resubmitted and retracted requests."""
+    max_running: int = 256
+    """Requests decoding at once (SGLang's --max-running-requests); the rest wait."""
+    len_median: float = 4000.0
+    """Median answer length in model tokens (log-normal)."""
+    len_sigma: float = 1.0
+    """Log-normal sigma of the answer length (1.0: 1.9% of answers reach 8x the median)."""
+    len_max: int = 32768
+    """Cap on the answer length in model tokens (the context budget)."""
+    tokens_per_token: int = 1
+    """Model tokens (decode steps) behind each returned token: S."""
+    time_scale: float = 1.0
+    """Time compression K: wall seconds = model seconds / K."""
+    vocab_size: int = 32000
+    seed: int = 0
+    sglang_version: str = "0.5.23"
+    api_key: str | None = None
+
+    def __post_init__(self):
+        for name in ("decode_a_s", "prefill_tokens_per_s", "len_median", "time_scale"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SimConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("decode_b_s", "decode_c_s", "len_sigma"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SimConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("max_running", "len_max", "tokens_per_token"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SimConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.vocab_size < 1002:
+            raise ValueError(f"SimConfig.vocab_size must be >= 1002 (log-probs encode id % 1000), "
+                             f"got {self.vocab_size}")
+        Version(self.sglang_version)  # InvalidVersion names the value
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> SimConfig:
+        d = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"SimConfig: unknown key {unknown[0]!r}")
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------- determinism
+
+
+def base_rid(rid: str) -> str:
+    """The caller's rid: the part before the first '|' (the client sends segment k as 'R|k|')."""
+    return rid.split("|", 1)[0]
+
+
+def _rid_hash(base: str, seed: int) -> int:
+    return zlib.crc32(f"{seed}:{base}".encode())
+
+
+def answer_length(base: str, cfg: SimConfig) -> int:
+    """Returned tokens of the full answer to caller rid ``base`` (EOS included), >= 1."""
+    h = _rid_hash(base, cfg.seed)
+    u = (h % 1_000_003 + 0.5) / 1_000_003
+    model_len = min(cfg.len_max, cfg.len_median * math.exp(cfg.len_sigma * _NORMAL.inv_cdf(u)))
+    return max(1, math.ceil(model_len / cfg.tokens_per_token))
+
+
+def token_id(h: int, position: int, vocab: int) -> int:
+    """The token at sequence position ``position`` of the rid hashed to ``h`` (never 0 or EOS)."""
+    return _FIRST_ID + (h + position * 7919) % (vocab - _FIRST_ID)
+
+
+def logprob_of(version: int, tok: int) -> float:
+    """Encodes the version that made a token and the token: exact through JSON (k / 1e6, k < 2**40)."""
+    return -(version * 1000 + tok % 1000 + 1) / 1e6
+
+
+def decode_logprob(lp: float) -> tuple[int, int]:
+    """(version, token id % 1000) from :func:`logprob_of`."""
+    k = round(-lp * 1e6) - 1
+    return k // 1000, k % 1000
+
+
+def expected_output(rid: str, prompt_len: int, max_new_tokens: int, cfg: SimConfig) -> tuple[list[int], str]:
+    """The output ids and finish reason ("stop" / "length") a full generation of ``rid`` must have."""
+    n_full = answer_length(rid, cfg)
+    n = min(n_full, max_new_tokens)
+    h = _rid_hash(rid, cfg.seed)
+    ids = [token_id(h, prompt_len + i, cfg.vocab_size) for i in range(n)]
+    if n == n_full:
+        ids[-1] = EOS_ID
+        return ids, "stop"
+    return ids, "length"
+
+
+def check_sample(rid: str, prompt_len: int, max_new_tokens: int, output_ids: list[int], logprobs: list[float],
+                 versions: list[int], finish_reason: str, cfg: SimConfig, max_version: int | None = None) -> list[str]:
+    """Everything wrong with one finished sample (empty when exact): ids, finish reason, and each
+    token's reported version against the version encoded in its log-prob (the weights that made it)."""
+    errs = []
+    want, want_finish = expected_output(rid, prompt_len, max_new_tokens, cfg)
+    if output_ids != want:
+        first = next((i for i, (a, b) in enumerate(zip(output_ids, want)) if a != b), min(len(output_ids), len(want)))
+        errs.append(f"{rid}: output ids differ from position {first} (got {len(output_ids)} ids, want {len(want)})")
+    if finish_reason != want_finish:
+        errs.append(f"{rid}: finish_reason {finish_reason!r}, want {want_finish!r}")
+    if not (len(logprobs) == len(versions) == len(output_ids)):
+        errs.append(f"{rid}: {len(output_ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
+        return errs
+    for i, (tok, lp, v) in enumerate(zip(output_ids, logprobs, versions)):
+        made_by, low = decode_logprob(lp)
+        if made_by != v or low != tok % 1000:
+            errs.append(f"{rid}: token {i} reported version {v}, made by version {made_by} (logprob {lp!r})")
+            break
+    if any(b < a for a, b in zip(versions, versions[1:])):
+        errs.append(f"{rid}: versions go back in time")
+    if max_version is not None and versions and versions[-1] > max_version:
+        errs.append(f"{rid}: version {versions[-1]} newer than the newest published {max_version}")
+    return errs
+
+
+# ----------------------------------------------------------------------------- one server
+
+
+class _Req:
+    __slots__ = ("rid", "base", "h", "prompt_len", "before", "target", "final_stop", "done", "start", "spans",
+                 "fut")
+
+    def __init__(self, rid, base, h, prompt_len, before, target, final_stop, version, fut):
+        self.rid, self.base, self.h = rid, base, h
+        self.prompt_len, self.before, self.target, self.final_stop = prompt_len, before, target, final_stop
+        self.done = 0  # tokens of this segment made (frozen while not running)
+        self.start: float | None = None  # server progress when the segment's token 0 would have started
+        self.spans = [[version, 0]]  # [version, first token index] of this segment
+        self.fut = fut
+
+    def key(self) -> float:
+        return self.start + self.target
+
+
+class SimServer:
+    """One simulated server; see the module docstring. All times are ``loop.time()`` seconds."""
+
+    def __init__(self, cluster: SimCluster, index: int):
+        self.cluster, self.cfg, self.index = cluster, cluster.cfg, index
+        self.version_behaviour = Version(self.cfg.sglang_version)
+        self.weight_version = 0
+        self.paused = False
+        self.running: dict[str, _Req] = {}
+        self.waiting: deque[_Req] = deque()
+        self.heap: list[tuple[float, int, _Req]] = []
+        self.progress = 0.0  # returned-token ticks decoded since start
+        self.sum_static = 0  # sum of prompt_len + before of running requests (returned tokens)
+        self.sum_start = 0.0  # sum of start of running requests
+        self.prefill_debt = 0.0  # model seconds of prefill still to do before decoding goes on
+        self.last = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.seq = 0
+        self.in_session = False
+        self.app = self._make_app()
+        self.url = ""
+
+    # ------------------------------------------------------------- the decode model
+    def _tick_coeffs(self) -> tuple[float, float]:
+        """(alpha, beta): tick k (one returned token for every running request) takes alpha + beta*k
+        model seconds from now (the batch's context grows by S tokens per request per tick)."""
+        c, s, b = self.cfg, self.cfg.tokens_per_token, len(self.running)
+        ctx = s * (self.sum_static + b * self.progress - self.sum_start)
+        alpha = s * (c.decode_a_s + c.decode_b_s * b + c.decode_c_s * ctx)
+        beta = s * c.decode_c_s * s * b
+        return alpha, beta
+
+    def _advance(self, now: float) -> None:
+        dt = (now - self.last) * self.cfg.time_scale
+        self.last = now
+        if self.paused or not self.running or dt <= 0:
+            return
+        use = min(dt, self.prefill_debt)
+        self.prefill_debt -= use
+        dt -= use
+        if dt <= 0:
+            return
+        alpha, beta = self._tick_coeffs()
+        n = dt / alpha if beta == 0 else (-alpha + math.sqrt(alpha * alpha + 2 * beta * dt)) / beta
+        self.progress += n
+
+    def _time_for(self, n: float) -> float:
+        alpha, beta = self._tick_coeffs()
+        return n * alpha + beta * n * n / 2
+
+    def _rearm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.paused or not self.running:
+            return
+        while self.heap and not self._live(self.heap[0]):
+            heapq.heappop(self.heap)
+        if not self.heap:
+            return
+        n = max(0.0, self.heap[0][0] - self.progress)
+        wait = (self.prefill_debt + self._time_for(n)) / self.cfg.time_scale
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_at(max(self.last, loop.time()) + wait, self._on_timer)
+
+    def _live(self, entry) -> bool:
+        key, _, req = entry
+        return req.start is not None and self.running.get(req.rid) is req and req.key() == key
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        self._advance(asyncio.get_running_loop().time())
+        eps = 1e-6
+        while self.heap:
+            key, _, req = self.heap[0]
+            if not self._live(self.heap[0]):
+                heapq.heappop(self.heap)
+                continue
+            if key > self.progress + eps:
+                break
+            heapq.heappop(self.heap)
+            self._remove_running(req)
+            req.done = req.target
+            self._answer(req, "stop" if req.final_stop else "length")
+        self._admit()
+        self._rearm()
+
+    def _admit(self) -> None:
+        while self.waiting and not self.paused and len(self.running) < self.cfg.max_running:
+            req = self.waiting.popleft()
+            req.start = self.progress - req.done
+            self.running[req.rid] = req
+            self.sum_static += req.prompt_len + req.before
+            self.sum_start += req.start
+            self.prefill_debt += (req.prompt_len + req.before + req.done) * self.cfg.tokens_per_token \
+                / self.cfg.prefill_tokens_per_s
+            self.seq += 1
+            heapq.heappush(self.heap, (req.key(), self.seq, req))
+
+    def _remove_running(self, req: _Req) -> None:
+        del self.running[req.rid]
+        self.sum_static -= req.prompt_len + req.before
+        self.sum_start -= req.start
+        req.done = min(req.target, int(self.progress - req.start + 1e-6))
+        req.start = None
+
+    def _answer(self, req: _Req, reason: str) -> None:
+        if not req.fut.done():
+            req.fut.set_result(reason)
+
+    def _all_requests(self):
+        yield from self.running.values()
+        yield from self.waiting
+
+    def _touch(self) -> None:
+        """Bring the clock to now before any change of the batch."""
+        self._advance(asyncio.get_running_loop().time())
+
+    def ticks(self) -> float:
+        """Decode ticks (returned tokens per running request) done since start, brought up to now."""
+        self._touch()
+        return self.progress
+
+    def _set_version(self, version: int) -> None:
+        self._touch()
+        for req in self._all_requests():
+            done = req.done if req.start is None else min(req.target, int(self.progress - req.start + 1e-6))
+            if req.spans[-1][1] == done:
+                req.spans[-1][0] = version
+            else:
+                req.spans.append([version, done])
+        self.weight_version = version
+
+    # ------------------------------------------------------------- HTTP
+    def _make_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024 * 1024)
+        r = app.router
+        r.add_post("/generate", self.h_generate)
+        r.add_post("/pause_generation", self.h_pause)
+        r.add_post("/continue_generation", self.h_continue)
+        r.add_post("/flush_cache", self.h_flush)
+        r.add_get("/flush_cache", self.h_flush)
+        r.add_post("/abort_request", self.h_abort)
+        for p in ("/server_info", "/get_server_info"):
+            r.add_get(p, self.h_server_info)
+        for p in ("/model_info", "/get_model_info"):
+            r.add_get(p, self.h_model_info)
+        for p in _OPEN_PATHS:
+            r.add_get(p, self.h_health)
+        for p in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
+                  "/update_weights_from_disk", "/update_weights_from_tensor"):
+            r.add_post(p, self.h_update)
+        if self.version_behaviour >= _V_SESSIONS:
+            r.add_post("/begin_weight_update", self.h_begin)
+            r.add_post("/end_weight_update", self.h_end)
+        r.add_get("/sim_stats", self.h_stats)
+        return app
+
+    @web.middleware
+    async def _auth(self, request, handler):
+        key = self.cfg.api_key
+        if key and request.path not in _OPEN_PATHS and request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    async def h_generate(self, request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        rid = body.get("rid")
+        ids = body.get("input_ids")
+        if not isinstance(rid, str) or not isinstance(ids, list) or not ids:
+            return web.json_response({"error": "sim: /generate needs a string rid and non-empty input_ids"},
+                                     status=400)
+        sp = body.get("sampling_params") or {}
+        if sp.get("n", 1) not in (1, None):
+            return web.json_response({"error": "sim: n > 1 is not simulated"}, status=400)
+        if rid in self.running or any(w.rid == rid for w in self.waiting):
+            return web.json_response({"error": f"Duplicate request ID {rid}"}, status=400)
+        cl = self.cluster
+        base = base_rid(rid)
+        prompt_len = cl.prompt_len.setdefault(base, len(ids))
+        before = len(ids) - prompt_len
+        n_full = answer_length(base, self.cfg)
+        max_new = int(sp.get("max_new_tokens", 128))
+        target = max(0, min(n_full - before, max_new))
+        final_stop = before + target == n_full
+        cl.generate_calls += 1
+        fut = asyncio.get_running_loop().create_future()
+        req = _Req(rid, base, _rid_hash(base, self.cfg.seed), prompt_len, before, target, final_stop,
+                   self.weight_version, fut)
+        if target == 0:
+            fut.set_result("stop" if final_stop else "length")
+        else:
+            self._touch()
+            self.waiting.append(req)
+            self._admit()
+            self._rearm()
+        try:
+            reason = await fut
+        finally:  # the client went away: forget the request
+            if not fut.done():
+                self._drop(req)
+        return self._render(req, reason)
+
+    def _drop(self, req: _Req) -> None:
+        self._touch()
+        if self.running.get(req.rid) is req:
+            self._remove_running(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._admit()
+        self._rearm()
+
+    def _render(self, req: _Req, reason: str) -> web.Response:
+        cfg, cl = self.cfg, self.cluster
+        n = req.done
+        p0 = req.prompt_len + req.before
+        h, vocab = req.h, cfg.vocab_size
+        out = [_FIRST_ID + (h + p * 7919) % (vocab - _FIRST_ID) for p in range(p0, p0 + n)]
+        if reason == "stop" and n:
+            out[-1] = EOS_ID
+        spans = [(v, s, (req.spans[i + 1][1] if i + 1 < len(req.spans) else n)) for i, (v, s) in enumerate(req.spans)]
+        spans = [(v, s, min(e, n)) for v, s, e in spans if min(e, n) > s]
+        lps = []
+        for v, s, e in spans:
+            base = v * 1000 + 1
+            lps += [[-(base + t % 1000) / 1e6, t, None] for t in out[s:e]]
+        if reason == "stop":
+            fr = {"type": "stop", "matched": EOS_ID}
+            cl.completed(req.base)
+        elif reason == "length":
+            fr = {"type": "length", "length": req.before + n}
+            cl.completed(req.base)
+        else:
+            fr = {"type": "abort", "message": "Abort"}
+            cl.aborted_answers += 1
+        cl.sent_tokens += n
+        cl.answers += 1
+        meta = {"id": req.rid, "finish_reason": fr, "prompt_tokens": p0, "completion_tokens": n,
+                "cached_tokens": 0, "output_token_logprobs": lps, "weight_version": str(self.weight_version)}
+        if self.version_behaviour >= _V_SPANS:
+            meta["weight_versions"] = [{"version": str(v), "start": s, "end": e} for v, s, e in spans]
+        return web.Response(text=json.dumps({"output_ids": out, "meta_info": meta}), content_type="application/json")
+
+    async def h_pause(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return web.json_response({"error": f"unknown pause mode {mode!r}"}, status=400)
+        self._touch()
+        self.paused = True
+        self.cluster.pauses += 1
+        if mode == "abort":
+            for req in list(self.running.values()):
+                self._remove_running(req)
+                self._answer(req, "abort")
+            while self.waiting:
+                self._answer(self.waiting.popleft(), "abort")
+        elif mode == "retract":
+            back = list(self.running.values())
+            for req in back:
+                self._remove_running(req)
+            self.waiting.extendleft(reversed(back))
+        self._rearm()
+        return web.json_response({"success": True})
+
+    async def h_continue(self, request: web.Request) -> web.Response:
+        self._touch()
+        self.paused = False
+        self._admit()
+        self._rearm()
+        return web.json_response({"success": True})
+
+    async def h_flush(self, request: web.Request) -> web.Response:
+        if self.running or (self.waiting and not self.paused):
+            return web.json_response({"success": False, "message": "requests still hold KV"}, status=400)
+        return web.json_response({"success": True})
+
+    async def h_abort(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        prefix = "" if body.get("abort_all") else str(body.get("rid", ""))
+        self._touch()
+        for req in [r for r in self._all_requests() if r.rid.startswith(prefix)]:
+            if self.running.get(req.rid) is req:
+                self._remove_running(req)
+            else:
+                self.waiting.remove(req)
+            self._answer(req, "abort")
+        self._admit()
+        self._rearm()
+        return web.json_response({"success": True})
+
+    async def h_server_info(self, request: web.Request) -> web.Response:
+        launch_value = self.version_behaviour >= _V_SPANS
+        return web.json_response({"version": self.cfg.sglang_version, "tp_size": 1, "dp_size": 1,
+                                  "model_path": "sim", "skip_tokenizer_init": True,
+                                  "weight_version": "0" if launch_value else str(self.weight_version)})
+
+    async def h_model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "sim", "weight_version": str(self.weight_version),
+                                  "is_generation": True})
+
+    async def h_health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def h_begin(self, request: web.Request) -> web.Response:
+        if self.in_session:
+            return web.json_response({"success": False, "message": "a weight update is already open"}, status=400)
+        self.in_session = True
+        return web.json_response({"success": True, "message": "begin"})
+
+    async def h_end(self, request: web.Request) -> web.Response:
+        if not self.in_session:
+            return web.json_response({"success": False, "message": "no weight update is open"}, status=400)
+        self.in_session = False
+        return web.json_response({"success": True, "message": "end"})
+
+    async def h_update(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if body.get("weight_version") is not None:
+            try:
+                self._set_version(int(body["weight_version"]))
+            except ValueError:
+                return web.json_response({"success": False, "message": "sim: weight_version must be an integer"},
+                                         status=400)
+        if body.get("flush_cache") and self.running and self.version_behaviour >= _V_FLUSH_REFUSED:
+            return web.json_response({"success": False, "message": "Weights were updated, but the cache was not "
+                                      "flushed"}, status=400)
+        return web.json_response({"success": True, "message": "sim: updated"})
+
+    async def h_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.cluster.stats())
+
+
+async def _json_body(request: web.Request) -> dict:
+    raw = await request.read()
+    d = json.loads(raw) if raw else {}
+    return d if isinstance(d, dict) else {}
+
+
+# ----------------------------------------------------------------------------- a cluster
+
+
+class SimCluster:
+    """``n`` servers on 127.0.0.1, one aiohttp app each, in the running event loop."""
+
+    def __init__(self, n: int, cfg: SimConfig | None = None, host: str = "127.0.0.1"):
+        if n < 1:
+            raise ValueError(f"SimCluster: n must be >= 1, got {n}")
+        self.cfg = cfg or SimConfig()
+        self.host = host
+        self.prompt_len: dict[str, int] = {}  # caller rid -> prompt length (the first segment's input)
+        self.completed_rids: set[str] = set()
+        self.duplicates = 0
+        self.generate_calls = self.sent_tokens = self.answers = self.aborted_answers = self.pauses = 0
+        self.servers = [SimServer(self, i) for i in range(n)]
+        self._runners: list[web.AppRunner] = []
+
+    def completed(self, base: str) -> None:
+        if base in self.completed_rids:
+            self.duplicates += 1
+        self.completed_rids.add(base)
+        self.prompt_len.pop(base, None)
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    async def start(self) -> list[str]:
+        for s in self.servers:
+            runner = web.AppRunner(s.app, access_log=None, handle_signals=False)
+            await runner.setup()
+            site = web.TCPSite(runner, self.host, 0, backlog=1024)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # bound by us: no window for another taker
+            s.url = f"http://{self.host}:{port}"
+            s.last = asyncio.get_running_loop().time()
+            self._runners.append(runner)
+        return self.urls
+
+    async def stop(self) -> None:
+        for s in self.servers:
+            if s.timer is not None:
+                s.timer.cancel()
+        for r in self._runners:
+            await r.cleanup()
+        self._runners.clear()
+
+    def stats(self) -> dict:
+        return {"servers": len(self.servers), "generate_calls": self.generate_calls, "answers": self.answers,
+                "aborted_answers": self.aborted_answers, "completed": len(self.completed_rids),
+                "duplicates": self.duplicates, "sent_tokens": self.sent_tokens, "pauses": self.pauses,
+                "running": sum(len(s.running) for s in self.servers),
+                "waiting": sum(len(s.waiting) for s in self.servers),
+                "versions": sorted({s.weight_version for s in self.servers})}
+
+    async def __aenter__(self) -> SimCluster:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+
+# ----------------------------------------------------------------------------- child process
+
+
+class SimProcess:
+    """A :class:`SimCluster` in a child process; it exits when its stdin closes (``close()``)."""
+
+    def __init__(self, n: int, cfg: SimConfig, timeout_s: float = 120.0):
+        self.cfg = cfg
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--servers", str(n),
+                                      "--config", cfg.to_json()], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        line = self.proc.stdout.readline()  # blocks until the child has bound every port (or died)
+        if not line:
+            code = self.proc.wait(timeout=timeout_s)
+            raise RuntimeError(f"sim_sglang child exited with {code} before reporting its ports")
+        self.urls: list[str] = json.loads(line)["urls"]
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the child so far (from /proc)."""
+        try:
+            parts = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            import os
+
+            return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return float("nan")
+
+    def close(self, timeout_s: float = 30.0) -> int:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        return self.proc.wait(timeout=timeout_s)
+
+    def __enter__(self) -> SimProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def start_sim_process(n: int, cfg: SimConfig) -> SimProcess:
+    return SimProcess(n, cfg)
+
+
+async def _serve(n: int, cfg: SimConfig) -> None:
+    cluster = SimCluster(n, cfg)
+    await cluster.start()
+    print(json.dumps({"urls": cluster.urls}), flush=True)
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, sys.stdin.read)  # until the parent closes our stdin
+    await cluster.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--servers", type=int, default=1)
+    ap.add_argument("--config", default="{}", help="SimConfig as JSON")
+    args = ap.parse_args(argv)
+    cfg = SimConfig.from_json(args.config)
+    import gc
+
+    gc.freeze()  # the sim's own objects are long-lived; keep the collector off them
+    asyncio.run(_serve(args.servers, cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The simulated SGLang server of the benchmarks against the real RolloutClient: every request
+answered exactly once, stitched tokens and per-token versions exact across pause / update /
+continue in each pause mode. No timing is asserted."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import sim_sglang as sim  # noqa: E402
+
+from areal_fast.rollout.client import RolloutClient  # noqa: E402
+
+PROMPT_LEN = 7
+MAX_NEW = 600
+RID = "f1"
+
+
+def _cfg(**kw) -> sim.SimConfig:
+    # ~200-token answers at 4 ms per tick: long enough that every pause below finds requests mid-way
+    base = dict(decode_a_s=0.004, decode_b_s=0.0, len_median=200, len_sigma=0.6, len_max=900,
+                prefill_tokens_per_s=1e6, max_running=16, vocab_size=5000, seed=3)
+    base.update(kw)
+    return sim.SimConfig(**base)
+
+
+async def _update_all(session, urls, version: int) -> None:
+    for u in urls:
+        async with session.post(u + "/update_weights_from_disk",
+                                json={"model_path": "sim", "weight_version": str(version)}) as r:
+            assert r.status == 200, await r.text()
+
+
+async def _wait_for(cond, what: str, limit_s: float = 60.0) -> None:
+    """Poll a condition the test controls the cause of (generation making progress)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit_s
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError(f"waited {limit_s}s for {what}")
+        await asyncio.sleep(0.005)
+
+
+def test_answer_length_and_logprob_codec():
+    cfg = _cfg()
+    lens = [sim.answer_length(f"r{i}", cfg) for i in range(2000)]
+    assert max(lens) <= 900 and min(lens) >= 1
+    lens.sort()
+    assert 150 <= lens[1000] <= 260  # median 200 (log-normal, seeded per rid)
+    for v, t in [(0, 2), (7, 999), (123, 4321)]:
+        assert sim.decode_logprob(sim.logprob_of(v, t)) == (v, t % 1000)
+
+
+def test_bad_config_names_the_key():
+    with pytest.raises(ValueError, match="SimConfig.max_running"):
+        sim.SimConfig(max_running=0)
+    with pytest.raises(ValueError, match="unknown key 'decode_x'"):
+        sim.SimConfig.from_json('{"decode_x": 1}')
+
+
+@pytest.mark.parametrize("modes", [("abort", "retract", "in_place")])
+def test_client_exact_across_pauses(modes):
+    asyncio.run(_run_exact(modes))
+
+
+async def _run_exact(modes):
+    cfg = _cfg(api_key="k3y")
+    n_req = 40
+    async with sim.SimCluster(3, cfg) as cluster:
+        urls = cluster.urls
+        async with RolloutClient(urls, api_key="k3y") as client, \
+                aiohttp.ClientSession(headers={"Authorization": "Bearer k3y"}) as session:
+            rids = [f"t{i}" for i in range(n_req)]
+            tasks = [asyncio.create_task(client.generate(list(range(10, 10 + PROMPT_LEN)),
+                                                         {"max_new_tokens": MAX_NEW}, rid=r)) for r in rids]
+            version = 0
+            for k, mode in enumerate(modes):
+                # every request admitted and at least 5*(k+1) ticks decoded since the last pause
+                mark = [s.ticks() for s in cluster.servers]
+                await _wait_for(lambda m=mark: all(s.ticks() >= p + 5 for s, p in zip(cluster.servers, m)),
+                                f"progress before pause {k}")
+                aborted_before = cluster.aborted_answers
+                await client.pause_all(mode)
+                version += 1
+                if mode == "in_place":  # requests keep their KV: an update may not flush
+                    assert not client.may_flush
+                await _update_all(session, urls, version)
+                if mode == "abort":
+                    assert cluster.aborted_answers > aborted_before
+                else:
+                    assert cluster.aborted_answers == aborted_before  # nothing comes back at the pause
+                await client.continue_all()
+            results = await asyncio.gather(*tasks)
+        stats = cluster.stats()
+    assert sorted(r.rid for r in results) == sorted(rids)
+    assert stats["completed"] == n_req and stats["duplicates"] == 0
+    errs = [e for r in results for e in sim.check_sample(r.rid, PROMPT_LEN, MAX_NEW, r.output_ids, r.output_logprobs,
+                                                         r.output_versions, r.finish_reason, cfg, version)]
+    assert errs == []
+    spanning = [r for r in results if len(set(r.output_versions)) > 1]
+    assert spanning, "no sample was interrupted by an update"
+    assert any(r.num_segments > 1 for r in results)  # the abort pause made the client stitch segments
+    assert {v for r in results for v in r.output_versions} <= set(range(version + 1))
+
+
+def test_flush_refused_after_in_place_update_with_running_requests():
+    async def run():
+        async with sim.SimCluster(1, _cfg()) as cluster:
+            async with RolloutClient(cluster.urls) as client, aiohttp.ClientSession() as session:
+                assert sim.answer_length(RID, _cfg()) > 100  # still running at the pause below
+                task = asyncio.create_task(client.generate([5, 6, 7], {"max_new_tokens": MAX_NEW}, rid=RID))
+                await _wait_for(lambda: cluster.servers[0].ticks() >= 3, "progress")
+                await client.pause_all("in_place")
+                async with session.post(cluster.urls[0] + "/update_weights_from_disk",
+                                        json={"weight_version": "1", "flush_cache": True}) as r:
+                    assert r.status == 400 and "not flushed" in (await r.json())["message"]
+                async with session.post(cluster.urls[0] + "/flush_cache") as r:
+                    assert r.status == 400
+                await client.continue_all()
+                res = await task
+        assert sim.check_sample(RID, 3, MAX_NEW, res.output_ids, res.output_logprobs, res.output_versions,
+                                res.finish_reason, _cfg(), 1) == []
+        assert res.output_versions[0] == 0 and res.output_versions[-1] == 1
+
+    asyncio.run(run())
+
+
+def test_api_key_required():
+    async def run():
+        async with sim.SimCluster(1, _cfg(api_key="s3cret")) as cluster, aiohttp.ClientSession() as session:
+            async with session.get(cluster.urls[0] + "/model_info") as r:
+                assert r.status == 401
+            async with session.get(cluster.urls[0] + "/health") as r:
+                assert r.status == 200
+
+    asyncio.run(run())
