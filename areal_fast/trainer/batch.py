@@ -25,6 +25,10 @@ class Sample:
     - ``output_versions``: weight version that generated each output token (same length).
     - ``reward``: scalar reward of the whole sample.
     - ``group_id``: samples of the same prompt share it (GRPO/RLOO groups; may have lost members).
+    - ``loss_mask``: optional, one 0/1 per output token (multi-turn episodes, ``docs/workflows.md``):
+      1 for tokens the model generated, 0 for tool output and environment text spliced in between
+      turns. Masked tokens are context only: their ``behav_logprobs`` and ``output_versions`` are
+      ignored (0.0 and -1 by convention). None = every output token is a model token.
     """
 
     prompt_ids: Sequence[int]
@@ -33,13 +37,15 @@ class Sample:
     output_versions: Sequence[int]
     reward: float
     group_id: Hashable
+    loss_mask: Sequence[int] | None = None
 
     @classmethod
     def coerce(cls, s, index: int = 0) -> Sample:
         """A Sample from a Sample or a dict; validates lengths, naming the sample ``index``."""
         if isinstance(s, dict):
             try:
-                s = cls(**{k: s[k] for k in cls.__dataclass_fields__})
+                s = cls(**{k: s[k] for k in cls.__dataclass_fields__ if k != "loss_mask"},
+                        loss_mask=s.get("loss_mask"))
             except KeyError as e:
                 raise ValueError(f"sample {index} lacks key {e.args[0]!r}") from None
         elif not isinstance(s, cls):
@@ -54,6 +60,12 @@ class Sample:
             )
         if len(s.prompt_ids) + g < 2:
             raise ValueError(f"sample {index} has fewer than 2 tokens in all")
+        if s.loss_mask is not None:
+            if len(s.loss_mask) != g:
+                raise ValueError(f"sample {index}: loss_mask ({len(s.loss_mask)}) must have one entry per output "
+                                 f"token ({g})")
+            if any(m not in (0, 1) for m in s.loss_mask):
+                raise ValueError(f"sample {index}: loss_mask entries must be 0 or 1")
         return s
 
 
@@ -77,12 +89,17 @@ def to_seq(s: Sample) -> Seq:
     p, g = len(s.prompt_ids), len(s.output_ids)
     n = p + g - 1
     mask = torch.zeros(n, dtype=torch.bool)
-    mask[p - 1 :] = True
+    if s.loss_mask is None:
+        mask[p - 1 :] = True
+    else:
+        mask[p - 1 :] = torch.tensor(list(s.loss_mask), dtype=torch.bool)
     behav_logprobs = torch.zeros(n, dtype=torch.float32)
     behav_logprobs[p - 1 :] = torch.tensor(list(s.behav_logprobs), dtype=torch.float32)
     ver = torch.full((n,), -1, dtype=torch.long)
     ver[p - 1 :] = torch.tensor(list(s.output_versions), dtype=torch.long)
-    return Seq(ids[:-1], ids[1:], mask, behav_logprobs, ver, g)
+    behav_logprobs[~mask] = 0.0  # context tokens (prompt, tool output): no behaviour policy
+    ver[~mask] = -1
+    return Seq(ids[:-1], ids[1:], mask, behav_logprobs, ver, int(mask.sum()))
 
 
 def dummy_seq() -> Seq:
