@@ -34,6 +34,8 @@ PARAM_DTYPES = ("bfloat16", "float16", "float32")
 PACKING_COSTS = ("tokens", "attention")
 LOSS_BACKENDS = ("triton", "interpret", "reference")
 _DEVICE_RE = re.compile(r"(cpu|cuda(:\d+)?)")
+_GPU_ID = r"(\d+|GPU-[\w-]+|MIG-[\w/-]+)"  # what CUDA_VISIBLE_DEVICES accepts
+_GPUS_RE = re.compile(rf"{_GPU_ID}(,{_GPU_ID})*")
 
 
 def _section(cls, value, name: str):
@@ -213,8 +215,9 @@ class TrainerConfig:
                           ("min_mbs", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)!r}")
-        if self.gpus is not None and not re.fullmatch(r"\d+(,\d+)*", str(self.gpus)):
-            raise ValueError(f"gpus must be a comma-separated list of GPU indices like '0,1', got {self.gpus!r}")
+        if self.gpus is not None and not _GPUS_RE.fullmatch(str(self.gpus)):
+            raise ValueError(f"gpus must be a comma-separated list of GPU indices (or GPU-/MIG- UUIDs) like "
+                             f"'0,1', got {self.gpus!r}")
         if self.device is not None and not _DEVICE_RE.fullmatch(str(self.device)):
             raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or null, got {self.device!r}")
         if self.packing_cost not in PACKING_COSTS:
