@@ -10,12 +10,12 @@ trains whenever a batch is ready (AReaL-style), with the staleness bound of deco
     +-------------------+   gate.try_admit()  (running < max_concurrent and
     |  admission loop   |<----- wake -------   accepted + running < (eta + v + 1) * B)
     +-------------------+
-             | one task per prompt (a *group*)
+             | one task per prompt (a *group* of n episodes)
              v
-    +-------------------+  n x rollout.generate(ids, sampling)   (interruptible; every token
-    |   group task      |------------------------------------>    keeps the version that made it)
-    |  (x max_concurrent)|<-- tokens, logprobs, versions ------   servers (embedded / SGLang)
-    |                   |  n x reward.score(task, text)  ------>  reward process pool
+    +-------------------+  n x workflow(row, engine): each episode makes one or more model
+    |   group task      |  turns through rollout.generate (interruptible; every token keeps the
+    |  (x max_concurrent)|  version that made it), calls tools and rewards (reward process pool)
+    |                   |  and returns trajectories (tokens, loss mask, logprobs, versions, reward)
     +-------------------+
              | finished group (gate.finish)
              v
@@ -28,6 +28,11 @@ trains whenever a batch is ready (AReaL-style), with the staleness bound of deco
     |                   |   every K steps: greedy eval (no version change while it runs)
     |                   |   every K steps: checkpoint (trainer + controller state) ----+
     +-------------------+
+
+The episode logic is the workflow's (``areal_fast.workflow``, ``docs/workflows.md``; the default
+is one completion and one reward): this loop only schedules episodes, in groups of n per task.
+An episode that raises ``EpisodeFailed`` is counted and its group trains on the others (a group
+left with no trajectory frees its slot); any other exception stops the run.
 
 eta = 0 is the synchronous baseline with the same code: capacity (v + 1) * B admits exactly
 one batch per version, so generation stops until the trainer has stepped and synced.
@@ -63,6 +68,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from areal_fast.workflow import DEFAULT_WORKFLOW, EpisodeEngine, EpisodeFailed, check_trajectories, load_workflow
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +127,9 @@ class Gate(Protocol):
 
 @dataclass
 class Group:
-    """The n samples of one prompt, finished and scored."""
+    """The trajectories of the n episodes of one prompt, finished and scored. ``prompts`` and
+    ``loss_masks`` are per trajectory when the workflow made them (empty: every trajectory starts
+    with ``prompt_ids`` and all its output tokens are model tokens)."""
 
     position: int
     row: int
@@ -132,21 +141,35 @@ class Group:
     rewards: list[float]
     finish_reasons: list[str]
     gen_seconds: float = 0.0
+    prompts: list[list[int]] = field(default_factory=list)
+    loss_masks: list[list[int]] = field(default_factory=list)
+    infos: list[dict] = field(default_factory=list)
+    episodes_failed: int = 0
 
     @property
     def n_tokens(self) -> int:
+        """Model tokens (the trained ones; tool and environment text excluded)."""
+        if self.loss_masks:
+            return sum(sum(m) for m in self.loss_masks)
         return sum(len(o) for o in self.outputs)
 
+    def model_versions(self) -> list[int]:
+        """Versions of every model token of the group (staleness is measured on these)."""
+        return [v for vs in self.versions for v in vs if v >= 0]
+
     def min_version(self) -> int:
-        vs = [min(v) for v in self.versions if v]
+        vs = self.model_versions()
         return min(vs) if vs else self.admitted_version
 
     def samples(self) -> list[dict]:
-        return [
-            dict(prompt_ids=list(self.prompt_ids), output_ids=o, behav_logprobs=lp, output_versions=v,
-                 reward=r, group_id=self.position)
-            for o, lp, v, r in zip(self.outputs, self.behav_logprobs, self.versions, self.rewards)
-        ]
+        out = []
+        for i, (o, lp, v, r) in enumerate(zip(self.outputs, self.behav_logprobs, self.versions, self.rewards)):
+            s = dict(prompt_ids=list(self.prompts[i] if self.prompts else self.prompt_ids), output_ids=o,
+                     behav_logprobs=lp, output_versions=v, reward=r, group_id=self.position)
+            if self.loss_masks:
+                s["loss_mask"] = list(self.loss_masks[i])
+            out.append(s)
+        return out
 
 
 @dataclass
@@ -169,6 +192,12 @@ class ControllerSettings:
     resume_key: dict = field(default_factory=dict)
     """What the data order and the meaning of a saved position depend on (seed, data source and
     fingerprint, batch and group sizes...): stored in every checkpoint, compared on resume."""
+    workflow: Any = DEFAULT_WORKFLOW
+    """The episode: 'package.module:function' (or the async function itself)."""
+    workflow_args: dict = field(default_factory=dict)
+    """Keyword arguments of every workflow call."""
+    tool_timeout: float = 10.0
+    """Seconds per tool call (``EpisodeEngine.tool``)."""
 
 
 @dataclass
@@ -180,6 +209,9 @@ class Counters:
     dropped_stale: int = 0
     regenerated: int = 0
     reward_status: dict = field(default_factory=dict)
+    episodes_failed: int = 0
+    groups_failed: int = 0  # every episode of the group failed: nothing to train on, slot freed
+    tool_status: dict = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- controller
@@ -195,6 +227,11 @@ class Controller:
         self.prompts, self.eval_prompts, self.tok = prompts, list(eval_prompts), tokenizer
         self.rollout, self.reward, self.trainer, self.syncer, self.gate = rollout, reward, trainer, syncer, gate
         self.callbacks = list(callbacks or [])
+        wf = settings.workflow
+        self.workflow = load_workflow(wf) if isinstance(wf, str) else wf
+        self._workflow_name = wf if isinstance(wf, str) else getattr(wf, "__qualname__", repr(wf))
+        self._tool_counts: Counter = Counter()
+        self._reward_counts: Counter = Counter()
         self.version = 0
         self.position = 0
         self.requeue: deque[int] = deque()
@@ -231,27 +268,49 @@ class Controller:
             self._wake.clear()
             await self._wake.wait()
 
+    def _engine(self, episode_id: str, sampling: dict, training: bool = True) -> EpisodeEngine:
+        return EpisodeEngine(self.rollout, self.reward, self.tok, sampling, episode_id, training=training,
+                             eval_reward=self.s.eval_reward, tool_timeout_s=self.s.tool_timeout,
+                             tool_counts=self._tool_counts, version=lambda: self.version,
+                             reward_counts=self._reward_counts if training else Counter())
+
+    async def _episode(self, row, engine: EpisodeEngine) -> list:
+        """One workflow call; its trajectories, or None when it gave up (``EpisodeFailed``, counted)."""
+        try:
+            out = await self.workflow(row, engine, **self.s.workflow_args)
+        except EpisodeFailed as e:
+            self.counters.episodes_failed += 1
+            log.warning("episode %s failed: %s", engine.episode_id, e)
+            return None
+        return check_trajectories(out, f"workflow {self._workflow_name} (episode {engine.episode_id})")
+
     async def _run_group(self, pos: int) -> None:
         ok = False
         try:
             row = self.prompts.at(pos)
-            ids = self.tok.encode(row.text)
             v0 = self.version
             t0 = time.perf_counter()
-            gens = await asyncio.gather(*[
-                self.rollout.generate(ids, dict(self.s.sampling), rid=f"{self.incarnation}-{pos}-{k}")
+            episodes = await asyncio.gather(*[
+                self._episode(row, self._engine(f"{self.incarnation}-{pos}-{k}", self.s.sampling))
                 for k in range(self.s.group_size)
             ])
-            texts = [self.tok.decode(g.output_ids) for g in gens]
-            results = await asyncio.gather(*[self.reward.score(row.task, t) for t in texts])
-            for r in results:
-                st = getattr(r, "status", "ok")
-                self.counters.reward_status[st] = self.counters.reward_status.get(st, 0) + 1
-            group = Group(position=pos, row=row.index, admitted_version=v0, prompt_ids=list(ids),
-                          outputs=[list(g.output_ids) for g in gens],
-                          behav_logprobs=[list(g.behav_logprobs) for g in gens],
-                          versions=[list(g.versions) for g in gens], rewards=[float(r.value) for r in results],
-                          finish_reasons=[g.finish_reason for g in gens], gen_seconds=time.perf_counter() - t0)
+            trajs = [tr for ep in episodes if ep is not None for tr in ep]
+            failed = sum(ep is None for ep in episodes)
+            self._count_tools()
+            if not trajs:  # nothing to train on: the slot goes back to admission (counted)
+                self.counters.groups_failed += 1
+                log.warning("group at position %d: no trajectory (%d of %d episodes failed)", pos, failed,
+                            len(episodes))
+                return
+            group = Group(position=pos, row=row.index, admitted_version=v0, prompt_ids=list(trajs[0].prompt_ids),
+                          outputs=[list(tr.output_ids) for tr in trajs],
+                          behav_logprobs=[list(tr.behav_logprobs) for tr in trajs],
+                          versions=[list(tr.output_versions) for tr in trajs],
+                          rewards=[float(tr.reward) for tr in trajs],
+                          finish_reasons=[tr.finish_reason for tr in trajs], gen_seconds=time.perf_counter() - t0,
+                          prompts=[list(tr.prompt_ids) for tr in trajs],
+                          loss_masks=[list(tr.loss_mask) for tr in trajs],
+                          infos=[_numbers(tr.info) for tr in trajs], episodes_failed=failed)
             self.buffer.append(group)
             self.counters.finished += 1
             ok = True
@@ -269,6 +328,14 @@ class Controller:
             self.gate.finish(ok)
             self._wake.set()
 
+    def _count_tools(self) -> None:
+        """Move the engines' tool and reward outcome counts into the checkpointed counters."""
+        for counts, into in ((self._tool_counts, self.counters.tool_status),
+                             (self._reward_counts, self.counters.reward_status)):
+            for k, v in counts.items():
+                into[k] = into.get(k, 0) + v
+            counts.clear()
+
     # ------------------------------------------------------------- training
     def _take_batch(self) -> tuple[list[Group], list[int]]:
         """B groups FIFO; in strict mode groups with a token older than version - eta are dropped
@@ -276,7 +343,7 @@ class Controller:
         batch, dropped = [], []
         while self.buffer and len(batch) < self.s.batch_size:
             g = self.buffer.pop(0)
-            if not self.gate.check_consumed([v for vs in g.versions for v in vs]):  # strict mode only
+            if not self.gate.check_consumed(g.model_versions()):  # strict mode only
                 dropped.append(g.position)  # the gate gave its slot back
                 continue
             batch.append(g)
@@ -326,6 +393,7 @@ class Controller:
         staleness = [self.version - 1 - g.min_version() for g in batch]
         rewards = [r for g in batch for r in g.rewards]
         ntok = sum(g.n_tokens for g in batch)
+        infos = [i for g in batch for i in g.infos]
         self.counters.trained_groups += len(batch)
         self.counters.trained_tokens += ntok
         elapsed = self.elapsed()
@@ -341,6 +409,9 @@ class Controller:
             "trained_tokens_per_s": self.counters.trained_tokens / max(elapsed, 1e-9),
             "trained_samples_per_s": self.counters.trained_groups * self.s.group_size / max(elapsed, 1e-9),
             "dropped_stale": self.counters.dropped_stale,
+            "episodes_failed": self.counters.episodes_failed,
+            **{f"tool/{k}": v for k, v in self.counters.tool_status.items()},
+            **{f"episode/{k}": v for k, v in _means(infos).items()},
             **{f"gate/{k}": v for k, v in self.gate.stats().items()},
             **{f"train/{k}": v for k, v in (tmetrics or {}).items() if isinstance(v, int | float)},
             **{f"sync/{k}": v for k, v in smetrics.items() if isinstance(v, int | float)},
@@ -358,17 +429,19 @@ class Controller:
         t0 = time.perf_counter()
 
         async def one(i, row):
-            ids = self.tok.encode(row.text)
-            g = await self.rollout.generate(ids, dict(self.s.eval_sampling), rid=f"{self.incarnation}-eval"
-                                            f"{self.version}-{i}")
-            task = {**row.task, "reward": self.s.eval_reward} if self.s.eval_reward else row.task
-            r = await self.reward.score(task, self.tok.decode(g.output_ids))
-            return float(r.value), len(g.output_ids)
+            """One episode of the workflow, greedy; its trajectories' mean reward (0 when it failed)."""
+            engine = self._engine(f"{self.incarnation}-eval{self.version}-{i}", self.s.eval_sampling, training=False)
+            trajs = await self._episode(row, engine) or []
+            if not trajs:
+                return 0.0, 0, {}
+            n = sum(tr.n_model_tokens for tr in trajs) / len(trajs)
+            return sum(float(tr.reward) for tr in trajs) / len(trajs), n, _means([_numbers(tr.info) for tr in trajs])
 
         res = await asyncio.gather(*[one(i, r) for i, r in enumerate(self.eval_prompts)])
-        out = {"step": self.version, "time": self.elapsed(), "eval_reward": sum(r for r, _ in res) / len(res),
-               "eval_len_mean": sum(n for _, n in res) / len(res), "eval_s": time.perf_counter() - t0,
-               "eval_n": len(res)}
+        self._count_tools()
+        out = {"step": self.version, "time": self.elapsed(), "eval_reward": sum(r for r, _, _ in res) / len(res),
+               "eval_len_mean": sum(n for _, n, _ in res) / len(res), "eval_s": time.perf_counter() - t0,
+               "eval_n": len(res), **{f"eval_{k}": v for k, v in _means([i for _, _, i in res]).items()}}
         self._timers.update(eval_s=out["eval_s"])
         self.eval_history.append(out)
         return out
@@ -538,6 +611,21 @@ def check_resume_key(st: dict, key: dict, path: Path) -> None:
             f"cannot resume from {path}: the data order depends on {', '.join(changed)}, which changed "
             f"({diff}). Resuming would train some prompts twice and skip others. Put the old values "
             f"back, or start over with experiment.resume=false (the previous run is moved aside).")
+
+
+def _numbers(info: dict) -> dict:
+    """The numeric entries of a trajectory's info (what metrics can average)."""
+    return {str(k): float(v) for k, v in (info or {}).items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+def _means(infos: list[dict]) -> dict:
+    """Mean of each key over the dicts that have it."""
+    sums, counts = Counter(), Counter()
+    for d in infos:
+        for k, v in d.items():
+            sums[k] += v
+            counts[k] += 1
+    return {k: sums[k] / counts[k] for k in sums}
 
 
 def _group_fields(g: dict) -> dict:

@@ -1,0 +1,91 @@
+"""The engine handle a workflow receives: model turns, tokenizer, rewards and tools of one episode.
+
+One :class:`EpisodeEngine` per episode. It owns nothing: it forwards to the controller's ports
+(rollout, reward) and counts tool outcomes into a dict the controller reports. Request ids are
+``<episode id>-<turn>``, unique across the run and its restarts (the episode id carries the
+controller's incarnation), so a resumed run never collides with requests of the one before.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from areal_fast.workflow.api import ToolResult
+
+TOOL_TIMEOUT_S = 10.0
+
+
+class EpisodeEngine:
+    """See the module docstring. ``sampling`` is the run's sampling (greedy during evaluation);
+    ``training`` is False during evaluation (a workflow may, e.g., skip exploration then)."""
+
+    def __init__(self, rollout, reward, tokenizer, sampling: dict, episode_id: str, *,
+                 training: bool = True, eval_reward: str | None = None, tool_timeout_s: float = TOOL_TIMEOUT_S,
+                 tool_counts: Counter | None = None, reward_counts: Counter | None = None, version=lambda: 0):
+        self._rollout, self._reward, self.tokenizer = rollout, reward, tokenizer
+        self.sampling = dict(sampling)
+        self.episode_id = episode_id
+        self.training = training
+        self.eval_reward = eval_reward
+        self.tool_timeout_s = tool_timeout_s
+        self.tool_counts = tool_counts if tool_counts is not None else Counter()
+        self.reward_counts = reward_counts if reward_counts is not None else Counter()
+        self._version = version
+        self._turn = 0
+
+    @property
+    def version(self) -> int:
+        """The controller's weight version now (the tokens of a turn carry their own versions)."""
+        return self._version()
+
+    # ------------------------------------------------------------------ tokens
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt, encoded as the single-turn rollout does (with BOS where the
+        tokenizer adds one)."""
+        return list(self.tokenizer.encode(text))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text that continues a sequence (tool output, feedback): no BOS."""
+        return list(self.tokenizer.encode(text, add_bos=False))
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return getattr(self.tokenizer, "eos_token_id", None)
+
+    # ------------------------------------------------------------------ model
+    async def generate(self, input_ids: list[int], **sampling: Any):
+        """One model turn continuing ``input_ids`` (a :class:`areal_fast.controller.Generation`).
+        Keyword arguments override the run's sampling for this turn (e.g. ``max_new_tokens``,
+        ``stop_token_ids``); the temperature cannot change (the trainer recomputes at the run's)."""
+        if "temperature" in sampling and self.training and sampling["temperature"] != self.sampling.get("temperature"):
+            raise ValueError("EpisodeEngine.generate: temperature is fixed for the run (rollout.temperature); "
+                             "the trainer recomputes log-probs at that temperature")
+        rid = f"{self.episode_id}-{self._turn}"
+        self._turn += 1
+        return await self._rollout.generate(list(input_ids), {**self.sampling, **sampling}, rid=rid)
+
+    # ------------------------------------------------------------------ rewards and tools
+    async def reward(self, task: dict, completion: str):
+        """Score ``completion`` with the task's reward (the configured one; ``eval.reward`` during
+        evaluation). Returns the reward service's result (``.value``, ``.status``)."""
+        if not self.training and self.eval_reward:
+            task = {**task, "reward": self.eval_reward}
+        res = await self._reward.score(task, completion)
+        self.reward_counts[getattr(res, "status", "ok")] += 1
+        return res
+
+    async def tool(self, name: str, call: str, *, timeout_s: float | None = None, **fields) -> ToolResult:
+        """Run tool ``name`` ('package.module:function', called as ``fn(fields, call)``) in the
+        reward service's worker processes, with a time limit. Never raises for the tool's own
+        failures: a tool that hangs is killed (status 'timeout'), one that raises or crashes its
+        worker gives status 'error'; every outcome is counted (``tool/<status>`` in the metrics)."""
+        task = {**fields, "reward": name, "timeout_s": float(timeout_s or self.tool_timeout_s)}
+        res = await self._reward.score(task, call)
+        status = getattr(res, "status", "ok")
+        self.tool_counts[status] += 1
+        out = getattr(res, "detail", "")
+        return ToolResult(status=status, output=out if status == "ok" else (out or status))
