@@ -286,8 +286,19 @@ class RolloutConfig:
     """Seconds for one /generate call before it is retried elsewhere."""
     health_timeout: float = 300.0
     """Seconds to wait for launched servers to become healthy."""
+    workflow: str = "areal_fast.workflow.single_turn:single_turn"
+    """The episode each of the group_size rollouts of a task runs: 'package.module:function', an
+    async function (row, engine) -> list of trajectories (``docs/workflows.md``). The default is one
+    completion and one reward. Resolved when the config is loaded."""
+    workflow_args: dict = field(default_factory=dict)
+    """Keyword arguments passed to every call of the workflow (e.g. a turn budget)."""
+    tool_timeout: float = 10.0
+    """Seconds per tool call of a workflow; a tool that takes longer is killed (counted as tool/timeout)."""
 
     def __post_init__(self):
+        if not re.match(r"^[\w.]+:[\w.]+$", self.workflow or ""):
+            raise ValueError(f"workflow: expected 'package.module:function', got {self.workflow!r}")
+        _positive_seconds("tool_timeout", self.tool_timeout)
         if self.engine not in ("embedded", "sglang"):
             raise ValueError(f"engine: must be 'embedded' or 'sglang', got {self.engine!r}")
         for i, url in enumerate(self.servers):
@@ -757,8 +768,8 @@ def _resolve_relative(tree: dict, base: Path) -> None:
 
 
 def check_names(cfg: AppConfig) -> None:
-    """Resolve what is otherwise looked up only inside worker processes: ``reward.name`` and
-    ``eval.reward`` (registry names are checked against the registry, 'module:function' is
+    """Resolve what is otherwise looked up only inside worker processes: ``reward.name``,
+    ``eval.reward`` and ``rollout.workflow`` (registry names are checked against the registry, 'module:function' is
     imported and must be callable). Raises :class:`ConfigError` naming the key."""
     from areal_fast.reward.registry import get_reward_fn
 
@@ -771,6 +782,15 @@ def check_names(cfg: AppConfig) -> None:
             raise ConfigError(f"{key}: {e}") from None
         except Exception as e:  # noqa: BLE001 - a user module that fails to import for any reason
             raise ConfigError(f"{key}: importing {name!r} failed: {type(e).__name__}: {e}") from None
+    from areal_fast.workflow.api import load_workflow
+
+    try:
+        load_workflow(cfg.rollout.workflow)
+    except ValueError as e:
+        raise ConfigError(f"rollout.workflow: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a user module that fails to import for any reason
+        raise ConfigError(f"rollout.workflow: importing {cfg.rollout.workflow!r} failed: "
+                          f"{type(e).__name__}: {e}") from None
 
 
 def gpu_count() -> int:

@@ -80,7 +80,8 @@ def controller_settings(cfg, tokenizer, key: dict) -> ControllerSettings:
         sampling=sampling, eval_sampling=eval_sampling, eval_every=cfg.eval.every_steps,
         eval_at_start=cfg.eval.at_start, checkpoint_every=cfg.checkpoint.every_steps,
         keep_last=cfg.checkpoint.keep_last, output_dir=cfg.experiment.out, dump_samples=cfg.log.samples,
-        eval_reward=cfg.eval.reward, resume_key=key)
+        eval_reward=cfg.eval.reward, resume_key=key, workflow=r.workflow, workflow_args=dict(r.workflow_args),
+        tool_timeout=r.tool_timeout)
 
 
 def trainer_config(cfg, model_path: str):
