@@ -146,7 +146,6 @@ class EngineServer:
         )
         self.receiver = WeightReceiver(self.model, timeout_s=dist_timeout_s)
         self.session_open = False  # a begin_weight_update without its end (SGLang >= 0.5.21)
-        self.session_loaded = False
         self.scheduler.start()
 
     @staticmethod
@@ -471,7 +470,6 @@ class EngineServer:
             raise
         except Exception as e:  # noqa: BLE001
             return self._result(False, f"Failed to update weights: {type(e).__name__}: {e}")
-        self.session_loaded = self.session_loaded or ok or message == FLUSH_REFUSED
         return self._result(ok, message)
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
@@ -502,7 +500,7 @@ class EngineServer:
         await self._json(request)
         if self.session_open:
             return self._result(False, "a weight-update session is already open; call end_weight_update() first")
-        self.session_open, self.session_loaded = True, False
+        self.session_open = True
         return self._result(True, "Success")
 
     async def end_update(self, request: web.Request) -> web.Response:
