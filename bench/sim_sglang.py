@@ -576,7 +576,7 @@ class SimCluster:
 
     async def start(self) -> list[str]:
         for s in self.servers:
-            runner = web.AppRunner(s.app, access_log=None, handle_signals=False)
+            runner = web.AppRunner(s.app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
             await runner.setup()
             site = web.TCPSite(runner, self.host, 0, backlog=1024)
             await site.start()
@@ -587,9 +587,15 @@ class SimCluster:
         return self.urls
 
     async def stop(self) -> None:
-        for s in self.servers:
+        for s in self.servers:  # answer whatever still waits, so that no handler holds the shutdown
             if s.timer is not None:
                 s.timer.cancel()
+            s.paused = True
+            for req in list(s.running.values()) + list(s.waiting):
+                req.start = None
+                s._answer(req, "abort")
+            s.running.clear()
+            s.waiting.clear()
         for r in self._runners:
             await r.cleanup()
         self._runners.clear()
@@ -640,7 +646,11 @@ class SimProcess:
     def close(self, timeout_s: float = 30.0) -> int:
         if self.proc.stdin and not self.proc.stdin.closed:
             self.proc.stdin.close()
-        return self.proc.wait(timeout=timeout_s)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:  # our own child, by its pid
+            self.proc.kill()
+            return self.proc.wait(timeout=timeout_s)
 
     def __enter__(self) -> SimProcess:
         return self

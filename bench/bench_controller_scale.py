@@ -1,0 +1,425 @@
+"""The controller at production scale: the real Controller, staleness gate and RolloutClient against
+N simulated SGLang servers (``bench/sim_sglang.py``, in a child process so that this process's CPU
+is the controller's alone).
+
+    python bench/bench_controller_scale.py                    # 8/512, 64/4,096, 256/16,384
+    python bench/bench_controller_scale.py --scales 64:4096   # servers:requests in flight
+    python bench/bench_controller_scale.py --quick            # 4 servers, 128 in flight, short answers
+
+What runs: ``areal_fast.controller.Controller`` with ``StalenessManager`` as its gate and
+``areal_fast.launch.runtime.ClientRollout`` over ``RolloutClient`` as its rollout port (the
+production adapters); only the trainer (sleeps for ``--train-s`` per step), the weight sync (posts
+``weight_version`` to every simulated server), the reward (constant) and the tokenizer are stand-ins.
+Requests in flight = ``max_concurrent`` groups x ``group_size``.
+
+Per scale, one JSONL row (``bench/results/controller_scale.jsonl``):
+- received tokens/s (tokens in every answer the servers sent, partial ones included) and trained
+  tokens/s, over the run (admission ramp included) up to the last training step;
+- CPU us per received token: this process's CPU time / received tokens (the correctness checks'
+  own CPU is measured and subtracted), the Python garbage collector's share of it;
+- event-loop lag p50/p99/max: a ticker task sleeping ``TICK_S`` records how late it wakes;
+- pause -> all acknowledged, and pause -> continue returned (pause, weight sync, continue);
+- peak RSS of this process;
+- correctness: every rid answered once, every trained group once, tokens, finish reasons and each
+  token's version exact (the simulated log-probs encode the weights that made each token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import resource
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sim_sglang as sim  # noqa: E402
+from common import add_harness_args, print_table, provenance, save  # noqa: E402
+
+from areal_fast.controller import Controller, ControllerSettings, Generation  # noqa: E402
+from areal_fast.launch.runtime import ClientRollout  # noqa: E402
+from areal_fast.rollout.client import RolloutClient  # noqa: E402
+from areal_fast.rollout.staleness import StalenessManager  # noqa: E402
+
+TICK_S = 0.01  # loop-lag ticker period: fine enough to see 10 ms stalls, ~100 wakeups/s of CPU
+PROMPT_LEN = 64
+
+
+# ----------------------------------------------------------------------------- stand-in ports
+
+
+@dataclass
+class SimRow:
+    index: int
+    text: str
+    task: dict
+
+
+class SimPrompts:
+    """An endless prompt stream: position p is row p."""
+
+    def at(self, position: int) -> SimRow:
+        return SimRow(position, str(position), {})
+
+
+class SimTokenizer:
+    """Prompt ids of a fixed length; decode returns "" (the reward is a stand-in, and the real
+    tokenizer's cost is not the controller's)."""
+
+    def __init__(self, prompt_len: int = PROMPT_LEN):
+        self.prompt_len = prompt_len
+
+    def encode(self, text: str) -> list[int]:
+        p = int(text)
+        return [2 + (p * 31 + i) % 997 for i in range(self.prompt_len)]
+
+    def decode(self, ids) -> str:
+        return ""
+
+
+class _Reward:
+    value = 1.0
+    status = "ok"
+
+
+class ConstReward:
+    async def score(self, task, completion):
+        return _Reward
+
+
+class SleepTrainer:
+    """TrainerPort that sleeps for a modelled step time: ``step_s(samples)`` wall seconds."""
+
+    def __init__(self, step_s):
+        self.step_s = step_s
+        self.steps: list[dict] = []
+
+    def train(self, samples: list[dict]) -> dict:
+        s = self.step_s(samples)
+        time.sleep(s)
+        self.steps.append({"samples": len(samples), "sleep_s": s})
+        return {"modelled_s": s}
+
+    def save(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+
+    def check(self, path: Path) -> None:
+        pass
+
+    def load(self, path: Path) -> None:
+        pass
+
+
+class SimSync:
+    """SyncPort: every simulated server takes ``weight_version`` (what a real update ends with);
+    optionally sleeps for a modelled transfer time first."""
+
+    def __init__(self, urls: list[str], api_key: str | None, delay_s=lambda version: 0.0):
+        self.urls, self.api_key, self.delay_s = urls, api_key, delay_s
+        self.session: aiohttp.ClientSession | None = None
+        self.version = 0
+
+    async def sync(self, version: int) -> dict:
+        if self.session is None:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            self.session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
+        d = self.delay_s(version)
+        if d > 0:
+            await asyncio.sleep(d)
+
+        async def one(url):
+            async with self.session.post(url + "/update_weights_from_disk",
+                                         json={"model_path": "sim", "weight_version": str(version)}) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"{url}/update_weights_from_disk answered {r.status}: {await r.text()}")
+
+        await asyncio.gather(*(one(u) for u in self.urls))
+        self.version = version
+        return {"modelled_s": d}
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+class CheckedRollout(ClientRollout):
+    """The production rollout port, plus: exact checks of every sample, exactly-once accounting, and
+    pause / continue timings. ``pause_mode`` None keeps the production call (``pause_all()``)."""
+
+    def __init__(self, client, cfg: sim.SimConfig, max_new: int, sync: SimSync, pause_mode: str | None = None):
+        super().__init__(client)
+        self.cfg, self.max_new, self.sync_port, self.pause_mode = cfg, max_new, sync, pause_mode
+        self.returned: dict[str, int] = {}
+        self.errors: list[str] = []
+        self.check_cpu_s = 0.0
+        self.trained_tokens = 0
+        self.pauses: list[dict] = []
+        self._t_pause = 0.0
+
+    async def generate(self, input_ids, sampling, rid) -> Generation:
+        g = await super().generate(input_ids, sampling, rid)
+        c0 = time.process_time()
+        self.returned[rid] = self.returned.get(rid, 0) + 1
+        if self.returned[rid] > 1:
+            self.errors.append(f"{rid}: returned {self.returned[rid]} times")
+        if len(self.errors) < 20:
+            self.errors += sim.check_sample(rid, len(input_ids), sampling.get("max_new_tokens", 128), g.output_ids,
+                                            g.behav_logprobs, g.versions, g.finish_reason, self.cfg,
+                                            self.sync_port.version + 1)
+        self.check_cpu_s += time.process_time() - c0
+        return g
+
+    async def pause(self) -> None:
+        self._t_pause = time.perf_counter()
+        if self.pause_mode is None:
+            await super().pause()
+        else:
+            await self.control(lambda: self.client.pause_all(self.pause_mode), "pause_generation")
+        self.pauses.append({"ack_s": time.perf_counter() - self._t_pause})
+
+    async def resume(self) -> None:
+        await super().resume()
+        self.pauses[-1]["continue_s"] = time.perf_counter() - self._t_pause
+
+
+class LoopLag:
+    """Records how late a task sleeping ``period`` wakes up (the event loop's responsiveness)."""
+
+    def __init__(self, period: float = TICK_S):
+        self.period, self.lags = period, []
+        self.rss0 = self.peak_rss = current_rss_mb()  # sampled every 10th tick
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(self.period)
+            self.lags.append(loop.time() - t - self.period)
+            if len(self.lags) % 10 == 0:
+                self.peak_rss = max(self.peak_rss, current_rss_mb())
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    def summary(self) -> dict:
+        xs = sorted(self.lags) or [0.0]
+        return {"lag_p50_ms": 1e3 * xs[len(xs) // 2], "lag_p99_ms": 1e3 * xs[min(len(xs) - 1, int(0.99 * len(xs)))],
+                "lag_max_ms": 1e3 * xs[-1]}
+
+
+class GcClock:
+    """Wall time spent inside the garbage collector (gc.callbacks)."""
+
+    def __init__(self):
+        self.total_s, self.collections, self._t = 0.0, 0, 0.0
+
+    def __call__(self, phase, info) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._t
+            self.collections += 1
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+async def sim_stats(url: str, api_key: str | None) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(headers=headers) as s, s.get(url + "/sim_stats") as r:
+        return await r.json()
+
+
+def peak_rss_mb() -> float:
+    """The process's peak RSS since it started (imports included)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def current_rss_mb() -> float:
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 2**20
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+@dataclass(kw_only=True)
+class RunSpec:
+    servers: int
+    in_flight: int
+    group_size: int = 16
+    batch_groups: int = 0  # 0: half the groups in flight
+    eta: int = 4
+    steps: int = 4
+    train_s: float = 2.0
+    max_new: int = 32768
+    pause_mode: str | None = None
+    api_key: str | None = "bench-key"
+
+
+async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, train_s=None, sync_delay_s=None,
+                         out_dir: Path | None = None) -> dict:
+    """Drive the real Controller against the simulated servers at ``urls``; returns the measures."""
+    if spec.in_flight % spec.group_size:
+        raise ValueError(f"in_flight {spec.in_flight} must be a multiple of group_size {spec.group_size}")
+    concurrent = spec.in_flight // spec.group_size
+    batch = spec.batch_groups or max(1, concurrent // 2)
+    client = RolloutClient(urls, api_key=spec.api_key, request_timeout_s=24 * 3600)
+    sync = SimSync(urls, spec.api_key, sync_delay_s or (lambda v: 0.0))
+    rollout = CheckedRollout(client, cfg, spec.max_new, sync, spec.pause_mode)
+    trainer = SleepTrainer(train_s or (lambda samples: spec.train_s))
+    gate = StalenessManager(batch, spec.eta, concurrent)
+    tmp = tempfile.TemporaryDirectory(prefix="ctrl_scale_")
+    settings = ControllerSettings(batch_size=batch, group_size=spec.group_size, total_steps=spec.steps,
+                                  sampling={"max_new_tokens": spec.max_new, "temperature": 1.0}, eval_sampling={},
+                                  eval_every=0, eval_at_start=False, checkpoint_every=0,
+                                  output_dir=Path(out_dir or tmp.name))
+    marks: list[dict] = []
+    lag = LoopLag()
+
+    def on_metrics(m: dict) -> None:
+        if m.get("kind") == "train":
+            marks.append({"t": time.perf_counter(), "cpu": time.process_time(), "step": m["step"],
+                          "trained_tokens": m["tokens"], "staleness": m["staleness"], "positions": m["positions"],
+                          "train_s": m["train_s"], "wait_s": m["wait_s"], "sync_s": m["sync_s"]})
+
+    ctrl = Controller(settings, SimPrompts(), SimTokenizer(), rollout, ConstReward(), trainer, sync, gate,
+                      callbacks=[on_metrics])
+    await client.start()
+    stats0 = await sim_stats(urls[0], spec.api_key)
+    gc.collect()
+    lag.start()
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    try:
+        with GcClock() as gcc:
+            summary = await ctrl.run()
+    finally:
+        await lag.stop()
+        await client.close()
+        await sync.close()
+        tmp.cleanup()
+    stats1 = await sim_stats(urls[0], spec.api_key)
+    last = marks[-1]
+    wall = last["t"] - t0
+    cpu = last["cpu"] - cpu0 - rollout.check_cpu_s
+    received = stats1["sent_tokens"] - stats0["sent_tokens"]
+    trained = sum(m["trained_tokens"] for m in marks)
+    positions = [p for m in marks for p in m["positions"]]
+    errors = list(rollout.errors)
+    if len(set(positions)) != len(positions):
+        errors.append("a group was trained twice")
+    if stats1["duplicates"] != stats0["duplicates"]:
+        errors.append(f"{stats1['duplicates'] - stats0['duplicates']} rids completed twice on the servers")
+    pauses = rollout.pauses
+    stal = [s for m in marks for s in m["staleness"]]
+    return {
+        "servers": spec.servers, "in_flight": spec.in_flight, "group_size": spec.group_size, "batch_groups": batch,
+        "eta": spec.eta, "steps": len(marks), "pause_mode": spec.pause_mode or "abort (production default)",
+        "wall_s": wall, "received_tok_s": received / wall, "trained_tok_s": trained / wall,
+        "cpu_s": cpu, "cpu_util": cpu / wall, "cpu_us_per_tok": 1e6 * cpu / max(received, 1),
+        "gc_s": gcc.total_s, "gc_share_of_cpu": gcc.total_s / max(cpu, 1e-9), "gc_collections": gcc.collections,
+        **lag.summary(),
+        "pause_ack_max_s": max((p["ack_s"] for p in pauses), default=None),
+        "pause_to_continue_mean_s": sum(p["continue_s"] for p in pauses) / len(pauses) if pauses else None,
+        "pause_to_continue_max_s": max((p["continue_s"] for p in pauses), default=None),
+        "peak_rss_mb": lag.peak_rss, "rss_before_mb": lag.rss0, "process_peak_rss_mb": peak_rss_mb(), "received_tokens": received, "trained_tokens": trained,
+        "answers": stats1["answers"] - stats0["answers"], "aborted_answers": stats1["aborted_answers"]
+        - stats0["aborted_answers"], "samples_checked": sum(rollout.returned.values()),
+        "staleness_mean": sum(stal) / max(len(stal), 1), "staleness_max": max(stal, default=0),
+        "correct": not errors, "errors": errors[:5], "summary_counters": summary["counters"],
+        "marks": [{k: m[k] for k in ("step", "train_s", "wait_s", "sync_s")} | {"t": m["t"] - t0} for m in marks],
+    }
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def scale_config(args) -> sim.SimConfig:
+    """A 7B-class model on one H100 at real time: 12 ms + 0.3 ms x batch per step (64 running: ~2,000
+    tokens/s per server); answer lengths log-normal, median 4,000 / --compress, cap 32k / --compress."""
+    return sim.SimConfig(decode_a_s=0.012, decode_b_s=0.0003, prefill_tokens_per_s=200_000, max_running=512,
+                         len_median=4000 / args.compress, len_sigma=1.0, len_max=int(32768 / args.compress),
+                         time_scale=1.0, sglang_version=args.sglang_version, api_key="bench-key", seed=args.seed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scales", default="8:512,64:4096,256:16384", help="servers:in_flight[,...]")
+    ap.add_argument("--quick", action="store_true", help="4 servers, 128 in flight, answers /64, 3 steps")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=16)
+    ap.add_argument("--eta", type=int, default=4)
+    ap.add_argument("--train-s", type=float, default=2.0, help="the trainer's sleep per step (wall s)")
+    ap.add_argument("--compress", type=float, default=16.0, help="divide answer lengths (median 4,000, cap 32k)")
+    ap.add_argument("--pause-mode", choices=("abort", "retract", "in_place"), default=None,
+                    help="default: what the production rollout port does (pause_all() = abort)")
+    ap.add_argument("--sglang-version", default="0.5.23")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="cProfile the controller process; print the top 25")
+    add_harness_args(ap)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.scales, args.compress, args.steps = "4:128", 64.0, 3
+    scales = []
+    for part in args.scales.split(","):
+        try:
+            n, f = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise SystemExit(f"--scales: {part!r} is not servers:in_flight") from None
+        scales.append((n, f))
+    cfg = scale_config(args)
+    if args.dry_run:
+        for n, f in scales:
+            print(f"[dry-run] {n} servers, {f} in flight, group {args.group_size}, {cfg}")
+        return
+    prov = provenance()
+    rows = []
+    for n, f in scales:
+        spec = RunSpec(servers=n, in_flight=f, group_size=args.group_size, eta=args.eta, steps=args.steps,
+                       train_s=args.train_s, max_new=cfg.len_max, pause_mode=args.pause_mode, api_key=cfg.api_key)
+        with sim.SimProcess(n, cfg) as proc:
+            sim_cpu0 = proc.cpu_seconds()
+            prof = None
+            if args.profile:
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
+            row = asyncio.run(run_controller(spec, cfg, proc.urls))
+            if prof is not None:
+                import pstats
+
+                prof.disable()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            row["sim_cpu_s"] = proc.cpu_seconds() - sim_cpu0
+        row["load_avg_1m"] = __import__("os").getloadavg()[0]
+        row["sim"] = {"decode_a_s": cfg.decode_a_s, "decode_b_s": cfg.decode_b_s, "len_median": cfg.len_median,
+                      "len_max": cfg.len_max, "compress": args.compress, "sglang_version": cfg.sglang_version}
+        rows.append(row)
+        print_table([{k: v for k, v in row.items() if not isinstance(v, dict | list)}])
+        save("controller_scale", [row], args, prov)
+    for r in rows:
+        if not r["correct"]:
+            print("CORRECTNESS FAILED:", r["errors"])
+            raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
