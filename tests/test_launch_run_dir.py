@@ -34,6 +34,7 @@ def _hold(out: Path) -> subprocess.Popen:
     return p
 
 
+@pytest.mark.slow  # starts other processes
 def test_a_second_live_run_is_refused_and_a_killed_run_leaves_no_stale_lock(tmp_path):
     out = tmp_path / "run"
     holder = _hold(out)
@@ -106,6 +107,7 @@ class _Cfg:
         self.eval = type("E", (), {"reward": eval_name})()
 
 
+@pytest.mark.slow  # starts other processes
 def test_reward_check_calls_the_reward_and_names_it_when_it_fails():
     task = {"answer": "cba", "prompt": "abc"}
     check_reward(_Cfg("areal_fast.data.tiny_task:partial_reward", "areal_fast.data.tiny_task:reward"), task)
