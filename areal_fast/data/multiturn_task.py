@@ -2,13 +2,15 @@
 
 ::
 
-    <bos> cabjd=  djbxc<eos>  dj=ac|cabjd=  djbac<eos>
-    prompt        turn 1      feedback      turn 2          (feedback: loss mask 0)
+    <bos> cabjd=  djbxc<eos>  dj=ac <bos> cabjd=  djbac<eos>
+    prompt        turn 1      feedback              turn 2      (feedback: loss mask 0)
 
 The environment checks each answer exactly. A wrong answer gets feedback and another turn, up to
 ``max_turns``: with ``feedback='positions'`` the feedback is the answer with every wrong
-position blanked ('=') followed by the prompt again; with ``feedback='retry'`` only the prompt
-again. The character tokenizer knows only the alphabet and '=', so feedback is written in those.
+position blanked ('='), then the prompt again after a BOS token (so the retry reads like a first
+turn: a model warm-started on single turns can answer it at once, and learns to use the hint);
+with ``feedback='retry'`` only the prompt again. The character tokenizer knows only the alphabet
+and '=', so the hint is written in those.
 
 Reward of the episode (what the trainer uses): the configured reward of the last answer (dense
 partial credit while training, exact match in evaluation), times ``turn_discount`` per extra
@@ -25,13 +27,13 @@ from areal_fast.workflow import Trajectory
 FEEDBACK_MODES = ("positions", "retry")
 
 
-def feedback_text(prompt: str, answer: str, got: str, mode: str) -> str:
-    """What the environment says after the wrong answer ``got``."""
+def feedback_text(answer: str, got: str, mode: str) -> str:
+    """The hint the environment gives after the wrong answer ``got`` (the prompt follows it)."""
     if mode == "retry":
-        return prompt
+        return ""
     blanked = "".join(g if i < len(answer) and g == answer[i] else tiny_task.SEPARATOR
                       for i, g in enumerate(got[: len(answer)].ljust(len(answer), tiny_task.SEPARATOR)))
-    return blanked + prompt
+    return blanked
 
 
 async def reverse_with_feedback(row, engine, max_turns: int = 2, feedback: str = "positions",
@@ -49,7 +51,8 @@ async def reverse_with_feedback(row, engine, max_turns: int = 2, feedback: str =
         if turn > 0:
             if traj.output_ids and traj.output_ids[-1] != engine.eos_token_id and engine.eos_token_id is not None:
                 traj.add_context([engine.eos_token_id])  # a turn cut at the length limit still ends
-            traj.add_context(engine.encode(feedback_text(row.text, answer, text, feedback)))
+            # the prompt again, with its BOS: the retry reads like a first turn, after the hint
+            traj.add_context(engine.encode(feedback_text(answer, text, feedback)) + engine.encode_prompt(row.text))
         gen = await engine.generate(traj.context_ids)
         traj.add_model(gen)
         text = engine.decode(gen.output_ids)
