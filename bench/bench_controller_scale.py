@@ -272,6 +272,7 @@ class RunSpec:
     max_new: int = 32768
     pause_mode: str | None = None
     api_key: str | None = "bench-key"
+    prompt_len: int = PROMPT_LEN
 
 
 async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, train_s=None, sync_delay_s=None,
@@ -300,8 +301,8 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
                           "trained_tokens": m["tokens"], "staleness": m["staleness"], "positions": m["positions"],
                           "train_s": m["train_s"], "wait_s": m["wait_s"], "sync_s": m["sync_s"]})
 
-    ctrl = Controller(settings, SimPrompts(), SimTokenizer(), rollout, ConstReward(), trainer, sync, gate,
-                      callbacks=[on_metrics])
+    ctrl = Controller(settings, SimPrompts(), SimTokenizer(spec.prompt_len), rollout, ConstReward(), trainer, sync,
+                      gate, callbacks=[on_metrics])
     await client.start()
     stats0 = await sim_stats(urls[0], spec.api_key)
     gc.collect()

@@ -313,6 +313,11 @@ class SimServer:
         req.done = min(req.target, int(self.progress - req.start + 1e-6))
         req.start = None
 
+    def _end(self, req: _Req, reason: str) -> None:
+        """Answer a request just taken off the batch: finished if all its tokens are made (the
+        last one may be EOS), else with ``reason``."""
+        self._answer(req, ("stop" if req.final_stop else "length") if req.done >= req.target else reason)
+
     def _answer(self, req: _Req, reason: str) -> None:
         if not req.fut.done():
             req.fut.set_result(reason)
@@ -461,13 +466,17 @@ class SimServer:
         if mode == "abort":
             for req in list(self.running.values()):
                 self._remove_running(req)
-                self._answer(req, "abort")
+                self._end(req, "abort")
             while self.waiting:
                 self._answer(self.waiting.popleft(), "abort")
         elif mode == "retract":
-            back = list(self.running.values())
-            for req in back:
+            back = []
+            for req in list(self.running.values()):
                 self._remove_running(req)
+                if req.done >= req.target:  # its last token is out: it finished, nothing to retract
+                    self._end(req, "abort")
+                else:
+                    back.append(req)
             self.waiting.extendleft(reversed(back))
         self._rearm()
         return web.json_response({"success": True})
@@ -493,7 +502,7 @@ class SimServer:
                 self._remove_running(req)
             else:
                 self.waiting.remove(req)
-            self._answer(req, "abort")
+            self._end(req, "abort")
         self._admit()
         self._rearm()
         return web.json_response({"success": True})

@@ -1,0 +1,264 @@
+"""Asynchronous vs synchronous RL throughput in simulated GPU time, at the AReaL paper's scale.
+
+    python bench/bench_async_speedup.py                 # paper setups + small setups, split sweep
+    python bench/bench_async_speedup.py --setups 1.5B-128 --splits 0.75
+    python bench/bench_async_speedup.py --dry-run       # the model constants and the planned runs
+
+What runs for real: ``areal_fast.controller.Controller`` (admission, batches of B groups, pause ->
+sync -> continue after each step), its staleness gate ``StalenessManager`` and the production
+rollout port over ``RolloutClient``, against simulated SGLang servers (``bench/sim_sglang.py``,
+one per generation GPU, in a child process). Simulated: the servers' decode rate, the trainer
+(a port that sleeps for the modelled step time) and the weight sync (sleeps for the modelled
+transfer, then sets every server's version). Wall time is compressed by K: every modelled
+duration is divided by K, and measured wall time is multiplied by K to give simulated time.
+
+Arms (same model, same batch, same GPUs in total):
+- sync: eta = 0, every GPU is a generation server, then every GPU trains (colocated, alternating:
+  generation waits for the step and the weight reload, the trainer waits for the whole batch);
+- async: eta = 4, ``n_gen`` GPUs serve, ``n_total - n_gen`` train, overlapping.
+Throughput = trained samples per simulated second over the steady-state steps.
+
+Scale: a 128-GPU run with B = 512 prompts is simulated as an exact 1/16 slice (8 GPUs, 32 prompts
+x 16 samples per step): per-GPU load, batch per server and the per-step tail are the same (with a
+32k cap reached by ~2% of answers, the longest answer of 512 samples is the cap, as for 8,192), and
+both servers and trainer scale linearly in GPUs (data-parallel generation; training at constant
+MFU). ``--tokens-per-token`` S model tokens travel as one returned token (decode steps per returned
+token), which keeps the controller's CPU far below the simulated load.
+
+Every constant and its source is in :data:`CONSTANTS` and printed with the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sim_sglang as sim  # noqa: E402
+from bench_controller_scale import RunSpec, run_controller  # noqa: E402
+from common import add_harness_args, print_table, provenance, save  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def weight_bytes(self) -> float:
+        return 2 * self.params  # bf16
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2  # K and V, bf16
+
+
+# Architectures from the models' Hugging Face config.json (the models the paper trains).
+MODELS = {
+    "1.5B": ModelSpec("DeepSeek-R1-Distill-Qwen-1.5B", 1.78e9, 28, 1536, 2, 128),
+    "7B": ModelSpec("DeepSeek-R1-Distill-Qwen-7B", 7.62e9, 28, 3584, 4, 128),
+}
+
+CONSTANTS = {
+    "gpu": ("H800 / H100 SXM", "NVIDIA H100 datasheet; the H800 differs only in NVLink (400 GB/s) and FP64"),
+    "hbm_bytes_per_s": (3.35e12, "H100 SXM HBM3 bandwidth, NVIDIA datasheet"),
+    "bf16_flops": (989e12, "H100 SXM dense BF16 tensor-core peak, NVIDIA datasheet (1,979 with sparsity)"),
+    "hbm_efficiency": (0.7, "assumption: fraction of HBM peak a decode step achieves (weights + KV reads)"),
+    "step_overhead_s": (0.003, "assumption: per decode step scheduling, sampling and launch time with CUDA graphs"),
+    "per_seq_overhead_s": (10e-6, "assumption: per running request per step (batch bookkeeping, sampling)"),
+    "decode_mfu": (0.5, "assumption: compute efficiency of the per-token matmuls in a large decode batch"),
+    "prefill_mfu": (0.5, "assumption: prefill efficiency (2 x params FLOPs per token)"),
+    "train_mfu": (0.35, "assumption: FSDP training MFU on long packed sequences (public reports 30-50%)"),
+    "kv_mem_fraction": (0.85, "assumption: SGLang --mem-fraction-static-like share of 80 GB for weights + KV"),
+    "nccl_bytes_per_s": (25e9, "assumption: trainer -> servers weight broadcast, ~half of a 400 Gb/s NIC"),
+    "sync_fixed_s": (1.0, "assumption: pause, update call, continue around a weight broadcast"),
+    "colocated_switch_s": (3.0, "assumption: sync arm, per step: release and reload the engine's memory"),
+    "host_bytes_per_s": (20e9, "assumption: sync arm weight reload into the colocated engine (PCIe-class)"),
+    "len_median": (4000, "assumption: median answer length (log-normal, sigma 1.0) of R1-distilled models"),
+    "len_sigma": (1.0, "assumption: 1.9% of answers reach 8x the median"),
+    "len_max": (32768, "the paper's maximum generation length (32k context)"),
+    "prompt_tokens": (512, "assumption: math prompt with chat template"),
+    "group_size": (16, "the paper: 16 answers per prompt"),
+    "batch_prompts": (512, "the paper: 512 prompts per step"),
+    "eta": (4, "the paper's default maximum staleness"),
+    "paper_speedup": ("2.57-2.77x", "AReaL paper: end-to-end training throughput of AReaL vs the synchronous system"),
+}
+
+
+def c(name: str):
+    return CONSTANTS[name][0]
+
+
+def train_seconds(model: ModelSpec, seq_lens: list[int], gpus: int) -> float:
+    """One step: forward + backward (3 forward passes' FLOPs) + the proximal log-prob forward = 4
+    forwards of 2 * params FLOPs per token, plus causal attention (2 * layers * hidden * n^2 per
+    forward of a sequence of n tokens), at ``train_mfu`` of ``gpus`` GPUs' peak."""
+    fwd = sum(2 * model.params * n + 2 * model.layers * model.hidden * n * n for n in seq_lens)
+    return 4 * fwd / (gpus * c("bf16_flops") * c("train_mfu"))
+
+
+def decode_config(model: ModelSpec, s: int, k: float, seed: int) -> sim.SimConfig:
+    """The batching decode model of one SGLang server on one GPU (see CONSTANTS)."""
+    bw = c("hbm_bytes_per_s") * c("hbm_efficiency")
+    a = c("step_overhead_s") + model.weight_bytes / bw
+    b = c("per_seq_overhead_s") + 2 * model.params / (c("bf16_flops") * c("decode_mfu"))
+    kv_tokens = (80e9 * c("kv_mem_fraction") - model.weight_bytes) / model.kv_bytes_per_token
+    mean_len = c("len_median") * math.exp(c("len_sigma") ** 2 / 2)
+    return sim.SimConfig(decode_a_s=a, decode_b_s=b, decode_c_s=model.kv_bytes_per_token / bw,
+                         prefill_tokens_per_s=c("bf16_flops") * c("prefill_mfu") / (2 * model.params),
+                         max_running=max(1, min(1024, int(kv_tokens / (c("prompt_tokens") + mean_len)))),
+                         len_median=c("len_median"), len_sigma=c("len_sigma"), len_max=c("len_max"),
+                         tokens_per_token=s, time_scale=k, seed=seed, api_key="bench-key")
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    model: str
+    gpus_full: int  # the setup's GPUs
+    slice_div: int  # simulated as gpus_full / slice_div GPUs with batch / slice_div prompts
+    batch_prompts: int  # of the full setup
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_full // self.slice_div
+
+    @property
+    def batch(self) -> int:
+        return self.batch_prompts // self.slice_div
+
+
+SETUPS = {
+    "1.5B-128": Setup("1.5B, 16 nodes x 8 GPUs", "1.5B", 128, 16, 512),
+    "7B-192": Setup("7B, 24 nodes x 8 GPUs", "7B", 192, 16, 512),
+    "1.5B-8": Setup("1.5B, 8 GPUs", "1.5B", 8, 1, 32),
+    "1.5B-4": Setup("1.5B, 4 GPUs", "1.5B", 4, 1, 16),
+    "7B-8": Setup("7B, 8 GPUs", "7B", 8, 1, 32),
+}
+
+
+def plan(setup: Setup, splits: list[float]) -> list[dict]:
+    runs = [{"setup": setup, "arm": "sync", "n_gen": setup.gpus, "n_train": setup.gpus, "eta": 0}]
+    seen = set()
+    for f in splits:
+        n_gen = min(setup.gpus - 1, max(1, round(f * setup.gpus)))
+        if n_gen not in seen:
+            seen.add(n_gen)
+            runs.append({"setup": setup, "arm": "async", "n_gen": n_gen, "n_train": setup.gpus - n_gen,
+                         "eta": c("eta")})
+    return runs
+
+
+async def run_one(run: dict, args) -> dict:
+    setup, model = run["setup"], MODELS[run["setup"].model]
+    s, k = args.tokens_per_token, args.time_scale
+    cfg = decode_config(model, s, k, args.seed)
+    prompt_len = max(1, round(c("prompt_tokens") / s))
+    n_train, sync_arm = run["n_train"], run["arm"] == "sync"
+
+    def train_s(samples: list[dict]) -> float:
+        lens = [(len(x["prompt_ids"]) + len(x["output_ids"])) * s for x in samples]
+        return train_seconds(model, lens, n_train) / k
+
+    def sync_s(version: int) -> float:
+        if sync_arm:
+            return (c("colocated_switch_s") + model.weight_bytes / c("host_bytes_per_s")) / k
+        return (c("sync_fixed_s") + model.weight_bytes / c("nccl_bytes_per_s")) / k
+
+    g = c("group_size")
+    concurrent = setup.batch * (run["eta"] + 1)  # the gate's bound at version 0: all it can admit
+    spec = RunSpec(servers=run["n_gen"], in_flight=concurrent * g, group_size=g, batch_groups=setup.batch,
+                   eta=run["eta"], steps=args.steps, max_new=math.ceil(c("len_max") / s), api_key=cfg.api_key,
+                   prompt_len=prompt_len)
+    with sim.SimProcess(run["n_gen"], cfg) as proc:
+        row = await run_controller(spec, cfg, proc.urls, train_s=train_s, sync_delay_s=sync_s)
+    marks = row["marks"]
+    w0 = min(args.warmup_steps, len(marks) - 2)
+    window = marks[w0:]
+    sim_s = (window[-1]["t"] - window[0]["t"]) * k
+    steps = len(window) - 1
+    samples = steps * setup.batch * g
+    per_step = sim_s / steps
+    return {
+        "setup": setup.name, "model": model.name, "gpus": setup.gpus_full, "simulated_gpus": setup.gpus,
+        "arm": run["arm"], "eta": run["eta"], "gen_gpus": run["n_gen"] * setup.slice_div,
+        "train_gpus": n_train * setup.slice_div, "gen_fraction": run["n_gen"] / setup.gpus,
+        "step_s": per_step, "samples_per_s": samples / sim_s * setup.slice_div,
+        "train_step_model_s": sum(m["train_s"] for m in window[1:]) * k / steps,
+        "wait_for_batch_s": sum(m["wait_s"] for m in window[1:]) * k / steps,
+        "staleness_mean": row["staleness_mean"], "staleness_max": row["staleness_max"],
+        "correct": row["correct"], "errors": row["errors"], "controller_cpu_util": row["cpu_util"],
+        "loop_lag_p99_ms": row["lag_p99_ms"], "steps_measured": steps, "wall_s": row["wall_s"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--setups", default="1.5B-128,7B-192,1.5B-4,7B-8",
+                    help=f"comma-separated, from {', '.join(SETUPS)}")
+    ap.add_argument("--splits", default="0.5,0.625,0.75,0.875", help="generation GPU fractions for the async arm")
+    ap.add_argument("--steps", type=int, default=7, help="training steps per run")
+    ap.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the measurement")
+    ap.add_argument("--time-scale", type=float, default=25.0, help="K: simulated seconds per wall second")
+    ap.add_argument("--tokens-per-token", type=int, default=128, help="S: model tokens per returned token")
+    ap.add_argument("--seed", type=int, default=0)
+    add_harness_args(ap)
+    args = ap.parse_args(argv)
+    try:
+        setups = [SETUPS[x] for x in args.setups.split(",")]
+    except KeyError as e:
+        raise SystemExit(f"--setups: unknown setup {e.args[0]!r}; known: {', '.join(SETUPS)}") from None
+    splits = [float(x) for x in args.splits.split(",")]
+    if any(not 0 < f < 1 for f in splits):
+        raise SystemExit(f"--splits: each fraction must be in (0, 1), got {args.splits}")
+    print("model constants:")
+    for name, (value, source) in CONSTANTS.items():
+        print(f"  {name} = {value}  [{source}]")
+    for key, m in MODELS.items():
+        cfg = decode_config(m, 1, 1.0, 0)
+        print(f"  {key}: {asdict(m)}; decode step = {cfg.decode_a_s * 1e3:.2f} ms + {cfg.decode_b_s * 1e6:.1f} us x "
+              f"batch + {cfg.decode_c_s * 1e9:.1f} ns x context tokens; max_running {cfg.max_running}; prefill "
+              f"{cfg.prefill_tokens_per_s:.0f} tok/s")
+    runs = [r for s in setups for r in plan(s, splits)]
+    if args.dry_run:
+        for r in runs:
+            print(f"[dry-run] {r['setup'].name}: {r['arm']} gen {r['n_gen']} train {r['n_train']} eta {r['eta']}")
+        return
+    prov = provenance()
+    rows = []
+    for r in runs:
+        row = asyncio.run(run_one(r, args))
+        row.update(time_scale=args.time_scale, tokens_per_token=args.tokens_per_token, load_avg_1m=os.getloadavg()[0])
+        rows.append(row)
+        print_table([{k: v for k, v in row.items() if not isinstance(v, list)}], )
+        save("async_speedup", [row], args, prov)
+    summary = []
+    for s in setups:
+        mine = [r for r in rows if r["setup"] == s.name]
+        sync = next(r for r in mine if r["arm"] == "sync")
+        best = max((r for r in mine if r["arm"] == "async"), key=lambda r: r["samples_per_s"])
+        summary.append({"setup": s.name, "sync_samples_per_s": sync["samples_per_s"], "sync_step_s": sync["step_s"],
+                        "best_gen_gpus": best["gen_gpus"], "best_train_gpus": best["train_gpus"],
+                        "async_samples_per_s": best["samples_per_s"], "async_step_s": best["step_s"],
+                        "speedup": best["samples_per_s"] / sync["samples_per_s"],
+                        "paper": c("paper_speedup") if s.gpus_full >= 128 else "-"})
+    print("\nsummary (best split per setup):")
+    print_table(summary)
+    save("async_speedup_summary", summary, args, prov)
+    bad = [r for r in rows if not r["correct"]]
+    if bad:
+        print("CORRECTNESS FAILED:", bad[0]["errors"])
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
