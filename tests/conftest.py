@@ -20,6 +20,7 @@ SLOW_FILES = {
     "test_rollout_weight_sync.py": "a sender process joins a gloo group with the engine",
     "test_weights_engine_e2e.py": "the embedded engine in a subprocess, updated over HTTP and gloo",
     "test_cli_launch.py": "the local launcher starting, killing and reaping processes",
+    "test_workflow_e2e.py": "a multi-turn training run in subprocesses, killed and resumed",
 }
 # Any test that uses one of these fixtures (so new tests that use them are slow automatically).
 SLOW_FIXTURES = {
@@ -35,6 +36,8 @@ SLOW_TESTS = {
         "a subprocess compiling every packing kernel ahead of time for sm_90",
     ("test_ppo_loss_kernels.py", "test_kernels_compile_for_sm90_with_vector_loads"):
         "a subprocess compiling the loss kernels ahead of time for sm_90",
+    ("test_workflow.py", "test_hanging_and_crashing_tools_are_contained_and_counted"):
+        "reward worker processes killed and restarted by hung and crashing tools",
 }
 
 

@@ -257,7 +257,6 @@ def test_calculator_parses_and_never_executes():
             calculate(bad)
 
 
-@pytest.mark.slow
 def test_hanging_and_crashing_tools_are_contained_and_counted():
     from areal_fast.launch.runtime import ServiceReward
     from areal_fast.reward import RewardService
