@@ -374,3 +374,55 @@ def test_a_workflow_returning_garbage_stops_the_run_naming_it(tmp_path):
     ctl = _controller(tmp_path, f"{ME}:not_a_list", StepRollout(), RecordingTrainer())
     with pytest.raises(TypeError, match=rf"workflow {ME}:not_a_list .*list of Trajectory"):
         asyncio.run(ctl.run())
+
+
+# ---------------------------------------------------------------- the python-tool math workflow
+class CharTok:
+    eos_token_id = 0
+
+    def encode(self, text, add_bos=True):
+        return ([1] if add_bos else []) + [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids if i > 1)
+
+
+class ScriptedRollout:
+    """Answers turn k with ``turns[k]`` (text), as tokens with version k."""
+
+    def __init__(self, turns):
+        self.turns, self.calls = list(turns), []
+
+    async def generate(self, input_ids, sampling, rid):
+        self.calls.append((list(input_ids), dict(sampling)))
+        k = len(self.calls) - 1
+        ids = [ord(c) for c in self.turns[k]]
+        return Generation(ids, [-0.1] * len(ids), [k] * len(ids), "stop")
+
+
+class ToolAndMathReward:
+    def __init__(self):
+        self.programs = []
+
+    async def score(self, task, completion):
+        if task.get("reward", "").endswith(":python"):
+            self.programs.append(completion)
+            return Score(1.0, "ok", "42\n")
+        return Score(1.0 if "\\boxed{42}" in completion else 0.0)
+
+
+def test_python_math_workflow_masks_tool_output_and_scores_the_whole_answer():
+    from areal_fast.workflow.python_math import solve_with_python
+
+    turns = ["Let me compute. <python>print(6*7)</python>", " So the answer is \\boxed{42}."]
+    roll, reward = ScriptedRollout(turns), ToolAndMathReward()
+    engine = EpisodeEngine(roll, reward, CharTok(), {"max_new_tokens": 64}, "ep")
+    (traj,) = asyncio.run(solve_with_python(Row(0, "Q?", {"answer": "42"}), engine))
+    shown = "\n<output>\n42\n\n</output>\n"
+    assert reward.programs == ["print(6*7)"]
+    assert CharTok().decode(traj.output_ids) == turns[0] + shown + turns[1]
+    assert traj.loss_mask == [1] * len(turns[0]) + [0] * len(shown) + [1] * len(turns[1])
+    assert traj.model_versions() == [0] * len(turns[0]) + [1] * len(turns[1])
+    assert roll.calls[0][1]["stop"] == ["</python>"]
+    assert roll.calls[1][0] == traj.prompt_ids + traj.output_ids[: len(turns[0]) + len(shown)]
+    assert traj.reward == 1.0 and traj.info["tool_calls"] == 1.0 and traj.info["tool_failures"] == 0.0
