@@ -67,15 +67,79 @@ def _get(url: str, key: str | None = None) -> int:
 
 
 def test_launched_servers_refuse_requests_without_the_api_key(tmp_path):
+    """The key reaches the server in a private file, never on its command line (world-readable in
+    /proc/<pid>/cmdline) nor in its log; requests without it get 401, the rollout client with it works."""
+    import asyncio
+    import stat
+
+    from areal_fast.rollout.client import RequestError, RolloutClient
     from areal_fast.rollout.testing import build_tiny_qwen2
 
     model = build_tiny_qwen2(str(tmp_path / "model"), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64)
-    key = "k-" + os.urandom(8).hex()
-    with LocalLauncher(tmp_path / "logs") as L:
+    key = "k" + os.urandom(8).hex()
+    secrets_dir = tmp_path / "out" / ".secrets"
+    with LocalLauncher(tmp_path / "logs", secrets_dir=secrets_dir) as L:
         (server,) = L.start_servers(RolloutConfig(n_servers=1, health_timeout=120), model, seed=0, api_key=key)
+        with open(f"/proc/{server.pid}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        assert key not in " ".join(argv) and "--api-key" not in argv
+        assert "--config" in argv  # the key file, read at start-up ...
+        assert list(secrets_dir.iterdir()) == []  # ... and removed once the server was healthy
+        assert stat.S_IMODE(secrets_dir.stat().st_mode) == 0o700
+        assert stat.S_IMODE(server.log_path.stat().st_mode) == 0o600  # a server may log its arguments
         assert _get(server.url + "/get_model_info") == 401
         assert _get(server.url + "/get_model_info", "wrong") == 401
         assert _get(server.url + "/get_model_info", key) == 200
         assert _get(server.url + "/health") == 200  # health needs no key (as in SGLang)
-    assert key not in server.log_path.read_text()  # the command line is logged with the key hidden
+
+        async def generate(api_key):
+            async with RolloutClient([server.url], api_key=api_key, max_attempts=1) as c:
+                return await c.generate([5, 6, 7], {"max_new_tokens": 3, "temperature": 0.0}, rid="r")
+
+        assert len(asyncio.run(generate(key)).output_ids) == 3
+        with pytest.raises(RequestError, match="401"):
+            asyncio.run(generate("wrong"))
+    assert key not in server.log_path.read_text()  # the command line is logged without the key
+
+
+def test_the_key_file_is_private_and_never_written_through_what_exists(tmp_path):
+    from areal_fast.rollout.server_command import redact_command, server_command, write_api_key_file
+
+    d = tmp_path / "secrets"
+    d.mkdir(mode=0o755)
+    f = write_api_key_file(d, "abc123")
+    assert stat_mode(d) == 0o700 and stat_mode(f) == 0o600
+    import yaml
+
+    assert yaml.safe_load(f.read_text()) == {"api-key": "abc123"}
+    assert yaml.safe_load(write_api_key_file(d, "1234").read_text()) == {"api-key": "1234"}  # a str, not 1234
+    assert f != write_api_key_file(d, "abc123")  # a fresh name each time (O_EXCL never meets an old file)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(PermissionError, match="link"):
+        write_api_key_file(link, "abc")  # a symlinked directory is refused, naming it
+    with pytest.raises(ValueError, match="'-'"):
+        write_api_key_file(d, "-abc")
+    cmd = server_command("embedded", "/m", "127.0.0.1", 1234, api_key_file=f)
+    assert cmd[cmd.index("--config") + 1] == str(f) and "--api-key" not in cmd
+    with pytest.raises(ValueError, match="not both"):
+        server_command("embedded", "/m", "127.0.0.1", 1234, api_key="k", api_key_file=f)
+    with pytest.raises(ValueError, match="one --config"):
+        server_command("sglang", "/m", "127.0.0.1", 1234, api_key_file=f, extra_args=["--config", "x.yaml"])
+    assert redact_command(["x", "--api-key", "s3", "--api-key=s4"]) == ["x", "--api-key", "***", "--api-key=***"]
+
+
+def test_run_server_args_may_not_take_the_key_files_config_option():
+    from areal_fast.launch.base import server_command
+
+    cfg = RolloutConfig(server_args=["--config", "mine.yaml"])
+    with pytest.raises(ValueError, match="rollout.server_args"):
+        server_command(cfg, "/m", "127.0.0.1", 1234, seed=0, api_key_file="/k.yaml")
+
+
+def stat_mode(path) -> int:
+    import stat
+
+    return stat.S_IMODE(os.stat(path).st_mode)

@@ -4,6 +4,7 @@ A launcher places the processes of one run and watches them; ``launch.train.run_
 
     with make_launcher(cfg, log_dir) as launcher:                 # LocalLauncher or RayLauncher
         servers = launcher.start_servers(cfg.rollout, model, seed=..., api_key=key)  # healthy on return
+        # (the key reaches the servers in a private file under the launcher's secrets_dir, not argv)
         ranks = launcher.start_trainer_ranks(cfg.train, trainer_config_file, env)
         while any(r.alive() for r in ranks):
             launcher.check()                                      # ProcessDied names the dead process
@@ -12,6 +13,7 @@ A launcher places the processes of one run and watches them; ``launch.train.run_
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import urllib.error
@@ -24,6 +26,7 @@ from areal_fast.weights.config import API_KEY_ENV, HOST_ENV  # noqa: F401 - the 
 
 PYTHON = "{python}"  # placeholder in a command: the interpreter of the machine that runs it
 TRAINER_CONFIG_FILE = "trainer_config.yaml"  # in the output dir: what the trainer ranks read
+SECRETS_DIR = ".secrets"  # in the output dir (mode 0700): the servers' API key file while they start
 
 
 class ProcessDied(RuntimeError):
@@ -142,20 +145,43 @@ def tp_size(server_args: list[str]) -> int:
     return _split_tp(server_args)[0]
 
 
-def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: int, api_key: str | None,
-                   python: str = sys.executable) -> list[str]:
+def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: int,
+                   api_key_file: str | Path | None, python: str = sys.executable) -> list[str]:
     """The command of one inference server of the run (``rollout.engine``), through the one builder
-    of server command lines; ``rollout.server_args`` are appended."""
+    of server command lines; ``rollout.server_args`` are appended. The API key travels in
+    ``api_key_file`` (``--config``, see :func:`write_server_key`), never on the command line."""
     from areal_fast.rollout.server_command import server_command as build
 
     r = rollout_cfg
+    if api_key_file is not None and "--config" in r.server_args:
+        raise ValueError("rollout.server_args: --config is taken by the launcher (it passes the run's API key "
+                         "in a private file); give those options in rollout.server_args instead")
     if r.engine == "embedded":
-        return build("embedded", model_path, host, port, api_key=api_key, weight_version="0", seed=seed,
+        return build("embedded", model_path, host, port, api_key_file=api_key_file, weight_version="0", seed=seed,
                      device=r.device, max_running_requests=max(256, r.max_concurrent * r.group_size),
                      extra_args=list(r.server_args), python=python)
     tp, rest = _split_tp(list(r.server_args))
-    return build("sglang", model_path, host, port, tp_size=tp, api_key=api_key, weight_version="0", seed=seed,
-                 extra_args=rest, python=python)
+    return build("sglang", model_path, host, port, tp_size=tp, api_key_file=api_key_file, weight_version="0",
+                 seed=seed, extra_args=rest, python=python)
+
+
+def write_server_key(secrets_dir: str | Path, api_key: str | None) -> Path | None:
+    """The run's API key in a new private file of ``secrets_dir`` (0700 directory, 0600 file), for
+    :func:`server_command`; None without a key. The servers read it once, at start-up: the launchers
+    remove it as soon as they are healthy (or failed), so a key file lives only while servers start."""
+    if not api_key:
+        return None
+    from areal_fast.rollout.server_command import write_api_key_file
+
+    return write_api_key_file(secrets_dir, api_key)
+
+
+def open_private_log(path: Path):
+    """``path`` opened for appending, readable by this user only (0600): a server may print its
+    arguments, the API key included (SGLang logs ``server_args=...`` at start-up)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)  # a log left by an earlier run with wider permissions
+    return os.fdopen(fd, "ab")
 
 
 def server_env(rollout_cfg) -> dict[str, str]:

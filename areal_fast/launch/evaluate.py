@@ -16,6 +16,7 @@ from pathlib import Path
 
 from areal_fast.config import AppConfig
 from areal_fast.controller import STATE_FILE
+from areal_fast.launch.base import SECRETS_DIR
 
 
 def _export_training_checkpoint(cfg: AppConfig, ckpt: Path, dest: Path) -> Path:
@@ -52,7 +53,7 @@ def run_eval(cfg: AppConfig, checkpoint: str | None = None) -> dict:
         _, evals = load_data(cfg, tok)
         if not evals:
             raise ValueError("no held-out prompts: set data.eval (or use the synthetic task)")
-        with LocalLauncher(out / "logs" / "eval") as launcher:
+        with LocalLauncher(out / "logs" / "eval", secrets_dir=out / SECRETS_DIR) as launcher:
             rollout_cfg = cfg.rollout
             rollout_cfg.n_servers = 1
             api_key = secrets.token_hex(32)  # hex: a key starting with "-" would read as a flag

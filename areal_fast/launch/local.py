@@ -10,6 +10,11 @@ own log file; health checks, watching, and shutdown of everything on exit or Ctr
 A server that dies is reported with the tail of its log; whether the run can go on is the
 caller's decision: the controller drops a dead server from the pool while at least one is left.
 Every child gets PR_SET_PDEATHSIG, so a launcher killed with SIGKILL leaves no orphans.
+
+The API key never goes on a server's command line (every local user can read ``/proc/<pid>/cmdline``):
+``start_servers`` writes it into a private file of ``secrets_dir`` (``<output_dir>/.secrets`` for a
+run; a private temporary directory, removed at shutdown, by default), passes ``--config FILE`` and
+removes the file once the servers are healthy. Log files are readable by this user only.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,11 +35,14 @@ from areal_fast.launch.base import (
     ProcessDied,
     die_with_parent,
     http_ok,
+    open_private_log,
     rank_command,
     server_command,
     server_env,
+    write_server_key,
 )
 from areal_fast.netutil import find_free_port
+from areal_fast.rollout.server_command import redact_command
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.1
@@ -44,10 +54,12 @@ __all__ = ["LocalLauncher", "ProcessDied", "LaunchedProcess"]
 class LocalLauncher:
     """Owns the subprocesses of one run (the ``Launcher`` of ``launch.base`` on this machine)."""
 
-    def __init__(self, log_dir: str | Path, host: str = "127.0.0.1"):
+    def __init__(self, log_dir: str | Path, host: str = "127.0.0.1", secrets_dir: str | Path | None = None):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.host = host
+        self.secrets_dir = Path(secrets_dir) if secrets_dir is not None else None
+        self._own_secrets_dir: str | None = None  # a temporary one made here, removed at shutdown
         self.procs: list[LaunchedProcess] = []
         self._closed = False
         atexit.register(self.shutdown)
@@ -59,8 +71,8 @@ class LocalLauncher:
         ``env`` is added to this process's environment (secrets travel here, never in ``cmd``)."""
         log_path = self.log_dir / f"{name}.log"
         full_env = {**os.environ, **(env or {})}
-        with open(log_path, "ab") as f:
-            f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(_redact(cmd))}\n".encode())
+        with open_private_log(log_path) as f:
+            f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(redact_command(cmd))}\n".encode())
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env,
                                     start_new_session=True, preexec_fn=die_with_parent)
         p = LaunchedProcess(name=name, log_path=log_path, url=url, critical=critical, pid=proc.pid, popen=proc)
@@ -87,17 +99,29 @@ class LocalLauncher:
 
     def start_servers(self, rollout_cfg, model_path: str, *, seed: int = 0, api_key: str | None = None
                       ) -> list[LaunchedProcess]:
-        """``rollout.n_servers`` inference servers on free ports of ``host``; waits for their health."""
-        out = []
-        for i in range(rollout_cfg.n_servers):
-            port = find_free_port(self.host)
-            cmd = server_command(rollout_cfg, model_path, self.host, port, seed=seed + i, api_key=api_key)
-            env = server_env(rollout_cfg)
-            if rollout_cfg.gpus:
-                env["CUDA_VISIBLE_DEVICES"] = str(rollout_cfg.gpus[i])
-            out.append(self.start(f"server{i}", cmd, env=env, url=f"http://{self.host}:{port}", critical=False))
-        self.wait_healthy(out, rollout_cfg.health_timeout)
-        return out
+        """``rollout.n_servers`` inference servers on free ports of ``host``; waits for their health.
+        ``api_key`` reaches them in a private key file, removed once they are healthy (or one failed)."""
+        key_file = write_server_key(self._secrets(), api_key) if api_key else None
+        try:
+            out = []
+            for i in range(rollout_cfg.n_servers):
+                port = find_free_port(self.host)
+                cmd = server_command(rollout_cfg, model_path, self.host, port, seed=seed + i, api_key_file=key_file)
+                env = server_env(rollout_cfg)
+                if rollout_cfg.gpus:
+                    env["CUDA_VISIBLE_DEVICES"] = str(rollout_cfg.gpus[i])
+                out.append(self.start(f"server{i}", cmd, env=env, url=f"http://{self.host}:{port}", critical=False))
+            self.wait_healthy(out, rollout_cfg.health_timeout)
+            return out
+        finally:
+            if key_file is not None:  # every server read it before it could answer /health
+                key_file.unlink(missing_ok=True)
+
+    def _secrets(self) -> Path:
+        if self.secrets_dir is None:
+            self._own_secrets_dir = tempfile.mkdtemp(prefix="areal_fast_secrets_")  # mode 0700
+            self.secrets_dir = Path(self._own_secrets_dir)
+        return self.secrets_dir
 
     def start_trainer_ranks(self, train_cfg, config_file: Path, env: dict[str, str]) -> list[LaunchedProcess]:
         """``train.world_size`` ranks under one ``torchrun --standalone`` (its own rendezvous port)."""
@@ -141,6 +165,8 @@ class LocalLauncher:
                     os.killpg(p.pid, signal.SIGTERM)
                 except (ProcessLookupError, PermissionError):
                     pass
+        if self._own_secrets_dir is not None:
+            shutil.rmtree(self._own_secrets_dir, ignore_errors=True)
         deadline = time.monotonic() + _GRACE_S
         for p in self.procs:
             try:
@@ -163,7 +189,3 @@ class LocalLauncher:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-
-def _redact(cmd: list[str]) -> list[str]:
-    """The command for a log line, with the value of --api-key hidden."""
-    return [("***" if i and cmd[i - 1] == "--api-key" else c) for i, c in enumerate(cmd)]

@@ -7,6 +7,7 @@
       |-- ray.init(address)  ................... or a local single-node Ray when no address is given
       |-- placement group "servers":  n_servers x {CPU: c, GPU: tp}    (SPREAD: one server per node first)
       |     `-- ProcessHost actor per bundle --> python -m areal_fast.rollout.engine | sglang.launch_server
+      |           --config <output_dir>/.secrets/server-key-*.yaml (the API key; 0600, removed once healthy)
       |-- placement group "trainers": world_size x {CPU: c, GPU: 1}    (PACK: ranks on as few nodes as possible)
       |     `-- ProcessHost actor per bundle --> python -m areal_fast.launch.rank <output_dir>/trainer_config.yaml
       |           env RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (what torchrun would set),
@@ -26,6 +27,11 @@ gone the run fails fast with :class:`ProcessDied` naming it and its log tail. A 
 dies fails the run the same way. Teardown (always, also on Ctrl-C): SIGTERM to every process
 group, SIGKILL after a grace period, ``ray.kill`` of every actor, placement groups removed, and
 ``ray.shutdown`` when this launcher started Ray.
+
+The API key never goes on a command line (any user of a node can read ``/proc/<pid>/cmdline``): the
+driver writes it into a private file of ``secrets_dir`` (``<output_dir>/.secrets`` for a run, which
+every node sees; a private temporary directory on a single node by default), the servers take it
+with ``--config FILE`` and the file is removed once they are healthy. Logs are 0600.
 
 Requirements for several nodes: the same Python environment with areal_fast on every node, and
 ``experiment.output_dir`` and the model on a filesystem every node sees (checkpoints are written
@@ -54,12 +60,15 @@ from areal_fast.launch.base import (
     LaunchedProcess,
     ProcessDied,
     http_reachable,
+    open_private_log,
     rank_command,
     server_command,
     server_env,
     tp_size,
+    write_server_key,
 )
 from areal_fast.netutil import find_free_port
+from areal_fast.rollout.server_command import redact_command
 
 log = logging.getLogger(__name__)
 _LOG_CHUNK = 1 << 20  # bytes pulled per process per round; a log never lags more than ~1 MiB/s
@@ -104,8 +113,8 @@ class ProcessHost:
         cmd = [sys.executable if c == PYTHON else c for c in cmd]
         os.makedirs(self.log_dir, exist_ok=True)
         self.log_path = os.path.join(self.log_dir, f"{name}.log")
-        with open(self.log_path, "ab") as f:
-            f.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(cmd)}\n".encode())
+        with open_private_log(Path(self.log_path)) as f:
+            f.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(redact_command(cmd))}\n".encode())
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env},
                                          cwd=cwd if cwd and os.path.isdir(cwd) else None,
                                          start_new_session=True, preexec_fn=_die_with_actor)
@@ -176,7 +185,8 @@ class RayLauncher:
 
     ``ray.init`` must have been called (see :func:`ray_session`)."""
 
-    def __init__(self, log_dir: str | Path, cfg: RayConfig | None = None, *, log_pull_s: float = 1.0):
+    def __init__(self, log_dir: str | Path, cfg: RayConfig | None = None, *, log_pull_s: float = 1.0,
+                 secrets_dir: str | Path | None = None):
         ray = _ray()
         if not ray.is_initialized():
             raise RuntimeError("RayLauncher needs a connected Ray: call ray.init() or use ray_session()")
@@ -185,6 +195,8 @@ class RayLauncher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.run_id = uuid.uuid4().hex[:8]
         self.node_log_dir = os.path.join(tempfile.gettempdir(), "areal_fast_ray", self.run_id)
+        self.secrets_dir = Path(secrets_dir) if secrets_dir is not None else None
+        self._own_secrets_dir: str | None = None  # a temporary one made here (single node), removed at shutdown
         self.procs: list[LaunchedProcess] = []
         self.actors: list = []  # every actor created, started or not (all are killed at teardown)
         self.groups: list = []
@@ -260,14 +272,29 @@ class RayLauncher:
         pg = self._placement_group(bundles, self.cfg.server_strategy, "servers")
         out = []
         env = server_env(r)
-        for i, (actor, info) in enumerate(self._hosts(pg, bundles, "server")):
-            host = self.host_for(info["node_ip"])
-            port = ray.get(actor.free_port.remote(host))
-            cmd = server_command(r, model_path, host, port, seed=seed + i, api_key=api_key, python=PYTHON)
-            out.append(self._run(actor, info, f"server{i}", cmd, {**env, HOST_ENV: host},
-                                 f"http://{host}:{port}", critical=False))
-        self.wait_healthy(out, r.health_timeout)
-        return out
+        key_file = write_server_key(self._secrets(), api_key) if api_key else None
+        try:
+            for i, (actor, info) in enumerate(self._hosts(pg, bundles, "server")):
+                host = self.host_for(info["node_ip"])
+                port = ray.get(actor.free_port.remote(host))
+                cmd = server_command(r, model_path, host, port, seed=seed + i, api_key_file=key_file, python=PYTHON)
+                out.append(self._run(actor, info, f"server{i}", cmd, {**env, HOST_ENV: host},
+                                     f"http://{host}:{port}", critical=False))
+            self.wait_healthy(out, r.health_timeout)
+            return out
+        finally:
+            if key_file is not None:  # every server read it before it could answer /health
+                key_file.unlink(missing_ok=True)
+
+    def _secrets(self) -> Path:
+        """Where the API key file goes: ``secrets_dir``, or on a single node a private temporary one."""
+        if self.secrets_dir is None:
+            if not self.single_node:
+                raise ValueError("RayLauncher on several nodes needs secrets_dir: a directory every node sees "
+                                 "(run_train uses <experiment.output_dir>/.secrets), for the servers' API key file")
+            self._own_secrets_dir = tempfile.mkdtemp(prefix="areal_fast_secrets_")  # mode 0700
+            self.secrets_dir = Path(self._own_secrets_dir)
+        return self.secrets_dir
 
     def start_trainer_ranks(self, train_cfg, config_file: Path, env: dict[str, str]) -> list[LaunchedProcess]:
         """``train.world_size`` trainer ranks reading ``config_file``, one per bundle (GPU ranks when
@@ -414,7 +441,7 @@ class RayLauncher:
     def _append(self, p: LaunchedProcess, data: bytes, offset: int) -> None:
         with self._lock:
             if data and offset > p.extra["offset"]:
-                with open(p.log_path, "ab") as f:
+                with open_private_log(p.log_path) as f:
                     f.write(data[len(data) - (offset - p.extra["offset"]):])
                 p.extra["offset"] = offset
 
@@ -442,6 +469,10 @@ class RayLauncher:
         ray = _ray()
         self._stop_pump.set()
         self._pump.join(timeout=15)
+        if self._own_secrets_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._own_secrets_dir, ignore_errors=True)
         if not ray.is_initialized():
             return
         live = [p for p in self.procs if p.lost is None]
@@ -526,15 +557,17 @@ class _sigterm_as_exit:  # noqa: N801
 
 
 @contextmanager
-def open_ray_launcher(ray_cfg: RayConfig, log_dir: Path):
+def open_ray_launcher(ray_cfg: RayConfig, log_dir: Path, secrets_dir: Path | None = None):
     """Connect to (or start) Ray, make SIGTERM unwind like Ctrl-C, and yield a RayLauncher; on exit
-    every process, actor and placement group of the run is gone, and a Ray started here is stopped."""
+    every process, actor and placement group of the run is gone, and a Ray started here is stopped.
+    ``secrets_dir``: where the servers' API key file is written (a directory every node sees)."""
     handler = logging.FileHandler(Path(log_dir) / "launcher.log") if not _logs_to(log_dir) else None
     if handler is not None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger("areal_fast").addHandler(handler)
     try:
-        with ray_session(ray_cfg), _sigterm_as_exit(), RayLauncher(log_dir, ray_cfg) as launcher:
+        with ray_session(ray_cfg), _sigterm_as_exit(), \
+                RayLauncher(log_dir, ray_cfg, secrets_dir=secrets_dir) as launcher:
             yield launcher
     finally:
         if handler is not None:

@@ -5,8 +5,9 @@ Read top to bottom, :func:`run_train` is the whole run:
 1. hold the output directory (a second live run on it is refused) and, with
    ``experiment.resume=false``, move the previous run aside;
 2. prepare the model (warm start) and check the reward with one real call, before any server starts;
-3. start the inference servers with a fresh API key (``--api-key``; the ranks get it in their
-   environment, never on a command line);
+3. start the inference servers with a fresh API key (SGLang's ``--api-key``, given in a private
+   file ``<output_dir>/.secrets/*.yaml`` with ``--config`` and removed once they are healthy; the
+   ranks get it in their environment; never on a command line);
 4. write the resolved trainer config and start the trainer ranks, which read only that file
    (``launch.rank``); rank 0 runs the controller. One local rank runs inside this process;
 5. watch every process until rank 0 is done (a dead server is reported, a dead rank fails the run),
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from areal_fast.controller import ResumeMismatch
-from areal_fast.launch.base import API_KEY_ENV, TRAINER_CONFIG_FILE, LaunchedProcess, ProcessDied
+from areal_fast.launch.base import API_KEY_ENV, SECRETS_DIR, TRAINER_CONFIG_FILE, LaunchedProcess, ProcessDied
 from areal_fast.launch.metrics import ProgressBar, plot_run
 from areal_fast.launch.rank import run_rank, setup_logging
 from areal_fast.launch.run_dir import RunDirBusy, RunLock, move_previous_run_aside
@@ -63,7 +64,7 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
         check_data_and_reward(cfg, model)
         # hex: a key starting with "-" would be read as a flag by the server's argument parser
         api_key = os.environ.get(API_KEY_ENV) if cfg.rollout.servers else secrets.token_hex(32)
-        with open_launcher(cfg, out / "logs") as launcher:
+        with open_launcher(cfg, out / "logs", out / SECRETS_DIR) as launcher:
             urls = [u.rstrip("/") for u in cfg.rollout.servers]
             if not urls:
                 say(f"starting {cfg.rollout.n_servers} {cfg.rollout.engine} server(s) (API key required)...")
@@ -173,17 +174,18 @@ def trainer_run_config(cfg, model: str, urls: list[str], out: Path):
 
 
 @contextmanager
-def open_launcher(cfg, log_dir: Path):
-    """The launcher of ``cfg.launcher``, shut down (every process stopped) on exit."""
+def open_launcher(cfg, log_dir: Path, secrets_dir: Path | None = None):
+    """The launcher of ``cfg.launcher``, shut down (every process stopped) on exit. ``secrets_dir``
+    holds the servers' API key file while they start (in the output dir: every Ray node sees it)."""
     if cfg.launcher == "ray":
         from areal_fast.launch.ray_launcher import open_ray_launcher
 
-        with open_ray_launcher(cfg.ray, log_dir) as launcher:
+        with open_ray_launcher(cfg.ray, log_dir, secrets_dir) as launcher:
             yield launcher
     else:
         from areal_fast.launch.local import LocalLauncher
 
-        with LocalLauncher(log_dir) as launcher:
+        with LocalLauncher(log_dir, secrets_dir=secrets_dir) as launcher:
             yield launcher
 
 
