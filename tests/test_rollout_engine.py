@@ -586,6 +586,57 @@ def test_api_key_required_except_health(twins):
         assert r.status == 200
 
 
+def test_engine_api_key_from_config_file_command_line_or_environment(tmp_path, monkeypatch):
+    """Where ``python -m areal_fast.rollout.engine`` finds its key: --api-key over --config FILE over
+    $AREAL_FAST_API_KEY (the launcher uses the file: a command line is readable by every local user)."""
+    from areal_fast.rollout.engine.__main__ import parse_args
+
+    f = tmp_path / "key.yaml"
+    f.write_text("api-key: from-file\n")
+    base = ["--model-path", "/m"]
+    monkeypatch.delenv("AREAL_FAST_API_KEY", raising=False)
+    assert parse_args(base).api_key is None
+    monkeypatch.setenv("AREAL_FAST_API_KEY", "from-env")
+    assert parse_args(base).api_key == "from-env"
+    assert parse_args(base + ["--config", str(f)]).api_key == "from-file"
+    assert parse_args([f"--config={f}", *base, "--api-key", "from-argv"]).api_key == "from-argv"
+    monkeypatch.setenv("AREAL_FAST_API_KEY", "")
+    assert parse_args(base).api_key is None  # an empty variable is no key
+
+
+@pytest.mark.parametrize("text,suffix,argv_extra,culprit", [
+    ("api_key: k\n", ".yaml", [], "unknown option 'api_key' (options are spelled with dashes: 'api-key')"),
+    ("bogus: 1\n", ".yaml", [], "unknown option 'bogus'"),
+    ("config: other.yaml\n", ".yml", [], "unknown option 'config'"),
+    ("- api-key\n", ".yaml", [], "mapping of option names"),
+    ("port: [1, 2]\n", ".yaml", [], "'port' needs one value"),
+    ("port:\n", ".yaml", [], "'port' needs one value"),
+    ("skip-tokenizer-init: 1\n", ".yaml", [], "'skip-tokenizer-init' is a switch"),
+    ("port: 'x'\n", ".yaml", [], "--port: invalid int value: 'x'"),
+    ("api-key: k\n", ".json", [], "must be YAML"),
+    ("api-key: k\n", ".yaml", ["--config", "again.yaml"], "more than once"),
+])
+def test_engine_config_file_errors_name_the_file_and_option(tmp_path, capsys, text, suffix, argv_extra, culprit):
+    from areal_fast.rollout.engine.__main__ import parse_args
+
+    f = tmp_path / f"server{suffix}"
+    f.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model-path", "/m", "--config", str(f), *argv_extra])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and culprit in err
+    if "invalid int" not in culprit and "more than once" not in culprit:
+        assert str(f) in err
+
+
+def test_engine_config_file_missing_is_named(tmp_path, capsys):
+    from areal_fast.rollout.engine.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "/m", "--config", str(tmp_path / "nope.yaml")])
+    assert "nope.yaml: cannot read it" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("timeout", ["inf", "nan", "-1", "soon"])
 def test_flush_cache_timeout_must_be_finite(engine, timeout):
     status, ans = _post(engine.url + f"/flush_cache?timeout={timeout}", {})

@@ -9,7 +9,9 @@
     check of ``sglang.srt.entrypoints.api_contract``. Every key we send must also be a field of
     that type: SGLang ignores unknown keys, so a misspelt option would silently do nothing.
 (c) Our SGLang launch command (``server_command("sglang", ...)``) parsed by
-    ``ServerArgs.add_cli_args`` + ``ServerArgs.from_cli_args``.
+    ``ServerArgs.add_cli_args`` + ``ServerArgs.from_cli_args``; the form the launcher uses, with the
+    API key in a ``--config`` file, parsed by SGLang's own ``prepare_server_args``, which must find
+    the key; and the embedded engine reads such a file exactly as SGLang does.
 The weight sync's bodies (init group, begin/end, buckets, destroy, disk update) are judged the same
 way in test_weights_sglang_requests.py, and (b), our bucket unpacked by SGLang's
 ``FlattenedTensorBucket``, in test_weights_sglang_bucket.py.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import os
 import sys
 
@@ -33,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_wheel import sglang_module  # noqa: E402
 
 from areal_fast.rollout.client import RolloutClient  # noqa: E402
-from areal_fast.rollout.server_command import server_command  # noqa: E402
+from areal_fast.rollout.server_command import server_command, write_api_key_file  # noqa: E402
 
 VERSIONS = ("0.5.6", "0.5.23")
 VOCAB = 256
@@ -174,6 +177,50 @@ def test_sglang_launch_command_parses_with_sglang_server_args(version, monkeypat
     assert (sa.api_key, sa.weight_version, sa.load_format, sa.dtype) == ("key", "0", "dummy", "bfloat16")
     assert (sa.random_seed, sa.max_running_requests, sa.mem_fraction_static) == (3, 64, 0.7)
     assert sa.skip_tokenizer_init and sa.disable_radix_cache and sa.enable_memory_saver and sa.skip_server_warmup
+
+
+def _prepare_server_args(version: str, argv: list[str], monkeypatch):
+    """SGLang ``version``'s own ``prepare_server_args(argv)`` (what ``sglang.launch_server`` runs on
+    its command line: ``--config`` merged, then parsed), with the hardware probe switched off."""
+    server_args = sglang_module(version, "sglang.srt.server_args")
+    monkeypatch.setattr(server_args.ServerArgs, "__post_init__", lambda self: None, raising=False)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        return server_args.prepare_server_args(list(argv))
+    finally:  # 0.5.23 calls logging.basicConfig(force=True): give pytest its handlers back
+        root.handlers[:], root.level = handlers, level
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sglang_reads_the_api_key_from_the_config_file_we_pass(version, tmp_path, monkeypatch):
+    key = os.urandom(16).hex()
+    key_file = write_api_key_file(tmp_path / "secrets", key)
+    cmd = server_command("sglang", "/models/qwen", "127.0.0.1", 30001, tp_size=2, api_key_file=key_file,
+                         weight_version="0", seed=3)
+    assert key not in " ".join(cmd) and "--api-key" not in cmd
+    sa = _prepare_server_args(version, cmd[3:], monkeypatch)
+    assert sa.api_key == key
+    assert (sa.model_path, sa.port, sa.tp_size, sa.weight_version, sa.random_seed) == ("/models/qwen", 30001, 2,
+                                                                                        "0", 3)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_engine_reads_a_config_file_as_sglang_does(version, tmp_path, monkeypatch):
+    """The same argv and file give the same values to SGLang and to the embedded engine: the file's
+    options, under the command line's (``--port`` is in both; the command line wins)."""
+    from areal_fast.rollout.engine.__main__ import parse_args
+
+    monkeypatch.delenv("AREAL_FAST_API_KEY", raising=False)
+    f = tmp_path / "server.yaml"
+    f.write_text("api-key: abc123\nport: 1111\nmax-running-requests: 8\nskip-tokenizer-init: true\n"
+                 "random-seed: 5\n")
+    argv = ["--model-path", "/models/qwen", "--port", "30001", "--config", str(f), "--random-seed", "9"]
+    sa = _prepare_server_args(version, argv, monkeypatch)
+    ours = parse_args(argv)
+    want = ("abc123", 30001, 8, True, 9)
+    assert (sa.api_key, sa.port, sa.max_running_requests, sa.skip_tokenizer_init, sa.random_seed) == want
+    assert (ours.api_key, ours.port, ours.max_running_requests, ours.skip_tokenizer_init, ours.seed) == want
 
 
 @pytest.mark.parametrize("version,error", [("0.5.6", TypeError), ("0.5.23", AssertionError)])
