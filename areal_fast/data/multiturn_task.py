@@ -7,16 +7,18 @@
 
 The environment checks each answer exactly. A wrong answer gets feedback and another turn, up to
 ``max_turns``: with ``feedback='positions'`` the feedback is the answer with every wrong
-position blanked ('='), then the prompt again after a BOS token (so the retry reads like a first
-turn: a model warm-started on single turns can answer it at once, and learns to use the hint);
-with ``feedback='retry'`` only the prompt again. The character tokenizer knows only the alphabet
+position blanked ('='), then the prompt again after a BOS token (so the retry looks as much
+like a first turn as the context allows); with ``feedback='retry'`` only the prompt again. The character tokenizer knows only the alphabet
 and '=', so the hint is written in those.
 
 Reward of the episode (what the trainer uses): the configured reward of the last answer (dense
 partial credit while training, exact match in evaluation), times ``turn_discount`` per extra
 turn, so a first-turn answer is worth the most. Logged per episode: ``turn1`` (first answer
 exact), ``after_feedback`` (exact answer after feedback, only in episodes that got feedback),
-``turns``. ``after_feedback`` rising over training is the sign that the later turns are learned.
+the same two as fractions of right characters (``turn1_chars``, ``after_feedback_chars``), and
+``turns``. A model warm-started on single turns has never seen a second one (after the second
+BOS it rambles on without stopping), so what follows feedback is learned by RL from scratch:
+``after_feedback`` (and its character fraction) rising over training is the sign of it.
 """
 
 from __future__ import annotations
@@ -57,12 +59,16 @@ async def reverse_with_feedback(row, engine, max_turns: int = 2, feedback: str =
         traj.add_model(gen)
         text = engine.decode(gen.output_ids)
         exact.append(tiny_task.reward(row.task, text))
+        if turn == 0:
+            first_chars = tiny_task.char_accuracy(row.task, text)
         if exact[-1] == 1.0:
             break
     res = await engine.reward(row.task, text)
     traj.reward = float(res.value) * turn_discount ** (len(exact) - 1)
     traj.turn_rewards = exact
-    traj.info = {"turn1": exact[0], "turns": float(len(exact)), "final": exact[-1]}
-    if len(exact) > 1:
+    traj.info = {"turn1": exact[0], "turns": float(len(exact)), "final": exact[-1],
+                 "turn1_chars": first_chars}
+    if len(exact) > 1:  # the turns after feedback: exact, and the fraction of right characters
         traj.info["after_feedback"] = exact[-1]
+        traj.info["after_feedback_chars"] = tiny_task.char_accuracy(row.task, text)
     return [traj]
