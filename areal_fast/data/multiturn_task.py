@@ -8,8 +8,8 @@
 The environment checks each answer exactly. A wrong answer gets feedback and another turn, up to
 ``max_turns``: with ``feedback='positions'`` the feedback is the answer with every wrong
 position blanked ('='), then the prompt again after a BOS token (so the retry looks as much
-like a first turn as the context allows); with ``feedback='retry'`` only the prompt again. The character tokenizer knows only the alphabet
-and '=', so the hint is written in those.
+like a first turn as the context allows); with ``feedback='retry'`` only the prompt again. The
+character tokenizer knows only the alphabet and '=', so the hint is written in those.
 
 Reward of the episode (what the trainer uses): the configured reward of the last answer (dense
 partial credit while training, exact match in evaluation), times ``turn_discount`` per extra
