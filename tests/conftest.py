@@ -1,9 +1,11 @@
 """Test-wide setup: markers applied by rule (gpu, interpreter, slow) and the Triton interpreter switch.
 
-The quick loop is ``python -m pytest -m "not slow" -q``; the slow part is ``-m slow``. Which tests
-are slow is decided HERE, in one list, rather than by decorators spread over files that many
-people edit: a test is slow when it starts other processes (torchrun ranks, an inference server
-subprocess, a Ray cluster, a sender process) or runs the system end to end.
+The quick loop is ``python -m pytest -m "not slow" -q`` (about 100 s on 2 cores); the slow part is
+``-m slow`` (about 7 minutes). A test is slow when it starts other processes (torchrun ranks, an
+inference server subprocess, a Ray cluster, a sender process) or runs the system end to end. The
+lists below mark them by rule - whole files, process-starting fixtures, named tests - so new tests
+in those files and new users of those fixtures are slow without anyone remembering a decorator;
+a test may also carry ``@pytest.mark.slow`` itself.
 """
 
 import os
