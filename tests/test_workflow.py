@@ -426,3 +426,67 @@ def test_python_math_workflow_masks_tool_output_and_scores_the_whole_answer():
     assert roll.calls[0][1]["stop"] == ["</python>"]
     assert roll.calls[1][0] == traj.prompt_ids + traj.output_ids[: len(turns[0]) + len(shown)]
     assert traj.reward == 1.0 and traj.info["tool_calls"] == 1.0 and traj.info["tool_failures"] == 0.0
+
+
+# ---------------------------------------------------------------- the CPU examples' workflows
+class InProcessTools:
+    """Runs named tools and the tiny task's rewards in this process (the real service runs them in
+    its workers; what is tested here is the workflow around them)."""
+
+    async def score(self, task, completion):
+        from areal_fast.reward.registry import get_reward_fn
+        from areal_fast.reward.result import coerce_result
+
+        name = task.get("reward", "areal_fast.data.tiny_task:partial_reward")
+        return coerce_result(get_reward_fn(name)(task, completion), name)
+
+
+def _char_engine(turns, chars):
+    from areal_fast.data.tokenizer import CharTokenizer
+
+    tok = CharTokenizer(chars)
+    roll = ScriptedTokens([tok.encode(t, add_bos=False) + [tok.eos_token_id] for t in turns])
+    return EpisodeEngine(roll, InProcessTools(), tok, {"max_new_tokens": 16}, "ep"), roll, tok
+
+
+class ScriptedTokens:
+    def __init__(self, turns):
+        self.turns, self.inputs = list(turns), []
+
+    async def generate(self, input_ids, sampling, rid):
+        self.inputs.append(list(input_ids))
+        ids = self.turns[len(self.inputs) - 1]
+        return Generation(ids, [-0.2] * len(ids), [len(self.inputs)] * len(ids), "stop")
+
+
+def test_tool_example_calls_the_calculator_right_to_left():
+    from areal_fast.data import tool_task
+
+    prompt, answer = tool_task.problem("seed-row")
+    a, b = prompt[:-1].split("*")
+    engine, roll, tok = _char_engine([f"{a}*{b}"[::-1]], tool_task.ALPHABET + "=")
+    # the reversed expression is the model's call; the calculator reads it back as a*b
+    (traj,) = asyncio.run(tool_task.multiply_with_calculator(Row(0, "seed-row", {"answer": "x"}), engine))
+    assert traj.info == {"called": 1.0, "call_right": 1.0, "exact": 1.0} and traj.reward == 1.0
+    n_call = len(a) + len(b) + 2  # call + eos
+    assert tok.decode(traj.output_ids[n_call:]) == answer and traj.loss_mask == [1] * n_call + [0] * len(answer)
+    engine, _, _ = _char_engine(["12"], tool_task.ALPHABET + "=")  # a direct answer: no call, partial credit
+    (traj,) = asyncio.run(tool_task.multiply_with_calculator(Row(0, "seed-row", {"answer": "x"}), engine))
+    assert traj.info["called"] == 0.0 and traj.loss_mask == [1, 1, 1]
+
+
+def test_multiturn_example_feedback_and_turns():
+    from areal_fast.data import multiturn_task
+
+    assert multiturn_task.feedback_text("djbac", "djbxcq", "positions") == "djb=c"
+    assert multiturn_task.feedback_text("djbac", "dj", "positions") == "dj==="
+    assert multiturn_task.feedback_text("djbac", "x", "retry") == ""
+    engine, roll, tok = _char_engine(["djbxc", "djbac"], "abcdefghij=")
+    row = Row(0, "cabjd=", {"answer": "djbac"})
+    (traj,) = asyncio.run(multiturn_task.reverse_with_feedback(row, engine, max_turns=3))
+    feedback = tok.encode("djb=c", add_bos=False) + tok.encode("cabjd=")
+    assert traj.output_ids == roll.turns[0] + feedback + roll.turns[1]
+    assert traj.loss_mask == [1] * 6 + [0] * len(feedback) + [1] * 6
+    assert roll.inputs[1] == traj.prompt_ids + roll.turns[0] + feedback
+    assert traj.turn_rewards == [0.0, 1.0] and traj.reward == 0.5  # right after one feedback: discounted once
+    assert traj.info["after_feedback"] == 1.0 and traj.info["turn1"] == 0.0
