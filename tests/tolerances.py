@@ -24,9 +24,14 @@ FP32_ERR_FLOOR = 2e-5
 # fp32 GEMMs in another blocking (the fused-linear loss's token chunks) plus fp32 loss math:
 # a few ulps of the largest term, relative.
 FP32_CHUNKED_GEMM_TOL = dict(atol=2e-5, rtol=2e-4)
-# Gradients of the loss, kernel vs reference: relative to each element, tiny absolute floor for
-# the exact zeros of masked tokens (fp32 sums in another order, ~1e-7 relative).
+# fp32 gradients that differ only by summation order (kernel vs reference backend, 2 ranks vs 1) or
+# by the closed form vs autograd on small well-conditioned inputs: ~1e-7 relative; the tiny absolute
+# floor covers the exact zeros of masked tokens.
 FP32_GRAD_TOL = dict(atol=1e-7, rtol=1e-4)
+# The Triton kernel's gradient, closed form dz = (g (onehot - P) - e P (log P + H)) / tau with
+# block-wise reductions, vs autograd through the reference (-inf logits, masked rows, strided
+# views): near-zero elements differ by up to ~1e-7 absolute; the floor sits a decade above.
+FP32_GRAD_VS_AUTOGRAD_TOL = dict(atol=1e-6, rtol=1e-4)
 # fp32 attention over <= 40 tokens, packed/varlen vs dense: summation order, ~1e-7 seen.
 FP32_SHORT_ATTN_ATOL = 1e-5
 # Log-probs of a tiny 2-layer fp32 model, packed vs one sequence at a time: ~1e-7 seen.
