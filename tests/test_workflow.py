@@ -481,7 +481,7 @@ def test_multiturn_example_feedback_and_turns():
     assert multiturn_task.feedback_text("djbac", "djbxcq", "positions") == "djb=c"
     assert multiturn_task.feedback_text("djbac", "dj", "positions") == "dj==="
     assert multiturn_task.feedback_text("djbac", "x", "retry") == ""
-    engine, roll, tok = _char_engine(["djbxc", "djbac"], "abcdefghij=")
+    engine, roll, tok = _char_engine(["djbhc", "djbac"], "abcdefghij=")
     row = Row(0, "cabjd=", {"answer": "djbac"})
     (traj,) = asyncio.run(multiturn_task.reverse_with_feedback(row, engine, max_turns=3))
     feedback = tok.encode("djb=c", add_bos=False) + tok.encode("cabjd=")
