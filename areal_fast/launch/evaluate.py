@@ -76,11 +76,24 @@ async def _eval_async(cfg: AppConfig, tok, evals, urls, path: str, api_key: str)
     async with RolloutClient(urls, api_key=api_key) as client, RewardService(num_workers=cfg.reward.workers,
                                                             timeout_s=cfg.reward.timeout,
                                                             default_reward=cfg.reward.name) as service:
+        from areal_fast.launch.runtime import ClientRollout, ServiceReward
+        from areal_fast.workflow import EpisodeEngine, EpisodeFailed, check_trajectories, load_workflow
+
+        workflow = load_workflow(cfg.rollout.workflow)  # the run's episode, greedy, as the run evaluates
+        rollout, reward = ClientRollout(client), ServiceReward(service)
+
         async def one(i, row):
-            g = await client.generate(tok.encode(row.text), dict(sampling), rid=f"eval-{i}")
-            task = {**row.task, "reward": cfg.eval.reward} if cfg.eval.reward else dict(row.task)
-            r = await service.score(task, tok.decode(g.output_ids))
-            return r.value, len(g.output_ids)
+            engine = EpisodeEngine(rollout, reward, tok, sampling, f"eval-{i}", training=False,
+                                   eval_reward=cfg.eval.reward, tool_timeout_s=cfg.rollout.tool_timeout)
+            try:
+                trajs = check_trajectories(await workflow(row, engine, **cfg.rollout.workflow_args),
+                                           f"workflow {cfg.rollout.workflow}")
+            except EpisodeFailed:
+                trajs = []
+            if not trajs:
+                return 0.0, 0
+            return (sum(float(t.reward) for t in trajs) / len(trajs),
+                    sum(t.n_model_tokens for t in trajs) / len(trajs))
 
         res = await asyncio.gather(*[one(i, r) for i, r in enumerate(evals)])
     return {"model": path, "eval_reward": sum(v for v, _ in res) / len(res),
