@@ -120,9 +120,12 @@ def launch_engine_subprocess(
         os.close(fd)
     cmd = server_command("embedded", model_path, host, port, device=device, dtype=dtype, seed=seed,
                          max_running_requests=max_running_requests, weight_version=weight_version,
-                         api_key=api_key, sglang_version=sglang_version, skip_tokenizer_init=False,
-                         extra_args=extra_args)
+                         sglang_version=sglang_version, skip_tokenizer_init=False, extra_args=extra_args)
     full_env = {**os.environ, **(env or {})}
+    # the key in the child's environment (private to this user), not on its command line (readable by all)
+    full_env.pop("AREAL_FAST_API_KEY", None)
+    if api_key:
+        full_env["AREAL_FAST_API_KEY"] = api_key
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     handle = EngineHandle(url=f"http://{host}:{port}", host=host, port=port, process=proc, log_path=log_path,
