@@ -40,6 +40,8 @@ SLOW_TESTS = {
         "a subprocess compiling the loss kernels ahead of time for sm_90",
     ("test_workflow.py", "test_hanging_and_crashing_tools_are_contained_and_counted"):
         "reward worker processes killed and restarted by hung and crashing tools",
+    ("test_workflow.py", "test_python_tool_runs_model_code_in_the_sandbox_and_stops_a_loop"):
+        "sandboxed Python programs run from a reward worker process",
 }
 
 

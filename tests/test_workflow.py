@@ -490,3 +490,24 @@ def test_multiturn_example_feedback_and_turns():
     assert roll.inputs[1] == traj.prompt_ids + roll.turns[0] + feedback
     assert traj.turn_rewards == [0.0, 1.0] and traj.reward == 0.5  # right after one feedback: discounted once
     assert traj.info["after_feedback"] == 1.0 and traj.info["turn1"] == 0.0
+
+
+def test_python_tool_runs_model_code_in_the_sandbox_and_stops_a_loop():
+    from areal_fast.launch.runtime import ServiceReward
+    from areal_fast.reward import RewardService
+    from areal_fast.workflow.tools import PYTHON
+
+    async def main():
+        async with RewardService(num_workers=1, timeout_s=FINISH_S, default_reward="math") as svc:
+            engine = EpisodeEngine(StepRollout(), ServiceReward(svc), Tok(), {}, "ep", tool_timeout_s=FINISH_S)
+            ok = await engine.tool(PYTHON, "print(6 * 7)")
+            # must time out: the program's own limit is 0.8 x the call's, so the sandbox stops it first
+            loop = await engine.tool(PYTHON, "while True:\n    pass\n", timeout_s=2.0)
+            bad = await engine.tool(PYTHON, "raise SystemExit('no')")
+            return ok, loop, bad, engine.tool_counts
+
+    ok, loop, bad, counts = asyncio.run(main())
+    assert (ok.status, ok.output) == ("ok", "42\n")
+    assert loop.status == "timeout" and "python: timeout" in loop.output
+    assert bad.status == "error" and "no" in bad.output
+    assert counts == Counter(ok=1, timeout=1, error=1)
