@@ -149,9 +149,13 @@ class Group:
     @property
     def n_tokens(self) -> int:
         """Model tokens (the trained ones; tool and environment text excluded)."""
+        return sum(self.model_token_counts())
+
+    def model_token_counts(self) -> list[int]:
+        """Model tokens of each trajectory."""
         if self.loss_masks:
-            return sum(sum(m) for m in self.loss_masks)
-        return sum(len(o) for o in self.outputs)
+            return [sum(m) for m in self.loss_masks]
+        return [len(o) for o in self.outputs]
 
     def model_versions(self) -> list[int]:
         """Versions of every model token of the group (staleness is measured on these)."""
@@ -206,6 +210,7 @@ class Counters:
     finished: int = 0
     trained_groups: int = 0
     trained_tokens: int = 0
+    trained_samples: int = 0  # trajectories (a workflow may return any number per episode)
     dropped_stale: int = 0
     regenerated: int = 0
     reward_status: dict = field(default_factory=dict)
@@ -395,19 +400,20 @@ class Controller:
         ntok = sum(g.n_tokens for g in batch)
         infos = [i for g in batch for i in g.infos]
         self.counters.trained_groups += len(batch)
+        self.counters.trained_samples += len(rewards)
         self.counters.trained_tokens += ntok
         elapsed = self.elapsed()
         m = {
             "step": self.version, "time": elapsed,
             "reward": sum(rewards) / max(len(rewards), 1),
             "tokens": ntok, "gen_len_mean": ntok / max(len(rewards), 1),
-            "gen_len_max": max((len(o) for g in batch for o in g.outputs), default=0),
+            "gen_len_max": max((n for g in batch for n in g.model_token_counts()), default=0),
             "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
             "staleness": staleness, "positions": [g.position for g in batch],
             "wait_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
             "buffer": len(self.buffer), "running": len(self.running),
             "trained_tokens_per_s": self.counters.trained_tokens / max(elapsed, 1e-9),
-            "trained_samples_per_s": self.counters.trained_groups * self.s.group_size / max(elapsed, 1e-9),
+            "trained_samples_per_s": self.counters.trained_samples / max(elapsed, 1e-9),
             "dropped_stale": self.counters.dropped_stale,
             "episodes_failed": self.counters.episodes_failed,
             **{f"tool/{k}": v for k, v in self.counters.tool_status.items()},
