@@ -1,0 +1,113 @@
+"""A multi-turn episode against the embedded engine over HTTP through the real rollout client: a
+weight update in the middle of a turn and another between turns. The trajectory equals greedy
+generation with the weights that were live for each token (nothing lost or repeated at either
+seam), versions change exactly at the seams, and the behaviour log-probs are the engine's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import pytest
+from tolerances import ENGINE_LOGPROB_ATOL
+
+from areal_fast.launch.runtime import ClientRollout
+from areal_fast.rollout.client import RolloutClient
+from areal_fast.rollout.engine import start_engine_in_thread
+from areal_fast.rollout.testing import (
+    build_tiny_qwen2,
+    hf_greedy,
+    hf_logprobs,
+    load_hf,
+    perturbed_state_dict,
+    save_state_dict,
+)
+from areal_fast.workflow import EpisodeEngine, Trajectory
+
+FEEDBACK = [5, 6, 7]
+N = 120  # tokens per turn: the pause lands mid-turn (the update is requested after 15 tokens)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = build_tiny_qwen2(str(tmp_path_factory.mktemp("tiny")), vocab_size=256)
+    sds = {v: perturbed_state_dict(base, seed=300 + v) for v in (1, 2)}
+    paths = {0: base, **{v: save_state_dict(sd, base, str(tmp_path_factory.mktemp(f"v{v}"))) for v, sd in sds.items()}}
+    engine = start_engine_in_thread(base)
+    yield engine, paths, sds
+    engine.stop()
+
+
+def _update(url: str, path: str, version: str) -> None:
+    req = urllib.request.Request(url + "/update_weights_from_disk", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model_path": path, "weight_version": version}).encode())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert json.loads(r.read())["success"] is True
+
+
+class NoReward:
+    async def score(self, task, completion):
+        raise AssertionError("not used")
+
+
+async def _tokens_at_least(engine, n: int) -> None:
+    """Wait (on the engine's own state) until a running request holds >= n output tokens."""
+    sched = engine.server.scheduler
+    while not any(len(r.output_ids) >= n for r in list(sched._rows)):
+        await asyncio.sleep(0.002)
+
+
+def test_weight_updates_within_and_between_turns_resume_the_episode_exactly(setup):
+    engine, paths, sds = setup
+    prompt = [11, 12, 13, 14]
+
+    async def run():
+        between = asyncio.Event()
+        go_on = asyncio.Event()
+
+        async def episode(eng):
+            traj = Trajectory(prompt_ids=prompt)
+            traj.add_model(await eng.generate(traj.context_ids))
+            between.set()
+            await go_on.wait()  # the test updates the weights here, between the turns
+            traj.add_context(FEEDBACK)
+            traj.add_model(await eng.generate(traj.context_ids))
+            return traj
+
+        async with RolloutClient([engine.url]) as client:
+            rollout = ClientRollout(client)
+            eng = EpisodeEngine(rollout, NoReward(), None, {"max_new_tokens": N, "temperature": 0.0,
+                                                            "ignore_eos": True}, "wf", training=False)
+            task = asyncio.create_task(episode(eng))
+            await _tokens_at_least(engine, 15)  # within turn 1
+            await rollout.pause()
+            await asyncio.to_thread(_update, engine.url, paths[1], "1")
+            await rollout.resume()
+            await between.wait()
+            await rollout.pause()
+            await asyncio.to_thread(_update, engine.url, paths[2], "2")
+            await rollout.resume()
+            go_on.set()
+            traj = await task
+            await rollout.pause()
+            await asyncio.to_thread(_update, engine.url, paths[0], "0")
+            await rollout.resume()
+            return traj
+
+    traj = asyncio.run(asyncio.wait_for(run(), 120))
+    v = traj.output_versions
+    assert len(traj.output_ids) == 2 * N + len(FEEDBACK)
+    assert traj.loss_mask == [1] * N + [0] * len(FEEDBACK) + [1] * N
+    k = v.index(1)
+    assert 0 < k < N and v == [0] * k + [1] * (N - k) + [-1] * len(FEEDBACK) + [2] * N
+    m0, m1, m2 = load_hf(paths[0]), load_hf(paths[0], sds[1]), load_hf(paths[0], sds[2])
+    out = traj.output_ids
+    turn2_ctx = prompt + out[: N + len(FEEDBACK)]
+    assert out[:k] == hf_greedy(m0, prompt, k)
+    assert out[k:N] == hf_greedy(m1, prompt + out[:k], N - k)
+    assert out[N: N + len(FEEDBACK)] == FEEDBACK
+    assert out[N + len(FEEDBACK):] == hf_greedy(m2, turn2_ctx, N)
+    ref = (hf_logprobs(m0, prompt, out[:k], 0.0) + hf_logprobs(m1, prompt + out[:k], out[k:N], 0.0)
+           + [0.0] * len(FEEDBACK) + hf_logprobs(m2, turn2_ctx, out[N + len(FEEDBACK):], 0.0))
+    assert max(abs(a - b) for a, b in zip(traj.behav_logprobs, ref)) < ENGINE_LOGPROB_ATOL
