@@ -201,6 +201,9 @@ def test_trajectory_check_names_the_workflow():
         t.check("my_wf")
     with pytest.raises(ValueError, match="empty prompt_ids"):
         Trajectory(prompt_ids=[]).check("w")
+    for bad in (float("inf"), float("nan"), None):
+        with pytest.raises(ValueError, match="reward must be a finite number"):
+            Trajectory(prompt_ids=[1], reward=bad).check("w")
 
 
 def test_generate_refuses_another_temperature_while_training():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,7 +111,7 @@ class Trajectory:
             raise ValueError(f"{where}: trajectory has an empty prompt_ids (the first model turn needs context)")
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(f"{where}: loss_mask entries must be 0 or 1")
-        if not isinstance(self.reward, int | float) or self.reward != self.reward:
+        if isinstance(self.reward, bool) or not isinstance(self.reward, int | float) or not math.isfinite(self.reward):
             raise ValueError(f"{where}: reward must be a finite number, got {self.reward!r}")
 
     def to_sample(self, group_id) -> dict:
