@@ -36,24 +36,37 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import time
 import uuid
+from array import array
 from dataclasses import dataclass, field
+from functools import partial
 
 import aiohttp
 from packaging.version import InvalidVersion, Version
 
+from areal_fast.rollout.answer import (
+    LOGPROB_ARRAY,
+    TOKEN_ARRAY,
+    AnswerError,
+    Segment,
+    dumps,
+    loads,
+    parse_generate,
+    token_versions,
+    version_to_int,  # noqa: F401 - part of this module's API (tests, callers)
+)
 from areal_fast.rollout.engine.compat import SGLANG_SAMPLING_KEYS
 
 API_KEY_ENV = "AREAL_FAST_API_KEY"
 V_PAUSE_MODE = Version("0.5.6")  # pause_generation accepts {"mode": ...}
 V_SCHEMA_400 = Version("0.5.22")  # unknown sampling keys are a 400 (a 500 TypeError before)
+V_SPANS = Version("0.5.19")  # answers carry weight_versions spans: a retracted request keeps its labels
 PAUSE_MODES = ("abort", "retract", "in_place")
+PAUSE_MODE_CHOICES = ("auto", *PAUSE_MODES)
 RID_SEP = "|"
 # An SGLang /health probe waits up to 20 s for the scheduler; give it that plus a margin.
 HEALTH_PROBE_TIMEOUT_S = 25.0
-_INT_RE = re.compile(r"^-?\d+$")
 _CALLER_500 = ("TypeError", "unexpected keyword argument")
 
 
@@ -81,13 +94,15 @@ class ServerUnavailable(RolloutError):
     """No server could answer after every retry."""
 
 
-def version_to_int(v: str | int | None) -> int:
-    """Server weight_version string -> int: "7" -> 7, "default" (the initial weights) -> 0, else -1."""
-    if isinstance(v, int):
-        return v
-    if v is not None and _INT_RE.match(v):
-        return int(v)
-    return 0 if v in (None, "default") else -1
+def auto_pause_mode(version: Version) -> str:
+    """The pause mode ``"auto"`` picks for a server of SGLang ``version``.
+
+    ``retract`` from 0.5.19: requests stay on the server (their KV is dropped and recomputed by the
+    new weights after continue), nothing comes back to the client, and the answer's weight_versions
+    spans label each token with the weights that made it. Before 0.5.19 an answer has one
+    weight_version for all its tokens, so a retracted request's tokens from before the update would
+    be labelled with the new version: ``abort`` (the client resubmits, one version per segment)."""
+    return "retract" if version >= V_SPANS else "abort"
 
 
 def server_rid(rid: str, segment: int) -> str:
@@ -152,9 +167,13 @@ class RolloutClient:
 
     def __init__(self, urls: list[str], *, api_key: str | None = None, request_timeout_s: float = 3600.0,
                  connect_timeout_s: float = 10.0, control_timeout_s: float = 600.0, max_attempts: int = 6,
-                 retry_backoff_s: float = 0.2, down_cooldown_s: float = 5.0, max_segments: int = 10_000):
+                 retry_backoff_s: float = 0.2, down_cooldown_s: float = 5.0, max_segments: int = 10_000,
+                 pause_mode: str = "auto"):
         if not urls:
             raise ValueError("RolloutClient needs at least one server url")
+        if pause_mode not in PAUSE_MODE_CHOICES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODE_CHOICES}, got {pause_mode!r}")
+        self.default_pause_mode = pause_mode
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
         self._by_url = {s.url: s for s in self.servers}
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -171,6 +190,7 @@ class RolloutClient:
         self._running = asyncio.Event()
         self._running.set()
         self.pause_mode: str | None = None  # the mode of our pause_all while paused, else None
+        self.server_pause_modes: dict[str, str] = {}  # url -> the mode each server was paused with
 
     @property
     def is_paused(self) -> bool:
@@ -242,21 +262,27 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ HTTP
     async def _request(self, server: ServerState, method: str, path: str, body: dict | None = None,
-                       timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, object]:
-        """One HTTP call: (status, decoded body). Connection problems raise aiohttp/asyncio errors."""
+                       timeout: aiohttp.ClientTimeout | None = None, parse=None) -> tuple[int, object]:
+        """One HTTP call: (status, decoded body). Connection problems raise aiohttp/asyncio errors.
+        ``parse(raw bytes)`` decodes a 2xx JSON answer instead of the generic decoder."""
         if self._session is None:
             raise RolloutError("client not started: use 'async with RolloutClient(...)' or await start()")
         kwargs = {"timeout": timeout or self.control_timeout}
         if method == "POST":
-            kwargs["json"] = body if body is not None else {}
+            kwargs["data"] = dumps(body if body is not None else {})
+            kwargs["headers"] = _JSON_HEADERS
         async with self._session.request(method, server.url + path, **kwargs) as r:
-            text = await r.text()
-            return r.status, _decode(text, r.headers.get("Content-Type", ""))
+            raw = await r.read()
+            ctype = r.headers.get("Content-Type", "")
+            status = r.status
+        if parse is not None and status < 300 and "json" in ctype:
+            return status, parse(raw)
+        return status, _decode(raw, ctype)
 
     async def _call(self, server: ServerState, method: str, path: str, body: dict | None = None,
-                    timeout: aiohttp.ClientTimeout | None = None):
+                    timeout: aiohttp.ClientTimeout | None = None, parse=None):
         """One HTTP call that must succeed: the decoded answer, else RequestError / ServerError."""
-        status, data = await self._request(server, method, path, body, timeout)
+        status, data = await self._request(server, method, path, body, timeout, parse)
         if status >= 400:
             if is_caller_error(status, data, server.version if server.info else None):
                 raise RequestError(server.url + path, status, data)
@@ -326,8 +352,10 @@ class RolloutClient:
         self._affinity[rid] = best.url
         return best
 
-    async def _generate_segment(self, rid: str, seg_rid: str, payload: dict) -> tuple[dict, ServerState, str | None]:
-        """POST /generate with failover; returns (answer, server, its known weight_version at send time)."""
+    async def _generate_segment(self, rid: str, seg_rid: str, payload: dict,
+                                ) -> tuple[Segment, ServerState, str | None]:
+        """POST /generate with failover; returns (compact answer, server, its known weight_version at
+        send time). The decoded JSON is gone when this returns (``areal_fast.rollout.answer``)."""
         tried: set[str] = set()
         last_err: Exception | None = None
         for attempt in range(self.max_attempts):
@@ -336,11 +364,14 @@ class RolloutClient:
             known_version = server.weight_version
             server.in_flight += 1
             try:
-                data = await self._call(server, "POST", "/generate", {**payload, "rid": seg_rid},
-                                        timeout=self.request_timeout)
-                if not isinstance(data, dict):
-                    raise RolloutError(f"{server.url}/generate answered {type(data).__name__}, not one result "
-                                       f"(rid {seg_rid!r}): {str(data)[:200]}")
+                where = f"{server.url}/generate (rid {seg_rid!r})"
+                try:
+                    data = await self._call(server, "POST", "/generate", {**payload, "rid": seg_rid},
+                                            timeout=self.request_timeout, parse=partial(parse_generate, where=where))
+                except AnswerError as e:
+                    raise RolloutError(str(e)) from None
+                if not isinstance(data, Segment):  # a 2xx that was not JSON
+                    raise RolloutError(f"{where} answered {type(data).__name__}, not one result: {str(data)[:200]}")
                 if not server.info:  # it was down when the client started: learn its facts now
                     await asyncio.gather(self._read_info(server), return_exceptions=True)
                 return data, server, known_version
@@ -388,9 +419,10 @@ class RolloutClient:
             raise ValueError(f"rid {rid!r} is already being generated by this client")
         self._active.add(rid)
         t0 = time.monotonic()
-        out_ids: list[int] = []
-        lps: list[float] = []
-        versions: list[int] = []
+        # compact columns (4 + 8 + 4 bytes a token): they cross every wait for continue_all()
+        out_ids = array(TOKEN_ARRAY)
+        lps = array(LOGPROB_ARRAY)
+        versions = array(TOKEN_ARRAY)
         servers: list[str] = []
         finish, matched, aborted, seg = "length", None, False, 0
         try:
@@ -402,25 +434,27 @@ class RolloutClient:
                     aborted = True
                     break
                 await self._running.wait()
-                payload = {"input_ids": list(input_ids) + out_ids,
+                payload = {"input_ids": _prompt_plus(input_ids, out_ids),
                            "sampling_params": {**sampling, "max_new_tokens": remaining},
                            "return_logprob": True, "logprob_start_len": -1, "stream": False}
-                data, server, known = await self._generate_segment(rid, server_rid(rid, seg), payload)
+                ans, server, known = await self._generate_segment(rid, server_rid(rid, seg), payload)
+                del payload
                 seg += 1
                 servers.append(server.url)
-                meta = data["meta_info"]
-                ids = list(data["output_ids"])
-                seg_lps = [x[0] for x in meta.get("output_token_logprobs") or []]
-                if len(seg_lps) != len(ids):
-                    raise RolloutError(f"{server.url}: {len(ids)} output ids but {len(seg_lps)} logprobs (rid {rid})")
-                if meta.get("weight_version") is not None:
-                    server.weight_version = str(meta["weight_version"])
-                elif ids and known is None:
-                    known = await self._current_weight_version(server)
-                out_ids += ids
-                lps += seg_lps
-                versions += _token_versions(meta, len(ids), fallback=known)
-                fr = meta.get("finish_reason") or {"type": "length"}
+                if ans.weight_version is not None:
+                    server.weight_version = ans.weight_version
+                seg_versions = ans.versions
+                if seg_versions is None:  # no version in the answer: the one known at send time
+                    if known is None:
+                        known = await self._current_weight_version(server)
+                    seg_versions = token_versions({"id": ans.rid}, len(ans), fallback=known)
+                    if seg_versions is None:
+                        raise RolloutError(f"answer for rid {ans.rid!r} carries no weight_version and none is known")
+                out_ids += ans.ids
+                lps += ans.logprobs
+                versions += seg_versions
+                fr = ans.finish
+                del ans, seg_versions
                 if fr.get("type") == "abort":
                     if rid in self._user_aborted or seg >= self.max_segments:
                         aborted = True
@@ -434,9 +468,10 @@ class RolloutClient:
             self._user_aborted.discard(rid)
             self._segment_rid.pop(rid, None)
             self._affinity.pop(rid, None)
-        return GenerateResult(rid=rid, input_ids=list(input_ids), output_ids=out_ids, output_logprobs=lps,
-                              output_versions=versions, finish_reason=finish, matched=matched, aborted=aborted,
-                              num_segments=seg, servers=servers, latency_s=time.monotonic() - t0)
+        return GenerateResult(rid=rid, input_ids=list(input_ids), output_ids=out_ids.tolist(),
+                              output_logprobs=lps.tolist(), output_versions=versions.tolist(), finish_reason=finish,
+                              matched=matched, aborted=aborted, num_segments=seg, servers=servers,
+                              latency_s=time.monotonic() - t0)
 
     async def _current_weight_version(self, server: ServerState) -> str | None:
         try:
@@ -461,31 +496,40 @@ class RolloutClient:
     async def _all(self, method: str, path: str, body: dict | None = None) -> list:
         return await asyncio.gather(*(self._call(s, method, path, body) for s in self.servers))
 
-    async def pause_all(self, mode: str = "abort") -> None:
+    async def pause_all(self, mode: str | None = None) -> None:
         """Pause every server; interrupted requests wait in ``generate`` until ``continue_all()``.
 
         ``abort`` ends running requests (the client resubmits them after continue); ``retract``
         keeps them on the server without KV (recomputed after continue); ``in_place`` keeps them
         with their KV, so no update may flush the cache until continue (see ``may_flush``).
+        ``auto`` (the default: the client's ``pause_mode``) chooses per server by its SGLang
+        version (:func:`auto_pause_mode`): retract from 0.5.19, abort before, and abort for a
+        server whose version is not known yet. ``server_pause_modes`` holds what each got.
         """
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        mode = mode or self.default_pause_mode
+        if mode not in PAUSE_MODE_CHOICES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODE_CHOICES}, got {mode!r}")
         await self._ensure_info(self.servers)
 
         def knows_modes(s: ServerState) -> bool:  # a server still without facts is taken as current
             return not s.info or s.version >= V_PAUSE_MODE
 
         old = [s.url for s in self.servers if not knows_modes(s)]
-        if mode != "abort" and old:
+        if mode not in ("abort", "auto") and old:
             raise RolloutError(f"pause mode {mode!r} needs SGLang >= {V_PAUSE_MODE}; {old[0]} is older")
+        modes = {s.url: (auto_pause_mode(s.version) if s.info else "abort") if mode == "auto" else mode
+                 for s in self.servers}
         self.pause_mode = mode
+        self.server_pause_modes = modes
         self._running.clear()
-        await asyncio.gather(*(self._call(s, "POST", "/pause_generation", {"mode": mode} if knows_modes(s) else {})
+        await asyncio.gather(*(self._call(s, "POST", "/pause_generation",
+                                          {"mode": modes[s.url]} if knows_modes(s) else {})
                                for s in self.servers))
 
     async def continue_all(self) -> None:
         await self._all("POST", "/continue_generation", {})
         self.pause_mode = None
+        self.server_pause_modes = {}
         self._running.set()
 
     @property
@@ -493,7 +537,7 @@ class RolloutClient:
         """False after an ``in_place`` pause: requests keep KV, and an update with flush_cache then
         crashes SGLang's scheduler (0.5.6-0.5.21) or is refused (0.5.22+). Pause with ``retract``
         (or ``abort``) before an update that flushes."""
-        return self.pause_mode != "in_place"
+        return "in_place" not in self.server_pause_modes.values()
 
     async def abort_all(self) -> None:
         """Abort every request on every server (interrupted client requests are resubmitted)."""
@@ -543,13 +587,21 @@ def _apply_info(server: ServerState, info) -> None:
     server.tp_size = int(server.info.get("tp_size", 1))
 
 
-def _decode(text: str, ctype: str):
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def _decode(raw: bytes, ctype: str):
     if "json" in ctype:
         try:
-            return json.loads(text) if text else None
+            return loads(raw) if raw else None
         except ValueError:
-            return text
-    return text
+            pass
+    return raw.decode("utf-8", "replace")
+
+
+def _prompt_plus(input_ids: list[int], out_ids: array) -> list[int]:
+    """The input of the next segment: the prompt, then the tokens generated so far."""
+    return list(input_ids) + out_ids.tolist() if out_ids else list(input_ids)
 
 
 def _token_versions(meta: dict, n: int, fallback: str | None = None) -> list[int]:
@@ -559,15 +611,7 @@ def _token_versions(meta: dict, n: int, fallback: str | None = None) -> list[int
     their tokens get ``fallback``, the server's version known when the segment was sent, never 0 by
     default. With neither, RolloutError: a wrong label would corrupt the staleness accounting.
     """
-    wv = meta.get("weight_version")
-    if wv is None:
-        wv = fallback
-    spans = meta.get("weight_versions")
-    if wv is None and n and not spans:
+    out = token_versions(meta, n, fallback)
+    if out is None:
         raise RolloutError(f"answer for rid {meta.get('id')!r} carries no weight_version and none is known")
-    out = [version_to_int(wv)] * n
-    for sp in spans or []:
-        v = version_to_int(sp.get("version"))
-        for i in range(max(0, int(sp["start"])), min(n, int(sp["end"]))):
-            out[i] = v
-    return out
+    return out.tolist()
