@@ -284,6 +284,9 @@ class RolloutConfig:
     """Drop a finished group any of whose tokens is older than version - eta (counted)."""
     request_timeout: float = 600.0
     """Seconds for one /generate call before it is retried elsewhere."""
+    pause_mode: str = "auto"
+    """How servers pause for a weight update: 'auto' (per server: 'retract' on SGLang >= 0.5.19, whose
+    per-token version spans label retracted requests, else 'abort'), 'retract' or 'abort' (``docs/scale.md``)."""
     health_timeout: float = 300.0
     """Seconds to wait for launched servers to become healthy."""
     workflow: str = "areal_fast.workflow.single_turn:single_turn"
@@ -325,6 +328,8 @@ class RolloutConfig:
         if self.max_concurrent < 1:
             raise ValueError(f"max_concurrent: must be >= 1, got {self.max_concurrent!r}")
         _positive_seconds("request_timeout", self.request_timeout)
+        if self.pause_mode not in ("auto", "retract", "abort"):
+            raise ValueError(f"pause_mode: must be 'auto', 'retract' or 'abort', got {self.pause_mode!r}")
         _positive_seconds("health_timeout", self.health_timeout)
         if self.gpus and not self.servers and len(self.gpus) != self.n_servers:
             raise ValueError(f"gpus: one entry per server expected ({self.n_servers}), got {self.gpus!r}")

@@ -135,7 +135,8 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
     prompts, evals = load_data(cfg, tok)
     r = cfg.rollout
     gate = StalenessManager(cfg.train.batch_size, r.max_staleness, r.max_concurrent, strict=r.strict_staleness)
-    client = RolloutClient(urls, api_key=api_key, request_timeout_s=r.request_timeout, down_cooldown_s=2.0)
+    client = RolloutClient(urls, api_key=api_key, request_timeout_s=r.request_timeout, down_cooldown_s=2.0,
+                           pause_mode=r.pause_mode)
     service = RewardService(num_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout,
                             default_reward=cfg.reward.name)
     closers: list = []

@@ -54,6 +54,7 @@ from areal_fast.rollout.answer import (
     loads,
     parse_generate,
     token_versions,
+    tune_gc,
     version_to_int,  # noqa: F401 - part of this module's API (tests, callers)
 )
 from areal_fast.rollout.engine.compat import SGLANG_SAMPLING_KEYS
@@ -168,12 +169,13 @@ class RolloutClient:
     def __init__(self, urls: list[str], *, api_key: str | None = None, request_timeout_s: float = 3600.0,
                  connect_timeout_s: float = 10.0, control_timeout_s: float = 600.0, max_attempts: int = 6,
                  retry_backoff_s: float = 0.2, down_cooldown_s: float = 5.0, max_segments: int = 10_000,
-                 pause_mode: str = "auto"):
+                 pause_mode: str = "auto", gc_tuning: bool = True):
         if not urls:
             raise ValueError("RolloutClient needs at least one server url")
         if pause_mode not in PAUSE_MODE_CHOICES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODE_CHOICES}, got {pause_mode!r}")
         self.default_pause_mode = pause_mode
+        self.gc_tuning = gc_tuning
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
         self._by_url = {s.url: s for s in self.servers}
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -215,6 +217,8 @@ class RolloutClient:
         for s, info in zip(self.servers, infos):
             if isinstance(info, BaseException):  # down for now; its facts are read again before use
                 s.down_until = time.monotonic() + self.down_cooldown_s
+        if self.gc_tuning:  # the process's start-up objects are frozen, young collections made rarer
+            tune_gc()
 
     async def close(self) -> None:
         if self._session is not None:
