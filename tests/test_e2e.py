@@ -136,7 +136,8 @@ def test_kill_9_then_the_same_command_resumes_without_loss_or_duplicates(tmp_pat
     engines = [_cmdline(k).split() for k in kids if "areal_fast.rollout.engine" in _cmdline(k)]
     assert engines, "no engine server was launched"
     url = f"http://127.0.0.1:{engines[0][engines[0].index('--port') + 1]}"
-    assert "--api-key" in engines[0]
+    # the key travels in a private --config file, never on the (world-readable) command line
+    assert "--config" in engines[0] and "--api-key" not in engines[0]
     assert _status(url + "/get_model_info") == 401  # no key, no answer
     assert _status(url + "/health") == 200  # health stays open, as in SGLang
     # a second live run on the same output directory is refused at once, naming the directory
