@@ -643,10 +643,10 @@ def _means(infos: list[dict]) -> dict:
 
 
 def _group_state(g: Group) -> dict:
-    """A buffered group as a dict of its fields, sharing its lists: ``asdict`` deep-copies every token
-    (17 s of event-loop CPU under cProfile for the ~6k samples buffered at the end of the 64-server
-    scale benchmark, ~400 tokens each); a
-    buffered group's lists are never changed, so the checkpoint writer may read them in its thread."""
+    """A buffered group as a dict of its fields, sharing its lists. ``asdict`` deep-copied every token
+    on the event loop (17 s of CPU under cProfile for the groups buffered at the end of the 64-server
+    scale benchmark, ~400 tokens a sample); a buffered group's lists are never changed, so the
+    checkpoint writer may read them in its thread."""
     return {f.name: getattr(g, f.name) for f in fields(g)}
 
 
