@@ -514,6 +514,15 @@ def test_health_is_503_while_paused_longer_than_the_probe_timeout(twins):
                 for path in ("/health", "/health_generate"):
                     async with s.get(h.url + path) as r:
                         statuses.append(r.status)
+                    # A timed-out probe is aborted, and that abort is itself scheduler output (as in
+                    # SGLang), which would let the next probe answer 200: wait until it is gone.
+                    for _ in range(500):
+                        async with s.get(h.url + "/server_info") as r:
+                            if (await r.json())["num_running_requests"] == 0:
+                                break
+                        await asyncio.sleep(0.01)
+                    else:
+                        raise AssertionError("the timed-out health probe was never aborted")
                 async with s.get(h.url + "/model_info") as r:  # answers without the scheduler
                     info = r.status
             finally:
