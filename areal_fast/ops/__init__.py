@@ -24,7 +24,7 @@ does not import torch.
 
 from __future__ import annotations
 
-import importlib
+from areal_fast._lazy import lazy_exports
 
 # name -> submodule; loaded on first use, so that ``areal_fast.ops.loss_config`` (and the trainer's
 # config, which holds a PPOLossConfig) can be imported without importing torch
@@ -48,15 +48,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
