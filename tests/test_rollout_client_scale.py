@@ -156,3 +156,28 @@ async def _mixed(pause_mode: str) -> None:
     if pause_mode == "auto":
         on_new = [r for r in results if set(r.servers) <= set(new.urls)]
         assert on_new and all(r.num_segments == 1 for r in on_new)  # retract: one answer per request
+
+
+def test_large_pool_two_choices_exact():
+    """Above PICK_SCAN_MAX servers a request goes to the less loaded of two drawn at random: still
+    every request once, exact, and no server left idle."""
+    from areal_fast.rollout.client import PICK_SCAN_MAX
+
+    async def run():
+        cfg = _cfg("0.5.23")
+        async with sim.SimCluster(PICK_SCAN_MAX + 4, cfg) as cl:
+            async with RolloutClient(cl.urls, gc_tuning=False) as client:
+                rids = [f"p{i}" for i in range(8 * len(cl.urls))]
+                tasks = [asyncio.create_task(client.generate([3] * PROMPT_LEN, {"max_new_tokens": MAX_NEW}, rid=r))
+                         for r in rids]
+                await _wait_for(lambda: all(s.running for s in cl.servers), "every server busy")
+                await client.pause_all()
+                await client.continue_all()
+                results = await asyncio.gather(*tasks)
+        assert sorted(r.rid for r in results) == sorted(rids) and cl.duplicates == 0
+        errs = [e for r in results for e in sim.check_sample(r.rid, PROMPT_LEN, MAX_NEW, r.output_ids,
+                                                             r.output_logprobs, r.output_versions, r.finish_reason,
+                                                             cfg, 0)]
+        assert errs == []
+
+    asyncio.run(run())

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import time
 import uuid
 from array import array
@@ -69,6 +70,7 @@ PAUSE_MODE_CHOICES = ("auto", *PAUSE_MODES)
 RID_SEP = "|"
 # An SGLang /health probe waits up to 20 s for the scheduler; give it that plus a margin.
 HEALTH_PROBE_TIMEOUT_S = 25.0
+PICK_SCAN_MAX = 16  # up to this many servers a new request goes to the least loaded of all
 _CALLER_500 = ("TypeError", "unexpected keyword argument")
 
 
@@ -187,6 +189,7 @@ class RolloutClient:
         self.down_cooldown_s, self.max_segments = down_cooldown_s, max_segments
         self._session: aiohttp.ClientSession | None = None
         self._affinity: dict[str, str] = {}
+        self._rng = random.Random()
         self._segment_rid: dict[str, tuple[str, str]] = {}  # rid -> (server url, rid of the live segment)
         self._user_aborted: set[str] = set()
         self._active: set[str] = set()
@@ -350,6 +353,14 @@ class RolloutClient:
         url = self._affinity.get(rid)
         if url and url in self._by_url and url not in exclude and self._by_url[url].down_until <= now:
             return self._by_url[url]
+        if len(self.servers) > PICK_SCAN_MAX and not exclude:
+            # the less loaded of two servers drawn at random (balances nearly as well as the least
+            # loaded of all); scanning 256 servers per request cost ~50 us, ~0.15 us per token
+            two = [s for s in self._rng.sample(self.servers, 2) if s.down_until <= now]
+            if two:
+                best = min(two, key=lambda s: s.in_flight)
+                self._affinity[rid] = best.url
+                return best
         cands = [s for s in self.servers if s.url not in exclude and s.down_until <= now]
         if not cands:  # everything down or excluded: try the least recently failed anyway
             cands = [s for s in self.servers if s.url not in exclude] or self.servers
