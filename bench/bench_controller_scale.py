@@ -181,7 +181,7 @@ class CheckedRollout(ClientRollout):
             await super().pause()
         else:
             await self.control(lambda: self.client.pause_all(self.pause_mode), "pause_generation")
-        self.pauses.append({"ack_s": time.perf_counter() - self._t_pause})
+        self.pauses.append({"ack_s": time.perf_counter() - self._t_pause, "mode": str(self.client.pause_mode)})
 
     async def resume(self) -> None:
         await super().resume()
@@ -333,7 +333,8 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
     stal = [s for m in marks for s in m["staleness"]]
     return {
         "servers": spec.servers, "in_flight": spec.in_flight, "group_size": spec.group_size, "batch_groups": batch,
-        "eta": spec.eta, "steps": len(marks), "pause_mode": spec.pause_mode or "abort (production default)",
+        "eta": spec.eta, "steps": len(marks), "pause_mode": spec.pause_mode or "production default",
+        "pause_modes_used": sorted({p["mode"] for p in rollout.pauses}),
         "wall_s": wall, "received_tok_s": received / wall, "trained_tok_s": trained / wall,
         "cpu_s": cpu, "cpu_util": cpu / wall, "cpu_us_per_tok": 1e6 * cpu / max(received, 1),
         "gc_s": gcc.total_s, "gc_share_of_cpu": gcc.total_s / max(cpu, 1e-9), "gc_collections": gcc.collections,
@@ -375,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="default: what the production rollout port does (pause_all() = abort)")
     ap.add_argument("--sglang-version", default="0.5.23")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--note", default="", help="stored in each row (e.g. which code was measured)")
     ap.add_argument("--profile", action="store_true", help="cProfile the controller process; print the top 25")
     add_harness_args(ap)
     args = ap.parse_args(argv)
@@ -413,6 +415,8 @@ def main(argv: list[str] | None = None) -> None:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             row["sim_cpu_s"] = proc.cpu_seconds() - sim_cpu0
         row["load_avg_1m"] = __import__("os").getloadavg()[0]
+        if args.note:
+            row["note"] = args.note
         row["sim"] = {"decode_a_s": cfg.decode_a_s, "decode_b_s": cfg.decode_b_s, "len_median": cfg.len_median,
                       "len_max": cfg.len_max, "compress": args.compress, "sglang_version": cfg.sglang_version}
         rows.append(row)
