@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--train-s", type=float, default=2.0, help="the trainer's sleep per step (wall s)")
     ap.add_argument("--compress", type=float, default=16.0, help="divide answer lengths (median 4,000, cap 32k)")
     ap.add_argument("--pause-mode", choices=("abort", "retract", "in_place"), default=None,
-                    help="default: what the production rollout port does (pause_all() = abort)")
+                    help="default: what the production rollout port does (the client's configured mode)")
     ap.add_argument("--sglang-version", default="0.5.23")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--note", default="", help="stored in each row (e.g. which code was measured)")

@@ -167,6 +167,7 @@ def check_sample(rid: str, prompt_len: int, max_new_tokens: int, output_ids: lis
     """Everything wrong with one finished sample (empty when exact): ids, finish reason, and each
     token's reported version against the version encoded in its log-prob (the weights that made it)."""
     errs = []
+    output_ids, logprobs, versions = list(output_ids), list(logprobs), list(versions)  # arrays compare as lists
     want, want_finish = expected_output(rid, prompt_len, max_new_tokens, cfg)
     if output_ids != want:
         first = next((i for i, (a, b) in enumerate(zip(output_ids, want)) if a != b), min(len(output_ids), len(want)))

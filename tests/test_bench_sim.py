@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import bench_controller_scale as scale  # noqa: E402
 import sim_sglang as sim  # noqa: E402
 
 from areal_fast.rollout.client import RolloutClient  # noqa: E402
@@ -139,3 +140,21 @@ def test_api_key_required():
                 assert r.status == 200
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("pause_mode", [None, "abort"])
+def test_scale_benchmark_small_configuration_is_exact(pause_mode):
+    """The benchmark's own loop (real Controller, gate, ClientRollout) at a tiny scale: every group
+    trained once, every sample exact. ``None`` is the production pause mode."""
+    cfg = _cfg(api_key="bench-key", time_scale=10.0, len_median=40, len_max=200, max_running=64)
+    spec = scale.RunSpec(servers=3, in_flight=48, group_size=4, eta=2, steps=3, train_s=0.05, max_new=200,
+                         pause_mode=pause_mode, api_key="bench-key", prompt_len=5)
+
+    async def run():
+        async with sim.SimCluster(spec.servers, cfg) as cluster:
+            return await scale.run_controller(spec, cfg, cluster.urls)
+
+    row = asyncio.run(run())
+    assert row["errors"] == [] and row["correct"]
+    assert row["steps"] == 3 and row["samples_checked"] >= 3 * row["batch_groups"] * spec.group_size
+    assert row["received_tokens"] >= row["trained_tokens"] > 0
