@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import resource
 import sys
 import tempfile
@@ -414,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
                 prof.disable()
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             row["sim_cpu_s"] = proc.cpu_seconds() - sim_cpu0
-        row["load_avg_1m"] = __import__("os").getloadavg()[0]
+        row["load_avg_1m"] = os.getloadavg()[0]
         if args.note:
             row["note"] = args.note
         row["sim"] = {"decode_a_s": cfg.decode_a_s, "decode_b_s": cfg.decode_b_s, "len_median": cfg.len_median,

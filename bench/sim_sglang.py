@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import heapq
 import json
 import math
+import os
 import subprocess
 import sys
 import zlib
@@ -647,8 +649,6 @@ class SimProcess:
         """User + system CPU seconds of the child so far (from /proc)."""
         try:
             parts = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            import os
-
             return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
         except (OSError, IndexError, ValueError):
             return float("nan")
@@ -688,8 +688,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", default="{}", help="SimConfig as JSON")
     args = ap.parse_args(argv)
     cfg = SimConfig.from_json(args.config)
-    import gc
-
     gc.freeze()  # the sim's own objects are long-lived; keep the collector off them
     asyncio.run(_serve(args.servers, cfg))
 
