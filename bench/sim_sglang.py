@@ -39,6 +39,7 @@ import heapq
 import json
 import math
 import os
+import resource
 import subprocess
 import sys
 import zlib
@@ -588,7 +589,10 @@ class SimCluster:
 
     async def start(self) -> list[str]:
         for s in self.servers:
-            runner = web.AppRunner(s.app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+            # idle keep-alive connections close after 5 s, as SGLang's uvicorn does (timeout_keep_alive=5):
+            # a client that pools every connection it ever opened would otherwise exhaust our descriptors
+            runner = web.AppRunner(s.app, access_log=None, handle_signals=False, shutdown_timeout=5.0,
+                                   keepalive_timeout=5.0)
             await runner.setup()
             site = web.TCPSite(runner, self.host, 0, backlog=1024)
             await site.start()
@@ -688,6 +692,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", default="{}", help="SimConfig as JSON")
     args = ap.parse_args(argv)
     cfg = SimConfig.from_json(args.config)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # one socket per request in flight
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     gc.freeze()  # the sim's own objects are long-lived; keep the collector off them
     asyncio.run(_serve(args.servers, cfg))
 
