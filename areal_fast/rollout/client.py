@@ -16,6 +16,11 @@ are only ever appended from *completed* HTTP answers, so a token cannot be lost 
 seam; each token keeps the version of the weights that produced it. An explicit ``abort(rid)`` ends
 the request: its finish reason is ``"length"`` (a truncated sample) with ``aborted=True``.
 
+Pauses: ``pause_all()`` uses the client's ``pause_mode``, ``"auto"`` by default: per server,
+``retract`` from SGLang 0.5.19 (requests stay on the server and nothing comes back; the answer's
+weight_versions spans label every token) and ``abort`` before (see :func:`auto_pause_mode`).
+Answers are decoded into compact columns (``areal_fast.rollout.answer``, ``docs/scale.md``).
+
 Request ids on the server: SGLang's /abort_request aborts every request whose rid STARTS WITH the
 given one, so the client never sends the caller's rid as is: segment ``k`` of ``rid`` is sent as
 ``f"{rid}|{k}|"``. A caller rid holds no ``|``, so the first ``|`` ends it and the segment number is
