@@ -69,6 +69,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
+from areal_fast.diskutil import write_failed
 from areal_fast.workflow import DEFAULT_WORKFLOW, EpisodeEngine, EpisodeFailed, check_trajectories, load_workflow
 
 log = logging.getLogger(__name__)
@@ -494,12 +495,16 @@ class Controller:
         final = self.ckpt_dir / f"step_{state['version']:08d}"
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.trainer.save(tmp / "trainer")
-        _write_json(tmp / STATE_FILE, state)
-        _fsync_tree(tmp)  # everything COMPLETE promises is on disk before the marker is
-        _write_json(tmp / COMPLETE_MARKER, "ok")
-        _fsync_dir(tmp)
+        try:
+            tmp.mkdir(parents=True)
+            self.trainer.save(tmp / "trainer")
+            _write_json(tmp / STATE_FILE, state)
+            _fsync_tree(tmp)  # everything COMPLETE promises is on disk before the marker is
+            _write_json(tmp / COMPLETE_MARKER, "ok")
+            _fsync_dir(tmp)
+        except (OSError, RuntimeError) as e:  # a full disk shows up as torch's "unexpected pos"
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise write_failed(tmp, e) from e
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         _fsync_dir(self.ckpt_dir)

@@ -21,6 +21,8 @@ from areal_fast.controller import (
     latest_checkpoint,
     list_checkpoints,
 )
+from areal_fast.diskutil import WriteFailed
+from areal_fast.launch.metrics import JsonlSink
 from areal_fast.rollout.staleness import StalenessManager
 
 
@@ -283,3 +285,28 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
     asyncio.run(ctl.run())  # and the run goes on from there, writing a fresh step 4
     assert ctl.version == 6 and latest_checkpoint(tmp_path / "checkpoints").name == "step_00000006"
     assert len(trainer.trained) == len(set(trainer.trained)) == 12
+
+
+def test_a_failed_checkpoint_write_names_the_path_and_leaves_no_partial_checkpoint(tmp_path):
+    """A full disk surfaces from torch.save as "unexpected pos": the error must name what was being written."""
+    ctl, trainer, _ = make(tmp_path, steps=2, ckpt=1)
+
+    def full_disk(path):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 2048 vs 1994")
+
+    trainer.save = full_disk
+    with pytest.raises(WriteFailed, match=r"step_00000000\.tmp.*MiB free.*unexpected pos"):
+        ctl._write_checkpoint(ctl.state_dict())
+    assert not list((tmp_path / "checkpoints").glob("step_*")), "a partial checkpoint was left behind"
+
+
+def test_a_full_disk_under_the_metrics_file_names_the_file():
+    sink = JsonlSink(Path("/dev/full"))  # every write to /dev/full fails with ENOSPC
+    try:
+        with pytest.raises(WriteFailed, match=r"/dev/full.*No space left"):
+            sink({"step": 1})
+    finally:
+        try:
+            sink.close()
+        except OSError:
+            pass

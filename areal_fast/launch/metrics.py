@@ -12,6 +12,8 @@ import logging
 import os
 from pathlib import Path
 
+from areal_fast.diskutil import write_failed
+
 log = logging.getLogger(__name__)
 
 
@@ -49,8 +51,11 @@ class JsonlSink:
         self.f = open(self.path, "a")
 
     def __call__(self, m: dict) -> None:
-        self.f.write(json.dumps(m) + "\n")
-        self.f.flush()
+        try:
+            self.f.write(json.dumps(m) + "\n")
+            self.f.flush()
+        except OSError as e:
+            raise write_failed(self.path, e) from e
 
     def close(self) -> None:
         self.f.close()
