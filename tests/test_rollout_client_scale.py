@@ -181,3 +181,46 @@ def test_large_pool_two_choices_exact():
         assert errs == []
 
     asyncio.run(run())
+
+
+def test_control_call_sent_again_once_when_the_connection_breaks():
+    """A server that drops the connection of the first /continue_generation (as a kept-alive
+    connection closed under the client does): continue_all succeeds with a second call; a server
+    that always drops it still fails."""
+    from aiohttp import web
+
+    async def run(drops: int):
+        calls = {"continue": 0}
+
+        async def info(request):
+            return web.json_response({"version": "0.5.23", "tp_size": 1, "weight_version": "0"})
+
+        async def model_info(request):
+            return web.json_response({"weight_version": "0"})
+
+        async def cont(request):
+            calls["continue"] += 1
+            if calls["continue"] <= drops:
+                request.transport.close()  # no answer: the client sees the connection end
+                raise web.HTTPInternalServerError()
+            return web.json_response({"success": True})
+
+        app = web.Application()
+        app.router.add_get("/server_info", info)
+        app.router.add_get("/model_info", model_info)
+        app.router.add_post("/continue_generation", cont)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with RolloutClient([url], gc_tuning=False) as c:
+                await c.continue_all()
+        finally:
+            await runner.cleanup()
+        return calls["continue"]
+
+    assert asyncio.run(run(drops=1)) == 2
+    with pytest.raises(aiohttp.ClientConnectionError):
+        asyncio.run(run(drops=2))

@@ -514,8 +514,17 @@ class RolloutClient:
                 await self._call(self._by_url[url], "POST", "/abort_request", {"rid": seg_rid, "abort_all": False})
 
     # ------------------------------------------------------------------ control of all servers
+    async def _control(self, server: ServerState, method: str, path: str, body: dict | None = None):
+        """An idempotent control call (pause, continue, abort, info), sent again once when the
+        connection broke: a kept-alive connection the server has just closed fails the first write
+        ("Cannot write to closing transport"; seen on a continue at 256 servers after a long step)."""
+        try:
+            return await self._call(server, method, path, body)
+        except aiohttp.ClientConnectionError:
+            return await self._call(server, method, path, body)
+
     async def _all(self, method: str, path: str, body: dict | None = None) -> list:
-        return await asyncio.gather(*(self._call(s, method, path, body) for s in self.servers))
+        return await asyncio.gather(*(self._control(s, method, path, body) for s in self.servers))
 
     async def pause_all(self, mode: str | None = None) -> None:
         """Pause every server; interrupted requests wait in ``generate`` until ``continue_all()``.
@@ -543,8 +552,8 @@ class RolloutClient:
         self.pause_mode = mode
         self.server_pause_modes = modes
         self._running.clear()
-        await asyncio.gather(*(self._call(s, "POST", "/pause_generation",
-                                          {"mode": modes[s.url]} if knows_modes(s) else {})
+        await asyncio.gather(*(self._control(s, "POST", "/pause_generation",
+                                             {"mode": modes[s.url]} if knows_modes(s) else {})
                                for s in self.servers))
 
     async def continue_all(self) -> None:
