@@ -193,6 +193,7 @@ class RolloutClient:
         self.max_attempts, self.retry_backoff_s = max_attempts, retry_backoff_s
         self.down_cooldown_s, self.max_segments = down_cooldown_s, max_segments
         self._session: aiohttp.ClientSession | None = None
+        self._control_session: aiohttp.ClientSession | None = None  # fresh connection per call
         self._affinity: dict[str, str] = {}
         self._rng = random.Random()
         self._segment_rid: dict[str, tuple[str, str]] = {}  # rid -> (server url, rid of the live segment)
@@ -217,6 +218,12 @@ class RolloutClient:
         if self._session is None:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
             self._session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
+            # control calls (pause, continue...) never reuse a kept-alive connection: at 16k requests
+            # in flight the pool holds connections the servers close while idle, and a pause or
+            # continue written into one fails ("Cannot write to closing transport", seen at 256
+            # servers); a new connection per call costs ~0.1 ms, a few times per step
+            self._control_session = aiohttp.ClientSession(
+                headers=headers, connector=aiohttp.TCPConnector(limit=0, force_close=True))
         infos = await asyncio.gather(*(self._read_info(s) for s in self.servers), return_exceptions=True)
         refused = [i for i in infos if isinstance(i, RequestError)]
         if refused:  # e.g. 401: a wrong or missing api key is the caller's bug, not a down server
@@ -233,6 +240,9 @@ class RolloutClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._control_session is not None:
+            await self._control_session.close()
+            self._control_session = None
 
     async def __aenter__(self) -> RolloutClient:
         try:
@@ -275,16 +285,19 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ HTTP
     async def _request(self, server: ServerState, method: str, path: str, body: dict | None = None,
-                       timeout: aiohttp.ClientTimeout | None = None, parse=None) -> tuple[int, object]:
+                       timeout: aiohttp.ClientTimeout | None = None, parse=None,
+                       control: bool = False) -> tuple[int, object]:
         """One HTTP call: (status, decoded body). Connection problems raise aiohttp/asyncio errors.
-        ``parse(raw bytes)`` decodes a 2xx JSON answer instead of the generic decoder."""
+        ``parse(raw bytes)`` decodes a 2xx JSON answer instead of the generic decoder; ``control``
+        sends it on a new connection (the control session)."""
         if self._session is None:
             raise RolloutError("client not started: use 'async with RolloutClient(...)' or await start()")
+        session = self._control_session if control else self._session
         kwargs = {"timeout": timeout or self.control_timeout}
         if method == "POST":
             kwargs["data"] = dumps(body if body is not None else {})
             kwargs["headers"] = _JSON_HEADERS
-        async with self._session.request(method, _url(server.url, path), **kwargs) as r:
+        async with session.request(method, _url(server.url, path), **kwargs) as r:
             raw = await r.read()
             ctype = r.headers.get("Content-Type", "")
             status = r.status
@@ -293,9 +306,9 @@ class RolloutClient:
         return status, _decode(raw, ctype)
 
     async def _call(self, server: ServerState, method: str, path: str, body: dict | None = None,
-                    timeout: aiohttp.ClientTimeout | None = None, parse=None):
+                    timeout: aiohttp.ClientTimeout | None = None, parse=None, control: bool = False):
         """One HTTP call that must succeed: the decoded answer, else RequestError / ServerError."""
-        status, data = await self._request(server, method, path, body, timeout, parse)
+        status, data = await self._request(server, method, path, body, timeout, parse, control)
         if status >= 400:
             if is_caller_error(status, data, server.version if server.info else None):
                 raise RequestError(server.url + path, status, data)
@@ -515,13 +528,12 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ control of all servers
     async def _control(self, server: ServerState, method: str, path: str, body: dict | None = None):
-        """An idempotent control call (pause, continue, abort, info), sent again once when the
-        connection broke: a kept-alive connection the server has just closed fails the first write
-        ("Cannot write to closing transport"; seen on a continue at 256 servers after a long step)."""
+        """An idempotent control call (pause, continue, abort, info) on a new connection, sent again
+        once when that connection broke."""
         try:
-            return await self._call(server, method, path, body)
+            return await self._call(server, method, path, body, control=True)
         except aiohttp.ClientConnectionError:
-            return await self._call(server, method, path, body)
+            return await self._call(server, method, path, body, control=True)
 
     async def _all(self, method: str, path: str, body: dict | None = None) -> list:
         return await asyncio.gather(*(self._control(s, method, path, body) for s in self.servers))
