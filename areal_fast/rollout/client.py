@@ -75,6 +75,10 @@ PAUSE_MODE_CHOICES = ("auto", *PAUSE_MODES)
 RID_SEP = "|"
 # An SGLang /health probe waits up to 20 s for the scheduler; give it that plus a margin.
 HEALTH_PROBE_TIMEOUT_S = 25.0
+# SGLang's HTTP server (uvicorn) closes a kept-alive connection idle for 5 s; aiohttp keeps one
+# 15 s by default, so a request could be written into a connection the server was closing (an
+# error that marks a healthy server down). Close ours first.
+KEEPALIVE_S = 4.0
 PICK_SCAN_MAX = 16  # up to this many servers a new request goes to the least loaded of all
 _CALLER_500 = ("TypeError", "unexpected keyword argument")
 
@@ -217,7 +221,8 @@ class RolloutClient:
     async def start(self) -> None:
         if self._session is None:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-            self._session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
+            self._session = aiohttp.ClientSession(
+                headers=headers, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
             # control calls (pause, continue...) never reuse a kept-alive connection: at 16k requests
             # in flight the pool holds connections the servers close while idle, and a pause or
             # continue written into one fails ("Cannot write to closing transport", seen at 256
