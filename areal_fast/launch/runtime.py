@@ -168,10 +168,18 @@ def follower_loop(actor) -> None:
         elif op == "export":
             export_hf(actor, arg)
         elif op == "wsync":  # each rank holds its own transports (it joins the gathers)
+            from areal_fast.weights import WeightSyncError
             from areal_fast.weights.port import apply_update
 
             spec, version = arg
-            apply_update(syncs, spec, version, actor.sharded_state_dict())
+            try:
+                apply_update(syncs, spec, version, actor.sharded_state_dict())
+            except WeightSyncError as e:
+                # Rank 0 got the same error (the transports share it with every rank) and decides:
+                # it retries without a dead server (a new wsync follows) or ends the run (then the
+                # next broadcast fails here). A follower that exited here would kill a run that
+                # rank 0 was about to save.
+                log.warning("follower: weight update to version %s failed (%s); waiting for rank 0", version, e)
         elif op == "stop":
             return
         else:
