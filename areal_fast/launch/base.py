@@ -13,6 +13,7 @@ A launcher places the processes of one run and watches them; ``launch.train.run_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -149,7 +150,7 @@ def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: 
                    api_key_file: str | Path | None, python: str = sys.executable) -> list[str]:
     """The command of one inference server of the run (``rollout.engine``), through the one builder
     of server command lines; ``rollout.server_args`` are appended. The API key travels in
-    ``api_key_file`` (``--config``, see :func:`write_server_key`), never on the command line."""
+    ``api_key_file`` (``--config``, see :func:`server_key_file`), never on the command line."""
     from areal_fast.rollout.server_command import server_command as build
 
     r = rollout_cfg
@@ -165,15 +166,22 @@ def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: 
                  seed=seed, extra_args=rest, python=python)
 
 
-def write_server_key(secrets_dir: str | Path, api_key: str | None) -> Path | None:
-    """The run's API key in a new private file of ``secrets_dir`` (0700 directory, 0600 file), for
-    :func:`server_command`; None without a key. The servers read it once, at start-up: the launchers
-    remove it as soon as they are healthy (or failed), so a key file lives only while servers start."""
+@contextlib.contextmanager
+def server_key_file(secrets_dir_fn, api_key: str | None):
+    """The run's API key in a new private file (0700 directory from ``secrets_dir_fn()``, 0600 file),
+    for :func:`server_command`; None without a key. The servers read it once, at start-up: the
+    file is removed when the block ends (the launchers end it once every server is healthy, or one
+    failed), so a key file lives only while servers start."""
     if not api_key:
-        return None
+        yield None
+        return
     from areal_fast.rollout.server_command import write_api_key_file
 
-    return write_api_key_file(secrets_dir, api_key)
+    path = write_api_key_file(secrets_dir_fn(), api_key)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def open_private_log(path: Path):

@@ -39,7 +39,7 @@ from areal_fast.launch.base import (
     rank_command,
     server_command,
     server_env,
-    write_server_key,
+    server_key_file,
 )
 from areal_fast.netutil import find_free_port
 from areal_fast.rollout.server_command import redact_command
@@ -101,8 +101,7 @@ class LocalLauncher:
                       ) -> list[LaunchedProcess]:
         """``rollout.n_servers`` inference servers on free ports of ``host``; waits for their health.
         ``api_key`` reaches them in a private key file, removed once they are healthy (or one failed)."""
-        key_file = write_server_key(self._secrets(), api_key) if api_key else None
-        try:
+        with server_key_file(self._secrets, api_key) as key_file:
             out = []
             for i in range(rollout_cfg.n_servers):
                 port = find_free_port(self.host)
@@ -111,11 +110,8 @@ class LocalLauncher:
                 if rollout_cfg.gpus:
                     env["CUDA_VISIBLE_DEVICES"] = str(rollout_cfg.gpus[i])
                 out.append(self.start(f"server{i}", cmd, env=env, url=f"http://{self.host}:{port}", critical=False))
-            self.wait_healthy(out, rollout_cfg.health_timeout)
+            self.wait_healthy(out, rollout_cfg.health_timeout)  # every server has read the key file
             return out
-        finally:
-            if key_file is not None:  # every server read it before it could answer /health
-                key_file.unlink(missing_ok=True)
 
     def _secrets(self) -> Path:
         if self.secrets_dir is None:

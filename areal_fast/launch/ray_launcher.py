@@ -64,8 +64,8 @@ from areal_fast.launch.base import (
     rank_command,
     server_command,
     server_env,
+    server_key_file,
     tp_size,
-    write_server_key,
 )
 from areal_fast.netutil import find_free_port
 from areal_fast.rollout.server_command import redact_command
@@ -272,19 +272,15 @@ class RayLauncher:
         pg = self._placement_group(bundles, self.cfg.server_strategy, "servers")
         out = []
         env = server_env(r)
-        key_file = write_server_key(self._secrets(), api_key) if api_key else None
-        try:
+        with server_key_file(self._secrets, api_key) as key_file:
             for i, (actor, info) in enumerate(self._hosts(pg, bundles, "server")):
                 host = self.host_for(info["node_ip"])
                 port = ray.get(actor.free_port.remote(host))
                 cmd = server_command(r, model_path, host, port, seed=seed + i, api_key_file=key_file, python=PYTHON)
                 out.append(self._run(actor, info, f"server{i}", cmd, {**env, HOST_ENV: host},
                                      f"http://{host}:{port}", critical=False))
-            self.wait_healthy(out, r.health_timeout)
+            self.wait_healthy(out, r.health_timeout)  # every server has read the key file
             return out
-        finally:
-            if key_file is not None:  # every server read it before it could answer /health
-                key_file.unlink(missing_ok=True)
 
     def _secrets(self) -> Path:
         """Where the API key file goes: ``secrets_dir``, or on a single node a private temporary one."""
