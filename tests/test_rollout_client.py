@@ -3,7 +3,6 @@
 import asyncio
 import json
 import random
-import time
 import urllib.request
 
 import pytest
@@ -235,9 +234,7 @@ def test_200_concurrent_with_random_pauses_and_updates(engines, dirs):
             await _reset(c, paths[0])
             return results, in_flight
 
-    t0 = time.monotonic()
     results, in_flight = _run(run(), timeout=90)
-    assert time.monotonic() - t0 < 90
     assert sorted(r.rid for r in results) == sorted(s[0] for s in specs)  # each exactly once
     assert in_flight == [0, 0]
     interrupted = 0
