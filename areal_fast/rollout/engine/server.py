@@ -14,6 +14,7 @@ decode steps on the scheduler thread. Rendezvous and broadcast receives run in t
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -201,7 +202,8 @@ class EngineServer:
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
         if (self.api_key and not request.path.startswith(_AUTH_EXEMPT_PREFIXES)
-                and request.headers.get("Authorization") != f"Bearer {self.api_key}"):
+                and not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
+                                            f"Bearer {self.api_key}".encode())):  # constant time
             return web.json_response({"error": "Unauthorized"}, status=401)
         try:
             return await handler(request)
