@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import bench_controller_scale as scale  # noqa: E402
 import sim_sglang as sim  # noqa: E402
+from _shared import wait_until  # noqa: E402, I001
 
 from areal_fast.rollout.client import RolloutClient  # noqa: E402
 
@@ -35,16 +36,6 @@ async def _update_all(session, urls, version: int) -> None:
         async with session.post(u + "/update_weights_from_disk",
                                 json={"model_path": "sim", "weight_version": str(version)}) as r:
             assert r.status == 200, await r.text()
-
-
-async def _wait_for(cond, what: str, limit_s: float = 60.0) -> None:
-    """Poll a condition the test controls the cause of (generation making progress)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit_s
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError(f"waited {limit_s}s for {what}")
-        await asyncio.sleep(0.005)
 
 
 def test_answer_length_and_logprob_codec():
@@ -83,7 +74,7 @@ async def _run_exact(modes):
             for k, mode in enumerate(modes):
                 # every request admitted and at least 5*(k+1) ticks decoded since the last pause
                 mark = [s.ticks() for s in cluster.servers]
-                await _wait_for(lambda m=mark: all(s.ticks() >= p + 5 for s, p in zip(cluster.servers, m)),
+                await wait_until(lambda m=mark: all(s.ticks() >= p + 5 for s, p in zip(cluster.servers, m)),
                                 f"progress before pause {k}")
                 aborted_before = cluster.aborted_answers
                 await client.pause_all(mode)
@@ -115,7 +106,7 @@ def test_flush_refused_after_in_place_update_with_running_requests():
             async with RolloutClient(cluster.urls) as client, aiohttp.ClientSession() as session:
                 assert sim.answer_length(RID, _cfg()) > 100  # still running at the pause below
                 task = asyncio.create_task(client.generate([5, 6, 7], {"max_new_tokens": MAX_NEW}, rid=RID))
-                await _wait_for(lambda: cluster.servers[0].ticks() >= 3, "progress")
+                await wait_until(lambda: cluster.servers[0].ticks() >= 3, "progress")
                 await client.pause_all("in_place")
                 async with session.post(cluster.urls[0] + "/update_weights_from_disk",
                                         json={"weight_version": "1", "flush_cache": True}) as r:

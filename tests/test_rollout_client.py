@@ -6,6 +6,7 @@ import random
 import urllib.request
 
 import pytest
+from _shared import engine_twins
 from tolerances import ENGINE_LOGPROB_ATOL
 
 from areal_fast.rollout.client import (
@@ -311,23 +312,9 @@ def test_version_adaptation_and_5xx_failover_with_fake_servers():
 
 
 # ---------------------------------------------------------------------------- against the SGLang twin
-HEALTH_TIMEOUT_S = 1.0  # the twin's probe timeout (SGLang: 20 s), so a paused twin answers 503 in 1 s
-
-
 @pytest.fixture(scope="module")
 def twins(dirs):
-    made: dict[str, object] = {}
-
-    def get(version: str, **options):
-        key = version + repr(sorted(options.items()))
-        if key not in made:
-            made[key] = start_engine_in_thread(dirs[0][0], sglang_version=version,
-                                               health_check_timeout_s=HEALTH_TIMEOUT_S, **options)
-        return made[key]
-
-    yield get
-    for h in made.values():
-        h.stop()
+    yield from engine_twins(dirs[0][0])
 
 
 async def _until_running(engine, n_tokens: int, count: int = 1) -> None:

@@ -17,6 +17,7 @@ from packaging.version import Version
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import sim_sglang as sim  # noqa: E402
+from _shared import wait_until  # noqa: E402, I001
 
 from areal_fast.rollout.answer import AnswerError, parse_generate, token_versions, tune_gc  # noqa: E402
 from areal_fast.rollout.client import RolloutClient, auto_pause_mode  # noqa: E402
@@ -100,16 +101,6 @@ def _cfg(version: str) -> sim.SimConfig:
                          prefill_tokens_per_s=1e6, max_running=16, vocab_size=5000, seed=5, sglang_version=version)
 
 
-async def _wait_for(cond, what: str, limit_s: float = 60.0) -> None:
-    """Poll a condition whose cause the test controls (generation making progress)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit_s
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError(f"waited {limit_s}s for {what}")
-        await asyncio.sleep(0.005)
-
-
 @pytest.mark.parametrize("pause_mode", ["auto", "abort"])
 def test_mixed_pool_exact_across_pauses(pause_mode):
     """One 0.5.8 server (no spans: auto aborts) and two 0.5.23 servers (auto retracts): every request
@@ -128,7 +119,7 @@ async def _mixed(pause_mode: str) -> None:
                                                          rid=r)) for r in rids]
             for version in (1, 2):
                 mark = [s.ticks() for s in servers]
-                await _wait_for(lambda m=mark: all(s.ticks() >= p + 5 for s, p in zip(servers, m)), "progress")
+                await wait_until(lambda m=mark: all(s.ticks() >= p + 5 for s, p in zip(servers, m)), "progress")
                 aborted = (old.aborted_answers, new.aborted_answers)
                 await client.pause_all()
                 want = {"auto": ["abort", "retract", "retract"], "abort": ["abort"] * 3}[pause_mode]
@@ -170,7 +161,7 @@ def test_large_pool_two_choices_exact():
                 rids = [f"p{i}" for i in range(8 * len(cl.urls))]
                 tasks = [asyncio.create_task(client.generate([3] * PROMPT_LEN, {"max_new_tokens": MAX_NEW}, rid=r))
                          for r in rids]
-                await _wait_for(lambda: all(s.running for s in cl.servers), "every server busy")
+                await wait_until(lambda: all(s.running for s in cl.servers), "every server busy")
                 await client.pause_all()
                 await client.continue_all()
                 results = await asyncio.gather(*tasks)

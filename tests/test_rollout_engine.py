@@ -10,6 +10,7 @@ import urllib.request
 import aiohttp
 import pytest
 import torch
+from _shared import engine_twins
 from tolerances import ENGINE_LOGPROB_ATOL, SAMPLED_FREQ_40K_ATOL
 
 from areal_fast.rollout.engine import start_engine_in_thread
@@ -338,23 +339,9 @@ def test_model_failure_is_a_500_and_the_engine_keeps_serving(engine):
 
 # ---------------------------------------------------------------------------- the strict SGLang twin
 # One engine per SGLang version mode, shared by the tests below (a tiny model starts in ~1 s).
-HEALTH_TIMEOUT_S = 1.0  # SGLang's probe waits 20 s; 1 s keeps the pause-health test short
-
-
 @pytest.fixture(scope="module")
 def twins(model_dir):
-    made: dict[str, object] = {}
-
-    def get(version: str, **options):
-        key = version + repr(sorted(options.items()))
-        if key not in made:
-            made[key] = start_engine_in_thread(model_dir, sglang_version=version,
-                                               health_check_timeout_s=HEALTH_TIMEOUT_S, **options)
-        return made[key]
-
-    yield get
-    for h in made.values():
-        h.stop()
+    yield from engine_twins(model_dir)
 
 
 async def _post_async(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, object]:
