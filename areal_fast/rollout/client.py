@@ -65,6 +65,7 @@ from areal_fast.rollout.answer import (
     version_to_int,  # noqa: F401 - part of this module's API (tests, callers)
 )
 from areal_fast.rollout.engine.compat import SGLANG_SAMPLING_KEYS
+from areal_fast.rollout.http import KEEPALIVE_S, ConnectionPool
 
 API_KEY_ENV = "AREAL_FAST_API_KEY"
 V_PAUSE_MODE = Version("0.5.6")  # pause_generation accepts {"mode": ...}
@@ -77,8 +78,9 @@ RID_SEP = "|"
 HEALTH_PROBE_TIMEOUT_S = 25.0
 # SGLang's HTTP server (uvicorn) closes a kept-alive connection idle for 5 s; aiohttp keeps one
 # 15 s by default, so a request could be written into a connection the server was closing (an
-# error that marks a healthy server down). Close ours first.
-KEEPALIVE_S = 4.0
+# error that marks a healthy server down). Ours are closed first (KEEPALIVE_S, 4 s: rollout.http).
+HTTP_ENV = "AREAL_FAST_ROLLOUT_HTTP"  # "native" (default) or "aiohttp": who carries POST /generate
+HTTP_CHOICES = ("native", "aiohttp")
 PICK_SCAN_MAX = 16  # up to this many servers a new request goes to the least loaded of all
 _CALLER_500 = ("TypeError", "unexpected keyword argument")
 
@@ -159,6 +161,7 @@ class ServerState:
     weight_version: str | None = None  # the latest current version seen (answers, /model_info)
     in_flight: int = 0
     down_until: float = 0.0
+    pool: ConnectionPool | None = field(default=None, repr=False)  # POST /generate (http: "native")
 
 
 @dataclass(frozen=True)
@@ -181,9 +184,13 @@ class RolloutClient:
     def __init__(self, urls: list[str], *, api_key: str | None = None, request_timeout_s: float = 3600.0,
                  connect_timeout_s: float = 10.0, control_timeout_s: float = 600.0, max_attempts: int = 6,
                  retry_backoff_s: float = 0.2, down_cooldown_s: float = 5.0, max_segments: int = 10_000,
-                 pause_mode: str = "auto", gc_tuning: bool = True):
+                 pause_mode: str = "auto", gc_tuning: bool = True, http: str | None = None):
         if not urls:
             raise ValueError("RolloutClient needs at least one server url")
+        http = http or os.environ.get(HTTP_ENV) or "native"
+        if http not in HTTP_CHOICES:
+            raise ValueError(f"http (or ${HTTP_ENV}) must be one of {HTTP_CHOICES}, got {http!r}")
+        self.http = http
         if pause_mode not in PAUSE_MODE_CHOICES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODE_CHOICES}, got {pause_mode!r}")
         self.default_pause_mode = pause_mode
@@ -192,6 +199,7 @@ class RolloutClient:
         self._by_url = {s.url: s for s in self.servers}
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self.request_timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+        self.request_timeout_s = request_timeout_s
         self.control_timeout = aiohttp.ClientTimeout(total=control_timeout_s, sock_connect=connect_timeout_s)
         self.connect_timeout_s = connect_timeout_s
         self.max_attempts, self.retry_backoff_s = max_attempts, retry_backoff_s
@@ -229,6 +237,8 @@ class RolloutClient:
             # servers); a connect took ~0.2 ms in the profile, a few hundred per step
             self._control_session = aiohttp.ClientSession(
                 headers=headers, connector=aiohttp.TCPConnector(limit=0, force_close=True))
+            for s in self.servers:
+                self._open_pool(s)
         infos = await asyncio.gather(*(self._read_info(s) for s in self.servers), return_exceptions=True)
         refused = [i for i in infos if isinstance(i, RequestError)]
         if refused:  # e.g. 401: a wrong or missing api key is the caller's bug, not a down server
@@ -241,7 +251,17 @@ class RolloutClient:
         if self.gc_tuning:  # the process's start-up objects are frozen, young collections made rarer
             tune_gc()
 
+    def _open_pool(self, server: ServerState) -> None:
+        """POST /generate of ``server`` goes through our own HTTP client (``areal_fast.rollout.http``)
+        for http:// servers; https:// ones (and ``http="aiohttp"``) use the aiohttp session."""
+        if self.http == "native" and server.pool is None and server.url.startswith("http://"):
+            server.pool = ConnectionPool(server.url, api_key=self.api_key, connect_timeout_s=self.connect_timeout_s)
+
     async def close(self) -> None:
+        for s in self.servers:
+            if s.pool is not None:
+                s.pool.close()
+                s.pool = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -320,6 +340,24 @@ class RolloutClient:
             raise ServerError(server.url + path, status, data)
         return data
 
+    async def _post_generate(self, server: ServerState, body: dict, parse):
+        """POST /generate: the parsed answer, else RequestError / ServerError, or a connection error
+        (``ConnectionError``, ``aiohttp.ClientError``) or ``TimeoutError`` from the transport. The
+        same status rules as :meth:`_call`; only the transport differs."""
+        pool = server.pool
+        if pool is None:
+            return await self._call(server, "POST", "/generate", body, timeout=self.request_timeout, parse=parse)
+        resp = await pool.post("/generate", dumps(body), self.request_timeout_s)
+        status, ctype = resp.status, resp.content_type
+        if status < 300 and "json" in ctype:
+            return parse(resp.body)
+        data = _decode(bytes(resp.body), ctype)
+        if status >= 400:
+            if is_caller_error(status, data, server.version if server.info else None):
+                raise RequestError(server.url + "/generate", status, data)
+            raise ServerError(server.url + "/generate", status, data)
+        return data
+
     # ------------------------------------------------------------------ pool membership
     def remove_server(self, url: str) -> bool:
         """Drop ``url`` from the pool; requests in flight there fail over to the others. False if unknown."""
@@ -328,8 +366,10 @@ class RolloutClient:
             return False
         if len(self.servers) == 1:
             raise RolloutError(f"cannot remove {url}: it is the last server of the pool")
+        gone = self._by_url.pop(url)
+        if gone.pool is not None:  # requests in flight there finish (or fail over); idle ones go now
+            gone.pool.close_idle()
         self.servers = [s for s in self.servers if s.url != url]
-        del self._by_url[url]
         for rid in [r for r, u in self._affinity.items() if u == url]:
             del self._affinity[rid]
         return True
@@ -340,6 +380,8 @@ class RolloutClient:
         if server.url in self._by_url:
             return
         await self._read_info(server)
+        if self._session is not None:
+            self._open_pool(server)
         self.servers.append(server)
         self._by_url[server.url] = server
 
@@ -405,8 +447,8 @@ class RolloutClient:
             try:
                 where = f"{server.url}/generate (rid {seg_rid!r})"
                 try:
-                    data = await self._call(server, "POST", "/generate", {**payload, "rid": seg_rid},
-                                            timeout=self.request_timeout, parse=partial(parse_generate, where=where))
+                    data = await self._post_generate(server, {**payload, "rid": seg_rid},
+                                                     partial(parse_generate, where=where))
                 except AnswerError as e:
                     raise RolloutError(str(e)) from None
                 if not isinstance(data, Segment):  # a 2xx that was not JSON

@@ -1,0 +1,380 @@
+"""A small HTTP/1.1 client for the rollout hot path: ``POST /generate`` on kept-alive connections.
+
+At 16k requests in flight the controller receives thousands of answers a second, and aiohttp's
+per-request machinery (URL objects, header multidicts, its response parser and stream reader,
+timers and context managers) cost more CPU than decoding the answers (aiohttp and yarl: 24% of the
+controller's CPU in a cProfile at 64 servers, orjson and the answer parser 8%). A request here is
+one pre-encoded head (request line, Host, Content-Type, Authorization when there is a key), the
+Content-Length and the JSON body, written in one ``transport.write``; the answer is parsed by an
+``asyncio.Protocol`` (status line, the four headers that matter, then a Content-Length body, a
+chunked body, or a body up to the connection's end) and handed on as bytes. Other calls (pause,
+continue, abort, info: a few per step) stay on aiohttp.
+
+One :class:`ConnectionPool` per server keeps idle connections for reuse, newest first.
+
+**No request is ever sent twice by this module.** A request goes out once; any failure after its
+first byte is written (reset, end of stream before the full answer, timeout) is raised to the
+caller, which decides what to do (the rollout client fails over to another server, as for a server
+that died). The pool never retries. What makes writing into a connection that its server closed
+while idle unlikely is the rule for taking an idle connection, checked just before writing:
+- the connection has not ended (the protocol's end-of-stream callback drops it at once);
+- it has been idle less than ``keepalive_s`` (4 s; SGLang's HTTP server, uvicorn, closes a
+  connection idle for 5 s, and our clock starts later than the server's);
+- a non-blocking ``MSG_PEEK`` on its socket finds nothing to read: a server's FIN (or any
+  unsolicited bytes, or a reset) that reached this host but not yet the event loop's callbacks
+  shows here (the loop may run many callbacks before it reads a closed socket).
+Only a close that is still on the wire while the request is written can get past these checks;
+that request fails (it is not retried here) like one sent to a server that died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections import deque
+from urllib.parse import urlsplit
+
+KEEPALIVE_S = 4.0  # below SGLang's (uvicorn's) 5 s keep-alive timeout
+MAX_HEAD_BYTES = 64 * 1024  # a status line and headers longer than this are not an HTTP answer
+_PEEK_FLAGS = socket.MSG_PEEK | socket.MSG_DONTWAIT
+
+
+class HttpError(ConnectionError):
+    """The connection failed or the answer was not HTTP/1.x; the message names the server and path."""
+
+
+class Response:
+    """A complete answer: ``status``, ``content_type`` and ``body`` (bytes or a memoryview of them)."""
+
+    __slots__ = ("status", "content_type", "body")
+
+    def __init__(self, status: int, content_type: str, body):
+        self.status, self.content_type, self.body = status, content_type, body
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection: writes a request, parses one answer at a time (no pipelining)."""
+
+    def __init__(self, pool: ConnectionPool, sock: socket.socket):
+        self.pool, self.sock = pool, sock
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.requests = 0  # answers received on this connection
+        self._waiter: asyncio.Future | None = None
+        self._where = ""
+        self._buf = bytearray()
+        self._reset_parser()
+
+    def _reset_parser(self) -> None:
+        self._status = 0  # 0: head not parsed yet
+        self._ctype = ""
+        self._length = -1  # Content-Length; -1: chunked or until the end of the connection
+        self._chunked = False
+        self._keep_alive = True
+        self._body_at = 0  # offset of the body in _buf
+        self._chunk_pos = 0  # chunked: offset of the next chunk-size line
+        self._chunks: bytearray | None = None
+        self._scan_from = 0
+
+    # ---------------------------------------------------------------- asyncio callbacks
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self._waiter is None:  # bytes while idle (e.g. a server's 408 before it closes): unusable
+            self._fail(None)
+            return
+        self._buf += data
+        try:
+            self._parse()
+        except HttpError as e:
+            self._fail(e)
+
+    def eof_received(self):
+        if self._waiter is not None and self._status and not self._chunked and self._length < 0:
+            self._finish(bytes(memoryview(self._buf)[self._body_at:]), keep_alive=False)  # body ran to the end
+        self._fail(HttpError(f"{self._where}: the server closed the connection before the answer ended"))
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.pool._forget(self)
+        if self._waiter is not None and not self._waiter.done():
+            why = f"{type(exc).__name__}: {exc}" if exc else "connection closed"
+            self._waiter.set_exception(HttpError(f"{self._where}: {why} before the answer ended"))
+        self._waiter = None
+
+    # ---------------------------------------------------------------- parsing
+    def _parse(self) -> None:
+        buf = self._buf
+        while not self._status:
+            end = buf.find(b"\r\n\r\n", self._scan_from)
+            if end < 0:
+                if len(buf) > MAX_HEAD_BYTES:
+                    raise HttpError(f"{self._where}: no end of the HTTP head in {len(buf)} bytes")
+                self._scan_from = max(0, len(buf) - 3)
+                return
+            self._read_head(bytes(buf[:end]))
+            if 100 <= self._status < 200:  # an interim answer (100 Continue): the real one follows
+                del buf[:end + 4]
+                self._reset_parser()
+                continue
+            self._body_at = end + 4
+            self._chunk_pos = end + 4
+        if self._chunked:
+            self._parse_chunks()
+        elif self._length >= 0 and len(buf) - self._body_at >= self._length:
+            if len(buf) - self._body_at > self._length:
+                raise HttpError(f"{self._where}: {len(buf) - self._body_at - self._length} bytes after the answer")
+            self._finish(memoryview(buf)[self._body_at:], self._keep_alive)
+
+    def _read_head(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+            raise HttpError(f"{self._where}: not an HTTP/1.x status line: {lines[0][:100]!r}")
+        self._status = int(parts[1])
+        keep_alive = parts[0] != b"HTTP/1.0"  # HTTP/1.0 closes unless it says keep-alive
+        length = -1
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if not sep:
+                raise HttpError(f"{self._where}: malformed header line {line[:100]!r}")
+            name = name.strip().lower()
+            if name == b"content-length":
+                value = value.strip()
+                if not value.isdigit():
+                    raise HttpError(f"{self._where}: bad Content-Length {value[:40]!r}")
+                length = int(value)
+            elif name == b"content-type":
+                self._ctype = value.strip().decode("latin-1")
+            elif name == b"transfer-encoding":
+                self._chunked = b"chunked" in value.lower()
+            elif name == b"connection":
+                v = value.strip().lower()
+                keep_alive = v != b"close" and (keep_alive or v == b"keep-alive")
+        if self._status in (204, 304):
+            length = 0
+        if self._chunked:
+            length = -1
+        elif length < 0:
+            keep_alive = False  # the body is everything up to the end of the connection
+        self._length, self._keep_alive = length, keep_alive
+
+    def _parse_chunks(self) -> None:
+        buf = self._buf
+        if self._chunks is None:
+            self._chunks = bytearray()
+        while True:
+            eol = buf.find(b"\r\n", self._chunk_pos)
+            if eol < 0:
+                return
+            size_text = bytes(buf[self._chunk_pos:eol]).split(b";", 1)[0].strip()
+            try:
+                size = int(size_text, 16)
+            except ValueError:
+                raise HttpError(f"{self._where}: bad chunk size {size_text[:40]!r}") from None
+            if size == 0:  # last chunk, then optional trailers, then an empty line
+                if buf.find(b"\r\n\r\n", eol) < 0:
+                    return
+                self._finish(bytes(self._chunks), self._keep_alive)
+                return
+            start = eol + 2
+            if len(buf) < start + size + 2:
+                return
+            if buf[start + size:start + size + 2] != b"\r\n":
+                raise HttpError(f"{self._where}: chunk of {size} bytes not followed by CRLF")
+            self._chunks += buf[start:start + size]
+            self._chunk_pos = start + size + 2
+
+    def _finish(self, body, keep_alive: bool) -> None:
+        waiter, self._waiter = self._waiter, None
+        self.requests += 1
+        if not keep_alive:
+            self._close()
+        if waiter is not None and not waiter.done():
+            waiter.set_result(Response(self._status, self._ctype, body))
+
+    def _fail(self, exc: Exception | None) -> None:
+        waiter, self._waiter = self._waiter, None
+        self._close()
+        if waiter is not None and not waiter.done() and exc is not None:
+            waiter.set_exception(exc)
+
+    def _close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        """Drop the connection now (a cancelled or timed-out request must not leave it reusable)."""
+        self.closed = True
+        self._waiter = None
+        if self.transport is not None:
+            self.transport.abort()
+
+    # ---------------------------------------------------------------- one request
+    def start(self, waiter: asyncio.Future, where: str, data: bytes) -> None:
+        self._waiter, self._where = waiter, where
+        self._buf = bytearray()
+        self._reset_parser()
+        self.transport.write(data)
+
+    def reusable(self, now: float, keepalive_s: float) -> bool:
+        """The rule of the module docstring, checked just before a request is written."""
+        if self.closed or not self._keep_alive or now - self.idle_since >= keepalive_s:
+            return False
+        try:
+            self.sock.recv(1, _PEEK_FLAGS)  # b"" (the server's FIN) or unsolicited bytes: not reusable
+            return False
+        except BlockingIOError:
+            return True  # nothing to read: the server has not closed it
+        except OSError:
+            return False  # reset, or the socket is gone
+
+
+class ConnectionPool:
+    """Kept-alive connections to one server (``http://host:port[/prefix]``) for POST requests.
+
+    ``api_key`` adds ``Authorization: Bearer KEY`` to every request. See the module docstring for
+    when an idle connection is reused; nothing is ever retried here."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, connect_timeout_s: float = 10.0,
+                 keepalive_s: float = KEEPALIVE_S):
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"{url}: ConnectionPool speaks plain http://host:port only")
+        self.url = url.rstrip("/")
+        self.host, self.port = parts.hostname, parts.port or 80
+        self._prefix = parts.path.rstrip("/")
+        self._literal = _ip_literal(self.host, self.port)  # no resolver round trip for an IP address
+        self._netloc = parts.netloc
+        self._auth = f"Authorization: Bearer {api_key}\r\n".encode("latin-1") if api_key else b""
+        self.connect_timeout_s, self.keepalive_s = connect_timeout_s, keepalive_s
+        self._idle: deque[_Connection] = deque()
+        self._open: set[_Connection] = set()
+        self._heads: dict[str, bytes] = {}
+        self.connects = 0  # connections opened (tests and benchmarks read it)
+        self.closed = False
+
+    def _head(self, path: str) -> bytes:
+        head = self._heads.get(path)
+        if head is None:
+            head = (f"POST {self._prefix}{path} HTTP/1.1\r\nHost: {self._netloc}\r\n"
+                    "Content-Type: application/json\r\nAccept: application/json\r\n").encode("latin-1")
+            head = self._heads[path] = head + self._auth + b"Content-Length: "
+        return head
+
+    async def post(self, path: str, body: bytes, timeout_s: float) -> Response:
+        """POST ``body`` (JSON bytes) to ``path``; the complete answer, whatever its status.
+        Raises :class:`HttpError` (a ``ConnectionError``) or ``TimeoutError`` (``timeout_s`` for
+        the whole call, connect included); never sends the request twice."""
+        loop = asyncio.get_running_loop()
+        where = self.url + path
+        t0 = loop.time()
+        conn = self._take_idle()
+        if conn is None:
+            conn = await self._connect(loop, where, min(self.connect_timeout_s, timeout_s))
+        waiter = loop.create_future()
+        timer = loop.call_at(t0 + timeout_s, _expire, waiter, where, timeout_s)
+        try:
+            conn.start(waiter, where, b"".join((self._head(path), b"%d\r\n\r\n" % len(body), body)))
+            resp = await waiter
+        except BaseException:  # timeout, cancellation, broken connection: it is never reused
+            conn.abort()
+            self._forget(conn)
+            raise
+        finally:
+            timer.cancel()
+        if not conn.closed and not self.closed:
+            conn.idle_since = time.monotonic()
+            self._idle.append(conn)
+            self._trim(conn.idle_since)
+        return resp
+
+    def _take_idle(self) -> _Connection | None:
+        idle, now = self._idle, time.monotonic()
+        while idle:
+            conn = idle.pop()  # newest first: the least likely to have been closed
+            if conn.reusable(now, self.keepalive_s):
+                return conn
+            conn.abort()
+            self._forget(conn)
+        return None
+
+    def _trim(self, now: float) -> None:
+        """Close the oldest idle connections once they pass ``keepalive_s`` (before the server does)."""
+        idle = self._idle
+        while idle and (idle[0].closed or now - idle[0].idle_since >= self.keepalive_s):
+            conn = idle.popleft()
+            conn.abort()
+            self._forget(conn)
+
+    async def _connect(self, loop, where: str, timeout_s: float) -> _Connection:
+        try:
+            async with asyncio.timeout(timeout_s):
+                infos = self._literal or await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+                last: OSError | None = None
+                for family, type_, proto, _, addr in infos:
+                    sock = socket.socket(family, type_, proto)
+                    try:
+                        sock.setblocking(False)
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                        await loop.sock_connect(sock, addr)
+                        conn = _Connection(self, sock)
+                        await loop.create_connection(lambda c=conn: c, sock=sock)
+                    except OSError as e:
+                        sock.close()
+                        last = e
+                        continue
+                    except BaseException:
+                        sock.close()
+                        raise
+                    self.connects += 1
+                    self._open.add(conn)
+                    return conn
+                if last is None:
+                    raise HttpError(f"{where}: {self.host} resolved to no address")
+                raise HttpError(f"{where}: cannot connect: {type(last).__name__}: {last}") from last
+        except TimeoutError:
+            raise TimeoutError(f"{where}: no connection within {timeout_s}s") from None
+
+    def _forget(self, conn: _Connection) -> None:
+        self._open.discard(conn)
+
+    def idle_count(self) -> int:
+        return sum(not c.closed for c in self._idle)
+
+    def close_idle(self) -> None:
+        """Close the idle connections (busy ones finish their request, then close)."""
+        while self._idle:
+            conn = self._idle.pop()
+            conn.abort()
+            self._forget(conn)
+
+    def close(self) -> None:
+        """Close every connection, idle or busy (a busy request then fails with HttpError)."""
+        self.closed = True
+        for conn in list(self._open):
+            conn.abort()
+        self._open.clear()
+        self._idle.clear()
+
+
+def _ip_literal(host: str, port: int) -> list | None:
+    """getaddrinfo's answer for an IP address, without asking the resolver; None for a name."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        addr = (host, port) if family == socket.AF_INET else (host, port, 0, 0)
+        return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", addr)]
+    return None
+
+
+def _expire(waiter: asyncio.Future, where: str, timeout_s: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError(f"{where}: no complete answer within {timeout_s}s"))
