@@ -46,6 +46,7 @@ from common import add_harness_args, print_table, provenance, save  # noqa: E402
 from areal_fast.controller import Controller, ControllerSettings, Generation  # noqa: E402
 from areal_fast.launch.runtime import ClientRollout  # noqa: E402
 from areal_fast.rollout.client import RolloutClient  # noqa: E402
+from areal_fast.rollout.loop import event_loop_choice, run_event_loop  # noqa: E402
 from areal_fast.rollout.staleness import StalenessManager  # noqa: E402
 
 TICK_S = 0.01  # loop-lag ticker period: fine enough to see 10 ms stalls, ~100 wakeups/s of CPU
@@ -379,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--note", default="", help="stored in each row (e.g. which code was measured)")
     ap.add_argument("--profile", action="store_true", help="cProfile the controller process; print the top 25")
+    ap.add_argument("--loop", choices=("asyncio", "uvloop"), default=None,
+                    help="the controller's event loop (default: production's choice, uvloop where installed)")
     add_harness_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
@@ -408,7 +411,8 @@ def main(argv: list[str] | None = None) -> None:
 
                 prof = cProfile.Profile()
                 prof.enable()
-            row = asyncio.run(run_controller(spec, cfg, proc.urls))
+            row = run_event_loop(run_controller(spec, cfg, proc.urls), args.loop)
+            row["event_loop"] = event_loop_choice(args.loop)
             if prof is not None:
                 import pstats
 

@@ -112,7 +112,9 @@ def run_rank(cfg, *, progress: bool = False, say=None) -> dict:
 
         follower_loop(PPOActor(trainer_config(cfg, cfg.model.path)))
         return {}
-    summary = asyncio.run(_rank0(cfg, os.environ.get(API_KEY_ENV), say, progress))
+    from areal_fast.rollout.loop import run_event_loop  # uvloop where installed (AREAL_FAST_EVENT_LOOP)
+
+    summary = run_event_loop(_rank0(cfg, os.environ.get(API_KEY_ENV), say, progress))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
