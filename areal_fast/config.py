@@ -134,6 +134,9 @@ class SyntheticTaskConfig:
             raise ValueError(f"n_eval: must be >= 0, got {self.n_eval!r}")
 
 
+WARM_START_LR_SCHEDULES = ("constant", "linear")
+
+
 @dataclass(kw_only=True, slots=True)
 class WarmStartConfig:
     """Build a tiny Qwen2 from a config and fine-tune it briefly on the synthetic task (supervised),
@@ -147,6 +150,17 @@ class WarmStartConfig:
     """Sequences per supervised step."""
     lr: float = 3e-3
     """AdamW learning rate of the warm start."""
+    lr_schedule: str = "constant"
+    """'constant', or 'linear' (decay from ``lr`` to 0 over ``steps``: the model ends settled, so a
+    later RL run at a small learning rate does not improve it merely by annealing it)."""
+    mistake_fraction: float = 0.0
+    """Imperfect demonstrations: this fraction (in [0, 1)) of the supervised examples whose string has
+    at least ``mistake_min_len`` characters carry a systematic mistake, their answer's last character
+    dropped (as truncated answers in real fine-tuning data). The warm-started policy then often
+    samples the right answer but often decodes the truncated one greedily; RL with the reward turns
+    the first into the second. 0 = clean demonstrations."""
+    mistake_min_len: int = 1
+    """Shortest string whose demonstrations may carry the mistake (>= 1)."""
     hidden_size: int = 128
     """Qwen2 hidden size."""
     intermediate_size: int = 256
@@ -167,6 +181,12 @@ class WarmStartConfig:
                 raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)!r}")
         if not self.lr > 0:
             raise ValueError(f"lr: must be > 0, got {self.lr!r}")
+        if self.lr_schedule not in WARM_START_LR_SCHEDULES:
+            raise ValueError(f"lr_schedule: must be one of {WARM_START_LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if not 0 <= self.mistake_fraction < 1:  # at 1 the right answer is never shown: nothing for RL to find
+            raise ValueError(f"mistake_fraction: must be in [0, 1), got {self.mistake_fraction!r}")
+        if self.mistake_min_len < 1:
+            raise ValueError(f"mistake_min_len: must be >= 1, got {self.mistake_min_len!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size: must be a multiple of num_attention_heads ({self.num_attention_heads}), "
                              f"got {self.hidden_size}")
@@ -297,6 +317,9 @@ class RolloutConfig:
     """Keyword arguments passed to every call of the workflow (e.g. a turn budget)."""
     tool_timeout: float = 10.0
     """Seconds per tool call of a workflow; a tool that takes longer is killed (counted as tool/timeout)."""
+    client_processes: int = 1
+    """Processes of the rollout client: 1 = the client runs in the controller's process; N > 1 = N worker
+    processes, each with its own client over a disjoint share of the servers (``docs/scale.md``)."""
 
     def __post_init__(self):
         if not re.match(r"^[\w.]+:[\w.]+$", self.workflow or ""):
@@ -331,6 +354,10 @@ class RolloutConfig:
         if self.pause_mode not in ("auto", "retract", "abort"):
             raise ValueError(f"pause_mode: must be 'auto', 'retract' or 'abort', got {self.pause_mode!r}")
         _positive_seconds("health_timeout", self.health_timeout)
+        n = len(self.servers) or self.n_servers
+        if not isinstance(self.client_processes, int) or not 1 <= self.client_processes <= max(n, 1):
+            raise ValueError(f"client_processes: must be >= 1 and <= the number of servers ({n}), "
+                             f"got {self.client_processes!r}")
         if self.gpus and not self.servers and len(self.gpus) != self.n_servers:
             raise ValueError(f"gpus: one entry per server expected ({self.n_servers}), got {self.gpus!r}")
         for i, g in enumerate(self.gpus):

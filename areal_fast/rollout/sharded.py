@@ -1,0 +1,585 @@
+"""The rollout client sharded across worker processes, for when one core cannot carry the answers.
+
+    rollout = ShardedRollout(urls, 2, api_key=key, pause_mode="auto")   # RolloutClient's options
+    async with rollout:                  # spawns the workers, each reads /server_info of its servers
+        gen = await rollout.generate(prompt_ids, {"max_new_tokens": 256}, rid="q1-s0")
+        gen.output_ids, gen.behav_logprobs, gen.versions       # array.array columns
+        await rollout.pause(); ...; await rollout.resume()
+
+Layout (``docs/scale.md``)::
+
+    controller process (asyncio)                       worker k (spawned, own asyncio loop)
+    +----------------------------+   unix socket   +--------------------------------------+
+    | ShardedRollout.generate ---+-- req frames -->| RolloutClient over urls[k::N]        |
+    |   future per rid  <--------+-- answer frames-| (retries, failover, stitching, pause |
+    | pause/resume: broadcast,   |   (batched per  |  modes: all of RolloutClient)        |
+    |   wait for every ack       |   loop turn)    |                                      |
+    +----------------------------+                 +--------------------------------------+
+
+Each worker owns a disjoint subset of the servers (``urls[k::N]``) and runs an ordinary
+``RolloutClient`` over it, with every option passed through unchanged (api key, timeouts, pause
+mode). The controller keeps no HTTP, JSON or per-token Python object: an answer crosses the socket
+as the raw bytes of its ``array`` columns (4-byte ids and versions, 8-byte log-probs) and becomes
+``array.array`` columns of a :class:`~areal_fast.controller.Generation` again. Frames are a 4-byte
+length and a pickle (protocol 5, bytes fields only: no per-token objects); requests and answers
+made in one turn of a loop travel in one frame.
+
+Routing: a new request goes to the live worker with the fewest requests outstanding per server
+it owns. ``pause``/``resume``/``health`` go to every worker (or the owner of a url) and return when
+every worker acknowledged. Dead servers are handled as ``ClientRollout`` does (``is_dead``, then
+``remove_server`` on the worker that owns the url).
+
+A worker that dies (its socket reaches end of file) is logged as an error naming it (index, pid,
+exit code, servers), its servers leave the pool, and the requests it had in flight are sent again,
+from their start, to the other workers; an answer for a rid that is not outstanding at the worker
+that sent it is dropped and counted (``stats["duplicates_dropped"]``), so nothing is lost or
+answered twice. With no worker left every waiting call raises :class:`WorkerDied`.
+
+Workers end with the controller: ``close()`` asks them to stop and reaps them (terminate, then
+kill after a grace period); a worker also exits when its socket closes and is killed by the kernel
+when the controller process dies (``PR_SET_PDEATHSIG``), so none is ever orphaned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copyreg
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import struct
+import tempfile
+import time
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from areal_fast.controller import Generation
+from areal_fast.launch.runtime import ClientRollout
+from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY, tune_gc
+from areal_fast.rollout.client import API_KEY_ENV, RequestError, RolloutClient, RolloutError, ServerError
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("<I")  # frame length; a frame holds one pickle
+_PICKLE = 5
+START_TIMEOUT_S = 120.0  # spawn + imports + /server_info of every server, on a loaded 2-core machine
+_POLL_S = 0.02  # how often a waiting call looks whether a worker process ended
+CLOSE_GRACE_S = 10.0  # a closing worker gets this long to end its HTTP sessions before SIGTERM/SIGKILL
+
+
+class WorkerDied(RolloutError):
+    """A rollout worker process ended without being asked to (the message names it)."""
+
+
+# ----------------------------------------------------------------------------- framing
+
+
+def _frame(obj) -> list[bytes]:
+    body = pickle.dumps(obj, protocol=_PICKLE)
+    return [_HEADER.pack(len(body)), body]
+
+
+async def _read_frame(reader: asyncio.StreamReader):
+    """The next object, or None at end of file."""
+    try:
+        head = await reader.readexactly(_HEADER.size)
+        return pickle.loads(await reader.readexactly(_HEADER.unpack(head)[0]))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+
+
+class _Batcher:
+    """Messages written in one turn of the loop leave in one frame (one syscall, one pickle)."""
+
+    def __init__(self, writer: asyncio.StreamWriter, tag: str):
+        self.writer, self.tag, self.items = writer, tag, []
+
+    def add(self, item) -> None:
+        if not self.items:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.items.append(item)
+
+    def flush(self) -> None:
+        items, self.items = self.items, []
+        if items and not self.writer.is_closing():
+            self.writer.writelines(_frame((self.tag, items)))
+
+
+def _column(values, typecode: str) -> bytes:
+    """The raw bytes of a column (a list or an array of ``typecode``)."""
+    if isinstance(values, array) and values.typecode == typecode:
+        return values.tobytes()
+    return array(typecode, values).tobytes()
+
+
+def _array(raw: bytes, typecode: str) -> array:
+    a = array(typecode)
+    a.frombytes(raw)
+    return a
+
+
+def _reduce_http_error(e: RequestError | ServerError):
+    return type(e), (e.url, e.status, e.body)
+
+
+# the client's errors cross to the controller as themselves (a caller can tell a 4xx from the rest)
+copyreg.pickle(RequestError, _reduce_http_error)
+copyreg.pickle(ServerError, _reduce_http_error)
+
+
+def _picklable(e: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(e, protocol=_PICKLE))
+        return e
+    except Exception:  # noqa: BLE001 - any exception that does not survive a round trip
+        return RolloutError(f"{type(e).__name__}: {e}")
+
+
+# ----------------------------------------------------------------------------- worker process
+
+
+def _worker_main(index: int, sock_path: str, urls: list[str], client_kwargs: dict) -> None:
+    """Entry point of worker ``index`` (spawned): serve requests for ``urls`` until told to close."""
+    from areal_fast.launch.base import die_with_parent
+
+    die_with_parent()  # killed by the kernel if the controller dies, even by SIGKILL
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rollout-worker-{index} %(levelname)s %(message)s")
+    asyncio.run(_serve(index, sock_path, urls, client_kwargs))
+
+
+async def _serve(index: int, sock_path: str, urls: list[str], client_kwargs: dict) -> None:
+    reader, writer = await asyncio.open_unix_connection(sock_path)
+    writer.writelines(_frame(("hello", index, os.getpid())))
+    client = RolloutClient(urls, **client_kwargs)
+    try:
+        await client.start()
+    except Exception as e:  # noqa: BLE001 - reported to the controller, which raises it
+        writer.writelines(_frame(("ready", _picklable(e))))
+        await writer.drain()
+        await client.close()
+        writer.close()
+        return
+    writer.writelines(_frame(("ready", None)))
+    out = _Batcher(writer, "ans")
+    tasks: dict[str, asyncio.Task] = {}
+
+    async def one(rid: str, ids: bytes, sampling: dict) -> None:
+        try:
+            r = await client.generate(_array(ids, TOKEN_ARRAY).tolist(), sampling, rid=rid)
+        except asyncio.CancelledError:
+            return  # the controller cancelled it: it expects no answer
+        except Exception as e:  # noqa: BLE001 - the controller's generate raises it
+            out.add((rid, _picklable(e)))
+        else:
+            out.add((rid, r.finish_reason, _column(r.output_ids, TOKEN_ARRAY),
+                     _column(r.output_logprobs, LOGPROB_ARRAY), _column(r.output_versions, TOKEN_ARRAY)))
+            del r
+        finally:
+            if tasks.get(rid) is asyncio.current_task():
+                del tasks[rid]
+
+    async def control(seq: int, op: str, arg) -> None:
+        try:
+            if op == "pause":
+                await client.pause_all(arg)
+                result = dict(client.server_pause_modes)
+            elif op == "continue":
+                await client.continue_all()
+                result = None
+            elif op == "health":
+                result = await client.health(arg)
+            elif op == "stats":
+                result = {"servers": [s.url for s in client.servers], "active": len(tasks)}
+            else:
+                raise RolloutError(f"rollout worker {index}: unknown control op {op!r}")
+            reply = ("ack", seq, True, result)
+        except Exception as e:  # noqa: BLE001 - raised on the controller's side
+            reply = ("ack", seq, False, _picklable(e))
+        out.flush()  # answers that came before the acknowledgement leave first
+        writer.writelines(_frame(reply))
+
+    try:
+        while True:
+            msg = await _read_frame(reader)
+            if msg is None or msg[0] == "close":
+                break
+            kind = msg[0]
+            if kind == "gen":
+                for rid, ids, sampling in msg[1]:
+                    tasks[rid] = asyncio.create_task(one(rid, ids, sampling))
+            elif kind == "cancel":
+                t = tasks.get(msg[1])
+                if t is not None:
+                    t.cancel()
+            elif kind == "remove":  # in order with the frames around it (a retried pause comes after)
+                try:
+                    client.remove_server(msg[1])
+                except RolloutError as e:
+                    log.warning("%s", e)
+            elif kind == "ctl":
+                asyncio.create_task(control(*msg[1:]))
+    finally:
+        for t in list(tasks.values()):
+            t.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        await client.close()
+        out.flush()
+        writer.close()
+
+
+# ----------------------------------------------------------------------------- controller side
+
+
+@dataclass(eq=False)
+class _Worker:
+    index: int
+    urls: list[str]
+    proc: multiprocessing.process.BaseProcess
+    writer: asyncio.StreamWriter | None = None
+    reader_task: asyncio.Task | None = None
+    requests: _Batcher | None = None
+    outstanding: set[str] = field(default_factory=set)  # rids sent here and not answered yet
+    acks: dict[int, asyncio.Future] = field(default_factory=dict)
+    alive: bool = True
+    ready: asyncio.Future | None = None
+
+    @property
+    def name(self) -> str:
+        return f"rollout worker {self.index} (pid {self.proc.pid}, servers {', '.join(self.urls) or 'none'})"
+
+    def send(self, obj) -> None:
+        if self.alive and self.writer is not None and not self.writer.is_closing():
+            self.writer.writelines(_frame(obj))
+
+
+@dataclass(eq=False)
+class _Pending:
+    input_ids: bytes
+    sampling: dict
+    future: asyncio.Future
+    worker: _Worker
+
+
+async def _exited(proc, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for ``proc`` to end (without blocking the loop); True if it did."""
+    deadline = time.monotonic() + timeout_s
+    while proc.is_alive():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(_POLL_S)
+    return True
+
+
+class ShardedRollout(ClientRollout):
+    """The rollout port over ``processes`` worker processes (see the module docstring).
+
+    ``client_kwargs`` are ``RolloutClient``'s keyword options and reach every worker unchanged; the
+    api key defaults to ``AREAL_FAST_API_KEY`` as there. ``is_dead(url)`` (run in this process)
+    tells a failed control call which servers to drop, as for ``ClientRollout``."""
+
+    def __init__(self, urls: list[str], processes: int, *, is_dead=None, **client_kwargs):
+        urls = [u.rstrip("/") for u in urls]
+        if not 1 <= processes <= len(urls):
+            raise ValueError(f"client_processes: must be >= 1 and <= the number of servers ({len(urls)}), "
+                             f"got {processes!r}")
+        RolloutClient(urls, **client_kwargs)  # refuses a bad option here, before any process starts
+        super().__init__(None, is_dead=is_dead)
+        client_kwargs.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
+        self.client_kwargs = client_kwargs
+        self.processes = processes
+        self._shards = [urls[k::processes] for k in range(processes)]
+        self.workers: list[_Worker] = []
+        self._owner: dict[str, _Worker] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._seq = 0
+        self._dir: str | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._closing = False
+        self.pause_mode: str | None = None  # the mode of our pause while paused, else None
+        self.server_pause_modes: dict[str, str] = {}
+        self.worker_failures: list[str] = []  # one message per worker that died
+        self.stats = {"requests": 0, "answers": 0, "resent": 0, "duplicates_dropped": 0, "workers_lost": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        if self.workers:
+            return
+        ctx = multiprocessing.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="areal_rollout_")  # 0700: only this user can connect
+        path = str(Path(self._dir) / "s")
+        loop = asyncio.get_running_loop()
+        self._server = await asyncio.start_unix_server(self._on_connect, path)
+        for k, urls in enumerate(self._shards):
+            w = _Worker(k, urls, ctx.Process(target=_worker_main, args=(k, path, urls, self.client_kwargs),
+                                             name=f"rollout-worker-{k}", daemon=True))
+            w.ready = loop.create_future()
+            self.workers.append(w)
+            for u in urls:
+                self._owner[u] = w
+        for w in self.workers:
+            w.proc.start()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(self._wait_ready(w) for w in self.workers)), START_TIMEOUT_S)
+        except BaseException:
+            await self.close()
+            raise
+        if self.client_kwargs.get("gc_tuning", True):
+            tune_gc()
+
+    async def _wait_ready(self, w: _Worker) -> None:
+        """The worker's ready message, or an error naming it if its process ends first."""
+        while not w.ready.done():
+            if not w.proc.is_alive():
+                raise WorkerDied(f"{w.name} exited with code {w.proc.exitcode} before it was ready")
+            await asyncio.wait({w.ready}, timeout=_POLL_S)
+        err = w.ready.result()
+        if err is not None:
+            raise err
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hello = await _read_frame(reader)
+        if not hello or hello[0] != "hello" or not 0 <= hello[1] < len(self.workers):
+            writer.close()
+            return
+        w = self.workers[hello[1]]
+        w.writer, w.requests = writer, _Batcher(writer, "gen")
+        w.reader_task = asyncio.current_task()
+        try:
+            await self._read_loop(w, reader)
+        except asyncio.CancelledError:  # the loop is ending; asyncio's stream callback would log it
+            writer.close()
+
+    async def _read_loop(self, w: _Worker, reader: asyncio.StreamReader) -> None:
+        while True:
+            msg = await _read_frame(reader)
+            if msg is None:
+                break
+            kind = msg[0]
+            if kind == "ans":
+                self._on_answers(w, msg[1])
+            elif kind == "ack":
+                fut = w.acks.pop(msg[1], None)
+                if fut is not None and not fut.done():
+                    fut.set_result((msg[2], msg[3]))
+            elif kind == "ready":
+                if not w.ready.done():
+                    w.ready.set_result(msg[1])
+        if not self._closing:
+            await self._lost(w)
+
+    async def close(self) -> None:
+        """Stop every worker and reap it; requests still waiting raise RolloutError."""
+        self._closing = True
+        for w in self.workers:
+            w.send(("close",))
+        for w in self.workers:
+            if w.proc.pid is not None:  # started
+                if not await _exited(w.proc, CLOSE_GRACE_S):
+                    w.proc.terminate()  # our own child, by its handle
+                    if not await _exited(w.proc, CLOSE_GRACE_S):
+                        w.proc.kill()
+                        await _exited(w.proc, CLOSE_GRACE_S)
+                w.proc.join(0)  # reaped: no zombie left
+            w.alive = False
+            if w.writer is not None:
+                w.writer.close()
+        for p in self._pending.values():
+            if not p.future.done():
+                p.future.set_exception(RolloutError("the sharded rollout client was closed"))
+        self._pending.clear()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    async def __aenter__(self) -> ShardedRollout:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ generation
+    def _live(self) -> list[_Worker]:
+        return [w for w in self.workers if w.alive and w.urls]
+
+    def _route(self) -> _Worker:
+        live = self._live()
+        if not live:
+            raise WorkerDied("no rollout worker is left: " + "; ".join(self.worker_failures))
+        return min(live, key=lambda w: len(w.outstanding) / len(w.urls))
+
+    def _send(self, rid: str, p: _Pending, w: _Worker) -> None:
+        p.worker = w
+        w.outstanding.add(rid)
+        w.requests.add((rid, p.input_ids, p.sampling))
+
+    async def generate(self, input_ids, sampling, rid) -> Generation:
+        if not self.workers:
+            raise RolloutError("sharded rollout client not started: use 'async with' or await start()")
+        if rid in self._pending:
+            raise ValueError(f"rid {rid!r} is already being generated by this client")
+        RolloutClient._check_request(input_ids, sampling, rid)  # the caller's mistake raises here, not in a worker
+        p = _Pending(_column(input_ids, TOKEN_ARRAY), dict(sampling), asyncio.get_running_loop().create_future(),
+                     None)
+        self._pending[rid] = p
+        self.stats["requests"] += 1
+        try:
+            self._send(rid, p, self._route())
+            return await p.future
+        except asyncio.CancelledError:
+            if rid in self._pending:
+                self._pending[rid].worker.send(("cancel", rid))
+            raise
+        finally:
+            q = self._pending.pop(rid, None)
+            if q is not None and q.worker is not None:
+                q.worker.outstanding.discard(rid)
+
+    def _on_answers(self, w: _Worker, items: list) -> None:
+        for item in items:
+            rid = item[0]
+            p = self._pending.get(rid)
+            if p is None or p.worker is not w or rid not in w.outstanding or p.future.done():
+                self.stats["duplicates_dropped"] += 1
+                continue
+            w.outstanding.discard(rid)
+            self.stats["answers"] += 1
+            if len(item) == 2:
+                p.future.set_exception(item[1])
+            else:
+                p.future.set_result(Generation(output_ids=_array(item[2], TOKEN_ARRAY),
+                                               behav_logprobs=_array(item[3], LOGPROB_ARRAY),
+                                               versions=_array(item[4], TOKEN_ARRAY), finish_reason=item[1]))
+
+    async def _lost(self, w: _Worker) -> None:
+        """Worker ``w`` ended unasked: name it, drop its servers, send its requests to the others."""
+        w.alive = False
+        await _exited(w.proc, 5.0)
+        msg = f"{w.name} died (exit code {w.proc.exitcode})"
+        self.worker_failures.append(msg)
+        self.stats["workers_lost"] += 1
+        for u in w.urls:
+            self._owner.pop(u, None)
+        for fut in w.acks.values():
+            if not fut.done():
+                fut.set_result((None, None))  # a broadcast goes on with the others
+        w.acks.clear()
+        orphans = [r for r in w.outstanding if r in self._pending]
+        w.outstanding.clear()
+        if not self._live():
+            log.error("%s; no rollout worker is left", msg)
+            for r in orphans:
+                self._pending[r].future.set_exception(WorkerDied(msg + "; no rollout worker is left"))
+            return
+        log.error("%s; its %d request(s) in flight are sent again to the other workers", msg, len(orphans))
+        for r in orphans:
+            self.stats["resent"] += 1
+            self._send(r, self._pending[r], self._route())
+
+    # ------------------------------------------------------------------ control
+    async def _ask(self, w: _Worker, op: str, arg=None):
+        """Control call ``op`` on worker ``w``: its result; its error is raised here."""
+        self._seq += 1
+        fut = asyncio.get_running_loop().create_future()
+        w.acks[self._seq] = fut
+        w.requests.flush()  # requests sent before the call reach the worker before it
+        w.send(("ctl", self._seq, op, arg))
+        ok, result = await fut
+        if ok is False:
+            raise result
+        return result
+
+    async def _broadcast(self, op: str, arg=None) -> list:
+        """``op`` on every live worker; returns when all acknowledged (the first error raised after)."""
+        live = [w for w in self.workers if w.alive]
+        if not live:
+            raise WorkerDied("no rollout worker is left: " + "; ".join(self.worker_failures))
+        res = await asyncio.gather(*(self._ask(w, op, arg) for w in live), return_exceptions=True)
+        errs = [r for r in res if isinstance(r, BaseException)]
+        if errs:
+            raise errs[0]
+        return res
+
+    async def pause(self, mode: str | None = None) -> None:
+        """Pause every server (``mode`` None: the configured pause mode) and wait for every ack."""
+        async def pause_all():
+            got = await self._broadcast("pause", mode)
+            self.server_pause_modes = {u: m for d in got if d for u, m in d.items()}
+            self.pause_mode = mode or self.client_kwargs.get("pause_mode", "auto")
+
+        await self.control(pause_all, "pause_generation")
+
+    async def resume(self) -> None:
+        await self.control(lambda: self._broadcast("continue"), "continue_generation")
+        self.pause_mode = None
+        self.server_pause_modes = {}
+
+    async def health(self, url: str):
+        """``RolloutClient.health`` of ``url``, asked by the worker that owns it."""
+        url = url.rstrip("/")
+        w = self._owner.get(url)
+        if w is None or not w.alive:
+            raise RolloutError(f"{url} is not served by a live rollout worker")
+        return await self._ask(w, "health", url)
+
+    @property
+    def urls(self) -> list[str]:
+        return [u for w in self.workers if w.alive for u in w.urls]
+
+    def remove_server(self, url: str) -> bool:
+        """Drop ``url`` from the pool; the worker that owned it fails over to its other servers. A worker
+        left with no server leaves the routing, and its requests in flight go to the others."""
+        url = url.rstrip("/")
+        w = self._owner.get(url)
+        if w is None:
+            return False
+        if len(self.urls) == 1:
+            raise RuntimeError(f"the last inference server {url} died; cannot continue")
+        del self._owner[url]
+        w.urls = [u for u in w.urls if u != url]
+        if w.urls:
+            w.send(("remove", url))
+            return True
+        log.warning("%s lost its last server %s; its requests go to the other workers", w.name, url)
+        orphans = [r for r in w.outstanding if r in self._pending]
+        w.outstanding.clear()
+        for r in orphans:
+            w.send(("cancel", r))
+            self.stats["resent"] += 1
+            self._send(r, self._pending[r], self._route())
+        return True
+
+    # ------------------------------------------------------------------ measures (benchmarks)
+    def worker_pids(self) -> list[int]:
+        return [w.proc.pid for w in self.workers if w.proc.pid is not None]
+
+    def worker_cpu_seconds(self) -> float:
+        """User + system CPU seconds of every worker process so far (from /proc; Linux)."""
+        total = 0.0
+        for pid in self.worker_pids():
+            try:
+                parts = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
+    def worker_rss_mb(self, peak: bool = False) -> float:
+        """Resident memory of every worker process together (``peak``: each one's high-water mark)."""
+        key = "VmHWM:" if peak else "VmRSS:"
+        total = 0.0
+        for pid in self.worker_pids():
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith(key):
+                        total += int(line.split()[1]) / 1024
+            except (OSError, ValueError):
+                pass
+        return total
+
