@@ -217,6 +217,8 @@ class _Connection(asyncio.Protocol):
 
     # ---------------------------------------------------------------- one request
     def start(self, waiter: asyncio.Future, where: str, data: bytes) -> None:
+        if self.closed:  # a fresh connection the server closed before the request: nothing was sent
+            raise HttpError(f"{where}: the server closed the connection before the request was written")
         self._waiter, self._where = waiter, where
         self._buf = bytearray()
         self._reset_parser()
