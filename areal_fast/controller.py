@@ -63,6 +63,7 @@ import secrets
 import shutil
 import threading
 import time
+from array import array
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -70,7 +71,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from areal_fast.diskutil import write_failed
-from areal_fast.workflow import DEFAULT_WORKFLOW, EpisodeEngine, EpisodeFailed, check_trajectories, load_workflow
+from areal_fast.workflow import (
+    DEFAULT_WORKFLOW,
+    EpisodeEngine,
+    EpisodeFailed,
+    check_trajectories,
+    columns,
+    load_workflow,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +95,20 @@ COMPLETE_MARKER = "COMPLETE"
 
 @dataclass
 class Generation:
-    """What a rollout port returns for one sample."""
+    """What a rollout port returns for one sample. The per-token fields are compact columns
+    (``areal_fast.workflow.columns``): ``output_ids`` and ``versions`` ``array('i')``,
+    ``behav_logprobs`` ``array('d')``; a port may give lists, converted here (arrays of the right
+    type are kept as they are)."""
 
-    output_ids: list[int]
-    behav_logprobs: list[float]  # the server's output_logprobs: log-probs of the behaviour policy
-    versions: list[int]
+    output_ids: array
+    behav_logprobs: array  # the server's output_logprobs: log-probs of the behaviour policy
+    versions: array
     finish_reason: str  # "stop" | "length" | "abort"
+
+    def __post_init__(self) -> None:
+        self.output_ids = columns.tokens(self.output_ids, "Generation.output_ids")
+        self.behav_logprobs = columns.logprobs(self.behav_logprobs, "Generation.behav_logprobs")
+        self.versions = columns.tokens(self.versions, "Generation.versions")
 
 
 class RolloutPort(Protocol):
@@ -102,7 +118,9 @@ class RolloutPort(Protocol):
 
 
 class TrainerPort(Protocol):
-    def train(self, samples: list[dict]) -> dict: ...  # blocking; run in a thread
+    # blocking; run in a thread. Sample dicts as ``areal_fast.trainer.batch.Sample``, per-token fields
+    # as arrays (Group.samples)
+    def train(self, samples: list[dict]) -> dict: ...
     def save(self, path: Path) -> None: ...
     def check(self, path: Path) -> None: ...  # optional: raise if the checkpoint at path cannot be loaded
     def load(self, path: Path) -> None: ...
@@ -121,7 +139,9 @@ class Gate(Protocol):
 
     def try_admit(self) -> bool: ...
     def finish(self, accepted: bool) -> None: ...
-    def check_consumed(self, token_versions: list[int]) -> bool: ...  # strict mode: False = drop
+    # strict mode: False = drop. The decision depends only on the oldest version, so the controller
+    # passes ``[oldest model-token version]`` (``[]`` for a group without model tokens), not every token's
+    def check_consumed(self, token_versions: list[int]) -> bool: ...
     def set_version(self, version: int) -> None: ...
     def restore(self, version: int, accepted: int | None = None) -> None: ...
     def stats(self) -> dict: ...
@@ -130,26 +150,62 @@ class Gate(Protocol):
 # ----------------------------------------------------------------------------- state
 
 
+_GROUP_COLUMNS = {"outputs": columns.TOKEN_ARRAY, "behav_logprobs": columns.LOGPROB_ARRAY,
+                  "versions": columns.TOKEN_ARRAY, "prompts": columns.TOKEN_ARRAY, "loss_masks": columns.MASK_ARRAY}
+
+
 @dataclass
 class Group:
     """The trajectories of the n episodes of one prompt, finished and scored. ``prompts`` and
     ``loss_masks`` are per trajectory when the workflow made them (empty: every trajectory starts
-    with ``prompt_ids`` and all its output tokens are model tokens)."""
+    with ``prompt_ids`` and all its output tokens are model tokens).
+
+    Per-token data are compact columns, one per trajectory (``areal_fast.workflow.columns``):
+    ``prompt_ids``, ``prompts``, ``outputs``, ``versions`` ``array('i')``, ``behav_logprobs``
+    ``array('d')``, ``loss_masks`` ``array('B')``; lists given to the constructor are converted.
+    ``min_versions`` holds each trajectory's oldest model-token version (None: no model token),
+    computed from the columns when not given. A buffered group is never changed: the checkpoint
+    writer and the trainer read its arrays from their threads."""
 
     position: int
     row: int
     admitted_version: int
-    prompt_ids: list[int]
-    outputs: list[list[int]]
-    behav_logprobs: list[list[float]]
-    versions: list[list[int]]
+    prompt_ids: array
+    outputs: list[array]
+    behav_logprobs: list[array]
+    versions: list[array]
     rewards: list[float]
     finish_reasons: list[str]
     gen_seconds: float = 0.0
-    prompts: list[list[int]] = field(default_factory=list)
-    loss_masks: list[list[int]] = field(default_factory=list)
+    prompts: list[array] = field(default_factory=list)
+    loss_masks: list[array] = field(default_factory=list)
     infos: list[dict] = field(default_factory=list)
     episodes_failed: int = 0
+    min_versions: list[int | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = columns.tokens(self.prompt_ids, "Group.prompt_ids")
+        for name, code in _GROUP_COLUMNS.items():
+            cols = getattr(self, name)
+            if any(type(c) is not array or c.typecode != code for c in cols):
+                setattr(self, name, [columns.column(c, code, f"Group.{name}[{i}]") for i, c in enumerate(cols)])
+        if len(self.min_versions) != len(self.versions):
+            masks = self.loss_masks or [None] * len(self.versions)
+            self.min_versions = [columns.min_model_version(v, m) for v, m in zip(self.versions, masks)]
+
+    @classmethod
+    def from_state(cls, g: dict) -> Group:
+        """A group from its checkpointed dict (:func:`_group_state`): columns encoded compactly, or the
+        lists (and the ``logprobs`` name) of older checkpoints."""
+        g = dict(g)
+        if "logprobs" in g:  # checkpoints written before the behaviour log-probs got their one name
+            g["behav_logprobs"] = g.pop("logprobs")
+        pos = g.get("position")
+        g["prompt_ids"] = columns.decode_column(g["prompt_ids"], columns.TOKEN_ARRAY, f"group {pos}: prompt_ids")
+        for name, code in _GROUP_COLUMNS.items():
+            if name in g:
+                g[name] = [columns.decode_column(c, code, f"group {pos}: {name}[{i}]") for i, c in enumerate(g[name])]
+        return cls(**g)
 
     @property
     def n_tokens(self) -> int:
@@ -159,24 +215,27 @@ class Group:
     def model_token_counts(self) -> list[int]:
         """Model tokens of each trajectory."""
         if self.loss_masks:
-            return [sum(m) for m in self.loss_masks]
+            return [len(m) - bytes(m).count(0) for m in self.loss_masks]
         return [len(o) for o in self.outputs]
 
-    def model_versions(self) -> list[int]:
-        """Versions of every model token of the group (staleness is measured on these)."""
-        return [v for vs in self.versions for v in vs if v >= 0]
+    def min_model_version(self) -> int | None:
+        """The oldest version of any model token of the group (None: no model token)."""
+        return min((v for v in self.min_versions if v is not None), default=None)
 
     def min_version(self) -> int:
-        vs = self.model_versions()
-        return min(vs) if vs else self.admitted_version
+        """The oldest model-token version; the admission version for a group without model tokens."""
+        m = self.min_model_version()
+        return self.admitted_version if m is None else m
 
     def samples(self) -> list[dict]:
+        """The trainer's sample dicts. They share this group's arrays (no copy): the trainer reads them
+        (``areal_fast.trainer.batch``), never changes them."""
         out = []
         for i, (o, lp, v, r) in enumerate(zip(self.outputs, self.behav_logprobs, self.versions, self.rewards)):
-            s = dict(prompt_ids=list(self.prompts[i] if self.prompts else self.prompt_ids), output_ids=o,
+            s = dict(prompt_ids=self.prompts[i] if self.prompts else self.prompt_ids, output_ids=o,
                      behav_logprobs=lp, output_versions=v, reward=r, group_id=self.position)
             if self.loss_masks:
-                s["loss_mask"] = list(self.loss_masks[i])
+                s["loss_mask"] = self.loss_masks[i]
             out.append(s)
         return out
 
@@ -316,15 +375,18 @@ class Controller:
                 log.warning("group at position %d: no trajectory (%d of %d episodes failed)", pos, failed,
                             len(episodes))
                 return
-            group = Group(position=pos, row=row.index, admitted_version=v0, prompt_ids=list(trajs[0].prompt_ids),
-                          outputs=[list(tr.output_ids) for tr in trajs],
-                          behav_logprobs=[list(tr.behav_logprobs) for tr in trajs],
-                          versions=[list(tr.output_versions) for tr in trajs],
+            # the group takes the trajectories' arrays as they are (the episodes are over); the oldest
+            # version of each was kept as its turns were added (no per-token work here)
+            group = Group(position=pos, row=row.index, admitted_version=v0, prompt_ids=trajs[0].prompt_ids,
+                          outputs=[tr.output_ids for tr in trajs],
+                          behav_logprobs=[tr.behav_logprobs for tr in trajs],
+                          versions=[tr.output_versions for tr in trajs],
                           rewards=[float(tr.reward) for tr in trajs],
                           finish_reasons=[tr.finish_reason for tr in trajs], gen_seconds=time.perf_counter() - t0,
-                          prompts=[list(tr.prompt_ids) for tr in trajs],
-                          loss_masks=[list(tr.loss_mask) for tr in trajs],
-                          infos=[_numbers(tr.info) for tr in trajs], episodes_failed=failed)
+                          prompts=[tr.prompt_ids for tr in trajs],
+                          loss_masks=[tr.loss_mask for tr in trajs],
+                          infos=[_numbers(tr.info) for tr in trajs], episodes_failed=failed,
+                          min_versions=[tr.min_model_version() for tr in trajs])
             self.buffer.append(group)
             self.counters.finished += 1
             ok = True
@@ -357,7 +419,8 @@ class Controller:
         batch, dropped = [], []
         while self.buffer and len(batch) < self.s.batch_size:
             g = self.buffer.pop(0)
-            if not self.gate.check_consumed(g.model_versions()):  # strict mode only
+            oldest = g.min_model_version()
+            if not self.gate.check_consumed([] if oldest is None else [oldest]):  # strict mode only
                 dropped.append(g.position)  # the gate gave its slot back
                 continue
             batch.append(g)
@@ -401,7 +464,7 @@ class Controller:
             self._last_batch_dump = [
                 {"position": g.position, "prompt": self.tok.decode(g.prompt_ids),
                  "admitted_version": g.admitted_version,
-                 "samples": [{"text": self.tok.decode(o), "reward": r, "versions": v, "finish": f}
+                 "samples": [{"text": self.tok.decode(o), "reward": r, "versions": v.tolist(), "finish": f}
                              for o, r, v, f in zip(g.outputs, g.rewards, g.versions, g.finish_reasons)]}
                 for g in batch]
         staleness = [self.version - 1 - g.min_version() for g in batch]
@@ -477,7 +540,7 @@ class Controller:
         self.version = int(st["version"])
         self.position = int(st["position"])
         self.requeue = deque(int(p) for p in st["pending"])
-        self.buffer = [Group(**_group_fields(g)) for g in st["buffer"]]
+        self.buffer = [Group.from_state(g) for g in st["buffer"]]
         self.counters = Counters(**st["counters"])
         self._elapsed_before = float(st.get("elapsed", 0.0))
         self._timers = Counter(st.get("timers", {}))
@@ -648,18 +711,12 @@ def _means(infos: list[dict]) -> dict:
 
 
 def _group_state(g: Group) -> dict:
-    """A buffered group as a dict of its fields, sharing its lists. ``asdict`` deep-copied every token
+    """A buffered group as a dict of its fields, sharing its arrays. ``asdict`` deep-copied every token
     on the event loop (17 s of CPU under cProfile for the groups buffered at the end of the 64-server
-    scale benchmark, ~400 tokens a sample); a buffered group's lists are never changed, so the
-    checkpoint writer may read them in its thread."""
+    scale benchmark, ~400 tokens a sample); a buffered group's arrays are never changed, so the
+    checkpoint writer encodes them in its thread (``_write_json``: compact columns, see
+    ``areal_fast.workflow.columns``). :meth:`Group.from_state` reads it back."""
     return {f.name: getattr(g, f.name) for f in fields(g)}
-
-
-def _group_fields(g: dict) -> dict:
-    if "logprobs" in g:  # checkpoints written before the behaviour log-probs got their one name
-        g = {**g, "behav_logprobs": g["logprobs"]}
-        del g["logprobs"]
-    return g
 
 
 def read_state(path: Path) -> dict:
@@ -705,7 +762,8 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
 
 
 def _write_json(path: Path, obj) -> None:
-    text = json.dumps(obj)  # one shot: the C encoder (json.dump streams through the Python one)
+    # one shot: the C encoder (json.dump streams through the Python one); arrays as compact columns
+    text = json.dumps(obj, default=columns.json_default)
     with open(path, "w") as f:
         f.write(text)
         f.flush()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +17,13 @@ import pytest
 from areal_fast.controller import Controller, ControllerSettings, Generation
 from areal_fast.rollout.staleness import StalenessManager
 from areal_fast.workflow import EpisodeEngine, EpisodeFailed, Trajectory, load_workflow
+from areal_fast.workflow.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY
 from areal_fast.workflow.tools import CALCULATOR, calculate
 
 ME = __name__
 EOS = 2
+COLUMNS = {"prompt_ids": TOKEN_ARRAY, "output_ids": TOKEN_ARRAY, "loss_mask": MASK_ARRAY,
+           "behav_logprobs": LOGPROB_ARRAY, "output_versions": TOKEN_ARRAY}
 FINISH_S = 60.0  # limit of tool calls that must finish: a cold reward worker imports this module first
 
 
@@ -152,15 +156,18 @@ def test_multi_turn_trajectory_masks_logprobs_versions_exact():
     prompt = tok.encode("abc")
     fb = tok.encode("ok?", add_bos=False)
     out, mask, lps = expected_tokens(prompt, [("model", None), ("ctx", fb), ("model", None)], 3)
-    assert traj.prompt_ids == prompt
-    assert traj.output_ids == out
-    assert traj.loss_mask == mask == [1, 1, 1, 0, 0, 0, 1, 1, 1]
-    assert traj.behav_logprobs == lps
-    assert traj.output_versions == [0, 0, 0, -1, -1, -1, 0, 0, 0]
-    assert traj.n_turns == 2 and traj.n_model_tokens == 6
+    assert [(f, type(getattr(traj, f)), getattr(traj, f).typecode) for f in COLUMNS] == [
+        (f, array, code) for f, code in COLUMNS.items()]
+    assert traj.prompt_ids.tolist() == prompt
+    assert traj.output_ids.tolist() == out
+    assert traj.loss_mask.tolist() == mask == [1, 1, 1, 0, 0, 0, 1, 1, 1]
+    assert traj.behav_logprobs.tolist() == lps
+    assert traj.output_versions.tolist() == [0, 0, 0, -1, -1, -1, 0, 0, 0]
+    assert traj.n_turns == 2 and traj.n_model_tokens == 6 and traj.min_model_version() == 0
     assert roll.requests == ["ep-0", "ep-1"]  # one request id per turn, unique within the episode
     s = traj.to_sample(group_id=7)
-    assert s["loss_mask"] == mask and s["behav_logprobs"] == lps and s["group_id"] == 7
+    assert s["loss_mask"].tolist() == mask and s["behav_logprobs"].tolist() == lps and s["group_id"] == 7
+    assert all(s[f] == getattr(traj, f) and s[f] is not getattr(traj, f) for f in COLUMNS)  # copies
 
 
 def test_pause_within_and_between_turns_loses_and_duplicates_nothing():
@@ -187,11 +194,12 @@ def test_pause_within_and_between_turns_loses_and_duplicates_nothing():
     tok = Tok()
     fb = tok.encode("ok?", add_bos=False)
     out, mask, lps = expected_tokens(tok.encode("xyz"), [("model", None), ("ctx", fb), ("model", None)], 4)
-    assert traj.output_ids == out
-    assert traj.loss_mask == mask
-    assert traj.behav_logprobs == lps
-    assert traj.output_versions == [0, 0, 1, 1, -1, -1, -1, 2, 2, 2, 2]
+    assert traj.output_ids.tolist() == out
+    assert traj.loss_mask.tolist() == mask
+    assert traj.behav_logprobs.tolist() == lps
+    assert traj.output_versions.tolist() == [0, 0, 1, 1, -1, -1, -1, 2, 2, 2, 2]
     assert traj.model_versions() == [0, 0, 1, 1, 2, 2, 2, 2]
+    assert traj.min_model_version() == 0
 
 
 def test_trajectory_check_names_the_workflow():
@@ -346,7 +354,7 @@ def test_controller_trains_multi_turn_episodes_with_exact_tokens_across_pauses(t
     assert set(groups.values()) == {2} and len(groups) == 4 * 2  # 4 steps x 2 groups x 2 episodes
     for s in trainer.samples:
         out, mask, lps = expected_tokens(s["prompt_ids"], [("model", None), ("ctx", fb), ("model", None)], 3)
-        assert (s["output_ids"], s["loss_mask"], s["behav_logprobs"]) == (out, mask, lps)
+        assert (s["output_ids"].tolist(), s["loss_mask"].tolist(), s["behav_logprobs"].tolist()) == (out, mask, lps)
         model_v = [v for v, m in zip(s["output_versions"], mask) if m]
         assert model_v == sorted(model_v) and all(v >= 0 for v in model_v)
         assert all(v == -1 for v, m in zip(s["output_versions"], mask) if not m)
@@ -424,10 +432,10 @@ def test_python_math_workflow_masks_tool_output_and_scores_the_whole_answer():
     shown = "\n<output>\n42\n\n</output>\n"
     assert reward.programs == ["print(6*7)"]
     assert CharTok().decode(traj.output_ids) == turns[0] + shown + turns[1]
-    assert traj.loss_mask == [1] * len(turns[0]) + [0] * len(shown) + [1] * len(turns[1])
+    assert traj.loss_mask.tolist() == [1] * len(turns[0]) + [0] * len(shown) + [1] * len(turns[1])
     assert traj.model_versions() == [0] * len(turns[0]) + [1] * len(turns[1])
     assert roll.calls[0][1]["stop"] == ["</python>"]
-    assert roll.calls[1][0] == traj.prompt_ids + traj.output_ids[: len(turns[0]) + len(shown)]
+    assert roll.calls[1][0] == (traj.prompt_ids + traj.output_ids[: len(turns[0]) + len(shown)]).tolist()
     assert traj.reward == 1.0 and traj.info["tool_calls"] == 1.0 and traj.info["tool_failures"] == 0.0
 
 
@@ -472,10 +480,11 @@ def test_tool_example_calls_the_calculator_right_to_left():
     (traj,) = asyncio.run(tool_task.multiply_with_calculator(Row(0, "seed-row", {"answer": "x"}), engine))
     assert traj.info == {"called": 1.0, "call_right": 1.0, "exact": 1.0} and traj.reward == 1.0
     n_call = len(a) + len(b) + 2  # call + eos
-    assert tok.decode(traj.output_ids[n_call:]) == answer and traj.loss_mask == [1] * n_call + [0] * len(answer)
+    assert tok.decode(traj.output_ids[n_call:]) == answer
+    assert traj.loss_mask.tolist() == [1] * n_call + [0] * len(answer)
     engine, _, _ = _char_engine(["12"], tool_task.ALPHABET + "=")  # a direct answer: no call, partial credit
     (traj,) = asyncio.run(tool_task.multiply_with_calculator(Row(0, "seed-row", {"answer": "x"}), engine))
-    assert traj.info["called"] == 0.0 and traj.loss_mask == [1, 1, 1]
+    assert traj.info["called"] == 0.0 and traj.loss_mask.tolist() == [1, 1, 1]
 
 
 def test_multiturn_example_feedback_and_turns():
@@ -488,9 +497,9 @@ def test_multiturn_example_feedback_and_turns():
     row = Row(0, "cabjd=", {"answer": "djbac"})
     (traj,) = asyncio.run(multiturn_task.reverse_with_feedback(row, engine, max_turns=3))
     feedback = tok.encode("djb=c", add_bos=False) + tok.encode("cabjd=")
-    assert traj.output_ids == roll.turns[0] + feedback + roll.turns[1]
-    assert traj.loss_mask == [1] * 6 + [0] * len(feedback) + [1] * 6
-    assert roll.inputs[1] == traj.prompt_ids + roll.turns[0] + feedback
+    assert traj.output_ids.tolist() == roll.turns[0] + feedback + roll.turns[1]
+    assert traj.loss_mask.tolist() == [1] * 6 + [0] * len(feedback) + [1] * 6
+    assert roll.inputs[1] == traj.prompt_ids.tolist() + roll.turns[0] + feedback
     assert traj.turn_rewards == [0.0, 1.0] and traj.reward == 0.5  # right after one feedback: discounted once
     assert traj.info["after_feedback"] == 1.0 and traj.info["turn1"] == 0.0
 

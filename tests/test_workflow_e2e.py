@@ -15,7 +15,7 @@ from pathlib import Path
 
 from test_e2e import START_TIMEOUT_S, TINY, _alive, _children, _train_events, _wait_for, runner  # noqa: F401
 
-from areal_fast.controller import HANG_AFTER_CHECKPOINT_ENV
+from areal_fast.controller import HANG_AFTER_CHECKPOINT_ENV, Group
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "tiny_reverse_multiturn.yaml")
@@ -56,7 +56,8 @@ def test_multi_turn_run_killed_and_resumed_trains_each_task_exactly_once(tmp_pat
     # the groups the checkpoints held are multi-turn: feedback tokens masked and versionless
     groups = st2["buffer"] + st["buffer"]
     assert groups, "no buffered group to inspect"
-    masks = [(m, v) for g in groups for m, v in zip(g["loss_masks"], g["versions"])]
+    groups = [Group.from_state(g) for g in groups]  # per-token columns are stored compactly (arrays)
+    masks = [(m.tolist(), v.tolist()) for g in groups for m, v in zip(g.loss_masks, g.versions)]
     assert all(len(m) == len(v) for m, v in masks)
     assert all(x == -1 for m, v in masks for x, b in zip(v, m) if not b)
     assert all(x >= 0 for m, v in masks for x, b in zip(v, m) if b)

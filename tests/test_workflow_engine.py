@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.request
+from array import array
 
 import pytest
 from tolerances import ENGINE_LOGPROB_ATOL
@@ -96,13 +97,14 @@ def test_weight_updates_within_and_between_turns_resume_the_episode_exactly(setu
             return traj
 
     traj = asyncio.run(asyncio.wait_for(run(), 120))
-    v = traj.output_versions
+    assert {type(traj.output_ids), type(traj.output_versions), type(traj.behav_logprobs)} == {array}
+    v = traj.output_versions.tolist()
     assert len(traj.output_ids) == 2 * N + len(FEEDBACK)
-    assert traj.loss_mask == [1] * N + [0] * len(FEEDBACK) + [1] * N
+    assert traj.loss_mask.tolist() == [1] * N + [0] * len(FEEDBACK) + [1] * N
     k = v.index(1)
     assert 0 < k < N and v == [0] * k + [1] * (N - k) + [-1] * len(FEEDBACK) + [2] * N
     m0, m1, m2 = load_hf(paths[0]), load_hf(paths[0], sds[1]), load_hf(paths[0], sds[2])
-    out = traj.output_ids
+    out = traj.output_ids.tolist()
     turn2_ctx = prompt + out[: N + len(FEEDBACK)]
     assert out[:k] == hf_greedy(m0, prompt, k)
     assert out[k:N] == hf_greedy(m1, prompt + out[:k], N - k)

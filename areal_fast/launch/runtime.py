@@ -60,8 +60,9 @@ class ClientRollout:
 
     async def generate(self, input_ids, sampling, rid) -> Generation:
         r = await self.client.generate(list(input_ids), sampling, rid=rid)
-        return Generation(output_ids=list(r.output_ids), behav_logprobs=list(r.output_logprobs),
-                          versions=list(r.output_versions), finish_reason=r.finish_reason)
+        # compact columns (Generation converts lists; arrays of the right type pass without a copy)
+        return Generation(output_ids=r.output_ids, behav_logprobs=r.output_logprobs,
+                          versions=r.output_versions, finish_reason=r.finish_reason)
 
     async def pause(self) -> None:
         await self.control(self.client.pause_all, "pause_generation")

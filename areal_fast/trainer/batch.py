@@ -4,14 +4,49 @@ A batch is a list of :class:`Sample` (or dicts with the same keys). The actor tu
 into a shifted sequence (inputs ``ids[:-1]``, labels ``ids[1:]``: position t predicts token
 t+1), so a sample of P prompt and G generated tokens contributes ``P + G - 1`` tokens, the
 last G of which are in the loss.
+
+The controller's samples hold ``array.array`` columns (``areal_fast.workflow.columns``); they
+become tensors through ``torch.frombuffer`` and one dtype conversion each, without a Python
+loop over the tokens (:func:`column_tensor`). Lists and tensors work too.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from areal_fast.workflow.columns import is_binary_mask
+
+# array typecode and item size -> the tensor dtype of the same bytes ('l' is 8 bytes on Linux, 4 on Windows)
+_ARRAY_DTYPES = {("b", 1): torch.int8, ("B", 1): torch.uint8, ("h", 2): torch.int16, ("i", 4): torch.int32,
+                 ("l", 4): torch.int32, ("l", 8): torch.int64, ("q", 8): torch.int64, ("f", 4): torch.float32,
+                 ("d", 8): torch.float64}
+
+
+def copy_column(dst: torch.Tensor, x) -> torch.Tensor:
+    """Copy the per-token column ``x`` into the 1-D CPU tensor ``dst`` (same length), converting to
+    its dtype: an ``array.array`` is viewed with ``torch.frombuffer`` (no Python loop over the
+    tokens), a tensor is copied, any other sequence goes through ``torch.tensor``. ``dst`` never
+    shares memory with ``x`` (an array with a live buffer view cannot grow)."""
+    if len(x) != dst.numel():
+        raise ValueError(f"column of {len(x)} values into a tensor of {dst.numel()}")
+    if not len(x):
+        return dst
+    if isinstance(x, array):
+        src = _ARRAY_DTYPES.get((x.typecode, x.itemsize))
+        if src is not None:
+            return dst.copy_(torch.frombuffer(x, dtype=src))
+    if isinstance(x, torch.Tensor):
+        return dst.copy_(x.detach().reshape(-1))
+    return dst.copy_(torch.tensor(list(x), dtype=dst.dtype))
+
+
+def column_tensor(x, dtype: torch.dtype) -> torch.Tensor:
+    """A per-token column as a new 1-D CPU tensor of ``dtype`` (see :func:`copy_column`)."""
+    return copy_column(torch.empty(len(x), dtype=dtype), x)
 
 
 @dataclass
@@ -29,6 +64,9 @@ class Sample:
       1 for tokens the model generated, 0 for tool output and environment text spliced in between
       turns. Masked tokens are context only: their ``behav_logprobs`` and ``output_versions`` are
       ignored (0.0 and -1 by convention). None = every output token is a model token.
+
+    The controller fills the per-token fields with ``array.array`` columns (ids and versions
+    ``'i'``, log-probs ``'d'``, mask ``'B'``); any sequence of numbers, or a 1-D tensor, is accepted.
     """
 
     prompt_ids: Sequence[int]
@@ -64,7 +102,7 @@ class Sample:
             if len(s.loss_mask) != g:
                 raise ValueError(f"sample {index}: loss_mask ({len(s.loss_mask)}) must have one entry per output "
                                  f"token ({g})")
-            if any(m not in (0, 1) for m in s.loss_mask):
+            if not _binary(s.loss_mask):
                 raise ValueError(f"sample {index}: loss_mask entries must be 0 or 1")
         return s
 
@@ -84,21 +122,30 @@ class Seq:
         return self.input_ids.numel()
 
 
+def _binary(m) -> bool:
+    if isinstance(m, torch.Tensor):
+        return bool(((m == 0) | (m == 1)).all())
+    return is_binary_mask(m)
+
+
 def to_seq(s: Sample) -> Seq:
-    ids = torch.tensor(list(s.prompt_ids) + list(s.output_ids), dtype=torch.long)
     p, g = len(s.prompt_ids), len(s.output_ids)
     n = p + g - 1
+    ids = torch.empty(p + g, dtype=torch.long)
+    copy_column(ids[:p], s.prompt_ids)
+    copy_column(ids[p:], s.output_ids)
     mask = torch.zeros(n, dtype=torch.bool)
     if s.loss_mask is None:
         mask[p - 1 :] = True
     else:
-        mask[p - 1 :] = torch.tensor(list(s.loss_mask), dtype=torch.bool)
+        copy_column(mask[p - 1 :], s.loss_mask)
     behav_logprobs = torch.zeros(n, dtype=torch.float32)
-    behav_logprobs[p - 1 :] = torch.tensor(list(s.behav_logprobs), dtype=torch.float32)
+    copy_column(behav_logprobs[p - 1 :], s.behav_logprobs)
     ver = torch.full((n,), -1, dtype=torch.long)
-    ver[p - 1 :] = torch.tensor(list(s.output_versions), dtype=torch.long)
-    behav_logprobs[~mask] = 0.0  # context tokens (prompt, tool output): no behaviour policy
-    ver[~mask] = -1
+    copy_column(ver[p - 1 :], s.output_versions)
+    notmask = ~mask
+    behav_logprobs.masked_fill_(notmask, 0.0)  # context tokens (prompt, tool output): no behaviour policy
+    ver.masked_fill_(notmask, -1)
     return Seq(ids[:-1], ids[1:], mask, behav_logprobs, ver, int(mask.sum()))
 
 

@@ -1,0 +1,142 @@
+"""Compact per-token columns: how a generation, a trajectory, a buffered group and a training sample
+hold their tokens.
+
+Every per-token field from the rollout client to the trainer is an ``array.array``:
+
+======================  ========  ==========================================================
+field                   typecode  element
+======================  ========  ==========================================================
+token ids, versions     ``'i'``   C int (int32): vocabularies and weight versions fit in 31 bits
+behaviour log-probs     ``'d'``   C double (float64): exactly the float the server sent
+loss mask               ``'B'``   unsigned char: 1 model token, 0 context (prompt, tool, feedback)
+======================  ========  ==========================================================
+
+Why: as Python lists, each token costs a list slot plus a boxed float (and a boxed int above 256),
+~5 GB at 16k requests x 4k tokens instead of ~0.9 GB, and every full collection of the garbage
+collector walks every element of every list (~22% of the controller's CPU at 256 servers / 16,384 in
+flight). An array is one object whose elements are raw C values: the collector visits it once,
+whatever its length; copying or concatenating two of the same type is a ``memcpy``; the trainer views
+it as a tensor without a per-element loop (``torch.frombuffer``).
+
+An array indexes, slices, iterates and has ``len`` like a list, but compares equal only to another
+array (``array('i', [1]) == [1]`` is False) and ``+`` needs an array on both sides: compare with
+``list(x)`` or ``x.tolist()``. :func:`column` converts what a user gives (a list, a tuple, a tensor,
+an array of another typecode) on entry; an array of the right typecode is used as it is, not copied.
+
+Checkpoints store a column as ``{"__array__": typecode, "b64": base64 of its little-endian bytes}``
+(:func:`encode_column`; ~10x faster to write and read than a JSON list of numbers, 21 instead of ~31
+bytes a token); :func:`decode_column` reads that and the plain lists of older checkpoints.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import sys
+from array import array
+from collections.abc import Iterable
+
+from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY
+
+MASK_ARRAY = "B"  # loss mask: one byte a token, 0 or 1
+COLUMN_KEY = "__array__"  # marks an encoded column in a checkpoint's JSON
+_ITEMSIZE = {code: array(code).itemsize for code in (TOKEN_ARRAY, LOGPROB_ARRAY, MASK_ARRAY)}
+_BINARY = bytes((0, 1))
+_ZERO = b"\x00"
+
+__all__ = ["LOGPROB_ARRAY", "MASK_ARRAY", "TOKEN_ARRAY", "column", "decode_column", "encode_column",
+           "is_binary_mask", "json_default", "logprobs", "mask", "min_model_version", "tokens"]
+
+
+def column(values: Iterable, typecode: str, name: str) -> array:
+    """``values`` as an ``array(typecode)``: the same object when it already is one, else a new array
+    (a list, tuple, tensor, or an array of another typecode, converted element by element).
+
+    ``name`` names the field in the error when an element does not fit (a float where token ids are
+    expected, a negative mask entry, a token id beyond int32). Bytes and strings are refused: an
+    array would read their raw bytes as numbers."""
+    if type(values) is array and values.typecode == typecode:
+        return values
+    if isinstance(values, bytes | bytearray | memoryview | str):
+        raise TypeError(f"{name}: expected a sequence of numbers, got {type(values).__name__}")
+    try:
+        return array(typecode, values)
+    except (TypeError, OverflowError, ValueError) as e:
+        kind = {"d": "floats", "B": "0/1 entries"}.get(typecode, "int32 token ids or versions")
+        raise type(e)(f"{name}: expected {kind}: {e}") from None
+
+
+def tokens(values: Iterable = (), name: str = "token ids") -> array:
+    """Token ids (or versions) as ``array('i')``."""
+    return column(values, TOKEN_ARRAY, name)
+
+
+def logprobs(values: Iterable = (), name: str = "log-probs") -> array:
+    """Log-probs as ``array('d')`` (float64: the server's values exactly)."""
+    return column(values, LOGPROB_ARRAY, name)
+
+
+def mask(values: Iterable = (), name: str = "loss_mask") -> array:
+    """A loss mask as ``array('B')`` (check it with :func:`is_binary_mask`)."""
+    return column(values, MASK_ARRAY, name)
+
+
+def is_binary_mask(m) -> bool:
+    """Every entry is 0 or 1. For an ``array('B')`` this runs in C (``bytes.translate``), not per token."""
+    if isinstance(m, array) and m.typecode == MASK_ARRAY:
+        return not bytes(m).translate(None, _BINARY)
+    return all(x in (0, 1) for x in m)
+
+
+def min_model_version(versions: array, loss_mask: array | None = None) -> int | None:
+    """The oldest version among the model tokens (None without any): tokens with loss mask 0 and
+    tokens with a negative version (context, labelled -1; a version the server named in a form that
+    cannot be ordered) do not count. Runs in C (``min`` of the array) unless context tokens or
+    negative versions are present."""
+    if not versions:
+        return None
+    if loss_mask is None or _ZERO not in bytes(loss_mask):
+        m = min(versions)
+        if m >= 0:
+            return m
+        return min((v for v in versions if v >= 0), default=None)
+    return min((v for v, b in zip(versions, loss_mask) if b and v >= 0), default=None)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def encode_column(a: array) -> dict:
+    """A column as JSON: typecode and base64 of its little-endian bytes (see the module docstring)."""
+    if sys.byteorder == "big":
+        a = array(a.typecode, a)
+        a.byteswap()
+    return {COLUMN_KEY: a.typecode, "b64": base64.b64encode(a).decode("ascii")}
+
+
+def decode_column(obj, typecode: str, name: str) -> array:
+    """A column read back from JSON: an encoded column (:func:`encode_column`) or a plain list (older
+    checkpoints). ValueError names ``name`` when the encoding is damaged or of another typecode."""
+    if not isinstance(obj, dict):
+        return column(obj, typecode, name)
+    code = obj.get(COLUMN_KEY)
+    if code != typecode:
+        raise ValueError(f"{name}: stored as array {code!r}, expected {typecode!r}")
+    try:
+        raw = base64.b64decode(obj["b64"], validate=True)
+    except (KeyError, TypeError, binascii.Error) as e:
+        raise ValueError(f"{name}: damaged column encoding ({e!r})") from None
+    if len(raw) % _ITEMSIZE[typecode]:
+        raise ValueError(f"{name}: {len(raw)} bytes is not a whole number of {_ITEMSIZE[typecode]}-byte items")
+    out = array(typecode)
+    out.frombytes(raw)
+    if sys.byteorder == "big":
+        out.byteswap()
+    return out
+
+
+def json_default(obj):
+    """``default=`` for ``json.dumps``: arrays as encoded columns; anything else is an error."""
+    if isinstance(obj, array):
+        return encode_column(obj)
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")

@@ -1,0 +1,234 @@
+"""Compact per-token columns from the rollout client to the trainer: the sample handed to the
+trainer holds arrays with exactly the values the client returned (and turns into the same tensors
+as lists did), checkpoints encode the arrays compactly and still read the lists of older
+checkpoints, and strict mode gets the oldest version only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from array import array
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal_fast.controller import STATE_FILE, Controller, ControllerSettings, Generation, Group, read_state
+from areal_fast.launch.runtime import ClientRollout
+from areal_fast.rollout.client import GenerateResult
+from areal_fast.rollout.staleness import StalenessManager
+from areal_fast.trainer.batch import Sample, to_seq
+from areal_fast.workflow.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY, decode_column, encode_column
+
+SAMPLE_COLUMNS = {"prompt_ids": TOKEN_ARRAY, "output_ids": TOKEN_ARRAY, "behav_logprobs": LOGPROB_ARRAY,
+                  "output_versions": TOKEN_ARRAY, "loss_mask": MASK_ARRAY}
+
+
+class Row:
+    def __init__(self, index):
+        self.index, self.text, self.task = index, f"p{index}", {"answer": "x"}
+
+
+class Prompts:
+    def at(self, pos):
+        return Row(pos)
+
+
+class Tok:
+    def encode(self, text):
+        return [1] + [ord(c) % 50 + 2 for c in text]
+
+    def decode(self, ids):
+        return "x"
+
+
+class FakeClient:
+    """What the controller's rollout adapter needs of ``RolloutClient``: ``generate`` answering a
+    ``GenerateResult`` (lists, as the client returns them, or arrays), with awkward log-probs (values
+    a float32 cannot hold exactly) and each token's version read from ``version``. ``returned`` keeps
+    every result so a test can compare what reached the trainer with what the client gave."""
+
+    def __init__(self, as_arrays: bool, seed: int = 0):
+        self.as_arrays, self.rng = as_arrays, random.Random(seed)
+        self.version = 0
+        self.running = asyncio.Event()
+        self.running.set()
+        self.returned: dict[str, GenerateResult] = {}
+        self.servers = []
+
+    async def generate(self, input_ids, sampling, rid):
+        ids, lps, vers = [], [], []
+        for _ in range(self.rng.randrange(1, 12)):
+            await self.running.wait()
+            await asyncio.sleep(0)
+            ids.append(self.rng.randrange(0, 152_000))
+            lps.append(-self.rng.random() * 20 - 1e-9 * self.rng.random())
+            vers.append(self.version)
+        if self.as_arrays:
+            ids, lps, vers = array(TOKEN_ARRAY, ids), array(LOGPROB_ARRAY, lps), array(TOKEN_ARRAY, vers)
+        r = GenerateResult(rid=rid, input_ids=list(input_ids), output_ids=ids, output_logprobs=lps,
+                           output_versions=vers, finish_reason="stop")
+        self.returned[rid] = r
+        return r
+
+    async def pause_all(self):
+        self.running.clear()
+
+    async def continue_all(self):
+        self.running.set()
+
+
+class Sync:
+    def __init__(self, client):
+        self.client = client
+
+    async def sync(self, version):
+        self.client.version = version
+        return {}
+
+
+class Reward:
+    async def score(self, task, completion):
+        class R:
+            value, status = 1.0, "ok"
+
+        return R()
+
+
+class Trainer:
+    """Keeps every sample handed to it, and what the trainer's batch code makes of it."""
+
+    def __init__(self):
+        self.samples: list[dict] = []
+        self.seqs = []
+
+    def train(self, samples):
+        self.samples += samples
+        self.seqs += [to_seq(Sample.coerce(s, i)) for i, s in enumerate(samples)]
+        return {}
+
+    def save(self, path: Path):
+        path.mkdir(parents=True, exist_ok=True)
+
+    def load(self, path: Path):
+        pass
+
+
+class RecordingGate(StalenessManager):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.consumed_args: list[list[int]] = []
+
+    def check_consumed(self, token_versions):
+        self.consumed_args.append(list(token_versions))
+        return super().check_consumed(token_versions)
+
+
+def _controller(tmp_path, client, trainer, *, steps=3, ckpt=0, strict=False):
+    s = ControllerSettings(batch_size=2, group_size=2, total_steps=steps, sampling={"max_new_tokens": 16},
+                           eval_sampling={}, eval_every=0, eval_at_start=False, checkpoint_every=ckpt,
+                           output_dir=tmp_path)
+    gate = RecordingGate(2, 1, max_concurrent=8, strict=strict)
+    return Controller(s, Prompts(), Tok(), ClientRollout(client), Reward(), trainer, Sync(client), gate), gate
+
+
+@pytest.mark.parametrize("as_arrays", [False, True], ids=["client-lists", "client-arrays"])
+def test_the_trainer_gets_compact_arrays_equal_to_what_the_client_returned(tmp_path, as_arrays):
+    client, trainer = FakeClient(as_arrays), Trainer()
+    ctl, gate = _controller(tmp_path, client, trainer, strict=True)
+    asyncio.run(ctl.run())
+    assert len(trainer.samples) == 3 * 2 * 2
+    for s, q in zip(trainer.samples, trainer.seqs):
+        for name, code in SAMPLE_COLUMNS.items():
+            assert type(s[name]) is array and s[name].typecode == code, (name, type(s[name]))
+        pos = s["group_id"]
+        mine = [r for rid, r in client.returned.items() if rid.split("-")[1] == str(pos)]
+        r = next(r for r in mine if list(r.output_ids) == s["output_ids"].tolist())
+        assert s["prompt_ids"].tolist() == Tok().encode(f"p{pos}") == r.input_ids
+        assert s["behav_logprobs"].tolist() == list(r.output_logprobs)  # float64: bit for bit
+        assert s["output_versions"].tolist() == list(r.output_versions)
+        assert s["loss_mask"].tolist() == [1] * len(r.output_ids)
+        # the trainer's tensors equal those the former list path built (torch.tensor of lists)
+        p = len(r.input_ids)
+        assert torch.equal(q.input_ids, torch.tensor(r.input_ids + list(r.output_ids))[:-1])
+        assert torch.equal(q.labels[p - 1:], torch.tensor(list(r.output_ids)))
+        assert torch.equal(q.behav_logprobs[p - 1:], torch.tensor(list(r.output_logprobs), dtype=torch.float32))
+        assert torch.equal(q.versions[p - 1:], torch.tensor(list(r.output_versions)))
+        assert q.loss_mask[p - 1:].all() and not q.loss_mask[: p - 1].any()
+    # strict mode sees one number per group (its oldest model token), not every token's version
+    assert gate.consumed_args and all(len(a) == 1 for a in gate.consumed_args)
+
+
+def test_generation_converts_lists_and_keeps_arrays_without_a_copy():
+    ids = array(TOKEN_ARRAY, [5, 6])
+    g = Generation(ids, [-0.5, -0.25], [0, 1], "stop")
+    assert g.output_ids is ids
+    assert (g.behav_logprobs.typecode, g.versions.typecode) == (LOGPROB_ARRAY, TOKEN_ARRAY)
+    assert g.behav_logprobs.tolist() == [-0.5, -0.25] and g.versions.tolist() == [0, 1]
+    with pytest.raises(TypeError, match="Generation.output_ids"):
+        Generation([1.5], [0.0], [0], "stop")
+    with pytest.raises(OverflowError, match="Generation.versions"):
+        Generation([1], [0.0], [2**40], "stop")
+
+
+def _group(pos=3, multi_turn=True) -> Group:
+    masks = [[1, 1, 0, 1], [1, 1, 1, 1]] if multi_turn else []
+    return Group(position=pos, row=pos, admitted_version=1, prompt_ids=[7, 8, 9],
+                 outputs=[[10, 11, 12, 13], [20, 21, 22, 152_063]],
+                 behav_logprobs=[[-0.1, -1e-300, 0.0, -3.0000000000000004], [-2.5, -0.5, -7.25, -0.125]],
+                 versions=[[2, 3, -1, 3], [4, 4, 5, 5]], rewards=[1.0, 0.0], finish_reasons=["stop", "length"],
+                 prompts=[[7, 8, 9], [7, 8, 9]] if multi_turn else [], loss_masks=masks)
+
+
+def test_group_columns_min_version_and_checkpoint_round_trip():
+    g = _group()
+    assert all(type(c) is array for c in g.outputs + g.behav_logprobs + g.versions + g.prompts + g.loss_masks)
+    assert g.min_versions == [2, 4] and g.min_version() == 2 and g.model_token_counts() == [3, 4]
+    versionless = {**_group(multi_turn=False).__dict__, "versions": [[-1] * 4, [-1] * 4], "min_versions": []}
+    assert Group(**versionless).min_versions == [None, None] and Group(**versionless).min_version() == 1
+    text = json.dumps({"g": g.__dict__}, default=lambda a: encode_column(a))
+    stored = json.loads(text)["g"]
+    assert stored["outputs"][0]["__array__"] == TOKEN_ARRAY  # compact, not a list of numbers
+    back = Group.from_state(stored)
+    assert back == g
+    assert back.behav_logprobs[0].tolist() == [-0.1, -1e-300, 0.0, -3.0000000000000004]
+    with pytest.raises(ValueError, match=r"group 3: outputs\[0\]: stored as array 'd', expected 'i'"):
+        Group.from_state({**stored, "outputs": [encode_column(array("d", [1.0]))]})
+    with pytest.raises(ValueError, match="prompt_ids: damaged column encoding"):
+        Group.from_state({**stored, "prompt_ids": {"__array__": "i", "b64": "!!"}})
+    assert decode_column({"__array__": "i", "b64": ""}, "i", "x") == array("i")
+
+
+def test_a_checkpoint_with_lists_from_an_older_version_still_loads_and_resumes(tmp_path):
+    """An older controller.json held the buffered groups' tokens as lists (and log-probs under the
+    name ``logprobs``): it loads into arrays with the same values, and the run goes on from it."""
+    client, trainer = FakeClient(as_arrays=True), Trainer()
+    ctl, _ = _controller(tmp_path, client, trainer, steps=2, ckpt=2)
+    asyncio.run(ctl.run())
+    ck = tmp_path / "checkpoints" / "step_00000002"
+    st = read_state(ck)
+    assert st["buffer"], "no buffered group in the checkpoint to convert"
+    new_buffer = [Group.from_state(g) for g in st["buffer"]]
+    old = dict(st)  # the same state as an older version wrote it: lists, and no min_versions
+    old["buffer"] = []
+    for g in new_buffer:
+        d = {k: v for k, v in g.__dict__.items() if k not in ("min_versions", "behav_logprobs")}
+        d["logprobs"] = [c.tolist() for c in g.behav_logprobs]
+        for k in ("outputs", "versions", "prompts", "loss_masks"):
+            d[k] = [c.tolist() for c in d[k]]
+        d["prompt_ids"] = g.prompt_ids.tolist()
+        old["buffer"].append(d)
+    assert "__array__" not in json.dumps(old["buffer"])
+    (ck / STATE_FILE).write_text(json.dumps(old))
+
+    trainer2 = Trainer()
+    ctl2, _ = _controller(tmp_path, client, trainer2, steps=4, ckpt=2)
+    assert ctl2.restore_newest() == ck
+    assert ctl2.buffer == new_buffer
+    assert all(type(c) is array for g in ctl2.buffer for c in g.outputs + g.behav_logprobs)
+    asyncio.run(ctl2.run())
+    assert ctl2.version == 4
+    trained = {s["group_id"] for s in trainer2.samples}
+    assert {g.position for g in new_buffer} <= trained  # the restored groups were trained first
+    assert len(trainer2.samples) == 2 * 2 * 2
