@@ -47,6 +47,7 @@ from areal_fast.controller import Controller, ControllerSettings, Generation  # 
 from areal_fast.launch.runtime import ClientRollout  # noqa: E402
 from areal_fast.rollout.client import RolloutClient  # noqa: E402
 from areal_fast.rollout.loop import event_loop_choice, run_event_loop  # noqa: E402
+from areal_fast.rollout.sharded import ShardedRollout  # noqa: E402
 from areal_fast.rollout.staleness import StalenessManager  # noqa: E402
 
 TICK_S = 0.01  # loop-lag ticker period: fine enough to see 10 ms stalls, ~100 wakeups/s of CPU
@@ -150,12 +151,13 @@ class SimSync:
             await self.session.close()
 
 
-class CheckedRollout(ClientRollout):
-    """The production rollout port, plus: exact checks of every sample, exactly-once accounting, and
-    pause / continue timings. ``pause_mode`` None keeps the production call (``pause_all()``)."""
+class CheckedRollout:
+    """A production rollout port (``ClientRollout``, or ``ShardedRollout`` with --client-procs > 1),
+    plus: exact checks of every sample, exactly-once accounting, and pause / continue timings.
+    ``pause_mode`` None keeps the production call (``pause()``)."""
 
-    def __init__(self, client, cfg: sim.SimConfig, max_new: int, sync: SimSync, pause_mode: str | None = None):
-        super().__init__(client)
+    def __init__(self, port, cfg: sim.SimConfig, max_new: int, sync: SimSync, pause_mode: str | None = None):
+        self.port = port
         self.cfg, self.max_new, self.sync_port, self.pause_mode = cfg, max_new, sync, pause_mode
         self.returned: dict[str, int] = {}
         self.errors: list[str] = []
@@ -165,7 +167,7 @@ class CheckedRollout(ClientRollout):
         self._t_pause = 0.0
 
     async def generate(self, input_ids, sampling, rid) -> Generation:
-        g = await super().generate(input_ids, sampling, rid)
+        g = await self.port.generate(input_ids, sampling, rid)
         c0 = time.process_time()
         self.returned[rid] = self.returned.get(rid, 0) + 1
         if self.returned[rid] > 1:
@@ -179,23 +181,29 @@ class CheckedRollout(ClientRollout):
 
     async def pause(self) -> None:
         self._t_pause = time.perf_counter()
+        sharded = isinstance(self.port, ShardedRollout)
         if self.pause_mode is None:
-            await super().pause()
+            await self.port.pause()
+        elif sharded:
+            await self.port.pause(self.pause_mode)
         else:
-            await self.control(lambda: self.client.pause_all(self.pause_mode), "pause_generation")
-        self.pauses.append({"ack_s": time.perf_counter() - self._t_pause, "mode": str(self.client.pause_mode)})
+            await self.port.control(lambda: self.port.client.pause_all(self.pause_mode), "pause_generation")
+        mode = self.port.pause_mode if sharded else self.port.client.pause_mode
+        self.pauses.append({"ack_s": time.perf_counter() - self._t_pause, "mode": str(mode)})
 
     async def resume(self) -> None:
-        await super().resume()
+        await self.port.resume()
         self.pauses[-1]["continue_s"] = time.perf_counter() - self._t_pause
 
 
 class LoopLag:
     """Records how late a task sleeping ``period`` wakes up (the event loop's responsiveness)."""
 
-    def __init__(self, period: float = TICK_S):
+    def __init__(self, period: float = TICK_S, other_rss_mb=None):
         self.period, self.lags = period, []
         self.rss0 = self.peak_rss = current_rss_mb()  # sampled every 10th tick
+        self.other_rss_mb = other_rss_mb  # RSS of the rollout worker processes together (sharded client)
+        self.peak_other_rss = self.peak_total_rss = 0.0
         self._task: asyncio.Task | None = None
 
     async def _run(self) -> None:
@@ -205,7 +213,11 @@ class LoopLag:
             await asyncio.sleep(self.period)
             self.lags.append(loop.time() - t - self.period)
             if len(self.lags) % 10 == 0:
-                self.peak_rss = max(self.peak_rss, current_rss_mb())
+                own = current_rss_mb()
+                other = self.other_rss_mb() if self.other_rss_mb else 0.0
+                self.peak_rss = max(self.peak_rss, own)
+                self.peak_other_rss = max(self.peak_other_rss, other)
+                self.peak_total_rss = max(self.peak_total_rss, own + other)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -276,6 +288,8 @@ class RunSpec:
     pause_mode: str | None = None
     api_key: str | None = "bench-key"
     prompt_len: int = PROMPT_LEN
+    client_procs: int = 1  # > 1: ShardedRollout with that many worker processes
+    loop: str | None = None  # the rollout workers' event loop (sharded client)
 
 
 async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, train_s=None, sync_delay_s=None,
@@ -285,9 +299,16 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
         raise ValueError(f"in_flight {spec.in_flight} must be a multiple of group_size {spec.group_size}")
     concurrent = spec.in_flight // spec.group_size
     batch = spec.batch_groups or max(1, concurrent // 2)
-    client = RolloutClient(urls, api_key=spec.api_key, request_timeout_s=24 * 3600)
+    if spec.client_procs > 1:
+        client = port = ShardedRollout(urls, spec.client_procs, api_key=spec.api_key, request_timeout_s=24 * 3600,
+                                       loop=spec.loop)
+        worker_cpu = port.worker_cpu_seconds
+    else:
+        client = RolloutClient(urls, api_key=spec.api_key, request_timeout_s=24 * 3600)
+        port = ClientRollout(client)
+        worker_cpu = lambda: 0.0  # noqa: E731
     sync = SimSync(urls, spec.api_key, sync_delay_s or (lambda v: 0.0))
-    rollout = CheckedRollout(client, cfg, spec.max_new, sync, spec.pause_mode)
+    rollout = CheckedRollout(port, cfg, spec.max_new, sync, spec.pause_mode)
     trainer = SleepTrainer(train_s or (lambda samples: spec.train_s))
     gate = StalenessManager(batch, spec.eta, concurrent)
     tmp = tempfile.TemporaryDirectory(prefix="ctrl_scale_")
@@ -296,24 +317,26 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
                                   eval_every=0, eval_at_start=False, checkpoint_every=0,
                                   output_dir=Path(out_dir or tmp.name))
     marks: list[dict] = []
-    lag = LoopLag()
 
     def on_metrics(m: dict) -> None:
         if m.get("kind") == "train":
-            marks.append({"t": time.perf_counter(), "cpu": time.process_time(), "step": m["step"],
+            marks.append({"t": time.perf_counter(), "cpu": time.process_time(), "wcpu": worker_cpu(), "step": m["step"],
                           "trained_tokens": m["tokens"], "staleness": m["staleness"], "positions": m["positions"],
                           "train_s": m["train_s"], "wait_s": m["wait_s"], "sync_s": m["sync_s"]})
 
     ctrl = Controller(settings, SimPrompts(), SimTokenizer(spec.prompt_len), rollout, ConstReward(), trainer, sync,
                       gate, callbacks=[on_metrics])
     await client.start()
+    lag = LoopLag(other_rss_mb=port.worker_rss_mb if spec.client_procs > 1 else None)
     stats0 = await sim_stats(urls[0], spec.api_key)
     gc.collect()
     lag.start()
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    t0, cpu0, wcpu0 = time.perf_counter(), time.process_time(), worker_cpu()
     try:
         with GcClock() as gcc:
             summary = await ctrl.run()
+        workers_peak_hwm = port.worker_rss_mb(peak=True) if spec.client_procs > 1 else 0.0
+        sharded_stats = dict(port.stats) if spec.client_procs > 1 else None
     finally:
         await lag.stop()
         await client.close()
@@ -323,6 +346,7 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
     last = marks[-1]
     wall = last["t"] - t0
     cpu = last["cpu"] - cpu0 - rollout.check_cpu_s
+    wcpu = last["wcpu"] - wcpu0
     received = stats1["sent_tokens"] - stats0["sent_tokens"]
     trained = sum(m["trained_tokens"] for m in marks)
     positions = [p for m in marks for p in m["positions"]]
@@ -339,12 +363,17 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
         "pause_modes_used": sorted({p["mode"] for p in rollout.pauses}),
         "wall_s": wall, "received_tok_s": received / wall, "trained_tok_s": trained / wall,
         "cpu_s": cpu, "cpu_util": cpu / wall, "cpu_us_per_tok": 1e6 * cpu / max(received, 1),
+        "client_procs": spec.client_procs, "worker_cpu_s": wcpu,
+        "worker_cpu_us_per_tok": 1e6 * wcpu / max(received, 1),
+        "total_cpu_us_per_tok": 1e6 * (cpu + wcpu) / max(received, 1), "total_cpu_util": (cpu + wcpu) / wall,
         "gc_s": gcc.total_s, "gc_share_of_cpu": gcc.total_s / max(cpu, 1e-9), "gc_collections": gcc.collections,
         **lag.summary(),
         "pause_ack_max_s": max((p["ack_s"] for p in pauses), default=None),
         "pause_to_continue_mean_s": sum(p["continue_s"] for p in pauses) / len(pauses) if pauses else None,
         "pause_to_continue_max_s": max((p["continue_s"] for p in pauses), default=None),
         "peak_rss_mb": lag.peak_rss, "rss_before_mb": lag.rss0, "process_peak_rss_mb": peak_rss_mb(),
+        "workers_peak_rss_mb": lag.peak_other_rss, "workers_peak_hwm_mb": workers_peak_hwm,
+        "total_peak_rss_mb": max(lag.peak_total_rss, lag.peak_rss), "sharded_stats": sharded_stats,
         "received_tokens": received, "trained_tokens": trained,
         "answers": stats1["answers"] - stats0["answers"], "aborted_answers": stats1["aborted_answers"]
         - stats0["aborted_answers"], "samples_checked": sum(rollout.returned.values()),
@@ -380,6 +409,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--note", default="", help="stored in each row (e.g. which code was measured)")
     ap.add_argument("--profile", action="store_true", help="cProfile the controller process; print the top 25")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="rollout client processes: 1 = in the controller's process, N > 1 = ShardedRollout")
     ap.add_argument("--loop", choices=("asyncio", "uvloop"), default=None,
                     help="the controller's event loop (default: production's choice, uvloop where installed)")
     add_harness_args(ap)
@@ -393,6 +424,9 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError:
             raise SystemExit(f"--scales: {part!r} is not servers:in_flight") from None
         scales.append((n, f))
+        if not 1 <= args.client_procs <= n:
+            raise SystemExit(f"--client-procs: must be >= 1 and <= the servers of every scale ({n}), "
+                             f"got {args.client_procs}")
     cfg = scale_config(args)
     if args.dry_run:
         for n, f in scales:
@@ -402,7 +436,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for n, f in scales:
         spec = RunSpec(servers=n, in_flight=f, group_size=args.group_size, eta=args.eta, steps=args.steps,
-                       train_s=args.train_s, max_new=cfg.len_max, pause_mode=args.pause_mode, api_key=cfg.api_key)
+                       train_s=args.train_s, max_new=cfg.len_max, pause_mode=args.pause_mode, api_key=cfg.api_key,
+                       client_procs=args.client_procs, loop=args.loop)
+        load_before = os.getloadavg()[0]
         with sim.SimProcess(n, cfg) as proc:
             sim_cpu0 = proc.cpu_seconds()
             prof = None
@@ -420,6 +456,7 @@ def main(argv: list[str] | None = None) -> None:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             row["sim_cpu_s"] = proc.cpu_seconds() - sim_cpu0
         row["load_avg_1m"] = os.getloadavg()[0]
+        row["load_avg_1m_before"] = load_before
         if args.note:
             row["note"] = args.note
         row["sim"] = {"decode_a_s": cfg.decode_a_s, "decode_b_s": cfg.decode_b_s, "len_median": cfg.len_median,

@@ -133,13 +133,14 @@ def test_api_key_required():
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("pause_mode", [None, "abort"])
-def test_scale_benchmark_small_configuration_is_exact(pause_mode):
-    """The benchmark's own loop (real Controller, gate, ClientRollout) at a tiny scale: every group
-    trained once, every sample exact. ``None`` is the production pause mode."""
+@pytest.mark.parametrize("pause_mode,client_procs", [(None, 1), ("abort", 1), (None, 2)])
+def test_scale_benchmark_small_configuration_is_exact(pause_mode, client_procs):
+    """The benchmark's own loop (real Controller, gate, ClientRollout; ShardedRollout with 2 worker
+    processes) at a tiny scale: every group trained once, every sample exact. ``None`` is the
+    production pause mode."""
     cfg = _cfg(api_key="bench-key", time_scale=10.0, len_median=40, len_max=200, max_running=64)
     spec = scale.RunSpec(servers=3, in_flight=48, group_size=4, eta=2, steps=3, train_s=0.05, max_new=200,
-                         pause_mode=pause_mode, api_key="bench-key", prompt_len=5)
+                         pause_mode=pause_mode, api_key="bench-key", prompt_len=5, client_procs=client_procs)
 
     async def run():
         async with sim.SimCluster(spec.servers, cfg) as cluster:
@@ -149,3 +150,7 @@ def test_scale_benchmark_small_configuration_is_exact(pause_mode):
     assert row["errors"] == [] and row["correct"]
     assert row["steps"] == 3 and row["samples_checked"] >= 3 * row["batch_groups"] * spec.group_size
     assert row["received_tokens"] >= row["trained_tokens"] > 0
+    assert row["client_procs"] == client_procs
+    if client_procs > 1:  # the workers did the HTTP work, and nothing was answered twice or re-sent
+        assert row["worker_cpu_s"] > 0 and row["workers_peak_rss_mb"] > 0
+        assert row["sharded_stats"]["duplicates_dropped"] == 0 and row["sharded_stats"]["resent"] == 0

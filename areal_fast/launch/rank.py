@@ -137,8 +137,15 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
     prompts, evals = load_data(cfg, tok)
     r = cfg.rollout
     gate = StalenessManager(cfg.train.batch_size, r.max_staleness, r.max_concurrent, strict=r.strict_staleness)
-    client = RolloutClient(urls, api_key=api_key, request_timeout_s=r.request_timeout, down_cooldown_s=2.0,
-                           pause_mode=r.pause_mode)
+    client_options = dict(api_key=api_key, request_timeout_s=r.request_timeout, down_cooldown_s=2.0,
+                          pause_mode=r.pause_mode)
+    is_dead = lambda url: not http_reachable(url + "/health")  # noqa: E731
+    if r.client_processes > 1:  # the client in worker processes, each over a share of the servers
+        from areal_fast.rollout.sharded import ShardedRollout
+
+        client = ShardedRollout(urls, r.client_processes, is_dead=is_dead, **client_options)
+    else:
+        client = RolloutClient(urls, **client_options)
     service = RewardService(num_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout,
                             default_reward=cfg.reward.name)
     closers: list = []
@@ -148,7 +155,7 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
             await service.start()
             actor = await asyncio.to_thread(PPOActor, trainer_config(cfg, path))
             trainer = ActorTrainer(actor)
-            rollout = ClientRollout(client, is_dead=lambda url: not http_reachable(url + "/health"))
+            rollout = client if r.client_processes > 1 else ClientRollout(client, is_dead=is_dead)
             syncer = make_sync_port(cfg.weights, trainer, rollout, urls, out / "weights_sync")
             ctl = Controller(controller_settings(cfg, tok, resume_key(cfg, prompts)), prompts, tok, rollout,
                              ServiceReward(service), trainer, syncer, gate, eval_prompts=evals)

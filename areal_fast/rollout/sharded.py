@@ -60,6 +60,7 @@ from areal_fast.controller import Generation
 from areal_fast.launch.runtime import ClientRollout
 from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY, tune_gc
 from areal_fast.rollout.client import API_KEY_ENV, RequestError, RolloutClient, RolloutError, ServerError
+from areal_fast.rollout.loop import event_loop_choice
 
 log = logging.getLogger(__name__)
 
@@ -141,13 +142,14 @@ def _picklable(e: BaseException) -> BaseException:
 # ----------------------------------------------------------------------------- worker process
 
 
-def _worker_main(index: int, sock_path: str, urls: list[str], client_kwargs: dict) -> None:
+def _worker_main(index: int, sock_path: str, urls: list[str], client_kwargs: dict, loop: str | None) -> None:
     """Entry point of worker ``index`` (spawned): serve requests for ``urls`` until told to close."""
     from areal_fast.launch.base import die_with_parent
+    from areal_fast.rollout.loop import run_event_loop
 
     die_with_parent()  # killed by the kernel if the controller dies, even by SIGKILL
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rollout-worker-{index} %(levelname)s %(message)s")
-    asyncio.run(_serve(index, sock_path, urls, client_kwargs))
+    run_event_loop(_serve(index, sock_path, urls, client_kwargs), loop)
 
 
 async def _serve(index: int, sock_path: str, urls: list[str], client_kwargs: dict) -> None:
@@ -210,10 +212,10 @@ async def _serve(index: int, sock_path: str, urls: list[str], client_kwargs: dic
             if kind == "gen":
                 for rid, ids, sampling in msg[1]:
                     tasks[rid] = asyncio.create_task(one(rid, ids, sampling))
-            elif kind == "cancel":
+            elif kind == "cancel":  # the controller hears of it: (rid, None), or the answer already sent
                 t = tasks.get(msg[1])
-                if t is not None:
-                    t.cancel()
+                if t is not None and t.cancel():
+                    out.add((msg[1], None))
             elif kind == "remove":  # in order with the frames around it (a retried pause comes after)
                 try:
                     client.remove_server(msg[1])
@@ -242,6 +244,7 @@ class _Worker:
     reader_task: asyncio.Task | None = None
     requests: _Batcher | None = None
     outstanding: set[str] = field(default_factory=set)  # rids sent here and not answered yet
+    cancelled: set[str] = field(default_factory=set)  # rids cancelled by the caller, the worker not heard yet
     acks: dict[int, asyncio.Future] = field(default_factory=dict)
     alive: bool = True
     ready: asyncio.Future | None = None
@@ -278,17 +281,21 @@ class ShardedRollout(ClientRollout):
 
     ``client_kwargs`` are ``RolloutClient``'s keyword options and reach every worker unchanged; the
     api key defaults to ``AREAL_FAST_API_KEY`` as there. ``is_dead(url)`` (run in this process)
-    tells a failed control call which servers to drop, as for ``ClientRollout``."""
+    tells a failed control call which servers to drop, as for ``ClientRollout``. ``loop`` is the
+    workers' event loop (``areal_fast.rollout.loop``: None = ``AREAL_FAST_EVENT_LOOP`` or auto)."""
 
-    def __init__(self, urls: list[str], processes: int, *, is_dead=None, **client_kwargs):
+    def __init__(self, urls: list[str], processes: int, *, is_dead=None, loop: str | None = None,
+                 **client_kwargs):
         urls = [u.rstrip("/") for u in urls]
         if not 1 <= processes <= len(urls):
             raise ValueError(f"client_processes: must be >= 1 and <= the number of servers ({len(urls)}), "
                              f"got {processes!r}")
         RolloutClient(urls, **client_kwargs)  # refuses a bad option here, before any process starts
+        event_loop_choice(loop)
         super().__init__(None, is_dead=is_dead)
         client_kwargs.setdefault("api_key", os.environ.get(API_KEY_ENV) or None)
         self.client_kwargs = client_kwargs
+        self.loop = loop
         self.processes = processes
         self._shards = [urls[k::processes] for k in range(processes)]
         self.workers: list[_Worker] = []
@@ -313,7 +320,7 @@ class ShardedRollout(ClientRollout):
         loop = asyncio.get_running_loop()
         self._server = await asyncio.start_unix_server(self._on_connect, path)
         for k, urls in enumerate(self._shards):
-            w = _Worker(k, urls, ctx.Process(target=_worker_main, args=(k, path, urls, self.client_kwargs),
+            w = _Worker(k, urls, ctx.Process(target=_worker_main, args=(k, path, urls, self.client_kwargs, self.loop),
                                              name=f"rollout-worker-{k}", daemon=True))
             w.ready = loop.create_future()
             self.workers.append(w)
@@ -433,8 +440,11 @@ class ShardedRollout(ClientRollout):
             self._send(rid, p, self._route())
             return await p.future
         except asyncio.CancelledError:
-            if rid in self._pending:
-                self._pending[rid].worker.send(("cancel", rid))
+            p = self._pending.get(rid)
+            if p is not None and p.worker is not None and rid in p.worker.outstanding:
+                p.worker.cancelled.add(rid)
+                p.worker.requests.flush()  # the request itself may still wait in the batch
+                p.worker.send(("cancel", rid))
             raise
         finally:
             q = self._pending.pop(rid, None)
@@ -444,6 +454,9 @@ class ShardedRollout(ClientRollout):
     def _on_answers(self, w: _Worker, items: list) -> None:
         for item in items:
             rid = item[0]
+            if rid in w.cancelled:  # the caller stopped waiting: the answer (or the worker's word) is dropped
+                w.cancelled.discard(rid)
+                continue
             p = self._pending.get(rid)
             if p is None or p.worker is not w or rid not in w.outstanding or p.future.done():
                 self.stats["duplicates_dropped"] += 1
@@ -451,7 +464,7 @@ class ShardedRollout(ClientRollout):
             w.outstanding.discard(rid)
             self.stats["answers"] += 1
             if len(item) == 2:
-                p.future.set_exception(item[1])
+                p.future.set_exception(item[1] or RolloutError(f"{w.name} cancelled rid {rid!r} by itself"))
             else:
                 p.future.set_result(Generation(output_ids=_array(item[2], TOKEN_ARRAY),
                                                behav_logprobs=_array(item[3], LOGPROB_ARRAY),
@@ -550,6 +563,7 @@ class ShardedRollout(ClientRollout):
         orphans = [r for r in w.outstanding if r in self._pending]
         w.outstanding.clear()
         for r in orphans:
+            w.cancelled.add(r)
             w.send(("cancel", r))
             self.stats["resent"] += 1
             self._send(r, self._pending[r], self._route())
