@@ -92,6 +92,18 @@ def _batch(rows, tok: CharTokenizer):
     return x, m
 
 
+def demonstration(rng: random.Random, cfg: AppConfig) -> dict:
+    """One supervised example; with ``mistake_fraction`` > 0 it may carry the systematic mistake
+    (the answer's last character dropped) when its string is at least ``mistake_min_len`` long."""
+    ws = cfg.model.warm_start
+    row = tiny_task.make_row(rng, cfg.data.synthetic)
+    if ws.mistake_fraction > 0:
+        draw = rng.random()  # drawn for every row so the rows do not depend on the string lengths
+        if len(row["answer"]) >= ws.mistake_min_len and draw < ws.mistake_fraction:
+            row = {**row, "answer": row["answer"][:-1]}
+    return row
+
+
 def supervised_warm_start(model, cfg: AppConfig, tok: CharTokenizer, progress=None) -> list[float]:
     """``ws.steps`` AdamW steps of answer-only cross-entropy on freshly generated rows."""
     import torch
@@ -100,16 +112,21 @@ def supervised_warm_start(model, cfg: AppConfig, tok: CharTokenizer, progress=No
     ws = cfg.model.warm_start
     rng = random.Random(cfg.experiment.seed * 31 + 17)  # a stream disjoint from the train/eval rows
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
+    sched = None
+    if ws.lr_schedule == "linear":  # ws.lr at the first step, lr / steps at the last
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: max(0.0, 1.0 - k / max(1, ws.steps)))
     model.train()
     losses = []
     for step in range(ws.steps):
-        x, m = _batch([tiny_task.make_row(rng, cfg.data.synthetic) for _ in range(ws.batch_size)], tok)
+        x, m = _batch([demonstration(rng, cfg) for _ in range(ws.batch_size)], tok)
         logits = model(input_ids=x).logits[:, :-1].float()
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none")
         loss = (nll * m[:, 1:].reshape(-1)).sum() / m[:, 1:].sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if sched is not None:
+            sched.step()
         losses.append(loss.item())
         if progress is not None:
             progress(step + 1, ws.steps, losses[-1])
