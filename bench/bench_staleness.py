@@ -1,0 +1,622 @@
+"""The staleness ablation: held-out quality vs the staleness bound eta, for three objectives and two
+advantage estimators, on the shipped tiny task, with the real training loop.
+
+    python bench/bench_staleness.py [--etas 0,1,2,4,8,16] [--objectives recompute,loglinear,naive]
+        [--advantages grpo,rloo] [--seeds 1,2,3] [--steps N] [--eval-every K] [--work DIR | --resume DIR]
+        [--out bench/results] [--dry-run] [KEY=VALUE ...]
+
+Every run is one ``areal-fast train`` run (``areal_fast.launch.train.run_train``: an embedded engine
+server, the controller with its staleness gate, the PPO actor inside the controller, weight sync
+after every step) of ``examples/tiny_reverse.yaml`` with these overrides per arm:
+
+    rollout.max_staleness = eta
+    train.ppo.prox_mode   = recompute (decoupled, proximal recomputed) | approx (decoupled,
+                            log-linear proximal approximation) | none (naive PPO: proximal = behaviour)
+    train.ppo.adv_estimator = grpo | rloo
+    experiment.seed       = seed
+
+and the same ``experiment.total_steps`` and ``train.batch_size`` for all (the same number of trained
+samples). The warm start depends on the seed only: it is built once per seed under
+``<work>/warm/seed<S>/warm_start`` and copied into every run of that seed.
+
+Runs are sequential, each in a forked child of this process (the imports are paid once; a crash
+loses one run). Each finished run writes ``<work>/results/<run>.json`` at once; ``--resume DIR``
+skips the runs whose result exists (the sweep's settings must be the same, else it refuses, naming
+the difference). Staleness is measured, not assumed: the controller logs, per trained group, the
+trained version minus the oldest version among its tokens (``staleness`` in ``metrics.jsonl``);
+the histogram of every arm is reported.
+
+Writes ``<out>/staleness_<date>.json`` (per run and per arm, with curves and histograms),
+``staleness_<date>.md`` (the table) and ``staleness_<date>.png`` (held-out exact match vs step per
+arm, and final exact match vs eta), and appends one summary row per arm to ``<out>/staleness.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_rows, print_dry_run, provenance  # noqa: E402
+
+DEFAULT_CONFIG = ROOT / "examples" / "tiny_reverse.yaml"
+ETAS = (0, 1, 2, 4, 8, 16)
+# name -> train.ppo.prox_mode (docs/objective.md, "The proximal policy")
+OBJECTIVES = {"recompute": "recompute", "loglinear": "approx", "naive": "none"}
+OBJECTIVE_TITLES = {"recompute": "decoupled, recomputed proximal", "loglinear": "decoupled, log-linear proximal",
+                    "naive": "naive PPO (proximal = behaviour)"}
+ADVANTAGES = ("grpo", "rloo")
+SEEDS = (1, 2, 3)
+DIAGNOSTICS = ("behav_kl", "clip_fraction", "behav_capped_fraction", "approx_kl")
+# Settings of every run that are not the recipe's business: no checkpoints, plots or TensorBoard files
+# (time and disk), no progress bar (the sweep prints one line per run), and a fresh start.
+RUN_SETTINGS = ("experiment.resume=false", "checkpoint.every_steps=0", "checkpoint.save_hf=false",
+                "log.tensorboard=false", "log.progress=false", "log.plots=false")
+
+
+@dataclass(frozen=True)
+class Arm:
+    eta: int
+    objective: str  # a key of OBJECTIVES
+    advantage: str  # grpo | rloo
+
+    @property
+    def name(self) -> str:
+        return f"eta{self.eta}_{self.objective}_{self.advantage}"
+
+    def overrides(self) -> list[str]:
+        return [f"rollout.max_staleness={self.eta}", f"train.ppo.prox_mode={OBJECTIVES[self.objective]}",
+                f"train.ppo.adv_estimator={self.advantage}"]
+
+
+@dataclass(frozen=True)
+class Run:
+    arm: Arm
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm.name}_s{self.seed}"
+
+
+def build_arms(etas=ETAS, objectives=tuple(OBJECTIVES), advantages=ADVANTAGES) -> list[Arm]:
+    for o in objectives:
+        if o not in OBJECTIVES:
+            raise ValueError(f"--objectives: unknown objective {o!r} (known: {', '.join(OBJECTIVES)})")
+    for a in advantages:
+        if a not in ADVANTAGES:
+            raise ValueError(f"--advantages: unknown advantage {a!r} (known: {', '.join(ADVANTAGES)})")
+    for e in etas:
+        if e < 0:
+            raise ValueError(f"--etas: eta must be >= 0, got {e}")
+    return [Arm(e, o, a) for a in advantages for o in objectives for e in etas]
+
+
+def build_runs(arms: list[Arm], seeds) -> list[Run]:
+    """Seed-major: the first pass over all arms gives a complete (one-seed) table early."""
+    return [Run(arm, s) for s in seeds for arm in arms]
+
+
+def run_overrides(run: Run, steps: int, eval_every: int, extra: list[str] = ()) -> list[str]:
+    """The dotted overrides of one run, on top of the recipe (``extra`` last: the user's word wins
+    except over the arm's own keys, which are what the sweep varies)."""
+    return [*RUN_SETTINGS, f"experiment.total_steps={steps}", f"eval.every_steps={eval_every}", *extra,
+            *run.arm.overrides(), f"experiment.seed={run.seed}"]
+
+
+# ----------------------------------------------------------------------------- per-run result
+
+
+def staleness_hist(train_rows: list[dict]) -> dict[int, int]:
+    """Trained groups per staleness value, from the per-step ``staleness`` lists of metrics.jsonl."""
+    return dict(sorted(Counter(int(s) for r in train_rows for s in r["staleness"]).items()))
+
+
+def hist_stats(hist: dict) -> dict:
+    hist = {int(k): v for k, v in hist.items()}
+    n = sum(hist.values())
+    if n == 0:
+        return {"mean": None, "max": None, "groups": 0}
+    return {"mean": sum(k * v for k, v in hist.items()) / n, "max": max(k for k, v in hist.items() if v),
+            "groups": n}
+
+
+def summarise_run(run: Run, rows: list[dict], wall_s: float) -> dict:
+    """One run's result from its metrics.jsonl rows."""
+    train = [r for r in rows if r.get("kind") == "train"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    if not train or not evals:
+        raise ValueError(f"{run.name}: metrics.jsonl has {len(train)} train and {len(evals)} eval rows")
+    trained = [e["eval_reward"] for e in evals if e["step"] > 0]
+    hist = staleness_hist(train)
+    st = hist_stats(hist)
+    return {
+        "run": run.name, "arm": run.arm.name, "eta": run.arm.eta, "objective": run.arm.objective,
+        "advantage": run.arm.advantage, "seed": run.seed, "steps": train[-1]["step"],
+        "eval_first": evals[0]["eval_reward"], "eval_final": evals[-1]["eval_reward"],
+        "eval_best": max(trained) if trained else evals[-1]["eval_reward"],
+        "eval_curve": [[e["step"], e["eval_reward"]] for e in evals],
+        "train_reward_curve": [[r["step"], r["reward"]] for r in train],
+        "trained_samples": sum(len(r.get("staleness", ())) for r in train),  # groups; times group_size below
+        "trained_samples_per_s": train[-1]["trained_samples_per_s"],
+        "elapsed_s": train[-1]["time"], "wall_s": wall_s,
+        "staleness_hist": {str(k): v for k, v in hist.items()}, "staleness_mean": st["mean"],
+        "staleness_max": st["max"], "dropped_stale": train[-1].get("dropped_stale", 0),
+        # how off-policy the data really was, and how much the trust region acted (means over steps):
+        # behav_kl = mean(p - b) over loss tokens (0 by construction for naive PPO, where p = b)
+        **{f"{k}_mean": _mean_of(train, f"train/{k}") for k in DIAGNOSTICS},
+    }
+
+
+def _mean_of(rows: list[dict], key: str) -> float | None:
+    xs = [r[key] for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
+    return statistics.fmean(xs) if xs else None
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def mean_spread(xs: list[float]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation over seeds (spread 0 for one seed)."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def aggregate(results: list[dict]) -> list[dict]:
+    """One row per arm (in first-seen order): mean and spread over seeds, the pooled staleness histogram."""
+    by_arm: dict[str, list[dict]] = {}
+    for r in results:
+        by_arm.setdefault(r["arm"], []).append(r)
+    rows = []
+    for arm, rs in by_arm.items():
+        hist: Counter = Counter()
+        for r in rs:
+            hist.update({int(k): v for k, v in r["staleness_hist"].items()})
+        st = hist_stats(hist)
+        row = {"arm": arm, "eta": rs[0]["eta"], "objective": rs[0]["objective"], "advantage": rs[0]["advantage"],
+               "seeds": sorted(r["seed"] for r in rs)}
+        for key in ("eval_final", "eval_best", "trained_samples_per_s", "eval_first",
+                    *(f"{k}_mean" for k in DIAGNOSTICS)):
+            row[f"{key}_mean"], row[f"{key}_spread"] = mean_spread([r.get(key) for r in rs])
+        row["staleness_hist"] = {str(k): v for k, v in sorted(hist.items())}
+        row["staleness_mean"], row["staleness_max"] = st["mean"], st["max"]
+        row["staleness_at_eta_fraction"] = hist.get(rs[0]["eta"], 0) / st["groups"] if st["groups"] else None
+        row["eval_curve_mean"] = mean_curve([r["eval_curve"] for r in rs])
+        rows.append(row)
+    return rows
+
+
+def mean_curve(curves: list[list]) -> list[list]:
+    """Mean over seeds at each step that every curve has."""
+    steps = set.intersection(*(set(s for s, _ in c) for c in curves)) if curves else set()
+    return [[s, statistics.fmean(v for c in curves for t, v in c if t == s)] for s in sorted(steps)]
+
+
+def _pm(m, s, digits=3) -> str:
+    if m is None:
+        return "-"
+    return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _hist_text(hist: dict) -> str:
+    n = sum(hist.values())
+    return " ".join(f"{k}:{v / n:.0%}" for k, v in hist.items() if v / n >= 0.01) if n else "-"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| eta | objective | advantage | seeds | final EM | best EM | trained samples/s | staleness mean | "
+            "staleness max | staleness histogram (share of trained groups) | mean(p - b) | clip fraction |")
+    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    for r in rows:
+        lines.append(
+            f"| {r['eta']} | {r['objective']} | {r['advantage']} | {len(r['seeds'])} | "
+            f"{_pm(r['eval_final_mean'], r['eval_final_spread'])} | "
+            f"{_pm(r['eval_best_mean'], r['eval_best_spread'])} | "
+            f"{_pm(r['trained_samples_per_s_mean'], r['trained_samples_per_s_spread'], 1)} | "
+            f"{r['staleness_mean']:.2f} | {r['staleness_max']} | {_hist_text(r['staleness_hist'])} | "
+            f"{_num(r.get('behav_kl_mean_mean'))} | {_num(r.get('clip_fraction_mean_mean'))} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- plot
+
+
+def plot(rows: list[dict], path: Path) -> Path | None:
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    advs = list(dict.fromkeys(r["advantage"] for r in rows))
+    etas = sorted({r["eta"] for r in rows})
+    objs = list(dict.fromkeys(r["objective"] for r in rows))
+    cmap = plt.get_cmap("viridis")
+    colour = {e: cmap(i / max(len(etas) - 1, 1)) for i, e in enumerate(etas)}
+    style = dict(zip(objs, ("-", "--", ":", "-.")))
+    marker = dict(zip(objs, ("o", "s", "^", "d")))
+    fig, axes = plt.subplots(2, len(advs), figsize=(7 * len(advs), 9), squeeze=False)
+    for j, adv in enumerate(advs):
+        ax = axes[0][j]
+        for r in rows:
+            if r["advantage"] != adv:
+                continue
+            c = r["eval_curve_mean"]
+            ax.plot([s for s, _ in c], [v for _, v in c], style[r["objective"]], color=colour[r["eta"]], lw=1.3,
+                    label=f"eta {r['eta']}, {r['objective']}")
+        ax.set_title(f"{adv.upper()}: held-out exact match vs step (mean over seeds)")
+        ax.set_xlabel("trainer step")
+        ax.set_ylabel("held-out exact match (greedy)")
+        ax.legend(fontsize=6, ncol=3)
+        ax = axes[1][j]
+        for o in objs:
+            sel = sorted((r for r in rows if r["advantage"] == adv and r["objective"] == o), key=lambda r: r["eta"])
+            ax.errorbar([r["eta"] for r in sel], [r["eval_final_mean"] for r in sel],
+                        yerr=[r["eval_final_spread"] for r in sel], ls=style[o], marker=marker[o], capsize=3,
+                        label=OBJECTIVE_TITLES.get(o, o))
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xticks(etas)
+        ax.set_xticklabels([str(e) for e in etas])
+        ax.set_title(f"{adv.upper()}: final held-out exact match vs eta (mean ± std over seeds)")
+        ax.set_xlabel("eta (rollout.max_staleness)")
+        ax.set_ylabel("final held-out exact match")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def sweep_key(config: str, steps: int, eval_every: int, extra: list[str], servers: str = "shared") -> dict:
+    """What every run of a sweep shares; a resumed sweep must have the same."""
+    text = Path(config).read_text()
+    return {"config": str(Path(config).resolve()), "config_sha1": hashlib.sha1(text.encode()).hexdigest()[:12],
+            "steps": steps, "eval_every": eval_every, "overrides": list(extra), "servers": servers}
+
+
+def open_work_dir(work: Path, key: dict, resume: bool) -> None:
+    """Create the sweep's directory, or check that the one to resume ran the same settings."""
+    marker = work / "sweep.json"
+    if marker.is_file():
+        if not resume:
+            raise SystemExit(f"bench_staleness: {work} already holds a sweep; pass --resume {work} to continue it "
+                             f"or choose another --work")
+        old = json.loads(marker.read_text())
+        diff = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
+        if diff:
+            raise SystemExit(f"bench_staleness: cannot resume {work}: its {', '.join(diff)} differ "
+                             f"({', '.join(f'{k}: {old.get(k)!r} -> {key.get(k)!r}' for k in diff)})")
+        return
+    if resume:
+        raise SystemExit(f"bench_staleness: --resume {work}: no sweep there (no sweep.json)")
+    work.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(key, indent=1) + "\n")
+
+
+def result_path(work: Path, run: Run) -> Path:
+    return work / "results" / f"{run.name}.json"
+
+
+def pending(runs: list[Run], work: Path) -> list[Run]:
+    """The runs without a result file (a finished run is never run again)."""
+    return [r for r in runs if not result_path(work, r).is_file()]
+
+
+def load_results(runs: list[Run], work: Path) -> list[dict]:
+    return [json.loads(result_path(work, r).read_text()) for r in runs if result_path(work, r).is_file()]
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def warm_dir(work: Path, seed: int) -> Path:
+    return work / "warm" / f"seed{seed}"
+
+
+def build_warm_start(config: str, overrides: list[str], work: Path, seed: int) -> Path:
+    """The seed's warm-started model, built once (in a forked child: the parent runs no torch op)."""
+    path = warm_dir(work, seed) / "warm_start"
+    if path.is_dir():
+        return path
+
+    def build():
+        from areal_fast.config import load_config
+        from areal_fast.launch.train import model_dir
+
+        model_dir(load_config(config, [*overrides, f"experiment.seed={seed}",
+                                       f"experiment.output_dir={warm_dir(work, seed)}"]))
+
+    p = multiprocessing.get_context("fork").Process(target=build, name=f"warm_start_seed{seed}")
+    p.start()
+    p.join()
+    if p.exitcode != 0 or not path.is_dir():
+        raise RuntimeError(f"warm start of seed {seed} failed (exit code {p.exitcode}); {path} missing")
+    return path
+
+
+def _child(run: Run, config: str, overrides: list[str], work: Path, api_key: str | None = None) -> None:
+    """One run, in a forked child: warm start (shared per seed), run_train, result file."""
+    log_path = work / "logs" / f"{run.name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    from areal_fast.config import load_config
+    from areal_fast.launch.base import API_KEY_ENV
+    from areal_fast.launch.train import run_train
+
+    if api_key is not None:  # the shared servers' key (rollout.servers given: run_train takes it from here)
+        os.environ[API_KEY_ENV] = api_key
+    t0 = time.perf_counter()
+    out = work / "runs" / run.name
+    cfg = load_config(config, [*overrides, f"experiment.output_dir={out}"])
+    if cfg.model.warm_start.enabled:  # the same signature (seed, task, model): run_train reuses the copy
+        shutil.rmtree(out / "warm_start", ignore_errors=True)
+        shutil.copytree(warm_dir(work, run.seed) / "warm_start", out / "warm_start")
+    run_train(cfg, progress=False)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    res = summarise_run(run, rows, time.perf_counter() - t0)
+    res["trained_samples"] *= cfg.rollout.group_size
+    res["batch_size"], res["group_size"] = cfg.train.batch_size, cfg.rollout.group_size
+    res["overrides"] = overrides
+    write_json_atomic(result_path(work, run), res)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def execute(run: Run, config: str, overrides: list[str], work: Path, api_key: str | None = None) -> bool:
+    """Run one arm and seed in a forked child; True when its result file was written."""
+    # fork: the parent imported torch / transformers / areal_fast once (about 4 s a run saved) and has
+    # run no torch op (no thread pools to inherit); every server is a fresh exec'd process.
+    ctx = multiprocessing.get_context("fork")
+    p = ctx.Process(target=_child, args=(run, config, overrides, work, api_key), name=run.name)
+    p.start()
+    p.join()
+    return p.exitcode == 0 and result_path(work, run).is_file()
+
+
+class SharedServers:
+    """The embedded engine server(s) of one seed, started once and reset before every run of that seed.
+
+    Starting a server costs 6-11 s on 2 busy cores (a fresh interpreter importing torch and
+    transformers), as much as a whole run's training; the reset costs well under a second. A reset
+    server is in the state a fresh one starts in: no request left (abort all), not paused, no weight
+    update group, the seed's warm-start weights reloaded from disk and weight version 0. Only the
+    sampling RNG goes on from the previous run instead of restarting from the seed."""
+
+    def __init__(self, config: str, overrides: list[str], work: Path, seed: int, model_path: Path):
+        import secrets
+
+        from areal_fast.config import load_config
+        from areal_fast.launch.local import LocalLauncher
+
+        self.model_path = str(model_path.resolve())
+        self.api_key = secrets.token_hex(32)
+        cfg = load_config(config, [*overrides, f"experiment.seed={seed}"])
+        self.seed = seed
+        self.group_name = cfg.weights.group_name
+        self.launcher = LocalLauncher(work / "servers" / f"seed{seed}")
+        procs = self.launcher.start_servers(cfg.rollout, self.model_path, seed=seed, api_key=self.api_key)
+        self.urls = [p.url for p in procs]
+
+    def override(self) -> str:
+        return "rollout.servers=[" + ", ".join(f'"{u}"' for u in self.urls) + "]"
+
+    def _post(self, url: str, path: str, body: dict, check: bool = True) -> dict:
+        import urllib.error
+        import urllib.request
+
+        req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {self.api_key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                text = r.read().decode() or "{}"
+        except urllib.error.HTTPError as e:
+            if check:
+                raise RuntimeError(f"{url}{path}: HTTP {e.code}: {e.read()[:300]!r}") from None
+            return {}
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return {"text": text}
+
+    def reset(self) -> None:
+        for url in self.urls:
+            self._post(url, "/abort_request", {"abort_all": True})
+            self._post(url, "/continue_generation", {})
+            # a run that crashed may have left its group; normally the run's weight sync destroyed it
+            self._post(url, "/destroy_weights_update_group", {"group_name": self.group_name}, check=False)
+            r = self._post(url, "/update_weights_from_disk", {"model_path": self.model_path, "weight_version": "0",
+                                                                "abort_all_requests": True})
+            if not r.get("success", False):
+                raise RuntimeError(f"{url}: reloading {self.model_path} failed: {r}")
+
+    def close(self) -> None:
+        self.launcher.shutdown()
+
+
+def _preload() -> None:
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import areal_fast.config  # noqa: F401
+    import areal_fast.controller  # noqa: F401
+    import areal_fast.launch.train  # noqa: F401
+
+
+def recipe_commit(config: str) -> str:
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%h %cI %s", "--", str(config)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "uncommitted"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def report(runs: list[Run], work: Path, out: Path, args, prov: dict, wall_s: float | None) -> Path | None:
+    results = load_results(runs, work)
+    if not results:
+        return None
+    rows = aggregate(results)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
+    out.mkdir(parents=True, exist_ok=True)
+    key = json.loads((work / "sweep.json").read_text())
+    res = {"date": stamp, "provenance": prov, "sweep": key, "recipe_commit": recipe_commit(args.config),
+           "runs_done": len(results), "runs_planned": len(runs), "sweep_wall_s": wall_s,
+           "sum_run_wall_s": sum(r["wall_s"] for r in results),
+           "arms": rows, "runs": results}
+    (out / f"staleness_{stamp}.json").write_text(json.dumps(res, indent=1) + "\n")
+    md = (f"# Staleness ablation, {stamp} UTC\n\nRecipe `{Path(args.config).name}` at {res['recipe_commit']}; "
+          f"{key['steps']} steps per run, eval every {key['eval_every']}; overrides {key['overrides'] or 'none'}; "
+          f"{len(results)}/{len(runs)} runs; sweep wall time "
+          f"{'-' if wall_s is None else f'{wall_s / 60:.1f} min'} (sum of run times "
+          f"{res['sum_run_wall_s'] / 60:.1f} min); commit {prov.get('commit')}, "
+          f"{prov.get('cpu_count')} CPUs.\n\nEM = held-out exact match (greedy), mean ± std over seeds.\n\n"
+          + markdown_table(rows))
+    (out / f"staleness_{stamp}.md").write_text(md)
+    png = plot(rows, out / f"staleness_{stamp}.png")
+    summary_rows = [{k: v for k, v in r.items() if k != "eval_curve_mean"} | {"curves": f"staleness_{stamp}.json"}
+                    for r in rows]
+    append_rows("staleness", summary_rows, out, prov)
+    print(md)
+    print(f"results: {out / f'staleness_{stamp}.json'}, .md" + (f", {png}" if png else ""))
+    return out / f"staleness_{stamp}.json"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG))
+    ap.add_argument("--etas", type=_ints, default=list(ETAS))
+    ap.add_argument("--objectives", type=_names, default=list(OBJECTIVES))
+    ap.add_argument("--advantages", type=_names, default=list(ADVANTAGES))
+    ap.add_argument("--seeds", type=_ints, default=list(SEEDS))
+    ap.add_argument("--steps", type=int, default=40, help="trainer steps per run (the same for every arm)")
+    ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every K steps (and at 0, end)")
+    ap.add_argument("--servers", choices=("shared", "per-run"), default="shared",
+                    help="shared: one embedded engine per seed, reset before each run (saves 6-11 s a run); "
+                         "per-run: run_train launches its own server every run")
+    ap.add_argument("--work", default="/tmp/areal_bench_staleness", help="run directories and per-run results")
+    ap.add_argument("--resume", metavar="DIR", help="continue the sweep in DIR, skipping finished runs")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="where the table, JSON and plot go")
+    ap.add_argument("--report-only", action="store_true",
+                    help="write the table and plot from the work dir's results, run nothing")
+    ap.add_argument("--dry-run", action="store_true", help="print the run list and each run's overrides, run nothing")
+    ap.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides of the recipe for every run")
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
+    if args.eval_every < 1:
+        ap.error(f"--eval-every must be >= 1, got {args.eval_every}")
+    if not args.seeds:
+        ap.error("--seeds: at least one seed")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    arms = build_arms(args.etas, args.objectives, args.advantages)
+    runs = build_runs(arms, args.seeds)
+    work = Path(args.resume or args.work)
+    if args.dry_run:
+        print_dry_run("staleness", [dict(run=r.name, overrides=" ".join(run_overrides(r, args.steps, args.eval_every,
+                                                                                   args.overrides)))
+                                    for r in runs])
+        print(f"recipe: {args.config} ({recipe_commit(args.config)}); work dir {work}")
+        return
+    key = sweep_key(args.config, args.steps, args.eval_every, args.overrides, args.servers)
+    prov = provenance()
+    if args.report_only:
+        report(runs, work, Path(args.out), args, prov, None)
+        return
+    open_work_dir(work, key, resume=bool(args.resume))
+    todo = pending(runs, work)
+    print(f"staleness sweep: {len(runs)} runs, {len(runs) - len(todo)} already finished, {len(todo)} to run; "
+          f"work dir {work}", flush=True)
+    _preload()
+    t_start = time.perf_counter()
+    durations, failed = [], []
+    servers: SharedServers | None = None
+    try:
+        for i, run in enumerate(todo, 1):
+            t0 = time.perf_counter()
+            overrides = run_overrides(run, args.steps, args.eval_every, args.overrides)
+            ok = False
+            try:
+                model = build_warm_start(args.config, args.overrides, work, run.seed)
+                if args.servers == "shared":
+                    if servers is not None and servers.seed != run.seed:
+                        servers.close()
+                        servers = None
+                    if servers is None:
+                        servers = SharedServers(args.config, args.overrides, work, run.seed, model)
+                    servers.reset()
+                    overrides = [*overrides, servers.override()]
+                ok = execute(run, args.config, overrides, work, servers.api_key if servers else None)
+            except Exception as e:  # noqa: BLE001 - one run's failure is reported, the sweep goes on
+                print(f"{run.name}: {type(e).__name__}: {e}", flush=True)
+                if servers is not None:  # start the seed's servers afresh for the next run
+                    servers.close()
+                    servers = None
+            durations.append(time.perf_counter() - t0)
+            left = (len(todo) - i) * statistics.fmean(durations)
+            eta_clock = (datetime.datetime.now() + datetime.timedelta(seconds=left)).strftime("%H:%M")
+            if ok:
+                r = json.loads(result_path(work, run).read_text())
+                what = (f"EM {r['eval_first']:.3f} -> {r['eval_final']:.3f} (best {r['eval_best']:.3f}), staleness "
+                        f"mean {r['staleness_mean']:.2f} max {r['staleness_max']}, "
+                        f"{r['trained_samples_per_s']:.0f} samples/s")
+            else:
+                failed.append(run.name)
+                what = f"FAILED (log: {work / 'logs' / (run.name + '.log')}); rerun with --resume {work}"
+            print(f"[{i}/{len(todo)}] {run.name}: {what}; {durations[-1]:.0f} s; sweep done in ~{left / 60:.0f} "
+                  f"min (~{eta_clock})", flush=True)
+    finally:
+        if servers is not None:
+            servers.close()
+    wall = time.perf_counter() - t_start
+    print(f"sweep wall time {wall / 60:.1f} min; {len(failed)} failed{': ' + ', '.join(failed) if failed else ''}",
+          flush=True)
+    report(runs, work, Path(args.out), args, prov, wall if not failed and len(todo) == len(runs) else None)
+    if failed:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
