@@ -56,7 +56,6 @@ class EpisodeFailed(Exception):
 
 _COLUMNS = {"prompt_ids": TOKEN_ARRAY, "output_ids": TOKEN_ARRAY, "loss_mask": MASK_ARRAY,
             "behav_logprobs": LOGPROB_ARRAY, "output_versions": TOKEN_ARRAY}
-_UNKNOWN = object()  # the running minimum model version must be recomputed from the fields
 
 
 @dataclass
@@ -92,13 +91,14 @@ class Trajectory:
         code = _COLUMNS.get(name)
         if code is not None:
             value = column(value, code, f"Trajectory.{name}")
-            if name in ("loss_mask", "output_versions"):
-                object.__setattr__(self, "_min_version", _UNKNOWN)
+            if name in ("loss_mask", "output_versions"):  # the running minimum is recomputed when asked
+                object.__setattr__(self, "_min_known", False)
         object.__setattr__(self, name, value)
 
     def __post_init__(self) -> None:
         if not self.output_versions:  # built turn by turn: add_model keeps the minimum as it goes
             object.__setattr__(self, "_min_version", None)
+            object.__setattr__(self, "_min_known", True)
 
     @property
     def context_ids(self) -> array:
@@ -128,7 +128,7 @@ class Trajectory:
         self.loss_mask.frombytes(b"\x01" * n)
         self.behav_logprobs.extend(lps)
         self.output_versions.extend(vers)
-        if n and self._min_version is not _UNKNOWN:
+        if n and self._min_known:
             m = min_model_version(vers)
             if m is not None:
                 object.__setattr__(self, "_min_version", m if self._min_version is None else min(m, self._min_version))
@@ -151,8 +151,9 @@ class Trajectory:
     def min_model_version(self) -> int | None:
         """The oldest version among the model tokens (None without any; what staleness is measured
         on): kept as turns are added, recomputed only when a column was assigned directly."""
-        if self._min_version is _UNKNOWN:
+        if not self._min_known:
             object.__setattr__(self, "_min_version", min_model_version(self.output_versions, self.loss_mask))
+            object.__setattr__(self, "_min_known", True)
         return self._min_version
 
     def check(self, where: str) -> None:
