@@ -540,7 +540,7 @@ class Controller:
         self.version = int(st["version"])
         self.position = int(st["position"])
         self.requeue = deque(int(p) for p in st["pending"])
-        self.buffer = [Group.from_state(g) for g in st["buffer"]]
+        self.buffer = [g if isinstance(g, Group) else Group.from_state(g) for g in st["buffer"]]
         self.counters = Counters(**st["counters"])
         self._elapsed_before = float(st.get("elapsed", 0.0))
         self._timers = Counter(st.get("timers", {}))
@@ -583,6 +583,10 @@ class Controller:
         :class:`CorruptCheckpoint` when it cannot be read (nothing is loaded then)."""
         st = read_state(path)
         self.check_resume_key(st, path)
+        try:  # the buffered groups first: a damaged column is a corrupt checkpoint, found before any load
+            st = {**st, "buffer": [Group.from_state(g) for g in st["buffer"]]}
+        except (ValueError, TypeError, KeyError, OverflowError) as e:
+            raise CorruptCheckpoint(f"checkpoint {path}: a buffered group in {STATE_FILE} is unreadable: {e!r}") from e
         check = getattr(self.trainer, "check", None)  # optional: a trainer without it is trusted
         try:
             if check is not None:

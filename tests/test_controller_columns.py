@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from array import array
 from pathlib import Path
 
@@ -96,14 +97,24 @@ class Reward:
         return R()
 
 
+BUFFER_WAIT_S = 60.0  # limit of a wait for a group to finish (fake generations take milliseconds)
+
+
 class Trainer:
-    """Keeps every sample handed to it, and what the trainer's batch code makes of it."""
+    """Keeps every sample handed to it, and what the trainer's batch code makes of it. With
+    ``hold_until`` set, a step returns only once that condition holds (checked on the controller's
+    state from the trainer's thread), e.g. so that a checkpoint surely holds a buffered group."""
 
     def __init__(self):
         self.samples: list[dict] = []
         self.seqs = []
+        self.hold_until = None
 
     def train(self, samples):
+        deadline = time.monotonic() + BUFFER_WAIT_S
+        while self.hold_until is not None and not self.hold_until():
+            assert time.monotonic() < deadline, "no group finished while the trainer waited"
+            time.sleep(0.001)
         self.samples += samples
         self.seqs += [to_seq(Sample.coerce(s, i)) for i, s in enumerate(samples)]
         return {}
@@ -205,6 +216,7 @@ def test_a_checkpoint_with_lists_from_an_older_version_still_loads_and_resumes(t
     name ``logprobs``): it loads into arrays with the same values, and the run goes on from it."""
     client, trainer = FakeClient(as_arrays=True), Trainer()
     ctl, _ = _controller(tmp_path, client, trainer, steps=2, ckpt=2)
+    trainer.hold_until = lambda: len(ctl.buffer) >= 1  # the checkpoint after step 2 holds a finished group
     asyncio.run(ctl.run())
     ck = tmp_path / "checkpoints" / "step_00000002"
     st = read_state(ck)
@@ -232,3 +244,19 @@ def test_a_checkpoint_with_lists_from_an_older_version_still_loads_and_resumes(t
     trained = {s["group_id"] for s in trainer2.samples}
     assert {g.position for g in new_buffer} <= trained  # the restored groups were trained first
     assert len(trainer2.samples) == 2 * 2 * 2
+
+
+def test_a_damaged_column_makes_the_checkpoint_corrupt_and_the_previous_one_is_used(tmp_path, caplog):
+    client, trainer = FakeClient(as_arrays=True), Trainer()
+    ctl, _ = _controller(tmp_path, client, trainer, steps=4, ckpt=2)
+    trainer.hold_until = lambda: len(ctl.buffer) >= 1  # the checkpoint after step 4 holds a finished group
+    asyncio.run(ctl.run())
+    newest = tmp_path / "checkpoints" / "step_00000004"
+    st = json.loads((newest / STATE_FILE).read_text())
+    assert st["buffer"], "no buffered group in the checkpoint to damage"
+    st["buffer"][0]["outputs"][0]["b64"] = "not base64!"
+    (newest / STATE_FILE).write_text(json.dumps(st))
+    ctl2, _ = _controller(tmp_path, client, Trainer(), steps=4, ckpt=2)
+    with caplog.at_level("WARNING"):
+        assert ctl2.restore_newest() == tmp_path / "checkpoints" / "step_00000002"
+    assert "outputs[0]: damaged column encoding" in caplog.text and ctl2.version == 2
