@@ -174,7 +174,8 @@ def test_large_pool_two_choices_exact():
     asyncio.run(run())
 
 
-def test_control_call_sent_again_once_when_the_connection_breaks():
+@pytest.mark.parametrize("http", ["native", "aiohttp"])
+def test_control_call_sent_again_once_when_the_connection_breaks(http):
     """A server that drops the connection of the first /continue_generation (as a kept-alive
     connection closed under the client does): continue_all succeeds with a second call; a server
     that always drops it still fails."""
@@ -206,12 +207,12 @@ def test_control_call_sent_again_once_when_the_connection_breaks():
         await site.start()
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         try:
-            async with RolloutClient([url], gc_tuning=False) as c:
+            async with RolloutClient([url], gc_tuning=False, http=http) as c:
                 await c.continue_all()
         finally:
             await runner.cleanup()
         return calls["continue"]
 
     assert asyncio.run(run(drops=1)) == 2
-    with pytest.raises(aiohttp.ClientConnectionError):
+    with pytest.raises(aiohttp.ClientConnectionError if http == "aiohttp" else ConnectionError):
         asyncio.run(run(drops=2))

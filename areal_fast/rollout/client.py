@@ -161,7 +161,7 @@ class ServerState:
     weight_version: str | None = None  # the latest current version seen (answers, /model_info)
     in_flight: int = 0
     down_until: float = 0.0
-    pool: ConnectionPool | None = field(default=None, repr=False)  # POST /generate (http: "native")
+    pool: ConnectionPool | None = field(default=None, repr=False)  # its calls (http "native")
 
 
 @dataclass(frozen=True)
@@ -252,8 +252,8 @@ class RolloutClient:
             tune_gc()
 
     def _open_pool(self, server: ServerState) -> None:
-        """POST /generate of ``server`` goes through our own HTTP client (``areal_fast.rollout.http``)
-        for http:// servers; https:// ones (and ``http="aiohttp"``) use the aiohttp session."""
+        """Calls to ``server`` go through our own HTTP client (``areal_fast.rollout.http``) for
+        http:// servers; https:// ones (and ``http="aiohttp"``) use the aiohttp sessions."""
         if self.http == "native" and server.pool is None and server.url.startswith("http://"):
             server.pool = ConnectionPool(server.url, api_key=self.api_key, connect_timeout_s=self.connect_timeout_s)
 
@@ -312,23 +312,33 @@ class RolloutClient:
     async def _request(self, server: ServerState, method: str, path: str, body: dict | None = None,
                        timeout: aiohttp.ClientTimeout | None = None, parse=None,
                        control: bool = False) -> tuple[int, object]:
-        """One HTTP call: (status, decoded body). Connection problems raise aiohttp/asyncio errors.
-        ``parse(raw bytes)`` decodes a 2xx JSON answer instead of the generic decoder; ``control``
-        sends it on a new connection (the control session)."""
+        """One HTTP call: (status, decoded body). Connection problems raise ``ConnectionError`` (ours
+        and aiohttp's ``ClientOSError``), ``aiohttp.ClientError`` or ``TimeoutError``. ``parse(raw
+        bytes)`` decodes a 2xx JSON answer instead of the generic decoder. A server with a pool
+        (http "native") gets every call through it; otherwise aiohttp, and ``control`` calls there go
+        on a new connection (the control session: aiohttp cannot tell a kept-alive connection that
+        its server has closed)."""
         if self._session is None:
             raise RolloutError("client not started: use 'async with RolloutClient(...)' or await start()")
-        session = self._control_session if control else self._session
-        kwargs = {"timeout": timeout or self.control_timeout}
-        if method == "POST":
-            kwargs["data"] = dumps(body if body is not None else {})
-            kwargs["headers"] = _JSON_HEADERS
-        async with session.request(method, _url(server.url, path), **kwargs) as r:
-            raw = await r.read()
-            ctype = r.headers.get("Content-Type", "")
-            status = r.status
+        t = timeout or self.control_timeout
+        pool = server.pool
+        if pool is not None:
+            data = dumps(body if body is not None else {}) if method == "POST" else None
+            resp = await pool.request(method, path, data, t.total or self.request_timeout_s)
+            raw, ctype, status = resp.body, resp.content_type, resp.status
+        else:
+            session = self._control_session if control else self._session
+            kwargs = {"timeout": t}
+            if method == "POST":
+                kwargs["data"] = dumps(body if body is not None else {})
+                kwargs["headers"] = _JSON_HEADERS
+            async with session.request(method, _url(server.url, path), **kwargs) as r:
+                raw = await r.read()
+                ctype = r.headers.get("Content-Type", "")
+                status = r.status
         if parse is not None and status < 300 and "json" in ctype:
             return status, parse(raw)
-        return status, _decode(raw, ctype)
+        return status, _decode(bytes(raw), ctype)
 
     async def _call(self, server: ServerState, method: str, path: str, body: dict | None = None,
                     timeout: aiohttp.ClientTimeout | None = None, parse=None, control: bool = False):
@@ -338,24 +348,6 @@ class RolloutClient:
             if is_caller_error(status, data, server.version if server.info else None):
                 raise RequestError(server.url + path, status, data)
             raise ServerError(server.url + path, status, data)
-        return data
-
-    async def _post_generate(self, server: ServerState, body: dict, parse):
-        """POST /generate: the parsed answer, else RequestError / ServerError, or a connection error
-        (``ConnectionError``, ``aiohttp.ClientError``) or ``TimeoutError`` from the transport. The
-        same status rules as :meth:`_call`; only the transport differs."""
-        pool = server.pool
-        if pool is None:
-            return await self._call(server, "POST", "/generate", body, timeout=self.request_timeout, parse=parse)
-        resp = await pool.post("/generate", dumps(body), self.request_timeout_s)
-        status, ctype = resp.status, resp.content_type
-        if status < 300 and "json" in ctype:
-            return parse(resp.body)
-        data = _decode(bytes(resp.body), ctype)
-        if status >= 400:
-            if is_caller_error(status, data, server.version if server.info else None):
-                raise RequestError(server.url + "/generate", status, data)
-            raise ServerError(server.url + "/generate", status, data)
         return data
 
     # ------------------------------------------------------------------ pool membership
@@ -447,8 +439,8 @@ class RolloutClient:
             try:
                 where = f"{server.url}/generate (rid {seg_rid!r})"
                 try:
-                    data = await self._post_generate(server, {**payload, "rid": seg_rid},
-                                                     partial(parse_generate, where=where))
+                    data = await self._call(server, "POST", "/generate", {**payload, "rid": seg_rid},
+                                            timeout=self.request_timeout, parse=partial(parse_generate, where=where))
                 except AnswerError as e:
                     raise RolloutError(str(e)) from None
                 if not isinstance(data, Segment):  # a 2xx that was not JSON
@@ -557,7 +549,7 @@ class RolloutClient:
     async def _current_weight_version(self, server: ServerState) -> str | None:
         try:
             mi = await self._call(server, "GET", "/model_info", timeout=self._short_timeout())
-        except (RolloutError, aiohttp.ClientError, asyncio.TimeoutError):
+        except (RolloutError, aiohttp.ClientError, ConnectionError, asyncio.TimeoutError):
             return None
         server.weight_version = _str_or_none((mi or {}).get("weight_version"))
         return server.weight_version
@@ -575,11 +567,12 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ control of all servers
     async def _control(self, server: ServerState, method: str, path: str, body: dict | None = None):
-        """An idempotent control call (pause, continue, abort, info) on a new connection, sent again
-        once when that connection broke."""
+        """An idempotent control call (pause, continue, abort, info), sent again once when its
+        connection broke (on aiohttp it goes on a new connection; on our pool, on a kept-alive one
+        checked as for /generate)."""
         try:
             return await self._call(server, method, path, body, control=True)
-        except aiohttp.ClientConnectionError:
+        except (aiohttp.ClientConnectionError, ConnectionError):
             return await self._call(server, method, path, body, control=True)
 
     async def _all(self, method: str, path: str, body: dict | None = None) -> list:

@@ -261,18 +261,30 @@ class ConnectionPool:
         self.connects = 0  # connections opened (tests and benchmarks read it)
         self.closed = False
 
-    def _head(self, path: str) -> bytes:
-        head = self._heads.get(path)
+    def _head(self, method: str, path: str) -> bytes:
+        """The request's head up to its Content-Length value (POST) or its end (GET), built once."""
+        head = self._heads.get((method, path))
         if head is None:
-            head = (f"POST {self._prefix}{path} HTTP/1.1\r\nHost: {self._netloc}\r\n"
-                    "Content-Type: application/json\r\nAccept: application/json\r\n").encode("latin-1")
-            head = self._heads[path] = head + self._auth + b"Content-Length: "
+            head = (f"{method} {self._prefix}{path} HTTP/1.1\r\nHost: {self._netloc}\r\n"
+                    "Accept: application/json\r\n").encode("latin-1") + self._auth
+            head += b"Content-Type: application/json\r\nContent-Length: " if method == "POST" else b"\r\n"
+            self._heads[(method, path)] = head
         return head
 
     async def post(self, path: str, body: bytes, timeout_s: float) -> Response:
         """POST ``body`` (JSON bytes) to ``path``; the complete answer, whatever its status.
         Raises :class:`HttpError` (a ``ConnectionError``) or ``TimeoutError`` (``timeout_s`` for
         the whole call, connect included); never sends the request twice."""
+        return await self.request("POST", path, body, timeout_s)
+
+    async def request(self, method: str, path: str, body: bytes | None, timeout_s: float) -> Response:
+        """``method`` ("GET", or "POST" with JSON ``body``) on ``path``; see :meth:`post`."""
+        if method not in ("GET", "POST"):
+            raise ValueError(f"{self.url}{path}: method {method!r}: ConnectionPool sends GET and POST only")
+        if method == "POST":
+            data = b"".join((self._head(method, path), b"%d\r\n\r\n" % len(body), body))
+        else:
+            data = self._head(method, path)
         loop = asyncio.get_running_loop()
         where = self.url + path
         t0 = loop.time()
@@ -282,7 +294,7 @@ class ConnectionPool:
         waiter = loop.create_future()
         timer = loop.call_at(t0 + timeout_s, _expire, waiter, where, timeout_s)
         try:
-            conn.start(waiter, where, b"".join((self._head(path), b"%d\r\n\r\n" % len(body), body)))
+            conn.start(waiter, where, data)
             resp = await waiter
         except BaseException:  # timeout, cancellation, broken connection: it is never reused
             conn.abort()
