@@ -126,6 +126,18 @@ def staleness_hist(train_rows: list[dict]) -> dict[int, int]:
     return dict(sorted(Counter(int(s) for r in train_rows for s in r["staleness"]).items()))
 
 
+def at_bound_fraction(train_rows: list[dict], eta: int) -> float | None:
+    """Share of trained groups as stale as the bound allows at their step: min(eta, step - 1) (step k
+    trains with the weights of version k - 1, so nothing can be older than k - 1 versions). Near 1:
+    generation outran training and the buffer was always full of the oldest admissible groups."""
+    n = hit = 0
+    for r in train_rows:
+        bound = min(eta, r["step"] - 1)
+        n += len(r["staleness"])
+        hit += sum(1 for s in r["staleness"] if s >= bound)
+    return hit / n if n else None
+
+
 def hist_stats(hist: dict) -> dict:
     hist = {int(k): v for k, v in hist.items()}
     n = sum(hist.values())
@@ -155,7 +167,8 @@ def summarise_run(run: Run, rows: list[dict], wall_s: float) -> dict:
         "trained_samples_per_s": train[-1]["trained_samples_per_s"],
         "elapsed_s": train[-1]["time"], "wall_s": wall_s,
         "staleness_hist": {str(k): v for k, v in hist.items()}, "staleness_mean": st["mean"],
-        "staleness_max": st["max"], "dropped_stale": train[-1].get("dropped_stale", 0),
+        "staleness_max": st["max"], "staleness_at_bound_fraction": at_bound_fraction(train, run.arm.eta),
+        "dropped_stale": train[-1].get("dropped_stale", 0),
         # how off-policy the data really was, and how much the trust region acted (means over steps):
         # behav_kl = mean(p - b) over loss tokens (0 by construction for naive PPO, where p = b)
         **{f"{k}_mean": _mean_of(train, f"train/{k}") for k in DIAGNOSTICS},
@@ -191,7 +204,7 @@ def aggregate(results: list[dict]) -> list[dict]:
         st = hist_stats(hist)
         row = {"arm": arm, "eta": rs[0]["eta"], "objective": rs[0]["objective"], "advantage": rs[0]["advantage"],
                "seeds": sorted(r["seed"] for r in rs)}
-        for key in ("eval_final", "eval_best", "trained_samples_per_s", "eval_first",
+        for key in ("eval_final", "eval_best", "trained_samples_per_s", "eval_first", "staleness_at_bound_fraction",
                     *(f"{k}_mean" for k in DIAGNOSTICS)):
             row[f"{key}_mean"], row[f"{key}_spread"] = mean_spread([r.get(key) for r in rs])
         row["staleness_hist"] = {str(k): v for k, v in sorted(hist.items())}
@@ -214,6 +227,10 @@ def _pm(m, s, digits=3) -> str:
     return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
 def _num(x) -> str:
     return "-" if x is None else f"{x:.3g}"
 
@@ -225,7 +242,7 @@ def _hist_text(hist: dict) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     head = ("| eta | objective | advantage | seeds | final EM | best EM | trained samples/s | staleness mean | "
-            "staleness max | staleness histogram (share of trained groups) | mean(p - b) | clip fraction |")
+            "staleness max | at bound | staleness histogram (share of trained groups) | mean(p - b) | clip fraction |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
         lines.append(
@@ -233,7 +250,8 @@ def markdown_table(rows: list[dict]) -> str:
             f"{_pm(r['eval_final_mean'], r['eval_final_spread'])} | "
             f"{_pm(r['eval_best_mean'], r['eval_best_spread'])} | "
             f"{_pm(r['trained_samples_per_s_mean'], r['trained_samples_per_s_spread'], 1)} | "
-            f"{r['staleness_mean']:.2f} | {r['staleness_max']} | {_hist_text(r['staleness_hist'])} | "
+            f"{r['staleness_mean']:.2f} | {r['staleness_max']} | {_pct(r.get('staleness_at_bound_fraction_mean'))} | "
+            f"{_hist_text(r['staleness_hist'])} | "
             f"{_num(r.get('behav_kl_mean_mean'))} | {_num(r.get('clip_fraction_mean_mean'))} |")
     return "\n".join(lines) + "\n"
 
@@ -342,10 +360,9 @@ def warm_dir(work: Path, seed: int) -> Path:
 
 
 def build_warm_start(config: str, overrides: list[str], work: Path, seed: int) -> Path:
-    """The seed's warm-started model, built once (in a forked child: the parent runs no torch op)."""
+    """The seed's warm-started model, built once (in a forked child: the parent runs no torch op). A
+    cached one is checked against the recipe's warm-start signature and rebuilt when it differs."""
     path = warm_dir(work, seed) / "warm_start"
-    if path.is_dir():
-        return path
 
     def build():
         from areal_fast.config import load_config
@@ -464,13 +481,24 @@ class SharedServers:
         self.launcher.shutdown()
 
 
-def _preload() -> None:
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
+# Imported once in the parent so that no run pays for them: the trainer's first model build alone
+# imports ~5 s of transformers / torch.distributed modules on 2 busy cores (profiled). Importing
+# runs no torch op, so the forked children inherit no thread pools.
+PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "transformers.models.qwen2.modeling_qwen2",
+           "torch.distributed.checkpoint", "torch.distributed.fsdp", "areal_fast.config", "areal_fast.controller",
+           "areal_fast.launch.train", "areal_fast.launch.rank", "areal_fast.launch.runtime", "areal_fast.trainer",
+           "areal_fast.trainer.actor", "areal_fast.trainer.model", "areal_fast.trainer.attention",
+           "areal_fast.rollout.client", "areal_fast.reward", "areal_fast.weights", "areal_fast.data.warm_start")
 
-    import areal_fast.config  # noqa: F401
-    import areal_fast.controller  # noqa: F401
-    import areal_fast.launch.train  # noqa: F401
+
+def _preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:  # a module moved: the run imports what it needs itself, only slower
+            print(f"bench_staleness: preload of {name} failed ({e}); continuing", flush=True)
 
 
 def recipe_commit(config: str) -> str:
@@ -573,13 +601,16 @@ def main(argv=None) -> None:
     t_start = time.perf_counter()
     durations, failed = [], []
     servers: SharedServers | None = None
+    models: dict[int, Path] = {}  # seed -> warm start, checked once per invocation
     try:
         for i, run in enumerate(todo, 1):
             t0 = time.perf_counter()
             overrides = run_overrides(run, args.steps, args.eval_every, args.overrides)
             ok = False
             try:
-                model = build_warm_start(args.config, args.overrides, work, run.seed)
+                if run.seed not in models:
+                    models[run.seed] = build_warm_start(args.config, args.overrides, work, run.seed)
+                model = models[run.seed]
                 if args.servers == "shared":
                     if servers is not None and servers.seed != run.seed:
                         servers.close()

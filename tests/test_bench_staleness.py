@@ -85,6 +85,8 @@ def test_summarise_run_counts_groups_per_staleness():
     assert r["eval_first"] == 0.3 and r["eval_final"] == 0.5
     assert r["eval_best"] == 0.6  # over the evaluations after training started
     assert r["steps"] == 4 and r["trained_samples"] == 8  # groups (the child multiplies by group_size)
+    # bounds per step: min(2, k - 1) = 0, 1, 2, 2; at or above it: 2 + 2 + 1 + 2 of 8 groups
+    assert r["staleness_at_bound_fraction"] == pytest.approx(7 / 8)
     assert r["behav_kl_mean"] == pytest.approx(-0.1) and r["clip_fraction_mean"] == 0.0
 
 
@@ -130,6 +132,7 @@ def test_aggregate_means_spreads_and_pools_histograms():
     table = bs.markdown_table(rows)
     assert table.count("\n") == 4  # header, rule, two arms
     assert "0.600 ± 0.100" in table and "4:90%" in table
+    assert table.splitlines()[0].count("|") == table.splitlines()[2].count("|")  # every row has every column
 
 
 def test_work_dir_refuses_a_changed_sweep_and_a_silent_rerun(tmp_path):
