@@ -409,14 +409,24 @@ def _child(run: Run, config: str, overrides: list[str], work: Path, api_key: str
     sys.stderr.flush()
 
 
-def execute(run: Run, config: str, overrides: list[str], work: Path, api_key: str | None = None) -> bool:
-    """Run one arm and seed in a forked child; True when its result file was written."""
+def execute(run: Run, config: str, overrides: list[str], work: Path, api_key: str | None = None,
+            timeout_s: float | None = None) -> bool:
+    """Run one arm and seed in a forked child; True when its result file was written. A child still
+    running after ``timeout_s`` is stopped (SIGTERM, then SIGKILL) and the run counts as failed."""
     # fork: the parent imported torch / transformers / areal_fast once (about 4 s a run saved) and has
     # run no torch op (no thread pools to inherit); every server is a fresh exec'd process.
     ctx = multiprocessing.get_context("fork")
     p = ctx.Process(target=_child, args=(run, config, overrides, work, api_key), name=run.name)
     p.start()
-    p.join()
+    p.join(timeout_s)
+    if p.is_alive():
+        print(f"{run.name}: still running after {timeout_s:.0f} s; stopping it", flush=True)
+        p.terminate()
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        return False
     return p.exitcode == 0 and result_path(work, run).is_file()
 
 
@@ -503,7 +513,7 @@ def _preload() -> None:
 
 def recipe_commit(config: str) -> str:
     try:
-        out = subprocess.run(["git", "log", "-1", "--format=%h %cI %s", "--", str(config)], cwd=ROOT,
+        out = subprocess.run(["git", "log", "-1", "--format=%h %cI", "--", str(config)], cwd=ROOT,
                              capture_output=True, text=True, timeout=10)
         return out.stdout.strip() or "uncommitted"
     except (OSError, subprocess.SubprocessError):
@@ -560,6 +570,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--servers", choices=("shared", "per-run"), default="shared",
                     help="shared: one embedded engine per seed, reset before each run (saves 6-11 s a run); "
                          "per-run: run_train launches its own server every run")
+    ap.add_argument("--run-timeout", type=float, default=900.0,
+                    help="seconds after which a run that has not ended is stopped and counted as failed")
     ap.add_argument("--work", default="/tmp/areal_bench_staleness", help="run directories and per-run results")
     ap.add_argument("--resume", metavar="DIR", help="continue the sweep in DIR, skipping finished runs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="where the table, JSON and plot go")
@@ -617,9 +629,16 @@ def main(argv=None) -> None:
                         servers = None
                     if servers is None:
                         servers = SharedServers(args.config, args.overrides, work, run.seed, model)
-                    servers.reset()
+                    try:
+                        servers.reset()
+                    except Exception as e:  # noqa: BLE001 - a server died or hangs: start them again, once
+                        print(f"{run.name}: server reset failed ({e}); starting the servers again", flush=True)
+                        servers.close()
+                        servers = SharedServers(args.config, args.overrides, work, run.seed, model)
+                        servers.reset()
                     overrides = [*overrides, servers.override()]
-                ok = execute(run, args.config, overrides, work, servers.api_key if servers else None)
+                ok = execute(run, args.config, overrides, work, servers.api_key if servers else None,
+                             args.run_timeout)
             except Exception as e:  # noqa: BLE001 - one run's failure is reported, the sweep goes on
                 print(f"{run.name}: {type(e).__name__}: {e}", flush=True)
                 if servers is not None:  # start the seed's servers afresh for the next run

@@ -154,7 +154,7 @@ def test_resume_skips_finished_runs(tmp_path, monkeypatch):
             "--eval-every", "1", "--servers", "per-run", "--out", str(out)]
     executed, crashed = [], set()
 
-    def fake_execute(run, config, overrides, work_dir, api_key=None):
+    def fake_execute(run, config, overrides, work_dir, api_key=None, timeout_s=None):
         executed.append(run.name)
         if run.name == "eta4_naive_grpo_s1" and run.name not in crashed:
             crashed.add(run.name)
@@ -188,3 +188,70 @@ def test_dry_run_lists_every_run_and_runs_nothing(tmp_path, capsys, monkeypatch)
     out = capsys.readouterr().out
     assert "108 cases" in out and "eta16_naive_rloo_s3" in out and "train.ppo.prox_mode=approx" in out
     assert not (tmp_path / "w").exists()
+
+
+def test_execute_counts_a_run_without_result_as_failed(tmp_path, monkeypatch):
+    """The child is a real forked process: a run that ends without writing its result failed, one that
+    wrote it succeeded, and one that crashed does not take the sweep down."""
+    run = bs.Run(bs.Arm(1, "recompute", "grpo"), 1)
+
+    def writes(run, config, overrides, work, api_key):
+        bs.write_json_atomic(bs.result_path(work, run), {"run": run.name})
+
+    def crashes(run, config, overrides, work, api_key):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(bs, "_child", lambda *a: None)
+    assert bs.execute(run, RECIPE, [], tmp_path) is False
+    monkeypatch.setattr(bs, "_child", crashes)
+    assert bs.execute(run, RECIPE, [], tmp_path) is False
+    monkeypatch.setattr(bs, "_child", writes)
+    assert bs.execute(run, RECIPE, [], tmp_path) is True
+    assert json.loads(bs.result_path(tmp_path, run).read_text()) == {"run": run.name}
+
+
+@pytest.mark.slow
+def test_a_reset_shared_server_is_back_to_the_warm_start(tmp_path):
+    """The sweep reuses one engine per seed: after a run moved its weights, version and pause state,
+    reset() must give the next run the warm-start weights at version 0, generating."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    def tiny(path, seed):
+        torch.manual_seed(seed)
+        m = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                                         max_position_embeddings=128, eos_token_id=1, bos_token_id=0,
+                                         pad_token_id=0))
+        with torch.no_grad():  # peaked outputs, so that two models' greedy answers differ
+            for p in m.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.3)
+        m.save_pretrained(str(path))
+        return path
+
+    warm, other = tiny(tmp_path / "warm", 1), tiny(tmp_path / "other", 2)
+    servers = bs.SharedServers(RECIPE, [], tmp_path / "work", 1, warm)
+    try:
+        url = servers.urls[0]
+
+        def greedy():
+            r = servers._post(url, "/generate", {"input_ids": [5, 6, 7, 8],
+                                                 "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}})
+            return r["output_ids"]
+
+        before = greedy()
+        assert servers._post(url, "/update_weights_from_disk", {"model_path": str(other), "weight_version": "7"})[
+            "success"]
+        assert greedy() != before  # the other weights answer differently (else the test shows nothing)
+        servers._post(url, "/pause_generation", {"mode": "abort"})
+        servers.reset()
+        import urllib.request
+
+        req = urllib.request.Request(url + "/model_info", headers={"Authorization": f"Bearer {servers.api_key}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            info = json.loads(r.read())
+        assert info["weight_version"] == "0" and info["model_path"] == str(warm.resolve())
+        assert greedy() == before  # generating again, with the warm-start weights
+    finally:
+        servers.close()
