@@ -359,24 +359,34 @@ def warm_dir(work: Path, seed: int) -> Path:
     return work / "warm" / f"seed{seed}"
 
 
-def build_warm_start(config: str, overrides: list[str], work: Path, seed: int) -> Path:
-    """The seed's warm-started model, built once (in a forked child: the parent runs no torch op). A
-    cached one is checked against the recipe's warm-start signature and rebuilt when it differs."""
-    path = warm_dir(work, seed) / "warm_start"
+def _build_warm_start(config: str, overrides: list[str], work: Path, seed: int) -> None:
+    import torch
 
-    def build():
-        from areal_fast.config import load_config
-        from areal_fast.launch.train import model_dir
+    from areal_fast.config import load_config
+    from areal_fast.launch.train import model_dir
 
-        model_dir(load_config(config, [*overrides, f"experiment.seed={seed}",
-                                       f"experiment.output_dir={warm_dir(work, seed)}"]))
+    torch.set_num_threads(1)  # one core each; seeds are built side by side
+    model_dir(load_config(config, [*overrides, f"experiment.seed={seed}",
+                                   f"experiment.output_dir={warm_dir(work, seed)}"]))
 
-    p = multiprocessing.get_context("fork").Process(target=build, name=f"warm_start_seed{seed}")
-    p.start()
-    p.join()
-    if p.exitcode != 0 or not path.is_dir():
-        raise RuntimeError(f"warm start of seed {seed} failed (exit code {p.exitcode}); {path} missing")
-    return path
+
+def build_warm_starts(config: str, overrides: list[str], work: Path, seeds) -> dict[int, Path]:
+    """Each seed's warm-started model, built side by side in forked children (the parent runs no torch
+    op). A cached one is checked against the recipe's warm-start signature and rebuilt if it differs."""
+    ctx = multiprocessing.get_context("fork")
+    procs = {s: ctx.Process(target=_build_warm_start, args=(config, overrides, work, s), name=f"warm_start_seed{s}")
+             for s in seeds}
+    for p in procs.values():
+        p.start()
+    for p in procs.values():
+        p.join()
+    out = {}
+    for s, p in procs.items():
+        path = warm_dir(work, s) / "warm_start"
+        if p.exitcode != 0 or not path.is_dir():
+            raise RuntimeError(f"warm start of seed {s} failed (exit code {p.exitcode}); see {work / 'warm'}")
+        out[s] = path
+    return out
 
 
 def _child(run: Run, config: str, overrides: list[str], work: Path, api_key: str | None = None) -> None:
@@ -613,15 +623,15 @@ def main(argv=None) -> None:
     t_start = time.perf_counter()
     durations, failed = [], []
     servers: SharedServers | None = None
-    models: dict[int, Path] = {}  # seed -> warm start, checked once per invocation
+    t_warm = time.perf_counter()
+    models = build_warm_starts(args.config, args.overrides, work, sorted({r.seed for r in todo}))
+    print(f"warm starts of seeds {sorted(models)} ready in {time.perf_counter() - t_warm:.0f} s", flush=True)
     try:
         for i, run in enumerate(todo, 1):
             t0 = time.perf_counter()
             overrides = run_overrides(run, args.steps, args.eval_every, args.overrides)
             ok = False
             try:
-                if run.seed not in models:
-                    models[run.seed] = build_warm_start(args.config, args.overrides, work, run.seed)
                 model = models[run.seed]
                 if args.servers == "shared":
                     if servers is not None and servers.seed != run.seed:

@@ -164,7 +164,7 @@ def test_resume_skips_finished_runs(tmp_path, monkeypatch):
         return True
 
     monkeypatch.setattr(bs, "execute", fake_execute)
-    monkeypatch.setattr(bs, "build_warm_start", lambda *a: tmp_path)
+    monkeypatch.setattr(bs, "build_warm_starts", lambda config, overrides, work, seeds: {s: tmp_path for s in seeds})
     monkeypatch.setattr(bs, "_preload", lambda: None)
     with pytest.raises(SystemExit):  # one run failed: the sweep says so with a non-zero exit
         bs.main([*argv, "--work", str(work)])
