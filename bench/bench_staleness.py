@@ -111,10 +111,12 @@ def build_runs(arms: list[Arm], seeds) -> list[Run]:
     return [Run(arm, s) for s in seeds for arm in arms]
 
 
-def run_overrides(run: Run, steps: int, eval_every: int, extra: list[str] = ()) -> list[str]:
-    """The dotted overrides of one run, on top of the recipe (``extra`` last: the user's word wins
-    except over the arm's own keys, which are what the sweep varies)."""
-    return [*RUN_SETTINGS, f"experiment.total_steps={steps}", f"eval.every_steps={eval_every}", *extra,
+def run_overrides(run: Run, steps: int, eval_every: int, extra: list[str] = (), batch_size: int | None = None
+                  ) -> list[str]:
+    """The dotted overrides of one run, on top of the recipe (``extra`` after the sweep's settings: the
+    user's word wins except over the arm's own keys, which are what the sweep varies)."""
+    batch = [] if batch_size is None else [f"train.batch_size={batch_size}"]
+    return [*RUN_SETTINGS, f"experiment.total_steps={steps}", f"eval.every_steps={eval_every}", *batch, *extra,
             *run.arm.overrides(), f"experiment.seed={run.seed}"]
 
 
@@ -309,11 +311,13 @@ def plot(rows: list[dict], path: Path) -> Path | None:
 # ----------------------------------------------------------------------------- running
 
 
-def sweep_key(config: str, steps: int, eval_every: int, extra: list[str], servers: str = "shared") -> dict:
+def sweep_key(config: str, steps: int, eval_every: int, extra: list[str], servers: str = "shared",
+              batch_size: int | None = None) -> dict:
     """What every run of a sweep shares; a resumed sweep must have the same."""
     text = Path(config).read_text()
     return {"config": str(Path(config).resolve()), "config_sha1": hashlib.sha1(text.encode()).hexdigest()[:12],
-            "steps": steps, "eval_every": eval_every, "overrides": list(extra), "servers": servers}
+            "steps": steps, "batch_size": batch_size, "eval_every": eval_every, "overrides": list(extra),
+            "servers": servers}
 
 
 def open_work_dir(work: Path, key: dict, resume: bool) -> None:
@@ -544,7 +548,8 @@ def report(runs: list[Run], work: Path, out: Path, args, prov: dict, wall_s: flo
            "arms": rows, "runs": results}
     (out / f"staleness_{stamp}.json").write_text(json.dumps(res, indent=1) + "\n")
     md = (f"# Staleness ablation, {stamp} UTC\n\nRecipe `{Path(args.config).name}` at {res['recipe_commit']}; "
-          f"{key['steps']} steps per run, eval every {key['eval_every']}; overrides {key['overrides'] or 'none'}; "
+          f"{key['steps']} steps x {results[0].get('batch_size')} groups x {results[0].get('group_size')} samples per "
+          f"run, eval every {key['eval_every']}; overrides {key['overrides'] or 'none'}; "
           f"{len(results)}/{len(runs)} runs; sweep wall time "
           f"{'-' if wall_s is None else f'{wall_s / 60:.1f} min'} (sum of run times "
           f"{res['sum_run_wall_s'] / 60:.1f} min); commit {prov.get('commit')}, "
@@ -576,6 +581,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--advantages", type=_names, default=list(ADVANTAGES))
     ap.add_argument("--seeds", type=_ints, default=list(SEEDS))
     ap.add_argument("--steps", type=int, default=40, help="trainer steps per run (the same for every arm)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="train.batch_size (groups per step) of every run (default: the recipe's)")
     ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every K steps (and at 0, end)")
     ap.add_argument("--servers", choices=("shared", "per-run"), default="shared",
                     help="shared: one embedded engine per seed, reset before each run (saves 6-11 s a run); "
@@ -592,6 +599,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
+    if args.batch_size is not None and args.batch_size < 1:
+        ap.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.eval_every < 1:
         ap.error(f"--eval-every must be >= 1, got {args.eval_every}")
     if not args.seeds:
@@ -606,11 +615,11 @@ def main(argv=None) -> None:
     work = Path(args.resume or args.work)
     if args.dry_run:
         print_dry_run("staleness", [dict(run=r.name, overrides=" ".join(run_overrides(r, args.steps, args.eval_every,
-                                                                                   args.overrides)))
+                                                                                   args.overrides, args.batch_size)))
                                     for r in runs])
         print(f"recipe: {args.config} ({recipe_commit(args.config)}); work dir {work}")
         return
-    key = sweep_key(args.config, args.steps, args.eval_every, args.overrides, args.servers)
+    key = sweep_key(args.config, args.steps, args.eval_every, args.overrides, args.servers, args.batch_size)
     prov = provenance()
     if args.report_only:
         report(runs, work, Path(args.out), args, prov, None)
@@ -629,7 +638,7 @@ def main(argv=None) -> None:
     try:
         for i, run in enumerate(todo, 1):
             t0 = time.perf_counter()
-            overrides = run_overrides(run, args.steps, args.eval_every, args.overrides)
+            overrides = run_overrides(run, args.steps, args.eval_every, args.overrides, args.batch_size)
             ok = False
             try:
                 model = models[run.seed]

@@ -34,7 +34,7 @@ def test_every_runs_overrides_resolve_to_its_arm():
     runs = bs.build_runs(bs.build_arms(), bs.SEEDS)
     budgets = set()
     for run in runs:
-        cfg = load_config(RECIPE, [*bs.run_overrides(run, 40, 10, ["train.batch_size=4"]),
+        cfg = load_config(RECIPE, [*bs.run_overrides(run, 40, 10, [], batch_size=4),
                                    f"experiment.output_dir=/tmp/unused/{run.name}"])
         assert cfg.rollout.max_staleness == run.arm.eta
         assert cfg.train.ppo.prox_mode == bs.OBJECTIVES[run.arm.objective]
