@@ -189,7 +189,8 @@ class CheckedRollout:
         else:
             await self.port.control(lambda: self.port.client.pause_all(self.pause_mode), "pause_generation")
         mode = self.port.pause_mode if sharded else self.port.client.pause_mode
-        self.pauses.append({"ack_s": time.perf_counter() - self._t_pause, "mode": str(mode)})
+        self.pauses.append({"ack_s": time.perf_counter() - self._t_pause, "mode": str(mode),
+                            "in_workers_s": max(self.port.pause_seconds_in_workers, default=0.0) if sharded else None})
 
     async def resume(self) -> None:
         await self.port.resume()
@@ -369,6 +370,8 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
         "gc_s": gcc.total_s, "gc_share_of_cpu": gcc.total_s / max(cpu, 1e-9), "gc_collections": gcc.collections,
         **lag.summary(),
         "pause_ack_max_s": max((p["ack_s"] for p in pauses), default=None),
+        "pause_ack_s": [round(p["ack_s"], 3) for p in pauses],
+        "pause_in_workers_s": [round(p["in_workers_s"], 3) for p in pauses if p["in_workers_s"] is not None],
         "pause_to_continue_mean_s": sum(p["continue_s"] for p in pauses) / len(pauses) if pauses else None,
         "pause_to_continue_max_s": max((p["continue_s"] for p in pauses), default=None),
         "peak_rss_mb": lag.peak_rss, "rss_before_mb": lag.rss0, "process_peak_rss_mb": peak_rss_mb(),
@@ -432,6 +435,7 @@ def main(argv: list[str] | None = None) -> None:
         for n, f in scales:
             print(f"[dry-run] {n} servers, {f} in flight, group {args.group_size}, {cfg}")
         return
+    sim.raise_fd_limit()  # the in-process client holds one connection per request in flight
     prov = provenance()
     rows = []
     for n, f in scales:

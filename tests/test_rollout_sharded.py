@@ -189,3 +189,49 @@ def test_client_processes_config_is_validated():
         RolloutConfig(servers=["http://a:1", "http://b:2"], client_processes=3)
     with pytest.raises(ConfigError, match=r"rollout\.client_processes"):
         from_dict(RolloutConfig, {"n_servers": 2, "client_processes": 5}, prefix="rollout")
+
+
+_CONTROLLER = """
+import asyncio, json, sys
+sys.path.insert(0, {bench!r})
+import sim_sglang as sim
+from areal_fast.rollout.sharded import ShardedRollout
+
+async def main():
+    async with sim.SimCluster(2, sim.SimConfig(api_key="k")) as cluster:
+        rollout = ShardedRollout(cluster.urls, 2, api_key="k")
+        await rollout.start()
+        print(json.dumps(rollout.worker_pids()), flush=True)
+        await asyncio.sleep(3600)  # until killed
+
+asyncio.run(main())
+"""
+
+
+def _dead_or_zombie(pid: int) -> bool:
+    """Gone, or exited and waiting for a reaper (a container's init may never reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def test_workers_die_with_a_killed_controller():
+    import json
+    import subprocess
+
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    proc = subprocess.Popen([sys.executable, "-c", _CONTROLLER.format(bench=bench)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, f"the controller process exited with {proc.wait()} before starting its workers"
+        pids = json.loads(line)
+        assert len(pids) == 2 and not any(_dead_or_zombie(p) for p in pids)
+    finally:
+        proc.kill()  # SIGKILL: no cleanup code runs in the controller
+        proc.wait()
+
+    async def gone():
+        await wait_until(lambda: all(_dead_or_zombie(p) for p in pids), "the workers of a killed controller to end")
+
+    asyncio.run(gone())

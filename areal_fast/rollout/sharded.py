@@ -168,26 +168,37 @@ async def _serve(index: int, sock_path: str, urls: list[str], client_kwargs: dic
     out = _Batcher(writer, "ans")
     tasks: dict[str, asyncio.Task] = {}
 
+    closing = False
+    cancelled: set[asyncio.Task] = set()  # tasks the controller cancelled: their one item is (rid, None)
+
     async def one(rid: str, ids: bytes, sampling: dict) -> None:
+        """Generate ``rid``; exactly one item goes back for it: the answer, the error, or (rid, None)
+        when the controller cancelled it (whatever the client made of the cancellation)."""
         try:
             r = await client.generate(_array(ids, TOKEN_ARRAY).tolist(), sampling, rid=rid)
-        except asyncio.CancelledError:
-            return  # the controller cancelled it: it expects no answer
-        except Exception as e:  # noqa: BLE001 - the controller's generate raises it
-            out.add((rid, _picklable(e)))
-        else:
-            out.add((rid, r.finish_reason, _column(r.output_ids, TOKEN_ARRAY),
-                     _column(r.output_logprobs, LOGPROB_ARRAY), _column(r.output_versions, TOKEN_ARRAY)))
+            item = (rid, r.finish_reason, _column(r.output_ids, TOKEN_ARRAY),
+                    _column(r.output_logprobs, LOGPROB_ARRAY), _column(r.output_versions, TOKEN_ARRAY))
             del r
-        finally:
-            if tasks.get(rid) is asyncio.current_task():
-                del tasks[rid]
+        except asyncio.CancelledError:
+            item = (rid, None)
+        except Exception as e:  # noqa: BLE001 - the controller's generate raises it
+            item = (rid, _picklable(e))
+        if closing:  # the controller asked us to stop: it expects nothing more
+            return
+        me = asyncio.current_task()
+        if me in cancelled:
+            cancelled.discard(me)
+            item = (rid, None)
+        out.add(item)
+        if tasks.get(rid) is me:
+            del tasks[rid]
 
     async def control(seq: int, op: str, arg) -> None:
         try:
             if op == "pause":
+                t0 = time.perf_counter()
                 await client.pause_all(arg)
-                result = dict(client.server_pause_modes)
+                result = (dict(client.server_pause_modes), time.perf_counter() - t0)
             elif op == "continue":
                 await client.continue_all()
                 result = None
@@ -214,8 +225,9 @@ async def _serve(index: int, sock_path: str, urls: list[str], client_kwargs: dic
                     tasks[rid] = asyncio.create_task(one(rid, ids, sampling))
             elif kind == "cancel":  # the controller hears of it: (rid, None), or the answer already sent
                 t = tasks.get(msg[1])
-                if t is not None and t.cancel():
-                    out.add((msg[1], None))
+                if t is not None and not t.done():
+                    cancelled.add(t)
+                    t.cancel()
             elif kind == "remove":  # in order with the frames around it (a retried pause comes after)
                 try:
                     client.remove_server(msg[1])
@@ -224,6 +236,7 @@ async def _serve(index: int, sock_path: str, urls: list[str], client_kwargs: dic
             elif kind == "ctl":
                 asyncio.create_task(control(*msg[1:]))
     finally:
+        closing = True
         for t in list(tasks.values()):
             t.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
@@ -307,6 +320,7 @@ class ShardedRollout(ClientRollout):
         self._closing = False
         self.pause_mode: str | None = None  # the mode of our pause while paused, else None
         self.server_pause_modes: dict[str, str] = {}
+        self.pause_seconds_in_workers: list[float] = []  # each worker's pause_all() of the last pause
         self.worker_failures: list[str] = []  # one message per worker that died
         self.stats = {"requests": 0, "answers": 0, "resent": 0, "duplicates_dropped": 0, "workers_lost": 0}
 
@@ -458,10 +472,12 @@ class ShardedRollout(ClientRollout):
                 w.cancelled.discard(rid)
                 continue
             p = self._pending.get(rid)
-            if p is None or p.worker is not w or rid not in w.outstanding or p.future.done():
+            if p is None or p.worker is not w or rid not in w.outstanding:
                 self.stats["duplicates_dropped"] += 1
                 continue
             w.outstanding.discard(rid)
+            if p.future.done():  # its caller was cancelled a moment ago (before it could tell the worker)
+                continue
             self.stats["answers"] += 1
             if len(item) == 2:
                 p.future.set_exception(item[1] or RolloutError(f"{w.name} cancelled rid {rid!r} by itself"))
@@ -522,8 +538,9 @@ class ShardedRollout(ClientRollout):
     async def pause(self, mode: str | None = None) -> None:
         """Pause every server (``mode`` None: the configured pause mode) and wait for every ack."""
         async def pause_all():
-            got = await self._broadcast("pause", mode)
-            self.server_pause_modes = {u: m for d in got if d for u, m in d.items()}
+            got = [g for g in await self._broadcast("pause", mode) if g]  # a worker lost meanwhile gives None
+            self.server_pause_modes = {u: m for modes, _ in got for u, m in modes.items()}
+            self.pause_seconds_in_workers = [s for _, s in got]
             self.pause_mode = mode or self.client_kwargs.get("pause_mode", "auto")
 
         await self.control(pause_all, "pause_generation")
