@@ -5,21 +5,26 @@ is the controller's alone).
     python bench/bench_controller_scale.py                    # 8/512, 64/4,096, 256/16,384
     python bench/bench_controller_scale.py --scales 64:4096   # servers:requests in flight
     python bench/bench_controller_scale.py --quick            # 4 servers, 128 in flight, short answers
+    python bench/bench_controller_scale.py --client-procs 2   # the sharded client: 2 worker processes
 
 What runs: ``areal_fast.controller.Controller`` with ``StalenessManager`` as its gate and
 ``areal_fast.launch.runtime.ClientRollout`` over ``RolloutClient`` as its rollout port (the
 production adapters); only the trainer (sleeps for ``--train-s`` per step), the weight sync (posts
 ``weight_version`` to every simulated server), the reward (constant) and the tokenizer are stand-ins.
-Requests in flight = ``max_concurrent`` groups x ``group_size``.
+Requests in flight = ``max_concurrent`` groups x ``group_size``. With ``--client-procs N`` (N > 1) the
+rollout port is ``areal_fast.rollout.sharded.ShardedRollout`` instead: the client in N worker
+processes, each over a share of the servers.
 
 Per scale, one JSONL row (``bench/results/controller_scale.jsonl``):
 - received tokens/s (tokens in every answer the servers sent, partial ones included) and trained
   tokens/s, over the run (admission ramp included) up to the last training step;
 - CPU us per received token: this process's CPU time / received tokens (the correctness checks'
-  own CPU is measured and subtracted), the Python garbage collector's share of it;
+  own CPU is measured and subtracted), the Python garbage collector's share of it; with worker
+  processes also their CPU (``worker_cpu_us_per_tok``, from /proc) and the sum (``total_cpu_us_per_tok``);
 - event-loop lag p50/p99/max: a ticker task sleeping ``TICK_S`` records how late it wakes;
 - pause -> all acknowledged, and pause -> continue returned (pause, weight sync, continue);
-- peak RSS of this process;
+- peak RSS of this process, of the worker processes together, and of both (sampled every 100 ms);
+- the simulator's own loop lag (``sim_loop_lag_max_s``: it bounds how fast the servers acknowledge a pause);
 - correctness: every rid answered once, every trained group once, tokens, finish reasons and each
   token's version exact (the simulated log-probs encode the weights that made each token).
 """
@@ -370,6 +375,7 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
         "gc_s": gcc.total_s, "gc_share_of_cpu": gcc.total_s / max(cpu, 1e-9), "gc_collections": gcc.collections,
         **lag.summary(),
         "pause_ack_max_s": max((p["ack_s"] for p in pauses), default=None),
+        "sim_loop_lag_max_s": stats1.get("loop_lag_max_s"),
         "pause_ack_s": [round(p["ack_s"], 3) for p in pauses],
         "pause_in_workers_s": [round(p["in_workers_s"], 3) for p in pauses if p["in_workers_s"] is not None],
         "pause_to_continue_mean_s": sum(p["continue_s"] for p in pauses) / len(pauses) if pauses else None,

@@ -576,6 +576,15 @@ class SimCluster:
         self.generate_calls = self.sent_tokens = self.answers = self.aborted_answers = self.pauses = 0
         self.servers = [SimServer(self, i) for i in range(n)]
         self._runners: list[web.AppRunner] = []
+        self.lag_max_s = 0.0  # how late the simulator's own loop woke a 10 ms sleeper (it answers the pauses)
+        self._lag_task: asyncio.Task | None = None
+
+    async def _tick(self, period: float = 0.01) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(period)
+            self.lag_max_s = max(self.lag_max_s, loop.time() - t - period)
 
     def completed(self, base: str) -> None:
         if base in self.completed_rids:
@@ -600,9 +609,13 @@ class SimCluster:
             s.url = f"http://{self.host}:{port}"
             s.last = asyncio.get_running_loop().time()
             self._runners.append(runner)
+        self._lag_task = asyncio.create_task(self._tick())
         return self.urls
 
     async def stop(self) -> None:
+        if self._lag_task is not None:
+            self._lag_task.cancel()
+            self._lag_task = None
         for s in self.servers:  # answer whatever still waits, so that no handler holds the shutdown
             if s.timer is not None:
                 s.timer.cancel()
@@ -622,7 +635,8 @@ class SimCluster:
                 "duplicates": self.duplicates, "sent_tokens": self.sent_tokens, "pauses": self.pauses,
                 "running": sum(len(s.running) for s in self.servers),
                 "waiting": sum(len(s.waiting) for s in self.servers),
-                "versions": sorted({s.weight_version for s in self.servers})}
+                "versions": sorted({s.weight_version for s in self.servers}),
+                "loop_lag_max_s": self.lag_max_s}
 
     async def __aenter__(self) -> SimCluster:
         await self.start()
