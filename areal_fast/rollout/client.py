@@ -21,6 +21,11 @@ Pauses: ``pause_all()`` uses the client's ``pause_mode``, ``"auto"`` by default:
 weight_versions spans label every token) and ``abort`` before (see :func:`auto_pause_mode`).
 Answers are decoded into compact columns (``areal_fast.rollout.answer``, ``docs/scale.md``).
 
+Transport: calls to an ``http://`` server go through the client's own HTTP/1.1 connection pool
+(``areal_fast.rollout.http``: kept-alive connections, each checked just before a request is
+written, never a request sent twice by the transport); ``https://`` servers, and ``http="aiohttp"``
+(or ``AREAL_FAST_ROLLOUT_HTTP=aiohttp``), use aiohttp.
+
 Request ids on the server: SGLang's /abort_request aborts every request whose rid STARTS WITH the
 given one, so the client never sends the caller's rid as is: segment ``k`` of ``rid`` is sent as
 ``f"{rid}|{k}|"``. A caller rid holds no ``|``, so the first ``|`` ends it and the segment number is
