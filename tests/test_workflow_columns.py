@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import random
 from array import array
 
 import pytest
@@ -103,3 +104,15 @@ def test_column_helpers():
     assert encode_column(array(TOKEN_ARRAY, [1]))["b64"] == "AQAAAA=="  # little-endian int32
     with pytest.raises(ValueError, match="x: 3 bytes is not a whole number of 4-byte items"):
         decode_column({"__array__": TOKEN_ARRAY, "b64": "AQID"}, TOKEN_ARRAY, "x")
+
+
+@pytest.mark.parametrize("n", [1, 5, 127, 128, 129, 4000])
+def test_min_model_version_equals_the_per_token_definition(n):
+    """Short columns take ``min()``, long ones numpy: both equal the definition, token by token."""
+    rng = random.Random(n)
+    for case in range(40):
+        vers = [rng.choice([-1, rng.randrange(0, 5000)]) if case % 3 else rng.randrange(0, 5000) for _ in range(n)]
+        mask = [rng.randrange(2) for _ in range(n)] if case % 2 else None
+        want = min((v for i, v in enumerate(vers) if (mask is None or mask[i]) and v >= 0), default=None)
+        got = min_model_version(array(TOKEN_ARRAY, vers), None if mask is None else array(MASK_ARRAY, mask))
+        assert got == want and (got is None or type(got) is int), (case, got, want)
