@@ -42,6 +42,18 @@ def test_parse_generate_is_compact_and_exact():
     assert seg.weight_version == "4" and seg.finish["type"] == "length" and seg.rid == "q|0|"
 
 
+def test_answers_from_a_memoryview_with_and_without_orjson(monkeypatch):
+    """The HTTP path hands the parser a memoryview of its buffer; the json fallback takes it too."""
+    from areal_fast.rollout import answer
+
+    raw = memoryview(bytearray(b"xx" + _answer(4, weight_version="2")))[2:]
+    want = parse_generate(bytes(raw), "u").ids.tolist()
+    assert parse_generate(raw, "u").ids.tolist() == want
+    monkeypatch.setattr(answer, "_orjson", None)
+    seg = parse_generate(raw, "u")
+    assert seg.ids.tolist() == want and seg.versions.tolist() == [2] * 4
+
+
 def test_versions_without_spans_and_without_any_version():
     assert parse_generate(_answer(3, weight_version="7"), "u").versions.tolist() == [7, 7, 7]
     # SGLang 0.5.6-0.5.8, a request aborted while waiting: no version in the answer at all

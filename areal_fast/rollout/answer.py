@@ -38,11 +38,11 @@ class AnswerError(ValueError):
     """An answer that does not have the shape of a /generate result (the message names the rid)."""
 
 
-def loads(raw: bytes | str):
-    """Decode JSON bytes (orjson when installed)."""
+def loads(raw: bytes | bytearray | memoryview | str):
+    """Decode JSON bytes (orjson when installed; the HTTP path hands a memoryview of its buffer)."""
     if _orjson is not None:
         return _orjson.loads(raw)
-    return json.loads(raw)
+    return json.loads(raw.tobytes() if isinstance(raw, memoryview) else raw)
 
 
 def dumps(obj) -> bytes:

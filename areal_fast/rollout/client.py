@@ -84,7 +84,7 @@ HEALTH_PROBE_TIMEOUT_S = 25.0
 # SGLang's HTTP server (uvicorn) closes a kept-alive connection idle for 5 s; aiohttp keeps one
 # 15 s by default, so a request could be written into a connection the server was closing (an
 # error that marks a healthy server down). Ours are closed first (KEEPALIVE_S, 4 s: rollout.http).
-HTTP_ENV = "AREAL_FAST_ROLLOUT_HTTP"  # "native" (default) or "aiohttp": who carries POST /generate
+HTTP_ENV = "AREAL_FAST_ROLLOUT_HTTP"  # "native" (default) or "aiohttp": who carries the calls
 HTTP_CHOICES = ("native", "aiohttp")
 PICK_SCAN_MAX = 16  # up to this many servers a new request goes to the least loaded of all
 _CALLER_500 = ("TypeError", "unexpected keyword argument")
