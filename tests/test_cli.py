@@ -71,7 +71,9 @@ def test_tiny_task_is_long_tailed_and_verifiable():
     rows = tiny_task.generate(cfg, "train", seed=1)
     lens = sorted(len(r["answer"]) for r in rows)
     median, p99 = lens[len(lens) // 2], lens[int(0.99 * len(lens))]
-    assert p99 >= 3 * median, (median, p99)  # the long tail that makes synchronous batches wait
+    # the long tail that makes synchronous batches wait: the longest 1 % are at least 2.5x the median
+    # (the example's 3 -> 8 characters) and strings reach the cap
+    assert p99 >= 2.5 * median and lens[-1] == cfg.max_len, (median, p99, lens[-1])
     r = rows[0]
     assert r["prompt"][:-1][::-1] == r["answer"]
     assert tiny_task.reward(r, r["answer"]) == 1.0 and tiny_task.reward(r, r["answer"] + "a") == 0.0

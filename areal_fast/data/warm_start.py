@@ -2,6 +2,15 @@
 task, so that RL starts from a policy that is sometimes right (about 10-30 % exact answers on
 the held-out split after the default 150 steps; 600 steps reach about 90 %, measured on 2 cores).
 
+Two options shape what RL starts from. ``lr_schedule: linear`` decays the learning rate to 0, so
+the warm start ends settled (a constant high rate ends noisy, and a later RL run at a small rate
+then gains merely by annealing it). ``mistake_fraction`` makes the demonstrations imperfect: that
+fraction of the examples whose string has at least ``mistake_min_len`` characters lose their
+answer's last character, as truncated answers in real fine-tuning data. The model then learns to
+reverse, but greedy decoding stops one character early on most such strings while sampling still
+finds the full answer often: the gap between pass@k and pass@1 that RL with a verifiable reward
+closes (the shipped example starts near 0.2 exact and RL takes it to about 0.8).
+
 The result is a normal Hugging Face directory (config.json, model.safetensors, char_vocab.json)
 cached under ``<output_dir>/warm_start``. Its signature file records everything the built model
 depends on (every warm-start setting, the task, the seed, the tokenizer's vocabulary, the model
