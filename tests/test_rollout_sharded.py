@@ -152,7 +152,6 @@ def test_close_leaves_no_process_and_fails_waiting_requests():
     assert all(_gone(p) for p in pids)  # exited and reaped (a zombie would still answer kill 0)
 
 
-@pytest.mark.slow  # starts two sharded clients (4 worker processes): ~6 s on this machine under load
 def test_api_key_and_options_reach_the_workers():
     async def run():
         async with sim.SimCluster(2, _cfg()) as cluster:

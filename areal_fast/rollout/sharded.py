@@ -204,8 +204,6 @@ async def _serve(index: int, sock_path: str, urls: list[str], client_kwargs: dic
                 result = None
             elif op == "health":
                 result = await client.health(arg)
-            elif op == "stats":
-                result = {"servers": [s.url for s in client.servers], "active": len(tasks)}
             else:
                 raise RolloutError(f"rollout worker {index}: unknown control op {op!r}")
             reply = ("ack", seq, True, result)
