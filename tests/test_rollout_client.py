@@ -122,15 +122,15 @@ def test_pause_update_continue_stitches_tokens_and_versions(engines, dirs, mode,
     assert res.finish_reason == "length" and not res.aborted
     assert len(res.output_ids) == len(res.output_logprobs) == len(res.output_versions) == n
     assert res.num_segments == segments
-    k = res.output_versions.index(1)
+    ids, versions = list(res.output_ids), list(res.output_versions)  # array columns, compared as lists
+    k = versions.index(1)
     assert 0 < k < n
-    assert res.output_versions == [0] * k + [1] * (n - k)  # versions change exactly at the seam
+    assert versions == [0] * k + [1] * (n - k)  # versions change exactly at the seam
     old, new = load_hf(paths[0]), load_hf(paths[0], sds[1])
-    assert res.output_ids[:k] == hf_greedy(old, prompt, k)
+    assert ids[:k] == hf_greedy(old, prompt, k)
     # greedy continuation after the update == generating from prompt + partial with the new weights
-    assert res.output_ids[k:] == hf_greedy(new, prompt + res.output_ids[:k], n - k)
-    ref = hf_logprobs(old, prompt, res.output_ids[:k], 0.0) + hf_logprobs(
-        new, prompt + res.output_ids[:k], res.output_ids[k:], 0.0)
+    assert ids[k:] == hf_greedy(new, prompt + ids[:k], n - k)
+    ref = hf_logprobs(old, prompt, ids[:k], 0.0) + hf_logprobs(new, prompt + ids[:k], ids[k:], 0.0)
     assert max(abs(a - b) for a, b in zip(res.output_logprobs, ref)) < ENGINE_LOGPROB_ATOL
 
 
@@ -204,7 +204,7 @@ def test_killed_server_request_completes_on_other(engines, dirs, doomed):
         doomed.stop()
     assert res.servers == [engines[0].url]  # the killed server never answered
     assert res.finish_reason == "length" and len(res.output_ids) == n
-    assert res.output_ids == hf_greedy(load_hf(paths[0]), prompt, n)  # nothing duplicated or lost
+    assert list(res.output_ids) == hf_greedy(load_hf(paths[0]), prompt, n)  # nothing duplicated or lost
 
 
 def test_200_concurrent_with_random_pauses_and_updates(engines, dirs):
@@ -242,7 +242,7 @@ def test_200_concurrent_with_random_pauses_and_updates(engines, dirs):
     for r, (_, p, n, ign) in zip(results, specs):
         assert r.input_ids == p
         assert len(r.output_ids) == len(r.output_logprobs) == len(r.output_versions) <= n
-        assert r.output_versions == sorted(r.output_versions)  # tokens never get older along a sequence
+        assert list(r.output_versions) == sorted(r.output_versions)  # tokens never get older along a sequence
         assert r.finish_reason in ("stop", "length") and not r.aborted
         if ign or r.finish_reason == "length":
             assert len(r.output_ids) == n
@@ -308,7 +308,7 @@ def test_version_adaptation_and_5xx_failover_with_fake_servers():
     assert pauses == {"old": {}, "mid": {"mode": "retract"}}
     gens = [name for name, path, _ in calls if path == "/generate"]
     assert gens == ["old", "mid"]  # least loaded first, 503 -> retried once elsewhere
-    assert res.output_ids == [5, 5, 5] and res.output_versions == [4, 4, 4] and len(res.servers) == 1
+    assert list(res.output_ids) == [5, 5, 5] and list(res.output_versions) == [4, 4, 4] and len(res.servers) == 1
 
 
 # ---------------------------------------------------------------------------- against the SGLang twin
@@ -505,5 +505,5 @@ def test_answers_are_classified_by_what_they_say():
 
     err, state, res, server = _run(run())
     assert err.status == 500 and state["gen"] == 3  # the TypeError was sent once, never retried
-    assert state["flush"] == 3 and res.output_ids == [5, 5] and server.url in res.servers
+    assert state["flush"] == 3 and list(res.output_ids) == [5, 5] and server.url in res.servers
     assert issubclass(ServerError, RolloutError)

@@ -353,8 +353,9 @@ def test_client_native_path_exact_reused_and_once_after_an_idle_close(scripted):
             return a, b, d, c.servers[0].pool.connects, c.servers[0].down_until
 
     a, b, d, connects, down_until = asyncio.run(run())
-    assert a.output_ids == [7, 8, 9, 10] and a.output_logprobs == [-0.25, -0.5, -0.75, -1.0]
-    assert a.output_versions == [3] * 4 and b.output_ids == [7, 8, 9, 10, 11] and d.output_ids == [7, 8, 9]
+    assert list(a.output_ids) == [7, 8, 9, 10] and list(a.output_logprobs) == [-0.25, -0.5, -0.75, -1.0]
+    assert list(a.output_versions) == [3] * 4 and list(b.output_ids) == [7, 8, 9, 10, 11]
+    assert list(d.output_ids) == [7, 8, 9]
     gens = [r for r in srv.requests if r[2] == "/generate"]
     assert [json.loads(r[4])["rid"] for r in gens] == ["a|0|", "b|0|", "d|0|"]  # each sent once
     assert connects == 2 and down_until == 0.0  # b opened a new connection, d reused it; never marked down
@@ -376,7 +377,7 @@ def test_client_native_path_401_with_a_wrong_key(scripted):
         asyncio.run(run("wrong"))
     assert e.value.status == 401 and e.value.url == srv.url + "/generate"
     assert len([r for r in srv.requests if r[2] == "/generate"]) == 1  # never retried
-    assert asyncio.run(run("right")).output_ids == [7, 8]
+    assert list(asyncio.run(run("right")).output_ids) == [7, 8]
 
 
 def test_client_native_path_timeout_fails_over_then_gives_up(scripted):

@@ -59,8 +59,8 @@ class ClientRollout:
                     self.remove_server(u)
 
     async def generate(self, input_ids, sampling, rid) -> Generation:
-        r = await self.client.generate(list(input_ids), sampling, rid=rid)
-        # compact columns (Generation converts lists; arrays of the right type pass without a copy)
+        r = await self.client.generate(input_ids, sampling, rid=rid)  # any int sequence, not copied
+        # the client's array columns are of Generation's typecodes: they pass on as the same objects
         return Generation(output_ids=r.output_ids, behav_logprobs=r.output_logprobs,
                           versions=r.output_versions, finish_reason=r.finish_reason)
 

@@ -110,7 +110,7 @@ class _Batcher:
 
 
 def _column(values, typecode: str) -> bytes:
-    """The raw bytes of a column (a list or an array of ``typecode``)."""
+    """The raw bytes of a column (any sequence of numbers, or an array of ``typecode``)."""
     if isinstance(values, array) and values.typecode == typecode:
         return values.tobytes()
     return array(typecode, values).tobytes()
@@ -175,9 +175,11 @@ async def _serve(index: int, sock_path: str, urls: list[str], client_kwargs: dic
         """Generate ``rid``; exactly one item goes back for it: the answer, the error, or (rid, None)
         when the controller cancelled it (whatever the client made of the cancellation)."""
         try:
-            r = await client.generate(_array(ids, TOKEN_ARRAY).tolist(), sampling, rid=rid)
-            item = (rid, r.finish_reason, _column(r.output_ids, TOKEN_ARRAY),
-                    _column(r.output_logprobs, LOGPROB_ARRAY), _column(r.output_versions, TOKEN_ARRAY))
+            # the prompt goes to the client as an array, the answer's columns back as their bytes: no
+            # per-token Python object on either way
+            r = await client.generate(_array(ids, TOKEN_ARRAY), sampling, rid=rid)
+            item = (rid, r.finish_reason, r.output_ids.tobytes(), r.output_logprobs.tobytes(),
+                    r.output_versions.tobytes())
             del r
         except asyncio.CancelledError:
             item = (rid, None)
