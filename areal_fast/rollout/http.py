@@ -7,8 +7,9 @@ controller's CPU in a cProfile at 64 servers, orjson and the answer parser 8%). 
 one pre-encoded head (request line, Host, Content-Type, Authorization when there is a key), the
 Content-Length and the JSON body, written in one ``transport.write``; the answer is parsed by an
 ``asyncio.Protocol`` (status line, the four headers that matter, then a Content-Length body, a
-chunked body, or a body up to the connection's end) and handed on as bytes. Other calls (pause,
-continue, abort, info: a few per step) stay on aiohttp.
+chunked body, or a body up to the connection's end) and handed on as bytes. The rollout client
+sends its other calls to an ``http://`` server (pause, continue, abort, info: a few per step) through
+the same pool; ``https://`` servers and ``http='aiohttp'`` use aiohttp.
 
 One :class:`ConnectionPool` per server keeps idle connections for reuse, newest first.
 
