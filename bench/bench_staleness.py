@@ -198,6 +198,9 @@ def aggregate(results: list[dict]) -> list[dict]:
     by_arm: dict[str, list[dict]] = {}
     for r in results:
         by_arm.setdefault(r["arm"], []).append(r)
+    # paired with the synchronous run of the same objective, advantage and seed (same warm start): the
+    # seeds' warm starts differ more than the arms do, so the paired difference is the sharper number
+    sync = {(r["objective"], r["advantage"], r["seed"]): r["eval_final"] for r in results if r["eta"] == 0}
     rows = []
     for arm, rs in by_arm.items():
         hist: Counter = Counter()
@@ -209,6 +212,8 @@ def aggregate(results: list[dict]) -> list[dict]:
         for key in ("eval_final", "eval_best", "trained_samples_per_s", "eval_first", "staleness_at_bound_fraction",
                     *(f"{k}_mean" for k in DIAGNOSTICS)):
             row[f"{key}_mean"], row[f"{key}_spread"] = mean_spread([r.get(key) for r in rs])
+        deltas = [r["eval_final"] - sync[k] for r in rs if (k := (r["objective"], r["advantage"], r["seed"])) in sync]
+        row["eval_final_vs_sync_mean"], row["eval_final_vs_sync_spread"] = mean_spread(deltas)
         row["staleness_hist"] = {str(k): v for k, v in sorted(hist.items())}
         row["staleness_mean"], row["staleness_max"] = st["mean"], st["max"]
         row["staleness_at_eta_fraction"] = hist.get(rs[0]["eta"], 0) / st["groups"] if st["groups"] else None
@@ -223,10 +228,10 @@ def mean_curve(curves: list[list]) -> list[list]:
     return [[s, statistics.fmean(v for c in curves for t, v in c if t == s)] for s in sorted(steps)]
 
 
-def _pm(m, s, digits=3) -> str:
+def _pm(m, s, digits=3, signed=False) -> str:
     if m is None:
         return "-"
-    return f"{m:.{digits}f} ± {s:.{digits}f}"
+    return f"{m:{'+' if signed else ''}.{digits}f} ± {s:.{digits}f}"
 
 
 def _pct(x) -> str:
@@ -243,13 +248,15 @@ def _hist_text(hist: dict) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| eta | objective | advantage | seeds | final EM | best EM | trained samples/s | staleness mean | "
-            "staleness max | at bound | staleness histogram (share of trained groups) | mean(p - b) | clip fraction |")
+    head = ("| eta | objective | advantage | seeds | final EM | final EM - sync (paired) | best EM | "
+            "trained samples/s | staleness mean | staleness max | at bound | "
+            "staleness histogram (share of trained groups) | mean(p - b) | clip fraction |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     for r in rows:
         lines.append(
             f"| {r['eta']} | {r['objective']} | {r['advantage']} | {len(r['seeds'])} | "
             f"{_pm(r['eval_final_mean'], r['eval_final_spread'])} | "
+            f"{_pm(r['eval_final_vs_sync_mean'], r['eval_final_vs_sync_spread'], signed=True)} | "
             f"{_pm(r['eval_best_mean'], r['eval_best_spread'])} | "
             f"{_pm(r['trained_samples_per_s_mean'], r['trained_samples_per_s_spread'], 1)} | "
             f"{r['staleness_mean']:.2f} | {r['staleness_max']} | {_pct(r.get('staleness_at_bound_fraction_mean'))} | "
@@ -538,6 +545,10 @@ def report(runs: list[Run], work: Path, out: Path, args, prov: dict, wall_s: flo
     results = load_results(runs, work)
     if not results:
         return None
+    if wall_s is None and (work / "sweep_wall.json").is_file():  # --report-only after a complete sweep
+        wall_s = json.loads((work / "sweep_wall.json").read_text())["wall_s"]
+    if (work / "provenance.json").is_file():  # where and on what commit the runs ran, not where this reports
+        prov = json.loads((work / "provenance.json").read_text())
     rows = aggregate(results)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
     out.mkdir(parents=True, exist_ok=True)
@@ -553,7 +564,8 @@ def report(runs: list[Run], work: Path, out: Path, args, prov: dict, wall_s: flo
           f"{len(results)}/{len(runs)} runs; sweep wall time "
           f"{'-' if wall_s is None else f'{wall_s / 60:.1f} min'} (sum of run times "
           f"{res['sum_run_wall_s'] / 60:.1f} min); commit {prov.get('commit')}, "
-          f"{prov.get('cpu_count')} CPUs.\n\nEM = held-out exact match (greedy), mean ± std over seeds.\n\n"
+          f"{prov.get('cpu_count')} CPUs.\n\nEM = held-out exact match (greedy), mean ± std over seeds; \"- sync\": "
+          f"final EM minus that of the eta = 0 run with the same objective, advantage and seed.\n\n"
           + markdown_table(rows))
     (out / f"staleness_{stamp}.md").write_text(md)
     png = plot(rows, out / f"staleness_{stamp}.png")
@@ -625,6 +637,8 @@ def main(argv=None) -> None:
         report(runs, work, Path(args.out), args, prov, None)
         return
     open_work_dir(work, key, resume=bool(args.resume))
+    if not (work / "provenance.json").is_file():
+        write_json_atomic(work / "provenance.json", prov)
     todo = pending(runs, work)
     print(f"staleness sweep: {len(runs)} runs, {len(runs) - len(todo)} already finished, {len(todo)} to run; "
           f"work dir {work}", flush=True)
@@ -682,7 +696,10 @@ def main(argv=None) -> None:
     wall = time.perf_counter() - t_start
     print(f"sweep wall time {wall / 60:.1f} min; {len(failed)} failed{': ' + ', '.join(failed) if failed else ''}",
           flush=True)
-    report(runs, work, Path(args.out), args, prov, wall if not failed and len(todo) == len(runs) else None)
+    complete = not failed and len(todo) == len(runs)
+    if complete:
+        write_json_atomic(work / "sweep_wall.json", {"wall_s": wall, "runs": len(runs)})
+    report(runs, work, Path(args.out), args, prov, wall if complete else None)
     if failed:
         raise SystemExit(1)
 

@@ -127,8 +127,15 @@ def test_aggregate_means_spreads_and_pools_histograms():
     assert a["staleness_max"] == 4
     assert a["staleness_at_eta_fraction"] == pytest.approx(27 / 30)
     assert a["eval_curve_mean"] == [[0, pytest.approx(0.3)], [10, pytest.approx(0.6)]]  # steps all seeds have
+    assert a["eval_final_vs_sync_mean"] is None  # no eta = 0 run of recompute/grpo among these
     b = rows[1]
+    assert b["eval_final_vs_sync_mean"] == 0.0  # the synchronous arm against itself
     assert b["eval_final_spread"] == 0.0 and b["staleness_mean"] == 0.0 and b["staleness_at_eta_fraction"] == 1.0
+    paired = bs.aggregate(res + [_result(0, "recompute", "grpo", s, f, f, {0: 10}, [[0, 0.3]])
+                                 for s, f in ((1, 0.6), (2, 0.6), (3, 0.9))])
+    # finals 0.5, 0.7, 0.6 against sync 0.6, 0.6, 0.9 of the same seeds: -0.1, +0.1, -0.3
+    assert paired[0]["eval_final_vs_sync_mean"] == pytest.approx(-0.1)
+    assert paired[0]["eval_final_vs_sync_spread"] == pytest.approx(statistics.stdev([-0.1, 0.1, -0.3]))
     table = bs.markdown_table(rows)
     assert table.count("\n") == 4  # header, rule, two arms
     assert "0.600 ± 0.100" in table and "4:90%" in table
