@@ -550,7 +550,7 @@ def report(runs: list[Run], work: Path, out: Path, args, prov: dict, wall_s: flo
     if (work / "provenance.json").is_file():  # where and on what commit the runs ran, not where this reports
         prov = json.loads((work / "provenance.json").read_text())
     rows = aggregate(results)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M") + (f"_{args.tag}" if args.tag else "")
     out.mkdir(parents=True, exist_ok=True)
     key = json.loads((work / "sweep.json").read_text())
     res = {"date": stamp, "provenance": prov, "sweep": key, "recipe_commit": recipe_commit(args.config),
@@ -604,6 +604,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--work", default="/tmp/areal_bench_staleness", help="run directories and per-run results")
     ap.add_argument("--resume", metavar="DIR", help="continue the sweep in DIR, skipping finished runs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="where the table, JSON and plot go")
+    ap.add_argument("--tag", default="", help="suffix of the result files' names (staleness_<date>_<tag>.*)")
     ap.add_argument("--report-only", action="store_true",
                     help="write the table and plot from the work dir's results, run nothing")
     ap.add_argument("--dry-run", action="store_true", help="print the run list and each run's overrides, run nothing")
@@ -613,6 +614,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--steps must be >= 1, got {args.steps}")
     if args.batch_size is not None and args.batch_size < 1:
         ap.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.tag and not args.tag.replace("-", "").replace("_", "").isalnum():
+        ap.error(f"--tag must be letters, digits, '-' or '_', got {args.tag!r}")
     if args.eval_every < 1:
         ap.error(f"--eval-every must be >= 1, got {args.eval_every}")
     if not args.seeds:
