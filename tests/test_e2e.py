@@ -215,3 +215,22 @@ def test_two_trainer_ranks_with_the_default_distributed_sync_finish(tmp_path, ru
     assert [e["step"] for e in _train_events(out)] == list(range(1, steps + 1))
     assert json.loads((out / "summary.json").read_text())["steps"] == steps
     assert cmdlines and not [c for c in cmdlines if "api-key" in c or "API_KEY" in c]
+
+
+def test_a_run_with_the_rollout_client_in_two_worker_processes_finishes(tmp_path, runner):
+    """`rollout.client_processes=2` through the launcher: two servers, one per rollout worker
+    process (``areal_fast.rollout.sharded``); every step is trained, the staleness bound holds, and
+    no worker outlives the run."""
+    out = tmp_path / "run"
+    steps = 6
+    p = runner(_cmd(out, f"experiment.total_steps={steps}", "rollout.n_servers=2", "rollout.client_processes=2",
+                    "checkpoint.every_steps=0", "log.plots=false"))
+    _, err = p.communicate(timeout=START_TIMEOUT_S)
+    assert p.returncode == 0, err.decode()[-3000:]
+    events = _train_events(out)
+    assert [e["step"] for e in events] == list(range(1, steps + 1))
+    assert all(e["staleness_max"] <= ETA for e in events)  # strict mode (TINY): the bound is hard
+    log = (out / "logs" / "controller.log").read_text()
+    assert "rollout client in 2 worker processes" in log
+    pids = [int(x) for x in log.split("rollout client in 2 worker processes (pids ", 1)[1].split(")", 1)[0].split(", ")]
+    assert len(pids) == 2 and not [k for k in pids if _alive(k)]

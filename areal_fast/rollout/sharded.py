@@ -349,6 +349,8 @@ class ShardedRollout(ClientRollout):
             raise
         if self.client_kwargs.get("gc_tuning", True):
             tune_gc()
+        log.info("rollout client in %d worker processes (pids %s) over %d servers", len(self.workers),
+                 ", ".join(str(w.proc.pid) for w in self.workers), sum(len(w.urls) for w in self.workers))
 
     async def _wait_ready(self, w: _Worker) -> None:
         """The worker's ready message, or an error naming it if its process ends first."""
