@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from areal_fast.rollout.engine import start_engine_in_thread
 
@@ -35,3 +36,17 @@ def engine_twins(model_dir: str):
     yield get
     for h in made.values():
         h.stop()
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app):
+    """Serve an aiohttp ``app`` on a free 127.0.0.1 port; yields its base URL, cleans up after."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

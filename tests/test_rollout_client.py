@@ -6,7 +6,7 @@ import random
 import urllib.request
 
 import pytest
-from _shared import engine_twins
+from _shared import engine_twins, serve_app
 from tolerances import ENGINE_LOGPROB_ATOL
 
 from areal_fast.rollout.client import (
@@ -489,19 +489,12 @@ def test_answers_are_classified_by_what_they_say():
         app.router.add_get("/server_info", info)
         app.router.add_post("/flush_cache", flush)
         app.router.add_post("/generate", generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        try:
-            async with RolloutClient([url], retry_backoff_s=0.0, down_cooldown_s=0.0) as c:
-                with pytest.raises(RequestError) as ei:
-                    await c.generate([1], {"max_new_tokens": 2, "min_p": 0.1})
-                await c.flush_cache_all(timeout_s=10, poll_s=0.0)
-                res = await c.generate([1], {"max_new_tokens": 2})  # the 502 is retried
-                return ei.value, state, res, c.servers[0]
-        finally:
-            await runner.cleanup()
+        async with serve_app(app) as url, RolloutClient([url], retry_backoff_s=0.0, down_cooldown_s=0.0) as c:
+            with pytest.raises(RequestError) as ei:
+                await c.generate([1], {"max_new_tokens": 2, "min_p": 0.1})
+            await c.flush_cache_all(timeout_s=10, poll_s=0.0)
+            res = await c.generate([1], {"max_new_tokens": 2})  # the 502 is retried
+            return ei.value, state, res, c.servers[0]
 
     err, state, res, server = _run(run())
     assert err.status == 500 and state["gen"] == 3  # the TypeError was sent once, never retried

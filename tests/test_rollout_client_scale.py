@@ -17,7 +17,7 @@ from packaging.version import Version
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import sim_sglang as sim  # noqa: E402
-from _shared import wait_until  # noqa: E402, I001
+from _shared import serve_app, wait_until  # noqa: E402, I001
 
 from areal_fast.rollout.answer import AnswerError, parse_generate, token_versions, tune_gc  # noqa: E402
 from areal_fast.rollout.client import RolloutClient, auto_pause_mode  # noqa: E402
@@ -213,16 +213,8 @@ def test_control_call_sent_again_once_when_the_connection_breaks(http):
         app.router.add_get("/server_info", info)
         app.router.add_get("/model_info", model_info)
         app.router.add_post("/continue_generation", cont)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        try:
-            async with RolloutClient([url], gc_tuning=False, http=http) as c:
-                await c.continue_all()
-        finally:
-            await runner.cleanup()
+        async with serve_app(app) as url, RolloutClient([url], gc_tuning=False, http=http) as c:
+            await c.continue_all()
         return calls["continue"]
 
     assert asyncio.run(run(drops=1)) == 2
