@@ -10,7 +10,7 @@ from array import array
 import pytest
 import torch
 
-from areal_fast.trainer.batch import Sample, column_tensor, copy_column, to_seq
+from areal_fast.trainer.batch import Sample, copy_column, to_seq
 
 
 def _sample(p: int, g: int, seed: int, multi_turn: bool) -> dict:
@@ -61,7 +61,7 @@ def test_tensors_do_not_share_memory_with_the_arrays():
     s["behav_logprobs"][0] = 123.0
     assert seq.behav_logprobs.max() <= 0
     x = array("d", [1.5, -2.0])
-    t = column_tensor(x, torch.float64)
+    t = copy_column(torch.empty(2, dtype=torch.float64), x)
     x[0] = 9.0
     assert t.tolist() == [1.5, -2.0]
     with pytest.raises(ValueError, match="column of 2 values into a tensor of 3"):

@@ -7,7 +7,7 @@ last G of which are in the loss.
 
 The controller's samples hold ``array.array`` columns (``areal_fast.workflow.columns``); they
 become tensors through ``torch.frombuffer`` and one dtype conversion each, without a Python
-loop over the tokens (:func:`column_tensor`). Lists and tensors work too.
+loop over the tokens (:func:`copy_column`). Lists and tensors work too.
 """
 
 from __future__ import annotations
@@ -42,11 +42,6 @@ def copy_column(dst: torch.Tensor, x) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return dst.copy_(x.detach().reshape(-1))
     return dst.copy_(torch.tensor(list(x), dtype=dst.dtype))
-
-
-def column_tensor(x, dtype: torch.dtype) -> torch.Tensor:
-    """A per-token column as a new 1-D CPU tensor of ``dtype`` (see :func:`copy_column`)."""
-    return copy_column(torch.empty(len(x), dtype=dtype), x)
 
 
 @dataclass
