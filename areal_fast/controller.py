@@ -97,7 +97,7 @@ COMPLETE_MARKER = "COMPLETE"
 class Generation:
     """What a rollout port returns for one sample. The per-token fields are compact columns
     (``areal_fast.workflow.columns``): ``output_ids`` and ``versions`` ``array('i')``,
-    ``behav_logprobs`` ``array('d')``; a port may give lists, converted here (arrays of the right
+    ``behav_logprobs`` ``array('f')``; a port may give lists, converted here (arrays of the right
     type are kept as they are)."""
 
     output_ids: array
@@ -162,7 +162,7 @@ class Group:
 
     Per-token data are compact columns, one per trajectory (``areal_fast.workflow.columns``):
     ``prompt_ids``, ``prompts``, ``outputs``, ``versions`` ``array('i')``, ``behav_logprobs``
-    ``array('d')``, ``loss_masks`` ``array('B')``; lists given to the constructor are converted.
+    ``array('f')``, ``loss_masks`` ``array('B')``; lists given to the constructor are converted.
     ``min_versions`` holds each trajectory's oldest model-token version (None: no model token),
     computed from the columns when not given. A buffered group is never changed: the checkpoint
     writer and the trainer read its arrays from their threads."""

@@ -157,7 +157,7 @@ def test_the_trainer_gets_compact_arrays_equal_to_what_the_client_returned(tmp_p
         mine = [r for rid, r in client.returned.items() if rid.split("-")[1] == str(pos)]
         r = next(r for r in mine if list(r.output_ids) == s["output_ids"].tolist())
         assert s["prompt_ids"].tolist() == Tok().encode(f"p{pos}") == r.input_ids
-        assert s["behav_logprobs"].tolist() == list(r.output_logprobs)  # float64: bit for bit
+        assert s["behav_logprobs"] == array(LOGPROB_ARRAY, r.output_logprobs)  # bit for bit, as float32
         assert s["output_versions"].tolist() == list(r.output_versions)
         assert s["loss_mask"].tolist() == [1] * len(r.output_ids)
         # the trainer's tensors equal those the former list path built (torch.tensor of lists)
@@ -203,7 +203,11 @@ def test_group_columns_min_version_and_checkpoint_round_trip():
     assert stored["outputs"][0]["__array__"] == TOKEN_ARRAY  # compact, not a list of numbers
     back = Group.from_state(stored)
     assert back == g
-    assert back.behav_logprobs[0].tolist() == [-0.1, -1e-300, 0.0, -3.0000000000000004]
+    assert back.behav_logprobs[0].tolist() == array(LOGPROB_ARRAY, [-0.1, -1e-300, 0.0, -3.0000000000000004]).tolist()
+    # checkpoints written before the float32 columns stored float64 ('d') log-probs: read and rounded
+    old = {**stored, "behav_logprobs": [encode_column(array("d", [-0.1, -2.5])), encode_column(array("d", []))]}
+    old_back = Group.from_state(old).behav_logprobs
+    assert [c.typecode for c in old_back] == [LOGPROB_ARRAY] * 2 and old_back[0] == array(LOGPROB_ARRAY, [-0.1, -2.5])
     with pytest.raises(ValueError, match=r"group 3: outputs\[0\]: stored as array 'd', expected 'i'"):
         Group.from_state({**stored, "outputs": [encode_column(array("d", [1.0]))]})
     with pytest.raises(ValueError, match="prompt_ids: damaged column encoding"):

@@ -37,7 +37,7 @@ def test_parse_generate_is_compact_and_exact():
     spans = [{"version": "3", "start": 0, "end": 4}, {"version": "4", "start": 4, "end": 10}]
     seg = parse_generate(_answer(10, weight_version="4", weight_versions=spans), "u/generate")
     assert isinstance(seg.ids, array) and seg.ids.typecode == "i" and seg.ids.tolist() == list(range(100, 110))
-    assert seg.logprobs.typecode == "d" and seg.logprobs.tolist() == [-(i + 1) / 1e6 for i in range(10)]
+    assert seg.logprobs.typecode == "f" and seg.logprobs == array("f", [-(i + 1) / 1e6 for i in range(10)])
     assert seg.versions.tolist() == [3] * 4 + [4] * 6
     assert seg.weight_version == "4" and seg.finish["type"] == "length" and seg.rid == "q|0|"
 

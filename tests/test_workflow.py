@@ -139,7 +139,7 @@ def expected_tokens(prompt_ids: list[int], pieces: list[tuple[str, object]], n: 
             out += value
             mask += [0] * len(value)
             lps += [0.0] * len(value)
-    return out, mask, lps
+    return out, mask, array(LOGPROB_ARRAY, lps).tolist()  # the columns hold float32 log-probs
 
 
 # ---------------------------------------------------------------- trajectories

@@ -65,7 +65,7 @@ def test_turns_append_exactly_and_the_oldest_version_is_kept_as_they_come():
                            "length"))
     assert t.output_ids.tolist() == [10, 11, 20, 21, 22, 12]
     assert t.loss_mask.tolist() == [1, 1, 0, 0, 0, 1]
-    assert t.behav_logprobs.tolist() == [-0.1, -0.1, 0.0, 0.0, 0.0, -1e-300]
+    assert t.behav_logprobs == array(LOGPROB_ARRAY, [-0.1, -0.1, 0.0, 0.0, 0.0, -1e-300])  # float32
     assert t.output_versions.tolist() == [4, 4, -1, -1, -1, 2]
     assert t.context_ids.tolist() == [1, 2, 10, 11, 20, 21, 22, 12] and type(t.context_ids) is array
     assert (t.n_model_tokens, t.n_turns, t.min_model_version(), t.finish_reason) == (3, 2, 2, "length")

@@ -5,7 +5,7 @@ log-prob as a small list ``[logprob, id, null]``. Decoded with ``json`` and kept
 that is ~150 bytes and four objects per token, and every full collection of the garbage collector
 scans the lists. So one answer is decoded here (orjson when installed: ~2.5x faster than ``json``
 on these answers, 106 vs 270 ns per token on our 2-core machine), its tokens, log-probs and
-per-token versions are copied at once into ``array`` columns (4 + 8 + 4 bytes per token, not
+per-token versions are copied at once into ``array`` columns (4 + 4 + 4 bytes per token, not
 tracked by the collector), and the decoded answer is dropped before anything waits. The collector
 is paused while one answer is decoded and copied: its thousands of short-lived lists would
 otherwise trigger generation-0 collections that promote them, live, to older generations.
@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - exercised only where orjson is missing
 
 _INT_RE = re.compile(r"^-?\d+$")
 TOKEN_ARRAY = "i"  # token ids and versions: C int (vocabularies and versions fit in 31 bits)
-LOGPROB_ARRAY = "d"  # log-probs: C double, exactly the float JSON gave
+LOGPROB_ARRAY = "f"  # log-probs: C float (float32): the precision the trainer computes with
 _first = itemgetter(0)
 
 

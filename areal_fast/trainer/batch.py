@@ -61,7 +61,7 @@ class Sample:
       ignored (0.0 and -1 by convention). None = every output token is a model token.
 
     The controller fills the per-token fields with ``array.array`` columns (ids and versions
-    ``'i'``, log-probs ``'d'``, mask ``'B'``); any sequence of numbers, or a 1-D tensor, is accepted.
+    ``'i'``, log-probs ``'f'``, mask ``'B'``); any sequence of numbers, or a 1-D tensor, is accepted.
     """
 
     prompt_ids: Sequence[int]

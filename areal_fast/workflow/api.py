@@ -69,7 +69,7 @@ class Trajectory:
 
     The per-token fields are compact ``array.array`` columns (``areal_fast.workflow.columns``):
     ``prompt_ids``, ``output_ids`` and ``output_versions`` ``array('i')``, ``behav_logprobs``
-    ``array('d')``, ``loss_mask`` ``array('B')``. They index, slice, iterate and ``len`` like lists;
+    ``array('f')``, ``loss_mask`` ``array('B')``. They index, slice, iterate and ``len`` like lists;
     compare them with ``list(x)`` (an array never equals a list). Lists, tuples or tensors given to
     the constructor or assigned later are converted on entry. Build a trajectory with
     :meth:`add_model` and :meth:`add_context`, which extend the columns in place (``+=`` with a list

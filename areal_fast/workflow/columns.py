@@ -7,7 +7,7 @@ Every per-token field from the rollout client to the trainer is an ``array.array
 field                   typecode  element
 ======================  ========  ==========================================================
 token ids, versions     ``'i'``   C int (int32): vocabularies and weight versions fit in 31 bits
-behaviour log-probs     ``'d'``   C double (float64): exactly the float the server sent
+behaviour log-probs     ``'f'``   C float (float32): the precision the trainer computes with
 loss mask               ``'B'``   unsigned char: 1 model token, 0 context (prompt, tool, feedback)
 ======================  ========  ==========================================================
 
@@ -18,6 +18,12 @@ flight). An array is one object whose elements are raw C values: the collector v
 whatever its length; copying or concatenating two of the same type is a ``memcpy``; the trainer views
 it as a tensor without a per-element loop (``torch.frombuffer``).
 
+Why float32 log-probs: the trainer's behaviour log-probs are a float32 tensor
+(``areal_fast.trainer.batch``), so a float64 column was rounded to float32 there anyway; rounding on
+entry gives the trainer the same value, bit for bit, at half the memory (the buffer of finished groups
+is most of the controller's memory at long answers). SGLang computes log-probs in float32, so its
+values are float32 numbers already and round-trip exactly.
+
 An array indexes, slices, iterates and has ``len`` like a list, but compares equal only to another
 array (``array('i', [1]) == [1]`` is False) and ``+`` needs an array on both sides: compare with
 ``list(x)`` or ``x.tolist()``. :func:`column` converts what a user gives (a list, a tuple, a tensor,
@@ -25,7 +31,8 @@ an array of another typecode) on entry; an array of the right typecode is used a
 
 Checkpoints store a column as ``{"__array__": typecode, "b64": base64 of its little-endian bytes}``
 (:func:`encode_column`; ~10x faster to write and read than a JSON list of numbers, 21 instead of ~31
-bytes a token); :func:`decode_column` reads that and the plain lists of older checkpoints.
+bytes a token); :func:`decode_column` reads that, the plain lists of older checkpoints, and their
+float64 (``'d'``) log-prob columns.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY
 
 MASK_ARRAY = "B"  # loss mask: one byte a token, 0 or 1
 COLUMN_KEY = "__array__"  # marks an encoded column in a checkpoint's JSON
-_ITEMSIZE = {code: array(code).itemsize for code in (TOKEN_ARRAY, LOGPROB_ARRAY, MASK_ARRAY)}
+_OLD_LOGPROB_ARRAY = "d"  # float64 log-probs, as checkpoints before the float32 columns stored them
+_ITEMSIZE = {code: array(code).itemsize for code in (TOKEN_ARRAY, LOGPROB_ARRAY, MASK_ARRAY, _OLD_LOGPROB_ARRAY)}
 _BINARY = bytes((0, 1))
 _ZERO = b"\x00"
 _ONES = array(MASK_ARRAY, [1])
@@ -73,7 +81,7 @@ def tokens(values: Iterable = (), name: str = "token ids") -> array:
 
 
 def logprobs(values: Iterable = (), name: str = "log-probs") -> array:
-    """Log-probs as ``array('d')`` (float64: the server's values exactly)."""
+    """Log-probs as ``array('f')`` (float32, see the module docstring)."""
     return column(values, LOGPROB_ARRAY, name)
 
 
@@ -138,6 +146,8 @@ def decode_column(obj, typecode: str, name: str) -> array:
     if not isinstance(obj, dict):
         return column(obj, typecode, name)
     code = obj.get(COLUMN_KEY)
+    if code == _OLD_LOGPROB_ARRAY and typecode == LOGPROB_ARRAY:  # float64 log-probs of older checkpoints
+        return column(decode_column(obj, code, name), typecode, name)
     if code != typecode:
         raise ValueError(f"{name}: stored as array {code!r}, expected {typecode!r}")
     try:
