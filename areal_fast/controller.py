@@ -19,7 +19,8 @@ trains whenever a batch is ready (AReaL-style), with the staleness bound of deco
     +-------------------+
              | finished group (gate.finish)
              v
-        buffer (FIFO of finished groups)  ------------------------------+
+        buffer (FIFO of finished groups; past rollout.buffer_memory_mb  +
+             |  they wait in a spill file: areal_fast.buffer)           |
              |  when >= B groups                                        |
              v                                                          | checkpoint: version,
     +-------------------+   trainer.train(samples)   (a thread; rollouts go on meanwhile)
@@ -38,7 +39,8 @@ eta = 0 is the synchronous baseline with the same code: capacity (v + 1) * B adm
 one batch per version, so generation stops until the trainer has stepped and synced.
 
 Checkpoints hold the controller state: data position, version, counters, the finished groups
-still in the buffer, and the positions of groups still generating (they are regenerated after a
+still in the buffer (streamed to ``buffer.bin``, see ``areal_fast.buffer``), and the positions
+of groups still generating (they are regenerated after a
 restart: nothing is lost, and nothing trained twice because a checkpoint is written only at a
 step boundary, atomically, together with the trainer state). After a restore at version v the
 gate is restored with ``accepted = v * B + len(buffer)``, so the bound holds as before.
@@ -66,10 +68,12 @@ import time
 from array import array
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from areal_fast.buffer import MB, GroupBuffer
+from areal_fast.buffer import read_records as _read_records
 from areal_fast.diskutil import write_failed
 from areal_fast.workflow import (
     DEFAULT_WORKFLOW,
@@ -83,6 +87,7 @@ from areal_fast.workflow import (
 log = logging.getLogger(__name__)
 
 STATE_FILE = "controller.json"
+BUFFER_FILE = "buffer.bin"  # the buffered groups of a checkpoint, as records (``areal_fast.buffer``)
 # Groups admitted between two yields to the event loop. Admitting 1,024 groups of 16 at once made
 # one loop iteration start 16,384 requests (~10 s without a break at 256 servers); 4 groups (64
 # requests) keep each slice to milliseconds.
@@ -195,8 +200,9 @@ class Group:
 
     @classmethod
     def from_state(cls, g: dict) -> Group:
-        """A group from its checkpointed dict (:func:`_group_state`): columns encoded compactly, or the
-        lists (and the ``logprobs`` name) of older checkpoints."""
+        """A group from its dict in the controller.json of checkpoints written before ``buffer.bin``:
+        columns encoded compactly (``columns.encode_column``), or the lists (and the ``logprobs``
+        name) of still older ones."""
         g = dict(g)
         if "logprobs" in g:  # checkpoints written before the behaviour log-probs got their one name
             g["behav_logprobs"] = g.pop("logprobs")
@@ -266,6 +272,9 @@ class ControllerSettings:
     """Keyword arguments of every workflow call."""
     tool_timeout: float = 10.0
     """Seconds per tool call (``EpisodeEngine.tool``)."""
+    buffer_memory_mb: float | None = 1024.0
+    """MB of columns the buffer of finished groups keeps in memory; more is spilled to a file in
+    ``output_dir`` (``areal_fast.buffer``). None = no bound."""
 
 
 @dataclass
@@ -304,7 +313,7 @@ class Controller:
         self.version = 0
         self.position = 0
         self.requeue: deque[int] = deque()
-        self.buffer: list[Group] = []
+        self.buffer = self._new_buffer()
         self.running: dict[int, asyncio.Task] = {}
         self.counters = Counters()
         self.incarnation = secrets.token_hex(4)  # makes rids unique across restarts
@@ -318,6 +327,10 @@ class Controller:
         self._elapsed_before = 0.0  # wall seconds of earlier incarnations (resume)
         self._timers = Counter()
         self._last_batch_dump: list = []
+
+    def _new_buffer(self) -> GroupBuffer:
+        mb = self.s.buffer_memory_mb
+        return GroupBuffer(None if mb is None else int(mb * MB), Path(self.s.output_dir), Group)
 
     # ------------------------------------------------------------- admission and groups
     def _next_position(self) -> int | None:
@@ -413,33 +426,41 @@ class Controller:
             counts.clear()
 
     # ------------------------------------------------------------- training
-    def _take_batch(self) -> tuple[list[Group], list[int]]:
-        """B groups FIFO; in strict mode groups with a token older than version - eta are dropped
-        and their prompts regenerated (counted)."""
+    def _take_batch(self) -> tuple[list, list[int]]:
+        """B buffer slots FIFO (groups, or spilled groups still to read: :meth:`GroupBuffer.load`); in
+        strict mode groups with a token older than version - eta are dropped and their prompts
+        regenerated (counted). The oldest version of a spilled group is in memory: no read to drop it."""
         batch, dropped = [], []
         while self.buffer and len(batch) < self.s.batch_size:
-            g = self.buffer.pop(0)
+            g = self.buffer.take()
             oldest = g.min_model_version()
             if not self.gate.check_consumed([] if oldest is None else [oldest]):  # strict mode only
-                dropped.append(g.position)  # the gate gave its slot back
+                dropped.append(g)  # the gate gave its slot back
                 continue
             batch.append(g)
         if dropped:
+            self.buffer.release(dropped)
             self.counters.dropped_stale += len(dropped)
-            self.requeue.extendleft(reversed(dropped))
+            self.requeue.extendleft(reversed([g.position for g in dropped]))
             self._wake.set()
         if len(batch) < self.s.batch_size:  # not enough after drops: put back, wait for more
-            self.buffer[:0] = batch
+            self.buffer.put_back(batch)
             batch = []
-        return batch, dropped
+        return batch, [g.position for g in dropped]
 
     async def _wait_batch(self) -> list[Group]:
         while True:
             if self._failure is not None:
                 raise self._failure
             if len(self.buffer) >= self.s.batch_size:
-                batch, _ = self._take_batch()
-                if batch:
+                slots, _ = self._take_batch()
+                if slots:  # spilled groups are read back in a thread (~1 MB each at 16 x 6k tokens)
+                    try:
+                        batch = await asyncio.to_thread(self.buffer.load, slots)
+                    except BaseException:  # cancelled (shutdown) or unreadable: the slots stay buffered
+                        self.buffer.put_back(slots)
+                        raise
+                    self.buffer.release(slots)
                     return batch
             self._buffer_ready.clear()
             await self._buffer_ready.wait()
@@ -483,7 +504,7 @@ class Controller:
             "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
             "staleness": staleness, "positions": [g.position for g in batch],
             "wait_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
-            "buffer": len(self.buffer), "running": len(self.running),
+            "buffer": len(self.buffer), "buffer_spilled": self.buffer.spilled, "running": len(self.running),
             "trained_tokens_per_s": self.counters.trained_tokens / max(elapsed, 1e-9),
             "trained_samples_per_s": self.counters.trained_samples / max(elapsed, 1e-9),
             "dropped_stale": self.counters.dropped_stale,
@@ -526,21 +547,30 @@ class Controller:
 
     # ------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        """Controller state at this instant (called synchronously at a step boundary)."""
+        """Controller state at this instant (called synchronously at a step boundary). ``buffer`` holds
+        the buffer's slots (groups, and spilled groups with their ``position``), which
+        :meth:`_write_checkpoint` streams to ``buffer.bin``; every other entry is JSON."""
         return {
             "version": self.version, "position": self.position,
             "pending": sorted(self.running) + list(self.requeue),
-            "buffer": [_group_state(g) for g in self.buffer],
+            "buffer": self.buffer.snapshot(),
             "counters": asdict(self.counters), "elapsed": self.elapsed(),
             "timers": dict(self._timers), "eval_history": self.eval_history,
             "resume_key": self.s.resume_key,
         }
 
     def load_state_dict(self, st: dict) -> None:
+        """Load a state: ``buffer`` a :class:`GroupBuffer` (what :meth:`restore` reads), or groups (or
+        their dicts, as controller.json held them before ``buffer.bin``)."""
         self.version = int(st["version"])
         self.position = int(st["position"])
         self.requeue = deque(int(p) for p in st["pending"])
-        self.buffer = [g if isinstance(g, Group) else Group.from_state(g) for g in st["buffer"]]
+        buf = st["buffer"]
+        if not isinstance(buf, GroupBuffer):
+            groups, buf = buf, self._new_buffer()
+            buf.extend(g if isinstance(g, Group) else Group.from_state(g) for g in groups)
+        self.buffer.close()
+        self.buffer = buf
         self.counters = Counters(**st["counters"])
         self._elapsed_before = float(st.get("elapsed", 0.0))
         self._timers = Counter(st.get("timers", {}))
@@ -551,16 +581,28 @@ class Controller:
         """Snapshot the state now (groups finishing during the write stay "pending" in it), then
         write it in a thread so rollouts go on."""
         state = self.state_dict()
-        return await asyncio.to_thread(self._write_checkpoint, state)
+        self.buffer.pin()  # the spilled groups of the snapshot stay in the spill file until copied
+        try:
+            return await asyncio.to_thread(self._write_checkpoint, state)
+        finally:
+            self.buffer.unpin()
 
     def _write_checkpoint(self, state: dict) -> Path:
-        """Atomic: write step_N.tmp (trainer + controller.json + COMPLETE), then rename."""
+        """Atomic: write step_N.tmp (trainer + buffer.bin + controller.json + COMPLETE), then rename.
+        The buffered groups are streamed to buffer.bin group by group (a spilled one copied from the
+        spill file as it is), so the write holds no second copy of the buffer; controller.json
+        records their count and bytes."""
         final = self.ckpt_dir / f"step_{state['version']:08d}"
         tmp = final.with_name(final.name + ".tmp")
+        slots = state["buffer"]
+        state = {k: v for k, v in state.items() if k != "buffer"}
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             tmp.mkdir(parents=True)
             self.trainer.save(tmp / "trainer")
+            with open(tmp / BUFFER_FILE, "wb") as f:
+                nbytes = self.buffer.write(slots, f)
+            state["buffer_file"] = {"name": BUFFER_FILE, "groups": len(slots), "bytes": nbytes}
             _write_json(tmp / STATE_FILE, state)
             _fsync_tree(tmp)  # everything COMPLETE promises is on disk before the marker is
             _write_json(tmp / COMPLETE_MARKER, "ok")
@@ -583,10 +625,8 @@ class Controller:
         :class:`CorruptCheckpoint` when it cannot be read (nothing is loaded then)."""
         st = read_state(path)
         self.check_resume_key(st, path)
-        try:  # the buffered groups first: a damaged column is a corrupt checkpoint, found before any load
-            st = {**st, "buffer": [Group.from_state(g) for g in st["buffer"]]}
-        except (ValueError, TypeError, KeyError, OverflowError) as e:
-            raise CorruptCheckpoint(f"checkpoint {path}: a buffered group in {STATE_FILE} is unreadable: {e!r}") from e
+        # the buffered groups first: a damaged one makes the checkpoint corrupt, found before any load
+        st = {**st, "buffer": self._read_buffer(st, path)}
         check = getattr(self.trainer, "check", None)  # optional: a trainer without it is trusted
         try:
             if check is not None:
@@ -597,6 +637,27 @@ class Controller:
         self.load_state_dict(st)
         log.info("resumed from %s: version %d, position %d, %d buffered, %d to regenerate", path,
                  self.version, self.position, len(self.buffer), len(self.requeue))
+
+    def _read_buffer(self, st: dict, path: Path) -> GroupBuffer:
+        """The checkpoint's buffered groups in a new buffer (spilling past the bound as they are
+        read, group by group): from buffer.bin, or from controller.json as older checkpoints held
+        them. CorruptCheckpoint when a group is unreadable or the file is short or too long."""
+        buf = self._new_buffer()
+        ref, where = st.get("buffer_file"), STATE_FILE
+        try:
+            if ref is None:
+                buf.extend(Group.from_state(g) for g in st["buffer"])
+                return buf
+            where = str(ref["name"])
+            f = path / where
+            if f.stat().st_size != int(ref["bytes"]):
+                raise ValueError(f"{f.stat().st_size} bytes, {STATE_FILE} says {ref['bytes']}")
+            with open(f, "rb") as fh:
+                buf.extend(Group(**kw) for kw in _read_records(fh, int(ref["groups"]), where))
+            return buf
+        except (OSError, ValueError, TypeError, KeyError, OverflowError) as e:
+            buf.close()
+            raise CorruptCheckpoint(f"checkpoint {path}: a buffered group in {where} is unreadable: {e!r}") from e
 
     def restore_newest(self) -> Path | None:
         """Restore from the newest readable checkpoint (None when there is none). An unreadable one
@@ -714,22 +775,15 @@ def _means(infos: list[dict]) -> dict:
     return {k: sums[k] / counts[k] for k in sums}
 
 
-def _group_state(g: Group) -> dict:
-    """A buffered group as a dict of its fields, sharing its arrays. ``asdict`` deep-copied every token
-    on the event loop (17 s of CPU under cProfile for the groups buffered at the end of the 64-server
-    scale benchmark, ~400 tokens a sample); a buffered group's arrays are never changed, so the
-    checkpoint writer encodes them in its thread (``_write_json``: compact columns, see
-    ``areal_fast.workflow.columns``). :meth:`Group.from_state` reads it back."""
-    return {f.name: getattr(g, f.name) for f in fields(g)}
-
-
 def read_state(path: Path) -> dict:
     """The controller state of the checkpoint at ``path``; CorruptCheckpoint names the file otherwise."""
     f = path / STATE_FILE
     try:
         st = json.loads(f.read_text())
-        for key in ("version", "position", "pending", "buffer", "counters"):
+        for key in ("version", "position", "pending", "counters"):
             st[key]  # noqa: B018 - a missing key is a corrupt file
+        if "buffer_file" not in st:  # checkpoints before buffer.bin held the groups in this file
+            st["buffer"]  # noqa: B018
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpoint(f"checkpoint {path}: {f.name} unreadable: {e!r}") from e
     return st

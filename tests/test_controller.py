@@ -168,7 +168,7 @@ def test_async_run_trains_each_group_once_within_bound(tmp_path):
     assert len(trainer.trained) == len(set(trainer.trained)) == 8 * 2
     # nothing lost: trained + buffered + still running/queued == every position handed out
     st = ctl.state_dict()
-    seen = trainer.trained + [g["position"] for g in st["buffer"]] + st["pending"]
+    seen = trainer.trained + [g.position for g in st["buffer"]] + st["pending"]
     assert sorted(seen) == list(range(ctl.position))
 
 
@@ -198,7 +198,7 @@ def test_strict_mode_drops_stale_groups_and_regenerates_them(tmp_path):
         assert min(step["versions"]) >= v - 1
     assert ctl.counters.dropped_stale >= 1
     st = ctl.state_dict()
-    seen = trainer.trained + [g["position"] for g in st["buffer"]] + st["pending"]
+    seen = trainer.trained + [g.position for g in st["buffer"]] + st["pending"]
     assert sorted(seen) == list(range(ctl.position)), "a dropped group must be regenerated, not lost"
 
 
@@ -234,7 +234,7 @@ def test_resume_after_crash_loses_and_repeats_nothing(tmp_path, seed):
     assert trainer2.trained[: n_ck * 2] == trained_at_ck
     assert len(trainer2.trained) == len(set(trainer2.trained)) == 10 * 2
     st = ctl2.state_dict()
-    seen = trainer2.trained + [g["position"] for g in st["buffer"]] + st["pending"]
+    seen = trainer2.trained + [g.position for g in st["buffer"]] + st["pending"]
     assert sorted(seen) == list(range(ctl2.position))
     # the bound after the restore: the gate was recovered with the restored buffer counted
     assert ctl2.gate.accepted + ctl2.gate.running <= (2 + ctl2.version + 1) * 2

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from areal_fast.buffer import read_records
 from areal_fast.controller import STATE_FILE, Controller, ControllerSettings, Generation, Group, read_state
 from areal_fast.launch.runtime import ClientRollout
 from areal_fast.rollout.client import GenerateResult
@@ -215,6 +216,11 @@ def test_group_columns_min_version_and_checkpoint_round_trip():
     assert decode_column({"__array__": "i", "b64": ""}, "i", "x") == array("i")
 
 
+def _checkpointed_groups(ck: Path, st: dict) -> list[Group]:
+    with open(ck / "buffer.bin", "rb") as f:
+        return [Group(**kw) for kw in read_records(f, st["buffer_file"]["groups"], "buffer.bin")]
+
+
 def test_a_checkpoint_with_lists_from_an_older_version_still_loads_and_resumes(tmp_path):
     """An older controller.json held the buffered groups' tokens as lists (and log-probs under the
     name ``logprobs``): it loads into arrays with the same values, and the run goes on from it."""
@@ -224,9 +230,10 @@ def test_a_checkpoint_with_lists_from_an_older_version_still_loads_and_resumes(t
     asyncio.run(ctl.run())
     ck = tmp_path / "checkpoints" / "step_00000002"
     st = read_state(ck)
-    assert st["buffer"], "no buffered group in the checkpoint to convert"
-    new_buffer = [Group.from_state(g) for g in st["buffer"]]
-    old = dict(st)  # the same state as an older version wrote it: lists, and no min_versions
+    new_buffer = _checkpointed_groups(ck, st)
+    assert new_buffer, "no buffered group in the checkpoint to convert"
+    old = {k: v for k, v in st.items() if k != "buffer_file"}  # as an older version wrote it: lists,
+    (ck / "buffer.bin").unlink()  # in controller.json, and no min_versions
     old["buffer"] = []
     for g in new_buffer:
         d = {k: v for k, v in g.__dict__.items() if k not in ("min_versions", "behav_logprobs")}
@@ -241,7 +248,7 @@ def test_a_checkpoint_with_lists_from_an_older_version_still_loads_and_resumes(t
     trainer2 = Trainer()
     ctl2, _ = _controller(tmp_path, client, trainer2, steps=4, ckpt=2)
     assert ctl2.restore_newest() == ck
-    assert ctl2.buffer == new_buffer
+    assert list(ctl2.buffer) == new_buffer
     assert all(type(c) is array for g in ctl2.buffer for c in g.outputs + g.behav_logprobs)
     asyncio.run(ctl2.run())
     assert ctl2.version == 4
@@ -256,7 +263,9 @@ def test_a_damaged_column_makes_the_checkpoint_corrupt_and_the_previous_one_is_u
     trainer.hold_until = lambda: len(ctl.buffer) >= 1  # the checkpoint after step 4 holds a finished group
     asyncio.run(ctl.run())
     newest = tmp_path / "checkpoints" / "step_00000004"
-    st = json.loads((newest / STATE_FILE).read_text())
+    st = read_state(newest)  # rewritten as before buffer.bin: encoded columns in controller.json
+    st["buffer"] = json.loads(json.dumps([g.__dict__ for g in _checkpointed_groups(newest, st)], default=encode_column))
+    del st["buffer_file"]
     assert st["buffer"], "no buffered group in the checkpoint to damage"
     st["buffer"][0]["outputs"][0]["b64"] = "not base64!"
     (newest / STATE_FILE).write_text(json.dumps(st))

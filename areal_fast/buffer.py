@@ -1,0 +1,397 @@
+"""The controller's buffer of finished groups, with a bound on its memory: groups beyond the bound
+wait in a spill file, and checkpoints stream the buffer to disk in the same binary form.
+
+Why: at 256 servers / 16,384 in flight, eta 4, answers of ~6,000 tokens on average, the gate lets
+up to (eta + 1) x B groups exist beyond the trained ones; when generation outruns training the
+finished ones wait here: ~25k samples x ~6k tokens x 13 bytes (id and version int32, float32
+log-prob, mask byte) = ~2 GB, the controller's whole memory goal. A checkpoint that encoded them as
+base64 inside one JSON made two more copies while it was written.
+
+::
+
+    append(group) --> in memory (while the buffer's column bytes stay <= bound)
+                  \\-> spill file: one record, at a free extent (reused; truncated when it empties)
+    FIFO of slots: Group (in memory) or _Spilled (position, oldest version, extent): strict drops
+    need no read; take() pops slots, load() reads spilled ones back (pread: safe in a thread),
+    release() frees their extents.
+
+A **record** (one group; the spill file and a checkpoint's ``buffer.bin`` hold the same bytes)::
+
+    magic b"AFG1" | meta length u32 | data length u64 | CRC-32 of meta + data u32   (little-endian)
+    meta: JSON {"fields": the group's other fields, "columns": item counts of every column}
+    data: the columns' raw little-endian bytes: prompt_ids, then outputs, behav_logprobs, versions,
+          prompts, loss_masks (one column per trajectory; a trajectory prompt equal to prompt_ids is
+          stored once, counted -1)
+
+A spilled group is copied into a checkpoint byte for byte (its CRC travels with it); a damaged or
+truncated record is a ``ValueError`` naming the record, which the controller reports as a corrupt
+checkpoint.
+
+The spill file is created in the run's output directory (a disk, where the system temp dir may be
+memory-backed tmpfs) with ``tempfile.TemporaryFile``: unlinked at once, so a crash leaves nothing
+behind; the kernel frees it when the process exits.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import json
+import os
+import struct
+import sys
+import tempfile
+import threading
+import zlib
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from areal_fast.workflow.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY
+
+MAGIC = b"AFG1"
+_HEADER = struct.Struct("<4sIQI")  # magic, meta length, data length, CRC-32 of meta + data
+# the per-trajectory columns of a group, in the order a record stores them (after prompt_ids)
+COLUMNS = {"outputs": TOKEN_ARRAY, "behav_logprobs": LOGPROB_ARRAY, "versions": TOKEN_ARRAY,
+           "prompts": TOKEN_ARRAY, "loss_masks": MASK_ARRAY}
+_ITEMSIZE = {code: array(code).itemsize for code in (TOKEN_ARRAY, LOGPROB_ARRAY, MASK_ARRAY)}
+_SAME_PROMPT = -1  # a trajectory's prompt equal to the group's prompt_ids: stored once
+_COPY_CHUNK = 8 << 20  # bytes per read when a spilled record is copied into a checkpoint
+MB = 1 << 20
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def _le(a: array) -> array:
+    """``a`` with little-endian items (a byte-swapped copy on a big-endian host)."""
+    if sys.byteorder == "big" and a.itemsize > 1:
+        a = array(a.typecode, a)
+        a.byteswap()
+    return a
+
+
+def _columns_of(g) -> tuple[dict, list[array]]:
+    """The item counts (record meta) and the arrays, in record order, of group ``g``."""
+    counts: dict[str, Any] = {"prompt_ids": len(g.prompt_ids)}
+    arrays = [g.prompt_ids]
+    for name in COLUMNS:
+        ns = []
+        for c in getattr(g, name):
+            if name == "prompts" and (c is g.prompt_ids or c == g.prompt_ids):
+                ns.append(_SAME_PROMPT)
+                continue
+            ns.append(len(c))
+            arrays.append(c)
+        counts[name] = ns
+    return counts, arrays
+
+
+def column_bytes(g) -> int:
+    """Bytes of a group's columns as a record stores them (what the memory bound counts)."""
+    return sum(len(a) * a.itemsize for a in _columns_of(g)[1])
+
+
+def write_record(f: BinaryIO, g) -> int:
+    """Write group ``g`` as one record to the file ``f`` (at its position); the bytes written. The
+    columns go to the file one by one from the group's own arrays: no joined copy."""
+    counts, arrays = _columns_of(g)
+    other = {f_.name: getattr(g, f_.name) for f_ in fields(g)
+             if f_.name not in COLUMNS and f_.name != "prompt_ids"}
+    meta = json.dumps({"fields": other, "columns": counts}).encode()
+    arrays = [_le(a) for a in arrays]
+    crc = zlib.crc32(meta)
+    for a in arrays:
+        crc = zlib.crc32(a, crc)
+    size = sum(len(a) * a.itemsize for a in arrays)
+    f.write(_HEADER.pack(MAGIC, len(meta), size, crc))
+    f.write(meta)
+    for a in arrays:
+        f.write(a)
+    return _HEADER.size + len(meta) + size
+
+
+def _record(raw: bytes | memoryview, name: str) -> tuple[int, int, int]:
+    """Header of a record: (meta length, data length, CRC); ValueError when it is not one."""
+    if len(raw) < _HEADER.size:
+        raise ValueError(f"{name}: truncated record header ({len(raw)} of {_HEADER.size} bytes)")
+    magic, n_meta, n_data, crc = _HEADER.unpack_from(raw)
+    if magic != MAGIC:
+        raise ValueError(f"{name}: not a group record (magic {bytes(magic)!r})")
+    return n_meta, n_data, crc
+
+
+def decode_record(meta: bytes | memoryview, data: bytes | memoryview, crc: int, name: str) -> dict:
+    """A group's fields (keyword arguments of ``Group``) from a record's meta and data; ValueError
+    naming ``name`` when the CRC, the meta or the column lengths do not check out."""
+    if zlib.crc32(data, zlib.crc32(meta)) != crc:
+        raise ValueError(f"{name}: CRC mismatch (the record is damaged)")
+    try:
+        m = json.loads(bytes(meta))
+        kw, counts = dict(m["fields"]), m["columns"]
+        plan = [("prompt_ids", TOKEN_ARRAY, int(counts["prompt_ids"]))]
+        plan += [(name_, code, int(n)) for name_, code in COLUMNS.items() for n in counts[name_]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{name}: unreadable record meta ({e!r})") from None
+    mv, off = memoryview(data), 0
+    cols: dict[str, list] = {name_: [] for name_ in COLUMNS}
+    for col, code, n in plan:
+        if col == "prompts" and n == _SAME_PROMPT:
+            cols[col].append(kw["prompt_ids"])
+            continue
+        size = n * _ITEMSIZE[code]
+        if n < 0 or off + size > len(mv):
+            raise ValueError(f"{name}: column {col} of {n} items does not fit the record's {len(mv)} bytes")
+        a = array(code)
+        a.frombytes(mv[off:off + size])
+        if sys.byteorder == "big" and a.itemsize > 1:
+            a.byteswap()
+        off += size
+        if col == "prompt_ids":
+            kw["prompt_ids"] = a
+        else:
+            cols[col].append(a)
+    if off != len(mv):
+        raise ValueError(f"{name}: {len(mv) - off} bytes after the last column")
+    kw.update(cols)
+    return kw
+
+
+def read_records(f: BinaryIO, count: int, name: str) -> Iterator[dict]:
+    """The ``count`` groups (as ``Group`` keyword arguments) of a stream of records, one at a time;
+    ValueError naming ``name`` and the record when one is short, damaged, or the stream goes on."""
+    for i in range(count):
+        rec = f"{name}: record {i}"
+        n_meta, n_data, crc = _record(f.read(_HEADER.size), rec)
+        meta, data = f.read(n_meta), f.read(n_data)
+        if len(meta) != n_meta or len(data) != n_data:
+            raise ValueError(f"{rec}: truncated ({len(meta) + len(data)} of {n_meta + n_data} bytes)")
+        yield decode_record(meta, data, crc, rec)
+    if f.read(1):
+        raise ValueError(f"{name}: data after the last of its {count} records")
+
+
+# ----------------------------------------------------------------------------- spill file
+
+
+@dataclass(frozen=True, slots=True)
+class _Spilled:
+    """A group in the spill file: what strict drops and metrics need stays in memory."""
+
+    position: int
+    oldest: int | None  # oldest model-token version (Group.min_model_version)
+    offset: int
+    length: int
+
+    def min_model_version(self) -> int | None:
+        return self.oldest
+
+
+class SpillFile:
+    """An unlinked temporary file of records with first-fit reuse of freed extents (adjacent free
+    extents merge; the file is cut back when its tail is free), so its size follows the spilled bytes
+    of the moment, not the run's total. Reads and writes use ``pread``/``pwrite`` (no shared file
+    position): a reader thread and the event loop's writes do not disturb each other; allocation
+    happens on the event loop only."""
+
+    def __init__(self, directory: Path | None):
+        self.directory = directory
+        self._f = None
+        self.size = 0  # file length
+        self._free: list[tuple[int, int]] = []  # (offset, length), sorted, merged
+        self._lock = threading.Lock()  # the allocator: a checkpoint writer may free from its thread
+
+    def _file(self):
+        if self._f is None:
+            d = self.directory
+            if d is not None:
+                d.mkdir(parents=True, exist_ok=True)
+            self._f = tempfile.TemporaryFile(prefix="areal_fast_buffer_", dir=d)
+        return self._f
+
+    def _alloc(self, n: int) -> int:
+        for i, (off, ln) in enumerate(self._free):
+            if ln >= n:
+                self._free[i:i + 1] = [(off + n, ln - n)] if ln > n else []
+                return off
+        off = self.size
+        self.size += n
+        return off
+
+    def write(self, g) -> tuple[int, int]:
+        """Write group ``g`` as a record; its (offset, length) in the file."""
+        buf = io.BytesIO()  # one group (~1 MB at 16 x 6k tokens), so that pwrite places it in one call
+        n = write_record(buf, g)
+        with self._lock:
+            off = self._alloc(n)
+        fd = self._file().fileno()
+        view, done = buf.getbuffer(), 0
+        while done < n:
+            done += os.pwrite(fd, view[done:], off + done)
+        del view
+        return off, n
+
+    def read(self, off: int, n: int) -> bytes:
+        fd = self._file().fileno()
+        out = os.pread(fd, n, off)
+        while len(out) < n:  # pread may return less than asked (large reads)
+            more = os.pread(fd, n - len(out), off + len(out))
+            if not more:
+                raise ValueError(f"spill file: {n} bytes at {off} expected, file ends after {len(out)}")
+            out += more
+        return out
+
+    def load(self, s: _Spilled) -> dict:
+        raw = memoryview(self.read(s.offset, s.length))
+        n_meta, n_data, crc = _record(raw, f"spilled group {s.position}")
+        body = raw[_HEADER.size:]
+        return decode_record(body[:n_meta], body[n_meta:n_meta + n_data], crc, f"spilled group {s.position}")
+
+    def copy_to(self, s: _Spilled, out: BinaryIO) -> None:
+        """The record of ``s`` into ``out``, byte for byte, in chunks (no decoding)."""
+        done = 0
+        while done < s.length:
+            chunk = self.read(s.offset + done, min(_COPY_CHUNK, s.length - done))
+            out.write(chunk)
+            done += len(chunk)
+
+    def free(self, off: int, n: int) -> None:
+        with self._lock:
+            self._free_locked(off, n)
+
+    def _free_locked(self, off: int, n: int) -> None:
+        i = bisect.bisect(self._free, (off, n))
+        self._free.insert(i, (off, n))
+        merged: list[tuple[int, int]] = []
+        for o, ln in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + ln)
+            else:
+                merged.append((o, ln))
+        if merged and merged[-1][0] + merged[-1][1] == self.size:  # a free tail: give it back to the disk
+            self.size = merged.pop()[0]
+            self._file().truncate(self.size)
+        self._free = merged
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        self.size, self._free = 0, []
+
+
+# ----------------------------------------------------------------------------- the buffer
+
+
+class GroupBuffer:
+    """FIFO of finished groups with at most ``memory_bytes`` of columns in memory (None: no bound).
+    ``make_group`` builds a group from its fields (the controller's ``Group``).
+
+    A group that would take the in-memory column bytes above the bound is spilled; the groups at
+    the head (the next batch) were buffered first, so they are the ones in memory. ``len`` and
+    iteration (which reads spilled groups back) work from any thread; ``append``, ``take``,
+    ``put_back`` and ``release`` belong to the event loop."""
+
+    def __init__(self, memory_bytes: int | None, spill_dir: Path | None, make_group: Callable[..., Any]):
+        self.memory_bytes = memory_bytes
+        self.make_group = make_group
+        self.spill = SpillFile(spill_dir)
+        self._slots: deque = deque()
+        self._sizes: dict[int, int] = {}  # id(group in memory) -> its column bytes
+        self.in_memory = 0  # column bytes of the groups in memory
+        self.spilled = 0  # groups in the spill file now
+        self.spilled_total = 0  # groups ever spilled (a metric)
+        self._pins = 0  # checkpoint writes under way: released extents are freed after them
+        self._deferred: list[_Spilled] = []
+        self._lock = threading.Lock()  # pins and deferred frees (the writer thread unpins)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __iter__(self) -> Iterator:
+        """The groups, FIFO (spilled ones read back: for tests and tools, not the training path)."""
+        return iter(self.load(list(self._slots)))
+
+    # -------------------------------------------------------- event loop side
+    def append(self, g) -> None:
+        n = column_bytes(g)
+        if self.memory_bytes is not None and self.in_memory + n > self.memory_bytes:
+            off, ln = self.spill.write(g)
+            self._slots.append(_Spilled(g.position, g.min_model_version(), off, ln))
+            with self._lock:
+                self.spilled += 1
+            self.spilled_total += 1
+            return
+        self._slots.append(g)
+        self._sizes[id(g)] = n
+        self.in_memory += n
+
+    def extend(self, groups: Iterable) -> None:
+        for g in groups:
+            self.append(g)
+
+    def take(self):
+        """Pop the head slot: a group, or a spilled one (``position``, ``min_model_version()``);
+        :meth:`load` then :meth:`release` it, or :meth:`put_back`."""
+        return self._slots.popleft()
+
+    def put_back(self, slots: list) -> None:
+        """Slots taken but not trained go back to the head, in their order."""
+        self._slots.extendleft(reversed(slots))
+
+    def load(self, slots: list) -> list:
+        """The groups of ``slots`` (spilled ones read back; reads only: safe in a thread)."""
+        return [self.make_group(**self.spill.load(s)) if isinstance(s, _Spilled) else s for s in slots]
+
+    def release(self, slots: list) -> None:
+        """Slots taken for good (trained or dropped): their memory and spill extents are freed."""
+        for s in slots:
+            if isinstance(s, _Spilled):
+                with self._lock:
+                    if self._pins:
+                        self._deferred.append(s)
+                        continue
+                self._free(s)
+            else:
+                self.in_memory -= self._sizes.pop(id(s), 0)
+
+    def _free(self, s: _Spilled) -> None:
+        self.spill.free(s.offset, s.length)
+        with self._lock:
+            self.spilled -= 1
+
+    # -------------------------------------------------------- checkpoints
+    def snapshot(self) -> list:
+        """The slots now (a list of references: no group is copied)."""
+        return list(self._slots)
+
+    def write(self, slots: list, f: BinaryIO) -> int:
+        """Write a :meth:`snapshot` to ``f`` as records, group by group (a spilled one copied as it
+        is); the bytes written. Safe in a thread while the loop appends; between :meth:`pin` and
+        :meth:`unpin`, slots released meanwhile keep their extents until the copy is done."""
+        start = f.tell()
+        for s in slots:
+            if isinstance(s, _Spilled):
+                self.spill.copy_to(s, f)
+            else:
+                write_record(f, s)
+        return f.tell() - start
+
+    def pin(self) -> None:
+        with self._lock:
+            self._pins += 1
+
+    def unpin(self) -> None:
+        with self._lock:
+            self._pins -= 1
+            done = self._deferred if not self._pins else []
+            if done:
+                self._deferred = []
+        for s in done:  # released while a checkpoint was being written (the allocator has its lock)
+            self._free(s)
+
+    def close(self) -> None:
+        self.spill.close()
