@@ -320,6 +320,11 @@ class RolloutConfig:
     client_processes: int = 1
     """Processes of the rollout client: 1 = the client runs in the controller's process; N > 1 = N worker
     processes, each with its own client over a disjoint share of the servers (``docs/scale.md``)."""
+    buffer_memory_mb: float | None = 1024.0
+    """MB of token columns the controller keeps in memory for finished groups waiting to be trained;
+    groups beyond it wait in a temporary file in output_dir, read back when trained (0 = every group;
+    null = no bound). 1024: half of the controller's 2 GB goal (answers ~6k tokens at 256 servers
+    fill ~2 GB, see ``areal_fast.buffer``); at shorter answers nothing spills."""
 
     def __post_init__(self):
         if not re.match(r"^[\w.]+:[\w.]+$", self.workflow or ""):
@@ -358,6 +363,9 @@ class RolloutConfig:
         if not isinstance(self.client_processes, int) or not 1 <= self.client_processes <= max(n, 1):
             raise ValueError(f"client_processes: must be >= 1 and <= the number of servers ({n}), "
                              f"got {self.client_processes!r}")
+        mb = self.buffer_memory_mb
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 <= mb < float("inf")):
+            raise ValueError(f"buffer_memory_mb: must be a number of MB >= 0, or null for no bound, got {mb!r}")
         if self.gpus and not self.servers and len(self.gpus) != self.n_servers:
             raise ValueError(f"gpus: one entry per server expected ({self.n_servers}), got {self.gpus!r}")
         for i, g in enumerate(self.gpus):

@@ -81,7 +81,7 @@ def controller_settings(cfg, tokenizer, key: dict) -> ControllerSettings:
         eval_at_start=cfg.eval.at_start, checkpoint_every=cfg.checkpoint.every_steps,
         keep_last=cfg.checkpoint.keep_last, output_dir=cfg.experiment.out, dump_samples=cfg.log.samples,
         eval_reward=cfg.eval.reward, resume_key=key, workflow=r.workflow, workflow_args=dict(r.workflow_args),
-        tool_timeout=r.tool_timeout)
+        tool_timeout=r.tool_timeout, buffer_memory_mb=r.buffer_memory_mb)
 
 
 def trainer_config(cfg, model_path: str):
