@@ -67,7 +67,7 @@ import threading
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -643,21 +643,12 @@ class Controller:
         read, group by group): from buffer.bin, or from controller.json as older checkpoints held
         them. CorruptCheckpoint when a group is unreadable or the file is short or too long."""
         buf = self._new_buffer()
-        ref, where = st.get("buffer_file"), STATE_FILE
         try:
-            if ref is None:
-                buf.extend(Group.from_state(g) for g in st["buffer"])
-                return buf
-            where = str(ref["name"])
-            f = path / where
-            if f.stat().st_size != int(ref["bytes"]):
-                raise ValueError(f"{f.stat().st_size} bytes, {STATE_FILE} says {ref['bytes']}")
-            with open(f, "rb") as fh:
-                buf.extend(Group(**kw) for kw in _read_records(fh, int(ref["groups"]), where))
-            return buf
-        except (OSError, ValueError, TypeError, KeyError, OverflowError) as e:
+            buf.extend(checkpoint_groups(path, st))
+        except CorruptCheckpoint:
             buf.close()
-            raise CorruptCheckpoint(f"checkpoint {path}: a buffered group in {where} is unreadable: {e!r}") from e
+            raise
+        return buf
 
     def restore_newest(self) -> Path | None:
         """Restore from the newest readable checkpoint (None when there is none). An unreadable one
@@ -787,6 +778,29 @@ def read_state(path: Path) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpoint(f"checkpoint {path}: {f.name} unreadable: {e!r}") from e
     return st
+
+
+def checkpoint_groups(path: Path, st: dict | None = None) -> Iterator[Group]:
+    """The buffered groups of the checkpoint at ``path`` (``st``: its controller state, read when not
+    given), one at a time, FIFO: from ``buffer.bin``, or from controller.json as checkpoints before
+    buffer.bin held them. CorruptCheckpoint names the file when a group is unreadable or the file is
+    short or too long."""
+    st = read_state(path) if st is None else st
+    ref, where = st.get("buffer_file"), STATE_FILE
+    try:
+        if ref is None:
+            for g in st["buffer"]:
+                yield Group.from_state(g)
+            return
+        where = str(ref["name"])
+        f = path / where
+        if f.stat().st_size != int(ref["bytes"]):
+            raise ValueError(f"{f.stat().st_size} bytes, {STATE_FILE} says {ref['bytes']}")
+        with open(f, "rb") as fh:
+            for kw in _read_records(fh, int(ref["groups"]), where):
+                yield Group(**kw)
+    except (OSError, ValueError, TypeError, KeyError, OverflowError) as e:
+        raise CorruptCheckpoint(f"checkpoint {path}: a buffered group in {where} is unreadable: {e!r}") from e
 
 
 HANG_AFTER_CHECKPOINT_ENV = "AREAL_FAST_TEST_HANG_AFTER_CHECKPOINT"

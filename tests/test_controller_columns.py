@@ -15,8 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_fast.buffer import read_records
-from areal_fast.controller import STATE_FILE, Controller, ControllerSettings, Generation, Group, read_state
+from areal_fast.controller import (
+    STATE_FILE,
+    Controller,
+    ControllerSettings,
+    Generation,
+    Group,
+    checkpoint_groups,
+    read_state,
+)
 from areal_fast.launch.runtime import ClientRollout
 from areal_fast.rollout.client import GenerateResult
 from areal_fast.rollout.staleness import StalenessManager
@@ -216,11 +223,6 @@ def test_group_columns_min_version_and_checkpoint_round_trip():
     assert decode_column({"__array__": "i", "b64": ""}, "i", "x") == array("i")
 
 
-def _checkpointed_groups(ck: Path, st: dict) -> list[Group]:
-    with open(ck / "buffer.bin", "rb") as f:
-        return [Group(**kw) for kw in read_records(f, st["buffer_file"]["groups"], "buffer.bin")]
-
-
 def test_a_checkpoint_with_lists_from_an_older_version_still_loads_and_resumes(tmp_path):
     """An older controller.json held the buffered groups' tokens as lists (and log-probs under the
     name ``logprobs``): it loads into arrays with the same values, and the run goes on from it."""
@@ -230,7 +232,7 @@ def test_a_checkpoint_with_lists_from_an_older_version_still_loads_and_resumes(t
     asyncio.run(ctl.run())
     ck = tmp_path / "checkpoints" / "step_00000002"
     st = read_state(ck)
-    new_buffer = _checkpointed_groups(ck, st)
+    new_buffer = list(checkpoint_groups(ck, st))
     assert new_buffer, "no buffered group in the checkpoint to convert"
     old = {k: v for k, v in st.items() if k != "buffer_file"}  # as an older version wrote it: lists,
     (ck / "buffer.bin").unlink()  # in controller.json, and no min_versions
@@ -264,7 +266,7 @@ def test_a_damaged_column_makes_the_checkpoint_corrupt_and_the_previous_one_is_u
     asyncio.run(ctl.run())
     newest = tmp_path / "checkpoints" / "step_00000004"
     st = read_state(newest)  # rewritten as before buffer.bin: encoded columns in controller.json
-    st["buffer"] = json.loads(json.dumps([g.__dict__ for g in _checkpointed_groups(newest, st)], default=encode_column))
+    st["buffer"] = json.loads(json.dumps([g.__dict__ for g in checkpoint_groups(newest, st)], default=encode_column))
     del st["buffer_file"]
     assert st["buffer"], "no buffered group in the checkpoint to damage"
     st["buffer"][0]["outputs"][0]["b64"] = "not base64!"

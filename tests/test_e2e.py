@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_fast.controller import HANG_AFTER_CHECKPOINT_ENV
+from areal_fast.controller import HANG_AFTER_CHECKPOINT_ENV, checkpoint_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "tiny_reverse.yaml")
@@ -165,8 +165,9 @@ def test_kill_9_then_the_same_command_resumes_without_loss_or_duplicates(tmp_pat
     assert summary["steps"] == steps
     assert (out / "final" / "config.json").is_file()
     assert (out / "plots" / "reward.png").is_file()
-    st = json.loads((out / "checkpoints" / f"step_{steps:08d}" / "controller.json").read_text())
-    seen = positions + [g["position"] for g in st["buffer"]] + st["pending"]
+    ck = out / "checkpoints" / f"step_{steps:08d}"
+    st = json.loads((ck / "controller.json").read_text())
+    seen = positions + [g.position for g in checkpoint_groups(ck)] + st["pending"]
     assert sorted(seen) == list(range(st["position"])), "a prompt was lost or handed out twice"
 
     # `areal-fast eval` of the exported model reproduces the run's final greedy evaluation

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from test_e2e import START_TIMEOUT_S, TINY, _alive, _children, _train_events, _wait_for, runner  # noqa: F401
 
-from areal_fast.controller import HANG_AFTER_CHECKPOINT_ENV, Group
+from areal_fast.controller import HANG_AFTER_CHECKPOINT_ENV, checkpoint_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "tiny_reverse_multiturn.yaml")
@@ -51,12 +51,12 @@ def test_multi_turn_run_killed_and_resumed_trains_each_task_exactly_once(tmp_pat
     positions = [pos for e in events for pos in e["positions"]]
     assert len(positions) == len(set(positions)) == steps * 2, positions
     st = json.loads((out / "checkpoints" / f"step_{steps:08d}" / "controller.json").read_text())
-    seen = positions + [g["position"] for g in st["buffer"]] + st["pending"]
+    ck2, ck = out / "checkpoints" / "step_00000002", out / "checkpoints" / f"step_{steps:08d}"
+    groups = [*checkpoint_groups(ck2, st2), *checkpoint_groups(ck)]  # per-token columns as arrays
+    seen = positions + [g.position for g in checkpoint_groups(ck)] + st["pending"]
     assert sorted(seen) == list(range(st["position"])), "a task was lost or handed out twice"
     # the groups the checkpoints held are multi-turn: feedback tokens masked and versionless
-    groups = st2["buffer"] + st["buffer"]
     assert groups, "no buffered group to inspect"
-    groups = [Group.from_state(g) for g in groups]  # per-token columns are stored compactly (arrays)
     masks = [(m.tolist(), v.tolist()) for g in groups for m, v in zip(g.loss_masks, g.versions)]
     assert all(len(m) == len(v) for m, v in masks)
     assert all(x == -1 for m, v in masks for x, b in zip(v, m) if not b)
