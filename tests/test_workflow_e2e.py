@@ -41,7 +41,7 @@ def test_multi_turn_run_killed_and_resumed_trains_each_task_exactly_once(tmp_pat
         time.sleep(0.2)
     assert not [k for k in kids if _alive(k)], "processes of the killed run are still running"
 
-    st2 = json.loads((out / "checkpoints" / "step_00000002" / "controller.json").read_text())
+    groups2 = list(checkpoint_groups(out / "checkpoints" / "step_00000002"))  # retention deletes it later
     r = subprocess.run(_cmd(out, f"experiment.total_steps={steps}", "weights.method=disk"), cwd=ROOT,
                        capture_output=True, text=True, timeout=START_TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -51,8 +51,8 @@ def test_multi_turn_run_killed_and_resumed_trains_each_task_exactly_once(tmp_pat
     positions = [pos for e in events for pos in e["positions"]]
     assert len(positions) == len(set(positions)) == steps * 2, positions
     st = json.loads((out / "checkpoints" / f"step_{steps:08d}" / "controller.json").read_text())
-    ck2, ck = out / "checkpoints" / "step_00000002", out / "checkpoints" / f"step_{steps:08d}"
-    groups = [*checkpoint_groups(ck2, st2), *checkpoint_groups(ck)]  # per-token columns as arrays
+    ck = out / "checkpoints" / f"step_{steps:08d}"
+    groups = [*groups2, *checkpoint_groups(ck)]  # per-token columns as arrays
     seen = positions + [g.position for g in checkpoint_groups(ck)] + st["pending"]
     assert sorted(seen) == list(range(st["position"])), "a task was lost or handed out twice"
     # the groups the checkpoints held are multi-turn: feedback tokens masked and versionless
