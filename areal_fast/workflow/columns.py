@@ -29,10 +29,11 @@ array (``array('i', [1]) == [1]`` is False) and ``+`` needs an array on both sid
 ``list(x)`` or ``x.tolist()``. :func:`column` converts what a user gives (a list, a tuple, a tensor,
 an array of another typecode) on entry; an array of the right typecode is used as it is, not copied.
 
-Checkpoints store a column as ``{"__array__": typecode, "b64": base64 of its little-endian bytes}``
-(:func:`encode_column`; ~10x faster to write and read than a JSON list of numbers, 21 instead of ~31
-bytes a token); :func:`decode_column` reads that, the plain lists of older checkpoints, and their
-float64 (``'d'``) log-prob columns.
+Checkpoints hold the buffered groups' columns as raw little-endian bytes in ``buffer.bin``
+(``areal_fast/buffer.py``). Checkpoints before that stored a column inside ``controller.json`` as
+``{"__array__": typecode, "b64": base64 of its little-endian bytes}`` (:func:`encode_column`), and
+older ones as plain lists; :func:`decode_column` reads both, and their float64 (``'d'``) log-prob
+columns.
 """
 
 from __future__ import annotations
