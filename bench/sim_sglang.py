@@ -22,8 +22,14 @@ Determinism, so a client's stitching can be checked exactly: the answer length o
 (its part before the first ``|``) is drawn from a log-normal (median, sigma, cap) seeded by the
 rid; the token at sequence position p is a hash of (rid, p); the last token of a full answer is
 EOS (``finish_reason`` stop); every log-prob encodes the version that made the token and the
-token (:func:`logprob_of`), so per-token versions reported through spans can be checked against
-the weights that really produced each token. :func:`check_sample` is that check.
+token (:func:`logprob_of`, -k / 2**24: exact through a float32 column up to version 16,775), so
+per-token versions reported through spans can be checked against the weights that really produced
+each token. :func:`check_sample` is that check.
+
+Answers are cheap to render (:class:`_Streams`): the hash makes every rid's ids a window of one
+cycle of vocab - 2 ids, so the cycle's ids and, once per version, its log-prob triples are rendered
+to JSON bytes once; an answer is slices of those (one per version span) joined, a few ns a token
+instead of ~0.45 us. :meth:`SimServer.render_reference` builds the same JSON token by token.
 
 Use: ``SimCluster(n, cfg)`` in-process (``await start()``), or :func:`start_sim_process` for a
 child process (the client's CPU is then measured alone); the child binds port 0 itself and
@@ -53,6 +59,7 @@ from packaging.version import Version
 
 EOS_ID = 1
 _FIRST_ID = 2  # ids 0 (pad) and 1 (EOS) are never drawn
+_STRIDE = 7919  # a prime: the id at position p is _FIRST_ID + (h + p * _STRIDE) % (vocab - _FIRST_ID)
 _V_SPANS = Version("0.5.19")
 _V_SESSIONS = Version("0.5.21")
 _V_FLUSH_REFUSED = Version("0.5.22")
@@ -108,6 +115,9 @@ class SimConfig:
         if self.vocab_size < 1002:
             raise ValueError(f"SimConfig.vocab_size must be >= 1002 (log-probs encode id % 1000), "
                              f"got {self.vocab_size}")
+        if (self.vocab_size - _FIRST_ID) % _STRIDE == 0:  # every rid's ids are a window of one stream
+            raise ValueError(f"SimConfig.vocab_size - {_FIRST_ID} must not be a multiple of {_STRIDE}, "
+                             f"got {self.vocab_size}")
         Version(self.sglang_version)  # InvalidVersion names the value
 
     def to_json(self) -> str:
@@ -145,17 +155,23 @@ def answer_length(base: str, cfg: SimConfig) -> int:
 
 def token_id(h: int, position: int, vocab: int) -> int:
     """The token at sequence position ``position`` of the rid hashed to ``h`` (never 0 or EOS)."""
-    return _FIRST_ID + (h + position * 7919) % (vocab - _FIRST_ID)
+    return _FIRST_ID + (h + position * _STRIDE) % (vocab - _FIRST_ID)
+
+
+LP_SCALE = float(1 << 24)
+"""Log-probs are -k / 2**24 with an integer k < 2**24: exact in JSON, in float64 and in float32."""
+MAX_VERSION = ((1 << 24) - 1) // 1000 - 1  # 16,775: the newest version the log-prob encoding holds
 
 
 def logprob_of(version: int, tok: int) -> float:
-    """Encodes the version that made a token and the token: exact through JSON (k / 1e6, k < 2**40)."""
-    return -(version * 1000 + tok % 1000 + 1) / 1e6
+    """Encodes the version that made a token and the token (-k / 2**24, k = version * 1000 + tok % 1000 + 1):
+    k < 2**24, so the value survives a float32 column exactly (any version up to :data:`MAX_VERSION`)."""
+    return -(version * 1000 + tok % 1000 + 1) / LP_SCALE
 
 
 def decode_logprob(lp: float) -> tuple[int, int]:
-    """(version, token id % 1000) from :func:`logprob_of`."""
-    k = round(-lp * 1e6) - 1
+    """(version, token id % 1000) from :func:`logprob_of` (after a float32 round trip too)."""
+    k = round(-lp * LP_SCALE) - 1
     return k // 1000, k % 1000
 
 
@@ -199,6 +215,62 @@ def check_sample(rid: str, prompt_len: int, max_new_tokens: int, output_ids: lis
 
 
 # ----------------------------------------------------------------------------- one server
+
+
+class _Streams:
+    """Pre-rendered answer bytes. Every rid's ids are a window of one cycle: with M = vocab - 2 and
+    q = h / 7919 mod M, the id at position p of the rid hashed to h is the cycle's entry (p + q) mod M.
+    The cycle's ids, and once per version its ``[logprob,id,null]`` triples, are rendered once (each
+    followed by a comma, with byte offsets per entry); an answer is slices of them joined. Versions
+    are kept most recent first, ``keep`` of them (a retracted answer's spans may name old ones)."""
+
+    def __init__(self, vocab: int, keep: int = 64):
+        self.m = vocab - _FIRST_ID
+        self.inv = pow(_STRIDE, -1, self.m)
+        self.ids = [token_id(0, j, vocab) for j in range(self.m)]
+        self.id_blob, self.id_off = self._blob([b"%d," % t for t in self.ids])
+        self.keep = keep
+        self.lps: dict[int, tuple[bytes, list[int]]] = {}
+        self.renders = 0  # versions rendered (a metric: each costs ~M dumps)
+
+    @staticmethod
+    def _blob(parts: list[bytes]) -> tuple[bytes, list[int]]:
+        off, t = [0], 0
+        for b in parts:
+            t += len(b)
+            off.append(t)
+        return b"".join(parts), off
+
+    def phase(self, h: int) -> int:
+        return h * self.inv % self.m
+
+    def _lp(self, version: int) -> tuple[bytes, list[int]]:
+        got = self.lps.pop(version, None)
+        if got is None:
+            got = self._blob([_dumps([logprob_of(version, t), t, None]) + b"," for t in self.ids])
+            self.renders += 1
+            while len(self.lps) >= self.keep:
+                del self.lps[next(iter(self.lps))]
+        self.lps[version] = got  # most recently used last
+        return got
+
+    def _slices(self, blob: bytes, off: list[int], start: int, n: int) -> list[bytes]:
+        out, j = [], start % self.m
+        while n > 0:
+            k = min(n, self.m - j)
+            out.append(blob[off[j]:off[j + k]])
+            n -= k
+            j = 0
+        return out
+
+    def id_slices(self, start: int, n: int) -> list[bytes]:
+        return self._slices(self.id_blob, self.id_off, start, n)
+
+    def lp_slices(self, version: int, start: int, n: int) -> list[bytes]:
+        return self._slices(*self._lp(version), start, n)
+
+    def eos_triple(self, version: int) -> bytes:
+        return _dumps([logprob_of(version, EOS_ID), EOS_ID, None]) + b","
 
 
 class _Req:
@@ -435,35 +507,67 @@ class SimServer:
         self._rearm()
 
     def _render(self, req: _Req, reason: str) -> web.Response:
-        cfg, cl = self.cfg, self.cluster
         n = req.done
-        p0 = req.prompt_len + req.before
-        h, vocab = req.h, cfg.vocab_size
-        out = [_FIRST_ID + (h + p * 7919) % (vocab - _FIRST_ID) for p in range(p0, p0 + n)]
-        if reason == "stop" and n:
-            out[-1] = EOS_ID
-        spans = [(v, s, (req.spans[i + 1][1] if i + 1 < len(req.spans) else n)) for i, (v, s) in enumerate(req.spans)]
-        spans = [(v, s, min(e, n)) for v, s, e in spans if min(e, n) > s]
-        lps = []
-        for v, s, e in spans:
-            base = v * 1000 + 1
-            lps += [[-(base + t % 1000) / 1e6, t, None] for t in out[s:e]]
         if reason == "stop":
             fr = {"type": "stop", "matched": EOS_ID}
-            cl.completed(req.base)
+            self.cluster.completed(req.base)
         elif reason == "length":
             fr = {"type": "length", "length": req.before + n}
-            cl.completed(req.base)
+            self.cluster.completed(req.base)
         else:
             fr = {"type": "abort", "message": "Abort"}
-            cl.aborted_answers += 1
-        cl.sent_tokens += n
-        cl.answers += 1
-        meta = {"id": req.rid, "finish_reason": fr, "prompt_tokens": p0, "completion_tokens": n,
-                "cached_tokens": 0, "output_token_logprobs": lps, "weight_version": str(self.weight_version)}
+            self.cluster.aborted_answers += 1
+        self.cluster.sent_tokens += n
+        self.cluster.answers += 1
+        render = self.render_reference if self.cluster.reference_renderer else self.render_fast
+        return web.Response(body=render(req, reason, fr), content_type="application/json")
+
+    def _spans(self, req: _Req) -> list[tuple[int, int, int]]:
+        """(version, start, end) of the answer's tokens, empty spans left out."""
+        n, sp = req.done, req.spans
+        spans = [(v, s, min(sp[i + 1][1] if i + 1 < len(sp) else n, n)) for i, (v, s) in enumerate(sp)]
+        return [(v, s, e) for v, s, e in spans if e > s]
+
+    def _meta(self, req: _Req, fr: dict, spans) -> dict:
+        meta = {"id": req.rid, "finish_reason": fr, "prompt_tokens": req.prompt_len + req.before,
+                "completion_tokens": req.done, "cached_tokens": 0, "weight_version": str(self.weight_version)}
         if self.version_behaviour >= _V_SPANS:
             meta["weight_versions"] = [{"version": str(v), "start": s, "end": e} for v, s, e in spans]
-        return web.Response(body=_dumps({"output_ids": out, "meta_info": meta}), content_type="application/json")
+        return meta
+
+    def render_reference(self, req: _Req, reason: str, fr: dict) -> bytes:
+        """The answer's JSON built token by token (the definition :meth:`render_fast` must match)."""
+        n, p0 = req.done, req.prompt_len + req.before
+        out = [token_id(req.h, p, self.cfg.vocab_size) for p in range(p0, p0 + n)]
+        if reason == "stop" and n:
+            out[-1] = EOS_ID
+        spans = self._spans(req)
+        lps = [[logprob_of(v, t), t, None] for v, s, e in spans for t in out[s:e]]
+        meta = {"output_token_logprobs": lps} | self._meta(req, fr, spans)
+        return _dumps({"output_ids": out, "meta_info": meta})
+
+    def render_fast(self, req: _Req, reason: str, fr: dict) -> bytes:
+        """The same JSON as :meth:`render_reference` from slices of pre-rendered streams."""
+        n, p0 = req.done, req.prompt_len + req.before
+        st = self.cluster.streams
+        spans = self._spans(req)
+        q = st.phase(req.h)
+        body = n - 1 if reason == "stop" and n else n  # a final EOS is rendered on its own
+        lp_parts = []
+        for v, s, e in spans:
+            e = min(e, body)
+            if e > s:
+                lp_parts += st.lp_slices(v, p0 + s + q, e - s)
+        ids_parts = st.id_slices(p0 + q, body)
+        if body < n:
+            ids_parts.append(b"1,")
+            lp_parts.append(st.eos_triple(spans[-1][0]))
+        for parts in (ids_parts, lp_parts):  # each entry ends with a comma: not the last one
+            if parts:
+                parts[-1] = parts[-1][:-1]
+        meta = _dumps(self._meta(req, fr, spans))
+        return b"".join([b'{"output_ids":[', *ids_parts, b'],"meta_info":{"output_token_logprobs":[', *lp_parts,
+                         b"]," + meta[1:] + b"}"])
 
     async def h_pause(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -580,6 +684,8 @@ class SimCluster:
         self.completed_rids: set[str] = set()
         self.duplicates = 0
         self.generate_calls = self.sent_tokens = self.answers = self.aborted_answers = self.pauses = 0
+        self.streams = _Streams(self.cfg.vocab_size)
+        self.reference_renderer = False  # True: answers built token by token (tests compare the two)
         self.servers = [SimServer(self, i) for i in range(n)]
         self._runners: list[web.AppRunner] = []
         self.lag_max_s = 0.0  # how late the simulator's own loop woke a 10 ms sleeper (it answers the pauses)
