@@ -102,16 +102,30 @@ class ConstReward:
 
 
 class SleepTrainer:
-    """TrainerPort that sleeps for a modelled step time: ``step_s(samples)`` wall seconds."""
+    """TrainerPort that sleeps for a modelled step time: ``step_s(samples)`` wall seconds. With
+    ``hold_first`` (a callable, polled from the trainer's thread) the first step starts only once it
+    returns True: the buffer then fills as far as the gate allows (``--fill-buffer``)."""
 
-    def __init__(self, step_s):
+    def __init__(self, step_s, hold_first=None, hold_limit_s: float = 3600.0):
         self.step_s = step_s
         self.steps: list[dict] = []
+        self.hold_first, self.hold_limit_s = hold_first, hold_limit_s
+        self.held_s = 0.0
+        self.training_tokens = 0  # output tokens of the batch being trained (held by the trainer)
 
     def train(self, samples: list[dict]) -> dict:
+        if self.hold_first is not None and not self.steps:
+            t0 = time.perf_counter()
+            while not self.hold_first():
+                if time.perf_counter() - t0 > self.hold_limit_s:
+                    raise RuntimeError(f"--fill-buffer: the gate still admitted after {self.hold_limit_s} s")
+                time.sleep(0.05)
+            self.held_s = time.perf_counter() - t0
+        self.training_tokens = sum(len(x["output_ids"]) for x in samples)
         s = self.step_s(samples)
         time.sleep(s)
         self.steps.append({"samples": len(samples), "sleep_s": s})
+        self.training_tokens = 0
         return {"modelled_s": s}
 
     def save(self, path: Path) -> None:
@@ -168,6 +182,7 @@ class CheckedRollout:
         self.errors: list[str] = []
         self.check_cpu_s = 0.0
         self.trained_tokens = 0
+        self.returned_tokens = 0  # output tokens of every sample returned to the controller
         self.pauses: list[dict] = []
         self._t_pause = 0.0
 
@@ -175,6 +190,7 @@ class CheckedRollout:
         g = await self.port.generate(input_ids, sampling, rid)
         c0 = time.process_time()
         self.returned[rid] = self.returned.get(rid, 0) + 1
+        self.returned_tokens += len(g.output_ids)
         if self.returned[rid] > 1:
             self.errors.append(f"{rid}: returned {self.returned[rid]} times")
         if len(self.errors) < 20:
@@ -205,8 +221,9 @@ class CheckedRollout:
 class LoopLag:
     """Records how late a task sleeping ``period`` wakes up (the event loop's responsiveness)."""
 
-    def __init__(self, period: float = TICK_S, other_rss_mb=None):
+    def __init__(self, period: float = TICK_S, other_rss_mb=None, on_peak=None):
         self.period, self.lags = period, []
+        self.on_peak = on_peak  # called at each new peak of this process's RSS (what it holds then)
         self.rss0 = self.peak_rss = current_rss_mb()  # sampled every 10th tick
         self.other_rss_mb = other_rss_mb  # RSS of the rollout worker processes together (sharded client)
         self.peak_other_rss = self.peak_total_rss = 0.0
@@ -221,6 +238,8 @@ class LoopLag:
             if len(self.lags) % 10 == 0:
                 own = current_rss_mb()
                 other = self.other_rss_mb() if self.other_rss_mb else 0.0
+                if own > self.peak_rss and self.on_peak is not None:
+                    self.on_peak()
                 self.peak_rss = max(self.peak_rss, own)
                 self.peak_other_rss = max(self.peak_other_rss, other)
                 self.peak_total_rss = max(self.peak_total_rss, own + other)
@@ -266,6 +285,62 @@ async def sim_stats(url: str, api_key: str | None) -> dict:
         return await r.json()
 
 
+async def sim_stats_all(urls: list[str], api_key: str | None) -> dict:
+    """The counters of several simulator processes (one url of each) together: sums, the worst loop
+    lag, every version seen. A rid completed on two processes is not counted as a duplicate here
+    (the benchmark's own exactly-once check, per returned sample, covers it)."""
+    parts = await asyncio.gather(*(sim_stats(u, api_key) for u in urls))
+    out = dict(parts[0])
+    for p in parts[1:]:
+        for k, v in p.items():
+            if k == "versions":
+                out[k] = sorted(set(out[k]) | set(v))
+            elif k == "loop_lag_max_s":
+                out[k] = max(out[k], v)
+            else:
+                out[k] += v
+    return out
+
+
+class MemoryProbe:
+    """What the controller process holds at the moment of its peak RSS (called by :class:`LoopLag`
+    at each new peak): finished groups in the buffer (in memory, and spilled to its file), the batch
+    being trained, the finished samples of groups still generating, the requests in flight. Its own
+    CPU is measured (and subtracted like the checks')."""
+
+    def __init__(self, ctrl: Controller, rollout: CheckedRollout, trainer: SleepTrainer, gate, group_size: int):
+        self.ctrl, self.rollout, self.trainer, self.gate, self.group_size = ctrl, rollout, trainer, gate, group_size
+        self.appended_tokens = 0
+        self.cpu_s = 0.0
+        self.at_peak: dict = {}
+        append = ctrl.buffer.append
+
+        def counting_append(g) -> None:  # tokens of every group that reached the buffer
+            self.appended_tokens += sum(map(len, g.outputs))
+            append(g)
+
+        ctrl.buffer.append = counting_append
+
+    def __call__(self) -> None:
+        c0 = time.process_time()
+        groups = samples = tokens = spilled = spilled_bytes = 0
+        for g in self.ctrl.buffer.snapshot():
+            if hasattr(g, "outputs"):
+                groups += 1
+                samples += len(g.outputs)
+                tokens += sum(map(len, g.outputs))
+            else:
+                spilled += 1
+                spilled_bytes += g.length
+        training = self.trainer.training_tokens
+        self.at_peak = {"rss_mb": current_rss_mb(), "buffer_groups": groups, "buffer_samples": samples,
+                        "buffer_tokens": tokens, "buffer_spilled_groups": spilled,
+                        "buffer_spilled_mb": spilled_bytes / 2**20, "training_tokens": training,
+                        "in_flight_finished_tokens": self.rollout.returned_tokens - self.appended_tokens,
+                        "in_flight_requests": self.gate.running * self.group_size}
+        self.cpu_s += time.process_time() - c0
+
+
 def peak_rss_mb() -> float:
     """The process's peak RSS since it started (imports included)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -296,11 +371,15 @@ class RunSpec:
     prompt_len: int = PROMPT_LEN
     client_procs: int = 1  # > 1: ShardedRollout with that many worker processes
     loop: str | None = None  # the rollout workers' event loop (sharded client)
+    fill_buffer: bool = False  # the first training step waits until the gate stops admitting
+    buffer_memory_mb: float | None = ControllerSettings.__dataclass_fields__["buffer_memory_mb"].default
 
 
 async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, train_s=None, sync_delay_s=None,
-                         out_dir: Path | None = None) -> dict:
-    """Drive the real Controller against the simulated servers at ``urls``; returns the measures."""
+                         out_dir: Path | None = None, stat_urls: list[str] | None = None) -> dict:
+    """Drive the real Controller against the simulated servers at ``urls``; returns the measures.
+    ``stat_urls``: one url of each simulator process (default: they all share one, ``urls[0]``)."""
+    stat_urls = stat_urls or urls[:1]
     if spec.in_flight % spec.group_size:
         raise ValueError(f"in_flight {spec.in_flight} must be a multiple of group_size {spec.group_size}")
     concurrent = spec.in_flight // spec.group_size
@@ -315,13 +394,22 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
         worker_cpu = lambda: 0.0  # noqa: E731
     sync = SimSync(urls, spec.api_key, sync_delay_s or (lambda v: 0.0))
     rollout = CheckedRollout(port, cfg, spec.max_new, sync, spec.pause_mode)
-    trainer = SleepTrainer(train_s or (lambda samples: spec.train_s))
     gate = StalenessManager(batch, spec.eta, concurrent)
+    # --fill-buffer: the gate has stopped admitting at version 0 ((eta + 1) x B groups finished)
+    filled: dict = {}
+
+    def hold() -> bool:
+        if gate.running or gate.capacity():
+            return False
+        filled["groups"] = len(ctrl.buffer) + batch  # the first batch is already out of the buffer
+        return True
+
+    trainer = SleepTrainer(train_s or (lambda samples: spec.train_s), hold_first=hold if spec.fill_buffer else None)
     tmp = tempfile.TemporaryDirectory(prefix="ctrl_scale_")
     settings = ControllerSettings(batch_size=batch, group_size=spec.group_size, total_steps=spec.steps,
                                   sampling={"max_new_tokens": spec.max_new, "temperature": 1.0}, eval_sampling={},
                                   eval_every=0, eval_at_start=False, checkpoint_every=0,
-                                  output_dir=Path(out_dir or tmp.name))
+                                  output_dir=Path(out_dir or tmp.name), buffer_memory_mb=spec.buffer_memory_mb)
     marks: list[dict] = []
 
     def on_metrics(m: dict) -> None:
@@ -333,8 +421,9 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
     ctrl = Controller(settings, SimPrompts(), SimTokenizer(spec.prompt_len), rollout, ConstReward(), trainer, sync,
                       gate, callbacks=[on_metrics])
     await client.start()
-    lag = LoopLag(other_rss_mb=port.worker_rss_mb if spec.client_procs > 1 else None)
-    stats0 = await sim_stats(urls[0], spec.api_key)
+    probe = MemoryProbe(ctrl, rollout, trainer, gate, spec.group_size)
+    lag = LoopLag(other_rss_mb=port.worker_rss_mb if spec.client_procs > 1 else None, on_peak=probe)
+    stats0 = await sim_stats_all(stat_urls, spec.api_key)
     gc.collect()
     lag.start()
     t0, cpu0, wcpu0 = time.perf_counter(), time.process_time(), worker_cpu()
@@ -348,10 +437,10 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
         await client.close()
         await sync.close()
         tmp.cleanup()
-    stats1 = await sim_stats(urls[0], spec.api_key)
+    stats1 = await sim_stats_all(stat_urls, spec.api_key)
     last = marks[-1]
     wall = last["t"] - t0
-    cpu = last["cpu"] - cpu0 - rollout.check_cpu_s
+    cpu = last["cpu"] - cpu0 - rollout.check_cpu_s - probe.cpu_s
     wcpu = last["wcpu"] - wcpu0
     received = stats1["sent_tokens"] - stats0["sent_tokens"]
     trained = sum(m["trained_tokens"] for m in marks)
@@ -363,6 +452,9 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
         errors.append(f"{stats1['duplicates'] - stats0['duplicates']} rids completed twice on the servers")
     pauses = rollout.pauses
     stal = [s for m in marks for s in m["staleness"]]
+    mp = probe.at_peak
+    held = mp.get("buffer_tokens", 0) + mp.get("training_tokens", 0) + mp.get("in_flight_finished_tokens", 0)
+    above = mp.get("rss_mb", lag.rss0) - lag.rss0
     return {
         "servers": spec.servers, "in_flight": spec.in_flight, "group_size": spec.group_size, "batch_groups": batch,
         "eta": spec.eta, "steps": len(marks), "pause_mode": spec.pause_mode or "production default",
@@ -384,6 +476,13 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
         "workers_peak_rss_mb": lag.peak_other_rss, "workers_peak_hwm_mb": workers_peak_hwm,
         "total_peak_rss_mb": max(lag.peak_total_rss, lag.peak_rss), "sharded_stats": sharded_stats,
         "received_tokens": received, "trained_tokens": trained,
+        "client_tok_s_per_core": received / max(cpu, 1e-9), "fill_buffer": spec.fill_buffer,
+        "first_step_held_s": trainer.held_s,
+        "first_step_finished_groups": filled.get("groups"), "buffer_memory_mb": spec.buffer_memory_mb,
+        "gate_bound_groups": (spec.eta + 1) * batch,
+        **{f"at_peak_{k}": v for k, v in mp.items()},
+        "at_peak_held_tokens": held, "at_peak_rss_above_base_mb": above,
+        "rss_bytes_per_held_token": above * 2**20 / held if held else None,
         "answers": stats1["answers"] - stats0["answers"], "aborted_answers": stats1["aborted_answers"]
         - stats0["aborted_answers"], "samples_checked": sum(rollout.returned.values()),
         "staleness_mean": sum(stal) / max(len(stal), 1), "staleness_max": max(stal, default=0),
@@ -395,12 +494,67 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
 # ----------------------------------------------------------------------------- main
 
 
+MAX_SPEED_TIME_SCALE = 1e6  # --max-speed: a 32k-token answer decodes in ~1 ms of wall time
+
+
+def time_scale_of(args) -> float:
+    """--max-speed, else --time-scale, else max(1, 16 / --compress): real time at the default answers /16,
+    and at full lengths (--compress 1) 16x, so that a full-length answer takes the wall time of a /16 one
+    and 16,384 requests offer ~8M tokens/s, more than one client process takes."""
+    if args.max_speed:
+        return MAX_SPEED_TIME_SCALE
+    return args.time_scale if args.time_scale is not None else max(1.0, 16.0 / args.compress)
+
+
 def scale_config(args) -> sim.SimConfig:
-    """A 7B-class model on one H100 at real time: 12 ms + 0.3 ms x batch per step (64 running: ~2,000
-    tokens/s per server); answer lengths log-normal, median 4,000 / --compress, cap 32k / --compress."""
+    """A 7B-class model on one H100: 12 ms + 0.3 ms x batch per step (64 running: ~2,000 tokens/s per
+    server), time compressed by :func:`time_scale_of`; answer lengths log-normal, median 4,000 /
+    --compress, cap 32k / --compress."""
     return sim.SimConfig(decode_a_s=0.012, decode_b_s=0.0003, prefill_tokens_per_s=200_000, max_running=512,
                          len_median=4000 / args.compress, len_sigma=1.0, len_max=int(32768 / args.compress),
-                         time_scale=1.0, sglang_version=args.sglang_version, api_key="bench-key", seed=args.seed)
+                         time_scale=time_scale_of(args), sglang_version=args.sglang_version, api_key="bench-key",
+                         seed=args.seed)
+
+
+class SimProcesses:
+    """``n`` simulated servers spread over ``procs`` child processes (as even as they divide)."""
+
+    def __init__(self, n: int, procs: int, cfg: sim.SimConfig):
+        sizes = [n // procs + (i < n % procs) for i in range(procs)]
+        self.procs: list[sim.SimProcess] = []
+        try:
+            for k in sizes:
+                self.procs.append(sim.SimProcess(k, cfg))
+        except BaseException:
+            self.close()
+            raise
+        self.urls = [u for p in self.procs for u in p.urls]
+        self.stat_urls = [p.urls[0] for p in self.procs]
+
+    def cpu_seconds(self) -> float:
+        return sum(p.cpu_seconds() for p in self.procs)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.close()
+
+    def __enter__(self) -> SimProcesses:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _memory_mb(text: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of MB or 'none': {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (or 'none'), got {text!r}")
+    return v
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -422,6 +576,18 @@ def main(argv: list[str] | None = None) -> None:
                     help="rollout client processes: 1 = in the controller's process, N > 1 = ShardedRollout")
     ap.add_argument("--loop", choices=("asyncio", "uvloop"), default=None,
                     help="the controller's event loop (default: production's choice, uvloop where installed)")
+    ap.add_argument("--sim-procs", type=int, default=1, help="simulator processes the servers are spread over")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="the simulator's time compression (default: max(1, 16 / --compress))")
+    ap.add_argument("--max-speed", action="store_true",
+                    help="no decode-rate limit: the servers answer as fast as the simulator can (the client is "
+                         "the bottleneck: received tokens/s at ~100%% of a core is one client process's rate)")
+    ap.add_argument("--fill-buffer", action="store_true",
+                    help="the first training step waits until the gate stops admitting: the buffer of finished "
+                         "groups as full as eta allows (worst-case memory)")
+    ap.add_argument("--buffer-memory-mb", type=_memory_mb,
+                    default=ControllerSettings.__dataclass_fields__["buffer_memory_mb"].default,
+                    help="the controller's in-memory buffer bound (rollout.buffer_memory_mb; 'none' = no bound)")
     add_harness_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
@@ -436,6 +602,10 @@ def main(argv: list[str] | None = None) -> None:
         if not 1 <= args.client_procs <= n:
             raise SystemExit(f"--client-procs: must be >= 1 and <= the servers of every scale ({n}), "
                              f"got {args.client_procs}")
+        if not 1 <= args.sim_procs <= n:
+            raise SystemExit(f"--sim-procs: must be >= 1 and <= the servers of every scale ({n}), got {args.sim_procs}")
+    if args.time_scale is not None and not args.time_scale > 0:
+        raise SystemExit(f"--time-scale: must be > 0, got {args.time_scale}")
     cfg = scale_config(args)
     if args.dry_run:
         for n, f in scales:
@@ -447,9 +617,10 @@ def main(argv: list[str] | None = None) -> None:
     for n, f in scales:
         spec = RunSpec(servers=n, in_flight=f, group_size=args.group_size, eta=args.eta, steps=args.steps,
                        train_s=args.train_s, max_new=cfg.len_max, pause_mode=args.pause_mode, api_key=cfg.api_key,
-                       client_procs=args.client_procs, loop=args.loop)
+                       client_procs=args.client_procs, loop=args.loop, fill_buffer=args.fill_buffer,
+                       buffer_memory_mb=args.buffer_memory_mb)
         load_before = os.getloadavg()[0]
-        with sim.SimProcess(n, cfg) as proc:
+        with SimProcesses(n, args.sim_procs, cfg) as proc:
             sim_cpu0 = proc.cpu_seconds()
             prof = None
             if args.profile:
@@ -457,7 +628,7 @@ def main(argv: list[str] | None = None) -> None:
 
                 prof = cProfile.Profile()
                 prof.enable()
-            row = run_event_loop(run_controller(spec, cfg, proc.urls), args.loop)
+            row = run_event_loop(run_controller(spec, cfg, proc.urls, stat_urls=proc.stat_urls), args.loop)
             row["event_loop"] = event_loop_choice(args.loop)
             if prof is not None:
                 import pstats
@@ -465,12 +636,15 @@ def main(argv: list[str] | None = None) -> None:
                 prof.disable()
                 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             row["sim_cpu_s"] = proc.cpu_seconds() - sim_cpu0
+            row["sim_cpu_us_per_tok"] = 1e6 * row["sim_cpu_s"] / max(row["received_tokens"], 1)
+            row["sim_procs"] = args.sim_procs
         row["load_avg_1m"] = os.getloadavg()[0]
         row["load_avg_1m_before"] = load_before
         if args.note:
             row["note"] = args.note
         row["sim"] = {"decode_a_s": cfg.decode_a_s, "decode_b_s": cfg.decode_b_s, "len_median": cfg.len_median,
-                      "len_max": cfg.len_max, "compress": args.compress, "sglang_version": cfg.sglang_version}
+                      "len_max": cfg.len_max, "compress": args.compress, "sglang_version": cfg.sglang_version,
+                      "time_scale": cfg.time_scale, "max_speed": args.max_speed}
         rows.append(row)
         print_table([{k: v for k, v in row.items() if not isinstance(v, dict | list)}])
         save("controller_scale", [row], args, prov)

@@ -154,3 +154,99 @@ def test_scale_benchmark_small_configuration_is_exact(pause_mode, client_procs):
     if client_procs > 1:  # the workers did the HTTP work, and nothing was answered twice or re-sent
         assert row["worker_cpu_s"] > 0 and row["workers_peak_rss_mb"] > 0
         assert row["sharded_stats"]["duplicates_dropped"] == 0 and row["sharded_stats"]["resent"] == 0
+
+
+def _req(cluster, rid: str, prompt_len: int, before: int, n: int, spans: list[list[int]]):
+    base = sim.base_rid(rid)
+    req = sim._Req(rid, base, sim._rid_hash(base, cluster.cfg.seed), prompt_len, before, n, True, 0, None)
+    req.done, req.spans = n, spans
+    return req
+
+
+@pytest.mark.parametrize("version", ["0.5.18", "0.5.23"])
+def test_fast_renderer_gives_the_reference_answers(version):
+    """Pre-rendered slices vs token by token: the same JSON for every finish reason, for answers
+    crossing the id cycle's end (several times over), with several version spans (empty ones too)
+    and an EOS at the end of a span."""
+    import random
+
+    import orjson
+
+    cfg = _cfg(vocab_size=1500, sglang_version=version)  # a short cycle (1,498 ids): answers wrap it
+    cluster = sim.SimCluster(1, cfg)
+    srv, rng = cluster.servers[0], random.Random(7)
+    cases = 0
+    for trial in range(150):
+        n = rng.choice([0, 1, 2, 3, 999, 1498, 1499, 5000])
+        spans = [[0, 0]]
+        for v in range(1, rng.randint(1, 5)):
+            spans.append([v * 3, rng.randint(spans[-1][1], n + 2)])
+        req = _req(cluster, f"w{trial}|2|", rng.randint(1, 40), rng.randint(0, 30), n, spans)
+        for reason, fr in (("stop", {"type": "stop", "matched": sim.EOS_ID}), ("length", {"type": "length"}),
+                           ("abort", {"type": "abort"})):
+            want = orjson.loads(srv.render_reference(req, reason, fr))
+            got = orjson.loads(srv.render_fast(req, reason, fr))
+            assert got == want, (trial, n, spans, reason)
+            cases += 1
+    assert cases == 450 and cluster.streams.renders >= 5  # several versions were pre-rendered
+
+
+def test_fast_answers_pass_check_sample():
+    """A rendered answer read back as the client does (log-probs into float32) passes check_sample,
+    and a token with a wrong version is caught."""
+    from array import array
+
+    import orjson
+
+    cfg = _cfg()
+    cluster = sim.SimCluster(1, cfg)
+    srv = cluster.servers[0]
+    n_full = sim.answer_length("z9", cfg)
+    req = _req(cluster, "z9", PROMPT_LEN, 0, n_full, [[0, 0], [4, n_full // 2]])
+    d = orjson.loads(srv.render_fast(req, "stop", {"type": "stop"}))
+    lps = array("f", [t[0] for t in d["meta_info"]["output_token_logprobs"]])
+    versions = [0] * (n_full // 2) + [4] * (n_full - n_full // 2)
+    assert sim.check_sample("z9", PROMPT_LEN, MAX_NEW, d["output_ids"], lps, versions, "stop", cfg, 4) == []
+    versions[0] = 1
+    assert sim.check_sample("z9", PROMPT_LEN, MAX_NEW, d["output_ids"], lps, versions, "stop", cfg, 4)
+
+
+def test_logprob_codec_exact_through_float32():
+    """Every version up to 10,000 (and the encoding's last one) with every token residue: the
+    value read back from a float32 column decodes to the same (version, id % 1000)."""
+    import numpy as np
+
+    versions = np.array([*range(0, 10_001), sim.MAX_VERSION], dtype=np.int64)
+    low = np.arange(1000, dtype=np.int64)
+    k = (versions[:, None] * 1000 + low[None, :] + 1).ravel()
+    lp64 = -k / sim.LP_SCALE
+    assert lp64[3 * 1000 + 5] == sim.logprob_of(3, 5) and lp64[-1] == sim.logprob_of(sim.MAX_VERSION, 999)
+    lp32 = lp64.astype(np.float32).astype(np.float64)
+    assert np.array_equal(lp32, lp64)  # k < 2**24: exact in float32
+    back = np.rint(-lp32 * sim.LP_SCALE).astype(np.int64) - 1
+    assert np.array_equal(back // 1000, np.repeat(versions, 1000))
+    assert np.array_equal(back % 1000, np.tile(low, len(versions)))
+    for v, t in [(0, 2), (9_999, 31_999), (10_000, 1), (sim.MAX_VERSION, 999)]:  # the scalar functions too
+        lp = float(np.float32(sim.logprob_of(v, t)))
+        assert sim.decode_logprob(lp) == (v, t % 1000)
+
+
+def test_scale_benchmark_new_modes_exact(tmp_path):
+    """The command line's new modes on a tiny scale: servers over 2 simulator processes, no decode-rate
+    limit, the first step held until the gate stops admitting; every sample exact, every rid once,
+    the buffer as full as eta allows at the first step, and the memory fields filled."""
+    import json
+
+    scale.main(["--scales", "4:32", "--group-size", "4", "--eta", "2", "--steps", "2", "--train-s", "0.05",
+                "--compress", "256", "--max-speed", "--fill-buffer", "--sim-procs", "2", "--buffer-memory-mb",
+                "none", "--results", str(tmp_path)])
+    rows = [json.loads(line) for line in (tmp_path / "controller_scale.jsonl").read_text().splitlines()]
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["correct"] and row["errors"] == [] and row["steps"] == 2
+    assert row["sim_procs"] == 2 and row["sim"]["max_speed"] and row["fill_buffer"]
+    assert row["first_step_finished_groups"] == row["gate_bound_groups"] == 3 * row["batch_groups"]
+    # both simulators' counters: every returned sample was a finished answer of one of them
+    assert 0 < row["samples_checked"] <= row["answers"] - row["aborted_answers"]
+    assert row["at_peak_held_tokens"] > 0 and row["received_tokens"] >= row["trained_tokens"] > 0
+    assert row["client_tok_s_per_core"] > 0 and row["sim_cpu_us_per_tok"] > 0
