@@ -10,6 +10,7 @@ namespace py = pybind11;
 namespace areal {
 void bind_packing(py::module_& m);
 void bind_reshard(py::module_& m);
+void bind_answer(py::module_& m);
 }  // namespace areal
 
 PYBIND11_MODULE(_C, m) {
@@ -20,4 +21,5 @@ PYBIND11_MODULE(_C, m) {
         "Number of CUDA devices visible to the native core (0 without a driver or in a CPU build).");
   areal::bind_packing(m);
   areal::bind_reshard(m);
+  areal::bind_answer(m);
 }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 from array import array
 from dataclasses import dataclass
@@ -29,6 +30,25 @@ except ImportError:  # pragma: no cover - exercised only where orjson is missing
     _orjson = None
 
 _INT_RE = re.compile(r"^-?\d+$")
+
+PARSER_ENV = "AREAL_FAST_ANSWER_PARSER"  # "native" (default: the scanner when built) or "python"
+
+
+def _native_scanner():
+    choice = os.environ.get(PARSER_ENV, "native")
+    if choice not in ("native", "python"):
+        raise ValueError(f"{PARSER_ENV}={choice!r}: expected 'native' or 'python'")
+    if choice == "python":
+        return None
+    try:
+        from areal_fast import _C
+    except ImportError:  # a source checkout without the built module: the reference alone
+        return None
+    return getattr(_C, "scan_generate_answer", None)
+
+
+_scan = _native_scanner()  # areal_fast._C.scan_generate_answer, or None for the reference alone
+FALLBACKS: dict[str, int] = {}  # answers the scanner left to the reference, by its reason
 TOKEN_ARRAY = "i"  # token ids and versions: C int (vocabularies and versions fit in 31 bits)
 LOGPROB_ARRAY = "f"  # log-probs: C float (float32): the precision the trainer computes with
 _first = itemgetter(0)
@@ -97,33 +117,68 @@ def token_versions(meta: dict, n: int, fallback: str | None = None) -> array | N
     return out
 
 
-def parse_generate(raw: bytes, where: str) -> Segment:
+def _segment(ids: array, lps: array, meta: dict) -> Segment:
+    wv = meta.get("weight_version")
+    return Segment(ids=ids, logprobs=lps, versions=token_versions(meta, len(ids)),
+                   finish=meta.get("finish_reason") or {"type": "length"},
+                   weight_version=None if wv is None else str(wv), rid=meta.get("id"))
+
+
+def _parse_reference(raw, where: str) -> Segment:
+    """The reference: decode everything, then pick the columns. The shape rules and their errors."""
+    data = loads(raw)
+    if not isinstance(data, dict):
+        raise AnswerError(f"{where}: answered {type(data).__name__}, not one result: {str(data)[:200]}")
+    try:
+        meta = data["meta_info"]
+        ids = array(TOKEN_ARRAY, data["output_ids"])
+        triples = meta.get("output_token_logprobs") or ()
+        lps = array(LOGPROB_ARRAY, [t[0] for t in triples])
+    except (KeyError, TypeError, OverflowError) as e:
+        raise AnswerError(f"{where}: not a /generate result ({type(e).__name__}: {e})") from None
+    if len(lps) != len(ids):
+        raise AnswerError(f"{where}: {len(ids)} output ids but {len(lps)} logprobs")
+    return _segment(ids, lps, meta)
+
+
+def _parse_native(raw) -> Segment | None:
+    """The scanner's columns and the small rest decoded by :func:`loads`; None (counted in
+    :data:`FALLBACKS` by reason) when the answer is one for the reference to judge."""
+    got = _scan(raw) if not isinstance(raw, str) else "a str, not bytes"
+    if isinstance(got, str):
+        FALLBACKS[got] = FALLBACKS.get(got, 0) + 1
+        return None
+    ids_bytes, lps_bytes, rest = got
+    try:
+        meta = loads(rest)["meta_info"]
+    except ValueError:  # the rest holds what the scanner left to orjson (invalid UTF-8...)
+        FALLBACKS["rest not decoded"] = FALLBACKS.get("rest not decoded", 0) + 1
+        return None
+    ids = array(TOKEN_ARRAY)
+    ids.frombytes(ids_bytes)
+    lps = array(LOGPROB_ARRAY)
+    lps.frombytes(lps_bytes)
+    if len(lps) != len(ids):  # the reference says so, in its words
+        FALLBACKS["length mismatch"] = FALLBACKS.get("length mismatch", 0) + 1
+        return None
+    return _segment(ids, lps, meta)
+
+
+def parse_generate(raw: bytes | bytearray | memoryview, where: str) -> Segment:
     """Decode one /generate answer into a :class:`Segment`; ``where`` (url and rid) names it in errors.
 
-    The collector is paused for the decode and the copy (see the module docstring); the decoded
-    dict and its per-token lists are freed by reference counting before this returns."""
+    The native scanner reads the answer when the module has it (see the module docstring), and the
+    reference (:func:`_parse_reference`) takes every answer the scanner leaves to it. The collector
+    is paused for the decode and the copy; what was decoded is freed by reference counting."""
     was_enabled = gc.isenabled()
     gc.disable()
-    data = None
     try:
-        data = loads(raw)
-        if not isinstance(data, dict):
-            raise AnswerError(f"{where}: answered {type(data).__name__}, not one result: {str(data)[:200]}")
-        try:
-            meta = data["meta_info"]
-            ids = array(TOKEN_ARRAY, data["output_ids"])
-            triples = meta.get("output_token_logprobs") or ()
-            lps = array(LOGPROB_ARRAY, [t[0] for t in triples])
-        except (KeyError, TypeError, OverflowError) as e:
-            raise AnswerError(f"{where}: not a /generate result ({type(e).__name__}: {e})") from None
-        if len(lps) != len(ids):
-            raise AnswerError(f"{where}: {len(ids)} output ids but {len(lps)} logprobs")
-        wv = meta.get("weight_version")
-        return Segment(ids=ids, logprobs=lps, versions=token_versions(meta, len(ids)),
-                       finish=meta.get("finish_reason") or {"type": "length"},
-                       weight_version=None if wv is None else str(wv), rid=meta.get("id"))
+        if _scan is not None:
+            seg = _parse_native(raw)
+            if seg is not None:
+                return seg
+        return _parse_reference(raw, where)
     finally:
-        del data
         if was_enabled:
             gc.enable()
 

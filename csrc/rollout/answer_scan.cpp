@@ -1,0 +1,404 @@
+#include "rollout/answer_scan.h"
+
+#include <cfloat>
+#include <charconv>
+#include <cstring>
+#include <string_view>
+#include <utility>
+
+#if !(defined(__cpp_lib_to_chars) && __cpp_lib_to_chars >= 201611L)
+#include <cerrno>
+#include <clocale>
+#include <cstdlib>
+#include <locale.h>
+#endif
+
+namespace areal {
+namespace {
+
+// Nesting deeper than this is left to the reference (orjson stops at 1024 levels).
+constexpr int kMaxDepth = 200;
+// Integer literals longer than this are left to the reference (they do not fit in int64).
+constexpr std::ptrdiff_t kMaxIntDigits = 18;
+
+struct Fail {
+  const char* reason;
+};
+
+#if !(defined(__cpp_lib_to_chars) && __cpp_lib_to_chars >= 201611L)
+// A standard library without floating-point from_chars: strtod in the C locale, never the
+// process locale (a "," decimal separator would misread every log-prob).
+locale_t c_locale() {
+  static locale_t loc = newlocale(LC_ALL_MASK, "C", static_cast<locale_t>(0));
+  return loc;
+}
+#endif
+
+class Scanner {
+ public:
+  Scanner(const char* data, std::size_t n) : begin_(data), p_(data), end_(data + n) {}
+
+  void run(AnswerScan& out) {
+    ws();
+    if (!more() || *p_ != '{') throw Fail{"top level is not an object"};
+    ++p_;
+    bool seen_ids = false, seen_meta = false;
+    ws();
+    if (more() && *p_ == '}') {
+      ++p_;
+    } else {
+      for (;;) {
+        ws();
+        std::string_view key = key_string();
+        ws();
+        expect(':');
+        ws();
+        if (key == "output_ids") {
+          if (seen_ids) throw Fail{"duplicate key output_ids"};
+          seen_ids = true;
+          read_ids(out.ids);
+        } else if (key == "meta_info") {
+          if (seen_meta) throw Fail{"duplicate key meta_info"};
+          seen_meta = true;
+          read_meta(out.logprobs);
+        } else {
+          skip_value(1, false);
+        }
+        ws();
+        if (!more()) throw Fail{"truncated"};
+        if (*p_ == ',') { ++p_; continue; }
+        if (*p_ == '}') { ++p_; break; }
+        throw Fail{"expected , or } in the top-level object"};
+      }
+    }
+    ws();
+    if (more()) throw Fail{"bytes after the top-level object"};
+    if (!seen_ids) throw Fail{"no output_ids"};
+    if (!seen_meta) throw Fail{"no meta_info"};
+    // The rest: the answer without the contents of the (at most two) arrays read above.
+    std::size_t removed = 0;
+    for (int i = 0; i < n_cuts_; ++i) removed += cuts_[i].second - cuts_[i].first;
+    out.rest.reserve(static_cast<std::size_t>(end_ - begin_) - removed);
+    const char* from = begin_;
+    for (int i = 0; i < n_cuts_; ++i) {
+      out.rest.append(from, cuts_[i].first);
+      from = cuts_[i].second;
+    }
+    out.rest.append(from, end_);
+  }
+
+ private:
+  const char* const begin_;
+  const char* p_;
+  const char* const end_;
+  std::pair<const char*, const char*> cuts_[2];
+  int n_cuts_ = 0;
+
+  bool more() const { return p_ < end_; }
+
+  void ws() {
+    while (p_ < end_ && (*p_ == ' ' || *p_ == '\n' || *p_ == '\r' || *p_ == '\t')) ++p_;
+  }
+
+  void expect(char c) {
+    if (!more() || *p_ != c) throw Fail{"invalid JSON (unexpected byte)"};
+    ++p_;
+  }
+
+  void literal(const char* word, std::size_t len) {
+    if (static_cast<std::size_t>(end_ - p_) < len || std::memcmp(p_, word, len) != 0)
+      throw Fail{"invalid JSON (bad literal)"};
+    p_ += len;
+  }
+
+  static int hex(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  }
+
+  // A string at p_ (the opening quote). `removed`: it lies inside an array whose bytes will not
+  // reach orjson, so every check orjson would make must be made here: only ASCII (no UTF-8 to
+  // validate) and no \u escape of a surrogate. Returns true when it held an escape.
+  bool string(bool removed) {
+    expect('"');
+    bool escaped = false;
+    for (;;) {
+      if (!more()) throw Fail{"truncated string"};
+      const unsigned char c = static_cast<unsigned char>(*p_++);
+      if (c == '"') return escaped;
+      if (c < 0x20) throw Fail{"control character in a string"};
+      if (c >= 0x80 && removed) throw Fail{"non-ASCII string inside a per-token array"};
+      if (c != '\\') continue;
+      escaped = true;
+      if (!more()) throw Fail{"truncated escape"};
+      const char e = *p_++;
+      switch (e) {
+        case '"': case '\\': case '/': case 'b': case 'f': case 'n': case 'r': case 't':
+          break;
+        case 'u': {
+          if (end_ - p_ < 4) throw Fail{"truncated \\u escape"};
+          int v = 0;
+          for (int i = 0; i < 4; ++i) {
+            const int h = hex(p_[i]);
+            if (h < 0) throw Fail{"bad \\u escape"};
+            v = v * 16 + h;
+          }
+          p_ += 4;
+          if (removed && v >= 0xD800 && v <= 0xDFFF) throw Fail{"surrogate escape inside a per-token array"};
+          break;
+        }
+        default:
+          throw Fail{"bad escape"};
+      }
+    }
+  }
+
+  // An object key: its raw bytes (keys with escapes are left to the reference, since the
+  // scanner would have to decode them to know whether they name an array it reads).
+  std::string_view key_string() {
+    if (!more() || *p_ != '"') throw Fail{"invalid JSON (expected a key)"};
+    const char* start = p_ + 1;
+    if (string(false)) throw Fail{"escaped key"};
+    return std::string_view(start, static_cast<std::size_t>(p_ - 1 - start));
+  }
+
+  struct Number {
+    const char* start;
+    const char* end;
+    bool integer;  // no fraction, no exponent
+  };
+
+  // A JSON number at p_, by the grammar: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?
+  Number number() {
+    Number n{p_, nullptr, true};
+    if (more() && *p_ == '-') ++p_;
+    if (!more()) throw Fail{"truncated number"};
+    if (*p_ == '0') {
+      ++p_;
+    } else if (*p_ >= '1' && *p_ <= '9') {
+      while (more() && *p_ >= '0' && *p_ <= '9') ++p_;
+    } else {
+      throw Fail{"invalid JSON (not a value)"};
+    }
+    if (more() && *p_ == '.') {
+      n.integer = false;
+      ++p_;
+      if (!more() || *p_ < '0' || *p_ > '9') throw Fail{"invalid number"};
+      while (more() && *p_ >= '0' && *p_ <= '9') ++p_;
+    }
+    if (more() && (*p_ == 'e' || *p_ == 'E')) {
+      n.integer = false;
+      ++p_;
+      if (more() && (*p_ == '+' || *p_ == '-')) ++p_;
+      if (!more() || *p_ < '0' || *p_ > '9') throw Fail{"invalid number"};
+      while (more() && *p_ >= '0' && *p_ <= '9') ++p_;
+    }
+    n.end = p_;
+    return n;
+  }
+
+  static int64_t to_int64(const Number& n) {
+    const std::ptrdiff_t digits = n.end - n.start - (*n.start == '-' ? 1 : 0);
+    if (digits > kMaxIntDigits) throw Fail{"integer too long"};
+    int64_t v = 0;
+    auto r = std::from_chars(n.start, n.end, v);
+    if (r.ec != std::errc() || r.ptr != n.end) throw Fail{"bad integer"};
+    return v;
+  }
+
+  // The reference turns a JSON float into the nearest double, an integer into a Python int,
+  // and array('f') rounds either to float via double; -0 as an integer is +0.0.
+  static float to_float(const Number& n) {
+    double d;
+    if (n.integer) {
+      d = static_cast<double>(to_int64(n));
+    } else {
+#if defined(__cpp_lib_to_chars) && __cpp_lib_to_chars >= 201611L
+      auto r = std::from_chars(n.start, n.end, d);
+      if (r.ec != std::errc() || r.ptr != n.end) throw Fail{"log-prob out of double range"};
+#else
+      std::string s(n.start, n.end);
+      char* stop = nullptr;
+      errno = 0;
+      d = strtod_l(s.c_str(), &stop, c_locale());
+      if (errno != 0 || stop != s.c_str() + s.size()) throw Fail{"log-prob out of double range"};
+#endif
+    }
+    if (!(d <= FLT_MAX && d >= -FLT_MAX)) throw Fail{"log-prob out of float range"};
+    return static_cast<float>(d);
+  }
+
+  void skip_value(int depth, bool removed) {
+    if (depth > kMaxDepth) throw Fail{"nested too deep"};
+    if (!more()) throw Fail{"truncated"};
+    switch (*p_) {
+      case '"':
+        string(removed);
+        return;
+      case 'n': literal("null", 4); return;
+      case 't': literal("true", 4); return;
+      case 'f': literal("false", 5); return;
+      case '[': {
+        ++p_;
+        ws();
+        if (more() && *p_ == ']') { ++p_; return; }
+        for (;;) {
+          ws();
+          skip_value(depth + 1, removed);
+          ws();
+          if (!more()) throw Fail{"truncated array"};
+          if (*p_ == ',') { ++p_; continue; }
+          if (*p_ == ']') { ++p_; return; }
+          throw Fail{"expected , or ] in an array"};
+        }
+      }
+      case '{': {
+        ++p_;
+        ws();
+        if (more() && *p_ == '}') { ++p_; return; }
+        for (;;) {
+          ws();
+          if (!more() || *p_ != '"') throw Fail{"invalid JSON (expected a key)"};
+          string(removed);
+          ws();
+          expect(':');
+          ws();
+          skip_value(depth + 1, removed);
+          ws();
+          if (!more()) throw Fail{"truncated object"};
+          if (*p_ == ',') { ++p_; continue; }
+          if (*p_ == '}') { ++p_; return; }
+          throw Fail{"expected , or } in an object"};
+        }
+      }
+      default: {
+        const Number n = number();
+        // Inside a cut array orjson never sees this number: refuse what it might reject
+        // (a float that overflows a double, an integer past 64 bits).
+        if (removed) to_float(n);
+        return;
+      }
+    }
+  }
+
+  // "[ int, int, ... ]" -> ids; the bytes between the brackets are cut from the rest.
+  void read_ids(std::vector<int32_t>& ids) {
+    if (!more() || *p_ != '[') throw Fail{"output_ids is not an array"};
+    ++p_;
+    const char* cut_from = p_;
+    ws();
+    if (more() && *p_ == ']') {
+      ++p_;
+    } else {
+      // ~6 bytes a token in real answers ("12345,"): reserve once, not per push.
+      ids.reserve(static_cast<std::size_t>(end_ - p_) / 8 + 1);
+      for (;;) {
+        ws();
+        if (!more()) throw Fail{"truncated output_ids"};
+        const char c = *p_;
+        if (c != '-' && (c < '0' || c > '9')) throw Fail{"an output id is not a number"};
+        const Number n = number();
+        if (!n.integer) throw Fail{"an output id is not an integer"};
+        const int64_t v = to_int64(n);
+        if (v < INT32_MIN || v > INT32_MAX) throw Fail{"an output id is outside int32"};
+        ids.push_back(static_cast<int32_t>(v));
+        ws();
+        if (!more()) throw Fail{"truncated output_ids"};
+        if (*p_ == ',') { ++p_; continue; }
+        if (*p_ == ']') { ++p_; break; }
+        throw Fail{"expected , or ] in output_ids"};
+      }
+    }
+    cuts_[n_cuts_++] = {cut_from, p_ - 1};
+  }
+
+  void read_meta(std::vector<float>& lps) {
+    if (!more() || *p_ != '{') throw Fail{"meta_info is not an object"};
+    ++p_;
+    ws();
+    if (more() && *p_ == '}') { ++p_; return; }
+    bool seen = false;
+    for (;;) {
+      ws();
+      std::string_view key = key_string();
+      ws();
+      expect(':');
+      ws();
+      if (key == "output_token_logprobs") {
+        if (seen) throw Fail{"duplicate key output_token_logprobs"};
+        seen = true;
+        if (more() && *p_ == 'n') {
+          literal("null", 4);  // the reference reads null as no log-probs
+        } else {
+          read_logprobs(lps);
+        }
+      } else {
+        skip_value(2, false);
+      }
+      ws();
+      if (!more()) throw Fail{"truncated meta_info"};
+      if (*p_ == ',') { ++p_; continue; }
+      if (*p_ == '}') { ++p_; return; }
+      throw Fail{"expected , or } in meta_info"};
+    }
+  }
+
+  // "[ [lp, id, ...], ... ]" -> element 0 of each entry; the other elements are only checked.
+  void read_logprobs(std::vector<float>& lps) {
+    if (!more() || *p_ != '[') throw Fail{"output_token_logprobs is neither an array nor null"};
+    ++p_;
+    const char* cut_from = p_;
+    ws();
+    if (more() && *p_ == ']') {
+      ++p_;
+    } else {
+      // ~30 bytes an entry in real answers ("[-0.0123456789,12345,null],").
+      lps.reserve(static_cast<std::size_t>(end_ - p_) / 24 + 1);
+      for (;;) {
+        ws();
+        if (!more() || *p_ != '[') throw Fail{"a log-prob entry is not an array"};
+        ++p_;
+        ws();
+        if (!more()) throw Fail{"truncated log-prob entry"};
+        const char c = *p_;
+        if (c != '-' && (c < '0' || c > '9')) throw Fail{"a log-prob is not a number"};
+        lps.push_back(to_float(number()));
+        for (;;) {
+          ws();
+          if (!more()) throw Fail{"truncated log-prob entry"};
+          if (*p_ == ']') { ++p_; break; }
+          if (*p_ != ',') throw Fail{"expected , or ] in a log-prob entry"};
+          ++p_;
+          ws();
+          skip_value(4, true);
+        }
+        ws();
+        if (!more()) throw Fail{"truncated output_token_logprobs"};
+        if (*p_ == ',') { ++p_; continue; }
+        if (*p_ == ']') { ++p_; break; }
+        throw Fail{"expected , or ] in output_token_logprobs"};
+      }
+    }
+    cuts_[n_cuts_++] = {cut_from, p_ - 1};
+  }
+};
+
+}  // namespace
+
+bool scan_generate_answer(const char* data, std::size_t n, AnswerScan& out) {
+  out.ids.clear();
+  out.logprobs.clear();
+  out.rest.clear();
+  out.reason = nullptr;
+  try {
+    Scanner(data, n).run(out);
+    return true;
+  } catch (const Fail& f) {
+    out.reason = f.reason;
+    return false;
+  }
+}
+
+}  // namespace areal

@@ -1,0 +1,39 @@
+// areal_fast._C.scan_generate_answer: the native half of areal_fast.rollout.answer.parse_generate.
+#include <pybind11/pybind11.h>
+
+#include "rollout/answer_scan.h"
+
+namespace py = pybind11;
+
+namespace areal {
+namespace {
+
+py::object scan_generate_answer_py(const py::buffer& raw) {
+  // PyBUF_SIMPLE: bytes, bytearray, a contiguous memoryview; read in place, never copied. The
+  // view is held until this returns, so a bytearray cannot be resized while the GIL is released.
+  Py_buffer view;
+  if (PyObject_GetBuffer(raw.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+  AnswerScan scan;
+  bool ok;
+  {
+    py::gil_scoped_release nogil;
+    ok = scan_generate_answer(static_cast<const char*>(view.buf), static_cast<std::size_t>(view.len), scan);
+  }
+  PyBuffer_Release(&view);
+  if (!ok) return py::str(scan.reason);
+  return py::make_tuple(
+      py::bytes(reinterpret_cast<const char*>(scan.ids.data()), scan.ids.size() * sizeof(int32_t)),
+      py::bytes(reinterpret_cast<const char*>(scan.logprobs.data()), scan.logprobs.size() * sizeof(float)),
+      py::bytes(scan.rest));
+}
+
+}  // namespace
+
+void bind_answer(py::module_& m) {
+  m.def("scan_generate_answer", &scan_generate_answer_py, py::arg("raw"),
+        "Scan one /generate answer (any contiguous buffer, read in place, GIL released): "
+        "(ids int32 bytes, log-probs float32 bytes, the answer with both arrays emptied) when "
+        "handled, else a str saying why not (see areal_fast.rollout.answer.parse_generate).");
+}
+
+}  // namespace areal
