@@ -93,6 +93,7 @@ class Scanner {
   const char* const end_;
   std::pair<const char*, const char*> cuts_[2];
   int n_cuts_ = 0;
+  std::string key_;  // the last escaped key, decoded
 
   bool more() const { return p_ < end_; }
 
@@ -118,9 +119,37 @@ class Scanner {
     return -1;
   }
 
+  // The continuation bytes of a UTF-8 sequence led by c (>= 0x80), strictly: no overlong form,
+  // no surrogate, nothing past U+10FFFF.
+  void utf8_tail(unsigned char c) {
+    int need;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) {
+      need = 1;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      need = 2;
+      if (c == 0xE0) lo = 0xA0;
+      if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      need = 3;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    } else {
+      throw Fail{"invalid UTF-8 inside a per-token array"};
+    }
+    if (end_ - p_ < need) throw Fail{"truncated string"};
+    for (int i = 0; i < need; ++i) {
+      const unsigned char b = static_cast<unsigned char>(p_[i]);
+      if (b < lo || b > hi) throw Fail{"invalid UTF-8 inside a per-token array"};
+      lo = 0x80;
+      hi = 0xBF;
+    }
+    p_ += need;
+  }
+
   // A string at p_ (the opening quote). `removed`: it lies inside an array whose bytes will not
-  // reach orjson, so every check orjson would make must be made here: only ASCII (no UTF-8 to
-  // validate) and no \u escape of a surrogate. Returns true when it held an escape.
+  // reach orjson, so every check orjson would make must be made here: valid UTF-8 and surrogate
+  // escapes only in pairs. Returns true when it held an escape.
   bool string(bool removed) {
     expect('"');
     bool escaped = false;
@@ -129,7 +158,7 @@ class Scanner {
       const unsigned char c = static_cast<unsigned char>(*p_++);
       if (c == '"') return escaped;
       if (c < 0x20) throw Fail{"control character in a string"};
-      if (c >= 0x80 && removed) throw Fail{"non-ASCII string inside a per-token array"};
+      if (c >= 0x80 && removed) utf8_tail(c);
       if (c != '\\') continue;
       escaped = true;
       if (!more()) throw Fail{"truncated escape"};
@@ -146,7 +175,18 @@ class Scanner {
             v = v * 16 + h;
           }
           p_ += 4;
-          if (removed && v >= 0xD800 && v <= 0xDFFF) throw Fail{"surrogate escape inside a per-token array"};
+          if (!removed || v < 0xD800 || v > 0xDFFF) break;
+          // A surrogate escape must be a high one followed at once by a low one.
+          if (v >= 0xDC00 || end_ - p_ < 6 || p_[0] != '\\' || p_[1] != 'u')
+            throw Fail{"lone surrogate escape inside a per-token array"};
+          int lo = 0;
+          for (int i = 2; i < 6; ++i) {
+            const int h = hex(p_[i]);
+            if (h < 0) throw Fail{"bad \\u escape"};
+            lo = lo * 16 + h;
+          }
+          if (lo < 0xDC00 || lo > 0xDFFF) throw Fail{"lone surrogate escape inside a per-token array"};
+          p_ += 6;
           break;
         }
         default:
@@ -155,13 +195,38 @@ class Scanner {
     }
   }
 
-  // An object key: its raw bytes (keys with escapes are left to the reference, since the
-  // scanner would have to decode them to know whether they name an array it reads).
+  // An object key, escapes decoded as far as matching it needs: an escape of a non-ASCII code
+  // point becomes 0xFF, which no key the scanner looks for holds (orjson checks the rest).
   std::string_view key_string() {
     if (!more() || *p_ != '"') throw Fail{"invalid JSON (expected a key)"};
     const char* start = p_ + 1;
-    if (string(false)) throw Fail{"escaped key"};
-    return std::string_view(start, static_cast<std::size_t>(p_ - 1 - start));
+    const bool escaped = string(false);
+    std::string_view raw(start, static_cast<std::size_t>(p_ - 1 - start));
+    if (!escaped) return raw;
+    key_.clear();
+    for (std::size_t i = 0; i < raw.size(); ++i) {
+      if (raw[i] != '\\') {
+        key_.push_back(raw[i]);
+        continue;
+      }
+      const char e = raw[++i];  // string() checked every escape
+      switch (e) {
+        case 'b': key_.push_back('\b'); break;
+        case 'f': key_.push_back('\f'); break;
+        case 'n': key_.push_back('\n'); break;
+        case 'r': key_.push_back('\r'); break;
+        case 't': key_.push_back('\t'); break;
+        case 'u': {
+          int v = 0;
+          for (int k = 1; k <= 4; ++k) v = v * 16 + hex(raw[i + k]);
+          i += 4;
+          key_.push_back(v < 0x80 ? static_cast<char>(v) : '\xff');
+          break;
+        }
+        default: key_.push_back(e);  // " \\ /
+      }
+    }
+    return key_;
   }
 
   struct Number {
