@@ -10,6 +10,14 @@ tracked by the collector), and the decoded answer is dropped before anything wai
 is paused while one answer is decoded and copied: its thousands of short-lived lists would
 otherwise trigger generation-0 collections that promote them, live, to older generations.
 
+The native scanner (``areal_fast._C.scan_generate_answer``, ``csrc/rollout/answer_scan.cpp``)
+goes further: it reads ``output_ids`` and the log-probs straight from the answer's bytes into the
+columns, and orjson decodes only the small rest (73-114 vs 210-260 ns per token for orjson and
+the column picking, 100 to 32,000 tokens an answer, ``bench/bench_answer_parse.py``). The orjson
+path (:func:`_parse_reference`) stays the reference: the shape rules and errors live there, and it
+takes every answer the scanner declines (counted by reason in :data:`FALLBACKS`).
+``AREAL_FAST_ANSWER_PARSER=python`` forces it alone; ``docs/scale.md`` has both.
+
 :func:`tune_gc` is for the controller process after start-up (``gc.freeze()`` of what start-up
 built, and higher thresholds); ``docs/scale.md`` has the numbers before and after.
 """
