@@ -513,7 +513,7 @@ def scale_config(args) -> sim.SimConfig:
     return sim.SimConfig(decode_a_s=0.012, decode_b_s=0.0003, prefill_tokens_per_s=200_000, max_running=512,
                          len_median=4000 / args.compress, len_sigma=1.0, len_max=int(32768 / args.compress),
                          time_scale=time_scale_of(args), sglang_version=args.sglang_version, api_key="bench-key",
-                         seed=args.seed)
+                         seed=args.seed, reference_renderer=args.reference_renderer)
 
 
 class SimProcesses:
@@ -582,6 +582,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-speed", action="store_true",
                     help="no decode-rate limit: the servers answer as fast as the simulator can (the client is "
                          "the bottleneck: received tokens/s at ~100%% of a core is one client process's rate)")
+    ap.add_argument("--reference-renderer", action="store_true",
+                    help="the simulator builds answers token by token (the slow renderer: to compare its CPU)")
     ap.add_argument("--fill-buffer", action="store_true",
                     help="the first training step waits until the gate stops admitting: the buffer of finished "
                          "groups as full as eta allows (worst-case memory)")
@@ -644,7 +646,8 @@ def main(argv: list[str] | None = None) -> None:
             row["note"] = args.note
         row["sim"] = {"decode_a_s": cfg.decode_a_s, "decode_b_s": cfg.decode_b_s, "len_median": cfg.len_median,
                       "len_max": cfg.len_max, "compress": args.compress, "sglang_version": cfg.sglang_version,
-                      "time_scale": cfg.time_scale, "max_speed": args.max_speed}
+                      "time_scale": cfg.time_scale, "max_speed": args.max_speed,
+                      "renderer": "reference" if cfg.reference_renderer else "fast"}
         rows.append(row)
         print_table([{k: v for k, v in row.items() if not isinstance(v, dict | list)}])
         save("controller_scale", [row], args, prov)

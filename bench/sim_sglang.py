@@ -101,6 +101,9 @@ class SimConfig:
     seed: int = 0
     sglang_version: str = "0.5.23"
     api_key: str | None = None
+    reference_renderer: bool = False
+    """Build answers token by token (:meth:`SimServer.render_reference`): to measure what the
+    pre-rendered streams save."""
 
     def __post_init__(self):
         for name in ("decode_a_s", "prefill_tokens_per_s", "len_median", "time_scale"):
@@ -685,7 +688,7 @@ class SimCluster:
         self.duplicates = 0
         self.generate_calls = self.sent_tokens = self.answers = self.aborted_answers = self.pauses = 0
         self.streams = _Streams(self.cfg.vocab_size)
-        self.reference_renderer = False  # True: answers built token by token (tests compare the two)
+        self.reference_renderer = self.cfg.reference_renderer  # True: answers built token by token
         self.servers = [SimServer(self, i) for i in range(n)]
         self._runners: list[web.AppRunner] = []
         self.lag_max_s = 0.0  # how late the simulator's own loop woke a 10 ms sleeper (it answers the pauses)
