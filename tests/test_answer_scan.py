@@ -89,6 +89,26 @@ def test_real_shapes_every_buffer_kind(kind):
         same(native_handles(kind(raw)), _parse_reference(raw, WHERE))
 
 
+def test_other_inputs_go_to_the_reference():
+    raw = orjson.dumps(sglang_answer(3, seed=4))
+    strided = memoryview(raw + raw)[::2]  # not contiguous: the scanner declines, never copies
+    assert _C.scan_generate_answer(strided) == "not a contiguous buffer"
+    check_either(strided)
+    answer.FALLBACKS.clear()
+    same(parse_generate(raw.decode(), WHERE), _parse_reference(raw, WHERE))
+    assert answer.FALLBACKS == {"a str, not bytes": 1}
+
+
+def test_forced_reference(monkeypatch):
+    monkeypatch.setenv(answer.PARSER_ENV, "python")
+    assert answer._native_scanner() is None
+    monkeypatch.setenv(answer.PARSER_ENV, "native")
+    assert answer._native_scanner() is _C.scan_generate_answer
+    monkeypatch.setenv(answer.PARSER_ENV, "fast")
+    with pytest.raises(ValueError, match="AREAL_FAST_ANSWER_PARSER='fast'"):
+        answer._native_scanner()
+
+
 def test_the_rest_keeps_everything_but_the_two_arrays():
     ans = sglang_answer(5, seed=3)
     ids, lps, rest = _C.scan_generate_answer(orjson.dumps(ans))

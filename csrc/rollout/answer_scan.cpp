@@ -342,7 +342,12 @@ class Scanner {
         const Number n = number();
         // Inside a cut array orjson never sees this number: refuse what it might reject
         // (a float that overflows a double, an integer past 64 bits).
-        if (removed) to_float(n);
+        if (!removed) return;
+        if (n.integer) {
+          if (n.end - n.start - (*n.start == '-' ? 1 : 0) > kMaxIntDigits) throw Fail{"integer too long"};
+        } else {
+          to_float(n);
+        }
         return;
       }
     }

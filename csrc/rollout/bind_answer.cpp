@@ -8,11 +8,14 @@ namespace py = pybind11;
 namespace areal {
 namespace {
 
-py::object scan_generate_answer_py(const py::buffer& raw) {
+py::object scan_generate_answer_py(const py::object& raw) {
   // PyBUF_SIMPLE: bytes, bytearray, a contiguous memoryview; read in place, never copied. The
   // view is held until this returns, so a bytearray cannot be resized while the GIL is released.
   Py_buffer view;
-  if (PyObject_GetBuffer(raw.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+  if (PyObject_GetBuffer(raw.ptr(), &view, PyBUF_SIMPLE) != 0) {
+    PyErr_Clear();  // e.g. a strided memoryview: the reference copes with it
+    return py::str("not a contiguous buffer");
+  }
   AnswerScan scan;
   bool ok;
   {
