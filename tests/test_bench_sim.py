@@ -250,3 +250,31 @@ def test_scale_benchmark_new_modes_exact(tmp_path):
     assert 0 < row["samples_checked"] <= row["answers"] - row["aborted_answers"]
     assert row["at_peak_held_tokens"] > 0 and row["received_tokens"] >= row["trained_tokens"] > 0
     assert row["client_tok_s_per_core"] > 0 and row["sim_cpu_us_per_tok"] > 0
+
+
+def test_check_sample_catches_each_fault():
+    """The vectorised check: an exact sample passes; one wrong id, a wrong finish reason, a token
+    with a version other than the one that made it, versions going back, a version never published,
+    and columns of different lengths are each reported."""
+    cfg = _cfg()
+    ids, fin = sim.expected_output("q1", PROMPT_LEN, MAX_NEW, cfg)
+    n = len(ids)
+    assert n > 4
+    vers = [0] * (n // 2) + [2] * (n - n // 2)
+    lps = [sim.logprob_of(v, t) for v, t in zip(vers, ids)]
+
+    def errs(**kw):
+        a = dict(output_ids=ids, logprobs=lps, versions=vers, finish_reason=fin) | kw
+        return sim.check_sample("q1", PROMPT_LEN, MAX_NEW, a["output_ids"], a["logprobs"], a["versions"],
+                                a["finish_reason"], cfg, 2)
+
+    assert errs() == []
+    assert "differ from position 3" in errs(output_ids=ids[:3] + [ids[3] + 1] + ids[4:])[0]
+    assert "differ from position" in errs(output_ids=ids[:-1], logprobs=lps[:-1], versions=vers[:-1])[0]
+    assert "finish_reason" in errs(finish_reason="length")[0]
+    assert "token 0 reported version 1" in errs(versions=[1] + vers[1:])[0]
+    assert any("back in time" in e for e in errs(versions=vers[:-1] + [0], logprobs=lps[:-1] +
+                                                 [sim.logprob_of(0, ids[-1])]))
+    late = [3] * n
+    assert any("newer than" in e for e in errs(versions=late, logprobs=[sim.logprob_of(3, t) for t in ids]))
+    assert "logprobs" in errs(logprobs=lps[:-1])[0]
