@@ -29,6 +29,7 @@ import json
 import os
 import re
 from array import array
+from collections import Counter
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -56,7 +57,7 @@ def _native_scanner():
 
 
 _scan = _native_scanner()  # areal_fast._C.scan_generate_answer, or None for the reference alone
-FALLBACKS: dict[str, int] = {}  # answers the scanner left to the reference, by its reason
+FALLBACKS: Counter[str] = Counter()  # answers the scanner left to the reference, by its reason
 TOKEN_ARRAY = "i"  # token ids and versions: C int (vocabularies and versions fit in 31 bits)
 LOGPROB_ARRAY = "f"  # log-probs: C float (float32): the precision the trainer computes with
 _first = itemgetter(0)
@@ -154,20 +155,20 @@ def _parse_native(raw) -> Segment | None:
     :data:`FALLBACKS` by reason) when the answer is one for the reference to judge."""
     got = _scan(raw) if not isinstance(raw, str) else "a str, not bytes"
     if isinstance(got, str):
-        FALLBACKS[got] = FALLBACKS.get(got, 0) + 1
+        FALLBACKS[got] += 1
         return None
     ids_bytes, lps_bytes, rest = got
     try:
         meta = loads(rest)["meta_info"]
     except ValueError:  # the rest holds what the scanner left to orjson (invalid UTF-8...)
-        FALLBACKS["rest not decoded"] = FALLBACKS.get("rest not decoded", 0) + 1
+        FALLBACKS["rest not decoded"] += 1
         return None
     ids = array(TOKEN_ARRAY)
     ids.frombytes(ids_bytes)
     lps = array(LOGPROB_ARRAY)
     lps.frombytes(lps_bytes)
     if len(lps) != len(ids):  # the reference says so, in its words
-        FALLBACKS["length mismatch"] = FALLBACKS.get("length mismatch", 0) + 1
+        FALLBACKS["length mismatch"] += 1
         return None
     return _segment(ids, lps, meta)
 
