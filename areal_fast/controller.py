@@ -75,6 +75,7 @@ from typing import Any, Protocol
 from areal_fast.buffer import MB, GroupBuffer
 from areal_fast.buffer import read_records as _read_records
 from areal_fast.diskutil import write_failed
+from areal_fast.heap import HeapTrimmer
 from areal_fast.workflow import (
     DEFAULT_WORKFLOW,
     EpisodeEngine,
@@ -327,6 +328,8 @@ class Controller:
         self._elapsed_before = 0.0  # wall seconds of earlier incarnations (resume)
         self._timers = Counter()
         self._last_batch_dump: list = []
+        # freed column memory back to the OS while the run goes on (glibc; AREAL_FAST_HEAP_TRIM_S)
+        self.heap = HeapTrimmer()
 
     def _new_buffer(self) -> GroupBuffer:
         mb = self.s.buffer_memory_mb
@@ -472,6 +475,10 @@ class Controller:
         samples = [s for g in batch for s in g.samples()]
         tmetrics = await asyncio.to_thread(self.trainer.train, samples)
         t2 = time.perf_counter()
+        # what the metrics need, then the batch's columns go (at full lengths ~0.65 GB for 8k samples):
+        # the pause, sync and resume below must not hold them while answers keep arriving
+        stats = self._batch_stats(batch)
+        del batch, samples
         await self.rollout.pause()
         # the version moves only after every server has the new weights (sync raises otherwise)
         smetrics = await self.syncer.sync(self.version + 1) or {}
@@ -481,18 +488,8 @@ class Controller:
         self._wake.set()
         t3 = time.perf_counter()
         self._timers.update(wait_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2)
-        if self.s.dump_samples:
-            self._last_batch_dump = [
-                {"position": g.position, "prompt": self.tok.decode(g.prompt_ids),
-                 "admitted_version": g.admitted_version,
-                 "samples": [{"text": self.tok.decode(o), "reward": r, "versions": v.tolist(), "finish": f}
-                             for o, r, v, f in zip(g.outputs, g.rewards, g.versions, g.finish_reasons)]}
-                for g in batch]
-        staleness = [self.version - 1 - g.min_version() for g in batch]
-        rewards = [r for g in batch for r in g.rewards]
-        ntok = sum(g.n_tokens for g in batch)
-        infos = [i for g in batch for i in g.infos]
-        self.counters.trained_groups += len(batch)
+        staleness, rewards, ntok, infos = (stats[k] for k in ("staleness", "rewards", "tokens", "infos"))
+        self.counters.trained_groups += len(staleness)
         self.counters.trained_samples += len(rewards)
         self.counters.trained_tokens += ntok
         elapsed = self.elapsed()
@@ -500,9 +497,9 @@ class Controller:
             "step": self.version, "time": elapsed,
             "reward": sum(rewards) / max(len(rewards), 1),
             "tokens": ntok, "gen_len_mean": ntok / max(len(rewards), 1),
-            "gen_len_max": max((n for g in batch for n in g.model_token_counts()), default=0),
+            "gen_len_max": stats["gen_len_max"],
             "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
-            "staleness": staleness, "positions": [g.position for g in batch],
+            "staleness": staleness, "positions": stats["positions"],
             "wait_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
             "buffer": len(self.buffer), "buffer_spilled": self.buffer.spilled, "running": len(self.running),
             "trained_tokens_per_s": self.counters.trained_tokens / max(elapsed, 1e-9),
@@ -516,6 +513,23 @@ class Controller:
             **{f"sync/{k}": v for k, v in smetrics.items() if isinstance(v, int | float)},
         }
         return m
+
+    def _batch_stats(self, batch: list[Group]) -> dict:
+        """What a step's metrics (and ``dump_samples``) need of its batch, taken before the batch is
+        dropped. Staleness is counted against the version the batch trained (the current one)."""
+        if self.s.dump_samples:
+            self._last_batch_dump = [
+                {"position": g.position, "prompt": self.tok.decode(g.prompt_ids),
+                 "admitted_version": g.admitted_version,
+                 "samples": [{"text": self.tok.decode(o), "reward": r, "versions": v.tolist(), "finish": f}
+                             for o, r, v, f in zip(g.outputs, g.rewards, g.versions, g.finish_reasons)]}
+                for g in batch]
+        return {"staleness": [self.version - g.min_version() for g in batch],
+                "rewards": [r for g in batch for r in g.rewards],
+                "tokens": sum(g.n_tokens for g in batch),
+                "infos": [i for g in batch for i in g.infos],
+                "gen_len_max": max((n for g in batch for n in g.model_token_counts()), default=0),
+                "positions": [g.position for g in batch]}
 
     def elapsed(self) -> float:
         return self._elapsed_before + (time.perf_counter() - self._t_start)
@@ -685,6 +699,7 @@ class Controller:
             await self.rollout.resume()
         self.gate.set_version(self.version)
         admission = asyncio.create_task(self._admission_loop(), name="admission")
+        self.heap.start()
         try:
             if self.s.eval_at_start and self.version == 0 and self.s.eval_every >= 0:
                 ev = await self.evaluate()
@@ -711,13 +726,15 @@ class Controller:
             for t in list(self.running.values()):
                 t.cancel()
             await asyncio.gather(admission, *self.running.values(), return_exceptions=True)
+            self.heap.stop()
         return self.summary()
 
     def summary(self) -> dict:
         stal = Counter(s for m in self.history for s in m["staleness"])
         return {
             "steps": self.version, "elapsed_s": self.elapsed(), "counters": asdict(self.counters),
-            "timers": dict(self._timers), "staleness_hist": {str(k): v for k, v in sorted(stal.items())},
+            "timers": dict(self._timers), "heap_trim": self.heap.stats(),
+            "staleness_hist": {str(k): v for k, v in sorted(stal.items())},
             "eval": self.eval_history[-1] if self.eval_history else None,
             "eval_first": self.eval_history[0] if self.eval_history else None,
         }

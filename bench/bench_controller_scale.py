@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import gc
 import os
 import resource
@@ -337,8 +338,35 @@ class MemoryProbe:
                         "buffer_tokens": tokens, "buffer_spilled_groups": spilled,
                         "buffer_spilled_mb": spilled_bytes / 2**20, "training_tokens": training,
                         "in_flight_finished_tokens": self.rollout.returned_tokens - self.appended_tokens,
-                        "in_flight_requests": self.gate.running * self.group_size}
+                        "in_flight_requests": self.gate.running * self.group_size,
+                        "http_buffered_mb": self._http_buffered() / 2**20,
+                        "tasks": len(asyncio.all_tasks())} | malloc_split_mb()
         self.cpu_s += time.process_time() - c0
+
+    def _http_buffered(self) -> int:
+        """Bytes of answers being received (the connections' buffers; in-process client only)."""
+        client = getattr(getattr(self.rollout, "port", None), "client", None)
+        return sum(len(c._buf) for s in getattr(client, "servers", ()) if s.pool is not None for c in s.pool._open)
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def malloc_split_mb() -> dict:
+    """glibc's view of the C heap (``mallinfo2``, glibc >= 2.33; empty elsewhere): ``malloc_in_use_mb``
+    is what is allocated now (heap chunks in use + mmapped chunks), ``malloc_free_held_mb`` what was
+    freed but is still held by the allocator (fragmentation: counted in RSS where its pages were touched)."""
+    try:
+        f = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    f.restype = _Mallinfo2
+    m = f()
+    return {"malloc_in_use_mb": (m.uordblks + m.hblkhd) / 2**20, "malloc_free_held_mb": m.fordblks / 2**20,
+            "malloc_mmapped_mb": m.hblkhd / 2**20}
 
 
 def peak_rss_mb() -> float:
@@ -488,6 +516,7 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
         - stats0["aborted_answers"], "samples_checked": sum(rollout.returned.values()),
         "staleness_mean": sum(stal) / max(len(stal), 1), "staleness_max": max(stal, default=0),
         "correct": not errors, "errors": errors[:5], "summary_counters": summary["counters"],
+        "heap_trim": summary.get("heap_trim"),
         "marks": [{k: m[k] for k in ("step", "train_s", "wait_s", "sync_s")} | {"t": m["t"] - t0} for m in marks],
     }
 

@@ -383,3 +383,31 @@ def test_a_bad_buffer_bound_is_refused_at_config_load_naming_the_key(bad):
         RolloutConfig(buffer_memory_mb=bad)
     assert RolloutConfig(buffer_memory_mb=None).buffer_memory_mb is None
     assert RolloutConfig().buffer_memory_mb == 1024.0
+
+
+def test_the_batch_is_released_when_the_trainer_returns_before_pause_and_sync(tmp_path):
+    """At full lengths a batch is ~0.65 GB of columns: the pause, weight sync and resume after a step
+    must not hold it. The trainer keeps only weak references; by the pause they must all be dead."""
+    import weakref
+
+    class WeakTrainer(Trainer):
+        def __init__(self):
+            super().__init__()
+            self.refs: list = []
+
+        def train(self, samples):
+            self.refs = [weakref.ref(s[k]) for s in samples for k in ("output_ids", "behav_logprobs")]
+            return {}
+
+    alive_at_pause = []
+    ctl = controller(tmp_path, bound_mb=None, eta=0, steps=3, trainer=WeakTrainer())
+    pause = ctl.rollout.pause
+
+    async def checking_pause():
+        alive_at_pause.append(sum(r() is not None for r in ctl.trainer.refs))
+        await pause()
+
+    ctl.rollout.pause = checking_pause
+    asyncio.run(ctl.run())
+    assert len(alive_at_pause) == 3 and len(ctl.trainer.refs) == 2 * 3 * 2  # a pause a step; B x n samples
+    assert alive_at_pause == [0, 0, 0]
