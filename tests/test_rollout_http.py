@@ -395,6 +395,49 @@ def test_client_native_path_timeout_fails_over_then_gives_up(scripted):
     assert len([r for r in srv.requests if r[2] == "/generate"]) == 2  # one per attempt (max_attempts)
 
 
+def test_no_request_bytes_are_held_while_the_answer_is_awaited(scripted, monkeypatch):
+    """orjson's bytes keep a 16 KB allocation each: at 16k requests in flight, bodies held across the
+    wait for the answer were 256 MB. Neither the pool nor the client may keep them past the write."""
+    import areal_fast.rollout.client as client_mod
+
+    box: list = []
+    srv = scripted(lambda req: _sglang(srv_box=box)(req) if req[1] != "/generate" else (b"", "hold"))
+    box.append(srv)
+    made: list[bytes] = []
+    dumps = client_mod.dumps
+
+    def recording_dumps(obj):
+        made.append(dumps(obj))
+        return made[-1]
+
+    monkeypatch.setattr(client_mod, "dumps", recording_dumps)
+
+    async def run():
+        pool = ConnectionPool(srv.url)
+        body = bytes(bytearray(b'{"a": 1}' * 100))  # made at run time: no constant holds it
+        task = asyncio.create_task(_post(pool, body))
+        await asyncio.to_thread(srv.received.wait, ANSWER_WAIT_S)
+        pool_refs = sys.getrefcount(body)  # this frame's name and the call's argument
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pool.close()
+        srv.received.clear()
+        async with RolloutClient([srv.url], gc_tuning=False) as c:
+            made.clear()
+            gen = asyncio.create_task(c.generate([1, 2, 3], {"max_new_tokens": 8}, rid="held"))
+            await asyncio.to_thread(srv.received.wait, ANSWER_WAIT_S)
+            while not any(b'"rid":"held|0|"' in b for b in made):
+                await asyncio.sleep(0.01)
+            mine = next(b for b in made if b'"rid":"held|0|"' in b)
+            client_refs = sys.getrefcount(mine)  # the list, the name, the argument
+            gen.cancel()
+            await asyncio.gather(gen, return_exceptions=True)
+        return pool_refs, client_refs
+
+    pool_refs, client_refs = asyncio.run(run())
+    assert pool_refs == 2 and client_refs == 3, (pool_refs, client_refs)
+
+
 @pytest.mark.parametrize("http", ["native", "aiohttp"])
 def test_simulated_servers_exact_on_both_transports(http):
     """The same requests with our HTTP client and with aiohttp: every answer exact against the

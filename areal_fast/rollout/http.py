@@ -34,6 +34,7 @@ import asyncio
 import socket
 import time
 from collections import deque
+from collections.abc import Awaitable
 from urllib.parse import urlsplit
 
 KEEPALIVE_S = 4.0  # below SGLang's (uvicorn's) 5 s keep-alive timeout
@@ -275,11 +276,12 @@ class ConnectionPool:
             self._heads[(method, path)] = head
         return head
 
-    async def post(self, path: str, body: bytes, timeout_s: float) -> Response:
+    def post(self, path: str, body: bytes, timeout_s: float) -> Awaitable[Response]:
         """POST ``body`` (JSON bytes) to ``path``; the complete answer, whatever its status.
         Raises :class:`HttpError` (a ``ConnectionError``) or ``TimeoutError`` (``timeout_s`` for
-        the whole call, connect included); never sends the request twice."""
-        return await self.request("POST", path, body, timeout_s)
+        the whole call, connect included); never sends the request twice. (Not a coroutine itself:
+        no frame of its own holds ``body`` while the answer is awaited.)"""
+        return self.request("POST", path, body, timeout_s)
 
     async def request(self, method: str, path: str, body: bytes | None, timeout_s: float) -> Response:
         """``method`` ("GET", or "POST" with JSON ``body``) on ``path``; see :meth:`post`."""
@@ -289,6 +291,7 @@ class ConnectionPool:
             data = b"".join((self._head(method, path), b"%d\r\n\r\n" % len(body), body))
         else:
             data = self._head(method, path)
+        del body  # no request bytes are held while the answer is awaited (orjson's keep 16 KB each)
         loop = asyncio.get_running_loop()
         where = self.url + path
         t0 = loop.time()
@@ -299,6 +302,7 @@ class ConnectionPool:
         timer = loop.call_at(t0 + timeout_s, _expire, waiter, where, timeout_s)
         try:
             conn.start(waiter, where, data)
+            del data
             resp = await waiter
         except BaseException:  # timeout, cancellation, broken connection: it is never reused
             conn.abort()
