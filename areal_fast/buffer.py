@@ -61,6 +61,13 @@ _ITEMSIZE = {code: array(code).itemsize for code in (TOKEN_ARRAY, LOGPROB_ARRAY,
 _SAME_PROMPT = -1  # a trajectory's prompt equal to the group's prompt_ids: stored once
 _COPY_CHUNK = 8 << 20  # bytes per read when a spilled record is copied into a checkpoint
 MB = 1 << 20
+DEFAULT_MEMORY_MB = 128.0
+"""The default bound (``rollout.buffer_memory_mb``). What else the controller holds at 256 servers /
+16,384 in flight with long-tailed answers (median 4,000 tokens): finished samples of groups still
+generating (~50M tokens, ~0.7 GB), the batch being trained (~0.65 GB), per-request state and the
+imported code (~0.5 GB). 128 MB kept the peak at 1.94 GB there (``docs/scale.md``); 256 MB gave 2.16 GB,
+1024 MB 3.0 GB. Groups past the bound cost one write and one read of ~1 MB each; at short answers
+nothing spills."""
 
 
 # ----------------------------------------------------------------------------- records

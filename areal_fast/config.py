@@ -36,8 +36,10 @@ from typing import Any
 
 import yaml
 
+from areal_fast.buffer import DEFAULT_MEMORY_MB as DEFAULT_BUFFER_MEMORY_MB
 from areal_fast.data.datasets import check_source
 from areal_fast.data.tiny_task import SEPARATOR as _TASK_SEPARATOR
+from areal_fast.heap import period_from_env as heap_trim_period_from_env
 from areal_fast.ops.loss_config import PPOLossConfig
 from areal_fast.trainer.config import OptimConfig, PPOConfig, TrainerConfig
 from areal_fast.weights.config import WeightSyncConfig
@@ -320,11 +322,10 @@ class RolloutConfig:
     client_processes: int = 1
     """Processes of the rollout client: 1 = the client runs in the controller's process; N > 1 = N worker
     processes, each with its own client over a disjoint share of the servers (``docs/scale.md``)."""
-    buffer_memory_mb: float | None = 1024.0
+    buffer_memory_mb: float | None = DEFAULT_BUFFER_MEMORY_MB
     """MB of token columns the controller keeps in memory for finished groups waiting to be trained;
     groups beyond it wait in a temporary file in output_dir, read back when trained (0 = every group;
-    null = no bound). 1024: half of the controller's 2 GB goal (answers ~6k tokens at 256 servers
-    fill ~2 GB, see ``areal_fast.buffer``); at shorter answers nothing spills."""
+    null = no bound). The default (128) and why: ``areal_fast.buffer.DEFAULT_MEMORY_MB``."""
 
     def __post_init__(self):
         if not re.match(r"^[\w.]+:[\w.]+$", self.workflow or ""):
@@ -366,6 +367,7 @@ class RolloutConfig:
         mb = self.buffer_memory_mb
         if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 <= mb < float("inf")):
             raise ValueError(f"buffer_memory_mb: must be a number of MB >= 0, or null for no bound, got {mb!r}")
+        heap_trim_period_from_env()  # AREAL_FAST_HEAP_TRIM_S: refused here, before any server starts
         if self.gpus and not self.servers and len(self.gpus) != self.n_servers:
             raise ValueError(f"gpus: one entry per server expected ({self.n_servers}), got {self.gpus!r}")
         for i, g in enumerate(self.gpus):

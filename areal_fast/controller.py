@@ -72,6 +72,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from areal_fast.buffer import DEFAULT_MEMORY_MB as DEFAULT_BUFFER_MEMORY_MB
 from areal_fast.buffer import MB, GroupBuffer
 from areal_fast.buffer import read_records as _read_records
 from areal_fast.diskutil import write_failed
@@ -273,7 +274,7 @@ class ControllerSettings:
     """Keyword arguments of every workflow call."""
     tool_timeout: float = 10.0
     """Seconds per tool call (``EpisodeEngine.tool``)."""
-    buffer_memory_mb: float | None = 1024.0
+    buffer_memory_mb: float | None = DEFAULT_BUFFER_MEMORY_MB
     """MB of columns the buffer of finished groups keeps in memory; more is spilled to a file in
     ``output_dir`` (``areal_fast.buffer``). None = no bound."""
 

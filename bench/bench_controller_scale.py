@@ -582,8 +582,8 @@ def _memory_mb(text: str) -> float | None:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of MB or 'none': {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (or 'none'), got {text!r}")
+    if not v >= 0:  # 0: every finished group is spilled (as rollout.buffer_memory_mb: 0)
+        raise argparse.ArgumentTypeError(f"must be >= 0 (or 'none'), got {text!r}")
     return v
 
 

@@ -382,7 +382,7 @@ def test_a_bad_buffer_bound_is_refused_at_config_load_naming_the_key(bad):
     with pytest.raises(ValueError, match="buffer_memory_mb"):
         RolloutConfig(buffer_memory_mb=bad)
     assert RolloutConfig(buffer_memory_mb=None).buffer_memory_mb is None
-    assert RolloutConfig().buffer_memory_mb == 1024.0
+    assert RolloutConfig().buffer_memory_mb == ControllerSettings(1, 1, 1, {}, {}).buffer_memory_mb == 128.0
 
 
 def test_the_batch_is_released_when_the_trainer_returns_before_pause_and_sync(tmp_path):

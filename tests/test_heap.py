@@ -79,3 +79,11 @@ def test_the_controller_runs_the_trimmer_during_run_and_reports_it(tmp_path, mon
     summary = asyncio.run(ctl.run())
     assert not ctl.heap.active  # stopped with the run
     assert summary["heap_trim"] == ctl.heap.stats()
+
+
+def test_a_bad_period_is_refused_at_config_load(monkeypatch):
+    from areal_fast.config import RolloutConfig
+
+    monkeypatch.setenv(heap.ENV, "-2")
+    with pytest.raises(ValueError, match="AREAL_FAST_HEAP_TRIM_S='-2'"):
+        RolloutConfig()
