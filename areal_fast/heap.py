@@ -9,7 +9,7 @@ jemalloc and mimalloc purge such pages after a decay time; :class:`HeapTrimmer` 
 glibc: a daemon thread calls ``malloc_trim(0)`` every ``period_s`` seconds, which returns every
 whole free page of every arena (``madvise(MADV_DONTNEED)``), not only the heap tops.
 
-Cost: ~11 ms a call on average at that scale (max ~70 ms), in its own thread with the GIL
+Cost: 9-21 ms a call on average at that scale (max 54-117 ms), in its own thread with the GIL
 released; the event loop's ``malloc`` calls wait for an arena's lock while that arena is trimmed.
 
 Elsewhere (musl, macOS, a build without ``malloc_trim``) :func:`trim` returns None and the trimmer
