@@ -293,14 +293,24 @@ class SpillFile:
 # ----------------------------------------------------------------------------- the buffer
 
 
+@dataclass(frozen=True, slots=True)
+class _Parked:
+    """A part of a running group kept in memory (:meth:`GroupBuffer.park`)."""
+
+    part: Any
+    nbytes: int
+
+
 class GroupBuffer:
     """FIFO of finished groups with at most ``memory_bytes`` of columns in memory (None: no bound).
     ``make_group`` builds a group from its fields (the controller's ``Group``).
 
     A group that would take the in-memory column bytes above the bound is spilled; the groups at
-    the head (the next batch) were buffered first, so they are the ones in memory. ``len`` and
+    the head (the next batch) were buffered first, so they are the ones in memory. The same bound
+    covers the finished episodes of groups still generating (:meth:`park`): with long-tailed answers
+    they are most of the finished columns (a group waits for its longest sample). ``len`` and
     iteration (which reads spilled groups back) work from any thread; ``append``, ``take``,
-    ``put_back`` and ``release`` belong to the event loop."""
+    ``put_back``, ``release``, ``park``, ``unpark`` and ``discard`` belong to the event loop."""
 
     def __init__(self, memory_bytes: int | None, spill_dir: Path | None, make_group: Callable[..., Any]):
         self.memory_bytes = memory_bytes
@@ -311,6 +321,9 @@ class GroupBuffer:
         self.in_memory = 0  # column bytes of the groups in memory
         self.spilled = 0  # groups in the spill file now
         self.spilled_total = 0  # groups ever spilled (a metric)
+        self.parked = 0  # column bytes of parts of running groups kept in memory
+        self.parked_spilled = 0  # parts of running groups in the spill file now
+        self.parked_spilled_total = 0  # parts ever written there (a metric)
         self._pins = 0  # checkpoint writes under way: released extents are freed after them
         self._deferred: list[_Spilled] = []
         self._lock = threading.Lock()  # pins and deferred frees (the writer thread unpins)
@@ -323,9 +336,13 @@ class GroupBuffer:
         return iter(self.load(list(self._slots)))
 
     # -------------------------------------------------------- event loop side
+    def _over(self, n: int) -> bool:
+        """Would ``n`` more column bytes in memory pass the bound (groups and parked parts together)?"""
+        return self.memory_bytes is not None and self.in_memory + self.parked + n > self.memory_bytes
+
     def append(self, g) -> None:
         n = column_bytes(g)
-        if self.memory_bytes is not None and self.in_memory + n > self.memory_bytes:
+        if self._over(n):
             off, ln = self.spill.write(g)
             self._slots.append(_Spilled(g.position, g.min_model_version(), off, ln))
             with self._lock:
@@ -364,6 +381,38 @@ class GroupBuffer:
                 self._free(s)
             else:
                 self.in_memory -= self._sizes.pop(id(s), 0)
+
+    # -------------------------------------------------------- finished parts of running groups
+    def park(self, part):
+        """Hold ``part`` (a group of some finished episodes of a group still generating) until
+        :meth:`unpark`: in memory while the bound allows, else in the spill file. Returns its handle.
+        Parts are never in a checkpoint (a running group is regenerated after a restart)."""
+        n = column_bytes(part)
+        if self._over(n):
+            off, ln = self.spill.write(part)
+            self.parked_spilled += 1
+            self.parked_spilled_total += 1
+            return _Spilled(part.position, None, off, ln)
+        self.parked += n
+        return _Parked(part, n)
+
+    def unpark(self, handle):
+        """The part of ``handle`` (read back if it was spilled: one pread); its memory or extent is freed."""
+        if isinstance(handle, _Parked):
+            self.parked -= handle.nbytes
+            return handle.part
+        try:
+            return self.make_group(**self.spill.load(handle))
+        finally:
+            self.discard(handle)
+
+    def discard(self, handle) -> None:
+        """Forget a parked part unread (its group was cancelled or failed)."""
+        if isinstance(handle, _Parked):
+            self.parked -= handle.nbytes
+        else:  # never in a checkpoint's snapshot: no pin to wait for
+            self.spill.free(handle.offset, handle.length)
+            self.parked_spilled -= 1
 
     def _free(self, s: _Spilled) -> None:
         self.spill.free(s.offset, s.length)

@@ -376,34 +376,32 @@ class Controller:
 
     async def _run_group(self, pos: int) -> None:
         ok = False
+        parked: list[tuple[int, Any]] = []  # (episode, handle): finished episodes wait in the buffer's bound
         try:
             row = self.prompts.at(pos)
             v0 = self.version
             t0 = time.perf_counter()
-            episodes = await asyncio.gather(*[
-                self._episode(row, self._engine(f"{self.incarnation}-{pos}-{k}", self.s.sampling))
-                for k in range(self.s.group_size)
-            ])
-            trajs = [tr for ep in episodes if ep is not None for tr in ep]
-            failed = sum(ep is None for ep in episodes)
+
+            async def episode(k: int) -> bool:
+                trajs = await self._episode(row, self._engine(f"{self.incarnation}-{pos}-{k}", self.s.sampling))
+                if trajs:  # a long-tailed group waits for its longest sample: the others wait here
+                    parked.append((k, self.buffer.park(_group_of(pos, row.index, v0, trajs))))
+                return trajs is None
+
+            failed = sum(await asyncio.gather(*[episode(k) for k in range(self.s.group_size)]))
             self._count_tools()
-            if not trajs:  # nothing to train on: the slot goes back to admission (counted)
+            parked.sort(key=lambda kh: kh[0])  # episode order, as they were launched
+            parts = []
+            while parked:
+                parts.append(self.buffer.unpark(parked.pop(0)[1]))
+            if not parts:  # nothing to train on: the slot goes back to admission (counted)
                 self.counters.groups_failed += 1
                 log.warning("group at position %d: no trajectory (%d of %d episodes failed)", pos, failed,
-                            len(episodes))
+                            self.s.group_size)
                 return
-            # the group takes the trajectories' arrays as they are (the episodes are over); the oldest
-            # version of each was kept as its turns were added (no per-token work here)
-            group = Group(position=pos, row=row.index, admitted_version=v0, prompt_ids=trajs[0].prompt_ids,
-                          outputs=[tr.output_ids for tr in trajs],
-                          behav_logprobs=[tr.behav_logprobs for tr in trajs],
-                          versions=[tr.output_versions for tr in trajs],
-                          rewards=[float(tr.reward) for tr in trajs],
-                          finish_reasons=[tr.finish_reason for tr in trajs], gen_seconds=time.perf_counter() - t0,
-                          prompts=[tr.prompt_ids for tr in trajs],
-                          loss_masks=[tr.loss_mask for tr in trajs],
-                          infos=[_numbers(tr.info) for tr in trajs], episodes_failed=failed,
-                          min_versions=[tr.min_model_version() for tr in trajs])
+            # the group takes the trajectories' arrays as they are (no per-token work here)
+            group = _merge_parts(parts, gen_seconds=time.perf_counter() - t0, episodes_failed=failed)
+            del parts
             self.buffer.append(group)
             self.counters.finished += 1
             ok = True
@@ -417,6 +415,8 @@ class Controller:
                 self._failure = e
             self._buffer_ready.set()
         finally:
+            for _, h in parked:
+                self.buffer.discard(h)
             self.running.pop(pos, None)
             self.gate.finish(ok)
             self._wake.set()
@@ -503,6 +503,7 @@ class Controller:
             "staleness": staleness, "positions": stats["positions"],
             "wait_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
             "buffer": len(self.buffer), "buffer_spilled": self.buffer.spilled, "running": len(self.running),
+            "parked_spilled": self.buffer.parked_spilled,
             "trained_tokens_per_s": self.counters.trained_tokens / max(elapsed, 1e-9),
             "trained_samples_per_s": self.counters.trained_samples / max(elapsed, 1e-9),
             "dropped_stale": self.counters.dropped_stale,
@@ -742,6 +743,32 @@ class Controller:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _group_of(pos: int, row: int, admitted_version: int, trajs: list, **fields) -> Group:
+    """A group (or a part of one: some of its episodes) from trajectories, sharing their arrays;
+    the oldest version of each was kept as its turns were added (no per-token work here)."""
+    return Group(position=pos, row=row, admitted_version=admitted_version, prompt_ids=trajs[0].prompt_ids,
+                 outputs=[tr.output_ids for tr in trajs], behav_logprobs=[tr.behav_logprobs for tr in trajs],
+                 versions=[tr.output_versions for tr in trajs], rewards=[float(tr.reward) for tr in trajs],
+                 finish_reasons=[tr.finish_reason for tr in trajs], prompts=[tr.prompt_ids for tr in trajs],
+                 loss_masks=[tr.loss_mask for tr in trajs], infos=[_numbers(tr.info) for tr in trajs],
+                 min_versions=[tr.min_model_version() for tr in trajs], **fields)
+
+
+def _merge_parts(parts: list[Group], **fields) -> Group:
+    """One group from its parts (each some of its episodes, in episode order), their arrays as they are."""
+    first = parts[0]
+
+    def cat(name: str) -> list:
+        return [x for p in parts for x in getattr(p, name)]
+
+    return Group(position=first.position, row=first.row, admitted_version=first.admitted_version,
+                 prompt_ids=first.prompt_ids, **{n: cat(n) for n in _PART_LISTS}, **fields)
+
+
+_PART_LISTS = ("outputs", "behav_logprobs", "versions", "rewards", "finish_reasons", "prompts", "loss_masks",
+               "infos", "min_versions")
 
 
 class ResumeMismatch(RuntimeError):

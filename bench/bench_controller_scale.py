@@ -339,6 +339,8 @@ class MemoryProbe:
                         "buffer_spilled_mb": spilled_bytes / 2**20, "training_tokens": training,
                         "in_flight_finished_tokens": self.rollout.returned_tokens - self.appended_tokens,
                         "in_flight_requests": self.gate.running * self.group_size,
+                        "parked_mb": self.ctrl.buffer.parked / 2**20,
+                        "parked_spilled_parts": self.ctrl.buffer.parked_spilled,
                         "http_buffered_mb": self._http_buffered() / 2**20,
                         "tasks": len(asyncio.all_tasks())} | malloc_split_mb()
         self.cpu_s += time.process_time() - c0

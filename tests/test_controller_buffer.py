@@ -106,6 +106,32 @@ def test_fifo_order_and_exact_contents_with_spilling(tmp_path, bound):
     buf.close()
 
 
+@pytest.mark.parametrize("bound", [0, 3000, None], ids=["0", "3kB", "unbounded"])
+def test_parked_parts_come_back_exact_and_share_the_bound_with_the_buffer(tmp_path, bound):
+    """Parts of running groups (park/unpark) are held under the same bound as the buffer: spilled
+    past it, read back byte for byte, and their memory or extents freed; discard frees unread."""
+    rng = random.Random(11)
+    buf = GroupBuffer(bound, tmp_path, Group)
+    parts = [make_group(p, rng) for p in range(30)]
+    handles = [buf.park(g) for g in parts]
+    assert bound is None or buf.in_memory + buf.parked <= bound
+    if bound is None:
+        assert buf.parked_spilled_total == 0 and buf.parked == sum(column_bytes(g) for g in parts)
+    else:
+        assert buf.parked_spilled == buf.parked_spilled_total > (20 if bound == 0 else 0)
+    if bound == 3000:  # what is parked counts: a group appended now is spilled if it does not fit
+        g = make_group(99, rng)
+        buf.append(g)
+        assert (buf.spilled == 1) == (buf.parked + column_bytes(g) > bound)
+        buf.release([buf.take()])
+    back = [buf.unpark(h) for h in handles[:20]]
+    assert_same_groups(back, parts[:20])
+    for h in handles[20:]:
+        buf.discard(h)
+    assert buf.parked == 0 and buf.parked_spilled == 0 and buf.spill.size == 0
+    buf.close()
+
+
 def test_the_spill_file_reuses_its_space_over_many_fill_drain_cycles(tmp_path):
     """Never fully drained (a few groups stay spilled across cycles): the file stays within the most
     bytes spilled at one time, instead of growing by every group ever spilled."""
@@ -234,11 +260,15 @@ def test_a_run_with_a_tiny_bound_trains_exactly_what_an_unbounded_run_trains(tmp
         runs[bound] = [_sample_bytes(s) for s in ctl.trainer.samples]
         spilled = ctl.buffer.spilled_total
         assert spilled == 0 if bound is None else spilled >= 4 * 3, spilled  # (+ groups after the last step)
+        # bound 0: every finished episode waited for its group in the spill file, and none is left
+        assert (ctl.buffer.parked_spilled_total >= 4 * 3 * 2) == (bound == 0.0)
+        assert ctl.buffer.parked == 0 and ctl.buffer.parked_spilled == 0
     assert len(runs[None]) == 4 * 3 * 2 and runs[None] == runs[0.0]
     # and what was trained is what the rollout made for that request
     ctl = controller(tmp_path / "eta2", bound_mb=0.002, eta=2, steps=6)
     asyncio.run(ctl.run())
-    assert 0 < ctl.buffer.spilled_total
+    assert 0 < ctl.buffer.spilled_total and 0 < ctl.buffer.parked_spilled_total
+    assert ctl.buffer.parked == 0 and ctl.buffer.parked_spilled == 0  # groups cancelled at the end dropped theirs
     trained = [s["group_id"] for s in ctl.trainer.samples]
     assert len(set(trained)) == 6 * 3 == len(trained) // 2  # each group once
     seen = sorted(set(trained) | {g.position for g in ctl.buffer} | set(ctl.requeue) | set(ctl.running))
