@@ -9,7 +9,8 @@ base64 inside one JSON made two more copies while it was written.
 
 ::
 
-    append(group) --> in memory (while the buffer's column bytes stay <= bound)
+    park(part of a running group) --> in memory or spill file (same bound) --> unpark() when the group is done
+    append(group) --> in memory (while the column bytes in memory, parts included, stay <= bound)
                   \\-> spill file: one record, at a free extent (reused; truncated when it empties)
     FIFO of slots: Group (in memory) or _Spilled (position, oldest version, extent): strict drops
     need no read; take() pops slots, load() reads spilled ones back (pread: safe in a thread),
@@ -62,12 +63,12 @@ _SAME_PROMPT = -1  # a trajectory's prompt equal to the group's prompt_ids: stor
 _COPY_CHUNK = 8 << 20  # bytes per read when a spilled record is copied into a checkpoint
 MB = 1 << 20
 DEFAULT_MEMORY_MB = 128.0
-"""The default bound (``rollout.buffer_memory_mb``). What else the controller holds at 256 servers /
-16,384 in flight with long-tailed answers (median 4,000 tokens): finished samples of groups still
-generating (~50M tokens, ~0.7 GB), the batch being trained (~0.65 GB), per-request state and the
-imported code (~0.5 GB). 128 MB kept the peak at 1.94 GB there (``docs/scale.md``); 256 MB gave 2.16 GB,
-1024 MB 3.0 GB. Groups past the bound cost one write and one read of ~1 MB each; at short answers
-nothing spills."""
+"""The default bound (``rollout.buffer_memory_mb``): finished columns the controller keeps in memory,
+buffered groups and parked parts of running groups together. At 256 servers / 16,384 in flight with
+long-tailed answers (median 4,000 tokens) the parts alone are ~50M tokens (~0.7 GB) and the batch
+being trained ~0.65 GB; with this bound the peak RSS was 1.39 GB at 0.8M tokens/s (``docs/scale.md``).
+Past the bound a finished episode costs a write and a read of its columns (~80 KB at 6k tokens), and
+its group one more write and read; at short answers nothing spills."""
 
 
 # ----------------------------------------------------------------------------- records

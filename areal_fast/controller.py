@@ -16,7 +16,8 @@ trains whenever a batch is ready (AReaL-style), with the staleness bound of deco
     |   group task      |  turns through rollout.generate (interruptible; every token keeps the
     |  (x max_concurrent)|  version that made it), calls tools and rewards (reward process pool)
     |                   |  and returns trajectories (tokens, loss mask, logprobs, versions, reward)
-    +-------------------+
+    +-------------------+  finished episodes wait for the rest of their group under the
+             |                 buffer's bound (park / unpark: in memory or its spill file)
              | finished group (gate.finish)
              v
         buffer (FIFO of finished groups; past rollout.buffer_memory_mb  +

@@ -151,7 +151,10 @@ class SimSync:
     async def sync(self, version: int) -> dict:
         if self.session is None:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-            self.session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
+            # a new connection per call: between steps (often > the servers' 5 s keep-alive) a kept-alive
+            # one may have been closed by its server, and aiohttp cannot tell before writing into it
+            self.session = aiohttp.ClientSession(headers=headers,
+                                                 connector=aiohttp.TCPConnector(limit=0, force_close=True))
         d = self.delay_s(version)
         if d > 0:
             await asyncio.sleep(d)
