@@ -51,14 +51,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from areal_fast.workflow.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY
+from areal_fast.workflow.columns import ITEMSIZE, LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY
 
 MAGIC = b"AFG1"
 _HEADER = struct.Struct("<4sIQI")  # magic, meta length, data length, CRC-32 of meta + data
 # the per-trajectory columns of a group, in the order a record stores them (after prompt_ids)
 COLUMNS = {"outputs": TOKEN_ARRAY, "behav_logprobs": LOGPROB_ARRAY, "versions": TOKEN_ARRAY,
            "prompts": TOKEN_ARRAY, "loss_masks": MASK_ARRAY}
-_ITEMSIZE = {code: array(code).itemsize for code in (TOKEN_ARRAY, LOGPROB_ARRAY, MASK_ARRAY)}
 _SAME_PROMPT = -1  # a trajectory's prompt equal to the group's prompt_ids: stored once
 _COPY_CHUNK = 8 << 20  # bytes per read when a spilled record is copied into a checkpoint
 MB = 1 << 20
@@ -98,15 +97,20 @@ def _columns_of(g) -> tuple[dict, list[array]]:
     return counts, arrays
 
 
+def _nbytes(arrays: list[array]) -> int:
+    return sum(len(a) * a.itemsize for a in arrays)
+
+
 def column_bytes(g) -> int:
     """Bytes of a group's columns as a record stores them (what the memory bound counts)."""
-    return sum(len(a) * a.itemsize for a in _columns_of(g)[1])
+    return _nbytes(_columns_of(g)[1])
 
 
-def write_record(f: BinaryIO, g) -> int:
+def write_record(f: BinaryIO, g, columns: tuple[dict, list[array]] | None = None) -> int:
     """Write group ``g`` as one record to the file ``f`` (at its position); the bytes written. The
-    columns go to the file one by one from the group's own arrays: no joined copy."""
-    counts, arrays = _columns_of(g)
+    columns go to the file one by one from the group's own arrays: no joined copy. ``columns``:
+    ``_columns_of(g)`` when the caller has it already."""
+    counts, arrays = columns or _columns_of(g)
     other = {f_.name: getattr(g, f_.name) for f_ in fields(g)
              if f_.name not in COLUMNS and f_.name != "prompt_ids"}
     meta = json.dumps({"fields": other, "columns": counts}).encode()
@@ -114,7 +118,7 @@ def write_record(f: BinaryIO, g) -> int:
     crc = zlib.crc32(meta)
     for a in arrays:
         crc = zlib.crc32(a, crc)
-    size = sum(len(a) * a.itemsize for a in arrays)
+    size = _nbytes(arrays)
     f.write(_HEADER.pack(MAGIC, len(meta), size, crc))
     f.write(meta)
     for a in arrays:
@@ -150,7 +154,7 @@ def decode_record(meta: bytes | memoryview, data: bytes | memoryview, crc: int, 
         if col == "prompts" and n == _SAME_PROMPT:
             cols[col].append(kw["prompt_ids"])
             continue
-        size = n * _ITEMSIZE[code]
+        size = n * ITEMSIZE[code]
         if n < 0 or off + size > len(mv):
             raise ValueError(f"{name}: column {col} of {n} items does not fit the record's {len(mv)} bytes")
         a = array(code)
@@ -229,10 +233,10 @@ class SpillFile:
         self.size += n
         return off
 
-    def write(self, g) -> tuple[int, int]:
-        """Write group ``g`` as a record; its (offset, length) in the file."""
+    def write(self, g, columns: tuple[dict, list[array]] | None = None) -> tuple[int, int]:
+        """Write group ``g`` as a record (``columns``: see :func:`write_record`); its (offset, length)."""
         buf = io.BytesIO()  # one group (~1 MB at 16 x 6k tokens), so that pwrite places it in one call
-        n = write_record(buf, g)
+        n = write_record(buf, g, columns)
         with self._lock:
             off = self._alloc(n)
         fd = self._file().fileno()
@@ -337,15 +341,19 @@ class GroupBuffer:
         return iter(self.load(list(self._slots)))
 
     # -------------------------------------------------------- event loop side
-    def _over(self, n: int) -> bool:
-        """Would ``n`` more column bytes in memory pass the bound (groups and parked parts together)?"""
-        return self.memory_bytes is not None and self.in_memory + self.parked + n > self.memory_bytes
+    def _spill_if_over(self, g) -> tuple[int, tuple[int, int] | None]:
+        """``g``'s column bytes, and its (offset, length) in the spill file when keeping it in memory
+        would pass the bound (groups and parked parts together), else None."""
+        cols = _columns_of(g)
+        n = _nbytes(cols[1])
+        if self.memory_bytes is not None and self.in_memory + self.parked + n > self.memory_bytes:
+            return n, self.spill.write(g, cols)
+        return n, None
 
     def append(self, g) -> None:
-        n = column_bytes(g)
-        if self._over(n):
-            off, ln = self.spill.write(g)
-            self._slots.append(_Spilled(g.position, g.min_model_version(), off, ln))
+        n, extent = self._spill_if_over(g)
+        if extent is not None:
+            self._slots.append(_Spilled(g.position, g.min_model_version(), *extent))
             with self._lock:
                 self.spilled += 1
             self.spilled_total += 1
@@ -388,22 +396,18 @@ class GroupBuffer:
         """Hold ``part`` (a group of some finished episodes of a group still generating) until
         :meth:`unpark`: in memory while the bound allows, else in the spill file. Returns its handle.
         Parts are never in a checkpoint (a running group is regenerated after a restart)."""
-        n = column_bytes(part)
-        if self._over(n):
-            off, ln = self.spill.write(part)
+        n, extent = self._spill_if_over(part)
+        if extent is not None:
             self.parked_spilled += 1
             self.parked_spilled_total += 1
-            return _Spilled(part.position, None, off, ln)
+            return _Spilled(part.position, None, *extent)
         self.parked += n
         return _Parked(part, n)
 
     def unpark(self, handle):
         """The part of ``handle`` (read back if it was spilled: one pread); its memory or extent is freed."""
-        if isinstance(handle, _Parked):
-            self.parked -= handle.nbytes
-            return handle.part
         try:
-            return self.make_group(**self.spill.load(handle))
+            return handle.part if isinstance(handle, _Parked) else self.make_group(**self.spill.load(handle))
         finally:
             self.discard(handle)
 

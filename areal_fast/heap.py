@@ -19,12 +19,9 @@ does nothing. ``AREAL_FAST_HEAP_TRIM_S`` sets the period (seconds; ``0`` turns i
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import threading
 import time
-
-log = logging.getLogger(__name__)
 
 DEFAULT_PERIOD_S = 1.0
 ENV = "AREAL_FAST_HEAP_TRIM_S"

@@ -49,12 +49,13 @@ from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY
 MASK_ARRAY = "B"  # loss mask: one byte a token, 0 or 1
 COLUMN_KEY = "__array__"  # marks an encoded column in a checkpoint's JSON
 _OLD_LOGPROB_ARRAY = "d"  # float64 log-probs, as checkpoints before the float32 columns stored them
-_ITEMSIZE = {code: array(code).itemsize for code in (TOKEN_ARRAY, LOGPROB_ARRAY, MASK_ARRAY, _OLD_LOGPROB_ARRAY)}
+# bytes an item of each column typecode
+ITEMSIZE = {code: array(code).itemsize for code in (TOKEN_ARRAY, LOGPROB_ARRAY, MASK_ARRAY, _OLD_LOGPROB_ARRAY)}
 _BINARY = bytes((0, 1))
 _ZERO = b"\x00"
 _ONES = array(MASK_ARRAY, [1])
 
-__all__ = ["LOGPROB_ARRAY", "MASK_ARRAY", "TOKEN_ARRAY", "column", "decode_column", "encode_column",
+__all__ = ["ITEMSIZE", "LOGPROB_ARRAY", "MASK_ARRAY", "TOKEN_ARRAY", "column", "decode_column", "encode_column",
            "is_binary_mask", "json_default", "logprobs", "mask", "min_model_version", "tokens"]
 
 
@@ -155,8 +156,8 @@ def decode_column(obj, typecode: str, name: str) -> array:
         raw = base64.b64decode(obj["b64"], validate=True)
     except (KeyError, TypeError, binascii.Error) as e:
         raise ValueError(f"{name}: damaged column encoding ({e!r})") from None
-    if len(raw) % _ITEMSIZE[typecode]:
-        raise ValueError(f"{name}: {len(raw)} bytes is not a whole number of {_ITEMSIZE[typecode]}-byte items")
+    if len(raw) % ITEMSIZE[typecode]:
+        raise ValueError(f"{name}: {len(raw)} bytes is not a whole number of {ITEMSIZE[typecode]}-byte items")
     out = array(typecode)
     out.frombytes(raw)
     if sys.byteorder == "big":
