@@ -13,9 +13,10 @@ import os
 import random
 import struct
 from array import array
-from pathlib import Path
 
 import pytest
+from test_controller import Tok  # the controller tests' tokenizer fake
+from test_workflow import RecordingTrainer as Trainer  # keeps every sample it is given
 
 from areal_fast.buffer import GroupBuffer, column_bytes
 from areal_fast.config import RolloutConfig
@@ -167,16 +168,6 @@ class Prompts:
         return Row(pos)
 
 
-class Tok:
-    eos_token_id = 0
-
-    def encode(self, text):
-        return [1] + [ord(c) % 50 + 2 for c in text]
-
-    def decode(self, ids):
-        return "x" if ids and ids[-1] % 2 else "y"
-
-
 class Rollout:
     """Answers that are a pure function of the request (position, episode): lengths 1 to 300 tokens,
     awkward float32 log-probs; every token carries the servers' version."""
@@ -218,22 +209,6 @@ class Reward:
             status = "ok"
 
         return R()
-
-
-class Trainer:
-    def __init__(self):
-        self.samples: list[dict] = []
-
-    def train(self, samples):
-        self.samples += samples
-        return {}
-
-    def save(self, path: Path):
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "t.json").write_text("{}")
-
-    def load(self, path: Path):
-        pass
 
 
 def controller(tmp_path, *, bound_mb, eta=0, steps=4, B=3, n=2, strict=False, ckpt=0, trainer=None):
