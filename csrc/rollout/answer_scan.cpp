@@ -353,35 +353,51 @@ class Scanner {
     }
   }
 
-  // "[ int, int, ... ]" -> ids; the bytes between the brackets are cut from the rest.
-  void read_ids(std::vector<int32_t>& ids) {
-    if (!more() || *p_ != '[') throw Fail{"output_ids is not an array"};
+  // What a cut array's shape errors say (static strings: the decline reason).
+  struct ArrayReasons {
+    const char* not_array;
+    const char* truncated;
+    const char* separator;
+  };
+
+  // "[ elem, elem, ... ]", each element read by read_elem() (which starts at its first byte); the
+  // bytes between the brackets are cut from the rest.
+  template <class ReadElem>
+  void read_cut_array(const ArrayReasons& r, ReadElem read_elem) {
+    if (!more() || *p_ != '[') throw Fail{r.not_array};
     ++p_;
     const char* cut_from = p_;
     ws();
     if (more() && *p_ == ']') {
       ++p_;
     } else {
-      // ~6 bytes a token in real answers ("12345,"): reserve once, not per push.
-      ids.reserve(static_cast<std::size_t>(end_ - p_) / 8 + 1);
       for (;;) {
         ws();
-        if (!more()) throw Fail{"truncated output_ids"};
-        const char c = *p_;
-        if (c != '-' && (c < '0' || c > '9')) throw Fail{"an output id is not a number"};
-        const Number n = number();
-        if (!n.integer) throw Fail{"an output id is not an integer"};
-        const int64_t v = to_int64(n);
-        if (v < INT32_MIN || v > INT32_MAX) throw Fail{"an output id is outside int32"};
-        ids.push_back(static_cast<int32_t>(v));
+        read_elem();
         ws();
-        if (!more()) throw Fail{"truncated output_ids"};
+        if (!more()) throw Fail{r.truncated};
         if (*p_ == ',') { ++p_; continue; }
         if (*p_ == ']') { ++p_; break; }
-        throw Fail{"expected , or ] in output_ids"};
+        throw Fail{r.separator};
       }
     }
     cuts_[n_cuts_++] = {cut_from, p_ - 1};
+  }
+
+  // "[ int, int, ... ]" -> ids.
+  void read_ids(std::vector<int32_t>& ids) {
+    // ~6 bytes a token in real answers ("12345,"): reserve once, not per push.
+    ids.reserve(static_cast<std::size_t>(end_ - p_) / 8 + 1);
+    read_cut_array({"output_ids is not an array", "truncated output_ids", "expected , or ] in output_ids"}, [&] {
+      if (!more()) throw Fail{"truncated output_ids"};
+      const char c = *p_;
+      if (c != '-' && (c < '0' || c > '9')) throw Fail{"an output id is not a number"};
+      const Number n = number();
+      if (!n.integer) throw Fail{"an output id is not an integer"};
+      const int64_t v = to_int64(n);
+      if (v < INT32_MIN || v > INT32_MAX) throw Fail{"an output id is outside int32"};
+      ids.push_back(static_cast<int32_t>(v));
+    });
   }
 
   void read_meta(std::vector<float>& lps) {
@@ -417,41 +433,27 @@ class Scanner {
 
   // "[ [lp, id, ...], ... ]" -> element 0 of each entry; the other elements are only checked.
   void read_logprobs(std::vector<float>& lps) {
-    if (!more() || *p_ != '[') throw Fail{"output_token_logprobs is neither an array nor null"};
-    ++p_;
-    const char* cut_from = p_;
-    ws();
-    if (more() && *p_ == ']') {
+    // ~30 bytes an entry in real answers ("[-0.0123456789,12345,null],").
+    lps.reserve(static_cast<std::size_t>(end_ - p_) / 24 + 1);
+    read_cut_array({"output_token_logprobs is neither an array nor null", "truncated output_token_logprobs",
+                    "expected , or ] in output_token_logprobs"}, [&] {
+      if (!more() || *p_ != '[') throw Fail{"a log-prob entry is not an array"};
       ++p_;
-    } else {
-      // ~30 bytes an entry in real answers ("[-0.0123456789,12345,null],").
-      lps.reserve(static_cast<std::size_t>(end_ - p_) / 24 + 1);
+      ws();
+      if (!more()) throw Fail{"truncated log-prob entry"};
+      const char c = *p_;
+      if (c != '-' && (c < '0' || c > '9')) throw Fail{"a log-prob is not a number"};
+      lps.push_back(to_float(number()));
       for (;;) {
         ws();
-        if (!more() || *p_ != '[') throw Fail{"a log-prob entry is not an array"};
+        if (!more()) throw Fail{"truncated log-prob entry"};
+        if (*p_ == ']') { ++p_; break; }
+        if (*p_ != ',') throw Fail{"expected , or ] in a log-prob entry"};
         ++p_;
         ws();
-        if (!more()) throw Fail{"truncated log-prob entry"};
-        const char c = *p_;
-        if (c != '-' && (c < '0' || c > '9')) throw Fail{"a log-prob is not a number"};
-        lps.push_back(to_float(number()));
-        for (;;) {
-          ws();
-          if (!more()) throw Fail{"truncated log-prob entry"};
-          if (*p_ == ']') { ++p_; break; }
-          if (*p_ != ',') throw Fail{"expected , or ] in a log-prob entry"};
-          ++p_;
-          ws();
-          skip_value(4, true);
-        }
-        ws();
-        if (!more()) throw Fail{"truncated output_token_logprobs"};
-        if (*p_ == ',') { ++p_; continue; }
-        if (*p_ == ']') { ++p_; break; }
-        throw Fail{"expected , or ] in output_token_logprobs"};
+        skip_value(4, true);
       }
-    }
-    cuts_[n_cuts_++] = {cut_from, p_ - 1};
+    });
   }
 };
 
