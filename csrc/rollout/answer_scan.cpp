@@ -40,37 +40,21 @@ class Scanner {
 
   void run(AnswerScan& out) {
     ws();
-    if (!more() || *p_ != '{') throw Fail{"top level is not an object"};
-    ++p_;
     bool seen_ids = false, seen_meta = false;
-    ws();
-    if (more() && *p_ == '}') {
-      ++p_;
-    } else {
-      for (;;) {
-        ws();
-        std::string_view key = key_string();
-        ws();
-        expect(':');
-        ws();
-        if (key == "output_ids") {
-          if (seen_ids) throw Fail{"duplicate key output_ids"};
-          seen_ids = true;
-          read_ids(out.ids);
-        } else if (key == "meta_info") {
-          if (seen_meta) throw Fail{"duplicate key meta_info"};
-          seen_meta = true;
-          read_meta(out.logprobs);
-        } else {
-          skip_value(1, false);
-        }
-        ws();
-        if (!more()) throw Fail{"truncated"};
-        if (*p_ == ',') { ++p_; continue; }
-        if (*p_ == '}') { ++p_; break; }
-        throw Fail{"expected , or } in the top-level object"};
-      }
-    }
+    walk_object({"top level is not an object", "truncated", "expected , or } in the top-level object"},
+                [&](std::string_view key) {
+                  if (key == "output_ids") {
+                    if (seen_ids) throw Fail{"duplicate key output_ids"};
+                    seen_ids = true;
+                    read_ids(out.ids);
+                  } else if (key == "meta_info") {
+                    if (seen_meta) throw Fail{"duplicate key meta_info"};
+                    seen_meta = true;
+                    read_meta(out.logprobs);
+                  } else {
+                    skip_value(1, false);
+                  }
+                });
     ws();
     if (more()) throw Fail{"bytes after the top-level object"};
     if (!seen_ids) throw Fail{"no output_ids"};
@@ -305,39 +289,20 @@ class Scanner {
       case 'n': literal("null", 4); return;
       case 't': literal("true", 4); return;
       case 'f': literal("false", 5); return;
-      case '[': {
-        ++p_;
-        ws();
-        if (more() && *p_ == ']') { ++p_; return; }
-        for (;;) {
-          ws();
-          skip_value(depth + 1, removed);
-          ws();
-          if (!more()) throw Fail{"truncated array"};
-          if (*p_ == ',') { ++p_; continue; }
-          if (*p_ == ']') { ++p_; return; }
-          throw Fail{"expected , or ] in an array"};
-        }
-      }
-      case '{': {
-        ++p_;
-        ws();
-        if (more() && *p_ == '}') { ++p_; return; }
-        for (;;) {
-          ws();
+      case '[':
+        walk('[', ']', {"invalid JSON", "truncated array", "expected , or ] in an array"},
+             [&] { skip_value(depth + 1, removed); });
+        return;
+      case '{':
+        walk('{', '}', {"invalid JSON", "truncated object", "expected , or } in an object"}, [&] {
           if (!more() || *p_ != '"') throw Fail{"invalid JSON (expected a key)"};
           string(removed);
           ws();
           expect(':');
           ws();
           skip_value(depth + 1, removed);
-          ws();
-          if (!more()) throw Fail{"truncated object"};
-          if (*p_ == ',') { ++p_; continue; }
-          if (*p_ == '}') { ++p_; return; }
-          throw Fail{"expected , or } in an object"};
-        }
-      }
+        });
+        return;
       default: {
         const Number n = number();
         // Inside a cut array orjson never sees this number: refuse what it might reject
@@ -353,35 +318,53 @@ class Scanner {
     }
   }
 
-  // What a cut array's shape errors say (static strings: the decline reason).
-  struct ArrayReasons {
-    const char* not_array;
+  // What a bracketed value's shape errors say (static strings: the decline reason).
+  struct Reasons {
+    const char* not_open;
     const char* truncated;
     const char* separator;
   };
 
-  // "[ elem, elem, ... ]", each element read by read_elem() (which starts at its first byte); the
-  // bytes between the brackets are cut from the rest.
+  // open elem , elem ... close (or open close), each element read by read_elem() from its first
+  // byte; returns where the contents start (after the opening bracket).
   template <class ReadElem>
-  void read_cut_array(const ArrayReasons& r, ReadElem read_elem) {
-    if (!more() || *p_ != '[') throw Fail{r.not_array};
+  const char* walk(char open, char close, const Reasons& r, ReadElem read_elem) {
+    if (!more() || *p_ != open) throw Fail{r.not_open};
     ++p_;
-    const char* cut_from = p_;
+    const char* inside = p_;
     ws();
-    if (more() && *p_ == ']') {
+    if (more() && *p_ == close) {
       ++p_;
-    } else {
-      for (;;) {
-        ws();
-        read_elem();
-        ws();
-        if (!more()) throw Fail{r.truncated};
-        if (*p_ == ',') { ++p_; continue; }
-        if (*p_ == ']') { ++p_; break; }
-        throw Fail{r.separator};
-      }
+      return inside;
     }
-    cuts_[n_cuts_++] = {cut_from, p_ - 1};
+    for (;;) {
+      ws();
+      read_elem();
+      ws();
+      if (!more()) throw Fail{r.truncated};
+      if (*p_ == ',') { ++p_; continue; }
+      if (*p_ == close) { ++p_; return inside; }
+      throw Fail{r.separator};
+    }
+  }
+
+  // { "key": value, ... } with each value read by on_value(key) from its first byte.
+  template <class OnValue>
+  void walk_object(const Reasons& r, OnValue on_value) {
+    walk('{', '}', r, [&] {
+      std::string_view key = key_string();
+      ws();
+      expect(':');
+      ws();
+      on_value(key);
+    });
+  }
+
+  // An array read by walk() whose contents (between the brackets) are cut from the rest.
+  template <class ReadElem>
+  void read_cut_array(const Reasons& r, ReadElem read_elem) {
+    const char* from = walk('[', ']', r, read_elem);
+    cuts_[n_cuts_++] = {from, p_ - 1};
   }
 
   // "[ int, int, ... ]" -> ids.
@@ -401,34 +384,21 @@ class Scanner {
   }
 
   void read_meta(std::vector<float>& lps) {
-    if (!more() || *p_ != '{') throw Fail{"meta_info is not an object"};
-    ++p_;
-    ws();
-    if (more() && *p_ == '}') { ++p_; return; }
     bool seen = false;
-    for (;;) {
-      ws();
-      std::string_view key = key_string();
-      ws();
-      expect(':');
-      ws();
-      if (key == "output_token_logprobs") {
-        if (seen) throw Fail{"duplicate key output_token_logprobs"};
-        seen = true;
-        if (more() && *p_ == 'n') {
-          literal("null", 4);  // the reference reads null as no log-probs
-        } else {
-          read_logprobs(lps);
-        }
-      } else {
-        skip_value(2, false);
-      }
-      ws();
-      if (!more()) throw Fail{"truncated meta_info"};
-      if (*p_ == ',') { ++p_; continue; }
-      if (*p_ == '}') { ++p_; return; }
-      throw Fail{"expected , or } in meta_info"};
-    }
+    walk_object({"meta_info is not an object", "truncated meta_info", "expected , or } in meta_info"},
+                [&](std::string_view key) {
+                  if (key != "output_token_logprobs") {
+                    skip_value(2, false);
+                    return;
+                  }
+                  if (seen) throw Fail{"duplicate key output_token_logprobs"};
+                  seen = true;
+                  if (more() && *p_ == 'n') {
+                    literal("null", 4);  // the reference reads null as no log-probs
+                  } else {
+                    read_logprobs(lps);
+                  }
+                });
   }
 
   // "[ [lp, id, ...], ... ]" -> element 0 of each entry; the other elements are only checked.
