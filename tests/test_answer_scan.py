@@ -9,7 +9,6 @@ import json
 import random
 import struct
 
-import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,6 +16,13 @@ from hypothesis import strategies as st
 from areal_fast import _C
 from areal_fast.rollout import answer
 from areal_fast.rollout.answer import AnswerError, _parse_native, _parse_reference, parse_generate
+
+
+def _orjson():
+    """orjson (SGLang's own encoder: its exact bytes are what the scanner must read), or skip the
+    test: an optional package (the rollout extra) is never needed to collect this module."""
+    return pytest.importorskip("orjson")
+
 
 WHERE = "http://s0 rid=r"
 
@@ -74,7 +80,7 @@ def test_the_scanner_is_built_and_used():
     assert hasattr(_C, "scan_generate_answer") and answer._scan is _C.scan_generate_answer
     answer.FALLBACKS.clear()
     for n in (0, 1, 100):
-        raw = orjson.dumps(sglang_answer(n, seed=n, spans=True))
+        raw = _orjson().dumps(sglang_answer(n, seed=n, spans=True))
         same(parse_generate(raw, WHERE), _parse_reference(raw, WHERE))
     assert answer.FALLBACKS == {}
 
@@ -82,7 +88,7 @@ def test_the_scanner_is_built_and_used():
 @pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
 def test_real_shapes_every_buffer_kind(kind):
     for n, spans in ((0, False), (1, True), (7, False), (4000, True)):
-        raw = orjson.dumps(sglang_answer(n, seed=n, spans=spans))
+        raw = _orjson().dumps(sglang_answer(n, seed=n, spans=spans))
         same(native_handles(kind(raw)), _parse_reference(raw, WHERE))
         # the standard library's spacing ("key": value, ", ") too
         raw = json.dumps(sglang_answer(n, seed=n + 1, spans=spans)).encode()
@@ -90,7 +96,7 @@ def test_real_shapes_every_buffer_kind(kind):
 
 
 def test_other_inputs_go_to_the_reference():
-    raw = orjson.dumps(sglang_answer(3, seed=4))
+    raw = _orjson().dumps(sglang_answer(3, seed=4))
     strided = memoryview(raw + raw)[::2]  # not contiguous: the scanner declines, never copies
     assert _C.scan_generate_answer(strided) == "not a contiguous buffer"
     check_either(strided)
@@ -111,10 +117,10 @@ def test_forced_reference(monkeypatch):
 
 def test_the_rest_keeps_everything_but_the_two_arrays():
     ans = sglang_answer(5, seed=3)
-    ids, lps, rest = _C.scan_generate_answer(orjson.dumps(ans))
+    ids, lps, rest = _C.scan_generate_answer(_orjson().dumps(ans))
     ans["output_ids"] = []
     ans["meta_info"]["output_token_logprobs"] = []
-    assert orjson.loads(rest) == ans
+    assert _orjson().loads(rest) == ans
     assert struct.unpack("5i", ids) == tuple(sglang_answer(5, seed=3)["output_ids"])
     assert len(lps) == 5 * 4
 
@@ -213,7 +219,7 @@ def test_token_texts_in_entries_are_read_natively():
 
 
 def test_truncated_at_every_offset_is_never_a_wrong_answer():
-    raw = orjson.dumps(sglang_answer(6, seed=9, spans=True)) + b" "
+    raw = _orjson().dumps(sglang_answer(6, seed=9, spans=True)) + b" "
     full = _C.scan_generate_answer(raw)
     assert isinstance(full, tuple)
     for cut in range(len(raw) - 1):
@@ -225,7 +231,7 @@ def test_truncated_at_every_offset_is_never_a_wrong_answer():
 
 def test_random_bytes_never_crash():
     rng = random.Random(1)
-    base = orjson.dumps(sglang_answer(4, seed=2))
+    base = _orjson().dumps(sglang_answer(4, seed=2))
     for _ in range(3000):
         b = bytearray(base)
         for _ in range(rng.randrange(1, 4)):
