@@ -60,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -69,7 +70,7 @@ import time
 from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -130,8 +131,9 @@ class TrainerPort(Protocol):
     # as arrays (Group.samples)
     def train(self, samples: list[dict]) -> dict: ...
     def save(self, path: Path) -> None: ...
-    def check(self, path: Path) -> None: ...  # optional: raise if the checkpoint at path cannot be loaded
-    def load(self, path: Path) -> None: ...
+    # optional: raise if the checkpoint at path cannot be loaded; may return the trainer version it holds
+    def check(self, path: Path) -> int | None: ...
+    def load(self, path: Path) -> None: ...  # raises CorruptCheckpoint for a damaged file
 
 
 class SyncPort(Protocol):
@@ -639,21 +641,41 @@ class Controller:
         """Restore the trainer and this controller from the checkpoint at ``path``.
 
         Raises :class:`ResumeMismatch` when the checkpoint was written with another ``resume_key``,
-        :class:`CorruptCheckpoint` when it cannot be read (nothing is loaded then)."""
+        :class:`CorruptCheckpoint` when it cannot be read or does not agree with itself (the trainer's
+        version against controller.json's, the data position against what it accounts for), or when
+        the trainer's load fails on a damaged file; the controller's state is loaded last."""
         st = read_state(path)
         self.check_resume_key(st, path)
         # the buffered groups first: a damaged one makes the checkpoint corrupt, found before any load
-        st = {**st, "buffer": self._read_buffer(st, path)}
-        check = getattr(self.trainer, "check", None)  # optional: a trainer without it is trusted
+        buf = self._read_buffer(st, path)
         try:
-            if check is not None:
-                check(path / "trainer")
-        except Exception as e:  # noqa: BLE001 - whatever the trainer's reader raised, named with the path
-            raise CorruptCheckpoint(f"checkpoint {path}: trainer state unreadable: {e!r}") from e
-        self.trainer.load(path / "trainer")
-        self.load_state_dict(st)
+            self._check_consistent(st, len(buf), path)
+            check = getattr(self.trainer, "check", None)  # optional: a trainer without it is trusted
+            try:
+                trainer_version = check(path / "trainer") if check is not None else None
+            except Exception as e:  # noqa: BLE001 - whatever the trainer's reader raised, named with the path
+                raise CorruptCheckpoint(f"checkpoint {path}: trainer state unreadable: {e!r}") from e
+            if trainer_version is not None and trainer_version != st["version"]:
+                raise CorruptCheckpoint(f"checkpoint {path}: {STATE_FILE} says version {st['version']}, the "
+                                        f"trainer state in it version {trainer_version!r}")
+            self.trainer.load(path / "trainer")  # a damaged shard raises CorruptCheckpoint (TrainerPort)
+        except BaseException:
+            buf.close()
+            raise
+        self.load_state_dict({**st, "buffer": buf})
         log.info("resumed from %s: version %d, position %d, %d buffered, %d to regenerate", path,
                  self.version, self.position, len(self.buffer), len(self.requeue))
+
+    def _check_consistent(self, st: dict, n_buffered: int, path: Path) -> None:
+        """Every trained, buffered and pending group has its own position below ``position``: a
+        controller.json whose position is smaller than what it accounts for (an edited or mixed-up
+        file) would hand out positions again, training prompts twice."""
+        accounted = st["version"] * self.s.batch_size + n_buffered + len(st["pending"])
+        if st["position"] < accounted:
+            raise CorruptCheckpoint(
+                f"checkpoint {path}: {STATE_FILE} says position {st['position']}, but its version {st['version']} "
+                f"x batch size {self.s.batch_size} + {n_buffered} buffered + {len(st['pending'])} pending groups "
+                f"need {accounted} positions")
 
     def _read_buffer(self, st: dict, path: Path) -> GroupBuffer:
         """The checkpoint's buffered groups in a new buffer (spilling past the bound as they are
@@ -669,7 +691,11 @@ class Controller:
 
     def restore_newest(self) -> Path | None:
         """Restore from the newest readable checkpoint (None when there is none). An unreadable one
-        is moved aside to ``<name>.corrupt`` with a warning naming it, and the previous is tried."""
+        is moved aside to ``<name>.corrupt`` with a warning naming it, and the previous is tried.
+        When checkpoints exist (or were moved aside before) and none is readable, this raises
+        :class:`CorruptCheckpoint`: starting again at step 0 is the user's decision
+        (``experiment.resume=false``), never a silent one."""
+        tried = []
         for path in reversed(list_checkpoints(self.ckpt_dir)):
             try:
                 self.restore(path)
@@ -678,7 +704,15 @@ class Controller:
                 aside = path.with_name(path.name + ".corrupt")
                 shutil.rmtree(aside, ignore_errors=True)
                 os.rename(path, aside)
+                tried.append(aside)
                 log.warning("%s; moved it to %s and falling back to the previous checkpoint", e, aside)
+        corrupt = sorted(self.ckpt_dir.glob("step_*.corrupt")) if self.ckpt_dir.is_dir() else []
+        if corrupt:
+            raise CorruptCheckpoint(
+                f"no readable checkpoint in {self.ckpt_dir}: {', '.join(p.name for p in corrupt)} could not be "
+                f"read (moved aside; the reasons are in the log). Refusing to start again at step 0 silently: "
+                f"restore a checkpoint by renaming it back to step_N, or start over with "
+                f"experiment.resume=false (the previous run is moved aside, nothing is deleted)")
         return None
 
     def check_resume_key(self, st: dict, path: Path) -> None:
@@ -813,17 +847,83 @@ def _means(infos: list[dict]) -> dict:
 
 
 def read_state(path: Path) -> dict:
-    """The controller state of the checkpoint at ``path``; CorruptCheckpoint names the file otherwise."""
+    """The controller state of the checkpoint at ``path``, every entry checked (types, ranges, no
+    unknown entry: :func:`check_state`); CorruptCheckpoint names the file and the entry otherwise."""
     f = path / STATE_FILE
     try:
         st = json.loads(f.read_text())
-        for key in ("version", "position", "pending", "counters"):
-            st[key]  # noqa: B018 - a missing key is a corrupt file
-        if "buffer_file" not in st:  # checkpoints before buffer.bin held the groups in this file
-            st["buffer"]  # noqa: B018
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        check_state(st)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise CorruptCheckpoint(f"checkpoint {path}: {f.name} unreadable: {e!r}") from e
     return st
+
+
+def _is_int(v, low: int = 0) -> bool:
+    return type(v) is int and v >= low
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_count_map(name: str, d) -> None:
+    if not isinstance(d, dict) or not all(isinstance(k, str) and _is_int(v) for k, v in d.items()):
+        raise ValueError(f"{name}: expected a mapping of names to counts >= 0, got {d!r:.200}")
+
+
+_COUNTER_FIELDS = {f.name: f.type for f in fields(Counters)}
+_STATE_ENTRIES = ("version", "position", "pending", "counters", "elapsed", "timers", "eval_history", "resume_key",
+                  "buffer_file", "buffer")
+
+
+def check_state(st) -> None:
+    """Raise ValueError naming the entry when ``st`` (a parsed controller.json) is not a controller
+    state as :meth:`Controller.state_dict` and ``_write_checkpoint`` write it: required entries
+    present, counts integers >= 0 (never booleans), pending positions distinct and below
+    ``position``, the buffer file named ``buffer.bin`` in the checkpoint, no unknown entry. Older
+    checkpoints (groups in controller.json, fewer counters) pass."""
+    if not isinstance(st, dict):
+        raise ValueError(f"expected a JSON object, got {type(st).__name__}")
+    unknown = sorted(set(st) - set(_STATE_ENTRIES))
+    if unknown:
+        raise ValueError(f"unknown entries {unknown}")
+    for key in ("version", "position"):
+        if not _is_int(st[key]):
+            raise ValueError(f"{key}: expected an integer >= 0, got {st[key]!r:.100}")
+    pending = st["pending"]
+    if not isinstance(pending, list) or not all(_is_int(p) for p in pending):
+        raise ValueError(f"pending: expected a list of positions >= 0, got {pending!r:.200}")
+    if len(set(pending)) != len(pending) or any(p >= st["position"] for p in pending):
+        raise ValueError(f"pending: positions must be distinct and below position {st['position']}, got "
+                         f"{pending!r:.200}")
+    counters = st["counters"]
+    if not isinstance(counters, dict) or set(counters) - set(_COUNTER_FIELDS):
+        raise ValueError(f"counters: expected a mapping of {sorted(_COUNTER_FIELDS)}, got {counters!r:.200}")
+    for k, v in counters.items():
+        if _COUNTER_FIELDS[k] == "dict":
+            _check_count_map(f"counters.{k}", v)
+        elif not _is_int(v):
+            raise ValueError(f"counters.{k}: expected an integer >= 0, got {v!r:.100}")
+    if "elapsed" in st and not (_is_number(st["elapsed"]) and st["elapsed"] >= 0):
+        raise ValueError(f"elapsed: expected a number of seconds >= 0, got {st['elapsed']!r:.100}")
+    timers = st.get("timers", {})
+    if not isinstance(timers, dict) or not all(isinstance(k, str) and _is_number(v) for k, v in timers.items()):
+        raise ValueError(f"timers: expected a mapping of names to seconds, got {timers!r:.200}")
+    evals = st.get("eval_history", [])
+    if not isinstance(evals, list) or not all(isinstance(e, dict) for e in evals):
+        raise ValueError(f"eval_history: expected a list of objects, got {evals!r:.200}")
+    if st.get("resume_key") is not None and not isinstance(st["resume_key"], dict):
+        raise ValueError(f"resume_key: expected an object, got {st['resume_key']!r:.200}")
+    ref = st.get("buffer_file")
+    if ref is None:  # checkpoints before buffer.bin held the groups in this file
+        if not isinstance(st["buffer"], list):
+            raise ValueError(f"buffer: expected a list of groups, got {type(st['buffer']).__name__}")
+    elif not (isinstance(ref, dict) and set(ref) == {"name", "groups", "bytes"} and ref["name"] == BUFFER_FILE
+              and _is_int(ref["groups"]) and _is_int(ref["bytes"])):
+        raise ValueError(f"buffer_file: expected {{'name': {BUFFER_FILE!r}, 'groups': N, 'bytes': N}}, "
+                         f"got {ref!r:.200}")
+    elif "buffer" in st:
+        raise ValueError("buffer: not expected beside buffer_file")
 
 
 def checkpoint_groups(path: Path, st: dict | None = None) -> Iterator[Group]:

@@ -88,3 +88,75 @@ def test_damaged_shard_raises_an_error_naming_the_checkpoint(saved, tmp_path):
     shard.write_bytes(shard.read_bytes()[:64])
     with pytest.raises(CheckpointError, match=str(copy).replace(".", r"\.")):
         load_checkpoint(actor, str(copy))
+
+
+# ----------------------------------------------------------------------------- issue 32: M4, L10
+
+
+def _copy(saved, tmp_path):
+    import shutil
+
+    copy = tmp_path / "step1"
+    shutil.copytree(saved[1], copy)
+    return copy
+
+
+def test_a_truncated_shard_is_found_by_the_check_and_its_load_is_a_corrupt_checkpoint(saved, tmp_path):
+    """The controller moves a checkpoint aside on CorruptCheckpoint from check or load: a truncated
+    DCP shard must raise it from both (the check reads no tensor: it compares the shard lengths
+    with the metadata), and the actor keeps its weights usable for the previous checkpoint."""
+    from areal_fast.controller import CorruptCheckpoint
+    from areal_fast.launch.runtime import ActorTrainer
+
+    actor = saved[0]
+    trainer = ActorTrainer(actor)
+    assert trainer.check(saved[1]) == 1  # a good checkpoint: its version
+    copy = _copy(saved, tmp_path)
+    shard = next(p for p in copy.iterdir() if p.name.startswith("__0_"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=f"{shard.name}.*truncated"):
+        trainer.check(copy)
+    with pytest.raises(CorruptCheckpoint, match=str(copy).replace(".", r"\.")):
+        trainer.load(copy)
+    trainer.load(saved[1])  # the previous good one loads after the failed attempt
+    assert actor.version == 1
+
+
+def test_a_shard_name_in_the_metadata_cannot_point_outside_the_checkpoint(saved, tmp_path):
+    import pickle
+
+    copy = _copy(saved, tmp_path)
+    md = pickle.loads((copy / ".metadata").read_bytes())
+    info = next(iter(md.storage_data.values()))
+    info.relative_path = "../../outside.distcp"
+    (copy / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        ckpt.verify_checkpoint(str(copy))
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # what an edited trainer_state.pt could do at resume
+
+
+def test_trainer_state_is_read_without_running_code(saved, tmp_path):
+    copy = _copy(saved, tmp_path)
+    marker = tmp_path / "code_ran"
+    extra = torch.load(copy / "trainer_state.pt", weights_only=True)
+    torch.save({**extra, "scheduler": _RunsCode(str(marker))}, copy / "trainer_state.pt")
+    with pytest.raises(CheckpointError, match="trainer_state.pt"):
+        read_trainer_state(str(copy))
+    assert not marker.exists(), "loading the trainer state ran code from the file"
+    assert read_trainer_state(str(saved[1]))["version"] == 1  # a real one reads with weights_only=True
+
+
+@pytest.mark.parametrize("edit", [{"version": "1"}, {"version": -1}, {"rng_cpu": [1, 2]}, {"unknown": 1}])
+def test_a_wrongly_typed_trainer_state_is_a_damaged_checkpoint(saved, tmp_path, edit):
+    copy = _copy(saved, tmp_path)
+    extra = torch.load(copy / "trainer_state.pt", weights_only=True)
+    torch.save({**extra, **edit}, copy / "trainer_state.pt")
+    with pytest.raises(CheckpointError, match="not a trainer state"):
+        read_trainer_state(str(copy))

@@ -116,22 +116,26 @@ class ActorTrainer:
         self._announce("save", str(path))
         save_checkpoint(self.actor, str(path))
 
-    def check(self, path: Path) -> None:
+    def check(self, path: Path) -> int:
         """Raise if the trainer checkpoint at ``path`` cannot be read (rank 0 only, before the
-        collective load is announced, so a corrupt checkpoint never reaches the other ranks)."""
-        import torch
-        from torch.distributed.checkpoint import FileSystemReader
+        collective load is announced, so a corrupt checkpoint never reaches the other ranks): its
+        state file (read without running code), its DCP metadata and the length of every shard.
+        Returns the trainer version it holds (the controller compares it with its own)."""
+        from areal_fast.trainer.checkpoint import verify_checkpoint
 
-        from areal_fast.trainer.checkpoint import _STATE_FILE
-
-        torch.load(Path(path) / _STATE_FILE, weights_only=False, map_location="cpu")
-        FileSystemReader(str(path)).read_metadata()
+        return verify_checkpoint(str(path))["version"]
 
     def load(self, path: Path) -> None:
-        from areal_fast.trainer import load_checkpoint
+        """Load the checkpoint on every rank; a damaged file is a :class:`CorruptCheckpoint` (the
+        controller moves the checkpoint aside and tries the previous one, the followers wait)."""
+        from areal_fast.controller import CorruptCheckpoint
+        from areal_fast.trainer import CheckpointError, load_checkpoint
 
         self._announce("load", str(path))
-        load_checkpoint(self.actor, str(path))
+        try:
+            load_checkpoint(self.actor, str(path))
+        except CheckpointError as e:
+            raise CorruptCheckpoint(str(e)) from e
 
     def full_state_dict(self) -> dict:
         self._announce("state")
@@ -151,7 +155,7 @@ def follower_loop(actor) -> None:
     """Ranks > 0: execute rank 0's announced trainer calls until 'stop' (or rank 0 vanishes)."""
     import torch.distributed as dist
 
-    from areal_fast.trainer import export_hf, load_checkpoint, save_checkpoint
+    from areal_fast.trainer import CheckpointError, export_hf, load_checkpoint, save_checkpoint
 
     syncs: dict = {}
     while True:
@@ -163,7 +167,10 @@ def follower_loop(actor) -> None:
         elif op == "save":
             save_checkpoint(actor, arg)
         elif op == "load":
-            load_checkpoint(actor, arg)
+            try:
+                load_checkpoint(actor, arg)
+            except CheckpointError as e:  # rank 0 got it too (DCP's load is collective): it falls back
+                log.warning("follower: checkpoint %s not loaded (%s); waiting for rank 0", arg, e)
         elif op == "state":
             actor.full_state_dict()
         elif op == "export":

@@ -10,6 +10,11 @@ Durability: when :func:`save_checkpoint` returns, every file it wrote is on disk
 fsyncs its own DCP shard, rank 0 the metadata; ``trainer_state.pt`` is written to a temporary
 name, fsynced, renamed, and the directory fsynced), so a caller may mark the checkpoint complete
 right after. A damaged checkpoint raises :class:`CheckpointError` naming the file.
+
+Reading is not executing: ``trainer_state.pt`` is read with ``torch.load(weights_only=True)`` (its
+entries are ints, tensors, None and the LR scheduler's plain state dict), and
+:func:`verify_checkpoint` checks, without loading a tensor, that every DCP shard the metadata names
+is present and long enough, so a truncated shard is found before the collective load starts.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 _STATE_FILE = "trainer_state.pt"
 _METADATA_FILE = ".metadata"
 _STATE_KEYS = ("version", "scheduler", "rng_cpu", "rng_cuda")
+_OPTIONAL_STATE_KEYS = ("world_size",)
 
 
 class CheckpointError(RuntimeError):
@@ -85,7 +91,8 @@ def save_checkpoint(actor, path: str) -> None:
 
 def read_trainer_state(path: str) -> dict:
     """The small ``trainer_state.pt`` of checkpoint ``path`` (no model needed): a cheap check that a
-    checkpoint is readable before choosing it. Raises :class:`CheckpointError` naming the file."""
+    checkpoint is readable before choosing it. Read with ``weights_only=True`` (an edited file cannot
+    run code), every entry type-checked. Raises :class:`CheckpointError` naming the file."""
     state_file = os.path.join(path, _STATE_FILE)
     if not os.path.isfile(state_file):
         raise CheckpointError(f"{state_file}: missing; {path!r} is not a complete trainer checkpoint")
@@ -93,11 +100,68 @@ def read_trainer_state(path: str) -> dict:
         raise CheckpointError(f"{os.path.join(path, _METADATA_FILE)}: missing; the model/optimizer state of "
                               f"{path!r} was not written completely")
     try:
-        extra = torch.load(state_file, weights_only=False)
-    except Exception as e:  # truncated or garbage: EOFError, UnpicklingError, RuntimeError (zip)...
-        raise CheckpointError(f"{state_file}: cannot be read ({type(e).__name__}: {e}); the file is damaged") from e
+        extra = torch.load(state_file, weights_only=True, map_location="cpu")
+    except Exception as e:  # truncated, garbage or a forbidden global: EOFError, UnpicklingError, RuntimeError...
+        raise CheckpointError(f"{state_file}: cannot be read ({type(e).__name__}: {str(e)[:300]}); the file is "
+                              f"damaged") from e
+    problem = _trainer_state_problem(extra)
+    if problem:
+        raise CheckpointError(f"{state_file}: not a trainer state ({problem})")
+    return extra
+
+
+def _trainer_state_problem(extra) -> str | None:
+    """What is wrong with a loaded ``trainer_state.pt`` (None: nothing)."""
     if not isinstance(extra, dict) or any(k not in extra for k in _STATE_KEYS):
-        raise CheckpointError(f"{state_file}: not a trainer state (expected the keys {list(_STATE_KEYS)})")
+        return f"expected the keys {list(_STATE_KEYS)}"
+    unknown = sorted(set(extra) - set(_STATE_KEYS) - set(_OPTIONAL_STATE_KEYS))
+    if unknown:
+        return f"unknown entries {unknown}"
+    v = extra["version"]
+    if type(v) is not int or v < 0:
+        return f"version must be an integer >= 0, got {v!r}"
+    ws = extra.get("world_size", 1)
+    if type(ws) is not int or ws < 1:
+        return f"world_size must be an integer >= 1, got {ws!r}"
+    if not isinstance(extra["scheduler"], dict):
+        return f"scheduler must be a dict, got {type(extra['scheduler']).__name__}"
+    if not (isinstance(extra["rng_cpu"], torch.Tensor) and extra["rng_cpu"].dtype == torch.uint8):
+        return "rng_cpu must be a uint8 tensor"
+    if extra["rng_cuda"] is not None and not (isinstance(extra["rng_cuda"], torch.Tensor)
+                                              and extra["rng_cuda"].dtype == torch.uint8):
+        return "rng_cuda must be a uint8 tensor or None"
+    return None
+
+
+def verify_checkpoint(path: str) -> dict:
+    """Check checkpoint ``path`` without loading a tensor: :func:`read_trainer_state`, the DCP
+    metadata, and every shard file it names present and at least as long as the bytes it names
+    there (a truncated shard). Returns the trainer state; raises :class:`CheckpointError`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    extra = read_trainer_state(path)
+    try:
+        storage = FileSystemReader(path).read_metadata().storage_data
+        need: dict[str, int] = {}
+        for info in storage.values():
+            rel = str(info.relative_path)
+            if os.path.basename(rel) != rel or rel in ("", ".", ".."):  # a shard lives in the checkpoint
+                raise ValueError(f"shard name {rel!r} points outside the checkpoint")
+            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - pickle, attribute and type errors of a damaged file alike
+        raise CheckpointError(f"{os.path.join(path, _METADATA_FILE)}: cannot be read ({type(e).__name__}: "
+                              f"{str(e)[:300]}); the file is damaged") from e
+    for rel, nbytes in sorted(need.items()):
+        shard = os.path.join(path, rel)
+        try:
+            size = os.stat(shard).st_size
+        except OSError as e:
+            raise CheckpointError(f"{shard}: missing ({e.strerror}); the model/optimizer state of {path!r} is "
+                                  f"incomplete") from e
+        if size < nbytes:
+            raise CheckpointError(f"{shard}: {size} bytes, the metadata names {nbytes}; the shard is truncated")
     return extra
 
 
@@ -114,13 +178,17 @@ def load_checkpoint(actor, path: str) -> None:
     except (Exception, CheckpointException) as e:  # DCP's own error derives from BaseException
         raise CheckpointError(f"{path}: the model/optimizer state (DCP files) cannot be read "
                               f"({type(e).__name__}: {str(e)[:300]})") from e
-    set_model_state_dict(actor.model, state["model"])
-    set_optimizer_state_dict(actor.model, actor.optimizer, state["optim"])
-    actor.version = int(extra["version"])
-    actor.scheduler.load_state_dict(extra["scheduler"])
-    torch.set_rng_state(extra["rng_cpu"])
-    if extra["rng_cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(extra["rng_cuda"])
+    try:  # a checkpoint of another model or optimizer, or an edited scheduler state
+        set_model_state_dict(actor.model, state["model"])
+        set_optimizer_state_dict(actor.model, actor.optimizer, state["optim"])
+        actor.scheduler.load_state_dict(extra["scheduler"])
+        torch.set_rng_state(extra["rng_cpu"])
+        if extra["rng_cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(extra["rng_cuda"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: the saved state does not fit this trainer ({type(e).__name__}: "
+                              f"{str(e)[:300]})") from e
+    actor.version = extra["version"]
 
 
 def export_hf(actor, path: str, dtype: torch.dtype | None = None, max_shard_bytes: int = 4 << 30) -> None:
