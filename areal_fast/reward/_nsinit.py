@@ -1,7 +1,7 @@
 """Build the sandbox's own root file system as root, then become the sandbox uid and exec the program.
 
 Run by `sandbox.py` as ``unshare --mount --net --pid --ipc --fork --kill-child -- python -I -S
-_nsinit.py UID RUN_DIR TMPFS_BYTES LAYOUT PROGRAM...``: it is PID 1 of the new PID namespace
+_nsinit.py UID RUN_DIR TMPFS_BYTES LAYOUT FILTER PROGRAM...``: it is PID 1 of the new PID namespace
 and the program replaces it. Mounts are private to the namespace (unshare's default propagation),
 so nothing leaks out, and all of them vanish with it. Stdlib only and no site: it starts in ~10 ms
 (no json, re or platform: importing them would add ~5 ms per run; LAYOUT is `rootfs.encode`'s text).
@@ -14,13 +14,22 @@ The new root (RUN_DIR/root, a 1 MiB tmpfs, read-only once built) holds:
   * /tmp (the work dir is /tmp/work) and /dev/shm: fresh size-capped tmpfs, nosuid, nodev, noexec.
 Then pivot_root: the host's tree is detached and unreachable; there is no /work, /root, /etc,
 /home, /sys. no_new_privs is set before exec, so no setuid or file-capability binary can give the
-program more than its uid has (on top of nosuid everywhere).
+program more than its uid has (on top of nosuid everywhere). After the uid switch the program gets
+an empty session keyring of its own and, with FILTER = ``filter``, the seccomp filter
+(`seccomp.py`, imported by path: this script runs without the package).
 """
 
 import ctypes
 import os
 import signal
 import sys
+
+# only seccomp.py itself is imported from there: its ctypes, os, struct, sys are already loaded,
+# so no sibling (math.py, code.py) can shadow a standard module
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import seccomp  # noqa: E402
+
+del sys.path[0]
 
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
@@ -86,7 +95,10 @@ def host_ppid(stat_fd):
 
 
 def main():
-    uid, run_dir, size, argv = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[5:]
+    uid, run_dir, size, argv = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[6:]
+    if sys.argv[5] not in ("filter", "no-filter"):
+        raise ValueError(f"sandbox setup: FILTER must be 'filter' or 'no-filter', got {sys.argv[5]!r}")
+    prepared = seccomp.prepare() if sys.argv[5] == "filter" else None
     ops = [line.split("\t") for line in sys.argv[4].split("\n") if line]
     stat_fd = os.open("/proc/self/stat", os.O_RDONLY | os.O_CLOEXEC)
     parent = host_ppid(stat_fd)
@@ -134,6 +146,11 @@ def main():
     if host_ppid(stat_fd) != parent:
         os._exit(137)
     os.close(stat_fd)  # the last handle on the host's /proc
+    try:
+        seccomp.confine(prepared)  # as the sandbox uid: the new keyring is the program's own
+    except OSError as e:
+        os.write(2, f"{e}\n".encode())
+        os._exit(126)
     try:
         os.execvp(argv[0], argv)
     except OSError as e:

@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 
 from . import cgroup as _cgroup
 from . import rootfs
+from . import seccomp as _seccomp
 from .cgroup import CgroupSupport, RunCgroup
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,9 @@ class Isolation:
     """ns+uid only: what the run's root file system holds (`rootfs.layout`)."""
     cgroup: CgroupSupport | None = None
     """Where each run's cgroup is created; None: the RLIMIT fallback caps the run's memory."""
+    seccomp: bool = True
+    """Programs run under the seccomp filter (`seccomp.py`); False where the kernel or the
+    architecture has none (logged). A fresh session keyring is given in every case."""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -218,6 +222,7 @@ def cleanup_after(launcher_pid: int) -> None:
 
 
 _NSINIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_nsinit.py")  # runs as root: any python
+_CONFINE = os.path.abspath(_seccomp.__file__)  # mode ns: run after unshare, confines and execs the program
 _NS_WORK = "/tmp/work"  # the program's cwd/HOME inside the mount namespace
 
 
@@ -225,10 +230,18 @@ def _unshare_prefix(iso: Isolation, uid: int | None, run_dir: str, limits: Sandb
                     layout: tuple[tuple[str, ...], ...]) -> list[str]:
     if iso.mode == "ns+uid":
         return ["unshare", "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--",
-                sys.executable, "-I", "-S", _NSINIT, str(uid), run_dir, str(limits.disk_bytes), rootfs.encode(layout)]
-    if iso.mode == "ns":
-        return ["unshare", "--user", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--"]
+                sys.executable, "-I", "-S", _NSINIT, str(uid), run_dir, str(limits.disk_bytes), rootfs.encode(layout),
+                "filter" if iso.seccomp else "no-filter"]
+    if iso.mode == "ns":  # the filter forbids unshare itself: installed after it, by seccomp.py
+        return ["unshare", "--user", "--net", "--pid", "--ipc", "--fork", "--kill-child", "--",
+                sys.executable, "-I", "-S", _CONFINE, *([] if iso.seccomp else ["--no-filter"])]
     return []
+
+
+@functools.cache
+def _prepared_filter() -> _seccomp.Prepared:
+    """Built once per process, so the forked child of a run only installs it (modes uid, plain)."""
+    return _seccomp.prepare()
 
 
 def _python_candidates() -> list[str]:
@@ -257,9 +270,14 @@ def isolation() -> Isolation:
     if shutil.which("unshare") is None:
         modes = [m for m in modes if not m.startswith("ns")]
     cg = _cgroup.support()
+    filtered = _seccomp.supported()
+    if not filtered:
+        log.warning("reward sandbox: no seccomp filter on %s (kernel without CONFIG_SECCOMP_FILTER or no "
+                    "syscall table for this architecture): programs may create user namespaces and reach "
+                    "bpf, keyctl, perf_event_open", os.uname().machine)
     for mode in modes:
         for py in _python_candidates():
-            iso = Isolation(mode, py, mode.startswith("ns"), cgroup=cg)
+            iso = Isolation(mode, py, mode.startswith("ns"), cgroup=cg, seccomp=filtered)
             if mode == "ns+uid":
                 try:
                     iso = dataclasses.replace(iso, layout=rootfs.layout(py))
@@ -300,7 +318,8 @@ _PROBE = ("import os, sys; exe = os.path.realpath(sys.executable); "
           "print('sandbox-ok' if exe.startswith(os.path.realpath(sys.base_prefix) + os.sep) else 'mixed ' + exe)")
 
 
-def _preexec(limits: SandboxLimits, nproc: int, address_space: int, cg: RunCgroup | None, uid: int | None):
+def _preexec(limits: SandboxLimits, nproc: int, address_space: int, cg: RunCgroup | None, uid: int | None,
+             confine: bool, prepared: _seccomp.Prepared | None):
     cpu = limits.cpu_s if limits.cpu_s is not None else int(limits.timeout_s) + 2
     settings = [
         (resource.RLIMIT_CPU, cpu),
@@ -324,6 +343,8 @@ def _preexec(limits: SandboxLimits, nproc: int, address_space: int, cg: RunCgrou
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
             _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # cleared by the uid change
+        if confine:  # modes uid and plain (the others confine after unshare: _nsinit.py, seccomp.py)
+            _seccomp.confine(prepared)
 
     return fn
 
@@ -397,11 +418,14 @@ def _run(iso: Isolation, argv: list[str], stdin: bytes, files: dict[str, bytes |
         if iso.cgroup is not None:
             cg = RunCgroup(iso.cgroup, memory_bytes=limits.memory_bytes, pids_max=nproc + _PIDS_OVERHEAD)
         drop_to = uid if iso.mode == "uid" else None
+        confine_here = iso.mode in ("uid", "plain")
+        prepared = _prepared_filter() if confine_here and iso.seccomp else None
         with open(stdin_path, "rb") as fin:
             start = time.perf_counter()
             proc = subprocess.Popen(cmd, stdin=fin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     cwd=root if in_ns else work, env=env, start_new_session=True,
-                                    preexec_fn=_preexec(limits, rlimit_nproc, address_space, cg, drop_to))
+                                    preexec_fn=_preexec(limits, rlimit_nproc, address_space, cg, drop_to,
+                                                        confine_here, prepared))
         try:
             status, out, err = _supervise(proc, limits, start)
         finally:
