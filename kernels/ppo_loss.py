@@ -49,6 +49,13 @@ def _block_v(V: int) -> int:
     return max(16, min(triton.next_power_of_2(V), cap))
 
 
+def launch_config(V: int) -> dict:
+    """The meta-parameters both launchers pass for a vocabulary of ``V`` (one place, so that the
+    ahead-of-time compile in ``bench/static_sm90.py`` checks exactly what runs)."""
+    block_v = _block_v(V)
+    return dict(BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4)
+
+
 @triton.jit
 def _ppo_token_stats_fwd_kernel(Z, stride_z, LABELS, LOGP, ENT, LSE, V, inv_tau, BLOCK_V: tl.constexpr):
     # Work in base 2: u = z * inv_tau * log2(e), so exp(x) = exp2(u) with one multiply per element.
@@ -154,9 +161,8 @@ def token_stats_fwd(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
     lse = torch.empty_like(logp)
     if T == 0:
         return logp, ent, lse
-    BLOCK_V = _block_v(V)
     _ppo_token_stats_fwd_kernel[(T,)](logits, logits.stride(0), labels, logp, ent, lse, V, 1.0 / temperature,
-                                      BLOCK_V=BLOCK_V, num_warps=8 if BLOCK_V >= 2048 else 4)
+                                      **launch_config(V))
     return logp, ent, lse
 
 
@@ -169,7 +175,6 @@ def token_stats_bwd(grad_out: torch.Tensor, logits: torch.Tensor, labels: torch.
         raise ValueError(f"grad_out must be [T, V] with unit stride on V, got {tuple(grad_out.shape)}")
     if T == 0:
         return
-    BLOCK_V = _block_v(V)
     _ppo_token_stats_bwd_kernel[(T,)](logits, logits.stride(0), grad_out, grad_out.stride(0), labels, lse, ent,
                                       grad_logp.contiguous(), grad_ent.contiguous(), V, 1.0 / temperature,
-                                      BLOCK_V=BLOCK_V, num_warps=8 if BLOCK_V >= 2048 else 4)
+                                      **launch_config(V))
