@@ -654,6 +654,8 @@ def from_dict(cls, data: dict, prefix: str = ""):
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    if hasattr(cls, "migrate_options"):  # deprecated aliases of a section (PPOLossConfig's behav_weight_cap)
+        data = cls.migrate_options(data, f"{prefix}." if prefix else "")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs = {}
@@ -781,12 +783,18 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
 
 def save_config(cfg: AppConfig, path: str | os.PathLike) -> Path:
     """Write ``cfg`` as YAML so that ``load_config(path) == cfg`` (written to a temporary file and
-    renamed, so a reader never sees half a file). Returns the path."""
+    renamed, so a reader never sees half a file), readable by this user only (0600). The one value
+    left out is ``weights.api_key`` (written as null): a key never goes to disk. Returns the path."""
     p = Path(path)
-    text = f"{RESOLVED_HEADER} (load_config reads it back exactly)\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    d = to_dict(cfg)
+    d["weights"]["api_key"] = None  # never on disk: the key reaches processes in their environment only
+    text = f"{RESOLVED_HEADER} (load_config reads it back exactly)\n" + yaml.safe_dump(d, sort_keys=False)
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
         os.replace(tmp, p)
     except OSError as e:
         tmp.unlink(missing_ok=True)

@@ -116,3 +116,157 @@ def test_no_readable_checkpoint_is_an_error_not_a_silent_restart_at_step_zero(tm
     fresh, _, _ = make(tmp_path / "elsewhere", eta=2, steps=4, ckpt=1)
     assert fresh.restore_newest() is None  # no checkpoint ever: a new run, as before
     assert latest_checkpoint(tmp_path / "checkpoints") is None
+
+
+# ----------------------------------------------------------------------------- the output directory (M5, L9)
+
+import os  # noqa: E402
+import stat  # noqa: E402
+
+from areal_fast.launch.base import PrivateFileHandler, open_private_log  # noqa: E402
+from areal_fast.launch.run_dir import (  # noqa: E402
+    LOCK_FILE,
+    NotARunDir,
+    RunLock,
+    UnsafeOutputDir,
+    check_output_dir,
+    move_previous_run_aside,
+)
+
+
+def _planted(tmp_path, link: Path) -> Path:
+    """A symlink at ``link`` to a victim file outside the run; returns the victim."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    os.chmod(victim, 0o644)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(victim)
+    return victim
+
+
+def _untouched(victim: Path) -> None:
+    assert victim.read_text() == "precious\n"
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o644
+
+
+def test_a_symlink_planted_as_the_lock_file_is_not_followed(tmp_path):
+    out = tmp_path / "run"
+    victim = _planted(tmp_path, out / LOCK_FILE)
+    with pytest.raises(UnsafeOutputDir, match="symlink"):
+        with RunLock(out):
+            pass
+    _untouched(victim)
+
+
+@pytest.mark.parametrize("opener", ["server log", "controller log"])
+def test_a_symlink_planted_as_a_log_is_not_followed(tmp_path, opener):
+    log = tmp_path / "run" / "logs" / "server0.log"
+    victim = _planted(tmp_path, log)
+    with pytest.raises(UnsafeOutputDir, match="symlink"):
+        if opener == "server log":
+            open_private_log(log).close()
+        else:
+            PrivateFileHandler(log).close()
+    _untouched(victim)
+
+
+def test_logs_and_the_lock_are_created_private(tmp_path):
+    out = tmp_path / "run"
+    with RunLock(out):
+        pass
+    with open_private_log(out / "a.log") as f:
+        f.write(b"x")
+    for p in (out / LOCK_FILE, out / "a.log"):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+
+
+def test_a_world_writable_output_directory_is_refused(tmp_path):
+    out = tmp_path / "shared"
+    out.mkdir()
+    os.chmod(out, 0o1777)  # like /tmp: anyone can plant a 'logs' symlink before the run makes it
+    with pytest.raises(UnsafeOutputDir, match="writable by every user"):
+        check_output_dir(out)
+    with pytest.raises(UnsafeOutputDir):
+        with RunLock(out):
+            pass
+    assert not (out / LOCK_FILE).exists()
+    os.chmod(out, 0o755)
+    check_output_dir(out)
+
+
+def test_an_output_directory_of_another_user_is_refused(tmp_path, monkeypatch):
+    out = tmp_path / "theirs"
+    out.mkdir()
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(out).st_uid + 1)  # as if it belonged to someone else
+    with pytest.raises(UnsafeOutputDir, match="belongs to uid"):
+        check_output_dir(out)
+
+
+@pytest.mark.parametrize("foreign", [".git", "src", ".ssh", "notes.txt"])
+def test_a_fresh_start_refuses_a_directory_that_is_not_a_run(tmp_path, foreign):
+    out = tmp_path / "project"
+    (out / foreign).mkdir(parents=True)
+    (out / "README.md").write_text("mine")
+    with pytest.raises(NotARunDir, match="does not look like the output directory of a run"):
+        move_previous_run_aside(out, print)
+    assert (out / foreign).is_dir() and (out / "README.md").read_text() == "mine"  # nothing moved
+    assert not list(tmp_path.glob("project.previous-*"))
+
+
+def test_a_fresh_start_still_moves_a_run_and_a_run_that_died_early(tmp_path):
+    from areal_fast.config import load_config, save_config
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_00000001").mkdir(parents=True)
+    save_config(load_config(None), out / "config.yaml")
+    (out / "my_notes.txt").write_text("kept with the run")  # our config.yaml: the run is ours to move
+    assert move_previous_run_aside(out, print) is not None
+    early = tmp_path / "early"
+    (early / "logs").mkdir(parents=True)  # died before config.yaml: only what a run writes
+    (early / "logs" / "launcher.log").write_text("x")
+    assert move_previous_run_aside(early, print) is not None
+
+
+# ----------------------------------------------------------------------------- the API key (M6)
+
+SECRET = "0123456789abcdef-very-secret-key"
+
+
+def _files_holding(root: Path, needle: bytes) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and needle in p.read_bytes()]
+
+
+def test_the_api_key_is_never_written_and_the_saved_configs_are_private(tmp_path):
+    from areal_fast.config import load_config, save_config
+    from areal_fast.launch.base import TRAINER_CONFIG_FILE
+    from areal_fast.launch.train import trainer_run_config
+
+    cfg = load_config(None, [f"weights.api_key={SECRET}", "rollout.servers=[http://127.0.0.1:1]"])
+    out = tmp_path / "run"
+    out.mkdir()
+    save_config(cfg, out / "config.yaml")
+    tcfg = trainer_run_config(cfg, "/m", ["http://127.0.0.1:1"], out)
+    save_config(tcfg, out / TRAINER_CONFIG_FILE)
+    assert _files_holding(out, SECRET.encode()) == []
+    for name in ("config.yaml", TRAINER_CONFIG_FILE):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o600, name
+    assert load_config(out / "config.yaml").weights.api_key is None
+
+
+def test_client_and_weight_sync_use_one_key(tmp_path, monkeypatch):
+    """Launched servers get a fresh key; the ranks read it from their environment for both the
+    client and the weight sync, even when the config names another key. External servers: the
+    configured key is the run's key (the client used to send none)."""
+    from areal_fast.config import load_config
+    from areal_fast.launch.base import API_KEY_ENV
+    from areal_fast.launch.train import run_api_key, trainer_run_config
+
+    cfg = load_config(None, [f"weights.api_key={SECRET}"])
+    fresh = run_api_key(cfg)
+    assert fresh and fresh != SECRET
+    tcfg = trainer_run_config(cfg, "/m", ["http://127.0.0.1:1"], tmp_path)
+    monkeypatch.setenv(API_KEY_ENV, fresh)  # what the launcher gives every rank
+    assert tcfg.weights.resolved_api_key == fresh  # the sync's key (the client takes the same property)
+    external = load_config(None, [f"weights.api_key={SECRET}", "rollout.servers=[http://127.0.0.1:1]"])
+    monkeypatch.delenv(API_KEY_ENV)
+    assert run_api_key(external) == SECRET

@@ -14,6 +14,7 @@ A launcher places the processes of one run and watches them; ``launch.train.run_
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from areal_fast.launch.run_dir import open_private
 from areal_fast.weights.config import API_KEY_ENV, HOST_ENV  # noqa: F401 - the names every launcher uses
 
 PYTHON = "{python}"  # placeholder in a command: the interpreter of the machine that runs it
@@ -186,10 +188,17 @@ def server_key_file(secrets_dir_fn, api_key: str | None):
 
 def open_private_log(path: Path):
     """``path`` opened for appending, readable by this user only (0600): a server may print its
-    arguments, the API key included (SGLang logs ``server_args=...`` at start-up)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.fchmod(fd, 0o600)  # a log left by an earlier run with wider permissions
-    return os.fdopen(fd, "ab")
+    arguments, the API key included (SGLang logs ``server_args=...`` at start-up). A symlink planted
+    at ``path`` is refused, not followed (``run_dir.open_private``)."""
+    return os.fdopen(open_private(path), "ab")
+
+
+class PrivateFileHandler(logging.FileHandler):
+    """``logging.FileHandler`` whose file is opened as :func:`open_private_log` opens a server's log
+    (0600, a planted symlink refused)."""
+
+    def _open(self):
+        return os.fdopen(open_private(self.baseFilename), self.mode, encoding=self.encoding, errors=self.errors)
 
 
 def server_env(rollout_cfg) -> dict[str, str]:

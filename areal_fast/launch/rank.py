@@ -2,7 +2,8 @@
 
 The launcher writes the resolved config of the run (model path resolved, warm start done, the
 servers' URLs filled in) to ``<output_dir>/trainer_config.yaml``; every rank reads it, nothing else.
-The API key of the servers comes in the environment (``AREAL_FAST_API_KEY``), never on a command line.
+The API key of the servers comes in the environment (``AREAL_FAST_API_KEY``), never on a command line
+or in the config file; the client and the weight sync both take ``weights.resolved_api_key``.
 
 Rank 0 builds the real parts, wraps them in the controller's ports (``launch.runtime``) and runs the
 controller; ranks > 0 follow rank 0's announced trainer calls (``runtime.follower_loop``). With
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 
 from areal_fast.controller import Controller, ControllerSettings
-from areal_fast.launch.base import API_KEY_ENV, die_with_parent, http_reachable
+from areal_fast.launch.base import PrivateFileHandler, die_with_parent, http_reachable
 from areal_fast.launch.metrics import JsonlSink, ProgressBar, TensorBoardSink, truncate_jsonl
 
 log = logging.getLogger("areal_fast")
@@ -31,7 +32,7 @@ _UNREACHABLE_ROUNDS = 3  # a server is declared dead after this many refused con
 
 def setup_logging(out: Path, level: str, console: bool = True, name: str = "controller.log") -> None:
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    handlers: list[logging.Handler] = [logging.FileHandler(out / "logs" / name)]
+    handlers: list[logging.Handler] = [PrivateFileHandler(out / "logs" / name)]
     if console:
         h = logging.StreamHandler(sys.stderr)
         h.setLevel(logging.WARNING)  # the progress bar owns the terminal; details go to the log file
@@ -114,7 +115,7 @@ def run_rank(cfg, *, progress: bool = False, say=None) -> dict:
         return {}
     from areal_fast.rollout.loop import run_event_loop  # uvloop where installed (AREAL_FAST_EVENT_LOOP)
 
-    summary = run_event_loop(_rank0(cfg, os.environ.get(API_KEY_ENV), say, progress))
+    summary = run_event_loop(_rank0(cfg, cfg.weights.resolved_api_key, say, progress))  # the sync's key too
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

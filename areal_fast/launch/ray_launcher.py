@@ -58,6 +58,7 @@ from areal_fast.launch.base import (
     HOST_ENV,
     PYTHON,
     LaunchedProcess,
+    PrivateFileHandler,
     ProcessDied,
     http_reachable,
     open_private_log,
@@ -557,7 +558,7 @@ def open_ray_launcher(ray_cfg: RayConfig, log_dir: Path, secrets_dir: Path | Non
     """Connect to (or start) Ray, make SIGTERM unwind like Ctrl-C, and yield a RayLauncher; on exit
     every process, actor and placement group of the run is gone, and a Ray started here is stopped.
     ``secrets_dir``: where the servers' API key file is written (a directory every node sees)."""
-    handler = logging.FileHandler(Path(log_dir) / "launcher.log") if not _logs_to(log_dir) else None
+    handler = PrivateFileHandler(Path(log_dir) / "launcher.log") if not _logs_to(log_dir) else None
     if handler is not None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger("areal_fast").addHandler(handler)

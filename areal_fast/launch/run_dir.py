@@ -6,18 +6,85 @@
   one's pid and command line.
 - :func:`move_previous_run_aside`: ``experiment.resume=false`` moves everything an earlier run left
   (checkpoints, metrics, summary, final model, plots, logs...) to ``<output_dir>.previous-<time>``
-  and says so, instead of deleting part of it and overwriting the rest.
+  and says so, instead of deleting part of it and overwriting the rest. Only a directory that looks
+  like a run (our ``config.yaml``, or nothing but what a run writes) is moved; one holding a
+  repository or a home directory (``.git``, ``src``, ``.ssh``...) is refused (:class:`NotARunDir`).
+
+Other users (issue 32, M5): :func:`check_output_dir` refuses an output directory that is not owned
+by this user or that everyone may write to (another user could plant a symlink or a file there),
+and the files we create in it (the lock, every log: :func:`open_private`) are opened with
+``O_NOFOLLOW`` and mode 0600, so a planted symlink is refused, never followed.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import time
 from pathlib import Path
 
 LOCK_FILE = ".lock"
 KEPT_ON_FRESH_START = ("warm_start",)  # a cache keyed by its own signature, not a result of the run
+RUN_CONFIG = "config.yaml"  # written by every run first thing (``launch.train``), with config.RESOLVED_HEADER
+# what a run writes in its output directory (a run that died before writing config.yaml is one still)
+RUN_PRODUCTS = frozenset({RUN_CONFIG, "trainer_config.yaml", "checkpoints", "logs", "metrics.jsonl", "samples.jsonl",
+                          "summary.json", "final", "plots", "tensorboard", "weights_sync", ".secrets", "eval"})
+# never in a run's output directory: a repository, a source tree, a home directory
+NOT_A_RUN = frozenset({".git", ".hg", ".svn", "src", "setup.py", "pyproject.toml", "Makefile", "package.json",
+                       ".ssh", ".bashrc", ".profile", ".config"})
+
+
+class UnsafeOutputDir(RuntimeError):
+    """The output directory belongs to another user or every user may write into it, or a file we
+    write there is a symlink or not ours."""
+
+
+class NotARunDir(RuntimeError):
+    """``experiment.resume=false`` would move aside a directory that is not a run's output."""
+
+
+def check_output_dir(out: str | os.PathLike) -> Path:
+    """Create ``out`` when missing (and its parents), then refuse it (:class:`UnsafeOutputDir`) when it
+    is not a directory owned by this user or when other users may write into it (world-writable,
+    sticky or not: a planted ``logs`` symlink would steer every log elsewhere). Returns ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    st = os.lstat(out)
+    if stat.S_ISLNK(st.st_mode):  # a caller that resolved the path never sees one; a link is followed once
+        st = os.stat(out)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeOutputDir(f"experiment.output_dir {out} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeOutputDir(f"experiment.output_dir {out} belongs to uid {st.st_uid}, not to this user (uid "
+                              f"{os.geteuid()}): its owner could replace the files a run writes there. Choose a "
+                              f"directory of your own")
+    if st.st_mode & stat.S_IWOTH:
+        raise UnsafeOutputDir(f"experiment.output_dir {out} is writable by every user (mode "
+                              f"{stat.S_IMODE(st.st_mode):04o}): another user could plant a symlink there. Use a "
+                              f"directory of your own (e.g. chmod o-w {out})")
+    return out
+
+
+def open_private(path: str | os.PathLike, flags: int = os.O_WRONLY | os.O_APPEND) -> int:
+    """A descriptor on ``path``, created 0600 when missing; a symlink at ``path`` is refused
+    (:class:`UnsafeOutputDir`) rather than followed, and so is a file of another user or a
+    non-regular file. An existing
+    file of ours with wider permissions is narrowed to 0600 (logs may hold what a server prints)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if os.path.islink(path):
+            raise UnsafeOutputDir(f"{path} is a symlink; refusing to follow it (remove it if it is yours)") from e
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise UnsafeOutputDir(f"{path}: not a regular file of this user; refusing to write to it")
+    if stat.S_IMODE(st.st_mode) != 0o600:
+        os.fchmod(fd, 0o600)
+    return fd
 
 
 class RunDirBusy(RuntimeError):
@@ -33,8 +100,8 @@ class RunLock:
         self._fd: int | None = None
 
     def __enter__(self) -> RunLock:
-        self.out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        check_output_dir(self.out)
+        fd = open_private(self.path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -71,6 +138,7 @@ def move_previous_run_aside(out: Path, say=print) -> Path | None:
     entries = sorted(p for p in out.iterdir() if p.name != LOCK_FILE and p.name not in KEPT_ON_FRESH_START)
     if not entries:
         return None
+    _check_looks_like_a_run(out, entries)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside = out.with_name(f"{out.name}.previous-{stamp}")
     n = 1
@@ -83,3 +151,25 @@ def move_previous_run_aside(out: Path, say=print) -> Path | None:
     say(f"experiment.resume=false: moved the previous run ({', '.join(p.name for p in entries)}) from {out} "
         f"to {aside}; nothing was deleted")
     return aside
+
+
+def _check_looks_like_a_run(out: Path, entries: list[Path]) -> None:
+    """Refuse (:class:`NotARunDir`) to move ``entries`` of ``out`` aside unless ``out`` looks like a
+    run's output: no repository or home-directory marker, and our ``config.yaml`` or nothing but what
+    a run writes."""
+    from areal_fast.config import RESOLVED_HEADER
+
+    names = {p.name for p in entries}
+    foreign = sorted(names & NOT_A_RUN)
+    ours = False
+    try:
+        with open(out / RUN_CONFIG, "rb") as f:
+            ours = f.read(len(RESOLVED_HEADER)) == RESOLVED_HEADER.encode()
+    except OSError:
+        pass
+    if foreign or not (ours or names <= RUN_PRODUCTS):
+        why = (f"it holds {', '.join(foreign)}" if foreign else
+               f"it has no {RUN_CONFIG} written by a run and holds {', '.join(sorted(names - RUN_PRODUCTS)[:5])}")
+        raise NotARunDir(f"experiment.resume=false would move everything in {out} aside, but it does not look like "
+                         f"the output directory of a run ({why}). Choose another experiment.output_dir; nothing "
+                         f"was moved")

@@ -7,7 +7,9 @@ Read top to bottom, :func:`run_train` is the whole run:
 2. prepare the model (warm start) and check the reward with one real call, before any server starts;
 3. start the inference servers with a fresh API key (SGLang's ``--api-key``, given in a private
    file ``<output_dir>/.secrets/*.yaml`` with ``--config`` and removed once they are healthy; the
-   ranks get it in their environment; never on a command line);
+   ranks get it in their environment; never on a command line, never in a file that stays: the
+   saved configs hold ``weights.api_key: null``). The ranks' client and weight sync both read it
+   from ``weights.resolved_api_key`` (:func:`run_api_key`): one key;
 4. write the resolved trainer config and start the trainer ranks, which read only that file
    (``launch.rank``); rank 0 runs the controller. One local rank runs inside this process;
 5. watch every process until rank 0 is done (a dead server is reported, a dead rank fails the run),
@@ -26,11 +28,11 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from areal_fast.controller import ResumeMismatch
+from areal_fast.controller import CorruptCheckpoint, ResumeMismatch
 from areal_fast.launch.base import API_KEY_ENV, SECRETS_DIR, TRAINER_CONFIG_FILE, LaunchedProcess, ProcessDied
 from areal_fast.launch.metrics import ProgressBar, plot_run
 from areal_fast.launch.rank import run_rank, setup_logging
-from areal_fast.launch.run_dir import RunDirBusy, RunLock, move_previous_run_aside
+from areal_fast.launch.run_dir import NotARunDir, RunDirBusy, RunLock, UnsafeOutputDir, move_previous_run_aside
 
 log = logging.getLogger("areal_fast")
 _WATCH_S = 0.5
@@ -41,7 +43,7 @@ class RewardCheckFailed(RuntimeError):
     """The configured reward could not score a trivial input."""
 
 
-RUN_REFUSED = (RunDirBusy, ResumeMismatch, RewardCheckFailed)
+RUN_REFUSED = (RunDirBusy, ResumeMismatch, RewardCheckFailed, UnsafeOutputDir, NotARunDir, CorruptCheckpoint)
 """Errors that refuse a run before it starts, with a message that says what to do (no traceback needed)."""
 
 
@@ -62,8 +64,7 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
         save_config(cfg, out / "config.yaml")
         model = model_dir(cfg, say)
         check_data_and_reward(cfg, model)
-        # hex: a key starting with "-" would be read as a flag by the server's argument parser
-        api_key = os.environ.get(API_KEY_ENV) if cfg.rollout.servers else secrets.token_hex(32)
+        api_key = run_api_key(cfg)
         with open_launcher(cfg, out / "logs", out / SECRETS_DIR) as launcher:
             urls = [u.rstrip("/") for u in cfg.rollout.servers]
             if not urls:
@@ -71,7 +72,7 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
                 urls = [p.url for p in launcher.start_servers(cfg.rollout, model, seed=cfg.experiment.seed,
                                                               api_key=api_key)]
             log.info("inference servers: %s; API key auth %s", ", ".join(urls),
-                     "on (a fresh key for this run)" if api_key else "off (AREAL_FAST_API_KEY is not set)")
+                     "on" if api_key else "off (neither weights.api_key nor AREAL_FAST_API_KEY is set)")
             tcfg = trainer_run_config(cfg, model, urls, out)
             save_config(tcfg, out / TRAINER_CONFIG_FILE)
             if in_process:  # rank 0 here, with the key in this process's environment as a rank has it
@@ -91,6 +92,16 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
 
 
 # ----------------------------------------------------------------------------- the steps
+
+
+def run_api_key(cfg) -> str | None:
+    """The one API key of a run: a fresh one for servers we launch, else the servers' own key
+    (``weights.api_key``, else $AREAL_FAST_API_KEY: ``WeightSyncConfig.resolved_api_key``). It
+    reaches the ranks in their environment only; their client and weight sync both read it from
+    ``weights.resolved_api_key`` of the trainer config, whose ``api_key`` is null."""
+    if cfg.rollout.servers:
+        return cfg.weights.resolved_api_key
+    return secrets.token_hex(32)  # hex: a key starting with "-" would be read as a flag by the server
 
 
 def model_dir(cfg, say=print) -> str:
@@ -129,13 +140,20 @@ def check_resume(ckpt_dir: Path, key: dict) -> None:
     with another data order. Rank 0 checks again when it restores; this check saves starting servers."""
     from areal_fast.controller import CorruptCheckpoint, check_resume_key, list_checkpoints, read_state
 
+    unreadable = []
     for path in reversed(list_checkpoints(ckpt_dir)):
         try:
             st = read_state(path)
-        except CorruptCheckpoint:
-            continue  # rank 0 moves it aside and falls back, with a warning
+        except CorruptCheckpoint as e:
+            unreadable.append(str(e))  # rank 0 moves it aside and falls back, with a warning
+            continue
         check_resume_key(st, key, path)
         return
+    if unreadable or (ckpt_dir.is_dir() and any(ckpt_dir.glob("step_*.corrupt"))):
+        why = "; ".join(unreadable) or "only checkpoints moved aside as corrupt"
+        raise CorruptCheckpoint(f"no readable checkpoint in {ckpt_dir} ({why}). Refusing to start again at step 0 "
+                                f"silently: restore a checkpoint, or start over with experiment.resume=false (the "
+                                f"previous run is moved aside, nothing is deleted)")
 
 
 def check_reward(cfg, task: dict) -> None:
@@ -168,6 +186,7 @@ def trainer_run_config(cfg, model: str, urls: list[str], out: Path):
     d["model"]["warm_start"]["enabled"] = False
     d["rollout"]["servers"] = list(urls)
     d["log"]["progress"] = False
+    d["weights"]["api_key"] = None  # the ranks get the run's key in their environment (run_api_key)
     if cfg.launcher == "ray":
         d["train"]["gpus"] = None  # Ray gives each rank its GPU (CUDA_VISIBLE_DEVICES)
     return from_dict(AppConfig, d)
