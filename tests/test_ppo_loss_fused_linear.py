@@ -59,7 +59,7 @@ def assert_same(a, b, tol=FP32_CHUNKED_GEMM_TOL):
             torch.testing.assert_close(x.float(), y.float(), **tol)
 
 
-TOKEN_OPTS = dict(temperature=0.8, eps_clip=0.1, eps_clip_higher=0.15, dual_clip=1.2, behav_weight_cap=1.2,
+TOKEN_OPTS = dict(temperature=0.8, eps_clip=0.1, eps_clip_higher=0.15, dual_clip=1.2, token_mis_upper=1.2,
                   kl_coef=0.1, kl_estimator="k2", entropy_coef=0.05, importance_level="token")
 
 
@@ -92,8 +92,8 @@ PER_TOKEN_CASES = [
     dict(),
     dict(eps_clip=0.1, eps_clip_higher=0.3),
     dict(eps_clip=0.05, dual_clip=1.05),
-    dict(behav_weight_cap=1.1, behav_weight_mode="mask", kl_coef=0.2, kl_estimator="k1"),
-    dict(behav_weight_cap=1.1, behav_weight_mode="clamp", kl_coef=0.2, kl_estimator="k3", entropy_coef=0.1),
+    dict(token_mis_upper=1.1, kl_coef=0.2, kl_estimator="k1"),
+    dict(tis_cap=1.1, kl_coef=0.2, kl_estimator="k3", entropy_coef=0.1),
     dict(kl_coef=0.3, kl_estimator="k2", dual_clip=2.0),
 ]
 
@@ -222,10 +222,10 @@ def test_opcheck_fused_linear_ops():
 def test_opcheck_single_pass_ops():
     d = make(T=5, H=8, V=30, seed=5)
     coef = d["m"] / d["m"].sum()
-    cfg = PPOLossConfig(temperature=0.8, eps_clip=0.1, eps_clip_higher=0.15, dual_clip=1.2, behav_weight_cap=1.2,
+    cfg = PPOLossConfig(temperature=0.8, eps_clip=0.1, eps_clip_higher=0.15, dual_clip=1.2, token_mis_upper=1.2,
                         kl_coef=0.1, kl_estimator="k2", entropy_coef=0.05)
     torch.library.opcheck(torch.ops.areal_fast.fused_linear_ppo_single_pass,
-                          (d["h"], d["W"], d["bias"], d["y"], d["b"], d["A"], d["m"], d["p"], d["q"], coef, 2,
+                          (d["h"], d["W"], d["bias"], d["y"], d["b"], d["A"], d["m"], d["p"], d["q"], None, coef, 2,
                            "reference", True, True, True, *op_args(cfg)))
     h = d["h"].clone().requires_grad_()
     torch.library.opcheck(torch.ops.areal_fast.attach_grads,
@@ -287,9 +287,9 @@ def test_nonfinite_behaviour_and_gspo_mask_agree_with_reference(path):
     d["b"] = d["b"].clone()
     d["b"][int(torch.nonzero(d["m"])[1])] = float("-inf")
     if path == "sequence_mask_cap":
-        kw = dict(importance_level="sequence", behav_weight_cap=1.1, behav_weight_mode="mask")
+        kw = dict(importance_level="sequence", token_mis_upper=1.1)
     else:
-        kw = dict(TOKEN_OPTS, behav_weight_cap=None, single_pass=path == "single_pass")
+        kw = dict(TOKEN_OPTS, token_mis_upper=None, single_pass=path == "single_pass")
     fused = run_fused(fused_linear_decoupled_ppo_loss, d, chunk_size=4, backend="reference", **kw)
     kw.pop("single_pass", None)
     ref = run_fused(fused_linear_decoupled_ppo_loss_ref, d, **kw)

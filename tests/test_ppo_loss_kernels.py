@@ -13,7 +13,7 @@ from areal_fast.ops import decoupled_ppo_loss, decoupled_ppo_loss_ref, ppo_objec
 from areal_fast.ops.objective import PPOLossConfig
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-OPTS = dict(temperature=0.7, eps_clip=0.1, dual_clip=1.5, behav_weight_cap=1.5, kl_coef=0.1,
+OPTS = dict(temperature=0.7, eps_clip=0.1, dual_clip=1.5, token_mis_upper=1.5, kl_coef=0.1,
             entropy_coef=0.05, importance_level="sequence", loss_agg="seq-mean-token-mean")
 
 

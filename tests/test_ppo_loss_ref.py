@@ -17,13 +17,55 @@ def _f(x) -> float:
     return float(x.detach()) if torch.is_tensor(x) else float(x)
 
 
+def behaviour_weights(b, pt, m, cu, w_raw, dropped, o):
+    """Per docs/objective.md, one token at a time: the weight of every token after token MIS, M2PO,
+    sequence MIS and TIS, and the flags (lists of bools) of what each option did."""
+    T = len(w_raw)
+    out = {k: [False] * T for k in ("tis_truncated", "token_mis_masked", "seq_mis_masked", "m2po_masked")}
+    valid = [bool(m[t] != 0) and not dropped[t] for t in range(T)]
+    lo, hi = o.get("token_mis_lower"), o.get("token_mis_upper")
+    for t in range(T):
+        out["token_mis_masked"][t] = valid[t] and ((lo is not None and w_raw[t] < lo) or
+                                                   (hi is not None and w_raw[t] > hi))
+    tau = o.get("m2po_tau")
+    if tau is not None:
+        # greedy, one token at a time: mask the largest (p - b)^2 (the earliest on ties) while the
+        # mean over the remaining valid tokens is >= tau
+        left = [t for t in range(T) if valid[t]]
+        sq = {t: (_f(pt[t]) - _f(b[t])) ** 2 for t in left}
+        while left and sum(sq[t] for t in left) / len(left) >= tau:
+            worst = max(left, key=lambda t: (sq[t], -t))
+            out["m2po_masked"][worst] = True
+            left.remove(worst)
+    kept = [valid[t] and not out["token_mis_masked"][t] and not out["m2po_masked"][t] for t in range(T)]
+    w = [w_raw[t] if kept[t] else 0.0 for t in range(T)]
+    slo, shi = o.get("seq_mis_lower"), o.get("seq_mis_upper")
+    if slo is not None or shi is not None:
+        for i in range(len(cu) - 1):
+            idx = [t for t in range(int(cu[i]), int(cu[i + 1])) if kept[t]]
+            if not idx:
+                continue
+            ws = math.exp(sum(_f(pt[t]) - _f(b[t]) for t in idx) / len(idx))  # geometric mean of the w_t
+            out_of_band = (slo is not None and ws < slo) or (shi is not None and ws > shi)
+            for t in idx:
+                out["seq_mis_masked"][t] = out_of_band
+                kept[t] = not out_of_band
+                w[t] = 0.0 if out_of_band else ws
+    C = o.get("tis_cap")
+    if C is not None:
+        for t in range(T):
+            out["tis_truncated"][t] = kept[t] and w[t] > C
+            w[t] = min(w[t], C)
+    out["kept"] = kept
+    return w, out
+
+
 def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
     """Loss (autograd-differentiable in z) and stats, per docs/objective.md, in fp64."""
     tau = o.get("temperature", 1.0)
     eps = o.get("eps_clip", 0.2)
     eps_h = o.get("eps_clip_higher") or eps
     c = o.get("dual_clip")
-    U = o.get("behav_weight_cap")
     x = z.double() / tau
     logP = x - torch.logsumexp(x, -1, keepdim=True)
     P = logP.exp()
@@ -48,8 +90,8 @@ def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
             d = d * 0.0 if math.isnan(_f(d)) else torch.zeros((), dtype=torch.float64)
         rho_unclamped.append(d)
         rho.append(torch.clamp(d, -20.0, 20.0))
-    mask_mode = o.get("behav_weight_mode", "mask") == "mask"
-    rejected = [U is not None and mask_mode and w_raw[t] > U for t in range(T)]
+    weight, flags = behaviour_weights(b, pt, m, cu, w_raw, dropped, o)
+    rejected = [not flags["kept"][t] for t in range(T)]
 
     def surr(r, a):
         rc = torch.clamp(r, 1 - eps, 1 + eps_h)
@@ -78,14 +120,10 @@ def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
             for t in range(s, e):
                 pg[t], clip[t], dualf[t], ratio[t] = pgs, cl, du, _f(rs)
     L = []
-    stat = {k: [] for k in ("w_raw", "capped", "kl")}
+    stat = {k: [] for k in ("w_raw", "kl")}
     for t in range(T):
-        w = w_raw[t]
-        stat["w_raw"].append(w)
-        capped = U is not None and w > U
-        stat["capped"].append(capped)
-        if capped:
-            w = 0.0 if o.get("behav_weight_mode", "mask") == "mask" else U
+        w = weight[t]
+        stat["w_raw"].append(w_raw[t])
         Lt = w * pg[t]
         if o.get("kl_coef", 0.0) > 0:
             d = l[t] - _f(q[t])
@@ -115,7 +153,9 @@ def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
         "n_tokens": len(masked), "ratio_mean": mean(ratio), "clip_fraction": mean(clip),
         "dual_clip_fraction": mean(dualf), "approx_kl": mean([_f(rho_unclamped[t]) for t in range(T)]),
         "behav_kl": mean([0.0 if dropped[t] else _f(pt[t]) - _f(b[t]) for t in range(T)]),
-        "behav_weight_mean": mean(stat["w_raw"]), "behav_capped_fraction": mean(stat["capped"]),
+        "behav_weight_mean": mean(stat["w_raw"]),
+        **{f"{k}_fraction": mean(flags[k]) for k in ("tis_truncated", "token_mis_masked", "seq_mis_masked",
+                                                     "m2po_masked")},
         "entropy_mean": mean([_f(h) for h in H]), "nonfinite_count": nonfinite,
     }
     if stat["kl"]:
@@ -144,16 +184,15 @@ OPTIONS = {
     "default": {},
     "clip_higher": dict(eps_clip=0.1, eps_clip_higher=0.28),
     "dual_clip": dict(eps_clip=0.05, dual_clip=1.1),
-    "cap_mask": dict(behav_weight_cap=1.1, behav_weight_mode="mask"),
-    "cap_clamp": dict(behav_weight_cap=1.1, behav_weight_mode="clamp"),
+    "cap_mask": dict(token_mis_upper=1.1),
+    "cap_clamp": dict(tis_cap=1.1),
     "no_prox": dict(_no_prox=True),
     "sequence": dict(importance_level="sequence", eps_clip=0.05),
     "sequence_dual_seqmean": dict(importance_level="sequence", eps_clip=0.05, dual_clip=1.05,
                                   loss_agg="seq-mean-token-mean"),
-    "sequence_cap_mask": dict(importance_level="sequence", eps_clip=0.05, behav_weight_cap=1.05,
-                              behav_weight_mode="mask"),
-    "sequence_cap_clamp": dict(importance_level="sequence", eps_clip=0.05, behav_weight_cap=1.05,
-                               behav_weight_mode="clamp", loss_agg="seq-mean-token-mean"),
+    "sequence_cap_mask": dict(importance_level="sequence", eps_clip=0.05, token_mis_upper=1.05),
+    "sequence_cap_clamp": dict(importance_level="sequence", eps_clip=0.05, tis_cap=1.05,
+                               loss_agg="seq-mean-token-mean"),
     "kl_k1": dict(kl_coef=0.1, kl_estimator="k1"),
     "kl_k2": dict(kl_coef=0.1, kl_estimator="k2"),
     "kl_k3": dict(kl_coef=0.1, kl_estimator="k3"),
@@ -162,9 +201,17 @@ OPTIONS = {
     "normalizer": dict(_normalizer=50.0),
     "seq_mean_normalizer": dict(loss_agg="seq-mean-token-mean", _normalizer=7.0),
     "temperature": dict(temperature=0.7),
-    "everything": dict(temperature=0.8, eps_clip=0.1, eps_clip_higher=0.2, dual_clip=1.2, behav_weight_cap=1.15,
-                       behav_weight_mode="clamp", importance_level="sequence", kl_coef=0.05, kl_estimator="k3",
+    "everything": dict(temperature=0.8, eps_clip=0.1, eps_clip_higher=0.2, dual_clip=1.2, tis_cap=1.15,
+                       importance_level="sequence", kl_coef=0.05, kl_estimator="k3",
                        entropy_coef=0.02, loss_agg="seq-mean-token-mean"),
+    # the train/inference mismatch options (docs/objective.md), appended so the seeds above stay
+    "tis": dict(tis_cap=1.1),
+    "icepop": dict(token_mis_lower=0.9, token_mis_upper=1.1),
+    "seq_mis": dict(seq_mis_lower=0.9, seq_mis_upper=1.1),
+    "m2po": dict(m2po_tau=0.015),
+    "m2po_tis_seq_mis": dict(eps_clip=0.5, m2po_tau=0.02, tis_cap=1.02, seq_mis_lower=0.9, seq_mis_upper=1.05,
+                             token_mis_lower=0.85),
+    "sequence_m2po_seq_mis": dict(importance_level="sequence", eps_clip=0.5, m2po_tau=0.02, seq_mis_upper=1.05),
 }
 
 
@@ -180,7 +227,8 @@ def test_reference_matches_spec_fp64(name):
     opts, no_prox, normalizer = split_options(OPTIONS[name])
     d = make_inputs(seed=list(OPTIONS).index(name), temperature=opts.get("temperature", 1.0))
     p = None if no_prox else d["p"]
-    needs_cu = opts.get("importance_level") == "sequence" or opts.get("loss_agg") == "seq-mean-token-mean"
+    needs_cu = (opts.get("importance_level") == "sequence" or opts.get("loss_agg") == "seq-mean-token-mean"
+                or "seq_mis_lower" in opts or "seq_mis_upper" in opts)
     cu = d["cu"] if needs_cu else None
     z1 = d["z"].clone().requires_grad_()
     out = decoupled_ppo_loss_ref(z1, d["y"], d["b"], d["A"], d["m"], prox_logprobs=p, ref_logprobs=d["q"],
@@ -205,7 +253,14 @@ def test_reference_matches_spec_fp64(name):
 def test_option_data_exercises_branches():
     """The random data above must actually clip, dual-clip and cap, else the tests prove little."""
     for name, key in (("default", "clip_fraction"), ("dual_clip", "dual_clip_fraction"),
-                      ("cap_mask", "behav_capped_fraction"), ("sequence_cap_mask", "behav_capped_fraction"),
+                      ("cap_mask", "token_mis_masked_fraction"),
+                      ("sequence_cap_mask", "token_mis_masked_fraction"), ("tis", "tis_truncated_fraction"),
+                      ("icepop", "token_mis_masked_fraction"), ("seq_mis", "seq_mis_masked_fraction"),
+                      ("m2po", "m2po_masked_fraction"), ("m2po_tis_seq_mis", "m2po_masked_fraction"),
+                      ("m2po_tis_seq_mis", "seq_mis_masked_fraction"),
+                      ("m2po_tis_seq_mis", "tis_truncated_fraction"),
+                      ("m2po_tis_seq_mis", "token_mis_masked_fraction"),
+                      ("sequence_m2po_seq_mis", "m2po_masked_fraction"),
                       ("sequence_dual_seqmean", "clip_fraction"),
                       ("sequence_dual_seqmean", "dual_clip_fraction")):
         opts, _, _ = split_options(OPTIONS[name])
@@ -217,7 +272,7 @@ def test_option_data_exercises_branches():
 def test_gradcheck_fp64():
     d = make_inputs(T=6, V=5, S=2, seed=3)
     opts = dict(temperature=0.9, importance_level="sequence", kl_coef=0.1, entropy_coef=0.05, eps_clip=0.3,
-                behav_weight_cap=1.3, behav_weight_mode="clamp")
+                tis_cap=1.3)
 
     def f(z):
         return decoupled_ppo_loss_ref(z, d["y"], d["b"], d["A"], d["m"], prox_logprobs=d["p"], ref_logprobs=d["q"],
@@ -234,7 +289,7 @@ def test_nonfinite_log_ratio_is_zeroed_and_counted():
     A = d["A"].clone()
     A[d["m"] == 0] = float("nan")  # garbage on unmasked tokens must not leak
     z = d["z"].clone().requires_grad_()
-    out = decoupled_ppo_loss_ref(z, d["y"], d["b"], A, d["m"], prox_logprobs=p, behav_weight_cap=2.0)
+    out = decoupled_ppo_loss_ref(z, d["y"], d["b"], A, d["m"], prox_logprobs=p, token_mis_upper=2.0)
     out.loss.backward()
     assert torch.isfinite(out.loss) and torch.isfinite(z.grad).all()
     assert float(out.stats["nonfinite_count"]) == 1.0
@@ -303,7 +358,7 @@ def test_sequence_mask_cap_leaves_rejected_tokens_out_of_the_sequence_statistics
     p[2] = d["b"][2] + 1.0  # w = e = 2.7 > cap: rejected
     A = torch.tensor([1.0, 1.0, -50.0, 1.0, 1.0, 1.0], dtype=torch.float64)
     cu = torch.tensor([0, 6])
-    opts = dict(importance_level="sequence", behav_weight_cap=2.0, eps_clip=10.0)  # no clipping
+    opts = dict(importance_level="sequence", token_mis_upper=2.0, eps_clip=10.0)  # no clipping
     z = d["z"].clone().requires_grad_()
     out = decoupled_ppo_loss_ref(z, d["y"], d["b"], A, m, prox_logprobs=p, cu_seqlens=cu, **opts)
     out.loss.backward()
@@ -314,7 +369,7 @@ def test_sequence_mask_cap_leaves_rejected_tokens_out_of_the_sequence_statistics
     w = torch.exp(p - d["b"])
     expect = sum(-A_s * torch.exp(rho_s) * w[t] for t in kept) / 6  # the rejected token stays in D
     torch.testing.assert_close(out.loss, expect, atol=FP64_REORDER_TOL, rtol=FP64_REORDER_TOL)
-    assert float(out.stats["behav_capped_fraction"]) == pytest.approx(1 / 6)
+    assert float(out.stats["token_mis_masked_fraction"]) == pytest.approx(1 / 6)
     assert torch.all(z.grad[2] == 0)  # no gradient through the rejected token's log-prob
 
 

@@ -308,16 +308,16 @@ _SINGLE_PASS = "areal_fast::fused_linear_ppo_single_pass"
 torch.library.define(
     _SINGLE_PASS,
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor behav_logprobs, Tensor adv, Tensor mask, "
-    "Tensor? prox, Tensor? ref, Tensor coef, SymInt chunk_size, str backend, bool need_hidden, bool need_weight, "
+    "Tensor? prox, Tensor? ref, Tensor? cu_seqlens, Tensor coef, SymInt chunk_size, str backend, bool need_hidden, bool need_weight, "
     f"bool need_bias, {_options_schema()}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.impl(_SINGLE_PASS, "CompositeExplicitAutograd")
-def _fused_linear_ppo_single_pass(hidden, weight, bias, labels, behav_logprobs, adv, mask, prox, ref, coef,
-                                  chunk_size, backend, need_hidden, need_weight, need_bias, *options):
+def _fused_linear_ppo_single_pass(hidden, weight, bias, labels, behav_logprobs, adv, mask, prox, ref, cu_seqlens,
+                                  coef, chunk_size, backend, need_hidden, need_weight, need_bias, *options):
     cfg = _config_from_op_args(options)  # the trailing scalars are op_args(config)
     T = hidden.shape[0]
-    C = token_constants(behav_logprobs, adv, mask, prox, ref, torch.float32, hidden.device, cfg)
+    C = token_constants(behav_logprobs, adv, mask, prox, ref, torch.float32, hidden.device, cfg, cu_seqlens)
     coef = coef.float()
     logp = hidden.new_empty(T, dtype=torch.float32)
     ent = torch.empty_like(logp)
@@ -336,7 +336,7 @@ def _fused_linear_ppo_single_pass(hidden, weight, bias, labels, behav_logprobs, 
 
 
 @torch.library.register_fake(_SINGLE_PASS)
-def _(hidden, weight, bias, labels, behav_logprobs, adv, mask, prox, ref, coef, chunk_size, backend,
+def _(hidden, weight, bias, labels, behav_logprobs, adv, mask, prox, ref, cu_seqlens, coef, chunk_size, backend,
       need_hidden, need_weight, need_bias, *options):
     T = hidden.shape[0]
     gh = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
@@ -348,7 +348,8 @@ def _(hidden, weight, bias, labels, behav_logprobs, adv, mask, prox, ref, coef, 
 def fused_linear_ppo_single_pass(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
                                  behav_logprobs: Tensor, adv: Tensor, mask: Tensor, prox: Tensor | None,
                                  ref: Tensor | None, coef: Tensor, config: PPOLossConfig, chunk_size: int,
-                                 backend: str, need_hidden: bool, need_weight: bool, need_bias: bool):
+                                 backend: str, need_hidden: bool, need_weight: bool, need_bias: bool,
+                                 cu_seqlens: Tensor | None = None):
     """(logp, entropy, grad_hidden, grad_weight, grad_bias) of loss = sum_t coef_t L_t, through the
     custom op ``areal_fast::fused_linear_ppo_single_pass``.
 
@@ -356,12 +357,13 @@ def fused_linear_ppo_single_pass(hidden: Tensor, weight: Tensor, bias: Tensor | 
     (``objective.aggregation_weights``). g and e come from ``objective.per_token_grads``
     (the closed-form derivative of ``per_token_loss``, the function the loss value comes from;
     autograd is not available below the dispatcher's autograd layer, where the op runs).
-    Gradients not needed are empty [0].
+    Gradients not needed are empty [0]. ``cu_seqlens`` is needed for sequence-level MIS (a
+    constant per token, so the single pass still applies).
     """
     if config.importance_level != "token":
         raise ValueError("the single pass needs importance_level='token' (sequence-level ratios couple tokens)")
     return torch.ops.areal_fast.fused_linear_ppo_single_pass(
-        hidden, weight, bias, labels, behav_logprobs, adv, mask, prox, ref, coef, chunk_size, backend,
+        hidden, weight, bias, labels, behav_logprobs, adv, mask, prox, ref, cu_seqlens, coef, chunk_size, backend,
         need_hidden, need_weight, need_bias, *op_args(config))
 
 

@@ -134,7 +134,7 @@ def fused_linear_decoupled_ppo_loss(
         # detached inputs: the op has no autograd formula; attach_grads below carries the gradients
         logp, ent, gh, gw, gb = custom_ops.fused_linear_ppo_single_pass(
             hidden.detach(), weight.detach(), None if bias is None else bias.detach(), labels, behav_logprobs,
-            advantages, loss_mask, prox_logprobs, ref_logprobs, coef, cfg, chunk, be, *needs)
+            advantages, loss_mask, prox_logprobs, ref_logprobs, coef, cfg, chunk, be, *needs, cu_seqlens=cu_seqlens)
         with torch.no_grad():
             loss, stats = ppo_objective(logp, ent, behav_logprobs, advantages, loss_mask, prox=prox_logprobs,
                                         ref=ref_logprobs, cu_seqlens=cu_seqlens, normalizer=normalizer, cfg=cfg)

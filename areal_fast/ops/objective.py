@@ -11,16 +11,17 @@ Choices written down in ``docs/objective.md`` (and implemented here only):
     gradient outside).
   * A loss token whose behaviour weight ``exp(p_t - b_t)`` cannot be formed (``b_t`` or ``p_t``
     non-finite, or the weight overflows) is *dropped*: ``w_t = 0`` and it leaves the sequence
-    statistics, like a token rejected by the cap in mask mode. ``nonfinite_count`` counts the loss
+    statistics, like a token masked by MIS or M2PO. ``nonfinite_count`` counts the loss
     tokens with a dropped weight or a non-finite log-ratio.
   * Sequence level: ``rho_s`` and ``A_s`` are means over the sequence's *kept* loss tokens (not
-    rejected by a mask-mode cap, not dropped as non-finite).
+    masked by a behaviour-weight option, not dropped as non-finite).
   * The KL estimators are evaluated exactly as written (no clamp of ``d_t``); a KL term needs
     ``ref_logprobs`` (an error otherwise).
   * Stats are means over the masked tokens of *this call* (the trainer aggregates across
     micro-batches); ``ratio_mean``/``clip_fraction`` use the ratio that entered the surrogate
     (``r_s`` broadcast to its tokens at sequence level); ``approx_kl`` is the mean of the
-    cleaned, unclamped ``l - p``; ``behav_capped_fraction`` counts tokens with ``w_t > U``;
+    cleaned, unclamped ``l - p``; ``*_fraction`` count the loss tokens each option truncated or
+    masked;
     ``behav_weight_mean``/``behav_kl`` count a dropped token as weight 0 / log-ratio 0.
   * Masked-out tokens contribute exactly zero (``torch.where``, so NaN/inf there cannot leak).
   * A zero denominator is replaced by 1 (an empty micro-batch gives loss 0, not NaN).
@@ -46,7 +47,10 @@ STAT_NAMES = (
     "approx_kl",
     "behav_kl",
     "behav_weight_mean",
-    "behav_capped_fraction",
+    "tis_truncated_fraction",
+    "token_mis_masked_fraction",
+    "seq_mis_masked_fraction",
+    "m2po_masked_fraction",
     "entropy_mean",
     "nonfinite_count",
 )
@@ -115,21 +119,63 @@ class TokenConstants(NamedTuple):
     A: Tensor
     p: Tensor  # proximal log-probs (b without prox), 0 where dropped
     q: Tensor | None
-    w_raw: Tensor  # behaviour weight exp(p - b) before the cap (1 without prox; 0 where dropped)
-    w: Tensor  # after the cap (0 where rejected by a mask-mode cap or dropped)
-    capped: Tensor  # bool: w_raw > U
+    w_raw: Tensor  # behaviour weight exp(p - b) before any option (1 without prox; 0 where dropped)
+    w: Tensor  # after the options (0 where masked by an option or dropped)
     dropped: Tensor  # bool: loss token whose behaviour weight is not finite
-    kept: Tensor  # bool: loss token that enters the sequence statistics
+    kept: Tensor  # bool: loss token that enters the sequence statistics (not dropped, not masked)
+    tis_truncated: Tensor  # bool: kept token whose weight TIS truncated
+    token_mis_masked: Tensor  # bool: masked by token MIS (IcePop band)
+    m2po_masked: Tensor  # bool: masked by M2PO
+    seq_mis_masked: Tensor  # bool: masked because its sequence left the sequence-MIS band
 
     def slice(self, a: int, b: int) -> TokenConstants:
         return TokenConstants(*(None if x is None else x[a:b] for x in self))
 
 
-def token_constants(behav_logprobs, adv, mask, prox, ref, dt, dev, cfg: PPOLossConfig) -> TokenConstants:
+def _outside(x: Tensor, lo: float | None, hi: float | None) -> Tensor:
+    """x < lo or x > hi (a bound of None is absent); the band itself is closed."""
+    out = torch.zeros_like(x, dtype=torch.bool)
+    if lo is not None:
+        out = out | (x < lo)
+    if hi is not None:
+        out = out | (x > hi)
+    return out
+
+
+def m2po_select(sq: Tensor, valid: Tensor, tau: float) -> Tensor:
+    """M2PO's batch-global selection: bool [T], True on the tokens to mask.
+
+    Among the ``valid`` tokens, mask the k largest ``sq`` (squared log behaviour weights), k the
+    smallest count such that the mean of the remaining ones is < ``tau`` (all of them when even the
+    smallest alone is >= tau: an empty set, no policy gradient). Deterministic: a stable
+    descending sort, so among equal values the earlier token is masked first. Static shapes (no
+    host sync, no boolean indexing): O(T log T) time for the sort, O(T) memory; the sums are in
+    float64 so a suffix mean over 10^6 tokens does not lose the small values.
+    """
+    T = sq.shape[0]
+    key = torch.where(valid, sq.double(), torch.full_like(sq, -1.0, dtype=torch.float64))  # invalid last
+    vals, order = torch.sort(key, descending=True, stable=True)
+    vals = vals.clamp_min(0.0)
+    n = valid.sum()
+    idx = torch.arange(T, device=sq.device)
+    # mean of the sorted values i..n-1 (what remains after masking the first i)
+    suffix = vals.sum() - (vals.cumsum(0) - vals)
+    mean = suffix / (n - idx).clamp_min(1).double()
+    ok = (idx < n) & (mean < tau)
+    k = torch.where(ok, idx, n.expand_as(idx)).min() if T > 0 else n
+    out = torch.zeros(T, dtype=torch.bool, device=sq.device)
+    return out.scatter(0, order, idx < k)
+
+
+def token_constants(behav_logprobs, adv, mask, prox, ref, dt, dev, cfg: PPOLossConfig,
+                    cu_seqlens: Tensor | None = None) -> TokenConstants:
     """Detached, cleaned constants. Values of unmasked tokens (prompt, padding) may hold anything
     (NaN advantages, -inf log-probs); they are zeroed, since a NaN there would leak through
     0 * NaN in the backward. A loss token whose behaviour weight is not finite is dropped
-    (``docs/objective.md``, "Non-finite inputs")."""
+    (``docs/objective.md``, "Non-finite inputs"). Then the behaviour-weight options, in this
+    order (``docs/objective.md``, "Train/inference mismatch and staleness corrections"): token
+    MIS and M2PO mask tokens, sequence MIS masks whole sequences (geometric mean over the tokens
+    still kept) and gives their kept tokens the sequence weight, TIS truncates what remains."""
     with torch.no_grad():
         m = mask.detach().to(dev) != 0
         zero = torch.zeros((), dtype=dt, device=dev)
@@ -146,17 +192,27 @@ def token_constants(behav_logprobs, adv, mask, prox, ref, dt, dev, cfg: PPOLossC
         behav_logprobs = torch.where(dropped, zero, behav_logprobs)
         p = torch.where(dropped, zero, p) if prox is not None else behav_logprobs
         w_raw = torch.where(dropped, zero, w_raw)
-        w = w_raw
-        capped = torch.zeros_like(m)
-        kept = m & ~dropped
-        if cfg.behav_weight_cap is not None:
-            capped = w_raw > cfg.behav_weight_cap
-            if cfg.behav_weight_mode == "mask":
-                w = torch.where(capped, zero, w_raw)
-                kept = kept & ~capped
-            else:
-                w = w_raw.clamp(max=cfg.behav_weight_cap)
-    return TokenConstants(m, behav_logprobs, A, p, q, w_raw, w, capped, dropped, kept)
+        valid = m & ~dropped
+        log_w = p - behav_logprobs  # 0 on dropped and unmasked tokens
+        no = torch.zeros_like(m)
+        token_mis = valid & _outside(w_raw, cfg.token_mis_lower, cfg.token_mis_upper)
+        m2po = no if cfg.m2po_tau is None else valid & m2po_select(log_w * log_w, valid, cfg.m2po_tau)
+        kept = valid & ~token_mis & ~m2po
+        w = torch.where(kept, w_raw, zero)
+        seq_mis = no
+        if cfg.seq_mis:
+            S = cu_seqlens.shape[0] - 1
+            seg = segment_ids(cu_seqlens, m.shape[0], dev)
+            n_kept = _segsum(kept.to(dt), seg, S)
+            w_s = torch.exp(_segsum(torch.where(kept, log_w, zero), seg, S) / n_kept.clamp_min(1.0))
+            seq_mis = kept & _outside(w_s, cfg.seq_mis_lower, cfg.seq_mis_upper)[seg]
+            kept = kept & ~seq_mis
+            w = torch.where(kept, w_s[seg], zero)
+        tis = no
+        if cfg.tis_cap is not None:
+            tis = kept & (w > cfg.tis_cap)
+            w = w.clamp(max=cfg.tis_cap)
+    return TokenConstants(m, behav_logprobs, A, p, q, w_raw, w, dropped, kept, tis, token_mis, m2po, seq_mis)
 
 
 def _log_ratio(logp: Tensor, C: TokenConstants):
@@ -274,7 +330,7 @@ def ppo_objective(
     """
     T = logp.shape[0]
     dt, dev = logp.dtype, logp.device
-    C = token_constants(behav_logprobs, adv, mask, prox, ref, dt, dev, cfg)
+    C = token_constants(behav_logprobs, adv, mask, prox, ref, dt, dev, cfg, cu_seqlens)
     m = C.m
     zero = torch.zeros((), dtype=dt, device=dev)
 
@@ -284,8 +340,8 @@ def ppo_objective(
         rho, rho_clean, finite = _log_ratio(logp, C)
         S = cu_seqlens.shape[0] - 1
         seg = segment_ids(cu_seqlens, T, dev)
-        # means over the kept tokens only: a token rejected by the cap (mask mode) or dropped as
-        # non-finite would otherwise still pull the sequence's ratio and advantage
+        # means over the kept tokens only: a token masked by a behaviour-weight option or dropped
+        # as non-finite would otherwise still pull the sequence's ratio and advantage
         kept = C.kept
         denom = _segsum(kept.to(dt), seg, S).clamp_min(1.0)
         rho_s = _segsum(torch.where(kept, rho, zero), seg, S) / denom
@@ -313,7 +369,10 @@ def ppo_objective(
             "approx_kl": mean(rho_clean),
             "behav_kl": mean(C.p - C.behav_logprobs),
             "behav_weight_mean": mean(C.w_raw),
-            "behav_capped_fraction": mean(C.capped),
+            "tis_truncated_fraction": mean(C.tis_truncated),
+            "token_mis_masked_fraction": mean(C.token_mis_masked),
+            "seq_mis_masked_fraction": mean(C.seq_mis_masked),
+            "m2po_masked_fraction": mean(C.m2po_masked),
             "entropy_mean": mean(entropy),
             "nonfinite_count": (m & ~finite).to(dt).sum(),
         }
@@ -321,3 +380,26 @@ def ppo_objective(
             stats["kl_mean"] = mean(kl)
         stats = {k: v.detach().float() for k, v in stats.items()}
     return loss, stats
+
+
+def mismatch_stats(behav_logprobs: Tensor, prox: Tensor, logp: Tensor, mask: Tensor) -> dict[str, float]:
+    """The train/inference mismatch dashboard of one step (``docs/objective.md``, "Dashboard").
+
+    On the loss tokens where b, p and l are finite: KL(inference || train) estimated from samples
+    of the inference policy, k1 = mean(b - p) and k3 = mean(w - 1 - log w) with w = exp(p - b)
+    (unbiased, always >= 0), and the quantiles p50/p90/p99/max of w (``mismatch_ratio_*``) and of
+    the current ratio exp(l - p) (``ratio_*``). Host floats; empty dict without loss tokens."""
+    with torch.no_grad():
+        b, p, l = (x.detach().double().flatten() for x in (behav_logprobs, prox, logp))
+        ok = (mask.detach().flatten() != 0) & torch.isfinite(b) & torch.isfinite(p) & torch.isfinite(l)
+        if not bool(ok.any()):
+            return {}
+        log_w, log_r = (p - b)[ok], (l - p)[ok]
+        out = {"mismatch_k1": float((-log_w).mean()), "mismatch_k3": float((torch.expm1(log_w) - log_w).mean())}
+        for name, x in (("mismatch_ratio", log_w), ("ratio", log_r)):
+            # quantiles of the log-ratio, exponentiated (exp is monotone; nearest-rank, no interpolation)
+            srt = torch.sort(x).values
+            for q in (50, 90, 99):
+                out[f"{name}_p{q}"] = float(torch.exp(srt[min(len(srt) - 1, (q * len(srt)) // 100)]))
+            out[f"{name}_max"] = float(torch.exp(srt[-1]))
+    return out

@@ -24,7 +24,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from areal_fast.ops.loss_config import PPOLossConfig, check_finite
+from areal_fast.ops.loss_config import PPOLossConfig, check_finite, migrate_deprecated_options
 
 ADV_ESTIMATORS = ("grpo", "rloo")
 PROX_MODES = ("recompute", "approx", "none")
@@ -132,6 +132,8 @@ class PPOConfig:
     """See ``reward_scale``."""
 
     def __post_init__(self):
+        if isinstance(self.loss, dict):  # run configs written with behav_weight_cap still load
+            self.loss = migrate_deprecated_options(self.loss, "ppo.loss.")
         self.loss = _section(PPOLossConfig, self.loss, "ppo.loss")
         if self.prox_mode not in PROX_MODES:
             raise ValueError(f"ppo.prox_mode must be one of {PROX_MODES}, got {self.prox_mode!r}")
