@@ -2,7 +2,7 @@
 
 import pytest
 
-from areal_fast.reward.code import code_reward, extract_code, outputs_match
+from areal_fast.reward.code import code_reward, extract_code, outputs_match, values_equal
 
 ADD_TESTS = [{"input": "2 3\n", "output": "5\n"}, {"input": "10 -4\n", "output": "6"}]
 TIMEOUT_S = 0.5  # per test, for programs that must time out: any limit gets there, a short one sooner
@@ -135,6 +135,36 @@ def test_extract_code_prefers_last_python_block():
 )
 def test_outputs_match(got, expected, same):
     assert outputs_match(got, expected) is same
+
+
+BIG = "1" + "0" * 5000  # float() makes it inf: any two such numbers were "within 1e-6"
+
+
+@pytest.mark.parametrize(
+    "got,expected,same",
+    [  # integers are compared exactly (issue 32 M2): a 1e-6 tolerance accepted 1000000000 for 1000000007
+     ("1000000000", "1000000007", False), ("1000000007", "1000000007", True), ("999999", "1000000", False),
+     ("5.0000001", "5", False), (BIG, BIG[:-1] + "1", False), (BIG, BIG, True),
+     ("-0", "0", True), ("+5", "5", True), ("05", "5", True), ("5.0", "5", True), ("1e9", "1000000000", True),
+     # only plain ASCII decimal numbers are numbers: float() also reads these
+     ("1_000", "1000", False), ("1_000.5", "1000.5", False), ("\u0661\u0662", "12", False),
+     ("infinity", "1e999", False), ("nan", "nan", True),  # the same text is always equal
+     # floats keep their tolerance
+     ("0.3333333", "0.33333333", True), ("1.0000001", "1.0", True), ("2", "2.0", True), ("1.1", "1.0", False),
+     ("1e-7", "0.0", True), ("1e9", "1.00001e9", False)],
+)
+def test_outputs_match_integers_exactly_floats_within_1e_6(got, expected, same):
+    assert outputs_match(got, expected) is same, (got[:20], expected[:20])
+
+
+@pytest.mark.parametrize(
+    "got,expected,same",
+    [(1000000000, 1000000007, False), (1000000000.0, 1000000007, False), (3.0, 3, True), (3, 3, True),
+     (2**60 + 1, 2**60, False), (float(2**60), 2**60 + 1, False), (3, 3.0000001, True), (0.1 + 0.2, 0.3, True),
+     ([1, 2.0000001], [1, 2.0], True), ([1.0000001, 2], [1, 2], False), (True, 1, False), (1, True, False)],
+)
+def test_values_equal_integers_exactly_floats_within_1e_6(got, expected, same):
+    assert values_equal(got, expected) is same
 
 
 def test_bad_task_is_named():

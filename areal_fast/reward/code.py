@@ -30,6 +30,7 @@ order, is refused as tampered.
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import re
@@ -41,6 +42,10 @@ from .sandbox import SandboxLimits, SandboxResult, run_sandboxed
 DEFAULT_TIME_LIMIT_S = 2.0
 DEFAULT_MEMORY_MB = 1024
 _FLOAT_REL_TOL = 1e-6  # outputs like 0.3333333 vs 0.333333333 are accepted (judges use 1e-6)
+# Numbers in program output: plain ASCII decimals only. float() and Decimal() also read "1_000", "inf",
+# "nan" and non-ASCII digits, none of which a judge takes for a number.
+_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+_INTEGER = re.compile(r"[+-]?\d+", re.ASCII)
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
 _STDERR_TAIL = 400
 
@@ -90,17 +95,23 @@ def _lines(text: str) -> list[str]:
     return lines
 
 
-def _token_equal(a: str, b: str) -> bool:
-    if a == b:
+def _token_equal(got: str, expected: str) -> bool:
+    """Same text; or both numbers and: an expected integer equal exactly (as decimals: 5, +5, 05,
+    5.0, 5e0 are 5; 1000000000 is not 1000000007), an expected float within 1e-6 (relative or absolute)."""
+    if got == expected:
         return True
-    try:
-        return math.isclose(float(a), float(b), rel_tol=_FLOAT_REL_TOL, abs_tol=_FLOAT_REL_TOL)
-    except ValueError:
+    if not (_NUMBER.fullmatch(got) and _NUMBER.fullmatch(expected)):
         return False
+    if _INTEGER.fullmatch(expected):
+        try:
+            return decimal.Decimal(got) == decimal.Decimal(expected)  # exact, any length
+        except decimal.InvalidOperation:  # an exponent beyond Decimal's range
+            return False
+    return math.isclose(float(got), float(expected), rel_tol=_FLOAT_REL_TOL, abs_tol=_FLOAT_REL_TOL)
 
 
 def outputs_match(got: str, expected: str) -> bool:
-    """Line by line, trailing whitespace ignored; tokens equal or floats within 1e-6."""
+    """Line by line, trailing whitespace ignored; tokens equal, integers exactly, floats within 1e-6."""
     g, e = _lines(got), _lines(expected)
     if g == e:
         return True
@@ -162,12 +173,15 @@ def _summary(passed: int, n: int, partial: bool, first_bad: RewardResult | None)
 
 
 def values_equal(got: object, expected: object) -> bool:
-    """JSON values equal, floats (anywhere inside) within 1e-6; lists and tuples alike."""
+    """JSON values equal, anywhere inside: an expected float within 1e-6, an expected integer exactly
+    (a float return value too: 3.0 is 3, 1000000000.0 is not 1000000007); lists and tuples alike."""
     if isinstance(got, bool) or isinstance(expected, bool):
         return type(got) is type(expected) and got == expected
     if isinstance(got, float) or isinstance(expected, float):
         if not isinstance(got, (int, float)) or not isinstance(expected, (int, float)):
             return False
+        if not isinstance(expected, float):
+            return got == expected  # Python compares int and float exactly
         return math.isclose(got, expected, rel_tol=_FLOAT_REL_TOL, abs_tol=_FLOAT_REL_TOL)
     if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
         return len(got) == len(expected) and all(values_equal(g, e) for g, e in zip(got, expected))
