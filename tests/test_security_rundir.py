@@ -270,3 +270,46 @@ def test_client_and_weight_sync_use_one_key(tmp_path, monkeypatch):
     external = load_config(None, [f"weights.api_key={SECRET}", "rollout.servers=[http://127.0.0.1:1]"])
     monkeypatch.delenv(API_KEY_ENV)
     assert run_api_key(external) == SECRET
+
+
+# ----------------------------------------------------------------------------- the trainer's process group (M7)
+
+LISTENERS = r"""
+import os, torch, torch.distributed as dist
+from areal_fast.trainer.model import init_process_group_if_needed
+os.environ.pop("RANK", None)
+init_process_group_if_needed(torch.device("cpu"))
+x = torch.ones(2); dist.all_reduce(x)
+store = dist.distributed_c10d._get_default_store()
+while hasattr(store, "underlying_store"):
+    store = store.underlying_store
+mine = set()
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        continue
+    if target.startswith("socket:["):
+        mine.add(target[8:-1])
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in open(table).read().splitlines()[1:]:
+        f = line.split()
+        if f[3] == "0A" and f[9] in mine:  # LISTEN, one of ours
+            print("listen", f[1].split(":")[0])
+print("store", type(store).__name__)
+"""
+
+
+@pytest.mark.slow  # a subprocess with its own default process group
+def test_a_world_of_one_trainer_group_hosts_no_tcp_store_and_listens_on_loopback_only():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "GLOO_SOCKET_IFNAME")}
+    out = subprocess.run([sys.executable, "-c", LISTENERS], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split("\n")
+    assert "store HashStore" in lines, out.stdout
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net writes them
+    listening = [ln.split()[1] for ln in lines if ln.startswith("listen ")]
+    assert all(a in loopback for a in listening), f"listening beyond loopback: {listening}"

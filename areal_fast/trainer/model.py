@@ -166,18 +166,22 @@ def hf_name(key: str) -> str:
 
 
 def init_process_group_if_needed(device: torch.device) -> None:
-    """Single-process callers (a controller with world size 1) get a gloo/nccl group on a free port."""
+    """Single-process callers (a controller with world size 1) get a gloo/nccl group over an
+    in-process ``HashStore``: no TCP store (a ``tcp://`` init hosts an unauthenticated store on every
+    interface), and gloo's pair listener on loopback only. Under torchrun: its ``env://`` rendezvous
+    (torchrun's agent hosts that store; see docs/security.md)."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-        )
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        # gloo's own listener on loopback, for this group only (a later weight group may need another interface)
+        old = os.environ.get("GLOO_SOCKET_IFNAME")
+        if backend == "gloo" and old is None:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        try:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        finally:
+            if backend == "gloo" and old is None:
+                os.environ.pop("GLOO_SOCKET_IFNAME", None)
     else:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
