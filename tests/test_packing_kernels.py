@@ -213,28 +213,35 @@ def test_empty_shapes():
     assert p.shape == (4, 0) and pos.tolist() == [0, 1, 2, 0]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gpu_kernels_match_reference(dtype):
-    """Compiled kernels on CUDA: every case above plus long sequences, a wide row and a capped grid."""
+# The compiled kernels on CUDA for every dtype, and the same test logic in the Triton interpreter on
+# the CPU for one dtype (3.5 s), so a slip in the test itself shows in CI, not on the GPU machine.
+KERNEL_RUNS = [pytest.param("cuda", "triton", dt, marks=pytest.mark.gpu, id=f"cuda-{dt}") for dt in DTYPES] + [
+    pytest.param("cpu", "interpret", torch.bfloat16, marks=pytest.mark.interpreter, id="cpu-interpret")]
+
+
+@pytest.mark.parametrize("device,backend,dtype", KERNEL_RUNS)
+def test_kernels_match_reference_every_case(device, backend, dtype):
+    """Every case above; on CUDA also long sequences and a wide row; and a capped grid."""
     from areal_fast.kernels import packing as K
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     gen = torch.Generator().manual_seed(7)
-    cases = [(LENGTHS[c], L, t) for c in LENGTHS for t in TRAILING] + [([3000, 0, 1, 4097, 2500], 4100, (1000,))]
+    cases = [(LENGTHS[c], L, t) for c in LENGTHS for t in TRAILING]
+    if device == "cuda":
+        cases.append(([3000, 0, 1, 4097, 2500], 4100, (1000,)))
     for lengths, Lmax, trailing in cases:
         padded = random_bits((len(lengths), Lmax, *trailing), dtype, gen).to(dev)
-        got, want = pack(padded, lengths, backend="triton"), pack_ref(padded, lengths)
+        got, want = pack(padded, lengths, backend=backend), pack_ref(padded, lengths)
         assert all(same_bits(g, w) for g, w in zip(got, want))
         packed, cu, _ = got
         for pad in (0, 7):
-            assert same_bits(unpack(packed, cu, Lmax + 1, pad, backend="triton"), unpack_ref(packed, cu, Lmax + 1, pad))
+            assert same_bits(unpack(packed, cu, Lmax + 1, pad, backend=backend), unpack_ref(packed, cu, Lmax + 1, pad))
         order = torch.randperm(len(lengths), generator=gen)
         extra = [random_bits((packed.shape[0], 3), torch.bfloat16, gen).to(dev), packed[:, None].clone()]
-        g, new_cu = gather_segments([packed, *extra], cu, order, backend="triton")
+        g, new_cu = gather_segments([packed, *extra], cu, order, backend=backend)
         gr, new_cu_r = gather_segments_ref([packed, *extra], cu, order)
         assert torch.equal(new_cu, new_cu_r) and all(same_bits(a, b) for a, b in zip(g, gr))
-        back = scatter_segments(g, cu, order, backend="triton")
+        back = scatter_segments(g, cu, order, backend=backend)
         assert all(same_bits(a, b) for a, b in zip(back, [packed, *extra]))
     out = torch.empty_like(packed)
     K.segment_copy([packed], [out], new_cu, cu.long()[:-1][order.to(dev)].contiguous(), scatter=False,
