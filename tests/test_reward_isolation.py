@@ -2,12 +2,16 @@
 
 * memory: a run's processes together stay within the run's cap (a cgroup, or the RLIMIT fallback);
 * the host: no host /proc (other processes' command lines), no /work, no repository, no /etc,
-  no setuid escalation (every mount nosuid, no_new_privs set).
+  no setuid escalation (every mount nosuid, no_new_privs set);
+* the kernel (issue 32 H3, M3), in every mode this machine can run: the launcher's keyrings are out
+  of reach (a fresh session keyring, keyctl denied), no user namespace, no mount, each call of the
+  seccomp deny list fails with EPERM, and ordinary programs (threads, fork, exec) still work.
 
 Each test waits only on events it controls (pipes, process exit), never on a timer.
 """
 
 import dataclasses
+import functools
 import glob
 import json
 import logging
@@ -22,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from test_reward_sandbox import FINISH, FINISH_S, assert_no_leftovers
+from test_reward_seccomp import ENOSYS, EPERM, probe_source
 
 from areal_fast.reward import cgroup, sandbox
 from areal_fast.reward.code import code_reward
@@ -331,3 +336,199 @@ def test_cgroup_v2_files_written_and_read(tmp_path, monkeypatch):
     assert run.oom_kills() == 2
     run.remove()
     assert not os.path.exists(d) and run.dirs == []
+
+
+# ---------------------------------------------------------------- the kernel: keys, namespaces, syscalls
+SYSTEM_PYTHON = "/usr/bin/python3"  # mode uid shows the host's files: an interpreter any uid can run
+
+
+@functools.cache
+def mode_isolation(mode: str) -> sandbox.Isolation | str:
+    """An Isolation for ``mode`` that works on this machine, or why there is none.
+
+    As root, ``ns`` and ``plain`` run the program as root (they are the modes of an unprivileged
+    launcher): they exercise the same confinement path (after unshare, in the forked child).
+    """
+    if mode == "ns+uid":
+        return ISO if ISO.mode == "ns+uid" else f"needs root + unshare (mode here: {ISO.mode})"
+    if mode == "uid":
+        if os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK):
+            return f"needs root and {SYSTEM_PYTHON}"
+        return sandbox.Isolation("uid", SYSTEM_PYTHON, False, cgroup=ISO.cgroup)
+    iso = sandbox.Isolation(mode, ISO.python, mode == "ns", cgroup=ISO.cgroup)
+    if mode == "ns" and (shutil.which("unshare") is None or not sandbox._probe(iso)):
+        return "unshare --user refused here"
+    return iso
+
+
+def isolation_for(mode: str) -> sandbox.Isolation:
+    iso = mode_isolation(mode)
+    if isinstance(iso, str):
+        pytest.skip(iso)
+    return iso
+
+
+MODES = ["ns+uid", "uid", "ns", "plain"]
+
+# Runs as a launcher of its own (the test process keeps its keyrings): joins a named session keyring
+# that links root's user keyring, as a login session does, adds a secret key to it, then runs a program
+# in the sandbox that tries to read and revoke that key and to plant keys in both keyrings.
+KEYRING_LAUNCHER = r"""
+import ctypes, dataclasses, json, os, sys
+from areal_fast.reward import sandbox
+ADD_KEY, KEYCTL = {"x86_64": (248, 250), "aarch64": (217, 219)}[os.uname().machine]
+JOIN, GET_ID, LINK, REVOKE, READ, SEARCH, SESSION, USER = 1, 0, 8, 3, 11, 10, -3, -4
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(nr, *args):
+    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_char_p(a) if isinstance(a, bytes) else ctypes.c_long(a)
+                                          for a in args])
+    return r, (ctypes.get_errno() if r < 0 else 0)
+def read(key):
+    buf = ctypes.create_string_buffer(256)
+    r = libc.syscall(ctypes.c_long(KEYCTL), ctypes.c_long(READ), ctypes.c_long(key), buf, ctypes.c_long(256))
+    return buf.raw[:r].decode() if r >= 0 else None
+spec = json.loads(sys.argv[1])
+token = spec["token"]
+assert call(KEYCTL, JOIN, ("areal_test_" + token).encode())[0] > 0
+user_kr = call(KEYCTL, GET_ID, USER, 1)[0]
+assert call(KEYCTL, LINK, USER, SESSION) == (0, 0)
+key = call(ADD_KEY, b"user", ("areal_secret_" + token).encode(), token.encode(), len(token), SESSION)[0]
+assert key > 0 and read(key) == token
+prog = PROGRAM % (key, user_kr, token, token)
+iso = sandbox.Isolation(spec["mode"], spec["python"], spec["mode"].startswith("ns"), cgroup=sandbox.isolation().cgroup)
+if spec["mode"] == "ns+uid":
+    iso = sandbox.isolation()
+if not spec["seccomp"]:
+    iso = dataclasses.replace(iso, seccomp=False)
+run = sandbox._run(iso, [iso.python, "-I", "-c", prog], b"", {}, sandbox.SandboxLimits(timeout_s=20.0))
+found = {}
+for where, kr in (("user", user_kr), ("session", SESSION)):
+    r, e = call(KEYCTL, SEARCH, kr, b"user", ("areal_planted_" + token).encode(), 0)
+    found[where] = r > 0
+    if r > 0:  # clean up what a broken sandbox planted in root's user keyring
+        call(KEYCTL, 9, r, user_kr)
+still_readable = read(key) == token
+call(KEYCTL, REVOKE, key)
+print(json.dumps({"run": [run.status, run.stdout.decode(), run.stderr.decode()[-500:]],
+                  "still_readable": still_readable, "planted": found}))
+"""
+KEYRING_PROGRAM = r"""
+import ctypes, json, os
+ADD_KEY, KEYCTL = {"x86_64": (248, 250), "aarch64": (217, 219)}[os.uname().machine]
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(nr, *args):
+    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_char_p(a) if isinstance(a, bytes) else ctypes.c_long(a)
+                                          for a in args])
+    return [r, ctypes.get_errno() if r < 0 else 0]
+key, user_kr, token = %d, %d, %r
+buf = ctypes.create_string_buffer(256)
+r = libc.syscall(ctypes.c_long(KEYCTL), ctypes.c_long(11), ctypes.c_long(key), buf, ctypes.c_long(256))
+planted = ("areal_planted_" + %r).encode()
+print(json.dumps({"read": buf.raw[:r].decode() if r >= 0 else ctypes.get_errno(),
+                  "add_to_root_user_keyring": call(ADD_KEY, b"user", planted, b"x", 1, user_kr),
+                  "add_to_session": call(ADD_KEY, b"user", planted, b"x", 1, -3),
+                  "revoke": call(KEYCTL, 3, key)}))
+"""
+
+
+def run_keyring_attack(mode: str, seccomp_on: bool) -> dict:
+    iso = isolation_for(mode)
+    token = secrets.token_hex(8)
+    spec = json.dumps({"mode": mode, "python": iso.python, "seccomp": seccomp_on, "token": token})
+    src = f"PROGRAM = {KEYRING_PROGRAM!r}\n" + KEYRING_LAUNCHER
+    r = subprocess.run([sys.executable, "-c", src, spec], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0 and ("AssertionError" in r.stderr and "JOIN" in r.stderr):
+        pytest.skip(f"keyrings unavailable here: {r.stderr[-300:]}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    status, stdout, stderr = out["run"]
+    assert status == "ok", out
+    return {**out, "program": json.loads(stdout)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_launchers_keyrings_are_out_of_reach(mode):
+    """H3: the program could read and revoke the launcher's key and plant one in root's user keyring."""
+    got = run_keyring_attack(mode, seccomp_on=True)
+    prog = got["program"]
+    assert prog["read"] == EPERM, got  # not the payload
+    assert prog["revoke"] == [-1, EPERM] and prog["add_to_session"] == [-1, EPERM], got
+    assert prog["add_to_root_user_keyring"] == [-1, EPERM], got
+    assert got["still_readable"] and got["planted"] == {"user": False, "session": False}, got
+
+
+@pytest.mark.parametrize("mode", ["ns+uid", "uid"])
+def test_without_the_filter_the_fresh_keyring_alone_keeps_them_out(mode):
+    """The second layer: after the uid switch the program possesses none of the launcher's keys."""
+    got = run_keyring_attack(mode, seccomp_on=False)
+    prog = got["program"]
+    assert isinstance(prog["read"], int), got  # an errno (EACCES), not the payload
+    assert prog["revoke"][0] == -1 and prog["add_to_root_user_keyring"][0] == -1, got
+    assert prog["add_to_session"][0] > 0, got  # into its own new keyring: harmless, and gone with it
+    assert got["still_readable"] and got["planted"] == {"user": False, "session": False}, got
+
+
+USERNS_AND_MOUNT = r"""
+import ctypes, os
+CLONE_NEWUSER, CLONE_NEWNS, MS_REC, MS_PRIVATE = 0x10000000, 0x20000, 0x4000, 0x40000
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
+    print("unshare", ctypes.get_errno())
+    raise SystemExit(0)
+caps = [l.split()[1] for l in open("/proc/self/status") if l.startswith("CapEff")][0]
+libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None)  # never propagate anything back
+os.mkdir("m")
+r = libc.mount(b"none", b"m", b"tmpfs", 0, None)
+print("mounted" if r == 0 else "mount", ctypes.get_errno(), caps)
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_user_namespace_and_no_mount(mode):
+    """M3: a new user namespace gave the program every capability in it, and a tmpfs mount."""
+    iso = isolation_for(mode)
+    r = sandbox._run(iso, [iso.python, "-I", "-c", USERNS_AND_MOUNT], b"", {}, FINISH)
+    assert r.ok and r.stdout.split() == [b"unshare", str(EPERM).encode()], r
+
+
+def host_syscall_numbers() -> dict:
+    """seccomp.py's table for this machine (test_reward_seccomp checks it against the system headers)."""
+    from areal_fast.reward import seccomp
+
+    arch = seccomp.host_arch()
+    if arch is None:
+        pytest.skip(f"no syscall table for {os.uname().machine}")
+    return arch.numbers
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_denied_call_fails_with_eperm_inside_the_sandbox(mode):
+    iso = isolation_for(mode)
+    r = sandbox._run(iso, [iso.python, "-I", "-c", probe_source(host_syscall_numbers())], b"", {}, FINISH)
+    assert r.ok, r
+    got = json.loads(r.stdout)
+    assert got["seccomp"] == ["2"]
+    assert got["errno"] == {name: ENOSYS if name == "clone3" else EPERM for name in got["errno"]}
+
+
+ORDINARY = r"""
+import multiprocessing, os, subprocess, sys, tempfile, threading
+box = []
+ts = [threading.Thread(target=box.append, args=(i,)) for i in range(8)]
+[t.start() for t in ts]; [t.join() for t in ts]
+child = subprocess.run([sys.executable, "-I", "-c", "print(6 * 7)"], capture_output=True, text=True).stdout.strip()
+with multiprocessing.get_context("fork").Pool(2) as pool:
+    squares = pool.map(abs, [-1, -2, -3])
+with tempfile.NamedTemporaryFile("w+", dir=os.environ["TMPDIR"]) as f:
+    f.write("x" * 100); f.flush(); f.seek(0); n = len(f.read())
+print(sorted(box) == list(range(8)), child, squares == [1, 2, 3], n)
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ordinary_programs_still_work_under_the_filter(mode):
+    iso = isolation_for(mode)
+    r = sandbox._run(iso, [iso.python, "-I", "-c", ORDINARY], b"", {}, FINISH)
+    assert r.ok and r.stdout.split() == [b"True", b"42", b"True", b"100"], r
