@@ -5,6 +5,9 @@ outgoing TCP connection (HTTP clients, torch stores) takes its local port from, 
 "found free" and "bound by the child" it can be taken by any connection on the machine. Ports
 handed out here come from below that range, are checked by binding, and are never handed out
 twice by one process.
+
+IPv6: a host with a colon (``::1``, or bracketed as in a URL, ``[::1]``) is bound with
+``AF_INET6``; :func:`url_host` gives the bracketed form every URL and ``tcp://`` address needs.
 """
 
 from __future__ import annotations
@@ -27,8 +30,23 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def bare_host(host: str) -> str:
+    """``[::1]`` -> ``::1``: the form ``socket.bind`` and ``getaddrinfo`` take."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def url_host(host: str) -> str:
+    """``::1`` -> ``[::1]``: the form a URL or a ``tcp://host:port`` address takes (others unchanged)."""
+    host = bare_host(host)
+    return f"[{host}]" if ":" in host else host
+
+
+def address_family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in bare_host(host) else socket.AF_INET
+
+
 def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(address_family(host), socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
         except OSError:
@@ -38,7 +56,8 @@ def _bindable(host: str, port: int) -> bool:
 
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that is free now, outside the ephemeral range where possible, and
-    not returned before by this process."""
+    not returned before by this process. ``host`` may be IPv6 (``::1`` or ``[::1]``)."""
+    host = bare_host(host)
     high = _ephemeral_low()
     with _lock:
         if high - _LOW > 1000:
@@ -48,7 +67,7 @@ def find_free_port(host: str = "127.0.0.1") -> int:
                     _given.add(port)
                     return port
         for _ in range(100):  # odd port ranges: fall back to the kernel's choice
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            with socket.socket(address_family(host), socket.SOCK_STREAM) as s:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
             if port not in _given:

@@ -313,3 +313,41 @@ def test_a_world_of_one_trainer_group_hosts_no_tcp_store_and_listens_on_loopback
     loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net writes them
     listening = [ln.split()[1] for ln in lines if ln.startswith("listen ")]
     assert all(a in loopback for a in listening), f"listening beyond loopback: {listening}"
+
+
+# ----------------------------------------------------------------------------- IPv6 (L7)
+
+
+def test_find_free_port_takes_an_ipv6_host():
+    import socket
+
+    from areal_fast.netutil import find_free_port, url_host
+
+    for host in ("::1", "[::1]"):
+        port = find_free_port(host)
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", port))  # free, and on ::1
+    assert url_host("::1") == url_host("[::1]") == "[::1]" and url_host("127.0.0.1") == "127.0.0.1"
+
+
+@pytest.mark.parametrize("addr", ["::1", "[::1]"])
+def test_the_weight_group_rendezvous_works_over_ipv6(addr):
+    """weights.master_addr=::1: the store listens on ::1 and the server joins at tcp://[::1]:port."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _weights_fake_server import FakeServer
+    from test_weights_session import _assert_received, _cfg, _state
+
+    from areal_fast.weights.sync import DistributedWeightSync
+
+    s = FakeServer()
+    ws = DistributedWeightSync([s.url], _cfg(master_addr=addr))
+    try:
+        ws.connect()
+        assert ws.pg is not None and s.pg is not None
+        ws.update(_state(), 3)
+        _assert_received(s, _state())
+    finally:
+        ws.close()
+        s.close()

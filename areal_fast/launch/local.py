@@ -41,7 +41,7 @@ from areal_fast.launch.base import (
     server_env,
     server_key_file,
 )
-from areal_fast.netutil import find_free_port
+from areal_fast.netutil import find_free_port, url_host
 from areal_fast.rollout.server_command import redact_command
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,8 @@ class LocalLauncher:
                 env = server_env(rollout_cfg)
                 if rollout_cfg.gpus:
                     env["CUDA_VISIBLE_DEVICES"] = str(rollout_cfg.gpus[i])
-                out.append(self.start(f"server{i}", cmd, env=env, url=f"http://{self.host}:{port}", critical=False))
+                url = f"http://{url_host(self.host)}:{port}"
+                out.append(self.start(f"server{i}", cmd, env=env, url=url, critical=False))
             self.wait_healthy(out, rollout_cfg.health_timeout)  # every server has read the key file
             return out
 

@@ -68,7 +68,7 @@ from areal_fast.launch.base import (
     server_key_file,
     tp_size,
 )
-from areal_fast.netutil import find_free_port
+from areal_fast.netutil import find_free_port, url_host
 from areal_fast.rollout.server_command import redact_command
 
 log = logging.getLogger(__name__)
@@ -279,7 +279,7 @@ class RayLauncher:
                 port = ray.get(actor.free_port.remote(host))
                 cmd = server_command(r, model_path, host, port, seed=seed + i, api_key_file=key_file, python=PYTHON)
                 out.append(self._run(actor, info, f"server{i}", cmd, {**env, HOST_ENV: host},
-                                     f"http://{host}:{port}", critical=False))
+                                     f"http://{url_host(host)}:{port}", critical=False))
             self.wait_healthy(out, r.health_timeout)  # every server has read the key file
             return out
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from areal_fast.netutil import find_free_port
+from areal_fast.netutil import address_family, bare_host, find_free_port
 from areal_fast.weights._http import WeightSyncError
 
 __all__ = ["ServerFacts", "init_custom_process_group", "host_weight_group", "bind_listen_socket",
@@ -113,7 +113,8 @@ def _new_group(backend: str, store, world_size: int, rank: int, group_name: str,
 def bind_listen_socket(host: str, port: int = 0) -> socket.socket:
     """A listening TCP socket bound to ``host`` only (``port`` 0: a free port from
     :func:`areal_fast.netutil.find_free_port`)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    host = bare_host(host)
+    family = address_family(host)
     last: OSError | None = None
     for _ in range(_BIND_ATTEMPTS if port == 0 else 1):
         p = port or find_free_port(host)
@@ -136,6 +137,7 @@ class HostedStore:
     """A master ``TCPStore`` listening on one address (see the module docstring)."""
 
     def __init__(self, host: str, port: int, world_size: int, timeout_s: float):
+        host = bare_host(host)
         sock = bind_listen_socket(host, port)
         self.host, self.port = host, sock.getsockname()[1]
         try:

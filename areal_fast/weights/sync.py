@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from packaging.version import InvalidVersion, Version
 
+from areal_fast.netutil import url_host
 from areal_fast.weights._http import HttpPool, WeightSyncError
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.gather import Bucket, BucketGatherer, Sources, collect_sources, send_dtypes
@@ -278,7 +279,8 @@ class DistributedWeightSync(WeightSync):
         store = HostedStore(cfg.resolved_master_addr, cfg.master_port, self.world_size, cfg.timeout_s)
         futs, offset = [], 1
         for u in self.urls:
-            body = {"master_address": store.host, "master_port": store.port, "rank_offset": offset,
+            # bracketed when IPv6 ([::1]): the servers build tcp://{master_address}:{master_port}
+            body = {"master_address": url_host(store.host), "master_port": store.port, "rank_offset": offset,
                     "world_size": self.world_size, "group_name": cfg.group_name, "backend": self.backend}
             futs.append((u, self.http.submit(u, "/init_weights_update_group", body)))
             offset += facts[u].tp_size
