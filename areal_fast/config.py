@@ -57,6 +57,37 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the dotted key."""
 
 
+MAX_SEED = 2**32 - 1
+"""Largest seed: SGLang seeds numpy with the server's seed (``np.random.seed`` takes < 2**32), and
+launched server i gets ``experiment.seed + i``."""
+MIN_TEMPERATURE = 0.01
+"""Smallest sampling temperature of a run: SGLang samples greedily below 1e-6 while the trainer
+would still divide its logits by the temperature, and logits / 1e-300 overflow to inf (NaN loss).
+Below 0.01 sampling is greedy in all but name; RL needs samples that differ."""
+RESERVED_SERVER_ARGS = ("--api-key", "--config")
+"""Server options the launcher owns: the run's one API key reaches the servers in a private file
+given with ``--config`` (``launch.base.server_key_file``)."""
+
+
+def check_server_url(name: str, url) -> None:
+    """Refuse a server address that would fail later (or leak): 'http(s)://host[:port][/path]' with
+    no space, no user:password@, and a port in 1..65535."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url) or any(c.isspace() for c in url):
+        raise ValueError(f"{name}: expected 'http://host:port' without spaces, got {url!r}")
+    parts = urlsplit(url)
+    if "@" in parts.netloc:
+        raise ValueError(f"{name}: no user:password@ in a server address (it would travel in the Host header); "
+                         f"the servers' key is weights.api_key or $AREAL_FAST_API_KEY, got {url!r}")
+    try:
+        port = parts.port  # ValueError: not a number, or out of 0..65535
+    except ValueError as e:
+        raise ValueError(f"{name}: bad port in {url!r} ({e})") from None
+    if not parts.hostname or port == 0:
+        raise ValueError(f"{name}: expected 'http://host:port' with a host and a port in 1..65535, got {url!r}")
+
+
 def _positive_seconds(name: str, value: float) -> None:
     if not value > 0:  # NaN and infinity never get here: the loader refuses non-finite numbers
         raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")
@@ -96,6 +127,8 @@ class ExperimentConfig:
             raise ValueError("output_dir: must not be empty")
         if self.total_steps < 1:
             raise ValueError(f"total_steps: must be >= 1, got {self.total_steps!r}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed: must be in [0, {MAX_SEED}] (numpy seeds the servers with it), got {self.seed!r}")
 
     @property
     def out(self) -> Path:
@@ -334,8 +367,12 @@ class RolloutConfig:
         if self.engine not in ("embedded", "sglang"):
             raise ValueError(f"engine: must be 'embedded' or 'sglang', got {self.engine!r}")
         for i, url in enumerate(self.servers):
-            if not re.match(r"^https?://[^/\s]+", url):
-                raise ValueError(f"servers[{i}]: expected 'http://host:port', got {url!r}")
+            check_server_url(f"servers[{i}]", url)
+        for arg in self.server_args:
+            if str(arg).split("=", 1)[0] in RESERVED_SERVER_ARGS:
+                raise ValueError(f"server_args: {arg!r} is set by the launcher (the run's one API key reaches the "
+                                 f"servers in a private file given with --config); remove it, and give the key of "
+                                 f"servers you start yourself as weights.api_key or $AREAL_FAST_API_KEY")
         if self.n_servers < 1 and not self.servers:
             raise ValueError(f"n_servers: must be >= 1, got {self.n_servers!r}")
         if not _DEVICE.match(self.device):
@@ -346,8 +383,10 @@ class RolloutConfig:
             raise ValueError(f"group_size: must be >= 1, got {self.group_size!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature: must be > 0 for RL sampling, got {self.temperature!r}")
+        if not self.temperature >= MIN_TEMPERATURE:
+            raise ValueError(f"temperature: must be >= {MIN_TEMPERATURE} for RL sampling (lower is greedy: SGLang "
+                             f"switches to greedy below 1e-6, the trainer's logits / temperature overflow), got "
+                             f"{self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if self.top_k != -1 and self.top_k < 1:
@@ -538,6 +577,13 @@ class AppConfig:
     def __post_init__(self):
         if self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher: must be one of {LAUNCHERS}, got {self.launcher!r}")
+        last_seed = self.experiment.seed + (0 if self.rollout.servers else self.rollout.n_servers - 1)
+        if last_seed > MAX_SEED:
+            raise ValueError(f"experiment.seed: launched server i gets seed + i; {self.experiment.seed!r} + "
+                             f"{self.rollout.n_servers - 1} is past {MAX_SEED}")
+        if self.train.ppo.reward_scale == 0:
+            raise ValueError("train.ppo.reward_scale: must not be 0 (every reward would be the bias: every "
+                             "advantage 0, nothing learned), got 0")
         self._fill_derived()
         if self.model.warm_start.enabled and not self.data.train.startswith("synthetic:"):
             raise ValueError(f"model.warm_start.enabled: only available with data.train = 'synthetic:reverse', "

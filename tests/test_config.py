@@ -345,3 +345,37 @@ def test_docs_list_every_key_of_the_configuration():
     assert len(keys) > 100
     assert sorted(keys - documented) == [], "keys missing from docs/config.md"
     assert sorted(documented - keys) == [], "docs/config.md lists keys that do not exist"
+
+
+# ----------------------------------------------------------------------------- issue 32, L8
+
+
+@pytest.mark.parametrize("override, needles", [
+    ("experiment.seed=18446744073709551616", ["experiment.seed", "18446744073709551616"]),  # 2**64
+    ("experiment.seed=4294967296", ["experiment.seed", "4294967296"]),  # 2**32: numpy refuses it as a seed
+    ("experiment.seed=-1", ["experiment.seed", "-1"]),
+    ("rollout.servers=[http://127.0.0.1:99999]", ["rollout.servers[0]", "99999"]),
+    ("rollout.servers=[http://127.0.0.1:abc]", ["rollout.servers[0]", "abc"]),
+    ("rollout.servers=['http://127.0.0.1:8000 /x']", ["rollout.servers[0]", "spaces"]),
+    ("rollout.servers=[http://127.0.0.1:0]", ["rollout.servers[0]", "1..65535"]),
+    ("rollout.servers=[http://user:pw@127.0.0.1:8000]", ["rollout.servers[0]", "user:password@"]),
+    ("rollout.server_args=[--config, x.yaml]", ["rollout.server_args", "--config"]),
+    ("rollout.server_args=[--api-key=abc]", ["rollout.server_args", "--api-key"]),
+    ("rollout.temperature=1e-300", ["rollout.temperature", "1e-300", "0.01"]),
+    ("train.ppo.reward_scale=0", ["train.ppo.reward_scale", "0"]),
+    ("weights.master_addr='10.0.0.1 '", ["weights.master_addr", "10.0.0.1 "]),
+])
+def test_values_that_would_fail_later_are_refused_at_load_naming_field_and_value(override, needles):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_the_edge_values_still_load():
+    cfg = load_config(None, ["experiment.seed=4294967295", "rollout.temperature=0.01", "weights.master_addr=::1",
+                             "rollout.servers=['http://[::1]:8000', 'https://h:65535/v1']",
+                             "rollout.server_args=[--configure-thing, x]"])
+    assert cfg.experiment.seed == 2**32 - 1 and cfg.weights.master_addr == "::1"
+    with pytest.raises(ConfigError, match="experiment.seed"):  # launched server 1 would get 2**32
+        load_config(None, ["experiment.seed=4294967295", "rollout.n_servers=2"])

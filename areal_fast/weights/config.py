@@ -39,7 +39,7 @@ class WeightSyncConfig:
     """Name of the weight-update process group on the servers."""
     master_addr: str | None = None
     """Address of the group's store on trainer rank 0; null: $AREAL_FAST_HOST, else 127.0.0.1.
-    The store listens on this address only."""
+    The store listens on this address only. IPv6 as ``::1`` or ``[::1]``."""
     master_port: int = 0
     """Port of that store; 0 picks a free one."""
     backend: str | None = None
@@ -68,6 +68,10 @@ class WeightSyncConfig:
             raise ValueError(f"disk_load_format: must be one of {DISK_LOAD_FORMATS}, got {self.disk_load_format!r}")
         if not self.group_name:
             raise ValueError("group_name: must not be empty")
+        if self.master_addr is not None and (not isinstance(self.master_addr, str) or not self.master_addr
+                                             or any(c.isspace() or c in "/@" for c in self.master_addr)):
+            raise ValueError(f"master_addr: expected a host name or an address (e.g. 10.0.0.7, ::1), got "
+                             f"{self.master_addr!r}")
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"master_port: must be in [0, 65535], got {self.master_port!r}")
         if self.backend not in (None, "nccl", "gloo"):
