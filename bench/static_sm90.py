@@ -36,13 +36,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# Before Triton is imported: compile for real (not the interpreter), with FP fusion as the JIT
-# default, and into a private cache so that ptxas runs (and logs) for every kernel.
-os.environ.pop("TRITON_INTERPRET", None)
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-_CACHE = tempfile.TemporaryDirectory(prefix="static_sm90_")
-os.environ["TRITON_CACHE_DIR"] = _CACHE.name
-
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
 CAPABILITY = 90
@@ -366,7 +359,7 @@ def compile_triton(fast: bool) -> list[KernelReport]:
     ptxas, cuobjdump = _tools()
     driver.set_active(_FakeDriver())
     knobs.nvidia.dump_ptxas_log = True  # ptxas -v of every compile, printed by Triton
-    reports = []
+    reports, ptxas_of = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for case in triton_cases(fast):
             K = importlib.import_module(f"areal_fast.kernels.{case.module}")
@@ -387,13 +380,14 @@ def compile_triton(fast: bool) -> list[KernelReport]:
                 rep = KernelReport(name=f"{case.label}: {name}", source=f"kernels/{case.module}.py", config=shown,
                                    elements_per_iteration=case.elements(meta), element=case.element,
                                    element_bytes=case.element_bytes)
-                ptx_log = parse_ptxas_log(log.getvalue())
-                analyse(rep, res_usage(cuobjdump, cubin).get(name, {}), ptx_log.get(name, {}),
+                # a launch that specialises like an earlier one reuses its binary (no ptxas run)
+                ptxas_of[ck.metadata.hash] = parse_ptxas_log(log.getvalue()).get(name) or ptxas_of.get(
+                    ck.metadata.hash, {})
+                analyse(rep, res_usage(cuobjdump, cubin).get(name, {}), ptxas_of[ck.metadata.hash],
                         sass_of(cuobjdump, cubin).get(name, []))
-                if not ptx_log:
-                    rep.warnings.append("no ptxas log captured (a cached compile?): spill bytes unknown")
+                if not ptxas_of[ck.metadata.hash]:
+                    rep.warnings.append("no ptxas log captured: spill bytes unknown")
                 reports.append(rep)
-    del triton
     return reports
 
 
@@ -440,8 +434,8 @@ def problems(result: dict) -> list[str]:
     for k in result["kernels"]:
         if k["hot_loop_spills"]:
             out.append(f"{k['name']}: {k['hot_loop_spills']} spill instruction(s) (STL/LDL) inside a loop")
-        if k["registers"] is None:
-            out.append(f"{k['name']}: no register count")
+        if k["registers"] is None or k["spill_store_bytes"] is None:
+            out.append(f"{k['name']}: no register or spill figures (no ptxas -v log)")
     return out
 
 
@@ -477,6 +471,14 @@ def summary(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _compile_env(cache_dir: str) -> None:
+    """Before Triton is imported: compile for real (not the interpreter), with FP fusion as the JIT
+    default, and into a private cache so that ptxas runs (and logs) for every kernel."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fast", action="store_true", help="bf16 at V = 151,936 and two packing widths only")
@@ -484,7 +486,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="JSON file (default bench/results/static_sm90-triton<version>.json)")
     ap.add_argument("--no-results", action="store_true", help="print only")
     args = ap.parse_args(argv)
-    result = run(args.fast, not args.no_cuda)
+    with tempfile.TemporaryDirectory(prefix="static_sm90_") as cache:
+        _compile_env(cache)
+        result = run(args.fast, not args.no_cuda)
     print(summary(result))
     if not args.no_results:
         out = args.out or RESULTS_DIR / f"static_sm90-triton{result['triton']}.json"

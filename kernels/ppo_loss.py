@@ -11,16 +11,23 @@ the loop body has no barrier or shuffle (the first version reduced three block-w
 block: 6 barriers and 24 shuffles per iteration in the sm_90a code). Exponentials are exp2 with
 log2(e) folded into the 1/tau scale, one exp2 per element (the max either moves, and the old sums
 are rescaled, or it does not, and the new term is exponentiated). Then lse = m + log s,
-H = lse - t / s and l = x_y - lse. Nothing of size [T, V] is written. Compiled for sm_90a (bf16,
-BLOCK_V 4096, 8 warps): 13.7 SASS instructions per element in the loop (was 19.6), 71 registers
-(was 48; 3 blocks = 24 warps per SM, ~24 KB of loads in flight per SM), no spills.
+H = lse - t / s and l = x_y - lse. Nothing of size [T, V] is written.
+
+Compiled for sm_90a (bf16, V = 151,936: BLOCK_V 4096, 8 warps, maxnreg 80; figures from
+``bench/static_sm90.py``, committed in bench/results/static_sm90-triton*.json):
+Triton 3.9 (ptxas 13.4) 72 registers, no spill, 13.7 SASS instructions per element in the loop
+(the first version with block-wide reductions: 19.6 and 48 registers); Triton 3.6 (ptxas 12.8)
+72 registers, no spill, 14.7 per element (without maxnreg it stopped at 64 registers and spilled
+4 bytes inside the loop: 15.6 per element). 3 blocks = 24 warps per SM, ~24 KB of loads in
+flight per SM.
 
 Backward (``token_stats_bwd``): given g = dloss/dl and e = dloss/dH per row (computed by the
 shared [T]-sized objective), recompute P blockwise from z and lse and write
 ``dz = (g (onehot(y) - P) - e P (log P + H)) / tau`` in the dtype of the output buffer, which may
 be the logits buffer itself (each block is read before it is overwritten by the same program).
 Rows with g = e = 0 (prompt and padding tokens) write zeros without reading the logits. Also in
-base 2 with the 1/tau scale folded in: 15.1 SASS instructions per element (was 23.2), 32 registers.
+base 2 with the 1/tau scale folded in: 15.1 SASS instructions per element (was 23.2), 32 registers,
+no spill, under Triton 3.6 and 3.9 alike.
 
 All arithmetic is fp32 right after the load (bf16 arithmetic gives zeros in the interpreter).
 Loads and stores are 16-byte vectors when the row stride is a multiple of 16 elements (Triton's
@@ -39,6 +46,12 @@ from areal_fast.backend import interpreter_enabled
 # 4096 bf16 elements = 8 KiB per block and 8 warps: 16 elements per thread per iteration,
 # enough loads in flight to keep HBM busy; V = 152,064 is 38 iterations per row.
 MAX_BLOCK_V = 4096
+# The forward's 48 per-lane accumulators (16 elements x m, s, t per thread at 8 warps) need ~72
+# registers. Left to itself, Triton 3.6's ptxas (CUDA 12.8) caps the kernel at 64 registers and
+# spills 4 bytes inside the vocabulary loop (2 STL/LDL per iteration, 15.6 SASS per element);
+# allowing 80 gives 72 registers, no spill, 14.7 per element. Triton 3.9 (ptxas 13.4) uses 71-72
+# either way. 72 registers x 256 threads still fit 3 blocks (24 warps) per SM, as 71 did.
+FWD_MAXNREG = 80
 # Under the interpreter each block costs Python overhead; small blocks also make the tiny test
 # vocabularies (V ~ 200..1000) take several iterations, exercising the online update and tails.
 INTERPRET_BLOCK_V = 128
@@ -49,11 +62,14 @@ def _block_v(V: int) -> int:
     return max(16, min(triton.next_power_of_2(V), cap))
 
 
-def launch_config(V: int) -> dict:
-    """The meta-parameters both launchers pass for a vocabulary of ``V`` (one place, so that the
+def launch_config(V: int, forward: bool) -> dict:
+    """The meta-parameters the launchers pass for a vocabulary of ``V`` (one place, so that the
     ahead-of-time compile in ``bench/static_sm90.py`` checks exactly what runs)."""
     block_v = _block_v(V)
-    return dict(BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4)
+    meta = dict(BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4)
+    if forward and not interpreter_enabled():
+        meta["maxnreg"] = FWD_MAXNREG
+    return meta
 
 
 @triton.jit
@@ -162,7 +178,7 @@ def token_stats_fwd(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
     if T == 0:
         return logp, ent, lse
     _ppo_token_stats_fwd_kernel[(T,)](logits, logits.stride(0), labels, logp, ent, lse, V, 1.0 / temperature,
-                                      **launch_config(V))
+                                      **launch_config(V, forward=True))
     return logp, ent, lse
 
 
@@ -177,4 +193,4 @@ def token_stats_bwd(grad_out: torch.Tensor, logits: torch.Tensor, labels: torch.
         return
     _ppo_token_stats_bwd_kernel[(T,)](logits, logits.stride(0), grad_out, grad_out.stride(0), labels, lse, ent,
                                       grad_logp.contiguous(), grad_ent.contiguous(), V, 1.0 / temperature,
-                                      **launch_config(V))
+                                      **launch_config(V, forward=False))

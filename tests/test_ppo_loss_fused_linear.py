@@ -1,5 +1,7 @@
 """Fused-linear decoupled-PPO loss vs the materialised path; chunking and micro-batch invariance."""
 
+import warnings
+
 import pytest
 import torch
 from tolerances import FP32_CHUNKED_GEMM_TOL
@@ -249,7 +251,7 @@ def test_single_pass_traces_under_torch_compile_fullgraph():
 
 
 def test_default_chunk_size_and_errors():
-    assert default_chunk_size(32768, 3584, 151936) == 1024
+    assert default_chunk_size(32768, 3584, 151936) == 4096  # TARGET_CHUNK (issue 25: was 1024)
     assert default_chunk_size(500, 64, 1000) == 500  # never more than T
     assert default_chunk_size(1 << 20, 3584, 151936) == 32768  # ~ T * H elements of logits per chunk
     d = make()
@@ -352,3 +354,97 @@ def test_weight_gradient_accumulates_in_fp32_inside_the_gemm():
     assert (grads.gb.double() - exact_b).abs().max().item() <= 1e-5 * exact_b.abs().max().item()
     gh, gw, gb = grads.result()
     assert gw.dtype == torch.bfloat16 and gb.dtype == torch.bfloat16 and gh.numel() == 0
+
+
+# ----------------------------------------------------------------------------- chunk size, fp32 GEMM path
+
+GIB = 1 << 30
+
+
+def test_chunk_size_is_bounded_by_free_memory():
+    """4,096 rows (8 chunks at T = 32k, a quarter of the fp32 accumulator traffic of 1,024-row
+    chunks) while a quarter of the free memory holds two bf16 chunks of logits; fewer otherwise,
+    in multiples of 256 and never below 256."""
+    from areal_fast.ops.fused_linear import CHUNK_BUFFERS, CHUNK_MEMORY_FRACTION, MIN_CHUNK, TARGET_CHUNK
+
+    T, H, V = 32768, 3584, 151936
+    assert default_chunk_size(T, H, V, free_bytes=60 * GIB) == TARGET_CHUNK == 4096
+    per_row = CHUNK_BUFFERS * V * 2
+    free = int(3000 * per_row / CHUNK_MEMORY_FRACTION)  # room for 3,000 rows: rounded down to 2,816
+    assert default_chunk_size(T, H, V, free_bytes=free) == 2816
+    assert default_chunk_size(T, H, V, itemsize=4, free_bytes=free) == 1280  # fp32 logits: half as many
+    assert default_chunk_size(T, H, V, free_bytes=0) == MIN_CHUNK  # never below the floor
+    assert default_chunk_size(100, H, V, free_bytes=0) == 100  # nor above T
+    # huge T: Liger's T-proportional rule, still capped by memory (20 GB of 80 free -> 32,768 rows)
+    assert default_chunk_size(1 << 20, H, V, free_bytes=80 * 10**9) == 32768
+    assert default_chunk_size(1 << 20, H, V, free_bytes=20 * GIB) < 32768
+
+
+def test_default_chunk_asks_the_device_for_free_memory(monkeypatch):
+    from areal_fast.ops import fused_linear as FL
+
+    assert FL.free_device_bytes(torch.device("cpu")) is None  # no device memory to ask about
+    seen = []
+    monkeypatch.setattr(FL, "free_device_bytes", lambda device: seen.append(device) or 0)
+    d = make()
+    FL._check_linear(d["h"], d["W"], None, d["y"], None)
+    assert seen == [d["h"].device]
+
+
+@pytest.fixture
+def fresh_gemm_probe(monkeypatch):
+    """The fp32-GEMM probe cache and the warned-once set emptied for the test (and restored)."""
+    from areal_fast.ops import custom_ops
+
+    monkeypatch.setattr(custom_ops, "_FP32_ADDMM_OK", {})
+    monkeypatch.setattr(custom_ops, "_FALLBACK_WARNED", set())
+    return custom_ops
+
+
+def test_fp32_fallback_warns_once_and_stays_exact(fresh_gemm_probe, monkeypatch):
+    """Where torch cannot accumulate bf16 GEMMs in fp32 (forced here), grad_weight upcasts and
+    runs an fp32 GEMM: one loud warning per process and (device type, dtype), the result exact."""
+    ops = fresh_gemm_probe
+    monkeypatch.setitem(ops._FP32_ADDMM_OK, ("cpu", torch.bfloat16), False)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 16, generator=g).bfloat16(), torch.randn(16, 4, generator=g).bfloat16()
+    acc = torch.zeros(8, 4)
+    with pytest.warns(RuntimeWarning, match="cannot accumulate torch.bfloat16 GEMMs in fp32") as rec:
+        ops.addmm_fp32_(acc, a, b)
+        ops.addmm_fp32_(acc, a, b)
+    assert len([w for w in rec if "cannot accumulate" in str(w.message)]) == 1
+    torch.testing.assert_close(acc, 2 * (a.float() @ b.float()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.addmm_fp32_(acc, a, b)  # a third call: still silent
+        ops.addmm_fp32_(acc, a.float(), b.float())  # fp32 inputs: no fallback, nothing to say
+    assert ops.weight_grad_path(torch.device("cpu"), torch.bfloat16) == ops.PATH_UPCAST
+    assert ops.weight_grad_path(torch.device("cpu"), torch.float32) == ops.PATH_FP32_INPUTS
+
+
+def test_fp32_out_gemm_path_does_not_warn(fresh_gemm_probe, monkeypatch):
+    ops = fresh_gemm_probe
+    monkeypatch.setitem(ops._FP32_ADDMM_OK, ("cpu", torch.bfloat16), True)
+    calls = []
+    monkeypatch.setattr(ops.torch, "addmm", lambda acc, a, b, out_dtype, out: calls.append(out_dtype))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.addmm_fp32_(torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.bfloat16), torch.ones(2, 2, dtype=torch.bfloat16))
+    assert calls == [torch.float32]
+    assert ops.weight_grad_path(torch.device("cpu"), torch.bfloat16) == ops.PATH_FP32_OUT
+
+
+def test_fused_linear_backward_warns_once_on_the_fallback(fresh_gemm_probe):
+    """The real path on this torch (CPU: no fp32-out bf16 GEMM in 2.13): a bf16 fused-linear loss
+    backward over several chunks warns exactly once."""
+    ops = fresh_gemm_probe
+    if ops.weight_grad_path(torch.device("cpu"), torch.bfloat16) != ops.PATH_UPCAST:
+        pytest.skip("this torch accumulates bf16 GEMMs in fp32 on CPU: no fallback to see")
+    d = make()
+    h, W = d["h"].bfloat16().requires_grad_(), d["W"].bfloat16().requires_grad_()
+    with pytest.warns(RuntimeWarning, match="cannot accumulate") as rec:
+        for _ in range(2):
+            out = fused_linear_decoupled_ppo_loss(h, W, d["y"], d["b"], d["A"], d["m"], chunk_size=8,
+                                                  backend="reference")
+            out.loss.backward()
+    assert len([w for w in rec if "cannot accumulate" in str(w.message)]) == 1

@@ -46,19 +46,45 @@ from .objective import aggregation_weights, check_token_inputs, ppo_objective
 from .types import PPOLossOutput
 
 AVAILABLE = ("triton", "interpret", "reference")
-# At least 1024 rows per chunk: [1024, H] @ [H, V] GEMMs run near peak on H100, while smaller
-# chunks (Liger's heuristic gives 128 rows at T = 4096, H = 3584, V = 151936) lose efficiency.
-MIN_CHUNK = 1024
+# Rows per chunk. grad_weight += dz^T @ h_c reads and writes the fp32 [V, H] accumulator once per
+# chunk: 8 V H bytes, 4.4 GB at H = 3584, V = 151,936. At T = 32k, 1,024-row chunks made that
+# 32 times (~140 GB, ~47 ms at 3 TB/s); 4,096 rows make it 8 times (~35 GB, ~12 ms), for a chunk
+# of logits of 1.2 GB in bf16. Smaller chunks also lose GEMM efficiency ([1024, H] @ [H, V]
+# runs near peak on H100; Liger's rule gives 128 rows at T = 4096, H = 3584).
+TARGET_CHUNK = 4096
+# Never fewer rows than this, even when memory is short (a [256, H] @ [H, V] GEMM still fills
+# an H100; below it the chunk loop's launches and the accumulator traffic dominate).
+MIN_CHUNK = 256
+# The chunk's logits, and the buffers that live beside them (the previous chunk's logits while
+# the next GEMM runs, the Triton kernels' output), may take this share of the free memory.
+CHUNK_MEMORY_FRACTION = 0.25
+# Buffers of [rows, V] in the logits dtype alive at once per chunk: the logits (dz is written
+# into them in place) and the next chunk's logits allocated before the previous ones are freed.
+CHUNK_BUFFERS = 2
 
 
-def default_chunk_size(T: int, H: int, V: int) -> int:
-    """Rows per chunk so that a chunk of logits is about the size of ``hidden`` (T * H).
+def default_chunk_size(T: int, H: int, V: int, *, itemsize: int = 2, free_bytes: int | None = None) -> int:
+    """Rows per chunk: the larger of ``TARGET_CHUNK`` and Liger-Kernel's rule (a chunk of logits
+    about the size of ``hidden``: ``next_pow2(T / ceil(V / H))``, which grows past the target only
+    for T beyond ~180k at H = 3584), then fewer when ``CHUNK_MEMORY_FRACTION`` of ``free_bytes``
+    (device memory free now; None: no bound, e.g. on CPU) cannot hold ``CHUNK_BUFFERS`` chunks of
+    [rows, V] logits of ``itemsize`` bytes: rounded down to a multiple of ``MIN_CHUNK``, never
+    fewer than ``MIN_CHUNK``. Never more than T."""
+    per_hidden = T / max(1, math.ceil(V / max(H, 1)))
+    rows = max(TARGET_CHUNK, 1 << max(0, math.ceil(math.log2(max(per_hidden, 1)))))
+    if free_bytes is not None:
+        fit = int(CHUNK_MEMORY_FRACTION * max(free_bytes, 0)) // (CHUNK_BUFFERS * max(V, 1) * itemsize)
+        rows = min(rows, max(MIN_CHUNK, fit // MIN_CHUNK * MIN_CHUNK))
+    return max(1, min(T, rows))
 
-    ``next_pow2(T / ceil(V / H))`` (Liger-Kernel's rule), at least ``MIN_CHUNK``, at most T.
-    """
-    rows = T / max(1, math.ceil(V / max(H, 1)))
-    chunk = 1 << max(0, math.ceil(math.log2(max(rows, 1))))
-    return max(1, min(T, max(MIN_CHUNK, chunk)))
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation on ``device`` can take: the driver's free memory plus what torch's
+    caching allocator holds unused. None on CPU, or while torch.compile traces (no device query)."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, chunk_size) -> int:
@@ -82,7 +108,8 @@ def _check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: T
         raise ValueError(f"weight is on {weight.device}, hidden on {hidden.device}")
     T, H = hidden.shape
     if chunk_size is None:
-        return default_chunk_size(T, H, weight.shape[0])
+        return default_chunk_size(T, H, weight.shape[0], itemsize=hidden.element_size(),
+                                  free_bytes=free_device_bytes(hidden.device))
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return int(chunk_size)
