@@ -1,0 +1,254 @@
+"""The train/inference mismatch and staleness options of the loss (token TIS, token/sequence MIS,
+IcePop, M2PO; docs/objective.md) on small hand-computable cases, their gradients, odd shapes and
+fully masked rows in the reference, the Triton kernels (interpreter on CPU) and the fused-linear
+path, the deprecated aliases, and the mismatch dashboard's formulas.
+
+The expected values here are written from the formulas, not from ``areal_fast.ops.objective``.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+from tolerances import FP32_CHUNKED_GEMM_TOL, FP32_GRAD_TOL, FP32_REORDER_TOL, FP64_REORDER_TOL
+
+from areal_fast.ops import (
+    PPOLossConfig,
+    decoupled_ppo_loss,
+    decoupled_ppo_loss_ref,
+    fused_linear_decoupled_ppo_loss,
+    fused_linear_decoupled_ppo_loss_ref,
+)
+from areal_fast.ops.objective import m2po_select, mismatch_stats
+
+# one config per option (and a combination); bands chosen so the random data below hits them
+OPTIONS = {
+    "tis": dict(tis_cap=1.1),
+    "token_mis": dict(token_mis_lower=0.8, token_mis_upper=1.2),
+    "icepop": dict(token_mis_lower=0.5, token_mis_upper=1.1),
+    "seq_mis": dict(seq_mis_lower=0.9, seq_mis_upper=1.1),
+    "m2po": dict(m2po_tau=0.02),
+    "all": dict(tis_cap=1.05, token_mis_lower=0.7, m2po_tau=0.03, seq_mis_upper=1.15),
+}
+
+
+def _w_loss(w, A, n):
+    """token-mean loss of the policy term with r = 1 (l = p): sum_t -w_t A_t / n."""
+    return -sum(wi * float(ai) for wi, ai in zip(w, A)) / n
+
+
+def _one_hot_logits(l_target: torch.Tensor, V: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [T, V] whose label (0) has exactly log-prob ``l_target[t]`` at temperature 1."""
+    T = l_target.shape[0]
+    P0 = l_target.exp()
+    rest = ((1 - P0) / (V - 1)).clamp_min(1e-30)
+    z = torch.log(torch.cat([P0[:, None], rest[:, None].expand(T, V - 1)], 1))
+    return z, torch.zeros(T, dtype=torch.long)
+
+
+def _hand_case(**opts):
+    """Four loss tokens in two sequences with l = p (ratio 1, no clipping), chosen log weights."""
+    log_w = torch.tensor([0.0, math.log(1.5), math.log(0.5), math.log(1.1)], dtype=torch.float64)
+    p = torch.log(torch.tensor([0.5, 0.4, 0.3, 0.2], dtype=torch.float64))
+    b = p - log_w
+    A = torch.tensor([1.0, 2.0, -1.0, 0.5], dtype=torch.float64)
+    z, y = _one_hot_logits(p)
+    out = decoupled_ppo_loss_ref(z, y, b, A, torch.ones(4), prox_logprobs=p, cu_seqlens=torch.tensor([0, 2, 4]),
+                                 eps_clip=10.0, **opts)
+    return out, A
+
+
+def test_tis_truncates_the_behaviour_weight_at_c():
+    out, A = _hand_case(tis_cap=1.2)
+    expect = _w_loss([1.0, 1.2, 0.5, 1.1], A, 4)  # exp(p - b) = 1, 1.5 -> 1.2, 0.5, 1.1
+    assert float(out.loss) == pytest.approx(expect, abs=FP64_REORDER_TOL)
+    assert float(out.stats["tis_truncated_fraction"]) == 0.25
+
+
+def test_token_mis_and_icepop_mask_outside_the_two_sided_band():
+    out, A = _hand_case(token_mis_lower=0.6, token_mis_upper=1.2)
+    assert float(out.loss) == pytest.approx(_w_loss([1.0, 0.0, 0.0, 1.1], A, 4), abs=FP64_REORDER_TOL)
+    assert float(out.stats["token_mis_masked_fraction"]) == 0.5
+    # the band is closed: a weight exactly on a bound is kept
+    out, A = _hand_case(token_mis_lower=0.5, token_mis_upper=1.5)
+    assert float(out.stats["token_mis_masked_fraction"]) == 0.0
+
+
+def test_sequence_mis_uses_the_geometric_mean_of_the_kept_tokens():
+    # sequence 0: w = (1, 1.5), geometric mean sqrt(1.5) = 1.2247; sequence 1: (0.5, 1.1) -> 0.7416
+    out, A = _hand_case(seq_mis_lower=0.8, seq_mis_upper=1.3)
+    g0 = math.sqrt(1.5)
+    assert float(out.loss) == pytest.approx(_w_loss([g0, g0, 0.0, 0.0], A, 4), abs=FP64_REORDER_TOL)
+    assert float(out.stats["seq_mis_masked_fraction"]) == 0.5
+    # with token MIS first, sequence 1 keeps only 1.1 (0.5 is masked): its geometric mean is 1.1
+    out, A = _hand_case(token_mis_lower=0.6, seq_mis_lower=0.8, seq_mis_upper=1.3)
+    assert float(out.loss) == pytest.approx(_w_loss([g0, g0, 0.0, 1.1], A, 4), abs=FP64_REORDER_TOL)
+
+
+def test_m2po_masks_the_largest_squared_log_weights_until_the_second_moment_is_under_tau():
+    # (p - b)^2 = 0, 0.1644, 0.4805, 0.0091: mean 0.1635; without 0.4805: 0.0578; without 0.1644 too: 0.0045
+    out, A = _hand_case(m2po_tau=0.05)
+    assert float(out.loss) == pytest.approx(_w_loss([1.0, 0.0, 0.0, 1.1], A, 4), abs=FP64_REORDER_TOL)
+    assert float(out.stats["m2po_masked_fraction"]) == 0.5
+    out, _ = _hand_case(m2po_tau=0.06)  # 0.0578 < 0.06: one token is enough
+    assert float(out.stats["m2po_masked_fraction"]) == 0.25
+    out, _ = _hand_case(m2po_tau=1.0)
+    assert float(out.stats["m2po_masked_fraction"]) == 0.0
+
+
+def test_m2po_selection_is_deterministic_on_ties_and_can_mask_everything():
+    sq = torch.tensor([4.0, 1.0, 4.0, 4.0, 0.0])
+    valid = torch.tensor([True, True, True, False, True])
+    # valid values 4, 1, 4, 0: mean 2.25; masking one 4 -> 5/3; both 4s -> 0.5 < 1: the two 4s, earliest first
+    assert m2po_select(sq, valid, 1.0).tolist() == [True, False, True, False, False]
+    assert m2po_select(sq, valid, 2.0).tolist() == [True, False, False, False, False]  # 5/3 < 2: the first 4
+    everything = torch.tensor([1.0, 1.0])
+    assert m2po_select(everything, torch.ones(2, dtype=torch.bool), 0.5).tolist() == [True, True]
+    assert m2po_select(torch.zeros(0), torch.zeros(0, dtype=torch.bool), 0.5).tolist() == []
+
+
+def make(T, V=13, S=None, seed=0, dtype=torch.float64):
+    """Random packed batch, ~6 tokens a sequence (so sequence weights still spread), log weights ~0.2."""
+    S = max(3, T // 6) if S is None else S
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(T, V, generator=g, dtype=torch.float64) * 2
+    y = torch.randint(0, V, (T,), generator=g)
+    l_true = torch.log_softmax(z, -1)[torch.arange(T), y]
+    b = l_true + 0.3 * torch.randn(T, generator=g, dtype=torch.float64)
+    p = b + 0.2 * torch.randn(T, generator=g, dtype=torch.float64)
+    A = torch.randn(T, generator=g, dtype=torch.float64)
+    m = (torch.rand(T, generator=g) > 0.25).double()
+    m[0] = 1.0
+    cuts = sorted({0, T, *torch.randint(0, T + 1, (S - 1,), generator=g).tolist()})
+    return dict(z=z.to(dtype), y=y, b=b, p=p, A=A, m=m, cu=torch.tensor(cuts, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_gradcheck_fp64_each_option(name):
+    d = make(T=9, V=5, seed=1)
+    for level in ("token", "sequence"):
+        def f(z):
+            return decoupled_ppo_loss_ref(z, d["y"], d["b"], d["A"], d["m"], prox_logprobs=d["p"],
+                                          cu_seqlens=d["cu"], importance_level=level, eps_clip=0.3,
+                                          **OPTIONS[name]).loss
+
+        assert torch.autograd.gradcheck(f, (d["z"].clone().requires_grad_(),))
+
+
+def test_the_options_fire_on_the_random_data():
+    """Else the path comparisons below prove little."""
+    for name, opts in OPTIONS.items():
+        d = make(T=257, seed=2)
+        out = decoupled_ppo_loss_ref(d["z"], d["y"], d["b"], d["A"], d["m"], prox_logprobs=d["p"],
+                                     cu_seqlens=d["cu"], **opts)
+        fired = [k for k in ("tis_truncated_fraction", "token_mis_masked_fraction", "seq_mis_masked_fraction",
+                             "m2po_masked_fraction") if float(out.stats[k]) > 0]
+        assert fired, name
+
+
+def _fully_masked(d):
+    """The data with its first sequence entirely out of the loss mask."""
+    m = d["m"].clone()
+    m[: int(d["cu"][1])] = 0
+    m[0] = 0
+    return m
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T", [1, 7, pytest.param(257, marks=pytest.mark.slow)])  # 257: ~10 s each, interpreted
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_triton_kernels_match_the_reference(T, name, monkeypatch):
+    d = make(T=T, seed=T, dtype=torch.float32)
+    results = []
+    for mask in (d["m"], _fully_masked(d)):
+        for backend in ("interpret", None):
+            z = d["z"].clone().requires_grad_()
+            fn = decoupled_ppo_loss if backend else decoupled_ppo_loss_ref
+            kw = dict(backend=backend) if backend else {}
+            out = fn(z, d["y"], d["b"].float(), d["A"].float(), mask, prox_logprobs=d["p"].float(),
+                     cu_seqlens=d["cu"], **OPTIONS[name], **kw)
+            out.loss.backward()
+            assert torch.all(z.grad[mask == 0] == 0)
+            results.append((out, z.grad))
+    for (o1, g1), (o2, g2) in (results[0:2], results[2:4]):
+        torch.testing.assert_close(o1.loss, o2.loss, **FP32_REORDER_TOL)
+        torch.testing.assert_close(g1, g2, **FP32_GRAD_TOL)
+        for k in o2.stats:
+            torch.testing.assert_close(o1.stats[k], o2.stats[k], **FP32_REORDER_TOL)
+
+
+@pytest.mark.parametrize("T", [1, 7, 257])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_fused_linear_single_and_two_pass_match_the_reference(T, name):
+    g = torch.Generator().manual_seed(T)
+    d = make(T=T, seed=T + 1, dtype=torch.float32)
+    H, V = 8, 13
+    hidden, W = torch.randn(T, H, generator=g), torch.randn(V, H, generator=g) / H**0.5
+    for mask in (d["m"], _fully_masked(d)):
+        outs = []
+        for fn, kw in ((fused_linear_decoupled_ppo_loss_ref, {}),
+                       (fused_linear_decoupled_ppo_loss, dict(single_pass=True, chunk_size=5, backend="reference")),
+                       (fused_linear_decoupled_ppo_loss, dict(single_pass=False, chunk_size=5, backend="reference"))):
+            h, w = hidden.clone().requires_grad_(), W.clone().requires_grad_()
+            out = fn(h, w, d["y"], d["b"].float(), d["A"].float(), mask, prox_logprobs=d["p"].float(),
+                     cu_seqlens=d["cu"], **OPTIONS[name], **kw)
+            out.loss.backward()
+            outs.append((out, h.grad, w.grad))
+        for out, gh, gw in outs[1:]:
+            torch.testing.assert_close(out.loss, outs[0][0].loss, **FP32_CHUNKED_GEMM_TOL)
+            torch.testing.assert_close(gh, outs[0][1], **FP32_CHUNKED_GEMM_TOL)
+            torch.testing.assert_close(gw, outs[0][2], **FP32_CHUNKED_GEMM_TOL)
+            for k in ("tis_truncated_fraction", "token_mis_masked_fraction", "seq_mis_masked_fraction",
+                      "m2po_masked_fraction"):
+                assert float(out.stats[k]) == float(outs[0][0].stats[k])
+
+
+def test_sequence_mis_needs_cu_seqlens_and_bounds_are_checked():
+    d = make(T=7)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        decoupled_ppo_loss_ref(d["z"], d["y"], d["b"], d["A"], d["m"], prox_logprobs=d["p"], seq_mis_upper=2.0)
+    with pytest.raises(ValueError, match="token_mis_lower"):
+        PPOLossConfig(token_mis_lower=2.0, token_mis_upper=1.5)
+    for name in ("tis_cap", "m2po_tau", "seq_mis_lower"):
+        with pytest.raises(ValueError, match=name):
+            PPOLossConfig(**{name: 0.0})
+
+
+@pytest.mark.parametrize("mode, new", [("mask", "token_mis_upper"), ("clamp", "tis_cap")])
+def test_deprecated_behav_weight_cap_maps_to_the_new_option(mode, new):
+    d = make(T=12, seed=4)
+    with pytest.warns(FutureWarning, match=new):
+        old = decoupled_ppo_loss_ref(d["z"], d["y"], d["b"], d["A"], d["m"], prox_logprobs=d["p"],
+                                     behav_weight_cap=1.1, behav_weight_mode=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cur = decoupled_ppo_loss_ref(d["z"], d["y"], d["b"], d["A"], d["m"], prox_logprobs=d["p"], **{new: 1.1})
+    assert float(old.loss) == float(cur.loss)
+    with pytest.raises(ValueError, match="behav_weight_mode"):
+        decoupled_ppo_loss_ref(d["z"], d["y"], d["b"], d["A"], d["m"], behav_weight_mode="drop")
+    with pytest.raises(ValueError, match="both set"):
+        decoupled_ppo_loss_ref(d["z"], d["y"], d["b"], d["A"], d["m"], behav_weight_cap=1.1,
+                               behav_weight_mode=mode, **{new: 2.0})
+
+
+def test_a_run_config_with_the_old_names_still_loads():
+    from areal_fast.trainer.config import PPOConfig
+
+    with pytest.warns(FutureWarning, match="tis_cap"):
+        cfg = PPOConfig(loss={"behav_weight_cap": 5.0, "behav_weight_mode": "clamp"})
+    assert cfg.loss.tis_cap == 5.0 and cfg.loss.token_mis_upper is None
+
+
+def test_mismatch_stats_formulas():
+    b = torch.log(torch.tensor([0.5, 0.5, 0.25, 0.1]))
+    p = torch.log(torch.tensor([0.5, 0.25, 0.5, 0.9]))  # the last token is outside the loss mask
+    l = p + torch.tensor([0.0, math.log(2.0), 0.0, 5.0])
+    m = torch.tensor([1, 1, 1, 0])
+    s = mismatch_stats(b, p, l, m)
+    w = [1.0, 0.5, 2.0]  # exp(p - b) on the loss tokens
+    assert s["mismatch_k1"] == pytest.approx(sum(-math.log(x) for x in w) / 3)
+    assert s["mismatch_k3"] == pytest.approx(sum(x - 1 - math.log(x) for x in w) / 3)
+    assert s["mismatch_ratio_p50"] == pytest.approx(1.0) and s["mismatch_ratio_max"] == pytest.approx(2.0)
+    assert s["ratio_max"] == pytest.approx(2.0) and s["ratio_p50"] == pytest.approx(1.0)
+    assert mismatch_stats(b, p, l, torch.zeros(4)) == {}
