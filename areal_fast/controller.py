@@ -503,6 +503,8 @@ class Controller:
             "tokens": ntok, "gen_len_mean": ntok / max(len(rewards), 1),
             "gen_len_max": stats["gen_len_max"],
             "staleness_mean": sum(staleness) / len(staleness), "staleness_max": max(staleness),
+            # of the groups this step consumed (trained), not of those admitted
+            **_staleness_quantiles(staleness),
             "staleness": staleness, "positions": stats["positions"],
             "wait_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
             "buffer": len(self.buffer), "buffer_spilled": self.buffer.spilled, "running": len(self.running),
@@ -834,6 +836,12 @@ def check_resume_key(st: dict, key: dict, path: Path) -> None:
 def _numbers(info: dict) -> dict:
     """The numeric entries of a trajectory's info (what metrics can average)."""
     return {str(k): float(v) for k, v in (info or {}).items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+def _staleness_quantiles(staleness: list[int]) -> dict[str, int]:
+    """p50 and p90 (nearest rank below) of the consumed groups' staleness."""
+    srt = sorted(staleness)
+    return {f"staleness_p{q}": srt[(q * (len(srt) - 1)) // 100] for q in (50, 90)}
 
 
 def _means(infos: list[dict]) -> dict:

@@ -50,7 +50,7 @@ def test_metrics_truncate_on_resume_and_plots(tmp_path):
     truncate_jsonl(f, 3)
     assert [r["step"] for r in read_jsonl(f)] == [1, 2, 3]
     paths = plot_run(f, tmp_path / "plots")
-    assert {p.name for p in paths} == {"reward.png", "throughput.png", "staleness.png"}
+    assert {p.name for p in paths} == {"reward.png", "throughput.png", "staleness.png", "mismatch.png"}
     assert all(p.stat().st_size > 1000 for p in paths)
 
 

@@ -252,3 +252,31 @@ def test_mismatch_stats_formulas():
     assert s["mismatch_ratio_p50"] == pytest.approx(1.0) and s["mismatch_ratio_max"] == pytest.approx(2.0)
     assert s["ratio_max"] == pytest.approx(2.0) and s["ratio_p50"] == pytest.approx(1.0)
     assert mismatch_stats(b, p, l, torch.zeros(4)) == {}
+
+
+DASHBOARD_KEYS = ("mismatch_k1", "mismatch_k3", "mismatch_ratio_p50", "mismatch_ratio_p90", "mismatch_ratio_p99",
+                  "mismatch_ratio_max", "ratio_p50", "ratio_p90", "ratio_p99", "ratio_max", "tis_truncated_fraction",
+                  "token_mis_masked_fraction", "seq_mis_masked_fraction", "m2po_masked_fraction",
+                  "staleness_p50", "staleness_p90", "staleness_max")
+
+
+def test_the_actor_reports_the_dashboard_per_step(tmp_path):
+    """A tiny actor, 2 minibatches, behaviour log-probs off the trainer's: every dashboard key is
+    there and sane (KL >= 0 with k3 >= 0, quantiles ordered, fractions in [0, 1], staleness)."""
+    import test_trainer_actor as ta  # the tiny model and batch of the actor tests
+
+    ta.make_tiny_model(tmp_path)
+    actor = ta.actor_for(str(tmp_path), ppo={"ppo_n_minibatches": 2, "loss": dict(
+        tis_cap=2.0, token_mis_lower=0.05, m2po_tau=1.0, seq_mis_upper=50.0)})
+    actor.version = 3
+    batch = ta.make_batch(8, seed=2, version=1)
+    m = actor.train_batch(batch)
+    missing = [k for k in DASHBOARD_KEYS if k not in m]
+    assert not missing, missing
+    assert m["mismatch_k3"] >= 0 and all(math.isfinite(m[k]) for k in DASHBOARD_KEYS)
+    for name in ("mismatch_ratio", "ratio"):
+        qs = [m[f"{name}_{q}"] for q in ("p50", "p90", "p99", "max")]
+        assert qs == sorted(qs) and qs[0] > 0
+    assert all(0 <= m[k] <= 1 for k in DASHBOARD_KEYS if k.endswith("_fraction"))
+    assert m["token_mis_masked_fraction"] > 0 and m["m2po_masked_fraction"] > 0  # random b: far from p
+    assert m["staleness_p50"] == m["staleness_max"] == 2

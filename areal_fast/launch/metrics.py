@@ -80,6 +80,10 @@ class TensorBoardSink:
         for k, v in m.items():
             if k not in ("step", "kind") and isinstance(v, int | float) and not isinstance(v, bool):
                 self.w.add_scalar(f"{prefix}/{k}" if "/" not in k else k, v, m["step"])
+        if m.get("staleness"):  # the consumed groups' staleness, as a histogram per step
+            import numpy as np
+
+            self.w.add_histogram(f"{prefix}/staleness_hist", np.asarray(m["staleness"]), m["step"])
 
     def close(self) -> None:
         if self.w is not None:
@@ -118,7 +122,7 @@ class ProgressBar:
 
 
 def plot_run(metrics_path: Path, out_dir: Path) -> list[Path]:
-    """reward.png, throughput.png, staleness.png from metrics.jsonl (needs matplotlib)."""
+    """reward.png, throughput.png, staleness.png, mismatch.png from metrics.jsonl (needs matplotlib)."""
     try:
         import matplotlib
 
@@ -168,4 +172,35 @@ def plot_run(metrics_path: Path, out_dir: Path) -> list[Path]:
     paths.append(out_dir / "staleness.png")
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
+    paths.append(_plot_mismatch(plt, train, out_dir / "mismatch.png"))
     return paths
+
+
+MISMATCH_PANELS = (
+    ("KL(inference || train)", ("train/mismatch_k1", "train/mismatch_k3")),
+    ("ratio quantiles", ("train/mismatch_ratio_p50", "train/mismatch_ratio_p99", "train/mismatch_ratio_max",
+                         "train/ratio_p99", "train/ratio_max")),
+    ("fraction of loss tokens", ("train/tis_truncated_fraction", "train/token_mis_masked_fraction",
+                                 "train/seq_mis_masked_fraction", "train/m2po_masked_fraction",
+                                 "train/clip_fraction")),
+    ("staleness of consumed groups", ("staleness_p50", "staleness_p90", "staleness_max")),
+)
+
+
+def _plot_mismatch(plt, train: list[dict], path: Path) -> Path:
+    """mismatch.png: the dashboard of docs/objective.md per step (a key absent from a run is skipped)."""
+    fig, axes = plt.subplots(len(MISMATCH_PANELS), 1, figsize=(7, 2.6 * len(MISMATCH_PANELS)), sharex=True)
+    for ax, (title, keys) in zip(axes, MISMATCH_PANELS):
+        for k in keys:
+            pts = [(r["step"], r[k]) for r in train if k in r]
+            if pts:
+                ax.plot(*zip(*pts), label=k.split("/")[-1])
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

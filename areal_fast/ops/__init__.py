@@ -34,6 +34,7 @@ _EXPORTS = {
     "LOG_RATIO_CLAMP": "objective",
     "STAT_NAMES": "objective",
     "ppo_objective": "objective",
+    "mismatch_stats": "objective",
     "PPOLossOutput": "types",
     "decoupled_ppo_loss": "ppo_loss",
     "token_logprobs": "ppo_loss",

@@ -32,7 +32,8 @@ from areal_fast.trainer.model import build_policy, hf_name, init_process_group_i
 _PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
 
 _MEAN_STATS = ("ratio_mean", "clip_fraction", "dual_clip_fraction", "approx_kl", "behav_kl",
-               "behav_weight_mean", "behav_capped_fraction", "entropy_mean", "kl_mean")
+               "behav_weight_mean", "tis_truncated_fraction", "token_mis_masked_fraction",
+               "seq_mis_masked_fraction", "m2po_masked_fraction", "entropy_mean", "kl_mean")
 
 
 class PPOActor:
@@ -188,6 +189,7 @@ class PPOActor:
 
         self.model.train()
         totals: dict[str, torch.Tensor] = {}  # device float64 sums over this rank's micro-batches
+        dash: list[tuple] = []  # (b, p, l, mask) of each micro-batch: the mismatch dashboard
         grad_norms, losses = [], []
         n_tok_local = 0
         for plan in plans:
@@ -204,6 +206,8 @@ class PPOActor:
                 out = self.model(self._loss_fn(p, normalizer), p.input_ids, p.position_ids, p.cu_seqlens,
                                  p.max_seqlen)
                 loss, stats = out[0], out[3]
+                if p.prox_logprobs is not None:  # p recomputed by the trainer (not approx / none)
+                    dash.append((p.behav_logprobs, p.prox_logprobs, out[1].detach(), p.loss_mask))
                 (loss * self.world).backward()
                 # accumulate on the device: no host sync per micro-batch
                 loss_sum += loss.detach().double()
@@ -240,9 +244,13 @@ class PPOActor:
             recompute_time_s=t_recompute,
             tokens_per_s=red[-1] / elapsed,
         )
+        if dash:  # this rank's loss tokens (rank 0's on a multi-rank run; docs/objective.md, "Dashboard")
+            metrics.update(ops.mismatch_stats(*(torch.cat([x[i] for x in dash]) for i in range(4))))
         ages = torch.cat([self.version - 1 - s.versions[s.loss_mask] for s in seqs]).float()
         if ages.numel():  # staleness of the trained tokens: versions behind the weights before this step
-            metrics.update(staleness_mean=float(ages.mean()), staleness_max=float(ages.max()))
+            metrics.update(staleness_mean=float(ages.mean()), staleness_max=float(ages.max()),
+                           staleness_p50=float(ages.quantile(0.5, interpolation="lower")),
+                           staleness_p90=float(ages.quantile(0.9, interpolation="lower")))
         mfu = self._mfu(seqs, elapsed, recompute=(prox is not None) + (ref is not None))
         if mfu is not None:
             metrics["mfu"] = mfu
