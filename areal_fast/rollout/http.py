@@ -31,6 +31,7 @@ that request fails (it is not retried here) like one sent to a server that died.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 from collections import deque
@@ -39,7 +40,18 @@ from urllib.parse import urlsplit
 
 KEEPALIVE_S = 4.0  # below SGLang's (uvicorn's) 5 s keep-alive timeout
 MAX_HEAD_BYTES = 64 * 1024  # a status line and headers longer than this are not an HTTP answer
+MAX_CHUNK_LINE_BYTES = 4096  # a chunk-size line with its extensions (ours are "%x\r\n")
+MAX_TRAILER_BYTES = 64 * 1024  # the trailer fields after the last chunk
+MAX_INTERIM_ANSWERS = 16  # 1xx answers before the real one (one 100 Continue in practice)
+# A body larger than this is refused (the pool's default; /generate passes a bound from its
+# max_new_tokens: areal_fast.rollout.client). Control answers (/server_info...) are a few KB.
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 _PEEK_FLAGS = socket.MSG_PEEK | socket.MSG_DONTWAIT
+# RFC 9112: chunk-size = 1*HEXDIG (no sign, no "0x", no "_": Python's int(x, 16) takes all three);
+# 16 digits hold any size a 64-bit length can; the answer's size limit refuses far less.
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_STATUS_LINE = re.compile(rb"HTTP/1\.[0-9] ([0-9]{3})(?: [^\r\n]*)?")
+_MAX_LENGTH_DIGITS = 19  # a Content-Length of up to 10**19 - 1 bytes (int() of more is refused anyway)
 
 
 class HttpError(ConnectionError):
@@ -66,6 +78,7 @@ class _Connection(asyncio.Protocol):
         self.requests = 0  # answers received on this connection
         self._waiter: asyncio.Future | None = None
         self._where = ""
+        self._max_body = DEFAULT_MAX_BODY_BYTES
         self._buf = bytearray()
         self._reset_parser()
 
@@ -76,9 +89,13 @@ class _Connection(asyncio.Protocol):
         self._chunked = False
         self._keep_alive = True
         self._body_at = 0  # offset of the body in _buf
-        self._chunk_pos = 0  # chunked: offset of the next chunk-size line
+        self._chunk_pos = 0  # chunked: offset of the next chunk-size line (only ever moves forward)
+        self._chunk_data = -1  # chunked: size of the chunk whose size line ends at _chunk_pos - 2, else -1
         self._chunks: bytearray | None = None
-        self._scan_from = 0
+        self._trailers_at = -1  # chunked: where the last chunk's line ends once it was read
+        self._scan_from = 0  # where the search for the end of the head (or of a line) goes on
+        self._interim = 0  # 1xx answers seen
+        self._lf_from = 0  # the head's line ends are checked up to here
 
     # ---------------------------------------------------------------- asyncio callbacks
     def connection_made(self, transport) -> None:
@@ -93,6 +110,8 @@ class _Connection(asyncio.Protocol):
             self._parse()
         except HttpError as e:
             self._fail(e)
+        except Exception as e:  # noqa: BLE001 - a parser bug must fail this request, never the event loop
+            self._fail(HttpError(f"{self._where}: unreadable answer ({type(e).__name__}: {e})"))
 
     def eof_received(self):
         if self._waiter is not None and self._status and not self._chunked and self._length < 0:
@@ -114,31 +133,60 @@ class _Connection(asyncio.Protocol):
         while not self._status:
             end = buf.find(b"\r\n\r\n", self._scan_from)
             if end < 0:
+                self._check_line_ends(buf)
                 if len(buf) > MAX_HEAD_BYTES:
                     raise HttpError(f"{self._where}: no end of the HTTP head in {len(buf)} bytes")
                 self._scan_from = max(0, len(buf) - 3)
                 return
+            if end > MAX_HEAD_BYTES:  # however it arrived (one read or many)
+                raise HttpError(f"{self._where}: an HTTP head of {end} bytes (limit {MAX_HEAD_BYTES})")
             self._read_head(bytes(buf[:end]))
+            self._scan_from = 0
             if 100 <= self._status < 200:  # an interim answer (100 Continue): the real one follows
+                self._interim += 1
+                if self._interim > MAX_INTERIM_ANSWERS:
+                    raise HttpError(f"{self._where}: more than {MAX_INTERIM_ANSWERS} interim (1xx) answers")
                 del buf[:end + 4]
+                interim = self._interim
                 self._reset_parser()
+                self._interim = interim
                 continue
             self._body_at = end + 4
             self._chunk_pos = end + 4
         if self._chunked:
             self._parse_chunks()
-        elif self._length >= 0 and len(buf) - self._body_at >= self._length:
-            if len(buf) - self._body_at > self._length:
-                raise HttpError(f"{self._where}: {len(buf) - self._body_at - self._length} bytes after the answer")
+            return
+        have = len(buf) - self._body_at
+        if self._length < 0:  # up to the end of the connection (eof_received), within the limit
+            if have > self._max_body:
+                raise HttpError(f"{self._where}: answer body over {self._max_body} bytes (the limit)")
+        elif have >= self._length:
+            if have > self._length:
+                raise HttpError(f"{self._where}: {have - self._length} bytes after the answer")
             self._finish(memoryview(buf)[self._body_at:], self._keep_alive)
 
+    def _check_line_ends(self, buf: bytearray) -> None:
+        """A head still coming in: a bare LF (a line not ended by CRLF) means its end would never be
+        found (a wait for the timeout); each byte is looked at once (``_lf_from``)."""
+        i = buf.find(b"\n", self._lf_from)
+        while i >= 0:
+            if i == 0 or buf[i - 1] != 13:  # b"\r"
+                raise HttpError(f"{self._where}: the answer's head ends a line with a bare LF, not CRLF")
+            i = buf.find(b"\n", i + 1)
+        self._lf_from = len(buf)
+
     def _read_head(self, head: bytes) -> None:
+        # every line ends with CRLF: a bare CR or LF inside the head is not HTTP (and not ours to guess)
+        crlf = head.count(b"\r\n")
+        if head.count(b"\n") != crlf or head.count(b"\r") != crlf:
+            raise HttpError(f"{self._where}: a bare CR or LF in the answer's head")
         lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        m = _STATUS_LINE.fullmatch(lines[0])
+        status = int(m[1]) if m else 0
+        if not 100 <= status <= 599:  # "000" would leave the head unparsed forever (status 0)
             raise HttpError(f"{self._where}: not an HTTP/1.x status line: {lines[0][:100]!r}")
-        self._status = int(parts[1])
-        keep_alive = parts[0] != b"HTTP/1.0"  # HTTP/1.0 closes unless it says keep-alive
+        self._status = status
+        keep_alive = not lines[0].startswith(b"HTTP/1.0")  # HTTP/1.0 closes unless it says keep-alive
         length = -1
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
@@ -147,18 +195,26 @@ class _Connection(asyncio.Protocol):
             name = name.strip().lower()
             if name == b"content-length":
                 value = value.strip()
-                if not value.isdigit():
+                if not value.isdigit() or len(value) > _MAX_LENGTH_DIGITS or (length >= 0 and int(value) != length):
                     raise HttpError(f"{self._where}: bad Content-Length {value[:40]!r}")
                 length = int(value)
             elif name == b"content-type":
                 self._ctype = value.strip().decode("latin-1")
             elif name == b"transfer-encoding":
-                self._chunked = b"chunked" in value.lower()
+                # only "chunked" itself: a token match, once ("notchunked", "gzip, chunked" and a
+                # second chunked are codings this client does not decode)
+                if value.strip().lower() != b"chunked" or self._chunked:
+                    raise HttpError(f"{self._where}: unsupported Transfer-Encoding {value.strip()[:40]!r}")
+                self._chunked = True
             elif name == b"connection":
                 v = value.strip().lower()
                 keep_alive = v != b"close" and (keep_alive or v == b"keep-alive")
+        if self._chunked and length >= 0:  # RFC 9112 6.3: a sign of request smuggling; never guessed
+            raise HttpError(f"{self._where}: both Content-Length and Transfer-Encoding in the answer")
         if self._status in (204, 304):
             length = 0
+        if length > self._max_body:
+            raise HttpError(f"{self._where}: answer body of {length} bytes over the limit of {self._max_body}")
         if self._chunked:
             length = -1
         elif length < 0:
@@ -166,30 +222,59 @@ class _Connection(asyncio.Protocol):
         self._length, self._keep_alive = length, keep_alive
 
     def _parse_chunks(self) -> None:
+        """Chunk-size line, data, CRLF, ... then "0", trailers and an empty line. Every step moves
+        ``_chunk_pos`` forward by at least the size line (a size is hex digits only: never negative),
+        and each byte of a size line or trailer is searched once (``_scan_from``)."""
         buf = self._buf
         if self._chunks is None:
             self._chunks = bytearray()
+        if self._trailers_at >= 0:
+            self._end_chunks()
+            return
         while True:
-            eol = buf.find(b"\r\n", self._chunk_pos)
-            if eol < 0:
-                return
-            size_text = bytes(buf[self._chunk_pos:eol]).split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise HttpError(f"{self._where}: bad chunk size {size_text[:40]!r}") from None
-            if size == 0:  # last chunk, then optional trailers, then an empty line
-                if buf.find(b"\r\n\r\n", eol) < 0:
+            if self._chunk_data >= 0:  # the size line of this chunk was read: wait for its data
+                start, size = self._chunk_pos, self._chunk_data
+                if len(buf) < start + size + 2:
                     return
-                self._finish(bytes(self._chunks), self._keep_alive)
+                if buf[start + size:start + size + 2] != b"\r\n":
+                    raise HttpError(f"{self._where}: chunk of {size} bytes not followed by CRLF")
+                self._chunks += buf[start:start + size]
+                self._chunk_pos, self._chunk_data = start + size + 2, -1
+                self._scan_from = self._chunk_pos
+            pos = self._chunk_pos
+            eol = buf.find(b"\r\n", max(pos, self._scan_from))
+            if eol < 0 or eol - pos > MAX_CHUNK_LINE_BYTES:
+                if len(buf) - pos > MAX_CHUNK_LINE_BYTES:
+                    raise HttpError(f"{self._where}: a chunk-size line over {MAX_CHUNK_LINE_BYTES} bytes")
+                self._scan_from = max(pos, len(buf) - 1)
                 return
-            start = eol + 2
-            if len(buf) < start + size + 2:
+            size = self._chunk_size(bytes(buf[pos:eol]))
+            if size == 0:  # last chunk, then optional trailers, then an empty line
+                self._trailers_at = eol
+                self._end_chunks()
                 return
-            if buf[start + size:start + size + 2] != b"\r\n":
-                raise HttpError(f"{self._where}: chunk of {size} bytes not followed by CRLF")
-            self._chunks += buf[start:start + size]
-            self._chunk_pos = start + size + 2
+            if len(self._chunks) + size > self._max_body:
+                raise HttpError(f"{self._where}: chunked answer over {self._max_body} bytes (the limit)")
+            self._chunk_pos, self._chunk_data = eol + 2, size
+
+    def _chunk_size(self, line: bytes) -> int:
+        size_text = line.split(b";", 1)[0].rstrip(b" \t")  # chunk extensions are ignored
+        if not _CHUNK_SIZE.fullmatch(size_text):
+            raise HttpError(f"{self._where}: bad chunk size {size_text[:40]!r} (hex digits only)")
+        return int(size_text, 16)
+
+    def _end_chunks(self) -> None:
+        """After the last chunk's line: the trailers (bounded) and the empty line end the answer."""
+        buf, eol = self._buf, self._trailers_at
+        end = buf.find(b"\r\n\r\n", max(eol, self._scan_from))
+        if end < 0:
+            if len(buf) - eol > MAX_TRAILER_BYTES:
+                raise HttpError(f"{self._where}: trailers over {MAX_TRAILER_BYTES} bytes")
+            self._scan_from = max(eol, len(buf) - 3)
+            return
+        if len(buf) > end + 4:
+            raise HttpError(f"{self._where}: {len(buf) - end - 4} bytes after the answer")
+        self._finish(bytes(self._chunks), self._keep_alive)
 
     def _finish(self, body, keep_alive: bool) -> None:
         waiter, self._waiter = self._waiter, None
@@ -221,10 +306,11 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
     # ---------------------------------------------------------------- one request
-    def start(self, waiter: asyncio.Future, where: str, data: bytes) -> None:
+    def start(self, waiter: asyncio.Future, where: str, data: bytes,
+              max_body: int = DEFAULT_MAX_BODY_BYTES) -> None:
         if self.closed:  # a fresh connection the server closed before the request: nothing was sent
             raise HttpError(f"{where}: the server closed the connection before the request was written")
-        self._waiter, self._where = waiter, where
+        self._waiter, self._where, self._max_body = waiter, where, max_body
         self._buf = bytearray()
         self._reset_parser()
         self.transport.write(data)
@@ -246,13 +332,15 @@ class ConnectionPool:
     """Kept-alive connections to one server (``http://host:port[/prefix]``) for POST requests.
 
     ``api_key`` adds ``Authorization: Bearer KEY`` to every request. See the module docstring for
-    when an idle connection is reused; nothing is ever retried here."""
+    when an idle connection is reused; nothing is ever retried here. ``max_body_bytes``: the
+    largest answer body taken (a request may pass its own bound)."""
 
     def __init__(self, url: str, *, api_key: str | None = None, connect_timeout_s: float = 10.0,
-                 keepalive_s: float = KEEPALIVE_S):
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
+                 keepalive_s: float = KEEPALIVE_S, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        parts = check_server_url(url)
+        if parts.scheme != "http":
             raise ValueError(f"{url}: ConnectionPool speaks plain http://host:port only")
+        self.max_body_bytes = max_body_bytes
         self.url = url.rstrip("/")
         self.host, self.port = parts.hostname, parts.port or 80
         self._prefix = parts.path.rstrip("/")
@@ -276,14 +364,17 @@ class ConnectionPool:
             self._heads[(method, path)] = head
         return head
 
-    def post(self, path: str, body: bytes, timeout_s: float) -> Awaitable[Response]:
+    def post(self, path: str, body: bytes, timeout_s: float, max_body: int | None = None) -> Awaitable[Response]:
         """POST ``body`` (JSON bytes) to ``path``; the complete answer, whatever its status.
-        Raises :class:`HttpError` (a ``ConnectionError``) or ``TimeoutError`` (``timeout_s`` for
-        the whole call, connect included); never sends the request twice. (Not a coroutine itself:
-        no frame of its own holds ``body`` while the answer is awaited.)"""
-        return self.request("POST", path, body, timeout_s)
+        Raises :class:`HttpError` (a ``ConnectionError``: also for an answer that is not HTTP/1.x
+        or whose body passes ``max_body`` bytes, the pool's ``max_body_bytes`` by default) or
+        ``TimeoutError`` (``timeout_s`` for the whole call, connect included); never sends the
+        request twice. (Not a coroutine itself: no frame of its own holds ``body`` while the answer
+        is awaited.)"""
+        return self.request("POST", path, body, timeout_s, max_body)
 
-    async def request(self, method: str, path: str, body: bytes | None, timeout_s: float) -> Response:
+    async def request(self, method: str, path: str, body: bytes | None, timeout_s: float,
+                      max_body: int | None = None) -> Response:
         """``method`` ("GET", or "POST" with JSON ``body``) on ``path``; see :meth:`post`."""
         if method not in ("GET", "POST"):
             raise ValueError(f"{self.url}{path}: method {method!r}: ConnectionPool sends GET and POST only")
@@ -301,7 +392,7 @@ class ConnectionPool:
         waiter = loop.create_future()
         timer = loop.call_at(t0 + timeout_s, _expire, waiter, where, timeout_s)
         try:
-            conn.start(waiter, where, data)
+            conn.start(waiter, where, data, max_body or self.max_body_bytes)
             del data
             resp = await waiter
         except BaseException:  # timeout, cancellation, broken connection: it is never reused
@@ -383,6 +474,27 @@ class ConnectionPool:
             conn.abort()
         self._open.clear()
         self._idle.clear()
+
+
+def check_server_url(url: str):
+    """``urlsplit(url)`` of a server URL, refused (ValueError naming it) unless it is
+    ``http(s)://host[:port][/prefix]``: no user info (``user:password@`` would be sent in the Host
+    header: a key goes in ``api_key``), a port in 1..65535, a host, no query or fragment."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r}: a server URL is http(s)://host[:port][/prefix]")
+    if "@" in parts.netloc:
+        raise ValueError(f"server URL {parts.scheme}://...@{parts.netloc.rpartition('@')[2]}: user info in a "
+                         "server URL is refused (it would be sent in the Host header); use api_key")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"{url!r}: the port must be in 1..65535")
+    if parts.query or parts.fragment or any(c in url for c in " \t\r\n"):
+        raise ValueError(f"{url!r}: a server URL has no query, fragment or whitespace")
+    return parts
 
 
 def _ip_literal(host: str, port: int) -> list | None:
