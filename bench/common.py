@@ -3,8 +3,9 @@
 * :func:`time_fn` - warm-up, then one timing per call: CUDA events on a GPU (the kernels' time
   on the stream, not the host's), ``time.perf_counter`` on CPU; returns :class:`Timing` with the
   median and the 10th / 90th percentiles, and optionally the peak device memory above the start.
-* :func:`provenance` - where and with what a number was measured: date, commit, device, device
-  count, torch / CUDA / Triton / transformers versions, Python, CPU.
+* :func:`provenance` - where and with what a number was measured: date, commit (from git, else
+  ``$AREAL_FAST_COMMIT``, else the installed build's record), device, device count, torch / CUDA /
+  Triton / transformers versions, Python, CPU.
 * :func:`append_rows` - one JSON object per line appended to ``bench/results/<name>.jsonl``:
   ``{"bench": name, ...the row..., "provenance": {...}}``; results accumulate across runs and
   machines and are compared by filtering on the provenance.
@@ -97,6 +98,7 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 2, reps: int = 10, cuda: 
 
 
 def git_commit() -> str:
+    """``git rev-parse --short HEAD`` (``-dirty`` with uncommitted changes), or "unknown" without git."""
     here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here,
@@ -110,11 +112,37 @@ def git_commit() -> str:
         return "unknown"
 
 
-def provenance() -> dict:
-    """Where and with what a number was measured."""
+COMMIT_ENV = "AREAL_FAST_COMMIT"
+
+
+def commit_and_source() -> tuple[str, str]:
+    """The commit measured and where it was read: ``git``, else ``$AREAL_FAST_COMMIT`` (passed in,
+    e.g. ``gpu_suite.py --commit``), else the installed build's ``areal_fast._build_info`` (CMake
+    writes it at build time), else ``("unknown", "none")``. A GPU machine may get a copy of the
+    working tree without ``.git``, so ``git`` alone would leave every result unnamed."""
+    commit = git_commit()
+    if commit != "unknown":
+        return commit, "git"
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV], COMMIT_ENV
+    try:
+        from areal_fast import _build_info
+
+        if _build_info.COMMIT and _build_info.COMMIT != "unknown":
+            return _build_info.COMMIT, "build"
+    except Exception:  # noqa: BLE001 - not built by CMake yet, or an older build without the file
+        pass
+    return "unknown", "none"
+
+
+def provenance(native: bool = True) -> dict:
+    """Where and with what a number was measured. ``native=False`` leaves out whether areal_fast's
+    ``_C`` has CUDA (so as not to load a ``_C`` that an install is about to replace)."""
+    commit, source = commit_and_source()
     info = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "commit": git_commit(),
+        "commit": commit,
+        "commit_from": source,
         "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
@@ -136,12 +164,13 @@ def provenance() -> dict:
             info[mod] = __import__(mod).__version__
         except ImportError:
             pass
-    try:
-        from areal_fast import backend
+    if native:
+        try:
+            from areal_fast import backend
 
-        info["areal_fast_cuda_core"] = bool(backend.native().has_cuda())
-    except Exception:  # noqa: BLE001 - provenance never fails a benchmark
-        pass
+            info["areal_fast_cuda_core"] = bool(backend.native().has_cuda())
+        except Exception:  # noqa: BLE001 - provenance never fails a benchmark
+            pass
     return info
 
 
