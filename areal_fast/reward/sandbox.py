@@ -15,7 +15,16 @@ Every run gets, whatever the isolation mode:
   * stdout/stderr read through pipes with a byte cap: a program that prints more is killed
     (printing 1 GB costs ~1 MiB of our memory, not 1 GB);
   * ``PR_SET_PDEATHSIG`` = SIGKILL, so when the pool worker that launched it dies (the reward
-    service kills workers on timeout) the sandbox dies with it.
+    service kills workers on timeout) the sandbox dies with it;
+  * right before the program is exec'd, after its uid switch (`seccomp.confine`): a new, empty
+    session keyring of its own (the launcher's keys, and through a login session root's user
+    keyring, are no longer possessed), and a seccomp filter: no namespace creation (unshare and
+    clone with CLONE_NEW*, setns; clone3 answers ENOSYS so libc uses clone), no mount API, no
+    keyctl/add_key/request_key, no bpf, userfaultfd, perf_event_open, io_uring, ptrace,
+    process_vm_*, no kexec or module loading and other machine-wide calls (full list in
+    `seccomp.py`), all EPERM; a call for another architecture (i386 on x86_64) or through x32
+    kills the process. Where the kernel has no seccomp or we have no syscall table for the
+    architecture, the filter is left out and a warning says so (``Isolation.seccomp``).
 
 Isolation modes, detected once per process by actually running a probe (`isolation()`):
 
@@ -33,25 +42,34 @@ Isolation modes, detected once per process by actually running a probe (`isolati
         every other host file are simply absent; all of it vanishes with the namespace;
       - uid U, unprivileged and used by no other live process. RLIMIT_NPROC is not enforced
         for root, but it is for U, and because U is unique (2**30 + 64 * launcher pid + slot)
-        the limit counts only this sandbox's processes: a fork bomb stops at ``nproc``.
+        the limit counts only this sandbox's processes: a fork bomb stops at ``nproc``;
+      - the keyring and the filter above, applied by `_nsinit.py` after the switch to U.
     After a timeout every process of U is SIGKILLed. Cost, in CPU time of the run's processes
     for a trivial program (bench/bench_reward.py, 2-core VM): ~32-37 ms, against ~29-33 ms for
     the same namespaces without the private root and ~8 ms for a bare interpreter start; the
     namespaces and the `_nsinit.py` interpreter are most of it, the ~95 mounts ~2 ms, the
     cgroup ~0.2 ms.
 ``ns`` (not root, user namespaces allowed)
-    ``unshare --user --net --pid --ipc --fork --kill-child``: no network, PID namespace as
-    above, but the program keeps our uid and sees our file system (it can read and write what
-    we can), and RLIMIT_NPROC counts all of our uid's processes, so it is set to (our count + nproc).
-``uid`` (root, no ``unshare``): unique uid, cgroup and rlimits, but NO network isolation, the
-    host's file system (what any user may read) and /proc; the work dir is a 0700 directory
-    in the host's /tmp (the uid can still write world-writable places such as /tmp).
-``plain`` (not root, no user namespaces): process group and rlimits only, NO network
-    isolation, our uid's file access. Root never falls back to it (nor to ``ns``): RLIMIT_NPROC
-    is never enforced for uid 0, so root without a working uid switch raises SandboxUnavailable.
-The weaker modes log a warning once. ``AREAL_FAST_SANDBOX_PYTHON`` picks the interpreter;
-otherwise the first of our own base interpreter (never a virtualenv's: it would need the venv
-inside), ``/usr/bin/python3``, ... that works in the sandbox is used.
+    ``unshare --user --net --pid --ipc --fork --kill-child -- python seccomp.py``: no network,
+    PID namespace as above; the keyring and the filter are applied by `seccomp.py` run as a
+    script after ``unshare`` (which needs the calls the filter forbids). But the program keeps
+    our uid and sees our file system (it can read and write what we can), RLIMIT_NPROC counts
+    all of our uid's processes, so it is set to (our count + nproc), and the keyring swap alone
+    does not keep it from our uid's keys (same uid): only the filter's keyctl denial does.
+``uid`` (root, no ``unshare``): unique uid, cgroup, rlimits, keyring and filter (in the forked
+    child, after the uid switch), but NO network isolation, the host's file system (what any
+    user may read) and /proc; the work dir is a 0700 directory in the host's /tmp (the uid can
+    still write world-writable places such as /tmp).
+``plain`` (not root, no user namespaces): process group, rlimits, keyring and filter only, NO
+    network isolation, our uid's file access. Root never falls back to it (nor to ``ns``):
+    RLIMIT_NPROC is never enforced for uid 0, so root without a working uid switch raises
+    SandboxUnavailable.
+The weaker modes log a warning once. In no mode is the sandbox a defence against a kernel bug
+in the calls it still allows (file systems, sockets, pipes, mmap, futex, ...: the filter is a deny
+list, not an allow list), nor against timing side channels; see docs/reward.md.
+``AREAL_FAST_SANDBOX_PYTHON`` picks the interpreter; otherwise the first of our own base
+interpreter (never a virtualenv's: it would need the venv inside), ``/usr/bin/python3``, ... that
+works in the sandbox is used.
 """
 
 from __future__ import annotations
