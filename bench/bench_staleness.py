@@ -56,12 +56,40 @@ from common import append_rows, print_dry_run, provenance  # noqa: E402
 DEFAULT_CONFIG = ROOT / "examples" / "tiny_reverse.yaml"
 ETAS = (0, 1, 2, 4, 8, 16)
 # name -> train.ppo.prox_mode (docs/objective.md, "The proximal policy")
-OBJECTIVES = {"recompute": "recompute", "loglinear": "approx", "naive": "none"}
+OBJECTIVES = {"recompute": "recompute", "loglinear": "approx", "naive": "none",
+              "tis": "recompute", "icepop": "recompute", "seq_mis": "recompute", "m2po": "recompute"}
+DEFAULT_OBJECTIVES = ("recompute", "loglinear", "naive")
+# The decoupled objective plus one mismatch/staleness option each (docs/objective.md, "Train/inference
+# mismatch and staleness corrections"), in place of the recipe's token_mis_upper (the old cap of 5).
+# Values: TIS's C = 2 (as in the TIS post), IcePop's published band [0.5, 5], a sequence band
+# [0.5, 2] on the geometric mean, M2PO's tau = 0.04 (its paper's default).
+OBJECTIVE_LOSS = {
+    "tis": ("train.ppo.loss.token_mis_upper=null", "train.ppo.loss.tis_cap=2.0"),
+    "icepop": ("train.ppo.loss.token_mis_lower=0.5", "train.ppo.loss.token_mis_upper=5.0"),
+    "seq_mis": ("train.ppo.loss.token_mis_upper=null", "train.ppo.loss.seq_mis_lower=0.5",
+                "train.ppo.loss.seq_mis_upper=2.0"),
+    "m2po": ("train.ppo.loss.token_mis_upper=null", "train.ppo.loss.m2po_tau=0.04"),
+}
 OBJECTIVE_TITLES = {"recompute": "decoupled, recomputed proximal", "loglinear": "decoupled, log-linear proximal",
-                    "naive": "naive PPO (proximal = behaviour)"}
+                    "naive": "naive PPO (proximal = behaviour)", "tis": "decoupled + token TIS (C = 2)",
+                    "icepop": "decoupled + IcePop [0.5, 5]", "seq_mis": "decoupled + sequence MIS [0.5, 2]",
+                    "m2po": "decoupled + M2PO (tau = 0.04)"}
+# The hard-task sweep (issue 27, item 3): a task that takes 200+ steps on CPU, 4 optimizer steps per
+# batch as AReaL does, every eta, naive / decoupled / decoupled + each option, 5 seeds, GRPO.
+# The task: reversal of 8-20 character strings (log-normal lengths around 12) with max_new_tokens 32;
+# the shipped recipe's strings (median 3) are learned in ~10 steps. Check the task's difficulty with a
+# pilot first (eta 0, one seed: EM must still climb after step 200) before the whole sweep.
+PRESETS = {
+    "hard": dict(etas=[0, 1, 2, 4, 8, 16], objectives=["naive", "recompute", "tis", "icepop", "seq_mis", "m2po"],
+                 advantages=["grpo"], seeds=[1, 2, 3, 4, 5], steps=250, eval_every=25,
+                 overrides=["train.ppo.ppo_n_minibatches=4", "data.synthetic.max_len=20",
+                            "data.synthetic.log_mean=2.4", "data.synthetic.log_std=0.3",
+                            "rollout.max_new_tokens=32", "train.batch_size=16"]),
+}
 ADVANTAGES = ("grpo", "rloo")
 SEEDS = (1, 2, 3)
-DIAGNOSTICS = ("behav_kl", "clip_fraction", "behav_capped_fraction", "approx_kl")
+DIAGNOSTICS = ("behav_kl", "clip_fraction", "token_mis_masked_fraction", "approx_kl", "tis_truncated_fraction",
+               "seq_mis_masked_fraction", "m2po_masked_fraction", "mismatch_k3")
 # Settings of every run that are not the recipe's business: no checkpoints, plots or TensorBoard files
 # (time and disk), no progress bar (the sweep prints one line per run), and a fresh start.
 RUN_SETTINGS = ("experiment.resume=false", "checkpoint.every_steps=0", "checkpoint.save_hf=false",
@@ -80,7 +108,7 @@ class Arm:
 
     def overrides(self) -> list[str]:
         return [f"rollout.max_staleness={self.eta}", f"train.ppo.prox_mode={OBJECTIVES[self.objective]}",
-                f"train.ppo.adv_estimator={self.advantage}"]
+                *OBJECTIVE_LOSS.get(self.objective, ()), f"train.ppo.adv_estimator={self.advantage}"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +121,7 @@ class Run:
         return f"{self.arm.name}_s{self.seed}"
 
 
-def build_arms(etas=ETAS, objectives=tuple(OBJECTIVES), advantages=ADVANTAGES) -> list[Arm]:
+def build_arms(etas=ETAS, objectives=DEFAULT_OBJECTIVES, advantages=ADVANTAGES) -> list[Arm]:
     for o in objectives:
         if o not in OBJECTIVES:
             raise ValueError(f"--objectives: unknown objective {o!r} (known: {', '.join(OBJECTIVES)})")
@@ -193,6 +221,20 @@ def mean_spread(xs: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+# two-sided 95 % quantile of Student's t by degrees of freedom (1-10); 1.96 beyond 30
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def ci95_halfwidth(xs: list[float]) -> float | None:
+    """Half-width of the 95 % t confidence interval of the mean of paired differences (None below 2)."""
+    xs = [x for x in xs if x is not None]
+    if len(xs) < 2:
+        return None
+    df = len(xs) - 1
+    t = _T975.get(df, 2.04 if df <= 30 else 1.96)  # 2.04 ~ t(30): conservative between 11 and 30
+    return t * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
 def aggregate(results: list[dict]) -> list[dict]:
     """One row per arm (in first-seen order): mean and spread over seeds, the pooled staleness histogram."""
     by_arm: dict[str, list[dict]] = {}
@@ -214,6 +256,7 @@ def aggregate(results: list[dict]) -> list[dict]:
             row[f"{key}_mean"], row[f"{key}_spread"] = mean_spread([r.get(key) for r in rs])
         deltas = [r["eval_final"] - sync[k] for r in rs if (k := (r["objective"], r["advantage"], r["seed"])) in sync]
         row["eval_final_vs_sync_mean"], row["eval_final_vs_sync_spread"] = mean_spread(deltas)
+        row["eval_final_vs_sync_ci95"] = ci95_halfwidth(deltas)
         row["staleness_hist"] = {str(k): v for k, v in sorted(hist.items())}
         row["staleness_mean"], row["staleness_max"] = st["mean"], st["max"]
         row["staleness_at_eta_fraction"] = hist.get(rs[0]["eta"], 0) / st["groups"] if st["groups"] else None
@@ -247,8 +290,12 @@ def _hist_text(hist: dict) -> str:
     return " ".join(f"{k}:{v / n:.0%}" for k, v in hist.items() if v / n >= 0.01) if n else "-"
 
 
+def _ci(mean, half) -> str:
+    return "-" if mean is None or half is None else f"[{mean - half:+.3f}, {mean + half:+.3f}]"
+
+
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| eta | objective | advantage | seeds | final EM | final EM - sync (paired) | best EM | "
+    head = ("| eta | objective | advantage | seeds | final EM | final EM - sync (paired) | 95% CI | best EM | "
             "trained samples/s | staleness mean | staleness max | at bound | "
             "staleness histogram (share of trained groups) | mean(p - b) | clip fraction |")
     lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
@@ -257,6 +304,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['eta']} | {r['objective']} | {r['advantage']} | {len(r['seeds'])} | "
             f"{_pm(r['eval_final_mean'], r['eval_final_spread'])} | "
             f"{_pm(r['eval_final_vs_sync_mean'], r['eval_final_vs_sync_spread'], signed=True)} | "
+            f"{_ci(r.get('eval_final_vs_sync_mean'), r.get('eval_final_vs_sync_ci95'))} | "
             f"{_pm(r['eval_best_mean'], r['eval_best_spread'])} | "
             f"{_pm(r['trained_samples_per_s_mean'], r['trained_samples_per_s_spread'], 1)} | "
             f"{r['staleness_mean']:.2f} | {r['staleness_max']} | {_pct(r.get('staleness_at_bound_fraction_mean'))} | "
@@ -588,8 +636,11 @@ def _names(text: str) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(DEFAULT_CONFIG))
+    ap.add_argument("--preset", choices=sorted(PRESETS),
+                    help="a named sweep (etas, objectives, advantages, seeds, steps, eval-every and overrides); "
+                         "'hard': issue 27's hard-task ablation. Other flags given explicitly are ignored")
     ap.add_argument("--etas", type=_ints, default=list(ETAS))
-    ap.add_argument("--objectives", type=_names, default=list(OBJECTIVES))
+    ap.add_argument("--objectives", type=_names, default=list(DEFAULT_OBJECTIVES))
     ap.add_argument("--advantages", type=_names, default=list(ADVANTAGES))
     ap.add_argument("--seeds", type=_ints, default=list(SEEDS))
     ap.add_argument("--steps", type=int, default=40, help="trainer steps per run (the same for every arm)")
@@ -610,6 +661,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="print the run list and each run's overrides, run nothing")
     ap.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides of the recipe for every run")
     args = ap.parse_args(argv)
+    if args.preset:
+        preset = PRESETS[args.preset]
+        for k, v in preset.items():
+            setattr(args, k, v if k != "overrides" else [*v, *args.overrides])
+        args.tag = args.tag or args.preset
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
     if args.batch_size is not None and args.batch_size < 1:

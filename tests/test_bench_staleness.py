@@ -47,7 +47,10 @@ def test_every_runs_overrides_resolve_to_its_arm():
 
 
 def test_the_three_objectives_are_the_three_proximal_modes():
-    assert bs.OBJECTIVES == {"recompute": "recompute", "loglinear": "approx", "naive": "none"}
+    assert {k: bs.OBJECTIVES[k] for k in bs.DEFAULT_OBJECTIVES} == {
+        "recompute": "recompute", "loglinear": "approx", "naive": "none"}
+    # the option arms are the decoupled objective (recomputed proximal) plus one loss option each
+    assert all(bs.OBJECTIVES[k] == "recompute" for k in bs.OBJECTIVE_LOSS)
 
 
 def test_an_arm_cannot_override_what_the_sweep_varies():
@@ -262,3 +265,31 @@ def test_a_reset_shared_server_is_back_to_the_warm_start(tmp_path):
         assert greedy() == before  # generating again, with the warm-start weights
     finally:
         servers.close()
+
+
+def test_the_hard_preset_dry_run_lists_the_issue_27_sweep(tmp_path, capsys, monkeypatch):
+    """--preset hard: 6 etas x 6 objectives x 5 seeds (GRPO) with 4 minibatches and the harder task;
+    each option arm's overrides load into the loss option it names; nothing runs."""
+    monkeypatch.setattr(bs, "execute", lambda *a, **k: pytest.fail("a dry run executed a run"))
+    bs.main(["--preset", "hard", "--dry-run", "--work", str(tmp_path / "w")])
+    out = capsys.readouterr().out
+    assert "180 cases" in out and "eta16_m2po_grpo_s5" in out and "train.ppo.ppo_n_minibatches=4" in out
+    assert not (tmp_path / "w").exists()
+    args = bs.parse_args(["--preset", "hard"])
+    runs = bs.build_runs(bs.build_arms(args.etas, args.objectives, args.advantages), args.seeds)
+    seen = {}
+    for run in runs[:36]:
+        cfg = load_config(RECIPE, [*bs.run_overrides(run, args.steps, args.eval_every, args.overrides),
+                                   "experiment.output_dir=/tmp/unused"])
+        assert cfg.train.ppo.ppo_n_minibatches == 4 and cfg.experiment.total_steps == 250
+        seen[run.arm.objective] = cfg.train.ppo.loss
+    assert seen["tis"].tis_cap == 2.0 and seen["tis"].token_mis_upper is None
+    assert (seen["icepop"].token_mis_lower, seen["icepop"].token_mis_upper) == (0.5, 5.0)
+    assert (seen["seq_mis"].seq_mis_lower, seen["seq_mis"].seq_mis_upper) == (0.5, 2.0)
+    assert seen["m2po"].m2po_tau == 0.04 and seen["naive"].m2po_tau is None
+
+
+def test_paired_confidence_interval():
+    assert bs.ci95_halfwidth([0.1]) is None
+    # differences 0.1, 0.2, 0.3: sd 0.1, t(2) = 4.303
+    assert bs.ci95_halfwidth([0.1, 0.2, 0.3]) == pytest.approx(4.303 * 0.1 / 3 ** 0.5)
