@@ -3,7 +3,10 @@
     python bench/bench_ppo_loss.py [--quick | --production] [--skip-compile] [--skip-fused] [--skip-logits]
                                    [--skip-liger] [--results DIR] [--no-results] [--dry-run]
 
-Two tables, bf16, forward + backward, every token in the loss (no row skipped):
+Two tables, bf16, forward + backward, on realistic batches (``realistic_batch``): sequences of
+prompt tokens (masked out of the loss, ~15% of the tokens) then response tokens, with behaviour
+and proximal log-probs close to the current policy's (importance ratios near 1, as in
+asynchronous RL), so few tokens are clipped:
 
 * ``from_logits`` [T, V]: our Triton kernels; the same with the gradient written into the logits
   (``grad_inplace``); the forward alone; against a same-size ``copy_`` timed in the same run, the
@@ -12,11 +15,17 @@ Two tables, bf16, forward + backward, every token in the loss (no row skipped):
 * ``fused_linear``: ``hidden [T, H] @ W[V, H]^T`` + loss without the whole logits, against the
   bare lm_head GEMMs (one forward, two backward) and the materialised path (GEMM + our loss).
 
-Bytes model (the roofline): the from-logits kernels make THREE passes over the logits: the
-forward reads them (log-sum-exp, label logit, entropy), the backward reads them again and writes
-the gradient, so fwd+bwd moves ``3 * T * V * 2`` bytes in bf16 and the forward alone ``T * V * 2``.
-A same-size copy moves ``2 * T * V * 2`` (read + write); the ideal fwd+bwd therefore takes 1.5x
-the copy's time (``time_vs_copy`` -> 1.5 at the roof; ``frac_copy_bw`` -> 1.0). The fused-linear
+Bytes model (the roofline): the from-logits kernels make at most THREE passes over the logits:
+the forward reads them (log-sum-exp, label logit, entropy), the backward reads them again and
+writes the gradient; a row whose loss gradient is zero (masked, or clipped) is written with
+zeros without being read. ``bytes_moved`` counts what the kernels really move,
+``(2 * T + active_rows) * V * 2`` in bf16 (``active_rows``: rows with a non-zero gradient,
+counted once per shape), and ``gbs_fwd_bwd`` divides it by the time. The 3-pass roofline is
+``3 * T * V * 2`` bytes at the device's datasheet HBM bandwidth (32k x 151,936 bf16: 30 GB,
+~10 ms at 3 TB/s); ``ratio_to_3pass_roofline`` is the measured time over it (1.0 at the roof)
+and ``ratio_to_3pass_copy_roofline`` the same against 1.5x the same-size copy timed in the run.
+(Before issue 25 the inputs had ~50% of rows with zero gradient, so 2.5 passes were moved while
+3 were counted: the GB/s was ~1.2x too high.) The fused-linear
 table reports TFLOP/s of the three GEMMs (``6 * T * H * V`` flops) and their fraction of the
 datasheet peak.
 
@@ -38,7 +47,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_harness_args, device_peaks, print_dry_run, print_table, provenance, save, time_fn  # noqa: E402
 
-from areal_fast.ops import decoupled_ppo_loss, decoupled_ppo_loss_ref, fused_linear_decoupled_ppo_loss  # noqa: E402
+from areal_fast.ops import (  # noqa: E402
+    decoupled_ppo_loss,
+    decoupled_ppo_loss_ref,
+    fused_linear_decoupled_ppo_loss,
+    fused_linear_token_logprobs,
+    token_logprobs,
+)
+from areal_fast.ops.custom_ops import weight_grad_path  # noqa: E402
+from areal_fast.ops.fused_linear import default_chunk_size  # noqa: E402
 
 OPTS = dict(eps_clip=0.2, eps_clip_higher=0.28, behav_weight_cap=5.0, importance_level="token",
             loss_agg="token-mean")
@@ -69,7 +86,7 @@ def logits_extra_bytes(T: int, V: int) -> dict[str, int]:
 
 
 def fused_extra_bytes(T: int, H: int, V: int) -> dict[str, int]:
-    chunk = 4096  # rows of logits the fused path holds at a time (bf16 + fp32 scratch), generous
+    chunk = default_chunk_size(T, H, V)  # rows of logits the fused path holds at a time (no memory bound)
     return {
         "gemms": 2 * T * V * 2,  # dz and z, bf16
         "fused": chunk * V * 6 + V * H * 4 + T * H * 2,  # chunk logits, fp32 weight-gradient accumulator, dh
@@ -99,16 +116,57 @@ def guarded(fn, need: int, *, warmup: int, reps: int, memory: bool = True):
 
 
 # ------------------------------------------------------------------------------------------- cases
+PROMPT_FRACTION = 0.15  # prompt tokens per sequence, masked out of the loss (10-20% in RL batches)
+SEQ_LEN = 2048  # tokens per sequence of the benchmark batches
+RATIO_NOISE = 0.05  # behaviour / proximal log-probs = current ones + N(0, 0.05): ratios ~ 1 +- 5%
+
+
+def realistic_mask(T: int, device, *, seq_len: int = SEQ_LEN, prompt_fraction: float = PROMPT_FRACTION):
+    """float [T]: sequences of ``seq_len`` tokens (the last one shorter), each starting with
+    ``round(prompt_fraction * len)`` prompt tokens (0) followed by its response tokens (1)."""
+    pos = torch.arange(T, device=device)
+    start = pos - pos % seq_len
+    length = torch.clamp(T - start, max=seq_len)
+    return (pos - start >= torch.round(prompt_fraction * length)).float()
+
+
+def realistic_batch(z, y, generator, *, logp=None):
+    """(behav, prox, advantages, mask) for logits ``z`` and labels ``y``: the current log-probs
+    ``logp`` (computed from ``z`` when None) plus small noise, so importance ratios are near 1 and
+    few tokens are clipped, as in an asynchronous RL batch; prompt tokens masked."""
+    T, device = y.shape[0], y.device
+    if logp is None:
+        with torch.no_grad():
+            logp = token_logprobs(z[:T], y)
+    b = logp + RATIO_NOISE * torch.randn(T, device=device, generator=generator)
+    p = logp + RATIO_NOISE * torch.randn(T, device=device, generator=generator)
+    A = torch.randn(T, device=device, generator=generator)
+    return b, p, A, realistic_mask(T, device)
+
+
 def inputs(T, V, device, dtype=torch.bfloat16, extra_rows=0):
     g = torch.Generator(device=device).manual_seed(0)
     z = torch.randn(T + extra_rows, V, device=device, dtype=dtype, generator=g) * 2
     y = torch.randint(0, V, (T,), device=device, generator=g)
-    with torch.no_grad():
-        b = torch.log_softmax(z[:T, :1].float(), -1)[:, 0] - 10.0 + 0.1 * torch.randn(T, device=device, generator=g)
-    p = b + 0.1 * torch.randn(T, device=device, generator=g)
-    A = torch.randn(T, device=device, generator=g)
-    m = torch.ones(T, device=device)  # every token in the loss: no row is skipped, honest GB/s
+    b, p, A, m = realistic_batch(z, y, g)
     return z, y, b, p, A, m
+
+
+def logits_bytes_moved(T: int, V: int, active_rows: int, itemsize: int = 2) -> int:
+    """Bytes the from-logits fwd+bwd kernels move: the forward reads every row, the backward
+    reads the rows with a non-zero gradient and writes every row."""
+    return (2 * T + active_rows) * V * itemsize
+
+
+def roofline_3pass_ms(T: int, V: int, hbm_gbs: float, itemsize: int = 2) -> float:
+    """The 3-pass roofline: the logits read by the forward and the backward and the gradient
+    written, at ``hbm_gbs`` GB/s."""
+    return LOGIT_PASSES_FWD_BWD * T * V * itemsize / hbm_gbs / 1e6
+
+
+def active_rows(grad: torch.Tensor) -> int:
+    """Rows of dloss/dlogits that are not all zero (the backward read their logits)."""
+    return int((grad != 0).any(dim=1).sum())
 
 
 def loss_step(fn, z, y, b, p, A, m, **kw):
@@ -142,8 +200,8 @@ def bench_logits_shape(T, V, peaks, compiled, liger: bool) -> dict:
     z, y, b, p, A, m = inputs(T, V, "cuda")
     need = logits_extra_bytes(T, V)
     tv_bytes = T * V * z.element_size()
-    row = dict(table="from_logits", T=T, V=V, dtype="bf16",
-               bytes_model=f"fwd+bwd {LOGIT_PASSES_FWD_BWD} passes x T*V*2 B; copy {LOGIT_PASSES_COPY} passes")
+    row = dict(table="from_logits", T=T, V=V, dtype="bf16", masked_frac=1.0 - float(m.mean()),
+               bytes_model="fwd+bwd (2 T + active_rows) V 2 B moved; roofline 3 T V 2 B; copy 2 T V 2 B")
     dst = torch.empty_like(z)
     t_copy, why = guarded(lambda: dst.copy_(z), 0, warmup=3, reps=20, memory=False)
     dst = None
@@ -153,6 +211,7 @@ def bench_logits_shape(T, V, peaks, compiled, liger: bool) -> dict:
                           warmup=2, reps=10)
     if t_ours is None:
         return row | {"error": why}
+    act = active_rows(loss_step(decoupled_ppo_loss, z, y, b, p, A, m, backend="triton")())
     grad_buf = z.clone()
 
     def inplace():
@@ -176,10 +235,14 @@ def bench_logits_shape(T, V, peaks, compiled, liger: bool) -> dict:
         step = _liger_step(T, V)
         t_liger, why_liger = (None, "skipped: liger-kernel not installed") if step is None else \
             guarded(step, need["liger"], warmup=2, reps=5)
-    moved = LOGIT_PASSES_FWD_BWD * tv_bytes
+    moved = logits_bytes_moved(T, V, act)
     gbs = moved / t_ours.median_ms / 1e6
     gbs_copy = LOGIT_PASSES_COPY * tv_bytes / t_copy.median_ms / 1e6
+    roof_ms = roofline_3pass_ms(T, V, peaks["hbm_gbs"]) if peaks["hbm_gbs"] else None
     row |= dict(
+        active_rows=act, active_frac=act / T, bytes_moved=moved, roofline_3pass_ms=roof_ms,
+        ratio_to_3pass_roofline=(t_ours.median_ms / roof_ms) if roof_ms else None,
+        ratio_to_3pass_copy_roofline=t_ours.median_ms / (1.5 * t_copy.median_ms),
         ms_copy=t_copy.median_ms, ms_fwd_bwd=t_ours.median_ms, ms_fwd_bwd_p10=t_ours.p10_ms,
         ms_fwd_bwd_p90=t_ours.p90_ms, ms_fwd_bwd_inplace=t_inpl.median_ms if t_inpl else None,
         ms_fwd=t_fwd.median_ms if t_fwd else None,
@@ -203,10 +266,15 @@ def bench_fused_shape(T, H, V, peaks) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
     W = torch.randn(V, H, device="cuda", dtype=torch.bfloat16, generator=g) / H**0.5
-    _, _, b, p, A, m = inputs(T, 2, "cuda")
     y = torch.randint(0, V, (T,), device="cuda", generator=g)
+    b, p, A, m = realistic_batch(None, y, g, logp=fused_linear_token_logprobs(h, W, y, backend="triton"))
     need = fused_extra_bytes(T, H, V)
-    row = dict(table="fused_linear", T=T, H=H, V=V, dtype="bf16", flops_model="3 GEMMs: 6*T*H*V")
+    chunk = default_chunk_size(T, H, V, itemsize=h.element_size(),
+                               free_bytes=torch.cuda.mem_get_info()[0])
+    # which GEMM accumulates grad_weight (the fp32-upcast fallback is ~0.6 s a step at 32k x 3584)
+    row = dict(table="fused_linear", T=T, H=H, V=V, dtype="bf16", flops_model="3 GEMMs: 6*T*H*V",
+               masked_frac=1.0 - float(m.mean()), chunk_rows=chunk,
+               weight_grad_path=weight_grad_path(h.device, h.dtype))
 
     ok, why_gemm = fits(need["gemms"])
     t_gemm = None
@@ -266,12 +334,38 @@ def cpu_rows() -> list[dict]:
     print("No CUDA device: tiny shapes of the PyTorch reference only (no Triton kernels, no meaningful rates). "
           "Run on a GPU for the real benchmark.")
     rows = []
+    g = torch.Generator().manual_seed(0)
     for T, V in ((256, 4096), (1024, 8192)):
-        z, y = torch.randn(T, V), torch.randint(0, V, (T,))
-        b, A, m = torch.full((T,), -8.0), torch.randn(T), torch.ones(T)
-        t = time_fn(loss_step(decoupled_ppo_loss_ref, z, y, b, None, A, m), warmup=1, reps=3)
-        rows.append(dict(table="reference_cpu", T=T, V=V, dtype="fp32", **t.as_row("ref_")))
+        z, y = torch.randn(T, V, generator=g), torch.randint(0, V, (T,), generator=g)
+        b, p, A, m = realistic_batch(z, y, g)
+        step = loss_step(decoupled_ppo_loss_ref, z, y, b, p, A, m)
+        act = active_rows(step())
+        t = time_fn(step, warmup=1, reps=3)
+        rows.append(dict(table="reference_cpu", T=T, V=V, dtype="fp32", masked_frac=1.0 - float(m.mean()),
+                         active_rows=act, bytes_moved=logits_bytes_moved(T, V, act, 4), **t.as_row("ref_")))
+    rows.append(fused_cpu_row())
     return rows
+
+
+def fused_cpu_row(T: int = 256, H: int = 64, V: int = 1024) -> dict:
+    """The fused-linear loss in bf16 on CPU (reference backend): which grad_weight GEMM path this
+    torch takes here (CPU torch 2.13 has no fp32-output bf16 GEMM: the upcast fallback, which warns)."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(T, H, generator=g).bfloat16()
+    W = (torch.randn(V, H, generator=g) / H**0.5).bfloat16()
+    y = torch.randint(0, V, (T,), generator=g)
+    b, p, A, m = realistic_batch(None, y, g, logp=fused_linear_token_logprobs(h, W, y, backend="reference"))
+    chunk = default_chunk_size(T, H, V, itemsize=2)
+
+    def step():
+        hh, WW = h.detach().requires_grad_(), W.detach().requires_grad_()
+        out = fused_linear_decoupled_ppo_loss(hh, WW, y, b, A, m, prox_logprobs=p, backend="reference",
+                                              chunk_size=max(1, T // 4), **OPTS)
+        torch.autograd.grad(out.loss, (hh, WW))
+
+    t = time_fn(step, warmup=1, reps=3)
+    return dict(table="fused_linear_cpu", T=T, H=H, V=V, dtype="bf16", masked_frac=1.0 - float(m.mean()),
+                chunk_rows=min(chunk, T), weight_grad_path=weight_grad_path(h.device, h.dtype), **t.as_row("ref_"))
 
 
 def main(argv=None):
@@ -289,8 +383,10 @@ def main(argv=None):
     logit_shapes = [] if args.skip_logits else shapes["logits"]
     fused_shapes = [] if args.skip_fused else shapes["fused"]
     if args.dry_run:
-        cases = [dict(table="from_logits", T=T, V=V, **{f"gib_{k}": v / 2**30 for k, v in
-                                                       logits_extra_bytes(T, V).items()}) for T, V in logit_shapes]
+        cases = [dict(table="from_logits", T=T, V=V, masked_frac=1.0 - float(realistic_mask(T, "cpu").mean()),
+                      roofline_3pass_ms_h100=roofline_3pass_ms(T, V, 3350.0),
+                      **{f"gib_{k}": v / 2**30 for k, v in logits_extra_bytes(T, V).items()})
+                 for T, V in logit_shapes]
         cases += [dict(table="fused_linear", T=T, H=H, V=V, **{f"gib_{k}": v / 2**30 for k, v in
                                                                fused_extra_bytes(T, H, V).items()})
                   for T, H, V in fused_shapes]

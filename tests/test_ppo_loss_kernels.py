@@ -4,6 +4,8 @@ Accuracy rule (STYLE.md): against an fp64 evaluation on the same (rounded) logit
 error is at most 2x the error of plain PyTorch computing in the same low precision, plus a floor.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -377,3 +379,54 @@ def test_kernel_path_drops_nonfinite_behaviour_like_the_reference():
     torch.testing.assert_close(out.loss, ref.loss, **FP32_REORDER_TOL)
     torch.testing.assert_close(grad, grad_ref, **FP32_GRAD_VS_AUTOGRAD_TOL)
     assert float(out.stats["nonfinite_count"]) == float(ref.stats["nonfinite_count"]) >= 1.0
+
+
+# ----------------------------------------------------------------------------- benchmark inputs (issue 25)
+
+
+def _bench_ppo_loss():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location("_bench_ppo_loss_inputs", bench / "bench_ppo_loss.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmark_inputs_are_realistic_and_bytes_are_counted():
+    """The loss benchmark's batches mask prompt tokens only (10-20%), keep importance ratios near 1
+    (few clipped tokens), and count the bytes the kernels really move: rows with a zero gradient
+    are written but not read (the old inputs had ~50% of such rows and counted 3 full passes)."""
+    B = _bench_ppo_loss()
+    m = B.realistic_mask(10_000, "cpu")
+    assert 0.10 <= 1.0 - float(m.mean()) <= 0.20
+    assert m[0] == 0 and m[B.SEQ_LEN - 1] == 1 and m[B.SEQ_LEN] == 0  # each sequence starts with its prompt
+    T, V = 256, 1000
+    g = torch.Generator().manual_seed(0)
+    z, y = torch.randn(T, V, generator=g), torch.randint(0, V, (T,), generator=g)
+    b, p, A, m = B.realistic_batch(z, y, g)
+    act = B.active_rows(B.loss_step(decoupled_ppo_loss_ref, z, y, b, p, A, m)())
+    assert act <= int(m.sum()) and act >= 0.95 * float(m.sum()), (act, float(m.sum()))
+    assert B.logits_bytes_moved(T, V, act) == (2 * T + act) * V * 2
+    # 32k x 151,936 bf16: 3 passes of 9.96 GB ~ 10 ms at 3 TB/s
+    assert abs(B.roofline_3pass_ms(32768, 151936, 3000.0) - 9.96) < 0.01
+
+
+def test_benchmark_records_the_weight_gradient_path(monkeypatch):
+    """The fused-linear rows say which grad_weight GEMM ran; on CPU torch 2.13 the fp32-upcast
+    fallback, which warns once."""
+    from areal_fast.ops import custom_ops
+
+    monkeypatch.setattr(custom_ops, "_FALLBACK_WARNED", set())
+    B = _bench_ppo_loss()
+    expected = custom_ops.weight_grad_path(torch.device("cpu"), torch.bfloat16)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        row = B.fused_cpu_row(T=32, H=16, V=64)
+    assert row["weight_grad_path"] == expected and row["table"] == "fused_linear_cpu"
+    n_warned = sum("cannot accumulate" in str(w.message) for w in rec)
+    assert n_warned == (1 if expected == custom_ops.PATH_UPCAST else 0)

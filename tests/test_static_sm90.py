@@ -59,13 +59,18 @@ def test_sass_reader_finds_the_loop_and_its_spills():
 def test_a_spill_in_a_loop_is_a_problem():
     S = _script()
     rep = S.KernelReport(name="k", source="x", config={}, elements_per_iteration=8, element_bytes=2)
-    S.analyse(rep, {"registers": 40, "shared_bytes": 0}, {}, S.parse_sass(SASS)["k"])
+    ptxas = {"registers": 40, "spill_store_bytes": 4, "spill_load_bytes": 4}
+    S.analyse(rep, {"registers": 40, "shared_bytes": 0}, ptxas, S.parse_sass(SASS)["k"])
     assert rep.hot_loop_spills == 2 and rep.unroll == 1 and rep.sass_per_element == 6 / 8
     result = {"kernels": [vars(rep)]}
     assert S.problems(result) == ["k: 2 spill instruction(s) (STL/LDL) inside a loop"]
     rep2 = S.KernelReport(name="k2", source="x", config={})
-    S.analyse(rep2, {"registers": 40}, {}, S.parse_sass(SASS.replace("STL", "FMUL").replace("LDL", "FMUL"))["k"])
+    ptxas = {"registers": 40, "spill_store_bytes": 0, "spill_load_bytes": 0}
+    S.analyse(rep2, {"registers": 40}, ptxas, S.parse_sass(SASS.replace("STL", "FMUL").replace("LDL", "FMUL"))["k"])
     assert S.problems({"kernels": [vars(rep2)]}) == []
+    rep3 = S.KernelReport(name="k3", source="x", config={})  # no ptxas -v figures: not proven
+    S.analyse(rep3, {"registers": 40}, {}, S.parse_sass(SASS)["k"])
+    assert "k3: no register or spill figures (no ptxas -v log)" in S.problems({"kernels": [vars(rep3)]})
 
 
 def test_hot_loop_is_the_data_loop_not_the_outer_or_index_loop():
