@@ -12,7 +12,8 @@ that needs an optional package to be imported fails here, not on the GPU machine
 import os
 import sys
 
-DEFAULT_BLOCKED = "orjson,sglang,flash_attn,vllm,ray,liger_kernel"
+# optional extras the GPU image lacks (orjson, SGLang, flash-attn are known absent there)
+DEFAULT_BLOCKED = "orjson,sglang,flash_attn,vllm,ray,liger_kernel,uvloop,math_verify"
 
 
 def _blocked(fullname: str) -> bool:
