@@ -6,7 +6,8 @@ the PyTorch references.
     python bench/bench_packing_kernels.py --interpret         # CPU smoke run of the kernel paths
     python bench/bench_packing_kernels.py --dry-run           # list the cases, run nothing
 
-Rows are appended to bench/results/packing_kernels.jsonl (``--results DIR``, ``--no-results``).
+Rows are appended to bench/results/packing_kernels.jsonl (``--results DIR``, ``--no-results``), each
+as soon as it is measured.
 
 Workload: B sequences with lognormal(7, 1.2) lengths clipped to [1, L] (median ~1.1k tokens, the
 shape of reasoning-model rollouts), per-token tensors of an RL batch (int64 ids, fp32 logprobs and
@@ -140,8 +141,8 @@ def _segment_launcher(ts, cu, order, scatter):
     return lambda: K.segment_copy(ts, outs, new_cu, starts, scatter=scatter)
 
 
-def run(B: int, L: int, H: int, device: torch.device, kernels: bool, reps: int) -> list[dict]:
-    rows = []
+def measure(B: int, L: int, H: int, device: torch.device, kernels: bool, reps: int):
+    """Yield one row per case as soon as it is measured (so a run cut short keeps what it measured)."""
     for name, moved, fns in cases(B, L, H, device, kernels):
         # Same bytes through the copy engine of torch: read moved/2, write moved/2.
         src = torch.empty(moved // 2, dtype=torch.uint8, device=device)
@@ -157,10 +158,9 @@ def run(B: int, L: int, H: int, device: torch.device, kernels: bool, reps: int) 
         if "kernel_ms" in row:
             row["vs_copy"] = row["kernel_GB/s"] / row["copy_GB/s"]
             row["vs_ref"] = row["ref_ms"] / row["kernel_ms"]
-        rows.append(row)
+        yield row
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return rows
 
 
 def main(argv=None) -> None:
@@ -202,11 +202,12 @@ def main(argv=None) -> None:
         print("No CUDA device: timing the PyTorch references only; a GPU is needed for kernel timing."
               + ("  (--interpret: kernel rows run in the Triton interpreter, times meaningless)"
                  if args.interpret else ""))
-    rows = run(B, L, H, device, kernels=gpu or args.interpret, reps=reps)
-    for r in rows:
+    rows = []
+    for r in measure(B, L, H, device, kernels=gpu or args.interpret, reps=reps):
         r.update(B=B, L=L, H=H, interpret=bool(not gpu and args.interpret))
+        rows.append(r)
+        save("packing_kernels", [r], args, prov)  # row by row: a run killed at its time limit keeps them
     print_table(rows)
-    save("packing_kernels", rows, args, prov)
 
 
 if __name__ == "__main__":

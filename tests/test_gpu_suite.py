@@ -267,6 +267,25 @@ def test_cmake_writes_the_commit_into_the_build_info(tmp_path):
     assert info["COMMIT"] == "c0ffee1" and info["WITH_CUDA"] is True and info["DATE"].endswith("Z")
 
 
+def test_packing_bench_writes_each_row_as_it_is_measured(tmp_path, monkeypatch):
+    """Killed during its second case (here: the timer raises once a row is on disk), the packing
+    benchmark has already written the first case's row."""
+    bench = _load_bench("bench/bench_packing_kernels.py")
+    rows_file = tmp_path / "packing_kernels.jsonl"
+
+    def timer(fn, device, reps):
+        if rows_file.exists():
+            raise RuntimeError("killed at the step's limit")
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(bench, "time_ms", timer)
+    with pytest.raises(RuntimeError, match="killed"):
+        bench.main(["--batch", "3", "--max-len", "16", "--hidden", "8", "--reps", "1", "--results", str(tmp_path)])
+    rows = [json.loads(x) for x in rows_file.read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["op"] and rows[0]["B"] == 3
+
+
 def test_collect_rows_gathers_every_bench_file(tmp_path):
     (tmp_path / "ppo_loss.jsonl").write_text(json.dumps({"bench": "ppo_loss", "T": 1, "provenance": {"x": 1}}) + "\n")
     (tmp_path / "reshard.jsonl").write_text("\n".join(json.dumps({"part": p}) for p in ("plan", "cuda_copy")) + "\n")
