@@ -160,3 +160,36 @@ def test_a_wrongly_typed_trainer_state_is_a_damaged_checkpoint(saved, tmp_path, 
     torch.save({**extra, **edit}, copy / "trainer_state.pt")
     with pytest.raises(CheckpointError, match="not a trainer state"):
         read_trainer_state(str(copy))
+
+
+def test_dcp_metadata_and_entries_are_read_without_running_code(saved, tmp_path):
+    """DCP's .metadata is a pickle and its non-tensor entries are torch.load'ed with weights_only=False
+    by torch's own planner: an edited checkpoint must not run code through either."""
+    import pickle
+
+    actor = saved[0]
+    copy = _copy(saved, tmp_path)
+    marker = tmp_path / "code_ran"
+    md = pickle.loads((copy / ".metadata").read_bytes())
+    md.planner_data = _RunsCode(str(marker))
+    (copy / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match="not allowed"):
+        ckpt.verify_checkpoint(str(copy))
+    with pytest.raises(CheckpointError):
+        load_checkpoint(actor, str(copy))
+    assert not marker.exists(), "reading the DCP metadata ran code from the file"
+    load_checkpoint(actor, str(saved[1]))  # a real one: metadata and optimizer param groups load
+    assert actor.version == 1
+
+
+def test_a_non_tensor_dcp_entry_is_read_with_weights_only(saved, tmp_path, monkeypatch):
+    seen = []
+    real = torch.load
+
+    def spy(*a, **kw):
+        seen.append(kw.get("weights_only"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch, "load", spy)
+    load_checkpoint(saved[0], str(saved[1]))
+    assert seen and all(w is True for w in seen), seen

@@ -12,20 +12,27 @@ name, fsynced, renamed, and the directory fsynced), so a caller may mark the che
 right after. A damaged checkpoint raises :class:`CheckpointError` naming the file.
 
 Reading is not executing: ``trainer_state.pt`` is read with ``torch.load(weights_only=True)`` (its
-entries are ints, tensors, None and the LR scheduler's plain state dict), and
+entries are ints, tensors, None and the LR scheduler's plain state dict); DCP's ``.metadata`` (a
+pickle) through :class:`_SafeReader`, which admits only DCP's metadata classes, ``torch.Size``,
+dtypes and layouts; and DCP's non-tensor entries (the optimizer's param groups, which torch reads
+with ``weights_only=False``) through :class:`_SafeLoadPlanner` with ``weights_only=True``.
 :func:`verify_checkpoint` checks, without loading a tensor, that every DCP shard the metadata names
 is present and long enough, so a truncated shard is found before the collective load starts.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -41,6 +48,50 @@ _OPTIONAL_STATE_KEYS = ("world_size",)
 
 class CheckpointError(RuntimeError):
     """A trainer checkpoint is missing a file or a file is damaged; the message names the path."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` without arbitrary globals: what torch writes there and nothing else."""
+
+    _CLASSES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+    def find_class(self, module: str, name: str):
+        if module == "torch.distributed.checkpoint.metadata" and not name.startswith("__") or \
+                (module, name) in self._CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in checkpoint metadata")
+
+
+class _SafeReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata is unpickled by :class:`_MetadataUnpickler`."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, reading non-tensor entries with ``weights_only=True``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element  # as the parent does
+
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def _fsync_path(path: str) -> None:
@@ -137,11 +188,9 @@ def verify_checkpoint(path: str) -> dict:
     """Check checkpoint ``path`` without loading a tensor: :func:`read_trainer_state`, the DCP
     metadata, and every shard file it names present and at least as long as the bytes it names
     there (a truncated shard). Returns the trainer state; raises :class:`CheckpointError`."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     extra = read_trainer_state(path)
     try:
-        storage = FileSystemReader(path).read_metadata().storage_data
+        storage = _SafeReader(path).read_metadata().storage_data
         need: dict[str, int] = {}
         for info in storage.values():
             rel = str(info.relative_path)
@@ -174,7 +223,7 @@ def load_checkpoint(actor, path: str) -> None:
         "optim": get_optimizer_state_dict(actor.model, actor.optimizer),
     }
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
     except (Exception, CheckpointException) as e:  # DCP's own error derives from BaseException
         raise CheckpointError(f"{path}: the model/optimizer state (DCP files) cannot be read "
                               f"({type(e).__name__}: {str(e)[:300]})") from e
