@@ -128,7 +128,7 @@ def make(T, V=13, S=None, seed=0, dtype=torch.float64):
 def test_gradcheck_fp64_each_option(name):
     d = make(T=9, V=5, seed=1)
     for level in ("token", "sequence"):
-        def f(z):
+        def f(z, level=level):
             return decoupled_ppo_loss_ref(z, d["y"], d["b"], d["A"], d["m"], prox_logprobs=d["p"],
                                           cu_seqlens=d["cu"], importance_level=level, eps_clip=0.3,
                                           **OPTIONS[name]).loss
@@ -243,15 +243,15 @@ def test_a_run_config_with_the_old_names_still_loads():
 def test_mismatch_stats_formulas():
     b = torch.log(torch.tensor([0.5, 0.5, 0.25, 0.1]))
     p = torch.log(torch.tensor([0.5, 0.25, 0.5, 0.9]))  # the last token is outside the loss mask
-    l = p + torch.tensor([0.0, math.log(2.0), 0.0, 5.0])
+    cur = p + torch.tensor([0.0, math.log(2.0), 0.0, 5.0])
     m = torch.tensor([1, 1, 1, 0])
-    s = mismatch_stats(b, p, l, m)
+    s = mismatch_stats(b, p, cur, m)
     w = [1.0, 0.5, 2.0]  # exp(p - b) on the loss tokens
     assert s["mismatch_k1"] == pytest.approx(sum(-math.log(x) for x in w) / 3)
     assert s["mismatch_k3"] == pytest.approx(sum(x - 1 - math.log(x) for x in w) / 3)
     assert s["mismatch_ratio_p50"] == pytest.approx(1.0) and s["mismatch_ratio_max"] == pytest.approx(2.0)
     assert s["ratio_max"] == pytest.approx(2.0) and s["ratio_p50"] == pytest.approx(1.0)
-    assert mismatch_stats(b, p, l, torch.zeros(4)) == {}
+    assert mismatch_stats(b, p, cur, torch.zeros(4)) == {}
 
 
 DASHBOARD_KEYS = ("mismatch_k1", "mismatch_k3", "mismatch_ratio_p50", "mismatch_ratio_p90", "mismatch_ratio_p99",

@@ -344,8 +344,8 @@ _SINGLE_PASS = "areal_fast::fused_linear_ppo_single_pass"
 torch.library.define(
     _SINGLE_PASS,
     "(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor behav_logprobs, Tensor adv, Tensor mask, "
-    "Tensor? prox, Tensor? ref, Tensor? cu_seqlens, Tensor coef, SymInt chunk_size, str backend, bool need_hidden, bool need_weight, "
-    f"bool need_bias, {_options_schema()}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+    "Tensor? prox, Tensor? ref, Tensor? cu_seqlens, Tensor coef, SymInt chunk_size, str backend, bool need_hidden, "
+    f"bool need_weight, bool need_bias, {_options_schema()}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.impl(_SINGLE_PASS, "CompositeExplicitAutograd")

@@ -97,8 +97,9 @@ class PPOLossConfig:
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for lo, hi in (("token_mis_lower", "token_mis_upper"), ("seq_mis_lower", "seq_mis_upper")):
-            if getattr(self, lo) is not None and getattr(self, hi) is not None and getattr(self, lo) > getattr(self, hi):
-                raise ValueError(f"{lo} ({getattr(self, lo)!r}) must be <= {hi} ({getattr(self, hi)!r})")
+            a, b = getattr(self, lo), getattr(self, hi)
+            if a is not None and b is not None and a > b:
+                raise ValueError(f"{lo} ({a!r}) must be <= {hi} ({b!r})")
         for name, allowed in (("importance_level", IMPORTANCE_LEVELS),
                               ("kl_estimator", KL_ESTIMATORS), ("loss_agg", LOSS_AGGS)):
             if getattr(self, name) not in allowed:

@@ -390,11 +390,11 @@ def mismatch_stats(behav_logprobs: Tensor, prox: Tensor, logp: Tensor, mask: Ten
     (unbiased, always >= 0), and the quantiles p50/p90/p99/max of w (``mismatch_ratio_*``) and of
     the current ratio exp(l - p) (``ratio_*``). Host floats; empty dict without loss tokens."""
     with torch.no_grad():
-        b, p, l = (x.detach().double().flatten() for x in (behav_logprobs, prox, logp))
-        ok = (mask.detach().flatten() != 0) & torch.isfinite(b) & torch.isfinite(p) & torch.isfinite(l)
+        b, p, cur = (x.detach().double().flatten() for x in (behav_logprobs, prox, logp))
+        ok = (mask.detach().flatten() != 0) & torch.isfinite(b) & torch.isfinite(p) & torch.isfinite(cur)
         if not bool(ok.any()):
             return {}
-        log_w, log_r = (p - b)[ok], (l - p)[ok]
+        log_w, log_r = (p - b)[ok], (cur - p)[ok]
         out = {"mismatch_k1": float((-log_w).mean()), "mismatch_k3": float((torch.expm1(log_w) - log_w).mean())}
         for name, x in (("mismatch_ratio", log_w), ("ratio", log_r)):
             # quantiles of the log-ratio, exponentiated (exp is monotone; nearest-rank, no interpolation)
