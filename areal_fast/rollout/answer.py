@@ -18,6 +18,16 @@ path (:func:`_parse_reference`) stays the reference: the shape rules and errors 
 takes every answer the scanner declines (counted by reason in :data:`FALLBACKS`).
 ``AREAL_FAST_ANSWER_PARSER=python`` forces it alone; ``docs/scale.md`` has both.
 
+What an answer must be (both paths; anything else is an :class:`AnswerError` naming the server and
+the rid): one JSON object with no duplicate key in any object, no NaN or Infinity; ``output_ids``
+integers (not booleans) in ``[0, vocab)`` (``[0, 2**31)`` when the vocabulary is not known);
+``meta_info`` an object whose ``output_token_logprobs`` has one ``[logprob, id, ...]`` entry per
+output id, ``id`` equal to that output id and ``logprob`` a finite number <= 0 (after rounding to
+float32); ``id`` a string, ``finish_reason`` an object with a string ``type``, ``weight_version``
+and the ``weight_versions`` spans' versions in ``[0, 2**31)`` (or a non-numeric string), spans
+with integer ``start`` and ``end``. The native scanner declines (to the reference) every answer
+that breaks a per-token rule, so both paths accept exactly the same answers.
+
 :func:`tune_gc` is for the controller process after start-up (``gc.freeze()`` of what start-up
 built, and higher thresholds); ``docs/scale.md`` has the numbers before and after.
 """
@@ -26,6 +36,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import re
 from array import array
@@ -39,6 +50,9 @@ except ImportError:  # pragma: no cover - exercised only where orjson is missing
     _orjson = None
 
 _INT_RE = re.compile(r"^-?\d+$")
+SCAN_RULES = 2  # the answer rules a native scanner must enforce to be used (areal_fast._C.ANSWER_SCAN_RULES)
+MAX_VERSION = 2**31 - 1  # versions live in int32 columns
+_BOM = b"\xef\xbb\xbf"
 
 PARSER_ENV = "AREAL_FAST_ANSWER_PARSER"  # "native" (default: the scanner when built) or "python"
 
@@ -53,7 +67,16 @@ def _native_scanner():
         from areal_fast import _C
     except ImportError:  # a source checkout without the built module: the reference alone
         return None
-    return getattr(_C, "scan_generate_answer", None)
+    scan = getattr(_C, "scan_generate_answer", None)
+    if scan is not None and getattr(_C, "ANSWER_SCAN_RULES", 0) < SCAN_RULES:
+        # a module built before the answer rules: it would accept answers the reference refuses
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "areal_fast._C predates the answer rules (ANSWER_SCAN_RULES < %d): every answer is parsed by "
+            "the reference until the package is rebuilt (pip install -e .)", SCAN_RULES)
+        return None
+    return scan
 
 
 _scan = _native_scanner()  # areal_fast._C.scan_generate_answer, or None for the reference alone
@@ -126,34 +149,141 @@ def token_versions(meta: dict, n: int, fallback: str | None = None) -> array | N
     return out
 
 
+class _Refused(ValueError):
+    """A rule of the module docstring broken; the message says which (AnswerError adds the where)."""
+
+
+def _version(v, what: str) -> int:
+    """A weight version as an int: numeric ones in [0, MAX_VERSION], "default" 0, other strings -1."""
+    if v is None:
+        return 0
+    if type(v) is int or (type(v) is str and _INT_RE.match(v)):
+        if len(str(v)) > 11 or not 0 <= int(v) <= MAX_VERSION:  # no int() of 5000 digits
+            raise _Refused(f"{what} {str(v)[:40]!r} outside [0, {MAX_VERSION}]")
+        return int(v)
+    if type(v) is str:
+        return version_to_int(v)
+    raise _Refused(f"{what} is a {type(v).__name__}, not a string or an integer")
+
+
+def _check_meta(meta) -> None:
+    """The rules for meta_info's small fields (shared by both paths)."""
+    if type(meta) is not dict:
+        raise _Refused(f"meta_info is a {type(meta).__name__}, not an object")
+    rid = meta.get("id")
+    if rid is not None and type(rid) is not str:
+        raise _Refused(f"meta_info.id is a {type(rid).__name__}, not a string")
+    fr = meta.get("finish_reason")
+    if fr is not None:
+        if type(fr) is not dict or type(fr.get("type")) is not str:
+            raise _Refused(f"finish_reason {str(fr)[:80]!r} is not an object with a string type")
+        matched = fr.get("matched")
+        if matched is not None and type(matched) not in (int, str):
+            raise _Refused(f"finish_reason.matched is a {type(matched).__name__}")
+    _version(meta.get("weight_version"), "weight_version")
+    spans = meta.get("weight_versions")
+    if spans is not None:
+        if type(spans) is not list:
+            raise _Refused(f"weight_versions is a {type(spans).__name__}, not a list of spans")
+        for sp in spans:
+            if type(sp) is not dict or type(sp.get("start")) is not int or type(sp.get("end")) is not int:
+                raise _Refused(f"weight_versions span {str(sp)[:80]!r} has no integer start and end")
+            _version(sp.get("version"), "weight_versions version")
+
+
 def _segment(ids: array, lps: array, meta: dict) -> Segment:
+    _check_meta(meta)
     wv = meta.get("weight_version")
     return Segment(ids=ids, logprobs=lps, versions=token_versions(meta, len(ids)),
                    finish=meta.get("finish_reason") or {"type": "length"},
                    weight_version=None if wv is None else str(wv), rid=meta.get("id"))
 
 
-def _parse_reference(raw, where: str) -> Segment:
-    """The reference: decode everything, then pick the columns. The shape rules and their errors."""
-    data = loads(raw)
-    if not isinstance(data, dict):
-        raise AnswerError(f"{where}: answered {type(data).__name__}, not one result: {str(data)[:200]}")
+def _unique_keys(pairs: list) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _Refused(f"duplicate key {k[:80]!r}")
+            seen.add(k)
+    return obj
+
+
+def _no_constant(name: str):
+    raise _Refused(f"{name} is not JSON")
+
+
+# The reference decoder: the standard library's, because it can see every duplicate key (orjson
+# keeps the last value); NaN and Infinity refused, as orjson does.
+_REFERENCE_JSON = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+
+
+def _decode_reference(raw):
+    if not isinstance(raw, str):
+        raw = bytes(raw)
+        if raw.startswith(_BOM):
+            raise _Refused("a byte order mark before the JSON")
+        raw = raw.decode("utf-8")  # strict: invalid UTF-8 (lone surrogates too) is refused
+    return _REFERENCE_JSON.decode(raw)
+
+
+def _types(values, allowed: tuple, what: str) -> None:
+    extra = set(map(type, values)).difference(allowed)
+    if extra:
+        raise _Refused(f"{what} holds a {sorted(t.__name__ for t in extra)[0]}")
+
+
+def _columns(data, vocab: int) -> tuple[array, array, dict]:
+    """The reference's columns and rules (see the module docstring)."""
+    if type(data) is not dict:
+        raise _Refused(f"answered {type(data).__name__}, not one result: {str(data)[:200]}")
+    if "meta_info" not in data or "output_ids" not in data:
+        raise _Refused(f"not a /generate result (no {'meta_info' if 'meta_info' not in data else 'output_ids'})")
+    meta, out = data["meta_info"], data["output_ids"]
+    if type(meta) is not dict:
+        raise _Refused(f"meta_info is a {type(meta).__name__}, not an object")
+    if type(out) is not list:
+        raise _Refused(f"output_ids is a {type(out).__name__}, not a list")
+    entries = meta.get("output_token_logprobs")
+    entries = [] if entries is None else entries
+    if type(entries) is not list:
+        raise _Refused(f"output_token_logprobs is a {type(entries).__name__}, not a list")
+    if len(entries) != len(out):
+        raise _Refused(f"{len(out)} output ids but {len(entries)} logprobs")
+    _types(out, (int,), "output_ids")
+    ids = array(TOKEN_ARRAY, out)  # OverflowError outside int32
+    if ids and (min(ids) < 0 or (vocab > 0 and max(ids) >= vocab)):
+        bad = min(ids) if min(ids) < 0 else max(ids)
+        raise _Refused(f"output id {bad} outside the vocabulary [0, {vocab or 2**31})")
+    _types(entries, (list,), "output_token_logprobs")
+    if entries and min(map(len, entries)) < 2:
+        raise _Refused("a log-prob entry has no token id (entries are [logprob, id, ...])")
+    lp_values = [e[0] for e in entries]
+    entry_ids = [e[1] for e in entries]
+    _types(lp_values, (float, int), "a log-prob")
+    _types(entry_ids, (int,), "a log-prob entry's token id")
+    if entry_ids != out:
+        raise _Refused("a log-prob entry's token id differs from output_ids at its place")
+    lps = array(LOGPROB_ARRAY, lp_values)  # OverflowError for an int past float
+    if lps and not (math.isfinite(sum(lps)) and max(lps) <= 0.0):
+        raise _Refused("log-probs must be finite and <= 0")
+    return ids, lps, meta
+
+
+def _parse_reference(raw, where: str, vocab: int = 0) -> Segment:
+    """The reference: decode everything, check every rule, then pick the columns."""
     try:
-        meta = data["meta_info"]
-        ids = array(TOKEN_ARRAY, data["output_ids"])
-        triples = meta.get("output_token_logprobs") or ()
-        lps = array(LOGPROB_ARRAY, [t[0] for t in triples])
-    except (KeyError, TypeError, OverflowError) as e:
-        raise AnswerError(f"{where}: not a /generate result ({type(e).__name__}: {e})") from None
-    if len(lps) != len(ids):
-        raise AnswerError(f"{where}: {len(ids)} output ids but {len(lps)} logprobs")
-    return _segment(ids, lps, meta)
+        return _segment(*_columns(_decode_reference(raw), vocab))
+    except (ValueError, TypeError, OverflowError, RecursionError) as e:  # _Refused, JSON and UTF-8 errors too
+        why = str(e) if isinstance(e, _Refused) else f"{type(e).__name__}: {e}"
+        raise AnswerError(f"{where}: not a valid /generate result: {why[:300]}") from None
 
 
-def _parse_native(raw) -> Segment | None:
+def _parse_native(raw, vocab: int = 0) -> Segment | None:
     """The scanner's columns and the small rest decoded by :func:`loads`; None (counted in
     :data:`FALLBACKS` by reason) when the answer is one for the reference to judge."""
-    got = _scan(raw) if not isinstance(raw, str) else "a str, not bytes"
+    got = _scan(raw, vocab) if not isinstance(raw, str) else "a str, not bytes"
     if isinstance(got, str):
         FALLBACKS[got] += 1
         return None
@@ -170,11 +300,17 @@ def _parse_native(raw) -> Segment | None:
     if len(lps) != len(ids):  # the reference says so, in its words
         FALLBACKS["length mismatch"] += 1
         return None
-    return _segment(ids, lps, meta)
+    try:
+        return _segment(ids, lps, meta)
+    except ValueError:  # a rule of the small fields: the reference says which, in its words
+        FALLBACKS["meta_info refused"] += 1
+        return None
 
 
-def parse_generate(raw: bytes | bytearray | memoryview, where: str) -> Segment:
+def parse_generate(raw: bytes | bytearray | memoryview, where: str, vocab: int = 0) -> Segment:
     """Decode one /generate answer into a :class:`Segment`; ``where`` (url and rid) names it in errors.
+    ``vocab`` > 0: output ids must be below it. Raises :class:`AnswerError` for an answer that breaks
+    a rule of the module docstring.
 
     The native scanner reads the answer when the module has it (see the module docstring), and the
     reference (:func:`_parse_reference`) takes every answer the scanner leaves to it. The collector
@@ -183,10 +319,10 @@ def parse_generate(raw: bytes | bytearray | memoryview, where: str) -> Segment:
     gc.disable()
     try:
         if _scan is not None:
-            seg = _parse_native(raw)
+            seg = _parse_native(raw, vocab)
             if seg is not None:
                 return seg
-        return _parse_reference(raw, where)
+        return _parse_reference(raw, where, vocab)
     finally:
         if was_enabled:
             gc.enable()

@@ -3,6 +3,7 @@
 #include <cfloat>
 #include <charconv>
 #include <cstring>
+#include <forward_list>
 #include <string_view>
 #include <utility>
 
@@ -20,6 +21,9 @@ namespace {
 constexpr int kMaxDepth = 200;
 // Integer literals longer than this are left to the reference (they do not fit in int64).
 constexpr std::ptrdiff_t kMaxIntDigits = 18;
+// Objects with more keys than this are left to the reference (the duplicate check here is
+// quadratic in the keys of one object; answers have ~15).
+constexpr int kMaxKeys = 64;
 
 struct Fail {
   const char* reason;
@@ -34,9 +38,35 @@ locale_t c_locale() {
 }
 #endif
 
+// The keys of one object so far, to refuse a duplicate (the reference refuses every duplicate
+// key; orjson would keep the last). Unescaped keys are views of the answer; decoded ones are
+// owned here (a forward_list: stable addresses, no allocation while empty).
+class KeySet {
+ public:
+  // The key as a view that outlives the next key read; sets *dup when it was seen before.
+  std::string_view add(std::string_view key, bool escaped, bool* dup) {
+    if (n_ == kMaxKeys) throw Fail{"an object with too many keys"};
+    if (escaped) {
+      owned_.emplace_front(key);
+      key = owned_.front();
+    }
+    *dup = false;
+    for (int i = 0; i < n_; ++i) {
+      if (keys_[i] == key) *dup = true;
+    }
+    keys_[n_++] = key;
+    return key;
+  }
+
+ private:
+  std::string_view keys_[kMaxKeys];
+  int n_ = 0;
+  std::forward_list<std::string> owned_;
+};
+
 class Scanner {
  public:
-  Scanner(const char* data, std::size_t n) : begin_(data), p_(data), end_(data + n) {}
+  Scanner(const char* data, std::size_t n, int64_t vocab) : begin_(data), p_(data), end_(data + n), vocab_(vocab) {}
 
   void run(AnswerScan& out) {
     ws();
@@ -59,6 +89,13 @@ class Scanner {
     if (more()) throw Fail{"bytes after the top-level object"};
     if (!seen_ids) throw Fail{"no output_ids"};
     if (!seen_meta) throw Fail{"no meta_info"};
+    // Each log-prob entry names its token: it must be the output id at its place (a length
+    // mismatch is the caller's to report, in the reference's words).
+    if (entry_ids_.size() == out.ids.size()) {
+      for (std::size_t i = 0; i < entry_ids_.size(); ++i) {
+        if (entry_ids_[i] != out.ids[i]) throw Fail{"a log-prob entry's token id differs from output_ids"};
+      }
+    }
     // The rest: the answer without the contents of the (at most two) arrays read above.
     std::size_t removed = 0;
     for (int i = 0; i < n_cuts_; ++i) removed += cuts_[i].second - cuts_[i].first;
@@ -77,6 +114,8 @@ class Scanner {
   const char* const end_;
   std::pair<const char*, const char*> cuts_[2];
   int n_cuts_ = 0;
+  const int64_t vocab_;  // > 0: ids must be below it
+  std::vector<int64_t> entry_ids_;  // element 1 of each log-prob entry
   std::string key_;  // the last escaped key, decoded
 
   bool more() const { return p_ < end_; }
@@ -179,14 +218,32 @@ class Scanner {
     }
   }
 
-  // An object key, escapes decoded as far as matching it needs: an escape of a non-ASCII code
-  // point becomes 0xFF, which no key the scanner looks for holds (orjson checks the rest).
-  std::string_view key_string() {
+  static void put_utf8(std::string& out, uint32_t v) {
+    if (v < 0x80) {
+      out.push_back(static_cast<char>(v));
+    } else if (v < 0x800) {
+      out.push_back(static_cast<char>(0xC0 | (v >> 6)));
+      out.push_back(static_cast<char>(0x80 | (v & 0x3F)));
+    } else if (v < 0x10000) {  // a lone surrogate too (as the reference keeps it: never equal to another)
+      out.push_back(static_cast<char>(0xE0 | (v >> 12)));
+      out.push_back(static_cast<char>(0x80 | ((v >> 6) & 0x3F)));
+      out.push_back(static_cast<char>(0x80 | (v & 0x3F)));
+    } else {
+      out.push_back(static_cast<char>(0xF0 | (v >> 18)));
+      out.push_back(static_cast<char>(0x80 | ((v >> 12) & 0x3F)));
+      out.push_back(static_cast<char>(0x80 | ((v >> 6) & 0x3F)));
+      out.push_back(static_cast<char>(0x80 | (v & 0x3F)));
+    }
+  }
+
+  // An object key, its escapes decoded exactly (to UTF-8: the duplicate check compares code
+  // points, as the reference does). *escaped: it held an escape (the view is then key_).
+  std::string_view key_string(bool removed, bool* escaped) {
     if (!more() || *p_ != '"') throw Fail{"invalid JSON (expected a key)"};
     const char* start = p_ + 1;
-    const bool escaped = string(false);
+    *escaped = string(removed);
     std::string_view raw(start, static_cast<std::size_t>(p_ - 1 - start));
-    if (!escaped) return raw;
+    if (!*escaped) return raw;
     key_.clear();
     for (std::size_t i = 0; i < raw.size(); ++i) {
       if (raw[i] != '\\') {
@@ -201,10 +258,24 @@ class Scanner {
         case 'r': key_.push_back('\r'); break;
         case 't': key_.push_back('\t'); break;
         case 'u': {
-          int v = 0;
-          for (int k = 1; k <= 4; ++k) v = v * 16 + hex(raw[i + k]);
+          uint32_t v = 0;
+          for (int k = 1; k <= 4; ++k) v = v * 16 + static_cast<uint32_t>(hex(raw[i + k]));
           i += 4;
-          key_.push_back(v < 0x80 ? static_cast<char>(v) : '\xff');
+          if (v >= 0xD800 && v < 0xDC00 && i + 6 < raw.size() &&
+              raw[i + 1] == '\\' && raw[i + 2] == 'u') {
+            uint32_t lo = 0;
+            bool ok = true;
+            for (int k = 3; k <= 6; ++k) {
+              const int h = hex(raw[i + k]);
+              if (h < 0) ok = false;
+              lo = lo * 16 + static_cast<uint32_t>(h < 0 ? 0 : h);
+            }
+            if (ok && lo >= 0xDC00 && lo <= 0xDFFF) {
+              v = 0x10000 + ((v - 0xD800) << 10) + (lo - 0xDC00);
+              i += 6;
+            }
+          }
+          put_utf8(key_, v);
           break;
         }
         default: key_.push_back(e);  // " \\ /
@@ -293,16 +364,20 @@ class Scanner {
         walk('[', ']', {"invalid JSON", "truncated array", "expected , or ] in an array"},
              [&] { skip_value(depth + 1, removed); });
         return;
-      case '{':
+      case '{': {
+        KeySet keys;
         walk('{', '}', {"invalid JSON", "truncated object", "expected , or } in an object"}, [&] {
-          if (!more() || *p_ != '"') throw Fail{"invalid JSON (expected a key)"};
-          string(removed);
+          bool escaped = false, dup = false;
+          const std::string_view key = key_string(removed, &escaped);
+          keys.add(key, escaped, &dup);
+          if (dup) throw Fail{"duplicate key"};
           ws();
           expect(':');
           ws();
           skip_value(depth + 1, removed);
         });
         return;
+      }
       default: {
         const Number n = number();
         // Inside a cut array orjson never sees this number: refuse what it might reject
@@ -349,14 +424,19 @@ class Scanner {
   }
 
   // { "key": value, ... } with each value read by on_value(key) from its first byte.
+  // A duplicate key is refused after on_value, which refuses the keys it reads in its own words.
   template <class OnValue>
   void walk_object(const Reasons& r, OnValue on_value) {
+    KeySet keys;
     walk('{', '}', r, [&] {
-      std::string_view key = key_string();
+      bool escaped = false, dup = false;
+      const std::string_view raw_key = key_string(false, &escaped);
+      const std::string_view key = keys.add(raw_key, escaped, &dup);
       ws();
       expect(':');
       ws();
       on_value(key);
+      if (dup) throw Fail{"duplicate key"};
     });
   }
 
@@ -379,6 +459,8 @@ class Scanner {
       if (!n.integer) throw Fail{"an output id is not an integer"};
       const int64_t v = to_int64(n);
       if (v < INT32_MIN || v > INT32_MAX) throw Fail{"an output id is outside int32"};
+      if (v < 0) throw Fail{"an output id is negative"};
+      if (vocab_ > 0 && v >= vocab_) throw Fail{"an output id is outside the vocabulary"};
       ids.push_back(static_cast<int32_t>(v));
     });
   }
@@ -405,6 +487,7 @@ class Scanner {
   void read_logprobs(std::vector<float>& lps) {
     // ~30 bytes an entry in real answers ("[-0.0123456789,12345,null],").
     lps.reserve(static_cast<std::size_t>(end_ - p_) / 24 + 1);
+    entry_ids_.reserve(static_cast<std::size_t>(end_ - p_) / 24 + 1);
     read_cut_array({"output_token_logprobs is neither an array nor null", "truncated output_token_logprobs",
                     "expected , or ] in output_token_logprobs"}, [&] {
       if (!more() || *p_ != '[') throw Fail{"a log-prob entry is not an array"};
@@ -413,7 +496,21 @@ class Scanner {
       if (!more()) throw Fail{"truncated log-prob entry"};
       const char c = *p_;
       if (c != '-' && (c < '0' || c > '9')) throw Fail{"a log-prob is not a number"};
-      lps.push_back(to_float(number()));
+      const float lp = to_float(number());
+      if (lp > 0.0f) throw Fail{"a log-prob is positive"};  // after the float rounding, as the reference
+      lps.push_back(lp);
+      // element 1: the token's id, an integer (compared with output_ids at the end)
+      ws();
+      if (!more()) throw Fail{"truncated log-prob entry"};
+      if (*p_ == ']') throw Fail{"a log-prob entry has no token id"};
+      if (*p_ != ',') throw Fail{"expected , or ] in a log-prob entry"};
+      ++p_;
+      ws();
+      if (!more()) throw Fail{"truncated log-prob entry"};
+      if (*p_ != '-' && (*p_ < '0' || *p_ > '9')) throw Fail{"a log-prob entry's token id is not a number"};
+      const Number id = number();
+      if (!id.integer) throw Fail{"a log-prob entry's token id is not an integer"};
+      entry_ids_.push_back(to_int64(id));
       for (;;) {
         ws();
         if (!more()) throw Fail{"truncated log-prob entry"};
@@ -429,13 +526,13 @@ class Scanner {
 
 }  // namespace
 
-bool scan_generate_answer(const char* data, std::size_t n, AnswerScan& out) {
+bool scan_generate_answer(const char* data, std::size_t n, AnswerScan& out, int64_t vocab) {
   out.ids.clear();
   out.logprobs.clear();
   out.rest.clear();
   out.reason = nullptr;
   try {
-    Scanner(data, n).run(out);
+    Scanner(data, n, vocab).run(out);
     return true;
   } catch (const Fail& f) {
     out.reason = f.reason;

@@ -3,7 +3,7 @@
 // (element 0 of each entry -> float32). What is left (the answer with those two arrays emptied
 // to []) is small, and Python decodes it with orjson. The reference is the orjson path in
 // areal_fast/rollout/answer.py; anything this scanner would not decode exactly as the reference
-// does (invalid JSON, a duplicate key it reads, a non-number log-prob, an id outside int32, ...)
+// does (invalid JSON, a duplicate key, a non-number log-prob, an id outside int32, ...)
 // makes it answer "not handled" with a reason, and the caller takes the reference path.
 #pragma once
 
@@ -22,7 +22,10 @@ struct AnswerScan {
 };
 
 // Scan n bytes at data. Returns true when handled (ids, logprobs, rest filled); false with
-// out.reason otherwise. Never reads outside [data, data + n).
-bool scan_generate_answer(const char* data, std::size_t n, AnswerScan& out);
+// out.reason otherwise. Never reads outside [data, data + n). The answer's rules (the reference's,
+// areal_fast/rollout/answer.py): ids in [0, vocab) (vocab <= 0: unknown, ids >= 0), log-probs
+// finite and <= 0, each log-prob entry [logprob, id, ...] naming the output id at its place,
+// no duplicate key in any object.
+bool scan_generate_answer(const char* data, std::size_t n, AnswerScan& out, int64_t vocab = 0);
 
 }  // namespace areal
