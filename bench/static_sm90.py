@@ -352,7 +352,6 @@ def triton_cases(fast: bool) -> list[TritonCase]:
 def compile_triton(fast: bool) -> list[KernelReport]:
     import importlib
 
-    import triton
     from triton import knobs
     from triton.runtime import driver
 

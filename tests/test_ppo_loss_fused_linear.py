@@ -429,7 +429,8 @@ def test_fp32_out_gemm_path_does_not_warn(fresh_gemm_probe, monkeypatch):
     monkeypatch.setattr(ops.torch, "addmm", lambda acc, a, b, out_dtype, out: calls.append(out_dtype))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ops.addmm_fp32_(torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.bfloat16), torch.ones(2, 2, dtype=torch.bfloat16))
+        one = torch.ones(2, 2, dtype=torch.bfloat16)
+        ops.addmm_fp32_(torch.zeros(2, 2), one, one)
     assert calls == [torch.float32]
     assert ops.weight_grad_path(torch.device("cpu"), torch.bfloat16) == ops.PATH_FP32_OUT
 
