@@ -236,3 +236,19 @@ print("returned", fn(), flush=True)
 """
     r = subprocess.run([sys.executable, "-I", "-c", src], capture_output=True, text=True, timeout=120)
     assert r.returncode == -31 and "returned" not in r.stdout, (r.returncode, r.stdout, r.stderr[-500:])  # SIGSYS
+
+
+def test_the_filter_can_be_turned_off_and_says_so(monkeypatch, caplog):
+    import logging
+
+    from areal_fast.reward import sandbox
+
+    monkeypatch.setenv("AREAL_FAST_SANDBOX_SECCOMP", "off")
+    with caplog.at_level(logging.WARNING, logger="areal_fast.reward.sandbox"):
+        assert sandbox._seccomp_wanted() is False
+    assert any("AREAL_FAST_SANDBOX_SECCOMP=off" in m for m in caplog.messages), caplog.messages
+    monkeypatch.setenv("AREAL_FAST_SANDBOX_SECCOMP", "no")
+    with pytest.raises(ValueError, match="AREAL_FAST_SANDBOX_SECCOMP='no'"):
+        sandbox._seccomp_wanted()
+    monkeypatch.delenv("AREAL_FAST_SANDBOX_SECCOMP")
+    assert sandbox._seccomp_wanted() is seccomp.supported()

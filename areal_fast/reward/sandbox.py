@@ -64,9 +64,11 @@ Isolation modes, detected once per process by actually running a probe (`isolati
     network isolation, our uid's file access. Root never falls back to it (nor to ``ns``):
     RLIMIT_NPROC is never enforced for uid 0, so root without a working uid switch raises
     SandboxUnavailable.
-The weaker modes log a warning once. In no mode is the sandbox a defence against a kernel bug
-in the calls it still allows (file systems, sockets, pipes, mmap, futex, ...: the filter is a deny
-list, not an allow list), nor against timing side channels; see docs/reward.md.
+The weaker modes log a warning once; so does a run without the filter (no seccomp here, or
+``AREAL_FAST_SANDBOX_SECCOMP=off``, the escape hatch should the filter break a task). In no mode
+is the sandbox a defence against a kernel bug in the calls it still allows (file systems,
+sockets, pipes, mmap, futex, ...: the filter is a deny list, not an allow list), nor against
+timing side channels; see docs/reward.md.
 ``AREAL_FAST_SANDBOX_PYTHON`` picks the interpreter; otherwise the first of our own base
 interpreter (never a virtualenv's: it would need the venv inside), ``/usr/bin/python3``, ... that
 works in the sandbox is used.
@@ -288,11 +290,7 @@ def isolation() -> Isolation:
     if shutil.which("unshare") is None:
         modes = [m for m in modes if not m.startswith("ns")]
     cg = _cgroup.support()
-    filtered = _seccomp.supported()
-    if not filtered:
-        log.warning("reward sandbox: no seccomp filter on %s (kernel without CONFIG_SECCOMP_FILTER or no "
-                    "syscall table for this architecture): programs may create user namespaces and reach "
-                    "bpf, keyctl, perf_event_open", os.uname().machine)
+    filtered = _seccomp_wanted()
     for mode in modes:
         for py in _python_candidates():
             iso = Isolation(mode, py, mode.startswith("ns"), cgroup=cg, seccomp=filtered)
@@ -314,6 +312,23 @@ def isolation() -> Isolation:
     raise SandboxUnavailable(
         f"no interpreter runs inside the sandbox (tried {_python_candidates()} in modes {modes}); "
         "set AREAL_FAST_SANDBOX_PYTHON to a Python that an unprivileged user can execute")
+
+
+def _seccomp_wanted() -> bool:
+    """Whether runs get the seccomp filter: yes where it works, unless AREAL_FAST_SANDBOX_SECCOMP=off."""
+    setting = os.environ.get("AREAL_FAST_SANDBOX_SECCOMP", "on")
+    if setting not in ("on", "off"):
+        raise ValueError(f"AREAL_FAST_SANDBOX_SECCOMP={setting!r}: expected 'on' or 'off'")
+    if setting == "off":
+        log.warning("reward sandbox: AREAL_FAST_SANDBOX_SECCOMP=off: no seccomp filter; programs may create "
+                    "user namespaces and reach bpf, keyctl, perf_event_open")
+        return False
+    if not _seccomp.supported():
+        log.warning("reward sandbox: no seccomp filter on %s (kernel without CONFIG_SECCOMP_FILTER or no "
+                    "syscall table for this architecture): programs may create user namespaces and reach "
+                    "bpf, keyctl, perf_event_open", os.uname().machine)
+        return False
+    return True
 
 
 def _probe(iso: Isolation) -> bool:
