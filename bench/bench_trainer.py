@@ -18,6 +18,7 @@ On CPU it runs the ``tiny`` shape with a few hundred tokens: a smoke run, not a 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -91,7 +92,11 @@ def run_variant(cls, cfg, batches, steps):
         return {"error": f"OOM: {str(e)[:120]}"}
     finally:
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        # The actor itself goes with `del` (no cycle through it any more); its model sits in torch's
+        # FSDP cycle (module hooks bound to the FSDP state, which holds the module), so collect before
+        # the next variant builds its own model, or the two models share the device.
         del actor
+        gc.collect()
         if cuda:
             torch.cuda.empty_cache()
     timed = rows[1:] or rows  # the first step includes allocator warm-up

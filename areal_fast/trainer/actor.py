@@ -25,7 +25,7 @@ from areal_fast import ops
 from areal_fast.packing import plan_microbatches
 from areal_fast.trainer import advantages as adv_mod
 from areal_fast.trainer.batch import Packed, Sample, Seq, dummy_seq, pack, split_minibatches, to_seq
-from areal_fast.trainer.config import TrainerConfig
+from areal_fast.trainer.config import OptimConfig, TrainerConfig
 from areal_fast.trainer.model import build_policy, hf_name, init_process_group_if_needed
 
 # Dense bf16 peak FLOP/s by device name (datasheet numbers, no sparsity).
@@ -34,6 +34,18 @@ _PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A
 _MEAN_STATS = ("ratio_mean", "clip_fraction", "dual_clip_fraction", "approx_kl", "behav_kl",
                "behav_weight_mean", "tis_truncated_fraction", "token_mis_masked_fraction",
                "seq_mis_masked_fraction", "m2po_masked_fraction", "entropy_mean", "kl_mean")
+
+
+def lr_factor(o: OptimConfig, step: int) -> float:
+    """The LR multiplier at optimizer step ``step``: linear warm-up, then constant, linear or cosine
+    decay to ``min_lr_ratio`` at ``total_steps``."""
+    if step < o.warmup_steps:
+        return (step + 1) / o.warmup_steps
+    if o.lr_schedule == "constant" or o.total_steps <= o.warmup_steps:
+        return 1.0
+    frac = min(1.0, (step - o.warmup_steps) / max(1, o.total_steps - o.warmup_steps))
+    decay = 1.0 - frac if o.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+    return o.min_lr_ratio + (1 - o.min_lr_ratio) * decay
 
 
 class PPOActor:
@@ -69,7 +81,10 @@ class PPOActor:
         o = config.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        # A function of the config alone: a bound method here (self._lr_factor) made the cycle
+        # actor -> scheduler -> actor, which kept a dropped actor's model, gradients and optimizer
+        # state on the device until the cycle collector ran (bench_trainer's second variant OOMed).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(o, step))
         self.version = 0
         self._grad_observer = None
         self.loss_backend = config.loss_backend  # None: areal_fast.backend.select decides
@@ -79,14 +94,7 @@ class PPOActor:
 
     # ---------------------------------------------------------------- schedule
     def _lr_factor(self, step: int) -> float:
-        o = self.config.optim
-        if step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        if o.lr_schedule == "constant" or o.total_steps <= o.warmup_steps:
-            return 1.0
-        frac = min(1.0, (step - o.warmup_steps) / max(1, o.total_steps - o.warmup_steps))
-        decay = 1.0 - frac if o.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
-        return o.min_lr_ratio + (1 - o.min_lr_ratio) * decay
+        return lr_factor(self.config.optim, step)
 
     # ---------------------------------------------------------------- batch preparation
     def _broadcast(self, samples):
