@@ -24,13 +24,26 @@ from __future__ import annotations
 import base64
 import io
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.interval_copy import interval_copy
 from areal_fast.weights.layout import ModelSpec, clean_name, sendable
-from areal_fast.weights.plan import TPShardPlan, dtype_code, plan_tp_shard
+from areal_fast.weights.plan import (
+    CODE_DTYPES,
+    DST_DTYPE,
+    DST_IDX,
+    DST_LD,
+    DST_OFF,
+    INTERVAL_COLS,
+    LEN,
+    ROWS,
+    TPShardPlan,
+    dtype_code,
+    plan_tp_shard,
+)
 from areal_fast.weights.sync import WeightSync
 
 
@@ -45,17 +58,57 @@ def serialize_for_sglang(obj) -> str:
     return base64.b64encode(buf.getvalue()).decode("utf-8")
 
 
+def unwritten_ranges(intervals: np.ndarray, buffer_bytes: int, dst: int = 0) -> np.ndarray:
+    """``[k, 2]`` byte ranges ``[start, end)`` of destination ``dst`` (``buffer_bytes`` long) that
+    no interval writes: what must be zeroed by hand (vocabulary padding rows, alignment gaps).
+    A strided interval covers its rows, not the gaps between them."""
+    iv = np.asarray(intervals, np.int64).reshape(-1, INTERVAL_COLS)
+    iv = iv[(iv[:, DST_IDX] == dst) & (iv[:, LEN] * iv[:, ROWS] > 0)]
+    es = np.array([CODE_DTYPES[c].itemsize for c in range(len(CODE_DTYPES))], np.int64)[iv[:, DST_DTYPE]]
+    dense = (iv[:, ROWS] == 1) | (iv[:, DST_LD] == iv[:, LEN])  # one run each: offset .. offset + rows * len
+    starts = [iv[dense, DST_OFF] * es[dense]]
+    ends = [starts[0] + iv[dense, LEN] * iv[dense, ROWS] * es[dense]]
+    sp = iv[~dense]
+    if len(sp):  # strided: one run per row
+        rows = sp[:, ROWS]
+        row = np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)
+        e = np.repeat(es[~dense], rows)
+        s0 = (np.repeat(sp[:, DST_OFF], rows) + row * np.repeat(sp[:, DST_LD], rows)) * e
+        starts.append(s0)
+        ends.append(s0 + np.repeat(sp[:, LEN], rows) * e)
+    start, end = np.concatenate(starts), np.concatenate(ends)
+    order = np.argsort(start, kind="stable")
+    start, end = start[order], np.maximum.accumulate(end[order]) if len(order) else end
+    # a gap before each run that starts past everything written before it, and one at the end
+    gap_start = np.concatenate([[0], end])
+    gap_end = np.concatenate([start, [buffer_bytes]])
+    keep = gap_end > gap_start
+    return np.stack([gap_start[keep], gap_end[keep]], 1)
+
+
+def _alloc(nbytes: int, device: torch.device) -> torch.Tensor:
+    """The shard buffer, uninitialised (tests hand out garbage here to see that nothing relies on zeros)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
 def build_tp_shard(full: dict[str, torch.Tensor], spec: ModelSpec, tp: int, tp_rank: int,
                    dtype: torch.dtype = torch.bfloat16, plan: TPShardPlan | None = None
                    ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]], TPShardPlan]:
     """TP rank ``tp_rank``'s SGLang-layout parameters from full HF tensors, in one buffer (works on
-    CPU too; tests compare it with :func:`areal_fast.weights.layout.hf_to_sglang`)."""
+    CPU too; tests compare it with :func:`areal_fast.weights.layout.hf_to_sglang`).
+
+    Only the bytes no interval writes are zeroed (the vocabulary padding rows and the 16-byte
+    alignment gaps, :func:`unwritten_ranges`): zero-filling the whole buffer first would write
+    every byte twice, ~15 GB a 7B update.
+    """
     names = list(spec.hf_shapes())
     srcs = [full[n].contiguous() for n in names]
     if plan is None:
         plan = plan_tp_shard(spec, tp, tp_rank, names, [tuple(t.shape) for t in srcs],
                              [dtype_code(t.dtype) for t in srcs], dtype)
-    buf = torch.zeros(plan.buffer_bytes, dtype=torch.uint8, device=srcs[0].device)  # zero: vocab padding rows
+    buf = _alloc(plan.buffer_bytes, srcs[0].device)
+    for a, b in unwritten_ranges(plan.intervals[0], plan.buffer_bytes).tolist():
+        buf[a:b].zero_()
     interval_copy(srcs, [buf], plan.intervals[0])
     named = []
     for n, shp, off in zip(plan.names, plan.shapes, plan.offsets.tolist()):
