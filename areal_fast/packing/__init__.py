@@ -1,6 +1,7 @@
 """Dynamic sequence packing: the micro-batch planner and the varlen pack/unpack ops."""
 
-from areal_fast.packing.planner import DEFAULT_ATTN_COEF, Plan, lower_bound_mbs, plan_microbatches
+from areal_fast.packing.plan import DEFAULT_ATTN_COEF, Plan, lower_bound_mbs
+from areal_fast.packing.planner import plan_microbatches
 from areal_fast.packing.planner_ref import (
     first_fit_decreasing_ref,
     karmarkar_karp_ref,

@@ -14,7 +14,7 @@ import heapq
 
 import numpy as np
 
-from areal_fast.packing.planner import Plan, as_lengths, lower_bound_mbs, resolve_attn_coef
+from areal_fast.packing.plan import Plan, as_lengths, lower_bound_mbs, resolve_attn_coef
 
 
 def first_fit_decreasing_ref(lengths, capacity: int) -> list[list[int]]:
