@@ -4,6 +4,8 @@
 import asyncio
 import json
 import random
+import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -645,3 +647,47 @@ def test_oversized_bodies_are_refused_with_413(engine):
     assert st == 413 and "limit" in json.dumps(ans)
     st, ans = _post(engine.url + "/pause_generation", None, raw=b'{"mode": "' + b"a" * (1 << 17) + b'"}')
     assert st == 413
+
+
+def _raw_request(url: str, head: bytes, body: bytes = b"") -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return s
+
+
+@pytest.mark.parametrize("value", [b"Bearer s3cr\xe9t", b"Bearer \xff\xfe", "Bearer 秘密".encode()])
+def test_non_ascii_authorization_is_401_not_500(twins, value):
+    """L6: the key comparison took the header's str as UTF-8 and raised (500) on undecodable bytes."""
+    h = twins("0.5.23", api_key="s3cret")
+    with _raw_request(h.url, b"GET /server_info HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: "
+                      + value + b"\r\n") as s:
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+
+
+def test_a_request_whose_client_went_away_is_aborted(twins):
+    """M1, engine side: as SGLang, a /generate whose connection closed is aborted, not run to its end
+    (aiohttp does not cancel the handler). Watchdog: the request must leave the batch in 30 s."""
+    h = twins("0.5.23")
+    sched = h.server.scheduler
+    max_new = h.server.context_length - 8
+    body = json.dumps({"input_ids": [3, 4], "rid": "gone", "return_logprob": True,
+                       "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True}}).encode()
+    s = _raw_request(h.url, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n", body)
+
+    async def running():
+        await _wait_running(h, 1)
+
+    asyncio.run(running())
+    req = next(r for r in list(sched._rows) if r.rid == "gone")
+    s.close()
+    for _ in range(3000):
+        if req not in list(sched._rows):
+            break
+        time.sleep(0.01)
+    else:
+        pytest.fail("the request of a client that went away kept running")
+    assert req.finish_reason["type"] == "abort" and len(req.output_ids) < max_new

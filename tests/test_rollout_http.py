@@ -63,7 +63,10 @@ class Scripted:
         f = s.makefile("rb")
         try:
             while True:
-                line = f.readline()
+                try:
+                    line = f.readline()
+                except OSError:  # the client dropped the connection (a timeout, a refused answer)
+                    return
                 if not line:
                     return
                 method, path, _ = line.decode().split(" ", 2)
@@ -331,6 +334,8 @@ def _sglang(key: str | None = None, close_after_first: bool = False, srv_box: li
             return http_answer(200, b'{"weight_version": "3"}'), "keep"
         if key and headers.get("authorization") != f"Bearer {key}":
             return http_answer(401, b'{"error": "Unauthorized"}'), "keep"
+        if path == "/abort_request":
+            return http_answer(200, b"{}"), "keep"
         gens = sum(r[2] == "/generate" for r in srv_box[0].requests)
         return http_answer(200, generate_json(body, "3")), "close" if close_after_first and gens == 1 else "keep"
 
@@ -392,7 +397,101 @@ def test_client_native_path_timeout_fails_over_then_gives_up(scripted):
 
     with pytest.raises(ServerUnavailable, match="TimeoutError"):
         asyncio.run(run())
-    assert len([r for r in srv.requests if r[2] == "/generate"]) == 2  # one per attempt (max_attempts)
+    gens = [json.loads(r[4])["rid"] for r in srv.requests if r[2] == "/generate"]
+    assert gens == ["t|0|", "t|0.1|"]  # one per attempt (max_attempts), each with its own rid
+    aborts = [json.loads(r[4]) for r in srv.requests if r[2] == "/abort_request"]
+    assert aborts == [{"rid": "t|0|", "abort_all": False}, {"rid": "t|0.1|", "abort_all": False}]
+
+
+def test_a_timed_out_request_is_aborted_then_sent_again_to_the_only_server(scripted):
+    """M1: SGLang answers 400 "already running" to a rid it still runs. After a timeout the client
+    aborts the request there and sends it again under a new rid: with one server the run goes on."""
+    box: list = []
+    running: set[str] = set()
+
+    def answer(req):
+        method, path, headers, body = req
+        if path == "/generate":
+            rid = json.loads(body)["rid"]
+            if rid in running:
+                return http_answer(400, b'{"error": "rid already running"}'), "keep"
+            if not any(r[2] == "/generate" for r in srv.requests[:-1]):  # the first one never ends by itself
+                running.add(rid)
+                return b"", "hold"
+        if path == "/abort_request":
+            running.discard(json.loads(body)["rid"])
+        return _sglang(srv_box=box)(req)
+
+    srv = scripted(answer)
+    box.append(srv)
+
+    async def run():
+        async with RolloutClient([srv.url], request_timeout_s=0.5, retry_backoff_s=0.0, down_cooldown_s=0.0,
+                                 gc_tuning=False) as c:
+            return await c.generate([1], {"max_new_tokens": 3}, rid="m")
+
+    res = asyncio.run(run())
+    assert list(res.output_ids) == [7, 8, 9] and res.num_segments == 1
+    gens = [json.loads(r[4])["rid"] for r in srv.requests if r[2] == "/generate"]
+    assert gens == ["m|0|", "m|0.1|"] and not running
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: a.replace(b'"id": "x|0|"', b'"id": "other|0|"'), "the answer is for rid 'other|0|'"),
+    (lambda a: a.replace(b"-0.25", b"NaN"), "NaN is not JSON"),
+    (lambda a: a.replace(b'"meta_info": {', b'"meta_info": {"id": 1, "x": {'), "not a valid /generate result"),
+    (lambda a: a.replace(b'[-0.25, 7, null]', b'[-0.25, 8, null]'), "differs from output_ids"),
+    (lambda a: a[:-5], "not a valid /generate result"),
+])
+def test_malformed_answers_are_one_client_error_naming_server_and_rid(scripted, mutate, match):
+    """L1/L2 through the client: MalformedAnswer (a RolloutError), never a raw decoder exception."""
+    from areal_fast.rollout.client import MalformedAnswer
+
+    box: list = []
+
+    def answer(req):
+        if req[1] != "/generate":
+            return _sglang(srv_box=box)(req)
+        return http_answer(200, mutate(generate_json(req[3], "3"))), "keep"
+
+    srv = scripted(answer)
+    box.append(srv)
+
+    async def run():
+        async with RolloutClient([srv.url], gc_tuning=False) as c:
+            await c.generate([1], {"max_new_tokens": 2}, rid="x")
+
+    with pytest.raises(MalformedAnswer, match=match.replace("(", r"\(").replace("[", r"\[")) as e:
+        asyncio.run(run())
+    assert e.value.url == srv.url and e.value.rid == "x|0|" and srv.url in str(e.value) and "x|0|" in str(e.value)
+
+
+def test_an_answer_over_its_size_bound_is_a_failed_connection(scripted):
+    """L3 through the client: the bound grows with max_new_tokens; past it the server is skipped."""
+    box: list = []
+
+    def answer(req):
+        if req[1] != "/generate":
+            return _sglang(srv_box=box)(req)
+        ans = generate_json(req[3], "3")
+        return http_answer(200, ans[:-1] + b', "pad": "' + b"p" * (2 << 20) + b'"}'), "keep"
+
+    srv = scripted(answer)
+    box.append(srv)
+
+    async def run(max_new):
+        async with RolloutClient([srv.url], max_attempts=1, gc_tuning=False) as c:
+            return await c.generate([1], {"max_new_tokens": max_new}, rid="big")
+
+    with pytest.raises(ServerUnavailable, match="over the limit"):
+        asyncio.run(run(2))
+    assert list(asyncio.run(run(8192)).output_ids)[:2] == [7, 8]  # 1 MiB + 512 B a token: 5 MiB
+
+
+@pytest.mark.parametrize("url", ["http://user:pw@127.0.0.1:1", "http://127.0.0.1:70000"])
+def test_the_client_refuses_server_urls_with_user_info_or_a_bad_port(url):
+    with pytest.raises(ValueError, match="user info|port"):
+        RolloutClient([url])
 
 
 def test_no_request_bytes_are_held_while_the_answer_is_awaited(scripted, monkeypatch):

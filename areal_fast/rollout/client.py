@@ -39,6 +39,15 @@ Failures are classified by what the answer says, never by the status class alone
   ``RequestError`` at once, the server stays in the pool.
 - 400 for a transient state on control calls (a cache that cannot be flushed yet): retried by the
   control call until its deadline.
+- a 2xx whose body breaks the answer rules (``areal_fast.rollout.answer``: not JSON, wrong types,
+  ids outside the vocabulary, log-probs > 0, an entry's id not the output id, duplicate keys,
+  another request's rid): ``MalformedAnswer`` naming the server and the rid, at once. An answer
+  larger than ``answer_bytes_per_token`` bytes a token (prompt and new tokens, plus 1 MiB), or not
+  HTTP/1.x, is a failed connection: retried elsewhere.
+
+A request that timed out is aborted on its server (``/abort_request`` with its rid) before it is
+sent again, and the new attempt carries a new rid (``rid|k.a|`` for attempt ``a``): a server that
+still runs the abandoned one never answers "rid already running".
 """
 
 from __future__ import annotations
@@ -71,7 +80,7 @@ from areal_fast.rollout.answer import (
     version_to_int,  # noqa: F401 - part of this module's API (tests, callers)
 )
 from areal_fast.rollout.engine.compat import SGLANG_SAMPLING_KEYS
-from areal_fast.rollout.http import KEEPALIVE_S, ConnectionPool
+from areal_fast.rollout.http import KEEPALIVE_S, ConnectionPool, check_server_url
 
 try:  # the rollout extra's JSON encoder: it writes a numpy view of an array column without a Python list
     import orjson as _orjson
@@ -93,6 +102,12 @@ HEALTH_PROBE_TIMEOUT_S = 25.0
 HTTP_ENV = "AREAL_FAST_ROLLOUT_HTTP"  # "native" (default) or "aiohttp": who carries the calls
 HTTP_CHOICES = ("native", "aiohttp")
 PICK_SCAN_MAX = 16  # up to this many servers a new request goes to the least loaded of all
+# The largest /generate answer taken: this many bytes a token (prompt + max_new_tokens) plus
+# ANSWER_SLACK_BYTES. SGLang's answers take ~40 bytes a generated token ([logprob, id, null] and
+# the id in output_ids), ~60-100 with the text; 512 leaves room for escaped token texts.
+ANSWER_BYTES_PER_TOKEN = 512
+ANSWER_SLACK_BYTES = 1 << 20
+ABORT_TIMEOUT_S = 5.0  # an abort of a timed-out request before it is sent again
 _CALLER_500 = ("TypeError", "unexpected keyword argument")
 
 
@@ -118,6 +133,15 @@ class ServerError(RolloutError):
 
 class ServerUnavailable(RolloutError):
     """No server could answer after every retry."""
+
+
+class MalformedAnswer(RolloutError):
+    """A server answered 2xx with a body that is not a valid /generate result (never retried: a
+    server that answers garbage is a bug or an attack to look at). Names the server and the rid."""
+
+    def __init__(self, url: str, rid: str, why: str):
+        super().__init__(why)
+        self.url, self.rid = url, rid
 
 
 def auto_pause_mode(version: Version) -> str:
@@ -201,9 +225,18 @@ class RolloutClient:
     def __init__(self, urls: list[str], *, api_key: str | None = None, request_timeout_s: float = 3600.0,
                  connect_timeout_s: float = 10.0, control_timeout_s: float = 600.0, max_attempts: int = 6,
                  retry_backoff_s: float = 0.2, down_cooldown_s: float = 5.0, max_segments: int = 10_000,
-                 pause_mode: str = "auto", gc_tuning: bool = True, http: str | None = None):
+                 pause_mode: str = "auto", gc_tuning: bool = True, http: str | None = None,
+                 vocab_size: int | None = None, answer_bytes_per_token: int = ANSWER_BYTES_PER_TOKEN):
         if not urls:
             raise ValueError("RolloutClient needs at least one server url")
+        for u in urls:  # user info (it would go in the Host header), a bad port, a query: refused here
+            check_server_url(u)
+        if vocab_size is not None and (type(vocab_size) is not int or vocab_size <= 0):
+            raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+        if type(answer_bytes_per_token) is not int or answer_bytes_per_token < 64:
+            raise ValueError(f"answer_bytes_per_token must be an int >= 64, got {answer_bytes_per_token!r}")
+        self.vocab_size = vocab_size or 0  # 0: not known (ids are only checked to be >= 0)
+        self.answer_bytes_per_token = answer_bytes_per_token
         http = http or os.environ.get(HTTP_ENV) or "native"
         if http not in HTTP_CHOICES:
             raise ValueError(f"http (or ${HTTP_ENV}) must be one of {HTTP_CHOICES}, got {http!r}")
@@ -328,7 +361,7 @@ class RolloutClient:
     # ------------------------------------------------------------------ HTTP
     async def _request(self, server: ServerState, method: str, path: str, body: dict | None = None,
                        timeout: aiohttp.ClientTimeout | None = None, parse=None,
-                       control: bool = False) -> tuple[int, object]:
+                       control: bool = False, max_body: int | None = None) -> tuple[int, object]:
         """One HTTP call: (status, decoded body). Connection problems raise ``ConnectionError`` (ours
         and aiohttp's ``ClientOSError``), ``aiohttp.ClientError`` or ``TimeoutError``. ``parse(raw
         bytes)`` decodes a 2xx JSON answer instead of the generic decoder. A server with a pool
@@ -343,7 +376,7 @@ class RolloutClient:
             # the encoded body is not bound here: the pool drops it once written (orjson's bytes
             # keep a 16 KB allocation each; x 16k requests in flight that was 256 MB)
             resp = await pool.request(method, path, dumps(body if body is not None else {}) if method == "POST"
-                                      else None, t.total or self.request_timeout_s)
+                                      else None, t.total or self.request_timeout_s, max_body)
             raw, ctype, status = resp.body, resp.content_type, resp.status
         else:
             session = self._control_session if control else self._session
@@ -352,7 +385,7 @@ class RolloutClient:
                 kwargs["data"] = dumps(body if body is not None else {})
                 kwargs["headers"] = _JSON_HEADERS
             async with session.request(method, _url(server.url, path), **kwargs) as r:
-                raw = await r.read()
+                raw = await _read_at_most(r, max_body or pool_default_max_body(), server.url + path)
                 ctype = r.headers.get("Content-Type", "")
                 status = r.status
         if parse is not None and status < 300 and "json" in ctype:
@@ -360,9 +393,10 @@ class RolloutClient:
         return status, _decode(bytes(raw), ctype)
 
     async def _call(self, server: ServerState, method: str, path: str, body: dict | None = None,
-                    timeout: aiohttp.ClientTimeout | None = None, parse=None, control: bool = False):
+                    timeout: aiohttp.ClientTimeout | None = None, parse=None, control: bool = False,
+                    max_body: int | None = None):
         """One HTTP call that must succeed: the decoded answer, else RequestError / ServerError."""
-        status, data = await self._request(server, method, path, body, timeout, parse, control)
+        status, data = await self._request(server, method, path, body, timeout, parse, control, max_body)
         if status >= 400:
             if is_caller_error(status, data, server.version if server.info else None):
                 raise RequestError(server.url + path, status, data)
@@ -387,6 +421,7 @@ class RolloutClient:
 
     async def add_server(self, url: str) -> None:
         """Add ``url`` to the pool (its facts are read from /server_info first)."""
+        check_server_url(url)
         server = ServerState(url.rstrip("/"))
         if server.url in self._by_url:
             return
@@ -447,23 +482,33 @@ class RolloutClient:
     async def _generate_segment(self, rid: str, seg_rid: str, payload: dict,
                                 ) -> tuple[Segment, ServerState, str | None]:
         """POST /generate with failover; returns (compact answer, server, its known weight_version at
-        send time). The decoded JSON is gone when this returns (``areal_fast.rollout.answer``)."""
+        send time). The decoded JSON is gone when this returns (``areal_fast.rollout.answer``).
+        Attempt ``a`` > 0 is sent as ``rid|k.a|`` (never a prefix of another server rid either), and
+        a timed-out attempt is aborted on its server first (see the module docstring)."""
         tried: set[str] = set()
         last_err: Exception | None = None
+        n_tokens = len(payload["input_ids"]) if isinstance(payload["input_ids"], list | tuple) else 0
+        max_body = ANSWER_SLACK_BYTES + self.answer_bytes_per_token * (
+            n_tokens + int(payload["sampling_params"].get("max_new_tokens") or 0))
         for attempt in range(self.max_attempts):
             server = self._pick(rid, tried)
-            self._segment_rid[rid] = (server.url, seg_rid)
+            attempt_rid = seg_rid if attempt == 0 else f"{seg_rid[:-1]}.{attempt}{RID_SEP}"
+            self._segment_rid[rid] = (server.url, attempt_rid)
             known_version = server.weight_version
             server.in_flight += 1
             try:
-                where = f"{server.url}/generate (rid {seg_rid!r})"
+                where = f"{server.url}/generate (rid {attempt_rid!r})"
                 try:
-                    data = await self._call(server, "POST", "/generate", {**payload, "rid": seg_rid},
-                                            timeout=self.request_timeout, parse=partial(parse_generate, where=where))
+                    data = await self._call(server, "POST", "/generate", {**payload, "rid": attempt_rid},
+                                            timeout=self.request_timeout, max_body=max_body,
+                                            parse=partial(parse_generate, where=where, vocab=self.vocab_size))
                 except AnswerError as e:
-                    raise RolloutError(str(e)) from None
+                    raise MalformedAnswer(server.url, attempt_rid, str(e)) from None
                 if not isinstance(data, Segment):  # a 2xx that was not JSON
-                    raise RolloutError(f"{where} answered {type(data).__name__}, not one result: {str(data)[:200]}")
+                    raise MalformedAnswer(server.url, attempt_rid, f"{where} answered {type(data).__name__}, "
+                                          f"not one result: {str(data)[:200]}")
+                if data.rid is not None and data.rid != attempt_rid:
+                    raise MalformedAnswer(server.url, attempt_rid, f"{where}: the answer is for rid {data.rid!r}")
                 if not server.info:  # it was down when the client started: learn its facts now
                     await asyncio.gather(self._read_info(server), return_exceptions=True)
                 return data, server, known_version
@@ -474,6 +519,8 @@ class RolloutClient:
                 server.down_until = time.monotonic() + self.down_cooldown_s
                 self._affinity.pop(rid, None)
                 tried.add(server.url)
+                if isinstance(e, asyncio.TimeoutError):  # it may still run there: free it first
+                    await self._abort_quietly(server, attempt_rid)
                 if len(tried) == len(self.servers):
                     tried.clear()
                     await asyncio.sleep(self.retry_backoff_s * (attempt + 1))
@@ -481,6 +528,16 @@ class RolloutClient:
                 server.in_flight -= 1
         raise ServerUnavailable(f"generate rid={rid!r} failed on every server ({self.max_attempts} attempts): "
                                 f"{type(last_err).__name__}: {last_err}")
+
+    async def _abort_quietly(self, server: ServerState, server_rid_: str) -> None:
+        """Best effort: /abort_request for one server rid (a server that timed out may not answer)."""
+        try:
+            async with asyncio.timeout(ABORT_TIMEOUT_S):
+                await self._call(server, "POST", "/abort_request", {"rid": server_rid_, "abort_all": False},
+                                 timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S,
+                                                               sock_connect=self.connect_timeout_s))
+        except (RolloutError, aiohttp.ClientError, ConnectionError, asyncio.TimeoutError):
+            pass
 
     # ------------------------------------------------------------------ generation
     @staticmethod
@@ -712,6 +769,25 @@ def _decode(raw: bytes, ctype: str):
         except ValueError:
             pass
     return raw.decode("utf-8", "replace")
+
+
+def pool_default_max_body() -> int:
+    from areal_fast.rollout.http import DEFAULT_MAX_BODY_BYTES
+
+    return DEFAULT_MAX_BODY_BYTES
+
+
+async def _read_at_most(r: aiohttp.ClientResponse, limit: int, where: str) -> bytes:
+    """An aiohttp answer's body, refused (aiohttp.ClientPayloadError) past ``limit`` bytes."""
+    if r.content_length is not None and r.content_length > limit:
+        raise aiohttp.ClientPayloadError(f"{where}: answer body of {r.content_length} bytes over the limit of {limit}")
+    parts, n = [], 0
+    async for chunk in r.content.iter_any():
+        n += len(chunk)
+        if n > limit:
+            raise aiohttp.ClientPayloadError(f"{where}: answer body over the limit of {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _is_token_array(x) -> bool:

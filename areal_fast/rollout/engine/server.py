@@ -73,6 +73,33 @@ class ContractError(Exception):
     """SGLang >= 0.5.22 checks a /generate body against its schema first: 400 ``{"error": "<text>"}``."""
 
 
+# aiohttp does not cancel a handler whose client went away (handler_cancellation is off), so a
+# waiting /generate looks at its connection this often; SGLang aborts such a request too.
+DISCONNECT_POLL_S = 0.5
+
+
+class ClientGone(Exception):
+    """The client of a waiting /generate closed its connection."""
+
+
+async def _until_done_or_gone(fut: asyncio.Future, request: web.Request):
+    """``await fut``, or ClientGone (``fut`` cancelled) once the request's connection has closed."""
+    while True:
+        done, _ = await asyncio.wait([fut], timeout=DISCONNECT_POLL_S)
+        if done:
+            return fut.result()
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            fut.cancel()
+            raise ClientGone(f"{request.path}: the client closed its connection")
+
+
+def _header_bytes(value: str) -> bytes:
+    """A header value as bytes for a comparison: aiohttp keeps undecodable bytes as surrogate
+    escapes, which a strict encode refuses (a 500); a non-ASCII key is just a wrong key (401)."""
+    return value.encode("utf-8", "surrogateescape")
+
+
 def _err(message: str, schema: bool = False, status: int = 400) -> web.Response:
     body = {"object": "error", "message": message, "code": status} if schema else {"error": {"message": message}}
     return web.json_response(body, status=status)
@@ -202,7 +229,7 @@ class EngineServer:
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
         if (self.api_key and not request.path.startswith(_AUTH_EXEMPT_PREFIXES)
-                and not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
+                and not hmac.compare_digest(_header_bytes(request.headers.get("Authorization", "")),
                                             f"Bearer {self.api_key}".encode())):  # constant time
             return web.json_response({"error": "Unauthorized"}, status=401)
         try:
@@ -321,8 +348,8 @@ class EngineServer:
                 self.scheduler.call(lambda rid=rid: self.scheduler.abort(rid, "Abort: sibling refused"))
             raise BadRequest(str(e)) from None
         try:
-            done = await asyncio.shield(asyncio.gather(*futs))
-        except asyncio.CancelledError:  # client went away: free the slots like SGLang does
+            done = await _until_done_or_gone(asyncio.gather(*futs), request)
+        except (asyncio.CancelledError, ClientGone):  # client went away: free the slots like SGLang does
             for rid in rids:
                 self.scheduler.call(lambda rid=rid: self.scheduler.abort(rid, "Abort: client disconnected"))
             raise
