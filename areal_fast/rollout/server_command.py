@@ -19,7 +19,8 @@ the command line); ``api_key_file=`` puts that option in the command instead of 
 ``redact_command`` hides a key that is on a command line anyway, for log lines.
 
 ``launch_sglang_server`` starts a real SGLang with such a command; the embedded engine is started
-by ``areal_fast.rollout.engine.launch_engine_subprocess``, which builds its command here too.
+by ``areal_fast.rollout.engine.launch_engine_subprocess``, which builds its command here too. Both
+return an ``EngineHandle`` (``areal_fast.rollout.server_handle``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from areal_fast.netutil import find_free_port
+from areal_fast.rollout.server_handle import EngineHandle
 
 KINDS = ("embedded", "sglang")
 ENGINE_MODULE = "areal_fast.rollout.engine"
@@ -187,8 +189,6 @@ def launch_sglang_server(model_path: str, port: int | None = None, *, host: str 
     reaches the server in a private key file (:func:`write_api_key_file`, in a private temporary
     directory), removed once the server is healthy or has failed to start.
     """
-    from areal_fast.rollout.engine.launch import EngineHandle
-
     if importlib.util.find_spec("sglang") is None:
         raise RuntimeError("sglang is not installed in this Python environment (pip install 'sglang[all]'); "
                            "use areal_fast.rollout.engine.launch_engine_subprocess for the embedded engine")
