@@ -289,8 +289,37 @@ def test_no_cycle_even_through_imports_inside_functions():
     cycles = _cycles(_import_graph(import_time=False))
     unexpected = [sorted(c) for c in cycles if not any(c <= allowed for allowed in LAZY_CYCLES)]
     assert unexpected == []
-    config_deps = _import_graph(import_time=False)["areal_fast.config"]
-    assert not any(m.startswith(("areal_fast.launch", "areal_fast.controller")) for m in config_deps), config_deps
+    reached = _reached(_import_graph(import_time=False), "areal_fast.config")
+    upward = sorted(m for m in reached if _package(m) in ("areal_fast.launch", "areal_fast.controller"))
+    assert upward == [], "the config loader reaches the launcher or the controller"
+
+
+def _package(module: str) -> str:
+    """'areal_fast.data.tiny_task' -> 'areal_fast.data'; a top-level module is its own package."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and (PKG / parts[1]).is_dir() else module
+
+
+def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module that importing ``start`` may import, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_no_package_below_the_config_imports_the_config_back():
+    # Each component owns its section (data/config.py, rollout/config.py, ...) and the loader imports
+    # them; a module of those packages importing the loader back, even inside a function, would make
+    # the two packages import each other (data/warm_start.py once did, for to_dict).
+    graph = _import_graph(import_time=False)
+    below = {_package(m) for m in _reached(graph, "areal_fast.config")} - {"areal_fast"}
+    assert {"areal_fast.data", "areal_fast.rollout", "areal_fast.reward"} <= below
+    back = sorted(m for m, deps in graph.items() if _package(m) in below and "areal_fast.config" in deps)
+    assert back == [], "modules of a package that the config imports import the config back"
 
 
 def test_every_module_of_the_package_imports():
@@ -337,6 +366,26 @@ def _documented_keys(text: str) -> set[str]:
         if m and section is not None:
             keys.add(f"{section}.{m.group(1)}" if section else m.group(1))
     return keys
+
+
+def test_docs_name_the_home_of_every_section():
+    # each section's paragraph ends with "(`module.Class`)": the module where the class is defined
+    import dataclasses
+    import re
+
+    text = (ROOT / "docs" / "config.md").read_text()
+    named = dict(re.findall(r"^### `([\w.]+)`\n\n.*\(`(areal_fast\.[\w.]+)`\)$", text, flags=re.M))
+
+    def sections(inst, prefix=""):
+        for f in dataclasses.fields(inst):
+            value = getattr(inst, f.name)
+            if dataclasses.is_dataclass(value):
+                key = f"{prefix}.{f.name}" if prefix else f.name
+                yield key, type(value)
+                yield from sections(value, key)
+
+    homes = {key: f"{cls.__module__}.{cls.__qualname__}" for key, cls in sections(AppConfig())}
+    assert len(homes) >= 14 and named == homes
 
 
 def test_docs_list_every_key_of_the_configuration():

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the config module imports this one (to check source names)
-    from areal_fast.config import DataConfig
+if TYPE_CHECKING:  # data/config.py imports this module (to check source names)
+    from areal_fast.data.config import DataConfig
 
 SYNTHETIC_TASKS = ("reverse",)
 FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")

@@ -20,7 +20,7 @@ import random
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the reward workers import this module: keep it free of torch and the config tree
-    from areal_fast.config import SyntheticTaskConfig
+    from areal_fast.data.config import SyntheticTaskConfig
 
 SEPARATOR = "="
 TRAIN_SEED_OFFSET = 0

@@ -20,6 +20,7 @@ shape including the context length derived from ``data.synthetic.max_len`` and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING
 from areal_fast.data import tiny_task
 from areal_fast.data.tokenizer import SPECIALS, CharTokenizer
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the data package never imports the loader (it imports data/config.py)
     from areal_fast.config import AppConfig
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,6 @@ def signature(cfg: AppConfig) -> dict:
     """Everything the warm-started model depends on (the cache key)."""
     import importlib.metadata
 
-    from areal_fast.config import to_dict
-
     tok = CharTokenizer(tiny_task.vocabulary(cfg.data.synthetic))
     versions = {}
     for dist in ("torch", "transformers"):
@@ -67,8 +66,8 @@ def signature(cfg: AppConfig) -> dict:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             versions[dist] = None
-    return {"format": SIGNATURE_FORMAT, "warm_start": to_dict(cfg.model.warm_start),
-            "task": to_dict(cfg.data.synthetic), "seed": cfg.experiment.seed,
+    return {"format": SIGNATURE_FORMAT, "warm_start": dataclasses.asdict(cfg.model.warm_start),
+            "task": dataclasses.asdict(cfg.data.synthetic), "seed": cfg.experiment.seed,
             "max_new_tokens": cfg.rollout.max_new_tokens, "max_len": cfg.data.synthetic.max_len,
             "tokenizer": {"chars": tok.chars, "specials": list(SPECIALS)},
             "model": qwen2_kwargs(cfg, tok), "versions": versions}

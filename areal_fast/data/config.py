@@ -1,0 +1,165 @@
+"""The data sections of a run config: ``data`` (:class:`DataConfig`), ``data.synthetic``
+(:class:`SyntheticTaskConfig`) and ``model.warm_start`` (:class:`WarmStartConfig`, the supervised
+start on the synthetic task, built by ``areal_fast.data.warm_start``).
+
+Each class validates its own values in ``__post_init__`` (``ValueError`` naming the field); the
+loader (``areal_fast.config``) adds the section path. Torch-free, and nothing here imports the
+loader: the data package sits below the configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from areal_fast.data.datasets import check_source
+from areal_fast.data.tiny_task import SEPARATOR as _TASK_SEPARATOR
+
+__all__ = ["WARM_START_LR_SCHEDULES", "DataConfig", "SyntheticTaskConfig", "WarmStartConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class SyntheticTaskConfig:
+    """The procedurally generated reversal task (``areal_fast.data.tiny_task``)."""
+
+    alphabet: str = "abcdefghij"
+    """Characters of the strings to reverse (distinct, without the separator '=')."""
+    min_len: int = 2
+    """Shortest string."""
+    max_len: int = 24
+    """Longest string (the tail of the log-normal length distribution is cut here)."""
+    log_mean: float = 1.0
+    """mu of the log-normal part of the length: len = min_len + floor(exp(N(mu, sigma)))."""
+    log_std: float = 0.75
+    """sigma of the log-normal part of the length (larger = longer tail)."""
+    n_train: int = 20000
+    """Training prompts (the order is a seeded permutation; the run cycles through it)."""
+    n_eval: int = 128
+    """Held-out prompts (a disjoint seed)."""
+
+    def __post_init__(self):
+        if len(set(self.alphabet)) != len(self.alphabet) or not self.alphabet:
+            raise ValueError(f"alphabet: must be non-empty distinct characters, got {self.alphabet!r}")
+        if _TASK_SEPARATOR in self.alphabet:
+            raise ValueError(f"alphabet: must not contain the separator {_TASK_SEPARATOR!r}")
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(f"min_len/max_len: need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
+        if self.log_std < 0:
+            raise ValueError(f"log_std: must be >= 0, got {self.log_std!r}")
+        if self.n_train < 1:
+            raise ValueError(f"n_train: must be >= 1, got {self.n_train!r}")
+        if self.n_eval < 0:
+            raise ValueError(f"n_eval: must be >= 0, got {self.n_eval!r}")
+
+
+WARM_START_LR_SCHEDULES = ("constant", "linear")
+
+
+@dataclass(kw_only=True, slots=True)
+class WarmStartConfig:
+    """Build a tiny Qwen2 from a config and fine-tune it briefly on the synthetic task (supervised),
+    so RL starts from a policy that is sometimes right. Cached under ``<output_dir>/warm_start``."""
+
+    enabled: bool = False
+    """Build the model this way instead of loading ``model.path``."""
+    steps: int = 150
+    """Supervised steps (about 0.1 s each for the default model on one CPU core)."""
+    batch_size: int = 64
+    """Sequences per supervised step."""
+    lr: float = 3e-3
+    """AdamW learning rate of the warm start."""
+    lr_schedule: str = "constant"
+    """'constant', or 'linear' (decay from ``lr`` to 0 over ``steps``: the model ends settled, so a
+    later RL run at a small learning rate does not improve it merely by annealing it)."""
+    mistake_fraction: float = 0.0
+    """Imperfect demonstrations: this fraction (in [0, 1)) of the supervised examples whose string has
+    at least ``mistake_min_len`` characters carry a systematic mistake, their answer's last character
+    dropped (as truncated answers in real fine-tuning data). The warm-started policy then often
+    samples the right answer but often decodes the truncated one greedily; RL with the reward turns
+    the first into the second. 0 = clean demonstrations."""
+    mistake_min_len: int = 1
+    """Shortest string whose demonstrations may carry the mistake (>= 1)."""
+    hidden_size: int = 128
+    """Qwen2 hidden size."""
+    intermediate_size: int = 256
+    """Qwen2 MLP size."""
+    num_hidden_layers: int = 2
+    """Decoder blocks."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"steps: must be >= 0, got {self.steps!r}")
+        for key in ("batch_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: must be > 0, got {self.lr!r}")
+        if self.lr_schedule not in WARM_START_LR_SCHEDULES:
+            raise ValueError(f"lr_schedule: must be one of {WARM_START_LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if not 0 <= self.mistake_fraction < 1:  # at 1 the right answer is never shown: nothing for RL to find
+            raise ValueError(f"mistake_fraction: must be in [0, 1), got {self.mistake_fraction!r}")
+        if self.mistake_min_len < 1:
+            raise ValueError(f"mistake_min_len: must be >= 1, got {self.mistake_min_len!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size: must be a multiple of num_attention_heads ({self.num_attention_heads}), "
+                             f"got {self.hidden_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads: must divide num_attention_heads ({self.num_attention_heads}), "
+                             f"got {self.num_key_value_heads}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Prompts and their verifiable answers."""
+
+    train: str = "synthetic:reverse"
+    """'synthetic:reverse', a local .jsonl / .jsonl.gz / .parquet file, or 'hf:NAME[:CONFIG]' (needs
+    `datasets`)."""
+    eval: str | None = None
+    """Held-out set, same forms; None = the synthetic held-out split, or no evaluation for files."""
+    split: str = "train"
+    """Split name for 'hf:' sources (eval uses eval_split)."""
+    eval_split: str = "test"
+    """Split name of an 'hf:' eval source."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text."""
+    answer_key: str = "answer"
+    """Field holding the reference answer (math-style rewards); passed to the reward as 'answer'."""
+    tests_key: str = "tests"
+    """Field holding test cases (code rewards); passed to the reward as 'tests'."""
+    prompt_template: str = "{prompt}"
+    """Python format string applied to the prompt ({prompt} is the field; write '{{' for a brace)."""
+    chat_template: bool = False
+    """Wrap the prompt with the tokenizer's chat template (user turn + generation prompt)."""
+    max_prompt_tokens: int = 1024
+    """Longer prompts are skipped (and counted) rather than truncated."""
+    shuffle: bool = True
+    """Seeded permutation of the training rows."""
+    synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
+    """Parameters of the 'synthetic:reverse' task."""
+
+    def __post_init__(self):
+        for key in ("train", "eval"):
+            source = getattr(self, key)
+            if source is None and key == "eval":
+                continue
+            try:
+                check_source(source)
+            except ValueError as e:
+                raise ValueError(f"{key}: {e}") from None
+        if "{prompt}" not in self.prompt_template:
+            raise ValueError(f"prompt_template: must contain '{{prompt}}', got {self.prompt_template!r}")
+        try:
+            self.prompt_template.format(prompt="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"prompt_template: not a format string with only {{prompt}} ({e!r}); write '{{{{' "
+                             f"and '}}}}' for literal braces, got {self.prompt_template!r}") from None
+        for key in ("prompt_key", "answer_key", "tests_key", "split", "eval_split"):
+            if not getattr(self, key):
+                raise ValueError(f"{key}: must not be empty")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens: must be >= 1, got {self.max_prompt_tokens!r}")

@@ -1,0 +1,190 @@
+"""The run's own sections of a run config: ``experiment``, ``model``, ``eval``, ``checkpoint``,
+``log``, ``ray`` and the ``launcher`` names. They are read by the launcher (``areal_fast.launch``):
+where the run writes, which policy it starts from, when it evaluates and saves, how it logs and
+where Ray places it.
+
+They live here, beside the package rather than in ``launch/``: the launcher imports the loader
+(``areal_fast.config``), so a config module inside ``launch/`` would make the loader and the
+launcher import each other. Each class validates its own values in ``__post_init__``
+(``ValueError`` naming the field); the loader adds the section path. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from areal_fast.configutil import positive_seconds
+from areal_fast.data.config import WarmStartConfig
+
+__all__ = [
+    "LAUNCHERS", "MAX_SEED", "CheckpointConfig", "EvalConfig", "ExperimentConfig", "LogConfig", "ModelConfig",
+    "RayConfig",
+]
+
+MAX_SEED = 2**32 - 1
+"""Largest seed: SGLang seeds numpy with the server's seed (``np.random.seed`` takes < 2**32), and
+launched server i gets ``experiment.seed + i``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ExperimentConfig:
+    """Where a run writes and how long it lasts."""
+
+    name: str = "run"
+    """Run name, used in the default output directory."""
+    output_dir: str = "runs/{name}"
+    """Directory for checkpoints, metrics, logs and plots ('{name}' is replaced)."""
+    seed: int = 1
+    """Seed of the data order, the sampling seeds and the model initialisation."""
+    total_steps: int = 100
+    """Trainer steps (= weight versions) of the run."""
+    resume: bool = True
+    """Continue from the newest complete checkpoint in output_dir when there is one."""
+
+    def __post_init__(self):
+        if not self.name:
+            raise ValueError("name: must not be empty")
+        if not self.output_dir:
+            raise ValueError("output_dir: must not be empty")
+        if self.total_steps < 1:
+            raise ValueError(f"total_steps: must be >= 1, got {self.total_steps!r}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed: must be in [0, {MAX_SEED}] (numpy seeds the servers with it), got {self.seed!r}")
+
+    @property
+    def out(self) -> Path:
+        return Path(self.output_dir.replace("{name}", self.name))
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The policy."""
+
+    path: str | None = None
+    """Local Hugging Face model directory (config.json + safetensors + tokenizer). None only with
+    warm_start.enabled."""
+    tokenizer: str | None = None
+    """Tokenizer directory when it differs from ``path``."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Build and warm-start a tiny model instead (the shipped example)."""
+
+    def __post_init__(self):
+        if not self.path and not self.warm_start.enabled:
+            raise ValueError("path: a local model directory is required unless warm_start.enabled is true")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    """Greedy evaluation on the held-out set."""
+
+    every_steps: int = 10
+    """Evaluate after every this many steps (0 = never); also at the start and the end."""
+    size: int | None = None
+    """Held-out prompts to use (None = all)."""
+    max_new_tokens: int | None = None
+    """Generation budget (None = rollout.max_new_tokens)."""
+    at_start: bool = True
+    """Evaluate the initial policy before training."""
+    reward: str | None = None
+    """Reward of the evaluation when it differs from training (e.g. exact match while training on a
+    dense partial-credit reward); None = reward.name. Resolved when the config is loaded."""
+
+    def __post_init__(self):
+        if self.every_steps < 0:
+            raise ValueError(f"every_steps: must be >= 0, got {self.every_steps!r}")
+        if self.size is not None and self.size < 1:
+            raise ValueError(f"size: must be >= 1 or null, got {self.size!r}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1 or null, got {self.max_new_tokens!r}")
+        if self.reward is not None and not self.reward:
+            raise ValueError("reward: must be a reward name or null")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Checkpoints that hold the trainer and the controller state (resumable after kill -9)."""
+
+    every_steps: int = 10
+    """Save after every this many steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Complete checkpoints kept on disk."""
+    save_hf: bool = True
+    """Also export the final policy as a Hugging Face directory (<output_dir>/final)."""
+
+    def __post_init__(self):
+        if self.every_steps < 0:
+            raise ValueError(f"every_steps: must be >= 0, got {self.every_steps!r}")
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last: must be >= 1, got {self.keep_last!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class LogConfig:
+    """Metrics and progress display."""
+
+    progress: bool = True
+    """tqdm progress bar."""
+    tensorboard: bool = True
+    """Also write TensorBoard events when `tensorboard` (or tensorboardX) is installed."""
+    plots: bool = True
+    """PNG plots of reward, throughput and staleness at the end (needs matplotlib)."""
+    level: str = "INFO"
+    """Python logging level of the controller."""
+    samples: bool = False
+    """Write every trained group (decoded text, rewards, token versions) to samples.jsonl."""
+
+    def __post_init__(self):
+        if self.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"level: must be DEBUG/INFO/WARNING/ERROR, got {self.level!r}")
+
+
+_RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(kw_only=True, slots=True)
+class RayConfig:
+    """Where and how the Ray launcher places the run (``launcher: ray``)."""
+
+    address: str | None = None
+    """Cluster to join: 'auto', 'HOST:6379' or 'ray://HOST:10001'. None = the RAY_ADDRESS environment
+    variable, or a local single-node Ray started (and stopped) by the launcher."""
+    num_cpus: int | None = None
+    """CPUs of a local Ray started by the launcher (None = all)."""
+    server_strategy: str = "SPREAD"
+    """Placement strategy of the server bundles: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."""
+    trainer_strategy: str = "PACK"
+    """Placement strategy of the trainer-rank bundles (PACK keeps NCCL traffic inside nodes)."""
+    cpus_per_server: float | None = None
+    """Logical CPUs per server bundle (None = rollout.threads_per_server)."""
+    gpus_per_server: int | None = None
+    """GPUs per server bundle (None = the --tp-size of server_args for SGLang, 1 for a CUDA embedded
+    engine, 0 otherwise)."""
+    cpus_per_rank: float | None = None
+    """Logical CPUs per trainer-rank bundle (None = train.threads)."""
+    host: str | None = None
+    """Address servers bind and ranks meet on (None = 127.0.0.1 on a one-node cluster, else each
+    node's IP)."""
+    placement_timeout: float = 300.0
+    """Seconds to wait for the placement groups (and autoscaled nodes) before failing."""
+    grace: float = 10.0
+    """Seconds between SIGTERM and SIGKILL at teardown."""
+
+    def __post_init__(self):
+        for key in ("server_strategy", "trainer_strategy"):
+            if getattr(self, key) not in _RAY_STRATEGIES:
+                raise ValueError(f"{key}: must be one of {_RAY_STRATEGIES}, got {getattr(self, key)!r}")
+        for key in ("cpus_per_server", "cpus_per_rank"):
+            v = getattr(self, key)
+            if v is not None and not v > 0:
+                raise ValueError(f"{key}: must be > 0 or null, got {v!r}")
+        if self.gpus_per_server is not None and self.gpus_per_server < 0:
+            raise ValueError(f"gpus_per_server: must be >= 0 or null, got {self.gpus_per_server!r}")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ValueError(f"num_cpus: must be >= 1 or null, got {self.num_cpus!r}")
+        positive_seconds("placement_timeout", self.placement_timeout)
+        if self.grace < 0:
+            raise ValueError(f"grace: must be >= 0 seconds, got {self.grace!r}")
+
+
+LAUNCHERS = ("local", "ray")

@@ -1,0 +1,160 @@
+"""The ``rollout`` section of a run config (:class:`RolloutConfig`): the inference servers, sampling,
+the staleness bound and the rollout client's processes.
+
+The class validates its own values in ``__post_init__`` (``ValueError`` naming the field); the
+loader (``areal_fast.config``) adds the section path and the rules across sections. Torch-free.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from areal_fast.buffer import DEFAULT_MEMORY_MB as DEFAULT_BUFFER_MEMORY_MB
+from areal_fast.configutil import device_indices, positive_seconds
+from areal_fast.heap import period_from_env as heap_trim_period_from_env
+
+__all__ = ["MIN_TEMPERATURE", "RESERVED_SERVER_ARGS", "RolloutConfig", "check_server_url"]
+
+MIN_TEMPERATURE = 0.01
+"""Smallest sampling temperature of a run: SGLang samples greedily below 1e-6 while the trainer
+would still divide its logits by the temperature, and logits / 1e-300 overflow to inf (NaN loss).
+Below 0.01 sampling is greedy in all but name; RL needs samples that differ."""
+RESERVED_SERVER_ARGS = ("--api-key", "--config")
+"""Server options the launcher owns: the run's one API key reaches the servers in a private file
+given with ``--config`` (``launch.base.server_key_file``)."""
+
+
+def check_server_url(name: str, url) -> None:
+    """Refuse a server address that would fail later (or leak): 'http(s)://host[:port][/path]' with
+    no space, no user:password@, and a port in 1..65535."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url) or any(c.isspace() for c in url):
+        raise ValueError(f"{name}: expected 'http://host:port' without spaces, got {url!r}")
+    parts = urlsplit(url)
+    if "@" in parts.netloc:
+        raise ValueError(f"{name}: no user:password@ in a server address (it would travel in the Host header); "
+                         f"the servers' key is weights.api_key or $AREAL_FAST_API_KEY, got {url!r}")
+    try:
+        port = parts.port  # ValueError: not a number, or out of 0..65535
+    except ValueError as e:
+        raise ValueError(f"{name}: bad port in {url!r} ({e})") from None
+    if not parts.hostname or port == 0:
+        raise ValueError(f"{name}: expected 'http://host:port' with a host and a port in 1..65535, got {url!r}")
+
+
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """Inference servers, sampling and the staleness bound."""
+
+    engine: str = "embedded"
+    """'embedded' (``python -m areal_fast.rollout.engine``) or 'sglang'."""
+    servers: list[str] = field(default_factory=list)
+    """Addresses of servers that are already running ('http://host:port'); empty = launch them."""
+    n_servers: int = 1
+    """Servers to launch."""
+    device: str = "cpu"
+    """Device of launched embedded engines ('cpu', 'cuda' or 'cuda:N')."""
+    server_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments for every launched server."""
+    gpus: list[str] = field(default_factory=list)
+    """CUDA_VISIBLE_DEVICES of each launched server, e.g. ["0", "1"] or ["0,1"] for tp 2 (empty: inherit)."""
+    threads_per_server: int = 1
+    """torch CPU threads of each embedded engine (OMP_NUM_THREADS)."""
+    group_size: int = 8
+    """n: samples per prompt, scored together as one group (GRPO)."""
+    max_new_tokens: int = 64
+    """Generation budget per sample."""
+    temperature: float = 1.0
+    """Sampling temperature, set once for the run: the trainer recomputes log-probs at the same one."""
+    top_p: float = 1.0
+    """Nucleus sampling, in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling: -1 = off (the whole vocabulary), else >= 1 (SGLang refuses 0)."""
+    max_staleness: int = 4
+    """eta: a sample may start at most eta versions before the one that trains on it. 0 = synchronous."""
+    max_concurrent: int = 64
+    """Groups generating at once (across all servers)."""
+    strict_staleness: bool = False
+    """Drop a finished group any of whose tokens is older than version - eta (counted)."""
+    request_timeout: float = 600.0
+    """Seconds for one /generate call before it is retried elsewhere."""
+    pause_mode: str = "auto"
+    """How servers pause for a weight update: 'auto' (per server: 'retract' on SGLang >= 0.5.19, whose
+    per-token version spans label retracted requests, else 'abort'), 'retract' or 'abort' (``docs/scale.md``)."""
+    health_timeout: float = 300.0
+    """Seconds to wait for launched servers to become healthy."""
+    workflow: str = "areal_fast.workflow.single_turn:single_turn"
+    """The episode each of the group_size rollouts of a task runs: 'package.module:function', an
+    async function (row, engine) -> list of trajectories (``docs/workflows.md``). The default is one
+    completion and one reward. Resolved when the config is loaded."""
+    workflow_args: dict = field(default_factory=dict)
+    """Keyword arguments passed to every call of the workflow (e.g. a turn budget)."""
+    tool_timeout: float = 10.0
+    """Seconds per tool call of a workflow; a tool that takes longer is killed (counted as tool/timeout)."""
+    client_processes: int = 1
+    """Processes of the rollout client: 1 = the client runs in the controller's process; N > 1 = N worker
+    processes, each with its own client over a disjoint share of the servers (``docs/scale.md``)."""
+    buffer_memory_mb: float | None = DEFAULT_BUFFER_MEMORY_MB
+    """MB of token columns the controller keeps in memory for finished groups waiting to be trained;
+    groups beyond it wait in a temporary file in output_dir, read back when trained (0 = every group;
+    null = no bound). The default (128) and why: ``areal_fast.buffer.DEFAULT_MEMORY_MB``."""
+
+    def __post_init__(self):
+        if not re.match(r"^[\w.]+:[\w.]+$", self.workflow or ""):
+            raise ValueError(f"workflow: expected 'package.module:function', got {self.workflow!r}")
+        positive_seconds("tool_timeout", self.tool_timeout)
+        if self.engine not in ("embedded", "sglang"):
+            raise ValueError(f"engine: must be 'embedded' or 'sglang', got {self.engine!r}")
+        for i, url in enumerate(self.servers):
+            check_server_url(f"servers[{i}]", url)
+        for arg in self.server_args:
+            if str(arg).split("=", 1)[0] in RESERVED_SERVER_ARGS:
+                raise ValueError(f"server_args: {arg!r} is set by the launcher (the run's one API key reaches the "
+                                 f"servers in a private file given with --config); remove it, and give the key of "
+                                 f"servers you start yourself as weights.api_key or $AREAL_FAST_API_KEY")
+        if self.n_servers < 1 and not self.servers:
+            raise ValueError(f"n_servers: must be >= 1, got {self.n_servers!r}")
+        if not _DEVICE.match(self.device):
+            raise ValueError(f"device: must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.threads_per_server < 1:
+            raise ValueError(f"threads_per_server: must be >= 1, got {self.threads_per_server!r}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size: must be >= 1, got {self.group_size!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= MIN_TEMPERATURE:
+            raise ValueError(f"temperature: must be >= {MIN_TEMPERATURE} for RL sampling (lower is greedy: SGLang "
+                             f"switches to greedy below 1e-6, the trainer's logits / temperature overflow), got "
+                             f"{self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k: must be -1 (off) or >= 1, got {self.top_k!r}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness!r}")
+        if self.max_concurrent < 1:
+            raise ValueError(f"max_concurrent: must be >= 1, got {self.max_concurrent!r}")
+        positive_seconds("request_timeout", self.request_timeout)
+        if self.pause_mode not in ("auto", "retract", "abort"):
+            raise ValueError(f"pause_mode: must be 'auto', 'retract' or 'abort', got {self.pause_mode!r}")
+        positive_seconds("health_timeout", self.health_timeout)
+        n = len(self.servers) or self.n_servers
+        if not isinstance(self.client_processes, int) or not 1 <= self.client_processes <= max(n, 1):
+            raise ValueError(f"client_processes: must be >= 1 and <= the number of servers ({n}), "
+                             f"got {self.client_processes!r}")
+        mb = self.buffer_memory_mb
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 <= mb < float("inf")):
+            raise ValueError(f"buffer_memory_mb: must be a number of MB >= 0, or null for no bound, got {mb!r}")
+        heap_trim_period_from_env()  # AREAL_FAST_HEAP_TRIM_S: refused here, before any server starts
+        if self.gpus and not self.servers and len(self.gpus) != self.n_servers:
+            raise ValueError(f"gpus: one entry per server expected ({self.n_servers}), got {self.gpus!r}")
+        for i, g in enumerate(self.gpus):
+            try:
+                device_indices(g)
+            except ValueError as e:
+                raise ValueError(f"gpus[{i}]: {e}") from None
