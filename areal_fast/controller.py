@@ -79,6 +79,7 @@ from areal_fast.buffer import MB, GroupBuffer
 from areal_fast.buffer import read_records as _read_records
 from areal_fast.diskutil import write_failed
 from areal_fast.heap import HeapTrimmer
+from areal_fast.sample import Generation  # noqa: F401 - re-exported: the rollout port's record
 from areal_fast.workflow import (
     DEFAULT_WORKFLOW,
     EpisodeEngine,
@@ -100,24 +101,6 @@ COMPLETE_MARKER = "COMPLETE"
 
 
 # ----------------------------------------------------------------------------- ports
-
-
-@dataclass
-class Generation:
-    """What a rollout port returns for one sample. The per-token fields are compact columns
-    (``areal_fast.workflow.columns``): ``output_ids`` and ``versions`` ``array('i')``,
-    ``behav_logprobs`` ``array('f')``; a port may give lists, converted here (arrays of the right
-    type are kept as they are)."""
-
-    output_ids: array
-    behav_logprobs: array  # the server's output_logprobs: log-probs of the behaviour policy
-    versions: array
-    finish_reason: str  # "stop" | "length" | "abort"
-
-    def __post_init__(self) -> None:
-        self.output_ids = columns.tokens(self.output_ids, "Generation.output_ids")
-        self.behav_logprobs = columns.logprobs(self.behav_logprobs, "Generation.behav_logprobs")
-        self.versions = columns.tokens(self.versions, "Generation.versions")
 
 
 class RolloutPort(Protocol):

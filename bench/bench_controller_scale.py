@@ -8,7 +8,7 @@ is the controller's alone).
     python bench/bench_controller_scale.py --client-procs 2   # the sharded client: 2 worker processes
 
 What runs: ``areal_fast.controller.Controller`` with ``StalenessManager`` as its gate and
-``areal_fast.launch.runtime.ClientRollout`` over ``RolloutClient`` as its rollout port (the
+``areal_fast.rollout.port.ClientRollout`` over ``RolloutClient`` as its rollout port (the
 production adapters); only the trainer (sleeps for ``--train-s`` per step), the weight sync (posts
 ``weight_version`` to every simulated server), the reward (constant) and the tokenizer are stand-ins.
 Requests in flight = ``max_concurrent`` groups x ``group_size``. With ``--client-procs N`` (N > 1) the
@@ -50,9 +50,9 @@ import sim_sglang as sim  # noqa: E402
 from common import add_harness_args, print_table, provenance, save  # noqa: E402
 
 from areal_fast.controller import Controller, ControllerSettings, Generation  # noqa: E402
-from areal_fast.launch.runtime import ClientRollout  # noqa: E402
 from areal_fast.rollout.client import RolloutClient  # noqa: E402
 from areal_fast.rollout.loop import event_loop_choice, run_event_loop  # noqa: E402
+from areal_fast.rollout.port import ClientRollout  # noqa: E402
 from areal_fast.rollout.sharded import ShardedRollout  # noqa: E402
 from areal_fast.rollout.staleness import StalenessManager  # noqa: E402
 

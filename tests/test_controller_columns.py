@@ -24,8 +24,8 @@ from areal_fast.controller import (
     checkpoint_groups,
     read_state,
 )
-from areal_fast.launch.runtime import ClientRollout
 from areal_fast.rollout.client import GenerateResult
+from areal_fast.rollout.port import ClientRollout
 from areal_fast.rollout.staleness import StalenessManager
 from areal_fast.trainer.batch import Sample, to_seq
 from areal_fast.workflow.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY, decode_column, encode_column

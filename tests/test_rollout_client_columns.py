@@ -10,10 +10,10 @@ import pytest
 from aiohttp import web
 
 import areal_fast.rollout.client as client_mod
-from areal_fast.controller import Generation
-from areal_fast.launch.runtime import ClientRollout
 from areal_fast.rollout.answer import dumps
 from areal_fast.rollout.client import GenerateResult, RolloutClient
+from areal_fast.rollout.port import ClientRollout
+from areal_fast.sample import Generation
 from areal_fast.workflow.columns import LOGPROB_ARRAY, TOKEN_ARRAY
 
 PROMPT = [3, 0, 2**31 - 1, 7]  # int32's extremes: the array encoding must write them exactly

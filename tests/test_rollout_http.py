@@ -438,7 +438,7 @@ def test_a_timed_out_request_is_aborted_then_sent_again_to_the_only_server(scrip
 
 @pytest.mark.parametrize("mutate,match", [
     (lambda a: a.replace(b'"id": "x|0|"', b'"id": "other|0|"'), "the answer is for rid 'other|0|'"),
-    (lambda a: a.replace(b"-0.25", b"NaN"), "NaN is not JSON"),
+    (lambda a: a.replace(b"-0.25", b"NaN"), "not a valid /generate result"),
     (lambda a: a.replace(b'"meta_info": {', b'"meta_info": {"id": 1, "x": {'), "not a valid /generate result"),
     (lambda a: a.replace(b'[-0.25, 7, null]', b'[-0.25, 8, null]'), "differs from output_ids"),
     (lambda a: a[:-5], "not a valid /generate result"),

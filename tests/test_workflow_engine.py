@@ -13,9 +13,9 @@ from array import array
 import pytest
 from tolerances import ENGINE_LOGPROB_ATOL
 
-from areal_fast.launch.runtime import ClientRollout
 from areal_fast.rollout.client import RolloutClient
 from areal_fast.rollout.engine import start_engine_in_thread
+from areal_fast.rollout.port import ClientRollout
 from areal_fast.rollout.testing import (
     build_tiny_qwen2,
     hf_greedy,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import sys
 import urllib.error
 import urllib.request
@@ -89,16 +88,6 @@ class Launcher(Protocol):
 def rank_command(config_file: Path, python: str = sys.executable) -> list[str]:
     """The command of one trainer rank: it reads everything from the resolved config file."""
     return [python, "-m", "areal_fast.launch.rank", str(config_file)]
-
-
-def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGKILL this child when the process that started it dies, even by kill -9 (no orphans)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except Exception:  # noqa: BLE001 - other OSes: shutdown() still cleans up on a normal exit
-        pass
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:

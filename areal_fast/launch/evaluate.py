@@ -76,7 +76,8 @@ async def _eval_async(cfg: AppConfig, tok, evals, urls, path: str, api_key: str)
     async with RolloutClient(urls, api_key=api_key) as client, RewardService(num_workers=cfg.reward.workers,
                                                             timeout_s=cfg.reward.timeout,
                                                             default_reward=cfg.reward.name) as service:
-        from areal_fast.launch.runtime import ClientRollout, ServiceReward
+        from areal_fast.launch.runtime import ServiceReward
+        from areal_fast.rollout.port import ClientRollout
         from areal_fast.workflow import EpisodeEngine, EpisodeFailed, check_trajectories, load_workflow
 
         workflow = load_workflow(cfg.rollout.workflow)  # the run's episode, greedy, as the run evaluates

@@ -33,7 +33,6 @@ from pathlib import Path
 from areal_fast.launch.base import (
     LaunchedProcess,
     ProcessDied,
-    die_with_parent,
     http_ok,
     open_private_log,
     rank_command,
@@ -42,6 +41,7 @@ from areal_fast.launch.base import (
     server_key_file,
 )
 from areal_fast.netutil import find_free_port, url_host
+from areal_fast.procutil import die_with_parent
 from areal_fast.rollout.server_command import redact_command
 
 log = logging.getLogger(__name__)

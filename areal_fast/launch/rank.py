@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 
 from areal_fast.controller import Controller, ControllerSettings
-from areal_fast.launch.base import PrivateFileHandler, die_with_parent, http_reachable
+from areal_fast.launch.base import PrivateFileHandler, http_reachable
 from areal_fast.launch.metrics import JsonlSink, ProgressBar, TensorBoardSink, truncate_jsonl
+from areal_fast.procutil import die_with_parent
 
 log = logging.getLogger("areal_fast")
 _WATCH_S = 0.5
@@ -122,14 +123,10 @@ def run_rank(cfg, *, progress: bool = False, say=None) -> dict:
 
 async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
     from areal_fast.data import load_tokenizer
-    from areal_fast.launch.runtime import (
-        ActorTrainer,
-        ClientRollout,
-        ServiceReward,
-        make_sync_port,
-    )
+    from areal_fast.launch.runtime import ActorTrainer, ServiceReward, make_sync_port
     from areal_fast.reward import RewardService
     from areal_fast.rollout.client import RolloutClient
+    from areal_fast.rollout.port import ClientRollout
     from areal_fast.rollout.staleness import StalenessManager
     from areal_fast.trainer import PPOActor
 

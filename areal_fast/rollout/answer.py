@@ -19,7 +19,8 @@ takes every answer the scanner declines (counted by reason in :data:`FALLBACKS`)
 ``AREAL_FAST_ANSWER_PARSER=python`` forces it alone; ``docs/scale.md`` has both.
 
 What an answer must be (both paths; anything else is an :class:`AnswerError` naming the server and
-the rid): one JSON object with no duplicate key in any object, no NaN or Infinity; ``output_ids``
+the rid): one JSON object that orjson reads (no NaN or Infinity, valid UTF-8) with no duplicate
+key in any object; ``output_ids``
 integers (not booleans) in ``[0, vocab)`` (``[0, 2**31)`` when the vocabulary is not known);
 ``meta_info`` an object whose ``output_token_logprobs`` has one ``[logprob, id, ...]`` entry per
 output id, ``id`` equal to that output id and ``logprob`` a finite number <= 0 (after rounding to
@@ -52,7 +53,6 @@ except ImportError:  # pragma: no cover - exercised only where orjson is missing
 _INT_RE = re.compile(r"^-?\d+$")
 SCAN_RULES = 2  # the answer rules a native scanner must enforce to be used (areal_fast._C.ANSWER_SCAN_RULES)
 MAX_VERSION = 2**31 - 1  # versions live in int32 columns
-_BOM = b"\xef\xbb\xbf"
 
 PARSER_ENV = "AREAL_FAST_ANSWER_PARSER"  # "native" (default: the scanner when built) or "python"
 
@@ -214,18 +214,47 @@ def _no_constant(name: str):
     raise _Refused(f"{name} is not JSON")
 
 
-# The reference decoder: the standard library's, because it can see every duplicate key (orjson
-# keeps the last value); NaN and Infinity refused, as orjson does.
-_REFERENCE_JSON = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+# Duplicate keys: orjson (the reference's decoder) keeps the last value, so a second decoder that
+# sees every key (the standard library's, with a pairs hook) judges the answers that may hold one.
+_PAIRS_JSON = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_no_constant)
 
 
-def _decode_reference(raw):
-    if not isinstance(raw, str):
-        raw = bytes(raw)
-        if raw.startswith(_BOM):
-            raise _Refused("a byte order mark before the JSON")
-        raw = raw.decode("utf-8")  # strict: invalid UTF-8 (lone surrogates too) is refused
-    return _REFERENCE_JSON.decode(raw)
+def _keys_and_colons(obj, skip: tuple) -> tuple[int, int]:
+    """Keys of the dicts in ``obj`` and the ':' in their strings, not looking inside ``skip``."""
+    keys = colons = 0
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if any(o is x for x in skip):
+            continue
+        if type(o) is dict:
+            keys += len(o)
+            for k, v in o.items():
+                colons += k.count(":")
+                stack.append(v)
+        elif type(o) is list:
+            stack.extend(o)
+        elif type(o) is str:
+            colons += o.count(":")
+    return keys, colons
+
+
+def _check_unique_keys(raw: bytes, data) -> None:
+    """Refuse a duplicate key anywhere in ``raw`` (decoded by orjson as ``data``).
+
+    Cheap proof first: every key is followed by one ':' outside strings, and orjson keeps one key per
+    distinct name, so when the answer has no \\u escape (the only way to spell ':' without the byte)
+    and its ':' bytes number exactly the keys plus the ':' in the strings that orjson kept (counted
+    outside the two per-token arrays), no key was dropped: a duplicate, a dict or a string with ':'
+    inside the per-token arrays would all leave more ':' bytes than that. Otherwise the pairs
+    decoder looks at every key."""
+    if b"\\u" not in raw and type(data) is dict:
+        meta = data.get("meta_info")
+        skip = (data.get("output_ids"), meta.get("output_token_logprobs") if type(meta) is dict else None)
+        keys, colons = _keys_and_colons(data, tuple(x for x in skip if x is not None))
+        if raw.count(b":") == keys + colons:
+            return
+    _PAIRS_JSON.decode(raw.decode("utf-8"))  # orjson accepted it: only a duplicate (_Refused) can fail
 
 
 def _types(values, allowed: tuple, what: str) -> None:
@@ -234,7 +263,7 @@ def _types(values, allowed: tuple, what: str) -> None:
         raise _Refused(f"{what} holds a {sorted(t.__name__ for t in extra)[0]}")
 
 
-def _columns(data, vocab: int) -> tuple[array, array, dict]:
+def _columns(data, raw, vocab: int) -> tuple[array, array, dict]:
     """The reference's columns and rules (see the module docstring)."""
     if type(data) is not dict:
         raise _Refused(f"answered {type(data).__name__}, not one result: {str(data)[:200]}")
@@ -251,20 +280,21 @@ def _columns(data, vocab: int) -> tuple[array, array, dict]:
         raise _Refused(f"output_token_logprobs is a {type(entries).__name__}, not a list")
     if len(entries) != len(out):
         raise _Refused(f"{len(out)} output ids but {len(entries)} logprobs")
-    _types(out, (int,), "output_ids")
-    ids = array(TOKEN_ARRAY, out)  # OverflowError outside int32
+    try:
+        lp_values = [e[0] for e in entries]
+        entry_ids = [e[1] for e in entries]
+    except (IndexError, KeyError, TypeError):
+        raise _Refused("a log-prob entry is not [logprob, id, ...]") from None
+    if b"true" in raw or b"false" in raw:  # JSON booleans are Python ints: array() would take them
+        _types(out, (int,), "output_ids")
+        _types(lp_values, (float, int), "a log-prob")
+        _types(entry_ids, (int,), "a log-prob entry's token id")
+    ids = array(TOKEN_ARRAY, out)  # TypeError for a float or a string, OverflowError outside int32
+    if array(TOKEN_ARRAY, entry_ids) != ids:
+        raise _Refused("a log-prob entry's token id differs from output_ids at its place")
     if ids and (min(ids) < 0 or (vocab > 0 and max(ids) >= vocab)):
         bad = min(ids) if min(ids) < 0 else max(ids)
         raise _Refused(f"output id {bad} outside the vocabulary [0, {vocab or 2**31})")
-    _types(entries, (list,), "output_token_logprobs")
-    if entries and min(map(len, entries)) < 2:
-        raise _Refused("a log-prob entry has no token id (entries are [logprob, id, ...])")
-    lp_values = [e[0] for e in entries]
-    entry_ids = [e[1] for e in entries]
-    _types(lp_values, (float, int), "a log-prob")
-    _types(entry_ids, (int,), "a log-prob entry's token id")
-    if entry_ids != out:
-        raise _Refused("a log-prob entry's token id differs from output_ids at its place")
     lps = array(LOGPROB_ARRAY, lp_values)  # OverflowError for an int past float
     if lps and not (math.isfinite(sum(lps)) and max(lps) <= 0.0):
         raise _Refused("log-probs must be finite and <= 0")
@@ -274,7 +304,10 @@ def _columns(data, vocab: int) -> tuple[array, array, dict]:
 def _parse_reference(raw, where: str, vocab: int = 0) -> Segment:
     """The reference: decode everything, check every rule, then pick the columns."""
     try:
-        return _segment(*_columns(_decode_reference(raw), vocab))
+        raw = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+        data = loads(raw)  # orjson: NaN, Infinity, invalid UTF-8, a BOM and lone surrogates refused
+        _check_unique_keys(raw, data)
+        return _segment(*_columns(data, raw, vocab))
     except (ValueError, TypeError, OverflowError, RecursionError) as e:  # _Refused, JSON and UTF-8 errors too
         why = str(e) if isinstance(e, _Refused) else f"{type(e).__name__}: {e}"
         raise AnswerError(f"{where}: not a valid /generate result: {why[:300]}") from None

@@ -20,7 +20,7 @@ Each worker owns a disjoint subset of the servers (``urls[k::N]``) and runs an o
 ``RolloutClient`` over it, with every option passed through unchanged (api key, timeouts, pause
 mode). The controller keeps no HTTP, JSON or per-token Python object: an answer crosses the socket
 as the raw bytes of its ``array`` columns (4-byte ids and versions, 8-byte log-probs) and becomes
-``array.array`` columns of a :class:`~areal_fast.controller.Generation` again. Frames are a 4-byte
+``array.array`` columns of a :class:`~areal_fast.sample.Generation` again. Frames are a 4-byte
 length and a pickle (protocol 5, bytes fields only: no per-token objects); requests and answers
 made in one turn of a loop travel in one frame.
 
@@ -56,11 +56,12 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_fast.controller import Generation
-from areal_fast.launch.runtime import ClientRollout
+from areal_fast.procutil import die_with_parent
 from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY, tune_gc
 from areal_fast.rollout.client import API_KEY_ENV, RequestError, RolloutClient, RolloutError, ServerError
 from areal_fast.rollout.loop import event_loop_choice
+from areal_fast.rollout.port import ClientRollout
+from areal_fast.sample import Generation
 from areal_fast.workflow import columns
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,6 @@ def _picklable(e: BaseException) -> BaseException:
 
 def _worker_main(index: int, sock_path: str, urls: list[str], client_kwargs: dict, loop: str | None) -> None:
     """Entry point of worker ``index`` (spawned): serve requests for ``urls`` until told to close."""
-    from areal_fast.launch.base import die_with_parent
     from areal_fast.rollout.loop import run_event_loop
 
     die_with_parent()  # killed by the kernel if the controller dies, even by SIGKILL
