@@ -308,7 +308,7 @@ class _Parked:
 
 class GroupBuffer:
     """FIFO of finished groups with at most ``memory_bytes`` of columns in memory (None: no bound).
-    ``make_group`` builds a group from its fields (the controller's ``Group``).
+    ``make_group`` builds a group from its fields (``areal_fast.group.Group``).
 
     A group that would take the in-memory column bytes above the bound is spilled; the groups at
     the head (the next batch) were buffered first, so they are the ones in memory. The same bound

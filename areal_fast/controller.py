@@ -24,7 +24,7 @@ trains whenever a batch is ready (AReaL-style), with the staleness bound of deco
              |  they wait in a spill file: areal_fast.buffer)           |
              |  when >= B groups                                        |
              v                                                          | checkpoint: version,
-    +-------------------+   trainer.train(samples)   (a thread; rollouts go on meanwhile)
+    +-------------------+   trainer.train(samples, v)   (a thread; rollouts go on meanwhile)
     |    train loop     |   rollout.pause() -> syncer.sync(v+1) -> rollout.resume()
     |                   |   version v -> v+1, gate.set_version(v+1), wake admission
     |                   |   every K steps: greedy eval (no version change while it runs)
@@ -39,15 +39,19 @@ left with no trajectory frees its slot); any other exception stops the run.
 eta = 0 is the synchronous baseline with the same code: capacity (v + 1) * B admits exactly
 one batch per version, so generation stops until the trainer has stepped and synced.
 
+The weight version has one owner: ``Controller.version``. The controller decides the next one
+and tells the others: the trainer (``trainer.train(samples, v)`` trains the weights of version v
+into v + 1; ``trainer.save(path, v)``) and the servers (``syncer.sync(v + 1)``, down through the
+trainer's ranks to the transports, which label the servers' weights with it; the tokens they
+generate carry it back as data). Nobody else counts versions.
+
 Checkpoints hold the controller state: data position, version, counters, the finished groups
-still in the buffer (streamed to ``buffer.bin``, see ``areal_fast.buffer``), and the positions
-of groups still generating (they are regenerated after a
+still in the buffer, and the positions of groups still generating (they are regenerated after a
 restart: nothing is lost, and nothing trained twice because a checkpoint is written only at a
 step boundary, atomically, together with the trainer state). After a restore at version v the
-gate is restored with ``accepted = v * B + len(buffer)``, so the bound holds as before.
-A checkpoint also records what the data order depends on (``ControllerSettings.resume_key``);
-resuming with different values is refused with the changed keys named. A newest checkpoint that
-cannot be read is moved aside (``step_N.corrupt``) with a warning and the previous one is used.
+gate is restored with ``accepted = v * B + len(buffer)``, so the bound holds as before. The
+format (layout, names, atomic write, validation, the data-order check, moving aside a checkpoint
+that cannot be read) is ``areal_fast.checkpoint``'s.
 
 This module does no tensor math. Its collaborators are narrow ports (see :class:`RolloutPort`,
 :class:`TrainerPort`, :class:`SyncPort`, :class:`RewardPort`, :class:`Gate`, which
@@ -58,26 +62,20 @@ builds them from the real parts, tests use fakes for all but the gate.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
-import os
-import re
 import secrets
-import shutil
-import threading
 import time
-from array import array
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from areal_fast import checkpoint
 from areal_fast.buffer import DEFAULT_MEMORY_MB as DEFAULT_BUFFER_MEMORY_MB
 from areal_fast.buffer import MB, GroupBuffer
-from areal_fast.buffer import read_records as _read_records
-from areal_fast.diskutil import write_failed
+from areal_fast.checkpoint import Counters
+from areal_fast.group import Group, group_of, merge_parts, numbers
 from areal_fast.heap import HeapTrimmer
 from areal_fast.sample import Generation  # noqa: F401 - re-exported: the rollout port's record
 from areal_fast.workflow import (
@@ -85,19 +83,15 @@ from areal_fast.workflow import (
     EpisodeEngine,
     EpisodeFailed,
     check_trajectories,
-    columns,
     load_workflow,
 )
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "controller.json"
-BUFFER_FILE = "buffer.bin"  # the buffered groups of a checkpoint, as records (``areal_fast.buffer``)
 # Groups admitted between two yields to the event loop. Admitting 1,024 groups of 16 at once made
 # one loop iteration start 16,384 requests (~10 s without a break at 256 servers); 4 groups (64
 # requests) keep each slice to milliseconds.
 ADMIT_SLICE = 4
-COMPLETE_MARKER = "COMPLETE"
 
 
 # ----------------------------------------------------------------------------- ports
@@ -111,9 +105,10 @@ class RolloutPort(Protocol):
 
 class TrainerPort(Protocol):
     # blocking; run in a thread. Sample dicts as ``areal_fast.trainer.batch.Sample``, per-token fields
-    # as arrays (Group.samples)
-    def train(self, samples: list[dict]) -> dict: ...
-    def save(self, path: Path) -> None: ...
+    # as arrays (Group.samples). ``version``: the controller's; train turns the weights of that
+    # version into version + 1, save records it with the weights (the trainer counts nothing)
+    def train(self, samples: list[dict], version: int) -> dict: ...
+    def save(self, path: Path, version: int) -> None: ...
     # optional: raise if the checkpoint at path cannot be loaded; may return the trainer version it holds
     def check(self, path: Path) -> int | None: ...
     def load(self, path: Path) -> None: ...  # raises CorruptCheckpoint for a damaged file
@@ -141,97 +136,6 @@ class Gate(Protocol):
 
 
 # ----------------------------------------------------------------------------- state
-
-
-_GROUP_COLUMNS = {"outputs": columns.TOKEN_ARRAY, "behav_logprobs": columns.LOGPROB_ARRAY,
-                  "versions": columns.TOKEN_ARRAY, "prompts": columns.TOKEN_ARRAY, "loss_masks": columns.MASK_ARRAY}
-
-
-@dataclass
-class Group:
-    """The trajectories of the n episodes of one prompt, finished and scored. ``prompts`` and
-    ``loss_masks`` are per trajectory when the workflow made them (empty: every trajectory starts
-    with ``prompt_ids`` and all its output tokens are model tokens).
-
-    Per-token data are compact columns, one per trajectory (``areal_fast.workflow.columns``):
-    ``prompt_ids``, ``prompts``, ``outputs``, ``versions`` ``array('i')``, ``behav_logprobs``
-    ``array('f')``, ``loss_masks`` ``array('B')``; lists given to the constructor are converted.
-    ``min_versions`` holds each trajectory's oldest model-token version (None: no model token),
-    computed from the columns when not given. A buffered group is never changed: the checkpoint
-    writer and the trainer read its arrays from their threads."""
-
-    position: int
-    row: int
-    admitted_version: int
-    prompt_ids: array
-    outputs: list[array]
-    behav_logprobs: list[array]
-    versions: list[array]
-    rewards: list[float]
-    finish_reasons: list[str]
-    gen_seconds: float = 0.0
-    prompts: list[array] = field(default_factory=list)
-    loss_masks: list[array] = field(default_factory=list)
-    infos: list[dict] = field(default_factory=list)
-    episodes_failed: int = 0
-    min_versions: list[int | None] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.prompt_ids = columns.tokens(self.prompt_ids, "Group.prompt_ids")
-        for name, code in _GROUP_COLUMNS.items():
-            cols = getattr(self, name)
-            if any(type(c) is not array or c.typecode != code for c in cols):
-                setattr(self, name, [columns.column(c, code, f"Group.{name}[{i}]") for i, c in enumerate(cols)])
-        if len(self.min_versions) != len(self.versions):
-            masks = self.loss_masks or [None] * len(self.versions)
-            self.min_versions = [columns.min_model_version(v, m) for v, m in zip(self.versions, masks)]
-
-    @classmethod
-    def from_state(cls, g: dict) -> Group:
-        """A group from its dict in the controller.json of checkpoints written before ``buffer.bin``:
-        columns encoded compactly (``columns.encode_column``), or the lists (and the ``logprobs``
-        name) of still older ones."""
-        g = dict(g)
-        if "logprobs" in g:  # checkpoints written before the behaviour log-probs got their one name
-            g["behav_logprobs"] = g.pop("logprobs")
-        pos = g.get("position")
-        g["prompt_ids"] = columns.decode_column(g["prompt_ids"], columns.TOKEN_ARRAY, f"group {pos}: prompt_ids")
-        for name, code in _GROUP_COLUMNS.items():
-            if name in g:
-                g[name] = [columns.decode_column(c, code, f"group {pos}: {name}[{i}]") for i, c in enumerate(g[name])]
-        return cls(**g)
-
-    @property
-    def n_tokens(self) -> int:
-        """Model tokens (the trained ones; tool and environment text excluded)."""
-        return sum(self.model_token_counts())
-
-    def model_token_counts(self) -> list[int]:
-        """Model tokens of each trajectory."""
-        if self.loss_masks:
-            return [len(m) - bytes(m).count(0) for m in self.loss_masks]
-        return [len(o) for o in self.outputs]
-
-    def min_model_version(self) -> int | None:
-        """The oldest version of any model token of the group (None: no model token)."""
-        return min((v for v in self.min_versions if v is not None), default=None)
-
-    def min_version(self) -> int:
-        """The oldest model-token version; the admission version for a group without model tokens."""
-        m = self.min_model_version()
-        return self.admitted_version if m is None else m
-
-    def samples(self) -> list[dict]:
-        """The trainer's sample dicts. They share this group's arrays (no copy): the trainer reads them
-        (``areal_fast.trainer.batch``), never changes them."""
-        out = []
-        for i, (o, lp, v, r) in enumerate(zip(self.outputs, self.behav_logprobs, self.versions, self.rewards)):
-            s = dict(prompt_ids=self.prompts[i] if self.prompts else self.prompt_ids, output_ids=o,
-                     behav_logprobs=lp, output_versions=v, reward=r, group_id=self.position)
-            if self.loss_masks:
-                s["loss_mask"] = self.loss_masks[i]
-            out.append(s)
-        return out
 
 
 @dataclass
@@ -265,21 +169,6 @@ class ControllerSettings:
     ``output_dir`` (``areal_fast.buffer``). None = no bound."""
 
 
-@dataclass
-class Counters:
-    admitted: int = 0
-    finished: int = 0
-    trained_groups: int = 0
-    trained_tokens: int = 0
-    trained_samples: int = 0  # trajectories (a workflow may return any number per episode)
-    dropped_stale: int = 0
-    regenerated: int = 0
-    reward_status: dict = field(default_factory=dict)
-    episodes_failed: int = 0
-    groups_failed: int = 0  # every episode of the group failed: nothing to train on, slot freed
-    tool_status: dict = field(default_factory=dict)
-
-
 # ----------------------------------------------------------------------------- controller
 
 
@@ -305,7 +194,7 @@ class Controller:
         self.running: dict[int, asyncio.Task] = {}
         self.counters = Counters()
         self.incarnation = secrets.token_hex(4)  # makes rids unique across restarts
-        self.ckpt_dir = Path(settings.output_dir) / "checkpoints"
+        self.ckpt_dir = checkpoint.checkpoints_dir(settings.output_dir)
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
         self._wake = asyncio.Event()
@@ -371,7 +260,7 @@ class Controller:
             async def episode(k: int) -> bool:
                 trajs = await self._episode(row, self._engine(f"{self.incarnation}-{pos}-{k}", self.s.sampling))
                 if trajs:  # a long-tailed group waits for its longest sample: the others wait here
-                    parked.append((k, self.buffer.park(_group_of(pos, row.index, v0, trajs))))
+                    parked.append((k, self.buffer.park(group_of(pos, row.index, v0, trajs))))
                 return trajs is None
 
             failed = sum(await asyncio.gather(*[episode(k) for k in range(self.s.group_size)]))
@@ -386,7 +275,7 @@ class Controller:
                             self.s.group_size)
                 return
             # the group takes the trajectories' arrays as they are (no per-token work here)
-            group = _merge_parts(parts, gen_seconds=time.perf_counter() - t0, episodes_failed=failed)
+            group = merge_parts(parts, gen_seconds=time.perf_counter() - t0, episodes_failed=failed)
             del parts
             self.buffer.append(group)
             self.counters.finished += 1
@@ -460,7 +349,7 @@ class Controller:
         batch = await self._wait_batch()
         t1 = time.perf_counter()
         samples = [s for g in batch for s in g.samples()]
-        tmetrics = await asyncio.to_thread(self.trainer.train, samples)
+        tmetrics = await asyncio.to_thread(self.trainer.train, samples, self.version)
         t2 = time.perf_counter()
         # what the metrics need, then the batch's columns go (at full lengths ~0.65 GB for 8k samples):
         # the pause, sync and resume below must not hold them while answers keep arriving
@@ -538,7 +427,7 @@ class Controller:
             if not trajs:
                 return 0.0, 0, {}
             n = sum(tr.n_model_tokens for tr in trajs) / len(trajs)
-            return sum(float(tr.reward) for tr in trajs) / len(trajs), n, _means([_numbers(tr.info) for tr in trajs])
+            return sum(float(tr.reward) for tr in trajs) / len(trajs), n, _means([numbers(tr.info) for tr in trajs])
 
         res = await asyncio.gather(*[one(i, r) for i, r in enumerate(self.eval_prompts)])
         self._count_tools()
@@ -592,116 +481,23 @@ class Controller:
             self.buffer.unpin()
 
     def _write_checkpoint(self, state: dict) -> Path:
-        """Atomic: write step_N.tmp (trainer + buffer.bin + controller.json + COMPLETE), then rename.
-        The buffered groups are streamed to buffer.bin group by group (a spilled one copied from the
-        spill file as it is), so the write holds no second copy of the buffer; controller.json
-        records their count and bytes."""
-        final = self.ckpt_dir / f"step_{state['version']:08d}"
-        tmp = final.with_name(final.name + ".tmp")
-        slots = state["buffer"]
-        state = {k: v for k, v in state.items() if k != "buffer"}
-        shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            tmp.mkdir(parents=True)
-            self.trainer.save(tmp / "trainer")
-            with open(tmp / BUFFER_FILE, "wb") as f:
-                nbytes = self.buffer.write(slots, f)
-            state["buffer_file"] = {"name": BUFFER_FILE, "groups": len(slots), "bytes": nbytes}
-            _write_json(tmp / STATE_FILE, state)
-            _fsync_tree(tmp)  # everything COMPLETE promises is on disk before the marker is
-            _write_json(tmp / COMPLETE_MARKER, "ok")
-            _fsync_dir(tmp)
-        except (OSError, RuntimeError) as e:  # a full disk shows up as torch's "unexpected pos"
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise write_failed(tmp, e) from e
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        _fsync_dir(self.ckpt_dir)
-        for old in list_checkpoints(self.ckpt_dir)[: -self.s.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-        _failpoint_after_checkpoint(state["version"])
-        return final
+        """Write ``state`` as the checkpoint of its version, atomically (``checkpoint.write``)."""
+        return checkpoint.write(self.ckpt_dir, state, self.buffer, self.trainer, self.s.keep_last)
 
     def restore(self, path: Path) -> None:
-        """Restore the trainer and this controller from the checkpoint at ``path``.
-
-        Raises :class:`ResumeMismatch` when the checkpoint was written with another ``resume_key``,
-        :class:`CorruptCheckpoint` when it cannot be read or does not agree with itself (the trainer's
-        version against controller.json's, the data position against what it accounts for), or when
-        the trainer's load fails on a damaged file; the controller's state is loaded last."""
-        st = read_state(path)
-        self.check_resume_key(st, path)
-        # the buffered groups first: a damaged one makes the checkpoint corrupt, found before any load
-        buf = self._read_buffer(st, path)
-        try:
-            self._check_consistent(st, len(buf), path)
-            check = getattr(self.trainer, "check", None)  # optional: a trainer without it is trusted
-            try:
-                trainer_version = check(path / "trainer") if check is not None else None
-            except Exception as e:  # noqa: BLE001 - whatever the trainer's reader raised, named with the path
-                raise CorruptCheckpoint(f"checkpoint {path}: trainer state unreadable: {e!r}") from e
-            if trainer_version is not None and trainer_version != st["version"]:
-                raise CorruptCheckpoint(f"checkpoint {path}: {STATE_FILE} says version {st['version']}, the "
-                                        f"trainer state in it version {trainer_version!r}")
-            self.trainer.load(path / "trainer")  # a damaged shard raises CorruptCheckpoint (TrainerPort)
-        except BaseException:
-            buf.close()
-            raise
-        self.load_state_dict({**st, "buffer": buf})
+        """Restore the trainer and this controller from the checkpoint at ``path``; everything is
+        checked before the controller's state is loaded (``checkpoint.load``: ResumeMismatch,
+        CorruptCheckpoint)."""
+        st = checkpoint.load(path, resume_key=self.s.resume_key, batch_size=self.s.batch_size,
+                             new_buffer=self._new_buffer, trainer=self.trainer)
+        self.load_state_dict(st)
         log.info("resumed from %s: version %d, position %d, %d buffered, %d to regenerate", path,
                  self.version, self.position, len(self.buffer), len(self.requeue))
 
-    def _check_consistent(self, st: dict, n_buffered: int, path: Path) -> None:
-        """Every trained, buffered and pending group has its own position below ``position``: a
-        controller.json whose position is smaller than what it accounts for (an edited or mixed-up
-        file) would hand out positions again, training prompts twice."""
-        accounted = st["version"] * self.s.batch_size + n_buffered + len(st["pending"])
-        if st["position"] < accounted:
-            raise CorruptCheckpoint(
-                f"checkpoint {path}: {STATE_FILE} says position {st['position']}, but its version {st['version']} "
-                f"x batch size {self.s.batch_size} + {n_buffered} buffered + {len(st['pending'])} pending groups "
-                f"need {accounted} positions")
-
-    def _read_buffer(self, st: dict, path: Path) -> GroupBuffer:
-        """The checkpoint's buffered groups in a new buffer (spilling past the bound as they are
-        read, group by group): from buffer.bin, or from controller.json as older checkpoints held
-        them. CorruptCheckpoint when a group is unreadable or the file is short or too long."""
-        buf = self._new_buffer()
-        try:
-            buf.extend(checkpoint_groups(path, st))
-        except CorruptCheckpoint:
-            buf.close()
-            raise
-        return buf
-
     def restore_newest(self) -> Path | None:
-        """Restore from the newest readable checkpoint (None when there is none). An unreadable one
-        is moved aside to ``<name>.corrupt`` with a warning naming it, and the previous is tried.
-        When checkpoints exist (or were moved aside before) and none is readable, this raises
-        :class:`CorruptCheckpoint`: starting again at step 0 is the user's decision
-        (``experiment.resume=false``), never a silent one."""
-        tried = []
-        for path in reversed(list_checkpoints(self.ckpt_dir)):
-            try:
-                self.restore(path)
-                return path
-            except CorruptCheckpoint as e:
-                aside = path.with_name(path.name + ".corrupt")
-                shutil.rmtree(aside, ignore_errors=True)
-                os.rename(path, aside)
-                tried.append(aside)
-                log.warning("%s; moved it to %s and falling back to the previous checkpoint", e, aside)
-        corrupt = sorted(self.ckpt_dir.glob("step_*.corrupt")) if self.ckpt_dir.is_dir() else []
-        if corrupt:
-            raise CorruptCheckpoint(
-                f"no readable checkpoint in {self.ckpt_dir}: {', '.join(p.name for p in corrupt)} could not be "
-                f"read (moved aside; the reasons are in the log). Refusing to start again at step 0 silently: "
-                f"restore a checkpoint by renaming it back to step_N, or start over with "
-                f"experiment.resume=false (the previous run is moved aside, nothing is deleted)")
-        return None
-
-    def check_resume_key(self, st: dict, path: Path) -> None:
-        check_resume_key(st, self.s.resume_key, path)
+        """Restore from the newest readable checkpoint (None when there is none); an unreadable one is
+        moved aside and the previous tried (``checkpoint.restore_newest``)."""
+        return checkpoint.restore_newest(self.ckpt_dir, self.restore)
 
     # ------------------------------------------------------------- main loop
     def _emit(self, m: dict) -> None:
@@ -765,62 +561,6 @@ class Controller:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _group_of(pos: int, row: int, admitted_version: int, trajs: list, **fields) -> Group:
-    """A group (or a part of one: some of its episodes) from trajectories, sharing their arrays;
-    the oldest version of each was kept as its turns were added (no per-token work here)."""
-    return Group(position=pos, row=row, admitted_version=admitted_version, prompt_ids=trajs[0].prompt_ids,
-                 outputs=[tr.output_ids for tr in trajs], behav_logprobs=[tr.behav_logprobs for tr in trajs],
-                 versions=[tr.output_versions for tr in trajs], rewards=[float(tr.reward) for tr in trajs],
-                 finish_reasons=[tr.finish_reason for tr in trajs], prompts=[tr.prompt_ids for tr in trajs],
-                 loss_masks=[tr.loss_mask for tr in trajs], infos=[_numbers(tr.info) for tr in trajs],
-                 min_versions=[tr.min_model_version() for tr in trajs], **fields)
-
-
-def _merge_parts(parts: list[Group], **fields) -> Group:
-    """One group from its parts (each some of its episodes, in episode order), their arrays as they are."""
-    first = parts[0]
-
-    def cat(name: str) -> list:
-        return [x for p in parts for x in getattr(p, name)]
-
-    return Group(position=first.position, row=first.row, admitted_version=first.admitted_version,
-                 prompt_ids=first.prompt_ids, **{n: cat(n) for n in _PART_LISTS}, **fields)
-
-
-_PART_LISTS = ("outputs", "behav_logprobs", "versions", "rewards", "finish_reasons", "prompts", "loss_masks",
-               "infos", "min_versions")
-
-
-class ResumeMismatch(RuntimeError):
-    """The checkpoint was written by a run whose data order differs from this one."""
-
-
-class CorruptCheckpoint(RuntimeError):
-    """A checkpoint marked complete cannot be read; the message names its path."""
-
-
-def check_resume_key(st: dict, key: dict, path: Path) -> None:
-    """Refuse the checkpoint state ``st`` (at ``path``) when its data order (resume key) differs from
-    ``key``; the message names every changed key with both values."""
-    saved = st.get("resume_key")
-    if saved is None:
-        log.warning("checkpoint %s records no resume key (written by an older version); resuming "
-                    "without checking that the data order is unchanged", path)
-        return
-    changed = sorted(k for k in set(saved) | set(key) if saved.get(k) != key.get(k))
-    if changed:
-        diff = "; ".join(f"{k}: {saved.get(k)!r} in the checkpoint, {key.get(k)!r} now" for k in changed)
-        raise ResumeMismatch(
-            f"cannot resume from {path}: the data order depends on {', '.join(changed)}, which changed "
-            f"({diff}). Resuming would train some prompts twice and skip others. Put the old values "
-            f"back, or start over with experiment.resume=false (the previous run is moved aside).")
-
-
-def _numbers(info: dict) -> dict:
-    """The numeric entries of a trajectory's info (what metrics can average)."""
-    return {str(k): float(v) for k, v in (info or {}).items() if isinstance(v, int | float) and not isinstance(v, bool)}
-
-
 def _staleness_quantiles(staleness: list[int]) -> dict[str, int]:
     """p50 and p90 (nearest rank below) of the consumed groups' staleness."""
     srt = sorted(staleness)
@@ -835,167 +575,3 @@ def _means(infos: list[dict]) -> dict:
             sums[k] += v
             counts[k] += 1
     return {k: sums[k] / counts[k] for k in sums}
-
-
-def read_state(path: Path) -> dict:
-    """The controller state of the checkpoint at ``path``, every entry checked (types, ranges, no
-    unknown entry: :func:`check_state`); CorruptCheckpoint names the file and the entry otherwise."""
-    f = path / STATE_FILE
-    try:
-        st = json.loads(f.read_text())
-        check_state(st)
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-        raise CorruptCheckpoint(f"checkpoint {path}: {f.name} unreadable: {e!r}") from e
-    return st
-
-
-def _is_int(v, low: int = 0) -> bool:
-    return type(v) is int and v >= low
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _check_count_map(name: str, d) -> None:
-    if not isinstance(d, dict) or not all(isinstance(k, str) and _is_int(v) for k, v in d.items()):
-        raise ValueError(f"{name}: expected a mapping of names to counts >= 0, got {d!r:.200}")
-
-
-_COUNTER_FIELDS = {f.name: f.type for f in fields(Counters)}
-_STATE_ENTRIES = ("version", "position", "pending", "counters", "elapsed", "timers", "eval_history", "resume_key",
-                  "buffer_file", "buffer")
-
-
-def check_state(st) -> None:
-    """Raise ValueError naming the entry when ``st`` (a parsed controller.json) is not a controller
-    state as :meth:`Controller.state_dict` and ``_write_checkpoint`` write it: required entries
-    present, counts integers >= 0 (never booleans), pending positions distinct and below
-    ``position``, the buffer file named ``buffer.bin`` in the checkpoint, no unknown entry. Older
-    checkpoints (groups in controller.json, fewer counters) pass."""
-    if not isinstance(st, dict):
-        raise ValueError(f"expected a JSON object, got {type(st).__name__}")
-    unknown = sorted(set(st) - set(_STATE_ENTRIES))
-    if unknown:
-        raise ValueError(f"unknown entries {unknown}")
-    for key in ("version", "position"):
-        if not _is_int(st[key]):
-            raise ValueError(f"{key}: expected an integer >= 0, got {st[key]!r:.100}")
-    pending = st["pending"]
-    if not isinstance(pending, list) or not all(_is_int(p) for p in pending):
-        raise ValueError(f"pending: expected a list of positions >= 0, got {pending!r:.200}")
-    if len(set(pending)) != len(pending) or any(p >= st["position"] for p in pending):
-        raise ValueError(f"pending: positions must be distinct and below position {st['position']}, got "
-                         f"{pending!r:.200}")
-    counters = st["counters"]
-    if not isinstance(counters, dict) or set(counters) - set(_COUNTER_FIELDS):
-        raise ValueError(f"counters: expected a mapping of {sorted(_COUNTER_FIELDS)}, got {counters!r:.200}")
-    for k, v in counters.items():
-        if _COUNTER_FIELDS[k] == "dict":
-            _check_count_map(f"counters.{k}", v)
-        elif not _is_int(v):
-            raise ValueError(f"counters.{k}: expected an integer >= 0, got {v!r:.100}")
-    if "elapsed" in st and not (_is_number(st["elapsed"]) and st["elapsed"] >= 0):
-        raise ValueError(f"elapsed: expected a number of seconds >= 0, got {st['elapsed']!r:.100}")
-    timers = st.get("timers", {})
-    if not isinstance(timers, dict) or not all(isinstance(k, str) and _is_number(v) for k, v in timers.items()):
-        raise ValueError(f"timers: expected a mapping of names to seconds, got {timers!r:.200}")
-    evals = st.get("eval_history", [])
-    if not isinstance(evals, list) or not all(isinstance(e, dict) for e in evals):
-        raise ValueError(f"eval_history: expected a list of objects, got {evals!r:.200}")
-    if st.get("resume_key") is not None and not isinstance(st["resume_key"], dict):
-        raise ValueError(f"resume_key: expected an object, got {st['resume_key']!r:.200}")
-    ref = st.get("buffer_file")
-    if ref is None:  # checkpoints before buffer.bin held the groups in this file
-        if not isinstance(st["buffer"], list):
-            raise ValueError(f"buffer: expected a list of groups, got {type(st['buffer']).__name__}")
-    elif not (isinstance(ref, dict) and set(ref) == {"name", "groups", "bytes"} and ref["name"] == BUFFER_FILE
-              and _is_int(ref["groups"]) and _is_int(ref["bytes"])):
-        raise ValueError(f"buffer_file: expected {{'name': {BUFFER_FILE!r}, 'groups': N, 'bytes': N}}, "
-                         f"got {ref!r:.200}")
-    elif "buffer" in st:
-        raise ValueError("buffer: not expected beside buffer_file")
-
-
-def checkpoint_groups(path: Path, st: dict | None = None) -> Iterator[Group]:
-    """The buffered groups of the checkpoint at ``path`` (``st``: its controller state, read when not
-    given), one at a time, FIFO: from ``buffer.bin``, or from controller.json as checkpoints before
-    buffer.bin held them. CorruptCheckpoint names the file when a group is unreadable or the file is
-    short or too long."""
-    st = read_state(path) if st is None else st
-    ref, where = st.get("buffer_file"), STATE_FILE
-    try:
-        if ref is None:
-            for g in st["buffer"]:
-                yield Group.from_state(g)
-            return
-        where = str(ref["name"])
-        f = path / where
-        if f.stat().st_size != int(ref["bytes"]):
-            raise ValueError(f"{f.stat().st_size} bytes, {STATE_FILE} says {ref['bytes']}")
-        with open(f, "rb") as fh:
-            for kw in _read_records(fh, int(ref["groups"]), where):
-                yield Group(**kw)
-    except (OSError, ValueError, TypeError, KeyError, OverflowError) as e:
-        raise CorruptCheckpoint(f"checkpoint {path}: a buffered group in {where} is unreadable: {e!r}") from e
-
-
-HANG_AFTER_CHECKPOINT_ENV = "AREAL_FAST_TEST_HANG_AFTER_CHECKPOINT"
-
-
-def _failpoint_after_checkpoint(version: int) -> None:
-    """Test hook: with ``AREAL_FAST_TEST_HANG_AFTER_CHECKPOINT=N`` the run stops making progress
-    right after checkpoint N is complete, so a crash test can kill it at a point it controls (a run
-    that may finish, or whose retention may delete checkpoint N, before the kill makes tests flaky)."""
-    if os.environ.get(HANG_AFTER_CHECKPOINT_ENV) == str(version):
-        log.warning("%s=%d: holding the run after this checkpoint (test hook)", HANG_AFTER_CHECKPOINT_ENV, version)
-        threading.Event().wait()
-
-
-_CKPT_NAME = re.compile(r"step_\d{8}")
-
-
-def list_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (``step_N.tmp``, ``step_N.corrupt`` and a directory
-    without COMPLETE are ignored)."""
-    if not ckpt_dir.is_dir():
-        return []
-    out = [p for p in ckpt_dir.iterdir()
-           if p.is_dir() and _CKPT_NAME.fullmatch(p.name) and (p / COMPLETE_MARKER).is_file()]
-    return sorted(out, key=lambda p: p.name)
-
-
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    cks = list_checkpoints(ckpt_dir)
-    return cks[-1] if cks else None
-
-
-def _write_json(path: Path, obj) -> None:
-    # one shot: the C encoder (json.dump streams through the Python one); arrays as compact columns
-    text = json.dumps(obj, default=columns.json_default)
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

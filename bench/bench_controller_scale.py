@@ -114,7 +114,7 @@ class SleepTrainer:
         self.held_s = 0.0
         self.training_tokens = 0  # output tokens of the batch being trained (held by the trainer)
 
-    def train(self, samples: list[dict]) -> dict:
+    def train(self, samples: list[dict], version: int) -> dict:
         if self.hold_first is not None and not self.steps:
             t0 = time.perf_counter()
             while not self.hold_first():
@@ -129,7 +129,7 @@ class SleepTrainer:
         self.training_tokens = 0
         return {"modelled_s": s}
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, version: int) -> None:
         path.mkdir(parents=True, exist_ok=True)
 
     def check(self, path: Path) -> None:

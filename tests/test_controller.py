@@ -13,14 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_fast.controller import (
-    Controller,
-    ControllerSettings,
-    Generation,
-    ResumeMismatch,
-    latest_checkpoint,
-    list_checkpoints,
-)
+from areal_fast.checkpoint import ResumeMismatch, latest_checkpoint, list_checkpoints
+from areal_fast.controller import Controller, ControllerSettings, Generation
 from areal_fast.diskutil import WriteFailed
 from areal_fast.launch.metrics import JsonlSink
 from areal_fast.rollout.staleness import StalenessManager
@@ -120,13 +114,13 @@ class FakeTrainer:
         self.trained: list[int] = []
         self.steps: list[dict] = []
 
-    def train(self, samples):
+    def train(self, samples, version):
         groups = sorted({s["group_id"] for s in samples})
         self.trained.extend(groups)
         self.steps.append({"groups": groups, "versions": [v for s in samples for v in s["output_versions"]]})
         return {"loss": 0.0}
 
-    def save(self, path: Path):
+    def save(self, path: Path, version: int):
         path.mkdir(parents=True, exist_ok=True)
         (path / "t.json").write_text(json.dumps(self.trained))
 
@@ -291,7 +285,7 @@ def test_a_failed_checkpoint_write_names_the_path_and_leaves_no_partial_checkpoi
     """A full disk surfaces from torch.save as "unexpected pos": the error must name what was being written."""
     ctl, trainer, _ = make(tmp_path, steps=2, ckpt=1)
 
-    def full_disk(path):
+    def full_disk(path, version):
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 2048 vs 1994")
 
     trainer.save = full_disk

@@ -19,17 +19,10 @@ from test_controller import Tok  # the controller tests' tokenizer fake
 from test_workflow import RecordingTrainer as Trainer  # keeps every sample it is given
 
 from areal_fast.buffer import GroupBuffer, column_bytes
+from areal_fast.checkpoint import BUFFER_FILE, STATE_FILE, CorruptCheckpoint, read_state
 from areal_fast.config import RolloutConfig
-from areal_fast.controller import (
-    BUFFER_FILE,
-    STATE_FILE,
-    Controller,
-    ControllerSettings,
-    CorruptCheckpoint,
-    Generation,
-    Group,
-    read_state,
-)
+from areal_fast.controller import Controller, ControllerSettings, Generation
+from areal_fast.group import Group
 from areal_fast.rollout.staleness import StalenessManager
 from areal_fast.workflow.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY, encode_column
 
@@ -400,7 +393,7 @@ def test_the_batch_is_released_when_the_trainer_returns_before_pause_and_sync(tm
             super().__init__()
             self.refs: list = []
 
-        def train(self, samples):
+        def train(self, samples, version):
             self.refs = [weakref.ref(s[k]) for s in samples for k in ("output_ids", "behav_logprobs")]
             return {}
 

@@ -15,15 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_fast.controller import (
-    STATE_FILE,
-    Controller,
-    ControllerSettings,
-    Generation,
-    Group,
-    checkpoint_groups,
-    read_state,
-)
+from areal_fast.checkpoint import STATE_FILE, checkpoint_groups, read_state
+from areal_fast.controller import Controller, ControllerSettings, Generation
+from areal_fast.group import Group
 from areal_fast.rollout.client import GenerateResult
 from areal_fast.rollout.port import ClientRollout
 from areal_fast.rollout.staleness import StalenessManager
@@ -118,7 +112,7 @@ class Trainer:
         self.seqs = []
         self.hold_until = None
 
-    def train(self, samples):
+    def train(self, samples, version):
         deadline = time.monotonic() + BUFFER_WAIT_S
         while self.hold_until is not None and not self.hold_until():
             assert time.monotonic() < deadline, "no group finished while the trainer waited"
@@ -127,7 +121,7 @@ class Trainer:
         self.seqs += [to_seq(Sample.coerce(s, i)) for i, s in enumerate(samples)]
         return {}
 
-    def save(self, path: Path):
+    def save(self, path: Path, version: int):
         path.mkdir(parents=True, exist_ok=True)
 
     def load(self, path: Path):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_fast.controller import HANG_AFTER_CHECKPOINT_ENV, checkpoint_groups
+from areal_fast.checkpoint import HANG_AFTER_CHECKPOINT_ENV, checkpoint_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "tiny_reverse.yaml")

@@ -6,7 +6,6 @@ import torch.distributed as dist
 
 from areal_fast.launch import runtime
 from areal_fast.weights import WeightSyncError
-from areal_fast.weights import port as weights_port
 
 
 class _Actor:
@@ -29,6 +28,6 @@ def test_a_failed_weight_update_does_not_end_the_follower(monkeypatch):
             raise WeightSyncError("http://127.0.0.1:1/update_weights_from_disk: Connection reset by peer")
 
     monkeypatch.setattr(dist, "broadcast_object_list", announce)
-    monkeypatch.setattr(weights_port, "apply_update", apply_update)
+    monkeypatch.setattr(runtime, "apply_update", apply_update)
     runtime.follower_loop(_Actor())  # returns at "stop"
     assert applied == ["spec-with-dead-server", "spec-without-it"] and not ops

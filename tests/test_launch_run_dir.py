@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_fast.controller import ResumeMismatch
+from areal_fast.checkpoint import ResumeMismatch
 from areal_fast.launch.run_dir import LOCK_FILE, RunDirBusy, RunLock, move_previous_run_aside
 from areal_fast.launch.train import RewardCheckFailed, check_resume, check_reward
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_controller import FakeTrainer, latest_checkpoint, list_checkpoints, make
 
-from areal_fast.controller import CorruptCheckpoint
+from areal_fast.checkpoint import CorruptCheckpoint
 
 # ----------------------------------------------------------------------------- checkpoints (M4, L11)
 

@@ -105,7 +105,7 @@ def test_a_truncated_shard_is_found_by_the_check_and_its_load_is_a_corrupt_check
     """The controller moves a checkpoint aside on CorruptCheckpoint from check or load: a truncated
     DCP shard must raise it from both (the check reads no tensor: it compares the shard lengths
     with the metadata), and the actor keeps its weights usable for the previous checkpoint."""
-    from areal_fast.controller import CorruptCheckpoint
+    from areal_fast.checkpoint import CorruptCheckpoint
     from areal_fast.launch.runtime import ActorTrainer
 
     actor = saved[0]
@@ -193,3 +193,24 @@ def test_a_non_tensor_dcp_entry_is_read_with_weights_only(saved, tmp_path, monke
     monkeypatch.setattr(torch, "load", spy)
     load_checkpoint(saved[0], str(saved[1]))
     assert seen and all(w is True for w in seen), seen
+
+
+def test_the_actor_is_told_its_version_and_counts_none(saved, tmp_path):
+    """The controller owns the version: the actor trains from the version it is told (the
+    proximal approximation and the staleness metrics use it), its weights are then that version
+    + 1 whatever it held before, and a checkpoint records the version the caller gives."""
+    from areal_fast.launch.runtime import ActorTrainer
+
+    actor = actor_for(os.fspath(saved[1].parent / "model"), ppo={"prox_mode": "approx"})
+    batch = make_batch(4, seed=2, version=3)
+    for _ in range(2):  # told the same version twice: the same version after, no count of its own
+        m = actor.train_batch(batch, version=5)
+        assert actor.version == 6 and m["version"] == 6.0
+        assert m["staleness_mean"] == m["staleness_max"] == 2  # made by v3, trained from v5 as told
+    trainer = ActorTrainer(actor)
+    trainer.train(batch, 9)
+    assert actor.version == 10
+    trainer.save(tmp_path / "told", 4)  # what the controller says these weights are
+    assert read_trainer_state(str(tmp_path / "told"))["version"] == 4 == trainer.check(tmp_path / "told")
+    trainer.load(tmp_path / "told")
+    assert actor.version == 4

@@ -314,11 +314,11 @@ class RecordingTrainer:
     def __init__(self):
         self.samples: list[dict] = []
 
-    def train(self, samples):
+    def train(self, samples, version):
         self.samples += samples
         return {}
 
-    def save(self, path: Path):
+    def save(self, path: Path, version: int):
         path.mkdir(parents=True, exist_ok=True)
 
     def load(self, path: Path):

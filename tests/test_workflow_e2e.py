@@ -15,7 +15,7 @@ from pathlib import Path
 
 from test_e2e import START_TIMEOUT_S, TINY, _alive, _children, _train_events, _wait_for, runner  # noqa: F401
 
-from areal_fast.controller import HANG_AFTER_CHECKPOINT_ENV, checkpoint_groups
+from areal_fast.checkpoint import HANG_AFTER_CHECKPOINT_ENV, checkpoint_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "tiny_reverse_multiturn.yaml")

@@ -9,7 +9,8 @@ import torch
 from test_trainer_actor import VOCAB, actor_for, make_tiny_model
 from tolerances import FP32_PACKED_LOGPROB_ATOL
 
-from areal_fast.controller import Generation, Group
+from areal_fast.controller import Generation
+from areal_fast.group import Group
 from areal_fast.trainer import Sample
 from areal_fast.workflow import Trajectory
 

@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from areal_fast.checkpoint import STATE_FILE, trainer_dir
 from areal_fast.config import AppConfig
-from areal_fast.controller import STATE_FILE
 from areal_fast.launch.base import SECRETS_DIR
 
 
@@ -26,7 +26,7 @@ def _export_training_checkpoint(cfg: AppConfig, ckpt: Path, dest: Path) -> Path:
 
     base = model_dir(cfg, say=lambda m: None)
     actor = PPOActor(trainer_config(cfg, base))
-    load_checkpoint(actor, str(ckpt / "trainer"))
+    load_checkpoint(actor, str(trainer_dir(ckpt)))
     export_hf(actor, str(dest))
     for f in Path(base).iterdir():  # the tokenizer files travel with the weights
         if f.is_file() and not f.name.endswith(".safetensors") and not (dest / f.name).exists():

@@ -32,12 +32,11 @@ class ActorTrainer:
     def __init__(self, actor):
         self.actor = actor
         self.world = actor.world
-        self.weight_syncs: dict = {}  # this rank's weight-sync transports (areal_fast.weights.port)
+        self.weight_syncs: dict = {}  # this rank's weight-sync transports, one per SyncSpec
 
     def update_weights(self, spec, version: int) -> None:
-        """Run the weight update ``spec`` (``areal_fast.weights.port.SyncSpec``) on every rank."""
-        from areal_fast.weights.port import apply_update
-
+        """Run the weight update ``spec`` (``areal_fast.weights.port.SyncSpec``) to the controller's
+        ``version`` on every rank."""
         self._announce("wsync", (spec, version))
         apply_update(self.weight_syncs, spec, version, self.actor.sharded_state_dict())
 
@@ -47,15 +46,16 @@ class ActorTrainer:
 
             dist.broadcast_object_list([(op, arg)], src=0)
 
-    def train(self, samples: list[dict]) -> dict:
-        self._announce("train")
-        return self.actor.train_batch(samples)
+    def train(self, samples: list[dict], version: int) -> dict:
+        """One step from the weights of the controller's ``version`` (every rank is told it)."""
+        self._announce("train", version)
+        return self.actor.train_batch(samples, version)
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, version: int) -> None:
         from areal_fast.trainer import save_checkpoint
 
-        self._announce("save", str(path))
-        save_checkpoint(self.actor, str(path))
+        self._announce("save", (str(path), version))
+        save_checkpoint(self.actor, str(path), version)
 
     def check(self, path: Path) -> int:
         """Raise if the trainer checkpoint at ``path`` cannot be read (rank 0 only, before the
@@ -69,7 +69,7 @@ class ActorTrainer:
     def load(self, path: Path) -> None:
         """Load the checkpoint on every rank; a damaged file is a :class:`CorruptCheckpoint` (the
         controller moves the checkpoint aside and tries the previous one, the followers wait)."""
-        from areal_fast.controller import CorruptCheckpoint
+        from areal_fast.checkpoint import CorruptCheckpoint
         from areal_fast.trainer import CheckpointError, load_checkpoint
 
         self._announce("load", str(path))
@@ -92,6 +92,16 @@ class ActorTrainer:
         self._announce("stop")
 
 
+def apply_update(transports: dict, spec, version: int, state) -> None:
+    """One rank's part of the weight update ``spec`` to ``version`` (collective; rank 0 talks to the
+    servers). ``transports``: this rank's cache, one transport per spec, so the weight group is
+    created once and reused."""
+    ws = transports.get(spec)
+    if ws is None:
+        ws = transports[spec] = spec.build()
+    ws.update(state, version)
+
+
 def follower_loop(actor) -> None:
     """Ranks > 0: execute rank 0's announced trainer calls until 'stop' (or rank 0 vanishes)."""
     import torch.distributed as dist
@@ -104,9 +114,9 @@ def follower_loop(actor) -> None:
         dist.broadcast_object_list(box, src=0)
         op, arg = box[0]
         if op == "train":
-            actor.train_batch(None)
+            actor.train_batch(None, arg)
         elif op == "save":
-            save_checkpoint(actor, arg)
+            save_checkpoint(actor, *arg)
         elif op == "load":
             try:
                 load_checkpoint(actor, arg)
@@ -118,7 +128,6 @@ def follower_loop(actor) -> None:
             export_hf(actor, arg)
         elif op == "wsync":  # each rank holds its own transports (it joins the gathers)
             from areal_fast.weights import WeightSyncError
-            from areal_fast.weights.port import apply_update
 
             spec, version = arg
             try:

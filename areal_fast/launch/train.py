@@ -28,7 +28,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from areal_fast.controller import CorruptCheckpoint, ResumeMismatch
+from areal_fast.checkpoint import CorruptCheckpoint, ResumeMismatch, checkpoints_dir
 from areal_fast.launch.base import API_KEY_ENV, SECRETS_DIR, TRAINER_CONFIG_FILE, LaunchedProcess, ProcessDied
 from areal_fast.launch.metrics import ProgressBar, plot_run
 from areal_fast.launch.rank import run_rank, setup_logging
@@ -131,29 +131,19 @@ def check_data_and_reward(cfg, model: str) -> None:
 
     prompts, _ = load_data(cfg, load_tokenizer(cfg.model.tokenizer or model))
     if cfg.experiment.resume:
-        check_resume(cfg.experiment.out.resolve() / "checkpoints", resume_key(cfg, prompts))
+        check_resume(checkpoints_dir(cfg.experiment.out.resolve()), resume_key(cfg, prompts))
     check_reward(cfg, prompts.rows[0].task)
 
 
 def check_resume(ckpt_dir: Path, key: dict) -> None:
     """Refuse (ResumeMismatch, naming the changed keys) when the newest readable checkpoint was written
-    with another data order. Rank 0 checks again when it restores; this check saves starting servers."""
-    from areal_fast.controller import CorruptCheckpoint, check_resume_key, list_checkpoints, read_state
+    with another data order. Rank 0 checks again when it restores; this check saves starting servers.
+    CorruptCheckpoint when checkpoints exist and none is readable."""
+    from areal_fast.checkpoint import check_resume_key, newest_readable_state
 
-    unreadable = []
-    for path in reversed(list_checkpoints(ckpt_dir)):
-        try:
-            st = read_state(path)
-        except CorruptCheckpoint as e:
-            unreadable.append(str(e))  # rank 0 moves it aside and falls back, with a warning
-            continue
-        check_resume_key(st, key, path)
-        return
-    if unreadable or (ckpt_dir.is_dir() and any(ckpt_dir.glob("step_*.corrupt"))):
-        why = "; ".join(unreadable) or "only checkpoints moved aside as corrupt"
-        raise CorruptCheckpoint(f"no readable checkpoint in {ckpt_dir} ({why}). Refusing to start again at step 0 "
-                                f"silently: restore a checkpoint, or start over with experiment.resume=false (the "
-                                f"previous run is moved aside, nothing is deleted)")
+    found = newest_readable_state(ckpt_dir)
+    if found is not None:
+        check_resume_key(found[1], key, found[0])
 
 
 def check_reward(cfg, task: dict) -> None:

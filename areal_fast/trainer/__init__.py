@@ -20,18 +20,20 @@ Public API
     Builds (and joins or creates) the process group: under torchrun it uses the env://
     rendezvous; in a plain process it creates a world-size-1 group (gloo on CPU, nccl on GPU)
     on a free loopback port. Every method below is collective (all ranks call it).
-``actor.train_batch(samples) -> dict[str, float]``
-    One trainer version (``ppo_n_minibatches`` optimizer steps). With ``broadcast_batch``
+``actor.train_batch(samples, version=None) -> dict[str, float]``
+    One trainer version: the weights of ``version`` (the controller's; None: ``actor.version``)
+    become ``version + 1`` (``ppo_n_minibatches`` optimizer steps). With ``broadcast_batch``
     (default) ranks other than 0 may pass None. Metrics: loss, the loss stats (ratio_mean,
     clip_fraction, approx_kl, behav_kl, entropy_mean, ...), grad_norm, lr, version,
     n_tokens, n_loss_tokens, staleness_mean/max (versions behind the pre-step weights),
     step_time_s, tokens_per_s and on GPU mfu.
-``actor.version``  (int) trainer weight version; incremented by train_batch.
+``actor.version``  (int) the version of the actor's weights as it was last told (train_batch, load);
+    the controller owns the version, the actor counts nothing itself.
 ``actor.compute_logprobs(samples) -> list[Tensor]`` recomputed log-probs of the output tokens.
 ``actor.iter_full_params(dtype=None)`` yields (HF name, full tensor) one at a time (for weight sync).
 ``actor.sharded_state_dict()`` HF name -> FSDP2 DTensor shard (no communication).
 ``actor.full_state_dict(dtype=None)`` HF-named unsharded CPU dict.
-``save_checkpoint(actor, dir)`` / ``load_checkpoint(actor, dir)`` (any rank count on load; every
+``save_checkpoint(actor, dir, version=None)`` / ``load_checkpoint(actor, dir)`` (any rank count on load; every
 file is fsynced before save returns; a damaged file raises ``CheckpointError`` naming it;
 ``read_trainer_state(dir)`` checks a checkpoint cheaply without a model),
 ``export_hf(actor, dir, dtype=None)`` safetensors + config.json.

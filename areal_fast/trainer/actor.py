@@ -85,6 +85,9 @@ class PPOActor:
         # actor -> scheduler -> actor, which kept a dropped actor's model, gradients and optimizer
         # state on the device until the cycle collector ran (bench_trainer's second variant OOMed).
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(o, step))
+        # The version of these weights, as the caller numbers them: the controller owns the version
+        # and tells it (train_batch(samples, version), load_checkpoint); the actor keeps what it was
+        # last told for a standalone caller that tells it nothing.
         self.version = 0
         self._grad_observer = None
         self.loss_backend = config.loss_backend  # None: areal_fast.backend.select decides
@@ -153,11 +156,15 @@ class PPOActor:
         return out
 
     # ---------------------------------------------------------------- the step
-    def train_batch(self, samples: list | None) -> dict[str, float]:
+    def train_batch(self, samples: list | None, version: int | None = None) -> dict[str, float]:
         """One PPO update (``ppo_n_minibatches`` optimizer steps) on ``samples``; returns metrics.
 
-        Collective: every rank calls it; with ``broadcast_batch`` only rank 0's samples count."""
+        ``version``: the version of the weights this update starts from, as the controller numbers
+        them (None: ``self.version``, for a caller that tells none); the updated weights are version
+        + 1, and ``self.version`` says so afterwards. Collective: every rank calls it (with the same
+        version); with ``broadcast_batch`` only rank 0's samples count."""
         t0 = time.perf_counter()
+        theta_version = self.version if version is None else int(version)
         ppo = self.config.ppo
         samples = self._broadcast(samples)
         if not samples:
@@ -211,8 +218,8 @@ class PPOActor:
             for ids, mb in plan:
                 p = packed(ids, mb, prox, ref)
                 n_tok_local += p.n_tokens
-                out = self.model(self._loss_fn(p, normalizer), p.input_ids, p.position_ids, p.cu_seqlens,
-                                 p.max_seqlen)
+                out = self.model(self._loss_fn(p, normalizer, theta_version), p.input_ids, p.position_ids,
+                                 p.cu_seqlens, p.max_seqlen)
                 loss, stats = out[0], out[3]
                 if p.prox_logprobs is not None:  # p recomputed by the trainer (not approx / none)
                     dash.append((p.behav_logprobs, p.prox_logprobs, out[1].detach(), p.loss_mask))
@@ -228,7 +235,7 @@ class PPOActor:
             grad_norms.append(self._clip_and_step())
             losses.append(loss_sum)
         self.scheduler.step()
-        self.version += 1
+        self.version = theta_version + 1  # what these weights are now, in the caller's numbering
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
@@ -254,7 +261,7 @@ class PPOActor:
         )
         if dash:  # this rank's loss tokens (rank 0's on a multi-rank run; docs/objective.md, "Dashboard")
             metrics.update(ops.mismatch_stats(*(torch.cat([x[i] for x in dash]) for i in range(4))))
-        ages = torch.cat([self.version - 1 - s.versions[s.loss_mask] for s in seqs]).float()
+        ages = torch.cat([theta_version - s.versions[s.loss_mask] for s in seqs]).float()
         if ages.numel():  # staleness of the trained tokens: versions behind the weights before this step
             metrics.update(staleness_mean=float(ages.mean()), staleness_max=float(ages.max()),
                            staleness_p50=float(ages.quantile(0.5, interpolation="lower")),
@@ -268,9 +275,8 @@ class PPOActor:
     def _acc(totals: dict, key: str, value: torch.Tensor) -> None:
         totals[key] = value if key not in totals else totals[key] + value
 
-    def _loss_fn(self, p: Packed, normalizer: float):
+    def _loss_fn(self, p: Packed, normalizer: float, theta_version: int):
         ppo = self.config.ppo
-        theta_version = self.version
 
         def head(h, w, bias):
             prox = p.prox_logprobs

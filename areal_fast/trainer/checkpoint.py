@@ -1,10 +1,12 @@
-"""Checkpoints: torch.distributed.checkpoint (DCP) for model + optimizer, resharded on load,
-so a run saved on N ranks resumes on M; and an HF safetensors export.
+"""The trainer's part of a checkpoint: torch.distributed.checkpoint (DCP) for model + optimizer,
+resharded on load, so a run saved on N ranks resumes on M; and an HF safetensors export. The run's
+checkpoint layout (where this directory lives, the names in it) is ``areal_fast.checkpoint``'s.
 
-Layout of a checkpoint directory: DCP files (``.metadata``, ``__<rank>_0.distcp``) holding
+Layout of the trainer's directory: DCP files (``.metadata``, ``__<rank>_0.distcp``) holding
 ``model`` and ``optim`` under the HF-canonical FQNs (``lm.`` prefix), and ``trainer_state.pt``
-(rank 0): version, scheduler state, and the RNG states (CPU and CUDA of rank 0, restored on
-every rank; the trainer itself draws no random numbers during a step).
+(rank 0): version (the one the caller gives: the controller's), scheduler state, and the RNG
+states (CPU and CUDA of rank 0, restored on every rank; the trainer itself draws no random
+numbers during a step).
 
 Durability: when :func:`save_checkpoint` returns, every file it wrote is on disk (each rank
 fsyncs its own DCP shard, rank 0 the metadata; ``trainer_state.pt`` is written to a temporary
@@ -40,7 +42,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-_STATE_FILE = "trainer_state.pt"
+from areal_fast.checkpoint import TRAINER_STATE_FILE as _STATE_FILE
+
 _METADATA_FILE = ".metadata"
 _STATE_KEYS = ("version", "scheduler", "rng_cpu", "rng_cuda")
 _OPTIONAL_STATE_KEYS = ("world_size",)
@@ -114,9 +117,10 @@ def _write_state_durably(extra: dict, path: str) -> None:
     _fsync_path(path)
 
 
-def save_checkpoint(actor, path: str) -> None:
-    """Save everything needed to resume ``actor`` (collective: every rank calls it). Returns once
-    every file is on disk (see the module docstring)."""
+def save_checkpoint(actor, path: str, version: int | None = None) -> None:
+    """Save everything needed to resume ``actor`` (collective: every rank calls it), recording its
+    weights as ``version`` (the controller's; None: ``actor.version``). Returns once every file is on
+    disk (see the module docstring)."""
     os.makedirs(path, exist_ok=True)
     state = {
         "model": get_model_state_dict(actor.model),
@@ -130,7 +134,7 @@ def save_checkpoint(actor, path: str) -> None:
             _fsync_path(os.path.join(path, name))
     if rank == 0:
         extra = {
-            "version": actor.version,
+            "version": actor.version if version is None else int(version),
             "scheduler": actor.scheduler.state_dict(),
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,

@@ -6,11 +6,13 @@
 * :class:`DiskSync` - :class:`~areal_fast.weights.sync.DiskWeightSync` on the servers still in
   the pool; a server whose process is gone is dropped and the update retried on the others.
 
-Every trainer rank takes part in an update (the gathers of FSDP2 shards are collective), so
-the port does not call a transport itself: it hands a :class:`SyncSpec` to the trainer's public
-``update_weights(spec, version)``, which runs :func:`apply_update` on every rank (rank 0
-announces it to the others first). Each rank keeps its own transport per spec, so the weight
-group is created once and reused.
+The version is the controller's (``sync(version)``); it only travels down from here: every
+trainer rank takes part in an update (the gathers of FSDP2 shards are collective), so the port
+does not call a transport itself: it hands a :class:`SyncSpec` and the version to the trainer's
+public ``update_weights(spec, version)``, which announces them to the other ranks and runs the
+transport that :meth:`SyncSpec.build` makes on every rank (``areal_fast.launch.runtime``); the
+transport labels the servers' weights with the version. Each rank keeps its own transport per
+spec, so the weight group is created once and reused.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Protocol
 
 from areal_fast.weights.config import WeightSyncConfig
 
-__all__ = ["SyncSpec", "apply_update", "DistributedSync", "DiskSync", "make_sync_port", "WeightTrainer",
+__all__ = ["SyncSpec", "DistributedSync", "DiskSync", "make_sync_port", "WeightTrainer",
            "ServerPool"]
 
 log = logging.getLogger(__name__)
@@ -35,7 +37,8 @@ DISK_ATTEMPTS = 3  # a disk update is retried after dropping dead servers, at mo
 
 class WeightTrainer(Protocol):
     def update_weights(self, spec: SyncSpec, version: int) -> None:
-        """Run ``apply_update(..., spec, version, <this rank's state>)`` on every trainer rank."""
+        """Update the servers in ``spec`` to the weights of ``version``: every trainer rank runs the
+        transport ``spec.build()`` makes (kept per spec) on its shards."""
 
 
 class ServerPool(Protocol):
@@ -68,14 +71,6 @@ class SyncSpec:
 
         cls = {"distributed": DistributedWeightSync, "disk": DiskWeightSync}[self.method]
         return cls(list(self.urls), self.weight_config())
-
-
-def apply_update(transports: dict, spec: SyncSpec, version: int, state) -> None:
-    """One rank's part of the update ``spec`` (collective). ``transports``: this rank's cache."""
-    ws = transports.get(spec)
-    if ws is None:
-        ws = transports[spec] = spec.build()
-    ws.update(state, version)
 
 
 class DiskSync:
