@@ -139,3 +139,51 @@ def test_the_trainer_port_requires_the_version(method):
     trainer = runtime.ActorTrainer(_Actor())
     with pytest.raises(TypeError):
         getattr(trainer, method)(Path("/nowhere")) if method == "save" else trainer.train([])
+
+
+class Killed(BaseException):
+    """A kill -9 at a point of the checkpoint write: nothing after it runs, no clean-up."""
+
+
+CRASH_POINTS = ("trainer saved", "controller.json written", "fsynced", "COMPLETE written", "renamed")
+
+
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_a_checkpoint_write_killed_at_any_point_leaves_a_readable_newest(tmp_path, monkeypatch, point):
+    """Killed after each step of writing checkpoint 3, the newest complete checkpoint is 2 (3 once
+    renamed), it restores without being moved aside, and the run goes on to overwrite what was left."""
+    import os
+
+    from areal_fast import checkpoint
+
+    ctl, trainer, _ = make(tmp_path, steps=3, ckpt=1)
+    armed = []
+
+    def hook(name):
+        if armed and name == point:
+            raise Killed(name)
+
+    real_save, real_json, real_fsync = trainer.save, checkpoint.write_json, checkpoint.fsync_tree
+    real_rename = os.rename
+
+    def save(path, version):
+        real_save(path, version)
+        if version == 3:
+            armed.append(version)
+        hook("trainer saved")
+
+    trainer.save = save
+    monkeypatch.setattr(checkpoint, "write_json", lambda p, obj: (real_json(p, obj), hook(f"{p.name} written"))[0])
+    monkeypatch.setattr(checkpoint, "fsync_tree", lambda p: (real_fsync(p), hook("fsynced"))[0])
+    monkeypatch.setattr(os, "rename", lambda a, b: (real_rename(a, b), hook("renamed"))[0])
+    with pytest.raises(Killed):
+        asyncio.run(ctl.run())
+    monkeypatch.undo()
+    expected = "step_00000003" if point == "renamed" else "step_00000002"
+    ckpt_dir = tmp_path / "checkpoints"
+    assert list_checkpoints(ckpt_dir)[-1].name == expected
+    ctl2, trainer2, _ = make(tmp_path, steps=5, ckpt=1)
+    assert ctl2.restore_newest().name == expected and not checkpoint.corrupt_checkpoints(ckpt_dir)
+    asyncio.run(ctl2.run())
+    assert ctl2.version == 5 and len(trainer2.trained) == len(set(trainer2.trained)) == 10
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000004", "step_00000005"]  # leftovers gone
