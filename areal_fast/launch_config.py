@@ -188,3 +188,5 @@ class RayConfig:
 
 
 LAUNCHERS = ("local", "ray")
+"""Values of the top-level ``launcher`` key (checked by ``AppConfig``): ``launch/local.py`` and
+``launch/ray_launcher.py``."""

@@ -53,7 +53,6 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from areal_fast.config import RayConfig
 from areal_fast.launch.base import (
     HOST_ENV,
     PYTHON,
@@ -68,6 +67,7 @@ from areal_fast.launch.base import (
     server_key_file,
     tp_size,
 )
+from areal_fast.launch_config import RayConfig
 from areal_fast.netutil import find_free_port, url_host
 from areal_fast.rollout.server_command import redact_command
 
