@@ -128,12 +128,16 @@ def test_the_key_file_is_private_and_never_written_through_what_exists(tmp_path)
     assert redact_command(["x", "--api-key", "s3", "--api-key=s4"]) == ["x", "--api-key", "***", "--api-key=***"]
 
 
-def test_run_server_args_may_not_take_the_key_files_config_option():
-    from areal_fast.launch.base import server_command
+def test_run_server_args_may_not_take_the_key_files_config_option(tmp_path):
+    """The key has one source: ``--config`` (which would replace our key file) is refused at load."""
+    with pytest.raises(ValueError, match="server_args"):
+        RolloutConfig(server_args=["--config", "mine.yaml"])
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("rollout:\n  server_args: ['--config', 'mine.yaml']\n")
+    from areal_fast.config import load_config
 
-    cfg = RolloutConfig(server_args=["--config", "mine.yaml"])
-    with pytest.raises(ValueError, match="rollout.server_args"):
-        server_command(cfg, "/m", "127.0.0.1", 1234, seed=0, api_key_file="/k.yaml")
+    with pytest.raises(ValueError, match=r"rollout\.server_args"):
+        load_config(cfg)
 
 
 def stat_mode(path) -> int:
