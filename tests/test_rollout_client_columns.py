@@ -17,7 +17,7 @@ from areal_fast.sample import Generation
 from areal_fast.workflow.columns import LOGPROB_ARRAY, TOKEN_ARRAY
 
 PROMPT = [3, 0, 2**31 - 1, 7]  # int32's extremes: the array encoding must write them exactly
-FIRST = ([11, 12, 13], [-0.1, 0.1 + 0.2, -1e-300], "3")  # segment 0: ids, log-probs (awkward floats), version
+FIRST = ([11, 12, 13], [-0.1, -(0.1 + 0.2), -1e-300], "3")  # segment 0: ids, log-probs (awkward floats), version
 SECOND = ([14, 15], [-2.5, -0.3333333333333333], "4")  # segment 1, after the pause and an update
 MAX_NEW = 5
 WAIT_S = 30.0  # generous: a safety net on a loaded machine, never a timing assertion
