@@ -260,16 +260,17 @@ def test_client_and_weight_sync_use_one_key(tmp_path, monkeypatch):
     from areal_fast.config import load_config
     from areal_fast.launch.base import API_KEY_ENV
     from areal_fast.launch.train import run_api_key, trainer_run_config
+    from areal_fast.rollout.server_command import server_kind
 
     cfg = load_config(None, [f"weights.api_key={SECRET}"])
-    fresh = run_api_key(cfg)
+    fresh = run_api_key(cfg, server_kind(cfg.rollout))
     assert fresh and fresh != SECRET
     tcfg = trainer_run_config(cfg, "/m", ["http://127.0.0.1:1"], tmp_path)
     monkeypatch.setenv(API_KEY_ENV, fresh)  # what the launcher gives every rank
     assert tcfg.weights.resolved_api_key == fresh  # the sync's key (the client takes the same property)
     external = load_config(None, [f"weights.api_key={SECRET}", "rollout.servers=[http://127.0.0.1:1]"])
     monkeypatch.delenv(API_KEY_ENV)
-    assert run_api_key(external) == SECRET
+    assert run_api_key(external, server_kind(external.rollout)) == SECRET
 
 
 # ----------------------------------------------------------------------------- the trainer's process group (M7)

@@ -137,18 +137,29 @@ def tp_size(server_args: list[str]) -> int:
     return _split_tp(server_args)[0]
 
 
+def gpus_per_server(rollout_cfg) -> int:
+    """GPUs one launched server of ``rollout.engine`` takes: SGLang its tensor-parallel size, the
+    embedded engine one on a CUDA device and none on the CPU."""
+    from areal_fast.rollout.server_command import ServerKind, launched_kind
+
+    if launched_kind(rollout_cfg.engine) is ServerKind.SGLANG:
+        return tp_size(rollout_cfg.server_args)
+    return int(rollout_cfg.device.startswith("cuda"))
+
+
 def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: int,
                    api_key_file: str | Path | None, python: str = sys.executable) -> list[str]:
     """The command of one inference server of the run (``rollout.engine``), through the one builder
     of server command lines; ``rollout.server_args`` are appended. The API key travels in
     ``api_key_file`` (``--config``, see :func:`server_key_file`), never on the command line."""
+    from areal_fast.rollout.server_command import ServerKind, launched_kind
     from areal_fast.rollout.server_command import server_command as build
 
     r = rollout_cfg
     if api_key_file is not None and "--config" in r.server_args:
         raise ValueError("rollout.server_args: --config is taken by the launcher (it passes the run's API key "
                          "in a private file); give those options in rollout.server_args instead")
-    if r.engine == "embedded":
+    if launched_kind(r.engine) is ServerKind.EMBEDDED:
         return build("embedded", model_path, host, port, api_key_file=api_key_file, weight_version="0", seed=seed,
                      device=r.device, max_running_requests=max(256, r.max_concurrent * r.group_size),
                      extra_args=list(r.server_args), python=python)

@@ -2,8 +2,9 @@
 
 The launcher writes the resolved config of the run (model path resolved, warm start done, the
 servers' URLs filled in) to ``<output_dir>/trainer_config.yaml``; every rank reads it, nothing else.
-The API key of the servers comes in the environment (``AREAL_FAST_API_KEY``), never on a command line
-or in the config file; the client and the weight sync both take ``weights.resolved_api_key``.
+The API key of the servers comes in the environment (``AREAL_FAST_API_KEY``), or as an argument of
+:func:`run_rank` for the rank inside the launcher's process; never on a command line or in the config
+file. The client and the weight sync both take ``weights.resolved_api_key``.
 
 Rank 0 builds the real parts, wraps them in the controller's ports (``launch.runtime``) and runs the
 controller; ranks > 0 follow rank 0's announced trainer calls (``runtime.follower_loop``). With
@@ -14,6 +15,8 @@ controller; ranks > 0 follow rank 0's announced trainer calls (``runtime.followe
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -89,17 +92,21 @@ def controller_settings(cfg, tokenizer, key: dict) -> ControllerSettings:
 def trainer_config(cfg, model_path: str):
     """The run's trainer section (``cfg.train`` is the trainer's own config, its derived values
     filled in) for the model at ``model_path``."""
-    import dataclasses
-
     return dataclasses.replace(cfg.train, model_path=model_path)
 
 
 # ----------------------------------------------------------------------------- one rank
 
 
-def run_rank(cfg, *, progress: bool = False, say=None) -> dict:
+def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=None) -> dict:
     """Run this process's trainer rank of the run described by ``cfg`` (a trainer config: model
-    path resolved, ``rollout.servers`` filled in). Returns rank 0's summary ({} on other ranks)."""
+    path resolved, ``rollout.servers`` filled in). Returns rank 0's summary ({} on other ranks).
+
+    ``api_key``: the servers' key, given by a launcher that runs the rank in its own process; it
+    becomes ``weights.api_key`` of ``cfg`` in memory. Without it the key is
+    ``weights.resolved_api_key`` as configured (a rank process: $AREAL_FAST_API_KEY from the launcher)."""
+    if api_key is not None:
+        cfg = dataclasses.replace(cfg, weights=dataclasses.replace(cfg.weights, api_key=api_key))
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = cfg.experiment.out
     rank = int(os.environ.get("RANK", "0"))
@@ -125,8 +132,6 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
     from areal_fast.data import load_tokenizer
     from areal_fast.launch.runtime import ActorTrainer, ServiceReward, make_sync_port
     from areal_fast.reward import RewardService
-    from areal_fast.rollout.client import RolloutClient
-    from areal_fast.rollout.port import ClientRollout
     from areal_fast.rollout.staleness import StalenessManager
     from areal_fast.trainer import PPOActor
 
@@ -135,25 +140,15 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
     prompts, evals = load_data(cfg, tok)
     r = cfg.rollout
     gate = StalenessManager(cfg.train.batch_size, r.max_staleness, r.max_concurrent, strict=r.strict_staleness)
-    client_options = dict(api_key=api_key, request_timeout_s=r.request_timeout, down_cooldown_s=2.0,
-                          pause_mode=r.pause_mode)
-    is_dead = lambda url: not http_reachable(url + "/health")  # noqa: E731
-    if r.client_processes > 1:  # the client in worker processes, each over a share of the servers
-        from areal_fast.rollout.sharded import ShardedRollout
-
-        client = ShardedRollout(urls, r.client_processes, is_dead=is_dead, **client_options)
-    else:
-        client = RolloutClient(urls, **client_options)
     service = RewardService(num_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout,
                             default_reward=cfg.reward.name)
     closers: list = []
     trainer = None
     try:
-        async with client:
+        async with rollout_port(r, urls, api_key) as rollout:
             await service.start()
             actor = await asyncio.to_thread(PPOActor, trainer_config(cfg, path))
             trainer = ActorTrainer(actor)
-            rollout = client if r.client_processes > 1 else ClientRollout(client, is_dead=is_dead)
             syncer = make_sync_port(cfg.weights, trainer, rollout, urls, out / "weights_sync")
             ctl = Controller(controller_settings(cfg, tok, resume_key(cfg, prompts)), prompts, tok, rollout,
                              ServiceReward(service), trainer, syncer, gate, eval_prompts=evals)
@@ -183,17 +178,54 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
             s.close()
 
 
+def server_is_dead(url: str) -> bool:
+    """A server whose /health refuses the connection is gone; any HTTP answer (503 while paused) is alive."""
+    return not http_reachable(url + "/health")
+
+
+@contextlib.asynccontextmanager
+async def rollout_port(r, urls: list[str], api_key: str | None):
+    """The controller's rollout port over the servers at ``urls``, started, and closed on exit:
+    ``ClientRollout`` over one ``RolloutClient`` in this process, or with ``rollout.client_processes``
+    > 1 a ``ShardedRollout`` (the same port over clients in worker processes). Either forgets a
+    server that :func:`server_is_dead` says is gone."""
+    options = dict(api_key=api_key, request_timeout_s=r.request_timeout, down_cooldown_s=2.0, pause_mode=r.pause_mode)
+    if r.client_processes > 1:
+        from areal_fast.rollout.sharded import ShardedRollout
+
+        async with ShardedRollout(urls, r.client_processes, is_dead=server_is_dead, **options) as port:
+            yield port
+    else:
+        from areal_fast.rollout.client import RolloutClient
+        from areal_fast.rollout.port import ClientRollout
+
+        async with RolloutClient(urls, **options) as client:
+            yield ClientRollout(client, is_dead=server_is_dead)
+
+
+class RecordFilter:
+    """Passes the controller's records of one ``kind`` to ``sink`` (``keep=True``), or every other
+    record (``keep=False``): samples.jsonl takes the "samples" records, metrics.jsonl the rest."""
+
+    def __init__(self, sink, kind: str, keep: bool):
+        self.sink, self.kind, self.keep = sink, kind, keep
+
+    def __call__(self, record: dict) -> None:
+        if (record.get("kind") == self.kind) == self.keep:
+            self.sink(record)
+
+
 def _sinks(cfg, start_step: int, progress: bool, closers: list) -> list:
     """metrics.jsonl (cut back to the resumed step), samples.jsonl, TensorBoard, the progress bar."""
     out = cfg.experiment.out
     truncate_jsonl(out / "metrics.jsonl", start_step)
     metrics_sink = JsonlSink(out / "metrics.jsonl")
-    sinks = [lambda m: m.get("kind") == "samples" or metrics_sink(m)]
+    sinks = [RecordFilter(metrics_sink, "samples", keep=False)]
     closers.append(metrics_sink)
     if cfg.log.samples:
         truncate_jsonl(out / "samples.jsonl", start_step)
         samples_sink = JsonlSink(out / "samples.jsonl")
-        sinks.append(lambda m: m.get("kind") == "samples" and samples_sink(m))
+        sinks.append(RecordFilter(samples_sink, "samples", keep=True))
         closers.append(samples_sink)
     if cfg.log.tensorboard:
         closers.append(TensorBoardSink(out / "tensorboard"))

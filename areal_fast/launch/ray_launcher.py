@@ -59,13 +59,13 @@ from areal_fast.launch.base import (
     LaunchedProcess,
     PrivateFileHandler,
     ProcessDied,
+    gpus_per_server,
     http_reachable,
     open_private_log,
     rank_command,
     server_command,
     server_env,
     server_key_file,
-    tp_size,
 )
 from areal_fast.launch_config import RayConfig
 from areal_fast.netutil import find_free_port, url_host
@@ -264,7 +264,7 @@ class RayLauncher:
         r = rollout_cfg
         gpus = self.cfg.gpus_per_server
         if gpus is None:
-            gpus = tp_size(r.server_args) if r.engine == "sglang" else int(r.device.startswith("cuda"))
+            gpus = gpus_per_server(r)
         if gpus and ray.cluster_resources().get("GPU", 0) < gpus:
             raise ValueError(f"rollout: {r.engine} servers need {gpus} GPU(s) each but the Ray cluster has "
                              f"{ray.cluster_resources().get('GPU', 0):g} (set rollout.device=cpu for CPU servers)")

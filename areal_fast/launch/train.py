@@ -5,11 +5,13 @@ Read top to bottom, :func:`run_train` is the whole run:
 1. hold the output directory (a second live run on it is refused) and, with
    ``experiment.resume=false``, move the previous run aside;
 2. prepare the model (warm start) and check the reward with one real call, before any server starts;
-3. start the inference servers with a fresh API key (SGLang's ``--api-key``, given in a private
-   file ``<output_dir>/.secrets/*.yaml`` with ``--config`` and removed once they are healthy; the
-   ranks get it in their environment; never on a command line, never in a file that stays: the
-   saved configs hold ``weights.api_key: null``). The ranks' client and weight sync both read it
-   from ``weights.resolved_api_key`` (:func:`run_api_key`): one key;
+3. decide where the servers come from (:func:`~areal_fast.rollout.server_command.server_kind`:
+   external, embedded or sglang) and start them, if the run launches them, with a fresh API key
+   (SGLang's ``--api-key``, given in a private file ``<output_dir>/.secrets/*.yaml`` with ``--config``
+   and removed once they are healthy; never on a command line, never in a file that stays: the saved
+   configs hold ``weights.api_key: null``). Rank processes get the key in their environment, the
+   rank inside this process as an argument; the ranks' client and weight sync both read it from
+   ``weights.resolved_api_key`` (:func:`run_api_key`): one key;
 4. write the resolved trainer config and start the trainer ranks, which read only that file
    (``launch.rank``); rank 0 runs the controller. One local rank runs inside this process;
 5. watch every process until rank 0 is done (a dead server is reported, a dead rank fails the run),
@@ -33,6 +35,7 @@ from areal_fast.launch.base import API_KEY_ENV, SECRETS_DIR, TRAINER_CONFIG_FILE
 from areal_fast.launch.metrics import ProgressBar, plot_run
 from areal_fast.launch.rank import run_rank, setup_logging
 from areal_fast.launch.run_dir import NotARunDir, RunDirBusy, RunLock, UnsafeOutputDir, move_previous_run_aside
+from areal_fast.rollout.server_command import ServerKind, server_kind
 
 log = logging.getLogger("areal_fast")
 _WATCH_S = 0.5
@@ -64,20 +67,16 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
         save_config(cfg, out / "config.yaml")
         model = model_dir(cfg, say)
         check_data_and_reward(cfg, model)
-        api_key = run_api_key(cfg)
+        kind = server_kind(cfg.rollout)  # the one decision: external, embedded or sglang servers
+        api_key = run_api_key(cfg, kind)
         with open_launcher(cfg, out / "logs", out / SECRETS_DIR) as launcher:
-            urls = [u.rstrip("/") for u in cfg.rollout.servers]
-            if not urls:
-                say(f"starting {cfg.rollout.n_servers} {cfg.rollout.engine} server(s) (API key required)...")
-                urls = [p.url for p in launcher.start_servers(cfg.rollout, model, seed=cfg.experiment.seed,
-                                                              api_key=api_key)]
-            log.info("inference servers: %s; API key auth %s", ", ".join(urls),
+            urls = run_servers(cfg, kind, launcher, model, api_key, say)
+            log.info("inference servers (%s): %s; API key auth %s", kind.value, ", ".join(urls),
                      "on" if api_key else "off (neither weights.api_key nor AREAL_FAST_API_KEY is set)")
             tcfg = trainer_run_config(cfg, model, urls, out)
             save_config(tcfg, out / TRAINER_CONFIG_FILE)
-            if in_process:  # rank 0 here, with the key in this process's environment as a rank has it
-                with _env(API_KEY_ENV, api_key):
-                    summary = run_rank(tcfg, progress=progress, say=say)
+            if in_process:  # rank 0 here: the key as an argument (rank processes read their environment)
+                summary = run_rank(tcfg, api_key=api_key, progress=progress, say=say)
             else:
                 say(f"starting {cfg.train.world_size} trainer rank(s) ({cfg.launcher}); logs in {out / 'logs'}")
                 ranks = launcher.start_trainer_ranks(cfg.train, out / TRAINER_CONFIG_FILE,
@@ -94,14 +93,24 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
 # ----------------------------------------------------------------------------- the steps
 
 
-def run_api_key(cfg) -> str | None:
-    """The one API key of a run: a fresh one for servers we launch, else the servers' own key
-    (``weights.api_key``, else $AREAL_FAST_API_KEY: ``WeightSyncConfig.resolved_api_key``). It
-    reaches the ranks in their environment only; their client and weight sync both read it from
-    ``weights.resolved_api_key`` of the trainer config, whose ``api_key`` is null."""
-    if cfg.rollout.servers:
+def run_api_key(cfg, kind: ServerKind) -> str | None:
+    """The one API key of a run: a fresh one for servers we launch, else the external servers' own
+    key (``weights.api_key``, else $AREAL_FAST_API_KEY: ``WeightSyncConfig.resolved_api_key``). It
+    reaches rank processes in their environment and the rank inside the launcher's process as an
+    argument; their client and weight sync both read it from ``weights.resolved_api_key`` (the
+    trainer config file holds ``api_key: null``)."""
+    if not kind.launched:
         return cfg.weights.resolved_api_key
     return secrets.token_hex(32)  # hex: a key starting with "-" would be read as a flag by the server
+
+
+def run_servers(cfg, kind: ServerKind, launcher, model: str, api_key: str | None, say=print) -> list[str]:
+    """The URLs of the run's inference servers: the external ones as configured, or
+    ``rollout.n_servers`` servers of ``kind`` started now with ``api_key`` (healthy on return)."""
+    if not kind.launched:
+        return [u.rstrip("/") for u in cfg.rollout.servers]
+    say(f"starting {cfg.rollout.n_servers} {kind.value} server(s) (API key required)...")
+    return [p.url for p in launcher.start_servers(cfg.rollout, model, seed=cfg.experiment.seed, api_key=api_key)]
 
 
 def model_dir(cfg, say=print) -> str:
@@ -176,7 +185,7 @@ def trainer_run_config(cfg, model: str, urls: list[str], out: Path):
     d["model"]["warm_start"]["enabled"] = False
     d["rollout"]["servers"] = list(urls)
     d["log"]["progress"] = False
-    d["weights"]["api_key"] = None  # the ranks get the run's key in their environment (run_api_key)
+    d["weights"]["api_key"] = None  # never in a file: the ranks are given the run's key (run_api_key)
     if cfg.launcher == "ray":
         d["train"]["gpus"] = None  # Ray gives each rank its GPU (CUDA_VISIBLE_DEVICES)
     return from_dict(AppConfig, d)
@@ -196,20 +205,6 @@ def open_launcher(cfg, log_dir: Path, secrets_dir: Path | None = None):
 
         with LocalLauncher(log_dir, secrets_dir=secrets_dir) as launcher:
             yield launcher
-
-
-@contextmanager
-def _env(name: str, value: str | None):
-    old = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def _watch_ranks(launcher, ranks: list[LaunchedProcess], out: Path, bar) -> dict:

@@ -25,6 +25,7 @@ return an ``EngineHandle`` (``areal_fast.rollout.server_handle``).
 
 from __future__ import annotations
 
+import enum
 import importlib.util
 import os
 import secrets
@@ -39,9 +40,37 @@ from pathlib import Path
 from areal_fast.netutil import find_free_port
 from areal_fast.rollout.server_handle import EngineHandle
 
-KINDS = ("embedded", "sglang")
+KINDS = ("embedded", "sglang")  # the kinds this module builds commands for
 ENGINE_MODULE = "areal_fast.rollout.engine"
 SGLANG_MODULE = "sglang.launch_server"
+
+
+class ServerKind(str, enum.Enum):
+    """Where the inference servers of a run come from (decided once, by :func:`server_kind`)."""
+
+    EXTERNAL = "external"  # rollout.servers: running already, started by someone else with their own key
+    EMBEDDED = "embedded"  # launched by the run: python -m areal_fast.rollout.engine
+    SGLANG = "sglang"  # launched by the run: python -m sglang.launch_server
+
+    @property
+    def launched(self) -> bool:
+        """The run starts these servers (and gives them a fresh API key)."""
+        return self is not ServerKind.EXTERNAL
+
+
+def server_kind(rollout_cfg) -> ServerKind:
+    """The servers of a run with this ``rollout`` config section: the ones named in ``rollout.servers``
+    (external), else ``rollout.n_servers`` launched servers of ``rollout.engine``."""
+    if rollout_cfg.servers:
+        return ServerKind.EXTERNAL
+    return launched_kind(rollout_cfg.engine)
+
+
+def launched_kind(engine: str) -> ServerKind:
+    """The kind of server a launcher starts for ``rollout.engine`` ('embedded' or 'sglang')."""
+    if engine not in KINDS:
+        raise ValueError(f"rollout.engine must be one of {KINDS}, got {engine!r}")
+    return ServerKind(engine)
 
 
 def server_command(
