@@ -47,7 +47,8 @@ def refused_everywhere(raw: bytes, match: str, vocab: int = 0) -> None:
 L1_CASES = [
     (b'{"output_ids": [1], "meta_info": {', "not a valid /generate result"),  # JSONDecodeError
     (b'{"output_ids": [1], "meta_info": {"output_token_logprobs": [[NaN, 1, null]]}}', "not a valid /generate result"),
-    (b'{"output_ids": [1], "meta_info": {"output_token_logprobs": [[-1e400, 1, null]]}}', "not a valid /generate result"),
+    (b'{"output_ids": [1], "meta_info": {"output_token_logprobs": [[-1e400, 1, null]]}}',
+     "not a valid /generate result"),
     (raw_of({"output_ids": [1], "meta_info": []}), "meta_info is a list"),
     (raw_of({"output_ids": [1], "meta_info": {"output_token_logprobs": [[]]}}), "is not [logprob, id, ...]"),
     (raw_of({"output_ids": [], "meta_info": {"finish_reason": "stop"}}), "finish_reason 'stop'"),
@@ -73,7 +74,8 @@ def test_malformed_answers_are_one_error_naming_server_and_rid(raw, match):
 
 
 L2_CASES = [
-    (raw_of({"output_ids": [-1], "meta_info": {"output_token_logprobs": [[-1.0, -1, None]]}}), "outside the vocabulary"),
+    (raw_of({"output_ids": [-1], "meta_info": {"output_token_logprobs": [[-1.0, -1, None]]}}),
+     "outside the vocabulary"),
     (raw_of({"output_ids": [3, 9], "meta_info": {"output_token_logprobs": [[-1.0, 3], [-1.0, 8]]}}), "differs"),
     (raw_of({"output_ids": [3], "meta_info": {"output_token_logprobs": [[0.5, 3, None]]}}), "<= 0"),
     (raw_of({"output_ids": [3], "meta_info": {"output_token_logprobs": [[1, 3, None]]}}), "<= 0"),
@@ -125,7 +127,8 @@ def test_distinct_keys_that_only_look_alike_are_fine():
 
 def test_colons_in_texts_and_keys_are_not_duplicates():
     raw = (b'{"text": "Step 1: a:b", "output_ids": [1, 2], "meta_info": {"a:b": {"c:": ":"}, "id": "q|0|",'
-           b' "output_token_logprobs": [[-1, 1, "x:"], [-2, 2, ":"]], "finish_reason": {"type": "stop", "matched": ":"}}}')
+           b' "output_token_logprobs": [[-1, 1, "x:"], [-2, 2, ":"]],'
+           b' "finish_reason": {"type": "stop", "matched": ":"}}}')
     assert list(parse_generate(raw, WHERE).ids) == [1, 2]
     assert list(_parse_reference(raw, WHERE).ids) == [1, 2]
 

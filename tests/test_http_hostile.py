@@ -135,7 +135,8 @@ def test_a_well_formed_chunked_answer_with_extensions_and_trailers_still_parses(
 # ----------------------------------------------------------------------------- L4: leniencies
 
 
-@pytest.mark.parametrize("te", ["notchunked", "chunked, gzip", "gzip", "chunkedx", "chunked\r\nTransfer-Encoding: chunked"])
+@pytest.mark.parametrize("te", ["notchunked", "chunked, gzip", "gzip", "chunkedx",
+                                "chunked\r\nTransfer-Encoding: chunked"])
 def test_transfer_encoding_must_be_exactly_chunked(te):
     got = feed([head("200 OK", f"Transfer-Encoding: {te}") + b"2\r\nab\r\n0\r\n\r\n"], eof=False)
     assert isinstance(got, HttpError) and "unsupported Transfer-Encoding" in str(got), got
