@@ -79,7 +79,14 @@ from areal_fast.rollout.answer import (
     tune_gc,
     version_to_int,  # noqa: F401 - part of this module's API (tests, callers)
 )
-from areal_fast.rollout.engine.compat import SGLANG_SAMPLING_KEYS
+from areal_fast.rollout.engine.compat import (
+    PAUSE_MODE_SINCE,
+    SGLANG_SAMPLING_KEYS,
+    refuses_unknown_sampling_keys_with_400,
+    reports_weight_version_spans,
+    server_info_reports_launch_version,
+    supports_pause_mode,
+)
 from areal_fast.rollout.http import KEEPALIVE_S, ConnectionPool, check_server_url
 
 try:  # the rollout extra's JSON encoder: it writes a numpy view of an array column without a Python list
@@ -88,9 +95,6 @@ except ImportError:  # pragma: no cover - exercised only where orjson is missing
     _orjson = None
 
 API_KEY_ENV = "AREAL_FAST_API_KEY"
-V_PAUSE_MODE = Version("0.5.6")  # pause_generation accepts {"mode": ...}
-V_SCHEMA_400 = Version("0.5.22")  # unknown sampling keys are a 400 (a 500 TypeError before)
-V_SPANS = Version("0.5.19")  # answers carry weight_versions spans: a retracted request keeps its labels
 PAUSE_MODES = ("abort", "retract", "in_place")
 PAUSE_MODE_CHOICES = ("auto", *PAUSE_MODES)
 RID_SEP = "|"
@@ -152,7 +156,7 @@ def auto_pause_mode(version: Version) -> str:
     spans label each token with the weights that made it. Before 0.5.19 an answer has one
     weight_version for all its tokens, so a retracted request's tokens from before the update would
     be labelled with the new version: ``abort`` (the client resubmits, one version per segment)."""
-    return "retract" if version >= V_SPANS else "abort"
+    return "retract" if reports_weight_version_spans(version) else "abort"
 
 
 def server_rid(rid: str, segment: int) -> str:
@@ -164,7 +168,7 @@ def is_caller_error(status: int, body: object, version: Version | None = None) -
     """True when an answer blames the request, not the server (see the module docstring)."""
     if 400 <= status < 500:
         return True
-    if status == 500 and (version is None or version < V_SCHEMA_400):
+    if status == 500 and (version is None or not refuses_unknown_sampling_keys_with_400(version)):
         text = body if isinstance(body, str) else json.dumps(body)
         return any(m in text for m in _CALLER_500)
     return False
@@ -678,11 +682,11 @@ class RolloutClient:
         await self._ensure_info(self.servers)
 
         def knows_modes(s: ServerState) -> bool:  # a server still without facts is taken as current
-            return not s.info or s.version >= V_PAUSE_MODE
+            return not s.info or supports_pause_mode(s.version)
 
         old = [s.url for s in self.servers if not knows_modes(s)]
         if mode not in ("abort", "auto") and old:
-            raise RolloutError(f"pause mode {mode!r} needs SGLang >= {V_PAUSE_MODE}; {old[0]} is older")
+            raise RolloutError(f"pause mode {mode!r} needs SGLang >= {PAUSE_MODE_SINCE}; {old[0]} is older")
         modes = {s.url: (auto_pause_mode(s.version) if s.info else "abort") if mode == "auto" else mode
                  for s in self.servers}
         self.pause_mode = mode
@@ -740,7 +744,7 @@ def _str_or_none(v) -> str | None:
 
 
 def _reports_launch_version(s: ServerState) -> bool:
-    return s.version >= Version("0.5.19")
+    return server_info_reports_launch_version(s.version)
 
 
 def _apply_info(server: ServerState, info) -> None:

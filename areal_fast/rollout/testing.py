@@ -69,6 +69,7 @@ def reference_sender_main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
     from packaging.version import Version
 
+    from areal_fast.rollout.engine.compat import needs_weight_update_sessions
     from areal_fast.rollout.engine.weight_sync import TensorMeta, flattened_bucket_layout, init_custom_process_group
 
     spec = json.load(open((argv or sys.argv[1:])[0]))
@@ -98,7 +99,7 @@ def reference_sender_main(argv: list[str] | None = None) -> None:
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with urllib.request.urlopen(url + "/server_info", timeout=60) as r:
-        sessions = Version(json.loads(r.read())["version"]) >= Version("0.5.21")
+        sessions = needs_weight_update_sessions(Version(json.loads(r.read())["version"]))
     t, box = in_thread("/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": spec["master_port"], "rank_offset": 1, "world_size": 2,
         "group_name": group, "backend": "gloo"})

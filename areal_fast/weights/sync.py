@@ -48,6 +48,7 @@ import torch.distributed as dist
 from packaging.version import InvalidVersion, Version
 
 from areal_fast.netutil import url_host
+from areal_fast.rollout.engine.compat import needs_weight_update_sessions
 from areal_fast.weights._http import HttpPool, WeightSyncError
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.gather import Bucket, BucketGatherer, Sources, collect_sources, send_dtypes
@@ -64,7 +65,6 @@ __all__ = ["WeightSyncConfig", "WeightSync", "DistributedWeightSync", "DiskWeigh
            "check_unpadded"]
 
 log = logging.getLogger(__name__)
-V_SESSIONS = Version("0.5.21")  # /begin_weight_update and /end_weight_update exist (and are required) from here
 POLL_S = 0.0005  # broadcast/HTTP completion polling period (a bucket takes >= milliseconds)
 # After every server answered a bucket (success or not), our side of its broadcast completes within
 # milliseconds if every rank took part; 10 s is slack for a loaded 2-core host. Past that, a rank
@@ -77,7 +77,7 @@ def uses_sessions(version: str | None) -> bool:
     if not version:
         return False
     try:
-        return Version(version) >= V_SESSIONS
+        return needs_weight_update_sessions(Version(version))
     except InvalidVersion:
         return True  # not a release number (a source build): assume a new server
 

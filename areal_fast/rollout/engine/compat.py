@@ -1,8 +1,10 @@
 """Which SGLang release the embedded engine behaves as, and every behaviour that depends on it.
 
-One place holds the version gates (``docs/sglang.md`` has the same table in prose). The engine
-takes ``--sglang-version X.Y.Z``; the client keys the same gates off the ``version`` field of a
-server's ``/server_info``.
+One place holds the version gates (``docs/sglang.md`` has the same table in prose): the first
+release of each behaviour (``*_SINCE``) and a named predicate of a ``Version`` for it. The engine
+takes ``--sglang-version X.Y.Z`` (:class:`SGLangBehaviour`); the rollout client and the weight sync
+ask the same predicates about the ``version`` field of a server's ``/server_info`` (any version,
+also outside the supported range: ``Version("0")`` for a server that did not say).
 """
 
 from __future__ import annotations
@@ -30,6 +32,43 @@ SGLANG_SAMPLING_KEYS = frozenset({
 })
 
 
+# The first SGLang release with each version-gated behaviour.
+PAUSE_MODE_SINCE = Version("0.5.6")  # /pause_generation takes {"mode": "abort" | "retract" | "in_place"}
+ABORT_IN_WAITING_VERSION_SINCE = Version("0.5.9")  # a request aborted while waiting reports weight_version
+WEIGHT_VERSION_SPANS_SINCE = Version("0.5.19")  # meta_info weight_versions spans; /server_info's is the launch value
+WEIGHT_UPDATE_SESSIONS_SINCE = Version("0.5.21")  # /begin_weight_update and /end_weight_update, required
+GENERATE_SCHEMA_400_SINCE = Version("0.5.22")  # unknown sampling keys: a schema 400 (a 500 TypeError before)
+REFUSES_FLUSH_WITH_RUNNING_SINCE = Version("0.5.22")  # a flush with requests holding KV fails the call
+CHECKS_BUCKET_ALIGNMENT_SINCE = Version("0.5.23")  # a misaligned flattened bucket is refused up front
+
+
+def supports_pause_mode(version: Version) -> bool:
+    """``/pause_generation`` takes a mode (abort, retract, in_place); before, it only aborts."""
+    return version >= PAUSE_MODE_SINCE
+
+
+def reports_weight_version_spans(version: Version) -> bool:
+    """An answer's meta_info carries ``weight_versions`` spans: each token labelled with the weights
+    that made it, across in-place updates and retractions. Before, one weight_version per answer."""
+    return version >= WEIGHT_VERSION_SPANS_SINCE
+
+
+def server_info_reports_launch_version(version: Version) -> bool:
+    """``/server_info``'s weight_version stays the launch value; the current one is in /model_info."""
+    return version >= WEIGHT_VERSION_SPANS_SINCE
+
+
+def needs_weight_update_sessions(version: Version) -> bool:
+    """begin_weight_update / end_weight_update exist, and distributed and tensor updates need an open session."""
+    return version >= WEIGHT_UPDATE_SESSIONS_SINCE
+
+
+def refuses_unknown_sampling_keys_with_400(version: Version) -> bool:
+    """/generate bodies are checked against a schema first: an unknown sampling key is a 400. Before,
+    the key reaches ``SamplingParams(**params)``: a TypeError, answered 500."""
+    return version >= GENERATE_SCHEMA_400_SINCE
+
+
 def parse_sglang_version(value: str | Version) -> Version:
     """'0.5.23' -> Version; ValueError naming the value when unparseable or outside 0.5.6..0.5.23."""
     try:
@@ -52,23 +91,20 @@ class SGLangBehaviour:
     def of(cls, value: str | Version) -> SGLangBehaviour:
         return cls(parse_sglang_version(value))
 
-    def _since(self, v: str) -> bool:
-        return self.version >= Version(v)
-
     @property
     def weight_version_spans(self) -> bool:
         """meta_info carries ``weight_versions`` spans (per-token versions across in-place updates)."""
-        return self._since("0.5.19")
+        return reports_weight_version_spans(self.version)
 
     @property
     def server_info_weight_version_is_launch_value(self) -> bool:
         """``/server_info``'s weight_version stays the launch value; the current one is in /model_info."""
-        return self._since("0.5.19")
+        return server_info_reports_launch_version(self.version)
 
     @property
     def weight_update_sessions(self) -> bool:
         """begin_weight_update / end_weight_update exist and distributed updates need an open session."""
-        return self._since("0.5.21")
+        return needs_weight_update_sessions(self.version)
 
     @property
     def generate_schema_400(self) -> bool:
@@ -76,7 +112,7 @@ class SGLangBehaviour:
 
         Before, the unknown key reaches ``SamplingParams(**params)``: a TypeError, answered 500.
         """
-        return self._since("0.5.22")
+        return refuses_unknown_sampling_keys_with_400(self.version)
 
     @property
     def refuses_flush_with_running(self) -> bool:
@@ -84,15 +120,15 @@ class SGLangBehaviour:
 
         Before, the scheduler asserts on the failed flush and dies.
         """
-        return self._since("0.5.22")
+        return self.version >= REFUSES_FLUSH_WITH_RUNNING_SINCE
 
     @property
     def checks_bucket_alignment(self) -> bool:
         """A flattened bucket whose tensor starts at a byte offset not divisible by its dtype size is
         refused before anything is received (earlier releases fail when viewing the received bytes)."""
-        return self._since("0.5.23")
+        return self.version >= CHECKS_BUCKET_ALIGNMENT_SINCE
 
     @property
     def abort_in_waiting_has_weight_version(self) -> bool:
         """Requests aborted while waiting (e.g. retracted) report weight_version (missing in 0.5.6-0.5.8)."""
-        return self._since("0.5.9")
+        return self.version >= ABORT_IN_WAITING_VERSION_SINCE
