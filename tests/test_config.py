@@ -276,13 +276,10 @@ def test_no_import_cycle_among_the_package_modules():
     assert _cycles(graph) == [], "modules that import each other while being imported"
 
 
-# Cycles closed only by an import inside a function (it runs after both modules are loaded). Each
-# is deliberate; anything else is a layering mistake (the config module once reached the trainer
-# launcher this way, through the Ray launcher).
-LAZY_CYCLES = [
-    {"areal_fast.packing.planner", "areal_fast.packing.planner_ref"},  # planner falls back to its reference
-    {"areal_fast.rollout.server_command", "areal_fast.rollout.engine.launch"},  # shared handle type
-]
+# Cycles closed only by an import inside a function (it runs after both modules are loaded) are
+# layering mistakes too (the config module once reached the trainer launcher this way, through the
+# Ray launcher). None is allowed; tests/test_import_graph.py checks every import statement.
+LAZY_CYCLES: list[set[str]] = []
 
 
 def test_no_cycle_even_through_imports_inside_functions():
