@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import socket
 import threading
+from urllib.parse import urlsplit
 
 _LOW = 20000  # below the usual ephemeral range (32768-60999) and above well-known services
 _given: set[int] = set()
@@ -74,3 +75,29 @@ def find_free_port(host: str = "127.0.0.1") -> int:
                 _given.add(port)
                 return port
     raise RuntimeError(f"no free TCP port found on {host}")
+
+
+def check_server_url(url, name: str = "server URL"):
+    """``urlsplit(url)`` of a server address, refused (``ValueError`` starting with ``name``, never
+    showing a password) unless it is ``http(s)://host[:port][/prefix]``: a string without
+    whitespace, no user info (``user:password@`` would travel in the Host header: the servers' key
+    is the run's api_key), a host, a port in 1..65535, no query or fragment. The one check of a
+    server address: the run config, the rollout client and every call to a server (``rollout.calls``)."""
+    if not isinstance(url, str):
+        raise ValueError(f"{name}: expected 'http(s)://host[:port][/prefix]', got {url!r}")
+    parts = urlsplit(url)
+    if "@" in parts.netloc:
+        raise ValueError(f"{name} {parts.scheme}://...@{parts.netloc.rpartition('@')[2]}: user info "
+                         "(user:password@) in a server URL is refused (it would travel in the Host header); "
+                         "the servers' key is the run's api_key (weights.api_key or $AREAL_FAST_API_KEY)")
+    if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
+        raise ValueError(f"{name}: expected 'http(s)://host[:port][/prefix]' without spaces, got {url!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"{name}: the port of {url!r} must be in 1..65535")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{name}: a server URL has no query or fragment, got {url!r}")
+    return parts

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from areal_fast.buffer import DEFAULT_MEMORY_MB as DEFAULT_BUFFER_MEMORY_MB
 from areal_fast.configutil import device_indices, positive_seconds
 from areal_fast.heap import period_from_env as heap_trim_period_from_env
+from areal_fast.netutil import check_server_url  # the one check of a server address
 
 __all__ = ["MIN_TEMPERATURE", "RESERVED_SERVER_ARGS", "RolloutConfig", "check_server_url"]
 
@@ -23,25 +24,6 @@ Below 0.01 sampling is greedy in all but name; RL needs samples that differ."""
 RESERVED_SERVER_ARGS = ("--api-key", "--config")
 """Server options the launcher owns: the run's one API key reaches the servers in a private file
 given with ``--config`` (``launch.base.server_key_file``)."""
-
-
-def check_server_url(name: str, url) -> None:
-    """Refuse a server address that would fail later (or leak): 'http(s)://host[:port][/path]' with
-    no space, no user:password@, and a port in 1..65535."""
-    from urllib.parse import urlsplit
-
-    if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url) or any(c.isspace() for c in url):
-        raise ValueError(f"{name}: expected 'http://host:port' without spaces, got {url!r}")
-    parts = urlsplit(url)
-    if "@" in parts.netloc:
-        raise ValueError(f"{name}: no user:password@ in a server address (it would travel in the Host header); "
-                         f"the servers' key is weights.api_key or $AREAL_FAST_API_KEY, got {url!r}")
-    try:
-        port = parts.port  # ValueError: not a number, or out of 0..65535
-    except ValueError as e:
-        raise ValueError(f"{name}: bad port in {url!r} ({e})") from None
-    if not parts.hostname or port == 0:
-        raise ValueError(f"{name}: expected 'http://host:port' with a host and a port in 1..65535, got {url!r}")
 
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -111,7 +93,7 @@ class RolloutConfig:
         if self.engine not in ("embedded", "sglang"):
             raise ValueError(f"engine: must be 'embedded' or 'sglang', got {self.engine!r}")
         for i, url in enumerate(self.servers):
-            check_server_url(f"servers[{i}]", url)
+            check_server_url(url, f"servers[{i}]")
         for arg in self.server_args:
             if str(arg).split("=", 1)[0] in RESERVED_SERVER_ARGS:
                 raise ValueError(f"server_args: {arg!r} is set by the launcher (the run's one API key reaches the "

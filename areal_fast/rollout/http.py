@@ -36,7 +36,8 @@ import socket
 import time
 from collections import deque
 from collections.abc import Awaitable
-from urllib.parse import urlsplit
+
+from areal_fast.netutil import check_server_url  # the one check of a server address
 
 KEEPALIVE_S = 4.0  # below SGLang's (uvicorn's) 5 s keep-alive timeout
 MAX_HEAD_BYTES = 64 * 1024  # a status line and headers longer than this are not an HTTP answer
@@ -56,6 +57,11 @@ _MAX_LENGTH_DIGITS = 19  # a Content-Length of up to 10**19 - 1 bytes (int() of 
 
 class HttpError(ConnectionError):
     """The connection failed or the answer was not HTTP/1.x; the message names the server and path."""
+
+
+class ConnectTimeout(TimeoutError):
+    """No connection within the connect timeout: nothing was sent (``rollout.calls`` tells it from
+    a request that timed out after it went out)."""
 
 
 class Response:
@@ -452,7 +458,7 @@ class ConnectionPool:
                     raise HttpError(f"{where}: {self.host} resolved to no address")
                 raise HttpError(f"{where}: cannot connect: {type(last).__name__}: {last}") from last
         except TimeoutError:
-            raise TimeoutError(f"{where}: no connection within {timeout_s}s") from None
+            raise ConnectTimeout(f"{where}: no connection within {timeout_s}s") from None
 
     def _forget(self, conn: _Connection) -> None:
         self._open.discard(conn)
@@ -474,27 +480,6 @@ class ConnectionPool:
             conn.abort()
         self._open.clear()
         self._idle.clear()
-
-
-def check_server_url(url: str):
-    """``urlsplit(url)`` of a server URL, refused (ValueError naming it) unless it is
-    ``http(s)://host[:port][/prefix]``: no user info (``user:password@`` would be sent in the Host
-    header: a key goes in ``api_key``), a port in 1..65535, a host, no query or fragment."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r}: a server URL is http(s)://host[:port][/prefix]")
-    if "@" in parts.netloc:
-        raise ValueError(f"server URL {parts.scheme}://...@{parts.netloc.rpartition('@')[2]}: user info in a "
-                         "server URL is refused (it would be sent in the Host header); use api_key")
-    try:
-        port = parts.port
-    except ValueError:
-        port = -1
-    if port is not None and not 1 <= port <= 65535:
-        raise ValueError(f"{url!r}: the port must be in 1..65535")
-    if parts.query or parts.fragment or any(c in url for c in " \t\r\n"):
-        raise ValueError(f"{url!r}: a server URL has no query, fragment or whitespace")
-    return parts
 
 
 def _ip_literal(host: str, port: int) -> list | None:
