@@ -19,10 +19,18 @@ base64 inside one JSON made two more copies while it was written.
 A **record** (one group; the spill file and a checkpoint's ``buffer.bin`` hold the same bytes)::
 
     magic b"AFG1" | meta length u32 | data length u64 | CRC-32 of meta + data u32   (little-endian)
-    meta: JSON {"fields": the group's other fields, "columns": item counts of every column}
-    data: the columns' raw little-endian bytes: prompt_ids, then outputs, behav_logprobs, versions,
-          prompts, loss_masks (one column per trajectory; a trajectory prompt equal to prompt_ids is
-          stored once, counted -1)
+    meta: JSON {"fields": the group's own fields (position, row, ...),
+                "samples": per sample {"reward", "finish_reason", "info", "min_version"},
+                "columns": {column name: item count of each sample's column}}
+    data: the columns' raw little-endian bytes, column by column in the order of ``COLUMNS`` (the
+          sample record's names: prompt_ids, output_ids, output_logprobs, output_versions,
+          loss_mask), sample by sample within a column; a prompt equal to the first sample's is
+          stored once, counted -1
+
+Records written before the one sample record (no "samples" in the meta) are read too: their
+columns are ``prompt_ids`` (the group's, once), then ``outputs``, ``behav_logprobs``, ``versions``,
+``prompts``, ``loss_masks``, and the per-sample fields lists in "fields" (``rewards``,
+``finish_reasons``, ``infos``, ``min_versions``); ``areal_fast.group.legacy_fields`` maps them.
 
 A spilled group is copied into a checkpoint byte for byte (its CRC travels with it); a damaged or
 truncated record is a ``ValueError`` naming the record, which the controller reports as a corrupt
@@ -47,18 +55,26 @@ import zlib
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from areal_fast.workflow.columns import ITEMSIZE, LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY
+from areal_fast.columns import ITEMSIZE, LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY
+from areal_fast.group import legacy_fields
+from areal_fast.sample import COLUMN_NAMES
 
 MAGIC = b"AFG1"
 _HEADER = struct.Struct("<4sIQI")  # magic, meta length, data length, CRC-32 of meta + data
-# the per-trajectory columns of a group, in the order a record stores them (after prompt_ids)
-COLUMNS = {"outputs": TOKEN_ARRAY, "behav_logprobs": LOGPROB_ARRAY, "versions": TOKEN_ARRAY,
-           "prompts": TOKEN_ARRAY, "loss_masks": MASK_ARRAY}
-_SAME_PROMPT = -1  # a trajectory's prompt equal to the group's prompt_ids: stored once
+# the columns of a sample, in the order a record stores them (the sample record's names)
+COLUMNS = {"prompt_ids": TOKEN_ARRAY, "output_ids": TOKEN_ARRAY, "output_logprobs": LOGPROB_ARRAY,
+           "output_versions": TOKEN_ARRAY, "loss_mask": MASK_ARRAY}
+assert tuple(COLUMNS) == COLUMN_NAMES
+_SAMPLE_FIELDS = ("reward", "finish_reason", "info")  # what a record keeps of a sample besides its columns
+_GROUP_FIELDS = ("position", "row", "admitted_version", "gen_seconds", "episodes_failed")
+# the records written before the one sample record: the group's prompt_ids, then these columns
+_LEGACY_COLUMNS = {"outputs": TOKEN_ARRAY, "behav_logprobs": LOGPROB_ARRAY, "versions": TOKEN_ARRAY,
+                   "prompts": TOKEN_ARRAY, "loss_masks": MASK_ARRAY}
+_SAME_PROMPT = -1  # a sample's prompt equal to the first sample's: stored once
 _COPY_CHUNK = 8 << 20  # bytes per read when a spilled record is copied into a checkpoint
 MB = 1 << 20
 DEFAULT_MEMORY_MB = 128.0
@@ -83,12 +99,14 @@ def _le(a: array) -> array:
 
 def _columns_of(g) -> tuple[dict, list[array]]:
     """The item counts (record meta) and the arrays, in record order, of group ``g``."""
-    counts: dict[str, Any] = {"prompt_ids": len(g.prompt_ids)}
-    arrays = [g.prompt_ids]
+    counts: dict[str, list[int]] = {}
+    arrays = []
+    first = g.samples[0].prompt_ids if g.samples else None
     for name in COLUMNS:
         ns = []
-        for c in getattr(g, name):
-            if name == "prompts" and (c is g.prompt_ids or c == g.prompt_ids):
+        for i, s in enumerate(g.samples):
+            c = getattr(s, name)
+            if name == "prompt_ids" and i and (c is first or c == first):
                 ns.append(_SAME_PROMPT)
                 continue
             ns.append(len(c))
@@ -111,9 +129,10 @@ def write_record(f: BinaryIO, g, columns: tuple[dict, list[array]] | None = None
     columns go to the file one by one from the group's own arrays: no joined copy. ``columns``:
     ``_columns_of(g)`` when the caller has it already."""
     counts, arrays = columns or _columns_of(g)
-    other = {f_.name: getattr(g, f_.name) for f_ in fields(g)
-             if f_.name not in COLUMNS and f_.name != "prompt_ids"}
-    meta = json.dumps({"fields": other, "columns": counts}).encode()
+    samples = [{**{k: getattr(s, k) for k in _SAMPLE_FIELDS}, "min_version": s.min_model_version()}
+               for s in g.samples]
+    meta = json.dumps({"fields": {k: getattr(g, k) for k in _GROUP_FIELDS}, "samples": samples,
+                       "columns": counts}).encode()
     arrays = [_le(a) for a in arrays]
     crc = zlib.crc32(meta)
     for a in arrays:
@@ -137,22 +156,53 @@ def _record(raw: bytes | memoryview, name: str) -> tuple[int, int, int]:
 
 
 def decode_record(meta: bytes | memoryview, data: bytes | memoryview, crc: int, name: str) -> dict:
-    """A group's fields (keyword arguments of ``Group``) from a record's meta and data; ValueError
-    naming ``name`` when the CRC, the meta or the column lengths do not check out."""
+    """A group's fields (keyword arguments of ``Group``: its samples as dicts of ``Sample`` keyword
+    arguments) from a record's meta and data, of either layout (see the module docstring);
+    ValueError naming ``name`` when the CRC, the meta or the column lengths do not check out."""
     if zlib.crc32(data, zlib.crc32(meta)) != crc:
         raise ValueError(f"{name}: CRC mismatch (the record is damaged)")
     try:
         m = json.loads(bytes(meta))
-        kw, counts = dict(m["fields"]), m["columns"]
-        plan = [("prompt_ids", TOKEN_ARRAY, int(counts["prompt_ids"]))]
-        plan += [(name_, code, int(n)) for name_, code in COLUMNS.items() for n in counts[name_]]
+        kw, counts, samples = dict(m["fields"]), m["columns"], m.get("samples")
+        if samples is None:  # written before the one sample record
+            plan = [("prompt_ids", TOKEN_ARRAY, int(counts["prompt_ids"]))]
+            plan += [(col, code, int(n)) for col, code in _LEGACY_COLUMNS.items() for n in counts[col]]
+        else:
+            samples = [dict(s) for s in samples]
+            plan = [(col, code, int(n)) for col, code in COLUMNS.items() for n in counts[col]]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{name}: unreadable record meta ({e!r})") from None
-    mv, off = memoryview(data), 0
-    cols: dict[str, list] = {name_: [] for name_ in COLUMNS}
+    cols = _read_columns(memoryview(data), plan, name)
+    if samples is None:
+        kw["prompt_ids"] = cols.pop("prompt_ids")[0]
+        kw.update({col: cols.get(col, []) for col in _LEGACY_COLUMNS})
+        kw["prompts"] = [kw["prompt_ids"] if p is None else p for p in kw["prompts"]]
+        try:
+            return legacy_fields(kw)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{name}: unreadable record meta ({e!r})") from None
+    for col in COLUMNS:
+        if len(cols.get(col, ())) != len(samples):
+            raise ValueError(f"{name}: {len(cols.get(col, ()))} {col} columns for {len(samples)} samples")
+        for s, c in zip(samples, cols[col]):
+            s[col] = c
+    if samples:
+        first = samples[0]["prompt_ids"]
+        for s in samples:
+            if s["prompt_ids"] is None:
+                s["prompt_ids"] = first
+    kw["samples"] = samples
+    return kw
+
+
+def _read_columns(mv: memoryview, plan: list[tuple[str, str, int]], name: str) -> dict[str, list]:
+    """The arrays of a record's data, by column name, in ``plan`` order ((column, typecode, items);
+    a prompt counted -1 is None: the first sample's); ValueError when they do not fill the data."""
+    off = 0
+    cols: dict[str, list] = {}
     for col, code, n in plan:
-        if col == "prompts" and n == _SAME_PROMPT:
-            cols[col].append(kw["prompt_ids"])
+        if col in ("prompts", "prompt_ids") and n == _SAME_PROMPT:
+            cols.setdefault(col, []).append(None)
             continue
         size = n * ITEMSIZE[code]
         if n < 0 or off + size > len(mv):
@@ -162,14 +212,10 @@ def decode_record(meta: bytes | memoryview, data: bytes | memoryview, crc: int, 
         if sys.byteorder == "big" and a.itemsize > 1:
             a.byteswap()
         off += size
-        if col == "prompt_ids":
-            kw["prompt_ids"] = a
-        else:
-            cols[col].append(a)
+        cols.setdefault(col, []).append(a)
     if off != len(mv):
         raise ValueError(f"{name}: {len(mv) - off} bytes after the last column")
-    kw.update(cols)
-    return kw
+    return cols
 
 
 def read_records(f: BinaryIO, count: int, name: str) -> Iterator[dict]:

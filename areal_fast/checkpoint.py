@@ -37,10 +37,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from areal_fast import columns
 from areal_fast.buffer import GroupBuffer, read_records
 from areal_fast.diskutil import write_failed
 from areal_fast.group import Group
-from areal_fast.workflow import columns
 
 log = logging.getLogger(__name__)
 

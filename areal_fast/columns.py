@@ -1,5 +1,5 @@
-"""Compact per-token columns: how a generation, a trajectory, a buffered group and a training sample
-hold their tokens.
+"""Compact per-token columns: how the sample record (``areal_fast.sample``) holds its tokens, from
+the rollout client through the workflow and the controller's buffer to the trainer.
 
 Every per-token field from the rollout client to the trainer is an ``array.array``:
 

@@ -77,7 +77,7 @@ from areal_fast.buffer import MB, GroupBuffer
 from areal_fast.checkpoint import Counters
 from areal_fast.group import Group, group_of, merge_parts, numbers
 from areal_fast.heap import HeapTrimmer
-from areal_fast.sample import Generation  # noqa: F401 - re-exported: the rollout port's record
+from areal_fast.sample import Sample
 from areal_fast.workflow import (
     DEFAULT_WORKFLOW,
     EpisodeEngine,
@@ -98,16 +98,18 @@ ADMIT_SLICE = 4
 
 
 class RolloutPort(Protocol):
-    async def generate(self, input_ids: list[int], sampling: dict, rid: str) -> Generation: ...
+    # the one sample record (``areal_fast.sample``), filled by the client: the workflow returns it or
+    # extends another with it, the buffer holds it, the trainer reads it
+    async def generate(self, input_ids, sampling: dict, rid: str) -> Sample: ...
     async def pause(self) -> None: ...
     async def resume(self) -> None: ...
 
 
 class TrainerPort(Protocol):
-    # blocking; run in a thread. Sample dicts as ``areal_fast.trainer.batch.Sample``, per-token fields
-    # as arrays (Group.samples). ``version``: the controller's; train turns the weights of that
+    # blocking; run in a thread. The buffered groups' samples as they are (``areal_fast.sample.Sample``,
+    # per-token fields arrays). ``version``: the controller's; train turns the weights of that
     # version into version + 1, save records it with the weights (the trainer counts nothing)
-    def train(self, samples: list[dict], version: int) -> dict: ...
+    def train(self, samples: list[Sample], version: int) -> dict: ...
     def save(self, path: Path, version: int) -> None: ...
     # optional: raise if the checkpoint at path cannot be loaded; may return the trainer version it holds
     def check(self, path: Path) -> int | None: ...
@@ -348,7 +350,7 @@ class Controller:
         t0 = time.perf_counter()
         batch = await self._wait_batch()
         t1 = time.perf_counter()
-        samples = [s for g in batch for s in g.samples()]
+        samples = [s for g in batch for s in g.samples]  # the records themselves: no conversion
         tmetrics = await asyncio.to_thread(self.trainer.train, samples, self.version)
         t2 = time.perf_counter()
         # what the metrics need, then the batch's columns go (at full lengths ~0.65 GB for 8k samples):
@@ -400,8 +402,9 @@ class Controller:
             self._last_batch_dump = [
                 {"position": g.position, "prompt": self.tok.decode(g.prompt_ids),
                  "admitted_version": g.admitted_version,
-                 "samples": [{"text": self.tok.decode(o), "reward": r, "versions": v.tolist(), "finish": f}
-                             for o, r, v, f in zip(g.outputs, g.rewards, g.versions, g.finish_reasons)]}
+                 "samples": [{"text": self.tok.decode(s.output_ids), "reward": s.reward,
+                              "versions": s.output_versions.tolist(), "finish": s.finish_reason}
+                             for s in g.samples]}
                 for g in batch]
         return {"staleness": [self.version - g.min_version() for g in batch],
                 "rewards": [r for g in batch for r in g.rewards],

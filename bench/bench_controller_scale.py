@@ -49,12 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim_sglang as sim  # noqa: E402
 from common import add_harness_args, print_table, provenance, save  # noqa: E402
 
-from areal_fast.controller import Controller, ControllerSettings, Generation  # noqa: E402
+from areal_fast.controller import Controller, ControllerSettings  # noqa: E402
 from areal_fast.rollout.client import RolloutClient  # noqa: E402
 from areal_fast.rollout.loop import event_loop_choice, run_event_loop  # noqa: E402
 from areal_fast.rollout.port import ClientRollout  # noqa: E402
 from areal_fast.rollout.sharded import ShardedRollout  # noqa: E402
 from areal_fast.rollout.staleness import StalenessManager  # noqa: E402
+from areal_fast.sample import Sample  # noqa: E402
 
 TICK_S = 0.01  # loop-lag ticker period: fine enough to see 10 ms stalls, ~100 wakeups/s of CPU
 PROMPT_LEN = 64
@@ -114,7 +115,7 @@ class SleepTrainer:
         self.held_s = 0.0
         self.training_tokens = 0  # output tokens of the batch being trained (held by the trainer)
 
-    def train(self, samples: list[dict], version: int) -> dict:
+    def train(self, samples: list[Sample], version: int) -> dict:
         if self.hold_first is not None and not self.steps:
             t0 = time.perf_counter()
             while not self.hold_first():
@@ -122,7 +123,7 @@ class SleepTrainer:
                     raise RuntimeError(f"--fill-buffer: the gate still admitted after {self.hold_limit_s} s")
                 time.sleep(0.05)
             self.held_s = time.perf_counter() - t0
-        self.training_tokens = sum(len(x["output_ids"]) for x in samples)
+        self.training_tokens = sum(len(x.output_ids) for x in samples)
         s = self.step_s(samples)
         time.sleep(s)
         self.steps.append({"samples": len(samples), "sleep_s": s})
@@ -190,7 +191,7 @@ class CheckedRollout:
         self.pauses: list[dict] = []
         self._t_pause = 0.0
 
-    async def generate(self, input_ids, sampling, rid) -> Generation:
+    async def generate(self, input_ids, sampling, rid) -> Sample:
         g = await self.port.generate(input_ids, sampling, rid)
         c0 = time.process_time()
         self.returned[rid] = self.returned.get(rid, 0) + 1
@@ -199,7 +200,7 @@ class CheckedRollout:
             self.errors.append(f"{rid}: returned {self.returned[rid]} times")
         if len(self.errors) < 20:
             self.errors += sim.check_sample(rid, len(input_ids), sampling.get("max_new_tokens", 128), g.output_ids,
-                                            g.behav_logprobs, g.versions, g.finish_reason, self.cfg,
+                                            g.output_logprobs, g.output_versions, g.finish_reason, self.cfg,
                                             self.sync_port.version + 1)
         self.check_cpu_s += time.process_time() - c0
         return g

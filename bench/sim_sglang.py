@@ -191,14 +191,14 @@ def expected_output(rid: str, prompt_len: int, max_new_tokens: int, cfg: SimConf
     return ids, "length"
 
 
-def check_sample(rid: str, prompt_len: int, max_new_tokens: int, output_ids, logprobs, versions,
+def check_sample(rid: str, prompt_len: int, max_new_tokens: int, output_ids, output_logprobs, output_versions,
                  finish_reason: str, cfg: SimConfig, max_version: int | None = None) -> list[str]:
     """Everything wrong with one finished sample (empty when exact): ids, finish reason, and each
     token's reported version against the version encoded in its log-prob (the weights that made it).
     Columns may be lists or arrays; the comparison is vectorised (a few ns a token), so the checks do
     not bound the rate of a run with every sample checked."""
     errs = []
-    ids, lps, vers = (np.asarray(x) for x in (output_ids, logprobs, versions))
+    ids, lps, vers = (np.asarray(x) for x in (output_ids, output_logprobs, output_versions))
     ids = ids.astype(np.int64, copy=False)
     n_full = answer_length(rid, cfg)
     n = min(n_full, max_new_tokens)

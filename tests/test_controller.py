@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from areal_fast.checkpoint import ResumeMismatch, latest_checkpoint, list_checkpoints
-from areal_fast.controller import Controller, ControllerSettings, Generation
+from areal_fast.controller import Controller, ControllerSettings
 from areal_fast.diskutil import WriteFailed
 from areal_fast.launch.metrics import JsonlSink
 from areal_fast.rollout.staleness import StalenessManager
+from areal_fast.sample import Sample
 
 
 @dataclass
@@ -76,7 +77,8 @@ class FakeRollout:
             await asyncio.sleep(0.001)
             out.append(self.rng.randrange(1, 9))
             vers.append(self.server.version)
-        return Generation(out, [-0.5] * len(out), vers, "stop")
+        return Sample(prompt_ids=input_ids, output_ids=out, output_logprobs=[-0.5] * len(out),
+                      output_versions=vers, finish_reason="stop")
 
     async def pause(self):
         self.server.paused = True
@@ -115,9 +117,9 @@ class FakeTrainer:
         self.steps: list[dict] = []
 
     def train(self, samples, version):
-        groups = sorted({s["group_id"] for s in samples})
+        groups = sorted({s.group_id for s in samples})
         self.trained.extend(groups)
-        self.steps.append({"groups": groups, "versions": [v for s in samples for v in s["output_versions"]]})
+        self.steps.append({"groups": groups, "versions": [v for s in samples for v in s.output_versions]})
         return {"loss": 0.0}
 
     def save(self, path: Path, version: int):

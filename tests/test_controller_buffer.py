@@ -12,19 +12,22 @@ import json
 import os
 import random
 import struct
+import zlib
 from array import array
 
 import pytest
 from test_controller import Tok  # the controller tests' tokenizer fake
+from test_controller_columns import legacy_state  # a group as controller.json held it before the one record
 from test_workflow import RecordingTrainer as Trainer  # keeps every sample it is given
 
-from areal_fast.buffer import GroupBuffer, column_bytes
+from areal_fast.buffer import MAGIC, GroupBuffer, column_bytes, read_records
 from areal_fast.checkpoint import BUFFER_FILE, STATE_FILE, CorruptCheckpoint, read_state
+from areal_fast.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY, encode_column
 from areal_fast.config import RolloutConfig
-from areal_fast.controller import Controller, ControllerSettings, Generation
+from areal_fast.controller import Controller, ControllerSettings
 from areal_fast.group import Group
 from areal_fast.rollout.staleness import StalenessManager
-from areal_fast.workflow.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY, encode_column
+from areal_fast.sample import COLUMN_NAMES, Sample
 
 # float32 values whose bits must survive: -0.0, the smallest subnormal, the largest finite, -inf
 _AWKWARD = struct.unpack("<4f", struct.pack("<4I", 0x80000000, 0x00000001, 0x7F7FFFFF, 0xFF800000))
@@ -35,37 +38,37 @@ def make_group(pos: int, rng: random.Random, *, n: int = 3, max_len: int = 40, v
     masks with context tokens, awkward float32 log-probs, rewards and infos; ``version``: every
     token's (default: random)."""
     prompt = array(TOKEN_ARRAY, [rng.randrange(-5, 2**31 - 1) for _ in range(rng.randrange(0, 6))])
-    outs, lps, vers, prompts, masks = [], [], [], [], []
-    for _ in range(n):
+    samples = []
+    for i in range(n):
         k = rng.randrange(0, max_len)
-        outs.append(array(TOKEN_ARRAY, [rng.randrange(0, 2**31 - 1) for _ in range(k)]))
         lp = array(LOGPROB_ARRAY, [-rng.random() * 20 for _ in range(k)])
-        for i, x in enumerate(_AWKWARD[: k]):
-            lp[i] = x
-        lps.append(lp)
-        vers.append(array(TOKEN_ARRAY, [rng.randrange(0, 9) if version is None else version for _ in range(k)]))
-        prompts.append(prompt if rng.random() < 0.5 else array(TOKEN_ARRAY, [7, pos]))
-        masks.append(array(MASK_ARRAY, [rng.random() < 0.8 for _ in range(k)]))
-    return Group(position=pos, row=pos % 7, admitted_version=rng.randrange(0, 5), prompt_ids=prompt, outputs=outs,
-                 behav_logprobs=lps, versions=vers, rewards=[rng.random() for _ in range(n)],
-                 finish_reasons=[rng.choice(["stop", "length", "abort"]) for _ in range(n)],
-                 gen_seconds=rng.random(), prompts=prompts, loss_masks=masks,
-                 infos=[{"turns": rng.randrange(3), "score": rng.random()} for _ in range(n)],
-                 episodes_failed=rng.randrange(2))
+        for j, x in enumerate(_AWKWARD[: k]):
+            lp[j] = x
+        samples.append(Sample(
+            prompt_ids=prompt if i == 0 or rng.random() < 0.5 else array(TOKEN_ARRAY, [7, pos]),
+            output_ids=array(TOKEN_ARRAY, [rng.randrange(0, 2**31 - 1) for _ in range(k)]), output_logprobs=lp,
+            output_versions=array(TOKEN_ARRAY, [rng.randrange(0, 9) if version is None else version for _ in range(k)]),
+            loss_mask=array(MASK_ARRAY, [rng.random() < 0.8 for _ in range(k)]), reward=rng.random(),
+            finish_reason=rng.choice(["stop", "length", "abort"]),
+            info={"turns": rng.randrange(3), "score": rng.random()}, group_id=pos))
+    return Group(position=pos, row=pos % 7, admitted_version=rng.randrange(0, 5), samples=samples,
+                 gen_seconds=rng.random(), episodes_failed=rng.randrange(2))
 
 
 def assert_same_groups(got: list[Group], want: list[Group]) -> None:
     """Field by field; the per-token columns byte for byte (float32 bits, -0.0 and -inf included)."""
     assert [g.position for g in got] == [g.position for g in want]
     for a, b in zip(got, want):
-        for name in ("row", "admitted_version", "rewards", "finish_reasons", "gen_seconds", "infos",
-                     "episodes_failed", "min_versions"):
+        for name in ("row", "admitted_version", "rewards", "gen_seconds", "infos", "episodes_failed"):
             assert getattr(a, name) == getattr(b, name), (a.position, name)
-        assert a.prompt_ids.typecode == TOKEN_ARRAY and a.prompt_ids.tobytes() == b.prompt_ids.tobytes()
-        for name in ("outputs", "behav_logprobs", "versions", "prompts", "loss_masks"):
-            ca, cb = getattr(a, name), getattr(b, name)
-            same = [(c.typecode, c.tobytes()) for c in ca] == [(c.typecode, c.tobytes()) for c in cb]
-            assert same, (a.position, name)
+        assert len(a.samples) == len(b.samples)
+        for sa, sb in zip(a.samples, b.samples):
+            for name in ("reward", "finish_reason", "info", "group_id"):
+                assert getattr(sa, name) == getattr(sb, name), (a.position, name)
+            assert sa.min_model_version() == sb.min_model_version(), a.position
+            for name in COLUMN_NAMES:
+                ca, cb = getattr(sa, name), getattr(sb, name)
+                assert (ca.typecode, ca.tobytes()) == (cb.typecode, cb.tobytes()), (a.position, name)
 
 
 def _drain(buf: GroupBuffer, k: int) -> list[Group]:
@@ -177,7 +180,8 @@ class Rollout:
     async def generate(self, input_ids, sampling, rid):
         await asyncio.sleep(0)
         ids, lps = self.answer(rid)
-        return Generation(ids, lps, [self.version] * len(ids), "stop")
+        return Sample(prompt_ids=input_ids, output_ids=ids, output_logprobs=lps,
+                      output_versions=[self.version] * len(ids), finish_reason="stop")
 
     async def pause(self):
         pass
@@ -213,9 +217,8 @@ def controller(tmp_path, *, bound_mb, eta=0, steps=4, B=3, n=2, strict=False, ck
     return Controller(s, Prompts(), Tok(), rollout, Reward(), trainer or Trainer(), Sync(rollout), gate)
 
 
-def _sample_bytes(s: dict) -> tuple:
-    cols = ("prompt_ids", "output_ids", "behav_logprobs", "output_versions", "loss_mask")
-    return (s["group_id"], s["reward"], *((k, s[k].typecode, s[k].tobytes()) for k in cols))
+def _sample_bytes(s: Sample) -> tuple:
+    return (s.group_id, s.reward, *((k, getattr(s, k).typecode, getattr(s, k).tobytes()) for k in COLUMN_NAMES))
 
 
 def test_a_run_with_a_tiny_bound_trains_exactly_what_an_unbounded_run_trains(tmp_path):
@@ -237,13 +240,13 @@ def test_a_run_with_a_tiny_bound_trains_exactly_what_an_unbounded_run_trains(tmp
     asyncio.run(ctl.run())
     assert 0 < ctl.buffer.spilled_total and 0 < ctl.buffer.parked_spilled_total
     assert ctl.buffer.parked == 0 and ctl.buffer.parked_spilled == 0  # groups cancelled at the end dropped theirs
-    trained = [s["group_id"] for s in ctl.trainer.samples]
+    trained = [s.group_id for s in ctl.trainer.samples]
     assert len(set(trained)) == 6 * 3 == len(trained) // 2  # each group once
     seen = sorted(set(trained) | {g.position for g in ctl.buffer} | set(ctl.requeue) | set(ctl.running))
     assert seen == list(range(ctl.position))
     by_answer = {}
     for s in ctl.trainer.samples:
-        by_answer.setdefault(s["group_id"], []).append((s["output_ids"].tolist(), s["behav_logprobs"].tobytes()))
+        by_answer.setdefault(s.group_id, []).append((s.output_ids.tolist(), s.output_logprobs.tobytes()))
     for pos, answers in by_answer.items():
         want = [Rollout.answer(f"x-{pos}-{k}-0") for k in range(2)]  # rid: incarnation-position-episode-turn
         assert sorted(answers) == sorted((ids, array(LOGPROB_ARRAY, lp).tobytes()) for ids, lp in want)
@@ -317,12 +320,61 @@ def test_a_checkpoint_with_the_buffer_in_controller_json_still_loads(tmp_path):
     st = read_state(ck)
     del st["buffer_file"]
     (ck / BUFFER_FILE).unlink()
-    st["buffer"] = [{k: v for k, v in g.__dict__.items() if k != "min_versions"} for g in groups]
+    st["buffer"] = [{k: v for k, v in legacy_state(g).items() if k != "min_versions"} for g in groups]
     (ck / STATE_FILE).write_text(json.dumps(st, default=encode_column))
     ctl = controller(tmp_path, bound_mb=0.001)  # read into a bounded buffer: some are spilled
     assert ctl.restore_newest() == ck
     assert ctl.buffer.spilled > 0
     assert_same_groups(list(ctl.buffer), groups)
+
+
+def legacy_record(g: Group) -> bytes:
+    """``g`` as a buffer.bin record was written before the one sample record (the group's
+    ``prompt_ids`` once, then per-trajectory ``outputs``, ``behav_logprobs``, ``versions``,
+    ``prompts``, ``loss_masks``; the per-trajectory fields as lists in "fields")."""
+    st = legacy_state(g)
+    cols = {"outputs": st["outputs"], "behav_logprobs": st["behav_logprobs"], "versions": st["versions"],
+            "prompts": st["prompts"], "loss_masks": st["loss_masks"]}
+    counts, arrays = {"prompt_ids": len(g.prompt_ids)}, [g.prompt_ids]
+    for name, cs in cols.items():
+        counts[name] = []
+        for c in cs:
+            if name == "prompts" and c == g.prompt_ids:
+                counts[name].append(-1)
+                continue
+            counts[name].append(len(c))
+            arrays.append(c)
+    other = {k: v for k, v in st.items() if k not in cols and k != "prompt_ids"}
+    meta = json.dumps({"fields": other, "columns": counts}).encode()
+    data = b"".join(a.tobytes() for a in arrays)  # little-endian hosts only (as the tests run)
+    head = struct.pack("<4sIQI", MAGIC, len(meta), len(data), zlib.crc32(data, zlib.crc32(meta)))
+    return head + meta + data
+
+
+def test_a_buffer_file_with_the_old_column_names_still_loads(tmp_path):
+    """A checkpoint whose buffer.bin was written before the one sample record (old column names,
+    parallel lists of trajectories) restores into samples with the same bytes, and the run's next
+    checkpoint writes them in the current layout."""
+    rng = random.Random(15)
+    groups = [make_group(p, rng) for p in range(6)]
+    _, ck = _checkpoint_with(tmp_path, groups, bound_mb=None)
+    old = b"".join(legacy_record(g) for g in groups)
+    (ck / BUFFER_FILE).write_bytes(old)
+    st = json.loads((ck / STATE_FILE).read_text())
+    st["buffer_file"]["bytes"] = len(old)
+    (ck / STATE_FILE).write_text(json.dumps(st))
+    with open(ck / BUFFER_FILE, "rb") as f:  # the reader of records
+        assert_same_groups([Group(**kw) for kw in read_records(f, 6, BUFFER_FILE)], groups)
+    ctl = controller(tmp_path, bound_mb=0.001)  # and through a restore into a bounded buffer
+    assert ctl.restore_newest() == ck
+    assert ctl.buffer.spilled > 0
+    assert_same_groups(list(ctl.buffer), groups)
+    ctl.version += 1
+    new = ctl._write_checkpoint(ctl.state_dict())
+    assert b'"samples"' in (new / BUFFER_FILE).read_bytes() and b'"outputs"' not in (new / BUFFER_FILE).read_bytes()
+    ctl2 = controller(tmp_path, bound_mb=None)
+    assert ctl2.restore_newest() == new
+    assert_same_groups(list(ctl2.buffer), groups)
 
 
 @pytest.mark.parametrize("damage", ["flip-a-column-byte", "truncated", "longer", "record-count"])
@@ -369,8 +421,6 @@ def test_a_checkpoint_during_spilled_drains_keeps_the_extents_until_copied(tmp_p
         ctl.buffer.write(slots, f)
     ctl.buffer.unpin()
     assert ctl.buffer.spilled == 3
-    from areal_fast.buffer import read_records
-
     with open(tmp_path / "b.bin", "rb") as f:
         assert_same_groups([Group(**kw) for kw in read_records(f, 4, "b.bin")], groups)
 
@@ -394,7 +444,7 @@ def test_the_batch_is_released_when_the_trainer_returns_before_pause_and_sync(tm
             self.refs: list = []
 
         def train(self, samples, version):
-            self.refs = [weakref.ref(s[k]) for s in samples for k in ("output_ids", "behav_logprobs")]
+            self.refs = [weakref.ref(getattr(s, k)) for s in samples for k in ("output_ids", "output_logprobs")]
             return {}
 
     alive_at_pause = []

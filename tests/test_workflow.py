@@ -14,16 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from areal_fast.controller import Controller, ControllerSettings, Generation
+from areal_fast.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY
+from areal_fast.controller import Controller, ControllerSettings
 from areal_fast.rollout.staleness import StalenessManager
+from areal_fast.sample import Sample
 from areal_fast.workflow import EpisodeEngine, EpisodeFailed, Trajectory, load_workflow
-from areal_fast.workflow.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY
 from areal_fast.workflow.tools import CALCULATOR, calculate
 
 ME = __name__
 EOS = 2
 COLUMNS = {"prompt_ids": TOKEN_ARRAY, "output_ids": TOKEN_ARRAY, "loss_mask": MASK_ARRAY,
-           "behav_logprobs": LOGPROB_ARRAY, "output_versions": TOKEN_ARRAY}
+           "output_logprobs": LOGPROB_ARRAY, "output_versions": TOKEN_ARRAY}
 FINISH_S = 60.0  # limit of tool calls that must finish: a cold reward worker imports this module first
 
 
@@ -89,7 +90,8 @@ class StepRollout:
             ctx.append(t)
             out.append(t)
             vers.append(self.version)
-        return Generation(out, lps, vers, "length")
+        return Sample(prompt_ids=input_ids, output_ids=out, output_logprobs=lps, output_versions=vers,
+                      finish_reason="length")
 
     async def pause(self):
         self.resumed.clear()
@@ -124,7 +126,7 @@ async def two_turns(row, engine, feedback: str = "ok?") -> list[Trajectory]:
 
 
 def expected_tokens(prompt_ids: list[int], pieces: list[tuple[str, object]], n: int) -> tuple[list, list, list]:
-    """Replay: (output_ids, loss_mask, behav_logprobs) for model turns of n tokens and context pieces."""
+    """Replay: (output_ids, loss_mask, output_logprobs) for model turns of n tokens and context pieces."""
     ctx, out, mask, lps = list(prompt_ids), [], [], []
     for kind, value in pieces:
         if kind == "model":
@@ -161,13 +163,10 @@ def test_multi_turn_trajectory_masks_logprobs_versions_exact():
     assert traj.prompt_ids.tolist() == prompt
     assert traj.output_ids.tolist() == out
     assert traj.loss_mask.tolist() == mask == [1, 1, 1, 0, 0, 0, 1, 1, 1]
-    assert traj.behav_logprobs.tolist() == lps
+    assert traj.output_logprobs.tolist() == lps
     assert traj.output_versions.tolist() == [0, 0, 0, -1, -1, -1, 0, 0, 0]
     assert traj.n_turns == 2 and traj.n_model_tokens == 6 and traj.min_model_version() == 0
     assert roll.requests == ["ep-0", "ep-1"]  # one request id per turn, unique within the episode
-    s = traj.to_sample(group_id=7)
-    assert s["loss_mask"].tolist() == mask and s["behav_logprobs"].tolist() == lps and s["group_id"] == 7
-    assert all(s[f] == getattr(traj, f) and s[f] is not getattr(traj, f) for f in COLUMNS)  # copies
 
 
 def test_pause_within_and_between_turns_loses_and_duplicates_nothing():
@@ -196,14 +195,14 @@ def test_pause_within_and_between_turns_loses_and_duplicates_nothing():
     out, mask, lps = expected_tokens(tok.encode("xyz"), [("model", None), ("ctx", fb), ("model", None)], 4)
     assert traj.output_ids.tolist() == out
     assert traj.loss_mask.tolist() == mask
-    assert traj.behav_logprobs.tolist() == lps
+    assert traj.output_logprobs.tolist() == lps
     assert traj.output_versions.tolist() == [0, 0, 1, 1, -1, -1, -1, 2, 2, 2, 2]
     assert traj.model_versions() == [0, 0, 1, 1, 2, 2, 2, 2]
     assert traj.min_model_version() == 0
 
 
 def test_trajectory_check_names_the_workflow():
-    t = Trajectory(prompt_ids=[1], output_ids=[3, 4], loss_mask=[1], behav_logprobs=[0.0, 0.0],
+    t = Trajectory(prompt_ids=[1], output_ids=[3, 4], loss_mask=[1], output_logprobs=[0.0, 0.0],
                    output_versions=[0, 0])
     with pytest.raises(ValueError, match=r"my_wf.*2 output_ids.*loss_mask"):
         t.check("my_wf")
@@ -312,7 +311,7 @@ class FakeSync:
 
 class RecordingTrainer:
     def __init__(self):
-        self.samples: list[dict] = []
+        self.samples: list[Sample] = []
 
     def train(self, samples, version):
         self.samples += samples
@@ -350,14 +349,14 @@ def test_controller_trains_multi_turn_episodes_with_exact_tokens_across_pauses(t
     assert summary["steps"] == 4
     tok = Tok()
     fb = tok.encode("ok?", add_bos=False)
-    groups = Counter(s["group_id"] for s in trainer.samples)
+    groups = Counter(s.group_id for s in trainer.samples)
     assert set(groups.values()) == {2} and len(groups) == 4 * 2  # 4 steps x 2 groups x 2 episodes
     for s in trainer.samples:
-        out, mask, lps = expected_tokens(s["prompt_ids"], [("model", None), ("ctx", fb), ("model", None)], 3)
-        assert (s["output_ids"].tolist(), s["loss_mask"].tolist(), s["behav_logprobs"].tolist()) == (out, mask, lps)
-        model_v = [v for v, m in zip(s["output_versions"], mask) if m]
+        out, mask, lps = expected_tokens(s.prompt_ids, [("model", None), ("ctx", fb), ("model", None)], 3)
+        assert (s.output_ids.tolist(), s.loss_mask.tolist(), s.output_logprobs.tolist()) == (out, mask, lps)
+        model_v = [v for v, m in zip(s.output_versions, mask) if m]
         assert model_v == sorted(model_v) and all(v >= 0 for v in model_v)
-        assert all(v == -1 for v, m in zip(s["output_versions"], mask) if not m)
+        assert all(v == -1 for v, m in zip(s.output_versions, mask) if not m)
 
 
 def test_failed_episodes_are_counted_and_groups_train_on_the_rest(tmp_path):
@@ -365,7 +364,7 @@ def test_failed_episodes_are_counted_and_groups_train_on_the_rest(tmp_path):
     ctl = _controller(tmp_path, flaky, roll, trainer, steps=3)
     summary = asyncio.run(ctl.run())
     c = summary["counters"]
-    trained = Counter(s["group_id"] for s in trainer.samples)
+    trained = Counter(s.group_id for s in trainer.samples)
     assert 2 not in trained  # every episode failed: nothing trained, its slot went back
     assert c["groups_failed"] >= 1
     assert all(n == (1 if g % 2 else 2) for g, n in trained.items())
@@ -408,7 +407,8 @@ class ScriptedRollout:
         self.calls.append((list(input_ids), dict(sampling)))
         k = len(self.calls) - 1
         ids = [ord(c) for c in self.turns[k]]
-        return Generation(ids, [-0.1] * len(ids), [k] * len(ids), "stop")
+        return Sample(prompt_ids=input_ids, output_ids=ids, output_logprobs=[-0.1] * len(ids),
+                      output_versions=[k] * len(ids), finish_reason="stop")
 
 
 class ToolAndMathReward:
@@ -467,7 +467,8 @@ class ScriptedTokens:
     async def generate(self, input_ids, sampling, rid):
         self.inputs.append(list(input_ids))
         ids = self.turns[len(self.inputs) - 1]
-        return Generation(ids, [-0.2] * len(ids), [len(self.inputs)] * len(ids), "stop")
+        return Sample(prompt_ids=input_ids, output_ids=ids, output_logprobs=[-0.2] * len(ids),
+                      output_versions=[len(self.inputs)] * len(ids), finish_reason="stop")
 
 
 def test_tool_example_calls_the_calculator_right_to_left():

@@ -57,7 +57,7 @@ def test_multi_turn_run_killed_and_resumed_trains_each_task_exactly_once(tmp_pat
     assert sorted(seen) == list(range(st["position"])), "a task was lost or handed out twice"
     # the groups the checkpoints held are multi-turn: feedback tokens masked and versionless
     assert groups, "no buffered group to inspect"
-    masks = [(m.tolist(), v.tolist()) for g in groups for m, v in zip(g.loss_masks, g.versions)]
+    masks = [(s.loss_mask.tolist(), s.output_versions.tolist()) for g in groups for s in g.samples]
     assert all(len(m) == len(v) for m, v in masks)
     assert all(x == -1 for m, v in masks for x, b in zip(v, m) if not b)
     assert all(x >= 0 for m, v in masks for x, b in zip(v, m) if b)

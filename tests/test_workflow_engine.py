@@ -97,7 +97,7 @@ def test_weight_updates_within_and_between_turns_resume_the_episode_exactly(setu
             return traj
 
     traj = asyncio.run(asyncio.wait_for(run(), 120))
-    assert {type(traj.output_ids), type(traj.output_versions), type(traj.behav_logprobs)} == {array}
+    assert {type(traj.output_ids), type(traj.output_versions), type(traj.output_logprobs)} == {array}
     v = traj.output_versions.tolist()
     assert len(traj.output_ids) == 2 * N + len(FEEDBACK)
     assert traj.loss_mask.tolist() == [1] * N + [0] * len(FEEDBACK) + [1] * N
@@ -112,4 +112,4 @@ def test_weight_updates_within_and_between_turns_resume_the_episode_exactly(setu
     assert out[N + len(FEEDBACK):] == hf_greedy(m2, turn2_ctx, N)
     ref = (hf_logprobs(m0, prompt, out[:k], 0.0) + hf_logprobs(m1, prompt + out[:k], out[k:N], 0.0)
            + [0.0] * len(FEEDBACK) + hf_logprobs(m2, turn2_ctx, out[N + len(FEEDBACK):], 0.0))
-    assert max(abs(a - b) for a, b in zip(traj.behav_logprobs, ref)) < ENGINE_LOGPROB_ATOL
+    assert max(abs(a - b) for a, b in zip(traj.output_logprobs, ref)) < ENGINE_LOGPROB_ATOL

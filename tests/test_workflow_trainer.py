@@ -9,15 +9,15 @@ import torch
 from test_trainer_actor import VOCAB, actor_for, make_tiny_model
 from tolerances import FP32_PACKED_LOGPROB_ATOL
 
-from areal_fast.controller import Generation
-from areal_fast.group import Group
-from areal_fast.trainer import Sample
+from areal_fast.group import group_of
+from areal_fast.sample import Sample
 from areal_fast.workflow import Trajectory
 
 
-def _turn(g: torch.Generator, n: int, version: int) -> Generation:
-    return Generation(torch.randint(3, VOCAB, (n,), generator=g).tolist(),
-                      (-torch.rand(n, generator=g) * 3 - 0.5).tolist(), [version] * n, "stop")
+def _turn(g: torch.Generator, n: int, version: int) -> Sample:
+    return Sample(prompt_ids=[1], output_ids=torch.randint(3, VOCAB, (n,), generator=g).tolist(),
+                  output_logprobs=(-torch.rand(n, generator=g) * 3 - 0.5).tolist(), output_versions=[version] * n,
+                  finish_reason="stop")
 
 
 def _trajectories(seed=0) -> list[Trajectory]:
@@ -35,17 +35,11 @@ def _trajectories(seed=0) -> list[Trajectory]:
     return out
 
 
-def _via_controller(trajs) -> list[dict]:
-    """The samples the controller hands the trainer (Trajectory -> Group -> samples)."""
+def _via_controller(trajs) -> list[Sample]:
+    """The samples the controller hands the trainer (the trajectories themselves, in their groups)."""
     samples = []
     for gid in (0, 1):
-        ts = trajs[2 * gid: 2 * gid + 2]
-        grp = Group(position=gid, row=gid, admitted_version=0, prompt_ids=list(ts[0].prompt_ids),
-                    outputs=[t.output_ids for t in ts], behav_logprobs=[t.behav_logprobs for t in ts],
-                    versions=[t.output_versions for t in ts], rewards=[t.reward for t in ts],
-                    finish_reasons=["stop"] * 2, prompts=[t.prompt_ids for t in ts],
-                    loss_masks=[t.loss_mask for t in ts])
-        samples += grp.samples()
+        samples += group_of(gid, gid, 0, trajs[2 * gid: 2 * gid + 2]).samples
     return samples
 
 
@@ -54,9 +48,9 @@ def _single_turn_with_mask(trajs, garbage: bool) -> list[Sample]:
     versions when asked (they must not matter)."""
     out = []
     for i, t in enumerate(trajs):
-        lp = [(-99.0 if garbage else 0.0) if not m else x for x, m in zip(t.behav_logprobs, t.loss_mask)]
+        lp = [(-99.0 if garbage else 0.0) if not m else x for x, m in zip(t.output_logprobs, t.loss_mask)]
         ver = [(7 if garbage else -1) if not m else v for v, m in zip(t.output_versions, t.loss_mask)]
-        out.append(Sample(prompt_ids=list(t.prompt_ids), output_ids=list(t.output_ids), behav_logprobs=lp,
+        out.append(Sample(prompt_ids=list(t.prompt_ids), output_ids=list(t.output_ids), output_logprobs=lp,
                           output_versions=ver, reward=t.reward, group_id=i // 2, loss_mask=list(t.loss_mask)))
     return out
 

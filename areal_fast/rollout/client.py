@@ -5,6 +5,9 @@
         res = await client.generate(prompt_ids, {"max_new_tokens": 256, "temperature": 1.0}, rid="q1-s0")
         res.output_ids, res.output_logprobs, res.output_versions, res.finish_reason   # array.array columns
 
+``generate`` returns the one sample record (:class:`areal_fast.sample.Sample`): the workflow extends
+it, the controller buffers it and the trainer reads it, as the same object.
+
 The client generates, pauses, continues, flushes and aborts. Weight updates are not its job: every
 weight-update transport lives in ``areal_fast.weights``.
 
@@ -88,6 +91,7 @@ from areal_fast.rollout.engine.compat import (
     supports_pause_mode,
 )
 from areal_fast.rollout.http import KEEPALIVE_S, ConnectionPool, check_server_url
+from areal_fast.sample import Sample
 
 try:  # the rollout extra's JSON encoder: it writes a numpy view of an array column without a Python list
     import orjson as _orjson
@@ -172,29 +176,6 @@ def is_caller_error(status: int, body: object, version: Version | None = None) -
         text = body if isinstance(body, str) else json.dumps(body)
         return any(m in text for m in _CALLER_500)
     return False
-
-
-@dataclass
-class GenerateResult:
-    """A finished (possibly stitched) generation.
-
-    The per-token fields are the client's compact columns, handed over as they are (no copy, no
-    list): ``output_ids`` and ``output_versions`` are ``array('i')``, ``output_logprobs`` is
-    ``array('f')`` (the typecodes of ``areal_fast.workflow.columns``). An array compares equal only
-    to another array: compare with ``list(x)`` or ``x.tolist()``. ``input_ids`` is the prompt as
-    the caller gave it (a list, tuple or ``array('i')``; not copied)."""
-
-    rid: str
-    input_ids: Sequence[int]
-    output_ids: array
-    output_logprobs: array
-    output_versions: array
-    finish_reason: str  # "stop" | "length"
-    matched: int | str | None = None  # the stop token / string for "stop"
-    aborted: bool = False  # ended by an explicit abort (reported as "length")
-    num_segments: int = 1  # HTTP answers stitched together
-    servers: list[str] = field(default_factory=list)
-    latency_s: float = 0.0
 
 
 @dataclass
@@ -564,12 +545,13 @@ class RolloutClient:
                              f"'{RID_SEP}segment{RID_SEP}' so that no rid on a server is a prefix of another)")
 
     async def generate(self, input_ids: Sequence[int], sampling: dict | None = None, rid: str | None = None,
-                       ) -> GenerateResult:
+                       ) -> Sample:
         """Generate to completion across pauses and weight updates; see the module docstring.
 
         ``input_ids``: the prompt, any sequence of ints (a list, tuple or ``array('i')``: an array is
-        sent without a Python list). The result's per-token fields are array columns
-        (:class:`GenerateResult`)."""
+        sent without a Python list; an array is also the result's ``prompt_ids``, not copied). The
+        result is a :class:`~areal_fast.sample.Sample` whose per-token fields are the columns the
+        client stitched, handed over as they are (no copy), with a loss mask of ones."""
         sampling = dict(sampling or {})
         self._check_request(input_ids, sampling, rid)
         sampling.pop("n", None)
@@ -629,10 +611,10 @@ class RolloutClient:
             self._user_aborted.discard(rid)
             self._segment_rid.pop(rid, None)
             self._affinity.pop(rid, None)
-        # the columns themselves: Generation takes arrays of these typecodes as they are (no copy)
-        return GenerateResult(rid=rid, input_ids=input_ids, output_ids=out_ids, output_logprobs=lps,
-                              output_versions=versions, finish_reason=finish, matched=matched, aborted=aborted,
-                              num_segments=seg, servers=servers, latency_s=time.monotonic() - t0)
+        # the columns themselves: the sample takes arrays of these typecodes as they are (no copy)
+        return Sample(prompt_ids=input_ids, output_ids=out_ids, output_logprobs=lps, output_versions=versions,
+                      finish_reason=finish, rid=rid, matched=matched, aborted=aborted, num_segments=seg,
+                      servers=servers, latency_s=time.monotonic() - t0)
 
     async def _current_weight_version(self, server: ServerState) -> str | None:
         try:

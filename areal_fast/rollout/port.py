@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 
-from areal_fast.sample import Generation
+from areal_fast.sample import Sample
 
 log = logging.getLogger(__name__)
 _DEATH_VISIBLE_S = 3.0  # how long a failed control call waits for a server's death to show
@@ -47,11 +47,9 @@ class ClientRollout:
                     log.warning("%s: server %s died; continuing with the others", what, u)
                     self.remove_server(u)
 
-    async def generate(self, input_ids, sampling, rid) -> Generation:
-        r = await self.client.generate(input_ids, sampling, rid=rid)  # any int sequence, not copied
-        # the client's array columns are of Generation's typecodes: they pass on as the same objects
-        return Generation(output_ids=r.output_ids, behav_logprobs=r.output_logprobs,
-                          versions=r.output_versions, finish_reason=r.finish_reason)
+    async def generate(self, input_ids, sampling, rid) -> Sample:
+        """The client's sample itself (the one record: nothing is converted on the way)."""
+        return await self.client.generate(input_ids, sampling, rid=rid)  # any int sequence, not copied
 
     async def pause(self) -> None:
         await self.control(self.client.pause_all, "pause_generation")

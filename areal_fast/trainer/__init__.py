@@ -3,10 +3,11 @@ decoupled-PPO loss (``docs/objective.md``), checkpoints.
 
 Batch format (what the controller passes)
 -----------------------------------------
-A list of :class:`Sample` or of dicts with the same keys::
+A list of :class:`Sample` (``areal_fast.sample``: the one record the rollout client fills and the
+controller buffers) or of dicts of its keyword arguments::
 
     Sample(prompt_ids=[...], output_ids=[...],
-           behav_logprobs=[...],    # behaviour log-probs of output_ids (sampling temperature)
+           output_logprobs=[...],   # behaviour log-probs of output_ids (sampling temperature)
            output_versions=[...],   # weight version that generated each output token
            reward=1.0,              # scalar reward of the sample
            group_id="prompt-17")    # samples of one prompt share it (groups may have lost members)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from areal_fast import ops
 from areal_fast.packing import plan_microbatches
 from areal_fast.trainer import advantages as adv_mod
-from areal_fast.trainer.batch import Packed, Sample, Seq, dummy_seq, pack, split_minibatches, to_seq
+from areal_fast.trainer.batch import Packed, Seq, as_sample, dummy_seq, pack, split_minibatches, to_seq
 from areal_fast.trainer.config import OptimConfig, TrainerConfig
 from areal_fast.trainer.model import build_policy, hf_name, init_process_group_if_needed
 
@@ -141,7 +141,7 @@ class PPOActor:
     def compute_logprobs(self, samples: list) -> list[torch.Tensor]:
         """Recomputed log-probs of each sample's output tokens under the current weights (fp32, CPU).
         Collective: every rank calls it with the same samples; each rank computes its share."""
-        seqs = [to_seq(Sample.coerce(s, i)) for i, s in enumerate(samples)]
+        seqs = [to_seq(as_sample(s, i)) for i, s in enumerate(samples)]
         out: list[torch.Tensor | None] = [None] * len(seqs)
         self.model.eval()
         for ids, mb in self._plan(seqs, list(range(len(seqs)))):
@@ -169,7 +169,7 @@ class PPOActor:
         samples = self._broadcast(samples)
         if not samples:
             raise ValueError("train_batch needs at least one sample")
-        samples = [Sample.coerce(s, i) for i, s in enumerate(samples)]
+        samples = [as_sample(s, i) for i, s in enumerate(samples)]
         seqs = [to_seq(s) for s in samples]
         rewards = [float(s.reward) * ppo.reward_scale + ppo.reward_bias for s in samples]
         adv = adv_mod.group_advantages(rewards, [s.group_id for s in samples], estimator=ppo.adv_estimator,

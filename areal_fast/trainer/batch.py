@@ -1,24 +1,31 @@
 """The batch format the controller hands the trainer, and packing into micro-batches.
 
-A batch is a list of :class:`Sample` (or dicts with the same keys). The actor turns each
-into a shifted sequence (inputs ``ids[:-1]``, labels ``ids[1:]``: position t predicts token
-t+1), so a sample of P prompt and G generated tokens contributes ``P + G - 1`` tokens, the
-last G of which are in the loss.
+A batch is a list of :class:`~areal_fast.sample.Sample`, the one sample record the rollout client
+filled and the workflow extended (or dicts of its keyword arguments). The trainer reads
+``prompt_ids``, ``output_ids``, ``output_logprobs``, ``output_versions``, ``loss_mask``, ``reward``
+and ``group_id`` (samples of one prompt share it: GRPO/RLOO groups, which may have lost members).
+The actor turns each into a shifted sequence (:class:`Seq`: inputs ``ids[:-1]``, labels
+``ids[1:]``: position t predicts token t+1), so a sample of P prompt and G generated tokens
+contributes ``P + G - 1`` tokens, the last G of which are in the loss; masked tokens (prompt, tool
+output) get behaviour log-prob 0 and version -1 there.
 
-The controller's samples hold ``array.array`` columns (``areal_fast.workflow.columns``); they
-become tensors through ``torch.frombuffer`` and one dtype conversion each, without a Python
-loop over the tokens (:func:`copy_column`). Lists and tensors work too.
+:class:`Seq` and :class:`Packed` are the math layer: tensors over the whole shifted sequence, named
+as the loss ops take them (``behav_logprobs``, ``versions``), not per-output-token columns.
+
+The samples' ``array.array`` columns (``areal_fast.columns``) become tensors through
+``torch.frombuffer`` and one dtype conversion each, without a Python loop over the tokens
+(:func:`copy_column`).
 """
 
 from __future__ import annotations
 
+import warnings
 from array import array
-from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from areal_fast.workflow.columns import is_binary_mask
+from areal_fast.sample import Sample
 
 # array typecode and item size -> the tensor dtype of the same bytes ('l' is 8 bytes on Linux, 4 on Windows)
 _ARRAY_DTYPES = {("b", 1): torch.int8, ("B", 1): torch.uint8, ("h", 2): torch.int16, ("i", 4): torch.int32,
@@ -44,62 +51,35 @@ def copy_column(dst: torch.Tensor, x) -> torch.Tensor:
     return dst.copy_(torch.tensor(list(x), dtype=dst.dtype))
 
 
-@dataclass
-class Sample:
-    """One finished rollout.
+def as_sample(s, index: int = 0) -> Sample:
+    """The sample ``s`` checked for training, naming it ``index`` in errors: a
+    :class:`~areal_fast.sample.Sample` as it is (the controller's: no copy, no conversion), or a
+    dict of its keyword arguments (tests, tools; lists and tensors become arrays, an absent or None
+    ``loss_mask`` means every output token is a model token). Length and mask checks only: no
+    per-token Python work."""
+    if isinstance(s, dict):
+        if "behav_logprobs" in s and "output_logprobs" not in s:  # the key's name before the one record
+            warnings.warn(f"sample {index}: 'behav_logprobs' is deprecated, name the column 'output_logprobs'",
+                          DeprecationWarning, stacklevel=2)
+            s = {**s, "output_logprobs": s["behav_logprobs"]}
+        kw = {k: v for k, v in s.items() if k in _SAMPLE_FIELDS and not (k == "loss_mask" and v is None)}
+        missing = [k for k in ("prompt_ids", "output_ids", "output_logprobs", "output_versions", "reward",
+                                                  "group_id")
+                   if k not in kw]
+        if missing:
+            raise ValueError(f"sample {index} lacks key {missing[0]!r}")
+        s = Sample(**kw)
+    elif not isinstance(s, Sample):
+        raise TypeError(f"sample {index} must be a Sample or a dict, got {type(s).__name__}")
+    if not s.prompt_ids:
+        raise ValueError(f"sample {index} has an empty prompt")
+    s.check(f"sample {index}")
+    if len(s.prompt_ids) + len(s.output_ids) < 2:
+        raise ValueError(f"sample {index} has fewer than 2 tokens in all")
+    return s
 
-    - ``prompt_ids``: the prompt tokens (>= 1).
-    - ``output_ids``: the generated tokens (may be empty: the sample then has no loss tokens).
-    - ``behav_logprobs``: behaviour log-probs of ``output_ids`` (same length), at the sampling
-      temperature (the server's ``output_logprobs``, renamed once it becomes a training sample).
-    - ``output_versions``: weight version that generated each output token (same length).
-    - ``reward``: scalar reward of the whole sample.
-    - ``group_id``: samples of the same prompt share it (GRPO/RLOO groups; may have lost members).
-    - ``loss_mask``: optional, one 0/1 per output token (multi-turn episodes, ``docs/workflows.md``):
-      1 for tokens the model generated, 0 for tool output and environment text spliced in between
-      turns. Masked tokens are context only: their ``behav_logprobs`` and ``output_versions`` are
-      ignored (0.0 and -1 by convention). None = every output token is a model token.
 
-    The controller fills the per-token fields with ``array.array`` columns (ids and versions
-    ``'i'``, log-probs ``'f'``, mask ``'B'``); any sequence of numbers, or a 1-D tensor, is accepted.
-    """
-
-    prompt_ids: Sequence[int]
-    output_ids: Sequence[int]
-    behav_logprobs: Sequence[float]
-    output_versions: Sequence[int]
-    reward: float
-    group_id: Hashable
-    loss_mask: Sequence[int] | None = None
-
-    @classmethod
-    def coerce(cls, s, index: int = 0) -> Sample:
-        """A Sample from a Sample or a dict; validates lengths, naming the sample ``index``."""
-        if isinstance(s, dict):
-            try:
-                s = cls(**{k: s[k] for k in cls.__dataclass_fields__ if k != "loss_mask"},
-                        loss_mask=s.get("loss_mask"))
-            except KeyError as e:
-                raise ValueError(f"sample {index} lacks key {e.args[0]!r}") from None
-        elif not isinstance(s, cls):
-            raise TypeError(f"sample {index} must be a Sample or a dict, got {type(s).__name__}")
-        g = len(s.output_ids)
-        if len(s.prompt_ids) < 1:
-            raise ValueError(f"sample {index} has an empty prompt")
-        if len(s.behav_logprobs) != g or len(s.output_versions) != g:
-            raise ValueError(
-                f"sample {index}: output_ids ({g}), behav_logprobs ({len(s.behav_logprobs)}) and "
-                f"output_versions ({len(s.output_versions)}) must have the same length"
-            )
-        if len(s.prompt_ids) + g < 2:
-            raise ValueError(f"sample {index} has fewer than 2 tokens in all")
-        if s.loss_mask is not None:
-            if len(s.loss_mask) != g:
-                raise ValueError(f"sample {index}: loss_mask ({len(s.loss_mask)}) must have one entry per output "
-                                 f"token ({g})")
-            if not _binary(s.loss_mask):
-                raise ValueError(f"sample {index}: loss_mask entries must be 0 or 1")
-        return s
+_SAMPLE_FIELDS = frozenset(Sample.__dataclass_fields__)
 
 
 @dataclass
@@ -117,12 +97,6 @@ class Seq:
         return self.input_ids.numel()
 
 
-def _binary(m) -> bool:
-    if isinstance(m, torch.Tensor):
-        return bool(((m == 0) | (m == 1)).all())
-    return is_binary_mask(m)
-
-
 def to_seq(s: Sample) -> Seq:
     p, g = len(s.prompt_ids), len(s.output_ids)
     n = p + g - 1
@@ -130,12 +104,9 @@ def to_seq(s: Sample) -> Seq:
     copy_column(ids[:p], s.prompt_ids)
     copy_column(ids[p:], s.output_ids)
     mask = torch.zeros(n, dtype=torch.bool)
-    if s.loss_mask is None:
-        mask[p - 1 :] = True
-    else:
-        copy_column(mask[p - 1 :], s.loss_mask)
+    copy_column(mask[p - 1 :], s.loss_mask)
     behav_logprobs = torch.zeros(n, dtype=torch.float32)
-    copy_column(behav_logprobs[p - 1 :], s.behav_logprobs)
+    copy_column(behav_logprobs[p - 1 :], s.output_logprobs)
     ver = torch.full((n,), -1, dtype=torch.long)
     copy_column(ver[p - 1 :], s.output_versions)
     notmask = ~mask

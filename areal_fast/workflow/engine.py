@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from areal_fast.columns import tokens
+from areal_fast.sample import Sample
 from areal_fast.workflow.api import ToolResult
 
 TOOL_TIMEOUT_S = 10.0
@@ -57,16 +59,19 @@ class EpisodeEngine:
         return getattr(self.tokenizer, "eos_token_id", None)
 
     # ------------------------------------------------------------------ model
-    async def generate(self, input_ids: list[int], **sampling: Any):
-        """One model turn continuing ``input_ids`` (a :class:`areal_fast.controller.Generation`).
-        Keyword arguments override the run's sampling for this turn (e.g. ``max_new_tokens``,
-        ``stop_token_ids``); the temperature cannot change (the trainer recomputes at the run's)."""
+    async def generate(self, input_ids, **sampling: Any) -> Sample:
+        """One model turn continuing ``input_ids``: the :class:`~areal_fast.sample.Sample` the rollout
+        client filled (``prompt_ids`` the context, the turn's ``output_*`` columns, loss mask 1).
+        Return it as the episode's trajectory, or append it to one with ``add_model``. An
+        ``array('i')`` (``traj.context_ids``) is passed on as it is. Keyword arguments override the
+        run's sampling for this turn (e.g. ``max_new_tokens``, ``stop_token_ids``); the temperature
+        cannot change (the trainer recomputes at the run's)."""
         if "temperature" in sampling and self.training and sampling["temperature"] != self.sampling.get("temperature"):
             raise ValueError("EpisodeEngine.generate: temperature is fixed for the run (rollout.temperature); "
                              "the trainer recomputes log-probs at that temperature")
         rid = f"{self.episode_id}-{self._turn}"
         self._turn += 1
-        return await self._rollout.generate(list(input_ids), {**self.sampling, **sampling}, rid=rid)
+        return await self._rollout.generate(tokens(input_ids, "input_ids"), {**self.sampling, **sampling}, rid=rid)
 
     # ------------------------------------------------------------------ rewards and tools
     async def reward(self, task: dict, completion: str):
