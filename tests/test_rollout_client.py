@@ -415,8 +415,8 @@ def test_health_tells_a_paused_server_from_a_dead_one(twins):
             ok = await c.health(h.url)
             await c.pause_all()
             try:
-                async with c._session.get(h.url + "/health") as r:
-                    raw = r.status  # SGLang's probe: 503 once the pause outlasts it
+                raw, _ = await c._request(c.servers[0], "GET", "/health")  # SGLang's probe: 503 once
+                # the pause outlasts it
                 paused = await c.health(h.url)
             finally:
                 await c.continue_all()

@@ -497,19 +497,19 @@ def test_the_client_refuses_server_urls_with_user_info_or_a_bad_port(url):
 def test_no_request_bytes_are_held_while_the_answer_is_awaited(scripted, monkeypatch):
     """orjson's bytes keep a 16 KB allocation each: at 16k requests in flight, bodies held across the
     wait for the answer were 256 MB. Neither the pool nor the client may keep them past the write."""
-    import areal_fast.rollout.client as client_mod
+    import areal_fast.rollout.calls as calls_mod  # every call's body is encoded there
 
     box: list = []
     srv = scripted(lambda req: _sglang(srv_box=box)(req) if req[1] != "/generate" else (b"", "hold"))
     box.append(srv)
     made: list[bytes] = []
-    dumps = client_mod.dumps
+    dumps = calls_mod.dumps
 
     def recording_dumps(obj):
         made.append(dumps(obj))
         return made[-1]
 
-    monkeypatch.setattr(client_mod, "dumps", recording_dumps)
+    monkeypatch.setattr(calls_mod, "dumps", recording_dumps)
 
     async def run():
         pool = ConnectionPool(srv.url)

@@ -311,6 +311,12 @@ class ServerCalls:
         """A call that must succeed: the decoded 2xx answer, sent again as ``policy`` allows; else
         :class:`RequestError` / :class:`ServerError` (naming server and path), ``ConnectionError``
         or ``TimeoutError``. ``version``: the server's SGLang release, for :func:`is_caller_error`."""
+        if policy.attempts == 1 and policy.deadline_s is None:  # sent once (/generate): no retry bookkeeping
+            status, data = await self.request(url, method, path, body, timeout_s=policy.timeout_s, max_body=max_body,
+                                              parse=parse, fresh=fresh)
+            if status < 400:
+                return data
+            raise status_error(url + path, status, data, version)
         loop = asyncio.get_running_loop()
         deadline = None if policy.deadline_s is None else loop.time() + policy.deadline_s
         attempt = 0

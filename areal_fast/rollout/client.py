@@ -56,7 +56,6 @@ still runs the abandoned one never answers "rid already running".
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import time
@@ -64,10 +63,9 @@ import uuid
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from dataclasses import replace as _replace
+from functools import partial
 
-import aiohttp
-import yarl
 from packaging.version import InvalidVersion, Version
 
 from areal_fast.rollout.answer import (
@@ -75,22 +73,33 @@ from areal_fast.rollout.answer import (
     TOKEN_ARRAY,
     AnswerError,
     Segment,
-    dumps,
-    loads,
     parse_generate,
     token_versions,
     tune_gc,
     version_to_int,  # noqa: F401 - part of this module's API (tests, callers)
 )
+from areal_fast.rollout.calls import (  # noqa: F401 - the errors, health and key name are part of this module's API
+    API_KEY_ENV,
+    CONTROL_RETRY,
+    HEALTH_PROBE_TIMEOUT_S,
+    RequestError,
+    RetryPolicy,
+    RolloutError,
+    ServerCalls,
+    ServerError,
+    ServerHealth,
+    check_server_url,
+    is_caller_error,
+    no_answer_errors,
+)
 from areal_fast.rollout.engine.compat import (
     PAUSE_MODE_SINCE,
     SGLANG_SAMPLING_KEYS,
-    refuses_unknown_sampling_keys_with_400,
     reports_weight_version_spans,
     server_info_reports_launch_version,
     supports_pause_mode,
 )
-from areal_fast.rollout.http import KEEPALIVE_S, ConnectionPool, check_server_url
+from areal_fast.rollout.http import ConnectionPool
 from areal_fast.sample import Sample
 
 try:  # the rollout extra's JSON encoder: it writes a numpy view of an array column without a Python list
@@ -98,15 +107,9 @@ try:  # the rollout extra's JSON encoder: it writes a numpy view of an array col
 except ImportError:  # pragma: no cover - exercised only where orjson is missing
     _orjson = None
 
-API_KEY_ENV = "AREAL_FAST_API_KEY"
 PAUSE_MODES = ("abort", "retract", "in_place")
 PAUSE_MODE_CHOICES = ("auto", *PAUSE_MODES)
 RID_SEP = "|"
-# An SGLang /health probe waits up to 20 s for the scheduler; give it that plus a margin.
-HEALTH_PROBE_TIMEOUT_S = 25.0
-# SGLang's HTTP server (uvicorn) closes a kept-alive connection idle for 5 s; aiohttp keeps one
-# 15 s by default, so a request could be written into a connection the server was closing (an
-# error that marks a healthy server down). Ours are closed first (KEEPALIVE_S, 4 s: rollout.http).
 HTTP_ENV = "AREAL_FAST_ROLLOUT_HTTP"  # "native" (default) or "aiohttp": who carries the calls
 HTTP_CHOICES = ("native", "aiohttp")
 PICK_SCAN_MAX = 16  # up to this many servers a new request goes to the least loaded of all
@@ -116,27 +119,6 @@ PICK_SCAN_MAX = 16  # up to this many servers a new request goes to the least lo
 ANSWER_BYTES_PER_TOKEN = 512
 ANSWER_SLACK_BYTES = 1 << 20
 ABORT_TIMEOUT_S = 5.0  # an abort of a timed-out request before it is sent again
-_CALLER_500 = ("TypeError", "unexpected keyword argument")
-
-
-class RolloutError(RuntimeError):
-    """Base class of the client's errors."""
-
-
-class RequestError(RolloutError):
-    """The request itself is wrong (a 4xx, or SGLang's 500 for an unknown sampling key): never retried."""
-
-    def __init__(self, url: str, status: int, body: object):
-        super().__init__(f"{url} answered {status}: {body}")
-        self.url, self.status, self.body = url, status, body
-
-
-class ServerError(RolloutError):
-    """A live server answered 5xx for a reason that is not the caller's (retried elsewhere)."""
-
-    def __init__(self, url: str, status: int, body: object):
-        super().__init__(f"{url} answered {status}: {body}")
-        self.url, self.status, self.body = url, status, body
 
 
 class ServerUnavailable(RolloutError):
@@ -168,16 +150,6 @@ def server_rid(rid: str, segment: int) -> str:
     return f"{rid}{RID_SEP}{segment}{RID_SEP}"
 
 
-def is_caller_error(status: int, body: object, version: Version | None = None) -> bool:
-    """True when an answer blames the request, not the server (see the module docstring)."""
-    if 400 <= status < 500:
-        return True
-    if status == 500 and (version is None or not refuses_unknown_sampling_keys_with_400(version)):
-        text = body if isinstance(body, str) else json.dumps(body)
-        return any(m in text for m in _CALLER_500)
-    return False
-
-
 @dataclass
 class ServerState:
     url: str
@@ -187,21 +159,7 @@ class ServerState:
     weight_version: str | None = None  # the latest current version seen (answers, /model_info)
     in_flight: int = 0
     down_until: float = 0.0
-    pool: ConnectionPool | None = field(default=None, repr=False)  # its calls (http "native")
-
-
-@dataclass(frozen=True)
-class ServerHealth:
-    """What ``RolloutClient.health`` found. ``alive`` is what a watchdog should act on."""
-
-    url: str
-    state: str  # "ok" | "paused" | "unhealthy" | "down"
-    detail: str = ""
-
-    @property
-    def alive(self) -> bool:
-        """The process answers HTTP. A paused server (503 on /health after ~20 s) is alive."""
-        return self.state != "down"
+    pool: ConnectionPool | None = field(default=None, repr=False)  # its calls' pool (http "native")
 
 
 class RolloutClient:
@@ -233,14 +191,14 @@ class RolloutClient:
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
         self._by_url = {s.url: s for s in self.servers}
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-        self.request_timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
         self.request_timeout_s = request_timeout_s
-        self.control_timeout = aiohttp.ClientTimeout(total=control_timeout_s, sock_connect=connect_timeout_s)
+        self.control_timeout_s = control_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self._short_timeout_s = max(30.0, connect_timeout_s)  # facts and health: /server_info, /model_info
         self.max_attempts, self.retry_backoff_s = max_attempts, retry_backoff_s
         self.down_cooldown_s, self.max_segments = down_cooldown_s, max_segments
-        self._session: aiohttp.ClientSession | None = None
-        self._control_session: aiohttp.ClientSession | None = None  # fresh connection per call
+        self._calls: ServerCalls | None = None  # every HTTP call (areal_fast.rollout.calls)
+        self._policies: dict[float, RetryPolicy] = {}
         self._affinity: dict[str, str] = {}
         self._rng = random.Random()
         self._segment_rid: dict[str, tuple[str, str]] = {}  # rid -> (server url, rid of the live segment)
@@ -262,16 +220,9 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        if self._session is None:
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
-            self._session = aiohttp.ClientSession(
-                headers=headers, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
-            # control calls (pause, continue...) never reuse a kept-alive connection: at 16k requests
-            # in flight the pool holds connections the servers close while idle, and a pause or
-            # continue written into one fails ("Cannot write to closing transport", seen at 256
-            # servers); a connect took ~0.2 ms in the profile, a few hundred per step
-            self._control_session = aiohttp.ClientSession(
-                headers=headers, connector=aiohttp.TCPConnector(limit=0, force_close=True))
+        if self._calls is None:
+            self._calls = ServerCalls(api_key=self.api_key, connect_timeout_s=self.connect_timeout_s,
+                                      transport=self.http)
             for s in self.servers:
                 self._open_pool(s)
         infos = await asyncio.gather(*(self._read_info(s) for s in self.servers), return_exceptions=True)
@@ -288,21 +239,15 @@ class RolloutClient:
 
     def _open_pool(self, server: ServerState) -> None:
         """Calls to ``server`` go through our own HTTP client (``areal_fast.rollout.http``) for
-        http:// servers; https:// ones (and ``http="aiohttp"``) use the aiohttp sessions."""
-        if self.http == "native" and server.pool is None and server.url.startswith("http://"):
-            server.pool = ConnectionPool(server.url, api_key=self.api_key, connect_timeout_s=self.connect_timeout_s)
+        http:// servers; https:// ones (and ``http="aiohttp"``) through aiohttp (``rollout.calls``)."""
+        server.pool = self._calls.pool(server.url)
 
     async def close(self) -> None:
         for s in self.servers:
-            if s.pool is not None:
-                s.pool.close()
-                s.pool = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-        if self._control_session is not None:
-            await self._control_session.close()
-            self._control_session = None
+            s.pool = None
+        if self._calls is not None:
+            calls, self._calls = self._calls, None
+            await calls.close()
 
     async def __aenter__(self) -> RolloutClient:
         try:
@@ -318,17 +263,17 @@ class RolloutClient:
     async def _read_info(self, s: ServerState) -> dict:
         """GET /server_info (falls back to the deprecated /get_server_info of old servers) and /model_info."""
         try:
-            info = await self._call(s, "GET", "/server_info", timeout=self._short_timeout())
+            info = await self._call(s, "GET", "/server_info", timeout_s=self._short_timeout_s)
         except RequestError as e:
             if e.status not in (404, 405):  # a server older than /server_info
                 raise
-            info = await self._call(s, "GET", "/get_server_info", timeout=self._short_timeout())
+            info = await self._call(s, "GET", "/get_server_info", timeout_s=self._short_timeout_s)
         _apply_info(s, info)
         if not _reports_launch_version(s):
             s.weight_version = _str_or_none(s.info.get("weight_version"))
         else:  # from 0.5.19 server_info holds the launch value; the current one is in /model_info
             try:
-                mi = await self._call(s, "GET", "/model_info", timeout=self._short_timeout())
+                mi = await self._call(s, "GET", "/model_info", timeout_s=self._short_timeout_s)
                 s.weight_version = _str_or_none((mi or {}).get("weight_version"))
             except RolloutError:
                 pass
@@ -340,53 +285,36 @@ class RolloutClient:
         if missing:
             await asyncio.gather(*(self._read_info(s) for s in missing), return_exceptions=True)
 
-    def _short_timeout(self) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=max(30.0, self.connect_timeout_s), sock_connect=self.connect_timeout_s)
-
     # ------------------------------------------------------------------ HTTP
-    async def _request(self, server: ServerState, method: str, path: str, body: dict | None = None,
-                       timeout: aiohttp.ClientTimeout | None = None, parse=None,
-                       control: bool = False, max_body: int | None = None) -> tuple[int, object]:
-        """One HTTP call: (status, decoded body). Connection problems raise ``ConnectionError`` (ours
-        and aiohttp's ``ClientOSError``), ``aiohttp.ClientError`` or ``TimeoutError``. ``parse(raw
-        bytes)`` decodes a 2xx JSON answer instead of the generic decoder. A server with a pool
-        (http "native") gets every call through it; otherwise aiohttp, and ``control`` calls there go
-        on a new connection (the control session: aiohttp cannot tell a kept-alive connection that
-        its server has closed)."""
-        if self._session is None:
+    def _server_calls(self) -> ServerCalls:
+        if self._calls is None:
             raise RolloutError("client not started: use 'async with RolloutClient(...)' or await start()")
-        t = timeout or self.control_timeout
-        pool = server.pool
-        if pool is not None:
-            # the encoded body is not bound here: the pool drops it once written (orjson's bytes
-            # keep a 16 KB allocation each; x 16k requests in flight that was 256 MB)
-            resp = await pool.request(method, path, dumps(body if body is not None else {}) if method == "POST"
-                                      else None, t.total or self.request_timeout_s, max_body)
-            raw, ctype, status = resp.body, resp.content_type, resp.status
-        else:
-            session = self._control_session if control else self._session
-            kwargs = {"timeout": t}
-            if method == "POST":
-                kwargs["data"] = dumps(body if body is not None else {})
-                kwargs["headers"] = _JSON_HEADERS
-            async with session.request(method, _url(server.url, path), **kwargs) as r:
-                raw = await _read_at_most(r, max_body or pool_default_max_body(), server.url + path)
-                ctype = r.headers.get("Content-Type", "")
-                status = r.status
-        if parse is not None and status < 300 and "json" in ctype:
-            return status, parse(raw)
-        return status, _decode(bytes(raw), ctype)
+        return self._calls
+
+    async def _request(self, server: ServerState, method: str, path: str, body: dict | None = None,
+                       timeout_s: float | None = None, parse=None, control: bool = False,
+                       max_body: int | None = None) -> tuple[int, object]:
+        """One HTTP call, sent once (``ServerCalls.request``): (status, decoded body). ``control``
+        calls go on a new connection where aiohttp carries them."""
+        return await self._server_calls().request(
+            server.url, method, path, body, timeout_s=timeout_s or self.control_timeout_s, max_body=max_body,
+            parse=parse, fresh=control)
 
     async def _call(self, server: ServerState, method: str, path: str, body: dict | None = None,
-                    timeout: aiohttp.ClientTimeout | None = None, parse=None, control: bool = False,
-                    max_body: int | None = None):
+                    timeout_s: float | None = None, parse=None, control: bool = False,
+                    max_body: int | None = None, policy: RetryPolicy | None = None):
         """One HTTP call that must succeed: the decoded answer, else RequestError / ServerError."""
-        status, data = await self._request(server, method, path, body, timeout, parse, control, max_body)
-        if status >= 400:
-            if is_caller_error(status, data, server.version if server.info else None):
-                raise RequestError(server.url + path, status, data)
-            raise ServerError(server.url + path, status, data)
-        return data
+        policy = policy or self._once(timeout_s or self.control_timeout_s)
+        return await self._server_calls().call(
+            server.url, method, path, body, policy=policy, version=server.version if server.info else None,
+            parse=parse, max_body=max_body, fresh=control)
+
+    def _once(self, timeout_s: float) -> RetryPolicy:
+        """The policy of a call sent once within ``timeout_s`` (made once per timeout: /generate uses it)."""
+        policy = self._policies.get(timeout_s)
+        if policy is None:
+            policy = self._policies[timeout_s] = RetryPolicy(timeout_s=timeout_s)
+        return policy
 
     # ------------------------------------------------------------------ pool membership
     def remove_server(self, url: str) -> bool:
@@ -397,8 +325,9 @@ class RolloutClient:
         if len(self.servers) == 1:
             raise RolloutError(f"cannot remove {url}: it is the last server of the pool")
         gone = self._by_url.pop(url)
-        if gone.pool is not None:  # requests in flight there finish (or fail over); idle ones go now
-            gone.pool.close_idle()
+        if self._calls is not None:  # requests in flight there finish (or fail over); idle connections go now
+            self._calls.forget(url)
+        gone.pool = None
         self.servers = [s for s in self.servers if s.url != url]
         for rid in [r for r, u in self._affinity.items() if u == url]:
             del self._affinity[rid]
@@ -411,38 +340,19 @@ class RolloutClient:
         if server.url in self._by_url:
             return
         await self._read_info(server)
-        if self._session is not None:
+        if self._calls is not None:
             self._open_pool(server)
         self.servers.append(server)
         self._by_url[server.url] = server
 
     async def health(self, url: str) -> ServerHealth:
-        """Is the server at ``url`` alive? Safe for a watchdog during pauses and weight updates.
-
-        GET /model_info answers without the scheduler (SGLang and our engine), so any answer there
-        means the process is up. While we have the servers paused, /health is not asked: SGLang's
-        probe answers 503 after ~20 s of a pause, which says nothing about the process. Otherwise
-        /health runs the probe (up to ``HEALTH_PROBE_TIMEOUT_S``): 200 is "ok", anything else
-        "unhealthy" (alive, but its scheduler produced nothing).
-        """
-        s = self._by_url.get(url.rstrip("/")) or ServerState(url.rstrip("/"))
-        try:
-            status, _ = await self._request(s, "GET", "/model_info", timeout=self._short_timeout())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            return ServerHealth(s.url, "down", f"{type(e).__name__}: {e}")
-        if status == 401:
-            return ServerHealth(s.url, "unhealthy", "401 on /model_info: wrong or missing api key")
-        if self.is_paused:
-            return ServerHealth(s.url, "paused", f"paused by this client (mode {self.pause_mode})")
-        try:
-            status, _ = await self._request(
-                s, "GET", "/health",
-                timeout=aiohttp.ClientTimeout(total=HEALTH_PROBE_TIMEOUT_S, sock_connect=self.connect_timeout_s))
-        except asyncio.TimeoutError:
-            return ServerHealth(s.url, "unhealthy", f"/health did not answer in {HEALTH_PROBE_TIMEOUT_S}s")
-        except (aiohttp.ClientError, OSError) as e:
-            return ServerHealth(s.url, "down", f"{type(e).__name__}: {e}")
-        return ServerHealth(s.url, "ok" if status == 200 else "unhealthy", f"/health {status}")
+        """Is the server at ``url`` alive? Safe for a watchdog during pauses and weight updates: the
+        one health check (``ServerCalls.health``). Any answer from /model_info means the process is
+        up; while we have the servers paused /health is not asked (SGLang's probe answers 503
+        after ~20 s of a pause, which says nothing about the process); otherwise /health runs the
+        probe (up to ``HEALTH_PROBE_TIMEOUT_S``): 200 is "ok", anything else "unhealthy"."""
+        return await self._server_calls().health(url, paused=self.is_paused, timeout_s=self._short_timeout_s,
+                                                 probe_timeout_s=HEALTH_PROBE_TIMEOUT_S)
 
     def _pick(self, rid: str, exclude: set[str]) -> ServerState:
         now = time.monotonic()
@@ -485,7 +395,7 @@ class RolloutClient:
                 where = f"{server.url}/generate (rid {attempt_rid!r})"
                 try:
                     data = await self._call(server, "POST", "/generate", {**payload, "rid": attempt_rid},
-                                            timeout=self.request_timeout, max_body=max_body,
+                                            timeout_s=self.request_timeout_s, max_body=max_body,
                                             parse=partial(parse_generate, where=where, vocab=self.vocab_size))
                 except AnswerError as e:
                     raise MalformedAnswer(server.url, attempt_rid, str(e)) from None
@@ -499,12 +409,12 @@ class RolloutClient:
                 return data, server, known_version
             except RequestError:
                 raise
-            except (ServerError, aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+            except (ServerError, *no_answer_errors()) as e:  # the one policy: no answer or a server's 5xx
                 last_err = e
                 server.down_until = time.monotonic() + self.down_cooldown_s
                 self._affinity.pop(rid, None)
                 tried.add(server.url)
-                if isinstance(e, asyncio.TimeoutError):  # it may still run there: free it first
+                if isinstance(e, TimeoutError):  # it may still run there: free it first
                     await self._abort_quietly(server, attempt_rid)
                 if len(tried) == len(self.servers):
                     tried.clear()
@@ -519,9 +429,8 @@ class RolloutClient:
         try:
             async with asyncio.timeout(ABORT_TIMEOUT_S):
                 await self._call(server, "POST", "/abort_request", {"rid": server_rid_, "abort_all": False},
-                                 timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S,
-                                                               sock_connect=self.connect_timeout_s))
-        except (RolloutError, aiohttp.ClientError, ConnectionError, asyncio.TimeoutError):
+                                 timeout_s=ABORT_TIMEOUT_S)
+        except (RolloutError, *no_answer_errors()):
             pass
 
     # ------------------------------------------------------------------ generation
@@ -618,8 +527,8 @@ class RolloutClient:
 
     async def _current_weight_version(self, server: ServerState) -> str | None:
         try:
-            mi = await self._call(server, "GET", "/model_info", timeout=self._short_timeout())
-        except (RolloutError, aiohttp.ClientError, ConnectionError, asyncio.TimeoutError):
+            mi = await self._call(server, "GET", "/model_info", timeout_s=self._short_timeout_s)
+        except (RolloutError, *no_answer_errors()):
             return None
         server.weight_version = _str_or_none((mi or {}).get("weight_version"))
         return server.weight_version
@@ -638,12 +547,10 @@ class RolloutClient:
     # ------------------------------------------------------------------ control of all servers
     async def _control(self, server: ServerState, method: str, path: str, body: dict | None = None):
         """An idempotent control call (pause, continue, abort, info), sent again once when its
-        connection broke (on aiohttp it goes on a new connection; on our pool, on a kept-alive one
-        checked as for /generate)."""
-        try:
-            return await self._call(server, method, path, body, control=True)
-        except (aiohttp.ClientConnectionError, ConnectionError):
-            return await self._call(server, method, path, body, control=True)
+        connection broke (``CONTROL_RETRY``; on aiohttp it goes on a new connection; on our pool, on
+        a kept-alive one checked as for /generate)."""
+        policy = _replace(CONTROL_RETRY, timeout_s=self.control_timeout_s)
+        return await self._call(server, method, path, body, control=True, policy=policy)
 
     async def _all(self, method: str, path: str, body: dict | None = None) -> list:
         return await asyncio.gather(*(self._control(s, method, path, body) for s in self.servers))
@@ -701,20 +608,10 @@ class RolloutClient:
             raise RolloutError("flush_cache_all after an in_place pause: the paused requests keep their KV, so "
                                "the flush cannot succeed; pause with mode='retract' or 'abort' to flush")
 
-        async def one(s: ServerState):
-            deadline = time.monotonic() + timeout_s
-            while True:
-                status, body = await self._request(s, "POST", "/flush_cache")
-                if status == 200:
-                    return
-                if status != 400:
-                    cls = RequestError if is_caller_error(status, body, s.version) else ServerError
-                    raise cls(s.url + "/flush_cache", status, body)
-                if time.monotonic() > deadline:
-                    raise RolloutError(f"{s.url}/flush_cache kept answering {status} for {timeout_s}s: {body}")
-                await asyncio.sleep(poll_s)
-
-        await asyncio.gather(*(one(s) for s in self.servers))
+        # 400 is transient here (requests still hold KV): retried every poll_s until the deadline
+        policy = RetryPolicy(timeout_s=self.control_timeout_s, attempts=None, deadline_s=timeout_s, backoff_s=poll_s,
+                             backoff_max_s=poll_s, retry_statuses=frozenset({400}))
+        await asyncio.gather(*(self._call(s, "POST", "/flush_cache", policy=policy) for s in self.servers))
 
     async def weight_versions(self) -> list[str]:
         """Each server's current weight_version (from /model_info; /server_info's is the launch value)."""
@@ -737,43 +634,6 @@ def _apply_info(server: ServerState, info) -> None:
     except InvalidVersion:
         server.version = Version("0")
     server.tp_size = int(server.info.get("tp_size", 1))
-
-
-_JSON_HEADERS = {"Content-Type": "application/json"}
-
-
-@lru_cache(maxsize=65_536)
-def _url(base: str, path: str) -> yarl.URL:
-    """The parsed URL of ``base + path``, built once: aiohttp parses a string URL on every request."""
-    return yarl.URL(base + path)
-
-
-def _decode(raw: bytes, ctype: str):
-    if "json" in ctype:
-        try:
-            return loads(raw) if raw else None
-        except ValueError:
-            pass
-    return raw.decode("utf-8", "replace")
-
-
-def pool_default_max_body() -> int:
-    from areal_fast.rollout.http import DEFAULT_MAX_BODY_BYTES
-
-    return DEFAULT_MAX_BODY_BYTES
-
-
-async def _read_at_most(r: aiohttp.ClientResponse, limit: int, where: str) -> bytes:
-    """An aiohttp answer's body, refused (aiohttp.ClientPayloadError) past ``limit`` bytes."""
-    if r.content_length is not None and r.content_length > limit:
-        raise aiohttp.ClientPayloadError(f"{where}: answer body of {r.content_length} bytes over the limit of {limit}")
-    parts, n = [], 0
-    async for chunk in r.content.iter_any():
-        n += len(chunk)
-        if n > limit:
-            raise aiohttp.ClientPayloadError(f"{where}: answer body over the limit of {limit} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
 
 
 def _is_token_array(x) -> bool:
