@@ -67,7 +67,8 @@ def _fail(msg: str) -> SystemExit:
 
 
 def _load(args, machine: bool):
-    from areal_fast.config import ConfigError, check_machine, load_config
+    from areal_fast.config import ConfigError, load_config
+    from areal_fast.preflight import check_machine
 
     try:
         cfg = load_config(args.config, args.overrides)

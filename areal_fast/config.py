@@ -31,7 +31,8 @@ What is checked, and when (``docs/config.md`` lists every key):
 :func:`save_config` writes the resolved config; :func:`load_config` of that file gives back an
 equal config (trainer ranks read the run's config this way).
 
-Every section class and :func:`check_machine` can still be imported from here.
+Every section class can still be imported from here; the machine checks are imported from
+``areal_fast.preflight`` (which imports this module, not the other way round).
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ from areal_fast.launch_config import (
     RayConfig,
 )
 from areal_fast.ops.loss_config import PPOLossConfig
-from areal_fast.preflight import check_machine, gpu_count
 from areal_fast.reward.config import RewardConfig
 from areal_fast.rollout.config import MIN_TEMPERATURE, RESERVED_SERVER_ARGS, RolloutConfig, check_server_url
 from areal_fast.trainer.config import OptimConfig, PPOConfig, TrainerConfig
@@ -71,7 +71,7 @@ __all__ = [
     "WARM_START_LR_SCHEDULES", "AppConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig",
     "ExperimentConfig", "LogConfig", "ModelConfig", "OptimConfig", "PPOConfig", "PPOLossConfig", "RayConfig",
     "RewardConfig", "RolloutConfig", "SyntheticTaskConfig", "TrainerConfig", "WarmStartConfig", "WeightSyncConfig",
-    "check_machine", "check_names", "check_server_url", "from_dict", "gpu_count", "load_config", "parse_override",
+    "check_names", "check_server_url", "from_dict", "load_config", "parse_override",
     "save_config", "to_dict",
 ]
 

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from areal_fast.config import AppConfig
 from areal_fast.configutil import ConfigError, device_indices
-
-if TYPE_CHECKING:  # annotations only: the loader re-exports check_machine, so it imports this module
-    from areal_fast.config import AppConfig
 
 __all__ = ["check_machine", "gpu_count"]
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from areal_fast.cli import main
-from areal_fast.config import ConfigError, check_machine, load_config
+from areal_fast.config import ConfigError, load_config
+from areal_fast.preflight import check_machine
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_reverse.yaml"
 

@@ -148,7 +148,7 @@ def test_ray_section_lives_with_the_other_sections():
 
 
 @pytest.mark.parametrize("load", [
-    "import areal_fast.config as c; c.check_machine(c.load_config(sys.argv[1]))",
+    "import areal_fast.config as c, areal_fast.preflight as p; p.check_machine(c.load_config(sys.argv[1]))",
     "from areal_fast.cli import main; main(['config', sys.argv[1], '--check'])",  # what `areal-fast config` runs
 ])
 def test_loading_and_checking_a_config_does_not_import_torch(load):

@@ -11,44 +11,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from areal_fast.data.datasets import check_source
-from areal_fast.data.tiny_task import SEPARATOR as _TASK_SEPARATOR
+from areal_fast.data.tiny_task import SyntheticTaskConfig
 
-__all__ = ["WARM_START_LR_SCHEDULES", "DataConfig", "SyntheticTaskConfig", "WarmStartConfig"]
+__all__ = ["FILE_SUFFIXES", "SYNTHETIC_TASKS", "WARM_START_LR_SCHEDULES", "DataConfig", "SyntheticTaskConfig",
+           "WarmStartConfig", "check_source"]
+
+SYNTHETIC_TASKS = ("reverse",)
+"""The tasks a ``synthetic:NAME`` source may name."""
+FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+"""The file kinds a data source may name."""
 
 
-@dataclass(kw_only=True, slots=True)
-class SyntheticTaskConfig:
-    """The procedurally generated reversal task (``areal_fast.data.tiny_task``)."""
-
-    alphabet: str = "abcdefghij"
-    """Characters of the strings to reverse (distinct, without the separator '=')."""
-    min_len: int = 2
-    """Shortest string."""
-    max_len: int = 24
-    """Longest string (the tail of the log-normal length distribution is cut here)."""
-    log_mean: float = 1.0
-    """mu of the log-normal part of the length: len = min_len + floor(exp(N(mu, sigma)))."""
-    log_std: float = 0.75
-    """sigma of the log-normal part of the length (larger = longer tail)."""
-    n_train: int = 20000
-    """Training prompts (the order is a seeded permutation; the run cycles through it)."""
-    n_eval: int = 128
-    """Held-out prompts (a disjoint seed)."""
-
-    def __post_init__(self):
-        if len(set(self.alphabet)) != len(self.alphabet) or not self.alphabet:
-            raise ValueError(f"alphabet: must be non-empty distinct characters, got {self.alphabet!r}")
-        if _TASK_SEPARATOR in self.alphabet:
-            raise ValueError(f"alphabet: must not contain the separator {_TASK_SEPARATOR!r}")
-        if not 1 <= self.min_len <= self.max_len:
-            raise ValueError(f"min_len/max_len: need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
-        if self.log_std < 0:
-            raise ValueError(f"log_std: must be >= 0, got {self.log_std!r}")
-        if self.n_train < 1:
-            raise ValueError(f"n_train: must be >= 1, got {self.n_train!r}")
-        if self.n_eval < 0:
-            raise ValueError(f"n_eval: must be >= 0, got {self.n_eval!r}")
+def check_source(source: str) -> None:
+    """Check the form of a data source name without reading it; raises ValueError saying why."""
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"must name a data source, got {source!r}")
+    if source.startswith("synthetic:"):
+        kind = source.split(":", 1)[1]
+        if kind not in SYNTHETIC_TASKS:
+            raise ValueError(f"unknown synthetic task {source!r}; available: "
+                             f"{', '.join('synthetic:' + k for k in SYNTHETIC_TASKS)}")
+        return
+    if source.startswith("hf:"):
+        if not source[len("hf:"):].split(":")[0]:
+            raise ValueError(f"{source!r}: expected 'hf:NAME' or 'hf:NAME:CONFIG'")
+        return
+    if not source.endswith(FILE_SUFFIXES):
+        raise ValueError(f"data file {source!r}: expected a name ending in {', '.join(FILE_SUFFIXES)} "
+                         "(or 'synthetic:reverse', 'hf:NAME[:CONFIG]')")
 
 
 WARM_START_LR_SCHEDULES = ("constant", "linear")

@@ -17,13 +17,11 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # data/config.py imports this module (to check source names)
-    from areal_fast.data.config import DataConfig
+from areal_fast.data.config import FILE_SUFFIXES, SYNTHETIC_TASKS, DataConfig, check_source
 
-SYNTHETIC_TASKS = ("reverse",)
-FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+__all__ = ["FILE_SUFFIXES", "SYNTHETIC_TASKS", "PromptRow", "build_prompts", "check_source", "load_split",
+           "read_rows", "task_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,25 +32,6 @@ class PromptRow:
     """Prompt after the template (and chat template)."""
     task: dict
     """Passed to the reward function: {'answer': ..., 'tests': ...}."""
-
-
-def check_source(source: str) -> None:
-    """Check the form of a data source name without reading it; raises ValueError saying why."""
-    if not isinstance(source, str) or not source:
-        raise ValueError(f"must name a data source, got {source!r}")
-    if source.startswith("synthetic:"):
-        kind = source.split(":", 1)[1]
-        if kind not in SYNTHETIC_TASKS:
-            raise ValueError(f"unknown synthetic task {source!r}; available: "
-                             f"{', '.join('synthetic:' + k for k in SYNTHETIC_TASKS)}")
-        return
-    if source.startswith("hf:"):
-        if not source[len("hf:"):].split(":")[0]:
-            raise ValueError(f"{source!r}: expected 'hf:NAME' or 'hf:NAME:CONFIG'")
-        return
-    if not source.endswith(FILE_SUFFIXES):
-        raise ValueError(f"data file {source!r}: expected a name ending in {', '.join(FILE_SUFFIXES)} "
-                         "(or 'synthetic:reverse', 'hf:NAME[:CONFIG]')")
 
 
 def _read_jsonl(path: Path) -> list[dict]:

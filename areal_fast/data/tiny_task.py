@@ -17,14 +17,45 @@ from __future__ import annotations
 
 import math
 import random
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the reward workers import this module: keep it free of torch and the config tree
-    from areal_fast.data.config import SyntheticTaskConfig
+from dataclasses import dataclass
 
 SEPARATOR = "="
 TRAIN_SEED_OFFSET = 0
 EVAL_SEED_OFFSET = 1_000_003  # a different stream for the held-out split
+
+
+@dataclass(kw_only=True, slots=True)
+class SyntheticTaskConfig:
+    """The procedurally generated reversal task (``areal_fast.data.tiny_task``)."""
+
+    alphabet: str = "abcdefghij"
+    """Characters of the strings to reverse (distinct, without the separator '=')."""
+    min_len: int = 2
+    """Shortest string."""
+    max_len: int = 24
+    """Longest string (the tail of the log-normal length distribution is cut here)."""
+    log_mean: float = 1.0
+    """mu of the log-normal part of the length: len = min_len + floor(exp(N(mu, sigma)))."""
+    log_std: float = 0.75
+    """sigma of the log-normal part of the length (larger = longer tail)."""
+    n_train: int = 20000
+    """Training prompts (the order is a seeded permutation; the run cycles through it)."""
+    n_eval: int = 128
+    """Held-out prompts (a disjoint seed)."""
+
+    def __post_init__(self):
+        if len(set(self.alphabet)) != len(self.alphabet) or not self.alphabet:
+            raise ValueError(f"alphabet: must be non-empty distinct characters, got {self.alphabet!r}")
+        if SEPARATOR in self.alphabet:
+            raise ValueError(f"alphabet: must not contain the separator {SEPARATOR!r}")
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(f"min_len/max_len: need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
+        if self.log_std < 0:
+            raise ValueError(f"log_std: must be >= 0, got {self.log_std!r}")
+        if self.n_train < 1:
+            raise ValueError(f"n_train: must be >= 1, got {self.n_train!r}")
+        if self.n_eval < 0:
+            raise ValueError(f"n_eval: must be >= 0, got {self.n_eval!r}")
 
 
 def sample_length(rng: random.Random, cfg: SyntheticTaskConfig) -> int:
