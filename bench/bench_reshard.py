@@ -260,8 +260,7 @@ def _receiver_main(port_q, stop_ev):
 def bench_sync(n_params: float, reps: int = 3, bucket_mb: int = 64) -> dict:
     import torch.distributed as dist
 
-    from areal_fast.weights._http import call
-    from areal_fast.weights.sync import DistributedWeightSync, WeightSyncConfig
+    from areal_fast.weights.sync import DistributedWeightSync, SyncCalls, WeightSyncConfig
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ctx = mp.get_context("spawn")
@@ -283,17 +282,19 @@ def bench_sync(n_params: float, reps: int = 3, bucket_mb: int = 64) -> dict:
         sync_s, raw_s = [], []
         from concurrent.futures import ThreadPoolExecutor
 
+        raw_calls = SyncCalls()
         with ThreadPoolExecutor(1) as ex:
             for v in range(reps):  # interleaved, so both see the same machine load
                 t = time.perf_counter()
                 sync.update(state, v + 1)
                 sync_s.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                f = ex.submit(call, url, "/bench_raw", {"nbytes": nbytes})
+                f = ex.submit(raw_calls.call, url, "/bench_raw", {"nbytes": nbytes})
                 dist.broadcast(raw, src=0, group=sync.pg)
                 f.result()
                 raw_s.append(time.perf_counter() - t)
         sync.close()
+        raw_calls.close()
         s, r = float(np.median(sync_s)), float(np.median(raw_s))
         return {"bytes": nbytes, "params": nbytes // 2, "sync_GBps": nbytes / s / 1e9, "raw_broadcast_GBps":
                 nbytes / r / 1e9, "ratio": r / s, "bucket_bytes": bucket_mb << 20, "cast": "fp32->bf16"}

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from areal_fast.weights._http import WeightSyncError
 from areal_fast.weights.config import API_KEY_ENV, WeightSyncConfig
+from areal_fast.weights.errors import WeightSyncError
 from areal_fast.weights.group import HostedStore
 from areal_fast.weights.sync import DiskWeightSync, DistributedWeightSync
 

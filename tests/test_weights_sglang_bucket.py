@@ -96,7 +96,7 @@ def test_sglang_0523_refuses_unaligned_offsets_we_never_send():
     tb = sglang_module("0.5.23", "sglang.srt.weight_sync.tensor_bucket")
     with pytest.raises(ValueError, match="Unaligned"):
         tb.FlattenedTensorBucket.empty(["a", "b"], ["bfloat16", "float32"], [[1], [1]], "cpu")
-    from areal_fast.weights._http import WeightSyncError
+    from areal_fast.weights.errors import WeightSyncError
 
     with pytest.raises(WeightSyncError, match="alignment padding"):
         check_unpadded(0, ["a", "b"], [0, 4], [2, 4])  # bf16 at 0, fp32 aligned to 4: a 2-byte gap

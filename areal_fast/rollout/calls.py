@@ -429,6 +429,10 @@ class BlockingCalls:
 
         return asyncio.run_coroutine_threadsafe(run(), self._loop)
 
+    def run(self, fn: Callable[[ServerCalls], Awaitable]) -> Future:
+        """``await fn(calls)`` started now on the calls' loop; its ``concurrent.futures.Future``."""
+        return self._on_loop(fn)
+
     def submit(self, url: str, method: str, path: str, body: dict | None = None, **kw) -> Future:
         """:meth:`ServerCalls.call` started now; its ``concurrent.futures.Future``."""
         return self._on_loop(lambda c: c.call(url, method, path, body, **kw))

@@ -9,7 +9,7 @@
 * :mod:`.sync` - :class:`WeightSync` transports (distributed broadcast, disk), sessions;
 * :mod:`.colocated` - per-TP-rank SGLang shards through CUDA IPC (GPU only);
 * :mod:`.port` - the controller's sync port over those transports, with the disk fallback;
-* :mod:`._http` - the one HTTP speaker of SGLang's weight-update endpoints.
+* :mod:`.errors` - :class:`WeightSyncError`. Calls to the servers go through ``areal_fast.rollout.calls``.
 
 The protocol is described in ``docs/weight_sync.md``.
 
@@ -22,7 +22,7 @@ import importlib
 
 _LAZY = {
     "WeightSync": "sync", "DistributedWeightSync": "sync", "DiskWeightSync": "sync", "WeightSyncConfig": "config",
-    "ServerFacts": "group", "WeightSyncError": "_http", "ModelSpec": "layout", "ColocatedWeightSync": "colocated",
+    "ServerFacts": "group", "WeightSyncError": "errors", "ModelSpec": "layout", "ColocatedWeightSync": "colocated",
     "DistributedSync": "port", "DiskSync": "port", "make_sync_port": "port", "padded_vocab_size": "layout",
 }
 

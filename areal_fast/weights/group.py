@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from areal_fast.netutil import address_family, bare_host, find_free_port
-from areal_fast.weights._http import WeightSyncError
+from areal_fast.weights.errors import WeightSyncError
 
 __all__ = ["ServerFacts", "init_custom_process_group", "host_weight_group", "bind_listen_socket",
            "choose_backend", "HostedStore"]

@@ -48,9 +48,10 @@ import torch.distributed as dist
 from packaging.version import InvalidVersion, Version
 
 from areal_fast.netutil import url_host
+from areal_fast.rollout.calls import BlockingCalls, RequestError, RetryPolicy, ServerError, no_answer_errors
 from areal_fast.rollout.engine.compat import needs_weight_update_sessions
-from areal_fast.weights._http import HttpPool, WeightSyncError
 from areal_fast.weights.config import WeightSyncConfig
+from areal_fast.weights.errors import WeightSyncError
 from areal_fast.weights.gather import Bucket, BucketGatherer, Sources, collect_sources, send_dtypes
 from areal_fast.weights.group import (
     HostedStore,
@@ -60,7 +61,7 @@ from areal_fast.weights.group import (
     init_custom_process_group,
 )
 
-__all__ = ["WeightSyncConfig", "WeightSync", "DistributedWeightSync", "DiskWeightSync", "WeightSyncError",
+__all__ = ["WeightSyncConfig", "SyncCalls", "WeightSync", "DistributedWeightSync", "DiskWeightSync", "WeightSyncError",
            "ServerFacts", "init_custom_process_group", "uses_sessions", "write_safetensors", "bucket_request",
            "check_unpadded"]
 
@@ -89,6 +90,67 @@ def _urls(servers) -> list[str]:
     return out
 
 
+class SyncCalls:
+    """The weight sync's calls to the servers: ``rollout.calls.BlockingCalls`` (its event loop in a
+    thread, so an update request is sent, *not awaited*, while rank 0 broadcasts), each call sent
+    once within ``timeout_s`` with the run's key; every failure becomes a :class:`WeightSyncError`
+    naming server and path, and SGLang's ``{"success": false, "message": ...}`` too."""
+
+    def __init__(self, timeout_s: float = 600.0, api_key: str | None = None):
+        self.timeout_s = timeout_s
+        self.policy = RetryPolicy(timeout_s=timeout_s)
+        self._calls = BlockingCalls(api_key=api_key)
+
+    async def _one(self, calls, url: str, path: str, body: dict | None, method: str, what: str) -> dict:
+        for_what = f" (for {what})" if what else ""
+        try:
+            answer = await calls.call(url, method, path, body, policy=self.policy)
+        except (RequestError, ServerError) as e:  # SGLang answers a refused update with 400 + success=false
+            detail = (e.body if isinstance(e.body, str) else json.dumps(e.body))[:500]
+            hint = " (is the API key right? set AREAL_FAST_API_KEY or api_key=)" if e.status == 401 else ""
+            raise WeightSyncError(f"{url}{path}: HTTP {e.status}: {detail}{hint}{for_what}", status=e.status) from None
+        except no_answer_errors() as e:
+            raise WeightSyncError(f"{url}{path}: request failed or timed out after {self.timeout_s}s: "
+                                  f"{type(e).__name__}: {e}{for_what}") from None
+        if answer is None:
+            return {}
+        if isinstance(answer, str):  # not JSON
+            return {"message": answer[:500]}
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise WeightSyncError(f"{url}{path} failed{' for ' + what if what else ''}: {answer.get('message', '')}")
+        return answer
+
+    def submit(self, url: str, path: str, body: dict | None = None, method: str = "POST", what: str = "") -> Future:
+        """The call started now; its Future (a dict, or WeightSyncError)."""
+        return self._calls.run(lambda calls: self._one(calls, url, path, body, method, what))
+
+    def call(self, url: str, path: str, body: dict | None = None, method: str = "POST", what: str = "") -> dict:
+        return self.submit(url, path, body, method, what).result()
+
+    def each(self, urls: list[str], path: str, body: dict | None = None, method: str = "POST"
+             ) -> list[tuple[str, dict | None, WeightSyncError | None]]:
+        """Call every server and wait for all: ``(url, answer, None)`` or ``(url, None, error)``."""
+        futs = [(u, self.submit(u, path, body, method)) for u in urls]
+        out = []
+        for u, f in futs:
+            try:
+                out.append((u, f.result(), None))
+            except WeightSyncError as e:
+                out.append((u, None, e))
+        return out
+
+    def all(self, urls: list[str], path: str, body: dict | None = None, method: str = "POST") -> list[dict]:
+        """Call every server, wait for all, raise the first error (after every call finished)."""
+        res = self.each(urls, path, body, method)
+        for _u, _a, err in res:
+            if err is not None:
+                raise err
+        return [a for _u, a, _e in res]
+
+    def close(self) -> None:
+        self._calls.close()
+
+
 class WeightSync(abc.ABC):
     """Interface of every transport. ``update`` and ``close`` are collective over the trainer group."""
 
@@ -98,16 +160,16 @@ class WeightSync(abc.ABC):
         self.group = group
         self.version: str | None = None
         self.facts: dict[str, ServerFacts] = {}
-        self._http: HttpPool | None = None
+        self._http: SyncCalls | None = None
 
     @property
     def rank(self) -> int:
         return dist.get_rank(self.group) if dist.is_initialized() else 0
 
     @property
-    def http(self) -> HttpPool:
+    def http(self) -> SyncCalls:
         if self._http is None:
-            self._http = HttpPool(max(4, 2 * len(self.urls)), self.config.timeout_s, self.config.resolved_api_key)
+            self._http = SyncCalls(self.config.timeout_s, self.config.resolved_api_key)
         return self._http
 
     def read_facts(self) -> dict[str, ServerFacts]:
