@@ -321,7 +321,7 @@ class MemoryProbe:
         append = ctrl.buffer.append
 
         def counting_append(g) -> None:  # tokens of every group that reached the buffer
-            self.appended_tokens += sum(map(len, g.outputs))
+            self.appended_tokens += sum(len(s.output_ids) for s in g.samples)
             append(g)
 
         ctrl.buffer.append = counting_append
@@ -330,10 +330,10 @@ class MemoryProbe:
         c0 = time.process_time()
         groups = samples = tokens = spilled = spilled_bytes = 0
         for g in self.ctrl.buffer.snapshot():
-            if hasattr(g, "outputs"):
+            if hasattr(g, "samples"):
                 groups += 1
-                samples += len(g.outputs)
-                tokens += sum(map(len, g.outputs))
+                samples += len(g.samples)
+                tokens += sum(len(s.output_ids) for s in g.samples)
             else:
                 spilled += 1
                 spilled_bytes += g.length

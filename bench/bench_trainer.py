@@ -69,10 +69,10 @@ def make_batch(total_tokens, vocab, seed, max_len, lo=256, hi=4096):
         L = max(2, min(L, total_tokens - n + 1, hi))
         p = max(1, L // 4)
         o = L - p
-        out.append(Sample(torch.randint(0, vocab, (p,), generator=g).tolist(),
-                          torch.randint(0, vocab, (o,), generator=g).tolist(),
-                          (-torch.rand(o, generator=g) * 3 - 8).tolist(), [0] * o,
-                          float(torch.rand((), generator=g) > 0.5), i // 8))
+        out.append(Sample(prompt_ids=torch.randint(0, vocab, (p,), generator=g).tolist(),
+                          output_ids=torch.randint(0, vocab, (o,), generator=g).tolist(),
+                          output_logprobs=(-torch.rand(o, generator=g) * 3 - 8).tolist(), output_versions=[0] * o,
+                          reward=float(torch.rand((), generator=g) > 0.5), group_id=i // 8))
         n += L - 1
         i += 1
     return out

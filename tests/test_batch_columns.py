@@ -1,6 +1,7 @@
 """The trainer's batch code on compact columns: a sample of ``array.array`` columns (the
-controller's) becomes exactly the tensors the same sample as lists (or tensors) becomes, without
-sharing memory with the arrays, and a bad mask is refused naming the sample."""
+controller's) becomes exactly the tensors the same sample as lists (or tensors, or arrays of other
+typecodes) becomes, without sharing memory with the arrays, and a bad mask is refused naming the
+sample."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from array import array
 import pytest
 import torch
 
-from areal_fast.trainer.batch import Sample, copy_column, to_seq
+from areal_fast.trainer.batch import as_sample, copy_column, to_seq
 
 
 def _sample(p: int, g: int, seed: int, multi_turn: bool) -> dict:
@@ -19,7 +20,7 @@ def _sample(p: int, g: int, seed: int, multi_turn: bool) -> dict:
     return dict(prompt_ids=[rng.randrange(152_064) for _ in range(p)],
                 output_ids=[rng.randrange(152_064) for _ in range(g)],
                 # values a float32 rounds: the conversion must round exactly as torch.tensor(list) did
-                behav_logprobs=[-rng.random() * 30 - 1e-9 for _ in range(g)],
+                output_logprobs=[-rng.random() * 30 - 1e-9 for _ in range(g)],
                 output_versions=[rng.randrange(0, 3000) if m else -1 for m in mask],
                 reward=1.0, group_id=seed, loss_mask=mask if multi_turn else None)
 
@@ -27,14 +28,14 @@ def _sample(p: int, g: int, seed: int, multi_turn: bool) -> dict:
 def _arrays(s: dict, codes=("i", "d", "i", "B")) -> dict:
     ids, lp, ver, m = codes
     out = {**s, "prompt_ids": array(ids, s["prompt_ids"]), "output_ids": array(ids, s["output_ids"]),
-           "behav_logprobs": array(lp, s["behav_logprobs"]), "output_versions": array(ver, s["output_versions"])}
+           "output_logprobs": array(lp, s["output_logprobs"]), "output_versions": array(ver, s["output_versions"])}
     if s["loss_mask"] is not None:
         out["loss_mask"] = array(m, s["loss_mask"])
     return out
 
 
 def _tensors(s: dict) -> dict:
-    out = {**s, **{k: torch.tensor(s[k]) for k in ("prompt_ids", "output_ids", "behav_logprobs",
+    out = {**s, **{k: torch.tensor(s[k]) for k in ("prompt_ids", "output_ids", "output_logprobs",
                                                      "output_versions")}}
     if s["loss_mask"] is not None:
         out["loss_mask"] = torch.tensor(s["loss_mask"])
@@ -45,9 +46,9 @@ def _tensors(s: dict) -> dict:
                                             (1, 64, True)])
 def test_array_columns_give_the_same_tensors_as_lists(p, g, multi_turn):
     s = _sample(p, g, seed=p * 1000 + g, multi_turn=multi_turn)
-    want = to_seq(Sample.coerce(s))
+    want = to_seq(as_sample(s))
     for variant in (_arrays(s), _arrays(s, ("q", "f", "l", "b")), _tensors(s)):
-        got = to_seq(Sample.coerce(variant))
+        got = to_seq(as_sample(variant))
         for f in ("input_ids", "labels", "loss_mask", "behav_logprobs", "versions"):
             a, b = getattr(want, f), getattr(got, f)
             assert a.dtype == b.dtype and torch.equal(a, b), f
@@ -56,9 +57,9 @@ def test_array_columns_give_the_same_tensors_as_lists(p, g, multi_turn):
 
 def test_tensors_do_not_share_memory_with_the_arrays():
     s = _arrays(_sample(4, 10, seed=1, multi_turn=True))
-    seq = to_seq(Sample.coerce(s))
+    seq = to_seq(as_sample(s))
     s["output_ids"].extend(array("i", [1] * 1000))  # raises BufferError while a tensor views the array
-    s["behav_logprobs"][0] = 123.0
+    s["output_logprobs"][0] = 123.0
     assert seq.behav_logprobs.max() <= 0
     x = array("d", [1.5, -2.0])
     t = copy_column(torch.empty(2, dtype=torch.float64), x)
@@ -72,8 +73,21 @@ def test_a_mask_that_is_not_binary_is_refused_naming_the_sample():
     s = _arrays(_sample(2, 3, seed=2, multi_turn=True))
     s["loss_mask"] = array("B", [1, 2, 0])
     with pytest.raises(ValueError, match="sample 4: loss_mask entries must be 0 or 1"):
-        Sample.coerce(s, 4)
-    with pytest.raises(ValueError, match="sample 0: loss_mask entries must be 0 or 1"):
-        Sample.coerce({**s, "loss_mask": torch.tensor([1, 0, -1])})
-    with pytest.raises(ValueError, match=r"output_ids \(3\), behav_logprobs \(2\)"):
-        Sample.coerce({**s, "loss_mask": None, "behav_logprobs": array("d", [0.0, 0.0])})
+        as_sample(s, 4)
+    with pytest.raises(OverflowError, match="Sample.loss_mask: expected 0/1 entries"):  # refused on entry
+        as_sample({**s, "loss_mask": torch.tensor([1, 0, -1])})
+    with pytest.raises(ValueError, match=r"sample 0: 3 output_ids but \{'output_logprobs': 2\}"):
+        as_sample({**s, "loss_mask": None, "output_logprobs": array("d", [0.0, 0.0])})
+
+
+def test_a_dict_with_the_old_log_prob_key_still_trains_with_a_warning():
+    """Batches written for the trainer's command line before the one sample record name the
+    behaviour log-probs ``behav_logprobs``: read, with a DeprecationWarning; a missing key is named."""
+    s = _sample(3, 4, seed=3, multi_turn=False)
+    old = {("behav_logprobs" if k == "output_logprobs" else k): v for k, v in s.items()}
+    with pytest.warns(DeprecationWarning, match="output_logprobs"):
+        got = to_seq(as_sample(old))
+    want = to_seq(as_sample(s))
+    assert torch.equal(got.behav_logprobs, want.behav_logprobs)
+    with pytest.raises(ValueError, match="sample 2 lacks key 'group_id'"):
+        as_sample({k: v for k, v in s.items() if k != "group_id"}, 2)

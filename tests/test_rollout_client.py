@@ -240,7 +240,7 @@ def test_200_concurrent_with_random_pauses_and_updates(engines, dirs):
     assert in_flight == [0, 0]
     interrupted = 0
     for r, (_, p, n, ign) in zip(results, specs):
-        assert r.input_ids == p
+        assert r.prompt_ids.tolist() == list(p)
         assert len(r.output_ids) == len(r.output_logprobs) == len(r.output_versions) <= n
         assert list(r.output_versions) == sorted(r.output_versions)  # tokens never get older along a sequence
         assert r.finish_reason in ("stop", "length") and not r.aborted

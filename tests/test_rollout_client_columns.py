@@ -1,6 +1,6 @@
-"""The rollout client hands back its compact columns: ``GenerateResult``'s per-token fields are the
-arrays it stitched (typecodes of ``areal_fast.workflow.columns``), equal to what the server answered,
-and ``ClientRollout`` passes those very objects on to ``Generation`` (no copy, no list)."""
+"""The rollout client hands back its compact columns: the per-token fields of the ``Sample`` it
+returns are the arrays it stitched (typecodes of ``areal_fast.columns``), equal to what the server
+answered, and ``ClientRollout`` passes that very sample on (no copy, no list, no new record)."""
 
 import asyncio
 import json
@@ -10,11 +10,11 @@ import pytest
 from aiohttp import web
 
 import areal_fast.rollout.client as client_mod
+from areal_fast.columns import LOGPROB_ARRAY, TOKEN_ARRAY
 from areal_fast.rollout.answer import dumps
-from areal_fast.rollout.client import GenerateResult, RolloutClient
+from areal_fast.rollout.client import RolloutClient
 from areal_fast.rollout.port import ClientRollout
-from areal_fast.sample import Generation
-from areal_fast.workflow.columns import LOGPROB_ARRAY, TOKEN_ARRAY
+from areal_fast.sample import Sample
 
 PROMPT = [3, 0, 2**31 - 1, 7]  # int32's extremes: the array encoding must write them exactly
 FIRST = ([11, 12, 13], [-0.1, -(0.1 + 0.2), -1e-300], "3")  # segment 0: ids, log-probs (awkward floats), version
@@ -103,7 +103,7 @@ def test_generate_returns_the_stitched_columns(monkeypatch, prompt_kind, encoder
             return srv, res
 
     srv, res = asyncio.run(run())
-    assert isinstance(res, GenerateResult) and res.num_segments == 2 and res.finish_reason == "length"
+    assert isinstance(res, Sample) and res.num_segments == 2 and res.finish_reason == "length"
     for name, code in (("output_ids", TOKEN_ARRAY), ("output_logprobs", LOGPROB_ARRAY),
                        ("output_versions", TOKEN_ARRAY)):
         col = getattr(res, name)
@@ -112,7 +112,9 @@ def test_generate_returns_the_stitched_columns(monkeypatch, prompt_kind, encoder
     # float32: the JSON's values rounded once, as the trainer's float32 tensor would
     assert list(res.output_logprobs) == array(LOGPROB_ARRAY, FIRST[1] + SECOND[1]).tolist()
     assert list(res.output_versions) == [3] * len(FIRST[0]) + [4] * len(SECOND[0])
-    assert res.input_ids is prompt  # the caller's prompt, not copied
+    if prompt_kind == "array":
+        assert res.prompt_ids is prompt  # the caller's prompt, not copied
+    assert res.prompt_ids.tolist() == PROMPT and res.loss_mask.tolist() == [1] * len(res.output_ids)
     # the resubmission: prompt + the partial output, sent after continue, asking only for the rest
     assert srv.bodies["s|0|"]["input_ids"] == PROMPT
     assert srv.bodies["s|1|"]["input_ids"] == PROMPT + FIRST[0]
@@ -120,10 +122,10 @@ def test_generate_returns_the_stitched_columns(monkeypatch, prompt_kind, encoder
     assert srv.continued_before_resubmit == [True]
 
 
-def test_client_rollout_hands_the_same_arrays_to_generation():
+def test_client_rollout_hands_on_the_clients_sample_itself():
     async def run():
         async with _Server() as srv, RolloutClient([srv.url], gc_tuning=False) as c:
-            seen: list[GenerateResult] = []
+            seen: list[Sample] = []
             generate = c.generate
 
             async def recording(*args, **kwargs):
@@ -136,9 +138,8 @@ def test_client_rollout_hands_the_same_arrays_to_generation():
             return g, seen
 
     g, seen = asyncio.run(run())
-    assert isinstance(g, Generation) and len(seen) == 1
-    r = seen[0]
-    assert g.output_ids is r.output_ids and g.behav_logprobs is r.output_logprobs and g.versions is r.output_versions
+    assert isinstance(g, Sample) and len(seen) == 1
+    assert g is seen[0]  # the client's record, not a copy of its columns into another
     assert list(g.output_ids) == FIRST[0] + SECOND[0] and g.finish_reason == "length"
 
 

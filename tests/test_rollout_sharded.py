@@ -22,6 +22,7 @@ from _shared import wait_until  # noqa: E402, I001
 from areal_fast.config import ConfigError, RolloutConfig, from_dict  # noqa: E402
 from areal_fast.rollout.client import RequestError, RolloutError  # noqa: E402
 from areal_fast.rollout.sharded import ShardedRollout  # noqa: E402
+from areal_fast.sample import Sample  # noqa: E402
 
 PROMPT = list(range(10, 17))
 MAX_NEW = 600
@@ -53,8 +54,9 @@ async def _progress(cluster, ticks: int = 5) -> None:
 def _check(cfg, rids, gens, version) -> None:
     assert len(gens) == len(rids)
     for rid, g in zip(rids, gens):
-        assert isinstance(g.output_ids, array) and isinstance(g.behav_logprobs, array) and isinstance(g.versions, array)
-        assert sim.check_sample(rid, len(PROMPT), MAX_NEW, g.output_ids, g.behav_logprobs, g.versions,
+        assert isinstance(g, Sample) and g.rid == rid and g.prompt_ids.tolist() == list(PROMPT)
+        assert all(isinstance(c, array) for c in (g.output_ids, g.output_logprobs, g.output_versions))
+        assert sim.check_sample(rid, len(PROMPT), MAX_NEW, g.output_ids, g.output_logprobs, g.output_versions,
                                 g.finish_reason, cfg, version) == []
 
 
@@ -91,7 +93,7 @@ def test_every_request_answered_once_and_exact_across_pauses(mode):
     _check(cfg, rids, gens, 2)
     assert stats["answers"] == len(rids) and stats["duplicates_dropped"] == 0 and stats["resent"] == 0
     assert server_stats["completed"] == len(rids) and server_stats["duplicates"] == 0
-    assert any(len(set(g.versions)) > 1 for g in gens), "no sample spans an update"
+    assert any(len(set(g.output_versions)) > 1 for g in gens), "no sample spans an update"
 
 
 def test_killed_worker_loses_nothing_and_is_named(caplog):

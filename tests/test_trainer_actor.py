@@ -36,7 +36,7 @@ def make_batch(n=12, seed=0, version=0, group_size=4, max_prompt=8, max_out=20):
         o = int(torch.randint(1, max_out, (1,), generator=g))
         out.append(Sample(prompt_ids=torch.randint(2, VOCAB, (p,), generator=g).tolist(),
                           output_ids=torch.randint(2, VOCAB, (o,), generator=g).tolist(),
-                          behav_logprobs=(-torch.rand(o, generator=g) * 4 - 1).tolist(),
+                          output_logprobs=(-torch.rand(o, generator=g) * 4 - 1).tolist(),
                           output_versions=[version] * o,
                           reward=float(torch.rand((), generator=g) > 0.5), group_id=i // group_size))
     return out
@@ -87,7 +87,7 @@ def test_steps_reduce_the_loss_on_a_fixed_batch(tiny):
     actor = actor_for(path, ppo={"prox_mode": "none"}, optim={"lr": 3e-3})
     batch = make_batch(8, seed=1)
     for s in batch:  # on-policy behaviour log-probs: the PPO ratio starts at 1
-        s.behav_logprobs = hf_logprobs(model, s).tolist()
+        s.output_logprobs = hf_logprobs(model, s).tolist()
     losses = [actor.train_batch(batch)["loss"] for _ in range(4)]
     assert losses[-1] < losses[0] - 0.05, losses
     assert actor.version == 4
@@ -100,7 +100,7 @@ def test_proximal_approximation_through_the_actor(tiny):
     actor.version = 5
     batch = make_batch(6, seed=4, version=3)
     cur = torch.cat(actor.compute_logprobs(batch))
-    b = torch.cat([torch.tensor(s.behav_logprobs) for s in batch])
+    b = torch.cat([torch.tensor(s.output_logprobs) for s in batch])
     m = actor.train_batch(batch)
     assert m["behav_kl"] == pytest.approx(float((cur - b).mean()) / 2, abs=1e-5)
     assert m["staleness_mean"] == m["staleness_max"] == 2  # made by v3, trained from weights v5
@@ -163,13 +163,14 @@ def test_engine_behaviour_logprobs_equal_trainer_recompute(tiny):
             with urllib.request.urlopen(req, timeout=60) as r:
                 out = json.loads(r.read())
             lps = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
-            samples.append((temp, Sample(prompt, out["output_ids"], lps, [0] * len(lps), 0.0, i)))
+            samples.append((temp, Sample(prompt_ids=prompt, output_ids=out["output_ids"], output_logprobs=lps,
+                                         output_versions=[0] * len(lps), reward=0.0, group_id=i)))
     finally:
         handle.stop()
     for temp, s in samples:
         actor = actor_for(path, sampling_temperature=temp)
         got = actor.compute_logprobs([s])[0]
-        torch.testing.assert_close(got, torch.tensor(s.behav_logprobs), atol=ENGINE_LOGPROB_ATOL, rtol=0)
+        torch.testing.assert_close(got, torch.tensor(s.output_logprobs), atol=ENGINE_LOGPROB_ATOL, rtol=0)
 
 
 def test_activation_checkpointing_gives_the_same_update(tiny):

@@ -8,7 +8,7 @@ from tolerances import FP64_FEW_OPS_ATOL
 
 from areal_fast.trainer import OptimConfig, PPOConfig, Sample, TrainerConfig
 from areal_fast.trainer.advantages import approx_prox_logprobs, batch_normalize, group_advantages
-from areal_fast.trainer.batch import split_minibatches, to_seq
+from areal_fast.trainer.batch import as_sample, split_minibatches, to_seq
 
 
 def test_grpo_matches_formula_and_handles_lost_members():
@@ -76,18 +76,18 @@ def test_proximal_approximation_numerics():
 
 
 def test_sample_to_seq_shift_and_masks():
-    s = Sample(prompt_ids=[5, 6, 7], output_ids=[8, 9], behav_logprobs=[-0.1, -0.2], output_versions=[3, 4],
+    s = Sample(prompt_ids=[5, 6, 7], output_ids=[8, 9], output_logprobs=[-0.1, -0.2], output_versions=[3, 4],
                reward=1.0, group_id=0)
     q = to_seq(s)
     assert q.input_ids.tolist() == [5, 6, 7, 8] and q.labels.tolist() == [6, 7, 8, 9]
     assert q.loss_mask.tolist() == [False, False, True, True]
     assert q.behav_logprobs.tolist() == pytest.approx([0, 0, -0.1, -0.2])
     assert q.versions.tolist() == [-1, -1, 3, 4]
-    with pytest.raises(ValueError, match="sample 3: output_ids"):
-        Sample.coerce(dict(prompt_ids=[1], output_ids=[2], behav_logprobs=[], output_versions=[0], reward=0,
+    with pytest.raises(ValueError, match="sample 3: 1 output_ids but .*output_logprobs"):
+        as_sample(dict(prompt_ids=[1], output_ids=[2], output_logprobs=[], output_versions=[0], reward=0,
                            group_id=0), 3)
     with pytest.raises(ValueError, match="lacks key 'reward'"):
-        Sample.coerce(dict(prompt_ids=[1], output_ids=[2], behav_logprobs=[0.0], output_versions=[0],
+        as_sample(dict(prompt_ids=[1], output_ids=[2], output_logprobs=[0.0], output_versions=[0],
                            group_id=0))
 
 

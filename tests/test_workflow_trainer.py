@@ -5,6 +5,8 @@ they carry; the recomputed log-probs are those of the model tokens."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from test_trainer_actor import VOCAB, actor_for, make_tiny_model
 from tolerances import FP32_PACKED_LOGPROB_ATOL
@@ -83,7 +85,9 @@ def test_mask_changes_the_update(tmp_path):
     make_tiny_model(tmp_path, seed=4)
     trajs = _trajectories()
     _, w_masked = _train(str(tmp_path), _single_turn_with_mask(trajs, garbage=False))
-    unmasked = [Sample(**{**s.__dict__, "loss_mask": None}) for s in _single_turn_with_mask(trajs, garbage=False)]
+    # an empty mask: every output token is a model token (the client's samples have no context tokens)
+    unmasked = [replace(s, loss_mask=[]) for s in _single_turn_with_mask(trajs, garbage=False)]
+    assert all(s.loss_mask.tolist() == [1] * len(s.output_ids) for s in unmasked)
     _, w_all = _train(str(tmp_path), unmasked)
     assert any(not torch.equal(w_masked[k], w_all[k]) for k in w_masked)
 
