@@ -26,7 +26,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from areal_fast.config import RayConfig, RolloutConfig, load_config  # noqa: E402
-from areal_fast.launch.base import PYTHON, ProcessDied, http_ok, server_command, tp_size  # noqa: E402
+from areal_fast.launch.base import PYTHON, ProcessDied, server_command, server_ready, tp_size  # noqa: E402
 from areal_fast.launch.ray_launcher import RayLauncher  # noqa: E402
 from areal_fast.launch.train import run_train  # noqa: E402
 
@@ -177,7 +177,7 @@ def test_server_health_generate_and_killed_actor(ray_cluster, tmp_path):
                 launcher.check()
                 time.sleep(0.2)
         assert not _wait_gone([server.pid]), "the engine outlived its killed actor"
-        assert not http_ok(server.url + "/health")
+        assert not server_ready(server.url)
         assert "areal_fast.rollout.engine" in server.log_path.read_text()  # its log was collected
     _assert_torn_down(launcher)
 

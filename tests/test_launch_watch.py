@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from areal_fast.launch import rank
-from areal_fast.launch.base import http_ok, http_reachable
+from areal_fast.launch.base import server_alive, server_ready
 from areal_fast.netutil import find_free_port
 
 
@@ -34,9 +34,9 @@ def paused_server():
 
 
 def test_a_paused_server_is_reachable_a_closed_port_is_not(paused_server):
-    assert not http_ok(paused_server + "/health")  # not healthy...
-    assert http_reachable(paused_server + "/health")  # ...but alive
-    assert not http_reachable(f"http://127.0.0.1:{find_free_port('127.0.0.1')}/health")
+    assert not server_ready(paused_server)  # not healthy...
+    assert server_alive(paused_server)  # ...but alive
+    assert not server_alive(f"http://127.0.0.1:{find_free_port('127.0.0.1')}")
 
 
 class _Pool:

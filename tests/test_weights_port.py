@@ -5,6 +5,7 @@ server dropped from a disk update, and failures with every server alive re-raise
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pickle
 
 import pytest
@@ -46,7 +47,8 @@ class FakePool:
 
 @pytest.fixture(autouse=True)
 def _short_death_wait(monkeypatch):
-    monkeypatch.setattr(port, "DEATH_VISIBLE_S", 0.2)  # deaths in these tests are visible from the start
+    # deaths in these tests are visible from the start
+    monkeypatch.setattr(port, "DEAD_SERVER_RETRY", dataclasses.replace(port.DEAD_SERVER_RETRY, deadline_s=0.2))
 
 
 def test_spec_is_a_plain_value_every_rank_can_build():

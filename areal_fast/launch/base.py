@@ -17,8 +17,6 @@ import contextlib
 import logging
 import os
 import sys
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -90,27 +88,21 @@ def rank_command(config_file: Path, python: str = sys.executable) -> list[str]:
     return [python, "-m", "areal_fast.launch.rank", str(config_file)]
 
 
-def http_ok(url: str, timeout: float = 2.0) -> bool:
-    """GET ``url`` answers 200."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+def server_ready(url: str, timeout: float = 2.0) -> bool:
+    """The start-up wait's question, the one health check's probe (``rollout.calls``): GET /health
+    answers 200 within ``timeout``."""
+    from areal_fast.rollout.calls import health_now
+
+    return health_now(url, liveness=False, probe_timeout_s=timeout).state == "ok"
 
 
-def http_reachable(url: str, timeout: float = 2.0) -> bool:
-    """Something answers HTTP at ``url``, whatever the status. A server pausing generation for a
-    weight update may answer 503 on /health for a long time (SGLang does): it is alive."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout):
-            return True
-    except urllib.error.HTTPError:
-        return True
-    except TimeoutError:
-        return True  # busy, not gone; a refused or reset connection is what a dead server gives
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        return isinstance(getattr(e, "reason", None), TimeoutError)
+def server_alive(url: str, timeout: float = 2.0) -> bool:
+    """The watchdog's question, the one health check's liveness half: the server's process answers
+    HTTP (any status, a 401 or the 503 of a server paused for a weight update included), or is
+    connected and busy; False for a refused, reset or timed-out connection."""
+    from areal_fast.rollout.calls import health_now
+
+    return health_now(url, probe=False, timeout_s=timeout).alive
 
 
 def _split_tp(server_args: list[str]) -> tuple[int, list[str]]:

@@ -33,12 +33,12 @@ from pathlib import Path
 from areal_fast.launch.base import (
     LaunchedProcess,
     ProcessDied,
-    http_ok,
     open_private_log,
     rank_command,
     server_command,
     server_env,
     server_key_file,
+    server_ready,
 )
 from areal_fast.netutil import find_free_port, url_host
 from areal_fast.procutil import die_with_parent
@@ -80,15 +80,15 @@ class LocalLauncher:
         log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
         return p
 
-    def wait_healthy(self, procs: list[LaunchedProcess], timeout: float, path: str = "/health") -> None:
-        """Block until every process answers 200 on ``path``; fail fast when one exits."""
+    def wait_healthy(self, procs: list[LaunchedProcess], timeout: float) -> None:
+        """Block until every process answers 200 on /health (``base.server_ready``); fail fast when one exits."""
         deadline = time.monotonic() + timeout
         pending = [p for p in procs if p.url]
         while pending:
             for p in list(pending):
                 if not p.alive():
                     raise ProcessDied(f"{p.death_message()}\n(it died while starting up)")
-                if http_ok(p.url + path):
+                if server_ready(p.url):
                     pending.remove(p)
             if not pending:
                 return

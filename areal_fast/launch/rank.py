@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from areal_fast.controller import Controller, ControllerSettings
-from areal_fast.launch.base import PrivateFileHandler, http_reachable
+from areal_fast.launch.base import PrivateFileHandler, server_alive
 from areal_fast.launch.metrics import JsonlSink, ProgressBar, TensorBoardSink, truncate_jsonl
 from areal_fast.procutil import die_with_parent
 
@@ -179,8 +179,9 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
 
 
 def server_is_dead(url: str) -> bool:
-    """A server whose /health refuses the connection is gone; any HTTP answer (503 while paused) is alive."""
-    return not http_reachable(url + "/health")
+    """A server whose connection is refused (or reset) is gone; any HTTP answer (401, 503 while
+    paused) is alive: the one health check's liveness (``base.server_alive``)."""
+    return not server_alive(url)
 
 
 @contextlib.asynccontextmanager
@@ -253,7 +254,7 @@ async def _watch_servers(rollout, log_dir) -> None:
     misses: dict[str, int] = {}
     while True:
         for url in list(rollout.urls):
-            alive = await asyncio.to_thread(http_reachable, url + "/health")
+            alive = not await asyncio.to_thread(server_is_dead, url)
             misses[url] = 0 if alive else misses.get(url, 0) + 1
             if misses[url] >= _UNREACHABLE_ROUNDS:
                 if len(rollout.urls) == 1:

@@ -60,7 +60,6 @@ from areal_fast.launch.base import (
     PrivateFileHandler,
     ProcessDied,
     gpus_per_server,
-    http_reachable,
     open_private_log,
     rank_command,
     server_command,
@@ -121,11 +120,19 @@ class ProcessHost:
                                          start_new_session=True, preexec_fn=_die_with_actor)
         return {"pid": self.proc.pid, "log_path": self.log_path}
 
-    def poll(self, health_url: str | None = None) -> dict:
+    def poll(self, server_url: str | None = None, ready: bool = False) -> dict:
+        """The exit code and, for a server, the one health check (``rollout.calls``): ``healthy``
+        is its liveness (any answer counts: a server paused for a weight update may answer 503 for
+        minutes), ``ready`` (asked with ``ready=True``) its /health probe answering 200."""
+        from areal_fast.rollout.calls import health_now
+
         rc = self.proc.poll() if self.proc else None
-        # answering at all counts: a server paused for a weight update may answer 503 for minutes
-        healthy = http_reachable(health_url, timeout=1.0) if health_url and rc is None else None
-        return {"returncode": rc, "healthy": healthy}
+        if not server_url or rc is not None:
+            return {"returncode": rc, "healthy": None, "ready": None}
+        if ready:
+            h = health_now(server_url, liveness=False, probe_timeout_s=1.0)
+            return {"returncode": rc, "healthy": h.alive, "ready": h.state == "ok"}
+        return {"returncode": rc, "healthy": health_now(server_url, probe=False, timeout_s=1.0).alive, "ready": None}
 
     def read_log(self, offset: int, limit: int = _LOG_CHUNK) -> tuple[bytes, int]:
         if not self.log_path:
@@ -337,11 +344,12 @@ class RayLauncher:
         return out
 
     # ------------------------------------------------------------ watching
-    def refresh(self, health: bool = False, timeout: float = 5.0) -> None:
-        """Update exit codes (and health, for servers) of the live processes from their actors."""
+    def refresh(self, health: bool = False, timeout: float = 5.0, ready: bool = False) -> None:
+        """Update exit codes (and health, for servers; ``ready``: whether /health answers 200) of the
+        live processes from their actors."""
         ray = _ray()
         live = [p for p in self.procs if p.alive()]
-        refs = {p.actor.poll.remote(p.url + "/health" if health and p.url else None): p for p in live}
+        refs = {p.actor.poll.remote(p.url if health and p.url else None, ready): p for p in live}
         if not refs:
             return
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
@@ -360,20 +368,22 @@ class RayLauncher:
                 p.returncode = st["returncode"]
             if st["healthy"]:
                 p.extra["last_healthy"] = time.monotonic()
+            if st.get("ready"):
+                p.extra["last_ready"] = time.monotonic()
 
     def wait_healthy(self, procs: list[LaunchedProcess], timeout: float) -> None:
         """Block until every process with a url answers 200 on /health; fail fast when one dies."""
         deadline = time.monotonic() + timeout
         pending = [p for p in procs if p.url]
         for p in pending:
-            p.extra["last_healthy"] = 0.0
+            p.extra["last_healthy"] = p.extra["last_ready"] = 0.0
         while pending:
             t0 = time.monotonic()
-            self.refresh(health=True)
+            self.refresh(health=True, ready=True)
             for p in list(pending):
                 if not p.alive():
                     raise ProcessDied(f"{p.death_message()}\n(it died while starting up)")
-                if p.extra["last_healthy"] >= t0:
+                if p.extra["last_ready"] >= t0:
                     pending.remove(p)
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"not healthy after {timeout:.0f}s: {', '.join(p.name for p in pending)}; "

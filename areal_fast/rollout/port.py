@@ -8,14 +8,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 
+from areal_fast.rollout.calls import DEAD_SERVER_RETRY, RetryPolicy, retry_dropping_dead
 from areal_fast.sample import Sample
 
 log = logging.getLogger(__name__)
-_DEATH_VISIBLE_S = 3.0  # how long a failed control call waits for a server's death to show
 
 
 class ClientRollout:
@@ -29,23 +27,13 @@ class ClientRollout:
         self.client = client
         self.is_dead = is_dead or (lambda url: False)
 
-    async def control(self, fn, what: str, attempts: int = 3):
-        """Run ``await fn()`` (a call on all servers), dropping dead servers between attempts."""
-        for attempt in range(attempts):
-            try:
-                return await fn()
-            except Exception as e:  # noqa: BLE001 - a dead server is dropped, anything else re-raised
-                # a connection reset can arrive a moment before the process is seen to exit
-                deadline = time.monotonic() + _DEATH_VISIBLE_S
-                dead = [u for u in self.urls if self.is_dead(u)]
-                while not dead and time.monotonic() < deadline:
-                    await asyncio.sleep(0.1)
-                    dead = [u for u in self.urls if self.is_dead(u)]
-                if not dead or attempt == attempts - 1:
-                    raise RuntimeError(f"{what} failed: {e!r}") from e
-                for u in dead:
-                    log.warning("%s: server %s died; continuing with the others", what, u)
-                    self.remove_server(u)
+    async def control(self, fn, what: str, policy: RetryPolicy = DEAD_SERVER_RETRY):
+        """Run ``await fn()`` (a call on all servers), dropping dead servers between attempts
+        (``rollout.calls.retry_dropping_dead``: the one dead-server policy)."""
+        try:
+            return await retry_dropping_dead(fn, lambda: self.urls, self.is_dead, self.remove_server, what, policy)
+        except Exception as e:  # noqa: BLE001 - every server alive, or the last attempt
+            raise RuntimeError(f"{what} failed: {e!r}") from e
 
     async def generate(self, input_ids, sampling, rid) -> Sample:
         """The client's sample itself (the one record: nothing is converted on the way)."""

@@ -12,8 +12,6 @@ import os
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 
 __all__ = ["EngineHandle"]
@@ -22,11 +20,11 @@ _POLL_S = 0.1  # between /health polls during start-up
 
 
 def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+    """The one health check's probe (``rollout.calls``): GET /health answers 200 within 2 s."""
+    # imported here: rollout.calls reads engine.compat, whose package imports the engine's launcher (and this)
+    from areal_fast.rollout.calls import health_now
+
+    return health_now(url, liveness=False, probe_timeout_s=2.0).state == "ok"
 
 
 @dataclass

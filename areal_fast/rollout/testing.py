@@ -61,51 +61,41 @@ def reference_sender_main(argv: list[str] | None = None) -> None:
     import json
     import os
     import sys
-    import threading
     import time
-    import urllib.request
 
     import torch
     import torch.distributed as dist
     from packaging.version import Version
 
+    from areal_fast.rollout.calls import BlockingCalls
     from areal_fast.rollout.engine.compat import needs_weight_update_sessions
     from areal_fast.rollout.engine.weight_sync import TensorMeta, flattened_bucket_layout, init_custom_process_group
 
     spec = json.load(open((argv or sys.argv[1:])[0]))
     url, group = spec["url"], spec["group_name"]
 
-    def post(path: str, body: dict, box: dict | None = None):
-        req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                out = json.loads(r.read() or b"null")
-        except urllib.error.HTTPError as e:
-            text = e.read().decode()
-            try:
-                out = {**json.loads(text), "http_error": e.code}
-            except (ValueError, TypeError):
-                out = {"http_error": e.code, "body": text}
-        if box is not None:
-            box["answer"] = out
+    calls = BlockingCalls()  # the one module for calls to servers; its loop runs in a thread
+
+    async def post_async(c, path: str, body: dict):
+        status, out = await c.request(url, "POST", path, body, timeout_s=120)
+        if status >= 400:  # the answer, marked with its status (the tests look at refusals)
+            out = {**out, "http_error": status} if isinstance(out, dict) else {"http_error": status, "body": out}
         return out
 
-    def in_thread(path: str, body: dict) -> tuple[threading.Thread, dict]:
-        box: dict = {}
-        t = threading.Thread(target=post, args=(path, body, box))
-        t.start()
-        return t, box
+    def send(path: str, body: dict):
+        """Sent from the calls' thread, not awaited (the broadcasts follow); its Future."""
+        return calls.run(lambda c: post_async(c, path, body))
+
+    def post(path: str, body: dict):
+        return send(path, body).result()
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with urllib.request.urlopen(url + "/server_info", timeout=60) as r:
-        sessions = needs_weight_update_sessions(Version(json.loads(r.read())["version"]))
-    t, box = in_thread("/init_weights_update_group", {
+    sessions = needs_weight_update_sessions(Version(calls.call(url, "GET", "/server_info")["version"]))
+    sent = send("/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": spec["master_port"], "rank_offset": 1, "world_size": 2,
         "group_name": group, "backend": "gloo"})
     pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{spec['master_port']}", 2, 0, group)
-    t.join()
-    results = {"init": box["answer"], "rounds": []}
+    results = {"init": sent.result(), "rounds": []}
     for rnd in spec["rounds"]:
         from safetensors.torch import load_file
 
@@ -119,7 +109,7 @@ def reference_sender_main(argv: list[str] | None = None) -> None:
         if sessions:
             post("/begin_weight_update", {})
         t0 = time.monotonic()
-        t, box = in_thread("/update_weights_from_distributed", body)
+        sent = send("/update_weights_from_distributed", body)
         if rnd.get("silent"):
             pass
         elif rnd["load_format"] == "flattened_bucket":
@@ -133,15 +123,16 @@ def reference_sender_main(argv: list[str] | None = None) -> None:
         else:
             for x in tensors:
                 dist.broadcast(x.contiguous(), src=0, group=pg)
-        t.join()
+        answer = sent.result()
         waited = time.monotonic() - t0
         if sessions:
             post("/end_weight_update", {})
         probe = post("/generate", {"input_ids": spec["probe"], "sampling_params": {
             "max_new_tokens": spec["probe_new_tokens"], "temperature": 0.0, "ignore_eos": True}})
-        results["rounds"].append({"update": box["answer"], "waited_s": waited, "output_ids": probe["output_ids"],
+        results["rounds"].append({"update": answer, "waited_s": waited, "output_ids": probe["output_ids"],
                                   "weight_version": probe["meta_info"]["weight_version"]})
     results["destroy"] = post("/destroy_weights_update_group", {"group_name": group})
+    calls.close()
     dist.destroy_process_group(pg)
     with open(spec["result_path"], "w") as f:
         json.dump(results, f)

@@ -25,14 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from areal_fast.rollout.calls import DEAD_SERVER_RETRY, dead_servers, retry_dropping_dead
 from areal_fast.weights.config import WeightSyncConfig
 
 __all__ = ["SyncSpec", "DistributedSync", "DiskSync", "make_sync_port", "WeightTrainer",
            "ServerPool"]
 
 log = logging.getLogger(__name__)
-DEATH_VISIBLE_S = 3.0  # a connection reset can arrive this long before the server's exit is visible
-DISK_ATTEMPTS = 3  # a disk update is retried after dropping dead servers, at most this often
+# A failed update is retried without the servers whose process is gone (rollout.calls.DEAD_SERVER_RETRY:
+# up to 3 attempts; a failure waits up to 3 s for a death to show, a reset arrives before the exit).
 
 
 class WeightTrainer(Protocol):
@@ -81,30 +82,18 @@ class DiskSync:
         self.work_dir = Path(work_dir)
         self.config = dataclasses.replace(config or WeightSyncConfig(), method="disk", save_root=str(self.work_dir))
 
-    async def _dead(self, urls) -> list[str]:
-        deadline = time.monotonic() + DEATH_VISIBLE_S
-        while True:
-            dead = [u for u in urls if self.rollout.is_dead(u)]
-            if dead or time.monotonic() > deadline:
-                return dead
-            await asyncio.sleep(0.1)
-
     async def sync(self, version: int) -> dict:
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        for attempt in range(DISK_ATTEMPTS):
+
+        async def once() -> dict:
             spec = SyncSpec.of("disk", self.rollout.urls, self.config)
             t0 = time.perf_counter()
-            try:
-                await asyncio.to_thread(self.trainer.update_weights, spec, version)
-                return {"disk_sync_s": time.perf_counter() - t0}
-            except Exception:
-                dead = await self._dead(spec.urls)
-                if not dead or attempt == DISK_ATTEMPTS - 1:
-                    raise
-                for u in dead:
-                    log.warning("weight sync to version %s: server %s died; continuing with the others", version, u)
-                    self.rollout.remove_server(u)
-        raise AssertionError("unreachable")
+            await asyncio.to_thread(self.trainer.update_weights, spec, version)
+            return {"disk_sync_s": time.perf_counter() - t0}
+
+        return await retry_dropping_dead(once, lambda: self.rollout.urls, self.rollout.is_dead,
+                                         self.rollout.remove_server, f"weight sync to version {version}",
+                                         DEAD_SERVER_RETRY)
 
 
 class DistributedSync:
@@ -122,11 +111,10 @@ class DistributedSync:
         live = set(self.rollout.urls)
         return [u for u in self.spec.urls if u not in live]
 
-    def _lost(self) -> list[str]:
-        """Members of the group that left the pool or died. ``is_dead`` may probe the server
+    def _gone(self, url: str) -> bool:
+        """A member of the group that left the pool or died. ``is_dead`` may probe the server
         (a paused server can take seconds to answer), so it is asked only after a failure."""
-        removed = self._removed()
-        return removed + [u for u in self.spec.urls if u not in removed and self.rollout.is_dead(u)]
+        return url not in self.rollout.urls or self.rollout.is_dead(url)
 
     async def sync(self, version: int) -> dict:
         if self.broken:
@@ -137,10 +125,7 @@ class DistributedSync:
                 raise RuntimeError(f"servers left the pool: {self._removed()}")
             await asyncio.to_thread(self.trainer.update_weights, self.spec, version)
         except Exception as e:  # noqa: BLE001 - re-raised unless a server died
-            deadline = time.monotonic() + DEATH_VISIBLE_S
-            while not self._lost() and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            if not self._lost():
+            if not await dead_servers(self.spec.urls, self._gone, DEAD_SERVER_RETRY):
                 raise
             log.warning("distributed weight sync impossible after a server died (%r); using disk sync from now on", e)
             self.broken = True
