@@ -114,3 +114,20 @@ def test_no_test_skips_on_an_import_error_of_our_own_code():
     offenders = sorted(f for f in os.listdir(tests)
                        if f.endswith(".py") and hidden.search(open(os.path.join(tests, f)).read()))
     assert offenders == [], f"these tests turn an ImportError into a skip: {offenders}"
+
+
+MAX_MODULE_LINES = 600  # a file past this mixes concerns: split it by what it owns
+
+
+def test_no_module_of_the_package_is_over_600_lines():
+    pkg = os.path.join(REPO, "areal_fast")
+    long = {}
+    for dirpath, _, files in os.walk(pkg):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                with open(path, encoding="utf-8") as f:
+                    n = sum(1 for _ in f)
+                if n > MAX_MODULE_LINES:
+                    long[os.path.relpath(path, REPO)] = n
+    assert long == {}, f"over {MAX_MODULE_LINES} lines: {long}"
