@@ -116,9 +116,9 @@ def _bench(name: str, limit: int, script: str, *args: str) -> Step:
 
 
 def gpu_test_files() -> list[str]:
-    """Test files with a ``gpu`` mark (what ``pytest -m gpu`` will select from)."""
+    """Test files with a ``gpu`` mark (what ``pytest -m gpu`` will select from), in every folder of tests/."""
     out = []
-    for p in sorted((ROOT / "tests").glob("test_*.py")):
+    for p in sorted((ROOT / "tests").rglob("test_*.py")):
         text = p.read_text(errors="replace")
         if "mark.gpu" in text:
             out.append(str(p.relative_to(ROOT)))

@@ -32,7 +32,7 @@ no spill, under Triton 3.6 and 3.9 alike.
 All arithmetic is fp32 right after the load (bf16 arithmetic gives zeros in the interpreter).
 Loads and stores are 16-byte vectors when the row stride is a multiple of 16 elements (Triton's
 JIT specialises on it; V = 32000, 151936, 152064 all are), else scalar: checked by compiling for
-sm_90 ahead of time in tests/test_ppo_loss_kernels.py. Not yet timed on a GPU.
+sm_90 ahead of time in tests/ops/test_ppo_loss_kernels.py. Not yet timed on a GPU.
 """
 
 from __future__ import annotations

@@ -6,13 +6,28 @@ inference server subprocess, a Ray cluster, a sender process) or runs the system
 lists below mark them by rule - whole files, process-starting fixtures, named tests - so new tests
 in those files and new users of those fixtures are slow without anyone remembering a decorator;
 a test may also carry ``@pytest.mark.slow`` itself.
+
+The tests live in one folder per component of ``areal_fast/`` (``tests/rollout/``, ``tests/weights/``...),
+without ``__init__.py``: pytest imports each test file by its base name, so base names are unique
+across folders (the rules below name files by base name). Helpers shared by several folders sit here
+in ``tests/`` (``_shared.py``, ``tolerances.py``, ``sglang_wheel.py``), which pytest puts
+on ``sys.path`` for this file; the component folders are put there too, so a test may import a
+helper of another folder's test module (``from test_trainer_actor import make_tiny_model``) whatever
+files the run collects, and in whatever order.
 """
 
 import os
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+COMPONENT_FOLDERS = sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py")))
+for _folder in COMPONENT_FOLDERS:
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 # Whole files: every test in them is multi-process or end to end.
 SLOW_FILES = {

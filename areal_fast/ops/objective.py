@@ -259,7 +259,7 @@ def per_token_grads(logp: Tensor, entropy: Tensor, C: TokenConstants, cfg: PPOLo
     Used by the fused single-pass path, whose custom op runs below autograd. It follows
     PyTorch's own derivative conventions so it equals autograd of ``per_token_loss`` exactly:
     clamp passes the gradient on its closed interval, maximum/minimum split it at ties, and
-    ``where`` blocks it on the branch not taken (checked in tests/test_ppo_loss_fused_linear.py).
+    ``where`` blocks it on the branch not taken (checked in tests/ops/test_ppo_loss_fused_linear.py).
     """
     dt = logp.dtype
     zero = torch.zeros((), dtype=dt, device=logp.device)

@@ -5,7 +5,7 @@ every finder on ``sys.meta_path`` is wrapped so that ``NAME`` and ``NAME.sub`` a
 (``import`` raises ``ModuleNotFoundError``, ``importlib.util.find_spec`` returns None, as for a
 package that is not installed) for each name in ``AREAL_FAST_BLOCK_IMPORTS`` (comma-separated;
 default :data:`DEFAULT_BLOCKED`), even where the package is installed. ``bench/gpu_suite.py --dry-run``
-and ``tests/test_collect_without_optional.py`` collect the GPU tests this way, so a test module
+and ``tests/bench/test_collect_without_optional.py`` collect the GPU tests this way, so a test module
 that needs an optional package to be imported fails here, not on the GPU machine.
 """
 

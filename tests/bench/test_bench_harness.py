@@ -1,0 +1,67 @@
+"""The benchmark harness (bench/common.py) and the loss benchmark's bytes and memory models."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import bench_ppo_loss  # noqa: E402
+import common  # noqa: E402
+
+
+def test_time_fn_on_cpu_counts_calls_and_orders_percentiles():
+    calls = []
+    t = common.time_fn(lambda: calls.append(1), warmup=2, reps=7, cuda=False)
+    assert len(calls) == 9 and t.reps == 7
+    assert 0 <= t.p10_ms <= t.median_ms <= t.p90_ms
+    assert t.peak_mem_bytes is None and "median_ms" in t.as_row()
+    with pytest.raises(ValueError, match="reps"):
+        common.time_fn(lambda: None, reps=0, cuda=False)
+
+
+def test_percentile_interpolates():
+    assert common._percentile([3.0, 1.0, 2.0, 4.0, 5.0], 0.5) == 3.0
+    assert common._percentile([0.0, 10.0], 0.1) == pytest.approx(1.0)
+    assert common._percentile([7.0], 0.9) == 7.0
+
+
+def test_append_rows_writes_jsonl_with_provenance(tmp_path):
+    prov = common.provenance()
+    assert {"date", "commit", "device", "python", "torch"} <= set(prov)
+    path = common.append_rows("demo", [{"a": 1}, {"a": 2}], tmp_path, prov)
+    common.append_rows("demo", [{"a": 3}], tmp_path, prov)
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["a"] for r in rows] == [1, 2, 3]
+    assert all(r["bench"] == "demo" and r["provenance"]["commit"] == prov["commit"] for r in rows)
+    with pytest.raises(ValueError, match="bad benchmark name"):
+        common.append_rows("../x", [{}], tmp_path, prov)
+
+
+def test_device_peaks():
+    assert common.device_peaks("NVIDIA H100 80GB HBM3")["hbm_gbs"] == 3350.0
+    assert common.device_peaks("cpu") == {"hbm_gbs": None, "bf16_tflops": None}
+
+
+def test_loss_bytes_model_counts_three_passes_over_the_logits():
+    # forward read + backward read + gradient write; a copy is read + write
+    assert bench_ppo_loss.LOGIT_PASSES_FWD_BWD == 3 and bench_ppo_loss.LOGIT_PASSES_COPY == 2
+
+
+def test_eager_reference_estimate_and_skip(monkeypatch):
+    T, V = 32768, 151936
+    need = bench_ppo_loss.logits_extra_bytes(T, V)
+    assert need["eager"] >= 5 * 4 * T * V, "the eager reference holds about five fp32 [T, V] tensors"
+    assert need["ours"] < need["compiled"] < need["eager"]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 12 * 2**30)  # 10 GiB cached, unused
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 2 * 2**30)
+    assert bench_ppo_loss.fits(int(0.89 * 80 * 2**30))[0] and not bench_ppo_loss.fits(int(0.91 * 80 * 2**30))[0]
+    ok, why = bench_ppo_loss.fits(need["eager"])
+    assert not ok and "GiB" in why and "skipped" in why
+    assert bench_ppo_loss.fits(need["ours"]) == (True, "")
+    calls = []
+    t, why = bench_ppo_loss.guarded(lambda: calls.append(1), need["eager"], warmup=1, reps=2)
+    assert t is None and not calls, "a case that cannot fit must not run at all"

@@ -1,0 +1,70 @@
+"""SGLang version gates live in one place (``rollout/engine/compat.py``): a named predicate per
+behaviour, used by the engine, the rollout client and the weight sync alike."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from areal_fast.rollout.engine import compat
+from areal_fast.rollout.engine.compat import SGLangBehaviour
+
+PKG = Path(__file__).resolve().parents[2] / "areal_fast"
+COMPAT = PKG / "rollout" / "engine" / "compat.py"
+UNKNOWN = "0"  # Version("0"): a server that did not say its version (the most conservative answer)
+
+
+def version_literals_outside_compat() -> list[str]:
+    """Every ``Version("<literal>")`` in the package outside compat.py, but the unknown-version one."""
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path == COMPAT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Version"
+                    and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value != UNKNOWN):
+                found.append(f"{path.relative_to(PKG.parent)}:{node.lineno} Version({node.args[0].value!r})")
+    return found
+
+
+def test_no_version_gate_outside_compat():
+    assert version_literals_outside_compat() == [], "move the gate into rollout/engine/compat.py as a predicate"
+
+
+@pytest.mark.parametrize(("predicate", "since"), [
+    (compat.supports_pause_mode, "0.5.6"),
+    (compat.reports_weight_version_spans, "0.5.19"),
+    (compat.server_info_reports_launch_version, "0.5.19"),
+    (compat.needs_weight_update_sessions, "0.5.21"),
+    (compat.refuses_unknown_sampling_keys_with_400, "0.5.22"),
+])
+def test_each_gate_opens_at_its_release(predicate, since):
+    v = Version(since)
+    before = Version(f"{v.major}.{v.minor}.{v.micro - 1}")
+    assert predicate(v) and predicate(Version("0.6.0")) and predicate(Version(f"{since}.post1"))
+    assert not predicate(before) and not predicate(Version(UNKNOWN))
+
+
+def test_the_engine_behaves_as_the_predicates_say_for_every_supported_release():
+    for micro in range(6, 24):
+        v = Version(f"0.5.{micro}")
+        b = SGLangBehaviour.of(v)
+        assert b.weight_version_spans == compat.reports_weight_version_spans(v)
+        assert b.server_info_weight_version_is_launch_value == compat.server_info_reports_launch_version(v)
+        assert b.weight_update_sessions == compat.needs_weight_update_sessions(v)
+        assert b.generate_schema_400 == compat.refuses_unknown_sampling_keys_with_400(v)
+
+
+def test_the_client_and_the_weight_sync_ask_compat():
+    from areal_fast.rollout.client import auto_pause_mode, is_caller_error
+
+    assert auto_pause_mode(Version("0.5.18")) == "abort" and auto_pause_mode(Version("0.5.19")) == "retract"
+    typeerror = "TypeError: __init__() got an unexpected keyword argument 'foo'"
+    assert is_caller_error(500, typeerror, Version("0.5.21"))  # before the schema: the 500 blames the request
+    assert not is_caller_error(500, typeerror, Version("0.5.22"))  # from 0.5.22 such a request is a 400
+    from areal_fast.weights.sync import uses_sessions
+
+    assert not uses_sessions("0.5.20") and uses_sessions("0.5.21") and uses_sessions("main-build")
