@@ -8,157 +8,19 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fakes import make_controller
 
 from areal_fast.checkpoint import ResumeMismatch, latest_checkpoint, list_checkpoints
-from areal_fast.controller import Controller, ControllerSettings
 from areal_fast.diskutil import WriteFailed
 from areal_fast.launch.metrics import JsonlSink
 from areal_fast.rollout.staleness import StalenessManager
-from areal_fast.sample import Sample
-
-
-@dataclass
-class Row:
-    index: int
-    text: str
-    task: dict
-
-
-class Prompts:
-    def __init__(self, n=1000):
-        self.n = n
-
-    def at(self, pos):
-        i = pos % self.n
-        return Row(i, f"p{i}", {"answer": "x"})
-
-
-class Tok:
-    eos_token_id = 0
-
-    def encode(self, text):
-        return [1] + [ord(c) % 50 + 2 for c in text]
-
-    def decode(self, ids):
-        return "x" if ids and ids[-1] % 2 else "y"
-
-
-class Server:
-    """Shared 'engine' state: the weight version the servers hold; paused flag."""
-
-    def __init__(self):
-        self.version = 0
-        self.paused = False
-        self.resumed = asyncio.Event()
-        self.resumed.set()
-
-
-class FakeRollout:
-    """Each sample takes a random number of 'decode steps'; tokens carry the server version at the
-    moment they are made, and a pause interrupts and resumes them (like the real client)."""
-
-    def __init__(self, server: Server, seed=0, slow_positions=(), fail_position=None):
-        self.server, self.rng = server, random.Random(seed)
-        self.slow, self.fail = set(slow_positions), fail_position
-
-    async def generate(self, input_ids, sampling, rid):
-        pos = int(rid.split("-")[1]) if "eval" not in rid else -1
-        if pos == self.fail:
-            raise RuntimeError("generation failed on purpose")
-        n = self.rng.choice([1, 2, 3, 8])
-        out, vers = [], []
-        # a slow sample keeps generating until the trainer is 3 versions further (a long-tail answer)
-        while len(out) < n or (pos in self.slow and self.server.version < 3):
-            await self.server.resumed.wait()
-            await asyncio.sleep(0.001)
-            out.append(self.rng.randrange(1, 9))
-            vers.append(self.server.version)
-        return Sample(prompt_ids=input_ids, output_ids=out, output_logprobs=[-0.5] * len(out),
-                      output_versions=vers, finish_reason="stop")
-
-    async def pause(self):
-        self.server.paused = True
-        self.server.resumed.clear()
-
-    async def resume(self):
-        self.server.paused = False
-        self.server.resumed.set()
-
-
-class FakeSync:
-    def __init__(self, server):
-        self.server = server
-
-    async def sync(self, version):
-        assert self.server.paused, "weights must be synced while generation is paused"
-        await asyncio.sleep(0.001)
-        self.server.version = version
-        return {"bytes": 1}
-
-
-class FakeReward:
-    async def score(self, task, completion):
-        class R:
-            value = 1.0 if completion == task["answer"] else 0.0
-            status = "ok"
-
-        return R()
-
-
-class FakeTrainer:
-    """Its 'weights' are the list of group positions trained so far (saved and loaded)."""
-
-    def __init__(self):
-        self.trained: list[int] = []
-        self.steps: list[dict] = []
-
-    def train(self, samples, version):
-        groups = sorted({s.group_id for s in samples})
-        self.trained.extend(groups)
-        self.steps.append({"groups": groups, "versions": [v for s in samples for v in s.output_versions]})
-        return {"loss": 0.0}
-
-    def save(self, path: Path, version: int):
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "t.json").write_text(json.dumps(self.trained))
-
-    def check(self, path: Path):
-        json.loads((path / "t.json").read_text())
-
-    def load(self, path: Path):
-        self.trained = json.loads((path / "t.json").read_text())
-
-
-class CheckedGate(StalenessManager):
-    """The production gate, asserting the bound after every admission."""
-
-    def try_admit(self):
-        ok = super().try_admit()
-        if ok:
-            assert self.accepted + self.running <= (self.max_staleness + self.version + 1) * self.batch_size
-        return ok
-
-
-def make(tmp_path, *, eta=2, steps=6, B=2, n=2, strict=False, ckpt=0, seed=0, gate=None, rollout_kw=None,
-         server=None, resume_key=None):
-    server = server or Server()
-    s = ControllerSettings(batch_size=B, group_size=n, total_steps=steps,
-                           sampling={"max_new_tokens": 8}, eval_sampling={"temperature": 0.0},
-                           eval_every=0, eval_at_start=False, checkpoint_every=ckpt,
-                           output_dir=tmp_path, resume_key=resume_key or {"seed": 0})
-    trainer = FakeTrainer()
-    gate = gate or CheckedGate(B, eta, max_concurrent=16, strict=strict)
-    ctl = Controller(s, Prompts(), Tok(), FakeRollout(server, seed, **(rollout_kw or {})), FakeReward(), trainer,
-                     FakeSync(server), gate)
-    return ctl, trainer, server
 
 
 def test_async_run_trains_each_group_once_within_bound(tmp_path):
-    ctl, trainer, _ = make(tmp_path, eta=2, steps=8)
+    ctl, trainer, _ = make_controller(tmp_path, eta=2, steps=8)
     summary = asyncio.run(ctl.run())
     assert summary["steps"] == 8 == ctl.version
     assert len(trainer.trained) == len(set(trainer.trained)) == 8 * 2
@@ -169,7 +31,7 @@ def test_async_run_trains_each_group_once_within_bound(tmp_path):
 
 
 def test_sync_mode_eta0_trains_only_fresh_samples(tmp_path):
-    ctl, trainer, _ = make(tmp_path, eta=0, steps=5)
+    ctl, trainer, _ = make_controller(tmp_path, eta=0, steps=5)
     asyncio.run(ctl.run())
     for v, step in enumerate(trainer.steps):
         # with eta = 0 every token of the batch of step v was made by weights v: fully synchronous
@@ -179,7 +41,7 @@ def test_sync_mode_eta0_trains_only_fresh_samples(tmp_path):
 
 def test_gate_counts_match_the_controller(tmp_path):
     gate = StalenessManager(2, 1, 16)
-    ctl, trainer, _ = make(tmp_path, eta=1, steps=5, gate=gate)
+    ctl, trainer, _ = make_controller(tmp_path, eta=1, steps=5, gate=gate)
     asyncio.run(ctl.run())
     assert len(trainer.trained) == len(set(trainer.trained)) == 10
     assert gate.stats()["admitted"] == ctl.counters.admitted
@@ -188,7 +50,8 @@ def test_gate_counts_match_the_controller(tmp_path):
 
 def test_strict_mode_drops_stale_groups_and_regenerates_them(tmp_path):
     # position 0 generates 10x longer, so by the time it finishes the trainer has moved > eta on
-    ctl, trainer, _ = make(tmp_path, eta=1, steps=8, B=1, n=1, strict=True, rollout_kw={"slow_positions": [0]})
+    ctl, trainer, _ = make_controller(tmp_path, eta=1, steps=8, B=1, n=1, strict=True,
+                                      rollout_kw={"slow_positions": [0]})
     asyncio.run(ctl.run())
     for v, step in enumerate(trainer.steps):
         assert min(step["versions"]) >= v - 1
@@ -199,7 +62,7 @@ def test_strict_mode_drops_stale_groups_and_regenerates_them(tmp_path):
 
 
 def test_failed_generation_stops_the_run_with_its_error(tmp_path):
-    ctl, _, _ = make(tmp_path, rollout_kw={"fail_position": 3})
+    ctl, _, _ = make_controller(tmp_path, rollout_kw={"fail_position": 3})
     with pytest.raises(RuntimeError, match="failed on purpose"):
         asyncio.run(ctl.run())
 
@@ -208,7 +71,7 @@ def test_failed_generation_stops_the_run_with_its_error(tmp_path):
 def test_resume_after_crash_loses_and_repeats_nothing(tmp_path, seed):
     """Crash (cancel the loop at a random moment), then restore from the newest checkpoint and
     finish: the lineage trains every handed-out position at most once and loses none."""
-    ctl, trainer, server = make(tmp_path, eta=2, steps=10, ckpt=2, seed=seed)
+    ctl, trainer, server = make_controller(tmp_path, eta=2, steps=10, ckpt=2, seed=seed)
 
     async def crash():
         task = asyncio.create_task(ctl.run())
@@ -224,7 +87,7 @@ def test_resume_after_crash_loses_and_repeats_nothing(tmp_path, seed):
     n_ck = int(ck.name.split("_")[1])
     assert n_ck >= 4 and n_ck % 2 == 0
     trained_at_ck = json.loads((ck / "trainer" / "t.json").read_text())
-    ctl2, trainer2, _ = make(tmp_path, eta=2, steps=10, ckpt=2, seed=seed + 10)
+    ctl2, trainer2, _ = make_controller(tmp_path, eta=2, steps=10, ckpt=2, seed=seed + 10)
     asyncio.run(ctl2.run(resume_from=ck))
     assert ctl2.version == 10
     assert trainer2.trained[: n_ck * 2] == trained_at_ck
@@ -237,7 +100,7 @@ def test_resume_after_crash_loses_and_repeats_nothing(tmp_path, seed):
 
 
 def test_checkpoint_write_is_atomic(tmp_path):
-    ctl, _, _ = make(tmp_path, steps=2, ckpt=1)
+    ctl, _, _ = make_controller(tmp_path, steps=2, ckpt=1)
     asyncio.run(ctl.run())
     # a half-written checkpoint (no COMPLETE marker) is never picked
     (tmp_path / "checkpoints" / "step_00000009.tmp").mkdir()
@@ -247,20 +110,20 @@ def test_checkpoint_write_is_atomic(tmp_path):
 
 
 def _crashed_run(tmp_path, steps=4, ckpt=1):
-    ctl, _, _ = make(tmp_path, eta=2, steps=steps, ckpt=ckpt)
+    ctl, _, _ = make_controller(tmp_path, eta=2, steps=steps, ckpt=ckpt)
     asyncio.run(ctl.run())
     return list_checkpoints(tmp_path / "checkpoints")
 
 
 def test_resume_with_a_changed_data_order_is_refused_naming_the_keys(tmp_path):
     _crashed_run(tmp_path)
-    ctl, _, _ = make(tmp_path, eta=2, steps=8, ckpt=1, resume_key={"seed": 1, "data.rows": 10})
+    ctl, _, _ = make_controller(tmp_path, eta=2, steps=8, ckpt=1, resume_key={"seed": 1, "data.rows": 10})
     with pytest.raises(ResumeMismatch) as e:
         ctl.restore_newest()
     msg = str(e.value)
     assert "seed" in msg and "data.rows" in msg and "step_00000004" in msg and "experiment.resume=false" in msg
     assert ctl.version == 0  # nothing was loaded
-    ok, trainer, _ = make(tmp_path, eta=2, steps=8, ckpt=1)  # the same key resumes
+    ok, trainer, _ = make_controller(tmp_path, eta=2, steps=8, ckpt=1)  # the same key resumes
     assert ok.restore_newest().name == "step_00000004" and ok.version == 4 and len(trainer.trained) == 8
 
 
@@ -272,7 +135,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
         (newest / "controller.json").write_text('{"version": 4, "posi')  # cut short, as by a full disk
     else:
         (newest / "trainer" / "t.json").write_bytes(b"\x80\x04")
-    ctl, trainer, _ = make(tmp_path, eta=2, steps=6, ckpt=1)
+    ctl, trainer, _ = make_controller(tmp_path, eta=2, steps=6, ckpt=1)
     with caplog.at_level("WARNING"):
         assert ctl.restore_newest() == cks[-2]
     assert ctl.version == 3 and len(trainer.trained) == 6
@@ -285,7 +148,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
 
 def test_a_failed_checkpoint_write_names_the_path_and_leaves_no_partial_checkpoint(tmp_path):
     """A full disk surfaces from torch.save as "unexpected pos": the error must name what was being written."""
-    ctl, trainer, _ = make(tmp_path, steps=2, ckpt=1)
+    ctl, trainer, _ = make_controller(tmp_path, steps=2, ckpt=1)
 
     def full_disk(path, version):
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 2048 vs 1994")

@@ -16,9 +16,8 @@ import zlib
 from array import array
 
 import pytest
-from test_controller import Tok  # the controller tests' tokenizer fake
+from fakes import MatchReward, ParityTok, Prompts, RecordingTrainer, VersionSync
 from test_controller_columns import legacy_state  # a group as controller.json held it before the one record
-from test_workflow import RecordingTrainer as Trainer  # keeps every sample it is given
 
 from areal_fast.buffer import MAGIC, GroupBuffer, column_bytes, read_records
 from areal_fast.checkpoint import BUFFER_FILE, STATE_FILE, CorruptCheckpoint, read_state
@@ -154,16 +153,6 @@ def test_the_spill_file_reuses_its_space_over_many_fill_drain_cycles(tmp_path):
 # ----------------------------------------------------------------------------- controller fakes
 
 
-class Row:
-    def __init__(self, index):
-        self.index, self.text, self.task = index, f"p{index}", {"answer": "x"}
-
-
-class Prompts:
-    def at(self, pos):
-        return Row(pos)
-
-
 class Rollout:
     """Answers that are a pure function of the request (position, episode): lengths 1 to 300 tokens,
     awkward float32 log-probs; every token carries the servers' version."""
@@ -190,31 +179,14 @@ class Rollout:
         pass
 
 
-class Sync:
-    def __init__(self, rollout):
-        self.rollout = rollout
-
-    async def sync(self, version):
-        self.rollout.version = version
-        return {}
-
-
-class Reward:
-    async def score(self, task, completion):
-        class R:
-            value = float(completion == task["answer"])
-            status = "ok"
-
-        return R()
-
-
 def controller(tmp_path, *, bound_mb, eta=0, steps=4, B=3, n=2, strict=False, ckpt=0, trainer=None):
     s = ControllerSettings(batch_size=B, group_size=n, total_steps=steps, sampling={"max_new_tokens": 300},
                            eval_sampling={}, eval_every=0, eval_at_start=False, checkpoint_every=ckpt,
                            output_dir=tmp_path, buffer_memory_mb=bound_mb)
     rollout = Rollout()
     gate = StalenessManager(B, eta, max_concurrent=16, strict=strict)
-    return Controller(s, Prompts(), Tok(), rollout, Reward(), trainer or Trainer(), Sync(rollout), gate)
+    return Controller(s, Prompts(), ParityTok(), rollout, MatchReward(), trainer or RecordingTrainer(),
+                      VersionSync(rollout), gate)
 
 
 def _sample_bytes(s: Sample) -> tuple:
@@ -438,7 +410,7 @@ def test_the_batch_is_released_when_the_trainer_returns_before_pause_and_sync(tm
     must not hold it. The trainer keeps only weak references; by the pause they must all be dead."""
     import weakref
 
-    class WeakTrainer(Trainer):
+    class WeakTrainer(RecordingTrainer):
         def __init__(self):
             super().__init__()
             self.refs: list = []

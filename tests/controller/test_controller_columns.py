@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 from array import array
-from pathlib import Path
 
 import pytest
 import torch
+from fakes import ConstantReward, ParityTok, Prompts, RecordingTrainer, VersionSync
 
 from areal_fast.checkpoint import STATE_FILE, checkpoint_groups, read_state
 from areal_fast.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY, decode_column, encode_column
@@ -23,28 +22,10 @@ from areal_fast.group import Group, legacy_fields
 from areal_fast.rollout.port import ClientRollout
 from areal_fast.rollout.staleness import StalenessManager
 from areal_fast.sample import Sample
-from areal_fast.trainer.batch import as_sample, to_seq
+from areal_fast.trainer.batch import as_sample
 
 SAMPLE_COLUMNS = {"prompt_ids": TOKEN_ARRAY, "output_ids": TOKEN_ARRAY, "output_logprobs": LOGPROB_ARRAY,
                   "output_versions": TOKEN_ARRAY, "loss_mask": MASK_ARRAY}
-
-
-class Row:
-    def __init__(self, index):
-        self.index, self.text, self.task = index, f"p{index}", {"answer": "x"}
-
-
-class Prompts:
-    def at(self, pos):
-        return Row(pos)
-
-
-class Tok:
-    def encode(self, text):
-        return [1] + [ord(c) % 50 + 2 for c in text]
-
-    def decode(self, ids):
-        return "x"
 
 
 class FakeClient:
@@ -83,52 +64,6 @@ class FakeClient:
         self.running.set()
 
 
-class Sync:
-    def __init__(self, client):
-        self.client = client
-
-    async def sync(self, version):
-        self.client.version = version
-        return {}
-
-
-class Reward:
-    async def score(self, task, completion):
-        class R:
-            value, status = 1.0, "ok"
-
-        return R()
-
-
-BUFFER_WAIT_S = 60.0  # limit of a wait for a group to finish (fake generations take milliseconds)
-
-
-class Trainer:
-    """Keeps every sample handed to it, and what the trainer's batch code makes of it. With
-    ``hold_until`` set, a step returns only once that condition holds (checked on the controller's
-    state from the trainer's thread), e.g. so that a checkpoint surely holds a buffered group."""
-
-    def __init__(self):
-        self.samples: list[Sample] = []
-        self.seqs = []
-        self.hold_until = None
-
-    def train(self, samples, version):
-        deadline = time.monotonic() + BUFFER_WAIT_S
-        while self.hold_until is not None and not self.hold_until():
-            assert time.monotonic() < deadline, "no group finished while the trainer waited"
-            time.sleep(0.001)
-        self.samples += samples
-        self.seqs += [to_seq(as_sample(s, i)) for i, s in enumerate(samples)]
-        return {}
-
-    def save(self, path: Path, version: int):
-        path.mkdir(parents=True, exist_ok=True)
-
-    def load(self, path: Path):
-        pass
-
-
 class RecordingGate(StalenessManager):
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -144,12 +79,13 @@ def _controller(tmp_path, client, trainer, *, steps=3, ckpt=0, strict=False):
                            eval_sampling={}, eval_every=0, eval_at_start=False, checkpoint_every=ckpt,
                            output_dir=tmp_path)
     gate = RecordingGate(2, 1, max_concurrent=8, strict=strict)
-    return Controller(s, Prompts(), Tok(), ClientRollout(client), Reward(), trainer, Sync(client), gate), gate
+    return Controller(s, Prompts(), ParityTok(), ClientRollout(client), ConstantReward(), trainer,
+                      VersionSync(client), gate), gate
 
 
 @pytest.mark.parametrize("as_arrays", [False, True], ids=["client-lists", "client-arrays"])
 def test_the_trainer_gets_compact_arrays_equal_to_what_the_client_returned(tmp_path, as_arrays):
-    client, trainer = FakeClient(as_arrays), Trainer()
+    client, trainer = FakeClient(as_arrays), RecordingTrainer(keep_seqs=True)
     ctl, gate = _controller(tmp_path, client, trainer, strict=True)
     asyncio.run(ctl.run())
     assert len(trainer.samples) == 3 * 2 * 2
@@ -159,7 +95,7 @@ def test_the_trainer_gets_compact_arrays_equal_to_what_the_client_returned(tmp_p
         pos = s.group_id
         r = client.returned[s.rid]
         assert s.rid.split("-")[1] == str(pos)
-        assert s.prompt_ids.tolist() == Tok().encode(f"p{pos}")
+        assert s.prompt_ids.tolist() == ParityTok().encode(f"p{pos}")
         assert s.output_logprobs == array(LOGPROB_ARRAY, r.output_logprobs)  # bit for bit, as float32
         assert s.output_versions.tolist() == list(r.output_versions)
         assert s.loss_mask.tolist() == [1] * len(r.output_ids)
@@ -180,7 +116,7 @@ def test_the_sample_the_client_made_is_the_one_the_trainer_gets(tmp_path):
     client's ``generate`` returned (through the rollout port, the default workflow, the group, the
     buffer), with the client's own column arrays, and the trainer's check takes it as it is. Before
     the one record, the port, the workflow and the group each built a new record (fails here)."""
-    client, trainer = FakeClient(as_arrays=True), Trainer()
+    client, trainer = FakeClient(as_arrays=True), RecordingTrainer(keep_seqs=True)
     columns_of = {}
     real_generate = client.generate
 
@@ -275,7 +211,7 @@ def test_group_columns_min_version_and_checkpoint_round_trip():
 def test_a_checkpoint_with_lists_from_an_older_version_still_loads_and_resumes(tmp_path):
     """An older controller.json held the buffered groups' tokens as lists (and log-probs under the
     name ``logprobs``): it loads into arrays with the same values, and the run goes on from it."""
-    client, trainer = FakeClient(as_arrays=True), Trainer()
+    client, trainer = FakeClient(as_arrays=True), RecordingTrainer(keep_seqs=True)
     ctl, _ = _controller(tmp_path, client, trainer, steps=2, ckpt=2)
     trainer.hold_until = lambda: len(ctl.buffer) >= 1  # the checkpoint after step 2 holds a finished group
     asyncio.run(ctl.run())
@@ -296,7 +232,7 @@ def test_a_checkpoint_with_lists_from_an_older_version_still_loads_and_resumes(t
     assert "__array__" not in json.dumps(old["buffer"])
     (ck / STATE_FILE).write_text(json.dumps(old))
 
-    trainer2 = Trainer()
+    trainer2 = RecordingTrainer(keep_seqs=True)
     ctl2, _ = _controller(tmp_path, client, trainer2, steps=4, ckpt=2)
     assert ctl2.restore_newest() == ck
     assert list(ctl2.buffer) == new_buffer
@@ -309,7 +245,7 @@ def test_a_checkpoint_with_lists_from_an_older_version_still_loads_and_resumes(t
 
 
 def test_a_damaged_column_makes_the_checkpoint_corrupt_and_the_previous_one_is_used(tmp_path, caplog):
-    client, trainer = FakeClient(as_arrays=True), Trainer()
+    client, trainer = FakeClient(as_arrays=True), RecordingTrainer(keep_seqs=True)
     ctl, _ = _controller(tmp_path, client, trainer, steps=4, ckpt=2)
     trainer.hold_until = lambda: len(ctl.buffer) >= 1  # the checkpoint after step 4 holds a finished group
     asyncio.run(ctl.run())
@@ -321,7 +257,7 @@ def test_a_damaged_column_makes_the_checkpoint_corrupt_and_the_previous_one_is_u
     assert st["buffer"], "no buffered group in the checkpoint to damage"
     st["buffer"][0]["outputs"][0]["b64"] = "not base64!"
     (newest / STATE_FILE).write_text(json.dumps(st))
-    ctl2, _ = _controller(tmp_path, client, Trainer(), steps=4, ckpt=2)
+    ctl2, _ = _controller(tmp_path, client, RecordingTrainer(keep_seqs=True), steps=4, ckpt=2)
     with caplog.at_level("WARNING"):
         assert ctl2.restore_newest() == tmp_path / "checkpoints" / "step_00000002"
     assert "outputs[0]: damaged column encoding" in caplog.text and ctl2.version == 2

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_controller import FakeTrainer, Server, make
+from fakes import GroupListTrainer, ServerState, make_controller
 
 from areal_fast.checkpoint import list_checkpoints
 from areal_fast.launch import runtime
@@ -17,7 +17,7 @@ from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.port import DiskSync
 
 
-class ToldTrainer(FakeTrainer):
+class ToldTrainer(GroupListTrainer):
     """Records every version it is told; counts none itself."""
 
     def __init__(self):
@@ -38,7 +38,7 @@ class ToldTrainer(FakeTrainer):
 
 
 def test_the_trainer_and_the_servers_are_told_the_controllers_version(tmp_path):
-    ctl, _, server = make(tmp_path, eta=1, steps=6, ckpt=2)
+    ctl, _, server = make_controller(tmp_path, eta=1, steps=6, ckpt=2)
     ctl.trainer = trainer = ToldTrainer()
     synced: list[int] = []
     sync = ctl.syncer.sync
@@ -55,7 +55,7 @@ def test_the_trainer_and_the_servers_are_told_the_controllers_version(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000004", "step_00000006"]
 
     # resumed at 4: the servers are brought to 4, and the trainer trains from 4 on
-    ctl2, _, server2 = make(tmp_path, eta=1, steps=6, ckpt=2, server=Server())
+    ctl2, _, server2 = make_controller(tmp_path, eta=1, steps=6, ckpt=2, server=ServerState())
     ctl2.trainer = trainer2 = ToldTrainer()
     ctl2.syncer.sync = lambda v, s=ctl2.syncer.sync: (synced.append(v), s(v))[1]
     synced.clear()
@@ -104,14 +104,13 @@ def test_the_version_goes_down_from_the_sync_port_to_every_transport(tmp_path, m
     saved = []
     monkeypatch.setattr("areal_fast.trainer.save_checkpoint",
                         lambda actor, path, version: (saved.append(version), Path(path).mkdir(parents=True)))
-    ctl, _, _ = make(tmp_path, eta=1, steps=3)
+    ctl, _, server = make_controller(tmp_path, eta=1, steps=3)
     actor = _Actor()
     ctl.trainer = trainer = runtime.ActorTrainer(actor)
     disk = DiskSync(trainer, _Pool(), tmp_path / "w", WeightSyncConfig(method="disk"))
-    paused = ctl.syncer
 
     async def sync(version):  # the fake rollout's pause flag, then the real port
-        assert paused.server.paused
+        assert server.paused
         return await disk.sync(version)
 
     ctl.syncer.sync = sync
@@ -156,7 +155,7 @@ def test_a_checkpoint_write_killed_at_any_point_leaves_a_readable_newest(tmp_pat
 
     from areal_fast import checkpoint
 
-    ctl, trainer, _ = make(tmp_path, steps=3, ckpt=1)
+    ctl, trainer, _ = make_controller(tmp_path, steps=3, ckpt=1)
     armed = []
 
     def hook(name):
@@ -182,7 +181,7 @@ def test_a_checkpoint_write_killed_at_any_point_leaves_a_readable_newest(tmp_pat
     expected = "step_00000003" if point == "renamed" else "step_00000002"
     ckpt_dir = tmp_path / "checkpoints"
     assert list_checkpoints(ckpt_dir)[-1].name == expected
-    ctl2, trainer2, _ = make(tmp_path, steps=5, ckpt=1)
+    ctl2, trainer2, _ = make_controller(tmp_path, steps=5, ckpt=1)
     assert ctl2.restore_newest().name == expected and not checkpoint.corrupt_checkpoints(ckpt_dir)
     asyncio.run(ctl2.run())
     assert ctl2.version == 5 and len(trainer2.trained) == len(set(trainer2.trained)) == 10

@@ -11,15 +11,15 @@ import json
 from pathlib import Path
 
 import pytest
-from test_controller import FakeTrainer, latest_checkpoint, list_checkpoints, make
+from fakes import GroupListTrainer, make_controller
 
-from areal_fast.checkpoint import CorruptCheckpoint
+from areal_fast.checkpoint import CorruptCheckpoint, latest_checkpoint, list_checkpoints
 
 # ----------------------------------------------------------------------------- checkpoints (M4, L11)
 
 
 def _run_with_checkpoints(tmp_path, steps=4):
-    ctl, _, _ = make(tmp_path, eta=2, steps=steps, ckpt=1)
+    ctl, _, _ = make_controller(tmp_path, eta=2, steps=steps, ckpt=1)
     asyncio.run(ctl.run())
     return list_checkpoints(tmp_path / "checkpoints")
 
@@ -48,7 +48,7 @@ EDITS = {
 }
 
 
-class VersionedTrainer(FakeTrainer):
+class VersionedTrainer(GroupListTrainer):
     """A trainer whose check returns the version it holds, as the real one does (positions / B)."""
 
     def check(self, path: Path):
@@ -56,7 +56,7 @@ class VersionedTrainer(FakeTrainer):
 
 
 def _make_versioned(tmp_path, **kw):
-    ctl, _, server = make(tmp_path, eta=2, ckpt=1, **kw)
+    ctl, _, server = make_controller(tmp_path, eta=2, ckpt=1, **kw)
     ctl.trainer = trainer = VersionedTrainer()
     return ctl, trainer
 
@@ -74,7 +74,7 @@ def test_an_edited_controller_state_is_corrupt_and_the_previous_checkpoint_is_us
     assert "controller.json" in caplog.text or "version" in caplog.text
 
 
-class ShardTruncatedTrainer(FakeTrainer):
+class ShardTruncatedTrainer(GroupListTrainer):
     """check passes (it reads only the small files), load finds the damage, as a truncated DCP
     shard shows itself only when the tensors are read."""
 
@@ -90,7 +90,7 @@ class ShardTruncatedTrainer(FakeTrainer):
 
 def test_a_trainer_load_failure_moves_the_checkpoint_aside_like_a_failed_check(tmp_path, caplog):
     cks = _run_with_checkpoints(tmp_path)
-    ctl, _, _ = make(tmp_path, eta=2, steps=6, ckpt=1)
+    ctl, _, _ = make_controller(tmp_path, eta=2, steps=6, ckpt=1)
     ctl.trainer = trainer = ShardTruncatedTrainer({cks[-1].name})
     with caplog.at_level("WARNING"):
         assert ctl.restore_newest() == cks[-2]
@@ -104,16 +104,16 @@ def test_no_readable_checkpoint_is_an_error_not_a_silent_restart_at_step_zero(tm
     cks = _run_with_checkpoints(tmp_path, steps=2)
     for ck in cks:
         (ck / "controller.json").write_text("{")
-    ctl, _, _ = make(tmp_path, eta=2, steps=4, ckpt=1)
+    ctl, _, _ = make_controller(tmp_path, eta=2, steps=4, ckpt=1)
     with pytest.raises(CorruptCheckpoint) as e:
         ctl.restore_newest()
     msg = str(e.value)
     assert "no readable checkpoint" in msg and "experiment.resume=false" in msg and "step_00000002" in msg
     assert ctl.version == 0
-    again, _, _ = make(tmp_path, eta=2, steps=4, ckpt=1)  # the same command again: still refused
+    again, _, _ = make_controller(tmp_path, eta=2, steps=4, ckpt=1)  # the same command again: still refused
     with pytest.raises(CorruptCheckpoint, match="no readable checkpoint"):
         again.restore_newest()
-    fresh, _, _ = make(tmp_path / "elsewhere", eta=2, steps=4, ckpt=1)
+    fresh, _, _ = make_controller(tmp_path / "elsewhere", eta=2, steps=4, ckpt=1)
     assert fresh.restore_newest() is None  # no checkpoint ever: a new run, as before
     assert latest_checkpoint(tmp_path / "checkpoints") is None
 
@@ -337,7 +337,7 @@ def test_the_weight_group_rendezvous_works_over_ipv6(addr):
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from _weights_fake_server import FakeServer
+    from fakes import FakeServer
     from test_weights_session import _assert_received, _cfg, _state
 
     from areal_fast.weights.sync import DistributedWeightSync

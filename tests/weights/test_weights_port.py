@@ -9,24 +9,13 @@ import dataclasses
 import pickle
 
 import pytest
+from fakes import UpdateRecordingTrainer
 
 from areal_fast.weights import port
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.port import DiskSync, DistributedSync, SyncSpec, make_sync_port
 
 A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
-
-
-class FakeTrainer:
-    def __init__(self, fail=None):
-        self.calls: list[tuple[SyncSpec, int]] = []
-        self.fail = fail or (lambda spec: None)  # spec -> exception to raise, or None
-
-    def update_weights(self, spec, version):
-        self.calls.append((spec, version))
-        err = self.fail(spec)
-        if err is not None:
-            raise err
 
 
 class FakePool:
@@ -63,7 +52,7 @@ def test_spec_is_a_plain_value_every_rank_can_build():
 
 
 def test_make_sync_port_follows_the_config(tmp_path):
-    t, p = FakeTrainer(), FakePool([A])
+    t, p = UpdateRecordingTrainer(), FakePool([A])
     assert isinstance(make_sync_port(WeightSyncConfig(), t, p, [A], tmp_path), DistributedSync)
     assert isinstance(make_sync_port(WeightSyncConfig(method="disk"), t, p, [A], tmp_path), DiskSync)
 
@@ -76,7 +65,7 @@ def test_distributed_then_disk_after_a_server_died(tmp_path):
             return RuntimeError(f"connection reset by {B}")
         return None
 
-    trainer = FakeTrainer(fail)
+    trainer = UpdateRecordingTrainer(fail)
     sync = DistributedSync(trainer, pool, [A, B], tmp_path, WeightSyncConfig(timeout_s=5))
     asyncio.run(sync.sync(1))
     assert [(s.method, s.urls, v) for s, v in trainer.calls] == [("distributed", (A, B), 1)]
@@ -92,7 +81,7 @@ def test_distributed_then_disk_after_a_server_died(tmp_path):
 
 
 def test_failure_with_every_server_alive_is_raised(tmp_path):
-    trainer = FakeTrainer(lambda spec: RuntimeError("bucket 3 refused by " + A))
+    trainer = UpdateRecordingTrainer(lambda spec: RuntimeError("bucket 3 refused by " + A))
     sync = DistributedSync(trainer, FakePool([A, B]), [A, B], tmp_path)
     with pytest.raises(RuntimeError, match="bucket 3 refused"):
         asyncio.run(sync.sync(1))
@@ -108,6 +97,6 @@ def test_liveness_is_probed_only_after_a_failure(tmp_path):
     pool = FakePool([A, B])
     probes = []
     pool.is_dead = lambda url: probes.append(url) or False
-    sync = DistributedSync(FakeTrainer(), pool, [A, B], tmp_path)
+    sync = DistributedSync(UpdateRecordingTrainer(), pool, [A, B], tmp_path)
     asyncio.run(sync.sync(1))
     assert probes == []

@@ -1,5 +1,5 @@
 """Weight-update protocol rules, fast and in one process: SGLang-like fake servers over real HTTP
-(tests/weights/_weights_fake_server.py) and a real gloo weight group whose server ranks run in threads.
+(tests/fakes.py) and a real gloo weight group whose server ranks run in threads.
 
 Covers: sessions from 0.5.21 (ended on every failure, begin refused by one server, disk not
 wrapped), a refused bucket followed by a good sync, the disk load_format, server facts read
@@ -21,7 +21,7 @@ from areal_fast.weights.group import HostedStore
 from areal_fast.weights.sync import DiskWeightSync, DistributedWeightSync
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _weights_fake_server import FakeServer  # noqa: E402
+from fakes import FakeServer  # noqa: E402
 
 TIMEOUT_S = 30  # every wait in these tests; a regression fails after this instead of hanging
 

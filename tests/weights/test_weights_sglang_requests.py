@@ -1,7 +1,7 @@
 """Contract: every request body weight sync sends parses with SGLang's own request types.
 
 The bodies are captured from real updates (distributed, with several buckets and per-tensor,
-and disk) against recording fake servers (tests/weights/_weights_fake_server.py), then validated the way
+and disk) against recording fake servers (tests/fakes.py), then validated the way
 SGLang's HTTP server reads a ``Body()`` argument: a pydantic ``TypeAdapter`` of the request type
 from ``sglang.srt.managers.io_struct`` of the released wheel (0.5.6 and 0.5.23, imported on CPU
 through tests/sglang_wheel.py). Skipped only when the wheel cannot be downloaded.
@@ -20,7 +20,7 @@ from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.sync import DiskWeightSync, DistributedWeightSync
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _weights_fake_server import FakeServer  # noqa: E402
+from fakes import FakeServer  # noqa: E402
 from sglang_wheel import sglang_module  # noqa: E402
 
 TYPES = {  # endpoint -> SGLang request type

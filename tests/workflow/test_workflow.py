@@ -9,10 +9,9 @@ import os
 import time
 from array import array
 from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+from fakes import LengthReward, LetterTok, Prompts, RecordingTrainer, Row, Score, VersionSync
 
 from areal_fast.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY
 from areal_fast.controller import Controller, ControllerSettings
@@ -22,30 +21,13 @@ from areal_fast.workflow import EpisodeEngine, EpisodeFailed, Trajectory, load_w
 from areal_fast.workflow.tools import CALCULATOR, calculate
 
 ME = __name__
-EOS = 2
+EOS = LetterTok.eos_token_id
 COLUMNS = {"prompt_ids": TOKEN_ARRAY, "output_ids": TOKEN_ARRAY, "loss_mask": MASK_ARRAY,
            "output_logprobs": LOGPROB_ARRAY, "output_versions": TOKEN_ARRAY}
 FINISH_S = 60.0  # limit of tool calls that must finish: a cold reward worker imports this module first
 
 
 # ---------------------------------------------------------------- fakes
-@dataclass
-class Row:
-    index: int
-    text: str
-    task: dict
-
-
-class Tok:
-    eos_token_id = EOS
-
-    def encode(self, text, add_bos=True):
-        return ([1] if add_bos else []) + [10 + ord(c) % 40 for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(97 + i % 26) for i in ids if i != EOS)
-
-
 def next_token(context: list[int]) -> int:
     """The fake model: a deterministic function of the whole context (a lost or repeated token
     changes every later one)."""
@@ -100,18 +82,6 @@ class StepRollout:
         self.resumed.set()
 
 
-@dataclass
-class Score:
-    value: float
-    status: str = "ok"
-    detail: str = ""
-
-
-class FakeReward:
-    async def score(self, task, completion):
-        return Score(float(len(completion) % 3))
-
-
 async def two_turns(row, engine, feedback: str = "ok?") -> list[Trajectory]:
     """A test workflow: turn, feedback text, turn; reward from the last turn."""
     traj = Trajectory(prompt_ids=engine.encode_prompt(row.text))
@@ -148,13 +118,13 @@ def expected_tokens(prompt_ids: list[int], pieces: list[tuple[str, object]], n: 
 def test_multi_turn_trajectory_masks_logprobs_versions_exact():
     async def main():
         roll = StepRollout(n_tokens=3)
-        engine = EpisodeEngine(roll, FakeReward(), Tok(), {"max_new_tokens": 3, "temperature": 1.0}, "ep")
+        engine = EpisodeEngine(roll, LengthReward(), LetterTok(), {"max_new_tokens": 3, "temperature": 1.0}, "ep")
         row = Row(0, "abc", {})
         (traj,) = await two_turns(row, engine)
         return traj, roll
 
     traj, roll = asyncio.run(main())
-    tok = Tok()
+    tok = LetterTok()
     prompt = tok.encode("abc")
     fb = tok.encode("ok?", add_bos=False)
     out, mask, lps = expected_tokens(prompt, [("model", None), ("ctx", fb), ("model", None)], 3)
@@ -178,7 +148,7 @@ def test_pause_within_and_between_turns_loses_and_duplicates_nothing():
         roll = StepRollout(n_tokens=4)
         roll.hold_at("ep-0", 2)
         roll.hold_at("ep-1", 0)
-        engine = EpisodeEngine(roll, FakeReward(), Tok(), {"max_new_tokens": 4}, "ep")
+        engine = EpisodeEngine(roll, LengthReward(), LetterTok(), {"max_new_tokens": 4}, "ep")
         task = asyncio.create_task(two_turns(Row(0, "xyz", {}), engine))
         for key, new_version in ((("ep-0", 2), 1), (("ep-1", 0), 2)):
             await roll.reached[key].wait()
@@ -190,7 +160,7 @@ def test_pause_within_and_between_turns_loses_and_duplicates_nothing():
         return await task
 
     (traj,) = asyncio.run(main())
-    tok = Tok()
+    tok = LetterTok()
     fb = tok.encode("ok?", add_bos=False)
     out, mask, lps = expected_tokens(tok.encode("xyz"), [("model", None), ("ctx", fb), ("model", None)], 4)
     assert traj.output_ids.tolist() == out
@@ -214,7 +184,7 @@ def test_trajectory_check_names_the_workflow():
 
 
 def test_generate_refuses_another_temperature_while_training():
-    engine = EpisodeEngine(StepRollout(), FakeReward(), Tok(), {"temperature": 1.0}, "ep")
+    engine = EpisodeEngine(StepRollout(), LengthReward(), LetterTok(), {"temperature": 1.0}, "ep")
     with pytest.raises(ValueError, match="temperature is fixed"):
         asyncio.run(engine.generate([1], temperature=0.5))
 
@@ -274,7 +244,7 @@ def test_hanging_and_crashing_tools_are_contained_and_counted():
     async def main():
         async with RewardService(num_workers=1, timeout_s=FINISH_S, default_reward="math") as svc:
             counts = Counter()
-            engine = EpisodeEngine(StepRollout(), ServiceReward(svc), Tok(), {}, "ep", tool_counts=counts,
+            engine = EpisodeEngine(StepRollout(), ServiceReward(svc), LetterTok(), {}, "ep", tool_counts=counts,
                                    tool_timeout_s=FINISH_S)
             ok = await engine.tool(CALCULATOR, "12*34")
             bad = await engine.tool(CALCULATOR, "12*")
@@ -294,36 +264,6 @@ def test_hanging_and_crashing_tools_are_contained_and_counted():
 
 
 # ---------------------------------------------------------------- the controller schedules episodes
-class Prompts:
-    def at(self, pos):
-        return Row(pos, f"p{pos}", {"answer": "x"})
-
-
-class FakeSync:
-    def __init__(self, roll):
-        self.roll = roll
-
-    async def sync(self, version):
-        assert not self.roll.resumed.is_set(), "weights are synced while generation is paused"
-        self.roll.version = version
-        return {}
-
-
-class RecordingTrainer:
-    def __init__(self):
-        self.samples: list[Sample] = []
-
-    def train(self, samples, version):
-        self.samples += samples
-        return {}
-
-    def save(self, path: Path, version: int):
-        path.mkdir(parents=True, exist_ok=True)
-
-    def load(self, path: Path):
-        pass
-
-
 async def flaky(row, engine):
     """Episode 1 of every odd position gives up (EpisodeFailed); position 2's episodes all do."""
     if row.index == 2 or (row.index % 2 and engine.episode_id.endswith("-1")):
@@ -336,7 +276,8 @@ def _controller(tmp_path, workflow, roll, trainer, steps=4, batch=2, group=2):
                            sampling={"max_new_tokens": 3}, eval_sampling={"max_new_tokens": 3}, eval_every=0,
                            eval_at_start=False, output_dir=tmp_path, workflow=workflow)
     gate = StalenessManager(batch, max_staleness=1, max_concurrent=4)
-    return Controller(s, Prompts(), Tok(), roll, FakeReward(), trainer, FakeSync(roll), gate)
+    return Controller(s, Prompts(), LetterTok(), roll, LengthReward(), trainer,
+                      VersionSync(roll, paused=lambda: not roll.resumed.is_set()), gate)
 
 
 def test_controller_trains_multi_turn_episodes_with_exact_tokens_across_pauses(tmp_path):
@@ -347,7 +288,7 @@ def test_controller_trains_multi_turn_episodes_with_exact_tokens_across_pauses(t
     ctl = _controller(tmp_path, f"{ME}:two_turns", roll, trainer)
     summary = asyncio.run(ctl.run())
     assert summary["steps"] == 4
-    tok = Tok()
+    tok = LetterTok()
     fb = tok.encode("ok?", add_bos=False)
     groups = Counter(s.group_id for s in trainer.samples)
     assert set(groups.values()) == {2} and len(groups) == 4 * 2  # 4 steps x 2 groups x 2 episodes
@@ -512,7 +453,7 @@ def test_python_tool_runs_model_code_in_the_sandbox_and_stops_a_loop():
 
     async def main():
         async with RewardService(num_workers=1, timeout_s=FINISH_S, default_reward="math") as svc:
-            engine = EpisodeEngine(StepRollout(), ServiceReward(svc), Tok(), {}, "ep", tool_timeout_s=FINISH_S)
+            engine = EpisodeEngine(StepRollout(), ServiceReward(svc), LetterTok(), {}, "ep", tool_timeout_s=FINISH_S)
             ok = await engine.tool(PYTHON, "print(6 * 7)")
             # must time out: the program's own limit is 0.8 x the call's, so the sandbox stops it first
             loop = await engine.tool(PYTHON, "while True:\n    pass\n", timeout_s=2.0)
