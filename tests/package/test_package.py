@@ -79,10 +79,85 @@ def test_cuda_backend_needs_cuda_tensors():
     assert reason is not None and ("CUDA" in reason or "cuda" in reason)
 
 
-def test_describe_lists_every_backend():
+def _tiny_case(op: str, device: str):
+    """A tiny call of ``op`` on ``device``: ``run(backend) -> result`` (comparable with ``_same``)."""
+    import numpy as np
+
+    from areal_fast.ops.ppo_loss import token_logprobs
+    from areal_fast.packing import plan_microbatches
+    from areal_fast.packing.segments import gather_segments, pack, scatter_segments, unpack
+    from areal_fast.weights.interval_copy import interval_copy
+    from areal_fast.weights.plan import DTYPE_CODES, assign_buckets
+
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 2, 5, 6], dtype=torch.int32, device=device)
+    x = torch.randn(6, 3, generator=g).to(device)
+    if op == "ppo_loss":
+        logits, labels = torch.randn(5, 11, generator=g).to(device), torch.tensor([0, 3, 10, 7, 1], device=device)
+        return lambda b: token_logprobs(logits, labels, backend=b)
+    if op == "packing.pack":
+        padded = torch.randn(3, 4, 2, generator=g).to(device)
+        return lambda b: pack(padded, [2, 4, 1], backend=b)
+    if op == "packing.unpack":
+        return lambda b: unpack(x, cu, 3, backend=b)
+    if op == "packing.gather_segments":
+        return lambda b: gather_segments(x, cu, [2, 0, 1], backend=b)
+    if op == "packing.scatter_segments":
+        return lambda b: scatter_segments(x, cu, [2, 0, 1], backend=b)
+    if op == "packing.plan":  # budget 4: each sequence alone, the only valid plan up to order
+        return lambda b: sorted(sorted(mb) for r in plan_microbatches([3, 4, 2], 4, backend=b).microbatches for mb in r)
+    if op == "weights.plan":
+        return lambda b: assign_buckets([10, 7, 30, 1], [4, 4, 8, 1], 32, backend=b)
+    if op == "weights.interval_copy":
+        src = torch.arange(8, dtype=torch.float32, device=device)
+        code = DTYPE_CODES[torch.float32]
+        iv = np.array([[0, 0, 2, 0, 0, 0, 3, 1, code, code], [0, 0, 6, 0, 0, 4, 2, 1, code, code]])
+
+        def run(b):
+            dst = torch.zeros(6, dtype=torch.float32, device=device)
+            interval_copy([src], [dst], iv, backend=b)
+            return dst
+        return run
+    raise AssertionError(f"no tiny case for op {op!r}: add one here")
+
+
+def _same(got, want) -> bool:
+    if isinstance(want, torch.Tensor):
+        return torch.allclose(got.cpu().float(), want.cpu().float(), rtol=1e-5, atol=1e-6)
+    if isinstance(want, (tuple, list)) and any(isinstance(w, (tuple, list)) or hasattr(w, "shape") for w in want):
+        return len(got) == len(want) and all(_same(a, b) for a, b in zip(got, want))
+    if hasattr(want, "shape"):  # numpy arrays
+        import numpy as np
+
+        return np.array_equal(np.asarray(got), np.asarray(want))
+    return got == want
+
+
+@pytest.mark.parametrize("op", sorted(backend.OPS))
+def test_what_describe_reports_is_what_runs(op, monkeypatch):
+    """describe() is what `areal-fast info` shows: every backend of ``op`` it reports available runs
+    the op and equals the reference; every one it reports unavailable, forced, raises
+    BackendUnavailable naming the op and the reason describe gave; the op's automatic choice is
+    the backend describe names, and runs."""
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
     d = backend.describe()
-    assert set(backend.BACKENDS) <= set(d)
-    assert d["reference"] == "available"
+    assert set(backend.BACKENDS) <= set(d) and d["reference"] == "available"
+    host_only = set(backend.OPS[op]) <= {"native", "reference"}
+    device = "cpu" if host_only else d["device"]
+    run = _tiny_case(op, device)
+    want = run("reference")
+    for b in backend.OPS[op]:
+        status = d["native"] if b == "native" else d[b]
+        if b == "native" or host_only or device == d["device"]:
+            if status == "available":
+                assert _same(run(b), want), f"{op}: backend {b!r} is reported available but differs from the reference"
+            else:
+                with pytest.raises(backend.BackendUnavailable, match=re.escape(op)) as e:
+                    run(b)
+                assert status in str(e.value), f"{op}: forcing {b!r} says {e.value}, describe says {status!r}"
+    chosen = d[f"op:{op}"]
+    assert chosen in backend.OPS[op] and d["native" if chosen == "native" else chosen] == "available"
+    assert _same(run(None), want)
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
