@@ -9,7 +9,11 @@
 it, the controller buffers it and the trainer reads it, as the same object.
 
 The client generates, pauses, continues, flushes and aborts. Weight updates are not its job: every
-weight-update transport lives in ``areal_fast.weights``.
+weight-update transport lives in ``areal_fast.weights``. ``RolloutClient`` is three parts, each in
+its own module: the server pool (``client_pool``: each server's facts, the calls, routing, dead
+servers), the control of every server (``client_control``: pause modes, pause / continue / abort
+all / flush) and, here, the generate path (one request across segments, failover and aborts,
+stitched into one ``Sample``). Every name is importable from this module.
 
 Interruptible generation: when a segment comes back with ``finish_reason.type == "abort"`` (a pause in
 mode abort, or an update with abort_all_requests) the client waits until ``continue_all()`` (if it
@@ -62,11 +66,7 @@ import time
 import uuid
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from dataclasses import replace as _replace
 from functools import partial
-
-from packaging.version import InvalidVersion, Version
 
 from areal_fast.rollout.answer import (
     LOGPROB_ARRAY,
@@ -75,7 +75,6 @@ from areal_fast.rollout.answer import (
     Segment,
     parse_generate,
     token_versions,
-    tune_gc,
     version_to_int,  # noqa: F401 - part of this module's API (tests, callers)
 )
 from areal_fast.rollout.calls import (  # noqa: F401 - the errors, health and key name are part of this module's API
@@ -92,14 +91,20 @@ from areal_fast.rollout.calls import (  # noqa: F401 - the errors, health and ke
     is_caller_error,
     no_answer_errors,
 )
-from areal_fast.rollout.engine.compat import (
-    PAUSE_MODE_SINCE,
-    SGLANG_SAMPLING_KEYS,
-    reports_weight_version_spans,
-    server_info_reports_launch_version,
-    supports_pause_mode,
+from areal_fast.rollout.client_control import (  # noqa: F401 - the pause modes are part of this module's API
+    PAUSE_MODE_CHOICES,
+    PAUSE_MODES,
+    ServerControl,
+    auto_pause_mode,
 )
-from areal_fast.rollout.http import ConnectionPool
+from areal_fast.rollout.client_pool import (  # noqa: F401 - the pool's names are part of this module's API
+    PICK_SCAN_MAX,
+    ServerPool,
+    ServerState,
+    ServerUnavailable,
+    _str_or_none,
+)
+from areal_fast.rollout.engine.compat import SGLANG_SAMPLING_KEYS
 from areal_fast.sample import Sample
 
 try:  # the rollout extra's JSON encoder: it writes a numpy view of an array column without a Python list
@@ -107,22 +112,15 @@ try:  # the rollout extra's JSON encoder: it writes a numpy view of an array col
 except ImportError:  # pragma: no cover - exercised only where orjson is missing
     _orjson = None
 
-PAUSE_MODES = ("abort", "retract", "in_place")
-PAUSE_MODE_CHOICES = ("auto", *PAUSE_MODES)
 RID_SEP = "|"
 HTTP_ENV = "AREAL_FAST_ROLLOUT_HTTP"  # "native" (default) or "aiohttp": who carries the calls
 HTTP_CHOICES = ("native", "aiohttp")
-PICK_SCAN_MAX = 16  # up to this many servers a new request goes to the least loaded of all
 # The largest /generate answer taken: this many bytes a token (prompt + max_new_tokens) plus
 # ANSWER_SLACK_BYTES. SGLang's answers take ~40 bytes a generated token ([logprob, id, null] and
 # the id in output_ids), ~60-100 with the text; 512 leaves room for escaped token texts.
 ANSWER_BYTES_PER_TOKEN = 512
 ANSWER_SLACK_BYTES = 1 << 20
 ABORT_TIMEOUT_S = 5.0  # an abort of a timed-out request before it is sent again
-
-
-class ServerUnavailable(RolloutError):
-    """No server could answer after every retry."""
 
 
 class MalformedAnswer(RolloutError):
@@ -134,36 +132,16 @@ class MalformedAnswer(RolloutError):
         self.url, self.rid = url, rid
 
 
-def auto_pause_mode(version: Version) -> str:
-    """The pause mode ``"auto"`` picks for a server of SGLang ``version``.
-
-    ``retract`` from 0.5.19: requests stay on the server (their KV is dropped and recomputed by the
-    new weights after continue), nothing comes back to the client, and the answer's weight_versions
-    spans label each token with the weights that made it. Before 0.5.19 an answer has one
-    weight_version for all its tokens, so a retracted request's tokens from before the update would
-    be labelled with the new version: ``abort`` (the client resubmits, one version per segment)."""
-    return "retract" if reports_weight_version_spans(version) else "abort"
-
-
 def server_rid(rid: str, segment: int) -> str:
     """The rid sent to the server for ``segment`` of ``rid``; never a prefix of another one."""
     return f"{rid}{RID_SEP}{segment}{RID_SEP}"
 
 
-@dataclass
-class ServerState:
-    url: str
-    version: Version = field(default_factory=lambda: Version("0"))
-    tp_size: int = 1
-    info: dict = field(default_factory=dict)  # empty until /server_info answered: re-read before use
-    weight_version: str | None = None  # the latest current version seen (answers, /model_info)
-    in_flight: int = 0
-    down_until: float = 0.0
-    pool: ConnectionPool | None = field(default=None, repr=False)  # its calls' pool (http "native")
-
-
-class RolloutClient:
-    """Pool of SGLang-compatible servers; see the module docstring."""
+class RolloutClient(ServerPool, ServerControl):
+    """Pool of SGLang-compatible servers; see the module docstring. The pool, its calls and routing
+    are ``ServerPool`` (``client_pool``), the control of every server ``ServerControl``
+    (``client_control``); this class adds the generate path: one request across pauses, weight
+    updates and failover, stitched into one ``Sample``."""
 
     def __init__(self, urls: list[str], *, api_key: str | None = None, request_timeout_s: float = 3600.0,
                  connect_timeout_s: float = 10.0, control_timeout_s: float = 600.0, max_attempts: int = 6,
@@ -209,170 +187,6 @@ class RolloutClient:
         self.pause_mode: str | None = None  # the mode of our pause_all while paused, else None
         self.server_pause_modes: dict[str, str] = {}  # url -> the mode each server was paused with
 
-    @property
-    def is_paused(self) -> bool:
-        """True between our ``pause_all`` and ``continue_all`` (the servers answer 503 on /health then)."""
-        return self.pause_mode is not None
-
-    @property
-    def paused(self) -> bool:  # older name
-        return self.is_paused
-
-    # ------------------------------------------------------------------ lifecycle
-    async def start(self) -> None:
-        if self._calls is None:
-            self._calls = ServerCalls(api_key=self.api_key, connect_timeout_s=self.connect_timeout_s,
-                                      transport=self.http)
-            for s in self.servers:
-                self._open_pool(s)
-        infos = await asyncio.gather(*(self._read_info(s) for s in self.servers), return_exceptions=True)
-        refused = [i for i in infos if isinstance(i, RequestError)]
-        if refused:  # e.g. 401: a wrong or missing api key is the caller's bug, not a down server
-            raise refused[0]
-        if all(isinstance(i, BaseException) for i in infos):
-            raise ServerUnavailable(f"no server answered GET /server_info: {infos[0]!r}")
-        for s, info in zip(self.servers, infos):
-            if isinstance(info, BaseException):  # down for now; its facts are read again before use
-                s.down_until = time.monotonic() + self.down_cooldown_s
-        if self.gc_tuning:  # the process's start-up objects are frozen, young collections made rarer
-            tune_gc()
-
-    def _open_pool(self, server: ServerState) -> None:
-        """Calls to ``server`` go through our own HTTP client (``areal_fast.rollout.http``) for
-        http:// servers; https:// ones (and ``http="aiohttp"``) through aiohttp (``rollout.calls``)."""
-        server.pool = self._calls.pool(server.url)
-
-    async def close(self) -> None:
-        for s in self.servers:
-            s.pool = None
-        if self._calls is not None:
-            calls, self._calls = self._calls, None
-            await calls.close()
-
-    async def __aenter__(self) -> RolloutClient:
-        try:
-            await self.start()
-        except BaseException:
-            await self.close()
-            raise
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-    async def _read_info(self, s: ServerState) -> dict:
-        """GET /server_info (falls back to the deprecated /get_server_info of old servers) and /model_info."""
-        try:
-            info = await self._call(s, "GET", "/server_info", timeout_s=self._short_timeout_s)
-        except RequestError as e:
-            if e.status not in (404, 405):  # a server older than /server_info
-                raise
-            info = await self._call(s, "GET", "/get_server_info", timeout_s=self._short_timeout_s)
-        _apply_info(s, info)
-        if not _reports_launch_version(s):
-            s.weight_version = _str_or_none(s.info.get("weight_version"))
-        else:  # from 0.5.19 server_info holds the launch value; the current one is in /model_info
-            try:
-                mi = await self._call(s, "GET", "/model_info", timeout_s=self._short_timeout_s)
-                s.weight_version = _str_or_none((mi or {}).get("weight_version"))
-            except RolloutError:
-                pass
-        return s.info
-
-    async def _ensure_info(self, servers: list[ServerState]) -> None:
-        """Read the facts of servers that were down when last asked (they are used right after)."""
-        missing = [s for s in servers if not s.info]
-        if missing:
-            await asyncio.gather(*(self._read_info(s) for s in missing), return_exceptions=True)
-
-    # ------------------------------------------------------------------ HTTP
-    def _server_calls(self) -> ServerCalls:
-        if self._calls is None:
-            raise RolloutError("client not started: use 'async with RolloutClient(...)' or await start()")
-        return self._calls
-
-    async def _request(self, server: ServerState, method: str, path: str, body: dict | None = None,
-                       timeout_s: float | None = None, parse=None, control: bool = False,
-                       max_body: int | None = None) -> tuple[int, object]:
-        """One HTTP call, sent once (``ServerCalls.request``): (status, decoded body). ``control``
-        calls go on a new connection where aiohttp carries them."""
-        return await self._server_calls().request(
-            server.url, method, path, body, timeout_s=timeout_s or self.control_timeout_s, max_body=max_body,
-            parse=parse, fresh=control)
-
-    async def _call(self, server: ServerState, method: str, path: str, body: dict | None = None,
-                    timeout_s: float | None = None, parse=None, control: bool = False,
-                    max_body: int | None = None, policy: RetryPolicy | None = None):
-        """One HTTP call that must succeed: the decoded answer, else RequestError / ServerError."""
-        policy = policy or self._once(timeout_s or self.control_timeout_s)
-        return await self._server_calls().call(
-            server.url, method, path, body, policy=policy, version=server.version if server.info else None,
-            parse=parse, max_body=max_body, fresh=control)
-
-    def _once(self, timeout_s: float) -> RetryPolicy:
-        """The policy of a call sent once within ``timeout_s`` (made once per timeout: /generate uses it)."""
-        policy = self._policies.get(timeout_s)
-        if policy is None:
-            policy = self._policies[timeout_s] = RetryPolicy(timeout_s=timeout_s)
-        return policy
-
-    # ------------------------------------------------------------------ pool membership
-    def remove_server(self, url: str) -> bool:
-        """Drop ``url`` from the pool; requests in flight there fail over to the others. False if unknown."""
-        url = url.rstrip("/")
-        if url not in self._by_url:
-            return False
-        if len(self.servers) == 1:
-            raise RolloutError(f"cannot remove {url}: it is the last server of the pool")
-        gone = self._by_url.pop(url)
-        if self._calls is not None:  # requests in flight there finish (or fail over); idle connections go now
-            self._calls.forget(url)
-        gone.pool = None
-        self.servers = [s for s in self.servers if s.url != url]
-        for rid in [r for r, u in self._affinity.items() if u == url]:
-            del self._affinity[rid]
-        return True
-
-    async def add_server(self, url: str) -> None:
-        """Add ``url`` to the pool (its facts are read from /server_info first)."""
-        check_server_url(url)
-        server = ServerState(url.rstrip("/"))
-        if server.url in self._by_url:
-            return
-        await self._read_info(server)
-        if self._calls is not None:
-            self._open_pool(server)
-        self.servers.append(server)
-        self._by_url[server.url] = server
-
-    async def health(self, url: str) -> ServerHealth:
-        """Is the server at ``url`` alive? Safe for a watchdog during pauses and weight updates: the
-        one health check (``ServerCalls.health``). Any answer from /model_info means the process is
-        up; while we have the servers paused /health is not asked (SGLang's probe answers 503
-        after ~20 s of a pause, which says nothing about the process); otherwise /health runs the
-        probe (up to ``HEALTH_PROBE_TIMEOUT_S``): 200 is "ok", anything else "unhealthy"."""
-        return await self._server_calls().health(url, paused=self.is_paused, timeout_s=self._short_timeout_s,
-                                                 probe_timeout_s=HEALTH_PROBE_TIMEOUT_S)
-
-    def _pick(self, rid: str, exclude: set[str]) -> ServerState:
-        now = time.monotonic()
-        url = self._affinity.get(rid)
-        if url and url in self._by_url and url not in exclude and self._by_url[url].down_until <= now:
-            return self._by_url[url]
-        if len(self.servers) > PICK_SCAN_MAX and not exclude:
-            # the less loaded of two servers drawn at random (balances nearly as well as the least
-            # loaded of all); scanning 256 servers per request cost ~50 us, ~0.15 us per token
-            two = [s for s in self._rng.sample(self.servers, 2) if s.down_until <= now]
-            if two:
-                best = min(two, key=lambda s: s.in_flight)
-                self._affinity[rid] = best.url
-                return best
-        cands = [s for s in self.servers if s.url not in exclude and s.down_until <= now]
-        if not cands:  # everything down or excluded: try the least recently failed anyway
-            cands = [s for s in self.servers if s.url not in exclude] or self.servers
-        best = min(cands, key=lambda s: (s.in_flight, s.down_until))
-        self._affinity[rid] = best.url
-        return best
 
     async def _generate_segment(self, rid: str, seg_rid: str, payload: dict,
                                 ) -> tuple[Segment, ServerState, str | None]:
@@ -543,97 +357,6 @@ class RolloutClient:
             url, seg_rid = live
             if url in self._by_url:
                 await self._call(self._by_url[url], "POST", "/abort_request", {"rid": seg_rid, "abort_all": False})
-
-    # ------------------------------------------------------------------ control of all servers
-    async def _control(self, server: ServerState, method: str, path: str, body: dict | None = None):
-        """An idempotent control call (pause, continue, abort, info), sent again once when its
-        connection broke (``CONTROL_RETRY``; on aiohttp it goes on a new connection; on our pool, on
-        a kept-alive one checked as for /generate)."""
-        policy = _replace(CONTROL_RETRY, timeout_s=self.control_timeout_s)
-        return await self._call(server, method, path, body, control=True, policy=policy)
-
-    async def _all(self, method: str, path: str, body: dict | None = None) -> list:
-        return await asyncio.gather(*(self._control(s, method, path, body) for s in self.servers))
-
-    async def pause_all(self, mode: str | None = None) -> None:
-        """Pause every server; interrupted requests wait in ``generate`` until ``continue_all()``.
-
-        ``abort`` ends running requests (the client resubmits them after continue); ``retract``
-        keeps them on the server without KV (recomputed after continue); ``in_place`` keeps them
-        with their KV, so no update may flush the cache until continue (see ``may_flush``).
-        ``auto`` (the default: the client's ``pause_mode``) chooses per server by its SGLang
-        version (:func:`auto_pause_mode`): retract from 0.5.19, abort before, and abort for a
-        server whose version is not known yet. ``server_pause_modes`` holds what each got.
-        """
-        mode = mode or self.default_pause_mode
-        if mode not in PAUSE_MODE_CHOICES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODE_CHOICES}, got {mode!r}")
-        await self._ensure_info(self.servers)
-
-        def knows_modes(s: ServerState) -> bool:  # a server still without facts is taken as current
-            return not s.info or supports_pause_mode(s.version)
-
-        old = [s.url for s in self.servers if not knows_modes(s)]
-        if mode not in ("abort", "auto") and old:
-            raise RolloutError(f"pause mode {mode!r} needs SGLang >= {PAUSE_MODE_SINCE}; {old[0]} is older")
-        modes = {s.url: (auto_pause_mode(s.version) if s.info else "abort") if mode == "auto" else mode
-                 for s in self.servers}
-        self.pause_mode = mode
-        self.server_pause_modes = modes
-        self._running.clear()
-        await asyncio.gather(*(self._control(s, "POST", "/pause_generation",
-                                             {"mode": modes[s.url]} if knows_modes(s) else {})
-                               for s in self.servers))
-
-    async def continue_all(self) -> None:
-        await self._all("POST", "/continue_generation", {})
-        self.pause_mode = None
-        self.server_pause_modes = {}
-        self._running.set()
-
-    @property
-    def may_flush(self) -> bool:
-        """False after an ``in_place`` pause: requests keep KV, and an update with flush_cache then
-        crashes SGLang's scheduler (0.5.6-0.5.21) or is refused (0.5.22+). Pause with ``retract``
-        (or ``abort``) before an update that flushes."""
-        return "in_place" not in self.server_pause_modes.values()
-
-    async def abort_all(self) -> None:
-        """Abort every request on every server (interrupted client requests are resubmitted)."""
-        await self._all("POST", "/abort_request", {"rid": "", "abort_all": True})
-
-    async def flush_cache_all(self, timeout_s: float = 60.0, poll_s: float = 0.05) -> None:
-        """POST /flush_cache on every server, retrying each while it answers 400 (requests still hold KV)."""
-        if not self.may_flush:
-            raise RolloutError("flush_cache_all after an in_place pause: the paused requests keep their KV, so "
-                               "the flush cannot succeed; pause with mode='retract' or 'abort' to flush")
-
-        # 400 is transient here (requests still hold KV): retried every poll_s until the deadline
-        policy = RetryPolicy(timeout_s=self.control_timeout_s, attempts=None, deadline_s=timeout_s, backoff_s=poll_s,
-                             backoff_max_s=poll_s, retry_statuses=frozenset({400}))
-        await asyncio.gather(*(self._call(s, "POST", "/flush_cache", policy=policy) for s in self.servers))
-
-    async def weight_versions(self) -> list[str]:
-        """Each server's current weight_version (from /model_info; /server_info's is the launch value)."""
-        return [str(d.get("weight_version")) for d in await self._all("GET", "/model_info")]
-
-
-def _str_or_none(v) -> str | None:
-    return None if v is None else str(v)
-
-
-def _reports_launch_version(s: ServerState) -> bool:
-    return server_info_reports_launch_version(s.version)
-
-
-def _apply_info(server: ServerState, info) -> None:
-    """Record /server_info: ``version`` (unparseable -> 0, the most conservative) and ``tp_size``."""
-    server.info = info if isinstance(info, dict) else {}
-    try:
-        server.version = Version(str(server.info.get("version", "0")))
-    except InvalidVersion:
-        server.version = Version("0")
-    server.tp_size = int(server.info.get("tp_size", 1))
 
 
 def _is_token_array(x) -> bool:

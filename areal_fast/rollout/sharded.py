@@ -36,6 +36,10 @@ from their start, to the other workers; an answer for a rid that is not outstand
 that sent it is dropped and counted (``stats["duplicates_dropped"]``), so nothing is lost or
 answered twice. With no worker left every waiting call raises :class:`WorkerDied`.
 
+The code is in three modules, by side: this one is the controller's (``ShardedRollout``: spawning,
+routing, resending, broadcasts, reaping), ``sharded_worker`` the worker process's, and
+``sharded_wire`` what crosses the socket (frames, messages, the answer's columns as bytes).
+
 Workers end with the controller: ``close()`` asks them to stop and reaps them (terminate, then
 kill after a grace period); a worker also exits when its socket closes and is killed by the kernel
 when the controller process dies (``PR_SET_PDEATHSIG``), so none is ever orphaned.
@@ -44,13 +48,10 @@ when the controller process dies (``PR_SET_PDEATHSIG``), so none is ever orphane
 from __future__ import annotations
 
 import asyncio
-import copyreg
 import logging
 import multiprocessing
 import os
-import pickle
 import shutil
-import struct
 import tempfile
 import time
 from array import array
@@ -58,17 +59,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_fast import columns
-from areal_fast.procutil import die_with_parent
-from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY, tune_gc
-from areal_fast.rollout.client import API_KEY_ENV, RequestError, RolloutClient, RolloutError, ServerError
+from areal_fast.rollout.answer import tune_gc
+from areal_fast.rollout.client import API_KEY_ENV, RequestError, RolloutClient, RolloutError, ServerError  # noqa: F401
 from areal_fast.rollout.loop import event_loop_choice
 from areal_fast.rollout.port import ClientRollout
+from areal_fast.rollout.sharded_wire import Batcher, answer_sample, frame, read_frame
+from areal_fast.rollout.sharded_worker import worker_main
 from areal_fast.sample import Sample
 
 log = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<I")  # frame length; a frame holds one pickle
-_PICKLE = 5
 START_TIMEOUT_S = 120.0  # spawn + imports + /server_info of every server, on a loaded 2-core machine
 _POLL_S = 0.02  # how often a waiting call looks whether a worker process ended
 CLOSE_GRACE_S = 10.0  # a closing worker gets this long to end its HTTP sessions before SIGTERM/SIGKILL
@@ -76,168 +76,6 @@ CLOSE_GRACE_S = 10.0  # a closing worker gets this long to end its HTTP sessions
 
 class WorkerDied(RolloutError):
     """A rollout worker process ended without being asked to (the message names it)."""
-
-
-# ----------------------------------------------------------------------------- framing
-
-
-def _frame(obj) -> list[bytes]:
-    body = pickle.dumps(obj, protocol=_PICKLE)
-    return [_HEADER.pack(len(body)), body]
-
-
-async def _read_frame(reader: asyncio.StreamReader):
-    """The next object, or None at end of file."""
-    try:
-        head = await reader.readexactly(_HEADER.size)
-        return pickle.loads(await reader.readexactly(_HEADER.unpack(head)[0]))
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
-
-
-class _Batcher:
-    """Messages written in one turn of the loop leave in one frame (one syscall, one pickle)."""
-
-    def __init__(self, writer: asyncio.StreamWriter, tag: str):
-        self.writer, self.tag, self.items = writer, tag, []
-
-    def add(self, item) -> None:
-        if not self.items:
-            asyncio.get_running_loop().call_soon(self.flush)
-        self.items.append(item)
-
-    def flush(self) -> None:
-        items, self.items = self.items, []
-        if items and not self.writer.is_closing():
-            self.writer.writelines(_frame((self.tag, items)))
-
-
-def _array(raw: bytes, typecode: str) -> array:
-    a = array(typecode)
-    a.frombytes(raw)
-    return a
-
-
-def _reduce_http_error(e: RequestError | ServerError):
-    return type(e), (e.url, e.status, e.body)
-
-
-# the client's errors cross to the controller as themselves (a caller can tell a 4xx from the rest)
-copyreg.pickle(RequestError, _reduce_http_error)
-copyreg.pickle(ServerError, _reduce_http_error)
-
-
-def _picklable(e: BaseException) -> BaseException:
-    try:
-        pickle.loads(pickle.dumps(e, protocol=_PICKLE))
-        return e
-    except Exception:  # noqa: BLE001 - any exception that does not survive a round trip
-        return RolloutError(f"{type(e).__name__}: {e}")
-
-
-# ----------------------------------------------------------------------------- worker process
-
-
-def _worker_main(index: int, sock_path: str, urls: list[str], client_kwargs: dict, loop: str | None) -> None:
-    """Entry point of worker ``index`` (spawned): serve requests for ``urls`` until told to close."""
-    from areal_fast.rollout.loop import run_event_loop
-
-    die_with_parent()  # killed by the kernel if the controller dies, even by SIGKILL
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rollout-worker-{index} %(levelname)s %(message)s")
-    run_event_loop(_serve(index, sock_path, urls, client_kwargs), loop)
-
-
-async def _serve(index: int, sock_path: str, urls: list[str], client_kwargs: dict) -> None:
-    reader, writer = await asyncio.open_unix_connection(sock_path)
-    writer.writelines(_frame(("hello", index, os.getpid())))
-    client = RolloutClient(urls, **client_kwargs)
-    try:
-        await client.start()
-    except Exception as e:  # noqa: BLE001 - reported to the controller, which raises it
-        writer.writelines(_frame(("ready", _picklable(e))))
-        await writer.drain()
-        await client.close()
-        writer.close()
-        return
-    writer.writelines(_frame(("ready", None)))
-    out = _Batcher(writer, "ans")
-    tasks: dict[str, asyncio.Task] = {}
-
-    closing = False
-    cancelled: set[asyncio.Task] = set()  # tasks the controller cancelled: their one item is (rid, None)
-
-    async def one(rid: str, ids: bytes, sampling: dict) -> None:
-        """Generate ``rid``; exactly one item goes back for it: the answer, the error, or (rid, None)
-        when the controller cancelled it (whatever the client made of the cancellation)."""
-        try:
-            # the prompt goes to the client as an array, the answer's columns back as their bytes: no
-            # per-token Python object on either way
-            r = await client.generate(_array(ids, TOKEN_ARRAY), sampling, rid=rid)
-            item = (rid, r.finish_reason, r.output_ids.tobytes(), r.output_logprobs.tobytes(),
-                    r.output_versions.tobytes(), (r.matched, r.aborted, r.num_segments, r.servers, r.latency_s))
-            del r
-        except asyncio.CancelledError:
-            item = (rid, None)
-        except Exception as e:  # noqa: BLE001 - the controller's generate raises it
-            item = (rid, _picklable(e))
-        if closing:  # the controller asked us to stop: it expects nothing more
-            return
-        me = asyncio.current_task()
-        if me in cancelled:
-            cancelled.discard(me)
-            item = (rid, None)
-        out.add(item)
-        if tasks.get(rid) is me:
-            del tasks[rid]
-
-    async def control(seq: int, op: str, arg) -> None:
-        try:
-            if op == "pause":
-                t0 = time.perf_counter()
-                await client.pause_all(arg)
-                result = (dict(client.server_pause_modes), time.perf_counter() - t0)
-            elif op == "continue":
-                await client.continue_all()
-                result = None
-            elif op == "health":
-                result = await client.health(arg)
-            else:
-                raise RolloutError(f"rollout worker {index}: unknown control op {op!r}")
-            reply = ("ack", seq, True, result)
-        except Exception as e:  # noqa: BLE001 - raised on the controller's side
-            reply = ("ack", seq, False, _picklable(e))
-        out.flush()  # answers that came before the acknowledgement leave first
-        writer.writelines(_frame(reply))
-
-    try:
-        while True:
-            msg = await _read_frame(reader)
-            if msg is None or msg[0] == "close":
-                break
-            kind = msg[0]
-            if kind == "gen":
-                for rid, ids, sampling in msg[1]:
-                    tasks[rid] = asyncio.create_task(one(rid, ids, sampling))
-            elif kind == "cancel":  # the controller hears of it: (rid, None), or the answer already sent
-                t = tasks.get(msg[1])
-                if t is not None and not t.done():
-                    cancelled.add(t)
-                    t.cancel()
-            elif kind == "remove":  # in order with the frames around it (a retried pause comes after)
-                try:
-                    client.remove_server(msg[1])
-                except RolloutError as e:
-                    log.warning("%s", e)
-            elif kind == "ctl":
-                asyncio.create_task(control(*msg[1:]))
-    finally:
-        closing = True
-        for t in list(tasks.values()):
-            t.cancel()
-        await asyncio.gather(*tasks.values(), return_exceptions=True)
-        await client.close()
-        out.flush()
-        writer.close()
 
 
 # ----------------------------------------------------------------------------- controller side
@@ -250,7 +88,7 @@ class _Worker:
     proc: multiprocessing.process.BaseProcess
     writer: asyncio.StreamWriter | None = None
     reader_task: asyncio.Task | None = None
-    requests: _Batcher | None = None
+    requests: Batcher | None = None
     outstanding: set[str] = field(default_factory=set)  # rids sent here and not answered yet
     cancelled: set[str] = field(default_factory=set)  # rids cancelled by the caller, the worker not heard yet
     acks: dict[int, asyncio.Future] = field(default_factory=dict)
@@ -263,7 +101,7 @@ class _Worker:
 
     def send(self, obj) -> None:
         if self.alive and self.writer is not None and not self.writer.is_closing():
-            self.writer.writelines(_frame(obj))
+            self.writer.writelines(frame(obj))
 
 
 @dataclass(eq=False)
@@ -330,7 +168,7 @@ class ShardedRollout(ClientRollout):
         loop = asyncio.get_running_loop()
         self._server = await asyncio.start_unix_server(self._on_connect, path)
         for k, urls in enumerate(self._shards):
-            w = _Worker(k, urls, ctx.Process(target=_worker_main, args=(k, path, urls, self.client_kwargs, self.loop),
+            w = _Worker(k, urls, ctx.Process(target=worker_main, args=(k, path, urls, self.client_kwargs, self.loop),
                                              name=f"rollout-worker-{k}", daemon=True))
             w.ready = loop.create_future()
             self.workers.append(w)
@@ -359,12 +197,12 @@ class ShardedRollout(ClientRollout):
             raise err
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        hello = await _read_frame(reader)
+        hello = await read_frame(reader)
         if not hello or hello[0] != "hello" or not 0 <= hello[1] < len(self.workers):
             writer.close()
             return
         w = self.workers[hello[1]]
-        w.writer, w.requests = writer, _Batcher(writer, "gen")
+        w.writer, w.requests = writer, Batcher(writer, "gen")
         w.reader_task = asyncio.current_task()
         try:
             await self._read_loop(w, reader)
@@ -373,7 +211,7 @@ class ShardedRollout(ClientRollout):
 
     async def _read_loop(self, w: _Worker, reader: asyncio.StreamReader) -> None:
         while True:
-            msg = await _read_frame(reader)
+            msg = await read_frame(reader)
             if msg is None:
                 break
             kind = msg[0]
@@ -480,12 +318,7 @@ class ShardedRollout(ClientRollout):
             if len(item) == 2:
                 p.future.set_exception(item[1] or RolloutError(f"{w.name} cancelled rid {rid!r} by itself"))
             else:
-                matched, aborted, segments, servers, latency = item[5]
-                p.future.set_result(Sample(prompt_ids=p.prompt, output_ids=_array(item[2], TOKEN_ARRAY),
-                                           output_logprobs=_array(item[3], LOGPROB_ARRAY),
-                                           output_versions=_array(item[4], TOKEN_ARRAY), finish_reason=item[1],
-                                           rid=rid, matched=matched, aborted=aborted, num_segments=segments,
-                                           servers=servers, latency_s=latency))
+                p.future.set_result(answer_sample(rid, item, p.prompt))
 
     async def _lost(self, w: _Worker) -> None:
         """Worker ``w`` ended unasked: name it, drop its servers, send its requests to the others."""

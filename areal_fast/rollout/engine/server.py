@@ -3,19 +3,25 @@
 It behaves as one chosen SGLang release (``sglang_version``, default the newest we support); every
 version-gated behaviour is named in ``compat.SGLangBehaviour`` and described in docs/sglang.md.
 
+This module owns the model, the scheduler and the aiohttp app: the routes, the api-key
+middleware (which turns each validation error into SGLang's answer), /generate and its answer,
+the request control (abort, pause, continue, flush), /health and the info endpoints. Bodies are
+read and checked by ``engine/request_parsing.py`` (limits, JSON, sampling keys, the /generate
+body); the weight-update endpoints are ``engine/weight_routes.py`` (``WeightUpdateRoutes``, a part
+of ``EngineServer``).
+
 Handlers validate up front and answer 400 with ``{"error": {"message": ...}}`` (or
 ``{"object": "error", "message": ..., "code": 400}`` for schema failures, as SGLang does) naming the
 bad field; anything that touches the model goes through ``Scheduler.call`` so it runs between two
 decode steps on the scheduler thread. Rendezvous and broadcast receives run in the default executor
 (bounded by the group timeout) so the event loop keeps answering meanwhile, and bodies over
-``_PARSE_OFF_LOOP_BYTES`` are parsed there too.
+``request_parsing.PARSE_OFF_LOOP_BYTES`` are parsed there too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 import time
@@ -24,54 +30,28 @@ import uuid
 import torch
 from aiohttp import web
 
-from areal_fast.rollout.engine.compat import ENGINE_LOAD_FORMATS, SGLANG_SAMPLING_KEYS, SGLangBehaviour
-from areal_fast.rollout.engine.sampling import SamplingError, parse_sampling_params
-from areal_fast.rollout.engine.scheduler import PAUSE_MODES, DuplicateRid, Request, Scheduler, SchedulerDown
-from areal_fast.rollout.engine.weight_sync import (
-    DEFAULT_GROUP_TIMEOUT_S,
-    TensorMeta,
-    WeightReceiver,
-    parse_dtype,
-    unaligned_tensor,
+from areal_fast.rollout.engine.compat import ENGINE_LOAD_FORMATS, SGLangBehaviour
+from areal_fast.rollout.engine.request_parsing import (  # noqa: F401 - the errors are part of this module's API
+    BYTES_PER_ID,
+    GENERATE_OVERHEAD,
+    UPDATE_META_LIMIT,
+    BadRequest,
+    ContractError,
+    InternalServerError,
+    parse_generate,
+    read_json,
 )
+from areal_fast.rollout.engine.sampling import parse_sampling_params
+from areal_fast.rollout.engine.scheduler import PAUSE_MODES, DuplicateRid, Request, Scheduler, SchedulerDown
+from areal_fast.rollout.engine.weight_routes import FLUSH_REFUSED, WeightUpdateRoutes  # noqa: F401
+from areal_fast.rollout.engine.weight_sync import DEFAULT_GROUP_TIMEOUT_S, WeightReceiver, parse_dtype
 
 log = logging.getLogger(__name__)
 _FLUSH_POLL_S = 0.01
 _HEALTH_POLL_S = 0.01
 # SGLang's probe waits this long for any output before /health answers 503 (env as in SGLang).
 DEFAULT_HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
-# Body limits, sized to the largest legitimate body of each kind:
-# - /generate: the prompt's ids as JSON text, at most ~8 bytes per id ("151935, "), for a prompt of
-#   up to the context length, plus sampling params and the rest (64 KiB);
-# - /update_weights_from_distributed: names, dtypes and shapes of one bucket; a 100k-tensor MoE
-#   model's full name list is ~10 MB, so 16 MiB;
-# - every other control call: a few fields (64 KiB).
-_BYTES_PER_ID = 8
-_GENERATE_OVERHEAD = 64 << 10
-_UPDATE_META_LIMIT = 16 << 20
-_CONTROL_LIMIT = 64 << 10
-_PARSE_OFF_LOOP_BYTES = 256 << 10  # json.loads of 256 KiB takes ~1 ms; bigger bodies go to a thread
 _AUTH_EXEMPT_PREFIXES = ("/health", "/metrics")  # as SGLang's api-key middleware
-FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running "
-                 "or queued. Retract or finish them, then call /flush_cache.")
-
-
-class BadRequest(Exception):
-    """Raised by validation; becomes a 400 in SGLang's shape."""
-
-    def __init__(self, message: str, schema: bool = False, status: int = 400):
-        super().__init__(message)
-        self.schema = schema
-        self.status = status
-
-
-class InternalServerError(Exception):
-    """An exception SGLang does not catch: answered 500 with a plain "Internal Server Error"."""
-
-
-class ContractError(Exception):
-    """SGLang >= 0.5.22 checks a /generate body against its schema first: 400 ``{"error": "<text>"}``."""
-
 
 # aiohttp does not cancel a handler whose client went away (handler_cancellation is off), so a
 # waiting /generate looks at its connection this often; SGLang aborts such a request too.
@@ -111,7 +91,7 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return parse_dtype(name)
 
 
-class EngineServer:
+class EngineServer(WeightUpdateRoutes):
     """Model + scheduler + HTTP app. ``build_app()`` returns the aiohttp application."""
 
     def __init__(
@@ -161,7 +141,7 @@ class EngineServer:
         self.tokenizer = None if skip_tokenizer_init else self._try_tokenizer(model_path)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.context_length = int(getattr(self.config, "max_position_embeddings", 2**31 - 1))
-        self.generate_limit = _GENERATE_OVERHEAD + _BYTES_PER_ID * min(self.context_length, 1 << 22)
+        self.generate_limit = GENERATE_OVERHEAD + BYTES_PER_ID * min(self.context_length, 1 << 22)
         self.max_running_requests = max_running_requests
         self.seed = seed
         self.scheduler = Scheduler(
@@ -198,7 +178,7 @@ class EngineServer:
 
     # ------------------------------------------------------------------ app
     def build_app(self) -> web.Application:
-        limit = max(self.generate_limit, _UPDATE_META_LIMIT)
+        limit = max(self.generate_limit, UPDATE_META_LIMIT)
         app = web.Application(middlewares=[self._middleware], client_max_size=limit)
         r = app.router
         r.add_post("/generate", self.generate)
@@ -206,14 +186,7 @@ class EngineServer:
         r.add_post("/pause_generation", self.pause_generation)
         r.add_post("/continue_generation", self.continue_generation)
         r.add_route("*", "/flush_cache", self.flush_cache)
-        r.add_post("/init_weights_update_group", self.init_group)
-        r.add_post("/destroy_weights_update_group", self.destroy_group)
-        r.add_post("/update_weights_from_distributed", self.update_from_distributed)
-        r.add_post("/update_weights_from_disk", self.update_from_disk)
-        r.add_post("/update_weights_from_tensor", self.update_from_tensor)
-        if self.sglang.weight_update_sessions:
-            r.add_post("/begin_weight_update", self.begin_update)
-            r.add_post("/end_weight_update", self.end_update)
+        self._add_weight_routes(r)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
         for path in ("/model_info", "/get_model_info"):  # the get_ forms are deprecated in SGLang
@@ -247,89 +220,15 @@ class EngineServer:
         except Exception as e:  # noqa: BLE001 - a 500 with a message instead of a stack trace
             return _err(f"{type(e).__name__}: {e}", status=500)
 
-    async def _json(self, request: web.Request, limit: int = _CONTROL_LIMIT) -> dict:
-        """The JSON object body; 413 naming the limit when it is larger than this endpoint ever needs."""
-        if request.content_length is not None and request.content_length > limit:
-            raise BadRequest(f"{request.path}: body of {request.content_length} bytes exceeds this endpoint's "
-                             f"limit of {limit} bytes", status=413)
-        raw = await request.read()
-        if len(raw) > limit:
-            raise BadRequest(f"{request.path}: body of {len(raw)} bytes exceeds this endpoint's limit of "
-                             f"{limit} bytes", status=413)
-        if not raw.strip():
-            return {}
-        try:
-            if len(raw) > _PARSE_OFF_LOOP_BYTES:
-                body = await asyncio.get_running_loop().run_in_executor(None, json.loads, raw)
-            else:
-                body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"request body is not valid JSON: {e}", schema=True) from None
-        if not isinstance(body, dict):
-            raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}", schema=True)
-        return body
-
     async def _on_scheduler(self, fn):
+        """Run ``fn`` on the scheduler thread, between two decode steps."""
         return await asyncio.wrap_future(self.scheduler.call(fn))
 
     # ------------------------------------------------------------------ /generate
-    def _check_sampling_keys(self, raw) -> None:
-        """Unknown sampling keys: a schema 400 from 0.5.22, a TypeError (HTTP 500) before."""
-        if not isinstance(raw, dict):
-            return
-        unknown = [k for k in raw if k not in SGLANG_SAMPLING_KEYS]
-        if not unknown:
-            return
-        if self.sglang.generate_schema_400:
-            raise ContractError(f"unknown field `{unknown[0]}` in sampling_params")
-        # SGLang: SamplingParams(**params) raises TypeError, which nothing catches: a bare 500
-        log.error("TypeError: SamplingParams.__init__() got an unexpected keyword argument %r", unknown[0])
-        raise InternalServerError()
-
-    def _parse_generate(self, body: dict) -> tuple[list[str], list[int], object, bool]:
-        if "text" in body and "input_ids" not in body:
-            raise BadRequest("the embedded engine has no text input; send input_ids")
-        ids = body.get("input_ids")
-        if isinstance(ids, list) and ids and isinstance(ids[0], list):
-            raise BadRequest("batched input_ids are not supported: send one prompt per /generate call")
-        if not isinstance(ids, list) or not ids:
-            raise BadRequest("input_ids must be a non-empty list of token ids", schema=not isinstance(ids, list))
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise BadRequest("input_ids must contain only integers", schema=True)
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise BadRequest(f"input_ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by the embedded engine")
-        if body.get("logprob_start_len", -1) not in (-1, None):
-            raise BadRequest("logprob_start_len must be -1 (output logprobs only) on the embedded engine")
-        raw_params = body.get("sampling_params")
-        self._check_sampling_keys(raw_params)
-        try:
-            params = parse_sampling_params(raw_params, self.vocab_size)
-        except SamplingError as e:
-            raise BadRequest(str(e)) from None
-        if params.stop and self.tokenizer is None:
-            raise BadRequest("sampling_params.stop needs a tokenizer; this checkpoint has none (use stop_token_ids)")
-        if len(ids) + params.max_new_tokens > self.context_length:
-            raise BadRequest(
-                f"Requested token count exceeds the model's maximum context length of {self.context_length} "
-                f"tokens. You requested a total of {len(ids) + params.max_new_tokens} tokens: {len(ids)} tokens "
-                f"from the input messages and {params.max_new_tokens} tokens for the completion."
-            )
-        rid = body.get("rid")
-        if rid is not None and not isinstance(rid, str):
-            raise BadRequest(f"rid must be a string, got {rid!r}", schema=True)
-        # n > 1: SGLang expands one prompt into n requests named rid_0 .. rid_{n-1} and answers a list
-        if params.n == 1:
-            rids = [rid or uuid.uuid4().hex]
-        else:
-            rids = [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(params.n)]
-        return rids, ids, params, bool(body.get("return_logprob", False))
-
     async def generate(self, request: web.Request) -> web.Response:
-        body = await self._json(request, self.generate_limit)
-        rids, ids, params, return_logprob = self._parse_generate(body)
+        body = await read_json(request, self.generate_limit)
+        rids, ids, params, return_logprob = parse_generate(body, self.vocab_size, self.context_length,
+                                                           self.tokenizer is not None, self.sglang)
         loop = asyncio.get_running_loop()
         futs: list[asyncio.Future] = []
         submitted: list[str] = []
@@ -387,7 +286,7 @@ class EngineServer:
 
     # ------------------------------------------------------------------ request control
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
+        body = await read_json(request)
         rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
         if not abort_all and not isinstance(rid, str):
             raise BadRequest("abort_request needs a string rid or abort_all=true", schema=True)
@@ -397,7 +296,7 @@ class EngineServer:
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
+        body = await read_json(request)
         mode = body.get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise BadRequest(f"pause_generation mode must be one of {PAUSE_MODES}, got {mode!r}", schema=True)
@@ -405,7 +304,7 @@ class EngineServer:
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await self._json(request)
+        await read_json(request)
         await self._on_scheduler(self.scheduler.resume)
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -425,119 +324,6 @@ class EngineServer:
             if time.monotonic() >= deadline:
                 return web.Response(status=400, text="Cache not flushed because there are running requests.")
             await asyncio.sleep(_FLUSH_POLL_S)
-
-    # ------------------------------------------------------------------ weight updates
-    @staticmethod
-    def _result(ok: bool, message: str, **extra) -> web.Response:
-        return web.json_response({"success": ok, "message": message, **extra}, status=200 if ok else 400)
-
-    async def init_group(self, request: web.Request) -> web.Response:
-        b = await self._json(request)
-        try:
-            args = (str(b["master_address"]), int(b["master_port"]), int(b["rank_offset"]), int(b["world_size"]),
-                    str(b.get("group_name", "weight_update_group")),
-                    str(b.get("backend") or ("nccl" if self.device.type == "cuda" else "gloo")))
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadRequest(f"init_weights_update_group: missing or bad field {e}", schema=True) from None
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, self.receiver.init_group, *args)
-        except Exception as e:  # noqa: BLE001
-            return self._result(False, f"Failed to init weight update group: {type(e).__name__}: {e}")
-        return self._result(True, "Succeeded to initialize custom process group.")
-
-    async def destroy_group(self, request: web.Request) -> web.Response:
-        b = await self._json(request)
-        name = str(b.get("group_name", "weight_update_group"))
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, self.receiver.destroy_group, name)
-        except Exception as e:  # noqa: BLE001
-            return self._result(False, f"Failed to destroy group: {e}")
-        return self._result(True, "Succeeded to destroy custom process group.")
-
-    def _apply_update(self, named, b: dict) -> tuple[bool, str]:
-        """Runs on the scheduler thread: optional abort, the load, the version, then SGLang's flush rule."""
-        if b.get("abort_all_requests"):
-            self.scheduler.abort(None, "Abort by weight update")
-        self.receiver.load(named)
-        if b.get("weight_version") is not None:
-            self.scheduler.weight_version = str(b["weight_version"])
-        if b.get("flush_cache", True) and not self.scheduler.is_idle():
-            # requests still hold KV of the old weights (e.g. an in_place pause): the flush fails
-            if self.sglang.refuses_flush_with_running:
-                return False, FLUSH_REFUSED
-            self.scheduler.crash("AssertionError: Cache flush failed after updating weights")
-            raise SchedulerDown(self.scheduler.crash_reason)
-        return True, "Succeeded to update model weights."
-
-    async def update_from_distributed(self, request: web.Request) -> web.Response:
-        b = await self._json(request, _UPDATE_META_LIMIT)
-        names, dtypes, shapes = b.get("names"), b.get("dtypes"), b.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
-            raise BadRequest("update_weights_from_distributed needs lists names, dtypes and shapes", schema=True)
-        if not len(names) == len(dtypes) == len(shapes):
-            raise BadRequest(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
-        try:
-            metas = [TensorMeta(str(n), parse_dtype(d), tuple(int(x) for x in s))
-                     for n, d, s in zip(names, dtypes, shapes)]
-        except (ValueError, TypeError) as e:
-            raise BadRequest(f"update_weights_from_distributed: {e}") from None
-        if self.sglang.weight_update_sessions and not self.session_open:
-            return self._result(False, "update_weights_from_distributed must run between begin_weight_update() "
-                                       "and end_weight_update()")
-        group, fmt = str(b.get("group_name", "weight_update_group")), b.get("load_format")
-        if fmt == "flattened_bucket" and self.sglang.checks_bucket_alignment and unaligned_tensor(metas):
-            return self._result(False, f"Failed to receive weights: {unaligned_tensor(metas)}")
-        loop = asyncio.get_running_loop()
-        try:  # off the scheduler: a silent trainer fails this call after the group timeout
-            named = await loop.run_in_executor(None, self.receiver.receive, metas, group, fmt,
-                                               self.sglang.checks_bucket_alignment)
-        except Exception as e:  # noqa: BLE001
-            return self._result(False, f"Failed to receive weights: {type(e).__name__}: {e}")
-        try:
-            ok, message = await self._on_scheduler(lambda: self._apply_update(named, b))
-        except SchedulerDown:
-            raise
-        except Exception as e:  # noqa: BLE001
-            return self._result(False, f"Failed to update weights: {type(e).__name__}: {e}")
-        return self._result(ok, message)
-
-    async def update_from_disk(self, request: web.Request) -> web.Response:
-        b = await self._json(request)
-        path = b.get("model_path")
-        if not isinstance(path, str):
-            raise BadRequest("update_weights_from_disk needs model_path (str)", schema=True)
-        fmt = b.get("load_format") or self.load_format  # null: the format the server was launched with
-        if fmt not in ENGINE_LOAD_FORMATS or fmt == "dummy":
-            return self._result(False, f"Failed to update weights: load_format {fmt!r} cannot load {path!r} "
-                                       f"(the embedded engine reads 'auto' or 'safetensors' checkpoints)",
-                                num_paused_requests=0)
-        try:
-            named = await asyncio.get_running_loop().run_in_executor(None, self.receiver.read_from_disk, path)
-            ok, message = await self._on_scheduler(lambda: self._apply_update(named, b))
-        except SchedulerDown:
-            raise
-        except Exception as e:  # noqa: BLE001
-            return self._result(False, f"Failed to update weights: {type(e).__name__}: {e}", num_paused_requests=0)
-        self.model_path = path
-        return self._result(ok, message, num_paused_requests=0)
-
-    async def update_from_tensor(self, request: web.Request) -> web.Response:
-        await self._json(request)
-        return self._result(False, "update_weights_from_tensor (CUDA IPC) is not supported by the embedded engine")
-
-    async def begin_update(self, request: web.Request) -> web.Response:
-        await self._json(request)
-        if self.session_open:
-            return self._result(False, "a weight-update session is already open; call end_weight_update() first")
-        self.session_open = True
-        return self._result(True, "Success")
-
-    async def end_update(self, request: web.Request) -> web.Response:
-        await self._json(request)
-        if not self.session_open:
-            return self._result(False, "no weight-update session is open; call begin_weight_update() first")
-        self.session_open = False
-        return self._result(True, "Success")
 
     # ------------------------------------------------------------------ health and info
     async def health(self, request: web.Request) -> web.Response:
