@@ -225,44 +225,11 @@ def _import_graph(import_time: bool = True) -> dict[str, set[str]]:
             for name, path in mods.items()}
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
-    """The strongly connected components with more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    out: list[set[str]] = []
-
-    def strong(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                strong(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = set()
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                comp.add(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(comp)
-
-    for v in sorted(graph):
-        if v not in index:
-            strong(v)
-    return out
+# Import circles are checked once, on every import statement, in tests/package/test_import_graph.py.
+# Here: the config loader sits below the launchers and the controller, and above the components.
 
 
-def test_the_cycle_finder_finds_planted_cycles():
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"e"}, "e": set()}) == [{"a", "b", "c"}]
-    assert _cycles({"a": {"b"}, "b": set()}) == []
+def test_the_import_reader_tells_import_time_from_inside_functions():
     src = "from . import x, name\nfrom .y import z\nif TYPE_CHECKING:\n    import p.q\ndef f():\n    import p.r\n"
     known = {"p", "p.x", "p.y", "p.q", "p.r", "p.s"}
     assert _imports(ast.parse(src), "p.s", False, known) == {"p", "p.x", "p.y"}
@@ -270,23 +237,9 @@ def test_the_cycle_finder_finds_planted_cycles():
     assert _imports(ast.parse("from . import x\n"), "p.s", False, known) == {"p.x"}
 
 
-def test_no_import_cycle_among_the_package_modules():
-    graph = _import_graph()
-    assert "areal_fast.config" in graph and len(graph) > 40
-    assert _cycles(graph) == [], "modules that import each other while being imported"
-
-
-# Cycles closed only by an import inside a function (it runs after both modules are loaded) are
-# layering mistakes too (the config module once reached the trainer launcher this way, through the
-# Ray launcher). None is allowed; tests/package/test_import_graph.py checks every import statement.
-LAZY_CYCLES: list[set[str]] = []
-
-
-def test_no_cycle_even_through_imports_inside_functions():
-    cycles = _cycles(_import_graph(import_time=False))
-    unexpected = [sorted(c) for c in cycles if not any(c <= allowed for allowed in LAZY_CYCLES)]
-    assert unexpected == []
+def test_the_config_loader_reaches_neither_the_launcher_nor_the_controller():
     reached = _reached(_import_graph(import_time=False), "areal_fast.config")
+    assert "areal_fast.configutil" in reached
     upward = sorted(m for m in reached if _package(m) in ("areal_fast.launch", "areal_fast.controller"))
     assert upward == [], "the config loader reaches the launcher or the controller"
 
