@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Collection
@@ -481,6 +482,17 @@ class BlockingCalls:
 
 _shared: BlockingCalls | None = None
 _shared_lock = threading.Lock()
+
+
+def _forget_shared_calls_after_fork() -> None:
+    """A forked child has none of its parent's threads: the shared calls' loop thread is gone, and
+    a call queued on its loop would wait forever (a run forked after its parent checked a server's
+    health hung at its end this way). The child makes its own on first use."""
+    global _shared, _shared_lock
+    _shared, _shared_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_shared_calls_after_fork)
 
 
 def health_now(url: str, *, api_key: str | None = None, **kw) -> ServerHealth:

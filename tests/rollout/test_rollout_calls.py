@@ -332,3 +332,27 @@ def test_one_server_url_check(url, words):
         check_server_url(url, "servers[2]")
     assert all(w in str(e.value) for w in words) and "secret" not in str(e.value)
     assert check_server_url("https://h:8/p").hostname == "h"
+
+
+def _health_in_child(url, q):
+    q.put(health_now(url, liveness=False).state)
+
+
+def test_a_forked_child_checks_health_after_its_parent_did(serve):
+    """The shared blocking calls run on a thread, and a forked child has none of its parent's
+    threads: a child that checks a server after its parent did must get calls of its own, not wait
+    forever on the parent's dead loop (a forked training run hung at its end this way)."""
+    import multiprocessing
+
+    srv = serve(lambda m, p, n: (200, b"{}"))
+    assert health_now(srv.url, liveness=False).state == "ok"  # the parent's shared calls exist now
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_health_in_child, args=(srv.url, q), daemon=True)
+    child.start()
+    child.join(WATCHDOG_S)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+    assert not hung, f"the forked child's health check still waits after {WATCHDOG_S}s"
+    assert child.exitcode == 0 and q.get(timeout=5) == "ok"
