@@ -121,6 +121,8 @@ class AppConfig:
             setattr(t, key, value)
         if t.ppo.loss.temperature != self.rollout.temperature:
             t.ppo.loss = dataclasses.replace(t.ppo.loss, temperature=self.rollout.temperature)
+        if self.rollout.pause_mode == "in_place":  # requests keep KV across the update: a flush would fail
+            self.weights.flush_cache = False
         if t.optim.total_steps == 0 and t.optim.lr_schedule != "constant":  # a decay needs the run's length
             t.optim.total_steps = self.experiment.total_steps
 

@@ -14,6 +14,7 @@ from areal_fast.buffer import DEFAULT_MEMORY_MB as DEFAULT_BUFFER_MEMORY_MB
 from areal_fast.configutil import device_indices, positive_seconds
 from areal_fast.heap import period_from_env as heap_trim_period_from_env
 from areal_fast.netutil import check_server_url  # the one check of a server address
+from areal_fast.rollout.engine.compat import in_place_launch_refusal
 
 __all__ = ["MIN_TEMPERATURE", "RESERVED_SERVER_ARGS", "RolloutConfig", "check_server_url"]
 
@@ -27,6 +28,18 @@ given with ``--config`` (``launch.base.server_key_file``)."""
 
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def _installed_sglang(engine: str) -> str | None:
+    """The sglang release installed here (launched 'sglang' servers run it), None if unknown."""
+    if engine != "sglang":
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,7 +80,10 @@ class RolloutConfig:
     """Seconds for one /generate call before it is retried elsewhere."""
     pause_mode: str = "auto"
     """How servers pause for a weight update: 'auto' (per server: 'retract' on SGLang >= 0.5.19, whose
-    per-token version spans label retracted requests, else 'abort'), 'retract' or 'abort' (``docs/scale.md``)."""
+    per-token version spans label retracted requests, else 'abort'), 'retract', 'abort' or 'in_place'
+    (requests keep running on their KV across the update; updates then never flush the cache:
+    SGLang >= 0.5.19 launched with --disable-overlap-schedule --disable-radix-cache, or the embedded
+    engine; ``docs/pause_modes.md``)."""
     health_timeout: float = 300.0
     """Seconds to wait for launched servers to become healthy."""
     workflow: str = "areal_fast.workflow.single_turn:single_turn"
@@ -122,8 +138,12 @@ class RolloutConfig:
         if self.max_concurrent < 1:
             raise ValueError(f"max_concurrent: must be >= 1, got {self.max_concurrent!r}")
         positive_seconds("request_timeout", self.request_timeout)
-        if self.pause_mode not in ("auto", "retract", "abort"):
-            raise ValueError(f"pause_mode: must be 'auto', 'retract' or 'abort', got {self.pause_mode!r}")
+        if self.pause_mode not in ("auto", "retract", "abort", "in_place"):
+            raise ValueError(f"pause_mode: must be 'auto', 'retract', 'abort' or 'in_place', got {self.pause_mode!r}")
+        if self.pause_mode == "in_place" and not self.servers:
+            why = in_place_launch_refusal(self.engine, self.server_args, _installed_sglang(self.engine))
+            if why:
+                raise ValueError(f"pause_mode: 'in_place' refused for launched {self.engine} servers: {why}")
         positive_seconds("health_timeout", self.health_timeout)
         n = len(self.servers) or self.n_servers
         if not isinstance(self.client_processes, int) or not 1 <= self.client_processes <= max(n, 1):

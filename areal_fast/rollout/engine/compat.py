@@ -40,6 +40,18 @@ WEIGHT_UPDATE_SESSIONS_SINCE = Version("0.5.21")  # /begin_weight_update and /en
 GENERATE_SCHEMA_400_SINCE = Version("0.5.22")  # unknown sampling keys: a schema 400 (a 500 TypeError before)
 REFUSES_FLUSH_WITH_RUNNING_SINCE = Version("0.5.22")  # a flush with requests holding KV fails the call
 CHECKS_BUCKET_ALIGNMENT_SINCE = Version("0.5.23")  # a misaligned flattened bucket is refused up front
+IN_PLACE_UPDATES_SINCE = WEIGHT_VERSION_SPANS_SINCE  # in_place pause + update without flush, versions exact
+
+# What an in_place pause needs of a real SGLang server for every token to keep the version of the
+# weights that made it (docs/pause_modes.md): /server_info key -> the launch flag that sets it, and why.
+IN_PLACE_SERVER_FLAGS = {
+    "disable_overlap_schedule": ("--disable-overlap-schedule", (
+        "with overlap scheduling the batch launched before the pause is processed only after continue, so "
+        "each running request's token made by the old weights would be labelled with the new version")),
+    "disable_radix_cache": ("--disable-radix-cache", (
+        "an update without a flush leaves prefix-cache entries computed by the old weights, which later "
+        "requests reuse with nothing in their versions saying so")),
+}
 
 
 def supports_pause_mode(version: Version) -> bool:
@@ -67,6 +79,67 @@ def refuses_unknown_sampling_keys_with_400(version: Version) -> bool:
     """/generate bodies are checked against a schema first: an unknown sampling key is a 400. Before,
     the key reaches ``SamplingParams(**params)``: a TypeError, answered 500."""
     return version >= GENERATE_SCHEMA_400_SINCE
+
+
+def in_place_refusal(version: Version) -> str | None:
+    """Why a server of SGLang ``version`` cannot take in_place pauses in training, or None.
+
+    From 0.5.19 an answer's ``weight_versions`` spans label each token with the weights that made it
+    across an in-place update. Before, an answer has one weight_version (the one at its end), so
+    every token made before the update would carry the new version; 0.5.6-0.5.8 also lose the
+    requests of a prefill batch in flight when paused (its batch is dropped without being merged)."""
+    if version >= IN_PLACE_UPDATES_SINCE:
+        return None
+    return (f"SGLang {version} answers one weight_version per request, so tokens made before an in-place update "
+            f"would be labelled with the new version (per-token spans from {IN_PLACE_UPDATES_SINCE})")
+
+
+def in_place_server_refusal(info: dict, version: Version) -> str | None:
+    """Why the server described by ``info`` (its /server_info) cannot take in_place pauses, or None."""
+    why = in_place_refusal(version)
+    if why:
+        return why
+    for key, (flag, reason) in IN_PLACE_SERVER_FLAGS.items():
+        if not info.get(key):
+            return f"it runs without {flag} ({key} is not true in /server_info): {reason}"
+    return None
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in a command line ('--x v' or '--x=v'), the last one winning; None if absent."""
+    value = None
+    for i, a in enumerate(args):
+        a = str(a)
+        if a == flag and i + 1 < len(args):
+            value = str(args[i + 1])
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def in_place_launch_refusal(engine: str, server_args: list[str], installed_sglang: str | None = None) -> str | None:
+    """Why servers launched as ``engine`` with ``server_args`` cannot take in_place pauses, or None.
+
+    The embedded engine behaves as its ``--sglang-version`` (default the newest); a real SGLang needs
+    the flags of :data:`IN_PLACE_SERVER_FLAGS` and, when known here, an installed release from
+    0.5.19. Servers the run does not launch are checked by the client before its first pause."""
+    args = [str(a) for a in server_args]
+    if engine == "embedded":
+        v = _flag_value(args, "--sglang-version")
+        try:
+            version = parse_sglang_version(v or DEFAULT_SGLANG_VERSION)
+        except ValueError:
+            return None  # the engine refuses the bad value itself, naming it
+        return in_place_refusal(version)
+    for _key, (flag, reason) in IN_PLACE_SERVER_FLAGS.items():
+        if flag not in args:
+            return f"needs {flag} in rollout.server_args: {reason}"
+    if installed_sglang:
+        try:
+            return in_place_refusal(Version(installed_sglang))
+        except InvalidVersion:
+            return None
+    return None
 
 
 def parse_sglang_version(value: str | Version) -> Version:
