@@ -95,11 +95,22 @@ class ActorTrainer:
 def apply_update(transports: dict, spec, version: int, state) -> None:
     """One rank's part of the weight update ``spec`` to ``version`` (collective; rank 0 talks to the
     servers). ``transports``: this rank's cache, one transport per spec, so the weight group is
-    created once and reused."""
+    created once and reused; a new spec of the same method (the servers changed) closes the old one."""
     ws = transports.get(spec)
     if ws is None:
+        for old in [s for s in transports if s.method == spec.method]:
+            close_superseded(transports.pop(old))  # servers changed: the group is formed again
         ws = transports[spec] = spec.build()
     ws.update(state, version)
+
+
+def close_superseded(transport) -> None:
+    """Close a transport whose servers changed (``weights.membership``): its group is destroyed on the
+    servers still alive and on this rank; a server that is gone is only logged."""
+    try:
+        transport.close()
+    except Exception as e:  # noqa: BLE001 - the old group may have a dead member; the new one does not
+        log.warning("closing the weight transport to %s: %s", getattr(transport, "urls", "?"), e)
 
 
 def follower_loop(actor) -> None:

@@ -46,6 +46,11 @@ class ClientRollout:
         await self.control(self.client.continue_all, "continue_generation")
 
     @property
+    def api_key(self) -> str | None:
+        """The run's key, which the servers require (the agent endpoint requires it too)."""
+        return getattr(self.client, "api_key", None)
+
+    @property
     def urls(self) -> list[str]:
         return [s.url for s in self.client.servers]
 
@@ -55,3 +60,8 @@ class ClientRollout:
         if url in self.urls and len(self.client.servers) == 1:
             raise RuntimeError(f"the last inference server {url} died; cannot continue")
         return self.client.remove_server(url)
+
+    async def add_server(self, url: str) -> None:
+        """Route requests to ``url`` from now on (a server that joined mid-run holding the current
+        weights: ``weights.membership``)."""
+        await self.client.add_server(url)

@@ -158,6 +158,10 @@ class ShardedRollout(ClientRollout):
         self.worker_failures: list[str] = []  # one message per worker that died
         self.stats = {"requests": 0, "answers": 0, "resent": 0, "duplicates_dropped": 0, "workers_lost": 0}
 
+    @property
+    def api_key(self) -> str | None:
+        return self.client_kwargs.get("api_key")
+
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         if self.workers:
@@ -419,6 +423,19 @@ class ShardedRollout(ClientRollout):
             self.stats["resent"] += 1
             self._send(r, self._pending[r], self._route())
         return True
+
+    async def add_server(self, url: str) -> None:
+        """Route requests to ``url`` from now on, through the live worker with the fewest servers."""
+        url = url.rstrip("/")
+        if url in self._owner:
+            return
+        live = [w for w in self.workers if w.alive]
+        if not live:
+            raise WorkerDied("no rollout worker is left to take server " + url)
+        w = min(live, key=lambda w: len(w.urls))
+        await self._ask(w, "add", url)
+        self._owner[url] = w
+        w.urls.append(url)
 
     # ------------------------------------------------------------------ measures (benchmarks)
     def worker_pids(self) -> list[int]:

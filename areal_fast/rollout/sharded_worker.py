@@ -5,7 +5,7 @@ It owns the process's life (``worker_main``: it dies with its parent, runs its o
 and the serving of one socket to the controller (``_serve``): every ``gen`` request becomes a
 task of the client's ``generate`` and exactly one answer item goes back for it (the answer, the
 error, or ``(rid, None)`` once the controller cancelled it); control calls (pause, continue,
-health) are acknowledged after the answers sent before them; ``remove`` drops a server; ``close``
+health) are acknowledged after the answers sent before them; ``remove`` drops a server (the control op ``add`` adds one); ``close``
 or the end of the socket ends the process. The messages are ``rollout/sharded_wire.py``.
 """
 
@@ -86,6 +86,8 @@ async def _serve(index: int, sock_path: str, urls: list[str], client_kwargs: dic
                 result = None
             elif op == "health":
                 result = await client.health(arg)
+            elif op == "add":  # a server that joined mid-run (it holds the current weights)
+                result = await client.add_server(arg)
             else:
                 raise RolloutError(f"rollout worker {index}: unknown control op {op!r}")
             reply = ("ack", seq, True, result)

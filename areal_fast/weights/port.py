@@ -1,10 +1,17 @@
 """The controller's sync port (``SyncPort.sync(version)``) over the transports of this package.
 
-* :class:`DistributedSync` - :class:`~areal_fast.weights.sync.DistributedWeightSync`; when a
-  server of the broadcast group dies the group is unusable, and the port falls back to
-  :class:`DiskSync` for the rest of the run (the servers left keep getting every version).
+* :class:`DistributedSync` - :class:`~areal_fast.weights.sync.DistributedWeightSync`; when the
+  servers of an update change (a member died, a server joins or leaves) the broadcast group is
+  formed again over the new ones (``weights.membership``), so the run stays on the broadcast.
 * :class:`DiskSync` - :class:`~areal_fast.weights.sync.DiskWeightSync` on the servers still in
-  the pool; a server whose process is gone is dropped and the update retried on the others.
+  the pool.
+
+Both send to the pool's servers and to the servers waiting to join (``offer(url)``: relaunched or
+added mid-run, ``docs/elastic.md``); a joining server enters the pool only once it holds the new
+version. A server whose process is gone is dropped and the update retried on the others
+(``rollout.calls.retry_dropping_dead``). Each update's metrics name the servers in the pool after
+it (``servers``: ``sync/servers`` in metrics.jsonl), those that joined, those still waiting and the
+group's generation.
 
 The version is the controller's (``sync(version)``); it only travels down from here: every
 trainer rank takes part in an update (the gathers of FSDP2 shards are collective), so the port
@@ -27,6 +34,7 @@ from typing import Protocol
 
 from areal_fast.rollout.calls import DEAD_SERVER_RETRY, dead_servers, retry_dropping_dead
 from areal_fast.weights.config import WeightSyncConfig
+from areal_fast.weights.membership import SyncMembership
 
 __all__ = ["SyncSpec", "DistributedSync", "DiskSync", "make_sync_port", "WeightTrainer",
            "ServerPool"]
@@ -43,12 +51,13 @@ class WeightTrainer(Protocol):
 
 
 class ServerPool(Protocol):
-    """The rollout side: which servers are in the pool, which died, and dropping one."""
+    """The rollout side: which servers are in the pool, which died, dropping one and adding one."""
 
     @property
     def urls(self) -> list[str]: ...
     def is_dead(self, url: str) -> bool: ...
     def remove_server(self, url: str) -> bool: ...
+    async def add_server(self, url: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -74,63 +83,75 @@ class SyncSpec:
         return cls(list(self.urls), self.weight_config())
 
 
-class DiskSync:
-    """SyncPort: HF safetensors under ``work_dir`` + ``/update_weights_from_disk`` on every live server."""
+class _MembershipSync:
+    """What both ports share: the servers of an update (:class:`SyncMembership`: the pool plus the
+    joining servers), the one dead-server policy around an update, and the joining servers
+    admitted to the pool once they hold the new version."""
 
-    def __init__(self, trainer: WeightTrainer, rollout: ServerPool, work_dir, config: WeightSyncConfig | None = None):
+    method = ""
+
+    def __init__(self, trainer: WeightTrainer, rollout: ServerPool, config: WeightSyncConfig | None = None,
+                 membership: SyncMembership | None = None):
         self.trainer, self.rollout = trainer, rollout
+        self.config = dataclasses.replace(config or WeightSyncConfig(), method=self.method)
+        self.membership = membership or SyncMembership(rollout, self.config.group_name)
+
+    def offer(self, url: str) -> bool:
+        """A healthy server that wants in: it gets the next update in full, then enters the pool."""
+        return self.membership.offer(url)
+
+    def _spec(self, urls: list[str]) -> SyncSpec:
+        return SyncSpec.of(self.method, urls, self.config)
+
+    async def sync(self, version: int) -> dict:
+        m = self.membership
+        sent: list[str] = []
+
+        async def once() -> dict:
+            sent[:] = m.targets()
+            t0 = time.perf_counter()
+            await asyncio.to_thread(self.trainer.update_weights, self._spec(sent), version)
+            return {self.timer: time.perf_counter() - t0}
+
+        out = await retry_dropping_dead(once, m.targets, self.rollout.is_dead, m.drop,
+                                        f"weight sync to version {version}", DEAD_SERVER_RETRY)
+        joined = await m.admit(sent)
+        return {**out, "servers": len(self.rollout.urls), "joined": len(joined), "joining": len(m.joining),
+                "group_generation": m.generation}
+
+
+class DiskSync(_MembershipSync):
+    """SyncPort: HF safetensors under ``work_dir`` + ``/update_weights_from_disk`` on every live server
+    (and the joining ones)."""
+
+    method, timer = "disk", "disk_sync_s"
+
+    def __init__(self, trainer: WeightTrainer, rollout: ServerPool, work_dir, config: WeightSyncConfig | None = None,
+                 membership: SyncMembership | None = None):
         self.work_dir = Path(work_dir)
-        self.config = dataclasses.replace(config or WeightSyncConfig(), method="disk", save_root=str(self.work_dir))
+        config = dataclasses.replace(config or WeightSyncConfig(), save_root=str(self.work_dir))
+        super().__init__(trainer, rollout, config, membership)
 
     async def sync(self, version: int) -> dict:
         self.work_dir.mkdir(parents=True, exist_ok=True)
-
-        async def once() -> dict:
-            spec = SyncSpec.of("disk", self.rollout.urls, self.config)
-            t0 = time.perf_counter()
-            await asyncio.to_thread(self.trainer.update_weights, spec, version)
-            return {"disk_sync_s": time.perf_counter() - t0}
-
-        return await retry_dropping_dead(once, lambda: self.rollout.urls, self.rollout.is_dead,
-                                         self.rollout.remove_server, f"weight sync to version {version}",
-                                         DEAD_SERVER_RETRY)
+        return await super().sync(version)
 
 
-class DistributedSync:
-    """SyncPort over the broadcast transport, with the fallback to :class:`DiskSync` described above."""
+class DistributedSync(_MembershipSync):
+    """SyncPort over the broadcast transport. When the servers of an update change (one died, one
+    joins, one was removed) the group is formed again over the new ones under the next generation's
+    name (``weights.membership``): an update that failed because a member died is retried at once
+    on a group without it, and the run stays on the broadcast."""
 
-    def __init__(self, trainer: WeightTrainer, rollout: ServerPool, urls, work_dir,
-                 config: WeightSyncConfig | None = None):
-        config = config or WeightSyncConfig()
-        self.trainer, self.rollout = trainer, rollout
-        self.spec = SyncSpec.of("distributed", urls, dataclasses.replace(config, method="distributed"))
-        self.fallback = DiskSync(trainer, rollout, work_dir, config)
-        self.broken = False
+    method, timer = "distributed", "broadcast_s"
 
-    def _removed(self) -> list[str]:
-        live = set(self.rollout.urls)
-        return [u for u in self.spec.urls if u not in live]
+    def __init__(self, trainer: WeightTrainer, rollout: ServerPool, urls=None, work_dir=None,
+                 config: WeightSyncConfig | None = None, membership: SyncMembership | None = None):
+        super().__init__(trainer, rollout, config, membership)  # urls, work_dir: the old signature's
 
-    def _gone(self, url: str) -> bool:
-        """A member of the group that left the pool or died. ``is_dead`` may probe the server
-        (a paused server can take seconds to answer), so it is asked only after a failure."""
-        return url not in self.rollout.urls or self.rollout.is_dead(url)
-
-    async def sync(self, version: int) -> dict:
-        if self.broken:
-            return await self.fallback.sync(version)
-        t0 = time.perf_counter()
-        try:
-            if self._removed():  # a member of the broadcast group is gone: do not even start a broadcast
-                raise RuntimeError(f"servers left the pool: {self._removed()}")
-            await asyncio.to_thread(self.trainer.update_weights, self.spec, version)
-        except Exception as e:  # noqa: BLE001 - re-raised unless a server died
-            if not await dead_servers(self.spec.urls, self._gone, DEAD_SERVER_RETRY):
-                raise
-            log.warning("distributed weight sync impossible after a server died (%r); using disk sync from now on", e)
-            self.broken = True
-            return await self.fallback.sync(version)
-        return {"broadcast_s": time.perf_counter() - t0}
+    def _spec(self, urls: list[str]) -> SyncSpec:
+        name = self.membership.group_for(urls)
+        return SyncSpec.of(self.method, urls, dataclasses.replace(self.config, group_name=name))
 
 
 def make_sync_port(config: WeightSyncConfig, trainer: WeightTrainer, rollout: ServerPool, urls, work_dir):
