@@ -35,6 +35,22 @@ class EpisodeEngine:
         self.reward_counts = reward_counts if reward_counts is not None else Counter()
         self._version = version
         self._turn = 0
+        self._chat = None  # the episode's chat client (openai()), made on first use
+
+    @property
+    def api_key(self) -> str | None:
+        """The run's API key (the rollout port's; None when the servers need none)."""
+        return getattr(self._rollout, "api_key", None)
+
+    def openai(self, **options):
+        """This episode's chat client, which behaves as ``openai.AsyncOpenAI`` for
+        ``chat.completions.create`` (``areal_fast.agent``, ``docs/agents.md``): every call goes through
+        :meth:`generate` and is recorded. One per episode (``options`` count on the first call only)."""
+        if self._chat is None:
+            from areal_fast.agent.client import AgentClient
+
+            self._chat = AgentClient.for_engine(self, **options)
+        return self._chat
 
     @property
     def version(self) -> int:

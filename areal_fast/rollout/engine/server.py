@@ -21,7 +21,6 @@ decode steps on the scheduler thread. Rendezvous and broadcast receives run in t
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import time
@@ -30,6 +29,7 @@ import uuid
 import torch
 from aiohttp import web
 
+from areal_fast.rollout.auth import authorized
 from areal_fast.rollout.engine.compat import ENGINE_LOAD_FORMATS, SGLangBehaviour
 from areal_fast.rollout.engine.request_parsing import (  # noqa: F401 - the errors are part of this module's API
     BYTES_PER_ID,
@@ -51,7 +51,6 @@ _FLUSH_POLL_S = 0.01
 _HEALTH_POLL_S = 0.01
 # SGLang's probe waits this long for any output before /health answers 503 (env as in SGLang).
 DEFAULT_HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
-_AUTH_EXEMPT_PREFIXES = ("/health", "/metrics")  # as SGLang's api-key middleware
 
 # aiohttp does not cancel a handler whose client went away (handler_cancellation is off), so a
 # waiting /generate looks at its connection this often; SGLang aborts such a request too.
@@ -72,12 +71,6 @@ async def _until_done_or_gone(fut: asyncio.Future, request: web.Request):
         if transport is None or transport.is_closing():
             fut.cancel()
             raise ClientGone(f"{request.path}: the client closed its connection")
-
-
-def _header_bytes(value: str) -> bytes:
-    """A header value as bytes for a comparison: aiohttp keeps undecodable bytes as surrogate
-    escapes, which a strict encode refuses (a 500); a non-ASCII key is just a wrong key (401)."""
-    return value.encode("utf-8", "surrogateescape")
 
 
 def _err(message: str, schema: bool = False, status: int = 400) -> web.Response:
@@ -201,9 +194,7 @@ class EngineServer(WeightUpdateRoutes):
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
-        if (self.api_key and not request.path.startswith(_AUTH_EXEMPT_PREFIXES)
-                and not hmac.compare_digest(_header_bytes(request.headers.get("Authorization", "")),
-                                            f"Bearer {self.api_key}".encode())):  # constant time
+        if not authorized(self.api_key, request.path, request.headers.get("Authorization")):  # rollout/auth.py
             return web.json_response({"error": "Unauthorized"}, status=401)
         try:
             return await handler(request)

@@ -1,0 +1,77 @@
+"""The in-process chat client of an episode: behaves as ``openai.AsyncOpenAI`` for
+``chat.completions.create``.
+
+::
+
+    client = engine.openai()                     # in a workflow (one per episode)
+    r = await client.chat.completions.create(model=client.model, messages=[...], tools=[...])
+    r.choices[0].message.tool_calls              # openai.types.chat.ChatCompletion when installed
+    client.set_reward(r.id, 1.0)                 # per-turn reward of that completion
+
+Each call goes through the episode's engine handle (the rollout port: interrupted and resumed
+across weight updates, each token with its version) and is recorded (``client.calls``). A refused
+request raises :class:`~areal_fast.agent.request.ChatRequestError` (``status_code`` 400, ``param``)
+here, and answers 400 over HTTP, where the openai SDK raises ``BadRequestError``.
+:mod:`areal_fast.agent.trajectories` turns the calls into trajectories.
+"""
+
+from __future__ import annotations
+
+from areal_fast.agent.completion import as_completion, completion_dict
+from areal_fast.agent.request import ChatRequestError
+from areal_fast.agent.session import DEFAULT_MODEL, ChatCall, Session
+from areal_fast.agent.template import template_for
+
+__all__ = ["AgentClient", "ChatRequestError"]
+
+
+class _Completions:
+    def __init__(self, session: Session):
+        self._session = session
+
+    async def create(self, **body):
+        """``chat.completions.create``: ``model``, ``messages``, ``tools``, ``tool_choice`` (auto |
+        none), ``temperature`` (the run's while training), ``max_tokens`` / ``max_completion_tokens``,
+        ``stop``, ``n`` = 1, ``stream`` = False. Extra keywords of the SDK (``extra_body``, ``timeout``,
+        ...) are refused by name."""
+        call = await self._session.create(body)
+        return as_completion(completion_dict(call, self._session.model))
+
+
+class _Chat:
+    def __init__(self, session: Session):
+        self.completions = _Completions(session)
+
+
+class AgentClient:
+    """See the module docstring. ``base_url`` and ``api_key`` are set when the episode is also
+    served over HTTP (``areal_fast.agent.server``), for frameworks that build their own client."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self.chat = _Chat(session)
+        self.base_url: str | None = None
+        self.api_key: str | None = None
+        self.info: dict[str, float] = {}
+        """Numbers the agent logs about its episode (``episode/<key>`` in the metrics)."""
+
+    @classmethod
+    def for_engine(cls, engine, *, model: str = DEFAULT_MODEL, call_marker: str | None = None,
+                   template=None) -> AgentClient:
+        """The client of one episode's engine handle; the chat template is the tokenizer's own when
+        it has one, else the tiny template with ``call_marker`` (``areal_fast.agent.template``)."""
+        template = template or template_for(engine.tokenizer, call_marker)
+        return cls(Session(engine=engine, template=template, model=model))
+
+    @property
+    def model(self) -> str:
+        """The one model name this client serves (any other is a 400)."""
+        return self.session.model
+
+    @property
+    def calls(self) -> list[ChatCall]:
+        return self.session.calls
+
+    def set_reward(self, completion_id: str, value: float) -> None:
+        """The reward of one completion (a per-turn reward; ``docs/agents.md`` says how it is used)."""
+        self.session.set_reward(completion_id, value)

@@ -1,0 +1,259 @@
+"""What a ``chat.completions.create`` call asks for, checked up front (:func:`parse_request`).
+
+The same checks serve both forms of the chat API (the in-process client and the HTTP endpoint),
+so an agent gets the same answer either way: a :class:`ChatRequestError` (HTTP 400, which the
+openai SDK raises as ``BadRequestError``) naming the parameter and the value it refused.
+
+Messages are reduced to a canonical :class:`Message` (role, text, tool calls, tool call id,
+name): the openai SDK's objects, plain dicts and content given as a list of text parts all give
+the same value, so a history the agent sends back can be compared with the one recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP = 4  # as the OpenAI API
+# accepted and ignored: they change nothing about the tokens (or only bookkeeping on OpenAI's side)
+_IGNORED = ("user", "metadata", "store", "seed", "parallel_tool_calls", "service_tier", "stream_options",
+            "prompt_cache_key", "safety_identifier")
+
+
+class ChatRequestError(ValueError):
+    """A request the chat API refuses: HTTP 400, ``param`` names the culprit."""
+
+    status_code = 400
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call: ``arguments`` is a JSON text, as in the OpenAI API."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class Message:
+    """A chat message reduced to what a chat template reads; equal values render equal tokens."""
+
+    role: str
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def to_dict(self) -> dict:
+        d: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its name, description and JSON-schema parameters."""
+
+    name: str
+    description: str = ""
+    parameters: dict = field(default_factory=dict, hash=False, compare=True)
+
+    def first_parameter(self) -> str:
+        """The parameter a one-argument call fills: the first required one, else the first declared."""
+        req = self.parameters.get("required") or []
+        props = list((self.parameters.get("properties") or {}).keys())
+        return req[0] if req else (props[0] if props else "input")
+
+    def to_dict(self) -> dict:
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+@dataclass
+class ChatRequest:
+    """A checked request. ``max_tokens``/``temperature``/``top_p`` None: the run's value."""
+
+    model: str
+    messages: tuple[Message, ...]
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = "auto"
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+
+
+def _plain(obj, where: str) -> dict:
+    """A dict from a dict, a pydantic model (the SDK's types) or an object with attributes."""
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    dump = getattr(obj, "model_dump", None)
+    if callable(dump):
+        return dump(exclude_none=False)
+    if hasattr(obj, "__dict__"):
+        return {k: v for k, v in vars(obj).items() if not k.startswith("_")}
+    raise ChatRequestError(f"{where}: expected an object, got {type(obj).__name__}", where)
+
+
+def _text(content, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text ones
+        out = []
+        for k, part in enumerate(content):
+            p = _plain(part, f"{where}[{k}]")
+            if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise ChatRequestError(f"{where}[{k}]: only text content parts are supported, got type "
+                                       f"{p.get('type')!r}", where)
+            out.append(p["text"])
+        return "".join(out)
+    raise ChatRequestError(f"{where}: content must be a string or a list of text parts, got "
+                           f"{type(content).__name__}", where)
+
+
+def _tool_call(raw, where: str) -> ToolCall:
+    d = _plain(raw, where)
+    fn = _plain(d.get("function") or {}, f"{where}.function")
+    name, args = fn.get("name"), fn.get("arguments", "")
+    if not isinstance(name, str) or not name:
+        raise ChatRequestError(f"{where}.function.name: expected a non-empty string, got {name!r}", where)
+    if not isinstance(args, str):
+        args = json.dumps(args)
+    return ToolCall(id=str(d.get("id") or ""), name=name, arguments=args)
+
+
+def parse_message(raw, i: int) -> Message:
+    """One message (a dict or an SDK object) as a :class:`Message`; ChatRequestError names ``messages[i]``."""
+    where = f"messages[{i}]"
+    d = _plain(raw, where)
+    role = d.get("role")
+    if role not in ROLES:
+        raise ChatRequestError(f"{where}.role: expected one of {ROLES}, got {role!r}", where)
+    calls = tuple(_tool_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(d.get("tool_calls") or ()))
+    if calls and role != "assistant":
+        raise ChatRequestError(f"{where}: only assistant messages carry tool_calls (role {role!r})", where)
+    tcid = d.get("tool_call_id")
+    if role == "tool" and not isinstance(tcid, str):
+        raise ChatRequestError(f"{where}.tool_call_id: a tool message needs the id of the call it answers", where)
+    name = d.get("name")
+    return Message(role="system" if role == "developer" else role, content=_text(d.get("content"), f"{where}.content"),
+                   tool_calls=calls, tool_call_id=tcid if role == "tool" else None,
+                   name=name if isinstance(name, str) else None)
+
+
+def _tool(raw, k: int) -> Tool:
+    where = f"tools[{k}]"
+    d = _plain(raw, where)
+    if d.get("type", "function") != "function":
+        raise ChatRequestError(f"{where}.type: only 'function' tools are supported, got {d.get('type')!r}", where)
+    fn = _plain(d.get("function") or {}, f"{where}.function")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise ChatRequestError(f"{where}.function.name: expected a non-empty string, got {name!r}", where)
+    params = fn.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise ChatRequestError(f"{where}.function.parameters: expected a JSON schema object", where)
+    return Tool(name=name, description=str(fn.get("description") or ""), parameters=params)
+
+
+def _number(body: dict, key: str, lo: float, hi: float) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
+        raise ChatRequestError(f"{key}: expected a number in [{lo}, {hi}], got {v!r}", key)
+    return float(v)
+
+
+def _max_tokens(body: dict) -> int | None:
+    got = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None}
+    if len(set(got.values())) > 1:
+        raise ChatRequestError(f"max_tokens and max_completion_tokens disagree: {got}", "max_tokens")
+    for k, v in got.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ChatRequestError(f"{k}: expected an integer >= 1, got {v!r}", k)
+        return v
+    return None
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stop = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop)
+            or len(stop) > MAX_STOP):
+        raise ChatRequestError(f"stop: expected a non-empty string or a list of up to {MAX_STOP}, got {stop!r}", "stop")
+    return tuple(stop)
+
+
+def _tool_choice(body: dict, tools: tuple[Tool, ...]) -> str:
+    choice = body.get("tool_choice")
+    if choice is None or choice == "auto":
+        return "auto"
+    if choice == "none":
+        return "none"
+    raise ChatRequestError(f"tool_choice: only 'auto' and 'none' are supported (the model decides), got {choice!r}",
+                           "tool_choice")
+
+
+def _refuse_unsupported(body: dict) -> None:
+    if body.get("stream"):
+        raise ChatRequestError("stream=True is not supported: ask for the whole completion (stream=False)", "stream")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise ChatRequestError(f"n: only n=1 is supported (one recorded completion per call), got {n!r}; "
+                               "call again for more samples", "n")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise ChatRequestError("logprobs: not returned (every token's log-prob is recorded for training)", "logprobs")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise ChatRequestError(f"{key}: not supported (it would change the sampled distribution), got "
+                                   f"{body[key]!r}", key)
+    fmt = body.get("response_format")
+    if fmt is not None and _plain(fmt, "response_format").get("type") != "text":
+        raise ChatRequestError(f"response_format: only 'text' is supported, got {fmt!r}", "response_format")
+
+
+KNOWN = {"model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature",
+         "top_p", "stop", "n", "stream", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty",
+         "response_format", *_IGNORED}
+
+
+def parse_request(body: Mapping, served_model: str) -> ChatRequest:
+    """``body`` (the create() keywords, or the HTTP JSON) checked against what we serve."""
+    if not isinstance(body, Mapping):
+        raise ChatRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - KNOWN)
+    if unknown:
+        raise ChatRequestError(f"unsupported parameter(s) {unknown}", unknown[0])
+    model = body.get("model")
+    if model != served_model:
+        raise ChatRequestError(f"model {model!r} is not served here; this endpoint serves {served_model!r}", "model")
+    _refuse_unsupported(body)
+    raw = body.get("messages")
+    if not isinstance(raw, list | tuple) or not raw:
+        raise ChatRequestError("messages: expected a non-empty list", "messages")
+    messages = tuple(parse_message(m, i) for i, m in enumerate(raw))
+    tools = tuple(_tool(t, k) for k, t in enumerate(body.get("tools") or ()))
+    return ChatRequest(model=model, messages=messages, tools=tools, tool_choice=_tool_choice(body, tools),
+                       max_tokens=_max_tokens(body), temperature=_number(body, "temperature", 0.0, 2.0),
+                       top_p=_number(body, "top_p", 0.0, 1.0), stop=_stop(body))
