@@ -1,0 +1,146 @@
+"""Which vLLM release a server behaves as, and every behaviour of vLLM's HTTP API that depends on it.
+
+The vLLM sibling of ``compat.py`` (SGLang's table): one place holds the version gates, read from
+vLLM's own sources (``docs/vllm.md`` has the same table in prose, with how each was found). The
+embedded engine takes ``--api vllm --vllm-version X.Y.Z`` (:class:`VLLMBehaviour`); the config
+loader refuses a version or a combination of options it cannot serve (:func:`vllm_refusal`); the
+vLLM request builders (``rollout/vllm_requests.py``) ask the same predicates.
+
+Torch-free: the config loader imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from packaging.version import InvalidVersion, Version
+
+OLDEST_SUPPORTED = Version("0.11.0")
+NEWEST_SUPPORTED = Version("0.33.0")
+DEFAULT_VLLM_VERSION = str(NEWEST_SUPPORTED)
+CONTRACT_VERSIONS = ("0.11.0", "0.33.0")
+"""The releases whose own request types judge our bodies in the contract tests (the oldest we
+serve, before the pause and weight-transfer endpoints, and the newest)."""
+
+# The first vLLM release with each gated behaviour (each release between two gates was read too:
+# docs/vllm.md lists which releases' sources were checked for every row).
+PAUSE_SINCE = Version("0.12.0")  # POST /pause, /resume, GET /is_paused, POST /abort_requests (dev mode)
+PAUSE_MODES_SINCE = Version("0.16.0")  # /pause?mode=abort|wait|keep (before: ?wait_for_inflight_requests=)
+WEIGHT_TRANSFER_SINCE = Version("0.16.0")  # /init_weight_transfer_engine, /update_weights (dev mode)
+RELOAD_FROM_PATH_SINCE = Version("0.16.0")  # collective_rpc reload_weights(weights_path=...)
+WEIGHT_UPDATE_SESSIONS_SINCE = Version("0.22.0")  # /start_weight_update ... /finish_weight_update
+WEIGHT_VERSION_LABEL_SINCE = Version("0.28.0")  # /update_weight_version, GET /weight_info
+TOKEN_WEIGHT_VERSIONS_SINCE = Version("0.33.0")  # return_weight_versions: per-choice weight_versions spans
+
+VLLM_PAUSE_MODES = ("abort", "wait", "keep")
+"""vLLM's pause modes: abort in-flight requests, wait for them to finish, or keep them frozen with
+their KV on the server (they go on at /resume; SGLang's in_place)."""
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+"""vLLM mounts the pause, abort, collective_rpc and weight-transfer endpoints only with this set to 1."""
+
+
+def parse_vllm_version(value: str | Version) -> Version:
+    """'0.33.0' -> Version; ValueError naming the value when unparseable or outside the supported range."""
+    try:
+        v = value if isinstance(value, Version) else Version(str(value))
+    except InvalidVersion:
+        raise ValueError(f"vllm_version {value!r} is not a version like 0.33.0") from None
+    if not OLDEST_SUPPORTED <= v <= NEWEST_SUPPORTED:
+        raise ValueError(f"vllm_version {value}: supported vLLM releases are {OLDEST_SUPPORTED} to "
+                         f"{NEWEST_SUPPORTED} (docs/vllm.md)")
+    return v
+
+
+@dataclass(frozen=True)
+class VLLMBehaviour:
+    """The version-gated behaviours of one vLLM release (docs/vllm.md, "Version table")."""
+
+    version: Version
+
+    @classmethod
+    def of(cls, value: str | Version) -> VLLMBehaviour:
+        return cls(parse_vllm_version(value))
+
+    @property
+    def has_pause(self) -> bool:
+        """/pause, /resume, /is_paused and /abort_requests exist. Before, a request is only aborted by
+        closing its connection, and the server cannot be paused."""
+        return self.version >= PAUSE_SINCE
+
+    @property
+    def has_pause_modes(self) -> bool:
+        """/pause takes ``mode`` (abort, wait, keep) as a query parameter; before, a boolean
+        ``wait_for_inflight_requests`` (false = abort)."""
+        return self.version >= PAUSE_MODES_SINCE
+
+    @property
+    def has_weight_transfer(self) -> bool:
+        """/init_weight_transfer_engine and /update_weights (NCCL or CUDA IPC) exist."""
+        return self.version >= WEIGHT_TRANSFER_SINCE
+
+    @property
+    def reloads_from_path(self) -> bool:
+        """``collective_rpc`` method ``reload_weights`` takes ``weights_path``; before, it takes no
+        argument and a new path is set first with method ``update_config`` (model_config.model)."""
+        return self.version >= RELOAD_FROM_PATH_SINCE
+
+    @property
+    def weight_update_sessions(self) -> bool:
+        """/update_weights must sit between /start_weight_update and /finish_weight_update."""
+        return self.version >= WEIGHT_UPDATE_SESSIONS_SINCE
+
+    @property
+    def labels_weight_version(self) -> bool:
+        """/update_weight_version sets the label, GET /weight_info reads it (finish_weight_update takes
+        ``weight_version`` too where sessions exist)."""
+        return self.version >= WEIGHT_VERSION_LABEL_SINCE
+
+    @property
+    def token_weight_versions(self) -> bool:
+        """/v1/completions takes ``return_weight_versions``: each choice carries ``weight_versions``
+        spans ({version, start, end}) labelling every output token, across kept pauses."""
+        return self.version >= TOKEN_WEIGHT_VERSIONS_SINCE
+
+    @property
+    def pause_modes(self) -> tuple[str, ...]:
+        """The pause modes this release serves (none before /pause existed)."""
+        if self.has_pause_modes:
+            return VLLM_PAUSE_MODES
+        return ("abort", "wait") if self.has_pause else ()
+
+
+# our rollout.pause_mode -> vLLM's /pause mode
+PAUSE_MODE_TO_VLLM = {"abort": "abort", "in_place": "keep"}
+
+
+def vllm_refusal(version: str, *, pause_mode: str, weights_method: str) -> str | None:
+    """Why a run cannot be served by vLLM ``version`` with these options, or None.
+
+    - ``pause_mode`` 'retract' is SGLang's (vLLM has no retraction); 'in_place' needs vLLM's keep
+      mode AND per-token weight-version spans (a kept request's tokens straddle an update, and
+      without spans the client could not label them): 0.33.0 on;
+    - ``weights_method`` 'distributed' needs the weight-transfer endpoints (0.16.0 on); 'disk' is
+      served by every supported release.
+    """
+    try:
+        b = VLLMBehaviour.of(version)
+    except ValueError as e:
+        return str(e)
+    if pause_mode == "retract":
+        return "rollout.pause_mode 'retract' is SGLang's; vLLM pauses with abort, wait or keep (use 'abort', " \
+               "'in_place' = vLLM's keep, or 'auto')"
+    if pause_mode == "in_place" and not b.token_weight_versions:
+        return (f"rollout.pause_mode 'in_place' (vLLM's keep) needs per-token weight versions, which vLLM returns "
+                f"from {TOKEN_WEIGHT_VERSIONS_SINCE} (return_weight_versions); {b.version} would label a kept "
+                f"request's tokens wrongly")
+    if weights_method == "distributed" and not b.has_weight_transfer:
+        return (f"weights.method 'distributed' needs vLLM's weight-transfer endpoints "
+                f"(/init_weight_transfer_engine, from {WEIGHT_TRANSFER_SINCE}); vLLM {b.version} has none: "
+                f"use weights.method 'disk'")
+    return None
+
+
+def auto_vllm_pause_mode(version: str | Version) -> str:
+    """What rollout.pause_mode 'auto' means on a vLLM server: 'in_place' (keep) where per-token
+    weight versions label the kept tokens, else 'abort'."""
+    return "in_place" if VLLMBehaviour.of(version).token_weight_versions else "abort"

@@ -1,0 +1,156 @@
+"""Every request body we send to a vLLM server, and the reading of its /v1/completions answer.
+
+One builder per call, each asking ``engine.vllm_compat.VLLMBehaviour`` what the server's release
+takes (``docs/vllm.md`` has the facts, per version). The contract tests parse each body with vLLM's
+own pydantic request types (``tests/rollout/test_vllm_contract.py``). Torch-free.
+
+Generation is vLLM's OpenAI-compatible ``POST /v1/completions`` with token ids in (``prompt``: a
+list of ints) and out (``return_token_ids``), and the sampled token's log-prob per output token
+(``logprobs: 0``: ``choices[0].logprobs.token_logprobs``). Our sampling keys are SGLang's names
+(the rollout's one vocabulary); :func:`completion_body` maps them to vLLM's and refuses the ones
+vLLM has no equivalent for, naming the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from areal_fast.rollout.engine.vllm_compat import PAUSE_MODE_TO_VLLM, VLLMBehaviour
+
+# SGLang sampling key -> vLLM CompletionRequest field (same meaning; both releases 0.11 .. 0.33)
+SAMPLING_KEY_TO_VLLM = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "sampling_seed": "seed",
+    "logit_bias": "logit_bias",
+}
+COMPLETIONS_PATH = "/v1/completions"
+DEFAULT_MODEL = "default"
+"""The ``model`` of a completion when the caller names none; vLLM serves one model per server and
+checks the name only against ``--served-model-name`` (the launcher sets it to this)."""
+
+
+def completion_body(prompt_ids: Sequence[int], sampling: dict, request_id: str, behaviour: VLLMBehaviour,
+                    model: str = DEFAULT_MODEL) -> dict:
+    """The body of ``POST /v1/completions`` for one sample of ``prompt_ids`` (token ids in and out,
+    one log-prob a token, the weight-version spans where the release has them)."""
+    unknown = sorted(k for k in sampling if k not in SAMPLING_KEY_TO_VLLM and k != "n")
+    if unknown:
+        raise ValueError(f"sampling_params.{unknown[0]}: no vLLM equivalent (vLLM takes "
+                         f"{sorted(SAMPLING_KEY_TO_VLLM)})")
+    if sampling.get("n", 1) not in (1, None):
+        raise ValueError(f"sampling_params.n={sampling['n']!r}: one sample per request")
+    body = {"model": model, "prompt": list(prompt_ids), "stream": False, "echo": False,
+            "logprobs": 0, "return_token_ids": True, "request_id": request_id}
+    for key, value in sampling.items():
+        if key != "n" and value is not None:
+            body[SAMPLING_KEY_TO_VLLM[key]] = value
+    if body.get("top_k") == -1:  # ours: -1 = off; vLLM's off is its default (None), -1 is refused from 0.2x
+        del body["top_k"]
+    body.setdefault("max_tokens", 128)
+    if behaviour.token_weight_versions:
+        body["return_weight_versions"] = True
+    return body
+
+
+def pause_query(mode: str, behaviour: VLLMBehaviour) -> dict[str, str]:
+    """The query of ``POST /pause`` for our pause ``mode`` ('abort' or 'in_place' = vLLM's keep).
+
+    vLLM reads its options from the query string, not a body. Before 0.16.0 it takes
+    ``wait_for_inflight_requests`` (false aborts); 'in_place' needs keep (0.16.0 on)."""
+    if not behaviour.has_pause:
+        raise ValueError(f"vLLM {behaviour.version} has no /pause (from 0.12.0): abort requests by closing them")
+    if mode not in PAUSE_MODE_TO_VLLM:
+        raise ValueError(f"pause mode {mode!r}: a vLLM server pauses with {sorted(PAUSE_MODE_TO_VLLM)}")
+    if behaviour.has_pause_modes:
+        return {"mode": PAUSE_MODE_TO_VLLM[mode]}
+    if mode != "abort":
+        raise ValueError(f"pause mode {mode!r} (vLLM's keep) needs vLLM >= 0.16.0, this server is {behaviour.version}")
+    return {"wait_for_inflight_requests": "false"}
+
+
+def abort_body(request_ids: Sequence[str] | None) -> dict:
+    """``POST /abort_requests``: the given external request ids, or every request (empty / None)."""
+    return {"request_ids": list(request_ids or [])}
+
+
+def disk_update_calls(path: str, behaviour: VLLMBehaviour) -> list[dict]:
+    """The ``POST /collective_rpc`` bodies that load the checkpoint at ``path`` in place, in order.
+
+    From 0.16.0 ``reload_weights`` takes ``weights_path``; before, the path is set first by
+    ``update_config`` (model_config.model), then ``reload_weights`` reads it."""
+    if behaviour.reloads_from_path:
+        return [{"method": "reload_weights", "kwargs": {"weights_path": str(path)}}]
+    return [{"method": "update_config", "kwargs": {"overrides": {"model_config": {"model": str(path)}}}},
+            {"method": "reload_weights"}]
+
+
+def weight_version_body(version: str) -> dict:
+    """``POST /update_weight_version`` (0.28.0 on)."""
+    return {"new_version": str(version)}
+
+
+def init_transfer_body(master_address: str, master_port: int, rank_offset: int, world_size: int) -> dict:
+    """``POST /init_weight_transfer_engine`` for the NCCL backend (TCPStore rendezvous): the server's
+    workers join ranks ``rank_offset ..`` of a group of ``world_size`` whose rank 0 sends."""
+    return {"init_info": {"master_address": master_address, "master_port": int(master_port),
+                          "rank_offset": int(rank_offset), "world_size": int(world_size)}}
+
+
+def update_transfer_body(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]) -> dict:
+    """``POST /update_weights`` for the NCCL backend: the tensors of this round, in broadcast order."""
+    if not len(names) == len(dtype_names) == len(shapes):
+        raise ValueError(f"update_weights: {len(names)} names, {len(dtype_names)} dtypes, {len(shapes)} shapes")
+    return {"update_info": {"names": list(names), "dtype_names": list(dtype_names),
+                            "shapes": [list(s) for s in shapes]}}
+
+
+def finish_transfer_body(weight_version: str | None, behaviour: VLLMBehaviour) -> dict | None:
+    """``POST /finish_weight_update`` (0.22.0 on): the new label where the release takes one."""
+    if weight_version is None or not behaviour.labels_weight_version:
+        return None
+    return {"weight_version": str(weight_version)}
+
+
+class CompletionAnswerError(ValueError):
+    """A 2xx /v1/completions answer that is not one choice with token ids and log-probs."""
+
+
+def parse_completion(data, expect_logprobs: bool = True) -> dict:
+    """The one choice of a /v1/completions answer as ``{"ids", "logprobs", "finish", "spans"}``:
+    ``finish`` is 'stop', 'length' or 'abort'; ``spans`` the weight_versions spans or None."""
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise CompletionAnswerError(f"expected one choice, got {str(data)[:200]}")
+    c = choices[0]
+    ids = c.get("token_ids")
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise CompletionAnswerError(f"choice.token_ids must be a list of token ids, got {str(ids)[:200]}")
+    lps: list[float] = []
+    if expect_logprobs:
+        lp = (c.get("logprobs") or {}).get("token_logprobs")
+        if not isinstance(lp, list) or len(lp) != len(ids) or not all(
+                isinstance(x, int | float) and x <= 0 for x in lp):
+            raise CompletionAnswerError(f"choice.logprobs.token_logprobs must be {len(ids)} log-probs <= 0, "
+                                        f"got {str(lp)[:200]}")
+        lps = [float(x) for x in lp]
+    finish = c.get("finish_reason")
+    if finish not in ("stop", "length", "abort"):
+        raise CompletionAnswerError(f"choice.finish_reason {finish!r}: expected stop, length or abort")
+    spans = c.get("weight_versions")
+    if spans is not None and (not isinstance(spans, list) or sum(
+            int(s["end"]) - int(s["start"]) for s in spans) != len(ids)):
+        raise CompletionAnswerError(f"choice.weight_versions must cover the {len(ids)} tokens, got {spans!r}")
+    return {"ids": ids, "logprobs": lps, "finish": finish, "spans": spans, "stop_reason": c.get("stop_reason")}
