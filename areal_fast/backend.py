@@ -23,6 +23,8 @@ Every op and the backends it has, fastest first (``OPS``; docs/architecture.md h
   ``packing.plan``                  native, reference                      packing/planner.py
   ``weights.plan``                  native, reference                      weights/plan.py
   ``weights.interval_copy``         cuda, native, reference                weights/interval_copy.py
+  ``weights.delta_encode`` /        triton, native, interpret, reference   weights/delta_codec.py
+  ``weights.delta_apply``
   ================================  =====================================  =======================
 
 Each public op takes ``backend=`` (None or ``"auto"``: choose) and calls :func:`select`.
@@ -61,6 +63,8 @@ OPS: dict[str, tuple[str, ...]] = {
     "packing.plan": ("native", "reference"),
     "weights.plan": ("native", "reference"),
     "weights.interval_copy": ("cuda", "native", "reference"),
+    "weights.delta_encode": ("triton", "native", "interpret", "reference"),
+    "weights.delta_apply": ("triton", "native", "interpret", "reference"),
 }
 
 

@@ -11,6 +11,7 @@ namespace areal {
 void bind_packing(py::module_& m);
 void bind_reshard(py::module_& m);
 void bind_answer(py::module_& m);
+void bind_delta(py::module_& m);
 }  // namespace areal
 
 PYBIND11_MODULE(_C, m) {
@@ -22,4 +23,5 @@ PYBIND11_MODULE(_C, m) {
   areal::bind_packing(m);
   areal::bind_reshard(m);
   areal::bind_answer(m);
+  areal::bind_delta(m);
 }

@@ -118,6 +118,19 @@ def _tiny_case(op: str, device: str):
             interval_copy([src], [dst], iv, backend=b)
             return dst
         return run
+    if op in ("weights.delta_encode", "weights.delta_apply"):
+        from areal_fast.weights.delta_codec import delta_apply, delta_encode
+
+        old = torch.tensor([0.0, -0.0, 1.5, 2.0, 3.0], dtype=torch.bfloat16, device=device)
+        new = torch.tensor([-0.0, -0.0, 1.5, 2.5, 3.0], dtype=torch.bfloat16, device=device)
+
+        def run_delta(b):
+            if op == "weights.delta_encode":
+                return [t.view(torch.int16) for t in delta_encode(old, new, backend=b)]
+            dst = old.clone()
+            delta_apply(dst, torch.tensor([0, 3], dtype=torch.int32, device=device), new[[0, 3]], backend=b)
+            return dst.view(torch.int16)
+        return run_delta
     raise AssertionError(f"no tiny case for op {op!r}: add one here")
 
 
