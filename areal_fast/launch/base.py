@@ -54,6 +54,8 @@ class LaunchedProcess:
     def alive(self) -> bool:
         if self.popen is not None and self.returncode is None:
             self.returncode = self.popen.poll()
+        elif self.popen is None and self.actor is None and self.pid and self.lost is None and not pid_alive(self.pid):
+            self.lost = "the process is gone"  # adopted from an earlier run (rollout.keep_servers): no exit code
         return self.returncode is None and self.lost is None
 
     def log_tail(self, n: int = 3000) -> str:
@@ -81,6 +83,23 @@ class Launcher(Protocol):
     def check(self) -> list[LaunchedProcess]: ...  # raises ProcessDied for a dead critical process
 
     def shutdown(self) -> None: ...
+
+
+def pid_alive(pid: int) -> bool:
+    """A process ``pid`` exists and is not a zombie (Linux /proc; elsewhere: signal 0)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
 
 
 def rank_command(config_file: Path, python: str = sys.executable) -> list[str]:

@@ -66,15 +66,16 @@ class LocalLauncher:
 
     # ------------------------------------------------------------ starting
     def start(self, name: str, cmd: list[str], env: dict | None = None, url: str | None = None,
-              critical: bool = True) -> LaunchedProcess:
+              critical: bool = True, detach: bool = False) -> LaunchedProcess:
         """Start ``cmd`` with stdout+stderr to ``<log_dir>/<name>.log`` in its own process group.
-        ``env`` is added to this process's environment (secrets travel here, never in ``cmd``)."""
+        ``env`` is added to this process's environment (secrets travel here, never in ``cmd``).
+        ``detach``: the process may outlive this one (no PR_SET_PDEATHSIG: ``rollout.keep_servers``)."""
         log_path = self.log_dir / f"{name}.log"
         full_env = {**os.environ, **(env or {})}
         with open_private_log(log_path) as f:
             f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(redact_command(cmd))}\n".encode())
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=full_env,
-                                    start_new_session=True, preexec_fn=die_with_parent)
+                                    start_new_session=True, preexec_fn=None if detach else die_with_parent)
         p = LaunchedProcess(name=name, log_path=log_path, url=url, critical=critical, pid=proc.pid, popen=proc)
         self.procs.append(p)
         log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
@@ -102,17 +103,46 @@ class LocalLauncher:
         """``rollout.n_servers`` inference servers on free ports of ``host``; waits for their health.
         ``api_key`` reaches them in a private key file, removed once they are healthy (or one failed)."""
         with server_key_file(self._secrets, api_key) as key_file:
-            out = []
-            for i in range(rollout_cfg.n_servers):
-                port = find_free_port(self.host)
-                cmd = server_command(rollout_cfg, model_path, self.host, port, seed=seed + i, api_key_file=key_file)
-                env = server_env(rollout_cfg)
-                if rollout_cfg.gpus:
-                    env["CUDA_VISIBLE_DEVICES"] = str(rollout_cfg.gpus[i])
-                url = f"http://{url_host(self.host)}:{port}"
-                out.append(self.start(f"server{i}", cmd, env=env, url=url, critical=False))
+            out = [self.start_server(rollout_cfg, model_path, i, f"server{i}", seed=seed + i, key_file=key_file)
+                   for i in range(rollout_cfg.n_servers)]
             self.wait_healthy(out, rollout_cfg.health_timeout)  # every server has read the key file
             return out
+
+    def start_server(self, rollout_cfg, model_path: str, slot: int, name: str, *, seed: int,
+                     key_file: Path | None) -> LaunchedProcess:
+        """One server of the run in ``slot`` (its GPU: ``rollout.gpus[slot]``) on a free port, not
+        waiting for its health (``launch.elastic`` starts replacements with it)."""
+        port = find_free_port(self.host)
+        cmd = server_command(rollout_cfg, model_path, self.host, port, seed=seed, api_key_file=key_file)
+        env = server_env(rollout_cfg)
+        if rollout_cfg.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(rollout_cfg.gpus[slot])
+        url = f"http://{url_host(self.host)}:{port}"
+        p = self.start(name, cmd, env=env, url=url, critical=False, detach=rollout_cfg.keep_servers)
+        p.extra["slot"] = slot
+        return p
+
+    def adopt(self, p: LaunchedProcess) -> None:
+        """Watch and stop a server that an earlier run of this output directory started and left
+        running (``rollout.keep_servers``): a process of this user, not a child of this one."""
+        self.procs.append(p)
+
+    def release(self, procs: list[LaunchedProcess]) -> None:
+        """Leave ``procs`` running at shutdown (``rollout.keep_servers`` after a failed run)."""
+        self.procs = [p for p in self.procs if p not in procs]
+
+    def stop_process(self, p: LaunchedProcess, grace: float = _GRACE_S) -> None:
+        """SIGTERM ``p``'s process group, SIGKILL it after ``grace`` seconds."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not p.alive():
+                break
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            deadline = time.monotonic() + grace
+            while p.alive() and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
 
     def _secrets(self) -> Path:
         if self.secrets_dir is None:
@@ -166,6 +196,9 @@ class LocalLauncher:
             shutil.rmtree(self._own_secrets_dir, ignore_errors=True)
         deadline = time.monotonic() + _GRACE_S
         for p in self.procs:
+            if p.popen is None:  # adopted: not our child
+                self.stop_process(p, max(0.0, deadline - time.monotonic()))
+                continue
             try:
                 p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

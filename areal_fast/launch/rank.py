@@ -131,6 +131,7 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
 async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
     from areal_fast.data import load_tokenizer
     from areal_fast.launch.runtime import ActorTrainer, ServiceReward, make_sync_port
+    from areal_fast.launch.pool_watch import watch_members
     from areal_fast.reward import RewardService
     from areal_fast.rollout.staleness import StalenessManager
     from areal_fast.trainer import PPOActor
@@ -157,6 +158,7 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
                 say(f"resuming from {resumed}")
             ctl.callbacks = _sinks(cfg, ctl.version, progress, closers)
             watch = asyncio.create_task(_watch_servers(rollout, out / "logs"))
+            follow = asyncio.create_task(watch_members(rollout, syncer, out))  # elastic servers (pool_watch)
             run = asyncio.create_task(ctl.run())
             done, _ = await asyncio.wait({watch, run}, return_when=asyncio.FIRST_COMPLETED)
             if run not in done:
@@ -164,6 +166,7 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
                 await asyncio.gather(run, return_exceptions=True)
                 watch.result()  # raises the watchdog's error
             watch.cancel()
+            follow.cancel()
             summary = run.result()
             if cfg.checkpoint.save_hf:
                 await asyncio.to_thread(trainer.export, out / "final")

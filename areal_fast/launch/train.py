@@ -60,6 +60,7 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
     in_process = cfg.launcher == "local" and cfg.train.world_size == 1
     with RunLock(out):
         if not cfg.experiment.resume:
+            _stop_kept_servers(out)
             move_previous_run_aside(out, say)
         setup_logging(out, cfg.log.level, name="launcher.log")
         if in_process and cfg.train.gpus:  # before anything initialises CUDA in this process
@@ -68,21 +69,24 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
         model = model_dir(cfg, say)
         check_data_and_reward(cfg, model)
         kind = server_kind(cfg.rollout)  # the one decision: external, embedded or sglang servers
-        api_key = run_api_key(cfg, kind)
+        reused, api_key = kept_servers(cfg, kind, out, model, say)  # rollout.keep_servers (launch.reuse)
+        api_key = api_key or run_api_key(cfg, kind)
         with open_launcher(cfg, out / "logs", out / SECRETS_DIR) as launcher:
-            urls = run_servers(cfg, kind, launcher, model, api_key, say)
+            procs = run_servers(cfg, kind, launcher, model, api_key, say, reused=reused)
+            urls = [p.url for p in procs] if kind.launched else [u.rstrip("/") for u in cfg.rollout.servers]
             log.info("inference servers (%s): %s; API key auth %s", kind.value, ", ".join(urls),
                      "on" if api_key else "off (neither weights.api_key nor AREAL_FAST_API_KEY is set)")
             tcfg = trainer_run_config(cfg, model, urls, out)
             save_config(tcfg, out / TRAINER_CONFIG_FILE)
-            if in_process:  # rank 0 here: the key as an argument (rank processes read their environment)
-                summary = run_rank(tcfg, api_key=api_key, progress=progress, say=say)
-            else:
-                say(f"starting {cfg.train.world_size} trainer rank(s) ({cfg.launcher}); logs in {out / 'logs'}")
-                ranks = launcher.start_trainer_ranks(cfg.train, out / TRAINER_CONFIG_FILE,
-                                                     {API_KEY_ENV: api_key} if api_key else {})
-                summary = _watch_ranks(launcher, ranks, out, ProgressBar(cfg.experiment.total_steps, 0,
-                                                                          enabled=progress))
+            with supervised_servers(cfg, kind, launcher, model, out, api_key, procs):
+                if in_process:  # rank 0 here: the key as an argument (rank processes read their environment)
+                    summary = run_rank(tcfg, api_key=api_key, progress=progress, say=say)
+                else:
+                    say(f"starting {cfg.train.world_size} trainer rank(s) ({cfg.launcher}); logs in {out / 'logs'}")
+                    ranks = launcher.start_trainer_ranks(cfg.train, out / TRAINER_CONFIG_FILE,
+                                                         {API_KEY_ENV: api_key} if api_key else {})
+                    summary = _watch_ranks(launcher, ranks, out, ProgressBar(cfg.experiment.total_steps, 0,
+                                                                              enabled=progress))
         if cfg.log.plots:
             plots = plot_run(out / "metrics.jsonl", out / "plots")
             if plots:
@@ -104,13 +108,83 @@ def run_api_key(cfg, kind: ServerKind) -> str | None:
     return secrets.token_hex(32)  # hex: a key starting with "-" would be read as a flag by the server
 
 
-def run_servers(cfg, kind: ServerKind, launcher, model: str, api_key: str | None, say=print) -> list[str]:
-    """The URLs of the run's inference servers: the external ones as configured, or
+def run_servers(cfg, kind: ServerKind, launcher, model: str, api_key: str | None, say=print,
+                reused: list[LaunchedProcess] = ()) -> list[LaunchedProcess]:
+    """The servers the run launches: none for external ones (``rollout.servers``), the ``reused``
+    ones kept by the previous run (adopted; the supervisor starts any missing), else
     ``rollout.n_servers`` servers of ``kind`` started now with ``api_key`` (healthy on return)."""
     if not kind.launched:
-        return [u.rstrip("/") for u in cfg.rollout.servers]
+        return []
+    if reused:
+        for p in reused:
+            launcher.adopt(p)
+        return list(reused)
     say(f"starting {cfg.rollout.n_servers} {kind.value} server(s) (API key required)...")
-    return [p.url for p in launcher.start_servers(cfg.rollout, model, seed=cfg.experiment.seed, api_key=api_key)]
+    return launcher.start_servers(cfg.rollout, model, seed=cfg.experiment.seed, api_key=api_key)
+
+
+def kept_servers(cfg, kind: ServerKind, out: Path, model: str, say=print) -> tuple[list[LaunchedProcess], str | None]:
+    """``rollout.keep_servers``: the previous run's servers fit for reuse and their key when resuming
+    (``launch.reuse``: their version checked against the checkpoint); every kept server stopped when
+    the run starts afresh. ([], None) otherwise."""
+    from areal_fast.launch import reuse
+
+    if not kind.launched or not cfg.rollout.keep_servers:
+        return [], None
+    if cfg.launcher != "local":
+        raise ValueError("rollout.keep_servers: only the local launcher keeps and reuses its servers")
+    if not cfg.experiment.resume:
+        return [], None  # move_previous_run_aside stopped the previous run's kept servers
+    from areal_fast.checkpoint import newest_readable_state
+
+    found = newest_readable_state(checkpoints_dir(out))
+    return reuse.reuse_kept_servers(out, model, int(found[1]["version"]) if found else 0, say)
+
+
+@contextmanager
+def supervised_servers(cfg, kind: ServerKind, launcher, model: str, out: Path, api_key: str | None,
+                       procs: list[LaunchedProcess]):
+    """The launched servers kept at their target (``launch.elastic.ServerSupervisor``) while the block
+    runs; with ``rollout.keep_servers`` their key is kept, and a failing block leaves them running."""
+    from areal_fast.launch import reuse
+    from areal_fast.launch.elastic import ServerSupervisor
+    from areal_fast.launch.members import servers_dir
+
+    if not kind.launched:
+        for name in ("members.json", "target.json"):  # a previous run's: these servers are not launched
+            (servers_dir(out) / name).unlink(missing_ok=True)
+        yield None
+        return
+    (servers_dir(out) / "target.json").unlink(missing_ok=True)  # a target is for the run it was given to
+    keep = cfg.rollout.keep_servers
+    if keep:
+        reuse.save_key(out, api_key)
+    sup = ServerSupervisor(launcher, cfg.rollout, model, out, seed=cfg.experiment.seed, api_key=api_key,
+                           servers=procs, secrets_dir=out / SECRETS_DIR)
+    if len(procs) < cfg.rollout.n_servers:
+        sup.target = cfg.rollout.n_servers  # fewer reused than configured: the others start now
+    sup.start()
+    try:
+        yield sup
+    except BaseException:
+        sup.stop()
+        if keep:
+            launcher.release([*sup.members.values(), *(s.proc for s in sup.starting)])
+            log.warning("rollout.keep_servers: the servers stay up for a resume of %s", out)
+        raise
+    else:
+        sup.stop()
+        if keep:
+            reuse.remove_key(out)
+
+
+def _stop_kept_servers(out: Path) -> None:
+    """A fresh start stops the servers a failed run of ``out`` kept (``rollout.keep_servers``)."""
+    from areal_fast.launch import reuse
+    from areal_fast.launch.members import read_members
+
+    reuse.stop_kept(read_members(out) or [], "the run starts afresh (experiment.resume=false)")
+    reuse.remove_key(out)
 
 
 def model_dir(cfg, say=print) -> str:

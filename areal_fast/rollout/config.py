@@ -86,6 +86,13 @@ class RolloutConfig:
     engine; ``docs/pause_modes.md``)."""
     health_timeout: float = 300.0
     """Seconds to wait for launched servers to become healthy."""
+    relaunch_servers: bool = True
+    """A launched server that dies is started again; it joins at the next weight update, over a re-formed
+    broadcast group, before it takes requests (``docs/elastic.md``). false: the run goes on with fewer."""
+    keep_servers: bool = False
+    """Launched servers outlive a run that fails (trainer or controller crash, kill -9) and a resume of the
+    same output_dir reuses the healthy ones, their model and weight version checked against the checkpoint
+    (``docs/elastic.md``). Keeps the servers' API key in <output_dir>/.secrets while they live."""
     workflow: str = "areal_fast.workflow.single_turn:single_turn"
     """The episode each of the group_size rollouts of a task runs: 'package.module:function', an
     async function (row, engine) -> list of trajectories (``docs/workflows.md``). The default is one

@@ -5,8 +5,8 @@ It owns the process's life (``worker_main``: it dies with its parent, runs its o
 and the serving of one socket to the controller (``_serve``): every ``gen`` request becomes a
 task of the client's ``generate`` and exactly one answer item goes back for it (the answer, the
 error, or ``(rid, None)`` once the controller cancelled it); control calls (pause, continue,
-health) are acknowledged after the answers sent before them; ``remove`` drops a server (the control op ``add`` adds one); ``close``
-or the end of the socket ends the process. The messages are ``rollout/sharded_wire.py``.
+health) are acknowledged after the answers sent before them; ``remove`` drops a server (the control
+op ``add`` adds one); ``close`` or the end of the socket ends the process. The messages are ``rollout/sharded_wire.py``.
 """
 
 from __future__ import annotations

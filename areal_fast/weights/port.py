@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from areal_fast.rollout.calls import DEAD_SERVER_RETRY, dead_servers, retry_dropping_dead
+from areal_fast.rollout.calls import DEAD_SERVER_RETRY, retry_dropping_dead
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.membership import SyncMembership
 

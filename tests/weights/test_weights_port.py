@@ -1,6 +1,7 @@
 """The controller's sync port (areal_fast.weights.port) with a fake trainer and a fake pool:
-the spec each rank builds, the fallback from distributed to disk when a server died, a dead
-server dropped from a disk update, and failures with every server alive re-raised."""
+the spec each rank builds, the broadcast group re-formed (not a fall back to disk) when a server
+died, a joining server updated before it enters the pool, a dead server dropped from a disk update,
+and failures with every server alive re-raised."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ class FakePool:
         self._urls.remove(url)
         return True
 
+    async def add_server(self, url):
+        self._urls.append(url)
+
 
 @pytest.fixture(autouse=True)
 def _short_death_wait(monkeypatch):
@@ -57,7 +61,8 @@ def test_make_sync_port_follows_the_config(tmp_path):
     assert isinstance(make_sync_port(WeightSyncConfig(method="disk"), t, p, [A], tmp_path), DiskSync)
 
 
-def test_distributed_then_disk_after_a_server_died(tmp_path):
+def test_a_dead_member_re_forms_the_group_and_the_run_stays_distributed(tmp_path):
+    """Before: B's death sent every later update to disk ("using disk sync from now on")."""
     pool = FakePool([A, B])
 
     def fail(spec):
@@ -69,15 +74,72 @@ def test_distributed_then_disk_after_a_server_died(tmp_path):
     sync = DistributedSync(trainer, pool, [A, B], tmp_path, WeightSyncConfig(timeout_s=5))
     asyncio.run(sync.sync(1))
     assert [(s.method, s.urls, v) for s, v in trainer.calls] == [("distributed", (A, B), 1)]
+    assert trainer.calls[0][0].weight_config().group_name == "weight_update_group"
     pool.dead.add(B)
-    metrics = asyncio.run(sync.sync(2))  # B died: the broadcast group is unusable -> disk without B
-    assert sync.broken and "disk_sync_s" in metrics
-    assert [(s.method, s.urls) for s, v in trainer.calls[1:] if v == 2][-1] == ("disk", (A,))
-    assert pool.urls == [A]
-    asyncio.run(sync.sync(3))  # and disk for the rest of the run
-    assert trainer.calls[-1][0].method == "disk" and trainer.calls[-1][1] == 3
-    disk_cfg = trainer.calls[-1][0].weight_config()
-    assert disk_cfg.save_root == str(tmp_path) and disk_cfg.timeout_s == 5
+    metrics = asyncio.run(sync.sync(2))  # B died: the update is retried at once on a new group without B
+    assert [(s.method, s.urls, v) for s, v in trainer.calls[1:]] == [("distributed", (A, B), 2),
+                                                                     ("distributed", (A,), 2)]
+    assert trainer.calls[-1][0].weight_config().group_name == "weight_update_group-g1"
+    assert pool.urls == [A] and metrics["servers"] == 1 and metrics["group_generation"] == 1
+    assert "broadcast_s" in metrics and "disk_sync_s" not in metrics
+    asyncio.run(sync.sync(3))  # the same servers: the same group, no new generation
+    assert trainer.calls[-1][0] == trainer.calls[-2][0] and trainer.calls[-1][1] == 3
+
+
+def test_a_joining_server_gets_the_whole_update_before_it_enters_the_pool(tmp_path):
+    C = "http://127.0.0.1:3"
+    pool = FakePool([A, B])
+    seen = []
+    trainer = UpdateRecordingTrainer(lambda spec: seen.append((spec.urls, pool.urls)))
+    sync = DistributedSync(trainer, pool, config=WeightSyncConfig())
+    asyncio.run(sync.sync(1))
+    assert sync.offer(C + "/") and not sync.offer(C) and not sync.offer(A)  # once; members are not offered
+    assert pool.urls == [A, B]  # no request goes to C before it holds the weights
+    m = asyncio.run(sync.sync(2))
+    assert seen[-1] == ((A, B, C), [A, B])  # C took part in the update while still out of the pool
+    assert trainer.calls[-1][0].weight_config().group_name == "weight_update_group-g1"
+    assert pool.urls == [A, B, C] and sync.membership.joining == []
+    assert (m["servers"], m["joined"], m["joining"], m["group_generation"]) == (3, 1, 0, 1)
+
+
+def test_a_joining_server_that_dies_is_forgotten_and_the_others_updated(tmp_path):
+    C = "http://127.0.0.1:3"
+    pool = FakePool([A], dead=[C])
+    trainer = UpdateRecordingTrainer(lambda spec: RuntimeError("reset") if C in spec.urls else None)
+    sync = DistributedSync(trainer, pool, config=WeightSyncConfig())
+    sync.offer(C)
+    m = asyncio.run(sync.sync(1))
+    assert [s.urls for s, _ in trainer.calls] == [(A, C), (A,)]
+    assert pool.urls == [A] and sync.membership.joining == [] and m["joined"] == 0
+
+
+def test_a_new_transport_closes_the_one_it_replaces_on_every_rank():
+    from areal_fast.launch.runtime import apply_update
+
+    closed, built = [], []
+
+    class Transport:
+        def __init__(self, spec):
+            self.spec = spec
+            built.append(spec)
+
+        def update(self, state, version):
+            pass
+
+        def close(self):
+            closed.append(self.spec.urls)
+
+    class Spec(SyncSpec):
+        def build(self):
+            return Transport(self)
+
+    cfg = WeightSyncConfig()
+    one, two = Spec.of("distributed", [A, B], cfg), Spec.of("distributed", [A], cfg)
+    cache: dict = {}
+    apply_update(cache, one, 1, {})
+    apply_update(cache, one, 2, {})  # reused
+    apply_update(cache, two, 3, {})
+    assert built == [one, two] and closed == [(A, B)] and list(cache) == [two]
 
 
 def test_failure_with_every_server_alive_is_raised(tmp_path):
@@ -85,7 +147,7 @@ def test_failure_with_every_server_alive_is_raised(tmp_path):
     sync = DistributedSync(trainer, FakePool([A, B]), [A, B], tmp_path)
     with pytest.raises(RuntimeError, match="bucket 3 refused"):
         asyncio.run(sync.sync(1))
-    assert not sync.broken and len(trainer.calls) == 1
+    assert len(trainer.calls) == 1
     disk = DiskSync(trainer, FakePool([A]), tmp_path)
     with pytest.raises(RuntimeError, match="bucket 3 refused"):
         asyncio.run(disk.sync(1))

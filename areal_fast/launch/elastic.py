@@ -1,0 +1,278 @@
+"""Elastic inference servers: the launcher keeps a run's servers at their target number.
+
+:class:`ServerSupervisor` runs in the launching process, in a thread, for the whole run (the local
+launcher with its rank in-process, the local launcher with rank processes, the Ray launcher):
+
+    sup = ServerSupervisor(launcher, cfg.rollout, model, out, seed=..., api_key=key, servers=started)
+    sup.start()                           # members.json written: rank 0 may read it
+    ...                                   # every 0.5 s: tick()
+    sup.stop()
+
+Each tick:
+
+1. a member whose process is gone (kill -9, a crash, a lost Ray node) leaves ``members.json``;
+2. the target (``rollout.n_servers``, then ``servers/target.json`` from ``areal-fast servers``) is
+   compared with the members and the servers starting: a missing one is started in the lowest free
+   slot (its GPU is ``rollout.gpus[slot]``), with the run's key in a private file removed once it
+   is healthy. A death therefore becomes a relaunch (``rollout.relaunch_servers=false``: the target
+   drops instead). Five failed starts in a row stop the relaunching (logged as an error);
+3. a started server that answers /health 200 becomes a member. Rank 0 (``launch.rank``) then offers
+   it to the weight sync: it gets the next update in full, over a re-formed broadcast group, and
+   only then enters the pool (``weights.membership``);
+4. a server above the target leaves ``members.json`` first; it is stopped once rank 0's
+   ``pool.json`` no longer lists it (its requests have finished or failed over), or after 30 s.
+
+The files are described in ``launch.members``; the user's side in ``docs/elastic.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_fast.launch.base import LaunchedProcess, server_ready
+from areal_fast.launch.members import Member, read_pool, read_target, write_members
+
+log = logging.getLogger(__name__)
+TICK_S = 0.5
+DRAIN_S = 30.0  # a removed server leaves the pool within a step; past this it is stopped anyway
+MAX_FAILED_STARTS = 5  # in a row: a server that cannot start (bad node, no memory) is not retried forever
+STOP_GRACE_S = 10.0
+
+
+@dataclass
+class _Starting:
+    slot: int
+    proc: LaunchedProcess
+    key_file: Path | None
+    t0: float
+
+
+class ServerSupervisor:
+    """Keeps the launched servers of one run at their target number (module docstring)."""
+
+    def __init__(self, launcher, rollout_cfg, model_path: str, out: str | Path, *, seed: int, api_key: str | None,
+                 servers: list[LaunchedProcess], secrets_dir: Path | None = None):
+        self.launcher, self.cfg, self.model_path, self.out = launcher, rollout_cfg, model_path, Path(out)
+        self.seed, self.api_key, self.secrets_dir = seed, api_key, secrets_dir
+        self.relaunch = rollout_cfg.relaunch_servers
+        self.members: dict[int, LaunchedProcess] = dict(enumerate(servers))  # slot -> process
+        self.starting: list[_Starting] = []
+        self.leaving: dict[str, tuple[LaunchedProcess, float]] = {}
+        self.target = len(servers)
+        self._target_seen = None  # the last target file read, so a stale one is applied once
+        self.starts = len(servers)  # servers started so far (names and seeds of the next ones)
+        self.failed_starts = 0
+        self.relaunched = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._publish()
+
+    # ------------------------------------------------------------ the thread
+    def start(self) -> ServerSupervisor:
+        self._thread = threading.Thread(target=self._loop, name="server-supervisor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for s in self.starting:
+            self._forget_key(s)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(TICK_S):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - the next tick tries again; the run goes on meanwhile
+                log.exception("server supervisor tick failed")
+
+    # ------------------------------------------------------------ one tick
+    def tick(self) -> None:
+        refresh = getattr(self.launcher, "refresh", None)
+        if refresh is not None:  # Ray: exit codes come from the actors
+            refresh()
+        before = self._member_urls()
+        self._reap_dead()
+        self._promote_started()
+        self._apply_target()
+        self._drain()
+        if self._member_urls() != before:
+            self._publish()
+
+    def _member_urls(self) -> list[str]:
+        return [p.url for _, p in sorted(self.members.items())]
+
+    def _reap_dead(self) -> None:
+        dead = [(slot, p) for slot, p in self.members.items() if not p.alive()]
+        for slot, p in dead:
+            del self.members[slot]
+            if not self.relaunch:
+                self.target -= 1
+            log.warning("server %s (%s) is gone%s: %s", p.name, p.url,
+                        "; relaunching it" if self.relaunch else "", p.death_message()[:500])
+
+    def _promote_started(self) -> None:
+        for s in list(self.starting):
+            if not s.proc.alive():
+                self._failed(s, f"it died while starting: {s.proc.death_message()[:1500]}")
+            elif server_ready(s.proc.url):
+                self.starting.remove(s)
+                self._forget_key(s)
+                self.members[s.slot] = s.proc
+                self.failed_starts = 0
+                log.warning("server %s (%s) is up after %.1f s; it joins at the next weight update", s.proc.name,
+                            s.proc.url, time.monotonic() - s.t0)
+            elif time.monotonic() - s.t0 > self.cfg.health_timeout:
+                self._stop_proc(s.proc)
+                self._failed(s, f"not healthy after {self.cfg.health_timeout:.0f} s")
+
+    def _failed(self, s: _Starting, why: str) -> None:
+        self.starting.remove(s)
+        self._forget_key(s)
+        self.failed_starts += 1
+        log.error("server %s (%s) failed to start (%d in a row): %s", s.proc.name, s.proc.url, self.failed_starts, why)
+        if self.failed_starts == MAX_FAILED_STARTS:
+            log.error("%d server starts failed in a row: no more servers are started for this run", MAX_FAILED_STARTS)
+
+    def _apply_target(self) -> None:
+        t = read_target(self.out)
+        if t is not None and (t.n_servers, t.remove) != self._target_seen:
+            self._target_seen = (t.n_servers, t.remove)
+            log.warning("server target %d (was %d)%s", t.n_servers, self.target,
+                        f", removing {t.remove}" if t.remove else "")
+            self.target = t.n_servers
+            for url in t.remove:
+                self._remove(url)
+        while len(self.members) + len(self.starting) > self.target:
+            if self.starting:  # not a member yet: stop it at once
+                s = self.starting.pop()
+                self._forget_key(s)
+                self._stop_proc(s.proc)
+                continue
+            self._remove(self.members[max(self.members)].url)
+        while len(self.members) + len(self.starting) < self.target and self.failed_starts < MAX_FAILED_STARTS:
+            if not self._start_one():
+                break
+
+    def _remove(self, url: str) -> None:
+        for slot, p in list(self.members.items()):
+            if p.url == url:
+                del self.members[slot]
+                self.leaving[url] = (p, time.monotonic())
+                log.warning("server %s (%s) leaves the run: stopped once out of the pool", p.name, url)
+
+    def _drain(self) -> None:
+        pool = read_pool(self.out) or {}
+        busy = set(pool.get("urls", [])) | set(pool.get("joining", []))
+        for url, (p, t0) in list(self.leaving.items()):
+            if url not in busy or time.monotonic() - t0 > DRAIN_S or not p.alive():
+                del self.leaving[url]
+                self._stop_proc(p)
+
+    # ------------------------------------------------------------ starting and stopping
+    def _free_slot(self) -> int | None:
+        used = set(self.members) | {s.slot for s in self.starting} | {_slot(p) for p, _ in self.leaving.values()}
+        slot = next(i for i in range(len(used) + 1) if i not in used)
+        if self.cfg.gpus and slot >= len(self.cfg.gpus):
+            log.error("no GPU for another server: rollout.gpus names %d slot(s) and all are taken", len(self.cfg.gpus))
+            return None
+        return slot
+
+    def _start_one(self) -> bool:
+        slot = self._free_slot()
+        if slot is None:
+            return False
+        from areal_fast.rollout.server_command import write_api_key_file
+
+        name = f"server{slot}" if self.starts == slot else f"server{slot}-{self.starts}"
+        key_file = write_api_key_file(self._secrets(), self.api_key) if self.api_key else None
+        try:
+            p = start_server(self.launcher, self.cfg, self.model_path, slot, name, seed=self.seed + self.starts,
+                             key_file=key_file)
+        except Exception as e:  # noqa: BLE001 - counted as a failed start
+            if key_file is not None:
+                key_file.unlink(missing_ok=True)
+            self.failed_starts += 1
+            log.error("starting server %s failed (%d in a row): %s", name, self.failed_starts, e)
+            return False
+        p.extra["slot"] = slot
+        self.starts += 1
+        self.relaunched += 1
+        self.starting.append(_Starting(slot, p, key_file, time.monotonic()))
+        log.warning("starting server %s (%s) in slot %d", name, p.url, slot)
+        return True
+
+    def _secrets(self) -> Path:
+        if self.secrets_dir is None:
+            self.secrets_dir = self.launcher._secrets()  # the launcher's private directory (0700)
+        return Path(self.secrets_dir)
+
+    @staticmethod
+    def _forget_key(s: _Starting) -> None:
+        if s.key_file is not None:
+            s.key_file.unlink(missing_ok=True)
+
+    def _stop_proc(self, p: LaunchedProcess) -> None:
+        try:
+            stop_server(self.launcher, p)
+        except Exception as e:  # noqa: BLE001 - the launcher's shutdown stops it at the end anyway
+            log.warning("stopping server %s: %s", p.name, e)
+
+    def _publish(self) -> None:
+        write_members(self.out, [Member(name=p.name, url=p.url, slot=slot, pid=p.pid, node=p.node, log=str(p.log_path))
+                                 for slot, p in sorted(self.members.items())], model=self.model_path)
+
+
+def _slot(p: LaunchedProcess) -> int:
+    return int(p.extra.get("slot", -1))
+
+
+# ----------------------------------------------------------------------------- per launcher
+
+
+def start_server(launcher, rollout_cfg, model_path: str, slot: int, name: str, *, seed: int,
+                 key_file: Path | None) -> LaunchedProcess:
+    """Start one server of the run in ``slot`` now (not waiting for its health), on this machine
+    (``LocalLauncher.start_server``) or on a Ray node (:func:`_ray_start_server`)."""
+    own = getattr(launcher, "start_server", None)
+    if own is not None:
+        return own(rollout_cfg, model_path, slot, name, seed=seed, key_file=key_file)
+    return _ray_start_server(launcher, rollout_cfg, model_path, name, seed=seed, key_file=key_file)
+
+
+def stop_server(launcher, p: LaunchedProcess) -> None:
+    if p.actor is not None:
+        _ray_stop(p)
+    else:
+        launcher.stop_process(p, STOP_GRACE_S)
+
+
+def _ray_start_server(launcher, rollout_cfg, model_path: str, name: str, *, seed: int,
+                      key_file: Path | None) -> LaunchedProcess:
+    """One more server on the Ray cluster: a placement group of one bundle sized as the run's
+    servers are (``RayLauncher.start_servers``), its host actor, the command."""
+    from areal_fast.launch.base import HOST_ENV, PYTHON, gpus_per_server, server_command, server_env
+    from areal_fast.launch.ray_launcher import _ray, _resources
+    from areal_fast.netutil import url_host
+
+    ray, r, rc = _ray(), rollout_cfg, launcher.cfg
+    gpus = rc.gpus_per_server if rc.gpus_per_server is not None else gpus_per_server(r)
+    bundles = [_resources(rc.cpus_per_server or float(r.threads_per_server), gpus)]
+    pg = launcher._placement_group(bundles, "PACK", name)
+    (actor, info), = launcher._hosts(pg, bundles, name)
+    host = launcher.host_for(info["node_ip"])
+    port = ray.get(actor.free_port.remote(host))
+    cmd = server_command(r, model_path, host, port, seed=seed, api_key_file=key_file, python=PYTHON)
+    return launcher._run(actor, info, name, cmd, {**server_env(r), HOST_ENV: host}, f"http://{url_host(host)}:{port}",
+                         critical=False)
+
+
+def _ray_stop(p: LaunchedProcess) -> None:
+    from areal_fast.launch.ray_launcher import _ray
+
+    _ray().get(p.actor.stop.remote(STOP_GRACE_S), timeout=STOP_GRACE_S + 15)

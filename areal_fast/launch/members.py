@@ -1,0 +1,110 @@
+"""The run directory's server files: how the launcher, trainer rank 0 and the ``areal-fast servers``
+command tell each other which inference servers a run has (``docs/elastic.md``).
+
+``<output_dir>/servers/``, each file JSON, replaced atomically (written beside, then renamed), with
+one writer each:
+
+- ``members.json`` (the launcher): the healthy servers the run may use, with name, pid, node and
+  slot. Rank 0 offers a new one to the weight sync (it joins the pool after its first full update)
+  and drops from the pool a server that left the file (dead, or removed on request);
+- ``target.json`` (``areal-fast servers``): how many servers the run should have, and which to
+  remove first; the launcher starts or stops servers until the members match it;
+- ``pool.json`` (rank 0): the servers requests go to, and the ones waiting to join. The launcher
+  stops a removed server only once it left the pool (or after a drain deadline).
+
+Files, not a socket: they need no port, survive a crash of either side, work wherever the output
+directory is shared (the Ray launcher's requirement already) and can be read by a person.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SERVERS_DIR = "servers"
+MEMBERS_FILE, TARGET_FILE, POOL_FILE = "members.json", "target.json", "pool.json"
+
+
+@dataclass
+class Member:
+    """One healthy server of the run, as the launcher records it."""
+
+    name: str
+    url: str
+    slot: int
+    pid: int | None = None
+    node: str = "localhost"
+    log: str = ""
+
+
+@dataclass
+class Target:
+    """What ``areal-fast servers`` asks for: ``n_servers`` servers, removing ``remove`` first."""
+
+    n_servers: int
+    remove: list[str] = field(default_factory=list)
+
+
+def servers_dir(out: str | os.PathLike) -> Path:
+    return Path(out) / SERVERS_DIR
+
+
+def write_json(path: Path, obj) -> None:
+    """``obj`` as JSON at ``path``, atomically: a reader sees the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: Path):
+    """The JSON at ``path``, or None when it is missing or unreadable (a writer replaces it whole)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_members(out, members: list[Member], model: str | None = None) -> None:
+    """The launcher's members and the model they serve (``launch.reuse`` checks it on resume)."""
+    write_json(servers_dir(out) / MEMBERS_FILE, {"servers": [asdict(m) for m in members], "model": model,
+                                                 "time": time.time()})
+
+
+def read_members(out) -> list[Member] | None:
+    """The launcher's members, or None when the run has no members file (servers it did not launch)."""
+    d = read_json(servers_dir(out) / MEMBERS_FILE)
+    if not isinstance(d, dict):
+        return None
+    return [Member(**m) for m in d.get("servers", [])]
+
+
+def write_target(out, target: Target) -> None:
+    if target.n_servers < 0:
+        raise ValueError(f"n_servers: must be >= 0, got {target.n_servers}")
+    write_json(servers_dir(out) / TARGET_FILE, asdict(target))
+
+
+def read_target(out) -> Target | None:
+    d = read_json(servers_dir(out) / TARGET_FILE)
+    if not isinstance(d, dict) or not isinstance(d.get("n_servers"), int):
+        return None
+    return Target(int(d["n_servers"]), [str(u).rstrip("/") for u in d.get("remove") or []])
+
+
+def write_pool(out, urls: list[str], joining: list[str]) -> None:
+    write_json(servers_dir(out) / POOL_FILE, {"urls": list(urls), "joining": list(joining), "time": time.time()})
+
+
+def read_pool(out) -> dict | None:
+    d = read_json(servers_dir(out) / POOL_FILE)
+    return d if isinstance(d, dict) else None
