@@ -14,6 +14,7 @@ from areal_fast.buffer import DEFAULT_MEMORY_MB as DEFAULT_BUFFER_MEMORY_MB
 from areal_fast.configutil import device_indices, positive_seconds
 from areal_fast.heap import period_from_env as heap_trim_period_from_env
 from areal_fast.netutil import check_server_url  # the one check of a server address
+from areal_fast.rollout.engine.vllm_compat import DEFAULT_VLLM_VERSION, check_rollout_backend
 from areal_fast.rollout.engine.compat import in_place_launch_refusal
 
 __all__ = ["MIN_TEMPERATURE", "RESERVED_SERVER_ARGS", "RolloutConfig", "check_server_url"]
@@ -48,6 +49,12 @@ class RolloutConfig:
 
     engine: str = "embedded"
     """'embedded' (``python -m areal_fast.rollout.engine``) or 'sglang'."""
+    backend: str = "sglang"
+    """The inference API the servers speak: 'sglang', or 'vllm' (vLLM's OpenAI-compatible server, or the
+    embedded engine launched as vLLM's twin; ``docs/vllm.md``)."""
+    vllm_version: str = DEFAULT_VLLM_VERSION
+    """With backend 'vllm': the vLLM release the servers run (0.11.0 .. 0.33.0); what it cannot serve is
+    refused at load, with the reason (``areal_fast.rollout.engine.vllm_compat``)."""
     servers: list[str] = field(default_factory=list)
     """Addresses of servers that are already running ('http://host:port'); empty = launch them."""
     n_servers: int = 1
@@ -152,6 +159,7 @@ class RolloutConfig:
             if why:
                 raise ValueError(f"pause_mode: 'in_place' refused for launched {self.engine} servers: {why}")
         positive_seconds("health_timeout", self.health_timeout)
+        check_rollout_backend(self.backend, self.engine, bool(self.servers), self.vllm_version, self.pause_mode)
         n = len(self.servers) or self.n_servers
         if not isinstance(self.client_processes, int) or not 1 <= self.client_processes <= max(n, 1):
             raise ValueError(f"client_processes: must be >= 1 and <= the number of servers ({n}), "
