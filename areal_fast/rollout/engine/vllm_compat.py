@@ -144,3 +144,23 @@ def auto_vllm_pause_mode(version: str | Version) -> str:
     """What rollout.pause_mode 'auto' means on a vLLM server: 'in_place' (keep) where per-token
     weight versions label the kept tokens, else 'abort'."""
     return "in_place" if VLLMBehaviour.of(version).token_weight_versions else "abort"
+
+
+BACKENDS = ("sglang", "vllm")
+
+
+def check_rollout_backend(backend: str, engine: str, external: bool, vllm_version: str, pause_mode: str) -> None:
+    """The ``rollout`` section's backend rules (ValueError naming the field and the reason):
+    ``backend`` is 'sglang' or 'vllm'; vLLM servers are given in ``servers`` or launched as the
+    embedded engine's vLLM twin (``engine: embedded``), never as SGLang; the version and pause mode
+    must be ones :func:`vllm_refusal` accepts (the weights method is checked by the loader)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
+    if backend != "vllm":
+        return
+    if engine == "sglang" and not external:
+        raise ValueError("backend: 'vllm' cannot be served by launched SGLang servers (engine: 'sglang'); use "
+                         "engine 'embedded' (the embedded engine's vLLM twin) or give running vLLM servers in servers")
+    why = vllm_refusal(vllm_version, pause_mode=pause_mode, weights_method="disk")
+    if why:
+        raise ValueError(f"vllm_version / pause_mode: {why}")
