@@ -98,7 +98,7 @@ def disk_update_calls(path: str, behaviour: VLLMBehaviour) -> list[dict]:
 
 
 def weight_version_body(version: str) -> dict:
-    """``POST /update_weight_version`` (0.28.0 on)."""
+    """``POST /update_weight_version`` (0.27.0 on)."""
     return {"new_version": str(version)}
 
 
@@ -118,7 +118,7 @@ def update_transfer_body(names: Sequence[str], dtype_names: Sequence[str], shape
 
 
 def finish_transfer_body(weight_version: str | None, behaviour: VLLMBehaviour) -> dict | None:
-    """``POST /finish_weight_update`` (0.22.0 on): the new label where the release takes one."""
+    """``POST /finish_weight_update`` (0.21.0 on): the new label where the release takes one."""
     if weight_version is None or not behaviour.labels_weight_version:
         return None
     return {"weight_version": str(weight_version)}

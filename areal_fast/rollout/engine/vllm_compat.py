@@ -28,8 +28,8 @@ PAUSE_SINCE = Version("0.12.0")  # POST /pause, /resume, GET /is_paused, POST /a
 PAUSE_MODES_SINCE = Version("0.16.0")  # /pause?mode=abort|wait|keep (before: ?wait_for_inflight_requests=)
 WEIGHT_TRANSFER_SINCE = Version("0.16.0")  # /init_weight_transfer_engine, /update_weights (dev mode)
 RELOAD_FROM_PATH_SINCE = Version("0.16.0")  # collective_rpc reload_weights(weights_path=...)
-WEIGHT_UPDATE_SESSIONS_SINCE = Version("0.22.0")  # /start_weight_update ... /finish_weight_update
-WEIGHT_VERSION_LABEL_SINCE = Version("0.28.0")  # /update_weight_version, GET /weight_info
+WEIGHT_UPDATE_SESSIONS_SINCE = Version("0.21.0")  # /start_weight_update ... /finish_weight_update
+WEIGHT_VERSION_LABEL_SINCE = Version("0.27.0")  # /update_weight_version, GET /weight_info
 TOKEN_WEIGHT_VERSIONS_SINCE = Version("0.33.0")  # return_weight_versions: per-choice weight_versions spans
 
 VLLM_PAUSE_MODES = ("abort", "wait", "keep")
