@@ -268,25 +268,93 @@ def test_a_reset_shared_server_is_back_to_the_warm_start(tmp_path):
 
 
 def test_the_hard_preset_dry_run_lists_the_issue_27_sweep(tmp_path, capsys, monkeypatch):
-    """--preset hard: 6 etas x 6 objectives x 5 seeds (GRPO) with 4 minibatches and the harder task;
-    each option arm's overrides load into the loss option it names; nothing runs."""
+    """--preset hard: 6 etas x 6 objectives x 5 seeds (GRPO) with 4 minibatches, the weak warm start
+    and the low learning rate; each option arm's overrides load into the loss option it names; nothing runs."""
     monkeypatch.setattr(bs, "execute", lambda *a, **k: pytest.fail("a dry run executed a run"))
     bs.main(["--preset", "hard", "--dry-run", "--work", str(tmp_path / "w")])
     out = capsys.readouterr().out
     assert "180 cases" in out and "eta16_m2po_grpo_s5" in out and "train.ppo.ppo_n_minibatches=4" in out
     assert not (tmp_path / "w").exists()
     args = bs.parse_args(["--preset", "hard"])
-    runs = bs.build_runs(bs.build_arms(args.etas, args.objectives, args.advantages), args.seeds)
+    runs = bs.build_plan_runs(args.plan, args.advantages, args.seeds)
+    assert len(runs) == len(set(runs)) == 180
     seen = {}
-    for run in runs[:36]:
-        cfg = load_config(RECIPE, [*bs.run_overrides(run, args.steps, args.eval_every, args.overrides),
+    for run in runs[60:84]:  # the options at eta 16, then 8 (the first 60 are naive vs decoupled)
+        cfg = load_config(RECIPE, [*bs.run_overrides(run, args.steps, args.eval_every, args.overrides, args.batch_size),
                                    "experiment.output_dir=/tmp/unused"])
-        assert cfg.train.ppo.ppo_n_minibatches == 4 and cfg.experiment.total_steps == 250
+        assert cfg.train.ppo.ppo_n_minibatches == 4 and cfg.experiment.total_steps == 200
+        assert cfg.train.batch_size == 8 and cfg.train.optim.lr == 5e-5 and cfg.model.warm_start.steps == 120
         seen[run.arm.objective] = cfg.train.ppo.loss
     assert seen["tis"].tis_cap == 2.0 and seen["tis"].token_mis_upper is None
     assert (seen["icepop"].token_mis_lower, seen["icepop"].token_mis_upper) == (0.5, 5.0)
     assert (seen["seq_mis"].seq_mis_lower, seen["seq_mis"].seq_mis_upper) == (0.5, 2.0)
-    assert seen["m2po"].m2po_tau == 0.04 and seen["naive"].m2po_tau is None
+    assert seen["m2po"].m2po_tau == 0.04 and "naive" not in seen
+
+
+def test_the_hard_plan_runs_the_naive_decoupled_contrast_first_seed_major():
+    """Most information first: naive and decoupled at eta 0/4/16 for every seed (seed-major, so a sweep
+    stopped part-way has whole seeds to pair), then eta 1/2/8, then the options at the largest etas."""
+    args = bs.parse_args(["--preset", "hard"])
+    runs = bs.build_plan_runs(args.plan, args.advantages, args.seeds)
+    assert [r.name for r in runs[:6]] == [f"eta{e}_{o}_grpo_s1" for o in ("naive", "recompute") for e in (0, 4, 16)]
+    assert runs[6].name == "eta0_naive_grpo_s2"
+    assert {(r.arm.objective, r.arm.eta) for r in runs[:30]} == {(o, e) for o in ("naive", "recompute")
+                                                                  for e in (0, 4, 16)}
+    assert {r.arm.eta for r in runs[30:60]} == {1, 2, 8}
+    assert {(r.arm.objective, r.arm.eta) for r in runs[60:80]} == {(o, 16) for o in bs.HARD_OPTIONS}
+    # a run two phases name runs once, at its first place
+    plan = [(["naive"], [0, 4]), (["naive", "recompute"], [4])]
+    assert [r.name for r in bs.build_plan_runs(plan, ["grpo"], [1])] == [
+        "eta0_naive_grpo_s1", "eta4_naive_grpo_s1", "eta4_recompute_grpo_s1"]
+
+
+def test_overrides_may_come_before_the_flags():
+    args = bs.parse_args(["train.optim.lr=1e-5", "--steps", "3", "rollout.max_new_tokens=8", "--work", "/tmp/w"])
+    assert args.overrides == ["train.optim.lr=1e-5", "rollout.max_new_tokens=8"] and args.steps == 3
+
+
+def test_option_arms_pair_with_the_decoupled_sync_run_until_their_own_runs():
+    """An option arm without its own eta = 0 runs is paired with the decoupled objective's eta = 0 run of
+    the same seed, and the table says so; once its own eta = 0 run exists, that one is used."""
+    res = [_result(0, "recompute", "grpo", s, f, f, {0: 10}, [[0, 0.2], [10, f]]) for s, f in ((1, 0.5), (2, 0.6))]
+    res += [_result(16, "m2po", "grpo", s, f, f, {16: 10}, [[0, 0.2], [10, f]]) for s, f in ((1, 0.4), (2, 0.7))]
+    res += [_result(16, "naive", "grpo", 1, 0.3, 0.3, {16: 10}, [[0, 0.2], [10, 0.3]])]  # naive: no fallback
+    rows = {r["arm"]: r for r in bs.aggregate(res)}
+    m2po = rows["eta16_m2po_grpo"]
+    assert m2po["sync_objective"] == "recompute" and m2po["sync_seeds"] == [1, 2]
+    assert m2po["eval_final_vs_sync_mean"] == pytest.approx(0.0)  # -0.1 and +0.1
+    assert "(vs recompute eta 0)" in bs.markdown_table([m2po])
+    assert rows["eta16_naive_grpo"]["eval_final_vs_sync_mean"] is None
+    own = bs.aggregate(res + [_result(0, "m2po", "grpo", 1, 0.1, 0.1, {0: 10}, [[0, 0.2], [10, 0.1]])])
+    m2po = next(r for r in own if r["arm"] == "eta16_m2po_grpo")
+    # seed 1 against its own eta 0 (0.4 - 0.1); seed 2, without one, is left out rather than mixed in
+    assert m2po["sync_objective"] == "m2po" and m2po["sync_seeds"] == [1]
+    assert m2po["eval_final_vs_sync_mean"] == pytest.approx(0.3)
+
+
+def test_mean_em_over_the_run_and_the_paired_contrast():
+    """The area under the curve leaves out the warm start's evaluation; decoupled minus naive is paired
+    by seed, per eta, with a t interval."""
+    r = _result(4, "recompute", "grpo", 1, 0.6, 0.6, {4: 1}, [[0, 0.9], [10, 0.2], [20, 0.6]])
+    assert bs.eval_mean(r) == pytest.approx(0.4)
+    res = [_result(4, o, "grpo", s, f, f, {4: 1}, [[0, 0.2], [10, f]])
+           for o, s, f in (("recompute", 1, 0.5), ("recompute", 2, 0.7), ("recompute", 3, 0.6),
+                           ("naive", 1, 0.4), ("naive", 2, 0.5), ("naive", 3, 0.6))]
+    res.append(_result(0, "naive", "grpo", 1, 0.3, 0.3, {0: 1}, [[0, 0.2], [10, 0.3]]))  # no decoupled twin
+    (row,) = bs.contrast(res)
+    assert row["eta"] == 4 and row["seeds"] == [1, 2, 3]
+    assert row["eval_final_diff_mean"] == pytest.approx(0.1)  # +0.1, +0.2, 0.0
+    assert row["eval_final_diff_ci95"] == pytest.approx(bs.ci95_halfwidth([0.1, 0.2, 0.0]))
+    assert row["eval_mean_diff_mean"] == pytest.approx(0.1)
+    table = bs.contrast_table([row])
+    assert table.count("\n") == 3 and "+0.100 ± 0.100" in table
+
+
+def test_the_plot_takes_six_objectives(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = [_result(e, o, "grpo", 1, 0.5, 0.5, {e: 1}, [[0, 0.2], [10, 0.5]])
+           for o in ("naive", "recompute", *bs.HARD_OPTIONS) for e in (0, 16)]
+    assert bs.plot(bs.aggregate(res), tmp_path / "p.png").is_file()
 
 
 def test_paired_confidence_interval():
