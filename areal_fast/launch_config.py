@@ -162,9 +162,14 @@ class RayConfig:
     engine, 0 otherwise)."""
     cpus_per_rank: float | None = None
     """Logical CPUs per trainer-rank bundle (None = train.threads)."""
+    server_resources: dict = field(default_factory=dict)
+    """Custom Ray resources of each server bundle, e.g. {"inference": 1}: servers go only to nodes
+    started with that resource (``ray start --resources '{"inference": 8}'``)."""
+    rank_resources: dict = field(default_factory=dict)
+    """Custom Ray resources of each trainer-rank bundle, e.g. {"trainer": 1}."""
     host: str | None = None
-    """Address servers bind and ranks meet on (None = 127.0.0.1 on a one-node cluster, else each
-    node's IP)."""
+    """Address servers bind and ranks meet on (None = 127.0.0.1 on a one-node cluster, else the IP
+    of each process's own node, as Ray reports it on that node)."""
     placement_timeout: float = 300.0
     """Seconds to wait for the placement groups (and autoscaled nodes) before failing."""
     grace: float = 10.0
@@ -182,6 +187,13 @@ class RayConfig:
             raise ValueError(f"gpus_per_server: must be >= 0 or null, got {self.gpus_per_server!r}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ValueError(f"num_cpus: must be >= 1 or null, got {self.num_cpus!r}")
+        for key in ("server_resources", "rank_resources"):
+            for name, amount in getattr(self, key).items():
+                if name in ("CPU", "GPU", "memory") or isinstance(amount, bool) or not (
+                        isinstance(amount, int | float) and amount > 0):
+                    raise ValueError(f"{key}: expected custom resource names with amounts > 0 (CPU and GPU come "
+                                     f"from cpus_per_server / cpus_per_rank and the GPU rules), got {name!r}: "
+                                     f"{amount!r}")
         positive_seconds("placement_timeout", self.placement_timeout)
         if self.grace < 0:
             raise ValueError(f"grace: must be >= 0 seconds, got {self.grace!r}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -25,13 +26,14 @@ import sys
 from pathlib import Path
 
 from areal_fast.controller import Controller, ControllerSettings
-from areal_fast.launch.base import PrivateFileHandler, server_alive
+from areal_fast.launch.base import PrivateFileHandler
 from areal_fast.launch.metrics import JsonlSink, ProgressBar, TensorBoardSink, truncate_jsonl
 from areal_fast.procutil import die_with_parent
 
 log = logging.getLogger("areal_fast")
 _WATCH_S = 0.5
 _UNREACHABLE_ROUNDS = 3  # a server is declared dead after this many refused connections in a row
+DEFAULT_HANG_TIMEOUT_S = 30.0  # rollout.hang_timeout's default (the config passes its own)
 
 
 def setup_logging(out: Path, level: str, console: bool = True, name: str = "controller.log") -> None:
@@ -157,7 +159,7 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
             if resumed is not None:
                 say(f"resuming from {resumed}")
             ctl.callbacks = _sinks(cfg, ctl.version, progress, closers)
-            watch = asyncio.create_task(_watch_servers(rollout, out / "logs"))
+            watch = asyncio.create_task(_watch_servers(rollout, out / "logs", r.hang_timeout))
             follow = asyncio.create_task(watch_members(rollout, syncer, out))  # elastic servers (pool_watch)
             run = asyncio.create_task(ctl.run())
             done, _ = await asyncio.wait({watch, run}, return_when=asyncio.FIRST_COMPLETED)
@@ -181,10 +183,23 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
             s.close()
 
 
-def server_is_dead(url: str) -> bool:
-    """A server whose connection is refused (or reset) is gone; any HTTP answer (401, 503 while
-    paused) is alive: the one health check's liveness (``base.server_alive``)."""
-    return not server_alive(url)
+def server_state(url: str, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> str:
+    """The one health check's liveness half (GET /model_info, answered without the scheduler):
+    "alive" for any HTTP answer (a 401, a 503 while paused), "refused" when no connection could be
+    made (or it broke), "hung" when the connection was taken and nothing answered within
+    ``hang_timeout_s`` (a SIGSTOPped or deadlocked process: its kernel still accepts connections)."""
+    from areal_fast.rollout.calls import health_now
+
+    h = health_now(url, probe=False, timeout_s=hang_timeout_s)
+    if h.state == "down":
+        return "refused"
+    return "hung" if h.state == "unhealthy" and not h.key_refused else "alive"
+
+
+def server_is_dead(url: str, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> bool:
+    """A server whose connection is refused (or reset) is gone, and so is one that took the
+    connection and did not answer within ``hang_timeout_s`` (:func:`server_state`)."""
+    return server_state(url, hang_timeout_s) != "alive"
 
 
 @contextlib.asynccontextmanager
@@ -192,19 +207,21 @@ async def rollout_port(r, urls: list[str], api_key: str | None):
     """The controller's rollout port over the servers at ``urls``, started, and closed on exit:
     ``ClientRollout`` over one ``RolloutClient`` in this process, or with ``rollout.client_processes``
     > 1 a ``ShardedRollout`` (the same port over clients in worker processes). Either forgets a
-    server that :func:`server_is_dead` says is gone."""
-    options = dict(api_key=api_key, request_timeout_s=r.request_timeout, down_cooldown_s=2.0, pause_mode=r.pause_mode)
+    server that :func:`server_is_dead` says is gone or hung (``rollout.hang_timeout``)."""
+    is_dead = functools.partial(server_is_dead, hang_timeout_s=r.hang_timeout)
+    options = dict(api_key=api_key, request_timeout_s=r.request_timeout, control_timeout_s=r.control_timeout,
+                   down_cooldown_s=2.0, pause_mode=r.pause_mode)
     if r.client_processes > 1:
         from areal_fast.rollout.sharded import ShardedRollout
 
-        async with ShardedRollout(urls, r.client_processes, is_dead=server_is_dead, **options) as port:
+        async with ShardedRollout(urls, r.client_processes, is_dead=is_dead, **options) as port:
             yield port
     else:
         from areal_fast.rollout.client import RolloutClient
         from areal_fast.rollout.port import ClientRollout
 
         async with RolloutClient(urls, **options) as client:
-            yield ClientRollout(client, is_dead=server_is_dead)
+            yield ClientRollout(client, is_dead=is_dead)
 
 
 class RecordFilter:
@@ -249,22 +266,29 @@ def _copy_tokenizer(src: Path, dest: Path) -> None:
             shutil.copy(f, dest / f.name)
 
 
-async def _watch_servers(rollout, log_dir) -> None:
+async def _watch_servers(rollout, log_dir, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> None:
     """Drop servers that stopped answering from the pool; fail when none is left.
 
-    Dead means the connection is refused (or reset) several times in a row; any HTTP answer, a 503
-    from a server paused for a weight update included, means alive."""
+    Dead means the connection is refused (or reset) several times in a row; hung, that it was taken
+    and GET /model_info got no answer within ``hang_timeout_s`` (once is enough: that is the
+    deadline). Any HTTP answer, a 503 from a server paused for a weight update included, is alive.
+    Every server is asked at once, so a hung one delays nobody else's check."""
     misses: dict[str, int] = {}
     while True:
-        for url in list(rollout.urls):
-            alive = not await asyncio.to_thread(server_is_dead, url)
-            misses[url] = 0 if alive else misses.get(url, 0) + 1
-            if misses[url] >= _UNREACHABLE_ROUNDS:
+        urls = list(rollout.urls)
+        states = await asyncio.gather(*(asyncio.to_thread(server_state, u, hang_timeout_s) for u in urls))
+        for url, state in zip(urls, states):
+            misses[url] = misses.get(url, 0) + 1 if state == "refused" else 0
+            if state == "hung" or misses[url] >= _UNREACHABLE_ROUNDS:
+                why = (f"no answer to GET /model_info within rollout.hang_timeout={hang_timeout_s}s" if state == "hung"
+                       else f"connection refused {_UNREACHABLE_ROUNDS} times")
+                if url not in rollout.urls:
+                    continue
                 if len(rollout.urls) == 1:
-                    raise RuntimeError(f"the last inference server {url} stopped answering (connection refused "
-                                       f"{_UNREACHABLE_ROUNDS} times); see logs in {log_dir}")
-                log.warning("server %s died (connection refused %d times); continuing with %d server(s)", url,
-                            _UNREACHABLE_ROUNDS, len(rollout.urls) - 1)
+                    raise RuntimeError(f"the last inference server {url} stopped answering ({why}); see logs in "
+                                       f"{log_dir}")
+                log.warning("server %s %s (%s); continuing with %d server(s)", url,
+                            "hung" if state == "hung" else "died", why, len(rollout.urls) - 1)
                 rollout.remove_server(url)
         await asyncio.sleep(_WATCH_S)
 

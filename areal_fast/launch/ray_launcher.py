@@ -184,8 +184,9 @@ def _ray():
     return ray
 
 
-def _resources(cpus: float, gpus: int) -> dict:
-    return {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}
+def _resources(cpus: float, gpus: int, custom: dict | None = None) -> dict:
+    """One bundle: CPUs, GPUs when any, and the custom resources that pin it to some nodes."""
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **(custom or {})}
 
 
 class RayLauncher:
@@ -276,7 +277,7 @@ class RayLauncher:
             raise ValueError(f"rollout: {r.engine} servers need {gpus} GPU(s) each but the Ray cluster has "
                              f"{ray.cluster_resources().get('GPU', 0):g} (set rollout.device=cpu for CPU servers)")
         cpus = self.cfg.cpus_per_server or float(r.threads_per_server)
-        bundles = [_resources(cpus, gpus)] * r.n_servers
+        bundles = [_resources(cpus, gpus, self.cfg.server_resources)] * r.n_servers
         pg = self._placement_group(bundles, self.cfg.server_strategy, "servers")
         out = []
         env = server_env(r)
@@ -312,10 +313,11 @@ class RayLauncher:
                              f"{cluster_gpus:g} GPU(s) (train.device=cpu runs the ranks on CPU)")
         return self.start_ranks(rank_command(config_file, python=PYTHON), t.world_size,
                                 env={"OMP_NUM_THREADS": str(t.threads), **env},
-                                cpus=self.cfg.cpus_per_rank or float(t.threads), gpus=gpus)
+                                cpus=self.cfg.cpus_per_rank or float(t.threads), gpus=gpus,
+                                custom=self.cfg.rank_resources)
 
     def start_ranks(self, cmd: list[str], world_size: int, *, env: dict | None = None, cpus: float = 1.0,
-                    gpus: int = 0) -> list[LaunchedProcess]:
+                    gpus: int = 0, custom: dict | None = None) -> list[LaunchedProcess]:
         """``world_size`` copies of ``cmd`` with the torch.distributed rendezvous torchrun would give.
 
         Ranks are numbered node by node (the node of bundle 0 first), so LOCAL_RANK counts ranks on
@@ -323,7 +325,7 @@ class RayLauncher:
         World size 1 gets no rendezvous variables (the trainer then runs without a process group
         launcher, as in the local launcher)."""
         ray = _ray()
-        bundles = [_resources(cpus, gpus)] * world_size
+        bundles = [_resources(cpus, gpus, custom)] * world_size
         pg = self._placement_group(bundles, self.cfg.trainer_strategy, "trainers")
         hosts = self._hosts(pg, bundles, "rank")
         nodes = list(dict.fromkeys(info["node_id"] for _, info in hosts))

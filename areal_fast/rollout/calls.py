@@ -517,8 +517,9 @@ async def dead_servers(urls: Collection[str], is_dead: Callable[[str], bool],
     backoff until one shows or ``policy.deadline_s`` passed (a connection reset arrives before
     the exit is visible). ``is_dead`` runs in a thread: it may probe a slow server."""
     deadline = time.monotonic() + (policy.deadline_s or 0.0)
-    while True:
-        dead = [u for u in urls if await asyncio.to_thread(is_dead, u)]
+    while True:  # all asked at once: a hung server's probe (its hang timeout) delays no other
+        verdicts = await asyncio.gather(*(asyncio.to_thread(is_dead, u) for u in urls))
+        dead = [u for u, d in zip(urls, verdicts) if d]
         if dead or time.monotonic() > deadline:
             return dead
         await asyncio.sleep(policy.wait_s(0))
@@ -529,15 +530,17 @@ async def retry_dropping_dead(fn: Callable[[], Awaitable], urls: Callable[[], li
                               policy: RetryPolicy = DEAD_SERVER_RETRY):
     """``await fn()`` (a call on every server of ``urls()``); when it fails, the servers that
     :func:`dead_servers` finds are removed (``remove(url)``) and it is called again, up to
-    ``policy.attempts`` times. A failure with every server alive, or on the last attempt, is raised
-    as it is."""
+    ``policy.attempts`` times; so is it when a server left the pool while it ran (a watchdog dropped
+    it). A failure with every server alive, or on the last attempt, is raised as it is."""
     attempt = 0
     while True:
+        before = list(urls())
         try:
             return await fn()
         except Exception:
-            dead = await dead_servers(urls(), is_dead, policy)
-            if not dead or (policy.attempts is not None and attempt + 1 >= policy.attempts):
+            left = [u for u in before if u not in urls()]
+            dead = await dead_servers(urls(), is_dead, policy) if not left else []
+            if not (dead or left) or (policy.attempts is not None and attempt + 1 >= policy.attempts):
                 raise
             for u in dead:
                 log.warning("%s: server %s died; continuing with the others", what, u)

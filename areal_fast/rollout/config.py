@@ -85,6 +85,13 @@ class RolloutConfig:
     """Drop a finished group any of whose tokens is older than version - eta (counted)."""
     request_timeout: float = 600.0
     """Seconds for one /generate call before it is retried elsewhere."""
+    control_timeout: float = 60.0
+    """Seconds for one control call to a server (pause, continue, abort, flush, its facts); a server
+    that does not answer in time is checked for death or a hang (``docs/deadlines.md``)."""
+    hang_timeout: float = 30.0
+    """Seconds a server's process may leave the liveness check (GET /model_info, answered without the
+    scheduler) unanswered before it is declared hung (SIGSTOPped, deadlocked) and dropped like a dead
+    one, by the watchdog or by a control call that timed out."""
     pause_mode: str = "auto"
     """How servers pause for a weight update: 'auto' (per server: 'retract' on SGLang >= 0.5.19, whose
     per-token version spans label retracted requests, else 'abort'), 'retract', 'abort' or 'in_place'
@@ -152,6 +159,8 @@ class RolloutConfig:
         if self.max_concurrent < 1:
             raise ValueError(f"max_concurrent: must be >= 1, got {self.max_concurrent!r}")
         positive_seconds("request_timeout", self.request_timeout)
+        positive_seconds("control_timeout", self.control_timeout)
+        positive_seconds("hang_timeout", self.hang_timeout)
         if self.pause_mode not in ("auto", "retract", "abort", "in_place"):
             raise ValueError(f"pause_mode: must be 'auto', 'retract', 'abort' or 'in_place', got {self.pause_mode!r}")
         if self.pause_mode == "in_place" and not self.servers:
