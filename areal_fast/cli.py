@@ -4,6 +4,7 @@
     areal-fast eval CONFIG [KEY=VALUE ...] [--checkpoint DIR]  greedy evaluation of a checkpoint or final/
     areal-fast info                                            versions, backends, devices
     areal-fast config CONFIG [KEY=VALUE ...] [--check]        print the resolved configuration
+    areal-fast servers list|add|remove|set --run-dir DIR [N | URL]   a running run's servers (docs/elastic.md)
 
 Overrides use dotted keys: ``areal-fast train examples/tiny_reverse.yaml train.optim.lr=1e-3``;
 flags may come anywhere after the command (before, between or after the overrides). A bad key
@@ -24,12 +25,19 @@ _COMMANDS = {
     "eval": "greedy evaluation on the held-out set",
     "config": "print the resolved configuration",
     "info": "versions, backends and devices",
+    "servers": "list, add or remove the inference servers of a running run",
 }
 
 
 def _command_parser(cmd: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"areal-fast {cmd}", description=_COMMANDS[cmd], allow_abbrev=False)
     if cmd == "info":
+        return p
+    if cmd == "servers":
+        p.add_argument("action", choices=["list", "add", "remove", "set"])
+        p.add_argument("arg", nargs="?",
+                       help="add: how many (1); remove: a server URL or how many (1); set: the number")
+        p.add_argument("--run-dir", required=True, help="the run's experiment.output_dir")
         return p
     p.add_argument("config", help="YAML run configuration (see docs/config.md)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.optim.lr=1e-5")
@@ -95,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
             except Exception:  # noqa: BLE001 - optional
                 info[mod] = "not installed"
         print(json.dumps(info, indent=1, default=str))
+        return 0
+    if args.cmd == "servers":
+        from areal_fast.launch.members import servers_command
+
+        try:
+            print(json.dumps(servers_command(args.action, args.run_dir, args.arg), indent=1))
+        except ValueError as e:
+            raise _fail(str(e)) from None
         return 0
     cfg = _load(args, machine=args.cmd != "config" or args.check)
     if args.cmd == "config":

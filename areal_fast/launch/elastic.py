@@ -55,14 +55,14 @@ class ServerSupervisor:
     """Keeps the launched servers of one run at their target number (module docstring)."""
 
     def __init__(self, launcher, rollout_cfg, model_path: str, out: str | Path, *, seed: int, api_key: str | None,
-                 servers: list[LaunchedProcess], secrets_dir: Path | None = None):
+                 servers: list[LaunchedProcess], secrets_dir: Path | None = None, target: int | None = None):
         self.launcher, self.cfg, self.model_path, self.out = launcher, rollout_cfg, model_path, Path(out)
         self.seed, self.api_key, self.secrets_dir = seed, api_key, secrets_dir
         self.relaunch = rollout_cfg.relaunch_servers
         self.members: dict[int, LaunchedProcess] = dict(enumerate(servers))  # slot -> process
         self.starting: list[_Starting] = []
         self.leaving: dict[str, tuple[LaunchedProcess, float]] = {}
-        self.target = len(servers)
+        self.target = len(servers) if target is None else target  # fewer servers (reused ones): the rest start
         self._target_seen = None  # the last target file read, so a stale one is applied once
         self.starts = len(servers)  # servers started so far (names and seeds of the next ones)
         self.failed_starts = 0
@@ -96,12 +96,12 @@ class ServerSupervisor:
         refresh = getattr(self.launcher, "refresh", None)
         if refresh is not None:  # Ray: exit codes come from the actors
             refresh()
-        before = self._member_urls()
+        before = (self._member_urls(), self.target)
         self._reap_dead()
         self._promote_started()
         self._apply_target()
         self._drain()
-        if self._member_urls() != before:
+        if (self._member_urls(), self.target) != before:
             self._publish()
 
     def _member_urls(self) -> list[str]:
@@ -224,8 +224,9 @@ class ServerSupervisor:
             log.warning("stopping server %s: %s", p.name, e)
 
     def _publish(self) -> None:
-        write_members(self.out, [Member(name=p.name, url=p.url, slot=slot, pid=p.pid, node=p.node, log=str(p.log_path))
-                                 for slot, p in sorted(self.members.items())], model=self.model_path)
+        members = [Member(name=p.name, url=p.url, slot=slot, pid=p.pid, node=p.node, log=str(p.log_path))
+                   for slot, p in sorted(self.members.items())]
+        write_members(self.out, members, model=self.model_path, target=self.target)
 
 
 def _slot(p: LaunchedProcess) -> int:

@@ -74,10 +74,11 @@ def read_json(path: Path):
         return None
 
 
-def write_members(out, members: list[Member], model: str | None = None) -> None:
-    """The launcher's members and the model they serve (``launch.reuse`` checks it on resume)."""
+def write_members(out, members: list[Member], model: str | None = None, target: int | None = None) -> None:
+    """The launcher's members, the model they serve (``launch.reuse`` checks it on resume) and the
+    number of servers it is heading for."""
     write_json(servers_dir(out) / MEMBERS_FILE, {"servers": [asdict(m) for m in members], "model": model,
-                                                 "time": time.time()})
+                                                 "target": target, "time": time.time()})
 
 
 def read_members(out) -> list[Member] | None:
@@ -108,3 +109,48 @@ def write_pool(out, urls: list[str], joining: list[str]) -> None:
 def read_pool(out) -> dict | None:
     d = read_json(servers_dir(out) / POOL_FILE)
     return d if isinstance(d, dict) else None
+
+
+def servers_command(action: str, run_dir, arg: str | None = None) -> dict:
+    """``areal-fast servers ACTION --run-dir DIR [ARG]``: ``list`` the members, the pool and the
+    target; ``add [N]``, ``remove [URL | N]`` or ``set N`` write the new target (the launcher acts
+    on it within a second; a removed server is stopped once out of the pool). Returns what
+    ``list`` shows, after the change."""
+    members = read_members(run_dir)
+    if members is None:
+        raise ValueError(f"--run-dir {run_dir}: no {SERVERS_DIR}/{MEMBERS_FILE}; is it the output_dir of a run "
+                         "whose servers the launcher started?")
+    current = read_target(run_dir)
+    launcher_target = (read_json(servers_dir(run_dir) / MEMBERS_FILE) or {}).get("target")
+    n = current.n_servers if current is not None else launcher_target if isinstance(launcher_target, int) \
+        else len(members)
+    urls = [m.url for m in members]
+    if action == "add":
+        write_target(run_dir, Target(n + _count(arg)))
+    elif action == "set":
+        write_target(run_dir, Target(_count(arg, None)))
+    elif action == "remove":
+        if arg and "://" in arg:
+            url = arg.rstrip("/")
+            if url not in urls:
+                raise ValueError(f"remove: {url} is not a server of the run ({', '.join(urls) or 'none'})")
+            write_target(run_dir, Target(n - 1, [url]))
+        else:
+            write_target(run_dir, Target(max(0, n - _count(arg))))
+    elif action != "list":
+        raise ValueError(f"unknown action {action!r}: list, add, remove or set")
+    pool = read_pool(run_dir) or {}
+    return {"members": urls, "pool": pool.get("urls", []), "joining": pool.get("joining", []),
+            "target": (read_target(run_dir) or Target(n)).n_servers}
+
+
+def _count(arg: str | None, default: int | None = 1) -> int:
+    if arg is None and default is not None:
+        return default
+    try:
+        v = int(arg)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number of servers, got {arg!r}") from None
+    if v < 0:
+        raise ValueError(f"expected a number of servers >= 0, got {v}")
+    return v

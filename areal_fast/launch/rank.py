@@ -132,8 +132,8 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
 
 async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
     from areal_fast.data import load_tokenizer
-    from areal_fast.launch.runtime import ActorTrainer, ServiceReward, make_sync_port
     from areal_fast.launch.pool_watch import watch_members
+    from areal_fast.launch.runtime import ActorTrainer, ServiceReward, make_sync_port
     from areal_fast.reward import RewardService
     from areal_fast.rollout.staleness import StalenessManager
     from areal_fast.trainer import PPOActor

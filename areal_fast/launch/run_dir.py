@@ -31,7 +31,8 @@ KEPT_ON_FRESH_START = ("warm_start",)  # a cache keyed by its own signature, not
 RUN_CONFIG = "config.yaml"  # written by every run first thing (``launch.train``), with config.RESOLVED_HEADER
 # what a run writes in its output directory (a run that died before writing config.yaml is one still)
 RUN_PRODUCTS = frozenset({RUN_CONFIG, "trainer_config.yaml", CHECKPOINTS_DIR, "logs", "metrics.jsonl", "samples.jsonl",
-                          "summary.json", "final", "plots", "tensorboard", "weights_sync", ".secrets", "eval", "servers"})
+                          "summary.json", "final", "plots", "tensorboard", "weights_sync", ".secrets", "eval",
+                          "servers"})
 # never in a run's output directory: a repository, a source tree, a home directory
 NOT_A_RUN = frozenset({".git", ".hg", ".svn", "src", "setup.py", "pyproject.toml", "Makefile", "package.json",
                        ".ssh", ".bashrc", ".profile", ".config"})

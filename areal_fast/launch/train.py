@@ -160,9 +160,7 @@ def supervised_servers(cfg, kind: ServerKind, launcher, model: str, out: Path, a
     if keep:
         reuse.save_key(out, api_key)
     sup = ServerSupervisor(launcher, cfg.rollout, model, out, seed=cfg.experiment.seed, api_key=api_key,
-                           servers=procs, secrets_dir=out / SECRETS_DIR)
-    if len(procs) < cfg.rollout.n_servers:
-        sup.target = cfg.rollout.n_servers  # fewer reused than configured: the others start now
+                           servers=procs, secrets_dir=out / SECRETS_DIR, target=cfg.rollout.n_servers)
     sup.start()
     try:
         yield sup
