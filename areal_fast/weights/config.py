@@ -52,6 +52,9 @@ class WeightSyncConfig:
     """Ask the servers to flush their prefix cache with each update."""
     save_root: str | None = None
     """Disk path: parent directory of the temporary checkpoint (null: the system temp dir)."""
+    shared_fs: bool = True
+    """The servers see trainer rank 0's files at the same paths: one machine, or several nodes with
+    a shared file system. false: the disk path is refused (``docs/multinode.md``)."""
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -76,6 +79,10 @@ class WeightSyncConfig:
             raise ValueError(f"master_port: must be in [0, 65535], got {self.master_port!r}")
         if self.backend not in (None, "nccl", "gloo"):
             raise ValueError(f"backend: must be 'nccl', 'gloo' or null, got {self.backend!r}")
+        if self.method == "disk" and not self.shared_fs:
+            raise ValueError("method: 'disk' needs the servers to read the files trainer rank 0 writes, and "
+                             "shared_fs is false; use method 'distributed' (no file crosses nodes) or put the "
+                             "output directory on a shared file system and set shared_fs true")
         if not (isinstance(self.timeout_s, int | float) and self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise ValueError(f"timeout_s: must be a finite number > 0, got {self.timeout_s!r}")
 
