@@ -91,7 +91,17 @@ CONSTANTS = {
     "batch_prompts": (512, "the paper: 512 prompts per step"),
     "eta": (4, "the paper's default maximum staleness"),
     "paper_speedup": ("2.57-2.77x", "AReaL paper: end-to-end training throughput of AReaL vs the synchronous system"),
+    "no_overlap_slowdown": (1.10, "assumption: decode step time with --disable-overlap-schedule (needed by in_place "
+                                  "pauses) over with it; the overlap scheduler's published gain is of this order "
+                                  "(SGLang v0.4 announcement); 'in_place_ideal' arms take 1.0"),
 }
+
+# --pause-modes: the async arm once per mode (docs/pause_modes.md). in_place runs the servers with
+# --disable-overlap-schedule --disable-radix-cache (what it needs for exact versions on SGLang) and so
+# pays no_overlap_slowdown; in_place_ideal is in_place at no such cost (the embedded engine, or an
+# SGLang that labelled the overlapped step right): the bound of what keeping the KV saves.
+PAUSE_ARMS = {"abort": ("abort", None), "retract": ("retract", None), "in_place": ("in_place", "no_overlap_slowdown"),
+              "in_place_ideal": ("in_place", 1.0)}
 
 
 def c(name: str):
@@ -146,27 +156,56 @@ SETUPS = {
 }
 
 
-def plan(setup: Setup, splits: list[float]) -> list[dict]:
-    runs = [{"setup": setup, "arm": "sync", "n_gen": setup.gpus, "n_train": setup.gpus, "eta": 0}]
+def plan(setup: Setup, splits: list[float], pause_modes: list[str] | None = None) -> list[dict]:
+    """The sync arm, then the async arm per split and (with ``pause_modes``) per pause arm."""
+    runs = [{"setup": setup, "arm": "sync", "n_gen": setup.gpus, "n_train": setup.gpus, "eta": 0, "pause": None}]
     seen = set()
     for f in splits:
         n_gen = min(setup.gpus - 1, max(1, round(f * setup.gpus)))
         if n_gen not in seen:
             seen.add(n_gen)
-            runs.append({"setup": setup, "arm": "async", "n_gen": n_gen, "n_train": setup.gpus - n_gen,
-                         "eta": c("eta")})
+            for mode in pause_modes or [None]:
+                runs.append({"setup": setup, "arm": "async", "n_gen": n_gen, "n_train": setup.gpus - n_gen,
+                             "eta": c("eta"), "pause": mode})
     return runs
+
+
+def apply_pause_arm(cfg: sim.SimConfig, arm: str | None) -> str | None:
+    """Set the servers' flags for pause arm ``arm`` (:data:`PAUSE_ARMS`); returns the client's pause mode."""
+    if arm is None:
+        return None
+    mode, slowdown = PAUSE_ARMS[arm]
+    if mode == "in_place":
+        cfg.disable_overlap_schedule = cfg.disable_radix_cache = True
+        cfg.no_overlap_slowdown = c(slowdown) if isinstance(slowdown, str) else slowdown
+    return mode
+
+
+def update_costs(row: dict, setup: Setup, n_gen: int, slowdown: float) -> dict:
+    """GPU seconds each weight update costs the whole setup (all its generation GPUs), from the
+    simulator's counters: prefill computed again (retracted or resubmitted requests) and, where the
+    servers run without the overlap scheduler, the decode time that costs (busy x (1 - 1/slowdown))."""
+    updates = row["pauses"] / n_gen  # the simulator counts one pause per server
+    if updates <= 0:
+        return {}
+    prefill = row["recomputed_prefill_s"] * setup.slice_div / updates
+    overlap = row["decode_busy_s"] * (1 - 1 / slowdown) * setup.slice_div / updates
+    return {"updates": updates, "running_per_update": row["running_at_pauses"] * setup.slice_div / updates,
+            "recomputed_prefill_tokens_per_update": row["recomputed_prefill_tokens"] * setup.slice_div / updates,
+            "recomputed_prefill_gpu_s_per_update": prefill, "no_overlap_gpu_s_per_update": overlap,
+            "lost_gpu_s_per_update": prefill + overlap}
 
 
 async def run_one(run: dict, args) -> dict:
     setup, model = run["setup"], MODELS[run["setup"].model]
     s, k = args.tokens_per_token, args.time_scale
     cfg = decode_config(model, s, k, args.seed)
+    pause_mode = apply_pause_arm(cfg, run.get("pause"))
     prompt_len = max(1, round(c("prompt_tokens") / s))
     n_train, sync_arm = run["n_train"], run["arm"] == "sync"
 
     def train_s(samples: list[dict]) -> float:
-        lens = [(len(x["prompt_ids"]) + len(x["output_ids"])) * s for x in samples]
+        lens = [(len(x.prompt_ids) + len(x.output_ids)) * s for x in samples]  # the sample records
         return train_seconds(model, lens, n_train) / k
 
     def sync_s(version: int) -> float:
@@ -178,7 +217,7 @@ async def run_one(run: dict, args) -> dict:
     concurrent = setup.batch * (run["eta"] + 1)  # the gate's bound at version 0: all it can admit
     spec = RunSpec(servers=run["n_gen"], in_flight=concurrent * g, group_size=g, batch_groups=setup.batch,
                    eta=run["eta"], steps=args.steps, max_new=math.ceil(c("len_max") / s), api_key=cfg.api_key,
-                   prompt_len=prompt_len)
+                   prompt_len=prompt_len, pause_mode=pause_mode)
     with sim.SimProcess(run["n_gen"], cfg) as proc:
         row = await run_controller(spec, cfg, proc.urls, train_s=train_s, sync_delay_s=sync_s)
     marks = row["marks"]
@@ -198,6 +237,8 @@ async def run_one(run: dict, args) -> dict:
         "staleness_mean": row["staleness_mean"], "staleness_max": row["staleness_max"],
         "correct": row["correct"], "errors": row["errors"], "controller_cpu_util": row["cpu_util"],
         "loop_lag_p99_ms": row["lag_p99_ms"], "steps_measured": steps, "wall_s": row["wall_s"],
+        "pause_arm": run.get("pause") or "production default", "pause_modes_used": row["pause_modes_used"],
+        **update_costs(row, setup, run["n_gen"], cfg.no_overlap_slowdown if cfg.disable_overlap_schedule else 1.0),
     }
 
 
@@ -211,12 +252,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--time-scale", type=float, default=25.0, help="K: simulated seconds per wall second")
     ap.add_argument("--tokens-per-token", type=int, default=128, help="S: model tokens per returned token")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pause-modes", default="",
+                    help=f"comma-separated pause arms from {', '.join(PAUSE_ARMS)}: the async arm once per arm, "
+                         "results named pause_mode (default: the production pause only)")
     add_harness_args(ap)
     args = ap.parse_args(argv)
     try:
         setups = [SETUPS[x] for x in args.setups.split(",")]
     except KeyError as e:
         raise SystemExit(f"--setups: unknown setup {e.args[0]!r}; known: {', '.join(SETUPS)}") from None
+    pause_modes = [x for x in args.pause_modes.split(",") if x]
+    unknown = [x for x in pause_modes if x not in PAUSE_ARMS]
+    if unknown:
+        raise SystemExit(f"--pause-modes: unknown arm {unknown[0]!r}; known: {', '.join(PAUSE_ARMS)}")
     splits = [float(x) for x in args.splits.split(",")]
     if any(not 0 < f < 1 for f in splits):
         raise SystemExit(f"--splits: each fraction must be in (0, 1), got {args.splits}")
@@ -228,11 +276,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {key}: {asdict(m)}; decode step = {cfg.decode_a_s * 1e3:.2f} ms + {cfg.decode_b_s * 1e6:.1f} us x "
               f"batch + {cfg.decode_c_s * 1e9:.1f} ns x context tokens; max_running {cfg.max_running}; prefill "
               f"{cfg.prefill_tokens_per_s:.0f} tok/s")
-    runs = [r for s in setups for r in plan(s, splits)]
+    runs = [r for s in setups for r in plan(s, splits, pause_modes)]
     if args.dry_run:
         for r in runs:
-            print(f"[dry-run] {r['setup'].name}: {r['arm']} gen {r['n_gen']} train {r['n_train']} eta {r['eta']}")
+            print(f"[dry-run] {r['setup'].name}: {r['arm']} gen {r['n_gen']} train {r['n_train']} eta {r['eta']} "
+                  f"pause {r['pause'] or 'production default'}")
         return
+    name = "async_speedup_pause_mode" if pause_modes else "async_speedup"
     prov = provenance()
     rows = []
     for r in runs:
@@ -240,20 +290,25 @@ def main(argv: list[str] | None = None) -> None:
         row.update(time_scale=args.time_scale, tokens_per_token=args.tokens_per_token, load_avg_1m=os.getloadavg()[0])
         rows.append(row)
         print_table([{k: v for k, v in row.items() if not isinstance(v, list)}], )
-        save("async_speedup", [row], args, prov)
+        save(name, [row], args, prov)
     summary = []
     for s in setups:
         mine = [r for r in rows if r["setup"] == s.name]
         sync = next(r for r in mine if r["arm"] == "sync")
-        best = max((r for r in mine if r["arm"] == "async"), key=lambda r: r["samples_per_s"])
-        summary.append({"setup": s.name, "sync_samples_per_s": sync["samples_per_s"], "sync_step_s": sync["step_s"],
-                        "best_gen_gpus": best["gen_gpus"], "best_train_gpus": best["train_gpus"],
-                        "async_samples_per_s": best["samples_per_s"], "async_step_s": best["step_s"],
-                        "speedup": best["samples_per_s"] / sync["samples_per_s"],
-                        "paper": c("paper_speedup") if s.gpus_full >= 128 else "-"})
-    print("\nsummary (best split per setup):")
+        for arm in pause_modes or ["production default"]:
+            best = max((r for r in mine if r["arm"] == "async" and r["pause_arm"] == arm),
+                       key=lambda r: r["samples_per_s"])
+            summary.append({"setup": s.name, "pause_arm": arm, "sync_samples_per_s": sync["samples_per_s"],
+                            "sync_step_s": sync["step_s"], "best_gen_gpus": best["gen_gpus"],
+                            "best_train_gpus": best["train_gpus"], "async_samples_per_s": best["samples_per_s"],
+                            "async_step_s": best["step_s"], "speedup": best["samples_per_s"] / sync["samples_per_s"],
+                            **{k: best.get(k) for k in ("running_per_update", "recomputed_prefill_tokens_per_update",
+                                                        "recomputed_prefill_gpu_s_per_update",
+                                                        "no_overlap_gpu_s_per_update", "lost_gpu_s_per_update")},
+                            "paper": c("paper_speedup") if s.gpus_full >= 128 else "-"})
+    print("\nsummary (best split per setup and pause arm):")
     print_table(summary)
-    save("async_speedup_summary", summary, args, prov)
+    save(f"{name}_summary", summary, args, prov)
     bad = [r for r in rows if not r["correct"]]
     if bad:
         print("CORRECTNESS FAILED:", bad[0]["errors"])

@@ -144,8 +144,8 @@ class SimSync:
     """SyncPort: every simulated server takes ``weight_version`` (what a real update ends with);
     optionally sleeps for a modelled transfer time first."""
 
-    def __init__(self, urls: list[str], api_key: str | None, delay_s=lambda version: 0.0):
-        self.urls, self.api_key, self.delay_s = urls, api_key, delay_s
+    def __init__(self, urls: list[str], api_key: str | None, delay_s=lambda version: 0.0, flush_cache: bool = True):
+        self.urls, self.api_key, self.delay_s, self.flush_cache = urls, api_key, delay_s, flush_cache
         self.session: aiohttp.ClientSession | None = None
         self.version = 0
 
@@ -162,7 +162,8 @@ class SimSync:
 
         async def one(url):
             async with self.session.post(url + "/update_weights_from_disk",
-                                         json={"model_path": "sim", "weight_version": str(version)}) as r:
+                                         json={"model_path": "sim", "weight_version": str(version),
+                                               "flush_cache": self.flush_cache}) as r:
                 if r.status != 200:
                     raise RuntimeError(f"{url}/update_weights_from_disk answered {r.status}: {await r.text()}")
 
@@ -426,7 +427,8 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
         client = RolloutClient(urls, api_key=spec.api_key, request_timeout_s=24 * 3600)
         port = ClientRollout(client)
         worker_cpu = lambda: 0.0  # noqa: E731
-    sync = SimSync(urls, spec.api_key, sync_delay_s or (lambda v: 0.0))
+    # an in_place pause keeps requests with their KV: the update goes in without a flush (as production's)
+    sync = SimSync(urls, spec.api_key, sync_delay_s or (lambda v: 0.0), flush_cache=spec.pause_mode != "in_place")
     rollout = CheckedRollout(port, cfg, spec.max_new, sync, spec.pause_mode)
     gate = StalenessManager(batch, spec.eta, concurrent)
     # --fill-buffer: the gate has stopped admitting at version 0 ((eta + 1) x B groups finished)
@@ -518,6 +520,9 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
         **{f"at_peak_{k}": v for k, v in mp.items()},
         "at_peak_held_tokens": held, "at_peak_rss_above_base_mb": above,
         "rss_bytes_per_held_token": above * 2**20 / held if held else None,
+        **{k: stats1.get(k, 0) - stats0.get(k, 0)
+           for k in ("pauses", "recomputed_prefill_tokens", "recomputed_prefill_s", "running_at_pauses",
+                     "decode_busy_s")},
         "answers": stats1["answers"] - stats0["answers"], "aborted_answers": stats1["aborted_answers"]
         - stats0["aborted_answers"], "samples_checked": sum(rollout.returned.values()),
         "staleness_mean": sum(stal) / max(len(stal), 1), "staleness_max": max(stal, default=0),

@@ -105,8 +105,19 @@ class SimConfig:
     reference_renderer: bool = False
     """Build answers token by token (:meth:`SimServer.render_reference`): to measure what the
     pre-rendered streams save."""
+    disable_overlap_schedule: bool = False
+    """SGLang's --disable-overlap-schedule (reported in /server_info; an in_place pause needs it):
+    every decode step then takes ``no_overlap_slowdown`` times as long (the CPU work the overlap
+    scheduler hides is exposed)."""
+    disable_radix_cache: bool = False
+    """SGLang's --disable-radix-cache (reported in /server_info; an in_place pause needs it). The
+    simulator never shares prefixes, so it changes nothing else (docs/pause_modes.md)."""
+    no_overlap_slowdown: float = 1.0
+    """Decode step time multiplier with ``disable_overlap_schedule`` (1.0: free)."""
 
     def __post_init__(self):
+        if not self.no_overlap_slowdown >= 1.0:
+            raise ValueError(f"SimConfig.no_overlap_slowdown must be >= 1, got {self.no_overlap_slowdown!r}")
         for name in ("decode_a_s", "prefill_tokens_per_s", "len_median", "time_scale"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SimConfig.{name} must be > 0, got {getattr(self, name)!r}")
@@ -335,8 +346,9 @@ class SimServer:
         model seconds from now (the batch's context grows by S tokens per request per tick)."""
         c, s, b = self.cfg, self.cfg.tokens_per_token, len(self.running)
         ctx = s * (self.sum_static + b * self.progress - self.sum_start)
-        alpha = s * (c.decode_a_s + c.decode_b_s * b + c.decode_c_s * ctx)
-        beta = s * c.decode_c_s * s * b
+        slow = c.no_overlap_slowdown if c.disable_overlap_schedule else 1.0
+        alpha = slow * s * (c.decode_a_s + c.decode_b_s * b + c.decode_c_s * ctx)
+        beta = slow * s * c.decode_c_s * s * b
         return alpha, beta
 
     def _advance(self, now: float) -> None:
@@ -349,6 +361,7 @@ class SimServer:
         dt -= use
         if dt <= 0:
             return
+        self.cluster.decode_busy_s += dt
         alpha, beta = self._tick_coeffs()
         n = dt / alpha if beta == 0 else (-alpha + math.sqrt(alpha * alpha + 2 * beta * dt)) / beta
         self.progress += n
@@ -401,8 +414,11 @@ class SimServer:
             self.running[req.rid] = req
             self.sum_static += req.prompt_len + req.before
             self.sum_start += req.start
-            self.prefill_debt += (req.prompt_len + req.before + req.done) * self.cfg.tokens_per_token \
-                / self.cfg.prefill_tokens_per_s
+            tokens = (req.prompt_len + req.before + req.done) * self.cfg.tokens_per_token
+            self.prefill_debt += tokens / self.cfg.prefill_tokens_per_s
+            if req.before or req.done:  # resubmitted after an abort, or retracted: its KV is computed again
+                self.cluster.recomputed_prefill_tokens += tokens
+                self.cluster.recomputed_prefill_s += tokens / self.cfg.prefill_tokens_per_s
             self.seq += 1
             heapq.heappush(self.heap, (req.key(), self.seq, req))
 
@@ -595,6 +611,7 @@ class SimServer:
         self._touch()
         self.paused = True
         self.cluster.pauses += 1
+        self.cluster.running_at_pauses += len(self.running)
         if mode == "abort":
             for req in list(self.running.values()):
                 self._remove_running(req)
@@ -643,7 +660,9 @@ class SimServer:
         launch_value = self.version_behaviour >= _V_SPANS
         return web.json_response({"version": self.cfg.sglang_version, "tp_size": 1, "dp_size": 1,
                                   "model_path": "sim", "skip_tokenizer_init": True,
-                                  "weight_version": "0" if launch_value else str(self.weight_version)})
+                                  "weight_version": "0" if launch_value else str(self.weight_version),
+                                  "disable_overlap_schedule": self.cfg.disable_overlap_schedule,
+                                  "disable_radix_cache": self.cfg.disable_radix_cache})
 
     async def h_model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": "sim", "weight_version": str(self.weight_version),
@@ -672,7 +691,7 @@ class SimServer:
             except ValueError:
                 return web.json_response({"success": False, "message": "sim: weight_version must be an integer"},
                                          status=400)
-        if body.get("flush_cache") and self.running and self.version_behaviour >= _V_FLUSH_REFUSED:
+        if body.get("flush_cache", True) and self.running and self.version_behaviour >= _V_FLUSH_REFUSED:
             return web.json_response({"success": False, "message": "Weights were updated, but the cache was not "
                                       "flushed"}, status=400)
         return web.json_response({"success": True, "message": "sim: updated"})
@@ -702,6 +721,10 @@ class SimCluster:
         self.completed_rids: set[str] = set()
         self.duplicates = 0
         self.generate_calls = self.sent_tokens = self.answers = self.aborted_answers = self.pauses = 0
+        self.recomputed_prefill_tokens = 0  # model tokens prefilled again (resubmitted or retracted requests)
+        self.recomputed_prefill_s = 0.0  # their model seconds of prefill, summed over servers
+        self.running_at_pauses = 0  # requests running when a pause came, summed over pauses and servers
+        self.decode_busy_s = 0.0  # model seconds the servers spent decoding, summed over servers
         self.streams = _Streams(self.cfg.vocab_size)
         self.reference_renderer = self.cfg.reference_renderer  # True: answers built token by token
         self.servers = [SimServer(self, i) for i in range(n)]
@@ -763,6 +786,9 @@ class SimCluster:
         return {"servers": len(self.servers), "generate_calls": self.generate_calls, "answers": self.answers,
                 "aborted_answers": self.aborted_answers, "completed": len(self.completed_rids),
                 "duplicates": self.duplicates, "sent_tokens": self.sent_tokens, "pauses": self.pauses,
+                "recomputed_prefill_tokens": self.recomputed_prefill_tokens,
+                "recomputed_prefill_s": self.recomputed_prefill_s, "running_at_pauses": self.running_at_pauses,
+                "decode_busy_s": self.decode_busy_s,
                 "running": sum(len(s.running) for s in self.servers),
                 "waiting": sum(len(s.waiting) for s in self.servers),
                 "versions": sorted({s.weight_version for s in self.servers}),

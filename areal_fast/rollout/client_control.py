@@ -23,7 +23,12 @@ from packaging.version import Version
 
 from areal_fast.rollout.calls import CONTROL_RETRY, RetryPolicy, RolloutError
 from areal_fast.rollout.client_pool import ServerState
-from areal_fast.rollout.engine.compat import PAUSE_MODE_SINCE, reports_weight_version_spans, supports_pause_mode
+from areal_fast.rollout.engine.compat import (
+    PAUSE_MODE_SINCE,
+    in_place_server_refusal,
+    reports_weight_version_spans,
+    supports_pause_mode,
+)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 PAUSE_MODE_CHOICES = ("auto", *PAUSE_MODES)
@@ -68,7 +73,9 @@ class ServerControl:
 
         ``abort`` ends running requests (the client resubmits them after continue); ``retract``
         keeps them on the server without KV (recomputed after continue); ``in_place`` keeps them
-        with their KV, so no update may flush the cache until continue (see ``may_flush``).
+        with their KV, so no update may flush the cache until continue (see ``may_flush``); it is
+        refused up front for a server that cannot label tokens exactly across such an update
+        (SGLang < 0.5.19, or without --disable-overlap-schedule / --disable-radix-cache).
         ``auto`` (the default: the client's ``pause_mode``) chooses per server by its SGLang
         version (:func:`auto_pause_mode`): retract from 0.5.19, abort before, and abort for a
         server whose version is not known yet. ``server_pause_modes`` holds what each got.
@@ -84,6 +91,8 @@ class ServerControl:
         old = [s.url for s in self.servers if not knows_modes(s)]
         if mode not in ("abort", "auto") and old:
             raise RolloutError(f"pause mode {mode!r} needs SGLang >= {PAUSE_MODE_SINCE}; {old[0]} is older")
+        if mode == "in_place":
+            self._check_in_place()
         modes = {s.url: (auto_pause_mode(s.version) if s.info else "abort") if mode == "auto" else mode
                  for s in self.servers}
         self.pause_mode = mode
@@ -92,6 +101,15 @@ class ServerControl:
         await asyncio.gather(*(self._control(s, "POST", "/pause_generation",
                                              {"mode": modes[s.url]} if knows_modes(s) else {})
                                for s in self.servers))
+
+    def _check_in_place(self) -> None:
+        """Refuse an in_place pause, before any server is paused, when a server cannot keep every
+        token's version exact across an update without flush (``compat.in_place_server_refusal``)."""
+        for s in self.servers:
+            why = (in_place_server_refusal(s.info, s.version) if s.info
+                   else "its /server_info did not answer (version and flags unknown)")
+            if why:
+                raise RolloutError(f"pause mode 'in_place' refused for {s.url}: {why}")
 
     async def continue_all(self) -> None:
         await self._all("POST", "/continue_generation", {})

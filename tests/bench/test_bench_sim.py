@@ -31,10 +31,13 @@ def _cfg(**kw) -> sim.SimConfig:
     return sim.SimConfig(**base)
 
 
-async def _update_all(session, urls, version: int) -> None:
+IN_PLACE_FLAGS = dict(disable_overlap_schedule=True, disable_radix_cache=True)  # what in_place needs of SGLang
+
+
+async def _update_all(session, urls, version: int, flush: bool = True) -> None:
     for u in urls:
         async with session.post(u + "/update_weights_from_disk",
-                                json={"model_path": "sim", "weight_version": str(version)}) as r:
+                                json={"model_path": "sim", "weight_version": str(version), "flush_cache": flush}) as r:
             assert r.status == 200, await r.text()
 
 
@@ -61,7 +64,7 @@ def test_client_exact_across_pauses(modes):
 
 
 async def _run_exact(modes):
-    cfg = _cfg(api_key="k3y")
+    cfg = _cfg(api_key="k3y", **IN_PLACE_FLAGS)
     n_req = 40
     async with sim.SimCluster(3, cfg) as cluster:
         urls = cluster.urls
@@ -81,7 +84,7 @@ async def _run_exact(modes):
                 version += 1
                 if mode == "in_place":  # requests keep their KV: an update may not flush
                     assert not client.may_flush
-                await _update_all(session, urls, version)
+                await _update_all(session, urls, version, flush=mode != "in_place")
                 if mode == "abort":
                     assert cluster.aborted_answers > aborted_before
                 else:
@@ -102,7 +105,7 @@ async def _run_exact(modes):
 
 def test_flush_refused_after_in_place_update_with_running_requests():
     async def run():
-        async with sim.SimCluster(1, _cfg()) as cluster:
+        async with sim.SimCluster(1, _cfg(**IN_PLACE_FLAGS)) as cluster:
             async with RolloutClient(cluster.urls) as client, aiohttp.ClientSession() as session:
                 assert sim.answer_length(RID, _cfg()) > 100  # still running at the pause below
                 task = asyncio.create_task(client.generate([5, 6, 7], {"max_new_tokens": MAX_NEW}, rid=RID))
@@ -154,6 +157,60 @@ def test_scale_benchmark_small_configuration_is_exact(pause_mode, client_procs):
     if client_procs > 1:  # the workers did the HTTP work, and nothing was answered twice or re-sent
         assert row["worker_cpu_s"] > 0 and row["workers_peak_rss_mb"] > 0
         assert row["sharded_stats"]["duplicates_dropped"] == 0 and row["sharded_stats"]["resent"] == 0
+
+
+def test_in_place_needs_the_servers_flags_and_an_update_without_flush():
+    """The client refuses in_place on a simulated SGLang launched without --disable-overlap-schedule
+    / --disable-radix-cache (nothing is paused); with them, an update without a flush goes in while
+    requests run, and an update that asks for the flush (SGLang's default) is refused."""
+    from areal_fast.rollout.client import RolloutError
+
+    async def run(cfg):
+        async with sim.SimCluster(1, cfg) as cluster:
+            async with RolloutClient(cluster.urls) as client, aiohttp.ClientSession() as session:
+                task = asyncio.create_task(client.generate([5, 6, 7], {"max_new_tokens": MAX_NEW}, rid=RID))
+                await wait_until(lambda: cluster.servers[0].ticks() >= 3, "progress")
+                try:
+                    await client.pause_all("in_place")
+                except RolloutError as e:
+                    refused = str(e)
+                    paused = cluster.servers[0].paused
+                    task.cancel()
+                    return refused, paused
+                answers = []
+                for flush in (None, False):  # None: the field left out, so SGLang's default (flush)
+                    body = {"weight_version": "1"} | ({} if flush is None else {"flush_cache": flush})
+                    async with session.post(cluster.urls[0] + "/update_weights_from_disk", json=body) as r:
+                        answers.append(r.status)
+                await client.continue_all()
+                res = await task
+                return answers, res.num_segments
+
+    refused, paused = asyncio.run(run(_cfg()))
+    assert "--disable-overlap-schedule" in refused and not paused
+    answers, segments = asyncio.run(run(_cfg(**IN_PLACE_FLAGS)))
+    assert answers == [400, 200] and segments == 1
+
+
+def test_scale_benchmark_counts_the_prefill_each_pause_mode_recomputes():
+    """retract recomputes the KV of every request it retracts; in_place (with its flags, updates
+    without flush) recomputes nothing and keeps every sample exact."""
+    rows = {}
+    for mode in ("retract", "in_place"):
+        cfg = _cfg(api_key="bench-key", time_scale=10.0, len_median=60, len_max=200, max_running=64,
+                   **(IN_PLACE_FLAGS if mode == "in_place" else {}))
+        spec = scale.RunSpec(servers=2, in_flight=32, group_size=4, eta=2, steps=3, train_s=0.05, max_new=200,
+                             pause_mode=mode, api_key="bench-key", prompt_len=5)
+
+        async def run(cfg=cfg, spec=spec):
+            async with sim.SimCluster(spec.servers, cfg) as cluster:
+                return await scale.run_controller(spec, cfg, cluster.urls)
+
+        rows[mode] = asyncio.run(run())
+        assert rows[mode]["correct"], rows[mode]["errors"]
+        assert rows[mode]["pause_modes_used"] == [mode]
+    assert rows["retract"]["running_at_pauses"] > 0 and rows["retract"]["recomputed_prefill_tokens"] > 0
+    assert rows["in_place"]["running_at_pauses"] > 0 and rows["in_place"]["recomputed_prefill_tokens"] == 0
 
 
 def _req(cluster, rid: str, prompt_len: int, before: int, n: int, spans: list[list[int]]):

@@ -94,10 +94,16 @@ def in_place_refusal(version: Version) -> str | None:
             f"would be labelled with the new version (per-token spans from {IN_PLACE_UPDATES_SINCE})")
 
 
+EMBEDDED_ENGINE_NAME = "areal_fast.embedded"
+"""/server_info's ``engine`` field of the embedded engine: it has neither an overlap scheduler (a
+step's tokens are appended before the next command runs) nor a prefix cache (every prefill is
+computed afresh), so it needs none of :data:`IN_PLACE_SERVER_FLAGS`."""
+
+
 def in_place_server_refusal(info: dict, version: Version) -> str | None:
     """Why the server described by ``info`` (its /server_info) cannot take in_place pauses, or None."""
     why = in_place_refusal(version)
-    if why:
+    if why or info.get("engine") == EMBEDDED_ENGINE_NAME:
         return why
     for key, (flag, reason) in IN_PLACE_SERVER_FLAGS.items():
         if not info.get(key):
