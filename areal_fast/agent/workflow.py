@@ -24,11 +24,16 @@ What the agent returns is its episode's reward:
 - a number: the final reward;
 - a string: its final answer, scored by the configured reward (``reward.name``; ``eval.reward``
   in evaluation), which gives the final reward;
+- a pair ``(answer, fields)``: the answer scored against the row's task updated with ``fields``
+  (e.g. the answer of a problem the agent made from the row);
 - a dict ``{completion_id: reward}``: per-call rewards (``ChatCompletion.id``), no final reward;
 - None: only the rewards set with ``client.set_reward`` (in-process client) count.
 """
 
 from __future__ import annotations
+
+import asyncio
+import weakref
 
 from areal_fast.agent.server import shared_server
 from areal_fast.agent.session import DEFAULT_MODEL
@@ -37,7 +42,9 @@ from areal_fast.sample import Sample
 from areal_fast.workflow.api import load_workflow
 
 TRANSPORTS = ("inprocess", "http")
+SDK_TIMEOUT_S = 3600.0
 _agents: dict[str, object] = {}
+_sdk: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def load_agent(name: str):
@@ -60,9 +67,25 @@ def _check(reward: str, discount: float, transport: str) -> None:
         raise ValueError(f"rollout.workflow_args.transport: expected one of {TRANSPORTS}, got {transport!r}")
 
 
+def _sdk_client(openai, server):
+    """One ``openai.AsyncOpenAI`` per event loop; each episode gets a copy with its own base_url
+    (``with_options``), which shares the first one's connection pool. A new client per episode
+    costs a new HTTP client and TLS context: 256 of them at once blocked the event loop past the
+    SDK's 5 s connect timeout in the tiny agent example. Loopback calls wait as long as a paused
+    generation may (the rollout client's own timeout applies behind them)."""
+    clients = _sdk.setdefault(asyncio.get_running_loop(), {})
+    sdk = clients.get(server.url)
+    if sdk is None:
+        sdk = clients[server.url] = openai.AsyncOpenAI(base_url=server.url, api_key=server.api_key, max_retries=0,
+                                              timeout=openai.Timeout(SDK_TIMEOUT_S, connect=60.0))
+    return sdk
+
+
 async def _final_reward(out, row, engine, client) -> float | None:
     if out is None:
         return None
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], str) and isinstance(out[1], dict):
+        return float((await engine.reward({**row.task, **out[1]}, out[0])).value)
     if isinstance(out, str):
         return float((await engine.reward(row.task, out)).value)
     if isinstance(out, dict):
@@ -71,7 +94,7 @@ async def _final_reward(out, row, engine, client) -> float | None:
         return None
     if isinstance(out, bool) or not isinstance(out, int | float):
         raise TypeError(f"agent returned {type(out).__name__}: expected a number, a string (the final answer), "
-                        "a dict {completion_id: reward} or None")
+                        "(answer, task fields), a dict {completion_id: reward} or None")
     return float(out)
 
 
@@ -89,12 +112,10 @@ async def openai_agent(row, engine, agent: str, agent_args: dict | None = None, 
 
         server = await shared_server(engine.api_key)
         base_url = server.open(client)
-        sdk = openai.AsyncOpenAI(base_url=base_url, api_key=server.api_key, max_retries=0)
         try:
-            out = await fn(row, sdk, **(agent_args or {}))
+            out = await fn(row, _sdk_client(openai, server).with_options(base_url=base_url), **(agent_args or {}))
         finally:
             server.close_episode(base_url)
-            await sdk.close()
     final = await _final_reward(out, row, engine, client)
     trajectories = assemble(client.calls, reward=reward, discount=discount, final_reward=final)
     for t in trajectories:

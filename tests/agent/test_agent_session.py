@@ -1,0 +1,251 @@
+"""The agent chat API's logic with a scripted model (no engine): prompts built from the exact earlier
+tokens, an edited history re-tokenized from the first changed message (a break), tool calls in the
+tiny template's format, the trajectories and their rewards, and refused requests. The openai SDK
+drives the HTTP form here too (``pytest.importorskip``); ``test_agent_engine.py`` runs the embedded
+engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from areal_fast.agent.client import AgentClient
+from areal_fast.agent.request import ChatRequestError
+from areal_fast.agent.server import AgentServer
+from areal_fast.agent.trajectories import assemble
+from areal_fast.data.tokenizer import CharTokenizer
+from areal_fast.sample import Sample
+from areal_fast.workflow import EpisodeEngine
+from areal_fast.workflow.api import load_workflow
+
+TOK = CharTokenizer("0123456789*+=")
+EOS, BOS = TOK.eos_token_id, TOK.bos_token_id
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+MODEL = "areal-fast"
+
+
+class ScriptedRollout:
+    """The model writes the next scripted output (token ids), log-prob -0.25 each, at ``version``."""
+
+    def __init__(self, outputs: list[list[int]], key: str | None = None):
+        self.outputs, self.version, self.api_key = list(outputs), 3, key
+        self.prompts: list[list[int]] = []
+        self.sampling: list[dict] = []
+
+    async def generate(self, input_ids, sampling, rid):
+        self.prompts.append(list(input_ids))
+        self.sampling.append(dict(sampling))
+        out = self.outputs.pop(0)
+        n = min(len(out), sampling.get("max_new_tokens", 99))
+        out = out[:n]
+        return Sample(prompt_ids=list(input_ids), output_ids=out, output_logprobs=[-0.25] * n,
+                      output_versions=[self.version] * n, finish_reason="stop" if out[-1:] == [EOS] else "length",
+                      rid=rid)
+
+
+class Scores:
+    def __init__(self):
+        self.seen = []
+
+    async def score(self, task, completion):
+        self.seen.append((dict(task), completion))
+        return type("R", (), {"value": float(completion == str(task.get("answer"))), "status": "ok"})()
+
+
+def ids(text: str) -> list[int]:
+    return TOK.encode(text, add_bos=False)
+
+
+def episode(outputs, *, training=True, key=None, reward=None):
+    rollout = ScriptedRollout(outputs, key)
+    eng = EpisodeEngine(rollout, reward or Scores(), TOK, {"max_new_tokens": 12, "temperature": 1.0}, "ep1",
+                        training=training)
+    return eng, rollout
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_tool_call_parsed_and_next_turn_reuses_the_exact_tokens():
+    # the first output holds a <bos> and a <pad> inside: decoding drops them, so a re-encode of the
+    # text would differ; the second prompt must carry the very tokens
+    first = ids("43") + [BOS, 0] + ids("*7") + [EOS]
+    eng, rollout = episode([first, ids("238") + [EOS]])
+    client = eng.openai(call_marker="*")
+
+    async def go():
+        msgs = [{"role": "user", "content": "7*34="}]
+        r1 = await client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS)
+        call = r1.choices[0].message.tool_calls[0]
+        assert (call.function.name, json.loads(call.function.arguments)) == ("calculator", {"expression": "43*7"})
+        assert r1.choices[0].finish_reason == "tool_calls" and r1.choices[0].message.content is None
+        msgs += [r1.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "238"}]
+        r2 = await client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS)
+        return r1, r2
+
+    r1, r2 = run(go())
+    assert r2.choices[0].message.content == "238" and r2.choices[0].finish_reason == "stop"
+    p1 = [BOS] + ids("7*34=")
+    assert rollout.prompts == [p1, p1 + first + ids("238")]
+    c1, c2 = client.calls
+    assert (c1.completion_id, c2.parent, c2.diverged_at) == (r1.id, r1.id, None)
+    assert c1.sample.output_versions.tolist() == [3] * len(first)
+    assert c2.message_ends == [len(p1), len(p1) + len(first), len(p1) + len(first) + 3]
+
+
+def test_cut_turn_is_closed_by_the_template_before_the_next_message():
+    eng, rollout = episode([ids("12345"), ids("6") + [EOS]])
+    client = eng.openai()
+
+    async def go():
+        msgs = [{"role": "user", "content": "1="}]
+        r1 = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3)
+        assert r1.choices[0].finish_reason == "length" and rollout.sampling[0]["max_new_tokens"] == 3
+        msgs += [r1.choices[0].message, {"role": "user", "content": "2="}]
+        await client.chat.completions.create(model=MODEL, messages=msgs)
+
+    run(go())
+    assert rollout.prompts[1] == [BOS] + ids("1=") + ids("123") + [EOS] + [BOS] + ids("2=")
+
+
+def test_edited_history_is_retokenized_from_the_first_changed_message_and_breaks_the_trajectory():
+    eng, rollout = episode([ids("11") + [EOS], ids("22") + [EOS], ids("33") + [EOS]])
+    client = eng.openai()
+
+    async def go():
+        m = [{"role": "user", "content": "5="}]
+        r1 = await client.chat.completions.create(model=MODEL, messages=m)
+        m2 = m + [r1.choices[0].message, {"role": "user", "content": "6="}]
+        await client.chat.completions.create(model=MODEL, messages=m2)
+        # the agent rewrites the model's first answer ("11" -> "19"), then asks again
+        edited = m + [{"role": "assistant", "content": "19"}, {"role": "user", "content": "6="}]
+        await client.chat.completions.create(model=MODEL, messages=edited)
+
+    run(go())
+    c1, c2, c3 = client.calls
+    assert c3.parent is None and c3.diverged_at == 1
+    head = [BOS] + ids("5=")
+    assert rollout.prompts[2] == head + ids("19") + [EOS] + [BOS] + ids("6=")  # the user message's tokens kept
+    trajs = assemble(client.calls, reward="final", final_reward=1.0)
+    assert len(trajs) == 2 and all(t.info["history_breaks"] == 1.0 for t in trajs)
+    t1, t2 = trajs
+    assert t1.loss_mask.tolist() == [1] * 3 + [0] * 3 + [1] * 3 and t1.reward == 0.0  # abandoned branch
+    assert t2.prompt_ids.tolist() == rollout.prompts[2] and t2.reward == 1.0
+
+
+def test_trajectories_final_and_per_turn_rewards_with_discount():
+    eng, _ = episode([ids("1") + [EOS], ids("2") + [EOS], ids("3") + [EOS]])
+    client = eng.openai()
+
+    async def go():
+        m = [{"role": "user", "content": "0="}]
+        for k in range(3):
+            r = await client.chat.completions.create(model=MODEL, messages=m)
+            m = m + [r.choices[0].message, {"role": "user", "content": f"{k}="}]
+        return r
+
+    last = run(go())
+    client.set_reward(client.calls[0].completion_id, 0.5)
+    (t,) = assemble(client.calls, reward="final", discount=0.5, final_reward=1.0)
+    assert t.reward == pytest.approx(0.5 + 0.25 * 1.0)
+    assert t.n_turns == 3 and t.turn_rewards == [0.5, 0.0, 1.0]
+    assert [v for v, m in zip(t.output_versions, t.loss_mask) if not m] == [-1] * (len(t.loss_mask) - 6)
+    per = assemble(client.calls, reward="per_turn", discount=0.5, final_reward=1.0)
+    assert [p.reward for p in per] == pytest.approx([0.75, 0.5, 1.0])
+    assert [p.rid for p in per][-1] == last.id and all(p.loss_mask.tolist() == [1, 1] for p in per)
+    with pytest.raises(KeyError, match="chatcmpl-nope"):
+        client.set_reward("chatcmpl-nope", 1.0)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "gpt-4o"}, "model"),
+    ({"n": 2}, "n"),
+    ({"stream": True}, "stream"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"extra_thing": 1}, "extra_thing"),
+    ({"messages": [{"role": "robot", "content": "1"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "messages[0].content"),
+    ({"temperature": 0.3}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+])
+def test_refused_requests_name_the_parameter(body, param):
+    eng, rollout = episode([ids("1") + [EOS]])
+    client = eng.openai()
+    with pytest.raises(ChatRequestError) as e:
+        run(client.chat.completions.create(**{"model": MODEL, "messages": [{"role": "user", "content": "1="}],
+                                               **body}))
+    assert e.value.param == param and e.value.status_code == 400
+    assert client.calls == []
+
+
+def test_stop_string_cuts_the_output_and_single_token_stops_go_to_the_engine():
+    eng, rollout = episode([ids("12+45") + [EOS], ids("77") + [EOS]])
+    client = eng.openai()
+
+    async def go():
+        r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "1="}],
+                                                 stop=["2+"])
+        assert r.choices[0].message.content == "1" and r.choices[0].finish_reason == "stop"
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "2="}], stop="+")
+
+    run(go())
+    assert client.calls[0].sample.output_ids.tolist() == ids("12+")  # the tokens after the stop dropped
+    assert rollout.sampling[1]["stop_token_ids"] == ids("+")
+
+
+async def _agent(row, client):
+    r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": row.text}],
+                                             tools=TOOLS)
+    call = r.choices[0].message.tool_calls[0]
+    return json.loads(call.function.arguments)["expression"][::-1], {"answer": "7*34"}
+
+
+@pytest.mark.parametrize("transport", ["inprocess", "http"])
+def test_openai_agent_workflow_records_and_scores_over_both_transports(transport):
+    if transport == "http":
+        pytest.importorskip("openai")
+    wf = load_workflow("areal_fast.agent.workflow:openai_agent")
+    scores = Scores()
+    eng, rollout = episode([ids("43*7") + [EOS]], key="run-key", reward=scores)
+    row = type("Row", (), {"text": "7*34=", "task": {"answer": "x"}})()
+    trajs = run(wf(row, eng, agent=f"{__name__}:_agent", transport=transport, call_marker="*"))
+    (t,) = trajs
+    assert t.reward == 1.0 and scores.seen == [({"answer": "7*34"}, "7*34")]
+    assert t.prompt_ids.tolist() == [BOS] + ids("7*34=") and t.loss_mask.tolist() == [1] * 5
+    assert t.info == {"calls": 1.0, "tool_calls": 1.0, "history_breaks": 0.0}
+
+
+def test_http_form_needs_the_key_and_answers_bad_input_with_400():
+    openai = pytest.importorskip("openai")
+    eng, rollout = episode([ids("9") + [EOS]])
+    client = eng.openai()
+
+    async def go():
+        async with AgentServer("the-key") as server:
+            assert server.url.startswith("http://127.0.0.1:")
+            base = server.open(client)
+            msgs = [{"role": "user", "content": "1="}]
+            for key in ("wrong", ""):
+                bad = openai.AsyncOpenAI(base_url=base, api_key=key or "x", max_retries=0,
+                                         default_headers={} if key else {"Authorization": ""})
+                with pytest.raises(openai.AuthenticationError):
+                    await bad.chat.completions.create(model=MODEL, messages=msgs)
+                await bad.close()
+            sdk = openai.AsyncOpenAI(base_url=base, api_key="the-key", max_retries=0)
+            for extra, what in (({"model": "gpt-4o"}, "not served"), ({"n": 2}, "n=1"), ({"stream": True}, "stream")):
+                with pytest.raises(openai.BadRequestError, match=what):
+                    await sdk.chat.completions.create(**{"model": MODEL, "messages": msgs, **extra})
+            r = await sdk.chat.completions.create(model=MODEL, messages=msgs)
+            assert r.choices[0].message.content == "9" and (await sdk.models.list()).data[0].id == MODEL
+            server.close_episode(base)
+            with pytest.raises(openai.NotFoundError):
+                await sdk.chat.completions.create(model=MODEL, messages=msgs)
+            await sdk.close()
+
+    run(go())
+    assert len(client.calls) == 1
