@@ -206,18 +206,7 @@ class RolloutClient(ServerPool, ServerControl):
             known_version = server.weight_version
             server.in_flight += 1
             try:
-                where = f"{server.url}/generate (rid {attempt_rid!r})"
-                try:
-                    data = await self._call(server, "POST", "/generate", {**payload, "rid": attempt_rid},
-                                            timeout_s=self.request_timeout_s, max_body=max_body,
-                                            parse=partial(parse_generate, where=where, vocab=self.vocab_size))
-                except AnswerError as e:
-                    raise MalformedAnswer(server.url, attempt_rid, str(e)) from None
-                if not isinstance(data, Segment):  # a 2xx that was not JSON
-                    raise MalformedAnswer(server.url, attempt_rid, f"{where} answered {type(data).__name__}, "
-                                          f"not one result: {str(data)[:200]}")
-                if data.rid is not None and data.rid != attempt_rid:
-                    raise MalformedAnswer(server.url, attempt_rid, f"{where}: the answer is for rid {data.rid!r}")
+                data = await self._post_segment(server, payload, attempt_rid, max_body)
                 if not server.info:  # it was down when the client started: learn its facts now
                     await asyncio.gather(self._read_info(server), return_exceptions=True)
                 return data, server, known_version
@@ -237,6 +226,23 @@ class RolloutClient(ServerPool, ServerControl):
                 server.in_flight -= 1
         raise ServerUnavailable(f"generate rid={rid!r} failed on every server ({self.max_attempts} attempts): "
                                 f"{type(last_err).__name__}: {last_err}")
+
+    async def _post_segment(self, server: ServerState, payload: dict, attempt_rid: str, max_body: int) -> Segment:
+        """One segment's call on ``server``, its answer checked (the backend adapter's hook: a vLLM
+        client sends /v1/completions instead, ``rollout/vllm_client.py``)."""
+        where = f"{server.url}/generate (rid {attempt_rid!r})"
+        try:
+            data = await self._call(server, "POST", "/generate", {**payload, "rid": attempt_rid},
+                                    timeout_s=self.request_timeout_s, max_body=max_body,
+                                    parse=partial(parse_generate, where=where, vocab=self.vocab_size))
+        except AnswerError as e:
+            raise MalformedAnswer(server.url, attempt_rid, str(e)) from None
+        if not isinstance(data, Segment):  # a 2xx that was not JSON
+            raise MalformedAnswer(server.url, attempt_rid, f"{where} answered {type(data).__name__}, "
+                                  f"not one result: {str(data)[:200]}")
+        if data.rid is not None and data.rid != attempt_rid:
+            raise MalformedAnswer(server.url, attempt_rid, f"{where}: the answer is for rid {data.rid!r}")
+        return data
 
     async def _abort_quietly(self, server: ServerState, server_rid_: str) -> None:
         """Best effort: /abort_request for one server rid (a server that timed out may not answer)."""

@@ -79,6 +79,10 @@ class SyncSpec:
     def build(self):
         from areal_fast.weights.sync import DiskWeightSync, DistributedWeightSync
 
+        if self.method == "vllm_disk":  # disk updates on vLLM servers (weights/vllm_disk.py)
+            from areal_fast.weights.vllm_disk import VLLMDiskWeightSync
+
+            return VLLMDiskWeightSync(list(self.urls), dataclasses.replace(self.weight_config(), method="disk"))
         cls = {"distributed": DistributedWeightSync, "disk": DiskWeightSync}[self.method]
         return cls(list(self.urls), self.weight_config())
 
@@ -154,8 +158,21 @@ class DistributedSync(_MembershipSync):
         return SyncSpec.of(self.method, urls, dataclasses.replace(self.config, group_name=name))
 
 
-def make_sync_port(config: WeightSyncConfig, trainer: WeightTrainer, rollout: ServerPool, urls, work_dir):
-    """The sync port the run's ``weights:`` section asks for."""
+class VLLMDiskSync(DiskSync):
+    """The disk port on vLLM servers: its transport is ``weights.vllm_disk.VLLMDiskWeightSync``."""
+
+    def _spec(self, urls: list[str]) -> SyncSpec:
+        return SyncSpec.of("vllm_disk", urls, self.config)  # the config's method stays 'disk'
+
+
+def make_sync_port(config: WeightSyncConfig, trainer: WeightTrainer, rollout: ServerPool, urls, work_dir,
+                   backend: str = "sglang"):
+    """The sync port the run's ``weights:`` section asks for (``backend``: the servers' API)."""
+    if backend == "vllm":
+        if config.method != "disk":
+            raise ValueError(f"weights.method {config.method!r} with rollout.backend 'vllm': only 'disk' is wired "
+                             f"(docs/vllm.md)")
+        return VLLMDiskSync(trainer, rollout, work_dir, config)
     if config.method == "distributed":
         return DistributedSync(trainer, rollout, urls, work_dir, config)
     return DiskSync(trainer, rollout, work_dir, config)

@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the command line wins")
     p.add_argument("--sglang-version", default=DEFAULT_SGLANG_VERSION,
                    help="the SGLang release whose behaviour to reproduce (0.5.6 .. 0.5.23)")
+    p.add_argument("--api", choices=("sglang", "vllm"), default="sglang",
+                   help="the HTTP API to serve: SGLang's, or vLLM's (docs/vllm.md)")
+    p.add_argument("--vllm-version", default=None,
+                   help="with --api vllm: the vLLM release whose routes to serve (0.11.0 .. 0.33.0)")
     p.add_argument("--dist-timeout", type=float, default=120.0,
                    help="seconds a weight-update rendezvous or broadcast may wait before the call fails")
     p.add_argument("--attn-implementation", default="sdpa", help="sdpa or eager")
@@ -132,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         load_format=args.load_format,
         skip_tokenizer_init=args.skip_tokenizer_init,
         dist_timeout_s=args.dist_timeout,
+        api=args.api,
+        vllm_version=args.vllm_version,
     )
     web.run_app(server.build_app(), host=args.host, port=args.port, print=None, access_log=None)
 

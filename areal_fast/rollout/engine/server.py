@@ -31,6 +31,7 @@ from aiohttp import web
 
 from areal_fast.rollout.auth import authorized
 from areal_fast.rollout.engine.compat import ENGINE_LOAD_FORMATS, SGLangBehaviour
+from areal_fast.rollout.engine.vllm_compat import DEFAULT_VLLM_VERSION, VLLMBehaviour
 from areal_fast.rollout.engine.request_parsing import (  # noqa: F401 - the errors are part of this module's API
     BYTES_PER_ID,
     GENERATE_OVERHEAD,
@@ -105,10 +106,16 @@ class EngineServer(WeightUpdateRoutes):
         skip_tokenizer_init: bool = False,
         health_check_timeout_s: float | None = None,
         dist_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+        api: str = "sglang",
+        vllm_version: str | None = None,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.sglang = SGLangBehaviour.of(sglang_version)
+        if api not in ("sglang", "vllm"):
+            raise ValueError(f"--api {api!r}: the embedded engine speaks 'sglang' or 'vllm'")
+        self.api = api  # 'vllm': vLLM's routes instead of SGLang's (engine/vllm_routes.py)
+        self.vllm = VLLMBehaviour.of(vllm_version or DEFAULT_VLLM_VERSION) if api == "vllm" else None
         if load_format not in ENGINE_LOAD_FORMATS:
             raise ValueError(f"--load-format {load_format!r}: the embedded engine loads {ENGINE_LOAD_FORMATS}")
         if dist_timeout_s <= 0:
@@ -174,6 +181,12 @@ class EngineServer(WeightUpdateRoutes):
         limit = max(self.generate_limit, UPDATE_META_LIMIT)
         app = web.Application(middlewares=[self._middleware], client_max_size=limit)
         r = app.router
+        if self.vllm is not None:  # the vLLM twin: vLLM's routes of that release, none of SGLang's
+            from areal_fast.rollout.engine.vllm_routes import VLLMRoutes
+
+            VLLMRoutes(self, str(self.vllm.version), _until_done_or_gone).add(r)
+            app.on_shutdown.append(self._on_shutdown)
+            return app
         r.add_post("/generate", self.generate)
         r.add_post("/abort_request", self.abort_request)
         r.add_post("/pause_generation", self.pause_generation)

@@ -1,0 +1,171 @@
+"""The vLLM adapter of the rollout client: :class:`VLLMRolloutClient` drives vLLM servers (real ones
+or the embedded engine's vLLM twin) with the shared client core of ``client.py``.
+
+What stays shared, once, in ``RolloutClient`` and its parts: the transport and retry policy
+(``calls``), the pool and routing (``client_pool``), one request across pauses and failover, the
+stitching of segments into one ``Sample`` and the per-token versions. What this adapter replaces
+is only what vLLM spells differently (``docs/vllm.md``; the bodies come from ``vllm_requests``):
+
+- a segment is ``POST /v1/completions`` (token ids in and out, one log-prob a token, the
+  ``weight_versions`` spans from 0.33.0) instead of SGLang's ``/generate``;
+- a server's facts are ``GET /version`` (and ``GET /weight_info`` from 0.27.0) instead of
+  ``/server_info``;
+- pause and continue are ``/pause?mode=abort|keep`` and ``/resume``; abort is ``/abort_requests``;
+  a release without /pause (0.11.x) is paused by letting its requests finish (no new ones start);
+- vLLM has no cache flush to wait for: ``flush_cache_all`` only checks the rule of an in_place pause.
+
+The request id of a segment is the shared client's server rid (``rid|k|``, ``rid|k.a|``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from array import array
+
+from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY, Segment, token_versions
+from areal_fast.rollout.calls import RolloutError, no_answer_errors
+from areal_fast.rollout.client import ABORT_TIMEOUT_S, MalformedAnswer, RolloutClient
+from areal_fast.rollout.client_pool import ServerState, _apply_info, _str_or_none
+from areal_fast.rollout.engine.vllm_compat import (
+    DEFAULT_VLLM_VERSION,
+    VLLMBehaviour,
+    auto_vllm_pause_mode,
+)
+from areal_fast.rollout.vllm_requests import (
+    COMPLETIONS_PATH,
+    CompletionAnswerError,
+    abort_body,
+    completion_body,
+    parse_completion,
+    pause_query,
+)
+
+_DRAIN_POLL_S = 0.02
+
+
+class VLLMRolloutClient(RolloutClient):
+    """``RolloutClient`` over vLLM servers; see the module docstring. ``vllm_version``: the release
+    assumed for a server whose ``/version`` has not answered yet."""
+
+    def __init__(self, urls: list[str], *, vllm_version: str = DEFAULT_VLLM_VERSION, **options):
+        if options.get("pause_mode") == "retract":
+            raise ValueError("pause_mode 'retract' is SGLang's; a vLLM server pauses with 'abort' or "
+                             "'in_place' (vLLM's keep)")
+        super().__init__(urls, **options)
+        self.vllm_version = str(VLLMBehaviour.of(vllm_version).version)
+
+    def behaviour(self, server: ServerState) -> VLLMBehaviour:
+        """What ``server``'s release serves (the declared release until its /version answered)."""
+        return VLLMBehaviour.of(str(server.version) if server.info else self.vllm_version)
+
+    # ------------------------------------------------------------------ facts
+    async def _read_info(self, s: ServerState) -> dict:
+        v = await self._call(s, "GET", "/version", timeout_s=self._short_timeout_s)
+        _apply_info(s, {"version": str((v or {}).get("version", self.vllm_version)), "engine": "vllm"})
+        await self._current_weight_version(s)
+        return s.info
+
+    async def _current_weight_version(self, server: ServerState) -> str | None:
+        if not self.behaviour(server).labels_weight_version:
+            return server.weight_version
+        try:
+            wi = await self._call(server, "GET", "/weight_info", timeout_s=self._short_timeout_s)
+        except (RolloutError, *no_answer_errors()):
+            return server.weight_version
+        server.weight_version = _str_or_none((wi or {}).get("weight_version"))
+        return server.weight_version
+
+    # ------------------------------------------------------------------ generation
+    async def _post_segment(self, server: ServerState, payload: dict, attempt_rid: str, max_body: int) -> Segment:
+        b = self.behaviour(server)
+        ids = payload["input_ids"]
+        if hasattr(ids, "contents"):  # the shared client's pre-encoded ids (an orjson Fragment)
+            ids = json.loads(ids.contents)
+        body = completion_body(ids, payload["sampling_params"], attempt_rid, b)
+        where = f"{server.url}{COMPLETIONS_PATH} (request_id {attempt_rid!r})"
+        data = await self._call(server, "POST", COMPLETIONS_PATH, body, timeout_s=self.request_timeout_s,
+                                max_body=max_body)
+        try:
+            c = parse_completion(data)
+        except CompletionAnswerError as e:
+            raise MalformedAnswer(server.url, attempt_rid, f"{where}: {e}") from None
+        if self.vocab_size and any(t >= self.vocab_size for t in c["ids"]):
+            raise MalformedAnswer(server.url, attempt_rid, f"{where}: a token id >= the vocabulary {self.vocab_size}")
+        finish = {"type": c["finish"]}
+        if c["finish"] == "stop" and isinstance(c["stop_reason"], int):
+            finish["matched"] = c["stop_reason"]
+        versions = None
+        if c["spans"] is not None:
+            versions = token_versions({"weight_versions": c["spans"]}, len(c["ids"]))
+        return Segment(ids=array(TOKEN_ARRAY, c["ids"]), logprobs=array(LOGPROB_ARRAY, c["logprobs"]),
+                       versions=versions, finish=finish, weight_version=None, rid=attempt_rid)
+
+    async def _abort_quietly(self, server: ServerState, server_rid_: str) -> None:
+        if not self.behaviour(server).has_pause:
+            return  # 0.11: closing the connection (done by the timeout) is vLLM's abort
+        try:
+            async with asyncio.timeout(ABORT_TIMEOUT_S):
+                await self._call(server, "POST", "/abort_requests", abort_body([server_rid_]), timeout_s=ABORT_TIMEOUT_S)
+        except (RolloutError, *no_answer_errors()):
+            pass
+
+    async def abort(self, rid: str) -> None:
+        if rid not in self._active:
+            return
+        self._user_aborted.add(rid)
+        live = self._segment_rid.get(rid)
+        if live is not None and live[0] in self._by_url:
+            server = self._by_url[live[0]]
+            if self.behaviour(server).has_pause:
+                await self._call(server, "POST", "/abort_requests", abort_body([live[1]]))
+
+    # ------------------------------------------------------------------ control
+    def _mode_for(self, server: ServerState, mode: str) -> str:
+        if mode == "auto":
+            return auto_vllm_pause_mode(self.behaviour(server).version)
+        return mode
+
+    async def pause_all(self, mode: str | None = None) -> None:
+        """Pause every server: 'abort' (requests end and are resubmitted after continue) or 'in_place'
+        (vLLM's keep: frozen with their KV; needs 0.33.0's per-token versions), 'auto' per server."""
+        mode = mode or self.default_pause_mode
+        if mode not in ("auto", "abort", "in_place"):
+            raise ValueError(f"pause mode {mode!r}: a vLLM server pauses with 'auto', 'abort' or 'in_place'")
+        await self._ensure_info(self.servers)
+        modes = {s.url: self._mode_for(s, mode) for s in self.servers}
+        for s in self.servers:
+            if modes[s.url] == "in_place" and not self.behaviour(s).token_weight_versions:
+                raise RolloutError(f"pause mode 'in_place' refused for {s.url}: vLLM {s.version} returns no per-token "
+                                   f"weight versions (from 0.33.0)")
+        self.pause_mode, self.server_pause_modes = mode, modes
+        self._running.clear()
+        await asyncio.gather(*(self._pause_one(s, modes[s.url]) for s in self.servers))
+
+    async def _pause_one(self, s: ServerState, mode: str) -> None:
+        b = self.behaviour(s)
+        if not b.has_pause:  # nothing new starts (generate waits); the running requests finish
+            while s.in_flight:
+                await asyncio.sleep(_DRAIN_POLL_S)
+            return
+        q = "&".join(f"{k}={v}" for k, v in pause_query(mode, b).items())
+        await self._control(s, "POST", f"/pause?{q}")
+
+    async def continue_all(self) -> None:
+        await asyncio.gather(*(self._control(s, "POST", "/resume") for s in self.servers
+                               if self.behaviour(s).has_pause))
+        self.pause_mode = None
+        self.server_pause_modes = {}
+        self._running.set()
+
+    async def abort_all(self) -> None:
+        await asyncio.gather(*(self._control(s, "POST", "/abort_requests", abort_body(None)) for s in self.servers
+                               if self.behaviour(s).has_pause))
+
+    async def flush_cache_all(self, timeout_s: float = 60.0, poll_s: float = 0.05) -> None:
+        """vLLM clears its prefix cache on a reload itself; only the in_place rule is checked."""
+        if not self.may_flush:
+            raise RolloutError("flush_cache_all after an in_place pause: the kept requests hold their KV")
+
+    async def weight_versions(self) -> list[str]:
+        return [str(await self._current_weight_version(s)) for s in self.servers]

@@ -1,0 +1,165 @@
+"""The embedded engine as vLLM's twin (``--api vllm --vllm-version X``), driven by the vLLM adapter
+of the rollout client (``VLLMRolloutClient``) and the vLLM disk update (``weights.vllm_disk``).
+
+- token ids in and out and per-token log-probs equal to the HF reference (greedy);
+- a disk update never leaves the server paused, when the reload fails as when it succeeds
+  (AReaL issue 1160), and a server the client paused stays paused until the client resumes it;
+- a keep (in_place) pause: the request stays on the server across a disk update, one segment,
+  its tokens labelled by the weight-version spans of the two versions;
+- the routes follow the release: 0.11.0 has no /pause (the client pauses by draining) and
+  reloads with update_config + reload_weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from tolerances import ENGINE_LOGPROB_ATOL
+
+from areal_fast.rollout.engine import start_engine_in_thread
+from areal_fast.rollout.testing import build_tiny_qwen2, hf_greedy, hf_logprobs, load_hf, perturbed_state_dict, \
+    save_state_dict
+from areal_fast.rollout.vllm_client import VLLMRolloutClient
+from areal_fast.weights.errors import WeightSyncError
+from areal_fast.weights.vllm_disk import VLLMDiskCalls
+
+VOCAB = 256
+PROMPT = [3, 17, 42, 9, 100]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_qwen2(str(tmp_path_factory.mktemp("tiny_qwen2_vllm")), vocab_size=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def new_weights(model_dir, tmp_path_factory):
+    return save_state_dict(perturbed_state_dict(model_dir, seed=7), model_dir,
+                           str(tmp_path_factory.mktemp("ckpt_v1")))
+
+
+@pytest.fixture()
+def twin(model_dir):
+    h = start_engine_in_thread(model_dir, seed=1, api="vllm", vllm_version="0.33.0", weight_version="0")
+    yield h
+    h.stop()
+
+
+def _get(url: str) -> tuple[int, object]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+
+def _post(url: str, body: dict | None = None) -> tuple[int, object]:
+    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+
+async def _generate(url: str, version: str, n: int, **sampling):
+    async with VLLMRolloutClient([url], vllm_version=version) as c:
+        return await c.generate(PROMPT, {"max_new_tokens": n, "temperature": 0.0, **sampling}, rid="q")
+
+
+def test_twin_generates_token_ids_and_logprobs_as_the_reference(twin, model_dir):
+    s = asyncio.run(_generate(twin.url, "0.33.0", 8, ignore_eos=True))
+    hf = load_hf(model_dir)
+    assert list(s.output_ids) == hf_greedy(hf, PROMPT, 8)
+    ref = hf_logprobs(hf, PROMPT, list(s.output_ids), 0.0)
+    assert max(abs(a - b) for a, b in zip(s.output_logprobs, ref)) < ENGINE_LOGPROB_ATOL
+    assert list(s.output_versions) == [0] * 8 and s.num_segments == 1
+    assert _get(twin.url + "/health")[0] == 200 and _get(twin.url + "/version")[1] == {"version": "0.33.0"}
+
+
+def test_disk_update_never_leaves_the_server_paused(twin, new_weights, model_dir):
+    calls = VLLMDiskCalls(timeout_s=60)
+    try:
+        with pytest.raises(WeightSyncError, match="reload"):
+            calls.update_one(twin.url, {"model_path": str(model_dir) + "/no-such-dir", "weight_version": "1"})
+        assert _get(twin.url + "/is_paused")[1] == {"is_paused": False}, "a failed reload left the server paused"
+        calls.update_one(twin.url, {"model_path": new_weights, "weight_version": "1"})
+        assert _get(twin.url + "/is_paused")[1] == {"is_paused": False}
+        assert _get(twin.url + "/weight_info")[1] == {"weight_version": "1"}
+        s = asyncio.run(_generate(twin.url, "0.33.0", 6, ignore_eos=True))
+        assert list(s.output_ids) == hf_greedy(load_hf(new_weights), PROMPT, 6) and set(s.output_versions) == {1}
+        # a server the client paused stays paused: resuming it is the client's
+        assert _post(twin.url + "/pause?mode=keep")[0] == 200
+        calls.update_one(twin.url, {"model_path": model_dir, "weight_version": "2"})
+        assert _get(twin.url + "/is_paused")[1] == {"is_paused": True}
+        assert _post(twin.url + "/resume")[0] == 200
+    finally:
+        calls.close()
+
+
+def test_keep_pause_keeps_the_request_across_a_disk_update(twin, new_weights):
+    sched = twin.server.scheduler
+
+    async def run():
+        async with VLLMRolloutClient([twin.url], vllm_version="0.33.0", pause_mode="in_place") as c:
+            task = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 300, "ignore_eos": True,
+                                                           "temperature": 1.0}, rid="long"))
+            deadline = time.monotonic() + 60
+            while not any(len(r.output_ids) >= 2 for r in list(sched._rows)):
+                assert time.monotonic() < deadline and not task.done(), "the request never started"
+                await asyncio.sleep(0.005)
+            await c.pause_all()
+            calls = VLLMDiskCalls(timeout_s=60)
+            try:
+                await asyncio.to_thread(calls.update_one, twin.url, {"model_path": new_weights, "weight_version": "1"})
+            finally:
+                calls.close()
+            await c.continue_all()
+            return await asyncio.wait_for(task, 120)
+
+    s = asyncio.run(run())
+    assert s.num_segments == 1 and len(s.output_ids) == 300
+    v = list(s.output_versions)
+    assert v[0] == 0 and v[-1] == 1 and v == sorted(v), "tokens labelled by the weights that made them"
+
+
+def test_routes_follow_the_release_0_11(model_dir, new_weights):
+    h = start_engine_in_thread(model_dir, seed=1, api="vllm", vllm_version="0.11.0")
+    calls = VLLMDiskCalls(timeout_s=60)
+    try:
+        assert _post(h.url + "/pause")[0] == 404 and _get(h.url + "/is_paused")[0] == 404
+        assert _post(h.url + "/collective_rpc", {"method": "reload_weights",
+                                                 "kwargs": {"weights_path": new_weights}})[0] == 500
+        calls.update_one(h.url, {"model_path": new_weights, "weight_version": "1"})  # update_config + reload
+
+        async def run():
+            async with VLLMRolloutClient([h.url], vllm_version="0.11.0") as c:
+                await c.pause_all()  # no /pause: drains (nothing in flight here)
+                await c.continue_all()
+                c.servers[0].weight_version = "1"  # 0.11 has no label: the run's loop keeps it
+                return await c.generate(PROMPT, {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True})
+
+        s = asyncio.run(run())
+        assert list(s.output_ids) == hf_greedy(load_hf(new_weights), PROMPT, 5) and set(s.output_versions) == {1}
+    finally:
+        calls.close()
+        h.stop()
+
+
+def test_pause_in_abort_mode_refuses_new_completions_until_resume(twin):
+    assert _post(twin.url + "/pause?mode=abort")[0] == 200
+    status, _ = _post(twin.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    assert status == 503
+    assert _post(twin.url + "/pause?mode=retract")[0] == 422
+    assert _post(twin.url + "/resume")[0] == 200
+    assert _post(twin.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200
+
+
+_ = threading  # watchdogs below use threads if a call hangs
