@@ -181,19 +181,23 @@ def apply_pause_arm(cfg: sim.SimConfig, arm: str | None) -> str | None:
     return mode
 
 
-def update_costs(row: dict, setup: Setup, n_gen: int, slowdown: float) -> dict:
-    """GPU seconds each weight update costs the whole setup (all its generation GPUs), from the
-    simulator's counters: prefill computed again (retracted or resubmitted requests) and, where the
-    servers run without the overlap scheduler, the decode time that costs (busy x (1 - 1/slowdown))."""
+def update_costs(row: dict, setup: Setup, n_gen: int, slowdown: float, step_s: float, k: float) -> dict:
+    """GPU seconds each weight update (one per step) costs the whole setup (all its generation GPUs),
+    from the simulator's counters: prefill computed again (retracted or resubmitted requests: every
+    pause comes after the first step, in steady state) and, where the servers run without the
+    overlap scheduler, the decode time that costs in a steady-state step (the run's decode-busy
+    fraction x generation GPUs x step time x (1 - 1/slowdown))."""
     updates = row["pauses"] / n_gen  # the simulator counts one pause per server
     if updates <= 0:
         return {}
     prefill = row["recomputed_prefill_s"] * setup.slice_div / updates
-    overlap = row["decode_busy_s"] * (1 - 1 / slowdown) * setup.slice_div / updates
+    busy = row["decode_busy_s"] / (n_gen * row["wall_s"] * k)  # of the servers' model time, whole run
+    overlap = (1 - 1 / slowdown) * busy * n_gen * setup.slice_div * step_s
     return {"updates": updates, "running_per_update": row["running_at_pauses"] * setup.slice_div / updates,
             "recomputed_prefill_tokens_per_update": row["recomputed_prefill_tokens"] * setup.slice_div / updates,
-            "recomputed_prefill_gpu_s_per_update": prefill, "no_overlap_gpu_s_per_update": overlap,
-            "lost_gpu_s_per_update": prefill + overlap}
+            "recomputed_prefill_gpu_s_per_update": prefill, "decode_busy_fraction": busy,
+            "no_overlap_gpu_s_per_update": overlap, "lost_gpu_s_per_update": prefill + overlap,
+            "lost_fraction_of_generation": (prefill + overlap) / (n_gen * setup.slice_div * step_s)}
 
 
 async def run_one(run: dict, args) -> dict:
@@ -238,7 +242,8 @@ async def run_one(run: dict, args) -> dict:
         "correct": row["correct"], "errors": row["errors"], "controller_cpu_util": row["cpu_util"],
         "loop_lag_p99_ms": row["lag_p99_ms"], "steps_measured": steps, "wall_s": row["wall_s"],
         "pause_arm": run.get("pause") or "production default", "pause_modes_used": row["pause_modes_used"],
-        **update_costs(row, setup, run["n_gen"], cfg.no_overlap_slowdown if cfg.disable_overlap_schedule else 1.0),
+        **update_costs(row, setup, run["n_gen"], cfg.no_overlap_slowdown if cfg.disable_overlap_schedule else 1.0,
+                       per_step, k),
     }
 
 
@@ -304,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
                             "async_step_s": best["step_s"], "speedup": best["samples_per_s"] / sync["samples_per_s"],
                             **{k: best.get(k) for k in ("running_per_update", "recomputed_prefill_tokens_per_update",
                                                         "recomputed_prefill_gpu_s_per_update",
-                                                        "no_overlap_gpu_s_per_update", "lost_gpu_s_per_update")},
+                                                        "no_overlap_gpu_s_per_update", "lost_gpu_s_per_update",
+                                                        "lost_fraction_of_generation")},
                             "paper": c("paper_speedup") if s.gpus_full >= 128 else "-"})
     print("\nsummary (best split per setup and pause arm):")
     print_table(summary)
