@@ -115,6 +115,9 @@ class AppConfig:
                                weights_method=self.weights.method)
             if why:
                 raise ValueError(f"rollout.backend 'vllm': {why}")
+            if self.rollout.client_processes > 1:
+                raise ValueError("rollout.client_processes > 1 with rollout.backend 'vllm': the sharded client's "
+                                 "workers build SGLang clients; use 1 (docs/vllm.md)")
         self._fill_derived()
         if self.model.warm_start.enabled and not self.data.train.startswith("synthetic:"):
             raise ValueError(f"model.warm_start.enabled: only available with data.train = 'synthetic:reverse', "

@@ -171,9 +171,14 @@ def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: 
         raise ValueError("rollout.server_args: --config is taken by the launcher (it passes the run's API key "
                          "in a private file); give those options in rollout.server_args instead")
     if launched_kind(r.engine) is ServerKind.EMBEDDED:
+        twin = []  # backend 'vllm': the engine serves vLLM's API of that release (docs/vllm.md)
+        if r.backend == "vllm":
+            from areal_fast.rollout.vllm_server_command import embedded_vllm_args
+
+            twin = embedded_vllm_args(r.vllm_version)
         return build("embedded", model_path, host, port, api_key_file=api_key_file, weight_version="0", seed=seed,
                      device=r.device, max_running_requests=max(256, r.max_concurrent * r.group_size),
-                     extra_args=list(r.server_args), python=python)
+                     extra_args=twin + list(r.server_args), python=python)
     tp, rest = _split_tp(list(r.server_args))
     return build("sglang", model_path, host, port, tp_size=tp, api_key_file=api_key_file, weight_version="0",
                  seed=seed, extra_args=rest, python=python)

@@ -67,13 +67,13 @@ def run_eval(cfg: AppConfig, checkpoint: str | None = None) -> dict:
 
 async def _eval_async(cfg: AppConfig, tok, evals, urls, path: str, api_key: str) -> dict:
     from areal_fast.reward import RewardService
-    from areal_fast.rollout.client import RolloutClient
+    from areal_fast.rollout.vllm_client import client_for_backend
 
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
     sampling = {"max_new_tokens": cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, "temperature": 0.0,
                 "stop_token_ids": stop}
     t0 = time.perf_counter()
-    async with RolloutClient(urls, api_key=api_key) as client, RewardService(num_workers=cfg.reward.workers,
+    async with client_for_backend(cfg.rollout, urls, api_key=api_key) as client, RewardService(num_workers=cfg.reward.workers,
                                                             timeout_s=cfg.reward.timeout,
                                                             default_reward=cfg.reward.name) as service:
         from areal_fast.launch.runtime import ServiceReward

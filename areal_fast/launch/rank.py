@@ -152,7 +152,7 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
             await service.start()
             actor = await asyncio.to_thread(PPOActor, trainer_config(cfg, path))
             trainer = ActorTrainer(actor)
-            syncer = make_sync_port(cfg.weights, trainer, rollout, urls, out / "weights_sync")
+            syncer = make_sync_port(cfg.weights, trainer, rollout, urls, out / "weights_sync", backend=r.backend)
             ctl = Controller(controller_settings(cfg, tok, resume_key(cfg, prompts)), prompts, tok, rollout,
                              ServiceReward(service), trainer, syncer, gate, eval_prompts=evals)
             resumed = ctl.restore_newest() if cfg.experiment.resume else None
@@ -217,10 +217,10 @@ async def rollout_port(r, urls: list[str], api_key: str | None):
         async with ShardedRollout(urls, r.client_processes, is_dead=is_dead, **options) as port:
             yield port
     else:
-        from areal_fast.rollout.client import RolloutClient
         from areal_fast.rollout.port import ClientRollout
+        from areal_fast.rollout.vllm_client import client_for_backend  # SGLang's client or the vLLM adapter
 
-        async with RolloutClient(urls, **options) as client:
+        async with client_for_backend(r, urls, **options) as client:
             yield ClientRollout(client, is_dead=is_dead)
 
 

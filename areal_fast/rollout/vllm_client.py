@@ -169,3 +169,11 @@ class VLLMRolloutClient(RolloutClient):
 
     async def weight_versions(self) -> list[str]:
         return [str(await self._current_weight_version(s)) for s in self.servers]
+
+
+def client_for_backend(rollout_cfg, urls: list[str], **options) -> RolloutClient:
+    """The rollout client of a run's ``rollout`` section: the vLLM adapter for ``backend: vllm``,
+    else the SGLang client."""
+    if rollout_cfg.backend == "vllm":
+        return VLLMRolloutClient(urls, vllm_version=rollout_cfg.vllm_version, **options)
+    return RolloutClient(urls, **options)

@@ -8,16 +8,16 @@ import pytest
 
 from areal_fast.config import ConfigError, load_config
 from areal_fast.rollout import vllm_requests as vr
-from areal_fast.rollout.engine.vllm_compat import VLLMBehaviour, auto_vllm_pause_mode
+from areal_fast.rollout.engine.vllm_compat import VLLMBehaviour, auto_vllm_pause_mode, vllm_refusal
 from areal_fast.rollout.vllm_server_command import vllm_server_command
 
 EXAMPLE = "examples/tiny_reverse.yaml"
 
 
 @pytest.mark.parametrize("overrides", [
-    ["rollout.backend=vllm"],
-    ["rollout.backend=vllm", "weights.method=disk", "rollout.vllm_version=0.11.0"],
-    ["rollout.backend=vllm", "rollout.vllm_version=0.16.0"],
+    ["rollout.backend=vllm", "weights.method=disk"],
+    ["rollout.backend=vllm", "weights.method=disk", "rollout.vllm_version=0.27.0"],
+    ["rollout.backend=vllm", "weights.method=disk", "rollout.pause_mode=abort"],
 ])
 def test_config_check_accepts_backend_vllm(overrides):
     cfg = load_config(EXAMPLE, overrides)
@@ -25,10 +25,14 @@ def test_config_check_accepts_backend_vllm(overrides):
 
 
 @pytest.mark.parametrize("overrides, needles", [
-    (["rollout.backend=vllm", "rollout.vllm_version=0.11.0"], ["weights.method 'distributed'", "0.16.0", "disk"]),
+    (["rollout.backend=vllm", "rollout.vllm_version=0.11.0"], ["0.11.0", "/update_weight_version", "0.27.0"]),
+    (["rollout.backend=vllm"], ["weights.method 'distributed'", "not wired", "disk"]),
+    (["rollout.backend=vllm", "weights.method=disk", "rollout.vllm_version=0.26.0"], ["0.26.0", "0.27.0"]),
+    (["rollout.backend=vllm", "weights.method=disk", "rollout.client_processes=2", "rollout.n_servers=2"],
+     ["client_processes"]),
     (["rollout.backend=vllm", "weights.method=disk", "rollout.vllm_version=0.20.0", "rollout.pause_mode=in_place",
       "rollout.servers=[http://127.0.0.1:8000]"], ["in_place", "0.33.0", "0.20.0"]),
-    (["rollout.backend=vllm", "rollout.pause_mode=retract"], ["retract", "SGLang"]),
+    (["rollout.backend=vllm", "weights.method=disk", "rollout.pause_mode=retract"], ["retract", "SGLang"]),
     (["rollout.backend=vllm", "rollout.vllm_version=0.10.2"], ["0.10.2", "0.11.0 to 0.33.0"]),
     (["rollout.backend=vllm", "rollout.vllm_version=banana"], ["banana"]),
     (["rollout.backend=vllm", "rollout.engine=sglang"], ["engine", "sglang"]),
@@ -51,6 +55,8 @@ def test_pause_query_and_disk_update_follow_the_version():
     assert vr.pause_query("in_place", new) == {"mode": "keep"}
     assert [c["method"] for c in vr.disk_update_calls("/p", old)] == ["update_config", "reload_weights"]
     assert vr.disk_update_calls("/p", new) == [{"method": "reload_weights", "kwargs": {"weights_path": "/p"}}]
+    assert "0.16.0" in vllm_refusal("0.14.0", pause_mode="abort", weights_method="distributed")
+    assert vllm_refusal("0.33.0", pause_mode="in_place", weights_method="disk") is None
     assert auto_vllm_pause_mode("0.33.0") == "in_place" and auto_vllm_pause_mode("0.20.0") == "abort"
 
 

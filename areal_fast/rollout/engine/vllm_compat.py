@@ -119,8 +119,11 @@ def vllm_refusal(version: str, *, pause_mode: str, weights_method: str) -> str |
     - ``pause_mode`` 'retract' is SGLang's (vLLM has no retraction); 'in_place' needs vLLM's keep
       mode AND per-token weight-version spans (a kept request's tokens straddle an update, and
       without spans the client could not label them): 0.33.0 on;
-    - ``weights_method`` 'distributed' needs the weight-transfer endpoints (0.16.0 on); 'disk' is
-      served by every supported release.
+    - ``weights_method`` 'distributed' needs the weight-transfer endpoints (0.16.0 on), and its
+      trainer-side sender is not wired yet: 'disk' only;
+    - a run needs the server's weight label (0.27.0 on) to tag tokens with their version.
+    The request builders, the client adapter and the embedded twin serve the whole range; these
+    are the rules of a training run.
     """
     try:
         b = VLLMBehaviour.of(version)
@@ -137,6 +140,13 @@ def vllm_refusal(version: str, *, pause_mode: str, weights_method: str) -> str |
         return (f"weights.method 'distributed' needs vLLM's weight-transfer endpoints "
                 f"(/init_weight_transfer_engine, from {WEIGHT_TRANSFER_SINCE}); vLLM {b.version} has none: "
                 f"use weights.method 'disk'")
+    if weights_method == "distributed":
+        return ("weights.method 'distributed' on vLLM servers: the trainer-side sender of vLLM's weight transfer is "
+                "not wired yet (the request bodies and the embedded twin's endpoints are; docs/vllm.md): use "
+                "weights.method 'disk'")
+    if not b.labels_weight_version:
+        return (f"a training run labels every token with the weights that made it, and vLLM {b.version} cannot be "
+                f"told its weight version (/update_weight_version, from {WEIGHT_VERSION_LABEL_SINCE})")
     return None
 
 
@@ -161,6 +171,6 @@ def check_rollout_backend(backend: str, engine: str, external: bool, vllm_versio
     if engine == "sglang" and not external:
         raise ValueError("backend: 'vllm' cannot be served by launched SGLang servers (engine: 'sglang'); use "
                          "engine 'embedded' (the embedded engine's vLLM twin) or give running vLLM servers in servers")
-    why = vllm_refusal(vllm_version, pause_mode=pause_mode, weights_method="disk")
+    why = vllm_refusal(vllm_version, pause_mode=pause_mode, weights_method="disk")  # the method: by the loader
     if why:
         raise ValueError(f"vllm_version / pause_mode: {why}")
