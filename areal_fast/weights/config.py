@@ -55,6 +55,17 @@ class WeightSyncConfig:
     shared_fs: bool = True
     """The servers see trainer rank 0's files at the same paths: one machine, or several nodes with
     a shared file system. false: the disk path is refused (``docs/multinode.md``)."""
+    delta: str = "auto"
+    """Delta updates (``docs/weight_sync.md``): after a whole update, send only the elements that
+    changed. 'auto': to servers that apply them (the embedded engine); SGLang servers get whole
+    updates, because a stock SGLang skips the delta entries (it would keep stale weights); 'on':
+    to every server (SGLang launched with ``SGLANG_EXTERNAL_MODEL_PACKAGE=areal_fast.weights.sglang_models``);
+    'off': never. Trainer rank 0 keeps a copy of the sent weights (one model in the sent dtype)."""
+    delta_full_every: int = 10
+    """With deltas: every N-th update is sent whole (also the first, and the one after a failure)."""
+    delta_max_changed: float = 0.25
+    """With deltas: a tensor with a larger fraction of changed elements is sent whole (a delta costs
+    6 bytes per change against 2 per element whole: even at 1/3)."""
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -77,6 +88,12 @@ class WeightSyncConfig:
                              f"{self.master_addr!r}")
         if not 0 <= self.master_port < 65536:
             raise ValueError(f"master_port: must be in [0, 65535], got {self.master_port!r}")
+        if self.delta not in ("auto", "on", "off"):
+            raise ValueError(f"delta: must be 'auto', 'on' or 'off', got {self.delta!r}")
+        if not isinstance(self.delta_full_every, int) or self.delta_full_every < 1:
+            raise ValueError(f"delta_full_every: must be an integer >= 1, got {self.delta_full_every!r}")
+        if not (isinstance(self.delta_max_changed, int | float) and 0 <= self.delta_max_changed <= 1):
+            raise ValueError(f"delta_max_changed: must be in [0, 1], got {self.delta_max_changed!r}")
         if self.backend not in (None, "nccl", "gloo"):
             raise ValueError(f"backend: must be 'nccl', 'gloo' or null, got {self.backend!r}")
         if self.method == "disk" and not self.shared_fs:

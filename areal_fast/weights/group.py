@@ -50,6 +50,7 @@ class ServerFacts:
     pp_size: int = 1
     device: str | None = None
     gpu_ids: tuple[int, ...] | None = None  # the GPUs of its TP ranks on its host, when it says
+    engine: str | None = None  # "areal_fast.embedded" for our engine (it applies delta updates)
 
     @classmethod
     def from_info(cls, url: str, info: dict) -> ServerFacts:
@@ -66,7 +67,8 @@ class ServerFacts:
             step = int(info.get("gpu_id_step") or 1)
             gpu_ids = tuple(int(info["base_gpu_id"]) + step * r for r in range(tp))
         return cls(url=url, version=str(info.get("version") or ""), tp_size=tp, dp_size=num("dp_size"),
-                   pp_size=num("pp_size"), device=info.get("device"), gpu_ids=gpu_ids)
+                   pp_size=num("pp_size"), device=info.get("device"), gpu_ids=gpu_ids,
+                   engine=info.get("engine") if isinstance(info.get("engine"), str) else None)
 
     def check_layout(self) -> None:
         """``init_weights_update_group`` gives each TP rank the group rank ``rank_offset + tp_rank``:

@@ -51,6 +51,7 @@ from areal_fast.netutil import url_host
 from areal_fast.rollout.calls import BlockingCalls, RequestError, RetryPolicy, ServerError, no_answer_errors
 from areal_fast.rollout.engine.compat import needs_weight_update_sessions
 from areal_fast.weights.config import WeightSyncConfig
+from areal_fast.weights.delta import DeltaEncoder, wants_delta
 from areal_fast.weights.errors import WeightSyncError
 from areal_fast.weights.gather import Bucket, BucketGatherer, Sources, collect_sources, send_dtypes
 from areal_fast.weights.group import (
@@ -303,6 +304,14 @@ class _PendingSend:
             f.result()
 
 
+class _NothingSent:
+    def wait(self) -> None:
+        pass
+
+
+_NOTHING_SENT = _NothingSent()
+
+
 class DistributedWeightSync(WeightSync):
     """SGLang's distributed update protocol (see the module docstring)."""
 
@@ -319,6 +328,9 @@ class DistributedWeightSync(WeightSync):
         self._gatherer = BucketGatherer(self.config.bucket_bytes, group, device)
         self._broken: str | None = None
         self._stale_facts = True
+        # delta updates (weights/delta.py): the shadow of what the servers hold, rank 0 only
+        self.delta = (DeltaEncoder(self.config.delta_full_every, self.config.delta_max_changed)
+                      if self.config.delta != "off" else None)
 
     def mark_broken(self, reason: str) -> None:
         self._broken = reason[:300]
@@ -378,6 +390,8 @@ class DistributedWeightSync(WeightSync):
         self.pg, self._store = box["pg"], store
         self.group_tp = {u: facts[u].tp_size for u in self.urls}
         self.n_inits += 1
+        if self.delta is not None:
+            self.delta.invalidate()  # a new group: the servers' weights are not known to be the shadow
         self._stale_facts = False  # just read; the update that follows uses them
 
     def _send(self, prepared: tuple[Sources, list[torch.dtype]], version: str) -> None:
@@ -402,16 +416,32 @@ class DistributedWeightSync(WeightSync):
             if self.config.load_format == "flattened_bucket":
                 for layout in _bucket_layouts(self._gatherer.plan(src, dtypes), src, dtypes):
                     check_unpadded(*layout)
-            with self.session():
-                started = True
-                self._gatherer.run(src, dtypes, lambda b: self._send_bucket(b, version))
+            delta = self.delta if self.delta is not None and all(
+                wants_delta(self.config.delta, facts[u].engine) for u in self.urls) else None
+            if delta is not None:
+                delta.begin()
+            elif self.delta is not None:
+                self.delta.invalidate()
+            ok = False
+            try:
+                with self.session():
+                    started = True
+                    self._gatherer.run(src, dtypes, lambda b: self._send_bucket(b, version, delta))
+                ok = True
+            finally:
+                if delta is not None:
+                    delta.done(ok)  # a failed update leaves the servers' weights unknown: next one whole
         except Exception:
             if not started and src.n_ranks > 1:
                 self._gatherer.run(src, dtypes, None)  # the other ranks are gathering: take part, send nothing
             raise
 
-    def _send_bucket(self, bucket: Bucket, version: str) -> _PendingSend:
+    def _send_bucket(self, bucket: Bucket, version: str, delta: DeltaEncoder | None = None):
         cfg = self.config
+        if delta is not None:
+            bucket = delta.encode(bucket)  # only what changed since the last update; None: nothing
+            if bucket is None:
+                return _NOTHING_SENT
         body = bucket_request(bucket, version, cfg)
         what = f"bucket {bucket.index} ({len(bucket.names)} tensors, {bucket.names[0]} .. {bucket.names[-1]})"
         futs = [(u, self.http.submit(u, "/update_weights_from_distributed", body, what=what)) for u in self.urls]

@@ -15,6 +15,10 @@ Transfer layouts, in the order of ``names``:
   where tensor i-1 ends, no padding), as SGLang's ``FlattenedTensorBucket`` lays them out. A tensor
   whose byte offset is not a multiple of its element size cannot be viewed in place: SGLang 0.5.23
   refuses such a bucket before receiving, older releases fail after receiving it.
+
+Delta updates (``areal_fast.weights.delta``) arrive as ordinary entries with marked names
+(``NAME#delta_idx:SHAPE`` + ``NAME#delta_val``); :meth:`WeightReceiver.load` applies them in place with
+the delta codec's kernels. The server advertises it in /server_info as ``engine: areal_fast.embedded``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from areal_fast.weights.delta_wire import apply_named, check_delta, split_entries
 
 # Names SGLang skips on load (buffers recomputed by the model, never sent by a well-behaved trainer).
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -166,18 +172,26 @@ class WeightReceiver:
         return out
 
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the model (dtype cast); unknown names raise before any copy."""
-        todo = [(n, t) for n, t in named if not n.endswith(_SKIPPED_SUFFIXES)]
-        unknown = [n for n, _ in todo if n not in self._params]
+        """Copy HF-named tensors into the model (dtype cast) and apply delta entries in place
+        (``areal_fast.weights.delta_wire``: only the changed elements, bitwise); unknown names, bad
+        shapes and indices outside a parameter raise before anything is written."""
+        whole, deltas = split_entries(named)
+        todo = [(n, t) for n, t in whole if not n.endswith(_SKIPPED_SUFFIXES)]
+        deltas = {n: d for n, d in deltas.items() if not n.endswith(_SKIPPED_SUFFIXES)}
+        unknown = [n for n, _ in todo if n not in self._params] + [n for n in deltas if n not in self._params]
         if unknown:
             raise ValueError(f"unknown parameter names {unknown[:5]} (model has e.g. {list(self._params)[:3]})")
         for n, t in todo:
             p = self._params[n]
             if tuple(p.shape) != tuple(t.shape):
                 raise ValueError(f"shape mismatch for {n}: model {tuple(p.shape)}, received {tuple(t.shape)}")
+        for n, (shape, idx, _val) in deltas.items():
+            check_delta(n, self._params[n], shape, idx)
         with torch.no_grad():
             for n, t in todo:
                 self._params[n].copy_(t)
+            for n, (_shape, idx, val) in deltas.items():
+                apply_named(n, self._params[n], idx, val)
 
     def read_from_disk(self, model_path: str) -> list[tuple[str, torch.Tensor]]:
         """Every tensor of the ``*.safetensors`` files of a Hugging Face checkpoint directory."""

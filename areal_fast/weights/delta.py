@@ -1,0 +1,181 @@
+"""Delta weight sync: send only the elements that changed since the last update.
+
+After an optimizer step at RL learning rates most bf16 elements of the model do not change (the
+fp32 master moves by ~lr, less than half a bf16 step for most weights): 2.8 % per step at lr 1e-6
+on a Qwen3-0.6B-shaped model, ~85 % at the tiny example's 2e-4 (``bench/bench_delta.py``). So
+trainer rank 0 keeps a *shadow*: the bytes every server holds, as sent. For each bucket of an
+update, each 16-bit tensor is compared with its shadow (:mod:`areal_fast.weights.delta_codec`,
+a kernel) and travels as
+
+* nothing, when no element changed;
+* a delta, two entries ``NAME#delta_idx:SHAPE`` (int32 flat indices) and ``NAME#delta_val``
+  (the new values, in the tensor's dtype), when at most ``delta_max_changed`` of it changed;
+* itself, under its own name, otherwise (and every tensor that is not 16-bit).
+
+The entries of a bucket are laid out widest dtype first (8-, 4-, 2-, 1-byte), so every entry sits
+at a multiple of its element size and the bucket is a valid SGLang ``flattened_bucket``. A bucket
+whose tensors all stayed the same is not sent, unless it is the update's last (it carries the
+version and the cache flush): then it re-sends one unchanged element.
+
+Whole updates: the first after the transport (re)connects, every ``delta_full_every``-th, and the
+one after any failed update (the servers' state is then unknown). The shadow is updated as each
+bucket is encoded and thrown away when an update fails, so a delta is only ever computed against
+bytes every server acknowledged. Who applies deltas:
+
+* the embedded engine: natively (:func:`apply_named`, the codec's kernels);
+* SGLang: only a server launched with our model package (``weights.delta: on``, see
+  ``docs/weight_sync.md``); a stock SGLang server would skip the unknown names.
+
+The wire names and the server side (split an update's entries, write a delta into a parameter) are
+:mod:`areal_fast.weights.delta_wire`, which the servers import without the trainer's machinery.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from areal_fast.weights.delta_codec import MAX_WORDS, WORD_DTYPES, delta_apply, delta_encode
+from areal_fast.weights.delta_wire import DELTA_IDX, DELTA_VAL, delta_name
+from areal_fast.weights.gather import Bucket
+
+__all__ = ["DELTA_IDX", "DELTA_VAL", "DeltaEncoder", "DeltaStats", "wants_delta"]
+
+def wants_delta(mode: str, engine: str | None) -> bool:
+    """Does a server get deltas? ``auto``: the embedded engine (it applies them); ``on``: every server
+    (SGLang must run our model package, or it skips the entries); ``off``: none."""
+    return mode == "on" or (mode == "auto" and engine == "areal_fast.embedded")
+
+
+@dataclass
+class DeltaStats:
+    """What one update moved (trainer rank 0)."""
+
+    mode: str = "whole"  # 'whole' or 'delta'
+    bytes_sent: int = 0
+    bytes_whole: int = 0  # what sending everything would have taken
+    elements: int = 0  # 16-bit elements compared
+    changed: int = 0
+    tensors_whole: int = 0
+    tensors_delta: int = 0
+    buckets_skipped: int = 0
+
+    @property
+    def changed_frac(self) -> float:
+        return self.changed / self.elements if self.elements else 0.0
+
+
+@dataclass
+class _Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    data: torch.Tensor  # contiguous, any dtype
+
+
+@dataclass
+class DeltaEncoder:
+    """Trainer rank 0's shadow of what the servers hold, and the per-bucket choice (module docstring)."""
+
+    full_every: int = 10
+    max_changed: float = 0.25
+    backend: str | None = None
+    shadow: dict[str, torch.Tensor] = field(default_factory=dict)
+    since_full: int | None = None  # updates since the last whole one; None: the next is whole
+    stats: DeltaStats = field(default_factory=DeltaStats)
+
+    def begin(self) -> bool:
+        """Start an update; True if it may send deltas."""
+        delta = self.since_full is not None and self.since_full + 1 < self.full_every and bool(self.shadow)
+        if not delta:
+            self.shadow.clear()
+        self.stats = DeltaStats(mode="delta" if delta else "whole")
+        return delta
+
+    def done(self, ok: bool) -> None:
+        """End an update: count it, or forget everything after a failure."""
+        if not ok:
+            self.invalidate()
+        elif self.stats.mode == "whole":
+            self.since_full = 0
+        else:
+            self.since_full = (self.since_full or 0) + 1
+
+    def invalidate(self) -> None:
+        self.shadow.clear()
+        self.since_full = None
+
+    def encode(self, bucket: Bucket) -> Bucket | None:
+        """The bucket to send instead of ``bucket`` (None: send nothing), updating the shadow."""
+        st = self.stats
+        nbytes = int(bucket.data.numel())
+        st.bytes_whole += nbytes
+        if st.mode == "whole":
+            for i, name in enumerate(bucket.names):
+                if bucket.dtypes[i] in WORD_DTYPES:  # only 16-bit tensors ever travel as deltas
+                    self.shadow[name] = bucket.tensor(i).clone()
+            st.bytes_sent += nbytes
+            st.tensors_whole += len(bucket.names)
+            return bucket
+        entries: list[_Entry] = []
+        for i, name in enumerate(bucket.names):
+            entries.extend(self._encode_tensor(name, bucket.tensor(i)))
+        if not entries:
+            if not bucket.last:
+                st.buckets_skipped += 1
+                return None
+            entries = self._keepalive(bucket)
+        out = _pack(entries, bucket.index, bucket.last, bucket.data.device)
+        st.bytes_sent += int(out.data.numel())
+        return out
+
+    def _encode_tensor(self, name: str, t: torch.Tensor) -> list[_Entry]:
+        st = self.stats
+        old = self.shadow.get(name)
+        usable = (old is not None and t.dtype in WORD_DTYPES and old.dtype == t.dtype and old.shape == t.shape
+                  and 0 < t.numel() <= MAX_WORDS)
+        enc = None
+        if usable:
+            st.elements += t.numel()
+            limit = int(math.floor(self.max_changed * t.numel()))
+            enc = delta_encode(old, t, backend=self.backend, max_changed=limit)
+            if enc is None:
+                st.changed += t.numel()  # more than the limit; counted as all for the stats
+        if enc is None:
+            if t.dtype in WORD_DTYPES:
+                self.shadow[name] = t.clone()
+            st.tensors_whole += 1
+            return [_Entry(name, t.dtype, tuple(t.shape), t.contiguous())]
+        idx, val = enc
+        st.changed += idx.numel()
+        if idx.numel() == 0:
+            return []
+        delta_apply(old, idx, val, backend=self.backend, check=False)
+        st.tensors_delta += 1
+        return [_Entry(delta_name(name, t.shape), torch.int32, (idx.numel(),), idx),
+                _Entry(name + DELTA_VAL, t.dtype, (val.numel(),), val)]
+
+    def _keepalive(self, bucket: Bucket) -> list[_Entry]:
+        """One unchanged element of the bucket's first 16-bit tensor, as a delta (a bitwise no-op)."""
+        for i, name in enumerate(bucket.names):
+            t = bucket.tensor(i)
+            if t.dtype in WORD_DTYPES and t.numel():
+                idx = torch.zeros(1, dtype=torch.int32, device=t.device)
+                return [_Entry(delta_name(name, t.shape), torch.int32, (1,), idx),
+                        _Entry(name + DELTA_VAL, t.dtype, (1,), t.reshape(-1)[:1].clone())]
+        raise AssertionError("a bucket with no 16-bit tensor is always sent whole")
+
+
+def _pack(entries: list[_Entry], index: int, last: bool, device) -> Bucket:
+    """Entries back to back, widest element first (each at a multiple of its size, no padding)."""
+    entries = sorted(entries, key=lambda e: -e.dtype.itemsize)  # stable: deltas keep idx before val order
+    sizes = [e.data.numel() * e.dtype.itemsize for e in entries]
+    offsets = [int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]])] if entries else []
+    data = torch.empty(int(sum(sizes)), dtype=torch.uint8, device=device)
+    for e, off, n in zip(entries, offsets, sizes):
+        data[off : off + n].copy_(e.data.reshape(-1).view(torch.uint8))
+    return Bucket(index=index, names=[e.name for e in entries], dtypes=[e.dtype for e in entries],
+                  shapes=[e.shape for e in entries], offsets=offsets, data=data, last=last)
