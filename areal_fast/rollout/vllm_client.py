@@ -20,7 +20,6 @@ The request id of a segment is the shared client's server rid (``rid|k|``, ``rid
 from __future__ import annotations
 
 import asyncio
-import json
 from array import array
 
 from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY, Segment, token_versions
@@ -80,9 +79,10 @@ class VLLMRolloutClient(RolloutClient):
     async def _post_segment(self, server: ServerState, payload: dict, attempt_rid: str, max_body: int) -> Segment:
         b = self.behaviour(server)
         ids = payload["input_ids"]
-        if hasattr(ids, "contents"):  # the shared client's pre-encoded ids (an orjson Fragment)
-            ids = json.loads(ids.contents)
-        body = completion_body(ids, payload["sampling_params"], attempt_rid, b)
+        if isinstance(ids, list | tuple):
+            body = completion_body(ids, payload["sampling_params"], attempt_rid, b)
+        else:  # the shared client's pre-encoded ids (an orjson Fragment): sent as they are
+            body = {**completion_body([0], payload["sampling_params"], attempt_rid, b), "prompt": ids}
         where = f"{server.url}{COMPLETIONS_PATH} (request_id {attempt_rid!r})"
         data = await self._call(server, "POST", COMPLETIONS_PATH, body, timeout_s=self.request_timeout_s,
                                 max_body=max_body)

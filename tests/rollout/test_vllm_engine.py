@@ -130,6 +130,28 @@ def test_keep_pause_keeps_the_request_across_a_disk_update(twin, new_weights):
     assert v[0] == 0 and v[-1] == 1 and v == sorted(v), "tokens labelled by the weights that made them"
 
 
+def test_abort_pause_resubmits_prompt_plus_partial_output(twin):
+    """An abort pause ends the request with what it has; after /resume the shared client resubmits
+    prompt + output so far (its pre-encoded ids) and stitches the two segments."""
+    sched = twin.server.scheduler
+
+    async def run():
+        async with VLLMRolloutClient([twin.url], vllm_version="0.33.0", pause_mode="abort") as c:
+            task = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 300, "ignore_eos": True,
+                                                           "temperature": 1.0}, rid="cut"))
+            deadline = time.monotonic() + 60
+            while not any(len(r.output_ids) >= 2 for r in list(sched._rows)):
+                assert time.monotonic() < deadline and not task.done(), "the request never started"
+                await asyncio.sleep(0.005)
+            await c.pause_all()
+            await asyncio.sleep(0.05)
+            await c.continue_all()
+            return await asyncio.wait_for(task, 120)
+
+    s = asyncio.run(run())
+    assert s.num_segments == 2 and len(s.output_ids) == 300 and not s.aborted
+
+
 def test_routes_follow_the_release_0_11(model_dir, new_weights):
     h = start_engine_in_thread(model_dir, seed=1, api="vllm", vllm_version="0.11.0")
     calls = VLLMDiskCalls(timeout_s=60)
