@@ -110,6 +110,7 @@ class TinyChatTemplate:
         return text, []
 
 
+_MARK = "AREALFASTMARK"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
@@ -123,6 +124,7 @@ class HFChatTemplate:
         if not getattr(self.tok, "chat_template", None):
             raise ValueError(f"tokenizer {type(self.tok).__name__} has no chat template")
         self.eos = self.tok.eos_token_id
+        self._tail: str | None = None
 
     def _text(self, messages, tools, generation_prompt: bool) -> str:
         if not messages:
@@ -151,7 +153,16 @@ class HFChatTemplate:
         return ids, ends
 
     def close_turn(self, output_ids) -> list[int]:
-        return [] if len(output_ids) and output_ids[-1] == self.eos else [self.eos]
+        """What the template writes after an assistant message's text (Qwen: ``<|im_end|>\n``), less
+        the end-of-turn token when the model wrote it."""
+        if self._tail is None:
+            text = self._text((Message("user", "x"), Message("assistant", _MARK)), (), False)
+            self._tail = text[text.rindex(_MARK) + len(_MARK):]
+        tail = self._tail
+        eos_text = self.tok.decode([self.eos]) if self.eos is not None else ""
+        if len(output_ids) and output_ids[-1] == self.eos and eos_text and tail.startswith(eos_text):
+            tail = tail[len(eos_text):]
+        return self._ids(tail)
 
     def parse(self, output_ids, tools):
         text = self.tok.decode(list(output_ids), skip_special_tokens=True)
