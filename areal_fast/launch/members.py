@@ -102,8 +102,11 @@ def read_target(out) -> Target | None:
     return Target(int(d["n_servers"]), [str(u).rstrip("/") for u in d.get("remove") or []])
 
 
-def write_pool(out, urls: list[str], joining: list[str]) -> None:
-    write_json(servers_dir(out) / POOL_FILE, {"urls": list(urls), "joining": list(joining), "time": time.time()})
+def write_pool(out, urls: list[str], joining: list[str], generation: int = 0) -> None:
+    """Rank 0's pool, the servers waiting to join, and the weight group's generation (a resume that
+    reuses kept servers destroys their groups up to it: ``launch.reuse``)."""
+    write_json(servers_dir(out) / POOL_FILE, {"urls": list(urls), "joining": list(joining), "generation": generation,
+                                              "time": time.time()})
 
 
 def read_pool(out) -> dict | None:

@@ -57,7 +57,8 @@ async def watch_members(rollout, syncer, out: Path, every_s: float = WATCH_S) ->
         except Exception:  # noqa: BLE001 - the next look tries again
             log.exception("following servers/members.json failed")
         membership = getattr(syncer, "membership", None)
-        state = (list(rollout.urls), list(membership.joining) if membership else [])
+        state = (list(rollout.urls), list(membership.joining) if membership else [],
+                 membership.generation if membership else 0)
         if state != last:
             write_pool(out, *state)
             last = state

@@ -28,8 +28,9 @@ import signal
 from pathlib import Path
 
 from areal_fast.launch.base import SECRETS_DIR, LaunchedProcess, pid_alive
-from areal_fast.launch.members import MEMBERS_FILE, Member, read_json, read_members, servers_dir
+from areal_fast.launch.members import MEMBERS_FILE, POOL_FILE, Member, read_json, read_members, servers_dir
 from areal_fast.launch.run_dir import open_private
+from areal_fast.weights.membership import group_name_of
 
 log = logging.getLogger(__name__)
 KEY_FILE = "servers.key"
@@ -120,9 +121,31 @@ def kept_model(out: Path) -> str | None:
     return d.get("model") if isinstance(d, dict) else None
 
 
-def reuse_kept_servers(out: Path, model: str, ckpt_version: int, say=print) -> tuple[list[LaunchedProcess], str | None]:
-    """The kept servers of the previous run of ``out`` fit for reuse (as processes to adopt) and
-    their key; the others are stopped. ([], None) when there are none."""
+def release_groups(url: str, key: str | None, names: list[str]) -> None:
+    """Destroy the weight-update groups ``names`` that the crashed run left on a kept server (best
+    effort: a name it does not hold is refused, which is fine). Its groups must go: SGLang and the
+    embedded engine refuse a second group of one name, and the new run's first group takes the
+    configured name again."""
+    from areal_fast.weights.errors import WeightSyncError
+    from areal_fast.weights.sync import SyncCalls
+
+    calls = SyncCalls(timeout_s=30.0, api_key=key)
+    try:
+        for name in names:
+            try:
+                calls.call(url, "/destroy_weights_update_group", {"group_name": name})
+                log.info("kept server %s: the crashed run's weight group %r destroyed", url, name)
+            except WeightSyncError:
+                pass
+    finally:
+        calls.close()
+
+
+def reuse_kept_servers(out: Path, model: str, ckpt_version: int, say=print,
+                       group_name: str = "weight_update_group") -> tuple[list[LaunchedProcess], str | None]:
+    """The kept servers of the previous run of ``out`` fit for reuse (as processes to adopt, the
+    crashed run's weight groups destroyed) and their key; the others are stopped. ([], None) when
+    there are none."""
     members = [m for m in (read_members(out) or []) if is_kept_server(m.pid)]
     key = kept_key(out)
     if not members:
@@ -134,6 +157,9 @@ def reuse_kept_servers(out: Path, model: str, ckpt_version: int, say=print) -> t
         say(f"kept server {m.name} ({m.url}, pid {m.pid}): {'reused' if ok else 'not reused'}: {why}")
         (keep if ok else drop).append(m)
     stop_kept(drop, "not fit for reuse")
+    last = (read_json(servers_dir(out) / POOL_FILE) or {}).get("generation") or 0
+    for m in keep:  # up to one generation past the last one rank 0 published (it may have re-formed since)
+        release_groups(m.url, key, [group_name_of(group_name, g) for g in range(int(last) + 2)])
     procs = [LaunchedProcess(name=m.name, log_path=Path(m.log), url=m.url, critical=False, pid=m.pid, node=m.node,
                              extra={"slot": m.slot}) for m in keep]
     return procs, key if keep else None

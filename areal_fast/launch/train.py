@@ -138,7 +138,8 @@ def kept_servers(cfg, kind: ServerKind, out: Path, model: str, say=print) -> tup
     from areal_fast.checkpoint import newest_readable_state
 
     found = newest_readable_state(checkpoints_dir(out))
-    return reuse.reuse_kept_servers(out, model, int(found[1]["version"]) if found else 0, say)
+    return reuse.reuse_kept_servers(out, model, int(found[1]["version"]) if found else 0, say,
+                                    group_name=cfg.weights.group_name)
 
 
 @contextmanager
