@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
-import os
 import shutil
 import subprocess
 import sys
@@ -36,7 +35,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 import sglang_wheel as _sw
 
 __all__ = ["vllm_module", "source_dir", "source_dir_or_skip"]
@@ -44,7 +42,8 @@ __all__ = ["vllm_module", "source_dir", "source_dir_or_skip"]
 GPU_ONLY = _sw.GPU_ONLY + ("vllm_flash_attn", "flashinfer", "triton", "xformers", "ray", "cupy", "nixl",
                            "deep_gemm", "lmcache", "mistral_common", "cbor2", "numba", "cv2", "soundfile",
                            "librosa", "gguf", "blake3", "setproctitle", "prometheus_client",
-                           "prometheus_fastapi_instrumentator", "zmq", "uvloop", "watchfiles", "model_hosting_container_standards")
+                           "prometheus_fastapi_instrumentator", "zmq", "uvloop", "watchfiles",
+                           "model_hosting_container_standards")
 # vLLM's own GPU runtime, imported by its config modules at module level (custom ops registered
 # with torch.library at import time): stubbed like a GPU-only package. Request types do not use it.
 RUNTIME_SUBPACKAGES = ("vllm.model_executor", "vllm.distributed", "vllm.platforms", "vllm.config")

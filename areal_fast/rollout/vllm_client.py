@@ -106,7 +106,8 @@ class VLLMRolloutClient(RolloutClient):
             return  # 0.11: closing the connection (done by the timeout) is vLLM's abort
         try:
             async with asyncio.timeout(ABORT_TIMEOUT_S):
-                await self._call(server, "POST", "/abort_requests", abort_body([server_rid_]), timeout_s=ABORT_TIMEOUT_S)
+                await self._call(server, "POST", "/abort_requests", abort_body([server_rid_]),
+                                 timeout_s=ABORT_TIMEOUT_S)
         except (RolloutError, *no_answer_errors()):
             pass
 

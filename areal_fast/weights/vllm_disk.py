@@ -33,7 +33,7 @@ class VLLMDiskCalls(SyncCalls):
             return super().all(urls, path, body, method)
         futs = [(u, self._calls.run(lambda calls, u=u: self._async_update(calls, u, body))) for u in urls]
         errors = []
-        for u, f in futs:
+        for _u, f in futs:
             try:
                 f.result()
             except WeightSyncError as e:

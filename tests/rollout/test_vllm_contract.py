@@ -75,8 +75,8 @@ def test_a_misspelt_key_is_caught_by_the_field_check(version):
 def _route_params(version: str, path: str) -> tuple[str, str] | None:
     """The handler's parameter list of ``@router.post(path)`` in the release's sources, or None."""
     root = source_dir_or_skip(version) / "vllm" / "entrypoints"
-    pat = re.compile(r'@(?:router|app)\.post\(\s*"' + re.escape(path) + r'"[^)]*\)\s*\n\s*async def \w+\((.*?)\)\s*(?:->[^:]*)?:',
-                     re.S)
+    pat = re.compile(r'@(?:router|app)\.post\(\s*"' + re.escape(path)
+                     + r'"[^)]*\)\s*\n\s*async def \w+\((.*?)\)\s*(?:->[^:]*)?:', re.S)
     for f in root.rglob("*.py"):
         m = pat.search(f.read_text(encoding="utf-8"))
         if m:

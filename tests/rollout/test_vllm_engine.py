@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,8 +22,14 @@ import pytest
 from tolerances import ENGINE_LOGPROB_ATOL
 
 from areal_fast.rollout.engine import start_engine_in_thread
-from areal_fast.rollout.testing import build_tiny_qwen2, hf_greedy, hf_logprobs, load_hf, perturbed_state_dict, \
-    save_state_dict
+from areal_fast.rollout.testing import (
+    build_tiny_qwen2,
+    hf_greedy,
+    hf_logprobs,
+    load_hf,
+    perturbed_state_dict,
+    save_state_dict,
+)
 from areal_fast.rollout.vllm_client import VLLMRolloutClient
 from areal_fast.weights.errors import WeightSyncError
 from areal_fast.weights.vllm_disk import VLLMDiskCalls
@@ -182,6 +187,3 @@ def test_pause_in_abort_mode_refuses_new_completions_until_resume(twin):
     assert _post(twin.url + "/pause?mode=retract")[0] == 422
     assert _post(twin.url + "/resume")[0] == 200
     assert _post(twin.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200
-
-
-_ = threading  # watchdogs below use threads if a call hangs

@@ -185,7 +185,8 @@ class VLLMRoutes:
         if ids:
             n = 0
             for rid in ids:  # the scheduler aborts by prefix; our request ids are never a prefix of another
-                n += await self.s._on_scheduler(lambda rid=str(rid): self.s.scheduler.abort(rid, "Abort by abort_requests"))
+                n += await self.s._on_scheduler(
+                    lambda rid=str(rid): self.s.scheduler.abort(rid, "Abort by abort_requests"))
         else:
             n = await self.s._on_scheduler(lambda: self.s.scheduler.abort(None, "Abort by abort_requests"))
         return web.json_response({"status": "aborted", "aborted": n})
@@ -205,8 +206,8 @@ class VLLMRoutes:
         if method != "reload_weights":
             return _vllm_error(f"collective_rpc method {method!r} is not served by the embedded engine", 500)
         if "weights_path" in kwargs and not self.b.reloads_from_path:
-            return _vllm_error(f"reload_weights() got an unexpected keyword argument 'weights_path' (vLLM {self.b.version})",
-                               500)
+            return _vllm_error(f"reload_weights() got an unexpected keyword argument 'weights_path' "
+                               f"(vLLM {self.b.version})", 500)
         path = kwargs.get("weights_path") or self.s.model_path
         named = await asyncio.get_running_loop().run_in_executor(None, self.s.receiver.read_from_disk, path)
         await self.s._on_scheduler(lambda: self.s.receiver.load(named))
