@@ -121,7 +121,7 @@ def build_prompt(calls: list[ChatCall], req: ChatRequest, template: ChatTemplate
 def _cut_at_stop(template, sample: Sample, stops: tuple[str, ...]) -> bool:
     """Cut ``sample``'s output after the first stop string it contains (tokens are kept up to the
     one that completes it; the rest was sampled after the stop and is dropped). True when cut."""
-    decode = getattr(template, "tok").decode
+    decode = template.tok.decode
     ids = list(sample.output_ids)
     text = decode(ids)
     if not any(s in text for s in stops):

@@ -11,7 +11,6 @@ import json
 
 import pytest
 
-from areal_fast.agent.client import AgentClient
 from areal_fast.agent.request import ChatRequestError
 from areal_fast.agent.server import AgentServer
 from areal_fast.agent.trajectories import assemble
