@@ -139,3 +139,27 @@ def test_server_command_flags_are_vllm_flags(version):
         field = flag[2:].replace("-", "_")
         assert f'"{flag}"' in text or re.search(rf"\b{field}\b", text), f"vLLM {version} has no flag {flag}"
     assert (source_dir_or_skip(version) / "vllm/entrypoints/openai/api_server.py").is_file()
+
+
+def _dataclass_fields(text: str, cls: str) -> set[str]:
+    """The annotated field names of ``class cls`` in a source text (up to the next class)."""
+    m = re.search(rf"^class {cls}\b.*?(?=^class |\Z)", text, re.S | re.M)
+    assert m, f"class {cls} not found"
+    return set(re.findall(r"^    (\w+): ", m.group(0), re.M))
+
+
+@pytest.mark.parametrize("version", CONTRACT_VERSIONS)
+def test_nccl_transfer_infos_are_vllm_dataclass_fields(version):
+    """init_info / update_info are plain dicts at the HTTP layer; the NCCL engine builds its
+    dataclasses from them, so every key we send must be a field (and every required one sent)."""
+    b = VLLMBehaviour.of(version)
+    wt = source_dir_or_skip(version) / "vllm/distributed/weight_transfer"
+    if not b.has_weight_transfer:
+        assert not wt.is_dir() or not list(wt.glob("nccl*.py"))
+        return
+    text = "\n".join(p.read_text(encoding="utf-8") for p in wt.glob("nccl*.py"))
+    init = vr.init_transfer_body("10.0.0.1", 29500, 1, 2)["init_info"]
+    assert set(init) <= _dataclass_fields(text, "NCCLWeightTransferInitInfo")
+    upd = vr.update_transfer_body(["w"], ["float32"], [[2, 3]])["update_info"]
+    assert set(upd) <= _dataclass_fields(text, "NCCLWeightTransferUpdateInfo")
+    assert {"names", "dtype_names", "shapes"} == set(upd)
