@@ -24,8 +24,9 @@ class WeightSyncConfig:
     """How new weights reach the inference servers after each trainer step."""
 
     method: str = "distributed"
-    """'distributed' (NCCL / gloo broadcast of flattened buckets; falls back to disk for the rest
-    of the run when a server of the group dies) or 'disk' (safetensors + /update_weights_from_disk)."""
+    """'distributed' (NCCL / gloo broadcast of flattened buckets; when the servers change, a server
+    dies or joins, the group is formed again over the new ones: docs/elastic.md) or 'disk'
+    (safetensors + /update_weights_from_disk)."""
     bucket_bytes: int = 256 << 20
     """Largest flattened bucket (bytes); a larger tensor travels alone."""
     dtype: str | None = "auto"
