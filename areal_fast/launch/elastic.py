@@ -111,6 +111,7 @@ class ServerSupervisor:
         dead = [(slot, p) for slot, p in self.members.items() if not p.alive()]
         for slot, p in dead:
             del self.members[slot]
+            release_dead(p)
             if not self.relaunch:
                 self.target -= 1
             log.warning("server %s (%s) is gone%s: %s", p.name, p.url,
@@ -134,6 +135,7 @@ class ServerSupervisor:
     def _failed(self, s: _Starting, why: str) -> None:
         self.starting.remove(s)
         self._forget_key(s)
+        release_dead(s.proc)
         self.failed_starts += 1
         log.error("server %s (%s) failed to start (%d in a row): %s", s.proc.name, s.proc.url, self.failed_starts, why)
         if self.failed_starts == MAX_FAILED_STARTS:
@@ -243,7 +245,7 @@ def start_server(launcher, rollout_cfg, model_path: str, slot: int, name: str, *
     own = getattr(launcher, "start_server", None)
     if own is not None:
         return own(rollout_cfg, model_path, slot, name, seed=seed, key_file=key_file)
-    return _ray_start_server(launcher, rollout_cfg, model_path, name, seed=seed, key_file=key_file)
+    return _ray_start_server(launcher, rollout_cfg, model_path, slot, name, seed=seed, key_file=key_file)
 
 
 def stop_server(launcher, p: LaunchedProcess) -> None:
@@ -253,19 +255,45 @@ def stop_server(launcher, p: LaunchedProcess) -> None:
         launcher.stop_process(p, STOP_GRACE_S)
 
 
-def _ray_start_server(launcher, rollout_cfg, model_path: str, name: str, *, seed: int,
+def release_dead(p: LaunchedProcess) -> None:
+    """A dead server's Ray actor still holds its placement-group bundle: kill it, so the replacement
+    can take the bundle (same node, same GPU)."""
+    if p.actor is not None:
+        from areal_fast.launch.ray_launcher import _ray
+
+        try:
+            _ray().kill(p.actor)
+        except Exception as e:  # noqa: BLE001 - already gone
+            log.info("killing the actor of dead server %s: %s", p.name, e)
+
+
+def _ray_start_server(launcher, rollout_cfg, model_path: str, slot: int, name: str, *, seed: int,
                       key_file: Path | None) -> LaunchedProcess:
-    """One more server on the Ray cluster: a placement group of one bundle sized as the run's
-    servers are (``RayLauncher.start_servers``), its host actor, the command."""
+    """One server on the Ray cluster: a host actor in bundle ``slot`` of the run's server placement
+    group (its previous actor killed: :func:`release_dead`), or for a slot past it a new placement
+    group of one bundle sized as the run's servers are (``RayLauncher.start_servers``)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     from areal_fast.launch.base import HOST_ENV, PYTHON, gpus_per_server, server_command, server_env
-    from areal_fast.launch.ray_launcher import _ray, _resources
+    from areal_fast.launch.ray_launcher import ProcessHost, _ray, _resources
     from areal_fast.netutil import url_host
 
     ray, r, rc = _ray(), rollout_cfg, launcher.cfg
     gpus = rc.gpus_per_server if rc.gpus_per_server is not None else gpus_per_server(r)
-    bundles = [_resources(rc.cpus_per_server or float(r.threads_per_server), gpus)]
-    pg = launcher._placement_group(bundles, "PACK", name)
-    (actor, info), = launcher._hosts(pg, bundles, name)
+    bundle = _resources(rc.cpus_per_server or float(r.threads_per_server), gpus)
+    servers_pg = [g for g in launcher.groups if getattr(g, "bundle_count", 0) > slot and
+                  ray.util.placement_group_table(g).get("name", "").endswith("-servers")]
+    if servers_pg:
+        pg, index = servers_pg[0], slot
+    else:
+        pg, index = launcher._placement_group([bundle], "PACK", name), 0
+    actor = ray.remote(ProcessHost).options(
+        name=f"areal-{launcher.run_id}-{name}", num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index,
+                                                             placement_group_capture_child_tasks=False),
+    ).remote(launcher.node_log_dir)
+    launcher.actors.append(actor)
+    info = ray.get(actor.info.remote(), timeout=rc.placement_timeout)
     host = launcher.host_for(info["node_ip"])
     port = ray.get(actor.free_port.remote(host))
     cmd = server_command(r, model_path, host, port, seed=seed, api_key_file=key_file, python=PYTHON)
