@@ -99,14 +99,17 @@ def apply_update(transports: dict, spec, version: int, state) -> None:
     ws = transports.get(spec)
     if ws is None:
         for old in [s for s in transports if s.method == spec.method]:
-            close_superseded(transports.pop(old))  # servers changed: the group is formed again
+            close_superseded(transports.pop(old), spec.urls)  # servers changed: the group is formed again
         ws = transports[spec] = spec.build()
     ws.update(state, version)
 
 
-def close_superseded(transport) -> None:
-    """Close a transport whose servers changed (``weights.membership``): its group is destroyed on the
-    servers still alive and on this rank; a server that is gone is only logged."""
+def close_superseded(transport, still_members) -> None:
+    """Close a transport whose servers changed (``weights.membership``): its group is destroyed on this
+    rank and on the servers that are members of the new group (the others died, hung or left: a call
+    to a hung one would wait for the whole sync timeout)."""
+    if hasattr(transport, "urls"):
+        transport.urls = [u for u in transport.urls if u in set(still_members)]
     try:
         transport.close()
     except Exception as e:  # noqa: BLE001 - the old group may have a dead member; the new one does not
