@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import re
@@ -120,6 +121,187 @@ def fraction_markdown(rows: list[dict]) -> str:
             cells.append(f"{np.mean(fr):.3%}" if fr else "-")
         out.append(f"| `{k}` | {rows[0]['per_kind'][k]['numel']:,} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------------------------------ gloo
+def _gloo_shapes(n_params: float) -> dict[str, tuple[int, ...]]:
+    """Qwen-like tensors (hidden 1024, MLP 4096, vocab 16384) summing to about ``n_params``."""
+    h, inter = 1024, 4096
+    out = {"model.embed_tokens.weight": (16384, h), "model.norm.weight": (h,)}
+    layer = 4 * h * h + 3 * h * inter
+    for i in range(max(1, int((n_params - 16384 * h) // layer))):
+        p = f"model.layers.{i}."
+        out |= {p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (h, h),
+                p + "self_attn.v_proj.weight": (h, h), p + "self_attn.o_proj.weight": (h, h),
+                p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter), p + "input_layernorm.weight": (h,)}
+    return out
+
+
+def _digest(tensors) -> str:
+    import hashlib
+
+    d = hashlib.sha256()
+    for t in tensors:
+        d.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return d.hexdigest()
+
+
+def _receiver_main(shapes, port_q, stop_ev):
+    """A server (tp 1) that loads through the embedded engine's WeightReceiver: whole tensors and
+    deltas, exactly as the engine does; says engine: areal_fast.embedded like the engine."""
+    import asyncio
+
+    from aiohttp import web
+
+    from areal_fast.rollout.engine.weight_sync import TensorMeta, WeightReceiver, parse_dtype
+
+    model = torch.nn.Module()
+    for n, s in shapes.items():
+        mod = model
+        for part in n.split(".")[:-1]:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(n.split(".")[-1], torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16),
+                                                                    requires_grad=False))
+    recv = WeightReceiver(model, timeout_s=300)
+
+    async def handle(request):
+        body = await request.json() if request.method == "POST" else {}
+        p, loop = request.path, asyncio.get_running_loop()
+        if p in ("/server_info", "/get_server_info"):
+            return web.json_response({"tp_size": 1, "version": "0.5.20", "engine": "areal_fast.embedded"})
+        if p == "/init_weights_update_group":
+            await loop.run_in_executor(None, lambda: recv.init_group(
+                body["master_address"], body["master_port"], body["rank_offset"], body["world_size"],
+                body["group_name"], body["backend"]))
+        elif p == "/update_weights_from_distributed":
+            metas = [TensorMeta(n, parse_dtype(d), tuple(s)) for n, d, s in
+                     zip(body["names"], body["dtypes"], body["shapes"])]
+            named = await loop.run_in_executor(None, recv.receive, metas, body["group_name"], body["load_format"])
+            await loop.run_in_executor(None, recv.load, named)
+        elif p == "/digest":
+            return web.json_response({"digest": _digest(p for _n, p in model.named_parameters())})
+        elif p == "/destroy_weights_update_group":
+            recv.destroy_group(body["group_name"])
+        return web.json_response({"success": True, "message": ""})
+
+    async def amain():
+        app = web.Application(client_max_size=1 << 26)
+        app.router.add_route("*", "/{t:.*}", handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port_q.put(site._server.sockets[0].getsockname()[1])
+        while not stop_ev.is_set():
+            await asyncio.sleep(0.1)
+        await runner.cleanup()
+
+    asyncio.run(amain())
+
+
+def _perturb(state: dict[str, torch.Tensor], frac: float, g: torch.Generator) -> None:
+    """Move ``frac`` of the fp32 master by 1/128 relative: every moved element changes its bf16 value."""
+    for t in state.values():
+        m = torch.rand(t.shape, generator=g) < frac
+        t[m] *= 1 + 2**-7
+
+
+def bench_gloo(n_params: float, frac: float, updates: int = 4, bucket_mb: int = 64) -> list[dict]:
+    from areal_fast.weights.sync import DistributedWeightSync, SyncCalls, WeightSyncConfig
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    shapes = _gloo_shapes(n_params)
+    ctx = mp.get_context("spawn")
+    rows = []
+    for mode in ("off", "auto"):
+        q, stop = ctx.Queue(), ctx.Event()
+        proc = ctx.Process(target=_receiver_main, args=(shapes, q, stop), daemon=True)
+        proc.start()
+        try:
+            url = f"http://127.0.0.1:{q.get(timeout=120)}"
+            g = torch.Generator().manual_seed(0)
+            state = {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()}
+            sync = DistributedWeightSync([url], WeightSyncConfig(bucket_bytes=bucket_mb << 20, dtype="bfloat16",
+                                                                 backend="gloo", timeout_s=300, delta=mode,
+                                                                 delta_full_every=updates + 1))
+            sync.connect()
+            sync.update(state, 0)  # whole: plan, buffers, the shadow
+            secs, sent, whole, changed = [], [], [], []
+            for v in range(1, updates + 1):
+                _perturb(state, frac, g)
+                t = time.perf_counter()
+                sync.update(state, v)
+                secs.append(time.perf_counter() - t)
+                st = sync.delta.stats if sync.delta is not None else None
+                nbytes = sum(math.prod(s) * 2 for s in shapes.values())
+                sent.append(st.bytes_sent if st else nbytes)
+                whole.append(st.bytes_whole if st else nbytes)
+                changed.append(st.changed_frac if st else float("nan"))
+            calls = SyncCalls()
+            got = calls.call(url, "/digest", {})["digest"]
+            calls.close()
+            want = _digest(t.to(torch.bfloat16) for t in state.values())
+            sync.close()
+            rows.append({"part": "gloo", "delta": mode, "params": sum(math.prod(s) for s in shapes.values()),
+                         "target_changed_frac": frac, "changed_frac": float(np.nanmean(changed)),
+                         "updates": updates, "bytes_whole": int(np.median(whole)), "bytes_sent": int(np.median(sent)),
+                         "sent_over_whole": float(np.median(sent) / np.median(whole)),
+                         "update_s_median": float(np.median(secs)), "update_s": secs,
+                         "bitwise_equal_to_trainer": got == want, "bucket_bytes": bucket_mb << 20})
+            print(json.dumps(rows[-1]), flush=True)
+        finally:
+            stop.set()
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------- sim
+SIM_MODELS = {"Qwen2.5-7B": 7.62e9, "Qwen2.5-32B": 32.76e9}  # parameters, from their config.json
+# GPU side of a delta, per update: the encode reads the shadow and the new bucket (2 x 2 bytes per
+# element) and writes 6 bytes per change, plus the shadow update (a scatter); the server's apply
+# is a scatter. A scattered 2-byte write costs a 32-byte sector: 32 bytes per change, each side.
+HBM_BYTES_PER_S = 3.35e12 * 0.7  # H100 SXM HBM3 at 70 %, as bench_async_speedup's decode model
+SECTOR_BYTES = 32
+
+
+def sim_constants() -> dict:
+    """The weight-sync constants of the GPU simulator (bench/bench_async_speedup.py), so both agree."""
+    try:
+        from bench_async_speedup import CONSTANTS
+
+        return {"nccl_bytes_per_s": CONSTANTS["nccl_bytes_per_s"][0], "sync_fixed_s": CONSTANTS["sync_fixed_s"][0]}
+    except Exception:  # noqa: BLE001 - the simulator is being edited or cannot import: its values of today
+        return {"nccl_bytes_per_s": 25e9, "sync_fixed_s": 1.0}
+
+
+def bench_sim(frac: float, full_every: int = 10) -> list[dict]:
+    c = sim_constants()
+    rows = []
+    for name, n in SIM_MODELS.items():
+        for f in (frac, 0.8):
+            whole_b = 2 * n
+            delta_b = 6 * f * n if f <= 0.25 else whole_b  # above delta_max_changed every tensor goes whole
+            if f <= 0.25:  # count + encode passes, shadow scatter; the server's scatter
+                encode_s = (4 * n + (6 + 2 * SECTOR_BYTES) * f * n) / HBM_BYTES_PER_S
+                apply_s = (6 * f * n + SECTOR_BYTES * f * n) / HBM_BYTES_PER_S
+            else:  # the count refuses every tensor: one read of both, then the shadow copied
+                encode_s, apply_s = 6 * n / HBM_BYTES_PER_S, 0.0
+            whole_s = c["sync_fixed_s"] + whole_b / c["nccl_bytes_per_s"]
+            delta_s = c["sync_fixed_s"] + delta_b / c["nccl_bytes_per_s"] + encode_s + apply_s
+            shadow_s = 2 * n / HBM_BYTES_PER_S  # a whole update in delta mode also fills the shadow
+            mean_s = ((full_every - 1) * delta_s + whole_s + shadow_s) / full_every
+            rows.append({"part": "sim", "model": name, "params": n, "changed_frac": f, "bytes_whole": whole_b,
+                         "bytes_delta": delta_b, "wire_s_whole": whole_b / c["nccl_bytes_per_s"],
+                         "wire_s_delta": delta_b / c["nccl_bytes_per_s"], "encode_s": encode_s, "apply_s": apply_s,
+                         "sync_s_whole": whole_s, "sync_s_delta": delta_s, "full_every": full_every,
+                         "sync_s_delta_mean": mean_s, "speedup": whole_s / mean_s, **c,
+                         "hbm_bytes_per_s": HBM_BYTES_PER_S})
+    return rows
 
 
 PARTS = ("fraction", "gloo", "sim")

@@ -58,8 +58,9 @@ class WeightSyncConfig:
     a shared file system. false: the disk path is refused (``docs/multinode.md``)."""
     delta: str = "auto"
     """Delta updates (``docs/weight_sync.md``): after a whole update, send only the elements that
-    changed. 'auto': to servers that apply them (the embedded engine); SGLang servers get whole
-    updates, because a stock SGLang skips the delta entries (it would keep stale weights); 'on':
+    changed. 'auto': to servers that apply them (the embedded engine) from a CUDA trainer; SGLang
+    servers get whole updates, because a stock SGLang skips the delta entries (it would keep stale
+    weights), and a CPU trainer too (its encode costs more than the bytes it saves); 'on':
     to every server (SGLang launched with ``SGLANG_EXTERNAL_MODEL_PACKAGE=areal_fast.weights.sglang_models``);
     'off': never. Trainer rank 0 keeps a copy of the sent weights (one model in the sent dtype)."""
     delta_full_every: int = 10

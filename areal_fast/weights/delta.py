@@ -44,10 +44,13 @@ from areal_fast.weights.gather import Bucket
 
 __all__ = ["DELTA_IDX", "DELTA_VAL", "DeltaEncoder", "DeltaStats", "wants_delta"]
 
-def wants_delta(mode: str, engine: str | None) -> bool:
-    """Does a server get deltas? ``auto``: the embedded engine (it applies them); ``on``: every server
-    (SGLang must run our model package, or it skips the entries); ``off``: none."""
-    return mode == "on" or (mode == "auto" and engine == "areal_fast.embedded")
+def wants_delta(mode: str, engine: str | None, on_cuda: bool) -> bool:
+    """Does a server get deltas? ``on``: every server (SGLang must run our model package, or it skips
+    the entries); ``off``: none; ``auto``: servers that apply them (the embedded engine) when the
+    trainer's tensors are on CUDA, where encoding runs at HBM speed and the wire is the bottleneck.
+    From a CPU trainer the encode costs more than the bytes it saves (``bench/bench_delta.py`` gloo:
+    2.85 s against 1.60 s per update on loopback, 7 % of the bytes)."""
+    return mode == "on" or (mode == "auto" and on_cuda and engine == "areal_fast.embedded")
 
 
 @dataclass

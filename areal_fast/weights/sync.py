@@ -416,8 +416,9 @@ class DistributedWeightSync(WeightSync):
             if self.config.load_format == "flattened_bucket":
                 for layout in _bucket_layouts(self._gatherer.plan(src, dtypes), src, dtypes):
                     check_unpadded(*layout)
+            on_cuda = bool(src.local) and src.local[0].device.type == "cuda"
             delta = self.delta if self.delta is not None and all(
-                wants_delta(self.config.delta, facts[u].engine) for u in self.urls) else None
+                wants_delta(self.config.delta, facts[u].engine, on_cuda) for u in self.urls) else None
             if delta is not None:
                 delta.begin()
             elif self.delta is not None:

@@ -111,7 +111,7 @@ def _cfg(**kw):
 def test_k_delta_updates_equal_a_whole_update_bitwise(servers):
     eng = servers(EngineLikeServer)
     state = _state()
-    ws = DistributedWeightSync([eng.url], _cfg(delta_full_every=100))
+    ws = DistributedWeightSync([eng.url], _cfg(delta="on", delta_full_every=100))
     try:
         ws.update(state, 0)
         assert ws.delta.stats.mode == "whole"
@@ -145,7 +145,7 @@ def test_k_delta_updates_equal_a_whole_update_bitwise(servers):
 def test_an_fp32_engine_fed_bf16_deltas_holds_what_a_whole_load_gives(servers):
     eng = servers(EngineLikeServer, dtype=torch.float32)
     state = _state(1)
-    ws = DistributedWeightSync([eng.url], _cfg())
+    ws = DistributedWeightSync([eng.url], _cfg(delta="on"))
     try:
         for k in range(3):
             _step(state, 10 + k)
@@ -156,25 +156,29 @@ def test_an_fp32_engine_fed_bf16_deltas_holds_what_a_whole_load_gives(servers):
         ws.close()
 
 
-def test_stock_sglang_gets_whole_updates_unless_delta_is_on(servers):
+def test_stock_sglang_or_a_cpu_trainer_gets_whole_updates_by_default(servers):
     eng, plain = servers(EngineLikeServer), servers()
     state = _state(2)
-    ws = DistributedWeightSync([eng.url, plain.url], _cfg())
+    ws = DistributedWeightSync([eng.url, plain.url], _cfg())  # delta: auto, CPU tensors
     try:
         for k in range(3):
             _step(state, 20 + k)
             ws.update(state, k)
             assert ws.delta.stats.mode == "whole"
         assert not any(DELTA_IDX in n for n in eng.entry_names) and set(plain.received) == set(SHAPES)
+        _assert_bitwise(eng.model, state)
     finally:
         ws.close()
-    assert wants_delta("on", None) and not wants_delta("auto", None) and not wants_delta("off", "areal_fast.embedded")
+    emb = "areal_fast.embedded"
+    assert wants_delta("auto", emb, on_cuda=True) and not wants_delta("auto", emb, on_cuda=False)
+    assert not wants_delta("auto", None, on_cuda=True) and wants_delta("on", None, on_cuda=False)
+    assert not wants_delta("off", emb, on_cuda=True)
 
 
 def test_full_every_n_and_after_a_failure(servers):
     eng = servers(EngineLikeServer)
     state = _state(3)
-    ws = DistributedWeightSync([eng.url], _cfg(delta_full_every=3))
+    ws = DistributedWeightSync([eng.url], _cfg(delta="on", delta_full_every=3))
     try:
         modes = []
         for k in range(7):
