@@ -19,9 +19,14 @@ remains of the old group on a survivor, whose ``/destroy_weights_update_group`` 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Protocol
 
 log = logging.getLogger(__name__)
+# A joiner that did not answer its liveness check before an update (hung: SIGSTOPped, deadlocked) is
+# not taken back for this long: the launcher keeps offering a member whose process lives, and each
+# offer would cost the next update one liveness deadline (rollout.hang_timeout).
+UNRESPONSIVE_HOLD_S = 60.0
 
 __all__ = ["ElasticPool", "SyncMembership", "group_name_of"]
 
@@ -53,6 +58,7 @@ class SyncMembership:
         self.base_group = base_group
         self.generation = 0
         self.joining: list[str] = []
+        self.held: dict[str, float] = {}  # url -> monotonic time before which an offer is refused
         self._group_urls: tuple[str, ...] | None = None  # the servers of the current generation's group
 
     # ------------------------------------------------------------ who
@@ -60,15 +66,18 @@ class SyncMembership:
         """A server that wants in (healthy, maybe at old weights): it joins with the next update.
         False when it is in the pool or already waiting."""
         url = url.rstrip("/")
-        if url in self.pool.urls or url in self.joining:
+        if url in self.pool.urls or url in self.joining or self.held.get(url, 0.0) > time.monotonic():
             return False
         self.joining.append(url)
         log.info("server %s waits to join: it gets the next weight update in full, then requests", url)
         return True
 
-    def withdraw(self, url: str) -> bool:
-        """Forget a joining server (it died or was removed before it joined)."""
+    def withdraw(self, url: str, hold_s: float = 0.0) -> bool:
+        """Forget a joining server (it died or was removed before it joined); ``hold_s`` > 0 refuses
+        its offers for that long (an unresponsive one)."""
         url = url.rstrip("/")
+        if hold_s > 0:
+            self.held[url] = time.monotonic() + hold_s
         if url not in self.joining:
             return False
         self.joining.remove(url)

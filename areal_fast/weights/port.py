@@ -34,7 +34,7 @@ from typing import Protocol
 
 from areal_fast.rollout.calls import DEAD_SERVER_RETRY, retry_dropping_dead
 from areal_fast.weights.config import WeightSyncConfig
-from areal_fast.weights.membership import SyncMembership
+from areal_fast.weights.membership import UNRESPONSIVE_HOLD_S, SyncMembership
 
 __all__ = ["SyncSpec", "DistributedSync", "DiskSync", "make_sync_port", "WeightTrainer",
            "ServerPool"]
@@ -107,9 +107,25 @@ class _MembershipSync:
     def _spec(self, urls: list[str]) -> SyncSpec:
         return SyncSpec.of(self.method, urls, self.config)
 
+    async def _withdraw_unresponsive_joiners(self) -> None:
+        """A joining server that fails its liveness check (dead, or hung: SIGSTOPped) is withdrawn
+        before the update and not taken back for ``UNRESPONSIVE_HOLD_S``: it costs the update one
+        liveness deadline (``rollout.hang_timeout``), not the update's own (``weights.timeout_s``),
+        and not at every update while the launcher keeps offering it."""
+        joining = list(self.membership.joining)
+        if not joining:
+            return
+        verdicts = await asyncio.gather(*(asyncio.to_thread(self.rollout.is_dead, u) for u in joining))
+        for url, gone in zip(joining, verdicts):
+            if gone:
+                log.warning("server %s does not answer (dead or hung): not joined; offers refused for %.0f s",
+                            url, UNRESPONSIVE_HOLD_S)
+                self.membership.withdraw(url, hold_s=UNRESPONSIVE_HOLD_S)
+
     async def sync(self, version: int) -> dict:
         m = self.membership
         sent: list[str] = []
+        await self._withdraw_unresponsive_joiners()
 
         async def once() -> dict:
             sent[:] = m.targets()
