@@ -114,7 +114,7 @@ class ServerSupervisor:
             release_dead(p)
             if not self.relaunch:
                 self.target -= 1
-            log.warning("server %s (%s) is gone%s: %s", p.name, p.url,
+            log.warning("server %s (%s) died%s: %s", p.name, p.url,
                         "; relaunching it" if self.relaunch else "", p.death_message()[:500])
 
     def _promote_started(self) -> None:

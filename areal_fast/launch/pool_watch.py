@@ -44,7 +44,7 @@ def follow_members(rollout, syncer, out: Path) -> None:
             if len(rollout.urls) == 1:
                 log.warning("server %s left the members but is the last in the pool: kept until another joins", url)
                 continue
-            log.warning("server %s left the members (dead or removed); out of the pool", url)
+            log.warning("server %s died or was removed (it left the members); out of the pool", url)
             rollout.remove_server(url)
 
 
