@@ -68,6 +68,18 @@ OPS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Native functions an op needs beyond the module itself: a core built from an older source lacks
+# them, and the op then falls back (or, forced, says to rebuild) instead of an AttributeError.
+NATIVE_SYMBOLS: dict[str, str] = {"weights.delta_encode": "delta_encode_cpu", "weights.delta_apply": "delta_apply_cpu"}
+
+
+def _native_symbol_missing(op: str) -> str | None:
+    sym = NATIVE_SYMBOLS.get(op)
+    if sym is None or _native_import_error() is not None or hasattr(native(), sym):
+        return None
+    return f"areal_fast._C was built from an older source (no {sym}); rebuild the package"
+
+
 class BackendUnavailable(RuntimeError):
     """A requested backend cannot run here (the message names the op and the reason)."""
 
@@ -242,7 +254,7 @@ def select(op: str, device=None, available: tuple[str, ...] | None = None, backe
             raise BackendUnavailable(
                 f"{op}: backend {want!r} was requested ({source}) but {op} has only {', '.join(available)}"
             )
-        reason = why_unavailable(want, device)
+        reason = why_unavailable(want, device) or (_native_symbol_missing(op) if want == "native" else None)
         if reason is not None:
             raise BackendUnavailable(f"{op}: backend {want!r} was requested ({source}) but cannot run: {reason}")
         return want
@@ -250,7 +262,7 @@ def select(op: str, device=None, available: tuple[str, ...] | None = None, backe
     for b in BACKENDS:
         if b not in available or b == "interpret":
             continue
-        reason = why_unavailable(b, device)
+        reason = why_unavailable(b, device) or (_native_symbol_missing(op) if b == "native" else None)
         if reason is None:
             return b
         reasons.append(f"{b}: {reason}")

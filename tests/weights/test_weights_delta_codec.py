@@ -57,9 +57,10 @@ def _backends():
 
 
 def _need(name: str, device="cpu"):
-    why = backend.why_unavailable(name, device)
-    if why is not None:
-        pytest.skip(f"{name}: {why}")
+    try:
+        backend.select("weights.delta_encode", device, backend=name)
+    except backend.BackendUnavailable as e:
+        pytest.skip(str(e))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
