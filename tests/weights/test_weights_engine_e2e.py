@@ -80,3 +80,31 @@ def test_broadcast_then_disk_update_real_engine(engine):
     disk = DiskWeightSync([h.url], WeightSyncConfig(timeout_s=60, dtype="bfloat16"), config_dir=base)
     disk.update(s3, 9)
     assert _engine_greedy(h.url) == (_expected_greedy(base, s3), "9")
+
+
+@pytest.mark.slow  # an engine subprocess
+def test_delta_updates_real_engine(engine):
+    """Delta updates through the engine's HTTP route: after a whole update and K sparse steps sent as
+    deltas, the engine's greedy output equals a model holding the bf16 weights of the last step."""
+    from areal_fast.rollout.testing import perturbed_state_dict
+    from areal_fast.weights.sync import DistributedWeightSync, WeightSyncConfig
+
+    h, base = engine
+    state = perturbed_state_dict(base, seed=4)
+    sync = DistributedWeightSync([h.url], WeightSyncConfig(bucket_bytes=64 << 10, backend="gloo", timeout_s=60,
+                                                           dtype="bfloat16", group_name="e2e_delta_group", delta="on"))
+    g = torch.Generator().manual_seed(0)
+    try:
+        sync.update(state, 20)
+        assert sync.delta.stats.mode == "whole"
+        for k in range(1, 4):  # K = 3 deltas: ~3 % of the elements move by one bf16 step or more
+            for t in state.values():
+                if t.is_floating_point():
+                    m = torch.rand(t.shape, generator=g) < 0.03
+                    t[m] *= 1 + 2**-6
+            sync.update(state, 20 + k)
+            st = sync.delta.stats
+            assert st.mode == "delta" and st.tensors_delta > 0 and st.bytes_sent < st.bytes_whole / 2, st
+        assert _engine_greedy(h.url) == (_expected_greedy(base, state), "23")
+    finally:
+        sync.close()
