@@ -25,15 +25,22 @@ log = logging.getLogger(__name__)
 WATCH_S = 0.5
 
 
-def follow_members(rollout, syncer, out: Path) -> None:
-    """One look at the members file (see the module docstring)."""
+def follow_members(rollout, syncer, out: Path, known: dict | None = None) -> None:
+    """One look at the members file (see the module docstring). ``known``: the process (pid) seen
+    behind each URL, kept between looks: a server that rank 0 dropped as dead (refused connections)
+    while the launcher has not yet taken it out of the members is not offered again; a new process
+    on the same address is."""
     members = read_members(out)
     membership = getattr(syncer, "membership", None)
     if members is None or membership is None:
         return
+    known = {} if known is None else known
     wanted = [m.url.rstrip("/") for m in members]
-    for url in wanted:
-        if url not in rollout.urls:
+    for m, url in zip(members, wanted):
+        if url in rollout.urls or url in membership.joining:
+            known[url] = m.pid
+        elif url not in known or known[url] != m.pid:
+            known[url] = m.pid
             syncer.offer(url)
     for url in list(membership.joining):
         if url not in wanted:
@@ -50,10 +57,10 @@ def follow_members(rollout, syncer, out: Path) -> None:
 
 async def watch_members(rollout, syncer, out: Path, every_s: float = WATCH_S) -> None:
     """Follow the members file and publish the pool until cancelled."""
-    last = None
+    last, known = None, {}
     while True:
         try:
-            follow_members(rollout, syncer, out)
+            follow_members(rollout, syncer, out, known)
         except Exception:  # noqa: BLE001 - the next look tries again
             log.exception("following servers/members.json failed")
         membership = getattr(syncer, "membership", None)

@@ -147,6 +147,22 @@ def test_rank_0_offers_new_members_and_drops_the_ones_that_left(tmp_path):
     assert pool.urls == [A]  # never the last one
 
 
+def test_a_server_dropped_as_dead_is_not_offered_again_until_a_new_process_serves_its_address(tmp_path):
+    A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    pool = Pool([A, B])
+    syncer = SimpleNamespace(membership=SyncMembership(pool))
+    syncer.offer = syncer.membership.offer
+    known: dict = {}
+    write_members(tmp_path, [Member("s0", A, 0, pid=10), Member("s1", B, 1, pid=11)])
+    pool_watch.follow_members(pool, syncer, tmp_path, known)
+    pool.remove_server(B)  # rank 0 found B dead before the launcher took it out of the members
+    pool_watch.follow_members(pool, syncer, tmp_path, known)
+    assert syncer.membership.joining == []
+    write_members(tmp_path, [Member("s0", A, 0, pid=10), Member("s1", B, 1, pid=12)])  # relaunched on B's port
+    pool_watch.follow_members(pool, syncer, tmp_path, known)
+    assert syncer.membership.joining == [B]
+
+
 def test_the_pool_file_follows_the_pool(tmp_path):
     from areal_fast.launch.members import read_pool
 
