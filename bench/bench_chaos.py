@@ -53,15 +53,17 @@ BASE = [
     "log.tensorboard=false", "log.progress=false", "log.plots=false", "log.samples=true",
     "weights.method=distributed", "reward.workers=2", "reward.timeout=3",
     # deadlines short enough that a hang costs seconds, not the defaults' minutes (docs/deadlines.md)
-    "rollout.hang_timeout=5", "rollout.control_timeout=10", "weights.timeout_s=30",
+    "rollout.hang_timeout=5", "rollout.control_timeout=10", "weights.timeout_s=20",
 ]
 MAIN = ["rollout.n_servers=3", "rollout.keep_servers=true", "checkpoint.every_steps=10",
         "reward.name=chaos_reward:reward"]
-MAIN_SCHEDULE = ("30:server_kill 80:server_stop:20 130:reward_kill 150:reward_hang:15 200:controller_kill "
-                 "260:server_stop:never")
-MAIN_STEPS = 320
-PROXY_SCHEDULE = "30:proxy_slow:30:1.0 100:proxy_slow:20:30"
-PROXY_STEPS = 160
+# a step takes ~0.3 s here and a relaunched server ~30-60 s to join: faults ~60 s apart; the server
+# left stopped comes last (what follows it is bounded by weights.timeout_s per step, docs/chaos.md)
+MAIN_SCHEDULE = ("40:server_kill 220:server_stop:20 380:reward_kill 440:reward_hang:15 580:controller_kill "
+                 "990:server_stop:never")
+MAIN_STEPS = 1000
+PROXY_SCHEDULE = "40:proxy_slow:30:1.0 250:proxy_slow:20:30"
+PROXY_STEPS = 400
 POLL_S = 0.2
 RUN_TIMEOUT_S = 1800
 
@@ -346,30 +348,59 @@ def accounting(out: Path) -> dict:
 
 
 def figures(phase: Phase) -> list[dict]:
-    rows = []
     w = phase.watch
-    end_t = w.arrivals[-1].t if w.arrivals else None
-    for rec in phase.injected:
+    return fault_rows(phase.name, phase.injected, w.arrivals, w.pool, w.events)
+
+
+def fault_rows(name: str, injected: list[dict], arrivals: list[Arrival], pool: list, events: list[dict]) -> list[dict]:
+    """Each fault's figures, from its injection to the next fault's (a recovery after that is not its own)."""
+    rows = []
+    times = sorted(r["t"] for r in injected if r.get("t") is not None and not r.get("skipped"))
+    end_run = arrivals[-1].t if arrivals else None
+    for rec in injected:
         f = rec["fault"]
-        row = {"fault": f.label(), "kind": f.kind, "what": FAULTS[f.kind][2], "phase": phase.name,
+        row = {"fault": f.label(), "kind": f.kind, "what": FAULTS[f.kind][2], "phase": name,
                **{k: v for k, v in rec.items() if k != "fault"}}
         if rec.get("t") is None or rec.get("skipped"):
             rows.append(row)
             continue
         t0 = rec["t"]
+        end_t = min([t for t in times if t > t0] or [end_run if end_run is not None else t0])
+        mine = [a for a in arrivals if a.t <= end_t]
         server = f.kind in ("server_kill", "server_stop", "proxy_slow")
-        size = w.pool_size_at(t0) if server else None
+        sizes = [n for t, n in pool if t <= t0]
+        size = sizes[-1] if sizes and server else None
+        window = [(t, n) for t, n in pool if t <= end_t]
         progress = rec.get("last_step") if f.kind == "controller_kill" else None
-        row.update(fault_figures(w.arrivals, t0, pool=w.pool if server else None, pool_size=size,
+        row.update(fault_figures(mine, t0, pool=window if server else None, pool_size=size,
                                  progress_step=progress, end_t=end_t))
-        row["pool_before"] = size
-        after = [n for t, n in w.pool if t >= t0]
-        row["pool_min_after"] = min(after + ([size] if size is not None else []), default=None)
+        row["until_next_fault_s"] = end_t - t0
+        row["pool_before"] = sizes[-1] if sizes else None
+        row["pool_min_after"] = min([n for t, n in window if t >= t0] + ([row["pool_before"]] if sizes else []),
+                                    default=None)
         if f.kind == "server_kill":
             row["distributed_sync_after"] = all("sync/broadcast_s" in e and "sync/disk_sync_s" not in e
-                                                for e in w.events if e["seen_t"] >= t0)
+                                                for e in events if t0 <= e["seen_t"] <= end_t)
         rows.append(row)
     return rows
+
+
+def reanalyze(path: Path) -> dict:
+    """The fault rows of a results JSON again from its saved arrivals and pool (samples: a full batch a step)."""
+    from chaos_lib import Fault
+
+    res = json.loads(path.read_text())
+    for ph in res["phases"]:
+        per_step = ph.get("samples_per_step", 16)
+        arr = [Arrival(t, step, per_step, 0, inc) for inc, step, t in ph["steps_seen"]]
+        injected = []
+        for r in ph["faults"]:
+            step, kind, *args = r["fault"].split(":")
+            injected.append({**{k: r[k] for k in ("t", "step_seen", "server", "pid", "last_step", "skipped",
+                                                  "servers_alive_after_kill", "workers_before") if k in r},
+                             "fault": Fault(int(step), kind, tuple(args))})
+        ph["faults"] = fault_rows(ph["phase"], injected, arr, [tuple(x) for x in ph["pool"]], [])
+    return res
 
 
 def free_port() -> int:
@@ -440,7 +471,7 @@ def run_phase(name: str, work: Path, schedule: list, steps: int) -> dict:
         if proxy is not None:
             proxy.stop()
     result = {"phase": name, "command": " ".join(cmd[1:]), "schedule": [f.label() for f in schedule],
-              "total_steps": steps, "launches": phase.launches, "exits": phase.exits,
+              "total_steps": steps, "samples_per_step": 4 * GROUP_SIZE, "launches": phase.launches, "exits": phase.exits,
               "faults": figures(phase), "accounting": accounting(out),
               "steps_seen": [(a.incarnation, a.step, round(a.t, 2)) for a in phase.watch.arrivals],
               "pool": phase.watch.pool, "members": phase.watch.members,
@@ -499,7 +530,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="where the runs go (default: /tmp/chaos_<time>)")
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--no-results", action="store_true")
+    ap.add_argument("--reanalyze", default=None, help="recompute the fault rows of a results JSON and rewrite its .md")
     a = ap.parse_args(argv)
+    if a.reanalyze:
+        res = reanalyze(Path(a.reanalyze))
+        Path(a.reanalyze).write_text(json.dumps(res, indent=1, default=str) + "\n")
+        Path(a.reanalyze).with_suffix(".md").write_text(markdown(res) + "\n")
+        print(markdown(res))
+        return 0
     stamp = dt.datetime.now().strftime("%Y%m%d_%H%M")
     work = Path(a.work or f"/tmp/chaos_{stamp}")
     work.mkdir(parents=True, exist_ok=True)
