@@ -83,6 +83,10 @@ class SyncSpec:
             from areal_fast.weights.vllm_disk import VLLMDiskWeightSync
 
             return VLLMDiskWeightSync(list(self.urls), dataclasses.replace(self.weight_config(), method="disk"))
+        if self.method == "vllm_distributed":  # vLLM's weight transfer (weights/vllm_transfer.py)
+            from areal_fast.weights.vllm_transfer import VLLMTransferWeightSync
+
+            return VLLMTransferWeightSync(list(self.urls), self.weight_config())
         cls = {"distributed": DistributedWeightSync, "disk": DiskWeightSync}[self.method]
         return cls(list(self.urls), self.weight_config())
 
@@ -181,13 +185,21 @@ class VLLMDiskSync(DiskSync):
         return SyncSpec.of("vllm_disk", urls, self.config)  # the config's method stays 'disk'
 
 
+class VLLMDistributedSync(DistributedSync):
+    """The broadcast port on vLLM servers: its transport is ``weights.vllm_transfer.VLLMTransferWeightSync``
+    (a new group when the servers change, as for SGLang)."""
+
+    def _spec(self, urls: list[str]) -> SyncSpec:
+        name = self.membership.group_for(urls)
+        return SyncSpec.of("vllm_distributed", urls, dataclasses.replace(self.config, group_name=name))
+
+
 def make_sync_port(config: WeightSyncConfig, trainer: WeightTrainer, rollout: ServerPool, urls, work_dir,
                    backend: str = "sglang"):
     """The sync port the run's ``weights:`` section asks for (``backend``: the servers' API)."""
     if backend == "vllm":
-        if config.method != "disk":
-            raise ValueError(f"weights.method {config.method!r} with rollout.backend 'vllm': only 'disk' is wired "
-                             f"(docs/vllm.md)")
+        if config.method == "distributed":
+            return VLLMDistributedSync(trainer, rollout, urls, work_dir, config)
         return VLLMDiskSync(trainer, rollout, work_dir, config)
     if config.method == "distributed":
         return DistributedSync(trainer, rollout, urls, work_dir, config)

@@ -35,6 +35,9 @@ TOKEN_WEIGHT_VERSIONS_SINCE = Version("0.33.0")  # return_weight_versions: per-c
 VLLM_PAUSE_MODES = ("abort", "wait", "keep")
 """vLLM's pause modes: abort in-flight requests, wait for them to finish, or keep them frozen with
 their KV on the server (they go on at /resume; SGLang's in_place)."""
+TWIN_TRANSFER_GROUP = "vllm_weight_transfer"
+"""The name (and store prefix) of the gloo group the embedded twin joins at /init_weight_transfer_engine
+on CPU; real vLLM joins a prefix-less StatelessProcessGroup and builds NCCL on it (docs/vllm.md)."""
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 """vLLM mounts the pause, abort, collective_rpc and weight-transfer endpoints only with this set to 1."""
 

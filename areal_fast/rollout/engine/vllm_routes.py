@@ -4,7 +4,7 @@ the gates are ``vllm_compat.VLLMBehaviour``).
 
 Served (each only from the release that has it, as the version table says):
 ``POST /v1/completions`` (token ids in, ``token_ids`` and per-token ``logprobs.token_logprobs`` out,
-``weight_versions`` spans from 0.33.0), ``GET /health``, ``GET /version``, ``GET /v1/models``,
+``weight_versions`` spans from 0.33.0), ``GET /health``, ``GET /version``, ``GET /v1/models``, ``GET /server_info`` (the parallel layout),
 ``POST /collective_rpc`` (``reload_weights`` / ``update_config``: the disk update),
 ``POST /pause`` / ``/resume``, ``GET /is_paused``, ``POST /abort_requests`` (0.12.0),
 ``/init_weight_transfer_engine`` and ``/update_weights`` (0.16.0; the NCCL backend's unpacked wire:
@@ -27,10 +27,10 @@ from aiohttp import web
 from areal_fast.rollout.engine.request_parsing import BadRequest, read_json
 from areal_fast.rollout.engine.sampling import SamplingError, parse_sampling_params
 from areal_fast.rollout.engine.scheduler import Request
-from areal_fast.rollout.engine.vllm_compat import VLLM_PAUSE_MODES, VLLMBehaviour
+from areal_fast.rollout.engine.vllm_compat import TWIN_TRANSFER_GROUP, VLLM_PAUSE_MODES, VLLMBehaviour
 from areal_fast.rollout.engine.weight_sync import TensorMeta, parse_dtype
 
-TRANSFER_GROUP = "vllm_weight_transfer"
+TRANSFER_GROUP = TWIN_TRANSFER_GROUP
 _WAIT_POLL_S = 0.01
 # vLLM CompletionRequest field -> our scheduler's sampling key
 _TO_SAMPLING = {"max_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
@@ -64,6 +64,7 @@ class VLLMRoutes:
         r.add_get("/version", self.version)
         r.add_get("/v1/models", self.models)
         r.add_post("/collective_rpc", self.collective_rpc)
+        r.add_get("/server_info", self.server_info)
         if b.has_pause:
             r.add_post("/pause", self.pause)
             r.add_post("/resume", self.resume)
@@ -152,6 +153,16 @@ class VLLMRoutes:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "default", "object": "model",
                                                               "root": self.s.model_path, "owned_by": "vllm"}]})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """vLLM's dev-mode ``GET /server_info?config_format=json``: the parts of ``vllm_config`` the
+        weight-transfer sender reads (the parallel layout: the server's ranks in the transfer group,
+        and the device), plus ``areal_fast_engine`` so the sender knows it talks to the twin."""
+        parallel = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+                    "data_parallel_size_local": 1}
+        return web.json_response({"vllm_config": {"parallel_config": parallel,
+                                                  "device_config": {"device": self.s.device.type}},
+                                  "areal_fast_engine": "embedded"})
 
     # ------------------------------------------------------------------ pause, resume, abort
     async def pause(self, request: web.Request) -> web.Response:

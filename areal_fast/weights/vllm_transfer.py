@@ -1,0 +1,348 @@
+"""The trainer's side of vLLM's weight transfer (``weights.method: distributed`` with
+``rollout.backend: vllm``; vLLM 0.16.0 on; ``docs/vllm.md`` has the rendezvous in prose).
+
+What vLLM's NCCL transfer engine expects of the trainer (read from the 0.16.0, 0.21.0 and 0.33.0
+wheels: ``vllm/distributed/weight_transfer/nccl_engine.py`` and, from 0.33.0, ``nccl_common.py``):
+
+* the trainer is **rank 0** of a group of ``world_size = 1 + every server's ranks``; a server's
+  ranks are its workers, ``tp * pp * dp`` of them, worker ``(dp, r)`` of a server joining as
+  ``rank_offset + dp * tp * pp + r``;
+* rank 0 **hosts the TCPStore** at ``master_address:master_port`` (vLLM's ``StatelessProcessGroup``:
+  a store with no key prefix); every worker connects to it as a client when its server gets
+  ``POST /init_weight_transfer_engine {"init_info": {master_address, master_port, rank_offset,
+  world_size}}``; the data plane is vLLM's own NCCL communicator (``PyNcclCommunicator``), whose
+  rank 0 makes the NCCL unique id and posts it through that store; both sides must enter the
+  rendezvous at the same time (the init call is answered once the group exists);
+* per update: ``/start_weight_update`` (0.21.0 on), one ``/update_weights {"update_info": {names,
+  dtype_names, shapes}}`` answered once every tensor arrived, while rank 0 broadcasts the tensors
+  one by one in exactly that order (the unpacked wire: ``packed`` left unset, which both the 0.16
+  update info and the 0.33 init info default to false), then ``/finish_weight_update`` (0.21.0 on,
+  with ``weight_version`` from 0.27.0). Before 0.21.0 every ``/update_weights`` is a whole layerwise
+  reload, so one update is one call, as here on every release.
+
+The data plane follows where the trainer's tensors are: CUDA tensors go over vLLM's NCCL
+communicator (vLLM must be importable on trainer rank 0: the communicator is vLLM's own, so the
+wire is vLLM's by construction); CPU tensors go over gloo, which only the embedded engine's vLLM
+twin speaks (``rollout/engine/vllm_routes.py``: same endpoints, same bodies, same ranks, the
+store prefixed with the twin's group name). Anything else is refused before the servers are asked.
+
+Gathering FSDP2 shards into buckets is the broadcast transport's (``weights.gather``): every
+trainer rank runs :meth:`VLLMTransferWeightSync.update`; only rank 0 talks to the servers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from areal_fast.netutil import url_host
+from areal_fast.rollout.engine.vllm_compat import TWIN_TRANSFER_GROUP, VLLMBehaviour
+from areal_fast.rollout.vllm_requests import finish_transfer_body, init_transfer_body, update_transfer_body
+from areal_fast.weights.config import WeightSyncConfig
+from areal_fast.weights.errors import WeightSyncError
+from areal_fast.weights.gather import Bucket, BucketGatherer, Sources
+from areal_fast.weights.group import HostedStore, host_weight_group
+from areal_fast.weights.sync import POLL_S, WeightSync
+
+__all__ = ["VLLMTransferWeightSync", "VLLMServer", "read_vllm_server", "transfer_order"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VLLMServer:
+    """What the sender needs of one vLLM server: its release, its ranks in the group, whether it is
+    the embedded twin, and its device."""
+
+    url: str
+    behaviour: VLLMBehaviour
+    n_ranks: int
+    twin: bool
+    device: str
+
+
+def _ranks_of(url: str, info: dict) -> int:
+    """tp * pp * dp of a server's ``/server_info?config_format=json`` (vLLM's ``vllm_config``)."""
+    cfg = info.get("vllm_config") if isinstance(info, dict) else None
+    par = cfg.get("parallel_config") if isinstance(cfg, dict) else None
+    if not isinstance(par, dict):
+        raise WeightSyncError(f"{url}/server_info?config_format=json has no vllm_config.parallel_config; is the "
+                              f"server running with VLLM_SERVER_DEV_MODE=1?")
+    tp, pp, dp = (int(par.get(k) or 1) for k in ("tensor_parallel_size", "pipeline_parallel_size",
+                                                   "data_parallel_size"))
+    local = int(par.get("data_parallel_size_local") or dp)
+    if local != dp:
+        raise WeightSyncError(f"{url}: data_parallel_size {dp} with {local} local ranks (one server per DP rank); "
+                              f"its workers' transfer ranks count the global DP index: serve all DP ranks from "
+                              f"one server, or use weights.method 'disk'")
+    return tp * pp * dp
+
+
+def read_vllm_server(http, url: str) -> VLLMServer:
+    """Ask a vLLM server (or the twin) its release and parallel layout (rank 0, before the rendezvous)."""
+    ver = http.call(url, "/version", method="GET")
+    try:
+        b = VLLMBehaviour.of(str((ver or {}).get("version")))
+    except ValueError as e:
+        raise WeightSyncError(f"{url}: {e}") from None
+    if not b.has_weight_transfer:
+        raise WeightSyncError(f"{url}: vLLM {b.version} has no weight-transfer endpoints (from 0.16.0); "
+                              f"use weights.method 'disk'")
+    info = http.call(url, "/server_info?config_format=json", method="GET")
+    device = str(((info.get("vllm_config") or {}).get("device_config") or {}).get("device") or "cuda")
+    return VLLMServer(url, b, _ranks_of(url, info), info.get("areal_fast_engine") == "embedded", device)
+
+
+def transfer_order(gatherer: BucketGatherer, src: Sources, dtypes: list[torch.dtype]) -> list[int]:
+    """The tensors (indices into ``src``) in the order the buckets send them: the order of
+    ``update_info`` must be the broadcast order, since the worker receives by position."""
+    plan = gatherer.plan(src, dtypes)
+    return [int(t) for b in range(plan.n_buckets) for t in plan.tensors_of(b).tolist()]
+
+
+def choose_transfer_backend(tensor_device: torch.device, servers: list[VLLMServer]) -> str:
+    """'nccl' for CUDA tensors, 'gloo' for CPU tensors to CPU twins; anything else is refused."""
+    if tensor_device.type == "cuda":
+        cpu_twins = [s.url for s in servers if s.device == "cpu"]
+        if cpu_twins:
+            raise WeightSyncError(f"servers {cpu_twins} run on CPU (the embedded twin speaks gloo), the trainer's "
+                                  f"weights are on CUDA (NCCL): put both on the same kind of device")
+        return "nccl"
+    real = [s.url for s in servers if not (s.twin and s.device == "cpu")]
+    if real:
+        raise WeightSyncError(f"vLLM's weight transfer is NCCL: the trainer's weights must be on CUDA to send to "
+                              f"{real} (CPU tensors go over gloo to the embedded twin only)")
+    return "gloo"
+
+
+class _GlooChannel:
+    def __init__(self, store: HostedStore, world_size: int, timeout_s: float):
+        self.pg = host_weight_group("gloo", store, world_size, TWIN_TRANSFER_GROUP, timeout_s)
+
+    def broadcast(self, t: torch.Tensor):
+        return dist.broadcast(t, src=0, group=self.pg, async_op=True)
+
+    def close(self) -> None:
+        dist.destroy_process_group(self.pg)
+
+
+class _Enqueued:
+    """A broadcast enqueued on a CUDA stream: complete as far as the host can tell."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+class _NcclChannel:
+    """vLLM's own NCCL communicator over a prefix-less store that rank 0 hosts (vLLM's rendezvous)."""
+
+    def __init__(self, store: HostedStore, world_size: int, timeout_s: float):
+        try:
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+            from vllm.distributed.utils import StatelessProcessGroup
+        except ImportError as e:
+            raise WeightSyncError("weights.method 'distributed' to vLLM servers from CUDA tensors uses vLLM's own NCCL "
+                                  f"communicator: install vllm (the servers' release) on the trainer ({e})") from e
+        pg = StatelessProcessGroup(rank=0, world_size=world_size, store=store.store)
+        self.comm = PyNcclCommunicator(pg, device=torch.cuda.current_device())
+
+    def broadcast(self, t: torch.Tensor):
+        self.comm.broadcast(t if t.is_contiguous() else t.contiguous(), src=0, stream=torch.cuda.current_stream())
+        return _Enqueued()
+
+    def close(self) -> None:
+        destroy = getattr(self.comm, "destroy", None)
+        if destroy is not None:
+            destroy()
+        self.comm = None
+
+
+class _PendingBucket:
+    """One bucket's broadcasts; a server whose /update_weights already failed will not receive the
+    rest, so waiting for it would hang: that failure is raised (and the group marked unusable)."""
+
+    def __init__(self, owner: VLLMTransferWeightSync, works: list, calls: list[tuple[str, Future]], what: str):
+        self.owner, self.works, self.calls, self.what = owner, works, calls, what
+
+    def wait(self) -> None:
+        timeout_s = self.owner.config.timeout_s
+        deadline = time.monotonic() + timeout_s
+        while not all(w.is_completed() for w in self.works):
+            for url, f in self.calls:
+                if f.done() and f.exception() is not None:
+                    self.owner.mark_broken(f"{url} refused the update during {self.what}")
+                    raise f.exception()
+            if time.monotonic() > deadline:
+                self.owner.mark_broken(f"{self.what}: the broadcast did not complete within {timeout_s}s")
+                raise WeightSyncError(f"{self.what}: the broadcast did not complete within {timeout_s}s")
+            time.sleep(POLL_S)
+        for w in self.works:
+            w.wait()
+
+
+class VLLMTransferWeightSync(WeightSync):
+    """vLLM's weight transfer from trainer rank 0 (see the module docstring). The group is made at
+    the first update and reused; after a failure mid-broadcast it is unusable: ``close()`` and make
+    a new one (the sync port does when an update fails)."""
+
+    def __init__(self, servers, config: WeightSyncConfig | None = None, group=None,
+                 device: torch.device | None = None):
+        super().__init__(servers, config, group)
+        self.device = device
+        self.servers: dict[str, VLLMServer] = {}
+        self.backend: str | None = None
+        self.world_size: int | None = None
+        self.n_inits = 0
+        self._channel = None
+        self._store: HostedStore | None = None
+        self._gatherer = BucketGatherer(self.config.bucket_bytes, group, device)
+        self._broken: str | None = None
+
+    def mark_broken(self, reason: str) -> None:
+        self._broken = reason[:300]
+
+    def _tensor_device(self, src: Sources | None) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return src.local[0].device if src is not None and src.local else torch.device("cpu")
+
+    def connect(self, src: Sources | None = None) -> None:
+        """The rendezvous (rank 0; idempotent): every server's workers join while rank 0 opens its end."""
+        if self._channel is not None or self.rank != 0:
+            return
+        cfg = self.config
+        self.servers = {u: read_vllm_server(self.http, u) for u in self.urls}
+        self.backend = choose_transfer_backend(self._tensor_device(src), list(self.servers.values()))
+        self.world_size = 1 + sum(s.n_ranks for s in self.servers.values())
+        store = HostedStore(cfg.resolved_master_addr, cfg.master_port, self.world_size, cfg.timeout_s)
+        futs, offset = [], 1
+        for u in self.urls:
+            body = init_transfer_body(url_host(store.host), store.port, offset, self.world_size)
+            futs.append((u, self.http.submit(u, "/init_weight_transfer_engine", body)))
+            offset += self.servers[u].n_ranks
+        opener = _GlooChannel if self.backend == "gloo" else _NcclChannel
+        try:
+            self._channel = _rendezvous(lambda: opener(store, self.world_size, cfg.timeout_s), futs, cfg.timeout_s,
+                                        f"store {store.host}:{store.port}")
+        except BaseException:
+            store.close()
+            raise
+        self._store = store
+        self.n_inits += 1
+
+    def _send(self, prepared: tuple[Sources, list[torch.dtype]], version: str) -> None:
+        src, dtypes = prepared
+        if self.rank != 0:
+            self._gatherer.run(src, dtypes, None)
+            return
+        started = False
+        try:
+            if self._broken:
+                raise WeightSyncError(f"the vLLM weight-transfer group is unusable after an earlier failure "
+                                      f"({self._broken}); close() and create a new VLLMTransferWeightSync")
+            self.connect(src)
+            order = transfer_order(self._gatherer, src, dtypes)
+            body = update_transfer_body([src.names[t] for t in order],
+                                        [str(dtypes[t]).removeprefix("torch.") for t in order],
+                                        [list(src.shapes[t]) for t in order])
+            with self._update_session(version):
+                started = True
+                calls = [(u, self.http.submit(u, "/update_weights", body, what=f"{len(order)} tensors"))
+                         for u in self.urls]
+                self._gatherer.run(src, dtypes, lambda b: self._broadcast(b, calls))
+                for _u, f in calls:
+                    f.result(timeout=self.config.timeout_s)
+        except Exception:
+            if not started and src.n_ranks > 1:
+                self._gatherer.run(src, dtypes, None)  # the other ranks are gathering: take part, send nothing
+            raise
+
+    def _broadcast(self, bucket: Bucket, calls: list[tuple[str, Future]]) -> _PendingBucket:
+        works = [self._channel.broadcast(bucket.tensor(i)) for i in range(len(bucket.names))]
+        what = f"bucket {bucket.index} ({bucket.names[0]} .. {bucket.names[-1]})"
+        return _PendingBucket(self, works, calls, what)
+
+    def _update_session(self, version: str):
+        return _Session(self, version)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            try:
+                self._channel.close()
+            except Exception as e:  # noqa: BLE001 - a member may be gone
+                log.info("closing the vLLM weight-transfer group: %s", e)
+            self._channel = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        super().close()
+
+
+class _Session:
+    """``/start_weight_update`` .. ``/finish_weight_update`` on the servers that have them (0.21.0 on;
+    the new label with the finish from 0.27.0), else the label by ``/update_weight_version`` after
+    the update. A failed update still finishes the sessions it started, so the next one can start."""
+
+    def __init__(self, owner: VLLMTransferWeightSync, version: str):
+        self.owner, self.version = owner, version
+        self.with_session = [u for u in owner.urls if owner.servers[u].behaviour.weight_update_sessions]
+
+    def __enter__(self):
+        self.owner.http.all(self.with_session, "/start_weight_update", None)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        o = self.owner
+        if exc_type is not None:
+            for u, _a, err in o.http.each(self.with_session, "/finish_weight_update", None):
+                if err is not None:
+                    log.warning("finishing the weight update on %s after a failure: %s", u, err)
+            return False
+        for u in self.with_session:
+            o.http.call(u, "/finish_weight_update", finish_transfer_body(self.version, o.servers[u].behaviour))
+        label = [u for u in o.urls if o.servers[u].behaviour.labels_weight_version
+                 and not o.servers[u].behaviour.weight_update_sessions]
+        o.http.all(label, "/update_weight_version", {"new_version": self.version})
+        return False
+
+
+def _rendezvous(open_end, futs: list[tuple[str, Future]], timeout_s: float, where: str):
+    """Run ``open_end()`` (rank 0's end of the group) in a thread while the servers' init calls are in
+    flight; both must finish within ``timeout_s``. A server that refuses is raised at once."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["end"] = open_end()
+        except Exception as e:  # noqa: BLE001 - raised below
+            box["err"] = e
+
+    th = threading.Thread(target=run, name="vllm-transfer-init", daemon=True)
+    th.start()
+    deadline = time.monotonic() + timeout_s
+    while th.is_alive() or not all(f.done() for _, f in futs):
+        for _u, f in futs:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+        if time.monotonic() > deadline:
+            late = [u for u, f in futs if not f.done()]
+            raise WeightSyncError(f"vLLM weight-transfer rendezvous timed out after {timeout_s}s ({where}; "
+                                  f"waiting for {late or 'the trainer end'})")
+        time.sleep(0.005)
+    if "err" in box:
+        err = box["err"]
+        if isinstance(err, WeightSyncError):
+            raise err
+        raise WeightSyncError(f"trainer end of the vLLM weight-transfer group failed: {err}") from err
+    for _u, f in futs:
+        f.result()
+    return box["end"]
