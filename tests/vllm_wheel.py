@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import sglang_wheel as _sw
 
-__all__ = ["vllm_module", "source_dir", "source_dir_or_skip"]
+__all__ = ["vllm_module", "source_dir", "source_dir_or_skip", "unknown_vllm_flags"]
 
 GPU_ONLY = _sw.GPU_ONLY + ("vllm_flash_attn", "flashinfer", "triton", "xformers", "ray", "cupy", "nixl",
                            "deep_gemm", "lmcache", "mistral_common", "cbor2", "numba", "cv2", "soundfile",
@@ -98,6 +98,20 @@ def source_dir_or_skip(version: str) -> Path:
         return source_dir(version)
     except (RuntimeError, OSError) as e:
         pytest.skip(f"vLLM {version} wheel not available: {e}")
+
+
+def unknown_vllm_flags(version: str, cmd: list[str]) -> list[str]:
+    """The ``--flags`` of ``cmd`` that vLLM ``version``'s argument parser does not define (read from its
+    sources: the explicit flags of its CLI modules, and the flags it derives from the field names of its
+    engine-args dataclass). Skips when the wheel is not available."""
+    import re
+
+    root = source_dir_or_skip(version) / "vllm"
+    text = "\n".join(p.read_text(encoding="utf-8") for p in
+                     [*root.glob("engine/arg_utils.py"), *root.rglob("entrypoints/**/cli_args.py"),
+                      *root.glob("utils/argparse_utils.py"), *root.glob("utils/__init__.py")])
+    flags = [c.split("=", 1)[0] for c in cmd if c.startswith("--")]
+    return [f for f in flags if f'"{f}"' not in text and not re.search(rf"\b{f[2:].replace('-', '_')}\b", text)]
 
 
 class _VllmStubFinder(importlib.abc.MetaPathFinder):

@@ -149,11 +149,11 @@ def tp_size(server_args: list[str]) -> int:
 
 
 def gpus_per_server(rollout_cfg) -> int:
-    """GPUs one launched server of ``rollout.engine`` takes: SGLang its tensor-parallel size, the
+    """GPUs one launched server of ``rollout.engine`` takes: SGLang and vLLM their tensor-parallel size, the
     embedded engine one on a CUDA device and none on the CPU."""
     from areal_fast.rollout.server_command import ServerKind, launched_kind
 
-    if launched_kind(rollout_cfg.engine) is ServerKind.SGLANG:
+    if launched_kind(rollout_cfg.engine) in (ServerKind.SGLANG, ServerKind.VLLM):
         return tp_size(rollout_cfg.server_args)
     return int(rollout_cfg.device.startswith("cuda"))
 
@@ -180,6 +180,17 @@ def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: 
                      device=r.device, max_running_requests=max(256, r.max_concurrent * r.group_size),
                      extra_args=twin + list(r.server_args), python=python)
     tp, rest = _split_tp(list(r.server_args))
+    if launched_kind(r.engine) is ServerKind.VLLM:  # real vLLM (rollout/vllm_server_command.py)
+        from areal_fast.rollout.engine.vllm_compat import VLLMBehaviour
+        from areal_fast.rollout.vllm_server_command import vllm_server_command
+
+        # the weight-transfer engine is on whenever the release has it: the run's weights.method is
+        # not known here, and an unused transfer engine costs nothing until /init_weight_transfer_engine
+        return vllm_server_command(model_path, host, port, version=r.vllm_version, tp_size=tp,
+                                   api_key_file=api_key_file, seed=seed,
+                                   max_num_seqs=max(256, r.max_concurrent * r.group_size),
+                                   weight_transfer=VLLMBehaviour.of(r.vllm_version).has_weight_transfer,
+                                   extra_args=rest, python=python)
     return build("sglang", model_path, host, port, tp_size=tp, api_key_file=api_key_file, weight_version="0",
                  seed=seed, extra_args=rest, python=python)
 
@@ -218,5 +229,11 @@ class PrivateFileHandler(logging.FileHandler):
 
 
 def server_env(rollout_cfg) -> dict[str, str]:
+    """The environment entries of one launched server (vLLM's: its dev-mode endpoints on)."""
     threads = str(rollout_cfg.threads_per_server)
-    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+    if getattr(rollout_cfg, "engine", None) == "vllm":
+        from areal_fast.rollout.vllm_server_command import vllm_server_env
+
+        env.update(vllm_server_env())
+    return env

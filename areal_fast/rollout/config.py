@@ -48,7 +48,8 @@ class RolloutConfig:
     """Inference servers, sampling and the staleness bound."""
 
     engine: str = "embedded"
-    """'embedded' (``python -m areal_fast.rollout.engine``) or 'sglang'."""
+    """'embedded' (``python -m areal_fast.rollout.engine``), 'sglang', or 'vllm' (real vLLM servers,
+    with ``backend: vllm``; ``docs/vllm.md``)."""
     backend: str = "sglang"
     """The inference API the servers speak: 'sglang', or 'vllm' (vLLM's OpenAI-compatible server, or the
     embedded engine launched as vLLM's twin; ``docs/vllm.md``)."""
@@ -127,8 +128,8 @@ class RolloutConfig:
         if not re.match(r"^[\w.]+:[\w.]+$", self.workflow or ""):
             raise ValueError(f"workflow: expected 'package.module:function', got {self.workflow!r}")
         positive_seconds("tool_timeout", self.tool_timeout)
-        if self.engine not in ("embedded", "sglang"):
-            raise ValueError(f"engine: must be 'embedded' or 'sglang', got {self.engine!r}")
+        if self.engine not in ("embedded", "sglang", "vllm"):
+            raise ValueError(f"engine: must be 'embedded', 'sglang' or 'vllm', got {self.engine!r}")
         for i, url in enumerate(self.servers):
             check_server_url(url, f"servers[{i}]")
         for arg in self.server_args:
@@ -163,7 +164,7 @@ class RolloutConfig:
         positive_seconds("hang_timeout", self.hang_timeout)
         if self.pause_mode not in ("auto", "retract", "abort", "in_place"):
             raise ValueError(f"pause_mode: must be 'auto', 'retract', 'abort' or 'in_place', got {self.pause_mode!r}")
-        if self.pause_mode == "in_place" and not self.servers:
+        if self.pause_mode == "in_place" and not self.servers and self.engine != "vllm":  # vLLM: vllm_compat
             why = in_place_launch_refusal(self.engine, self.server_args, _installed_sglang(self.engine))
             if why:
                 raise ValueError(f"pause_mode: 'in_place' refused for launched {self.engine} servers: {why}")

@@ -51,6 +51,7 @@ class ServerKind(str, enum.Enum):
     EXTERNAL = "external"  # rollout.servers: running already, started by someone else with their own key
     EMBEDDED = "embedded"  # launched by the run: python -m areal_fast.rollout.engine
     SGLANG = "sglang"  # launched by the run: python -m sglang.launch_server
+    VLLM = "vllm"  # launched by the run: python -m vllm.entrypoints.openai.api_server (rollout/vllm_server_command.py)
 
     @property
     def launched(self) -> bool:
@@ -67,9 +68,9 @@ def server_kind(rollout_cfg) -> ServerKind:
 
 
 def launched_kind(engine: str) -> ServerKind:
-    """The kind of server a launcher starts for ``rollout.engine`` ('embedded' or 'sglang')."""
-    if engine not in KINDS:
-        raise ValueError(f"rollout.engine must be one of {KINDS}, got {engine!r}")
+    """The kind of server a launcher starts for ``rollout.engine`` ('embedded', 'sglang' or 'vllm')."""
+    if engine not in KINDS + ("vllm",):
+        raise ValueError(f"rollout.engine must be one of {KINDS + ('vllm',)}, got {engine!r}")
     return ServerKind(engine)
 
 

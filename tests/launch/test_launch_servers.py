@@ -26,8 +26,8 @@ def test_server_kind_is_decided_by_servers_then_engine():
     assert server_kind(load_config(None, []).rollout) is ServerKind.EMBEDDED
     assert server_kind(load_config(None, ["rollout.engine=sglang"]).rollout) is ServerKind.SGLANG
     assert not ServerKind.EXTERNAL.launched and ServerKind.EMBEDDED.launched and ServerKind.SGLANG.launched
-    with pytest.raises(ValueError, match="'vllm'"):
-        server_kind(types.SimpleNamespace(servers=[], engine="vllm"))
+    with pytest.raises(ValueError, match="'tgi'"):
+        server_kind(types.SimpleNamespace(servers=[], engine="tgi"))
 
 
 def test_the_launchers_build_the_command_and_count_gpus_of_the_launched_kind():

@@ -18,6 +18,8 @@ EXAMPLE = "examples/tiny_reverse.yaml"
     ["rollout.backend=vllm", "weights.method=disk"],
     ["rollout.backend=vllm", "weights.method=disk", "rollout.vllm_version=0.27.0"],
     ["rollout.backend=vllm", "weights.method=disk", "rollout.pause_mode=abort"],
+    ["rollout.backend=vllm"],  # weights.method distributed: vLLM's weight transfer (weights/vllm_transfer.py)
+    ["rollout.backend=vllm", "rollout.vllm_version=0.27.0"],
 ])
 def test_config_check_accepts_backend_vllm(overrides):
     cfg = load_config(EXAMPLE, overrides)
@@ -26,7 +28,9 @@ def test_config_check_accepts_backend_vllm(overrides):
 
 @pytest.mark.parametrize("overrides, needles", [
     (["rollout.backend=vllm", "rollout.vllm_version=0.11.0"], ["0.11.0", "/update_weight_version", "0.27.0"]),
-    (["rollout.backend=vllm"], ["weights.method 'distributed'", "not wired", "disk"]),
+    (["rollout.backend=vllm", "rollout.vllm_version=0.14.0", "rollout.pause_mode=abort"], ["0.14.0", "0.27.0"]),
+    (["rollout.backend=vllm", "rollout.vllm_version=0.21.0", "rollout.pause_mode=abort"],
+     ["0.21.0", "/update_weight_version", "0.27.0"]),
     (["rollout.backend=vllm", "weights.method=disk", "rollout.vllm_version=0.26.0"], ["0.26.0", "0.27.0"]),
     (["rollout.backend=vllm", "weights.method=disk", "rollout.client_processes=2", "rollout.n_servers=2"],
      ["client_processes"]),
@@ -56,6 +60,8 @@ def test_pause_query_and_disk_update_follow_the_version():
     assert [c["method"] for c in vr.disk_update_calls("/p", old)] == ["update_config", "reload_weights"]
     assert vr.disk_update_calls("/p", new) == [{"method": "reload_weights", "kwargs": {"weights_path": "/p"}}]
     assert "0.16.0" in vllm_refusal("0.14.0", pause_mode="abort", weights_method="distributed")
+    assert "0.27.0" in vllm_refusal("0.21.0", pause_mode="abort", weights_method="distributed")
+    assert vllm_refusal("0.27.0", pause_mode="abort", weights_method="distributed") is None
     assert vllm_refusal("0.33.0", pause_mode="in_place", weights_method="disk") is None
     assert auto_vllm_pause_mode("0.33.0") == "in_place" and auto_vllm_pause_mode("0.20.0") == "abort"
 

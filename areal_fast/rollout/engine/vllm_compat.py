@@ -122,9 +122,11 @@ def vllm_refusal(version: str, *, pause_mode: str, weights_method: str) -> str |
     - ``pause_mode`` 'retract' is SGLang's (vLLM has no retraction); 'in_place' needs vLLM's keep
       mode AND per-token weight-version spans (a kept request's tokens straddle an update, and
       without spans the client could not label them): 0.33.0 on;
-    - ``weights_method`` 'distributed' needs the weight-transfer endpoints (0.16.0 on), and its
-      trainer-side sender is not wired yet: 'disk' only;
-    - a run needs the server's weight label (0.27.0 on) to tag tokens with their version.
+    - ``weights_method`` 'distributed' needs the weight-transfer endpoints (0.16.0 on; the sender is
+      ``weights/vllm_transfer.py``);
+    - a run needs the server's weight label (0.27.0 on) to tag tokens with their version; so a
+      distributed run is served from 0.27.0 on too (its updates end with /finish_weight_update,
+      0.21.0 on, which carries the label).
     The request builders, the client adapter and the embedded twin serve the whole range; these
     are the rules of a training run.
     """
@@ -143,10 +145,6 @@ def vllm_refusal(version: str, *, pause_mode: str, weights_method: str) -> str |
         return (f"weights.method 'distributed' needs vLLM's weight-transfer endpoints "
                 f"(/init_weight_transfer_engine, from {WEIGHT_TRANSFER_SINCE}); vLLM {b.version} has none: "
                 f"use weights.method 'disk'")
-    if weights_method == "distributed":
-        return ("weights.method 'distributed' on vLLM servers: the trainer-side sender of vLLM's weight transfer is "
-                "not wired yet (the request bodies and the embedded twin's endpoints are; docs/vllm.md): use "
-                "weights.method 'disk'")
     if not b.labels_weight_version:
         return (f"a training run labels every token with the weights that made it, and vLLM {b.version} cannot be "
                 f"told its weight version (/update_weight_version, from {WEIGHT_VERSION_LABEL_SINCE})")
@@ -164,16 +162,20 @@ BACKENDS = ("sglang", "vllm")
 
 def check_rollout_backend(backend: str, engine: str, external: bool, vllm_version: str, pause_mode: str) -> None:
     """The ``rollout`` section's backend rules (ValueError naming the field and the reason):
-    ``backend`` is 'sglang' or 'vllm'; vLLM servers are given in ``servers`` or launched as the
-    embedded engine's vLLM twin (``engine: embedded``), never as SGLang; the version and pause mode
+    ``backend`` is 'sglang' or 'vllm'; vLLM servers are given in ``servers``, launched as real vLLM
+    (``engine: vllm``, which needs backend 'vllm') or as the embedded engine's vLLM twin (``engine:
+    embedded``), never as SGLang; the version and pause mode
     must be ones :func:`vllm_refusal` accepts (the weights method is checked by the loader)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
     if backend != "vllm":
+        if engine == "vllm" and not external:
+            raise ValueError(f"engine: launched vLLM servers speak vLLM's API; set backend 'vllm' (got {backend!r})")
         return
     if engine == "sglang" and not external:
         raise ValueError("backend: 'vllm' cannot be served by launched SGLang servers (engine: 'sglang'); use "
-                         "engine 'embedded' (the embedded engine's vLLM twin) or give running vLLM servers in servers")
+                         "engine 'vllm' (real vLLM servers), 'embedded' (the embedded engine's vLLM twin) or give "
+                         "running vLLM servers in servers")
     why = vllm_refusal(vllm_version, pause_mode=pause_mode, weights_method="disk")  # the method: by the loader
     if why:
         raise ValueError(f"vllm_version / pause_mode: {why}")
