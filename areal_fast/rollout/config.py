@@ -14,8 +14,8 @@ from areal_fast.buffer import DEFAULT_MEMORY_MB as DEFAULT_BUFFER_MEMORY_MB
 from areal_fast.configutil import device_indices, positive_seconds
 from areal_fast.heap import period_from_env as heap_trim_period_from_env
 from areal_fast.netutil import check_server_url  # the one check of a server address
-from areal_fast.rollout.engine.vllm_compat import DEFAULT_VLLM_VERSION, check_rollout_backend
 from areal_fast.rollout.engine.compat import in_place_launch_refusal
+from areal_fast.rollout.engine.vllm_compat import DEFAULT_VLLM_VERSION, check_rollout_backend
 
 __all__ = ["MIN_TEMPERATURE", "RESERVED_SERVER_ARGS", "RolloutConfig", "check_server_url"]
 

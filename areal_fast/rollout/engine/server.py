@@ -31,7 +31,6 @@ from aiohttp import web
 
 from areal_fast.rollout.auth import authorized
 from areal_fast.rollout.engine.compat import ENGINE_LOAD_FORMATS, SGLangBehaviour
-from areal_fast.rollout.engine.vllm_compat import DEFAULT_VLLM_VERSION, VLLMBehaviour
 from areal_fast.rollout.engine.request_parsing import (  # noqa: F401 - the errors are part of this module's API
     BYTES_PER_ID,
     GENERATE_OVERHEAD,
@@ -44,6 +43,7 @@ from areal_fast.rollout.engine.request_parsing import (  # noqa: F401 - the erro
 )
 from areal_fast.rollout.engine.sampling import parse_sampling_params
 from areal_fast.rollout.engine.scheduler import PAUSE_MODES, DuplicateRid, Request, Scheduler, SchedulerDown
+from areal_fast.rollout.engine.vllm_compat import DEFAULT_VLLM_VERSION, VLLMBehaviour
 from areal_fast.rollout.engine.weight_routes import FLUSH_REFUSED, WeightUpdateRoutes  # noqa: F401
 from areal_fast.rollout.engine.weight_sync import DEFAULT_GROUP_TIMEOUT_S, WeightReceiver, parse_dtype
 

@@ -4,7 +4,8 @@ the gates are ``vllm_compat.VLLMBehaviour``).
 
 Served (each only from the release that has it, as the version table says):
 ``POST /v1/completions`` (token ids in, ``token_ids`` and per-token ``logprobs.token_logprobs`` out,
-``weight_versions`` spans from 0.33.0), ``GET /health``, ``GET /version``, ``GET /v1/models``, ``GET /server_info`` (the parallel layout),
+``weight_versions`` spans from 0.33.0), ``GET /health``, ``GET /version``, ``GET /v1/models``,
+``GET /server_info`` (the parallel layout),
 ``POST /collective_rpc`` (``reload_weights`` / ``update_config``: the disk update),
 ``POST /pause`` / ``/resume``, ``GET /is_paused``, ``POST /abort_requests`` (0.12.0),
 ``/init_weight_transfer_engine`` and ``/update_weights`` (0.16.0; the NCCL backend's unpacked wire:
