@@ -346,12 +346,17 @@ class Controller:
             self._buffer_ready.clear()
             await self._buffer_ready.wait()
 
+    def _train_boxed(self, box: list, version: int) -> dict:
+        return self.trainer.train(box.pop(), version)
+
     async def _train_step(self) -> dict:
         t0 = time.perf_counter()
         batch = await self._wait_batch()
         t1 = time.perf_counter()
         samples = [s for g in batch for s in g.samples]  # the records themselves: no conversion
-        tmetrics = await asyncio.to_thread(self.trainer.train, samples, self.version)
+        # handed over in a box the thread empties: the executor's work item (which holds the call's
+        # arguments) can outlive the await by a moment, and must not keep the batch alive then
+        tmetrics = await asyncio.to_thread(self._train_boxed, [samples], self.version)
         t2 = time.perf_counter()
         # what the metrics need, then the batch's columns go (at full lengths ~0.65 GB for 8k samples):
         # the pause, sync and resume below must not hold them while answers keep arriving
