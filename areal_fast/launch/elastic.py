@@ -16,11 +16,19 @@ Each tick:
    slot (its GPU is ``rollout.gpus[slot]``), with the run's key in a private file removed once it
    is healthy. A death therefore becomes a relaunch (``rollout.relaunch_servers=false``: the target
    drops instead). Five failed starts in a row stop the relaunching (logged as an error);
-3. a started server that answers /health 200 becomes a member. Rank 0 (``launch.rank``) then offers
+3. a started server is recorded in ``members.json`` under ``starting`` (pid, URL, slot) from the
+   moment it is launched, so a resume after a kill -9 of the launcher can stop or adopt it
+   (``launch.reuse``); once it answers /health 200 it becomes a member. Rank 0 (``launch.rank``) then offers
    it to the weight sync: it gets the next update in full, over a re-formed broadcast group, and
    only then enters the pool (``weights.membership``);
 4. a server above the target leaves ``members.json`` first; it is stopped once rank 0's
-   ``pool.json`` no longer lists it (its requests have finished or failed over), or after 30 s.
+   ``pool.json`` no longer lists it (its requests have finished or failed over), or after 30 s;
+5. a member that rank 0 dropped (``pool.json``, written after it became a member, lists it neither in
+   the pool nor joining) while its process lives is asked GET /model_info in a thread, with
+   ``rollout.hang_timeout`` as the deadline (``launch.rank.server_state``). No answer (hung:
+   SIGSTOPped, deadlocked): its process group is killed with SIGKILL and step 1 relaunches it in its
+   slot. An answer (merely slow): it is left alone, asked again after ``hang_timeout``, and rank 0
+   offers it again once its /health answers (``launch.pool_watch``).
 
 The files are described in ``launch.members``; the user's side in ``docs/elastic.md``.
 """
@@ -28,8 +36,11 @@ The files are described in ``launch.members``; the user's side in ``docs/elastic
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +52,7 @@ TICK_S = 0.5
 DRAIN_S = 30.0  # a removed server leaves the pool within a step; past this it is stopped anyway
 MAX_FAILED_STARTS = 5  # in a row: a server that cannot start (bad node, no memory) is not retried forever
 STOP_GRACE_S = 10.0
+DEFAULT_HANG_TIMEOUT_S = 30.0  # rollout.hang_timeout's default, for a config without it
 
 
 @dataclass
@@ -67,6 +79,13 @@ class ServerSupervisor:
         self.starts = len(servers)  # servers started so far (names and seeds of the next ones)
         self.failed_starts = 0
         self.relaunched = 0
+        self.killed_hung = 0
+        now = time.time()
+        for p in servers:  # pool.json written after this saw them (wall clock: pool.json's own time)
+            p.extra.setdefault("member_since", now)
+        self._checks: dict[str, tuple[LaunchedProcess, Future]] = {}  # url -> liveness check in flight
+        self._answered: dict[str, float] = {}  # url -> monotonic time of its last answer (not hung)
+        self._pool_exec: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._publish()
@@ -83,6 +102,8 @@ class ServerSupervisor:
             self._thread.join(timeout=30)
         for s in self.starting:
             self._forget_key(s)
+        if self._pool_exec is not None:
+            self._pool_exec.shutdown(wait=False, cancel_futures=True)
 
     def _loop(self) -> None:
         while not self._stop.wait(TICK_S):
@@ -96,16 +117,20 @@ class ServerSupervisor:
         refresh = getattr(self.launcher, "refresh", None)
         if refresh is not None:  # Ray: exit codes come from the actors
             refresh()
-        before = (self._member_urls(), self.target)
+        before = self._published_state()
         self._reap_dead()
         self._promote_started()
         self._apply_target()
         self._drain()
-        if (self._member_urls(), self.target) != before:
+        self._kill_hung()
+        if self._published_state() != before:
             self._publish()
 
     def _member_urls(self) -> list[str]:
         return [p.url for _, p in sorted(self.members.items())]
+
+    def _published_state(self) -> tuple:
+        return self._member_urls(), [s.proc.url for s in self.starting], self.target
 
     def _reap_dead(self) -> None:
         dead = [(slot, p) for slot, p in self.members.items() if not p.alive()]
@@ -125,6 +150,7 @@ class ServerSupervisor:
                 self.starting.remove(s)
                 self._forget_key(s)
                 self.members[s.slot] = s.proc
+                s.proc.extra["member_since"] = time.time()
                 self.failed_starts = 0
                 log.warning("server %s (%s) is up after %.1f s; it joins at the next weight update", s.proc.name,
                             s.proc.url, time.monotonic() - s.t0)
@@ -176,6 +202,36 @@ class ServerSupervisor:
                 del self.leaving[url]
                 self._stop_proc(p)
 
+    # ------------------------------------------------------------ hung members
+    def _kill_hung(self) -> None:
+        """Step 5 of the module docstring: a member rank 0 dropped whose process lives but does not
+        answer within ``rollout.hang_timeout`` is killed (SIGKILL); the next tick relaunches it."""
+        pool = read_pool(self.out)
+        hang_s = float(getattr(self.cfg, "hang_timeout", DEFAULT_HANG_TIMEOUT_S))
+        in_pool = set(pool.get("urls", [])) | set(pool.get("joining", [])) if pool else set()
+        for url, (p, fut) in list(self._checks.items()):
+            if not fut.done():
+                continue
+            del self._checks[url]
+            state = _verdict(fut)
+            if state == "alive" or p not in self.members.values() or not p.alive():
+                self._answered[url] = time.monotonic()
+                continue
+            log.warning("server %s (%s, pid %s) was dropped by rank 0 and does not answer GET /model_info "
+                        "within rollout.hang_timeout=%.0fs (%s): killed (SIGKILL), relaunched in its slot",
+                        p.name, url, p.pid, hang_s, state)
+            kill_now(p)
+            self.killed_hung += 1
+        if pool is None:
+            return
+        for p in self.members.values():
+            dropped = p.url not in in_pool and float(pool.get("time") or 0) > p.extra.get("member_since", 0.0)
+            recent = time.monotonic() - self._answered.get(p.url, -1e9) < hang_s
+            if dropped and not recent and p.url not in self._checks and p.alive():
+                if self._pool_exec is None:
+                    self._pool_exec = ThreadPoolExecutor(4, thread_name_prefix="hung-check")
+                self._checks[p.url] = (p, self._pool_exec.submit(server_state, p.url, hang_s))
+
     # ------------------------------------------------------------ starting and stopping
     def _free_slot(self) -> int | None:
         used = set(self.members) | {s.slot for s in self.starting} | {_slot(p) for p, _ in self.leaving.values()}
@@ -226,13 +282,44 @@ class ServerSupervisor:
             log.warning("stopping server %s: %s", p.name, e)
 
     def _publish(self) -> None:
-        members = [Member(name=p.name, url=p.url, slot=slot, pid=p.pid, node=p.node, log=str(p.log_path))
-                   for slot, p in sorted(self.members.items())]
-        write_members(self.out, members, model=self.model_path, target=self.target)
+        members = [_member(p, slot) for slot, p in sorted(self.members.items())]
+        starting = [_member(s.proc, s.slot, "starting") for s in self.starting]
+        write_members(self.out, members, model=self.model_path, target=self.target, starting=starting)
+
+
+def _member(p: LaunchedProcess, slot: int, state: str = "healthy") -> Member:
+    return Member(name=p.name, url=p.url, slot=slot, pid=p.pid, node=p.node, log=str(p.log_path), state=state)
 
 
 def _slot(p: LaunchedProcess) -> int:
     return int(p.extra.get("slot", -1))
+
+
+def server_state(url: str, hang_timeout_s: float) -> str:
+    """"alive", "hung" or "refused": the watchdog's liveness check (``launch.rank.server_state``)."""
+    from areal_fast.launch.rank import server_state as state
+
+    return state(url, hang_timeout_s)
+
+
+def _verdict(fut: Future) -> str:
+    try:
+        return fut.result()
+    except Exception as e:  # noqa: BLE001 - a check that failed says nothing: asked again later
+        log.info("liveness check failed: %s", e)
+        return "alive"
+
+
+def kill_now(p: LaunchedProcess) -> None:
+    """SIGKILL a hung server: its process group on this machine (a SIGSTOPped process dies of it too),
+    or its Ray host actor (``release_dead``)."""
+    if p.actor is not None:
+        release_dead(p)
+        return
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # started with start_new_session: its group is its pid
+    except (ProcessLookupError, PermissionError) as e:
+        log.warning("killing hung server %s (pid %s): %s", p.name, p.pid, e)
 
 
 # ----------------------------------------------------------------------------- per launcher

@@ -4,9 +4,12 @@ command tell each other which inference servers a run has (``docs/elastic.md``).
 ``<output_dir>/servers/``, each file JSON, replaced atomically (written beside, then renamed), with
 one writer each:
 
-- ``members.json`` (the launcher): the healthy servers the run may use, with name, pid, node and
-  slot. Rank 0 offers a new one to the weight sync (it joins the pool after its first full update)
-  and drops from the pool a server that left the file (dead, or removed on request);
+- ``members.json`` (the launcher): the healthy servers the run may use (``servers``), with name,
+  pid, node and slot, and the servers still starting (``starting``, state "starting": launched, not
+  yet answering /health; recorded so that a resume after a kill -9 of the launcher finds them under
+  ``rollout.keep_servers``: ``launch.reuse``). Rank 0 offers a new one to the weight sync (it joins
+  the pool after its first full update) and drops from the pool a server that left the file (dead,
+  or removed on request);
 - ``target.json`` (``areal-fast servers``): how many servers the run should have, and which to
   remove first; the launcher starts or stops servers until the members match it;
 - ``pool.json`` (rank 0): the servers requests go to, and the ones waiting to join. The launcher
@@ -31,7 +34,7 @@ MEMBERS_FILE, TARGET_FILE, POOL_FILE = "members.json", "target.json", "pool.json
 
 @dataclass
 class Member:
-    """One healthy server of the run, as the launcher records it."""
+    """One server of the run, as the launcher records it."""
 
     name: str
     url: str
@@ -39,6 +42,7 @@ class Member:
     pid: int | None = None
     node: str = "localhost"
     log: str = ""
+    state: str = "healthy"  # "starting": launched, not answering /health yet (not a member rank 0 may use)
 
 
 @dataclass
@@ -74,19 +78,30 @@ def read_json(path: Path):
         return None
 
 
-def write_members(out, members: list[Member], model: str | None = None, target: int | None = None) -> None:
-    """The launcher's members, the model they serve (``launch.reuse`` checks it on resume) and the
-    number of servers it is heading for."""
-    write_json(servers_dir(out) / MEMBERS_FILE, {"servers": [asdict(m) for m in members], "model": model,
+def write_members(out, members: list[Member], model: str | None = None, target: int | None = None,
+                  starting: list[Member] = ()) -> None:
+    """The launcher's members, the servers it is starting, the model they serve (``launch.reuse``
+    checks it on resume) and the number of servers it is heading for."""
+    write_json(servers_dir(out) / MEMBERS_FILE, {"servers": [asdict(m) for m in members],
+                                                 "starting": [asdict(m) for m in starting], "model": model,
                                                  "target": target, "time": time.time()})
 
 
 def read_members(out) -> list[Member] | None:
-    """The launcher's members, or None when the run has no members file (servers it did not launch)."""
+    """The launcher's healthy members, or None when the run has no members file (servers it did not
+    launch)."""
     d = read_json(servers_dir(out) / MEMBERS_FILE)
     if not isinstance(d, dict):
         return None
     return [Member(**m) for m in d.get("servers", [])]
+
+
+def read_starting(out) -> list[Member]:
+    """The servers the launcher was starting when it last wrote the members file (state "starting")."""
+    d = read_json(servers_dir(out) / MEMBERS_FILE)
+    if not isinstance(d, dict):
+        return []
+    return [Member(**{**m, "state": "starting"}) for m in d.get("starting") or []]
 
 
 def write_target(out, target: Target) -> None:

@@ -160,7 +160,8 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
                 say(f"resuming from {resumed}")
             ctl.callbacks = _sinks(cfg, ctl.version, progress, closers)
             watch = asyncio.create_task(_watch_servers(rollout, out / "logs", r.hang_timeout))
-            follow = asyncio.create_task(watch_members(rollout, syncer, out))  # elastic servers (pool_watch)
+            follow = asyncio.create_task(watch_members(rollout, syncer, out, hang_timeout_s=r.hang_timeout,
+                                                       external=urls))  # elastic servers (pool_watch)
             run = asyncio.create_task(ctl.run())
             done, _ = await asyncio.wait({watch, run}, return_when=asyncio.FIRST_COMPLETED)
             if run not in done:

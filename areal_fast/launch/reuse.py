@@ -14,8 +14,11 @@ directory) reads ``servers/members.json`` and judges each server (:func:`judge`)
   before the first request (``Controller.run``); at version 0 nothing is sent, so such a server is
   stopped and a fresh one started.
 
-A server judged unfit, and every kept server of a run that starts afresh, is stopped (by pid,
-after checking that the pid is still an inference server). A run that ends well stops its servers
+A server the crashed launcher was still starting (``members.json``'s ``starting``: a relaunch in
+progress when it was killed) is judged the same way if it answers /health 200 by now, and stopped
+otherwise: nothing else would ever stop it. A server judged unfit, and every kept server (members
+and starting ones) of a run that starts afresh, is stopped (by pid, after checking that the pid is
+still an inference server). A run that ends well stops its servers
 and removes the key. Local launcher only: a Ray run restarts its servers.
 """
 
@@ -27,8 +30,16 @@ import os
 import signal
 from pathlib import Path
 
-from areal_fast.launch.base import SECRETS_DIR, LaunchedProcess, pid_alive
-from areal_fast.launch.members import MEMBERS_FILE, POOL_FILE, Member, read_json, read_members, servers_dir
+from areal_fast.launch.base import SECRETS_DIR, LaunchedProcess, pid_alive, server_ready
+from areal_fast.launch.members import (
+    MEMBERS_FILE,
+    POOL_FILE,
+    Member,
+    read_json,
+    read_members,
+    read_starting,
+    servers_dir,
+)
 from areal_fast.launch.run_dir import open_private
 from areal_fast.weights.membership import group_name_of
 
@@ -141,12 +152,35 @@ def release_groups(url: str, key: str | None, names: list[str]) -> None:
         calls.close()
 
 
+def kept_processes(out: Path) -> list[Member]:
+    """Every server of ``out``'s members file whose process still runs: members and starting ones."""
+    return [m for m in [*(read_members(out) or []), *read_starting(out)] if is_kept_server(m.pid)]
+
+
+def started_since(out: Path, say=print) -> list[Member]:
+    """The servers the crashed launcher was starting: the ones healthy by now, to be judged as members;
+    the others are stopped (their launcher is gone: nothing would ever stop them)."""
+    up = []
+    for m in read_starting(out):
+        if not is_kept_server(m.pid):
+            continue
+        if server_ready(m.url):
+            say(f"kept server {m.name} ({m.url}, pid {m.pid}) was starting when the run stopped and is up now")
+            up.append(m)
+        else:
+            say(f"kept server {m.name} ({m.url}, pid {m.pid}) was starting when the run stopped and does not "
+                "answer /health: stopped")
+            stop_kept([m], "still starting when the run stopped")
+    return up
+
+
 def reuse_kept_servers(out: Path, model: str, ckpt_version: int, say=print,
                        group_name: str = "weight_update_group") -> tuple[list[LaunchedProcess], str | None]:
     """The kept servers of the previous run of ``out`` fit for reuse (as processes to adopt, the
     crashed run's weight groups destroyed) and their key; the others are stopped. ([], None) when
     there are none."""
     members = [m for m in (read_members(out) or []) if is_kept_server(m.pid)]
+    members += started_since(out, say)
     key = kept_key(out)
     if not members:
         return [], None

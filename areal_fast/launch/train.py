@@ -180,9 +180,8 @@ def supervised_servers(cfg, kind: ServerKind, launcher, model: str, out: Path, a
 def _stop_kept_servers(out: Path) -> None:
     """A fresh start stops the servers a failed run of ``out`` kept (``rollout.keep_servers``)."""
     from areal_fast.launch import reuse
-    from areal_fast.launch.members import read_members
 
-    reuse.stop_kept(read_members(out) or [], "the run starts afresh (experiment.resume=false)")
+    reuse.stop_kept(reuse.kept_processes(out), "the run starts afresh (experiment.resume=false)")
     reuse.remove_key(out)
 
 

@@ -190,3 +190,232 @@ def test_the_pool_file_follows_the_pool(tmp_path):
 def test_a_kept_server_is_reused_only_when_its_weights_can_be_trusted(answers, version, model, ckpt, reuse):
     ok, why = judge(answers, version, model, "/m", ckpt)
     assert ok is reuse and why
+
+
+# ----------------------------------------------------------------------------- the chaos run's gaps
+
+
+def test_a_starting_server_is_recorded_with_its_pid_and_state_before_it_is_healthy(tmp_path, ready):
+    from areal_fast.launch.members import read_starting
+
+    launcher = FakeLauncher()
+    sup, servers = _supervisor(tmp_path, launcher)
+    launcher.dead.add(servers[0].url)
+    sup.tick()
+    new = sup.starting[0].proc
+    new.pid = 4242
+    sup._publish()
+    (s,) = read_starting(tmp_path)
+    assert (s.url, s.pid, s.slot, s.state) == (new.url, 4242, 0, "starting")
+    assert _member_urls(tmp_path) == [servers[1].url]  # not a member rank 0 may use yet
+    ready.add(new.url)
+    sup.tick()
+    assert read_starting(tmp_path) == [] and _member_urls(tmp_path) == [new.url, servers[1].url]
+
+
+def _fake_server(tmp_path):
+    """A process whose command line reads like an inference server's (``reuse.is_kept_server``)."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "areal_fast.rollout.engine"],
+                            start_new_session=True)
+
+
+@pytest.mark.parametrize("healthy", [False, True])
+def test_a_resume_stops_a_server_still_starting_or_adopts_it_once_healthy(tmp_path, monkeypatch, healthy):
+    from areal_fast.launch import reuse
+
+    proc = _fake_server(tmp_path)
+    try:
+        url = "http://127.0.0.1:45001"
+        write_members(tmp_path, [], model="/m", starting=[Member("server0-3", url, 0, pid=proc.pid,
+                                                                 state="starting")])
+        monkeypatch.setattr(reuse, "server_ready", lambda u: healthy and u == url)
+        monkeypatch.setattr(reuse, "probe", lambda u, key: (True, "0"))
+        monkeypatch.setattr(reuse, "release_groups", lambda *a: None)
+        said: list[str] = []
+        procs, _ = reuse.reuse_kept_servers(tmp_path, "/m", 2, say=said.append)
+        if healthy:  # at version 0, checkpoint 2: the first update brings it there
+            assert [(p.url, p.pid, p.extra["slot"]) for p in procs] == [(url, proc.pid, 0)]
+            assert proc.poll() is None
+        else:
+            assert procs == [] and "was starting" in said[0]
+            proc.wait(timeout=20)  # stopped (SIGTERM to its group); a hang fails here
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_fresh_start_stops_the_servers_a_crashed_run_was_starting(tmp_path):
+    from areal_fast.launch.train import _stop_kept_servers
+
+    proc = _fake_server(tmp_path)
+    try:
+        write_members(tmp_path, [], model="/m", starting=[Member("server1-4", "http://127.0.0.1:45002", 1,
+                                                                 pid=proc.pid, state="starting")])
+        _stop_kept_servers(tmp_path)
+        proc.wait(timeout=20)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _tick_until(sup, cond, deadline_s=10.0):
+    import time
+
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < deadline_s, "the supervisor did not act"
+        sup.tick()
+        time.sleep(0.01)
+
+
+def _pool_after_members(out, urls):
+    """pool.json as rank 0 writes it once it has seen the members (later than they became members)."""
+    import time
+
+    from areal_fast.launch.members import POOL_FILE, servers_dir, write_json
+
+    write_json(servers_dir(out) / POOL_FILE, {"urls": urls, "joining": [], "generation": 1, "time": time.time() + 1})
+
+
+def test_a_member_rank_0_dropped_that_does_not_answer_is_killed_and_relaunched(tmp_path, ready, monkeypatch):
+    launcher = FakeLauncher()
+    sup, servers = _supervisor(tmp_path, launcher, hang_timeout=5.0)
+    asked, killed = [], []
+    monkeypatch.setattr(elastic, "server_state", lambda url, t: asked.append((url, t)) or "hung")
+    monkeypatch.setattr(elastic, "kill_now", lambda p: killed.append(p.url) or launcher.dead.add(p.url))
+    sup.tick()
+    _pool_after_members(tmp_path, [servers[1].url])  # rank 0 dropped server0 as hung; its process lives
+    _tick_until(sup, lambda: launcher.started)
+    assert asked == [(servers[0].url, 5.0)] and killed == [servers[0].url]
+    assert launcher.started == [(0, "server0-2")] and sup.killed_hung == 1
+
+
+def test_a_slow_member_that_answers_within_hang_timeout_is_not_killed(tmp_path, ready, monkeypatch):
+    launcher = FakeLauncher()
+    sup, servers = _supervisor(tmp_path, launcher, hang_timeout=5.0)
+    asked, killed = [], []
+    monkeypatch.setattr(elastic, "server_state", lambda url, t: asked.append(url) or "alive")
+    monkeypatch.setattr(elastic, "kill_now", lambda p: killed.append(p.url))
+    _pool_after_members(tmp_path, [servers[1].url])
+    _tick_until(sup, lambda: asked and not sup._checks)
+    for _ in range(5):
+        sup.tick()
+    assert killed == [] and launcher.started == [] and asked == [servers[0].url]  # asked again only after 5 s
+    _pool_after_members(tmp_path, [servers[0].url, servers[1].url])  # in the pool: never asked
+    sup._answered.clear()
+    for _ in range(5):
+        sup.tick()
+    assert asked == [servers[0].url]
+
+
+def test_a_member_not_yet_seen_by_rank_0_is_not_suspected(tmp_path, ready, monkeypatch):
+    from areal_fast.launch.members import POOL_FILE, servers_dir, write_json
+
+    launcher = FakeLauncher()
+    sup, servers = _supervisor(tmp_path, launcher, hang_timeout=5.0)
+    asked: list[str] = []
+    monkeypatch.setattr(elastic, "server_state", lambda url, t: asked.append(url) or "hung")
+    write_json(servers_dir(tmp_path) / POOL_FILE, {"urls": [], "joining": [], "time": 1.0})  # a previous run's
+    for _ in range(5):
+        sup.tick()
+    assert asked == []
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+async def _settle(rejoin):
+    await asyncio.gather(*rejoin.tasks.values(), return_exceptions=True)
+
+
+def test_an_external_server_dropped_as_hung_is_offered_again_once_it_answers_with_backoff(tmp_path):
+    from areal_fast.launch.rejoin import Rejoin
+
+    A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    pool = Pool([A])  # B (rollout.servers) was dropped as hung
+    membership = SyncMembership(pool)
+    syncer = SimpleNamespace(membership=membership, offer=membership.offer)
+    answers, probes, clock = {B: False}, [], Clock()
+    rejoin = Rejoin(lambda u: probes.append(clock.t) or answers[u], clock=clock)
+
+    async def run():
+        async def look(t):
+            clock.t = t
+            pool_watch.follow_members(pool, syncer, tmp_path, {}, rejoin, external=[A, B])
+            await rejoin.step(syncer.offer)
+            await _settle(rejoin)
+            await rejoin.step(syncer.offer)
+
+        for t in (0.0, 1.0, 2.0, 3.0, 5.0, 6.0, 10.0):
+            await look(t)
+        assert probes == [2.0, 6.0] and membership.joining == []  # 2 s, then 4 s later
+        answers[B] = True
+        await look(13.0)
+        assert membership.joining == []  # backoff: 8 s after 6
+        await look(14.0)
+        assert membership.joining == [B]  # a joiner: the next update in full, then the pool
+        await look(15.0)
+        assert probes == [2.0, 6.0, 14.0] and B not in rejoin.waiting
+
+    asyncio.run(run())
+
+
+def test_a_rejoining_server_held_as_unresponsive_is_offered_after_the_hold(tmp_path):
+    from areal_fast.launch.rejoin import Rejoin
+
+    A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    pool = Pool([A])
+    membership = SyncMembership(pool)
+    membership.withdraw(B, hold_s=3600)  # a hung joiner withdrawn before an update
+    syncer = SimpleNamespace(membership=membership, offer=membership.offer)
+    clock = Clock()
+    rejoin = Rejoin(lambda u: True, clock=clock)
+
+    async def run():
+        for t in (0.0, 2.0, 2.1):
+            clock.t = t
+            pool_watch.follow_members(pool, syncer, tmp_path, {}, rejoin, external=[A, B])
+            await rejoin.step(syncer.offer)
+            await _settle(rejoin)
+        assert membership.joining == [] and B in rejoin.waiting  # refused while held: tried again later
+        membership.held.clear()
+        clock.t = 100.0
+        await rejoin.step(syncer.offer)
+        await _settle(rejoin)
+        await rejoin.step(syncer.offer)
+        assert membership.joining == [B]
+
+    asyncio.run(run())
+
+
+def test_a_launched_member_dropped_by_rank_0_is_offered_again_once_it_answers(tmp_path):
+    from areal_fast.launch.rejoin import Rejoin
+
+    A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    pool = Pool([A, B])
+    membership = SyncMembership(pool)
+    syncer = SimpleNamespace(membership=membership, offer=membership.offer)
+    known: dict = {}
+    clock = Clock()
+    rejoin = Rejoin(lambda u: True, clock=clock)
+    write_members(tmp_path, [Member("s0", A, 0, pid=10), Member("s1", B, 1, pid=11)])
+
+    async def run():
+        pool_watch.follow_members(pool, syncer, tmp_path, known, rejoin)
+        pool.remove_server(B)  # dropped as hung (SIGSTOP 20 s), same process
+        for t in (0.0, 2.0, 2.1):
+            clock.t = t
+            pool_watch.follow_members(pool, syncer, tmp_path, known, rejoin)
+            await rejoin.step(syncer.offer)
+            await _settle(rejoin)
+        assert membership.joining == [B]
+
+    asyncio.run(run())
