@@ -1,5 +1,6 @@
 """SGLang version gates live in one place (``rollout/engine/compat.py``): a named predicate per
-behaviour, used by the engine, the rollout client and the weight sync alike."""
+behaviour, used by the engine, the rollout client and the weight sync alike. vLLM's gates have
+their own single home beside it (``rollout/engine/vllm_compat.py``)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ from areal_fast.rollout.engine.compat import SGLangBehaviour
 
 PKG = Path(__file__).resolve().parents[2] / "areal_fast"
 COMPAT = PKG / "rollout" / "engine" / "compat.py"
+GATE_HOMES = (COMPAT, PKG / "rollout" / "engine" / "vllm_compat.py")  # SGLang's, vLLM's
 UNKNOWN = "0"  # Version("0"): a server that did not say its version (the most conservative answer)
 
 
 def version_literals_outside_compat() -> list[str]:
-    """Every ``Version("<literal>")`` in the package outside compat.py, but the unknown-version one."""
+    """Every ``Version("<literal>")`` in the package outside the gate homes, but the unknown-version one."""
     found = []
     for path in sorted(PKG.rglob("*.py")):
-        if path == COMPAT:
+        if path in GATE_HOMES:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Version"
