@@ -319,9 +319,9 @@ def drive(phase: Phase) -> None:
 
 
 def cleanup_servers(phase: Phase) -> None:
-    """No server of the run may outlive it: SIGCONT then SIGKILL any member still alive (a stopped one)."""
+    """No server of the run may outlive it: SIGCONT then SIGKILL any member (or server still starting) alive."""
     d = read_json(phase.out / "servers" / "members.json") or {}
-    for m in d.get("servers", []):
+    for m in [*d.get("servers", []), *(d.get("starting") or [])]:
         pid = m.get("pid")
         if pid and alive(int(pid)) and "areal_fast" in cmdline(int(pid)):
             signal_pid(int(pid), signal.SIGCONT)
