@@ -419,3 +419,17 @@ def test_a_launched_member_dropped_by_rank_0_is_offered_again_once_it_answers(tm
         assert membership.joining == [B]
 
     asyncio.run(run())
+
+
+def test_kill_now_ends_a_sigstopped_server_and_its_group(tmp_path):
+    import os
+    import signal
+
+    proc = _fake_server(tmp_path)
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        elastic.kill_now(LaunchedProcess(name="s", log_path=Path("/dev/null"), pid=proc.pid))
+        assert proc.wait(timeout=20) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
