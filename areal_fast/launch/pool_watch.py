@@ -9,7 +9,7 @@
   is the last one;
 - a member that rank 0 dropped itself (dead or hung: the watchdog, a failed call) while the launcher
   still lists the same process is not offered at once: ``launch.rejoin`` probes it with backoff and
-  offers it once it answers /health again (a hung one that is not going to answer is killed and
+  offers it once it answers again (a hung one that is not going to answer is killed and
   relaunched by the launcher: ``launch.elastic``);
 - ``servers/pool.json`` is rewritten whenever the pool or the waiting list changes: the launcher
   stops a removed server once it is out of the pool.
@@ -86,11 +86,15 @@ def _follow_external(rollout, membership, rejoin: Rejoin | None, external: list[
             rejoin.track(url)
 
 
-def answers_health(url: str, timeout_s: float) -> bool:
-    """A dropped server serves again: GET /health answers 200 within ``timeout_s``."""
-    from areal_fast.launch.base import server_ready
+def answers_again(url: str, timeout_s: float) -> bool:
+    """A dropped server answers again: the watchdog's liveness check (GET /model_info within
+    ``timeout_s``: ``launch.rank.server_state``) says "alive". Not /health 200: a server that was
+    dropped while hung is usually paused (the pause before an update reached it once it woke), and a
+    paused server answers /health 503 (SGLang's probe, and the embedded engine's, needs the scheduler
+    to produce output); it is continued with the pool after its update, once it joined."""
+    from areal_fast.launch.rank import server_state
 
-    return server_ready(url, timeout=timeout_s)
+    return server_state(url, timeout_s) == "alive"
 
 
 async def watch_members(rollout, syncer, out: Path, every_s: float = WATCH_S, *, hang_timeout_s: float = 30.0,
@@ -98,7 +102,7 @@ async def watch_members(rollout, syncer, out: Path, every_s: float = WATCH_S, *,
     """Follow the members file, offer dropped servers back once they answer (``launch.rejoin``, each
     probe's deadline ``hang_timeout_s``), and publish the pool until cancelled."""
     last, known = None, {}
-    rejoin = rejoin or Rejoin(functools.partial(answers_health, timeout_s=hang_timeout_s))
+    rejoin = rejoin or Rejoin(functools.partial(answers_again, timeout_s=hang_timeout_s))
     try:
         await _watch(rollout, syncer, out, every_s, known, rejoin, external, last)
     finally:

@@ -5,9 +5,10 @@ A hung server may answer again (SIGCONT, a stall that ends, a slow network that 
 server the run did not launch (``rollout.servers``) has no launcher to replace it, and a launched
 one whose process lives stays in ``members.json``. Such a server is *wanted* but out of the pool:
 
-- :class:`Rejoin` asks it ``GET /health`` (the start-up check: 200 means it serves) with backoff,
-  2 s after the drop, then 4, 8, ... up to 30 s between tries;
-- once it answers 200 it is offered to the weight sync (``SyncMembership.offer``): it gets the next
+- :class:`Rejoin` asks it the watchdog's liveness question (``GET /model_info`` answered within
+  ``rollout.hang_timeout``: ``launch.pool_watch.answers_again``, which says why not /health) with
+  backoff, 2 s after the drop, then 4, 8, ... up to 30 s between tries;
+- once it answers it is offered to the weight sync (``SyncMembership.offer``): it gets the next
   update in full, as a relaunched server does, and enters the pool only then. An offer refused
   because the server was withdrawn as unresponsive before an update (held for
   ``weights.membership.UNRESPONSIVE_HOLD_S``) is tried again at the next backoff step.
