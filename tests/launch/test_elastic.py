@@ -433,3 +433,33 @@ def test_kill_now_ends_a_sigstopped_server_and_its_group(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_paused_server_that_answers_model_info_but_503_on_health_counts_as_answering_again():
+    """A server dropped while hung wakes up paused (the pause before an update reached it late): /health
+    says 503 until the pool continues it after its update, so rejoining must not wait for /health 200."""
+    import http.server
+    import threading
+
+    class Paused(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's protocol
+            self.send_response(200 if self.path == "/model_info" else 503)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Paused)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        assert pool_watch.answers_again(url, 5.0)
+        srv.shutdown()
+        srv.server_close()
+        assert not pool_watch.answers_again(url, 5.0)  # refused
+    finally:
+        srv.shutdown()
+        srv.server_close()
