@@ -35,7 +35,9 @@ from packaging.version import Version
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_wheel import sglang_module  # noqa: E402
 
+from areal_fast.rollout.calls import RolloutError  # noqa: E402
 from areal_fast.rollout.client import RolloutClient  # noqa: E402
+from areal_fast.rollout.engine.compat import in_place_refusal  # noqa: E402
 from areal_fast.rollout.server_command import server_command, write_api_key_file  # noqa: E402
 
 VERSIONS = ("0.5.6", "0.5.23")
@@ -101,7 +103,9 @@ def _record_client_calls(version: str) -> list[tuple[str, dict | None]]:
 
         async def info(request):
             calls.append((request.path, None))
-            return web.json_response({"version": version, "tp_size": 1, "weight_version": "0"})
+            # launched as in_place needs (docs/pause_modes.md), so the in_place body is sent where it can be
+            return web.json_response({"version": version, "tp_size": 1, "weight_version": "0",
+                                      "disable_overlap_schedule": True, "disable_radix_cache": True})
 
         async def post(request):
             body = await request.json() if request.can_read_body else None
@@ -134,6 +138,10 @@ def _record_client_calls(version: str) -> list[tuple[str, dict | None]]:
                 release.set()
                 await held
                 for mode in ("abort", "retract", "in_place"):
+                    if mode == "in_place" and in_place_refusal(Version(version)):
+                        with pytest.raises(RolloutError, match="in_place"):  # never sent to this release
+                            await c.pause_all(mode)
+                        continue
                     await c.pause_all(mode)
                     if c.may_flush:
                         await c.flush_cache_all(timeout_s=5)
@@ -152,7 +160,7 @@ def test_rollout_client_bodies_parse_with_sglang_types(version):
     sent = {p for p, _ in calls}
     assert {"/generate", "/pause_generation", "/continue_generation", "/flush_cache", "/abort_request"} <= sent
     modes = [b.get("mode") for p, b in calls if p == "/pause_generation"]
-    assert modes == ["abort", "retract", "in_place"]
+    assert modes == ["abort", "retract"] + ([] if in_place_refusal(Version(version)) else ["in_place"])
     for path, body in calls:
         _parse_like_sglang(version, path, body)
 
