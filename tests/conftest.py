@@ -10,8 +10,8 @@ a test may also carry ``@pytest.mark.slow`` itself.
 The tests live in one folder per component of ``areal_fast/`` (``tests/rollout/``, ``tests/weights/``...),
 without ``__init__.py``: pytest imports each test file by its base name, so base names are unique
 across folders (the rules below name files by base name). Helpers shared by several folders sit here
-in ``tests/`` (``fakes.py``, ``_shared.py``, ``tolerances.py``, ``sglang_wheel.py``), which pytest puts
-on ``sys.path`` for this file; the component folders are put there too, so a test may import a
+in ``tests/`` (``fakes.py``, ``_shared.py``, ``tolerances.py``, ``sglang_wheel.py``, ``wheel_loader.py``),
+which pytest puts on ``sys.path`` for this file; the component folders are put there too, so a test may import a
 helper of another folder's test module (``from test_trainer_actor import make_tiny_model``) whatever
 files the run collects, and in whatever order.
 """
