@@ -24,6 +24,10 @@ import errno
 import logging
 import os
 import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +37,7 @@ from areal_fast.netutil import address_family, bare_host, find_free_port
 from areal_fast.weights.errors import WeightSyncError
 
 __all__ = ["ServerFacts", "init_custom_process_group", "host_weight_group", "bind_listen_socket",
-           "choose_backend", "HostedStore"]
+           "choose_backend", "HostedStore", "rendezvous"]
 
 log = logging.getLogger(__name__)
 _BIND_ATTEMPTS = 20  # find_free_port checks by binding, but another process may take the port before we do
@@ -154,6 +158,48 @@ class HostedStore:
     def close(self) -> None:
         """Drop our reference; the server stops when the group that uses it is gone too."""
         self.store = None
+
+
+def rendezvous(open_end: Callable[[], object], inits: list[tuple[str, Future]], store: HostedStore,
+               timeout_s: float, what: str, own_end: str = "the trainer end"):
+    """Rank 0's side of a rendezvous: run ``open_end()`` (rank 0's end of the group, on ``store``) in a
+    thread while the servers' init calls ``inits`` (``(url, future)``) are in flight; both must finish
+    within ``timeout_s``, and ``open_end()``'s result is returned. A server that refuses is raised at
+    once; a failure of rank 0's end is raised as a WeightSyncError naming ``what`` (the group). On any
+    failure the store is closed, once rank 0's end no longer runs (it may still read the store)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["end"] = open_end()
+        except Exception as e:  # noqa: BLE001 - raised below
+            box["err"] = e
+
+    th = threading.Thread(target=run, name=f"{what} init".replace(" ", "-"), daemon=True)
+    th.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while th.is_alive() or not all(f.done() for _, f in inits):
+            for _u, f in inits:
+                if f.done() and f.exception() is not None:
+                    raise f.exception()
+            if time.monotonic() > deadline:
+                late = [u for u, f in inits if not f.done()]
+                raise WeightSyncError(f"{what} rendezvous timed out after {timeout_s}s "
+                                      f"(store {store.host}:{store.port}; waiting for {late or own_end})")
+            time.sleep(0.005)
+        if "err" in box:
+            err = box["err"]
+            if isinstance(err, WeightSyncError):
+                raise err
+            raise WeightSyncError(f"trainer end of the {what} failed: {err}") from err
+        for _u, f in inits:
+            f.result()
+    except BaseException:
+        if not th.is_alive():
+            store.close()
+        raise
+    return box["end"]
 
 
 def host_weight_group(backend: str, store: HostedStore, world_size: int, group_name: str, timeout_s: float):

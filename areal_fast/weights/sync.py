@@ -39,7 +39,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 from concurrent.futures import Future
 
@@ -60,6 +59,7 @@ from areal_fast.weights.group import (
     choose_backend,
     host_weight_group,
     init_custom_process_group,
+    rendezvous,
 )
 
 __all__ = ["WeightSyncConfig", "SyncCalls", "WeightSync", "DistributedWeightSync", "DiskWeightSync", "WeightSyncError",
@@ -358,36 +358,10 @@ class DistributedWeightSync(WeightSync):
                     "world_size": self.world_size, "group_name": cfg.group_name, "backend": self.backend}
             futs.append((u, self.http.submit(u, "/init_weights_update_group", body)))
             offset += facts[u].tp_size
-        box: dict = {}
-
-        def own_init():
-            try:
-                box["pg"] = host_weight_group(self.backend, store, self.world_size, cfg.group_name, cfg.timeout_s)
-            except Exception as e:  # noqa: BLE001
-                box["err"] = e
-
-        th = threading.Thread(target=own_init, name="weight-group-init", daemon=True)
-        th.start()
-        deadline = time.monotonic() + cfg.timeout_s
-        try:
-            while th.is_alive() or not all(f.done() for _, f in futs):
-                for _url, f in futs:
-                    if f.done() and f.exception() is not None:
-                        raise f.exception()
-                if time.monotonic() > deadline:
-                    late = [u for u, f in futs if not f.done()]
-                    raise WeightSyncError(f"weight update group rendezvous timed out after {cfg.timeout_s}s "
-                                          f"(store {store.host}:{store.port}; waiting for {late or 'the group'})")
-                time.sleep(0.005)
-            if "err" in box:
-                raise WeightSyncError(f"trainer side of the weight update group failed: {box['err']}") from box["err"]
-            for _, f in futs:
-                f.result()
-        except BaseException:
-            if not th.is_alive():
-                store.close()
-            raise
-        self.pg, self._store = box["pg"], store
+        self.pg = rendezvous(
+            lambda: host_weight_group(self.backend, store, self.world_size, cfg.group_name, cfg.timeout_s),
+            futs, store, cfg.timeout_s, "weight update group", own_end="the group")
+        self._store = store
         self.group_tp = {u: facts[u].tp_size for u in self.urls}
         self.n_inits += 1
         if self.delta is not None:

@@ -33,7 +33,6 @@ trainer rank runs :meth:`VLLMTransferWeightSync.update`; only rank 0 talks to th
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from areal_fast.rollout.vllm_requests import finish_transfer_body, init_transfer
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.errors import WeightSyncError
 from areal_fast.weights.gather import Bucket, BucketGatherer, Sources
-from areal_fast.weights.group import HostedStore, host_weight_group
+from areal_fast.weights.group import HostedStore, host_weight_group, rendezvous
 from areal_fast.weights.sync import POLL_S, WeightSync
 
 __all__ = ["VLLMTransferWeightSync", "VLLMServer", "read_vllm_server", "transfer_order"]
@@ -230,12 +229,8 @@ class VLLMTransferWeightSync(WeightSync):
             futs.append((u, self.http.submit(u, "/init_weight_transfer_engine", body)))
             offset += self.servers[u].n_ranks
         opener = _GlooChannel if self.backend == "gloo" else _NcclChannel
-        try:
-            self._channel = _rendezvous(lambda: opener(store, self.world_size, cfg.timeout_s), futs, cfg.timeout_s,
-                                        f"store {store.host}:{store.port}")
-        except BaseException:
-            store.close()
-            raise
+        self._channel = rendezvous(lambda: opener(store, self.world_size, cfg.timeout_s), futs, store,
+                                   cfg.timeout_s, "vLLM weight-transfer group")
         self._store = store
         self.n_inits += 1
 
@@ -314,35 +309,3 @@ class _Session:
         o.http.all(label, "/update_weight_version", {"new_version": self.version})
         return False
 
-
-def _rendezvous(open_end, futs: list[tuple[str, Future]], timeout_s: float, where: str):
-    """Run ``open_end()`` (rank 0's end of the group) in a thread while the servers' init calls are in
-    flight; both must finish within ``timeout_s``. A server that refuses is raised at once."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["end"] = open_end()
-        except Exception as e:  # noqa: BLE001 - raised below
-            box["err"] = e
-
-    th = threading.Thread(target=run, name="vllm-transfer-init", daemon=True)
-    th.start()
-    deadline = time.monotonic() + timeout_s
-    while th.is_alive() or not all(f.done() for _, f in futs):
-        for _u, f in futs:
-            if f.done() and f.exception() is not None:
-                raise f.exception()
-        if time.monotonic() > deadline:
-            late = [u for u, f in futs if not f.done()]
-            raise WeightSyncError(f"vLLM weight-transfer rendezvous timed out after {timeout_s}s ({where}; "
-                                  f"waiting for {late or 'the trainer end'})")
-        time.sleep(0.005)
-    if "err" in box:
-        err = box["err"]
-        if isinstance(err, WeightSyncError):
-            raise err
-        raise WeightSyncError(f"trainer end of the vLLM weight-transfer group failed: {err}") from err
-    for _u, f in futs:
-        f.result()
-    return box["end"]
