@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import urllib.request
 
 from areal_fast.rollout.engine import start_engine_in_thread
+from areal_fast.rollout.testing import build_tiny_qwen2, perturbed_state_dict, save_state_dict
 
 # The twin's health-probe timeout (SGLang waits 20 s); 1 s so a paused twin answers 503 quickly.
 TWIN_HEALTH_TIMEOUT_S = 1.0
@@ -50,3 +53,38 @@ async def serve_app(app):
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+def tiny_model(tmp_path_factory, name: str = "tiny", vocab_size: int = 256, **build) -> str:
+    """A tiny random Qwen2 checkpoint in a fresh temporary directory (``build_tiny_qwen2``'s options)."""
+    return build_tiny_qwen2(str(tmp_path_factory.mktemp(name)), vocab_size=vocab_size, **build)
+
+
+def perturbed_checkpoint(base: str, seed: int, out_dir) -> tuple[str, dict]:
+    """``base`` with fresh weights (``perturbed_state_dict`` with ``seed``) saved in ``out_dir``:
+    (the checkpoint's path, its state dict)."""
+    sd = perturbed_state_dict(base, seed=seed)
+    return save_state_dict(sd, base, str(out_dir)), sd
+
+
+def tiny_checkpoints(tmp_path_factory, seeds: dict[int, int], vocab_size: int = 256,
+                     **build) -> tuple[dict[int, str], dict[int, dict]]:
+    """Version 0: a tiny model; version ``v``: its weights perturbed with seed ``seeds[v]``.
+    Returns (checkpoint path by version, state dict by perturbed version)."""
+    paths = {0: tiny_model(tmp_path_factory, vocab_size=vocab_size, **build)}
+    sds = {}
+    for v, seed in seeds.items():
+        paths[v], sds[v] = perturbed_checkpoint(paths[0], seed, tmp_path_factory.mktemp(f"v{v}"))
+    return paths, sds
+
+
+def disk_update(urls: list[str], path: str, version: str, api_key: str | None = None) -> None:
+    """POST /update_weights_from_disk ``{model_path, weight_version}`` to each server; each must succeed."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    body = json.dumps({"model_path": path, "weight_version": version}).encode()
+    for url in urls:
+        req = urllib.request.Request(url + "/update_weights_from_disk", headers=headers, data=body)
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["success"] is True

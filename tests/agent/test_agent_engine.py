@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.request
 
 import pytest
+from _shared import disk_update, tiny_checkpoints
 from tolerances import ENGINE_LOGPROB_ATOL
 
 from areal_fast.agent.server import AgentServer
@@ -17,14 +17,7 @@ from areal_fast.data.tokenizer import CharTokenizer
 from areal_fast.rollout.client import RolloutClient
 from areal_fast.rollout.engine import start_engine_in_thread
 from areal_fast.rollout.port import ClientRollout
-from areal_fast.rollout.testing import (
-    build_tiny_qwen2,
-    hf_greedy,
-    hf_logprobs,
-    load_hf,
-    perturbed_state_dict,
-    save_state_dict,
-)
+from areal_fast.rollout.testing import hf_greedy, hf_logprobs, load_hf
 from areal_fast.workflow import EpisodeEngine
 
 TOK = CharTokenizer("0123456789*+=")
@@ -36,20 +29,11 @@ N = 120  # tokens of the interrupted turn: the update is asked for after 15
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     pytest.importorskip("openai")
-    base = build_tiny_qwen2(str(tmp_path_factory.mktemp("tiny")), vocab_size=16, eos_token_id=TOK.eos_token_id)
-    sd1 = perturbed_state_dict(base, seed=301)
-    v1 = save_state_dict(sd1, base, str(tmp_path_factory.mktemp("v1")))
+    paths, sds = tiny_checkpoints(tmp_path_factory, {1: 301}, vocab_size=16, eos_token_id=TOK.eos_token_id)
+    base, v1, sd1 = paths[0], paths[1], sds[1]
     engine = start_engine_in_thread(base, api_key=KEY)
     yield engine, base, v1, sd1
     engine.stop()
-
-
-def _update(url: str, path: str, version: str) -> None:
-    req = urllib.request.Request(url + "/update_weights_from_disk", data=json.dumps(
-        {"model_path": path, "weight_version": version}).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        assert json.loads(r.read())["success"] is True
 
 
 async def _with_sdk(engine, sampling, body, marker=None):
@@ -113,11 +97,11 @@ def test_generation_interrupted_by_a_weight_update_resumes_with_versions(setup):
             model=MODEL, messages=[{"role": "user", "content": "12+3="}]))
         await _tokens_at_least(engine, 15)
         await rollout.pause()
-        await asyncio.to_thread(_update, engine.url, v1, "1")
+        await asyncio.to_thread(disk_update, [engine.url], v1, "1", KEY)
         await rollout.resume()
         r = await task
         await rollout.pause()
-        await asyncio.to_thread(_update, engine.url, base, "0")
+        await asyncio.to_thread(disk_update, [engine.url], base, "0", KEY)
         await rollout.resume()
         return r, client.calls[0]
 

@@ -1,12 +1,10 @@
 """RolloutClient against embedded engines on loopback: interruption and stitching, abort, failover, load."""
 
 import asyncio
-import json
 import random
-import urllib.request
 
 import pytest
-from _shared import engine_twins, serve_app
+from _shared import disk_update, engine_twins, serve_app, tiny_checkpoints
 from tolerances import ENGINE_LOGPROB_ATOL
 
 from areal_fast.rollout.client import (
@@ -18,26 +16,14 @@ from areal_fast.rollout.client import (
     version_to_int,
 )
 from areal_fast.rollout.engine import launch_engine_subprocess, start_engine_in_thread
-from areal_fast.rollout.testing import (
-    build_tiny_qwen2,
-    hf_greedy,
-    hf_logprobs,
-    load_hf,
-    perturbed_state_dict,
-    save_state_dict,
-)
+from areal_fast.rollout.testing import hf_greedy, hf_logprobs, load_hf
 
 VOCAB = 256
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    base = build_tiny_qwen2(str(tmp_path_factory.mktemp("tiny")), vocab_size=VOCAB)
-    sds = {v: perturbed_state_dict(base, seed=100 + v) for v in (1, 2)}
-    out = {0: base}
-    for v, sd in sds.items():
-        out[v] = save_state_dict(sd, base, str(tmp_path_factory.mktemp(f"v{v}")))
-    return out, sds
+    return tiny_checkpoints(tmp_path_factory, {v: 100 + v for v in (1, 2)}, vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +46,8 @@ def _run(coro, timeout=60):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-def _disk_update(urls: list[str], path: str, version: str, api_key: str | None = None) -> None:
-    """POST /update_weights_from_disk to every server (the client does no weight updates)."""
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    for url in urls:
-        req = urllib.request.Request(url + "/update_weights_from_disk", headers=headers, data=json.dumps(
-            {"model_path": path, "weight_version": version}).encode())
-        with urllib.request.urlopen(req, timeout=60) as r:
-            assert json.loads(r.read())["success"] is True
-
-
 async def _update(client: RolloutClient, path: str, version: str) -> None:
-    await asyncio.to_thread(_disk_update, [s.url for s in client.servers], path, version)
+    await asyncio.to_thread(disk_update, [s.url for s in client.servers], path, version)
 
 
 async def _reset(client: RolloutClient, base: str) -> None:
@@ -368,7 +342,7 @@ def test_abort_of_one_rid_leaves_the_rids_it_prefixes_running(twins):
 
 def test_missing_weight_version_on_0_5_6_is_not_labelled_version_0(twins, dirs):
     h = twins("0.5.6")
-    _disk_update([h.url], dirs[0][0], "3")
+    disk_update([h.url], dirs[0][0], "3")
 
     async def run():
         async with RolloutClient([h.url]) as c:
@@ -431,7 +405,7 @@ def test_health_tells_a_paused_server_from_a_dead_one(twins):
 
 def test_current_weight_version_comes_from_model_info_from_0_5_19(twins, dirs):
     h = twins("0.5.19")
-    _disk_update([h.url], dirs[0][0], "7")
+    disk_update([h.url], dirs[0][0], "7")
 
     async def run():
         async with RolloutClient([h.url]) as c:

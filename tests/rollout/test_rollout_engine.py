@@ -12,27 +12,20 @@ import urllib.request
 import aiohttp
 import pytest
 import torch
-from _shared import engine_twins
+from _shared import engine_twins, perturbed_checkpoint, tiny_model
 from tolerances import ENGINE_LOGPROB_ATOL, SAMPLED_FREQ_40K_ATOL
 
 from areal_fast.rollout.engine import start_engine_in_thread
 from areal_fast.rollout.engine.sampling import SamplingParams, _filter_probs, sample_batch
 from areal_fast.rollout.engine.weight_sync import TensorMeta, flattened_bucket_layout, unaligned_tensor
-from areal_fast.rollout.testing import (
-    build_tiny_qwen2,
-    hf_greedy,
-    hf_logprobs,
-    load_hf,
-    perturbed_state_dict,
-    save_state_dict,
-)
+from areal_fast.rollout.testing import hf_greedy, hf_logprobs, load_hf
 
 VOCAB = 256
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_qwen2(str(tmp_path_factory.mktemp("tiny_qwen2")), vocab_size=VOCAB)
+    return tiny_model(tmp_path_factory, "tiny_qwen2", vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -252,8 +245,7 @@ def test_health_and_info(engine, model_dir):
 
 def test_update_weights_from_disk_changes_outputs_and_version(engine, model_dir, hf_model, tmp_path):
     p = _prompts(1, seed=3)[0]
-    sd = perturbed_state_dict(model_dir, seed=7)
-    new_dir = save_state_dict(sd, model_dir, str(tmp_path / "v1"))
+    new_dir, sd = perturbed_checkpoint(model_dir, 7, tmp_path / "v1")
     before = _post(engine.url + "/generate", {"input_ids": p, "sampling_params": {
         "max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}})[1]
     status, ans = _post(engine.url + "/update_weights_from_disk", {"model_path": new_dir, "weight_version": "1"})
@@ -413,8 +405,7 @@ def test_abort_request_aborts_every_rid_with_that_prefix(twins):
 
 def test_retract_pause_recomputes_with_new_weights_and_in_place_keeps_running(twins, model_dir, tmp_path):
     h = twins("0.5.23")
-    sd = perturbed_state_dict(model_dir, seed=11)
-    new_dir = save_state_dict(sd, model_dir, str(tmp_path / "v1"))
+    new_dir, sd = perturbed_checkpoint(model_dir, 11, tmp_path / "v1")
     prompt, n = [7, 3, 9], 60
 
     async def cycle(mode: str):

@@ -19,17 +19,11 @@ import urllib.error
 import urllib.request
 
 import pytest
+from _shared import perturbed_checkpoint, tiny_model
 from tolerances import ENGINE_LOGPROB_ATOL
 
 from areal_fast.rollout.engine import start_engine_in_thread
-from areal_fast.rollout.testing import (
-    build_tiny_qwen2,
-    hf_greedy,
-    hf_logprobs,
-    load_hf,
-    perturbed_state_dict,
-    save_state_dict,
-)
+from areal_fast.rollout.testing import hf_greedy, hf_logprobs, load_hf
 from areal_fast.rollout.vllm_client import VLLMRolloutClient
 from areal_fast.weights.errors import WeightSyncError
 from areal_fast.weights.vllm_disk import VLLMDiskCalls
@@ -40,13 +34,12 @@ PROMPT = [3, 17, 42, 9, 100]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_qwen2(str(tmp_path_factory.mktemp("tiny_qwen2_vllm")), vocab_size=VOCAB)
+    return tiny_model(tmp_path_factory, "tiny_qwen2_vllm", vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module")
 def new_weights(model_dir, tmp_path_factory):
-    return save_state_dict(perturbed_state_dict(model_dir, seed=7), model_dir,
-                           str(tmp_path_factory.mktemp("ckpt_v1")))
+    return perturbed_checkpoint(model_dir, 7, tmp_path_factory.mktemp("ckpt_v1"))[0]
 
 
 @pytest.fixture()

@@ -6,24 +6,16 @@ seam), versions change exactly at the seams, and the behaviour log-probs are the
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.request
 from array import array
 
 import pytest
+from _shared import disk_update, tiny_checkpoints
 from tolerances import ENGINE_LOGPROB_ATOL
 
 from areal_fast.rollout.client import RolloutClient
 from areal_fast.rollout.engine import start_engine_in_thread
 from areal_fast.rollout.port import ClientRollout
-from areal_fast.rollout.testing import (
-    build_tiny_qwen2,
-    hf_greedy,
-    hf_logprobs,
-    load_hf,
-    perturbed_state_dict,
-    save_state_dict,
-)
+from areal_fast.rollout.testing import hf_greedy, hf_logprobs, load_hf
 from areal_fast.workflow import EpisodeEngine, Trajectory
 
 FEEDBACK = [5, 6, 7]
@@ -32,19 +24,10 @@ N = 120  # tokens per turn: the pause lands mid-turn (the update is requested af
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    base = build_tiny_qwen2(str(tmp_path_factory.mktemp("tiny")), vocab_size=256)
-    sds = {v: perturbed_state_dict(base, seed=300 + v) for v in (1, 2)}
-    paths = {0: base, **{v: save_state_dict(sd, base, str(tmp_path_factory.mktemp(f"v{v}"))) for v, sd in sds.items()}}
-    engine = start_engine_in_thread(base)
+    paths, sds = tiny_checkpoints(tmp_path_factory, {v: 300 + v for v in (1, 2)})
+    engine = start_engine_in_thread(paths[0])
     yield engine, paths, sds
     engine.stop()
-
-
-def _update(url: str, path: str, version: str) -> None:
-    req = urllib.request.Request(url + "/update_weights_from_disk", headers={"Content-Type": "application/json"},
-                                 data=json.dumps({"model_path": path, "weight_version": version}).encode())
-    with urllib.request.urlopen(req, timeout=60) as r:
-        assert json.loads(r.read())["success"] is True
 
 
 class NoReward:
@@ -83,16 +66,16 @@ def test_weight_updates_within_and_between_turns_resume_the_episode_exactly(setu
             task = asyncio.create_task(episode(eng))
             await _tokens_at_least(engine, 15)  # within turn 1
             await rollout.pause()
-            await asyncio.to_thread(_update, engine.url, paths[1], "1")
+            await asyncio.to_thread(disk_update, [engine.url], paths[1], "1")
             await rollout.resume()
             await between.wait()
             await rollout.pause()
-            await asyncio.to_thread(_update, engine.url, paths[2], "2")
+            await asyncio.to_thread(disk_update, [engine.url], paths[2], "2")
             await rollout.resume()
             go_on.set()
             traj = await task
             await rollout.pause()
-            await asyncio.to_thread(_update, engine.url, paths[0], "0")
+            await asyncio.to_thread(disk_update, [engine.url], paths[0], "0")
             await rollout.resume()
             return traj
 
