@@ -24,6 +24,21 @@ async def wait_until(cond, what: str, limit_s: float = 60.0) -> None:
         await asyncio.sleep(0.005)
 
 
+async def until_running(engine, n_tokens: int, count: int = 1, task: asyncio.Task | None = None,
+                        limit_s: float = 60.0) -> None:
+    """Wait until ``count`` requests on an in-thread engine hold >= ``n_tokens`` output tokens each
+    (read from its scheduler); fails when ``limit_s`` passes first, or when ``task`` (the request's
+    caller) ends first."""
+    sched = engine.server.scheduler
+
+    def running() -> bool:
+        if task is not None and task.done():
+            raise AssertionError(f"the request ended before {count} request(s) held {n_tokens} tokens")
+        return sum(len(r.output_ids) >= n_tokens for r in list(sched._rows)) >= count
+
+    await wait_until(running, f"{count} request(s) holding {n_tokens} tokens", limit_s)
+
+
 def engine_twins(model_dir: str):
     """Body of a module fixture: yields ``get(version, **options)``, an in-thread embedded engine
     behaving as that SGLang release (one per distinct version/options), all stopped at the end."""

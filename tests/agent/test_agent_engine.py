@@ -9,7 +9,7 @@ import asyncio
 import json
 
 import pytest
-from _shared import disk_update, tiny_checkpoints
+from _shared import disk_update, tiny_checkpoints, until_running
 from tolerances import ENGINE_LOGPROB_ATOL
 
 from areal_fast.agent.server import AgentServer
@@ -82,12 +82,6 @@ def test_tool_call_then_second_turn_on_the_exact_tokens(setup):
     assert max(abs(a - b) for a, b in zip(c2.sample.output_logprobs, ref)) < ENGINE_LOGPROB_ATOL
 
 
-async def _tokens_at_least(engine, n: int) -> None:
-    sched = engine.server.scheduler
-    while not any(len(r.output_ids) >= n for r in list(sched._rows)):
-        await asyncio.sleep(0.002)
-
-
 def test_generation_interrupted_by_a_weight_update_resumes_with_versions(setup):
     engine, base, v1, sd1 = setup
     sampling = {"max_new_tokens": N, "temperature": 0.0, "ignore_eos": True}
@@ -95,7 +89,7 @@ def test_generation_interrupted_by_a_weight_update_resumes_with_versions(setup):
     async def body(sdk, client, rollout):
         task = asyncio.create_task(sdk.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "12+3="}]))
-        await _tokens_at_least(engine, 15)
+        await until_running(engine, 15)
         await rollout.pause()
         await asyncio.to_thread(disk_update, [engine.url], v1, "1", KEY)
         await rollout.resume()

@@ -4,7 +4,7 @@ import asyncio
 import random
 
 import pytest
-from _shared import disk_update, engine_twins, serve_app, tiny_checkpoints
+from _shared import disk_update, engine_twins, serve_app, tiny_checkpoints, until_running
 from tolerances import ENGINE_LOGPROB_ATOL
 
 from areal_fast.rollout.client import (
@@ -291,15 +291,6 @@ def twins(dirs):
     yield from engine_twins(dirs[0][0])
 
 
-async def _until_running(engine, n_tokens: int, count: int = 1) -> None:
-    sched = engine.server.scheduler
-    for _ in range(5000):
-        if sum(len(r.output_ids) >= n_tokens for r in list(sched._rows)) >= count:
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError(f"{count} request(s) never reached {n_tokens} tokens")
-
-
 def test_n_greater_than_one_and_unknown_keys_refused_before_sending(twins):
     h = twins("0.5.6")
 
@@ -331,7 +322,7 @@ def test_abort_of_one_rid_leaves_the_rids_it_prefixes_running(twins):
             sp = {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True}
             short = asyncio.create_task(c.generate([3, 4], sp, rid="q1-s1"))
             longer = asyncio.create_task(c.generate([3, 4], sp, rid="q1-s10"))
-            await _until_running(h, 2, count=2)
+            await until_running(h, 2, count=2)
             await c.abort("q1-s1")
             return await short, await longer
 
@@ -347,7 +338,7 @@ def test_missing_weight_version_on_0_5_6_is_not_labelled_version_0(twins, dirs):
     async def run():
         async with RolloutClient([h.url]) as c:
             task = asyncio.create_task(c.generate([6, 2], {"max_new_tokens": 300, "ignore_eos": True}, rid="w"))
-            await _until_running(h, 3)
+            await until_running(h, 3)
             await c.pause_all("retract")  # the request goes back to the server's waiting queue
             await c.abort("w")  # aborted while waiting: 0.5.6 sends no weight_version
             await c.continue_all()
@@ -364,13 +355,13 @@ def test_in_place_pause_forbids_flush_and_retract_allows_it(twins):
     async def run():
         async with RolloutClient([h.url]) as c:
             task = asyncio.create_task(c.generate([8, 1], {"max_new_tokens": 200, "ignore_eos": True}, rid="ip"))
-            await _until_running(h, 2)
+            await until_running(h, 2)
             await c.pause_all("in_place")
             assert not c.may_flush
             with pytest.raises(RolloutError, match="in_place"):
                 await c.flush_cache_all(timeout_s=5)
             await c.continue_all()
-            await _until_running(h, 4)
+            await until_running(h, 4)
             await c.pause_all("retract")
             assert c.may_flush
             await c.flush_cache_all(timeout_s=5)  # retracted requests hold no KV

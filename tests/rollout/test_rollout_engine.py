@@ -12,7 +12,7 @@ import urllib.request
 import aiohttp
 import pytest
 import torch
-from _shared import engine_twins, perturbed_checkpoint, tiny_model
+from _shared import engine_twins, perturbed_checkpoint, tiny_model, until_running
 from tolerances import ENGINE_LOGPROB_ATOL, SAMPLED_FREQ_40K_ATOL
 
 from areal_fast.rollout.engine import start_engine_in_thread
@@ -347,16 +347,6 @@ async def _post_async(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[i
             return r.status, text
 
 
-async def _wait_running(engine, n_tokens: int = 2, count: int = 1) -> None:
-    """Until ``count`` requests run on this in-thread engine with >= n_tokens outputs each."""
-    sched = engine.server.scheduler
-    for _ in range(5000):
-        if sum(len(r.output_ids) >= n_tokens for r in list(sched._rows)) >= count:
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError(f"{count} request(s) never reached {n_tokens} tokens")
-
-
 def test_n_greater_than_one_answers_a_list_with_suffixed_rids(twins, hf_model):
     h = twins("0.5.23")
     prompt = [5, 9, 2]
@@ -390,7 +380,7 @@ def test_abort_request_aborts_every_rid_with_that_prefix(twins):
                     "input_ids": [3, 4], "rid": rid, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))
 
             tasks = {rid: gen(rid) for rid in ("q1-s1", "q1-s10", "q2-s1")}
-            await _wait_running(h, 1, count=3)
+            await until_running(h, 1, count=3)
             assert (await _post_async(s, h.url + "/abort_request", {"rid": "q1-s1"}))[0] == 200
             done = {rid: (await asyncio.wait_for(t, 10))[1] for rid, t in tasks.items() if rid != "q2-s1"}
             still = not tasks["q2-s1"].done()
@@ -414,7 +404,7 @@ def test_retract_pause_recomputes_with_new_weights_and_in_place_keeps_running(tw
             task = asyncio.create_task(_post_async(s, h.url + "/generate", {
                 "input_ids": prompt, "rid": f"r-{mode}", "return_logprob": True,
                 "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}))
-            await _wait_running(h, 5)
+            await until_running(h, 5)
             await _post_async(s, h.url + "/pause_generation", {"mode": mode})
             running = h.server.scheduler.has_running()
             flush = await _post_async(s, h.url + "/update_weights_from_disk", {
@@ -447,7 +437,7 @@ def test_in_place_pause_then_flushing_update_refused_from_0_5_22_and_crashes_bef
         async with aiohttp.ClientSession() as s:
             task = asyncio.create_task(_post_async(s, h.url + "/generate", {
                 "input_ids": [4, 4], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))
-            await _wait_running(h, 2)
+            await until_running(h, 2)
             await _post_async(s, h.url + "/pause_generation", {"mode": "in_place"})
             upd = await _post_async(s, h.url + "/update_weights_from_disk",
                                     {"model_path": model_dir, "weight_version": "5", "flush_cache": True})
@@ -471,7 +461,7 @@ def test_abort_in_waiting_has_no_weight_version_on_0_5_6(twins):
         async with aiohttp.ClientSession() as s:
             task = asyncio.create_task(_post_async(s, h.url + "/generate", {
                 "input_ids": [6, 2], "rid": "w", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))
-            await _wait_running(h, 3)
+            await until_running(h, 3)
             await _post_async(s, h.url + "/pause_generation", {"mode": "retract"})  # back to the waiting queue
             await _post_async(s, h.url + "/abort_request", {"rid": "w"})
             await _post_async(s, h.url + "/continue_generation", {})
@@ -670,7 +660,7 @@ def test_a_request_whose_client_went_away_is_aborted(twins):
     s = _raw_request(h.url, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n", body)
 
     async def running():
-        await _wait_running(h, 1)
+        await until_running(h, 1)
 
     asyncio.run(running())
     req = next(r for r in list(sched._rows) if r.rid == "gone")

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.error
 import urllib.request
 
 import pytest
-from _shared import perturbed_checkpoint, tiny_model
+from _shared import perturbed_checkpoint, tiny_model, until_running
 from tolerances import ENGINE_LOGPROB_ATOL
 
 from areal_fast.rollout.engine import start_engine_in_thread
@@ -103,16 +102,11 @@ def test_disk_update_never_leaves_the_server_paused(twin, new_weights, model_dir
 
 
 def test_keep_pause_keeps_the_request_across_a_disk_update(twin, new_weights):
-    sched = twin.server.scheduler
-
     async def run():
         async with VLLMRolloutClient([twin.url], vllm_version="0.33.0", pause_mode="in_place") as c:
             task = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 300, "ignore_eos": True,
                                                            "temperature": 1.0}, rid="long"))
-            deadline = time.monotonic() + 60
-            while not any(len(r.output_ids) >= 2 for r in list(sched._rows)):
-                assert time.monotonic() < deadline and not task.done(), "the request never started"
-                await asyncio.sleep(0.005)
+            await until_running(twin, 2, task=task)
             await c.pause_all()
             calls = VLLMDiskCalls(timeout_s=60)
             try:
@@ -131,16 +125,11 @@ def test_keep_pause_keeps_the_request_across_a_disk_update(twin, new_weights):
 def test_abort_pause_resubmits_prompt_plus_partial_output(twin):
     """An abort pause ends the request with what it has; after /resume the shared client resubmits
     prompt + output so far (its pre-encoded ids) and stitches the two segments."""
-    sched = twin.server.scheduler
-
     async def run():
         async with VLLMRolloutClient([twin.url], vllm_version="0.33.0", pause_mode="abort") as c:
             task = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 300, "ignore_eos": True,
                                                            "temperature": 1.0}, rid="cut"))
-            deadline = time.monotonic() + 60
-            while not any(len(r.output_ids) >= 2 for r in list(sched._rows)):
-                assert time.monotonic() < deadline and not task.done(), "the request never started"
-                await asyncio.sleep(0.005)
+            await until_running(twin, 2, task=task)
             await c.pause_all()
             await asyncio.sleep(0.05)
             await c.continue_all()

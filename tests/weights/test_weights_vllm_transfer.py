@@ -14,11 +14,11 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from _shared import until_running
 
 from areal_fast.rollout.engine import start_engine_in_thread
 from areal_fast.rollout.engine.vllm_compat import VLLMBehaviour
@@ -52,10 +52,7 @@ def test_transfer_to_the_twin_is_bitwise_and_labels_every_token(tmp_path):
         async with VLLMRolloutClient([twin.url], vllm_version="0.33.0", pause_mode="in_place") as c:
             task = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 200, "ignore_eos": True,
                                                            "temperature": 1.0}, rid="kept"))
-            deadline = time.monotonic() + 60
-            while not any(len(r.output_ids) >= 2 for r in list(sched._rows)):
-                assert time.monotonic() < deadline and not task.done(), "the request never started"
-                await asyncio.sleep(0.005)
+            await until_running(twin, 2, task=task)
             await c.pause_all()
             n_before = max(len(r.output_ids) for r in list(sched._rows))
             out = await asyncio.to_thread(send)

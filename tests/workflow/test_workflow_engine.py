@@ -9,7 +9,7 @@ import asyncio
 from array import array
 
 import pytest
-from _shared import disk_update, tiny_checkpoints
+from _shared import disk_update, tiny_checkpoints, until_running
 from tolerances import ENGINE_LOGPROB_ATOL
 
 from areal_fast.rollout.client import RolloutClient
@@ -35,13 +35,6 @@ class NoReward:
         raise AssertionError("not used")
 
 
-async def _tokens_at_least(engine, n: int) -> None:
-    """Wait (on the engine's own state) until a running request holds >= n output tokens."""
-    sched = engine.server.scheduler
-    while not any(len(r.output_ids) >= n for r in list(sched._rows)):
-        await asyncio.sleep(0.002)
-
-
 def test_weight_updates_within_and_between_turns_resume_the_episode_exactly(setup):
     engine, paths, sds = setup
     prompt = [11, 12, 13, 14]
@@ -64,7 +57,7 @@ def test_weight_updates_within_and_between_turns_resume_the_episode_exactly(setu
             eng = EpisodeEngine(rollout, NoReward(), None, {"max_new_tokens": N, "temperature": 0.0,
                                                             "ignore_eos": True}, "wf", training=False)
             task = asyncio.create_task(episode(eng))
-            await _tokens_at_least(engine, 15)  # within turn 1
+            await until_running(engine, 15)  # within turn 1
             await rollout.pause()
             await asyncio.to_thread(disk_update, [engine.url], paths[1], "1")
             await rollout.resume()
