@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chaos_lib import FAULTS, Arrival, StallingProxy, account, fault_figures, parse_schedule  # noqa: E402
 from chaos_reward import HANG_FILE_ENV  # noqa: E402
-from common import provenance  # noqa: E402
+from common import proc_alive, proc_children, proc_cmdline, proc_ppid, provenance  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "tiny_reverse.yaml")
@@ -91,46 +91,6 @@ def read_json(path: Path):
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def children(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (Linux /proc)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for t in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    kids = [int(x) for x in f.read().split()]
-                out += kids
-                todo += kids
-        except OSError:
-            continue
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def ppid(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[-1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return -1
 
 
 def signal_pid(pid: int, sig: int) -> bool:
@@ -227,14 +187,14 @@ class Phase:
 
     def members(self) -> list[dict]:
         d = read_json(self.out / "servers" / "members.json") or {}
-        return [m for m in d.get("servers", []) if m.get("pid") and alive(int(m["pid"]))
+        return [m for m in d.get("servers", []) if m.get("pid") and proc_alive(int(m["pid"]))
                 and int(m["pid"]) not in self.stopped_never]
 
 
 def reward_workers(run_pid: int) -> list[int]:
     """The reward service's worker processes: children of its multiprocessing forkserver."""
-    kids = children(run_pid)
-    return [k for k in kids if "forkserver" in cmdline(k) and "forkserver" in cmdline(ppid(k))]
+    kids = proc_children(run_pid)
+    return [k for k in kids if "forkserver" in proc_cmdline(k) and "forkserver" in proc_cmdline(proc_ppid(k))]
 
 
 def inject(phase: Phase, fault) -> dict:
@@ -323,7 +283,7 @@ def cleanup_servers(phase: Phase) -> None:
     d = read_json(phase.out / "servers" / "members.json") or {}
     for m in [*d.get("servers", []), *(d.get("starting") or [])]:
         pid = m.get("pid")
-        if pid and alive(int(pid)) and "areal_fast" in cmdline(int(pid)):
+        if pid and proc_alive(int(pid)) and "areal_fast" in proc_cmdline(int(pid)):
             signal_pid(int(pid), signal.SIGCONT)
             signal_pid(int(pid), signal.SIGKILL)
 

@@ -12,6 +12,9 @@
 * :func:`add_harness_args` - the options every script shares: ``--results DIR``,
   ``--no-results`` and ``--dry-run`` (build the cases and print them without running anything:
   what the GPU suite's dry run calls on a machine without a GPU).
+* :func:`proc_children`, :func:`proc_cmdline`, :func:`proc_ppid`, :func:`proc_alive` - a process
+  tree read from Linux ``/proc`` (the chaos bench and the end-to-end tests find and check the
+  processes a run started with them).
 * :func:`device_peaks` - datasheet peaks (HBM GB/s, dense bf16 TFLOP/s) of known devices for
   rooflines; the same-size copy each script times in the same run is the practical roof.
 """
@@ -248,3 +251,49 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+# ----------------------------------------------------------------------------- processes (Linux /proc)
+
+
+def proc_children(pid: int) -> list[int]:
+    """Every descendant of ``pid``."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+                out += kids
+                todo += kids
+        except OSError:
+            continue
+    return out
+
+
+def proc_cmdline(pid: int) -> str:
+    """The command line of ``pid``, space-separated ("" when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def proc_ppid(pid: int) -> int:
+    """The parent of ``pid`` (-1 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[-1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def proc_alive(pid: int) -> bool:
+    """Is ``pid`` running (a zombie waiting for its reaper counts as gone)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

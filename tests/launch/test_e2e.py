@@ -27,6 +27,9 @@ import pytest
 from areal_fast.checkpoint import HANG_AFTER_CHECKPOINT_ENV, checkpoint_groups
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from common import proc_alive, proc_children, proc_cmdline  # noqa: E402
+
 EXAMPLE = str(ROOT / "examples" / "tiny_reverse.yaml")
 START_TIMEOUT_S = 240  # model build + server start-up + a few steps on a busy 2-core machine
 ETA = 1
@@ -45,38 +48,6 @@ TINY = [
 def _cmd(out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "areal_fast.cli", "train", EXAMPLE, f"experiment.output_dir={out}", *TINY,
             *extra]
-
-
-def _children(pid: int) -> list[int]:
-    """All descendants of pid (Linux /proc)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for t in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    kids = [int(x) for x in f.read().split()]
-                out += kids
-                todo += kids
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _status(url: str) -> int:
@@ -115,7 +86,7 @@ def runner():
     yield start
     for p in procs:
         if p.poll() is None:
-            for c in _children(p.pid):
+            for c in proc_children(p.pid):
                 try:
                     os.kill(c, signal.SIGKILL)
                 except ProcessLookupError:
@@ -132,8 +103,8 @@ def test_kill_9_then_the_same_command_resumes_without_loss_or_duplicates(tmp_pat
     p = runner(_cmd(out, f"experiment.total_steps={steps}", "weights.method=disk"),
                env={HANG_AFTER_CHECKPOINT_ENV: "2"})
     _wait_for(lambda: (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file(), p, "checkpoint 2")
-    kids = _children(p.pid)
-    engines = [_cmdline(k).split() for k in kids if "areal_fast.rollout.engine" in _cmdline(k)]
+    kids = proc_children(p.pid)
+    engines = [proc_cmdline(k).split() for k in kids if "areal_fast.rollout.engine" in proc_cmdline(k)]
     assert engines, "no engine server was launched"
     url = f"http://127.0.0.1:{engines[0][engines[0].index('--port') + 1]}"
     # the key travels in a private --config file, never on the (world-readable) command line
@@ -148,9 +119,9 @@ def test_kill_9_then_the_same_command_resumes_without_loss_or_duplicates(tmp_pat
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     deadline = time.monotonic() + 30
-    while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+    while any(proc_alive(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [k for k in kids if _alive(k)], "processes of the killed run are still running"
+    assert not [k for k in kids if proc_alive(k)], "processes of the killed run are still running"
 
     r = subprocess.run(_cmd(out, f"experiment.total_steps={steps}", "weights.method=disk"), cwd=ROOT,
                        capture_output=True, text=True, timeout=START_TIMEOUT_S)
@@ -189,7 +160,7 @@ def test_a_dying_inference_server_does_not_stop_the_run_in_sync_mode(tmp_path, r
     p = runner(_cmd(out, f"experiment.total_steps={steps}", "rollout.n_servers=2", "checkpoint.every_steps=0",
                     "rollout.max_staleness=0", "weights.method=distributed"))
     _wait_for(lambda: (out / "metrics.jsonl").is_file() and len(_train_events(out)) >= 2, p, "step 2")
-    servers = [k for k in _children(p.pid) if "areal_fast.rollout.engine" in _cmdline(k)]
+    servers = [k for k in proc_children(p.pid) if "areal_fast.rollout.engine" in proc_cmdline(k)]
     assert len(servers) == 2
     os.kill(servers[0], signal.SIGKILL)
     _, err = p.communicate(timeout=START_TIMEOUT_S)
@@ -210,7 +181,7 @@ def test_two_trainer_ranks_with_the_default_distributed_sync_finish(tmp_path, ru
                     "log.plots=false"))
     cmdlines: list[str] = []
     while p.poll() is None and len(cmdlines) < 3:  # record the ranks' command lines while they run
-        cmdlines = [c for c in (_cmdline(k) for k in _children(p.pid)) if "areal_fast.launch.rank" in c]
+        cmdlines = [c for c in (proc_cmdline(k) for k in proc_children(p.pid)) if "areal_fast.launch.rank" in c]
         time.sleep(0.2)
     _, err = p.communicate(timeout=START_TIMEOUT_S * 2)
     assert p.returncode == 0, err.decode()[-3000:] + (out / "logs" / "trainer.log").read_text()[-3000:]
@@ -235,4 +206,4 @@ def test_a_run_with_the_rollout_client_in_two_worker_processes_finishes(tmp_path
     log = (out / "logs" / "controller.log").read_text()
     assert "rollout client in 2 worker processes" in log
     pids = [int(x) for x in log.split("rollout client in 2 worker processes (pids ", 1)[1].split(")", 1)[0].split(", ")]
-    assert len(pids) == 2 and not [k for k in pids if _alive(k)]
+    assert len(pids) == 2 and not [k for k in pids if proc_alive(k)]
