@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import re
 import sys
@@ -43,7 +42,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, add_harness_args, print_dry_run, provenance, save  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    add_harness_args,
+    print_dry_run,
+    provenance,
+    save,
+    serve_until_stopped,
+    server_process,
+)
 
 # Qwen3-0.6B's config.json (the fields that set tensor shapes)
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
@@ -187,19 +194,7 @@ def _receiver_main(shapes, port_q, stop_ev):
             recv.destroy_group(body["group_name"])
         return web.json_response({"success": True, "message": ""})
 
-    async def amain():
-        app = web.Application(client_max_size=1 << 26)
-        app.router.add_route("*", "/{t:.*}", handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port_q.put(site._server.sockets[0].getsockname()[1])
-        while not stop_ev.is_set():
-            await asyncio.sleep(0.1)
-        await runner.cleanup()
-
-    asyncio.run(amain())
+    serve_until_stopped(handle, port_q, stop_ev, client_max_size=1 << 26)
 
 
 def _perturb(state: dict[str, torch.Tensor], frac: float, g: torch.Generator) -> None:
@@ -214,14 +209,9 @@ def bench_gloo(n_params: float, frac: float, updates: int = 4, bucket_mb: int = 
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     shapes = _gloo_shapes(n_params)
-    ctx = mp.get_context("spawn")
     rows = []
     for mode in ("off", "auto"):
-        q, stop = ctx.Queue(), ctx.Event()
-        proc = ctx.Process(target=_receiver_main, args=(shapes, q, stop), daemon=True)
-        proc.start()
-        try:
-            url = f"http://127.0.0.1:{q.get(timeout=120)}"
+        with server_process(_receiver_main, (shapes,), start_timeout_s=120) as url:
             g = torch.Generator().manual_seed(0)
             state = {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()}
             sync = DistributedWeightSync([url], WeightSyncConfig(bucket_bytes=bucket_mb << 20, dtype="bfloat16",
@@ -252,11 +242,6 @@ def bench_gloo(n_params: float, frac: float, updates: int = 4, bucket_mb: int = 
                          "update_s_median": float(np.median(secs)), "update_s": secs,
                          "bitwise_equal_to_trainer": got == want, "bucket_bytes": bucket_mb << 20})
             print(json.dumps(rows[-1]), flush=True)
-        finally:
-            stop.set()
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
     return rows
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_harness_args, print_dry_run, provenance, save, time_fn  # noqa: E402
+from common import add_harness_args, print_dry_run, provenance, save, serve_until_stopped, server_process, time_fn  # noqa: E402
 
 from areal_fast.weights.interval_copy import interval_copy  # noqa: E402
 from areal_fast.weights.layout import ModelSpec  # noqa: E402
@@ -242,19 +242,7 @@ def _receiver_main(port_q, stop_ev):
             dist.destroy_process_group(st.pop("pg"))
         return web.json_response({"success": True, "message": ""})
 
-    async def amain():
-        app = web.Application()
-        app.router.add_route("*", "/{t:.*}", handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port_q.put(site._server.sockets[0].getsockname()[1])
-        while not stop_ev.is_set():
-            await asyncio.sleep(0.1)
-        await runner.cleanup()
-
-    asyncio.run(amain())
+    serve_until_stopped(handle, port_q, stop_ev)
 
 
 def bench_sync(n_params: float, reps: int = 3, bucket_mb: int = 64) -> dict:
@@ -263,12 +251,7 @@ def bench_sync(n_params: float, reps: int = 3, bucket_mb: int = 64) -> dict:
     from areal_fast.weights.sync import DistributedWeightSync, SyncCalls, WeightSyncConfig
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.get_context("spawn")
-    q, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_receiver_main, args=(q, stop), daemon=True)
-    proc.start()
-    try:
-        url = f"http://127.0.0.1:{q.get(timeout=60)}"
+    with server_process(_receiver_main, start_timeout_s=60) as url:
         layers = max(1, int(n_params // (12 * 1024 * 1024 * 1.0 + 1)))
         spec = ModelSpec("qwen2", num_layers=layers, hidden_size=1024, intermediate_size=4096, num_heads=8,
                          num_kv_heads=8, head_dim=128, vocab_size=16384, qkv_bias=True)
@@ -298,11 +281,6 @@ def bench_sync(n_params: float, reps: int = 3, bucket_mb: int = 64) -> dict:
         s, r = float(np.median(sync_s)), float(np.median(raw_s))
         return {"bytes": nbytes, "params": nbytes // 2, "sync_GBps": nbytes / s / 1e9, "raw_broadcast_GBps":
                 nbytes / r / 1e9, "ratio": r / s, "bucket_bytes": bucket_mb << 20, "cast": "fp32->bf16"}
-    finally:
-        stop.set()
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
 
 
 PARTS = ("plan", "cpu_copy", "cuda_copy", "sync", "gpu_sync")

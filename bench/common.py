@@ -15,6 +15,8 @@
 * :func:`proc_children`, :func:`proc_cmdline`, :func:`proc_ppid`, :func:`proc_alive` - a process
   tree read from Linux ``/proc`` (the chaos bench and the end-to-end tests find and check the
   processes a run started with them).
+* :func:`server_process` and :func:`serve_until_stopped` - a stand-in server (an aiohttp handler for
+  every path) in a spawned process, for the weight-sync benchmarks' receivers.
 * :func:`device_peaks` - datasheet peaks (HBM GB/s, dense bf16 TFLOP/s) of known devices for
   rooflines; the same-size copy each script times in the same run is the practical roof.
 """
@@ -22,8 +24,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
+import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -297,3 +301,46 @@ def proc_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+# ----------------------------------------------------------------------------- stand-in servers
+
+
+def serve_until_stopped(handle, port_q, stop_ev, client_max_size: int = 1 << 20) -> None:
+    """In the server's process: serve ``handle`` (an aiohttp handler) for every method and path on
+    127.0.0.1, at a free port put on ``port_q``, until ``stop_ev`` is set."""
+    import asyncio
+
+    from aiohttp import web
+
+    async def amain():
+        app = web.Application(client_max_size=client_max_size)
+        app.router.add_route("*", "/{t:.*}", handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port_q.put(site._server.sockets[0].getsockname()[1])
+        while not stop_ev.is_set():
+            await asyncio.sleep(0.1)
+        await runner.cleanup()
+
+    asyncio.run(amain())
+
+
+@contextlib.contextmanager
+def server_process(target: Callable, args: tuple = (), start_timeout_s: float = 60.0):
+    """Run ``target(*args, port_q, stop_ev)`` (which ends in :func:`serve_until_stopped`) in a spawned
+    process; yields its URL once it reported its port; at the end asks it to stop, and kills it
+    after 10 s."""
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=target, args=(*args, q, stop), daemon=True)
+    proc.start()
+    try:
+        yield f"http://127.0.0.1:{q.get(timeout=start_timeout_s)}"
+    finally:
+        stop.set()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
