@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
+from areal_fast.rollout.engine.releases import parse_supported_version
+
 OLDEST_SUPPORTED = Version("0.5.6")
 NEWEST_SUPPORTED = Version("0.5.23")
 DEFAULT_SGLANG_VERSION = str(NEWEST_SUPPORTED)
@@ -150,14 +152,7 @@ def in_place_launch_refusal(engine: str, server_args: list[str], installed_sglan
 
 def parse_sglang_version(value: str | Version) -> Version:
     """'0.5.23' -> Version; ValueError naming the value when unparseable or outside 0.5.6..0.5.23."""
-    try:
-        v = value if isinstance(value, Version) else Version(str(value))
-    except InvalidVersion:
-        raise ValueError(f"--sglang-version {value!r} is not a version like 0.5.23") from None
-    if not OLDEST_SUPPORTED <= v <= NEWEST_SUPPORTED:
-        raise ValueError(f"--sglang-version {value}: supported SGLang releases are "
-                         f"{OLDEST_SUPPORTED} to {NEWEST_SUPPORTED}")
-    return v
+    return parse_supported_version(value, "--sglang-version", "SGLang", OLDEST_SUPPORTED, NEWEST_SUPPORTED)
 
 
 @dataclass(frozen=True)

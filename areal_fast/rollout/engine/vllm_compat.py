@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
+
+from areal_fast.rollout.engine.releases import parse_supported_version
 
 OLDEST_SUPPORTED = Version("0.11.0")
 NEWEST_SUPPORTED = Version("0.33.0")
@@ -44,14 +46,8 @@ DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 def parse_vllm_version(value: str | Version) -> Version:
     """'0.33.0' -> Version; ValueError naming the value when unparseable or outside the supported range."""
-    try:
-        v = value if isinstance(value, Version) else Version(str(value))
-    except InvalidVersion:
-        raise ValueError(f"vllm_version {value!r} is not a version like 0.33.0") from None
-    if not OLDEST_SUPPORTED <= v <= NEWEST_SUPPORTED:
-        raise ValueError(f"vllm_version {value}: supported vLLM releases are {OLDEST_SUPPORTED} to "
-                         f"{NEWEST_SUPPORTED} (docs/vllm.md)")
-    return v
+    return parse_supported_version(value, "vllm_version", "vLLM", OLDEST_SUPPORTED, NEWEST_SUPPORTED,
+                                   see=" (docs/vllm.md)")
 
 
 @dataclass(frozen=True)
