@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import urllib.request
 
 from areal_fast.rollout.engine import start_engine_in_thread
@@ -22,6 +23,24 @@ async def wait_until(cond, what: str, limit_s: float = 60.0) -> None:
         if loop.time() > end:
             raise AssertionError(f"waited {limit_s}s for {what}")
         await asyncio.sleep(0.005)
+
+
+def in_watched_thread(fn, limit_s: float) -> dict:
+    """``fn()`` in a daemon thread: ``{"value": ...}`` or ``{"error": ...}``; fails the test (instead of
+    hanging it) when ``fn`` still runs after ``limit_s``."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(limit_s)
+    assert not th.is_alive(), f"still running after {limit_s}s: a wait without a deadline"
+    return box
 
 
 async def until_running(engine, n_tokens: int, count: int = 1, task: asyncio.Task | None = None,

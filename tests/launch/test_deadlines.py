@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 import time
 
 import pytest
+from _shared import in_watched_thread
 
 from areal_fast.launch import rank
 from areal_fast.rollout.config import RolloutConfig
@@ -109,23 +109,6 @@ def test_the_watchdog_drops_a_sigstopped_server(two_engines, monkeypatch, tmp_pa
     assert pool.urls == [good.url]
 
 
-def _in_thread(fn, timeout_s: float):
-    """``fn()`` in a daemon thread; its result, its error, or a failure after ``timeout_s`` (a hang)."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            box["error"] = e
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    th.join(timeout_s)
-    assert not th.is_alive(), f"still waiting after {timeout_s}s: a wait without a deadline"
-    return box
-
-
 @pytest.mark.slow
 def test_a_sigstopped_weight_sync_peer_times_out_the_broadcast(two_engines, tiny_model):
     from areal_fast.rollout.testing import perturbed_state_dict
@@ -138,11 +121,11 @@ def test_a_sigstopped_weight_sync_peer_times_out_the_broadcast(two_engines, tiny
     sync = DistributedWeightSync([good.url, hung.url], cfg)
     sync.update(state, 1)  # the group is made and used once with both servers
     os.kill(hung.process.pid, signal.SIGSTOP)
-    box = _in_thread(lambda: sync.update({k: v + 1 for k, v in state.items()}, 2), WATCHDOG_S)
+    box = in_watched_thread(lambda: sync.update({k: v + 1 for k, v in state.items()}, 2), WATCHDOG_S)
     assert isinstance(box.get("error"), WeightSyncError), box
     assert hung.url in str(box["error"]) or "no answer within" in str(box["error"])
     assert sync.version == "1"
-    closed = _in_thread(sync.close, WATCHDOG_S)
+    closed = in_watched_thread(sync.close, WATCHDOG_S)
     assert "error" not in closed, closed
 
 

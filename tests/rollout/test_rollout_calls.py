@@ -10,6 +10,7 @@ import socket
 import threading
 
 import pytest
+from _shared import in_watched_thread
 from packaging.version import Version
 
 from areal_fast.netutil import check_server_url
@@ -107,18 +108,7 @@ def serve():
 
 def _watched(coro_fn, limit_s: float = WATCHDOG_S):
     """Run ``asyncio.run(coro_fn())`` in a thread; fail (not hang) when it outlives ``limit_s``."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = asyncio.run(coro_fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            box["error"] = e
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    th.join(limit_s)
-    assert not th.is_alive(), f"the call still runs after {limit_s}s: no deadline"
+    box = in_watched_thread(lambda: asyncio.run(coro_fn()), limit_s)
     if "error" in box:
         raise box["error"]
     return box["value"]
