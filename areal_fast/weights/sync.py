@@ -40,6 +40,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -312,6 +313,33 @@ class _NothingSent:
 _NOTHING_SENT = _NothingSent()
 
 
+def send_gathered(sync, src: Sources, dtypes: list[torch.dtype], group: str,
+                  push: Callable[[Callable[[], None]], None]) -> None:
+    """The frame of a gathered send (every trainer rank gathers the buckets, rank 0 sends them), shared
+    by the distributed transports. Ranks other than 0 only take part in the gather. Rank 0 refuses
+    when ``sync``'s ``group`` was marked broken, then runs ``push(begin)``, which calls ``begin()``
+    once the servers' update started and rank 0 gathers as it sends. When ``push`` fails before that,
+    rank 0 still takes part in the gather (sending nothing), so the other ranks are not left waiting."""
+    if sync.rank != 0:
+        sync._gatherer.run(src, dtypes, None)
+        return
+    started = False
+
+    def begin() -> None:
+        nonlocal started
+        started = True
+
+    try:
+        if sync._broken:
+            raise WeightSyncError(f"the {group} is unusable after an earlier failure ({sync._broken}); "
+                                  f"close() and create a new {type(sync).__name__}")
+        push(begin)
+    except Exception:
+        if not started and src.n_ranks > 1:
+            sync._gatherer.run(src, dtypes, None)  # the other ranks are gathering: take part, send nothing
+        raise
+
+
 class DistributedWeightSync(WeightSync):
     """SGLang's distributed update protocol (see the module docstring)."""
 
@@ -370,46 +398,38 @@ class DistributedWeightSync(WeightSync):
 
     def _send(self, prepared: tuple[Sources, list[torch.dtype]], version: str) -> None:
         src, dtypes = prepared
-        if self.rank != 0:
-            self._gatherer.run(src, dtypes, None)
-            return
-        started = False
+        send_gathered(self, src, dtypes, "weight update group", lambda begin: self._push(src, dtypes, version, begin))
+
+    def _push(self, src: Sources, dtypes: list[torch.dtype], version: str, begin: Callable[[], None]) -> None:
+        """Rank 0's update (inside :func:`send_gathered`)."""
+        if self.pg is None:
+            self.connect(src)  # reads the facts
+        facts = self.read_facts() if self._stale_facts else self.facts
+        self._stale_facts = True  # read again before the next update
+        changed = [u for u in self.urls if facts[u].tp_size != self.group_tp[u]]
+        if changed:
+            self.mark_broken(f"tp size changed on {changed}")
+            raise WeightSyncError(f"servers {changed} changed their tp size since the weight group was made "
+                                  "(restarted?); close() and create a new DistributedWeightSync")
+        if self.config.load_format == "flattened_bucket":
+            for layout in _bucket_layouts(self._gatherer.plan(src, dtypes), src, dtypes):
+                check_unpadded(*layout)
+        on_cuda = bool(src.local) and src.local[0].device.type == "cuda"
+        delta = self.delta if self.delta is not None and all(
+            wants_delta(self.config.delta, facts[u].engine, on_cuda) for u in self.urls) else None
+        if delta is not None:
+            delta.begin()
+        elif self.delta is not None:
+            self.delta.invalidate()
+        ok = False
         try:
-            if self._broken:
-                raise WeightSyncError(f"the weight update group is unusable after an earlier failure ({self._broken});"
-                                      " close() and create a new DistributedWeightSync")
-            if self.pg is None:
-                self.connect(src)  # reads the facts
-            facts = self.read_facts() if self._stale_facts else self.facts
-            self._stale_facts = True  # read again before the next update
-            changed = [u for u in self.urls if facts[u].tp_size != self.group_tp[u]]
-            if changed:
-                self.mark_broken(f"tp size changed on {changed}")
-                raise WeightSyncError(f"servers {changed} changed their tp size since the weight group was made "
-                                      "(restarted?); close() and create a new DistributedWeightSync")
-            if self.config.load_format == "flattened_bucket":
-                for layout in _bucket_layouts(self._gatherer.plan(src, dtypes), src, dtypes):
-                    check_unpadded(*layout)
-            on_cuda = bool(src.local) and src.local[0].device.type == "cuda"
-            delta = self.delta if self.delta is not None and all(
-                wants_delta(self.config.delta, facts[u].engine, on_cuda) for u in self.urls) else None
+            with self.session():
+                begin()
+                self._gatherer.run(src, dtypes, lambda b: self._send_bucket(b, version, delta))
+            ok = True
+        finally:
             if delta is not None:
-                delta.begin()
-            elif self.delta is not None:
-                self.delta.invalidate()
-            ok = False
-            try:
-                with self.session():
-                    started = True
-                    self._gatherer.run(src, dtypes, lambda b: self._send_bucket(b, version, delta))
-                ok = True
-            finally:
-                if delta is not None:
-                    delta.done(ok)  # a failed update leaves the servers' weights unknown: next one whole
-        except Exception:
-            if not started and src.n_ranks > 1:
-                self._gatherer.run(src, dtypes, None)  # the other ranks are gathering: take part, send nothing
-            raise
+                delta.done(ok)  # a failed update leaves the servers' weights unknown: next one whole
 
     def _send_bucket(self, bucket: Bucket, version: str, delta: DeltaEncoder | None = None):
         cfg = self.config

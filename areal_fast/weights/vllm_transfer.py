@@ -47,7 +47,7 @@ from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.errors import WeightSyncError
 from areal_fast.weights.gather import Bucket, BucketGatherer, Sources
 from areal_fast.weights.group import HostedStore, host_weight_group, rendezvous
-from areal_fast.weights.sync import POLL_S, WeightSync
+from areal_fast.weights.sync import POLL_S, WeightSync, send_gathered
 
 __all__ = ["VLLMTransferWeightSync", "VLLMServer", "read_vllm_server", "transfer_order"]
 
@@ -236,30 +236,23 @@ class VLLMTransferWeightSync(WeightSync):
 
     def _send(self, prepared: tuple[Sources, list[torch.dtype]], version: str) -> None:
         src, dtypes = prepared
-        if self.rank != 0:
-            self._gatherer.run(src, dtypes, None)
-            return
-        started = False
-        try:
-            if self._broken:
-                raise WeightSyncError(f"the vLLM weight-transfer group is unusable after an earlier failure "
-                                      f"({self._broken}); close() and create a new VLLMTransferWeightSync")
-            self.connect(src)
-            order = transfer_order(self._gatherer, src, dtypes)
-            body = update_transfer_body([src.names[t] for t in order],
-                                        [str(dtypes[t]).removeprefix("torch.") for t in order],
-                                        [list(src.shapes[t]) for t in order])
-            with self._update_session(version):
-                started = True
-                calls = [(u, self.http.submit(u, "/update_weights", body, what=f"{len(order)} tensors"))
-                         for u in self.urls]
-                self._gatherer.run(src, dtypes, lambda b: self._broadcast(b, calls))
-                for _u, f in calls:
-                    f.result(timeout=self.config.timeout_s)
-        except Exception:
-            if not started and src.n_ranks > 1:
-                self._gatherer.run(src, dtypes, None)  # the other ranks are gathering: take part, send nothing
-            raise
+        send_gathered(self, src, dtypes, "vLLM weight-transfer group",
+                      lambda begin: self._push(src, dtypes, version, begin))
+
+    def _push(self, src: Sources, dtypes: list[torch.dtype], version: str, begin) -> None:
+        """Rank 0's update (inside :func:`~areal_fast.weights.sync.send_gathered`)."""
+        self.connect(src)
+        order = transfer_order(self._gatherer, src, dtypes)
+        body = update_transfer_body([src.names[t] for t in order],
+                                    [str(dtypes[t]).removeprefix("torch.") for t in order],
+                                    [list(src.shapes[t]) for t in order])
+        with self._update_session(version):
+            begin()
+            calls = [(u, self.http.submit(u, "/update_weights", body, what=f"{len(order)} tensors"))
+                     for u in self.urls]
+            self._gatherer.run(src, dtypes, lambda b: self._broadcast(b, calls))
+            for _u, f in calls:
+                f.result(timeout=self.config.timeout_s)
 
     def _broadcast(self, bucket: Bucket, calls: list[tuple[str, Future]]) -> _PendingBucket:
         works = [self._channel.broadcast(bucket.tensor(i)) for i in range(len(bucket.names))]
