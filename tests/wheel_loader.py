@@ -211,6 +211,9 @@ def stubbed_modules() -> set[str]:
 # ----------------------------------------------------------------------------- versions
 
 
+_PACKAGES: list[WheelPackage] = []  # every package loaded so far; at most one is active
+
+
 class WheelPackage:
     """One package (``sglang``, ``vllm``) loaded from unpacked wheels, one version active at a time."""
 
@@ -225,15 +228,37 @@ class WheelPackage:
     def _owns(self, module_name: str) -> bool:
         return module_name == self.package or module_name.startswith(self.package + ".")
 
+    def _set_aside(self) -> None:
+        """Move the active version's modules (stubs of its runtime included) out of ``sys.modules``."""
+        old_version, old_root = self._active
+        # its stubs go with it (a stub made for one package's imports, e.g. msgspec's, must not be
+        # the one another package's modules find: each gets fresh ones)
+        self._saved[old_version] = {k: sys.modules.pop(k) for k in list(sys.modules)
+                                    if self._owns(k) or isinstance(sys.modules[k], _StubModule)}
+        while str(old_root) in sys.path:
+            sys.path.remove(str(old_root))
+        self._active = None
+
+    def deactivate(self) -> None:
+        """Set this package aside entirely (its modules and its stub finder), so that another
+        package's modules importing it (SGLang probes ``vllm``) see it as not installed."""
+        if self._active is not None:
+            self._set_aside()
+        while self._finder in sys.meta_path:
+            sys.meta_path.remove(self._finder)
+
     def activate(self, version: str, root: Path) -> None:
-        """Make ``root`` (which holds ``<package>/``) the source of ``import <package>.*``."""
+        """Make ``root`` (which holds ``<package>/``) the source of ``import <package>.*``; any other
+        wheel package is set aside first (two at once leak into each other's imports)."""
+        for other in _PACKAGES:
+            if other is not self:
+                other.deactivate()
+        if self not in _PACKAGES:
+            _PACKAGES.append(self)
         if self._active is not None and self._active[0] == version:
             return
         if self._active is not None:
-            old_version, old_root = self._active
-            self._saved[old_version] = {k: sys.modules.pop(k) for k in list(sys.modules) if self._owns(k)}
-            while str(old_root) in sys.path:
-                sys.path.remove(str(old_root))
+            self._set_aside()
         importlib.invalidate_caches()
         if version in self._saved:
             sys.modules.update(self._saved.pop(version))
