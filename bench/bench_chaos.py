@@ -431,7 +431,8 @@ def run_phase(name: str, work: Path, schedule: list, steps: int) -> dict:
         if proxy is not None:
             proxy.stop()
     result = {"phase": name, "command": " ".join(cmd[1:]), "schedule": [f.label() for f in schedule],
-              "total_steps": steps, "samples_per_step": 4 * GROUP_SIZE, "launches": phase.launches, "exits": phase.exits,
+              "total_steps": steps, "samples_per_step": 4 * GROUP_SIZE,
+              "launches": phase.launches, "exits": phase.exits,
               "faults": figures(phase), "accounting": accounting(out),
               "steps_seen": [(a.incarnation, a.step, round(a.t, 2)) for a in phase.watch.arrivals],
               "pool": phase.watch.pool, "members": phase.watch.members,
@@ -505,8 +506,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, (sched, _) in plans.items():
         wrong = [f.label() for f in sched if f.phase != name]
         if wrong:
-            raise SystemExit(f"--{'schedule' if name == 'main' else 'proxy-schedule'}: {wrong} belong to the other phase")
-    res = {"bench": "chaos", "date": stamp, "command": " ".join(["python", "bench/bench_chaos.py", *(argv or sys.argv[1:])]),
+            flag = "schedule" if name == "main" else "proxy-schedule"
+            raise SystemExit(f"--{flag}: {wrong} belong to the other phase")
+    command = " ".join(["python", "bench/bench_chaos.py", *(argv or sys.argv[1:])])
+    res = {"bench": "chaos", "date": stamp, "command": command,
            "provenance": provenance(native=False), "phases": []}
     for name in a.phases.split(","):
         say(f"phase {name}: schedule {[f.label() for f in plans[name][0]]}, {plans[name][1]} steps, in {work / name}")

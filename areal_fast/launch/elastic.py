@@ -25,7 +25,7 @@ Each tick:
    ``pool.json`` no longer lists it (its requests have finished or failed over), or after 30 s;
 5. a member that rank 0 dropped (``pool.json``, written after it became a member, lists it neither in
    the pool nor joining) while its process lives is asked GET /model_info in a thread, with
-   ``rollout.hang_timeout`` as the deadline (``launch.rank.server_state``). No answer (hung:
+   ``rollout.hang_timeout`` as the deadline (``launch.liveness.server_state``). No answer (hung:
    SIGSTOPped, deadlocked): its process group is killed with SIGKILL and step 1 relaunches it in its
    slot. An answer (merely slow): it is left alone, asked again after ``hang_timeout``, and rank 0
    offers it again once its /health answers (``launch.pool_watch``).
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_fast.launch.base import LaunchedProcess, server_ready
+from areal_fast.launch.liveness import DEFAULT_HANG_TIMEOUT_S  # for a config without rollout.hang_timeout
 from areal_fast.launch.members import Member, read_pool, read_target, write_members
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,6 @@ TICK_S = 0.5
 DRAIN_S = 30.0  # a removed server leaves the pool within a step; past this it is stopped anyway
 MAX_FAILED_STARTS = 5  # in a row: a server that cannot start (bad node, no memory) is not retried forever
 STOP_GRACE_S = 10.0
-DEFAULT_HANG_TIMEOUT_S = 30.0  # rollout.hang_timeout's default, for a config without it
 
 
 @dataclass
@@ -296,8 +296,8 @@ def _slot(p: LaunchedProcess) -> int:
 
 
 def server_state(url: str, hang_timeout_s: float) -> str:
-    """"alive", "hung" or "refused": the watchdog's liveness check (``launch.rank.server_state``)."""
-    from areal_fast.launch.rank import server_state as state
+    """"alive", "hung" or "refused": the watchdog's liveness check (``launch.liveness.server_state``)."""
+    from areal_fast.launch.liveness import server_state as state
 
     return state(url, hang_timeout_s)
 

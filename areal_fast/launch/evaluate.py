@@ -73,9 +73,9 @@ async def _eval_async(cfg: AppConfig, tok, evals, urls, path: str, api_key: str)
     sampling = {"max_new_tokens": cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, "temperature": 0.0,
                 "stop_token_ids": stop}
     t0 = time.perf_counter()
-    async with client_for_backend(cfg.rollout, urls, api_key=api_key) as client, RewardService(num_workers=cfg.reward.workers,
-                                                            timeout_s=cfg.reward.timeout,
-                                                            default_reward=cfg.reward.name) as service:
+    rewards = RewardService(num_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout,
+                            default_reward=cfg.reward.name)
+    async with client_for_backend(cfg.rollout, urls, api_key=api_key) as client, rewards as service:
         from areal_fast.launch.runtime import ServiceReward
         from areal_fast.rollout.port import ClientRollout
         from areal_fast.workflow import EpisodeEngine, EpisodeFailed, check_trajectories, load_workflow

@@ -88,11 +88,11 @@ def _follow_external(rollout, membership, rejoin: Rejoin | None, external: list[
 
 def answers_again(url: str, timeout_s: float) -> bool:
     """A dropped server answers again: the watchdog's liveness check (GET /model_info within
-    ``timeout_s``: ``launch.rank.server_state``) says "alive". Not /health 200: a server that was
+    ``timeout_s``: ``launch.liveness.server_state``) says "alive". Not /health 200: a server that was
     dropped while hung is usually paused (the pause before an update reached it once it woke), and a
     paused server answers /health 503 (SGLang's probe, and the embedded engine's, needs the scheduler
     to produce output); it is continued with the pool after its update, once it joined."""
-    from areal_fast.launch.rank import server_state
+    from areal_fast.launch.liveness import server_state
 
     return server_state(url, timeout_s) == "alive"
 

@@ -27,13 +27,13 @@ from pathlib import Path
 
 from areal_fast.controller import Controller, ControllerSettings
 from areal_fast.launch.base import PrivateFileHandler
+from areal_fast.launch.liveness import DEFAULT_HANG_TIMEOUT_S, server_is_dead, server_state
 from areal_fast.launch.metrics import JsonlSink, ProgressBar, TensorBoardSink, truncate_jsonl
 from areal_fast.procutil import die_with_parent
 
 log = logging.getLogger("areal_fast")
 _WATCH_S = 0.5
 _UNREACHABLE_ROUNDS = 3  # a server is declared dead after this many refused connections in a row
-DEFAULT_HANG_TIMEOUT_S = 30.0  # rollout.hang_timeout's default (the config passes its own)
 
 
 def setup_logging(out: Path, level: str, console: bool = True, name: str = "controller.log") -> None:
@@ -182,25 +182,6 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
         service.close()
         for s in closers:
             s.close()
-
-
-def server_state(url: str, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> str:
-    """The one health check's liveness half (GET /model_info, answered without the scheduler):
-    "alive" for any HTTP answer (a 401, a 503 while paused), "refused" when no connection could be
-    made (or it broke), "hung" when the connection was taken and nothing answered within
-    ``hang_timeout_s`` (a SIGSTOPped or deadlocked process: its kernel still accepts connections)."""
-    from areal_fast.rollout.calls import health_now
-
-    h = health_now(url, probe=False, timeout_s=hang_timeout_s)
-    if h.state == "down":
-        return "refused"
-    return "hung" if h.state == "unhealthy" and not h.key_refused else "alive"
-
-
-def server_is_dead(url: str, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> bool:
-    """A server whose connection is refused (or reset) is gone, and so is one that took the
-    connection and did not answer within ``hang_timeout_s`` (:func:`server_state`)."""
-    return server_state(url, hang_timeout_s) != "alive"
 
 
 @contextlib.asynccontextmanager

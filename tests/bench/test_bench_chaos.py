@@ -14,7 +14,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import chaos_lib as cl  # noqa: E402
 import chaos_reward as cr  # noqa: E402
 
-
 # ----------------------------------------------------------------------------- schedule
 
 

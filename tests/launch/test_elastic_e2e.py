@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_e2e import START_TIMEOUT_S, _children, _cmd, _cmdline, _train_events, _wait_for, runner  # noqa: F401
+from test_e2e import START_TIMEOUT_S, _cmd, _train_events, _wait_for, proc_children, proc_cmdline, runner  # noqa: F401
 
 from areal_fast.checkpoint import HANG_AFTER_CHECKPOINT_ENV
 
@@ -29,7 +29,7 @@ GROUP_SIZE, BATCH = 2, 2  # test_e2e.TINY
 
 
 def _servers(pid: int) -> list[int]:
-    return [k for k in _children(pid) if "areal_fast.rollout.engine" in _cmdline(k)]
+    return [k for k in proc_children(pid) if "areal_fast.rollout.engine" in proc_cmdline(k)]
 
 
 def _sample_groups(out: Path) -> list[dict]:
@@ -88,11 +88,12 @@ def test_kept_servers_are_reused_by_the_resume_after_a_kill_9(tmp_path, runner):
         q = runner(cmd + ["experiment.resume=true"])
         _, err = q.communicate(timeout=START_TIMEOUT_S)
     finally:  # a kept server is no child of the runner's processes any more
-        if "areal_fast.rollout.engine" in _cmdline(kept[0]):
+        if "areal_fast.rollout.engine" in proc_cmdline(kept[0]):
             os.kill(kept[0], signal.SIGKILL)
     assert q.returncode == 0, err.decode()[-3000:]
     said = err.decode()
     assert "reused: at version 2, the checkpoint's" in said, said[-3000:]
     assert [e["step"] for e in _train_events(out)] == [1, 2, 3, 4]
-    assert not Path(f"/proc/{kept[0]}/cmdline").exists() or not _cmdline(kept[0]), "a finished run stops its servers"
+    assert not Path(f"/proc/{kept[0]}/cmdline").exists() or not proc_cmdline(kept[0]), \
+        "a finished run stops its servers"
     assert not (out / ".secrets" / "servers.key").exists()

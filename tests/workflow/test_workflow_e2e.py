@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from test_e2e import START_TIMEOUT_S, TINY, _alive, _children, _train_events, _wait_for, runner  # noqa: F401
+from test_e2e import START_TIMEOUT_S, TINY, _train_events, _wait_for, proc_alive, proc_children, runner  # noqa: F401
 
 from areal_fast.checkpoint import HANG_AFTER_CHECKPOINT_ENV, checkpoint_groups
 
@@ -33,13 +33,13 @@ def test_multi_turn_run_killed_and_resumed_trains_each_task_exactly_once(tmp_pat
     p = runner(_cmd(out, f"experiment.total_steps={steps}", "weights.method=disk"),
                env={HANG_AFTER_CHECKPOINT_ENV: "2"})
     _wait_for(lambda: (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file(), p, "checkpoint 2")
-    kids = _children(p.pid)
+    kids = proc_children(p.pid)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     deadline = time.monotonic() + 30  # the children die with the launcher (parent-death signal)
-    while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+    while any(proc_alive(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [k for k in kids if _alive(k)], "processes of the killed run are still running"
+    assert not [k for k in kids if proc_alive(k)], "processes of the killed run are still running"
 
     groups2 = list(checkpoint_groups(out / "checkpoints" / "step_00000002"))  # retention deletes it later
     r = subprocess.run(_cmd(out, f"experiment.total_steps={steps}", "weights.method=disk"), cwd=ROOT,
