@@ -210,7 +210,7 @@ def bench_gloo(n_params: float, frac: float, updates: int = 4, bucket_mb: int = 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     shapes = _gloo_shapes(n_params)
     rows = []
-    for mode in ("off", "auto"):
+    for mode in ("off", "on"):  # "on": auto sends whole from a CPU trainer (docs/weight_sync.md)
         with server_process(_receiver_main, (shapes,), start_timeout_s=120) as url:
             g = torch.Generator().manual_seed(0)
             state = {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()}
