@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_import_graph import import_targets  # the one reader of an import statement
 
 from areal_fast.config import (
     AppConfig,
@@ -184,19 +185,8 @@ def _imports(tree: ast.Module, name: str, is_pkg: bool, known: set[str], import_
 
     def visit(stmts):
         for node in stmts:
-            if isinstance(node, ast.Import):
-                for a in node.names:
-                    out.add(a.name)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (node.level - 1)]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
-                # 'from pkg import submodule' imports the submodule, not a name of pkg's __init__
-                for a in node.names:
-                    out.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod)
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                out.update(import_targets(node, package, known))
             elif isinstance(node, ast.If):
                 if "TYPE_CHECKING" not in ast.unparse(node.test):
                     visit(node.body)

@@ -41,23 +41,28 @@ def package_modules(pkg: Path = PKG) -> dict[str, Path]:
     return {module_name(p, pkg.parent): p for p in sorted(pkg.rglob("*.py"))}
 
 
+def import_targets(node: ast.Import | ast.ImportFrom, package: str, known: set[str]) -> set[str]:
+    """The dotted modules one import statement of a module in ``package`` names (relative imports
+    resolved). ``from pkg import sub`` is an import of ``pkg.sub`` when that is in ``known``."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    if node.level:
+        base = package.split(".")
+        base = base[: len(base) - (node.level - 1)]
+        mod = ".".join(base + ([node.module] if node.module else []))
+    else:
+        mod = node.module or ""
+    return {f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names}
+
+
 def imported_modules(tree: ast.Module, name: str, is_pkg: bool, known: set[str]) -> set[str]:
     """The modules in ``known`` that module ``name`` imports anywhere in its source (any depth,
     any branch). ``from pkg import sub`` is an import of ``pkg.sub`` when that is a module."""
     package = name if is_pkg else name.rpartition(".")[0]
     out: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            for a in node.names:
-                out.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod)
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            out.update(import_targets(node, package, known))
         elif (isinstance(node, ast.Call) and _called_name(node.func) == "import_module" and node.args
               and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
             out.add(node.args[0].value)
