@@ -10,6 +10,12 @@ Choice: ``loop=`` (``"auto"``, ``"uvloop"``, ``"asyncio"``), else the environmen
 once in the log). ``AREAL_FAST_EVENT_LOOP=asyncio`` turns uvloop off; an explicit ``"uvloop"``
 that is not installed is an error. uvloop is an optional dependency of the ``rollout`` extra
 (Linux and macOS; it does not exist for Windows).
+
+SIGTERM: where the process asked SIGTERM to unwind (a Python handler is installed, as `areal-fast
+train` does), the loop takes the signal over while it runs, as asyncio does for Ctrl-C: the signal
+cancels the main coroutine from the loop (its ``finally`` blocks run) and ``run_event_loop`` raises
+KeyboardInterrupt. A handler that raises wherever the main thread happens to be can land in an
+object's ``__del__``, where Python prints the exception and drops it: the run went on training.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -67,4 +75,30 @@ def run_event_loop(main: Coroutine[Any, Any, T], loop: str | None = None) -> T:
         main.close()  # never started: no "coroutine was never awaited" warning on top of the error
         raise
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(main)
+        return runner.run(_sigterm_cancels(main))
+
+
+async def _sigterm_cancels(main: Coroutine[Any, Any, T]) -> T:
+    """Await ``main``; a SIGTERM meanwhile cancels it and becomes KeyboardInterrupt (module docstring).
+    Left alone: SIGTERM's default (the process dies) or ignored, and any thread but the main one."""
+    previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    if not callable(previous):
+        return await main
+    task, loop, hit = asyncio.current_task(), asyncio.get_running_loop(), []
+
+    def on_sigterm() -> None:
+        hit.append(signal.SIGTERM)
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        result = await main
+    except asyncio.CancelledError:
+        if not hit:
+            raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)  # sets SIG_DFL: the process's own handler again
+        signal.signal(signal.SIGTERM, previous)
+    if hit:  # also when main caught the cancellation and returned
+        raise KeyboardInterrupt(f"signal {signal.SIGTERM.value}")
+    return result

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from areal_fast.rollout import loop as loopmod
 from areal_fast.rollout.client import RequestError, RolloutClient, ServerUnavailable
 from areal_fast.rollout.http import ConnectionPool, HttpError, _Connection
 
@@ -574,37 +573,3 @@ def test_bad_http_setting_names_itself(monkeypatch):
     monkeypatch.setenv("AREAL_FAST_ROLLOUT_HTTP", "curl")
     with pytest.raises(ValueError, match="AREAL_FAST_ROLLOUT_HTTP.*'curl'"):
         RolloutClient(["http://127.0.0.1:1"])
-
-
-# ----------------------------------------------------------------------------- event loop
-
-
-async def _loop_name() -> str:
-    return type(asyncio.get_running_loop()).__module__.split(".")[0]
-
-
-def test_event_loop_choice(monkeypatch, caplog):
-    pytest.importorskip("uvloop", reason="uvloop is an optional dependency (rollout extra, Linux/macOS)")
-    monkeypatch.delenv(loopmod.EVENT_LOOP_ENV, raising=False)
-    assert loopmod.run_event_loop(_loop_name()) == "uvloop"  # auto, installed
-    assert loopmod.run_event_loop(_loop_name(), "asyncio") == "asyncio"
-    monkeypatch.setenv(loopmod.EVENT_LOOP_ENV, "asyncio")
-    assert loopmod.run_event_loop(_loop_name()) == "asyncio"
-    monkeypatch.setenv(loopmod.EVENT_LOOP_ENV, "tokio")
-    coro = _loop_name()
-    with pytest.raises(ValueError, match="AREAL_FAST_EVENT_LOOP must be one of"):
-        loopmod.run_event_loop(coro)
-    assert coro.cr_frame is None  # closed, never left un-awaited
-
-
-def test_event_loop_falls_back_once_without_uvloop(monkeypatch, caplog):
-    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop -> ImportError
-    monkeypatch.setattr(loopmod, "_said_fallback", False)
-    monkeypatch.delenv(loopmod.EVENT_LOOP_ENV, raising=False)
-    with caplog.at_level("INFO", logger=loopmod.__name__):
-        assert loopmod.run_event_loop(_loop_name()) == "asyncio"
-        assert loopmod.run_event_loop(_loop_name()) == "asyncio"
-    assert [r.message for r in caplog.records].count(
-        "uvloop is not installed: the controller runs on asyncio's event loop") == 1
-    with pytest.raises(RuntimeError, match="uvloop is not installed"):
-        loopmod.run_event_loop(_loop_name(), "uvloop")
