@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
+import threading
 
 _COMMANDS = {
     "train": "train from a YAML config",
@@ -87,8 +89,25 @@ def _load(args, machine: bool):
     return cfg
 
 
+REDELIVER_S = 0.05  # a stop signal that landed in a finalizer comes again this much later
+
+
 def _terminate_as_interrupt(signum, frame):
+    """SIGTERM unwinds like Ctrl-C. While the controller's event loop runs, the loop takes the signal
+    over (``rollout/loop.py``); elsewhere this raises, except inside a ``__del__``: Python prints an
+    exception raised there and drops it (the run went on), so the signal is sent again a moment later."""
+    if _in_finalizer(frame):
+        threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum)).start()
+        return
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _in_finalizer(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+from areal_fast import cli
 from areal_fast.cli import main, parse_args
 from areal_fast.config import load_config
 from areal_fast.data import CharTokenizer, PromptStream, load_split, read_rows, tiny_task
@@ -113,3 +117,23 @@ def test_eval_with_a_missing_checkpoint_exits_2_naming_it(tmp_path, capsys):
         main(["eval", EXAMPLE, f"experiment.output_dir={tmp_path}", "--checkpoint", str(tmp_path / "step_9")])
     assert e.value.code == 2
     assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_a_stop_signal_in_a_finalizer_is_sent_again_not_dropped(monkeypatch):
+    """Python prints an exception raised in __del__ and drops it: CI's run went on training after
+    its SIGTERM. Inside a finalizer the handler re-sends the signal instead of raising."""
+    sent = threading.Event()
+    got = []
+    monkeypatch.setattr(cli.os, "kill", lambda pid, sig: (got.append((pid, sig)), sent.set()))
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+
+    class Finalized:
+        def __del__(self):
+            cli._terminate_as_interrupt(signal.SIGTERM, sys._getframe())
+
+    Finalized()  # collected at once: __del__ runs here
+    assert sent.wait(5)
+    assert got == [(cli.os.getpid(), signal.SIGTERM)] and unraisable == []
+    with pytest.raises(KeyboardInterrupt, match="signal 15"):  # anywhere else it raises
+        cli._terminate_as_interrupt(signal.SIGTERM, sys._getframe())
