@@ -7,6 +7,8 @@
     r = await client.chat.completions.create(model=client.model, messages=[...], tools=[...])
     r.choices[0].message.tool_calls              # openai.types.chat.ChatCompletion when installed
     client.set_reward(r.id, 1.0)                 # per-turn reward of that completion
+    async for chunk in await client.chat.completions.create(..., stream=True):   # as the SDK's AsyncStream
+        chunk.choices[0].delta.content if chunk.choices else chunk.usage
 
 Each call goes through the episode's engine handle (the rollout port: interrupted and resumed
 across weight updates, each token with its version) and is recorded (``client.calls``). A refused
@@ -20,6 +22,7 @@ from __future__ import annotations
 from areal_fast.agent.completion import as_completion, completion_dict
 from areal_fast.agent.request import ChatRequestError
 from areal_fast.agent.session import DEFAULT_MODEL, ChatCall, Session
+from areal_fast.agent.stream import ChunkStream, chunk_dicts
 from areal_fast.agent.template import template_for
 
 __all__ = ["AgentClient", "ChatRequestError"]
@@ -32,10 +35,13 @@ class _Completions:
     async def create(self, **body):
         """``chat.completions.create``: ``model``, ``messages``, ``tools``, ``tool_choice`` (auto |
         none), ``temperature`` (the run's while training), ``max_tokens`` / ``max_completion_tokens``,
-        ``stop``, ``n`` = 1, ``stream`` = False. Extra keywords of the SDK (``extra_body``, ``timeout``,
-        ...) are refused by name."""
+        ``stop``, ``n`` = 1, ``logprobs`` (``top_logprobs`` 0), ``stream`` (a :class:`ChunkStream` of the
+        whole answer, ``areal_fast.agent.stream``) and ``stream_options.include_usage``. Extra keywords
+        of the SDK (``extra_body``, ``timeout``, ...) are refused by name."""
         call = await self._session.create(body)
-        return as_completion(completion_dict(call, self._session.model))
+        if call.answer.stream:
+            return ChunkStream(chunk_dicts(call, self._session))
+        return as_completion(completion_dict(call, self._session))
 
 
 class _Chat:

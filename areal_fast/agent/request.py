@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4  # as the OpenAI API
 # accepted and ignored: they change nothing about the tokens (or only bookkeeping on OpenAI's side)
-_IGNORED = ("user", "metadata", "store", "seed", "parallel_tool_calls", "service_tier", "stream_options",
-            "prompt_cache_key", "safety_identifier")
+_IGNORED = ("user", "metadata", "store", "seed", "parallel_tool_calls", "service_tier", "prompt_cache_key",
+            "safety_identifier")
+MAX_TOP_LOGPROBS = 20  # as the OpenAI API
+_STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # the latter accepted and ignored
 
 
 class ChatRequestError(ValueError):
@@ -85,6 +87,18 @@ class Tool:
                                                  "parameters": self.parameters}}
 
 
+@dataclass(frozen=True)
+class AnswerForm:
+    """How the caller wants the answer given; nothing here changes the tokens sampled or recorded."""
+
+    stream: bool = False
+    """``stream=True``: chat.completion.chunk events (the whole answer, sent once generated)."""
+    include_usage: bool = False
+    """``stream_options.include_usage``: a last chunk with ``usage`` and no choices."""
+    logprobs: bool = False
+    """``logprobs=True``: each output token's recorded log-prob in ``choices[0].logprobs``."""
+
+
 @dataclass
 class ChatRequest:
     """A checked request. ``max_tokens``/``temperature``/``top_p`` None: the run's value."""
@@ -97,6 +111,7 @@ class ChatRequest:
     temperature: float | None = None
     top_p: float | None = None
     stop: tuple[str, ...] = ()
+    answer: AnswerForm = AnswerForm()
 
 
 def _plain(obj, where: str) -> dict:
@@ -215,15 +230,50 @@ def _tool_choice(body: dict, tools: tuple[Tool, ...]) -> str:
                            "tool_choice")
 
 
+def _flag(d: Mapping, key: str, where: str | None = None) -> bool:
+    v = d.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise ChatRequestError(f"{where or key}: expected true or false, got {v!r}", where or key)
+    return bool(v)
+
+
+def _logprobs(body: dict) -> bool:
+    wanted = _flag(body, "logprobs")
+    top = body.get("top_logprobs")
+    if top is None:
+        return wanted
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ChatRequestError(f"top_logprobs: expected an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
+                               "top_logprobs")
+    if top:
+        raise ChatRequestError(f"top_logprobs: not supported (only the sampled token's log-prob is recorded), got "
+                               f"{top}; ask logprobs=True with top_logprobs 0 or absent", "top_logprobs")
+    return wanted
+
+
+def _answer_form(body: dict) -> AnswerForm:
+    stream = _flag(body, "stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return AnswerForm(stream=stream, logprobs=_logprobs(body))
+    if not stream:
+        raise ChatRequestError("stream_options: only allowed with stream=True", "stream_options")
+    if not isinstance(opts, Mapping):
+        raise ChatRequestError(f"stream_options: expected an object, got {opts!r}", "stream_options")
+    for key in opts:
+        if key not in _STREAM_OPTIONS:
+            raise ChatRequestError(f"stream_options.{key}: unknown stream option (known: {_STREAM_OPTIONS})",
+                                   f"stream_options.{key}")
+    _flag(opts, "include_obfuscation", "stream_options.include_obfuscation")
+    return AnswerForm(stream=True, include_usage=_flag(opts, "include_usage", "stream_options.include_usage"),
+                      logprobs=_logprobs(body))
+
+
 def _refuse_unsupported(body: dict) -> None:
-    if body.get("stream"):
-        raise ChatRequestError("stream=True is not supported: ask for the whole completion (stream=False)", "stream")
     n = body.get("n")
     if n is not None and n != 1:
         raise ChatRequestError(f"n: only n=1 is supported (one recorded completion per call), got {n!r}; "
                                "call again for more samples", "n")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise ChatRequestError("logprobs: not returned (every token's log-prob is recorded for training)", "logprobs")
     for key in ("frequency_penalty", "presence_penalty"):
         if body.get(key) not in (None, 0, 0.0):
             raise ChatRequestError(f"{key}: not supported (it would change the sampled distribution), got "
@@ -235,7 +285,7 @@ def _refuse_unsupported(body: dict) -> None:
 
 KNOWN = {"model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature",
          "top_p", "stop", "n", "stream", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty",
-         "response_format", *_IGNORED}
+         "response_format", "stream_options", *_IGNORED}
 
 
 def parse_request(body: Mapping, served_model: str) -> ChatRequest:
@@ -249,6 +299,7 @@ def parse_request(body: Mapping, served_model: str) -> ChatRequest:
     if model != served_model:
         raise ChatRequestError(f"model {model!r} is not served here; this endpoint serves {served_model!r}", "model")
     _refuse_unsupported(body)
+    answer = _answer_form(body)
     raw = body.get("messages")
     if not isinstance(raw, list | tuple) or not raw:
         raise ChatRequestError("messages: expected a non-empty list", "messages")
@@ -256,4 +307,4 @@ def parse_request(body: Mapping, served_model: str) -> ChatRequest:
     tools = tuple(_tool(t, k) for k, t in enumerate(body.get("tools") or ()))
     return ChatRequest(model=model, messages=messages, tools=tools, tool_choice=_tool_choice(body, tools),
                        max_tokens=_max_tokens(body), temperature=_number(body, "temperature", 0.0, 2.0),
-                       top_p=_number(body, "top_p", 0.0, 1.0), stop=_stop(body))
+                       top_p=_number(body, "top_p", 0.0, 1.0), stop=_stop(body), answer=answer)

@@ -10,7 +10,9 @@
 One listener serves every episode of a process; each episode has its own ``base_url`` (a random
 token in the path), so an agent's calls land in its own episode's record. Routes, under
 ``/episodes/<token>/v1``: ``POST /chat/completions`` (the same checks and answer as the in-process
-client: ``areal_fast.agent.request``, ``areal_fast.agent.completion``) and ``GET /models``.
+client: ``areal_fast.agent.request``, ``areal_fast.agent.completion``; with ``stream=True`` a
+``text/event-stream`` of the whole answer once generated, ``areal_fast.agent.stream``) and
+``GET /models``.
 
 Every request needs the run's key (``Authorization: Bearer <key>``), checked by the one check of
 our listeners (``areal_fast.rollout.auth``): 401 otherwise. A run without a key gets a fresh
@@ -32,6 +34,7 @@ from aiohttp import web
 
 from areal_fast.agent.completion import completion_dict
 from areal_fast.agent.request import ChatRequestError
+from areal_fast.agent.stream import chunk_dicts, sse_body
 from areal_fast.rollout.auth import authorized
 
 log = logging.getLogger(__name__)
@@ -109,7 +112,7 @@ class AgentServer:
                                    content_type="application/json")
         return client
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         client = self._client(request)
         try:
             body = json.loads(await request.read())
@@ -119,7 +122,14 @@ class AgentServer:
             call = await client.session.create(body)
         except ChatRequestError as e:
             return _error(400, str(e), "invalid_request_error", e.param)
-        return web.json_response(completion_dict(call, client.session.model))
+        if not call.answer.stream:
+            return web.json_response(completion_dict(call, client.session))
+        # checked and generated already: nothing can fail once the 200 is sent
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await response.write(sse_body(chunk_dicts(call, client.session)))
+        await response.write_eof()
+        return response
 
     async def _models(self, request: web.Request) -> web.Response:
         model = self._client(request).session.model

@@ -24,7 +24,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
-from areal_fast.agent.request import ChatRequest, ChatRequestError, Message, ToolCall, parse_request
+from areal_fast.agent.request import AnswerForm, ChatRequest, ChatRequestError, Message, ToolCall, parse_request
 from areal_fast.agent.template import ChatTemplate, call_id
 from areal_fast.sample import Sample
 
@@ -53,6 +53,8 @@ class ChatCall:
     reward: float | None = None
     """Set by ``set_reward`` (the completion id), or the episode's final reward."""
     created: float = 0.0
+    answer: AnswerForm = AnswerForm()
+    """How the caller asked for the answer (stream, usage chunk, log-probs): the answer's form only."""
 
     @property
     def response(self) -> Message:
@@ -167,7 +169,8 @@ class Session:
         finish = "tool_calls" if calls else ("stop" if stopped or sample.finish_reason == "stop" else "length")
         call = ChatCall(completion_id=cid, messages=req.messages, tools=req.tools, sample=sample,
                         message_ends=prompt.message_ends, finish_reason=finish, content=content, tool_calls=calls,
-                        parent=prompt.parent, diverged_at=prompt.diverged_at, created=time.time())
+                        parent=prompt.parent, diverged_at=prompt.diverged_at, created=time.time(),
+                        answer=req.answer)
         self.calls.append(call)
         return call
 
@@ -196,6 +199,11 @@ class Session:
         except (ValueError, TypeError, AttributeError):
             return None
         return ids[0] if len(ids) == 1 else None
+
+    def token_texts(self, ids) -> list[str]:
+        """Each token's own text, decoded alone as the content is decoded (special tokens: "")."""
+        decode = self.template.tok.decode
+        return [decode([int(i)], skip_special_tokens=True) for i in ids]
 
     def set_reward(self, completion_id: str, value: float) -> None:
         """Attach ``value`` to the call whose completion id is ``completion_id`` (KeyError naming it)."""

@@ -117,7 +117,7 @@ def test_bad_input_is_a_400_and_the_key_is_required(setup):
     async def body(sdk, client, rollout):
         msgs = [{"role": "user", "content": "1="}]
         for extra, what in (({"model": "gpt-4o-mini"}, "is not served here"), ({"n": 3}, "only n=1"),
-                            ({"stream": True}, "stream=True is not supported")):
+                            ({"stream": True, "logprobs": True, "top_logprobs": 2}, "top_logprobs: not supported")):
             with pytest.raises(openai.BadRequestError, match=what):
                 await sdk.chat.completions.create(**{"model": MODEL, "messages": msgs, **extra})
         wrong = openai.AsyncOpenAI(base_url=str(sdk.base_url), api_key="not-the-key", max_retries=0)

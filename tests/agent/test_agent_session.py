@@ -163,7 +163,7 @@ def test_trajectories_final_and_per_turn_rewards_with_discount():
 @pytest.mark.parametrize("body, param", [
     ({"model": "gpt-4o"}, "model"),
     ({"n": 2}, "n"),
-    ({"stream": True}, "stream"),
+    ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"extra_thing": 1}, "extra_thing"),
@@ -236,7 +236,8 @@ def test_http_form_needs_the_key_and_answers_bad_input_with_400():
                     await bad.chat.completions.create(model=MODEL, messages=msgs)
                 await bad.close()
             sdk = openai.AsyncOpenAI(base_url=base, api_key="the-key", max_retries=0)
-            for extra, what in (({"model": "gpt-4o"}, "not served"), ({"n": 2}, "n=1"), ({"stream": True}, "stream")):
+            for extra, what in (({"model": "gpt-4o"}, "not served"), ({"n": 2}, "n=1"),
+                                ({"stream": True, "top_logprobs": 5}, "top_logprobs")):
                 with pytest.raises(openai.BadRequestError, match=what):
                     await sdk.chat.completions.create(**{"model": MODEL, "messages": msgs, **extra})
             r = await sdk.chat.completions.create(model=MODEL, messages=msgs)
