@@ -5,7 +5,8 @@
 - ``server.AgentServer``: the same API over HTTP (``base_url``) for frameworks that build their
   own client, behind the run's key;
 - ``workflow.openai_agent``: the workflow that runs an agent function and trains on its calls
-  (``trajectories.assemble``); ``template``: the chat templates; ``session``: what is recorded.
+  (``trajectories.assemble``); ``template``: the chat templates; ``session``: what is recorded;
+  ``completion`` / ``stream``: the answer, whole or as ``stream=True`` chunks.
 
 Nothing here imports ``openai`` at import time.
 """
