@@ -201,6 +201,7 @@ class Controller:
         self.eval_history: list[dict] = []
         self._wake = asyncio.Event()
         self._buffer_ready = asyncio.Event()
+        self.trainer_lock = asyncio.Lock()  # one trainer call (train + sync, save, a refill) at a time
         self._failure: BaseException | None = None
         self._t_start = 0.0
         self._elapsed_before = 0.0  # wall seconds of earlier incarnations (resume)
@@ -356,18 +357,19 @@ class Controller:
         samples = [s for g in batch for s in g.samples]  # the records themselves: no conversion
         # handed over in a box the thread empties: the executor's work item (which holds the call's
         # arguments) can outlive the await by a moment, and must not keep the batch alive then
-        tmetrics = await asyncio.to_thread(self._train_boxed, [samples], self.version)
-        t2 = time.perf_counter()
-        # what the metrics need, then the batch's columns go (at full lengths ~0.65 GB for 8k samples):
-        # the pause, sync and resume below must not hold them while answers keep arriving
-        stats = self._batch_stats(batch)
-        del batch, samples
-        await self.rollout.pause()
-        # the version moves only after every server has the new weights (sync raises otherwise)
-        smetrics = await self.syncer.sync(self.version + 1) or {}
-        self.version += 1
-        self.gate.set_version(self.version)
-        await self.rollout.resume()
+        async with self.trainer_lock:  # the trainer's weights are version + 1 before self.version is
+            tmetrics = await asyncio.to_thread(self._train_boxed, [samples], self.version)
+            t2 = time.perf_counter()
+            # what the metrics need, then the batch's columns go (at full lengths ~0.65 GB for 8k
+            # samples): the pause, sync and resume below must not hold them while answers keep arriving
+            stats = self._batch_stats(batch)
+            del batch, samples
+            await self.rollout.pause()
+            # the version moves only after every server has the new weights (sync raises otherwise)
+            smetrics = await self.syncer.sync(self.version + 1) or {}
+            self.version += 1
+            self.gate.set_version(self.version)
+            await self.rollout.resume()
         self._wake.set()
         t3 = time.perf_counter()
         self._timers.update(wait_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2)
@@ -484,9 +486,17 @@ class Controller:
         state = self.state_dict()
         self.buffer.pin()  # the spilled groups of the snapshot stay in the spill file until copied
         try:
-            return await asyncio.to_thread(self._write_checkpoint, state)
+            async with self.trainer_lock:
+                return await asyncio.to_thread(self._write_checkpoint, state)
         finally:
             self.buffer.unpin()
+
+    async def sync_between_steps(self, still=lambda: True) -> dict | None:
+        """Send the current version's weights now if ``still()`` holds once no step's train and sync
+        or checkpoint runs (``trainer_lock``): servers that joined an empty pool (``launch.empty_pool``)
+        cannot wait for the next step's update, which needs samples only they can make. None if not."""
+        async with self.trainer_lock:
+            return (await self.syncer.sync(self.version) or {}) if still() else None
 
     def _write_checkpoint(self, state: dict) -> Path:
         """Write ``state`` as the checkpoint of its version, atomically (``checkpoint.write``)."""
@@ -520,9 +530,10 @@ class Controller:
             self.restore(resume_from)
         if self.version > 0:
             # the servers start from the initial weights: bring them to the restored version
-            await self.rollout.pause()
-            await self.syncer.sync(self.version)
-            await self.rollout.resume()
+            async with self.trainer_lock:
+                await self.rollout.pause()
+                await self.syncer.sync(self.version)
+                await self.rollout.resume()
         self.gate.set_version(self.version)
         admission = asyncio.create_task(self._admission_loop(), name="admission")
         self.heap.start()

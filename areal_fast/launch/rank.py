@@ -132,6 +132,7 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
 
 async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
     from areal_fast.data import load_tokenizer
+    from areal_fast.launch.empty_pool import refill_empty_pool
     from areal_fast.launch.pool_watch import watch_members
     from areal_fast.launch.runtime import ActorTrainer, ServiceReward, make_sync_port
     from areal_fast.reward import RewardService
@@ -159,9 +160,11 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
             if resumed is not None:
                 say(f"resuming from {resumed}")
             ctl.callbacks = _sinks(cfg, ctl.version, progress, closers)
-            watch = asyncio.create_task(_watch_servers(rollout, out / "logs", r.hang_timeout))
+            empty = empty_pool(cfg, rollout, syncer)
+            watch = asyncio.create_task(_watch_servers(rollout, out / "logs", r.hang_timeout, empty))
             follow = asyncio.create_task(watch_members(rollout, syncer, out, hang_timeout_s=r.hang_timeout,
                                                        external=urls))  # elastic servers (pool_watch)
+            refill = asyncio.create_task(refill_empty_pool(rollout, syncer, ctl.sync_between_steps))
             run = asyncio.create_task(ctl.run())
             done, _ = await asyncio.wait({watch, run}, return_when=asyncio.FIRST_COMPLETED)
             if run not in done:
@@ -170,6 +173,7 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
                 watch.result()  # raises the watchdog's error
             watch.cancel()
             follow.cancel()
+            refill.cancel()
             summary = run.result()
             if cfg.checkpoint.save_hf:
                 await asyncio.to_thread(trainer.export, out / "final")
@@ -182,6 +186,26 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
         service.close()
         for s in closers:
             s.close()
+
+
+def empty_pool(cfg, rollout, syncer):
+    """The watchdog's :class:`~areal_fast.launch.empty_pool.EmptyPool`: the pool may become empty
+    when a server can come back (launched servers relaunched, or servers of ``rollout.servers``,
+    which ``launch.rejoin`` offers again) and the rollout port can wait for one (not the sharded
+    client); then ``rollout.allow_empty`` is set and the wait lasts ``rollout.empty_pool_timeout``."""
+    from areal_fast.launch.empty_pool import EmptyPool
+    from areal_fast.launch.members import read_members
+
+    r, out = cfg.rollout, cfg.experiment.out
+
+    def can_come_back() -> bool:  # asked late: the launcher publishes members.json once it watches them
+        return r.relaunch_servers or read_members(out) is None
+
+    waits = hasattr(rollout, "allow_empty") and can_come_back()
+    if waits:
+        rollout.allow_empty = True
+    return EmptyPool(r.empty_pool_timeout if waits else None, out / "logs", can_come_back,
+                     getattr(syncer, "membership", None))
 
 
 @contextlib.asynccontextmanager
@@ -248,13 +272,18 @@ def _copy_tokenizer(src: Path, dest: Path) -> None:
             shutil.copy(f, dest / f.name)
 
 
-async def _watch_servers(rollout, log_dir, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> None:
-    """Drop servers that stopped answering from the pool; fail when none is left.
+async def _watch_servers(rollout, log_dir, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S, empty=None) -> None:
+    """Drop servers that stopped answering from the pool. The last one too when a server can come
+    back (``empty``: :class:`~areal_fast.launch.empty_pool.EmptyPool`, which fails the run past
+    ``rollout.empty_pool_timeout``); without ``empty``, or when none can, fail instead.
 
     Dead means the connection is refused (or reset) several times in a row; hung, that it was taken
     and GET /model_info got no answer within ``hang_timeout_s`` (once is enough: that is the
     deadline). Any HTTP answer, a 503 from a server paused for a weight update included, is alive.
     Every server is asked at once, so a hung one delays nobody else's check."""
+    from areal_fast.launch.empty_pool import EmptyPool
+
+    empty = empty or EmptyPool(None, log_dir)
     misses: dict[str, int] = {}
     while True:
         urls = list(rollout.urls)
@@ -266,12 +295,13 @@ async def _watch_servers(rollout, log_dir, hang_timeout_s: float = DEFAULT_HANG_
                        else f"connection refused {_UNREACHABLE_ROUNDS} times")
                 if url not in rollout.urls:
                     continue
-                if len(rollout.urls) == 1:
+                if len(rollout.urls) == 1 and not empty.may_empty():
                     raise RuntimeError(f"the last inference server {url} stopped answering ({why}); see logs in "
                                        f"{log_dir}")
                 log.warning("server %s %s (%s); continuing with %d server(s)", url,
                             "hung" if state == "hung" else "died", why, len(rollout.urls) - 1)
                 rollout.remove_server(url)
+        empty.check(rollout.urls)
         await asyncio.sleep(_WATCH_S)
 
 

@@ -184,6 +184,11 @@ class RolloutClient(ServerPool, ServerControl):
         self._active: set[str] = set()
         self._running = asyncio.Event()
         self._running.set()
+        # rank 0 lets the pool become empty when a server can come back (``launch.empty_pool``):
+        # requests then wait in _generate_segment until add_server refills it
+        self.allow_empty = False
+        self._filled = asyncio.Event()
+        self._filled.set()
         self.pause_mode: str | None = None  # the mode of our pause_all while paused, else None
         self.server_pause_modes: dict[str, str] = {}  # url -> the mode each server was paused with
 
@@ -199,9 +204,13 @@ class RolloutClient(ServerPool, ServerControl):
         n_tokens = len(payload["input_ids"]) if isinstance(payload["input_ids"], list | tuple) else 0
         max_body = ANSWER_SLACK_BYTES + self.answer_bytes_per_token * (
             n_tokens + int(payload["sampling_params"].get("max_new_tokens") or 0))
-        for attempt in range(self.max_attempts):
+        attempt = sent = 0
+        while attempt < self.max_attempts:
+            if not self.servers:  # an empty pool (allow_empty): wait until a server joins
+                await self._wait_for_servers()
             server = self._pick(rid, tried)
-            attempt_rid = seg_rid if attempt == 0 else f"{seg_rid[:-1]}.{attempt}{RID_SEP}"
+            attempt_rid = seg_rid if sent == 0 else f"{seg_rid[:-1]}.{sent}{RID_SEP}"
+            sent += 1
             self._segment_rid[rid] = (server.url, attempt_rid)
             known_version = server.weight_version
             server.in_flight += 1
@@ -219,9 +228,11 @@ class RolloutClient(ServerPool, ServerControl):
                 tried.add(server.url)
                 if isinstance(e, TimeoutError):  # it may still run there: free it first
                     await self._abort_quietly(server, attempt_rid)
-                if len(tried) == len(self.servers):
+                if not set(self._by_url) - tried:  # every server of the pool failed this round
                     tried.clear()
                     await asyncio.sleep(self.retry_backoff_s * (attempt + 1))
+                if server.url in self._by_url:  # one dropped from the pool since (dead) costs no attempt
+                    attempt += 1
             finally:
                 server.in_flight -= 1
         raise ServerUnavailable(f"generate rid={rid!r} failed on every server ({self.max_attempts} attempts): "

@@ -12,7 +12,9 @@ and the control of every server (``areal_fast.rollout.client_control``). This pa
   ``PICK_SCAN_MAX`` servers) or the less loaded of two drawn at random;
 - dead-server bookkeeping: a server that gave no answer is skipped until ``down_until``
   (``down_cooldown_s``), ``add_server`` / ``remove_server`` change the pool, and ``health`` is the
-  one health check a watchdog asks before it declares a server dead.
+  one health check a watchdog asks before it declares a server dead. The last server is removed
+  only with ``allow_empty`` (rank 0: a server can come back, ``launch.empty_pool``); new segments
+  then wait in ``_wait_for_servers`` until ``add_server``.
 
 The attributes it reads are set by ``RolloutClient.__init__``; ``health`` reads ``is_paused``
 (``ServerControl``).
@@ -169,7 +171,7 @@ class ServerPool:
         url = url.rstrip("/")
         if url not in self._by_url:
             return False
-        if len(self.servers) == 1:
+        if len(self.servers) == 1 and not self.allow_empty:
             raise RolloutError(f"cannot remove {url}: it is the last server of the pool")
         gone = self._by_url.pop(url)
         if self._calls is not None:  # requests in flight there finish (or fail over); idle connections go now
@@ -178,7 +180,16 @@ class ServerPool:
         self.servers = [s for s in self.servers if s.url != url]
         for rid in [r for r, u in self._affinity.items() if u == url]:
             del self._affinity[rid]
+        if not self.servers:  # allow_empty: new segments wait in _wait_for_servers until add_server
+            self._filled.clear()
         return True
+
+    async def _wait_for_servers(self) -> None:
+        """Until the pool holds a server again (an empty pool: ``allow_empty``). No deadline here:
+        rank 0's watchdog ends the run past ``rollout.empty_pool_timeout`` (``launch.empty_pool``)."""
+        while not self.servers:
+            self._filled.clear()
+            await self._filled.wait()
 
     async def add_server(self, url: str) -> None:
         """Add ``url`` to the pool (its facts are read from /server_info first)."""
@@ -191,6 +202,7 @@ class ServerPool:
             self._open_pool(server)
         self.servers.append(server)
         self._by_url[server.url] = server
+        self._filled.set()
 
     async def health(self, url: str) -> ServerHealth:
         """Is the server at ``url`` alive? Safe for a watchdog during pauses and weight updates: the

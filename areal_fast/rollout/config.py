@@ -104,6 +104,11 @@ class RolloutConfig:
     relaunch_servers: bool = True
     """A launched server that dies is started again; it joins at the next weight update, over a re-formed
     broadcast group, before it takes requests (``docs/elastic.md``). false: the run goes on with fewer."""
+    empty_pool_timeout: float = 600.0
+    """Seconds the run waits for a server when its pool is empty (every server died or hung) and one can
+    come back (relaunched: ``relaunch_servers``; a server of ``servers`` answering again): generation
+    waits, and a server that joins gets the current weights at once (``docs/elastic.md``). Past it the
+    run fails. Longer than ``health_timeout`` by default, so that a relaunch can finish starting."""
     keep_servers: bool = False
     """Launched servers outlive a run that fails (trainer or controller crash, kill -9) and a resume of the
     same output_dir reuses the healthy ones, their model and weight version checked against the checkpoint
@@ -169,6 +174,7 @@ class RolloutConfig:
             if why:
                 raise ValueError(f"pause_mode: 'in_place' refused for launched {self.engine} servers: {why}")
         positive_seconds("health_timeout", self.health_timeout)
+        positive_seconds("empty_pool_timeout", self.empty_pool_timeout)
         check_rollout_backend(self.backend, self.engine, bool(self.servers), self.vllm_version, self.pause_mode)
         n = len(self.servers) or self.n_servers
         if not isinstance(self.client_processes, int) or not 1 <= self.client_processes <= max(n, 1):

@@ -54,10 +54,22 @@ class ClientRollout:
     def urls(self) -> list[str]:
         return [s.url for s in self.client.servers]
 
+    @property
+    def allow_empty(self) -> bool:
+        """May the pool become empty? Rank 0 sets it when a dropped server can come back (relaunched,
+        or offered again: ``launch.empty_pool``); requests then wait for a server. False: dropping
+        the last server is an error, as it was before."""
+        return self.client.allow_empty
+
+    @allow_empty.setter
+    def allow_empty(self, value: bool) -> None:
+        self.client.allow_empty = bool(value)
+
     def remove_server(self, url: str) -> bool:
-        """Drop ``url`` from the pool (requests in flight there are retried elsewhere by the client)."""
+        """Drop ``url`` from the pool (requests in flight there are retried elsewhere by the client,
+        or wait for a server when it was the last: ``allow_empty``)."""
         url = url.rstrip("/")
-        if url in self.urls and len(self.client.servers) == 1:
+        if url in self.urls and len(self.client.servers) == 1 and not self.allow_empty:
             raise RuntimeError(f"the last inference server {url} died; cannot continue")
         return self.client.remove_server(url)
 

@@ -11,7 +11,9 @@ added mid-run, ``docs/elastic.md``); a joining server enters the pool only once 
 version. A server whose process is gone is dropped and the update retried on the others
 (``rollout.calls.retry_dropping_dead``). Each update's metrics name the servers in the pool after
 it (``servers``: ``sync/servers`` in metrics.jsonl), those that joined, those still waiting and the
-group's generation.
+group's generation, and ``empty_pool_s``: seconds the pool was empty since the last update's
+metrics (``launch.empty_pool``). An update with no server at all (an empty pool, nobody joining)
+sends nothing; the server that joins next gets the current version in full.
 
 The version is the controller's (``sync(version)``); it only travels down from here: every
 trainer rank takes part in an update (the gathers of FSDP2 shards are collective), so the port
@@ -133,6 +135,9 @@ class _MembershipSync:
 
         async def once() -> dict:
             sent[:] = m.targets()
+            if not sent:  # an empty pool, nobody joining: a server that joins gets this version in full
+                log.warning("weight sync to version %d: no server in the pool or joining; sent to none", version)
+                return {}
             t0 = time.perf_counter()
             await asyncio.to_thread(self.trainer.update_weights, self._spec(sent), version)
             return {self.timer: time.perf_counter() - t0}
@@ -141,7 +146,7 @@ class _MembershipSync:
                                         f"weight sync to version {version}", DEAD_SERVER_RETRY)
         joined = await m.admit(sent)
         return {**out, "servers": len(self.rollout.urls), "joined": len(joined), "joining": len(m.joining),
-                "group_generation": m.generation}
+                "group_generation": m.generation, "empty_pool_s": m.take_empty_s()}
 
 
 class DiskSync(_MembershipSync):

@@ -353,6 +353,8 @@ def test_docs_list_every_key_of_the_configuration():
     ("rollout.temperature=1e-300", ["rollout.temperature", "1e-300", "0.01"]),
     ("train.ppo.reward_scale=0", ["train.ppo.reward_scale", "0"]),
     ("weights.master_addr='10.0.0.1 '", ["weights.master_addr", "10.0.0.1 "]),
+    ("rollout.empty_pool_timeout=0", ["rollout.empty_pool_timeout", "0"]),
+    ("rollout.empty_pool_timeout=-5", ["rollout.empty_pool_timeout", "-5"]),
 ])
 def test_values_that_would_fail_later_are_refused_at_load_naming_field_and_value(override, needles):
     with pytest.raises(ConfigError) as e:
