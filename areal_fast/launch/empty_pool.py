@@ -75,11 +75,12 @@ class EmptyPool:
 
 
 async def refill_empty_pool(rollout, syncer, sync_between_steps: Callable[..., Awaitable],
-                            every_s: float = REFILL_EVERY_S) -> None:
+                            every_s: float = REFILL_EVERY_S, empty: EmptyPool | None = None) -> None:
     """Until cancelled: while the pool is empty and a server waits to join (``syncer.membership``),
     send the current version to it at once (``Controller.sync_between_steps``: it waits for a step's
     train and sync to end, and does nothing if the pool was refilled meanwhile); the joiner enters
-    the pool once it holds the weights. A failed refill is logged and tried again."""
+    the pool once it holds the weights. A failed refill is logged and tried again. ``empty``: told
+    at once, so that the next step's update reports the seconds the pool was empty."""
     membership = getattr(syncer, "membership", None)
     if membership is None:
         return
@@ -94,6 +95,8 @@ async def refill_empty_pool(rollout, syncer, sync_between_steps: Callable[..., A
                 if out is not None:
                     log.warning("weights sent at once to %d server(s) that joined the empty pool (%s)",
                                 out.get("joined", 0), ", ".join(rollout.urls) or "none entered")
+                    if empty is not None:
+                        empty.check(rollout.urls)
             except Exception:  # noqa: BLE001 - the next look tries again; empty_pool_timeout bounds it
                 log.exception("sending the weights to servers joining the empty pool failed")
         await asyncio.sleep(every_s)

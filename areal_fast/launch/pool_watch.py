@@ -6,7 +6,7 @@
   it gets the next weight update in full, then enters the pool (``weights.membership``);
 - a server in the pool, or waiting, that left the members (dead, or removed with
   ``areal-fast servers remove``) leaves the pool now (its requests in flight fail over), unless it
-  is the last one;
+  is the last one and the pool may not be empty (``launch.empty_pool``);
 - a member that rank 0 dropped itself (dead or hung: the watchdog, a failed call) while the launcher
   still lists the same process is not offered at once: ``launch.rejoin`` probes it with backoff and
   offers it once it answers again (a hung one that is not going to answer is killed and
@@ -68,7 +68,7 @@ def follow_members(rollout, syncer, out: Path, known: dict | None = None, rejoin
             log.warning("server %s left before it joined", url)
     for url in rollout.urls:
         if url not in wanted:
-            if len(rollout.urls) == 1:
+            if len(rollout.urls) == 1 and not getattr(rollout, "allow_empty", False):
                 log.warning("server %s left the members but is the last in the pool: kept until another joins", url)
                 continue
             log.warning("server %s died or was removed (it left the members); out of the pool", url)

@@ -164,7 +164,7 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
             watch = asyncio.create_task(_watch_servers(rollout, out / "logs", r.hang_timeout, empty))
             follow = asyncio.create_task(watch_members(rollout, syncer, out, hang_timeout_s=r.hang_timeout,
                                                        external=urls))  # elastic servers (pool_watch)
-            refill = asyncio.create_task(refill_empty_pool(rollout, syncer, ctl.sync_between_steps))
+            refill = asyncio.create_task(refill_empty_pool(rollout, syncer, ctl.sync_between_steps, empty=empty))
             run = asyncio.create_task(ctl.run())
             done, _ = await asyncio.wait({watch, run}, return_when=asyncio.FIRST_COMPLETED)
             if run not in done:
@@ -298,8 +298,9 @@ async def _watch_servers(rollout, log_dir, hang_timeout_s: float = DEFAULT_HANG_
                 if len(rollout.urls) == 1 and not empty.may_empty():
                     raise RuntimeError(f"the last inference server {url} stopped answering ({why}); see logs in "
                                        f"{log_dir}")
-                log.warning("server %s %s (%s); continuing with %d server(s)", url,
-                            "hung" if state == "hung" else "died", why, len(rollout.urls) - 1)
+                log.warning("server %s %s (%s); continuing with %d server(s)%s", url,
+                            "hung" if state == "hung" else "died", why, len(rollout.urls) - 1,
+                            "" if len(rollout.urls) > 1 else ": the pool is empty")
                 rollout.remove_server(url)
         empty.check(rollout.urls)
         await asyncio.sleep(_WATCH_S)

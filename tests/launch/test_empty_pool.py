@@ -177,3 +177,14 @@ def test_a_refill_that_the_step_made_unneeded_sends_nothing(tmp_path):
 
     asyncio.run(run())
     assert [(s.urls, v) for s, v in trainer.calls] == [((B,), 1)]  # once: the refill found the pool full
+
+
+def test_the_last_server_that_left_the_members_leaves_a_pool_that_may_be_empty(tmp_path):
+    from areal_fast.launch.pool_watch import follow_members
+
+    write_members(tmp_path, [])  # the launcher saw it die: out of the members
+    for allow_empty in (False, True):
+        pool = Pool([B])
+        pool.allow_empty = allow_empty
+        follow_members(pool, DistributedSync(UpdateRecordingTrainer(), pool), tmp_path)
+        assert pool.urls == ([] if allow_empty else [B])  # before: kept until another joined
