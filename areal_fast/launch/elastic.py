@@ -152,8 +152,8 @@ class ServerSupervisor:
                 self.members[s.slot] = s.proc
                 s.proc.extra["member_since"] = time.time()
                 self.failed_starts = 0
-                log.warning("server %s (%s) is up after %.1f s; it joins at the next weight update", s.proc.name,
-                            s.proc.url, time.monotonic() - s.t0)
+                log.warning("server %s (%s) is up after %.1f s; it joins at the next weight update (at once "
+                            "into an empty pool)", s.proc.name, s.proc.url, time.monotonic() - s.t0)
             elif time.monotonic() - s.t0 > self.cfg.health_timeout:
                 self._stop_proc(s.proc)
                 self._failed(s, f"not healthy after {self.cfg.health_timeout:.0f} s")
