@@ -300,8 +300,8 @@ class StallingProxy:
                 arrived = time.monotonic()
                 while (left := arrived + self.delay_s - time.monotonic()) > 0:
                     await asyncio.sleep(min(left, self.POLL_S))
+                self.chunks += 1  # counted first: the peer may read the bytes before write() returns
                 writer.write(data)
                 await writer.drain()
-                self.chunks += 1
         finally:
             writer.close()
