@@ -704,13 +704,17 @@ def report(runs: list[Run], work: Path, out: Path, args, prov: dict, wall_s: flo
                                 r["seed"]))
     rows = aggregate(results)
     contrast_rows = contrast(results)
+    # each option on top of the decoupled objective against the plain decoupled objective, same eta and seed
+    options = [o for o in dict.fromkeys(r["objective"] for r in results) if o not in ("naive", "recompute")]
+    option_rows = {o: rows_o for o in options if (rows_o := contrast(results, a=o, b="recompute"))}
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M") + (f"_{args.tag}" if args.tag else "")
     out.mkdir(parents=True, exist_ok=True)
     key = json.loads((work / "sweep.json").read_text())
     res = {"date": stamp, "provenance": prov, "sweep": key, "recipe_commit": recipe_commit(args.config),
            "runs_done": len(results), "runs_planned": len(runs), "sweep_wall_s": wall_s,
            "sum_run_wall_s": sum(r["wall_s"] for r in results),
-           "arms": rows, "contrast_recompute_minus_naive": contrast_rows, "runs": results}
+           "arms": rows, "contrast_recompute_minus_naive": contrast_rows,
+           "contrast_option_minus_recompute": option_rows, "runs": results}
     (out / f"staleness_{stamp}.json").write_text(json.dumps(res, indent=1) + "\n")
     md = (f"# Staleness ablation, {stamp} UTC\n\nRecipe `{Path(args.config).name}` at {res['recipe_commit']}; "
           f"{key['steps']} steps x {results[0].get('batch_size')} groups x {results[0].get('group_size')} samples per "
@@ -725,7 +729,10 @@ def report(runs: list[Run], work: Path, out: Path, args, prov: dict, wall_s: flo
           f"evaluations after step 0 (area under the learning curve).\n\n"
           + markdown_table(rows)
           + ("\n## Decoupled minus naive PPO, paired by seed\n\n" + contrast_table(contrast_rows)
-             if contrast_rows else ""))
+             if contrast_rows else "")
+          + ("\n## Each option minus the plain decoupled objective, paired by seed\n\nAt eta = 0 an option "
+             "masks nothing, so its row there is two runs of the same algorithm: the run-to-run noise.\n\n"
+             + "\n".join(contrast_table(r) for r in option_rows.values()) if option_rows else ""))
     (out / f"staleness_{stamp}.md").write_text(md)
     png = plot(rows, out / f"staleness_{stamp}.png")
     summary_rows = [{k: v for k, v in r.items() if k != "eval_curve_mean"} | {"curves": f"staleness_{stamp}.json"}
