@@ -217,6 +217,32 @@ class UpdateRecordingTrainer:
             raise err
 
 
+class ServerListPool:
+    """The pool side of the weight port and rank 0's watchdog: a list of server urls; ``dead`` are
+    the ones ``is_dead`` reports; ``removed`` records ``remove_server`` calls; ``allow_empty`` as
+    the rollout port's (rank 0 sets it when the pool may become empty)."""
+
+    def __init__(self, urls=(), dead=()):
+        self._urls, self.dead = list(urls), set(dead)
+        self.removed: list[str] = []
+        self.allow_empty = False
+
+    @property
+    def urls(self):
+        return list(self._urls)
+
+    def is_dead(self, url):
+        return url in self.dead
+
+    def remove_server(self, url):
+        self._urls.remove(url)
+        self.removed.append(url)
+        return True
+
+    async def add_server(self, url):
+        self._urls.append(url)
+
+
 # ----------------------------------------------------------------------------- in-process servers
 
 

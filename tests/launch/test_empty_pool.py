@@ -11,6 +11,7 @@ import dataclasses
 import logging
 
 import pytest
+from fakes import ServerListPool as Pool
 from fakes import UpdateRecordingTrainer, make_controller
 
 from areal_fast.config import load_config
@@ -24,28 +25,6 @@ from areal_fast.weights.membership import SyncMembership
 from areal_fast.weights.port import DistributedSync
 
 B = "http://127.0.0.1:2"
-
-
-class Pool:
-    def __init__(self, urls=()):
-        self._urls = list(urls)
-        self.removed: list[str] = []
-        self.allow_empty = False
-
-    @property
-    def urls(self):
-        return list(self._urls)
-
-    def is_dead(self, url):
-        return False
-
-    def remove_server(self, url):
-        self._urls.remove(url)
-        self.removed.append(url)
-        return True
-
-    async def add_server(self, url):
-        self._urls.append(url)
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ import dataclasses
 import pickle
 
 import pytest
+from fakes import ServerListPool as FakePool
 from fakes import UpdateRecordingTrainer
 
 from areal_fast.weights import port
@@ -17,25 +18,6 @@ from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.port import DiskSync, DistributedSync, SyncSpec, make_sync_port
 
 A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
-
-
-class FakePool:
-    def __init__(self, urls, dead=()):
-        self._urls, self.dead = list(urls), set(dead)
-
-    @property
-    def urls(self):
-        return list(self._urls)
-
-    def is_dead(self, url):
-        return url in self.dead
-
-    def remove_server(self, url):
-        self._urls.remove(url)
-        return True
-
-    async def add_server(self, url):
-        self._urls.append(url)
 
 
 @pytest.fixture(autouse=True)
