@@ -37,6 +37,24 @@ def _sample_groups(out: Path) -> list[dict]:
     return [g for r in rows for g in r["groups"]]
 
 
+def stop_and_check_each_group_trained_once(p, out: Path) -> list[dict]:
+    """Stop a run of 100000 steps as Ctrl-C does (SIGTERM), then check what a server fault must not
+    change: steps contiguous, no update fell back to disk, every prompt position handed out trained
+    exactly once with all its samples, no stale sample (``max_staleness=0``). Its train events."""
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=START_TIMEOUT_S)
+    events = _train_events(out)
+    steps = [e["step"] for e in events]
+    assert steps == list(range(1, len(steps) + 1))
+    assert all("sync/disk_sync_s" not in e for e in events), "fell back to disk"
+    groups = [g for g in _sample_groups(out) if g["position"] is not None]
+    positions = sorted(g["position"] for g in groups)
+    assert positions == list(range(len(steps) * BATCH)), "a prompt group trained twice or lost"
+    assert all(len(g["samples"]) == GROUP_SIZE for g in groups)
+    assert all(e["staleness_max"] == 0 for e in events)
+    return events
+
+
 def test_a_killed_server_is_replaced_and_the_run_stays_on_distributed_sync(tmp_path, runner):  # noqa: F811
     out = tmp_path / "run"
     p = runner(_cmd(out, "experiment.total_steps=100000", "rollout.n_servers=2", "checkpoint.every_steps=0",
@@ -54,20 +72,10 @@ def test_a_killed_server_is_replaced_and_the_run_stays_on_distributed_sync(tmp_p
     join_s = time.monotonic() - killed_at
     first = joined()[0]["step"]
     _wait_for(lambda: _train_events(out)[-1]["step"] >= first + 3, p, "three steps on the re-formed group")
-    p.send_signal(signal.SIGTERM)  # the run would go on for 100000 steps: stop it as Ctrl-C does
-    p.communicate(timeout=START_TIMEOUT_S)
-    events = _train_events(out)
-    steps = [e["step"] for e in events]
-    assert steps == list(range(1, len(steps) + 1))
-    assert all("sync/disk_sync_s" not in e for e in events), "fell back to disk"
+    events = stop_and_check_each_group_trained_once(p, out)
     assert all("sync/broadcast_s" in e for e in events)
     after = [e for e in events if e["step"] >= first]
     assert all(e["sync/servers"] == 2 and e["sync/group_generation"] >= 2 for e in after)
-    groups = [g for g in _sample_groups(out) if g["position"] is not None]
-    positions = sorted(g["position"] for g in groups)
-    assert positions == list(range(len(steps) * BATCH)), "a prompt group trained twice or lost"
-    assert all(len(g["samples"]) == GROUP_SIZE for g in groups)
-    assert all(e["staleness_max"] == 0 for e in events)
     members = json.loads((out / "servers" / "members.json").read_text())["servers"]
     assert len(members) == 2 and victims[0] not in [m["pid"] for m in members]
     print(f"replacement joined {join_s:.1f} s after the kill (step {first})")
