@@ -320,22 +320,43 @@ def aggregate(results: list[dict]) -> list[dict]:
     return rows
 
 
+_METRICS = (("eval_final", lambda x: x["eval_final"]), ("eval_mean", eval_mean))
+
+
+def _diff_stats(row: dict, deltas_by_key: dict[str, list[float]]) -> dict:
+    for key, deltas in deltas_by_key.items():
+        row[f"{key}_diff_mean"], row[f"{key}_diff_spread"] = mean_spread(deltas)
+        row[f"{key}_diff_ci95"] = ci95_halfwidth(deltas)
+    return row
+
+
 def contrast(results: list[dict], a: str = "recompute", b: str = "naive") -> list[dict]:
     """Objective ``a`` minus objective ``b`` at each eta and advantage, paired by seed (the same warm
-    start and data order): final EM and mean EM over the run, with 95 % t intervals."""
+    start and data order): final EM and mean EM over the run, with 95 % t intervals.
+
+    Where two or more stale etas (eta > 0) have pairs, a last row per advantage (``eta = "pooled"``)
+    averages each seed's differences over those etas first, then takes the interval over seeds: one
+    number per contrast that uses every run, for an effect that does not depend much on eta. A seed
+    enters it only if it has a pair at every one of those etas, so no seed weighs more than another."""
     runs = {(r["objective"], r["eta"], r["advantage"], r["seed"]): r for r in results}
     out = []
-    for eta, adv in sorted({(r["eta"], r["advantage"]) for r in results}, key=lambda k: (k[1], k[0])):
-        pairs = [(runs[(a, eta, adv, s)], runs[(b, eta, adv, s)]) for (o, e, d, s) in runs
-                 if o == a and e == eta and d == adv and (b, eta, adv, s) in runs]
-        if not pairs:
-            continue
-        row = {"eta": eta, "advantage": adv, "a": a, "b": b, "seeds": sorted(x["seed"] for x, _ in pairs)}
-        for key, value in (("eval_final", lambda x: x["eval_final"]), ("eval_mean", eval_mean)):
-            deltas = [value(x) - value(y) for x, y in pairs]
-            row[f"{key}_diff_mean"], row[f"{key}_diff_spread"] = mean_spread(deltas)
-            row[f"{key}_diff_ci95"] = ci95_halfwidth(deltas)
-        out.append(row)
+    for adv in sorted({r["advantage"] for r in results}, key=lambda d: (d not in ADVANTAGES, d)):
+        per_eta: dict[int, dict[int, tuple[dict, dict]]] = {}
+        for eta in sorted({r["eta"] for r in results if r["advantage"] == adv}):
+            pairs = {s: (runs[(a, eta, adv, s)], runs[(b, eta, adv, s)]) for (o, e, d, s) in runs
+                     if o == a and e == eta and d == adv and (b, eta, adv, s) in runs}
+            if not pairs:
+                continue
+            per_eta[eta] = pairs
+            row = {"eta": eta, "advantage": adv, "a": a, "b": b, "seeds": sorted(pairs)}
+            out.append(_diff_stats(row, {k: [f(x) - f(y) for x, y in pairs.values()] for k, f in _METRICS}))
+        stale = [e for e in per_eta if e > 0]
+        seeds = sorted(set.intersection(*(set(per_eta[e]) for e in stale))) if len(stale) > 1 else []
+        if seeds:
+            row = {"eta": "pooled", "etas": stale, "advantage": adv, "a": a, "b": b, "seeds": seeds}
+            out.append(_diff_stats(row, {k: [statistics.fmean(f(per_eta[e][s][0]) - f(per_eta[e][s][1])
+                                                              for e in stale) for s in seeds]
+                                         for k, f in _METRICS}))
     return out
 
 
@@ -406,7 +427,8 @@ def contrast_table(rows: list[dict]) -> str:
     lines = [f"| eta | advantage | seeds | final EM: {rows[0]['a']} - {rows[0]['b']} | 95% CI | "
              f"mean EM over run: {rows[0]['a']} - {rows[0]['b']} | 95% CI |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['eta']} | {r['advantage']} | {len(r['seeds'])} | "
+        eta = r["eta"] if r["eta"] != "pooled" else "mean over " + "/".join(map(str, r["etas"]))
+        lines.append(f"| {eta} | {r['advantage']} | {len(r['seeds'])} | "
                      f"{_pm(r['eval_final_diff_mean'], r['eval_final_diff_spread'], signed=True)} | "
                      f"{_ci(r['eval_final_diff_mean'], r['eval_final_diff_ci95'])} | "
                      f"{_pm(r['eval_mean_diff_mean'], r['eval_mean_diff_spread'], signed=True)} | "

@@ -350,6 +350,28 @@ def test_mean_em_over_the_run_and_the_paired_contrast():
     assert table.count("\n") == 3 and "+0.100 ± 0.100" in table
 
 
+
+def test_the_pooled_contrast_averages_each_seed_over_the_stale_etas_first():
+    """One number per contrast: each seed's differences averaged over eta > 0, then the interval over
+    seeds; eta 0 stays out of it, and a seed missing one of those etas is left out, not half counted."""
+    diffs = {(4, 1): 0.1, (4, 2): 0.3, (4, 3): 0.0, (16, 1): 0.3, (16, 2): 0.1}  # seed 3 has no eta 16
+    res = [_result(0, o, "grpo", s, 0.5, 0.5, {0: 1}, [[0, 0.2], [10, 0.5]])
+           for o in ("recompute", "naive") for s in (1, 2, 3)]
+    res[0]["eval_final"] = 0.9  # an eta-0 difference that must not enter the pooled row
+    for (eta, s), d in diffs.items():
+        res += [_result(eta, "recompute", "grpo", s, 0.4 + d, 0.4 + d, {eta: 1}, [[0, 0.2], [10, 0.4 + d]]),
+                _result(eta, "naive", "grpo", s, 0.4, 0.4, {eta: 1}, [[0, 0.2], [10, 0.4]])]
+    rows = bs.contrast(res)
+    assert [r["eta"] for r in rows] == [0, 4, 16, "pooled"]
+    pooled = rows[-1]
+    assert pooled["etas"] == [4, 16] and pooled["seeds"] == [1, 2]
+    assert pooled["eval_final_diff_mean"] == pytest.approx(0.2)  # seed 1: (0.1+0.3)/2, seed 2: (0.3+0.1)/2
+    assert pooled["eval_final_diff_ci95"] == pytest.approx(0.0)
+    assert pooled["eval_mean_diff_mean"] == pytest.approx(0.2)
+    assert "| mean over 4/16 | grpo | 2 |" in bs.contrast_table(rows)
+    # one stale eta: nothing to pool
+    assert [r["eta"] for r in bs.contrast([r for r in res if r["eta"] != 16])] == [0, 4]
+
 def test_the_plot_takes_six_objectives(tmp_path):
     pytest.importorskip("matplotlib")
     res = [_result(e, o, "grpo", 1, 0.5, 0.5, {e: 1}, [[0, 0.2], [10, 0.5]])
