@@ -30,7 +30,9 @@ the histogram of every arm is reported.
 6 etas, 5 seeds, 4 minibatches, a task still being learned at step 200), run in its plan's order: the
 naive-vs-decoupled contrast first, the options at the largest etas next. The report adds, per arm, the
 mean EM over the run (area under the learning curve) beside the final EM, both paired with eta 0 by seed
-with 95 % t intervals, and the decoupled-minus-naive difference per eta, paired by seed.
+with 95 % t intervals, the decoupled-minus-naive difference and each option minus the plain decoupled
+objective per eta, paired by seed, and for each of these a pooled row (each seed's differences averaged
+over the stale etas first).
 
 Writes ``<out>/staleness_<date>.json`` (per run and per arm, with curves and histograms),
 ``staleness_<date>.md`` (the table) and ``staleness_<date>.png`` (held-out exact match vs step per
