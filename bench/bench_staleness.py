@@ -488,7 +488,8 @@ def plot(rows: list[dict], path: Path) -> Path | None:
         ax.set_title(f"{adv.upper()}: mean EM over the run minus the same seed's eta 0 run (95% t CI)")
         ax.set_xlabel("eta (rollout.max_staleness)")
         ax.set_ylabel("paired difference in mean held-out EM")
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
