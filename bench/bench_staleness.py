@@ -36,7 +36,8 @@ over the stale etas first).
 
 Writes ``<out>/staleness_<date>.json`` (per run and per arm, with curves and histograms),
 ``staleness_<date>.md`` (the table) and ``staleness_<date>.png`` (held-out exact match vs step per
-arm, and the paired mean-EM difference against eta 0 vs eta, with its interval), and appends one summary row per arm to ``<out>/staleness.jsonl``.
+arm, and the paired mean-EM difference against eta 0 vs eta, with its interval), and appends one
+summary row per arm to ``<out>/staleness.jsonl``.
 """
 
 from __future__ import annotations
