@@ -249,10 +249,13 @@ class ServerCalls:
         return pool
 
     def forget(self, url: str) -> None:
-        """``url`` left: its idle connections close now (busy ones finish their request)."""
+        """``url`` left the pool (dead, hung or removed): every connection to it closes now, and a
+        request in flight there fails with ``HttpError`` at once, so that the caller fails over
+        instead of waiting out its deadline on a server that may never answer (a hung one keeps its
+        connections open). On aiohttp (https, ``transport="aiohttp"``) requests finish or time out."""
         pool = self._pools.pop(url.rstrip("/"), None)
         if pool is not None:
-            pool.close_idle()
+            pool.close()
 
     def _aiohttp_session(self, fresh: bool):
         import aiohttp

@@ -174,7 +174,7 @@ class ServerPool:
         if len(self.servers) == 1 and not self.allow_empty:
             raise RolloutError(f"cannot remove {url}: it is the last server of the pool")
         gone = self._by_url.pop(url)
-        if self._calls is not None:  # requests in flight there finish (or fail over); idle connections go now
+        if self._calls is not None:  # its connections close now: requests in flight there fail over at once
             self._calls.forget(url)
         gone.pool = None
         self.servers = [s for s in self.servers if s.url != url]

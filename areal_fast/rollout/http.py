@@ -304,12 +304,16 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def abort(self) -> None:
-        """Drop the connection now (a cancelled or timed-out request must not leave it reusable)."""
+    def abort(self, why: str | None = None) -> None:
+        """Drop the connection now (a cancelled or timed-out request must not leave it reusable).
+        ``why``: the request waiting on it fails now with ``HttpError(why)``; without, it is left to
+        its own end (its caller is the one aborting: it was cancelled or timed out)."""
+        waiter, self._waiter = self._waiter, None
         self.closed = True
-        self._waiter = None
         if self.transport is not None:
             self.transport.abort()
+        if why is not None and waiter is not None and not waiter.done():
+            waiter.set_exception(HttpError(f"{self._where}: {why}"))
 
     # ---------------------------------------------------------------- one request
     def start(self, waiter: asyncio.Future, where: str, data: bytes,
@@ -474,10 +478,12 @@ class ConnectionPool:
             self._forget(conn)
 
     def close(self) -> None:
-        """Close every connection, idle or busy (a busy request then fails with HttpError)."""
+        """Close every connection, idle or busy: a busy request fails with HttpError now (its server
+        may never answer: a hung one keeps the connection open), not at its own deadline."""
         self.closed = True
         for conn in list(self._open):
-            conn.abort()
+            conn.abort("the connection was closed (its server left the pool, or the client closed) before the "
+                       "answer ended")
         self._open.clear()
         self._idle.clear()
 

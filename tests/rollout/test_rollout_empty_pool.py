@@ -1,6 +1,8 @@
-"""The rollout client with an empty pool (``allow_empty``: ``launch.empty_pool``): a request whose
-server died waits for a server instead of failing, keeps the tokens of its earlier segments, and
-finishes on the server that joins; without ``allow_empty`` the last server cannot be removed."""
+"""The rollout client when a server leaves its pool. With an empty pool (``allow_empty``:
+``launch.empty_pool``) a request whose server died waits for a server instead of failing, keeps the
+tokens of its earlier segments, and finishes on the server that joins; without ``allow_empty`` the
+last server cannot be removed. A request in flight on a hung server (it never answers, its
+connection stays open) fails over as soon as the server is dropped, not at its deadline."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from areal_fast.rollout.port import ClientRollout
 
 
 def _app(name: str, calls: list, answers: list):
-    """A fake server: /generate answers with the next of ``answers`` ((status, ids, version, finish)),
-    the last one repeated."""
+    """A fake server: /generate answers with the next of ``answers`` ((status, ids, version, finish),
+    or an ``asyncio.Event`` to hang on until it is set), the last one repeated."""
     from aiohttp import web
 
     async def info(request):
@@ -26,7 +28,11 @@ def _app(name: str, calls: list, answers: list):
         if request.path != "/generate":
             return web.json_response({"success": True, "message": "", "status": "ok"})
         calls.append((name, list(body["input_ids"]), body["sampling_params"]["max_new_tokens"]))
-        status, ids, version, finish = answers.pop(0) if len(answers) > 1 else answers[0]
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        if isinstance(answer, asyncio.Event):  # a hung server: no answer until the test lets it go
+            await answer.wait()
+            return web.json_response({"error": {"message": "too late"}}, status=503)
+        status, ids, version, finish = answer
         if status != 200:
             return web.json_response({"error": {"message": "gone"}}, status=status)
         return web.json_response({"output_ids": ids, "meta_info": {
@@ -85,3 +91,29 @@ def test_the_last_server_stays_without_allow_empty():
                 assert port.urls == [a]
 
     asyncio.run(run())
+
+
+def test_a_request_on_a_hung_server_fails_over_as_soon_as_the_server_is_dropped():
+    calls: list = []
+
+    async def run():
+        hang = asyncio.Event()
+        a_app = _app("A", calls, [hang])
+        b_app = _app("B", calls, [(200, [9, 9, 9], "4", "length")])
+        async with serve_app(a_app) as a, serve_app(b_app) as b:
+            try:
+                # its deadline is an hour: only the drop can end the wait on A within the 10 s below
+                async with RolloutClient([a], request_timeout_s=3600.0, down_cooldown_s=0.05,
+                                         retry_backoff_s=0.01) as c:
+                    port = ClientRollout(c)
+                    task = asyncio.create_task(c.generate([1, 2], {"max_new_tokens": 3}, rid="h"))
+                    await _until(lambda: len(calls) == 1)  # on A, which will not answer
+                    await port.add_server(b)
+                    assert port.remove_server(a)  # the watchdog found it hung
+                    return await asyncio.wait_for(task, 10)
+            finally:
+                hang.set()  # A's handler returns: the server can shut down
+
+    res = asyncio.run(run())
+    assert list(res.output_ids) == [9, 9, 9] and list(res.output_versions) == [4, 4, 4] and not res.aborted
+    assert [name for name, _, _ in calls] == ["A", "B"] and calls[-1] == ("B", [1, 2], 3)

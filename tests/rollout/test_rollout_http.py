@@ -313,6 +313,25 @@ def test_timeout_and_cancel_drop_the_connection(scripted, how):
     assert status == 200 and connects == 2 and [r[0] for r in srv.requests] == [1, 2]
 
 
+
+def test_closing_the_pool_fails_a_request_in_flight_at_once(scripted):
+    """A server that never answers (hung: its connection stays open) must not hold a request until
+    its deadline once the pool is closed: the request fails with HttpError now, naming the call."""
+    srv = scripted(lambda req: (b"", "hold"))
+
+    async def run():
+        pool = ConnectionPool(srv.url)
+        task = asyncio.create_task(_post(pool))  # its deadline: ANSWER_WAIT_S (30 s)
+        await asyncio.to_thread(srv.received.wait, ANSWER_WAIT_S)
+        pool.close()
+        async with asyncio.timeout(5):
+            with pytest.raises(HttpError, match="connection was closed") as e:
+                await task
+        return e.value
+
+    err = asyncio.run(run())
+    assert srv.url + "/generate" in str(err)
+
 def test_https_and_bad_urls_are_refused_by_the_pool():
     with pytest.raises(ValueError, match="https://h:1: ConnectionPool speaks plain http"):
         ConnectionPool("https://h:1")
