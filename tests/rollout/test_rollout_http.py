@@ -80,7 +80,10 @@ class Scripted:
                 if after == "hold":
                     self.release.wait(ANSWER_WAIT_S)
                     return
-                s.sendall(raw)
+                try:
+                    s.sendall(raw)
+                except OSError:  # the client dropped it mid-answer (an answer over its size bound)
+                    return
                 if after == "close":
                     return
         finally:
