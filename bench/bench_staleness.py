@@ -343,7 +343,7 @@ def contrast(results: list[dict], a: str = "recompute", b: str = "naive") -> lis
     enters it only if it has a pair at every one of those etas, so no seed weighs more than another."""
     runs = {(r["objective"], r["eta"], r["advantage"], r["seed"]): r for r in results}
     out = []
-    for adv in sorted({r["advantage"] for r in results}, key=lambda d: (d not in ADVANTAGES, d)):
+    for adv in sorted({r["advantage"] for r in results}):
         per_eta: dict[int, dict[int, tuple[dict, dict]]] = {}
         for eta in sorted({r["eta"] for r in results if r["advantage"] == adv}):
             pairs = {s: (runs[(a, eta, adv, s)], runs[(b, eta, adv, s)]) for (o, e, d, s) in runs
