@@ -108,8 +108,8 @@ class AppConfig:
         if self.train.ppo.reward_scale == 0:
             raise ValueError("train.ppo.reward_scale: must not be 0 (every reward would be the bias: every "
                              "advantage 0, nothing learned), got 0")
-        if self.rollout.backend == "vllm":  # the rollout section checked the rest (vllm_compat.check_rollout_backend)
-            from areal_fast.rollout.engine.vllm_compat import vllm_refusal
+        if self.rollout.backend == "vllm":  # the rollout section checked the rest (vllm's compat.check_rollout_backend)
+            from areal_fast.backends.vllm.compat import vllm_refusal
 
             why = vllm_refusal(self.rollout.vllm_version, pause_mode=self.rollout.pause_mode,
                                weights_method=self.weights.method)

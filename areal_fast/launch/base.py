@@ -173,16 +173,16 @@ def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: 
     if launched_kind(r.engine) is ServerKind.EMBEDDED:
         twin = []  # backend 'vllm': the engine serves vLLM's API of that release (docs/vllm.md)
         if r.backend == "vllm":
-            from areal_fast.rollout.vllm_server_command import embedded_vllm_args
+            from areal_fast.backends.vllm.server_command import embedded_vllm_args
 
             twin = embedded_vllm_args(r.vllm_version)
         return build("embedded", model_path, host, port, api_key_file=api_key_file, weight_version="0", seed=seed,
                      device=r.device, max_running_requests=max(256, r.max_concurrent * r.group_size),
                      extra_args=twin + list(r.server_args), python=python)
     tp, rest = _split_tp(list(r.server_args))
-    if launched_kind(r.engine) is ServerKind.VLLM:  # real vLLM (rollout/vllm_server_command.py)
-        from areal_fast.rollout.engine.vllm_compat import VLLMBehaviour
-        from areal_fast.rollout.vllm_server_command import vllm_server_command
+    if launched_kind(r.engine) is ServerKind.VLLM:  # real vLLM (backends/vllm/server_command.py)
+        from areal_fast.backends.vllm.compat import VLLMBehaviour
+        from areal_fast.backends.vllm.server_command import vllm_server_command
 
         # the weight-transfer engine is on whenever the release has it: the run's weights.method is
         # not known here, and an unused transfer engine costs nothing until /init_weight_transfer_engine
@@ -233,7 +233,7 @@ def server_env(rollout_cfg) -> dict[str, str]:
     threads = str(rollout_cfg.threads_per_server)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
     if getattr(rollout_cfg, "engine", None) == "vllm":
-        from areal_fast.rollout.vllm_server_command import vllm_server_env
+        from areal_fast.backends.vllm.server_command import vllm_server_env
 
         env.update(vllm_server_env())
     return env

@@ -66,8 +66,8 @@ def run_eval(cfg: AppConfig, checkpoint: str | None = None) -> dict:
 
 
 async def _eval_async(cfg: AppConfig, tok, evals, urls, path: str, api_key: str) -> dict:
+    from areal_fast.backends.vllm.client import client_for_backend
     from areal_fast.reward import RewardService
-    from areal_fast.rollout.vllm_client import client_for_backend
 
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
     sampling = {"max_new_tokens": cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, "temperature": 0.0,

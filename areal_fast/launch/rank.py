@@ -223,8 +223,8 @@ async def rollout_port(r, urls: list[str], api_key: str | None):
         async with ShardedRollout(urls, r.client_processes, is_dead=is_dead, **options) as port:
             yield port
     else:
+        from areal_fast.backends.vllm.client import client_for_backend  # SGLang's client or the vLLM adapter
         from areal_fast.rollout.port import ClientRollout
-        from areal_fast.rollout.vllm_client import client_for_backend  # SGLang's client or the vLLM adapter
 
         async with client_for_backend(r, urls, **options) as client:
             yield ClientRollout(client, is_dead=is_dead)

@@ -50,9 +50,9 @@ from dataclasses import dataclass, field
 
 from packaging.version import Version
 
+from areal_fast.backends.sglang.compat import refuses_unknown_sampling_keys_with_400
 from areal_fast.netutil import check_server_url
 from areal_fast.rollout.answer import dumps, loads
-from areal_fast.rollout.engine.compat import refuses_unknown_sampling_keys_with_400
 from areal_fast.rollout.http import DEFAULT_MAX_BODY_BYTES, KEEPALIVE_S, ConnectionPool, ConnectTimeout, HttpError
 
 __all__ = ["API_KEY_ENV", "BlockingCalls", "CONTROL_RETRY", "DEAD_SERVER_RETRY", "HEALTH_PROBE_TIMEOUT_S",

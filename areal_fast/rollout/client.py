@@ -68,6 +68,7 @@ from array import array
 from collections.abc import Sequence
 from functools import partial
 
+from areal_fast.backends.sglang.compat import SGLANG_SAMPLING_KEYS
 from areal_fast.rollout.answer import (
     LOGPROB_ARRAY,
     TOKEN_ARRAY,
@@ -104,7 +105,6 @@ from areal_fast.rollout.client_pool import (  # noqa: F401 - the pool's names ar
     ServerUnavailable,
     _str_or_none,
 )
-from areal_fast.rollout.engine.compat import SGLANG_SAMPLING_KEYS
 from areal_fast.sample import Sample
 
 try:  # the rollout extra's JSON encoder: it writes a numpy view of an array column without a Python list
@@ -240,7 +240,7 @@ class RolloutClient(ServerPool, ServerControl):
 
     async def _post_segment(self, server: ServerState, payload: dict, attempt_rid: str, max_body: int) -> Segment:
         """One segment's call on ``server``, its answer checked (the backend adapter's hook: a vLLM
-        client sends /v1/completions instead, ``rollout/vllm_client.py``)."""
+        client sends /v1/completions instead, ``backends/vllm/client.py``)."""
         where = f"{server.url}/generate (rid {attempt_rid!r})"
         try:
             data = await self._call(server, "POST", "/generate", {**payload, "rid": attempt_rid},

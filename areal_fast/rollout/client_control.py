@@ -21,14 +21,14 @@ from dataclasses import replace as _replace
 
 from packaging.version import Version
 
-from areal_fast.rollout.calls import CONTROL_RETRY, RetryPolicy, RolloutError
-from areal_fast.rollout.client_pool import ServerState
-from areal_fast.rollout.engine.compat import (
+from areal_fast.backends.sglang.compat import (
     PAUSE_MODE_SINCE,
     in_place_server_refusal,
     reports_weight_version_spans,
     supports_pause_mode,
 )
+from areal_fast.rollout.calls import CONTROL_RETRY, RetryPolicy, RolloutError
+from areal_fast.rollout.client_pool import ServerState
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 PAUSE_MODE_CHOICES = ("auto", *PAUSE_MODES)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from packaging.version import InvalidVersion, Version
 
+from areal_fast.backends.sglang.compat import server_info_reports_launch_version
 from areal_fast.rollout.answer import tune_gc
 from areal_fast.rollout.calls import (
     HEALTH_PROBE_TIMEOUT_S,
@@ -38,7 +39,6 @@ from areal_fast.rollout.calls import (
     ServerHealth,
     check_server_url,
 )
-from areal_fast.rollout.engine.compat import server_info_reports_launch_version
 from areal_fast.rollout.http import ConnectionPool
 
 PICK_SCAN_MAX = 16  # up to this many servers a new request goes to the least loaded of all

@@ -10,12 +10,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from areal_fast.backends.sglang.compat import in_place_launch_refusal
+from areal_fast.backends.vllm.compat import DEFAULT_VLLM_VERSION, check_rollout_backend
 from areal_fast.buffer import DEFAULT_MEMORY_MB as DEFAULT_BUFFER_MEMORY_MB
 from areal_fast.configutil import device_indices, positive_seconds
 from areal_fast.heap import period_from_env as heap_trim_period_from_env
 from areal_fast.netutil import check_server_url  # the one check of a server address
-from areal_fast.rollout.engine.compat import in_place_launch_refusal
-from areal_fast.rollout.engine.vllm_compat import DEFAULT_VLLM_VERSION, check_rollout_backend
 
 __all__ = ["MIN_TEMPERATURE", "RESERVED_SERVER_ARGS", "RolloutConfig", "check_server_url"]
 
@@ -55,7 +55,7 @@ class RolloutConfig:
     embedded engine launched as vLLM's twin; ``docs/vllm.md``)."""
     vllm_version: str = DEFAULT_VLLM_VERSION
     """With backend 'vllm': the vLLM release the servers run (0.11.0 .. 0.33.0); what it cannot serve is
-    refused at load, with the reason (``areal_fast.rollout.engine.vllm_compat``)."""
+    refused at load, with the reason (``areal_fast.backends.vllm.compat``)."""
     servers: list[str] = field(default_factory=list)
     """Addresses of servers that are already running ('http://host:port'); empty = launch them."""
     n_servers: int = 1
@@ -169,7 +169,7 @@ class RolloutConfig:
         positive_seconds("hang_timeout", self.hang_timeout)
         if self.pause_mode not in ("auto", "retract", "abort", "in_place"):
             raise ValueError(f"pause_mode: must be 'auto', 'retract', 'abort' or 'in_place', got {self.pause_mode!r}")
-        if self.pause_mode == "in_place" and not self.servers and self.engine != "vllm":  # vLLM: vllm_compat
+        if self.pause_mode == "in_place" and not self.servers and self.engine != "vllm":  # vLLM: backends.vllm.compat
             why = in_place_launch_refusal(self.engine, self.server_args, _installed_sglang(self.engine))
             if why:
                 raise ValueError(f"pause_mode: 'in_place' refused for launched {self.engine} servers: {why}")

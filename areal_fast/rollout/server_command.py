@@ -51,7 +51,7 @@ class ServerKind(str, enum.Enum):
     EXTERNAL = "external"  # rollout.servers: running already, started by someone else with their own key
     EMBEDDED = "embedded"  # launched by the run: python -m areal_fast.rollout.engine
     SGLANG = "sglang"  # launched by the run: python -m sglang.launch_server
-    VLLM = "vllm"  # launched by the run: python -m vllm.entrypoints.openai.api_server (rollout/vllm_server_command.py)
+    VLLM = "vllm"  # launched by the run: python -m vllm.entrypoints.openai.api_server (backends/vllm/server_command.py)
 
     @property
     def launched(self) -> bool:

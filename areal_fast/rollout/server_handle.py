@@ -21,7 +21,8 @@ _POLL_S = 0.1  # between /health polls during start-up
 
 def _healthy(url: str) -> bool:
     """The one health check's probe (``rollout.calls``): GET /health answers 200 within 2 s."""
-    # imported here: rollout.calls reads engine.compat, whose package imports the engine's launcher (and this)
+    # imported here: kept lazy from when rollout.calls reached the engine's launcher (and this) through
+    # SGLang's version table, then in the engine package (now backends/sglang/compat.py)
     from areal_fast.rollout.calls import health_now
 
     return health_now(url, liveness=False, probe_timeout_s=2.0).state == "ok"

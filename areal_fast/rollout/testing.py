@@ -67,8 +67,8 @@ def reference_sender_main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
     from packaging.version import Version
 
+    from areal_fast.backends.sglang.compat import needs_weight_update_sessions
     from areal_fast.rollout.calls import BlockingCalls
-    from areal_fast.rollout.engine.compat import needs_weight_update_sessions
     from areal_fast.rollout.engine.weight_sync import TensorMeta, flattened_bucket_layout, init_custom_process_group
 
     spec = json.load(open((argv or sys.argv[1:])[0]))

@@ -81,12 +81,12 @@ class SyncSpec:
     def build(self):
         from areal_fast.weights.sync import DiskWeightSync, DistributedWeightSync
 
-        if self.method == "vllm_disk":  # disk updates on vLLM servers (weights/vllm_disk.py)
-            from areal_fast.weights.vllm_disk import VLLMDiskWeightSync
+        if self.method == "vllm_disk":  # disk updates on vLLM servers (backends/vllm/disk.py)
+            from areal_fast.backends.vllm.disk import VLLMDiskWeightSync
 
             return VLLMDiskWeightSync(list(self.urls), dataclasses.replace(self.weight_config(), method="disk"))
-        if self.method == "vllm_distributed":  # vLLM's weight transfer (weights/vllm_transfer.py)
-            from areal_fast.weights.vllm_transfer import VLLMTransferWeightSync
+        if self.method == "vllm_distributed":  # vLLM's weight transfer (backends/vllm/transfer.py)
+            from areal_fast.backends.vllm.transfer import VLLMTransferWeightSync
 
             return VLLMTransferWeightSync(list(self.urls), self.weight_config())
         cls = {"distributed": DistributedWeightSync, "disk": DiskWeightSync}[self.method]
@@ -184,14 +184,14 @@ class DistributedSync(_MembershipSync):
 
 
 class VLLMDiskSync(DiskSync):
-    """The disk port on vLLM servers: its transport is ``weights.vllm_disk.VLLMDiskWeightSync``."""
+    """The disk port on vLLM servers: its transport is ``backends.vllm.disk.VLLMDiskWeightSync``."""
 
     def _spec(self, urls: list[str]) -> SyncSpec:
         return SyncSpec.of("vllm_disk", urls, self.config)  # the config's method stays 'disk'
 
 
 class VLLMDistributedSync(DistributedSync):
-    """The broadcast port on vLLM servers: its transport is ``weights.vllm_transfer.VLLMTransferWeightSync``
+    """The broadcast port on vLLM servers: its transport is ``backends.vllm.transfer.VLLMTransferWeightSync``
     (a new group when the servers change, as for SGLang)."""
 
     def _spec(self, urls: list[str]) -> SyncSpec:

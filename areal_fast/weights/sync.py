@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 from packaging.version import InvalidVersion, Version
 
+from areal_fast.backends.sglang.compat import needs_weight_update_sessions
 from areal_fast.netutil import url_host
 from areal_fast.rollout.calls import BlockingCalls, RequestError, RetryPolicy, ServerError, no_answer_errors
-from areal_fast.rollout.engine.compat import needs_weight_update_sessions
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.delta import DeltaEncoder, wants_delta
 from areal_fast.weights.errors import WeightSyncError

@@ -1,5 +1,5 @@
 """``rollout.engine: vllm``: a run launches real vLLM servers (the launchers' one ``server_command`` and
-``server_env``, ``launch/base.py``): vLLM's own command (``rollout/vllm_server_command.py``) with the
+``server_env``, ``launch/base.py``): vLLM's own command (``backends/vllm/server_command.py``) with the
 run's model, tensor-parallel size and key file, the dev-mode environment, and every flag one that
 vLLM's own argument parser defines (read from the wheel, as the contract tests do). Nothing runs."""
 

@@ -22,10 +22,10 @@ import pytest
 from _shared import engine_twins, serve_app
 from packaging.version import Version
 
+from areal_fast.backends.sglang.compat import IN_PLACE_SERVER_FLAGS, in_place_server_refusal
 from areal_fast.rollout import config as rollout_config
 from areal_fast.rollout.client import RolloutClient, RolloutError
 from areal_fast.rollout.config import RolloutConfig
-from areal_fast.rollout.engine.compat import IN_PLACE_SERVER_FLAGS, in_place_server_refusal
 from areal_fast.rollout.testing import build_tiny_qwen2, hf_greedy, load_hf, perturbed_state_dict, save_state_dict
 
 ROOT = Path(__file__).resolve().parents[2]

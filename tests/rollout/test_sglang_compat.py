@@ -1,6 +1,6 @@
-"""SGLang version gates live in one place (``rollout/engine/compat.py``): a named predicate per
+"""SGLang version gates live in one place (``backends/sglang/compat.py``): a named predicate per
 behaviour, used by the engine, the rollout client and the weight sync alike. vLLM's gates have
-their own single home beside it (``rollout/engine/vllm_compat.py``)."""
+their own single home beside it (``backends/vllm/compat.py``)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from areal_fast.rollout.engine import compat
-from areal_fast.rollout.engine.compat import SGLangBehaviour
+from areal_fast.backends.sglang import compat
+from areal_fast.backends.sglang.compat import SGLangBehaviour
 
 PKG = Path(__file__).resolve().parents[2] / "areal_fast"
-COMPAT = PKG / "rollout" / "engine" / "compat.py"
-GATE_HOMES = (COMPAT, PKG / "rollout" / "engine" / "vllm_compat.py")  # SGLang's, vLLM's
+COMPAT = PKG / "backends" / "sglang" / "compat.py"
+GATE_HOMES = (COMPAT, PKG / "backends" / "vllm" / "compat.py")  # SGLang's, vLLM's
 UNKNOWN = "0"  # Version("0"): a server that did not say its version (the most conservative answer)
 
 
@@ -33,7 +33,7 @@ def version_literals_outside_compat() -> list[str]:
 
 
 def test_no_version_gate_outside_compat():
-    assert version_literals_outside_compat() == [], "move the gate into rollout/engine/compat.py as a predicate"
+    assert version_literals_outside_compat() == [], "move the gate into backends/sglang/compat.py as a predicate"
 
 
 @pytest.mark.parametrize(("predicate", "since"), [

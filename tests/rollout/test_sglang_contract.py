@@ -35,9 +35,9 @@ from packaging.version import Version
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_wheel import sglang_module  # noqa: E402
 
+from areal_fast.backends.sglang.compat import in_place_refusal  # noqa: E402
 from areal_fast.rollout.calls import RolloutError  # noqa: E402
 from areal_fast.rollout.client import RolloutClient  # noqa: E402
-from areal_fast.rollout.engine.compat import in_place_refusal  # noqa: E402
 from areal_fast.rollout.server_command import server_command, write_api_key_file  # noqa: E402
 
 VERSIONS = ("0.5.6", "0.5.23")

@@ -1,15 +1,15 @@
 """rollout.backend 'vllm' at config load: accepted where vLLM serves it, refused with the reason where
-not (the version, pause mode, weights method and engine rules of ``engine/vllm_compat.py``); and the
+not (the version, pause mode, weights method and engine rules of ``backends/vllm/compat.py``); and the
 request builders' own refusals. Torch-free, fast."""
 
 from __future__ import annotations
 
 import pytest
 
+from areal_fast.backends.vllm import requests as vr
+from areal_fast.backends.vllm.compat import VLLMBehaviour, auto_vllm_pause_mode, vllm_refusal
+from areal_fast.backends.vllm.server_command import vllm_server_command
 from areal_fast.config import ConfigError, load_config
-from areal_fast.rollout import vllm_requests as vr
-from areal_fast.rollout.engine.vllm_compat import VLLMBehaviour, auto_vllm_pause_mode, vllm_refusal
-from areal_fast.rollout.vllm_server_command import vllm_server_command
 
 EXAMPLE = "examples/tiny_reverse.yaml"
 
@@ -18,7 +18,7 @@ EXAMPLE = "examples/tiny_reverse.yaml"
     ["rollout.backend=vllm", "weights.method=disk"],
     ["rollout.backend=vllm", "weights.method=disk", "rollout.vllm_version=0.27.0"],
     ["rollout.backend=vllm", "weights.method=disk", "rollout.pause_mode=abort"],
-    ["rollout.backend=vllm"],  # weights.method distributed: vLLM's weight transfer (weights/vllm_transfer.py)
+    ["rollout.backend=vllm"],  # weights.method distributed: vLLM's weight transfer (backends/vllm/transfer.py)
     ["rollout.backend=vllm", "rollout.vllm_version=0.27.0"],
 ])
 def test_config_check_accepts_backend_vllm(overrides):

@@ -1,6 +1,6 @@
 """vLLM's own code judges what we send it, for the oldest and newest release we support.
 
-Every body built by ``areal_fast.rollout.vllm_requests`` is parsed the way vLLM's HTTP server
+Every body built by ``areal_fast.backends.vllm.requests`` is parsed the way vLLM's HTTP server
 parses it: /v1/completions bodies by pydantic validation into vLLM's ``CompletionRequest`` (what
 FastAPI does with the handler's argument), and every key we send must be one of its fields (vLLM
 accepts unknown keys and ignores them: a misspelt option would silently do nothing). The control
@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from vllm_wheel import source_dir_or_skip, unknown_vllm_flags, vllm_module  # noqa: E402
 
-from areal_fast.rollout import vllm_requests as vr  # noqa: E402
-from areal_fast.rollout.engine.vllm_compat import CONTRACT_VERSIONS, VLLMBehaviour  # noqa: E402
-from areal_fast.rollout.vllm_server_command import vllm_server_command  # noqa: E402
+from areal_fast.backends.vllm import requests as vr  # noqa: E402
+from areal_fast.backends.vllm.compat import CONTRACT_VERSIONS, VLLMBehaviour  # noqa: E402
+from areal_fast.backends.vllm.server_command import vllm_server_command  # noqa: E402
 
 pytestmark = pytest.mark.slow  # downloads (once) and imports vLLM's protocol module per version
 SAMPLING = {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.0, "stop_token_ids": [2],

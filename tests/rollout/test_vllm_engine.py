@@ -1,5 +1,5 @@
 """The embedded engine as vLLM's twin (``--api vllm --vllm-version X``), driven by the vLLM adapter
-of the rollout client (``VLLMRolloutClient``) and the vLLM disk update (``weights.vllm_disk``).
+of the rollout client (``VLLMRolloutClient``) and the vLLM disk update (``backends.vllm.disk``).
 
 - token ids in and out and per-token log-probs equal to the HF reference (greedy);
 - a disk update never leaves the server paused, when the reload fails as when it succeeds
@@ -21,11 +21,11 @@ import pytest
 from _shared import perturbed_checkpoint, tiny_model, until_running
 from tolerances import ENGINE_LOGPROB_ATOL
 
+from areal_fast.backends.vllm.client import VLLMRolloutClient
+from areal_fast.backends.vllm.disk import VLLMDiskCalls
 from areal_fast.rollout.engine import start_engine_in_thread
 from areal_fast.rollout.testing import hf_greedy, hf_logprobs, load_hf
-from areal_fast.rollout.vllm_client import VLLMRolloutClient
 from areal_fast.weights.errors import WeightSyncError
-from areal_fast.weights.vllm_disk import VLLMDiskCalls
 
 VOCAB = 256
 PROMPT = [3, 17, 42, 9, 100]

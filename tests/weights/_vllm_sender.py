@@ -1,4 +1,4 @@
-"""Test sender: trainer rank 0 of vLLM's weight transfer (``weights.vllm_transfer``) in its own
+"""Test sender: trainer rank 0 of vLLM's weight transfer (``backends.vllm.transfer``) in its own
 process, so the receiving twin can run in the test's process (a process cannot hold both ends of
 one named gloo group).
 
@@ -14,8 +14,8 @@ import sys
 
 import torch
 
+from areal_fast.backends.vllm.transfer import VLLMTransferWeightSync
 from areal_fast.weights.config import WeightSyncConfig
-from areal_fast.weights.vllm_transfer import VLLMTransferWeightSync
 
 
 def main(argv: list[str]) -> None:

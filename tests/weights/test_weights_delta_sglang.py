@@ -1,4 +1,4 @@
-"""The SGLang delta applier (``areal_fast.weights.delta_sglang``) on a model laid out like SGLang's
+"""The SGLang delta applier (``areal_fast.backends.sglang.delta``) on a model laid out like SGLang's
 Qwen2 on one TP rank: fused qkv and gate_up, row-parallel o/down projections, a padded
 vocab-parallel embedding, loaders that narrow and copy like SGLang's, and SGLang's stacked-name
 ``load_weights`` (unknown names skipped). After K delta updates every parameter on every rank is
@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
+from areal_fast.backends.sglang.delta import delta_model_class, trace_runs
 from areal_fast.weights.delta import DeltaEncoder
-from areal_fast.weights.delta_sglang import delta_model_class, trace_runs
 from areal_fast.weights.gather import Bucket
 
 H, NH, NKV, HD, INTER, VOCAB = 16, 4, 2, 4, 24, 37
@@ -163,7 +163,7 @@ def test_the_package_subclasses_the_release_models(version):
     import importlib
 
     for mod, cls in (("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM"), ("llama", "LlamaForCausalLM")):
-        sys.modules.pop(f"areal_fast.weights.sglang_models.{mod}", None)  # built against this release
-        ours = importlib.import_module(f"areal_fast.weights.sglang_models.{mod}").EntryClass
+        sys.modules.pop(f"areal_fast.backends.sglang.models.{mod}", None)  # built against this release
+        ours = importlib.import_module(f"areal_fast.backends.sglang.models.{mod}").EntryClass
         base = sglang_module(version, f"sglang.srt.models.{mod}")
         assert ours.__name__ == cls and issubclass(ours, getattr(base, cls))

@@ -1,4 +1,4 @@
-"""vLLM's weight transfer from the trainer (``weights.vllm_transfer``) against the embedded engine's
+"""vLLM's weight transfer from the trainer (``backends.vllm.transfer``) against the embedded engine's
 vLLM twin over gloo (CPU): the same endpoints, bodies and ranks as with real vLLM over NCCL.
 
 - two updates over one group (made once), while a request is kept (vLLM's keep pause): the twin
@@ -20,12 +20,12 @@ import pytest
 import torch
 from _shared import until_running
 
+from areal_fast.backends.vllm.client import VLLMRolloutClient
+from areal_fast.backends.vllm.compat import VLLMBehaviour
+from areal_fast.backends.vllm.transfer import VLLMServer, _ranks_of, choose_transfer_backend
 from areal_fast.rollout.engine import start_engine_in_thread
-from areal_fast.rollout.engine.vllm_compat import VLLMBehaviour
 from areal_fast.rollout.testing import build_tiny_qwen2, perturbed_state_dict
-from areal_fast.rollout.vllm_client import VLLMRolloutClient
 from areal_fast.weights.errors import WeightSyncError
-from areal_fast.weights.vllm_transfer import VLLMServer, _ranks_of, choose_transfer_backend
 
 SENDER = Path(__file__).with_name("_vllm_sender.py")
 PROMPT = [3, 17, 42, 9, 100]

@@ -12,7 +12,7 @@ Command line (one server per process; shared flags have SGLang's names, and
         [--dist-timeout 120] [--api sglang|vllm] [--vllm-version 0.33.0]
 
 ``--api vllm`` serves vLLM's HTTP API of ``--vllm-version`` instead of SGLang's (the vLLM twin:
-``engine/vllm_routes.py``, docs/vllm.md).
+``backends/vllm/twin_routes.py``, docs/vllm.md).
 
 From Python (``areal_fast.rollout.engine.launch``)::
 

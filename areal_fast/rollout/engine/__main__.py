@@ -73,7 +73,7 @@ def _config_args(path: Path, parser: argparse.ArgumentParser) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from areal_fast.rollout.engine.compat import DEFAULT_SGLANG_VERSION
+    from areal_fast.backends.sglang.compat import DEFAULT_SGLANG_VERSION
 
     p = argparse.ArgumentParser(prog="python -m areal_fast.rollout.engine", description=__doc__)
     p.add_argument("--model-path", "--model", dest="model", required=True, help="Hugging Face checkpoint dir")

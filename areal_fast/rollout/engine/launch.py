@@ -9,8 +9,8 @@ import subprocess
 import tempfile
 import threading
 
+from areal_fast.backends.sglang.compat import DEFAULT_SGLANG_VERSION
 from areal_fast.netutil import find_free_port
-from areal_fast.rollout.engine.compat import DEFAULT_SGLANG_VERSION
 from areal_fast.rollout.server_command import server_command
 from areal_fast.rollout.server_handle import EngineHandle
 

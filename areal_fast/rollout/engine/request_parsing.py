@@ -17,7 +17,7 @@ import uuid
 
 from aiohttp import web
 
-from areal_fast.rollout.engine.compat import SGLANG_SAMPLING_KEYS, SGLangBehaviour
+from areal_fast.backends.sglang.compat import SGLANG_SAMPLING_KEYS, SGLangBehaviour
 from areal_fast.rollout.engine.sampling import SamplingError, parse_sampling_params
 
 log = logging.getLogger("areal_fast.rollout.engine.server")  # the front end's log, as SGLang's server logs it

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from areal_fast.rollout.engine.compat import SGLANG_SAMPLING_KEYS
+from areal_fast.backends.sglang.compat import SGLANG_SAMPLING_KEYS
 
 GREEDY_EPS = 1e-6  # SGLang: temperature below this means greedy
 

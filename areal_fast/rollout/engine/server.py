@@ -29,8 +29,9 @@ import uuid
 import torch
 from aiohttp import web
 
+from areal_fast.backends.sglang.compat import ENGINE_LOAD_FORMATS, SGLangBehaviour
+from areal_fast.backends.vllm.compat import DEFAULT_VLLM_VERSION, VLLMBehaviour
 from areal_fast.rollout.auth import authorized
-from areal_fast.rollout.engine.compat import ENGINE_LOAD_FORMATS, SGLangBehaviour
 from areal_fast.rollout.engine.request_parsing import (  # noqa: F401 - the errors are part of this module's API
     BYTES_PER_ID,
     GENERATE_OVERHEAD,
@@ -43,7 +44,6 @@ from areal_fast.rollout.engine.request_parsing import (  # noqa: F401 - the erro
 )
 from areal_fast.rollout.engine.sampling import parse_sampling_params
 from areal_fast.rollout.engine.scheduler import PAUSE_MODES, DuplicateRid, Request, Scheduler, SchedulerDown
-from areal_fast.rollout.engine.vllm_compat import DEFAULT_VLLM_VERSION, VLLMBehaviour
 from areal_fast.rollout.engine.weight_routes import FLUSH_REFUSED, WeightUpdateRoutes  # noqa: F401
 from areal_fast.rollout.engine.weight_sync import DEFAULT_GROUP_TIMEOUT_S, WeightReceiver, parse_dtype
 
@@ -114,7 +114,7 @@ class EngineServer(WeightUpdateRoutes):
         self.sglang = SGLangBehaviour.of(sglang_version)
         if api not in ("sglang", "vllm"):
             raise ValueError(f"--api {api!r}: the embedded engine speaks 'sglang' or 'vllm'")
-        self.api = api  # 'vllm': vLLM's routes instead of SGLang's (engine/vllm_routes.py)
+        self.api = api  # 'vllm': vLLM's routes instead of SGLang's (backends/vllm/twin_routes.py)
         self.vllm = VLLMBehaviour.of(vllm_version or DEFAULT_VLLM_VERSION) if api == "vllm" else None
         if load_format not in ENGINE_LOAD_FORMATS:
             raise ValueError(f"--load-format {load_format!r}: the embedded engine loads {ENGINE_LOAD_FORMATS}")
@@ -182,7 +182,7 @@ class EngineServer(WeightUpdateRoutes):
         app = web.Application(middlewares=[self._middleware], client_max_size=limit)
         r = app.router
         if self.vllm is not None:  # the vLLM twin: vLLM's routes of that release, none of SGLang's
-            from areal_fast.rollout.engine.vllm_routes import VLLMRoutes
+            from areal_fast.backends.vllm.twin_routes import VLLMRoutes
 
             VLLMRoutes(self, str(self.vllm.version), _until_done_or_gone).add(r)
             app.on_shutdown.append(self._on_shutdown)

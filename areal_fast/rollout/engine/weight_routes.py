@@ -20,7 +20,7 @@ import asyncio
 
 from aiohttp import web
 
-from areal_fast.rollout.engine.compat import ENGINE_LOAD_FORMATS
+from areal_fast.backends.sglang.compat import ENGINE_LOAD_FORMATS
 from areal_fast.rollout.engine.request_parsing import UPDATE_META_LIMIT, BadRequest, read_json
 from areal_fast.rollout.engine.scheduler import SchedulerDown
 from areal_fast.rollout.engine.weight_sync import TensorMeta, parse_dtype, unaligned_tensor

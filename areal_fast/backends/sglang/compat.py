@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
 
-from areal_fast.rollout.engine.releases import parse_supported_version
+from areal_fast.backends.releases import parse_supported_version
 
 OLDEST_SUPPORTED = Version("0.5.6")
 NEWEST_SUPPORTED = Version("0.5.23")

@@ -1,10 +1,10 @@
 """The vLLM adapter of the rollout client: :class:`VLLMRolloutClient` drives vLLM servers (real ones
-or the embedded engine's vLLM twin) with the shared client core of ``client.py``.
+or the embedded engine's vLLM twin) with the shared client core of ``rollout/client.py``.
 
 What stays shared, once, in ``RolloutClient`` and its parts: the transport and retry policy
-(``calls``), the pool and routing (``client_pool``), one request across pauses and failover, the
+(``rollout.calls``), the pool and routing (``rollout.client_pool``), one request across pauses and failover, the
 stitching of segments into one ``Sample`` and the per-token versions. What this adapter replaces
-is only what vLLM spells differently (``docs/vllm.md``; the bodies come from ``vllm_requests``):
+is only what vLLM spells differently (``docs/vllm.md``; the bodies come from ``requests.py``):
 
 - a segment is ``POST /v1/completions`` (token ids in and out, one log-prob a token, the
   ``weight_versions`` spans from 0.33.0) instead of SGLang's ``/generate``;
@@ -22,16 +22,12 @@ from __future__ import annotations
 import asyncio
 from array import array
 
-from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY, Segment, token_versions
-from areal_fast.rollout.calls import RolloutError, no_answer_errors
-from areal_fast.rollout.client import ABORT_TIMEOUT_S, MalformedAnswer, RolloutClient
-from areal_fast.rollout.client_pool import ServerState, _apply_info, _str_or_none
-from areal_fast.rollout.engine.vllm_compat import (
+from areal_fast.backends.vllm.compat import (
     DEFAULT_VLLM_VERSION,
     VLLMBehaviour,
     auto_vllm_pause_mode,
 )
-from areal_fast.rollout.vllm_requests import (
+from areal_fast.backends.vllm.requests import (
     COMPLETIONS_PATH,
     CompletionAnswerError,
     abort_body,
@@ -39,6 +35,10 @@ from areal_fast.rollout.vllm_requests import (
     parse_completion,
     pause_query,
 )
+from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY, Segment, token_versions
+from areal_fast.rollout.calls import RolloutError, no_answer_errors
+from areal_fast.rollout.client import ABORT_TIMEOUT_S, MalformedAnswer, RolloutClient
+from areal_fast.rollout.client_pool import ServerState, _apply_info, _str_or_none
 
 _DRAIN_POLL_S = 0.02
 

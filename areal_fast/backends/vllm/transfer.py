@@ -23,7 +23,7 @@ wheels: ``vllm/distributed/weight_transfer/nccl_engine.py`` and, from 0.33.0, ``
 The data plane follows where the trainer's tensors are: CUDA tensors go over vLLM's NCCL
 communicator (vLLM must be importable on trainer rank 0: the communicator is vLLM's own, so the
 wire is vLLM's by construction); CPU tensors go over gloo, which only the embedded engine's vLLM
-twin speaks (``rollout/engine/vllm_routes.py``: same endpoints, same bodies, same ranks, the
+twin speaks (``backends/vllm/twin_routes.py``: same endpoints, same bodies, same ranks, the
 store prefixed with the twin's group name). Anything else is refused before the servers are asked.
 
 Gathering FSDP2 shards into buckets is the broadcast transport's (``weights.gather``): every
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from areal_fast.backends.vllm.compat import TWIN_TRANSFER_GROUP, VLLMBehaviour
+from areal_fast.backends.vllm.requests import finish_transfer_body, init_transfer_body, update_transfer_body
 from areal_fast.netutil import url_host
-from areal_fast.rollout.engine.vllm_compat import TWIN_TRANSFER_GROUP, VLLMBehaviour
-from areal_fast.rollout.vllm_requests import finish_transfer_body, init_transfer_body, update_transfer_body
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.errors import WeightSyncError
 from areal_fast.weights.gather import Bucket, BucketGatherer, Sources

@@ -7,9 +7,9 @@ only: CUDA IPC handles or serialized tensors, so servers on the trainer's node) 
 classes of the same architecture name). ``/update_weights_from_distributed`` ends, in every one of
 these releases, in ``model.load_weights(named_tensors)`` (per tensor or ``flattened_bucket``), so a
 model class whose ``load_weights`` understands delta entries receives deltas over the broadcast
-group, across nodes. :mod:`areal_fast.weights.sglang_models` is that package::
+group, across nodes. :mod:`areal_fast.backends.sglang.models` is that package::
 
-    SGLANG_EXTERNAL_MODEL_PACKAGE=areal_fast.weights.sglang_models python -m sglang.launch_server ...
+    SGLANG_EXTERNAL_MODEL_PACKAGE=areal_fast.backends.sglang.models python -m sglang.launch_server ...
 
 and the trainer's ``weights.delta: on``. Its classes subclass SGLang's own (Qwen2, Qwen3, Llama)
 and change nothing but ``load_weights``: whole tensors go to SGLang's loader unchanged; a delta is

@@ -1,10 +1,10 @@
 """Which vLLM release a server behaves as, and every behaviour of vLLM's HTTP API that depends on it.
 
-The vLLM sibling of ``compat.py`` (SGLang's table): one place holds the version gates, read from
+The vLLM sibling of ``backends/sglang/compat.py`` (SGLang's table): one place holds the version gates, read from
 vLLM's own sources (``docs/vllm.md`` has the same table in prose, with how each was found). The
 embedded engine takes ``--api vllm --vllm-version X.Y.Z`` (:class:`VLLMBehaviour`); the config
 loader refuses a version or a combination of options it cannot serve (:func:`vllm_refusal`); the
-vLLM request builders (``rollout/vllm_requests.py``) ask the same predicates.
+vLLM request builders (``backends/vllm/requests.py``) ask the same predicates.
 
 Torch-free: the config loader imports it.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from packaging.version import Version
 
-from areal_fast.rollout.engine.releases import parse_supported_version
+from areal_fast.backends.releases import parse_supported_version
 
 OLDEST_SUPPORTED = Version("0.11.0")
 NEWEST_SUPPORTED = Version("0.33.0")
@@ -119,7 +119,7 @@ def vllm_refusal(version: str, *, pause_mode: str, weights_method: str) -> str |
       mode AND per-token weight-version spans (a kept request's tokens straddle an update, and
       without spans the client could not label them): 0.33.0 on;
     - ``weights_method`` 'distributed' needs the weight-transfer endpoints (0.16.0 on; the sender is
-      ``weights/vllm_transfer.py``);
+      ``backends/vllm/transfer.py``);
     - a run needs the server's weight label (0.27.0 on) to tag tokens with their version; so a
       distributed run is served from 0.27.0 on too (its updates end with /finish_weight_update,
       0.21.0 on, which carries the label).

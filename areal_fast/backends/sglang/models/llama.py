@@ -1,8 +1,8 @@
-"""SGLang's LlamaForCausalLM with delta weight updates (see areal_fast.weights.delta_sglang).
+"""SGLang's LlamaForCausalLM with delta weight updates (see areal_fast.backends.sglang.delta).
 
 ``EntryClass`` is built when SGLang's registry asks for it, so this module imports without SGLang."""
 
-from areal_fast.weights.delta_sglang import delta_model_class
+from areal_fast.backends.sglang.delta import delta_model_class
 
 
 def __getattr__(name: str):

@@ -1,4 +1,4 @@
-"""The command line and environment of one real vLLM server (the sibling of ``server_command.py``,
+"""The command line and environment of one real vLLM server (the sibling of ``rollout/server_command.py``,
 SGLang's and the embedded engine's builder), from vLLM's own CLI flags (``docs/vllm.md``):
 
     python -m vllm.entrypoints.openai.api_server --model P --host H --port N
@@ -9,7 +9,7 @@ SGLang's and the embedded engine's builder), from vLLM's own CLI flags (``docs/v
                                    weight-transfer endpoints)
 
 The API key travels as SGLang's does: ``--config FILE.yaml`` holding ``api-key: KEY`` (vLLM reads
-a YAML config file of long option names too), written by ``server_command.write_api_key_file``.
+a YAML config file of long option names too), written by ``rollout.server_command.write_api_key_file``.
 
 The embedded engine twins vLLM with ``python -m areal_fast.rollout.engine --api vllm
 --vllm-version X`` (built by ``server_command("embedded", ..., extra_args=embedded_vllm_args(X))``).
@@ -22,8 +22,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from areal_fast.rollout.engine.vllm_compat import DEV_MODE_ENV, VLLMBehaviour
-from areal_fast.rollout.vllm_requests import DEFAULT_MODEL
+from areal_fast.backends.vllm.compat import DEV_MODE_ENV, VLLMBehaviour
+from areal_fast.backends.vllm.requests import DEFAULT_MODEL
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 

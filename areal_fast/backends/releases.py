@@ -1,6 +1,6 @@
-"""The supported-release check both backends' compat tables share (``compat.py`` for SGLang,
-``vllm_compat.py`` for vLLM): a version given as text, parsed and kept inside the range whose
-behaviours the table knows."""
+"""The supported-release check both backends' compat tables share (``backends/sglang/compat.py``
+for SGLang, ``backends/vllm/compat.py`` for vLLM): a version given as text, parsed and kept inside
+the range whose behaviours the table knows."""
 
 from __future__ import annotations
 

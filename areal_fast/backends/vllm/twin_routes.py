@@ -1,6 +1,6 @@
 """The embedded engine as vLLM's twin (``--api vllm --vllm-version X``): vLLM's HTTP routes of release
 X over the same model and scheduler as the SGLang routes (``docs/vllm.md`` has the facts, per version;
-the gates are ``vllm_compat.VLLMBehaviour``).
+the gates are ``compat.VLLMBehaviour``).
 
 Served (each only from the release that has it, as the version table says):
 ``POST /v1/completions`` (token ids in, ``token_ids`` and per-token ``logprobs.token_logprobs`` out,
@@ -25,10 +25,10 @@ import uuid
 
 from aiohttp import web
 
+from areal_fast.backends.vllm.compat import TWIN_TRANSFER_GROUP, VLLM_PAUSE_MODES, VLLMBehaviour
 from areal_fast.rollout.engine.request_parsing import BadRequest, read_json
 from areal_fast.rollout.engine.sampling import SamplingError, parse_sampling_params
 from areal_fast.rollout.engine.scheduler import Request
-from areal_fast.rollout.engine.vllm_compat import TWIN_TRANSFER_GROUP, VLLM_PAUSE_MODES, VLLMBehaviour
 from areal_fast.rollout.engine.weight_sync import TensorMeta, parse_dtype
 
 TRANSFER_GROUP = TWIN_TRANSFER_GROUP

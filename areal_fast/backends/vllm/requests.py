@@ -1,6 +1,6 @@
 """Every request body we send to a vLLM server, and the reading of its /v1/completions answer.
 
-One builder per call, each asking ``engine.vllm_compat.VLLMBehaviour`` what the server's release
+One builder per call, each asking ``compat.VLLMBehaviour`` what the server's release
 takes (``docs/vllm.md`` has the facts, per version). The contract tests parse each body with vLLM's
 own pydantic request types (``tests/rollout/test_vllm_contract.py``). Torch-free.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from areal_fast.rollout.engine.vllm_compat import PAUSE_MODE_TO_VLLM, VLLMBehaviour
+from areal_fast.backends.vllm.compat import PAUSE_MODE_TO_VLLM, VLLMBehaviour
 
 # SGLang sampling key -> vLLM CompletionRequest field (same meaning; both releases 0.11 .. 0.33)
 SAMPLING_KEY_TO_VLLM = {

@@ -2,7 +2,7 @@
 
 The trainer side is the disk transport's (``DiskWeightSync``: HF safetensors written by rank 0);
 only the servers' calls differ. Where the SGLang transport posts ``/update_weights_from_disk``, a
-vLLM server gets (``docs/vllm.md``; bodies from ``rollout/vllm_requests.py``):
+vLLM server gets (``docs/vllm.md``; bodies from ``backends/vllm/requests.py``):
 
     [POST /pause?mode=keep|abort   if it is not paused already: a reload must not run mid-step]
     POST /collective_rpc reload_weights(weights_path)   (update_config first before 0.16.0)
@@ -16,8 +16,8 @@ server the rollout client paused stays paused: resuming it is the client's (``co
 
 from __future__ import annotations
 
-from areal_fast.rollout.engine.vllm_compat import VLLMBehaviour
-from areal_fast.rollout.vllm_requests import disk_update_calls, pause_query, weight_version_body
+from areal_fast.backends.vllm.compat import VLLMBehaviour
+from areal_fast.backends.vllm.requests import disk_update_calls, pause_query, weight_version_body
 from areal_fast.weights.errors import WeightSyncError
 from areal_fast.weights.sync import DiskWeightSync, SyncCalls
 

@@ -1,7 +1,0 @@
-"""SGLang's external model package for delta weight updates (``areal_fast.weights.delta_sglang``):
-
-    SGLANG_EXTERNAL_MODEL_PACKAGE=areal_fast.weights.sglang_models python -m sglang.launch_server ...
-
-SGLang imports every module here and registers its ``EntryClass`` under the class name, replacing
-its own model of that architecture. Importing a module imports SGLang: nothing else imports them.
-"""
