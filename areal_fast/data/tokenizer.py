@@ -11,7 +11,10 @@ import json
 from pathlib import Path
 
 CHAR_VOCAB_FILE = "char_vocab.json"
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIALS = ("<pad>", "<bos>", "<eos>")
+UNUSED_TOKEN = "<unused{}>"  # the names of the model's embedding rows past the characters
 
 
 class CharTokenizer:
@@ -49,9 +52,47 @@ class CharTokenizer:
                 out.append(SPECIALS[i])
         return "".join(out)
 
-    def save_pretrained(self, path: str | Path) -> None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / CHAR_VOCAB_FILE).write_text(json.dumps({"chars": self.chars, "specials": list(SPECIALS)}))
+    def save_pretrained(self, path: str | Path, model_vocab_size: int | None = None) -> None:
+        """``char_vocab.json`` (ours) and the same vocabulary as a Hugging Face fast tokenizer
+        (``tokenizer.json`` + ``tokenizer_config.json``), so that any server that loads a model
+        directory the Hugging Face way (vLLM, SGLang) can serve it. ``model_vocab_size``: the
+        model's embedding rows; those past the characters get names of their own (``<unusedN>``),
+        so that a server can turn every id the model may sample into text."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / CHAR_VOCAB_FILE).write_text(json.dumps({"chars": self.chars, "specials": list(SPECIALS)}))
+        tok_json, tok_config = self.hf_files(model_vocab_size)
+        (path / HF_TOKENIZER_FILE).write_text(json.dumps(tok_json, ensure_ascii=False, indent=1))
+        (path / HF_TOKENIZER_CONFIG_FILE).write_text(json.dumps(tok_config, indent=1))
+
+    def hf_files(self, model_vocab_size: int | None = None) -> tuple[dict, dict]:
+        """The contents of ``tokenizer.json`` and ``tokenizer_config.json`` for this vocabulary: a
+        word-level model over single characters (the pre-tokenizer splits the text into characters,
+        the decoder joins them), ``<pad>``, ``<bos>`` and ``<eos>`` as special tokens. Written as
+        plain JSON (the format of the ``tokenizers`` library): no tokenizer library is needed to
+        write it; ``tests/data/test_tokenizer.py`` loads it with ``transformers``."""
+        n = self.vocab_size if model_vocab_size is None else int(model_vocab_size)
+        if n < self.vocab_size:
+            raise ValueError(f"model_vocab_size {n} is smaller than the tokenizer's {self.vocab_size} tokens")
+        names = [*SPECIALS, *self.chars] + [UNUSED_TOKEN.format(i) for i in range(self.vocab_size, n)]
+        added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                  "normalized": False, "special": True}
+                 for i, t in enumerate(names) if i < len(SPECIALS) or i >= self.vocab_size]
+        tok_json = {
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "normalizer": None,
+            "pre_tokenizer": {"type": "Split", "pattern": {"String": ""}, "behavior": "Isolated", "invert": False},
+            "post_processor": None,
+            "decoder": {"type": "Fuse"},
+            "model": {"type": "WordLevel", "vocab": {t: i for i, t in enumerate(names)}, "unk_token": SPECIALS[0]},
+        }
+        tok_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30,
+            "pad_token": SPECIALS[self.pad_token_id], "bos_token": SPECIALS[self.bos_token_id],
+            "eos_token": SPECIALS[self.eos_token_id], "unk_token": SPECIALS[0],
+            "add_bos_token": False, "clean_up_tokenization_spaces": False,
+        }
+        return tok_json, tok_config
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> CharTokenizer:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # annotations only: the data package never imports the loader
 
 log = logging.getLogger(__name__)
 SIGNATURE_FILE = "warm_start.json"
-SIGNATURE_FORMAT = 2  # bump when the build or the training recipe changes in a way the fields do not show
+SIGNATURE_FORMAT = 3  # bump when the build or the recipe changes in a way the fields do not show (3: tokenizer.json)
 
 
 def qwen2_kwargs(cfg: AppConfig, tokenizer: CharTokenizer) -> dict:
@@ -171,7 +171,7 @@ def ensure_warm_start(cfg: AppConfig, progress=None) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
-    tok.save_pretrained(tmp)
+    tok.save_pretrained(tmp, model_vocab_size=model.config.vocab_size)
     (tmp / SIGNATURE_FILE).write_text(json.dumps({
         "sig": sig, "seconds": time.perf_counter() - t0, "final_loss": losses[-1] if losses else None}))
     shutil.rmtree(out, ignore_errors=True)
