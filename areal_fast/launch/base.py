@@ -132,7 +132,7 @@ def _split_tp(server_args: list[str]) -> tuple[int, list[str]]:
         if skip:
             skip = False
             continue
-        for flag in ("--tp-size", "--tp", "--tensor-parallel-size"):
+        for flag in ("--tp-size", "--tp", "--tensor-parallel-size", "-tp"):
             if a == flag and i + 1 < len(server_args):
                 tp, skip = int(server_args[i + 1]), True
                 break
@@ -153,7 +153,13 @@ def gpus_per_server(rollout_cfg) -> int:
     embedded engine one on a CUDA device and none on the CPU."""
     from areal_fast.rollout.server_command import ServerKind, launched_kind
 
-    if launched_kind(rollout_cfg.engine) in (ServerKind.SGLANG, ServerKind.VLLM):
+    kind = launched_kind(rollout_cfg.engine)
+    if kind is ServerKind.VLLM:  # tensor x pipeline x data parallel
+        from areal_fast.backends.vllm.server_command import gpus_of
+
+        tp, rest = _split_tp(list(rollout_cfg.server_args))
+        return gpus_of(tp, rest)
+    if kind is ServerKind.SGLANG:
         return tp_size(rollout_cfg.server_args)
     return int(rollout_cfg.device.startswith("cuda"))
 
@@ -180,6 +186,7 @@ def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: 
                      device=r.device, max_running_requests=max(256, r.max_concurrent * r.group_size),
                      extra_args=twin + list(r.server_args), python=python)
     tp, rest = _split_tp(list(r.server_args))
+    python = r.server_python or python  # a real server may live in an environment of its own
     if launched_kind(r.engine) is ServerKind.VLLM:  # real vLLM (backends/vllm/server_command.py)
         from areal_fast.backends.vllm.compat import VLLMBehaviour
         from areal_fast.backends.vllm.server_command import vllm_server_command
@@ -236,4 +243,5 @@ def server_env(rollout_cfg) -> dict[str, str]:
         from areal_fast.backends.vllm.server_command import vllm_server_env
 
         env.update(vllm_server_env())
+    env.update(getattr(rollout_cfg, "server_env", None) or {})
     return env

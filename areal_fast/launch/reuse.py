@@ -45,7 +45,8 @@ from areal_fast.weights.membership import group_name_of
 
 log = logging.getLogger(__name__)
 KEY_FILE = "servers.key"
-_SERVER_MARKERS = ("areal_fast.rollout.engine", "sglang")  # in a kept server's command line
+# in a kept server's command line: the embedded engine, SGLang, vLLM's API server
+_SERVER_MARKERS = ("areal_fast.rollout.engine", "sglang", "vllm.entrypoints")
 
 
 def key_path(out: Path) -> Path:
@@ -83,7 +84,9 @@ def judge(answers: bool, weight_version: str | None, kept_model: str | None, mod
         return False, "it does not answer with the run's key"
     if kept_model != model:
         return False, f"it serves {kept_model!r}, the run starts from {model!r}"
-    if weight_version == str(ckpt_version):
+    from areal_fast.rollout.answer import version_to_int
+
+    if weight_version is not None and version_to_int(weight_version) == ckpt_version:  # vLLM's initial: "default"
         return True, f"at version {weight_version}, the checkpoint's"
     if ckpt_version > 0:
         return True, (f"at version {weight_version}, not the checkpoint's {ckpt_version}: the first weight "
@@ -91,12 +94,19 @@ def judge(answers: bool, weight_version: str | None, kept_model: str | None, mod
     return False, f"it holds version {weight_version} but the run starts again from version 0"
 
 
-def probe(url: str, key: str | None) -> tuple[bool, str | None]:
-    """(answers with ``key``, its current weight version) of the server at ``url``."""
+def probe(url: str, key: str | None, rollout_cfg=None) -> tuple[bool, str | None]:
+    """(answers with ``key``, its current weight version) of the server at ``url``, asked in its
+    backend's API (``rollout_cfg.backend``; SGLang's without one)."""
+    from areal_fast.backends.vllm.client import client_for_backend
     from areal_fast.rollout.client import RolloutClient
 
+    def client():
+        if rollout_cfg is None:
+            return RolloutClient([url], api_key=key, request_timeout_s=10.0)
+        return client_for_backend(rollout_cfg, [url], api_key=key, request_timeout_s=10.0)
+
     async def ask():
-        async with RolloutClient([url], api_key=key, request_timeout_s=10.0) as c:
+        async with client() as c:
             return (await c.weight_versions())[0]
 
     try:
@@ -132,7 +142,7 @@ def kept_model(out: Path) -> str | None:
     return d.get("model") if isinstance(d, dict) else None
 
 
-def release_groups(url: str, key: str | None, names: list[str]) -> None:
+def release_groups(url: str, key: str | None, names: list[str], backend: str = "sglang") -> None:
     """Destroy the weight-update groups ``names`` that the crashed run left on a kept server (best
     effort: a name it does not hold is refused, which is fine). Its groups must go: SGLang and the
     embedded engine refuse a second group of one name, and the new run's first group takes the
@@ -142,6 +152,12 @@ def release_groups(url: str, key: str | None, names: list[str]) -> None:
 
     calls = SyncCalls(timeout_s=30.0, api_key=key)
     try:
+        if backend == "vllm":  # one transfer engine per server, no names: shut it (the next init makes a new one)
+            try:
+                calls.call(url, "/shutdown_weight_transfer_engine", None)
+            except WeightSyncError:
+                pass
+            return
         for name in names:
             try:
                 calls.call(url, "/destroy_weights_update_group", {"group_name": name})
@@ -175,7 +191,8 @@ def started_since(out: Path, say=print) -> list[Member]:
 
 
 def reuse_kept_servers(out: Path, model: str, ckpt_version: int, say=print,
-                       group_name: str = "weight_update_group") -> tuple[list[LaunchedProcess], str | None]:
+                       group_name: str = "weight_update_group", rollout_cfg=None
+                       ) -> tuple[list[LaunchedProcess], str | None]:
     """The kept servers of the previous run of ``out`` fit for reuse (as processes to adopt, the
     crashed run's weight groups destroyed) and their key; the others are stopped. ([], None) when
     there are none."""
@@ -186,14 +203,15 @@ def reuse_kept_servers(out: Path, model: str, ckpt_version: int, say=print,
         return [], None
     keep, drop, model_of = [], [], kept_model(out)
     for m in members:
-        answers, version = probe(m.url, key)
+        answers, version = probe(m.url, key, rollout_cfg)
         ok, why = judge(answers, version, model_of, model, ckpt_version)
         say(f"kept server {m.name} ({m.url}, pid {m.pid}): {'reused' if ok else 'not reused'}: {why}")
         (keep if ok else drop).append(m)
     stop_kept(drop, "not fit for reuse")
     last = (read_json(servers_dir(out) / POOL_FILE) or {}).get("generation") or 0
     for m in keep:  # up to one generation past the last one rank 0 published (it may have re-formed since)
-        release_groups(m.url, key, [group_name_of(group_name, g) for g in range(int(last) + 2)])
+        release_groups(m.url, key, [group_name_of(group_name, g) for g in range(int(last) + 2)],
+                       getattr(rollout_cfg, "backend", "sglang"))
     procs = [LaunchedProcess(name=m.name, log_path=Path(m.log), url=m.url, critical=False, pid=m.pid, node=m.node,
                              extra={"slot": m.slot}) for m in keep]
     return procs, key if keep else None

@@ -139,7 +139,7 @@ def kept_servers(cfg, kind: ServerKind, out: Path, model: str, say=print) -> tup
 
     found = newest_readable_state(checkpoints_dir(out))
     return reuse.reuse_kept_servers(out, model, int(found[1]["version"]) if found else 0, say,
-                                    group_name=cfg.weights.group_name)
+                                    group_name=cfg.weights.group_name, rollout_cfg=cfg.rollout)
 
 
 @contextmanager

@@ -360,16 +360,19 @@ class ServerCalls:
         alone, a watchdog liveness alone, the rollout client both."""
         url = url.rstrip("/")
         if liveness:
+            path = liveness_path(url)
             try:
-                status, _ = await self._probe(url, "/model_info", timeout_s)
+                status, _ = await self._probe(url, path, timeout_s)
             except no_answer_errors() as e:
-                return ServerHealth(url, _no_answer_state(e), f"/model_info: {type(e).__name__}: {e}")
+                return ServerHealth(url, _no_answer_state(e), f"{path}: {type(e).__name__}: {e}")
             if status == 401:
-                return ServerHealth(url, "unhealthy", "401 on /model_info: wrong or missing api key", key_refused=True)
+                return ServerHealth(url, "unhealthy", f"401 on {path}: wrong or missing api key", key_refused=True)
+            if status == 404 and path == LIVENESS_PATH:  # a server without /model_info (vLLM): ask its route
+                register_liveness_path(url, VLLM_LIVENESS_PATH)
         if paused:
             return ServerHealth(url, "paused", "paused by the asker: /health not probed")
         if not probe:
-            return ServerHealth(url, "up", "/model_info answered")
+            return ServerHealth(url, "up", f"{liveness_path(url)} answered")
         try:
             status, _ = await self._probe(url, "/health", probe_timeout_s)
         except no_answer_errors() as e:
@@ -511,6 +514,23 @@ def health_now(url: str, *, api_key: str | None = None, **kw) -> ServerHealth:
             return await calls.health(url, **kw)
 
     return _shared._on_loop(once).result()
+
+
+# ------------------------------------------------------------------------ the liveness route
+LIVENESS_PATH = "/model_info"  # SGLang's (and the embedded engine's): answered without the scheduler
+VLLM_LIVENESS_PATH = "/version"  # vLLM has no /model_info; /version is answered by its API server alone
+_liveness_paths: dict[str, str] = {}
+
+
+def register_liveness_path(url: str, path: str) -> None:
+    """The liveness check asks ``path`` of ``url`` from now on (the vLLM client registers its
+    servers; a server that answers 404 on /model_info is registered for vLLM's route at once)."""
+    _liveness_paths[url.rstrip("/")] = path
+
+
+def liveness_path(url: str) -> str:
+    """What the liveness check asks ``url``: ``/model_info`` unless registered otherwise."""
+    return _liveness_paths.get(url.rstrip("/"), LIVENESS_PATH)
 
 
 # ------------------------------------------------------------------------ the dead-server retry

@@ -7,6 +7,7 @@ loader (``areal_fast.config``) adds the section path and the rules across sectio
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -43,6 +44,11 @@ def _installed_sglang(engine: str) -> str | None:
         return None
 
 
+SERVER_ENV_TAKEN = {"OMP_NUM_THREADS": "from threads_per_server", "MKL_NUM_THREADS": "from threads_per_server",
+                    "VLLM_SERVER_DEV_MODE": "vLLM's control endpoints need it", "AREAL_FAST_API_KEY": "the run's key",
+                    "VLLM_API_KEY": "the run's key travels in a private file"}
+
+
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     """Inference servers, sampling and the staleness bound."""
@@ -64,6 +70,12 @@ class RolloutConfig:
     """Device of launched embedded engines ('cpu', 'cuda' or 'cuda:N')."""
     server_args: list[str] = field(default_factory=list)
     """Extra command-line arguments for every launched server."""
+    server_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment entries of every launched server (e.g. vLLM's CPU backend:
+    ``{VLLM_CPU_KVCACHE_SPACE: "1", VLLM_CPU_OMP_THREADS_BIND: nobind}``; ``docs/vllm.md``)."""
+    server_python: str = ""
+    """The Python interpreter of launched SGLang and vLLM servers (e.g. ``/opt/vllm-venv/bin/python``:
+    a server's pins may need an environment of its own); empty: the run's own interpreter."""
     gpus: list[str] = field(default_factory=list)
     """CUDA_VISIBLE_DEVICES of each launched server, e.g. ["0", "1"] or ["0,1"] for tp 2 (empty: inherit)."""
     threads_per_server: int = 1
@@ -137,6 +149,18 @@ class RolloutConfig:
             raise ValueError(f"engine: must be 'embedded', 'sglang' or 'vllm', got {self.engine!r}")
         for i, url in enumerate(self.servers):
             check_server_url(url, f"servers[{i}]")
+        for key, value in self.server_env.items():
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", str(key)) or not isinstance(value, str | int | float):
+                raise ValueError(f"server_env: {key!r}: {value!r} is not NAME: value (a string)")
+            if key in SERVER_ENV_TAKEN:
+                raise ValueError(f"server_env: {key} is set by the launcher ({SERVER_ENV_TAKEN[key]})")
+        self.server_env = {str(k): str(v) for k, v in self.server_env.items()}
+        if self.server_python:
+            if self.engine not in ("sglang", "vllm") or self.servers:
+                raise ValueError(f"server_python: names the interpreter of launched SGLang or vLLM servers; this run "
+                                 f"launches {'none (servers are given)' if self.servers else self.engine + ' servers'}")
+            if not (os.path.isfile(self.server_python) and os.access(self.server_python, os.X_OK)):
+                raise ValueError(f"server_python: {self.server_python!r} is not an executable file")
         for arg in self.server_args:
             if str(arg).split("=", 1)[0] in RESERVED_SERVER_ARGS:
                 raise ValueError(f"server_args: {arg!r} is set by the launcher (the run's one API key reaches the "

@@ -232,7 +232,7 @@ def test_a_resume_stops_a_server_still_starting_or_adopts_it_once_healthy(tmp_pa
         write_members(tmp_path, [], model="/m", starting=[Member("server0-3", url, 0, pid=proc.pid,
                                                                  state="starting")])
         monkeypatch.setattr(reuse, "server_ready", lambda u: healthy and u == url)
-        monkeypatch.setattr(reuse, "probe", lambda u, key: (True, "0"))
+        monkeypatch.setattr(reuse, "probe", lambda u, key, rollout_cfg=None: (True, "0"))
         monkeypatch.setattr(reuse, "release_groups", lambda *a: None)
         said: list[str] = []
         procs, _ = reuse.reuse_kept_servers(tmp_path, "/m", 2, say=said.append)

@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 
 from areal_fast.backends.vllm import requests as vr
-from areal_fast.backends.vllm.compat import VLLMBehaviour, auto_vllm_pause_mode, vllm_refusal
+from areal_fast.backends.vllm.compat import (
+    VLLMBehaviour,
+    auto_vllm_pause_mode,
+    served_release,  # noqa: I001
+    vllm_refusal,
+)
 from areal_fast.backends.vllm.server_command import vllm_server_command
 from areal_fast.config import ConfigError, load_config
 
@@ -56,7 +61,10 @@ def test_pause_query_and_disk_update_follow_the_version():
     assert vr.pause_query("abort", mid) == {"wait_for_inflight_requests": "false"}
     with pytest.raises(ValueError, match="0.16.0"):
         vr.pause_query("in_place", mid)
-    assert vr.pause_query("in_place", new) == {"mode": "keep"}
+    # keep in place: from 0.20.0 keep's default clear_cache=true would drop the kept requests' KV
+    assert vr.pause_query("in_place", new) == {"mode": "keep", "clear_cache": "false"}
+    assert vr.pause_query("in_place", VLLMBehaviour.of("0.19.0")) == {"mode": "keep"}
+    assert vr.pause_query("abort", new) == {"mode": "abort"}
     assert [c["method"] for c in vr.disk_update_calls("/p", old)] == ["update_config", "reload_weights"]
     assert vr.disk_update_calls("/p", new) == [{"method": "reload_weights", "kwargs": {"weights_path": "/p"}}]
     assert "0.16.0" in vllm_refusal("0.14.0", pause_mode="abort", weights_method="distributed")
@@ -69,7 +77,11 @@ def test_pause_query_and_disk_update_follow_the_version():
 def test_completion_body_maps_keys_and_refuses_unknown_ones():
     b = VLLMBehaviour.of("0.33.0")
     body = vr.completion_body([1, 2], {"max_new_tokens": 5, "top_k": -1, "sampling_seed": 4}, "r|0|", b)
-    assert body["max_tokens"] == 5 and "top_k" not in body and body["seed"] == 4
+    assert body["max_tokens"] == 5 and body["top_k"] == 0 and body["seed"] == 4
+    # every sampling key is sent (the caller's or neutral): nothing is left to the checkpoint's
+    # generation_config.json, which vLLM would fill in (top_k 20 and a repetition penalty for Qwen2.5)
+    assert {k: body[k] for k in vr.NEUTRAL_SAMPLING} == vr.NEUTRAL_SAMPLING | {"top_k": 0}
+    assert vr.completion_body([1], {"temperature": 0.7, "top_k": 5}, "r", b)["temperature"] == 0.7
     assert body["return_weight_versions"] is True and body["logprobs"] == 0 and body["return_token_ids"] is True
     assert "return_weight_versions" not in vr.completion_body([1], {}, "r", VLLMBehaviour.of("0.32.0"))
     with pytest.raises(ValueError, match="sampling_params.json_schema"):
@@ -83,3 +95,47 @@ def test_server_command_keeps_the_key_off_the_line_and_gates_weight_transfer():
         vllm_server_command("/m", "h", 8000, version="0.14.0", weight_transfer=True)
     with pytest.raises(ValueError, match="--api-key"):
         vllm_server_command("/m", "h", 8000, version="0.33.0", extra_args=["--api-key", "x"])
+
+
+def test_abort_names_the_engine_id_of_the_request():
+    """vLLM registers a completion with request_id R as cmpl-R-0 and /abort_requests matches that id
+    only: an abort by R matches nothing, yet is answered {"aborted": 1}."""
+    assert vr.abort_body(["q|0|", "q|1.2|"]) == {"request_ids": ["cmpl-q|0|-0", "cmpl-q|1.2|-0"]}
+    assert vr.abort_body(None) == {"request_ids": []}
+
+
+def test_abort_requests_is_used_only_where_it_is_mounted_by_default():
+    assert not VLLMBehaviour.of("0.25.0").has_abort_requests and VLLMBehaviour.of("0.26.0").has_abort_requests
+
+
+@pytest.mark.parametrize("reported, release, warns", [
+    ("0.32.0", "0.32.0", False), ("0.33.0+cu126", "0.33.0", False), ("0.33.0rc1", "0.33.0", False),
+    ("0.32.1.dev17+g0123abc", "0.32.1", False), ("0.34.0", "0.33.0", True), ("1.0.0.dev3", "0.33.0", True),
+])
+def test_a_server_version_is_read_leniently(reported, release, warns):
+    got, warning = served_release(reported)
+    assert str(got) == release and bool(warning) == warns
+    if warns:
+        assert reported in warning and "0.33.0" in warning
+
+
+@pytest.mark.parametrize("reported", ["0.10.2", "banana", ""])
+def test_a_server_version_outside_the_range_is_refused_naming_it(reported):
+    with pytest.raises(ValueError, match="version"):
+        served_release(reported)
+
+
+def test_launched_servers_sample_and_score_as_the_trainer_assumes():
+    cmd = vllm_server_command("/m", "h", 8000, version="0.32.0")
+    assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert cmd[cmd.index("--generation-config") + 1] == "vllm"
+    with pytest.raises(ValueError, match="--logprobs-mode"):
+        vllm_server_command("/m", "h", 8000, version="0.32.0", extra_args=["--logprobs-mode=raw_logprobs"])
+
+
+@pytest.mark.parametrize("args, gpus", [([], 2), (["-pp", "2"], 4), (["--pipeline-parallel-size=3", "-dp", "2"], 12),
+                                        (["--data-parallel-size", "4"], 8)])
+def test_a_vllm_server_takes_tensor_x_pipeline_x_data_parallel_gpus(args, gpus):
+    from areal_fast.backends.vllm.server_command import gpus_of
+
+    assert gpus_of(2, args) == gpus

@@ -10,9 +10,22 @@ is only what vLLM spells differently (``docs/vllm.md``; the bodies come from ``r
   ``weight_versions`` spans from 0.33.0) instead of SGLang's ``/generate``;
 - a server's facts are ``GET /version`` (and ``GET /weight_info`` from 0.27.0) instead of
   ``/server_info``;
-- pause and continue are ``/pause?mode=abort|keep`` and ``/resume``; abort is ``/abort_requests``;
-  a release without /pause (0.11.x) is paused by letting its requests finish (no new ones start);
-- vLLM has no cache flush to wait for: ``flush_cache_all`` only checks the rule of an in_place pause.
+- pause and continue are ``/pause?mode=abort|keep`` and ``/resume``; abort is ``/abort_requests``
+  with the engine's id of the request (``cmpl-{request_id}-0``) from 0.26.0, where it is mounted
+  by default; a release without /pause (0.11.x) is paused by letting its requests finish;
+- vLLM has no cache flush to wait for: ``flush_cache_all`` only checks the rule of an in_place pause;
+- a server's release is what its ``/version`` reports, read leniently (``compat.served_release``:
+  ``0.33.0+cu126`` is 0.33.0, a newer release behaves as the newest one read, with a warning);
+  the model name every completion carries is the one ``/v1/models`` lists.
+
+Per-token versions. From 0.33.0 every answer labels its tokens (``weight_versions`` spans). Before,
+an answer carries no version, and a segment's tokens get the version the server held when it was
+sent (``server.weight_version``): exact because an update happens only inside an abort pause,
+which stops all generation, and because :meth:`continue_all` settles each such server before it
+resumes it: the new label is read from ``/weight_info`` first (every segment sent from then on is
+labelled with it), then every segment still in flight there is aborted until none is left (a
+segment that reached the server during the pause is queued by vLLM before 0.33.0 and would run
+under the new weights with the old label; aborted, it comes back empty and goes again).
 
 The request id of a segment is the shared client's server rid (``rid|k|``, ``rid|k.a|``).
 """
@@ -20,15 +33,18 @@ The request id of a segment is the shared client's server rid (``rid|k|``, ``rid
 from __future__ import annotations
 
 import asyncio
+import logging
 from array import array
 
 from areal_fast.backends.vllm.compat import (
     DEFAULT_VLLM_VERSION,
     VLLMBehaviour,
     auto_vllm_pause_mode,
+    served_release,
 )
 from areal_fast.backends.vllm.requests import (
     COMPLETIONS_PATH,
+    DEFAULT_MODEL,
     CompletionAnswerError,
     abort_body,
     completion_body,
@@ -36,11 +52,19 @@ from areal_fast.backends.vllm.requests import (
     pause_query,
 )
 from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY, Segment, token_versions
-from areal_fast.rollout.calls import RolloutError, no_answer_errors
+from areal_fast.rollout.calls import (
+    VLLM_LIVENESS_PATH,
+    RequestError,
+    RolloutError,
+    no_answer_errors,
+    register_liveness_path,
+)
 from areal_fast.rollout.client import ABORT_TIMEOUT_S, MalformedAnswer, RolloutClient
 from areal_fast.rollout.client_pool import ServerState, _apply_info, _str_or_none
 
+log = logging.getLogger(__name__)
 _DRAIN_POLL_S = 0.02
+_SETTLE_POLL_S = 0.05
 
 
 class VLLMRolloutClient(RolloutClient):
@@ -53,15 +77,34 @@ class VLLMRolloutClient(RolloutClient):
                              "'in_place' (vLLM's keep)")
         super().__init__(urls, **options)
         self.vllm_version = str(VLLMBehaviour.of(vllm_version).version)
+        for s in self.servers:  # the watchdogs' liveness check asks /version of these (no /model_info)
+            register_liveness_path(s.url, VLLM_LIVENESS_PATH)
+
+    def add_server(self, url: str, *args, **kwargs):
+        register_liveness_path(url.rstrip("/"), VLLM_LIVENESS_PATH)
+        return super().add_server(url, *args, **kwargs)
 
     def behaviour(self, server: ServerState) -> VLLMBehaviour:
         """What ``server``'s release serves (the declared release until its /version answered)."""
-        return VLLMBehaviour.of(str(server.version) if server.info else self.vllm_version)
+        return VLLMBehaviour(server.version) if server.info else VLLMBehaviour.of(self.vllm_version)
 
     # ------------------------------------------------------------------ facts
     async def _read_info(self, s: ServerState) -> dict:
         v = await self._call(s, "GET", "/version", timeout_s=self._short_timeout_s)
-        _apply_info(s, {"version": str((v or {}).get("version", self.vllm_version)), "engine": "vllm"})
+        reported = str((v or {}).get("version", self.vllm_version))
+        try:
+            release, warning = served_release(reported)
+        except ValueError as e:
+            raise RequestError(f"{s.url}/version", 200, str(e)) from None  # refused, not retried: a wrong server
+        if warning:
+            log.warning("%s: %s", s.url, warning)
+        model = DEFAULT_MODEL
+        try:
+            listed = await self._call(s, "GET", "/v1/models", timeout_s=self._short_timeout_s)
+            model = str(listed["data"][0]["id"])
+        except (RolloutError, KeyError, IndexError, TypeError):
+            pass  # a twin or server without the list: the launcher's --served-model-name
+        _apply_info(s, {"version": str(release), "reported_version": reported, "engine": "vllm", "model": model})
         await self._current_weight_version(s)
         return s.info
 
@@ -79,10 +122,11 @@ class VLLMRolloutClient(RolloutClient):
     async def _post_segment(self, server: ServerState, payload: dict, attempt_rid: str, max_body: int) -> Segment:
         b = self.behaviour(server)
         ids = payload["input_ids"]
+        model = server.info.get("model", DEFAULT_MODEL)
         if isinstance(ids, list | tuple):
-            body = completion_body(ids, payload["sampling_params"], attempt_rid, b)
+            body = completion_body(ids, payload["sampling_params"], attempt_rid, b, model)
         else:  # the shared client's pre-encoded ids (an orjson Fragment): sent as they are
-            body = {**completion_body([0], payload["sampling_params"], attempt_rid, b), "prompt": ids}
+            body = {**completion_body([0], payload["sampling_params"], attempt_rid, b, model), "prompt": ids}
         where = f"{server.url}{COMPLETIONS_PATH} (request_id {attempt_rid!r})"
         data = await self._call(server, "POST", COMPLETIONS_PATH, body, timeout_s=self.request_timeout_s,
                                 max_body=max_body)
@@ -102,8 +146,8 @@ class VLLMRolloutClient(RolloutClient):
                        versions=versions, finish=finish, weight_version=None, rid=attempt_rid)
 
     async def _abort_quietly(self, server: ServerState, server_rid_: str) -> None:
-        if not self.behaviour(server).has_pause:
-            return  # 0.11: closing the connection (done by the timeout) is vLLM's abort
+        if not self.behaviour(server).has_abort_requests:
+            return  # before 0.26: closing the connection (done by the timeout) is vLLM's abort
         try:
             async with asyncio.timeout(ABORT_TIMEOUT_S):
                 await self._call(server, "POST", "/abort_requests", abort_body([server_rid_]),
@@ -118,7 +162,7 @@ class VLLMRolloutClient(RolloutClient):
         live = self._segment_rid.get(rid)
         if live is not None and live[0] in self._by_url:
             server = self._by_url[live[0]]
-            if self.behaviour(server).has_pause:
+            if self.behaviour(server).has_abort_requests:  # before: the request ends with its segment
                 await self._call(server, "POST", "/abort_requests", abort_body([live[1]]))
 
     # ------------------------------------------------------------------ control
@@ -153,15 +197,35 @@ class VLLMRolloutClient(RolloutClient):
         await self._control(s, "POST", f"/pause?{q}")
 
     async def continue_all(self) -> None:
+        """Settle every server whose answers carry no per-token versions (see the module docstring),
+        then resume every server."""
+        await asyncio.gather(*(self._settle(s) for s in self.servers if self._needs_settle(s)))
         await asyncio.gather(*(self._control(s, "POST", "/resume") for s in self.servers
                                if self.behaviour(s).has_pause))
         self.pause_mode = None
         self.server_pause_modes = {}
         self._running.set()
 
+    def _needs_settle(self, s: ServerState) -> bool:
+        b = self.behaviour(s)
+        return b.has_abort_requests and not b.token_weight_versions
+
+    async def _settle(self, s: ServerState) -> None:
+        """Before ``s`` (no per-token versions) resumes: its new label first, then no segment of
+        ours left in flight there (each aborted: it comes back and goes again after resume)."""
+        wi = await self._control(s, "GET", "/weight_info")
+        s.weight_version = _str_or_none((wi or {}).get("weight_version"))
+        deadline = asyncio.get_running_loop().time() + self.control_timeout_s
+        while s.in_flight:
+            if asyncio.get_running_loop().time() > deadline:
+                raise RolloutError(f"{s.url}: {s.in_flight} requests still in flight {self.control_timeout_s}s "
+                                   f"after the pause; the server cannot be resumed with exact token versions")
+            await self._control(s, "POST", "/abort_requests", abort_body(None))
+            await asyncio.sleep(_SETTLE_POLL_S)
+
     async def abort_all(self) -> None:
         await asyncio.gather(*(self._control(s, "POST", "/abort_requests", abort_body(None)) for s in self.servers
-                               if self.behaviour(s).has_pause))
+                               if self.behaviour(s).has_abort_requests))
 
     async def flush_cache_all(self, timeout_s: float = 60.0, poll_s: float = 0.05) -> None:
         """vLLM clears its prefix cache on a reload itself; only the in_place rule is checked."""

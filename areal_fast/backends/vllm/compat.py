@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from areal_fast.backends.releases import parse_supported_version
 
@@ -26,13 +26,20 @@ serve, before the pause and weight-transfer endpoints, and the newest)."""
 
 # The first vLLM release with each gated behaviour (each release between two gates was read too:
 # docs/vllm.md lists which releases' sources were checked for every row).
-PAUSE_SINCE = Version("0.12.0")  # POST /pause, /resume, GET /is_paused, POST /abort_requests (dev mode)
+PAUSE_SINCE = Version("0.12.0")  # POST /pause, /resume, GET /is_paused (dev mode)
+ABORT_REQUESTS_SINCE = Version("0.26.0")  # POST /abort_requests mounted by default (0.12-0.25: only with
+# --tokens-only, whose empty list aborts nothing): before, a request is aborted by closing its connection
 PAUSE_MODES_SINCE = Version("0.16.0")  # /pause?mode=abort|wait|keep (before: ?wait_for_inflight_requests=)
 WEIGHT_TRANSFER_SINCE = Version("0.16.0")  # /init_weight_transfer_engine, /update_weights (dev mode)
 RELOAD_FROM_PATH_SINCE = Version("0.16.0")  # collective_rpc reload_weights(weights_path=...)
 WEIGHT_UPDATE_SESSIONS_SINCE = Version("0.21.0")  # /start_weight_update ... /finish_weight_update
 WEIGHT_VERSION_LABEL_SINCE = Version("0.27.0")  # /update_weight_version, GET /weight_info
 TOKEN_WEIGHT_VERSIONS_SINCE = Version("0.33.0")  # return_weight_versions: per-choice weight_versions spans
+KEEP_CLEARS_CACHE_SINCE = Version("0.20.0")  # /pause?mode=keep with clear_cache=true (the default) preempts
+# the kept requests: their KV is dropped and recomputed at /resume by the weights of then (SGLang's retract)
+PAUSED_REFUSES_SINCE = Version("0.33.0")  # a completion sent during an abort/wait pause is answered 503;
+# before, it is queued and runs after /resume
+IS_PAUSED_MISSES_KEEP = (Version("0.16.0"), Version("0.17.0"))  # 0.16.x: /is_paused says false in a keep pause
 
 VLLM_PAUSE_MODES = ("abort", "wait", "keep")
 """vLLM's pause modes: abort in-flight requests, wait for them to finish, or keep them frozen with
@@ -50,6 +57,28 @@ def parse_vllm_version(value: str | Version) -> Version:
                                    see=" (docs/vllm.md)")
 
 
+def served_release(reported: str) -> tuple[Version, str | None]:
+    """The release whose behaviours a server that reports ``reported`` on ``GET /version`` gets, and
+    a warning when that is not the reported one.
+
+    Servers report local builds, nightlies and newer releases: ``0.33.0+cu126`` is 0.33.0,
+    ``0.33.1.dev12+g1234`` is 0.33.1's base, and anything newer than the newest release read
+    (``NEWEST_SUPPORTED``) behaves as that one (a warning says so: what changed since was not
+    read). Older than ``OLDEST_SUPPORTED``, or not a version at all: ValueError naming it."""
+    try:
+        v = Version(str(reported).strip())
+    except InvalidVersion:
+        raise ValueError(f"vLLM server reports version {reported!r}, which is not a version") from None
+    base = Version(v.base_version)
+    if base < OLDEST_SUPPORTED:
+        raise ValueError(f"vLLM server reports version {reported}: supported releases are {OLDEST_SUPPORTED} to "
+                         f"{NEWEST_SUPPORTED} (docs/vllm.md)")
+    if base > NEWEST_SUPPORTED:
+        return NEWEST_SUPPORTED, (f"vLLM server reports version {reported}, newer than the newest release read "
+                                  f"({NEWEST_SUPPORTED}): it is driven as {NEWEST_SUPPORTED}")
+    return base, None
+
+
 @dataclass(frozen=True)
 class VLLMBehaviour:
     """The version-gated behaviours of one vLLM release (docs/vllm.md, "Version table")."""
@@ -65,6 +94,29 @@ class VLLMBehaviour:
         """/pause, /resume, /is_paused and /abort_requests exist. Before, a request is only aborted by
         closing its connection, and the server cannot be paused."""
         return self.version >= PAUSE_SINCE
+
+    @property
+    def has_abort_requests(self) -> bool:
+        """/abort_requests is mounted (dev mode) without --tokens-only; before, a request is aborted
+        by closing its connection."""
+        return self.version >= ABORT_REQUESTS_SINCE
+
+    @property
+    def keep_clears_cache(self) -> bool:
+        """``/pause?mode=keep`` takes ``clear_cache`` (default true) and, true, drops the kept
+        requests' KV (recomputed at /resume): an in-place keep needs ``clear_cache=false``."""
+        return self.version >= KEEP_CLEARS_CACHE_SINCE
+
+    @property
+    def refuses_during_pause(self) -> bool:
+        """A completion that arrives during an abort or wait pause is answered 503; before, it is
+        queued and runs after /resume (under the weights of then)."""
+        return self.version >= PAUSED_REFUSES_SINCE
+
+    @property
+    def is_paused_misses_keep(self) -> bool:
+        """``GET /is_paused`` answers false while the server is paused in keep mode (0.16.x)."""
+        return IS_PAUSED_MISSES_KEEP[0] <= self.version < IS_PAUSED_MISSES_KEEP[1]
 
     @property
     def has_pause_modes(self) -> bool:

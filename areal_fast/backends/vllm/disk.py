@@ -4,7 +4,8 @@ The trainer side is the disk transport's (``DiskWeightSync``: HF safetensors wri
 only the servers' calls differ. Where the SGLang transport posts ``/update_weights_from_disk``, a
 vLLM server gets (``docs/vllm.md``; bodies from ``backends/vllm/requests.py``):
 
-    [POST /pause?mode=keep|abort   if it is not paused already: a reload must not run mid-step]
+    [POST /pause?mode=keep|abort   if it is not paused already: a reload must not run mid-step;
+                                   keep (in place) only where answers label every token (0.33.0 on)]
     POST /collective_rpc reload_weights(weights_path)   (update_config first before 0.16.0)
     POST /update_weight_version {"new_version": V}      (0.27.0 on)
     [POST /resume                  in ``finally``: only if this update paused it]
@@ -16,7 +17,7 @@ server the rollout client paused stays paused: resuming it is the client's (``co
 
 from __future__ import annotations
 
-from areal_fast.backends.vllm.compat import VLLMBehaviour
+from areal_fast.backends.vllm.compat import VLLMBehaviour, served_release
 from areal_fast.backends.vllm.requests import disk_update_calls, pause_query, weight_version_body
 from areal_fast.weights.errors import WeightSyncError
 from areal_fast.weights.sync import DiskWeightSync, SyncCalls
@@ -48,10 +49,15 @@ class VLLMDiskCalls(SyncCalls):
 
     async def _async_update(self, calls, url: str, body: dict) -> None:
         ver = await self._ask(calls, url, "/version", None, "GET")
-        b = VLLMBehaviour.of(str(ver.get("version")))
+        try:
+            b = VLLMBehaviour(served_release(str(ver.get("version")))[0])
+        except ValueError as e:
+            raise WeightSyncError(f"{url}: {e}") from None
         paused_here = False
         if b.has_pause and not (await self._ask(calls, url, "/is_paused", None, "GET")).get("is_paused"):
-            mode = "in_place" if b.has_pause_modes else "abort"  # keep: in-flight work survives the reload
+            # keep: in-flight work survives the reload, labelled by the answers' per-token spans; before
+            # 0.33.0 nothing would tell a kept request's tokens of the two versions apart: abort
+            mode = "in_place" if b.token_weight_versions else "abort"
             q = "&".join(f"{k}={v}" for k, v in pause_query(mode, b).items())
             await self._ask(calls, url, f"/pause?{q}", None, "POST")
             paused_here = True

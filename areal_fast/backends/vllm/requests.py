@@ -42,10 +42,20 @@ DEFAULT_MODEL = "default"
 checks the name only against ``--served-model-name`` (the launcher sets it to this)."""
 
 
+# Every sampling key we send, at its neutral value where the caller leaves it out: vLLM fills a key a
+# request leaves out from the model's generation_config.json (a Qwen2.5-Instruct checkpoint brings
+# top_k 20 and a repetition penalty), unless the server runs with --generation-config vllm, which our
+# launcher passes; a server started by hand may not, so nothing is left to it.
+NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                    "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
+
 def completion_body(prompt_ids: Sequence[int], sampling: dict, request_id: str, behaviour: VLLMBehaviour,
                     model: str = DEFAULT_MODEL) -> dict:
     """The body of ``POST /v1/completions`` for one sample of ``prompt_ids`` (token ids in and out,
-    one log-prob a token, the weight-version spans where the release has them)."""
+    one log-prob a token, the weight-version spans where the release has them). Every key of
+    ``NEUTRAL_SAMPLING`` is sent, the caller's value or the neutral one; ``top_k`` -1 (ours: off)
+    is vLLM's off, 0."""
     unknown = sorted(k for k in sampling if k not in SAMPLING_KEY_TO_VLLM and k != "n")
     if unknown:
         raise ValueError(f"sampling_params.{unknown[0]}: no vLLM equivalent (vLLM takes "
@@ -53,37 +63,51 @@ def completion_body(prompt_ids: Sequence[int], sampling: dict, request_id: str, 
     if sampling.get("n", 1) not in (1, None):
         raise ValueError(f"sampling_params.n={sampling['n']!r}: one sample per request")
     body = {"model": model, "prompt": list(prompt_ids), "stream": False, "echo": False,
-            "logprobs": 0, "return_token_ids": True, "request_id": request_id}
+            "logprobs": 0, "return_token_ids": True, "request_id": request_id, **NEUTRAL_SAMPLING}
     for key, value in sampling.items():
         if key != "n" and value is not None:
             body[SAMPLING_KEY_TO_VLLM[key]] = value
-    if body.get("top_k") == -1:  # ours: -1 = off; vLLM's off is its default (None), -1 is refused from 0.2x
-        del body["top_k"]
+    if body["top_k"] == -1:  # ours: -1 = off; vLLM's off is 0
+        body["top_k"] = 0
     body.setdefault("max_tokens", 128)
     if behaviour.token_weight_versions:
         body["return_weight_versions"] = True
     return body
 
 
+def engine_request_id(request_id: str) -> str:
+    """The id vLLM's engine registers for the one choice of a /v1/completions request whose
+    ``request_id`` is ``request_id``: ``cmpl-{request_id}-0`` (every release we serve). /abort_requests
+    matches this id, not the one the request carried: an abort by the bare id matches nothing and
+    is still answered ``{"aborted": 1}``."""
+    return f"cmpl-{request_id}-0"
+
+
 def pause_query(mode: str, behaviour: VLLMBehaviour) -> dict[str, str]:
     """The query of ``POST /pause`` for our pause ``mode`` ('abort' or 'in_place' = vLLM's keep).
 
     vLLM reads its options from the query string, not a body. Before 0.16.0 it takes
-    ``wait_for_inflight_requests`` (false aborts); 'in_place' needs keep (0.16.0 on)."""
+    ``wait_for_inflight_requests`` (false aborts); 'in_place' needs keep (0.16.0 on), and from
+    0.20.0 ``clear_cache=false`` too: keep with the default ``clear_cache=true`` drops the kept
+    requests' KV, to be recomputed by the new weights at /resume (not in place)."""
     if not behaviour.has_pause:
         raise ValueError(f"vLLM {behaviour.version} has no /pause (from 0.12.0): abort requests by closing them")
     if mode not in PAUSE_MODE_TO_VLLM:
         raise ValueError(f"pause mode {mode!r}: a vLLM server pauses with {sorted(PAUSE_MODE_TO_VLLM)}")
     if behaviour.has_pause_modes:
-        return {"mode": PAUSE_MODE_TO_VLLM[mode]}
+        query = {"mode": PAUSE_MODE_TO_VLLM[mode]}
+        if mode == "in_place" and behaviour.keep_clears_cache:
+            query["clear_cache"] = "false"
+        return query
     if mode != "abort":
         raise ValueError(f"pause mode {mode!r} (vLLM's keep) needs vLLM >= 0.16.0, this server is {behaviour.version}")
     return {"wait_for_inflight_requests": "false"}
 
 
 def abort_body(request_ids: Sequence[str] | None) -> dict:
-    """``POST /abort_requests``: the given external request ids, or every request (empty / None)."""
-    return {"request_ids": list(request_ids or [])}
+    """``POST /abort_requests``: the requests we sent with these ``request_id``s (each as the
+    engine's id, :func:`engine_request_id`), or every request (empty / None)."""
+    return {"request_ids": [engine_request_id(r) for r in request_ids or []]}
 
 
 def disk_update_calls(path: str, behaviour: VLLMBehaviour) -> list[dict]:

@@ -41,7 +41,12 @@ import torch
 import torch.distributed as dist
 
 from areal_fast.backends.vllm.compat import TWIN_TRANSFER_GROUP, VLLMBehaviour
-from areal_fast.backends.vllm.requests import finish_transfer_body, init_transfer_body, update_transfer_body
+from areal_fast.backends.vllm.requests import (
+    finish_transfer_body,
+    init_transfer_body,
+    update_transfer_body,
+    weight_version_body,
+)
 from areal_fast.netutil import url_host
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.errors import WeightSyncError
@@ -299,6 +304,6 @@ class _Session:
             o.http.call(u, "/finish_weight_update", finish_transfer_body(self.version, o.servers[u].behaviour))
         label = [u for u in o.urls if o.servers[u].behaviour.labels_weight_version
                  and not o.servers[u].behaviour.weight_update_sessions]
-        o.http.all(label, "/update_weight_version", {"new_version": self.version})
+        o.http.all(label, "/update_weight_version", weight_version_body(self.version))
         return False
 

@@ -7,14 +7,21 @@ Served (each only from the release that has it, as the version table says):
 ``weight_versions`` spans from 0.33.0), ``GET /health``, ``GET /version``, ``GET /v1/models``,
 ``GET /server_info`` (the parallel layout),
 ``POST /collective_rpc`` (``reload_weights`` / ``update_config``: the disk update),
-``POST /pause`` / ``/resume``, ``GET /is_paused``, ``POST /abort_requests`` (0.12.0),
+``POST /pause`` / ``/resume``, ``GET /is_paused`` (0.12.0), ``POST /abort_requests`` (0.26.0),
 ``/init_weight_transfer_engine`` and ``/update_weights`` (0.16.0; the NCCL backend's unpacked wire:
 one broadcast per tensor from rank 0, over gloo on CPU), ``/start_weight_update`` and
 ``/finish_weight_update`` (0.21.0), ``/update_weight_version`` and ``GET /weight_info`` (0.27.0).
 
 Pause modes map onto the scheduler's: vLLM's abort is ours, keep is ``in_place`` (running requests
-stay frozen with their KV), wait lets the running requests finish, then pauses. In abort and wait
-mode a new completion is answered 503 until /resume; keep queues it (vLLM 0.16.0 on).
+stay frozen with their KV) or, from 0.20.0 with ``clear_cache=true`` (vLLM's default), ``retract``
+(their KV is dropped and recomputed at /resume: vLLM preempts them); wait lets the running requests
+finish, then pauses. A completion that arrives during an abort or wait pause is answered 503 from
+0.33.0; before, and in keep mode, it is queued and runs after /resume (vLLM's scheduler holds it).
+0.16.x's /is_paused answers false during a keep pause, as vLLM's does.
+
+Request ids are vLLM's: a completion with ``request_id`` R is registered as ``cmpl-R-0`` (the
+engine's id of its one choice) and /abort_requests matches that id only; its answer is
+``{"aborted": <number of ids given>}`` whether or not they matched, as vLLM answers.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import uuid
 from aiohttp import web
 
 from areal_fast.backends.vllm.compat import TWIN_TRANSFER_GROUP, VLLM_PAUSE_MODES, VLLMBehaviour
+from areal_fast.backends.vllm.requests import engine_request_id
 from areal_fast.rollout.engine.request_parsing import BadRequest, read_json
 from areal_fast.rollout.engine.sampling import SamplingError, parse_sampling_params
 from areal_fast.rollout.engine.scheduler import Request
@@ -70,6 +78,7 @@ class VLLMRoutes:
             r.add_post("/pause", self.pause)
             r.add_post("/resume", self.resume)
             r.add_get("/is_paused", self.is_paused)
+        if b.has_abort_requests:
             r.add_post("/abort_requests", self.abort_requests)
         if b.has_weight_transfer:
             r.add_post("/init_weight_transfer_engine", self.init_transfer)
@@ -103,11 +112,11 @@ class VLLMRoutes:
         except SamplingError as e:
             raise BadRequest(str(e)) from None
         rid = str(body.get("request_id") or uuid.uuid4().hex)
-        return rid, list(prompt), params, body
+        return engine_request_id(rid), list(prompt), params, body
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await read_json(request, self.s.generate_limit)
-        if self.s.scheduler.paused and self.pause_mode in ("abort", "wait") and self.b.has_pause_modes:
+        if self.s.scheduler.paused and self.pause_mode in ("abort", "wait") and self.b.refuses_during_pause:
             return _vllm_error("the engine is paused: retry after /resume", status=503)
         rid, prompt, params, body = self._parse(body)
         loop = asyncio.get_running_loop()
@@ -139,7 +148,7 @@ class VLLMRoutes:
         if body.get("return_weight_versions") and self.b.token_weight_versions:
             choice["weight_versions"] = _spans(req.versions)
         n_out = len(req.output_ids)
-        return {"id": f"cmpl-{req.rid}", "object": "text_completion", "created": int(time.time()),
+        return {"id": req.rid.removesuffix("-0"), "object": "text_completion", "created": int(time.time()),
                 "model": str(body.get("model") or "default"), "choices": [choice],
                 "usage": {"prompt_tokens": len(req.input_ids), "completion_tokens": n_out,
                           "total_tokens": len(req.input_ids) + n_out}}
@@ -178,7 +187,8 @@ class VLLMRoutes:
         if mode == "wait":
             while not await self.s._on_scheduler(self.s.scheduler.is_idle):
                 await asyncio.sleep(_WAIT_POLL_S)
-        ours = "in_place" if mode == "keep" else "abort"
+        clear = q.get("clear_cache", "true").lower() != "false"
+        ours = "abort" if mode != "keep" else "retract" if clear and self.b.keep_clears_cache else "in_place"
         self.pause_mode = mode
         await self.s._on_scheduler(lambda: self.s.scheduler.pause(ours))
         return web.json_response({"status": "paused"})
@@ -189,16 +199,17 @@ class VLLMRoutes:
         return web.json_response({"status": "resumed"})
 
     async def is_paused(self, request: web.Request) -> web.Response:
+        if self.b.is_paused_misses_keep and self.pause_mode == "keep":
+            return web.json_response({"is_paused": False})
         return web.json_response({"is_paused": bool(self.s.scheduler.paused)})
 
     async def abort_requests(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         ids = body.get("request_ids") if isinstance(body, dict) else None
-        if ids:
-            n = 0
-            for rid in ids:  # the scheduler aborts by prefix; our request ids are never a prefix of another
-                n += await self.s._on_scheduler(
-                    lambda rid=str(rid): self.s.scheduler.abort(rid, "Abort by abort_requests"))
+        if ids:  # engine ids (cmpl-R-0); the scheduler aborts by prefix, and none of those is a prefix of another
+            for rid in ids:
+                await self.s._on_scheduler(lambda rid=str(rid): self.s.scheduler.abort(rid, "Abort by abort_requests"))
+            n = len(ids)  # vLLM counts the ids it was given, matched or not
         else:
             n = await self.s._on_scheduler(lambda: self.s.scheduler.abort(None, "Abort by abort_requests"))
         return web.json_response({"status": "aborted", "aborted": n})
