@@ -38,6 +38,7 @@ SLOW_FILES = {
     "test_weights_engine_e2e.py": "the embedded engine in a subprocess, updated over HTTP and gloo",
     "test_cli_launch.py": "the local launcher starting, killing and reaping processes",
     "test_workflow_e2e.py": "a multi-turn training run in subprocesses, killed and resumed",
+    "test_real_vllm_e2e.py": "a training run against a real vLLM server (its CPU build)",
 }
 # Any test that uses one of these fixtures (so new tests that use them are slow automatically).
 SLOW_FIXTURES = {

@@ -156,9 +156,9 @@ class RolloutConfig:
                 raise ValueError(f"server_env: {key} is set by the launcher ({SERVER_ENV_TAKEN[key]})")
         self.server_env = {str(k): str(v) for k, v in self.server_env.items()}
         if self.server_python:
-            if self.engine not in ("sglang", "vllm") or self.servers:
-                raise ValueError(f"server_python: names the interpreter of launched SGLang or vLLM servers; this run "
-                                 f"launches {'none (servers are given)' if self.servers else self.engine + ' servers'}")
+            if self.engine not in ("sglang", "vllm"):
+                raise ValueError(f"server_python: names the interpreter of launched SGLang or vLLM servers; this run's "
+                                 f"engine is {self.engine!r}")
             if not (os.path.isfile(self.server_python) and os.access(self.server_python, os.X_OK)):
                 raise ValueError(f"server_python: {self.server_python!r} is not an executable file")
         for arg in self.server_args:
