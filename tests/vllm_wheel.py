@@ -74,17 +74,21 @@ def source_dir_or_skip(version: str) -> Path:
 
 
 def unknown_vllm_flags(version: str, cmd: list[str]) -> list[str]:
-    """The ``--flags`` of ``cmd`` that vLLM ``version``'s argument parser does not define (read from its
-    sources: the explicit flags of its CLI modules, and the flags it derives from the field names of its
-    engine-args dataclass). Skips when the wheel is not available."""
+    """The ``--flags`` of ``cmd`` that vLLM ``version``'s argument parser does not define, read from its
+    sources: a flag is known when its exact spelling is a string there (the explicit flags of its CLI
+    modules) or its name with ``_`` for ``-`` is exactly a field of one of the dataclasses vLLM derives
+    flags from (a 4-space indented ``name:`` in those modules). Not a word search: ``--load`` (a
+    prefix of --load-format, which argparse would even accept) and SGLang's ``--model-path`` are
+    unknown. Skips when the wheel is not available."""
     import re
 
     root = source_dir_or_skip(version) / "vllm"
     text = "\n".join(p.read_text(encoding="utf-8") for p in
                      [*root.glob("engine/arg_utils.py"), *root.rglob("entrypoints/**/cli_args.py"),
                       *root.glob("utils/argparse_utils.py"), *root.glob("utils/__init__.py")])
+    fields = set(re.findall(r"^    (\w+)\s*:", text, re.M))
     flags = [c.split("=", 1)[0] for c in cmd if c.startswith("--")]
-    return [f for f in flags if f'"{f}"' not in text and not re.search(rf"\b{f[2:].replace('-', '_')}\b", text)]
+    return [f for f in flags if f'"{f}"' not in text and f[2:].replace("-", "_") not in fields]
 
 
 def vllm_module(version: str, name: str) -> types.ModuleType:

@@ -238,3 +238,107 @@ def test_log_probs_are_finite_and_at_most_zero(server):
 
     s = _run(go())
     assert all(math.isfinite(x) and x <= 0 for x in s.output_logprobs)
+
+
+# ---------------------------------------------------------------------------- vLLM's own code as judge
+_JUDGE = r'''
+import json, sys
+req = json.loads(sys.stdin.read())
+out = {}
+if "argv" in req:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    parser = make_arg_parser(FlexibleArgumentParser())
+    for name, argv in req["argv"].items():
+        try:
+            parser.parse_args(argv)
+            out[name] = "ok"
+        except SystemExit:
+            out[name] = "refused"
+if "bodies" in req:
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    fields = set(CompletionRequest.model_fields)
+    out["bodies"] = []
+    for body in req["bodies"]:
+        r = CompletionRequest.model_validate(body)
+        sp = r.to_sampling_params(body["max_tokens"], {})
+        out["bodies"].append({"unknown": sorted(set(body) - fields), "top_k": sp.top_k, "logprobs": sp.logprobs,
+                              "temperature": sp.temperature, "repetition_penalty": sp.repetition_penalty})
+print(json.dumps(out))
+'''
+
+
+def _judge(request: dict) -> dict:
+    """Run ``_JUDGE`` with vLLM's own code, in its virtual environment."""
+    import subprocess
+
+    from real_vllm import vllm_python
+
+    r = subprocess.run([str(vllm_python()), "-c", _JUDGE], input=json.dumps(request), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_the_launch_command_is_accepted_by_vllms_own_parser(real_vllm, tmp_path):
+    """Our command line through the parser of the real release (a misspelt flag is refused there:
+    the check can fail)."""
+    from areal_fast.backends.vllm.server_command import vllm_server_command
+
+    cmd = vllm_server_command("/m", "127.0.0.1", 8000, version=VLLM_CPU_VERSION, dtype="float32", seed=1,
+                              max_num_seqs=8, load_format="auto", weight_transfer=True,
+                              extra_args=["--enforce-eager", "--max-model-len", "128"])
+    argv = cmd[cmd.index("--model"):]
+    got = _judge({"argv": {"ours": argv, "misspelt": [*argv, "--enforce-eagre"], "sglang": [*argv, "--model-path", "/m"]}})
+    assert got == {"ours": "ok", "misspelt": "refused", "sglang": "refused"}
+
+
+def test_completion_bodies_are_vllm_completion_requests(real_vllm):
+    """Every key we send is a field of the real release's CompletionRequest (vLLM ignores unknown
+    keys), and the sampling it builds is ours: top_k off, one log-prob, no penalty."""
+    from areal_fast.backends.vllm.compat import VLLMBehaviour
+    from areal_fast.backends.vllm.requests import completion_body
+
+    b = VLLMBehaviour.of(VLLM_CPU_VERSION)
+    bodies = [completion_body(PROMPT, {"max_new_tokens": 7, "top_k": -1}, "r|0|", b),
+              completion_body(PROMPT, {"max_new_tokens": 7, "temperature": 0.5, "top_k": 3, "top_p": 0.9,
+                                       "sampling_seed": 2, "stop_token_ids": [2]}, "r|1|", b)]
+    got = _judge({"bodies": bodies})["bodies"]
+    assert [g["unknown"] for g in got] == [[], []]
+    assert [g["top_k"] for g in got] in ([0, 3], [-1, 3]) and [g["logprobs"] for g in got] == [0, 0]
+    assert got[0]["temperature"] == 1.0 and got[1]["temperature"] == 0.5
+    assert got[0]["repetition_penalty"] == 1.0
+
+
+def test_every_route_we_call_is_served_with_the_parameters_we_send(real_vllm):
+    """The real server's OpenAPI schema (FastAPI's, from the route handlers themselves) has every
+    route our vLLM code calls, with the method, query parameters and body keys we send."""
+    from areal_fast.backends.vllm import requests as vr
+    from areal_fast.backends.vllm.compat import VLLMBehaviour
+
+    b = VLLMBehaviour.of(VLLM_CPU_VERSION)
+    api = _http(f"{real_vllm.url}/openapi.json")[1]["paths"]
+
+    def params(path, method):
+        assert path in api and method in api[path], f"{method.upper()} {path} is not served by vLLM {b.version}"
+        op = api[path][method]
+        query = {p["name"] for p in op.get("parameters", []) if p.get("in") == "query"}
+        ref = ((op.get("requestBody") or {}).get("content", {}).get("application/json", {}).get("schema") or {})
+        ref = ref.get("$ref", "").rsplit("/", 1)[-1]
+        body = set(_http(f"{real_vllm.url}/openapi.json")[1]["components"]["schemas"].get(ref, {}).get(
+            "properties", {})) if ref else set()
+        return query, body
+
+    for mode in ("abort", "in_place"):
+        query, _ = params("/pause", "post")
+        assert set(vr.pause_query(mode, b)) <= query
+    for path, method in [("/resume", "post"), ("/is_paused", "get"), ("/abort_requests", "post"),
+                         ("/weight_info", "get"), ("/version", "get"), ("/v1/models", "get"), ("/health", "get"),
+                         ("/collective_rpc", "post"), ("/start_weight_update", "post"),
+                         ("/shutdown_weight_transfer_engine", "post")]:
+        params(path, method)
+    assert set(vr.weight_version_body("3")) <= params("/update_weight_version", "post")[1]
+    assert set(vr.init_transfer_body("h", 1, 1, 2)) <= params("/init_weight_transfer_engine", "post")[1]
+    assert set(vr.update_transfer_body(["w"], ["float32"], [[1]])) <= params("/update_weights", "post")[1]
+    assert set(vr.finish_transfer_body("3", b)) <= params("/finish_weight_update", "post")[1]
+    assert "/model_info" not in api  # SGLang's: our liveness check asks /version of vLLM
