@@ -118,6 +118,13 @@ class AppConfig:
             if self.rollout.client_processes > 1:
                 raise ValueError("rollout.client_processes > 1 with rollout.backend 'vllm': the sharded client's "
                                  "workers build SGLang clients; use 1 (docs/vllm.md)")
+            args = self.rollout.server_args
+            dummy = any(a == "--load-format=dummy" or a == "--load-format" and args[i + 1:i + 2] == ["dummy"]
+                        for i, a in enumerate(args))
+            if dummy and self.rollout.engine == "vllm" and self.weights.method == "disk":
+                raise ValueError("rollout.server_args: --load-format dummy with weights.method 'disk': vLLM cannot "
+                                 "reload a dummy-loaded model from disk (its dummy loader reads no weights); use "
+                                 "weights.method 'distributed' or another load format")
         self._fill_derived()
         if self.model.warm_start.enabled and not self.data.train.startswith("synthetic:"):
             raise ValueError(f"model.warm_start.enabled: only available with data.train = 'synthetic:reverse', "

@@ -186,6 +186,8 @@ def test_the_pool_file_follows_the_pool(tmp_path):
     (True, "0", "/m", 0, True),
     (False, None, "/m", 4, False),  # wrong key or down
     (True, "4", "/other", 4, False),
+    (True, "default", "/m", 0, True),  # vLLM's label before any update is "default": version 0
+    (True, "default", "/m", 3, True),
 ])
 def test_a_kept_server_is_reused_only_when_its_weights_can_be_trusted(answers, version, model, ckpt, reuse):
     ok, why = judge(answers, version, model, "/m", ckpt)
@@ -220,6 +222,30 @@ def _fake_server(tmp_path):
 
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "areal_fast.rollout.engine"],
                             start_new_session=True)
+
+
+@pytest.mark.parametrize("marker", ["areal_fast.rollout.engine", "vllm.entrypoints.openai.api_server",
+                                    "sglang.launch_server"])
+def test_every_launched_kind_of_server_is_recognised_as_a_kept_server(marker):
+    """A kept vLLM server (python -m vllm.entrypoints.openai.api_server) is one too: a resume reuses
+    or stops it, never leaves it holding its GPUs."""
+    import subprocess
+    import sys
+
+    from areal_fast.launch import reuse
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker], start_new_session=True)
+    try:
+        assert reuse.is_kept_server(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        assert not reuse.is_kept_server(other.pid)
+    finally:
+        other.kill()
+        other.wait()
 
 
 @pytest.mark.parametrize("healthy", [False, True])

@@ -289,7 +289,8 @@ def test_the_launch_command_is_accepted_by_vllms_own_parser(real_vllm, tmp_path)
                               max_num_seqs=8, load_format="auto", weight_transfer=True,
                               extra_args=["--enforce-eager", "--max-model-len", "128"])
     argv = cmd[cmd.index("--model"):]
-    got = _judge({"argv": {"ours": argv, "misspelt": [*argv, "--enforce-eagre"], "sglang": [*argv, "--model-path", "/m"]}})
+    got = _judge({"argv": {"ours": argv, "misspelt": [*argv, "--enforce-eagre"],
+                           "sglang": [*argv, "--model-path", "/m"]}})
     assert got == {"ours": "ok", "misspelt": "refused", "sglang": "refused"}
 
 

@@ -46,6 +46,11 @@ def test_config_check_accepts_backend_vllm(overrides):
     (["rollout.backend=vllm", "rollout.vllm_version=banana"], ["banana"]),
     (["rollout.backend=vllm", "rollout.engine=sglang"], ["engine", "sglang"]),
     (["rollout.backend=tgi"], ["backend", "tgi"]),
+    (["rollout.backend=vllm", "rollout.engine=vllm", "weights.method=disk",
+      "rollout.server_args=[--load-format,dummy]"], ["--load-format dummy", "disk"]),
+    (["rollout.backend=vllm", "rollout.engine=vllm", "rollout.server_python=/nonexistent/python"],
+     ["server_python", "/nonexistent/python"]),
+    (["rollout.server_env={OMP_NUM_THREADS: '4'}"], ["server_env", "OMP_NUM_THREADS"]),
 ])
 def test_config_refuses_what_vllm_cannot_serve_with_the_reason(overrides, needles):
     with pytest.raises(ConfigError) as e:

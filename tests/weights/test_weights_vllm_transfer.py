@@ -65,6 +65,8 @@ def test_transfer_to_the_twin_is_bitwise_and_labels_every_token(tmp_path):
         sent = [n for n in states[1] if n in params]
         assert sent and all(torch.equal(params[n].detach(), states[1][n]) for n in sent), "weights bitwise"
         assert sched.weight_version == "2"
+        # the sender closed its sync: the twin's end of the group was shut too (re-made cleanly next time)
+        assert "vllm_weight_transfer" not in twin.server.receiver.groups
     finally:
         twin.stop()
     assert "INITS 1" in out, "one group for both updates"

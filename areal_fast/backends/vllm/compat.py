@@ -39,6 +39,8 @@ KEEP_CLEARS_CACHE_SINCE = Version("0.20.0")  # /pause?mode=keep with clear_cache
 # the kept requests: their KV is dropped and recomputed at /resume by the weights of then (SGLang's retract)
 PAUSED_REFUSES_SINCE = Version("0.33.0")  # a completion sent during an abort/wait pause is answered 503;
 # before, it is queued and runs after /resume
+TRANSFER_SHUTDOWN_SINCE = Version("0.32.0")  # POST /shutdown_weight_transfer_engine (read in 0.32.0 and 0.33.0;
+# not in 0.11.0; releases between were not read for it, so it is sent only from here)
 IS_PAUSED_MISSES_KEEP = (Version("0.16.0"), Version("0.17.0"))  # 0.16.x: /is_paused says false in a keep pause
 
 VLLM_PAUSE_MODES = ("abort", "wait", "keep")
@@ -112,6 +114,12 @@ class VLLMBehaviour:
         """A completion that arrives during an abort or wait pause is answered 503; before, it is
         queued and runs after /resume (under the weights of then)."""
         return self.version >= PAUSED_REFUSES_SINCE
+
+    @property
+    def has_transfer_shutdown(self) -> bool:
+        """/shutdown_weight_transfer_engine releases the server's transfer group (the next
+        /init_weight_transfer_engine makes a new one)."""
+        return self.version >= TRANSFER_SHUTDOWN_SINCE
 
     @property
     def is_paused_misses_keep(self) -> bool:

@@ -268,12 +268,20 @@ class VLLMTransferWeightSync(WeightSync):
         return _Session(self, version)
 
     def close(self) -> None:
+        """Our end of the group, then the servers' (``/shutdown_weight_transfer_engine`` where the
+        release has it): a group re-made after a failure must not leave the old one on the servers."""
         if self._channel is not None:
             try:
                 self._channel.close()
             except Exception as e:  # noqa: BLE001 - a member may be gone
                 log.info("closing the vLLM weight-transfer group: %s", e)
             self._channel = None
+            for u, s in self.servers.items():
+                if s.behaviour.has_transfer_shutdown:
+                    try:
+                        self.http.call(u, "/shutdown_weight_transfer_engine", None)
+                    except WeightSyncError as e:  # best effort: a server may be gone
+                        log.info("shutting the weight-transfer engine of %s: %s", u, e)
         if self._store is not None:
             self._store.close()
             self._store = None

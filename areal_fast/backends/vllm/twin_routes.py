@@ -8,6 +8,7 @@ Served (each only from the release that has it, as the version table says):
 ``GET /server_info`` (the parallel layout),
 ``POST /collective_rpc`` (``reload_weights`` / ``update_config``: the disk update),
 ``POST /pause`` / ``/resume``, ``GET /is_paused`` (0.12.0), ``POST /abort_requests`` (0.26.0),
+``/shutdown_weight_transfer_engine`` (0.32.0),
 ``/init_weight_transfer_engine`` and ``/update_weights`` (0.16.0; the NCCL backend's unpacked wire:
 one broadcast per tensor from rank 0, over gloo on CPU), ``/start_weight_update`` and
 ``/finish_weight_update`` (0.21.0), ``/update_weight_version`` and ``GET /weight_info`` (0.27.0).
@@ -83,6 +84,8 @@ class VLLMRoutes:
         if b.has_weight_transfer:
             r.add_post("/init_weight_transfer_engine", self.init_transfer)
             r.add_post("/update_weights", self.update_weights)
+        if b.has_transfer_shutdown:
+            r.add_post("/shutdown_weight_transfer_engine", self.shutdown_transfer)
         if b.weight_update_sessions:
             r.add_post("/start_weight_update", self.start_update)
             r.add_post("/finish_weight_update", self.finish_update)
@@ -248,6 +251,11 @@ class VLLMRoutes:
             self.s.receiver.destroy_group(TRANSFER_GROUP)
         await asyncio.get_running_loop().run_in_executor(None, self.s.receiver.init_group, *args)
         return web.json_response({"message": "Weight transfer initialized"})
+
+    async def shutdown_transfer(self, request: web.Request) -> web.Response:
+        if TRANSFER_GROUP in self.s.receiver.groups:
+            await asyncio.get_running_loop().run_in_executor(None, self.s.receiver.destroy_group, TRANSFER_GROUP)
+        return web.json_response({"message": "Weight transfer shut down"})
 
     async def start_update(self, request: web.Request) -> web.Response:
         if self.update_open:
