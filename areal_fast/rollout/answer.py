@@ -166,6 +166,23 @@ def _version(v, what: str) -> int:
     raise _Refused(f"{what} is a {type(v).__name__}, not a string or an integer")
 
 
+def checked_version(v, what: str) -> int:
+    """A weight version under this module's rules (``[0, 2**31)``, "default" 0, other strings -1);
+    ValueError naming ``what`` otherwise. The vLLM adapter's answers are held to the same rule."""
+    return _version(v, what)
+
+
+def checked_logprob(x, what: str) -> float:
+    """A log-prob under this module's rules: a number (not a boolean), finite and <= 0 after
+    rounding to float32 (the column's type); ValueError naming ``what`` otherwise."""
+    if type(x) not in (int, float):
+        raise _Refused(f"{what} is a {type(x).__name__}, not a number")
+    f = array(LOGPROB_ARRAY, [x])[0] if math.isfinite(x) else x
+    if not math.isfinite(f) or f > 0:
+        raise _Refused(f"{what} {x!r} is not a finite log-prob <= 0")
+    return float(f)
+
+
 def _check_meta(meta) -> None:
     """The rules for meta_info's small fields (shared by both paths)."""
     if type(meta) is not dict:

@@ -102,9 +102,9 @@ class RolloutConfig:
     """Seconds for one control call to a server (pause, continue, abort, flush, its facts); a server
     that does not answer in time is checked for death or a hang (``docs/deadlines.md``)."""
     hang_timeout: float = 30.0
-    """Seconds a server's process may leave the liveness check (GET /model_info, answered without the
-    scheduler) unanswered before it is declared hung (SIGSTOPped, deadlocked) and dropped like a dead
-    one, by the watchdog or by a control call that timed out."""
+    """Seconds a server's process may leave the liveness check (GET /model_info, or /version of a vLLM
+    server: answered without the scheduler) unanswered before it is declared hung (SIGSTOPped,
+    deadlocked) and dropped like a dead one, by the watchdog or by a control call that timed out."""
     pause_mode: str = "auto"
     """How servers pause for a weight update: 'auto' (per server: 'retract' on SGLang >= 0.5.19, whose
     per-token version spans label retracted requests, else 'abort'), 'retract', 'abort' or 'in_place'

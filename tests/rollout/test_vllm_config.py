@@ -144,3 +144,71 @@ def test_a_vllm_server_takes_tensor_x_pipeline_x_data_parallel_gpus(args, gpus):
     from areal_fast.backends.vllm.server_command import gpus_of
 
     assert gpus_of(2, args) == gpus
+
+
+# ---------------------------------------------------------------------------- hostile /v1/completions answers
+def _answer(ids=(5, 6), lps=(-0.5, -0.25), spans=None, rid="q|0|", finish="length", **choice):
+    c = {"index": 0, "token_ids": list(ids), "logprobs": {"token_logprobs": list(lps)}, "finish_reason": finish,
+         "stop_reason": None, **choice}
+    if spans is not None:
+        c["weight_versions"] = spans
+    return {"id": f"cmpl-{rid}", "choices": [c]}
+
+
+@pytest.mark.parametrize("answer, match", [
+    (_answer(lps=(True, -0.1)), "not a number"),
+    (_answer(lps=(float("-inf"), -0.1)), "JSON object"),  # -Infinity is not JSON: the decoder refuses it
+    (_answer(lps=(float("nan"), -0.1)), "JSON object"),
+    (_answer(lps=(-0.1, 0.5)), "finite log-prob <= 0"),
+    (_answer(ids=(5, True)), "token ids"),
+    (_answer(spans=[{"version": "-3", "start": 0, "end": 2}]), "version"),
+    (_answer(spans=[{"version": str(2**40), "start": 0, "end": 2}]), "outside"),
+    (_answer(spans=[{"version": "1", "start": "0", "end": 2}]), "tile"),
+    (_answer(spans=[{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 0, "end": 2}]), "tile"),
+    (_answer(spans=[{"version": "1", "start": 0, "end": 1}]), "cover 1 of the 2"),
+    (_answer(spans={"version": "1"}), "not a list"),
+    (_answer(rid="another|0|"), "another|0|"),
+    (_answer(stop_reason=[1]), "stop_reason"),
+    ([1, 2], "JSON object"),
+])
+def test_a_malformed_completion_is_one_error_naming_server_and_request(answer, match):
+    """The vLLM adapter holds answers to the SGLang path's rules: each breach is a MalformedAnswer
+    naming the server and the request id, never a raw exception or a silently taken value."""
+    import asyncio
+
+    from _shared import serve_app
+    from aiohttp import web
+
+    from areal_fast.backends.vllm.client import VLLMRolloutClient
+    from areal_fast.rollout.client import MalformedAnswer
+
+    async def completions(request):
+        return web.json_response(answer)
+
+    async def version(request):
+        return web.json_response({"version": "0.33.0"})
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_get("/version", version)
+        async with serve_app(app) as url:
+            async with VLLMRolloutClient([url], vllm_version="0.33.0") as c:
+                with pytest.raises(MalformedAnswer) as e:
+                    await c.generate([1, 2], {"max_new_tokens": 2}, rid="q")
+                assert url in str(e.value) and "q|0|" in str(e.value) and e.value.rid == "q|0|"
+                return str(e.value)
+
+    assert match in asyncio.run(asyncio.wait_for(go(), 60))
+
+
+@pytest.mark.parametrize("x", [float("-inf"), float("nan"), float("inf"), 1e-30 + 1.0])
+def test_a_decoded_log_prob_that_is_not_finite_and_at_most_zero_is_refused(x):
+    with pytest.raises(vr.CompletionAnswerError, match="log-prob"):
+        vr.parse_completion(_answer(lps=(x, -0.1)))
+
+
+def test_a_well_formed_completion_with_spans_is_taken():
+    ok = vr.parse_completion(_answer(spans=[{"version": "1", "start": 0, "end": 1},
+                                            {"version": "default", "start": 1, "end": 2}]), request_id="q|0|")
+    assert ok["ids"] == [5, 6] and ok["logprobs"] == [-0.5, -0.25]

@@ -131,7 +131,7 @@ class VLLMRolloutClient(RolloutClient):
         data = await self._call(server, "POST", COMPLETIONS_PATH, body, timeout_s=self.request_timeout_s,
                                 max_body=max_body)
         try:
-            c = parse_completion(data)
+            c = parse_completion(data, request_id=attempt_rid)
         except CompletionAnswerError as e:
             raise MalformedAnswer(server.url, attempt_rid, f"{where}: {e}") from None
         if self.vocab_size and any(t >= self.vocab_size for t in c["ids"]):

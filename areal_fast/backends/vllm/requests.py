@@ -149,32 +149,66 @@ def finish_transfer_body(weight_version: str | None, behaviour: VLLMBehaviour) -
 
 
 class CompletionAnswerError(ValueError):
-    """A 2xx /v1/completions answer that is not one choice with token ids and log-probs."""
+    """A 2xx /v1/completions answer that breaks the answer rules (the SGLang path's rules, read by
+    ``rollout.answer``: token ids are integers >= 0, log-probs finite numbers <= 0, versions in
+    ``[0, 2**31)``), or is not one choice with token ids and log-probs, or is another request's."""
 
 
-def parse_completion(data, expect_logprobs: bool = True) -> dict:
-    """The one choice of a /v1/completions answer as ``{"ids", "logprobs", "finish", "spans"}``:
-    ``finish`` is 'stop', 'length' or 'abort'; ``spans`` the weight_versions spans or None."""
-    choices = data.get("choices") if isinstance(data, dict) else None
+def parse_completion(data, expect_logprobs: bool = True, request_id: str | None = None) -> dict:
+    """The one choice of a /v1/completions answer as ``{"ids", "logprobs", "finish", "spans",
+    "stop_reason"}``: ``finish`` is 'stop', 'length' or 'abort'; ``spans`` the weight_versions spans
+    (checked: integer bounds that tile the output, versions under the answer rules) or None. With
+    ``request_id`` the answer's ``id``, when it has one, must be that request's (``cmpl-{id}``)."""
+    from areal_fast.rollout.answer import checked_logprob, checked_version
+
+    if not isinstance(data, dict):
+        raise CompletionAnswerError(f"expected a JSON object, got {str(data)[:200]}")
+    if request_id is not None and data.get("id") is not None and data.get("id") != f"cmpl-{request_id}":
+        raise CompletionAnswerError(f"the answer is for {str(data.get('id'))[:80]!r}, not cmpl-{request_id}")
+    choices = data.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         raise CompletionAnswerError(f"expected one choice, got {str(data)[:200]}")
     c = choices[0]
     ids = c.get("token_ids")
-    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 2**31 for t in ids):
         raise CompletionAnswerError(f"choice.token_ids must be a list of token ids, got {str(ids)[:200]}")
     lps: list[float] = []
     if expect_logprobs:
-        lp = (c.get("logprobs") or {}).get("token_logprobs")
-        if not isinstance(lp, list) or len(lp) != len(ids) or not all(
-                isinstance(x, int | float) and x <= 0 for x in lp):
-            raise CompletionAnswerError(f"choice.logprobs.token_logprobs must be {len(ids)} log-probs <= 0, "
+        lp = (c.get("logprobs") or {}).get("token_logprobs") if isinstance(c.get("logprobs"), dict | None) else None
+        if not isinstance(lp, list) or len(lp) != len(ids):
+            raise CompletionAnswerError(f"choice.logprobs.token_logprobs must be {len(ids)} log-probs, "
                                         f"got {str(lp)[:200]}")
-        lps = [float(x) for x in lp]
+        try:
+            lps = [checked_logprob(x, f"choice.logprobs.token_logprobs[{i}]") for i, x in enumerate(lp)]
+        except ValueError as e:
+            raise CompletionAnswerError(str(e)) from None
     finish = c.get("finish_reason")
     if finish not in ("stop", "length", "abort"):
-        raise CompletionAnswerError(f"choice.finish_reason {finish!r}: expected stop, length or abort")
+        raise CompletionAnswerError(f"choice.finish_reason {str(finish)[:80]!r}: expected stop, length or abort")
+    stop_reason = c.get("stop_reason")
+    if stop_reason is not None and type(stop_reason) not in (int, str):
+        raise CompletionAnswerError(f"choice.stop_reason is a {type(stop_reason).__name__}")
     spans = c.get("weight_versions")
-    if spans is not None and (not isinstance(spans, list) or sum(
-            int(s["end"]) - int(s["start"]) for s in spans) != len(ids)):
-        raise CompletionAnswerError(f"choice.weight_versions must cover the {len(ids)} tokens, got {spans!r}")
-    return {"ids": ids, "logprobs": lps, "finish": finish, "spans": spans, "stop_reason": c.get("stop_reason")}
+    if spans is not None:
+        _check_spans(spans, len(ids), checked_version)
+    return {"ids": ids, "logprobs": lps, "finish": finish, "spans": spans, "stop_reason": stop_reason}
+
+
+def _check_spans(spans, n: int, checked_version) -> None:
+    """``weight_versions`` spans: objects with integer ``start`` <= ``end`` that tile ``[0, n)`` in
+    order, each ``version`` under the answer rules."""
+    if not isinstance(spans, list):
+        raise CompletionAnswerError(f"choice.weight_versions is a {type(spans).__name__}, not a list of spans")
+    at = 0
+    for sp in spans:
+        if type(sp) is not dict or type(sp.get("start")) is not int or type(sp.get("end")) is not int \
+                or sp["start"] != at or sp["end"] < sp["start"]:
+            raise CompletionAnswerError(f"choice.weight_versions span {str(sp)[:80]!r} does not continue the "
+                                        f"spans at token {at} (they must tile the {n} tokens in order)")
+        try:
+            checked_version(sp.get("version"), "choice.weight_versions version")
+        except ValueError as e:
+            raise CompletionAnswerError(str(e)) from None
+        at = sp["end"]
+    if at != n:
+        raise CompletionAnswerError(f"choice.weight_versions cover {at} of the {n} tokens")
