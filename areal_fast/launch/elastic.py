@@ -47,6 +47,7 @@ from pathlib import Path
 from areal_fast.launch.base import LaunchedProcess, server_ready
 from areal_fast.launch.liveness import DEFAULT_HANG_TIMEOUT_S  # for a config without rollout.hang_timeout
 from areal_fast.launch.members import Member, read_pool, read_target, write_members
+from areal_fast.launch.port_owner import PortTaken, check_listener
 
 log = logging.getLogger(__name__)
 TICK_S = 0.5
@@ -147,6 +148,12 @@ class ServerSupervisor:
             if not s.proc.alive():
                 self._failed(s, f"it died while starting: {s.proc.death_message()[:1500]}")
             elif server_ready(s.proc.url):
+                try:  # the port must be its own before any keyed request reaches it
+                    check_listener(s.proc.name, s.proc.url, s.proc.pid, local=s.proc.popen is not None)
+                except PortTaken as e:
+                    self._stop_proc(s.proc)
+                    self._failed(s, str(e))
+                    continue
                 self.starting.remove(s)
                 self._forget_key(s)
                 self.members[s.slot] = s.proc

@@ -40,6 +40,7 @@ from areal_fast.launch.base import (
     server_key_file,
     server_ready,
 )
+from areal_fast.launch.port_owner import PortTaken, check_listener
 from areal_fast.netutil import find_free_port, url_host
 from areal_fast.procutil import die_with_parent
 from areal_fast.rollout.server_command import redact_command
@@ -82,14 +83,21 @@ class LocalLauncher:
         return p
 
     def wait_healthy(self, procs: list[LaunchedProcess], timeout: float) -> None:
-        """Block until every process answers 200 on /health (``base.server_ready``); fail fast when one exits."""
+        """Block until every process answers 200 on /health (``base.server_ready``) from a listening
+        socket of its own (``port_owner.check_listener``: else PortTaken, and it is stopped); fail fast
+        when one exits."""
         deadline = time.monotonic() + timeout
         pending = [p for p in procs if p.url]
         while pending:
             for p in list(pending):
                 if not p.alive():
                     raise ProcessDied(f"{p.death_message()}\n(it died while starting up)")
-                if server_ready(p.url):
+                if server_ready(p.url):  # /health carries no key; then the port must be p's own
+                    try:
+                        check_listener(p.name, p.url, p.pid, local=p.popen is not None)
+                    except PortTaken:
+                        self.stop_process(p)
+                        raise
                     pending.remove(p)
             if not pending:
                 return

@@ -137,6 +137,16 @@ def stop_kept(members: list[Member], why: str) -> None:
                 pass
 
 
+def _port_taken(m: Member) -> bool:
+    """The kept server's address is listened on, but not by its process (``port_owner``)."""
+    from urllib.parse import urlsplit
+
+    from areal_fast.launch.port_owner import listener_owner
+
+    port = urlsplit(m.url).port
+    return port is not None and listener_owner(m.pid, port) is False
+
+
 def kept_model(out: Path) -> str | None:
     d = read_json(servers_dir(out) / MEMBERS_FILE)
     return d.get("model") if isinstance(d, dict) else None
@@ -180,7 +190,7 @@ def started_since(out: Path, say=print) -> list[Member]:
     for m in read_starting(out):
         if not is_kept_server(m.pid):
             continue
-        if server_ready(m.url):
+        if server_ready(m.url) and not _port_taken(m):
             say(f"kept server {m.name} ({m.url}, pid {m.pid}) was starting when the run stopped and is up now")
             up.append(m)
         else:
@@ -203,6 +213,11 @@ def reuse_kept_servers(out: Path, model: str, ckpt_version: int, say=print,
         return [], None
     keep, drop, model_of = [], [], kept_model(out)
     for m in members:
+        if _port_taken(m):
+            say(f"kept server {m.name} ({m.url}, pid {m.pid}): not reused: its port is held by another process "
+                "(the run's key is not sent there)")
+            drop.append(m)
+            continue
         answers, version = probe(m.url, key, rollout_cfg)
         ok, why = judge(answers, version, model_of, model, ckpt_version)
         say(f"kept server {m.name} ({m.url}, pid {m.pid}): {'reused' if ok else 'not reused'}: {why}")

@@ -1,0 +1,99 @@
+"""A neighbour who takes a starting server's port never gets the run's key.
+
+The launcher names the port on the server's command line (readable in /proc) before the server
+binds it. A neighbour that binds it first and answers ``/health`` must be found out before any
+request with ``Authorization: Bearer <key>`` goes there: the listening socket must be the server's
+own (``launch.port_owner``).
+"""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from areal_fast.launch.local import LocalLauncher
+from areal_fast.launch.port_owner import PortTaken, listener_owner, process_tree
+
+_LISTENER = ("import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+             "print(s.getsockname()[1], flush=True); time.sleep(60)")
+
+
+class _Neighbour(http.server.BaseHTTPRequestHandler):
+    """Answers 200 to everything and writes down every Authorization header it was sent."""
+
+    seen: list = []
+
+    def do_GET(self):
+        self.seen.append((self.path, self.headers.get("Authorization")))
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def neighbour():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Neighbour)
+    _Neighbour.seen = []
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_a_process_owns_its_listening_socket_and_no_other_process_does():
+    child = subprocess.Popen([sys.executable, "-c", _LISTENER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(child.stdout.readline())
+        assert listener_owner(child.pid, port) is True
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            assert listener_owner(other.pid, port) is False
+        finally:
+            other.kill()
+            other.wait()
+        # a wrapper's child holding the socket counts (a server started through a shell or launcher)
+        assert child.pid in process_tree(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_start_up_wait_refuses_a_port_taken_by_a_neighbour_and_sends_it_no_key(tmp_path, neighbour):
+    port = neighbour.server_address[1]
+    with LocalLauncher(tmp_path / "logs") as launcher:
+        # "our server": still loading its model, not listening yet; the neighbour answers on its port
+        p = launcher.start("server0", [sys.executable, "-c", "import time; time.sleep(60)"],
+                           url=f"http://127.0.0.1:{port}", critical=False)
+        with pytest.raises(PortTaken, match=f"port {port}"):
+            launcher.wait_healthy([p], timeout=30)
+        assert not p.alive()  # stopped
+    assert _Neighbour.seen and all(auth is None for _, auth in _Neighbour.seen), _Neighbour.seen
+
+
+def test_the_start_up_wait_takes_a_server_listening_itself(tmp_path):
+    """The check does not refuse the real thing: a process serving /health on its own port."""
+    code = ("import http.server, sys\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        self.send_response(200); self.send_header('Content-Length', '0'); self.end_headers()\n"
+            "    def log_message(self, *a): pass\n"
+            "s = http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H)\n"
+            "s.serve_forever()\n")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with LocalLauncher(tmp_path / "logs") as launcher:
+        p = launcher.start("server0", [sys.executable, "-c", code, str(port)], url=f"http://127.0.0.1:{port}",
+                           critical=False)
+        launcher.wait_healthy([p], timeout=60)
+        assert p.alive()
