@@ -18,9 +18,8 @@ What every call shares:
   :class:`RetryPolicy`;
 - the transport: ``http://`` servers through our HTTP/1.1 connection pool
   (``areal_fast.rollout.http``: strict status and chunk parsing, size limits, never a request sent
-  twice by the transport); ``https://`` servers, and ``transport="aiohttp"``, through aiohttp. A
-  control call on our pool took 140-165 us of CPU against 640-890 us on aiohttp with the new
-  connection it needs (2,000 sequential POSTs to a local server, 2-core host);
+  twice by the transport); ``https://`` servers, and ``transport="aiohttp"``, through aiohttp
+  (``docs/scale.md`` has what a control call costs on each);
 - the answer rules: 2xx is the decoded body; a 4xx (and SGLang's 500 for an unknown sampling key
   before 0.5.22: ``compat.refuses_unknown_sampling_keys_with_400``) is :class:`RequestError`, the
   caller's fault, never retried unless the policy names its status; any other 5xx is
@@ -28,8 +27,8 @@ What every call shares:
   ``TimeoutError``.
 
 The one health check (:meth:`ServerCalls.health`) is what a watchdog, the launchers' start-up wait
-and the weight sync's "is this server dead?" ask. ``/model_info`` answers without the scheduler
-(SGLang and the embedded engine), so any HTTP answer there, even a 401, says the process is up;
+and the weight sync's "is this server dead?" ask. ``/model_info`` (vLLM: ``/version``, ``liveness_route``)
+answers without the scheduler, so any HTTP answer there, even a 401, says the process is up;
 ``/health`` runs SGLang's probe (one token; up to 20 s; every version answers 503 when the scheduler
 produced nothing in 20 s, which it never does while generation is paused: ``docs/sglang.md``), so a
 503 there says "no output", not "dead". The party that paused the servers does not probe them.
@@ -54,6 +53,7 @@ from areal_fast.backends.sglang.compat import refuses_unknown_sampling_keys_with
 from areal_fast.netutil import check_server_url
 from areal_fast.rollout.answer import dumps, loads
 from areal_fast.rollout.http import DEFAULT_MAX_BODY_BYTES, KEEPALIVE_S, ConnectionPool, ConnectTimeout, HttpError
+from areal_fast.rollout.liveness_route import LIVENESS_PATH, VLLM_LIVENESS_PATH, liveness_path, register_liveness_path
 
 __all__ = ["API_KEY_ENV", "BlockingCalls", "CONTROL_RETRY", "DEAD_SERVER_RETRY", "HEALTH_PROBE_TIMEOUT_S",
            "HttpError", "LIVENESS_TIMEOUT_S", "RequestError", "RetryPolicy", "RolloutError", "ServerCalls",
@@ -358,9 +358,8 @@ class ServerCalls:
         "unhealthy" (503 while paused says "no output", not "dead"), no connection "down".
         Without ``probe``: "up" for a live server. The launchers' start-up wait asks the probe
         alone, a watchdog liveness alone, the rollout client both."""
-        url = url.rstrip("/")
+        url, path = url.rstrip("/"), liveness_path(url)
         if liveness:
-            path = liveness_path(url)
             try:
                 status, _ = await self._probe(url, path, timeout_s)
             except no_answer_errors() as e:
@@ -372,7 +371,7 @@ class ServerCalls:
         if paused:
             return ServerHealth(url, "paused", "paused by the asker: /health not probed")
         if not probe:
-            return ServerHealth(url, "up", f"{liveness_path(url)} answered")
+            return ServerHealth(url, "up", f"{path} answered")
         try:
             status, _ = await self._probe(url, "/health", probe_timeout_s)
         except no_answer_errors() as e:
@@ -514,23 +513,6 @@ def health_now(url: str, *, api_key: str | None = None, **kw) -> ServerHealth:
             return await calls.health(url, **kw)
 
     return _shared._on_loop(once).result()
-
-
-# ------------------------------------------------------------------------ the liveness route
-LIVENESS_PATH = "/model_info"  # SGLang's (and the embedded engine's): answered without the scheduler
-VLLM_LIVENESS_PATH = "/version"  # vLLM has no /model_info; /version is answered by its API server alone
-_liveness_paths: dict[str, str] = {}
-
-
-def register_liveness_path(url: str, path: str) -> None:
-    """The liveness check asks ``path`` of ``url`` from now on (the vLLM client registers its
-    servers; a server that answers 404 on /model_info is registered for vLLM's route at once)."""
-    _liveness_paths[url.rstrip("/")] = path
-
-
-def liveness_path(url: str) -> str:
-    """What the liveness check asks ``url``: ``/model_info`` unless registered otherwise."""
-    return _liveness_paths.get(url.rstrip("/"), LIVENESS_PATH)
 
 
 # ------------------------------------------------------------------------ the dead-server retry
