@@ -18,8 +18,7 @@ What every call shares:
   :class:`RetryPolicy`;
 - the transport: ``http://`` servers through our HTTP/1.1 connection pool
   (``areal_fast.rollout.http``: strict status and chunk parsing, size limits, never a request sent
-  twice by the transport); ``https://`` servers, and ``transport="aiohttp"``, through aiohttp
-  (``docs/scale.md`` has what a control call costs on each);
+  twice by the transport); ``https://`` servers, and ``transport="aiohttp"``, through aiohttp;
 - the answer rules: 2xx is the decoded body; a 4xx (and SGLang's 500 for an unknown sampling key
   before 0.5.22: ``compat.refuses_unknown_sampling_keys_with_400``) is :class:`RequestError`, the
   caller's fault, never retried unless the policy names its status; any other 5xx is
@@ -53,7 +52,7 @@ from areal_fast.backends.sglang.compat import refuses_unknown_sampling_keys_with
 from areal_fast.netutil import check_server_url
 from areal_fast.rollout.answer import dumps, loads
 from areal_fast.rollout.http import DEFAULT_MAX_BODY_BYTES, KEEPALIVE_S, ConnectionPool, ConnectTimeout, HttpError
-from areal_fast.rollout.liveness_route import LIVENESS_PATH, VLLM_LIVENESS_PATH, liveness_path, register_liveness_path
+from areal_fast.rollout.liveness_route import learn_liveness_route, liveness_path
 
 __all__ = ["API_KEY_ENV", "BlockingCalls", "CONTROL_RETRY", "DEAD_SERVER_RETRY", "HEALTH_PROBE_TIMEOUT_S",
            "HttpError", "LIVENESS_TIMEOUT_S", "RequestError", "RetryPolicy", "RolloutError", "ServerCalls",
@@ -366,8 +365,7 @@ class ServerCalls:
                 return ServerHealth(url, _no_answer_state(e), f"{path}: {type(e).__name__}: {e}")
             if status == 401:
                 return ServerHealth(url, "unhealthy", f"401 on {path}: wrong or missing api key", key_refused=True)
-            if status == 404 and path == LIVENESS_PATH:  # a server without /model_info (vLLM): ask its route
-                register_liveness_path(url, VLLM_LIVENESS_PATH)
+            learn_liveness_route(url, path, status)  # a 404 on /model_info: vLLM's /version from now on
         if paused:
             return ServerHealth(url, "paused", "paused by the asker: /health not probed")
         if not probe:

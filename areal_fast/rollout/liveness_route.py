@@ -22,3 +22,10 @@ def register_liveness_path(url: str, path: str) -> None:
 def liveness_path(url: str) -> str:
     """What the liveness check asks ``url``: ``/model_info`` unless registered otherwise."""
     return _liveness_paths.get(url.rstrip("/"), LIVENESS_PATH)
+
+
+def learn_liveness_route(url: str, path: str, status: int) -> None:
+    """After the check asked ``path``: a 404 on ``/model_info`` is a server without it (vLLM), asked
+    ``/version`` from now on."""
+    if status == 404 and path == LIVENESS_PATH:
+        register_liveness_path(url, VLLM_LIVENESS_PATH)

