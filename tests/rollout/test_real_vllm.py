@@ -281,31 +281,44 @@ def _judge(request: dict) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_the_launch_command_is_accepted_by_vllms_own_parser(real_vllm, tmp_path):
-    """Our command line through the parser of the real release (a misspelt flag is refused there:
-    the check can fail)."""
+def _launch_argv() -> list[str]:
     from areal_fast.backends.vllm.server_command import vllm_server_command
 
     cmd = vllm_server_command("/m", "127.0.0.1", 8000, version=VLLM_CPU_VERSION, dtype="float32", seed=1,
                               max_num_seqs=8, load_format="auto", weight_transfer=True,
                               extra_args=["--enforce-eager", "--max-model-len", "128"])
-    argv = cmd[cmd.index("--model"):]
-    got = _judge({"argv": {"ours": argv, "misspelt": [*argv, "--enforce-eagre"],
-                           "sglang": [*argv, "--model-path", "/m"]}})
-    assert got == {"ours": "ok", "misspelt": "refused", "sglang": "refused"}
+    return cmd[cmd.index("--model"):]
 
 
-def test_completion_bodies_are_vllm_completion_requests(real_vllm):
-    """Every key we send is a field of the real release's CompletionRequest (vLLM ignores unknown
-    keys), and the sampling it builds is ours: top_k off, one log-prob, no penalty."""
+def _bodies() -> list[dict]:
     from areal_fast.backends.vllm.compat import VLLMBehaviour
     from areal_fast.backends.vllm.requests import completion_body
 
     b = VLLMBehaviour.of(VLLM_CPU_VERSION)
-    bodies = [completion_body(PROMPT, {"max_new_tokens": 7, "top_k": -1}, "r|0|", b),
-              completion_body(PROMPT, {"max_new_tokens": 7, "temperature": 0.5, "top_k": 3, "top_p": 0.9,
-                                       "sampling_seed": 2, "stop_token_ids": [2]}, "r|1|", b)]
-    got = _judge({"bodies": bodies})["bodies"]
+    return [completion_body(PROMPT, {"max_new_tokens": 7, "top_k": -1}, "r|0|", b),
+            completion_body(PROMPT, {"max_new_tokens": 7, "temperature": 0.5, "top_k": 3, "top_p": 0.9,
+                                     "sampling_seed": 2, "stop_token_ids": [2]}, "r|1|", b)]
+
+
+@pytest.fixture(scope="module")
+def verdicts(real_vllm) -> dict:
+    """vLLM's own code, asked once (one interpreter start imports vLLM: ~10 s)."""
+    argv = _launch_argv()
+    return _judge({"argv": {"ours": argv, "misspelt": [*argv, "--enforce-eagre"],
+                            "sglang": [*argv, "--model-path", "/m"]}, "bodies": _bodies()})
+
+
+def test_the_launch_command_is_accepted_by_vllms_own_parser(verdicts):
+    """Our command line through the parser of the real release (a misspelt flag and SGLang's
+    --model-path are refused there: the check can fail)."""
+    assert {k: verdicts[k] for k in ("ours", "misspelt", "sglang")} == {"ours": "ok", "misspelt": "refused",
+                                                                         "sglang": "refused"}
+
+
+def test_completion_bodies_are_vllm_completion_requests(verdicts):
+    """Every key we send is a field of the real release's CompletionRequest (vLLM ignores unknown
+    keys), and the sampling it builds is ours: top_k off, one log-prob, no penalty."""
+    got = verdicts["bodies"]
     assert [g["unknown"] for g in got] == [[], []]
     assert [g["top_k"] for g in got] in ([0, 3], [-1, 3]) and [g["logprobs"] for g in got] == [0, 0]
     assert got[0]["temperature"] == 1.0 and got[1]["temperature"] == 0.5
