@@ -93,8 +93,8 @@ class VLLMBehaviour:
 
     @property
     def has_pause(self) -> bool:
-        """/pause, /resume, /is_paused and /abort_requests exist. Before, a request is only aborted by
-        closing its connection, and the server cannot be paused."""
+        """/pause, /resume and /is_paused exist (dev mode); before, the server cannot be paused.
+        /abort_requests comes later (:attr:`has_abort_requests`)."""
         return self.version >= PAUSE_SINCE
 
     @property
