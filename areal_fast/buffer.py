@@ -33,8 +33,9 @@ columns are ``prompt_ids`` (the group's, once), then ``outputs``, ``behav_logpro
 ``finish_reasons``, ``infos``, ``min_versions``); ``areal_fast.group.legacy_fields`` maps them.
 
 A spilled group is copied into a checkpoint byte for byte (its CRC travels with it); a damaged or
-truncated record is a ``ValueError`` naming the record, which the controller reports as a corrupt
-checkpoint.
+truncated record is a ``ValueError`` naming the record and its offset, which the controller reports
+as a corrupt checkpoint (a length field is checked against the bytes left in the file before
+anything is read: a damaged one is never a huge allocation).
 
 The spill file is created in the run's output directory (a disk, where the system temp dir may be
 memory-backed tmpfs) with ``tempfile.TemporaryFile``: unlinked at once, so a crash leaves nothing
@@ -219,17 +220,27 @@ def _read_columns(mv: memoryview, plan: list[tuple[str, str, int]], name: str) -
 
 
 def read_records(f: BinaryIO, count: int, name: str) -> Iterator[dict]:
-    """The ``count`` groups (as ``Group`` keyword arguments) of a stream of records, one at a time;
-    ValueError naming ``name`` and the record when one is short, damaged, or the stream goes on."""
+    """The ``count`` groups (as ``Group`` keyword arguments) of a stream of records (a seekable file),
+    one at a time; ValueError naming ``name``, the record and its offset when one is short, damaged,
+    or the stream goes on. A record's lengths are checked against the bytes left in the file before
+    anything is read (a damaged length field is a ValueError, never a huge allocation)."""
+    pos = f.tell()
+    end = f.seek(0, io.SEEK_END)
+    f.seek(pos)
     for i in range(count):
-        rec = f"{name}: record {i}"
+        rec = f"{name}: record {i} at offset {pos}"
         n_meta, n_data, crc = _record(f.read(_HEADER.size), rec)
+        left = end - pos - _HEADER.size
+        if n_meta + n_data > left:
+            raise ValueError(f"{rec}: its lengths (meta {n_meta}, data {n_data} bytes) run past the end of the file "
+                             f"({left} bytes left); the record is damaged or truncated")
         meta, data = f.read(n_meta), f.read(n_data)
         if len(meta) != n_meta or len(data) != n_data:
             raise ValueError(f"{rec}: truncated ({len(meta) + len(data)} of {n_meta + n_data} bytes)")
+        pos += _HEADER.size + n_meta + n_data
         yield decode_record(meta, data, crc, rec)
     if f.read(1):
-        raise ValueError(f"{name}: data after the last of its {count} records")
+        raise ValueError(f"{name}: data after the last of its {count} records (at offset {pos})")
 
 
 # ----------------------------------------------------------------------------- spill file

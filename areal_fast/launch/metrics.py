@@ -13,23 +13,29 @@ import os
 from pathlib import Path
 
 from areal_fast.diskutil import write_failed
+from areal_fast.launch.run_dir import open_private, open_private_temp
 
 log = logging.getLogger(__name__)
 
 
 def truncate_jsonl(path: Path, max_step: int) -> None:
-    """Keep only the lines whose 'step' <= max_step (atomic rewrite)."""
+    """Keep only the lines whose 'step' <= max_step (atomic rewrite through ``<name>.tmp``). The file
+    and the temporary are opened without following a symlink (``run_dir.open_private``)."""
+    path = Path(path)
     if not path.is_file():
         return
+    with os.fdopen(open_private(path, os.O_RDONLY), "r") as f:
+        lines = f.read().splitlines()
     keep = []
-    for line in path.read_text().splitlines():
+    for line in lines:
         try:
             if json.loads(line).get("step", 0) <= max_step:
                 keep.append(line)
         except json.JSONDecodeError:  # a line cut by kill -9
             continue
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(x + "\n" for x in keep))
+    with os.fdopen(open_private_temp(tmp), "w") as f:
+        f.write("".join(x + "\n" for x in keep))
     os.replace(tmp, path)
 
 
@@ -48,7 +54,7 @@ class JsonlSink:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(self.path, "a")
+        self.f = os.fdopen(open_private(self.path), "a")  # a planted symlink is refused, not followed
 
     def __call__(self, m: dict) -> None:
         try:

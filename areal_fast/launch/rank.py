@@ -29,6 +29,7 @@ from areal_fast.controller import Controller, ControllerSettings
 from areal_fast.launch.base import PrivateFileHandler
 from areal_fast.launch.liveness import DEFAULT_HANG_TIMEOUT_S, server_is_dead, server_state
 from areal_fast.launch.metrics import JsonlSink, ProgressBar, TensorBoardSink, truncate_jsonl
+from areal_fast.launch.run_dir import write_private
 from areal_fast.procutil import die_with_parent
 
 log = logging.getLogger("areal_fast")
@@ -126,8 +127,13 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
     from areal_fast.rollout.loop import run_event_loop  # uvloop where installed (AREAL_FAST_EVENT_LOOP)
 
     summary = run_event_loop(_rank0(cfg, cfg.weights.resolved_api_key, say, progress))  # the sync's key too
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_summary(out, summary)
     return summary
+
+
+def write_summary(out: Path, summary: dict) -> None:
+    """``<out>/summary.json`` (a planted symlink there is refused, not followed: ``run_dir.write_private``)."""
+    write_private(Path(out) / "summary.json", json.dumps(summary, indent=1).encode())
 
 
 async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:

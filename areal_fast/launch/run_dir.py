@@ -10,10 +10,14 @@
   like a run (our ``config.yaml``, or nothing but what a run writes) is moved; one holding a
   repository or a home directory (``.git``, ``src``, ``.ssh``...) is refused (:class:`NotARunDir`).
 
-Other users (issue 32, M5): :func:`check_output_dir` refuses an output directory that is not owned
-by this user or that everyone may write to (another user could plant a symlink or a file there),
-and the files we create in it (the lock, every log: :func:`open_private`) are opened with
-``O_NOFOLLOW`` and mode 0600, so a planted symlink is refused, never followed.
+Other users: :func:`check_output_dir` refuses an output directory that is not owned by this user or
+that its group or every user may write to (another user could plant a symlink or a file there), a
+run directory or file in it (``checkpoints``, ``logs``, ``final``... and everything below them) that
+is a symlink, not ours, or writable by others; :class:`RunLock` then makes the run create its files
+and directories writable by their owner alone whatever the umask; and the files we write in it (the
+lock, every log, metrics, samples, the summary: :func:`open_private`; temporaries:
+:func:`open_private_temp`, ``O_EXCL`` too) are opened with ``O_NOFOLLOW`` and mode 0600, so a planted
+symlink is refused, never followed.
 """
 
 from __future__ import annotations
@@ -48,11 +52,14 @@ class NotARunDir(RuntimeError):
 
 
 def check_output_dir(out: str | os.PathLike) -> Path:
-    """Create ``out`` when missing (and its parents), then refuse it (:class:`UnsafeOutputDir`) when it
-    is not a directory owned by this user or when other users may write into it (world-writable,
-    sticky or not: a planted ``logs`` symlink would steer every log elsewhere). Returns ``out``."""
+    """Create ``out`` when missing (and its parents; ``out`` itself writable by its owner alone), then
+    refuse it (:class:`UnsafeOutputDir`) when it is not a directory owned by this user, when other
+    users may write into it (its group or everyone, sticky or not: a planted ``checkpoints`` symlink
+    would steer what a resume loads, a planted ``metrics.jsonl`` one where the run writes), or when a
+    run entry in it (:data:`RUN_PRODUCTS`, the warm-start cache, and everything below them) is a
+    symlink, not ours, or writable by others. Returns ``out``."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(mode=0o755, parents=True, exist_ok=True)
     st = os.lstat(out)
     if stat.S_ISLNK(st.st_mode):  # a caller that resolved the path never sees one; a link is followed once
         st = os.stat(out)
@@ -62,11 +69,45 @@ def check_output_dir(out: str | os.PathLike) -> Path:
         raise UnsafeOutputDir(f"experiment.output_dir {out} belongs to uid {st.st_uid}, not to this user (uid "
                               f"{os.geteuid()}): its owner could replace the files a run writes there. Choose a "
                               f"directory of your own")
+    mode = stat.S_IMODE(st.st_mode)
     if st.st_mode & stat.S_IWOTH:
-        raise UnsafeOutputDir(f"experiment.output_dir {out} is writable by every user (mode "
-                              f"{stat.S_IMODE(st.st_mode):04o}): another user could plant a symlink there. Use a "
-                              f"directory of your own (e.g. chmod o-w {out})")
+        raise UnsafeOutputDir(f"experiment.output_dir {out} is writable by every user (mode {mode:04o}): another "
+                              f"user could plant a symlink there. Use a directory of your own (e.g. chmod go-w "
+                              f"{out})")
+    if st.st_mode & stat.S_IWGRP:
+        raise UnsafeOutputDir(f"experiment.output_dir {out} is writable by its group (mode {mode:04o}): a member "
+                              f"of the group could plant a symlink there (the run's metrics, summary or checkpoints "
+                              f"written or read elsewhere). Run chmod g-w {out}")
+    for name in sorted(RUN_PRODUCTS | set(KEPT_ON_FRESH_START)):
+        _check_run_entry(out, out / name)
     return out
+
+
+def _check_run_entry(out: Path, top: Path) -> None:
+    """Refuse (:class:`UnsafeOutputDir`) a symlink, an entry of another user, or one its group or every
+    user may write, at ``top`` or anywhere below it (nothing when ``top`` does not exist)."""
+    stack = [top]
+    while stack:
+        p = stack.pop()
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafeOutputDir(f"{p} is a symlink (to {os.readlink(p)!r}): the run would read and write where it "
+                                  f"points (a planted {CHECKPOINTS_DIR} link steers what a resume loads). Remove it; "
+                                  f"keep the run's files in {out} itself")
+        if st.st_uid != os.geteuid():
+            raise UnsafeOutputDir(f"{p} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): its "
+                                  f"owner could change what the run reads back. Remove it or choose another "
+                                  f"experiment.output_dir")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            who = "every user" if st.st_mode & stat.S_IWOTH else "its group"
+            raise UnsafeOutputDir(f"{p} is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}): they could "
+                                  f"change what the run reads back or plant a symlink there. Run chmod -R "
+                                  f"{'go' if st.st_mode & stat.S_IWOTH else 'g'}-w {out}")
+        if stat.S_ISDIR(st.st_mode):
+            stack.extend(os.path.join(p, n) for n in os.listdir(p))
 
 
 def open_private(path: str | os.PathLike, flags: int = os.O_WRONLY | os.O_APPEND) -> int:
@@ -90,6 +131,34 @@ def open_private(path: str | os.PathLike, flags: int = os.O_WRONLY | os.O_APPEND
     return fd
 
 
+def open_private_temp(path: str | os.PathLike, flags: int = os.O_WRONLY) -> int:
+    """A descriptor on a new file at ``path`` (a temporary, renamed into place when written), created
+    0600 with ``O_EXCL`` and ``O_NOFOLLOW`` (:func:`open_private`): a leftover regular file of ours (an
+    earlier write that died) is removed first; a symlink there is refused, never followed."""
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            os.unlink(path)
+    return open_private(path, flags | os.O_EXCL)
+
+
+def write_private(path: str | os.PathLike, data: bytes) -> None:
+    """Replace the contents of ``path`` with ``data`` (:func:`open_private`: a symlink there is refused)."""
+    fd = open_private(path, os.O_WRONLY | os.O_TRUNC)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def private_umask() -> None:
+    """From now on this process (and what it starts) creates files and directories writable by their
+    owner alone, whatever the umask was (``umask 002`` made ``checkpoints`` group-writable)."""
+    os.umask(os.umask(0o022) | 0o022)
+
+
 class RunDirBusy(RuntimeError):
     """Another live run holds the output directory."""
 
@@ -104,6 +173,7 @@ class RunLock:
 
     def __enter__(self) -> RunLock:
         check_output_dir(self.out)
+        private_umask()  # what the run creates from here on: see check_output_dir
         fd = open_private(self.path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

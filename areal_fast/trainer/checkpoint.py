@@ -10,14 +10,16 @@ numbers during a step).
 
 Durability: when :func:`save_checkpoint` returns, every file it wrote is on disk (each rank
 fsyncs its own DCP shard, rank 0 the metadata; ``trainer_state.pt`` is written to a temporary
-name, fsynced, renamed, and the directory fsynced), so a caller may mark the checkpoint complete
-right after. A damaged checkpoint raises :class:`CheckpointError` naming the file.
+name (created exclusively, a symlink there refused), fsynced, renamed, and the directory fsynced),
+so a caller may mark the checkpoint complete right after. A damaged checkpoint raises
+:class:`CheckpointError` naming the file.
 
 Reading is not executing: ``trainer_state.pt`` is read with ``torch.load(weights_only=True)`` (its
 entries are ints, tensors, None and the LR scheduler's plain state dict); DCP's ``.metadata`` (a
-pickle) through :class:`_SafeReader`, which admits only DCP's metadata classes, ``torch.Size``,
-dtypes and layouts; and DCP's non-tensor entries (the optimizer's param groups, which torch reads
-with ``weights_only=False``) through :class:`_SafeLoadPlanner` with ``weights_only=True``.
+pickle) through :class:`_SafeReader`, which admits only an explicit list of DCP's metadata classes,
+``torch.Size``, dtypes and layouts (by name), never a dotted name or a function; and DCP's non-tensor
+entries (the optimizer's param groups, which torch reads with ``weights_only=False``) through
+:class:`_SafeLoadPlanner` with ``weights_only=True``.
 :func:`verify_checkpoint` checks, without loading a tensor, that every DCP shard the metadata names
 is present and long enough, so a truncated shard is found before the collective load starts.
 """
@@ -53,20 +55,53 @@ class CheckpointError(RuntimeError):
     """A trainer checkpoint is missing a file or a file is damaged; the message names the path."""
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` without arbitrary globals: what torch writes there and nothing else."""
+def _layout_by_name(name):
+    """``torch.serialization._get_layout`` (how a pickled ``torch.layout`` is rebuilt), taking only a
+    layout's name and returning only a layout."""
+    from torch.serialization import _get_layout
 
-    _CLASSES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+    try:
+        layout = _get_layout(name) if isinstance(name, str) else None
+    except KeyError:
+        layout = None
+    if not isinstance(layout, torch.layout):
+        raise pickle.UnpicklingError(f"layout {name!r} is not allowed in checkpoint metadata (not a torch layout)")
+    return layout
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` without arbitrary globals: the classes torch writes there (listed from the
+    pickle of a real save), torch dtypes, and layouts by name; nothing else. A dotted name (protocol 4
+    resolves ``os.mkdir`` through a module's own imports) or a function is refused."""
+
+    _GLOBALS = frozenset({
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),  # an Enum
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # StorageMeta.checkpoint_id
+        ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath"),  # the same, Python >= 3.13
+        ("collections", "OrderedDict"),
+    })
 
     def find_class(self, module: str, name: str):
-        if module == "torch.distributed.checkpoint.metadata" and not name.startswith("__") or \
-                (module, name) in self._CLASSES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in checkpoint metadata")
+        if "." not in name:
+            if (module, name) in self._GLOBALS:
+                obj = super().find_class(module, name)
+                if isinstance(obj, type):
+                    return obj
+            elif module == "torch.serialization" and name == "_get_layout":
+                return _layout_by_name
+            elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in checkpoint metadata (only DCP's "
+                                     f"metadata classes, torch dtypes and layouts are)")
 
 
 class _SafeReader(FileSystemReader):
@@ -109,7 +144,9 @@ def _fsync_path(path: str) -> None:
 def _write_state_durably(extra: dict, path: str) -> None:
     final = os.path.join(path, _STATE_FILE)
     tmp = final + ".tmp"
-    with open(tmp, "wb") as f:
+    from areal_fast.launch.run_dir import open_private_temp  # O_EXCL, O_NOFOLLOW: a planted symlink is refused
+
+    with os.fdopen(open_private_temp(tmp), "wb") as f:
         torch.save(extra, f)
         f.flush()
         os.fsync(f.fileno())
@@ -220,8 +257,9 @@ def verify_checkpoint(path: str) -> dict:
 
 def load_checkpoint(actor, path: str) -> None:
     """Restore ``actor`` from ``path`` written by :func:`save_checkpoint` on any rank count.
-    A missing or damaged file raises :class:`CheckpointError` naming it."""
-    extra = read_trainer_state(path)
+    A missing or damaged file raises :class:`CheckpointError` naming it (checked first by
+    :func:`verify_checkpoint`, so a refused metadata global is named rather than lost in DCP's error)."""
+    extra = verify_checkpoint(path)
     state = {
         "model": get_model_state_dict(actor.model),
         "optim": get_optimizer_state_dict(actor.model, actor.optimizer),

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from pathlib import Path
 
 import pytest
 from fakes import make_controller
@@ -159,10 +158,12 @@ def test_a_failed_checkpoint_write_names_the_path_and_leaves_no_partial_checkpoi
     assert not list((tmp_path / "checkpoints").glob("step_*")), "a partial checkpoint was left behind"
 
 
-def test_a_full_disk_under_the_metrics_file_names_the_file():
-    sink = JsonlSink(Path("/dev/full"))  # every write to /dev/full fails with ENOSPC
+def test_a_full_disk_under_the_metrics_file_names_the_file(tmp_path):
+    sink = JsonlSink(tmp_path / "metrics.jsonl")  # a regular file (a device there is refused) ...
+    sink.f.close()
+    sink.f = open("/dev/full", "a")  # ... whose every write fails with ENOSPC, as /dev/full's does
     try:
-        with pytest.raises(WriteFailed, match=r"/dev/full.*No space left"):
+        with pytest.raises(WriteFailed, match=r"metrics\.jsonl.*No space left"):
             sink({"step": 1})
     finally:
         try:

@@ -349,7 +349,13 @@ def test_a_buffer_file_with_the_old_column_names_still_loads(tmp_path):
     assert_same_groups(list(ctl2.buffer), groups)
 
 
-@pytest.mark.parametrize("damage", ["flip-a-column-byte", "truncated", "longer", "record-count"])
+def _second_record_offset(raw: bytes) -> int:
+    _, n_meta, n_data, _ = struct.unpack_from("<4sIQI", raw)
+    return 20 + n_meta + n_data
+
+
+@pytest.mark.parametrize("damage", ["flip-a-column-byte", "truncated", "longer", "record-count", "huge-data-length",
+                                    "huge-meta-length"])
 def test_a_damaged_buffer_file_makes_the_checkpoint_corrupt(tmp_path, damage, caplog):
     rng = random.Random(13)
     _, older = _checkpoint_with(tmp_path, [make_group(p, rng) for p in range(4)], bound_mb=0.001, version=2)
@@ -364,12 +370,22 @@ def test_a_damaged_buffer_file_makes_the_checkpoint_corrupt(tmp_path, damage, ca
         f.write_bytes(raw[:-5])
     elif damage == "longer":
         f.write_bytes(raw + b"\0")
+    elif damage.startswith("huge"):  # a length field past the file: refused before anything is allocated
+        at = _second_record_offset(raw)
+        if damage == "huge-data-length":
+            struct.pack_into("<Q", raw, at + 8, 2**62)
+        else:
+            struct.pack_into("<I", raw, at + 4, 2**32 - 1)
+        f.write_bytes(raw)
     else:
         st = json.loads((newest / STATE_FILE).read_text())
         st["buffer_file"]["groups"] = 5
         (newest / STATE_FILE).write_text(json.dumps(st))
-    with pytest.raises(CorruptCheckpoint, match=f"{newest}.*{BUFFER_FILE}"):
+    with pytest.raises(CorruptCheckpoint, match=f"{newest}.*{BUFFER_FILE}") as err:
         controller(tmp_path, bound_mb=None).restore(newest)
+    if damage.startswith("huge"):
+        assert f"record 1 at offset {_second_record_offset(raw)}" in str(err.value), err.value
+        assert "past the end of the file" in str(err.value), err.value
     ctl = controller(tmp_path, bound_mb=None)
     with caplog.at_level("WARNING"):
         assert ctl.restore_newest() == older

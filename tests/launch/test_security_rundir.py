@@ -202,6 +202,128 @@ def test_an_output_directory_of_another_user_is_refused(tmp_path, monkeypatch):
         check_output_dir(out)
 
 
+@pytest.fixture
+def umask_002():
+    """A permissive umask, as many shared machines set it (files 0664, directories 0775)."""
+    old = os.umask(0o002)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_a_group_writable_output_directory_is_refused(tmp_path):
+    out = tmp_path / "shared"
+    out.mkdir()
+    os.chmod(out, 0o770)  # a member of the group could plant a 'checkpoints' or 'metrics.jsonl' symlink
+    with pytest.raises(UnsafeOutputDir, match=f"{out} is writable by its group \\(mode 0770\\).*chmod g-w {out}"):
+        check_output_dir(out)
+    with pytest.raises(UnsafeOutputDir, match="writable by its group"):
+        with RunLock(out):
+            pass
+    assert not (out / LOCK_FILE).exists()
+    os.chmod(out, 0o750)
+    check_output_dir(out)
+
+
+def test_an_output_directory_created_under_a_permissive_umask_is_accepted_and_kept_private(tmp_path, umask_002):
+    """The run makes its output directory (and everything in it) writable by its user alone, whatever
+    the umask, so the next start does not refuse what this one made."""
+    out = tmp_path / "new" / "run"
+    with RunLock(out):
+        (out / "checkpoints" / "step_00000001").mkdir(parents=True)
+        (out / "metrics.jsonl").write_text("{}\n")
+    for p in (out, out / "checkpoints", out / "checkpoints" / "step_00000001", out / "metrics.jsonl"):
+        assert not p.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH), (p, oct(p.stat().st_mode))
+    with RunLock(out):  # the next start accepts it
+        pass
+
+
+@pytest.mark.parametrize("name", ["checkpoints", "logs", "final", "warm_start"])
+def test_a_run_directory_planted_as_a_symlink_is_refused_at_start(tmp_path, name):
+    """A planted ``checkpoints`` symlink would steer what the next resume loads (and where it writes)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "step_00000009").mkdir(parents=True)
+    (out / name).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(UnsafeOutputDir, match=f"{out / name} is a symlink"):
+        with RunLock(out):
+            pass
+    with pytest.raises(UnsafeOutputDir, match="symlink"):
+        check_output_dir(out)
+
+
+@pytest.mark.parametrize("where", ["checkpoints/step_00000001", "checkpoints/step_00000001/controller.json",
+                                   "logs"])
+def test_a_group_writable_entry_of_the_run_is_refused_at_start(tmp_path, where):
+    """What a resume reads back (checkpoints) or the run writes into must not be changeable by the group
+    (a directory made under umask 002 by an earlier version is one)."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000001" / "controller.json").write_text("{}")
+    (out / "logs").mkdir()
+    os.chmod(out / where, 0o775 if (out / where).is_dir() else 0o664)
+    with pytest.raises(UnsafeOutputDir, match=f"{out / where} is writable by its group.*chmod -R g-w {out}"):
+        check_output_dir(out)
+    os.chmod(out / where, 0o755 if (out / where).is_dir() else 0o644)
+    check_output_dir(out)
+
+
+def test_a_symlink_inside_the_checkpoints_is_refused_at_start(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (out / "checkpoints" / "step_00000009").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(UnsafeOutputDir, match="step_00000009 is a symlink"):
+        check_output_dir(out)
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "samples.jsonl", "metrics.jsonl.tmp", "summary.json"])
+def test_a_symlink_planted_as_a_metrics_summary_or_temporary_file_is_not_followed(tmp_path, name):
+    from areal_fast.launch.metrics import JsonlSink, truncate_jsonl
+
+    out = tmp_path / "run"
+    out.mkdir()
+    victim = _planted(tmp_path, out / name)
+    with pytest.raises(UnsafeOutputDir, match=f"{out / name} is a symlink"):
+        if name == "summary.json":
+            from areal_fast.launch.rank import write_summary
+
+            write_summary(out, {"steps": 1})
+        elif name.endswith(".tmp"):  # the rewrite of metrics.jsonl at resume goes through a temporary file
+            (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+            truncate_jsonl(out / "metrics.jsonl", 1)
+        else:
+            JsonlSink(out / name)({"step": 1})
+    _untouched(victim)
+    if name == "metrics.jsonl":  # nor read through at resume (its lines would be copied into the run)
+        with pytest.raises(UnsafeOutputDir, match="symlink"):
+            truncate_jsonl(out / name, 0)
+        _untouched(victim)
+
+
+def test_metrics_summary_and_their_rewrite_are_written_private(tmp_path):
+    from areal_fast.launch.metrics import JsonlSink, read_jsonl, truncate_jsonl
+    from areal_fast.launch.rank import write_summary
+
+    out = tmp_path / "run"
+    out.mkdir()
+    sink = JsonlSink(out / "metrics.jsonl")
+    for step in (1, 2, 3):
+        sink({"step": step})
+    sink.close()
+    (out / "metrics.jsonl.tmp").write_text("left by a crash")  # a leftover temporary of ours is replaced
+    truncate_jsonl(out / "metrics.jsonl", 2)
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    assert not (out / "metrics.jsonl.tmp").exists()
+    write_summary(out, {"steps": 2})
+    write_summary(out, {"steps": 3})
+    assert json.loads((out / "summary.json").read_text()) == {"steps": 3}
+    for name in ("metrics.jsonl", "summary.json"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o600, name
+
+
 @pytest.mark.parametrize("foreign", [".git", "src", ".ssh", "notes.txt"])
 def test_a_fresh_start_refuses_a_directory_that_is_not_a_run(tmp_path, foreign):
     out = tmp_path / "project"

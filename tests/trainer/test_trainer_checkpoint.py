@@ -1,6 +1,8 @@
 """Trainer checkpoints: everything is on disk when save returns; a damaged file is named."""
 
 import os
+import re
+import sys
 
 import pytest
 import torch
@@ -214,3 +216,79 @@ def test_the_actor_is_told_its_version_and_counts_none(saved, tmp_path):
     assert read_trainer_state(str(tmp_path / "told"))["version"] == 4 == trainer.check(tmp_path / "told")
     trainer.load(tmp_path / "told")
     assert actor.version == 4
+
+
+def _stack_global_call(module: str, name: str, arg: str) -> bytes:
+    """A protocol-4 pickle that looks up ``module`` + ``name`` with STACK_GLOBAL and calls it with
+    ``arg``: a dotted name reaches what ``module`` itself imports (``os.mkdir`` through DCP's own
+    metadata module)."""
+    import pickle
+
+    def short_str(s: str) -> bytes:
+        b = s.encode()
+        return pickle.SHORT_BINUNICODE + bytes([len(b)]) + b
+
+    return (pickle.PROTO + b"\x04" + short_str(module) + short_str(name) + pickle.STACK_GLOBAL
+            + pickle.BINUNICODE + len(arg.encode()).to_bytes(4, "little") + arg.encode()
+            + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+
+
+@pytest.mark.parametrize("module,name", [
+    ("torch.distributed.checkpoint.metadata", "os.mkdir"),  # a dotted name through the module's imports
+    ("torch.distributed.checkpoint.metadata", "os.makedirs"),
+    ("torch.distributed.checkpoint.metadata", "field"),  # a function of the module, not a metadata class
+    ("torch.serialization", "os.mkdir"),
+])
+def test_dcp_metadata_cannot_call_a_function_through_an_allowed_module(saved, tmp_path, module, name):
+    """verify (every resume), load and eval refuse a .metadata calling anything but DCP's metadata
+    classes, with an error naming the global, and nothing in it runs."""
+    actor = saved[0]
+    copy = _copy(saved, tmp_path)
+    made = tmp_path / "made_by_the_metadata"
+    (copy / ".metadata").write_bytes(_stack_global_call(module, name, str(made)))
+    with pytest.raises(CheckpointError, match=re.escape(f"{module}.{name}") + ".*not allowed"):
+        ckpt.verify_checkpoint(str(copy))
+    assert not made.exists(), "reading the DCP metadata ran code from the file"
+    with pytest.raises(CheckpointError, match=r"not allowed"):
+        load_checkpoint(actor, str(copy))
+    assert not made.exists(), "loading the DCP metadata ran code from the file"
+
+
+def test_dcp_metadata_globals_are_an_explicit_list_of_classes():
+    """Every global the metadata reader admits is a class (the layout lookup aside, which takes only
+    a layout's name); a dotted name or a module's other attributes are refused."""
+    import pickle
+
+    u = ckpt._MetadataUnpickler(__import__("io").BytesIO(b""))
+    for module, name in ckpt._MetadataUnpickler._GLOBALS:
+        if module == "pathlib._local" and sys.version_info < (3, 13):
+            continue  # where Python >= 3.13 pickles a path from
+        obj = u.find_class(module, name)
+        assert isinstance(obj, type) or obj is ckpt._layout_by_name, (module, name, obj)
+    assert u.find_class("torch", "bfloat16") is torch.bfloat16
+    assert u.find_class("torch.serialization", "_get_layout")("torch.strided") is torch.strided
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        u.find_class("torch.serialization", "_get_layout")("os")
+    for module, name in [("torch.distributed.checkpoint.metadata", "os"), ("torch", "load"),
+                         ("torch", "serialization.os.mkdir"), ("torch.distributed.checkpoint.metadata", "dataclass"),
+                         ("pathlib", "os.mkdir"), ("collections", "OrderedDict.fromkeys")]:
+        with pytest.raises(pickle.UnpicklingError, match=re.escape(f"{module}.{name}")):
+            u.find_class(module, name)
+
+
+def test_the_trainer_state_temporary_is_created_exclusively_and_never_through_a_symlink(tmp_path):
+    from areal_fast.launch.run_dir import UnsafeOutputDir
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "trainer_state.pt.tmp").symlink_to(victim)  # planted where the state is written first
+    with pytest.raises(UnsafeOutputDir, match="trainer_state.pt.tmp is a symlink"):
+        ckpt._write_state_durably({"version": 1}, str(ck))
+    assert victim.read_text() == "precious\n"
+    (ck / "trainer_state.pt.tmp").unlink()
+    (ck / "trainer_state.pt.tmp").write_bytes(b"left by a save that died")
+    ckpt._write_state_durably({"version": 2}, str(ck))
+    assert torch.load(ck / "trainer_state.pt", weights_only=True) == {"version": 2}
+    assert not (ck / "trainer_state.pt.tmp").exists()
