@@ -122,18 +122,34 @@ def build_prompt(calls: list[ChatCall], req: ChatRequest, template: ChatTemplate
 
 def _cut_at_stop(template, sample: Sample, stops: tuple[str, ...]) -> bool:
     """Cut ``sample``'s output after the first stop string it contains (tokens are kept up to the
-    one that completes it; the rest was sampled after the stop and is dropped). True when cut."""
+    one that completes it; the rest was sampled after the stop and is dropped). True when cut.
+
+    The cut is the shortest prefix of the tokens whose text holds a stop, found by bisection over
+    prefix lengths: O(log n) decodes, O(n log n) in all (decoding every prefix was quadratic, on the
+    event loop). Bisection finds the shortest such prefix because holding a stop is monotone in the
+    prefix length: a longer prefix's text extends the shorter one's (a character cut in the middle
+    of its bytes decodes to U+FFFD until its last token comes). A decoder that rewrites earlier text
+    as tokens follow (Hugging Face's clean-up of spaces before punctuation) can break that; the cut
+    is then still a prefix that holds a stop right after one that does not."""
     decode = template.tok.decode
     ids = list(sample.output_ids)
-    text = decode(ids)
-    if not any(s in text for s in stops):
+
+    def holds(k: int) -> bool:
+        text = decode(ids[:k])
+        return any(s in text for s in stops)
+
+    if not ids or not holds(len(ids)):
         return False
-    for k in range(1, len(ids) + 1):
-        if any(s in decode(ids[:k]) for s in stops):
-            for name in ("output_ids", "output_logprobs", "output_versions", "loss_mask"):
-                setattr(sample, name, getattr(sample, name)[:k])
-            return True
-    return False
+    lo, hi = 0, len(ids)  # holds(hi); the empty prefix counts as not holding one (the cut keeps >= 1 token)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid
+    for name in ("output_ids", "output_logprobs", "output_versions", "loss_mask"):
+        setattr(sample, name, getattr(sample, name)[:hi])
+    return True
 
 
 def _trim_stop(text: str, stops: tuple[str, ...]) -> str:

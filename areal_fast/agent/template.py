@@ -41,6 +41,7 @@ import re
 from typing import Protocol
 
 from areal_fast.agent.request import ChatRequestError, Message, Tool, ToolCall
+from areal_fast.data.tokenizer import encode_text, hf_plain_ids
 
 
 class ChatTemplate(Protocol):
@@ -71,7 +72,7 @@ class TinyChatTemplate:
 
     def _encode(self, text: str, i: int) -> list[int]:
         try:
-            return list(self.tok.encode(text, add_bos=False))
+            return encode_text(self.tok, text)  # plain text: no control token from its characters
         except ValueError as e:
             raise ChatRequestError(f"messages[{i}].content: {e}", f"messages[{i}].content") from None
 
@@ -111,7 +112,103 @@ class TinyChatTemplate:
 
 
 _MARK = "AREALFASTMARK"
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def hermes_blocks(text: str) -> list[tuple[int, int, str]]:
+    """The ``<tool_call>...</tool_call>`` blocks of ``text``: (start, end, the text inside, less
+    surrounding white space), in order. A block ends at the first close after its open (an open
+    inside a block is text of that block); an open never closed is text. One scan with
+    ``str.find``: linear in ``len(text)`` whatever the model wrote (a regex over the same shape,
+    ``<tool_call>\\s*(.*?)\\s*</tool_call>``, backtracked polynomially after an unclosed open
+    followed by white space, on the event loop)."""
+    out = []
+    pos = 0
+    while True:
+        start = text.find(_CALL_OPEN, pos)
+        if start < 0:
+            return out
+        close = text.find(_CALL_CLOSE, start + len(_CALL_OPEN))
+        if close < 0:
+            return out  # no close after this open, so none after any later one either
+        end = close + len(_CALL_CLOSE)
+        out.append((start, end, text[start + len(_CALL_OPEN):close].strip()))
+        pos = end
+
+
+_HIDE_OPEN, _HIDE_CLOSE = "\ufdd0", "\ufdd1"  # Unicode noncharacters: never text of a chat
+_HIDDEN = re.compile(_HIDE_OPEN + r"(\d+)" + _HIDE_CLOSE)
+
+
+class _Specials:
+    """The special tokens of a ``transformers`` tokenizer, and the hiding of their text in content.
+
+    A chat template is rendered to text and the text tokenized, and a tokenizer turns the *text*
+    of a special token (``<|im_start|>``) into the token itself: content that spells one would open
+    turns of its own (a user message forging a system turn). So before rendering, each occurrence
+    of a special token's text in the messages and tools (content, tool calls' arguments, names,
+    schemas) is replaced by a placeholder of two Unicode noncharacters around its number; the
+    template's own markers stay. A rendered text with placeholders is then tokenized in pieces: at
+    the template's special tokens (each its id), and between them the text with the hidden content
+    put back, as plain text (``split_special_tokens``). A text without placeholders (no content
+    spelled a special token) is tokenized whole, as before."""
+
+    def __init__(self, tok):
+        table: dict[str, tuple[int, bool, bool]] = {}
+        for i, t in (getattr(tok, "added_tokens_decoder", None) or {}).items():
+            if getattr(t, "special", False) and str(t):
+                table[str(t)] = (int(i), bool(getattr(t, "lstrip", False)), bool(getattr(t, "rstrip", False)))
+        if not table:
+            for s in getattr(tok, "all_special_tokens", ()):
+                table[s] = (tok.convert_tokens_to_ids(s), False, False)
+        self.table = table
+        self.hidden = sorted(table, key=len, reverse=True) + [_HIDE_OPEN, _HIDE_CLOSE]  # those two: kept as text
+        self._find_hidden = re.compile("|".join(re.escape(s) for s in self.hidden))
+        self._index = {s: k for k, s in enumerate(self.hidden)}
+        self._find_special = re.compile("|".join(re.escape(s) for s in self.hidden[:-2])) if table else None
+
+    def hide(self, value):
+        """``value`` (a message's or a tool's dict) with the special-token text in its strings hidden."""
+        if isinstance(value, str):
+            return self._find_hidden.sub(lambda m: f"{_HIDE_OPEN}{self._index[m.group()]}{_HIDE_CLOSE}", value)
+        if isinstance(value, dict):
+            return {self.hide(k): self.hide(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.hide(v) for v in value]
+        return value
+
+    def ids(self, tok, text: str) -> list[int]:
+        """The ids of a rendered ``text`` with placeholders (see the class docstring)."""
+        parts = _HIDDEN.split(text)  # template text, a placeholder's number, template text, ...
+        pieces: list[tuple[str, int | None]] = []  # (text, None) or (special token text, its id)
+        for k, part in enumerate(parts):
+            if k % 2:
+                pieces.append((self.hidden[int(part)], None))
+                continue
+            pos = 0
+            for m in self._find_special.finditer(part) if self._find_special else ():
+                pieces.append((part[pos:m.start()], None))
+                pieces.append((m.group(), self.table[m.group()][0]))
+                pos = m.end()
+            pieces.append((part[pos:], None))
+        out: list[int] = []
+        buf: list[str] = []
+        strip_left = False  # the special token before the text takes the white space after it (rstrip)
+        for text_, sid in pieces:
+            if sid is None:
+                buf.append(text_)
+                continue
+            chunk = "".join(buf)
+            if strip_left:
+                chunk = chunk.lstrip()
+            if self.table[text_][1]:  # lstrip: this token takes the white space before it
+                chunk = chunk.rstrip()
+            out += hf_plain_ids(tok, chunk)
+            out.append(sid)
+            buf, strip_left = [], self.table[text_][2]
+        chunk = "".join(buf)
+        out += hf_plain_ids(tok, chunk.lstrip() if strip_left else chunk)
+        return out
 
 
 class HFChatTemplate:
@@ -125,20 +222,41 @@ class HFChatTemplate:
             raise ValueError(f"tokenizer {type(self.tok).__name__} has no chat template")
         self.eos = self.tok.eos_token_id
         self._tail: str | None = None
+        self._specials: _Specials | None = None
 
     def _text(self, messages, tools, generation_prompt: bool) -> str:
         if not messages:
             return ""
-        return self.tok.apply_chat_template([m.to_dict() for m in messages], tools=[t.to_dict() for t in tools] or None,
-                                            tokenize=False, add_generation_prompt=generation_prompt)
+        return self._render([m.to_dict() for m in messages], [t.to_dict() for t in tools], generation_prompt)
+
+    def _render(self, messages: list[dict], tools: list[dict], generation_prompt: bool) -> str:
+        if not messages:
+            return ""
+        return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                            add_generation_prompt=generation_prompt)
 
     def _ids(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False)) if text else []
+        if not text:
+            return []
+        if _HIDE_OPEN not in text:  # no special-token text came from the content: the template's text, as is
+            return list(self.tok.encode(text, add_special_tokens=False))
+        return self._sp().ids(self.tok, text)
+
+    def _sp(self) -> _Specials:
+        if self._specials is None:
+            self._specials = _Specials(self.tok)
+        return self._specials
 
     def render(self, before, new, tools):
-        base = self._text(before, tools, False)
-        texts = [self._text(before + new[: k + 1], tools, False) for k in range(len(new))]
-        full = self._text(before + new, tools, True)
+        # every string of the messages and tools is rendered with the text of special tokens hidden
+        # (so that only the template's own markers become control tokens), then tokenized
+        sp = self._sp()
+        msgs = [sp.hide(m.to_dict()) for m in before + new]
+        tool_dicts = [sp.hide(t.to_dict()) for t in tools]
+        nb = len(before)
+        base = self._render(msgs[:nb], tool_dicts, False)
+        texts = [self._render(msgs[: nb + k + 1], tool_dicts, False) for k in range(len(new))]
+        full = self._render(msgs, tool_dicts, True)
         if not all(t.startswith(base) for t in texts + [full]):
             raise ChatRequestError("the chat template renders the earlier messages differently once new ones "
                                    "follow; this conversation cannot continue token for token", "messages")
@@ -169,7 +287,8 @@ class HFChatTemplate:
         if not tools:
             return text, []
         calls = []
-        for block in _HERMES_CALL.findall(text):
+        blocks = hermes_blocks(text)
+        for _, _, block in blocks:
             try:
                 d = json.loads(block)
             except ValueError:
@@ -178,7 +297,14 @@ class HFChatTemplate:
                 args = d.get("arguments", {})
                 calls.append(ToolCall(id="", name=d["name"],
                                       arguments=args if isinstance(args, str) else json.dumps(args)))
-        content = _HERMES_CALL.sub("", text).strip() if calls else text
+        if not calls:
+            return text, calls
+        kept, pos = [], 0
+        for start, end, _ in blocks:  # every block goes, a call or not (as the regex's sub did)
+            kept.append(text[pos:start])
+            pos = end
+        kept.append(text[pos:])
+        content = "".join(kept).strip()
         return content, calls
 
 

@@ -3,6 +3,13 @@ Hugging Face tokenizer from a model directory.
 
 The controller only needs ``encode(text) -> ids``, ``decode(ids) -> text``, ``eos_token_id``
 and ``pad_token_id``; inference servers get token ids (they never tokenize for RL).
+
+Text that came from a model, a user or a tool is encoded with :func:`encode_text`: as plain
+text, never as control tokens. A Hugging Face tokenizer's ``encode`` turns the *text* of a
+special token (``<|im_start|>``) into the token itself, even with ``add_special_tokens=False``, so
+a message or a program's output could open turns of its own; ``encode_text`` spells it with the
+ordinary tokens of its characters. The character tokenizer has no such parsing (``<eos>`` is five
+characters to it).
 """
 
 from __future__ import annotations
@@ -39,6 +46,11 @@ class CharTokenizer:
         except KeyError as e:
             raise ValueError(f"CharTokenizer: character {e.args[0]!r} is not in the vocabulary {self.chars!r}") from e
         return ([self.bos_token_id] if add_bos else []) + ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Plain text, no BOS (see :func:`encode_text`): as ``encode(text, add_bos=False)``, since this
+        tokenizer never reads special-token text as a special token."""
+        return self.encode(text, add_bos=False)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         out = []
@@ -110,7 +122,13 @@ class HFTokenizer:
         self.bos_token_id = tok.bos_token_id
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """The tokenizer's own encoding: the text of a special token becomes that token (a chat-templated
+        prompt's ``<|im_start|>`` must); for text from a model, a user or a tool use :meth:`encode_text`."""
         return list(self.tok.encode(text, add_special_tokens=add_bos))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Plain text, no BOS (see :func:`encode_text`)."""
+        return hf_plain_ids(self.tok, text)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -118,6 +136,27 @@ class HFTokenizer:
     def apply_chat_template(self, prompt: str) -> str:
         return self.tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                             add_generation_prompt=True)
+
+
+def hf_plain_ids(tok, text: str) -> list[int]:
+    """A ``transformers`` tokenizer's ids of ``text`` as plain text: no BOS/EOS added, and the text of
+    a special token spelled with ordinary tokens (``split_special_tokens``), never the token itself."""
+    if not text:
+        return []
+    return list(tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as plain text that continues a sequence (a message's content, a tool's
+    output, feedback): no BOS, and no control token made from its characters. ``tokenizer``: a
+    CharTokenizer, an HFTokenizer, a ``transformers`` tokenizer, or any object with
+    ``encode(text, add_bos=False)`` that has no special-token text (the tests' small tokenizers)."""
+    own = getattr(tokenizer, "encode_text", None)
+    if own is not None:
+        return list(own(text))
+    if hasattr(tokenizer, "all_special_tokens"):  # a transformers tokenizer, not wrapped
+        return hf_plain_ids(tokenizer, text)
+    return list(tokenizer.encode(text, add_bos=False))
 
 
 def load_tokenizer(path: str | Path):

@@ -36,7 +36,7 @@ import math
 import re
 import secrets
 
-from .result import RewardResult
+from .result import RewardResult, escape_controls
 from .sandbox import SandboxLimits, SandboxResult, run_sandboxed
 
 DEFAULT_TIME_LIMIT_S = 2.0
@@ -44,9 +44,9 @@ DEFAULT_MEMORY_MB = 1024
 _FLOAT_REL_TOL = 1e-6  # outputs like 0.3333333 vs 0.333333333 are accepted (judges use 1e-6)
 # Numbers in program output: plain ASCII decimals only. float() and Decimal() also read "1_000", "inf",
 # "nan" and non-ASCII digits, none of which a judge takes for a number.
-_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)  # one way to match each text: linear
 _INTEGER = re.compile(r"[+-]?\d+", re.ASCII)
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
+_FENCE_LANG = re.compile(r"[ \t]*([A-Za-z0-9_+-]*)")
 _STDERR_TAIL = 400
 
 _HARNESS = r'''
@@ -79,9 +79,31 @@ for i, t in enumerate(spec["tests"]):
 '''
 
 
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """The fenced code blocks of ``text``, (language tag, body), in order: a fence ```` ``` ````, the
+    tag after optional spaces (letters, digits, ``_+-``; the rest of the line ignored), the body up
+    to the next fence. One scan with ``str.find``, linear in ``len(text)`` (the regex it replaces,
+    ```` ```[ \\t]*([A-Za-z0-9_+-]*)[^\\n]*\\n(.*?)``` ````, went over a line once per fence on it)."""
+    out = []
+    pos = 0
+    while True:
+        start = text.find("```", pos)
+        if start < 0:
+            return out
+        nl = text.find("\n", start + 3)
+        if nl < 0:
+            return out  # a fence needs its line's end: no later fence has one either
+        close = text.find("```", nl + 1)
+        if close < 0:
+            return out  # nor a body's end
+        lang = _FENCE_LANG.match(text, start + 3, nl).group(1)
+        out.append((lang, text[nl + 1:close]))
+        pos = close + 3
+
+
 def extract_code(completion: str) -> str:
     """The last fenced code block (preferring python-tagged ones), else the whole completion."""
-    blocks = _FENCE.findall(completion)
+    blocks = fenced_blocks(completion)
     if not blocks:
         return completion
     py = [body for lang, body in blocks if lang.lower() in ("python", "py", "python3", "")]
@@ -126,7 +148,7 @@ def outputs_match(got: str, expected: str) -> bool:
 
 def _failure(run: SandboxResult, where: str) -> RewardResult:
     """Map a sandbox run that did not finish cleanly to a (0, timeout|error) result."""
-    tail = run.stderr.decode("utf-8", "replace")[-_STDERR_TAIL:]
+    tail = escape_controls(run.stderr.decode("utf-8", "replace")[-_STDERR_TAIL:])  # the program's text
     if run.memory_exceeded:  # the run's processes together went over the cap: one of them was killed
         return RewardResult(0.0, "error", f"memory limit exceeded {where} (the run's processes together)")
     if run.status == "timeout" or run.returncode in (-24, 128 + 24):  # SIGXCPU: CPU rlimit
@@ -234,7 +256,7 @@ def _function_call(task: dict, code: str, tests: list[dict]) -> RewardResult:
     except _Tampered as e:
         return RewardResult(0.0, "error", f"the solution tampered with the test harness: {e}")
     if reports and reports[0]["test"] == -1:
-        return RewardResult(0.0, "error", f"runtime error loading solution: {reports[0]['error']}")
+        return RewardResult(0.0, "error", f"runtime error loading solution: {escape_controls(reports[0]['error'])}")
     if run.memory_exceeded:
         return _failure(run, f"after {len(reports)} of {len(tests)} tests")
     passed = 0
@@ -242,7 +264,7 @@ def _function_call(task: dict, code: str, tests: list[dict]) -> RewardResult:
     for r in reports:
         i = r["test"]
         if "error" in r:
-            res = RewardResult(0.0, "error", f"runtime error on test {i}: {r['error']}")
+            res = RewardResult(0.0, "error", f"runtime error on test {i}: {escape_controls(r['error'])}")
         elif values_equal(r["value"], tests[i]["expected"]):
             passed += 1
             continue

@@ -3,11 +3,18 @@
 Equivalence is `math-verify` (LaTeX/expression parsing into sympy: boxed answers, fractions,
 sets, intervals, units and percentages normalised). It costs ~1-20 ms per pair and sympy can
 blow up on adversarial input, so:
-  * plain numbers take a fast path (~5 us): when the gold answer is a plain number (``42``,
-    ``-0.5``, ``3/4``) and the completion has exactly one ``\\boxed{...}`` holding a plain
-    number, they are compared as exact fractions. Equal -> 1. Far apart -> 0. Close but not
-    equal (math-verify rounds to 6 digits) -> math-verify decides, so the fast path never
-    disagrees with it.
+  * plain numbers are decided exactly, without math-verify's 6-digit rounding (which accepted
+    -4e-7 for 4e-7 and 2e-7 for 1e-7): a plain number is an integer, a decimal, either in
+    scientific notation (``42``, ``-0.5``, ``.5``, ``4e-7``, ``1.5E+3``; an exponent of at most 4
+    digits) or a simple fraction of integers (``3/4``, ``-3/4``), optionally between ``$``. When
+    the gold answer is one, the completion's answer is compared with it as an exact fraction
+    (equal or not, no tolerance: both are exact values as written) whenever that answer is a
+    plain number too: first (~5 us, no sympy) when the completion has exactly one
+    ``\\boxed{...}`` holding one, else when the answer math-verify extracts (a number in the
+    text, a box with units) is one. Anything else (``\\frac{3}{4}``, ``1,000``, ``10\\%``,
+    expressions, several boxes) is math-verify's; a plain gold in scientific notation is given
+    to it as an exact fraction (it would read the ``e`` of ``4e-7`` as Euler's number).
+  * boxes are found in one pass over the text, linear in its length.
   * math-verify's own parse and verify time limits (signal based, main thread only) are set
     from ``time_limit_s``; the reward service additionally kills the worker if a call runs past
     its per-call timeout.
@@ -26,13 +33,17 @@ from fractions import Fraction
 from .result import RewardResult
 
 DEFAULT_TIME_LIMIT_S = 5
-_NUMBER = re.compile(r"^\s*[-+]?(\d+(\.\d*)?|\.\d+)(\s*/\s*\d+)?\s*$")
-_CLOSE_REL = 1e-4  # numbers this close may still be equal after math-verify's 6-digit rounding
+_DECIMAL = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,4})?", re.ASCII)
+_SIMPLE_FRACTION = re.compile(r"[-+]?\d+\s*/\s*\d+", re.ASCII)
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE = re.compile(r"[{}]")
 
 
-def _as_fraction(text: str) -> Fraction | None:
+def plain_number(text: str) -> Fraction | None:
+    """The exact value of ``text`` when it is a plain number (see the module docstring), else None
+    (also for a number of more digits than Python converts, 4300)."""
     text = text.strip().strip("$").strip()
-    if not _NUMBER.match(text):
+    if not (_DECIMAL.fullmatch(text) or _SIMPLE_FRACTION.fullmatch(text)):
         return None
     try:
         return Fraction(text.replace(" ", ""))
@@ -40,39 +51,55 @@ def _as_fraction(text: str) -> Fraction | None:
         return None
 
 
+def boxed_spans(text: str) -> list[tuple[int, int]]:
+    """Where the contents of every ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces lie in
+    ``text`` (start, end), in order of the boxes. One pass over the braces, whatever the nesting
+    or the number of boxes never closed."""
+    openers = {m.end() - 1 for m in _BOX.finditer(text)}  # the position of each box's own brace
+    if not openers:
+        return []
+    found = []
+    stack: list[int] = []
+    for m in _BRACE.finditer(text, min(openers)):
+        i = m.start()
+        if text[i] == "{":
+            stack.append(i)
+        elif stack:
+            o = stack.pop()
+            if o in openers:
+                found.append((o + 1, i))
+    found.sort()
+    return found
+
+
 def last_boxed(text: str) -> list[str]:
     """Contents of every ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces, in order."""
-    out = []
-    for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            out.append(text[m.end():i - 1])
-    return out
+    return [text[a:b] for a, b in boxed_spans(text)]
 
 
 def fast_numeric_equal(pred: str, gold: str) -> bool | None:
-    """Exact answer for plain numbers, or None when math-verify must decide."""
-    g = _as_fraction(gold)
+    """Exact answer when the gold answer and the completion's only box are plain numbers, or None
+    when it is left to math-verify (and its extracted answer)."""
+    g = plain_number(gold)
     if g is None:
         return None
-    boxed = last_boxed(pred)
-    if len(boxed) != 1:
+    spans = boxed_spans(pred)
+    if len(spans) != 1:
         return None
-    p = _as_fraction(boxed[0])
+    p = plain_number(pred[spans[0][0]:spans[0][1]])
     if p is None:
         return None
-    if p == g:
-        return True
-    if abs(p - g) <= _CLOSE_REL * max(1, abs(g)):
-        return None
-    return False
+    return p == g
 
 
 def _gold_text(gold: str) -> str:
     gold = gold.strip()
+    g = plain_number(gold)
+    if g is not None and ("e" in gold or "E" in gold):  # math-verify reads that e as Euler's number
+        try:
+            return f"${g.numerator}$" if g.denominator == 1 else f"$\\frac{{{g.numerator}}}{{{g.denominator}}}$"
+        except ValueError:  # more digits than Python writes out (4300): math-verify gets it as written
+            pass
     if "\\boxed" in gold or gold.startswith("$"):
         return gold
     return f"${gold}$"
@@ -103,6 +130,11 @@ def math_equal(pred: str, gold: str, *, time_limit_s: int = DEFAULT_TIME_LIMIT_S
         pred_parsed = parse(pred, parsing_timeout=limit)
         if not pred_parsed:
             return False
+        g = plain_number(gold)
+        if g is not None and isinstance(pred_parsed[-1], str):  # the answer as math-verify extracted it
+            p = plain_number(pred_parsed[-1])
+            if p is not None:
+                return p == g  # plain numbers both: exact, never math-verify's 6-digit rounding
         return bool(verify(gold_parsed, pred_parsed, timeout_seconds=limit))
     except Exception:  # math-verify swallows most errors itself; sympy can still raise
         return False

@@ -8,6 +8,21 @@ from dataclasses import dataclass
 STATUSES = ("ok", "timeout", "error")
 _MAX_DETAIL = 2000  # characters; details travel through a pipe per call and into logs
 
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_CONTROLS = {c: _NAMED.get(chr(c), f"\\x{c:02x}") for c in [*range(0x20), *range(0x7f, 0xa0)]}
+_CONTROLS.update({c: f"\\u{c:04x}" for c in [0x2028, 0x2029, *range(0x202a, 0x202f), *range(0x2066, 0x206a)]})
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character shown as an escape, for a log line or a stored detail
+    that holds what a program, a model or a reward function wrote: C0 controls (below 0x20: ``\\n``,
+    ``\\r``, ``\\t`` and ``\\x..``), DEL and the C1 controls 0x80-0x9f (``\\x..``), so that no
+    terminal escape sequence (ESC, CSI) reaches a terminal and no text starts a log line of its own;
+    also the Unicode line and paragraph separators and the bidirectional overrides and isolates
+    (``\\u....``), which reorder or break what a reader sees. Everything else is kept, backslashes
+    included. Linear (``str.translate``)."""
+    return text.translate(_CONTROLS)
+
 
 @dataclass(slots=True)
 class RewardResult:

@@ -42,7 +42,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .registry import get_reward_fn
-from .result import RewardResult, coerce_result
+from .result import RewardResult, coerce_result, escape_controls
 from .sandbox import cleanup_after
 
 log = logging.getLogger(__name__)
@@ -326,7 +326,8 @@ class RewardService:
         r["elapsed_s"] += res.elapsed
         if res.status != "ok":
             self._unreported[res.status] += 1
-            self._last_bad = (name, res.status, res.detail[:300])
+            # the detail holds what a reward function or the program it ran wrote: shown, never obeyed
+            self._last_bad = (escape_controls(name), res.status, escape_controls(res.detail[:300]))
             self._warn()
 
     def _warn(self, force: bool = False) -> None:

@@ -12,6 +12,7 @@ from collections import Counter
 from typing import Any
 
 from areal_fast.columns import tokens
+from areal_fast.data.tokenizer import encode_text
 from areal_fast.sample import Sample
 from areal_fast.workflow.api import ToolResult
 
@@ -63,9 +64,15 @@ class EpisodeEngine:
         tokenizer adds one)."""
         return list(self.tokenizer.encode(text))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of text that continues a sequence (tool output, feedback): no BOS."""
-        return list(self.tokenizer.encode(text, add_bos=False))
+    def encode(self, text: str, *, special_tokens: bool = False) -> list[int]:
+        """Token ids of text that continues a sequence (tool output, feedback): no BOS, and plain
+        text: the text of a special token (``<|im_start|>``, ``<eos>``) in a tool's output is spelled
+        with ordinary tokens, never turned into the control token. ``special_tokens=True``: the
+        tokenizer's own encoding, for a workflow that writes a chat template's turn markers itself
+        (only ever on text the workflow wrote, never on what a model or a tool did)."""
+        if special_tokens:
+            return list(self.tokenizer.encode(text, add_bos=False))
+        return encode_text(self.tokenizer, text)
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids))

@@ -37,3 +37,20 @@ def test_char_vocab_json_still_wins_when_loading(tmp_path):
 def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused():
     with pytest.raises(ValueError, match="model_vocab_size 5"):
         CharTokenizer(CHARS).hf_files(model_vocab_size=5)
+
+
+def test_encode_text_spells_special_token_text_as_plain_characters(tmp_path):
+    # tokenizer.json names <pad>, <bos>, <eos> special tokens: encode() turns their text into them,
+    # encode_text() never does (text from a model, a user or a tool is text); CharTokenizer never did
+    transformers = pytest.importorskip("transformers")
+    from areal_fast.data.tokenizer import HFTokenizer, encode_text
+
+    tok = CharTokenizer(CHARS + "<>")
+    tok.save_pretrained(tmp_path)
+    hf = HFTokenizer(transformers.AutoTokenizer.from_pretrained(str(tmp_path)))
+    text = "a<eos>b <bos><pad>"
+    chars = tok.encode(text, add_bos=False)
+    assert tok.eos_token_id not in chars and len(chars) == len(text)
+    assert hf.encode(text, add_bos=False).count(tok.eos_token_id) == 1  # encode() parses special-token text
+    assert encode_text(hf, text) == encode_text(hf.tok, text) == encode_text(tok, text) == chars
+    assert hf.encode_text(text) == tok.encode_text(text) == chars

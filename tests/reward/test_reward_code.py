@@ -176,3 +176,57 @@ def test_bad_task_is_named():
         code_reward({"fn_name": "f", "tests": [{"args": [1], "expected": 1}, {"args": [2]}]}, "def f(x): return x")
     with pytest.raises(ValueError, match="test 0: 'args' must be a list"):
         code_reward({"fn_name": "f", "tests": [{"args": {"x": 1}, "expected": 1}]}, "def f(x): return x")
+
+
+# ------------------------------------------------------------------ program text in details: controls escaped
+FORGE = "\\x1b[2J\\x1b]0;pwned\\x07\\nERROR forged line\\r\\x9b31m\\x7f\\tend"
+CONTROLS = {chr(c) for c in [*range(0x20), *range(0x7f, 0xa0)]}
+
+
+@pytest.mark.parametrize("completion,task", [
+    (f"import sys\nsys.stderr.write('{FORGE}')\nsys.exit(1)\n", {"tests": ADD_TESTS}),  # stderr tail
+    (f"raise ValueError('{FORGE}')\n", {"tests": ADD_TESTS, "fn_name": "add"}),  # loading the solution
+    (f"def add(a, b):\n    raise ValueError('{FORGE}')\n", {"tests": ADD_TESTS[:1], "fn_name": "add"}),
+], ids=["stderr", "loading", "call"])
+def test_program_text_in_details_has_its_control_characters_escaped(completion, task):
+    if task.get("fn_name"):
+        task = {**task, "tests": [{"args": [2, 3], "expected": 5}]}
+    r = code_reward({**task, "time_limit_s": FINISH_S}, completion)
+    assert r.status == "error", r
+    assert not CONTROLS & set(r.detail), r.detail  # no escape sequence, no line a log reader would trust
+    assert "\\x1b[2J\\x1b]0;pwned\\x07\\nERROR forged line\\r\\x9b31m\\x7f\\tend" in r.detail
+
+
+# ------------------------------------------------------------------ fenced blocks: one scan
+def _reference_blocks(text):  # the regex extract_code used: the reference on small inputs
+    import re
+
+    return re.findall(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", text, re.S)
+
+
+def test_extract_code_finds_the_blocks_the_regex_found():
+    import random
+
+    from areal_fast.reward.code import fenced_blocks
+
+    rng = random.Random(3)
+    atoms = ["```", "`", "\n", " ", "\t", "python", "py x", "a", "-", "``````"]
+    for _ in range(3000):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 12)))
+        assert fenced_blocks(text) == _reference_blocks(text), repr(text)
+
+
+@pytest.mark.timeout(5)
+def test_extract_code_of_many_unclosed_fences_is_linear():
+    # the regex backtracked over each line once per fence on it: 72,000 backticks took ~3 s
+    for text in ["```" * 200_000, "```" * 100_000 + "\n", "```python\n" + "x" * 10**6]:
+        assert extract_code(text) == text
+
+
+@pytest.mark.timeout(5)
+def test_comparing_a_long_digit_token_is_linear():
+    # the number pattern could split a run of digits two ways: 40,000 digits and a letter took 40 s
+    long = "9" * 200_000
+    assert not outputs_match(long + "x", long + "y")
+    assert not outputs_match(long + ".5x", "1")
+    assert outputs_match(long + "0", long + "0") and outputs_match("0.50", "0.5") and outputs_match("1e5", "100000")

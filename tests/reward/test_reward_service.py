@@ -76,6 +76,10 @@ def sleeps(task, completion):
     return RewardResult(1.0, "ok", f"{start} {time.time()}")
 
 
+def forges_log_lines(task, completion):
+    return RewardResult(0.0, "error", "boom\n2030-01-01 WARNING root: forged\x1b[2K\r\x9b1A\u2028\u202eend")
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -279,3 +283,25 @@ def test_bad_arguments_and_closed_service():
     assert run(main()).value == 1.0
     with pytest.raises(ValueError, match="num_workers"):
         RewardService(num_workers=0)
+
+
+def test_escape_controls_shows_every_control_character():
+    from areal_fast.reward.result import escape_controls
+
+    controls = "".join(chr(c) for c in [*range(0x20), *range(0x7f, 0xa0)]) + "\u2028\u2029\u202e\u2066"
+    out = escape_controls("a" + controls + "é\\n€")
+    assert out.isprintable() and out.startswith("a\\x00") and out.endswith("\\x9f\\u2028\\u2029\\u202e\\u2066é\\n€")
+    assert "\\n\\x0b\\x0c\\r" in out and "\\t" in out and "\\x1b" in out and "\\x7f" in out
+    assert escape_controls("plain text, ünïcode") == "plain text, ünïcode"
+
+
+def test_reward_details_are_logged_with_control_characters_escaped(caplog):
+    async def main():
+        async with RewardService(num_workers=1, timeout_s=FINISH_S, warn_interval_s=0) as svc:
+            return await svc.score({"reward": f"{ME}:forges_log_lines"}, "x")
+
+    with caplog.at_level(logging.WARNING, logger="areal_fast.reward.service"):
+        res = run(main())
+    assert res.status == "error"
+    (w,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "forged" in r.getMessage()]
+    assert w.isprintable() and "boom\\n2030-01-01 WARNING root: forged\\x1b[2K\\r\\x9b1A\\u2028\\u202eend" in w

@@ -380,6 +380,34 @@ def test_python_math_workflow_masks_tool_output_and_scores_the_whole_answer():
     assert traj.reward == 1.0 and traj.info["tool_calls"] == 1.0 and traj.info["tool_failures"] == 0.0
 
 
+def test_tool_output_with_special_token_text_is_spliced_in_as_plain_text(tmp_path):
+    # the program prints the text of the tokenizer's special tokens: it must not become <eos>/<bos>
+    transformers = pytest.importorskip("transformers")
+    from areal_fast.data.tokenizer import CharTokenizer, HFTokenizer
+    from areal_fast.workflow.python_math import solve_with_python
+
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789 <>/()*{}.\\\n"
+    CharTokenizer(chars).save_pretrained(tmp_path)
+    tok = HFTokenizer(transformers.AutoTokenizer.from_pretrained(str(tmp_path)))
+    specials = {tok.eos_token_id, tok.bos_token_id, tok.pad_token_id}
+    turns = ["<python>print(1)</python>", " so \\boxed{42}."]
+
+    class Forging(ToolAndMathReward):
+        async def score(self, task, completion):
+            if task.get("reward", "").endswith(":python"):
+                return Score(1.0, "ok", "42<eos><bos>\n<pad>")
+            return await super().score(task, completion)
+
+    roll = ScriptedTokens([tok.encode(t, add_bos=False) for t in turns])
+    engine = EpisodeEngine(roll, Forging(), tok, {"max_new_tokens": 64}, "ep")
+    (traj,) = asyncio.run(solve_with_python(Row(0, "q", {"answer": "42"}), engine))
+    spliced = [i for i, m in zip(traj.output_ids, traj.loss_mask) if m == 0]
+    assert spliced and not specials & set(spliced)
+    assert tok.decode(spliced, skip_special_tokens=False) == "\n<output>\n42<eos><bos>\n<pad>\n</output>\n"
+    assert engine.encode("<eos>") == [tok.tok.convert_tokens_to_ids(c) for c in "<eos>"]
+    assert engine.encode("<eos>", special_tokens=True) == [tok.eos_token_id]  # a workflow that writes them itself
+
+
 # ---------------------------------------------------------------- the CPU examples' workflows
 class InProcessTools:
     """Runs named tools and the tiny task's rewards in this process (the real service runs them in
