@@ -14,8 +14,11 @@ Each tick:
 2. the target (``rollout.n_servers``, then ``servers/target.json`` from ``areal-fast servers``) is
    compared with the members and the servers starting: a missing one is started in the lowest free
    slot (its GPU is ``rollout.gpus[slot]``), with the run's key in a private file removed once it
-   is healthy. A death therefore becomes a relaunch (``rollout.relaunch_servers=false``: the target
-   drops instead). Five failed starts in a row stop the relaunching (logged as an error);
+   is healthy; at most ``MAX_STARTS_PER_TICK`` a tick, so a large target is reached a few servers
+   every 0.5 s instead of all of them spawned back to back. A target file above
+   ``members.MAX_SERVERS`` (one written by hand: the command refuses it) is refused with an error
+   and the target kept. A death therefore becomes a relaunch (``rollout.relaunch_servers=false``:
+   the target drops instead). Five failed starts in a row stop the relaunching (logged as an error);
 3. a started server is recorded in ``members.json`` under ``starting`` (pid, URL, slot) from the
    moment it is launched, so a resume after a kill -9 of the launcher can stop or adopt it
    (``launch.reuse``); once it answers /health 200 it becomes a member. Rank 0 (``launch.rank``) then offers
@@ -46,13 +49,14 @@ from pathlib import Path
 
 from areal_fast.launch.base import LaunchedProcess, server_ready
 from areal_fast.launch.liveness import DEFAULT_HANG_TIMEOUT_S  # for a config without rollout.hang_timeout
-from areal_fast.launch.members import Member, read_pool, read_target, write_members
+from areal_fast.launch.members import MAX_SERVERS, TARGET_FILE, Member, read_pool, read_target, write_members
 from areal_fast.launch.port_owner import PortTaken, check_listener
 
 log = logging.getLogger(__name__)
 TICK_S = 0.5
 DRAIN_S = 30.0  # a removed server leaves the pool within a step; past this it is stopped anyway
 MAX_FAILED_STARTS = 5  # in a row: a server that cannot start (bad node, no memory) is not retried forever
+MAX_STARTS_PER_TICK = 4  # servers launched in one tick (each a process or a Ray actor): the rest next ticks
 STOP_GRACE_S = 10.0
 
 
@@ -178,11 +182,16 @@ class ServerSupervisor:
         t = read_target(self.out)
         if t is not None and (t.n_servers, t.remove) != self._target_seen:
             self._target_seen = (t.n_servers, t.remove)
-            log.warning("server target %d (was %d)%s", t.n_servers, self.target,
-                        f", removing {t.remove}" if t.remove else "")
-            self.target = t.n_servers
-            for url in t.remove:
-                self._remove(url)
+            if t.n_servers > MAX_SERVERS:  # written by hand (the command refuses it): said once, ignored
+                log.error("server target %d in %s refused: a run may have at most %d servers "
+                          "(members.MAX_SERVERS); the target stays %d", t.n_servers, TARGET_FILE, MAX_SERVERS,
+                          self.target)
+            else:
+                log.warning("server target %d (was %d)%s", t.n_servers, self.target,
+                            f", removing {t.remove}" if t.remove else "")
+                self.target = t.n_servers
+                for url in t.remove:
+                    self._remove(url)
         while len(self.members) + len(self.starting) > self.target:
             if self.starting:  # not a member yet: stop it at once
                 s = self.starting.pop()
@@ -190,9 +199,12 @@ class ServerSupervisor:
                 self._stop_proc(s.proc)
                 continue
             self._remove(self.members[max(self.members)].url)
-        while len(self.members) + len(self.starting) < self.target and self.failed_starts < MAX_FAILED_STARTS:
+        started = 0  # a few a tick: the next tick (0.5 s) starts the next few
+        while (len(self.members) + len(self.starting) < self.target and self.failed_starts < MAX_FAILED_STARTS
+               and started < MAX_STARTS_PER_TICK):
             if not self._start_one():
                 break
+            started += 1
 
     def _remove(self, url: str) -> None:
         for slot, p in list(self.members.items()):

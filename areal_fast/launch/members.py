@@ -10,8 +10,9 @@ one writer each:
   ``rollout.keep_servers``: ``launch.reuse``). Rank 0 offers a new one to the weight sync (it joins
   the pool after its first full update) and drops from the pool a server that left the file (dead,
   or removed on request);
-- ``target.json`` (``areal-fast servers``): how many servers the run should have, and which to
-  remove first; the launcher starts or stops servers until the members match it;
+- ``target.json`` (``areal-fast servers``): how many servers the run should have (at most
+  `MAX_SERVERS`), and which to remove first; the launcher starts or stops servers until the
+  members match it, a few starts a tick (``launch.elastic.MAX_STARTS_PER_TICK``);
 - ``pool.json`` (rank 0): the servers requests go to, and the ones waiting to join. The launcher
   stops a removed server only once it left the pool (or after a drain deadline).
 
@@ -30,6 +31,10 @@ from pathlib import Path
 
 SERVERS_DIR = "servers"
 MEMBERS_FILE, TARGET_FILE, POOL_FILE = "members.json", "target.json", "pool.json"
+MAX_SERVERS = 1024
+"""The most servers a target may ask for (``areal-fast servers set/add``, ``target.json``): far above
+any run we launch, low enough that a typo (``set 100000``) is refused instead of starting servers
+until the machines give out. The launcher refuses a target file above it (``launch.elastic``)."""
 
 
 @dataclass
@@ -104,9 +109,17 @@ def read_starting(out) -> list[Member]:
     return [Member(**{**m, "state": "starting"}) for m in d.get("starting") or []]
 
 
+def check_target_size(n: int) -> None:
+    """Refuse a number of servers below 0 or above `MAX_SERVERS`, naming the value and the cap."""
+    if n < 0:
+        raise ValueError(f"n_servers: must be >= 0, got {n}")
+    if n > MAX_SERVERS:
+        raise ValueError(f"n_servers: {n} servers asked for; a run may have at most {MAX_SERVERS} "
+                         "(areal_fast.launch.members.MAX_SERVERS)")
+
+
 def write_target(out, target: Target) -> None:
-    if target.n_servers < 0:
-        raise ValueError(f"n_servers: must be >= 0, got {target.n_servers}")
+    check_target_size(target.n_servers)
     write_json(servers_dir(out) / TARGET_FILE, asdict(target))
 
 
@@ -132,8 +145,9 @@ def read_pool(out) -> dict | None:
 def servers_command(action: str, run_dir, arg: str | None = None) -> dict:
     """``areal-fast servers ACTION --run-dir DIR [ARG]``: ``list`` the members, the pool and the
     target; ``add [N]``, ``remove [URL | N]`` or ``set N`` write the new target (the launcher acts
-    on it within a second; a removed server is stopped once out of the pool). Returns what
-    ``list`` shows, after the change."""
+    on it within a second; a removed server is stopped once out of the pool). A target above
+    `MAX_SERVERS` raises ValueError naming it, and nothing is written. Returns what ``list``
+    shows, after the change."""
     members = read_members(run_dir)
     if members is None:
         raise ValueError(f"--run-dir {run_dir}: no {SERVERS_DIR}/{MEMBERS_FILE}; is it the output_dir of a run "

@@ -81,12 +81,13 @@ def socket_inodes(pids: set[int], proc: Path = Path("/proc")) -> set[int]:
 
 def listener_owner(pid: int | None, port: int, proc: Path = Path("/proc")) -> bool | None:
     """True when a socket listening on ``port`` is open in ``pid``'s process tree; False when the
-    port is listened on by others only (or by nobody); None when it cannot be told here."""
+    port is listened on by others only; None when nobody listens (nothing can be sent there) or it
+    cannot be told here."""
     if pid is None or not (proc / "net" / "tcp").exists() or not (proc / str(pid)).exists():
         return None
     listening = listening_inodes(port, proc)
     if not listening:
-        return False
+        return None
     return bool(listening & socket_inodes(process_tree(pid, proc), proc))
 
 

@@ -18,6 +18,11 @@ through them, and autograd registered on the differentiable ones:
 ``backend`` is 'triton' / 'interpret' (the kernels of ``areal_fast.kernels.ppo_loss``) or
 'reference' (row-chunked PyTorch, bounded memory, same formulas). The public functions in
 ``ppo_loss.py``/``fused_linear.py`` choose it with ``areal_fast.backend.select``.
+
+Dtypes: the [T] outputs (logp, entropy, lse) and the math behind them are fp32 for fp32, bf16 and
+fp16 inputs and fp64 for fp64 inputs (``ppo_loss_ref.math_dtype``), as in docs/objective.md. The
+Triton kernels compute in fp32 only, so fp64 logits (or hidden states) take the reference formulas
+on every backend; the fused-linear weight and bias gradients accumulate in fp64 then too.
 """
 
 # No `from __future__ import annotations` here: torch.library.custom_op reads the annotations
@@ -48,13 +53,18 @@ def _ref_rows(V: int) -> int:
 # implementations on a [T, V] block of logits
 
 
+def _kernels(backend: str, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernels run: asked for, and the math is fp32 (they have no fp64 path)."""
+    return backend in ("triton", "interpret") and math_dtype(dtype) == torch.float32
+
+
 def _stats_impl(logits: Tensor, labels: Tensor, temperature: float, backend: str):
-    if backend in ("triton", "interpret"):
+    if _kernels(backend, logits.dtype):
         from areal_fast.kernels.ppo_loss import token_stats_fwd
 
         return token_stats_fwd(logits, labels.contiguous(), temperature)
     T, V = logits.shape
-    logp = torch.empty(T, dtype=torch.float32, device=logits.device)
+    logp = torch.empty(T, dtype=math_dtype(logits.dtype), device=logits.device)
     ent, lse = torch.empty_like(logp), torch.empty_like(logp)
     step = _ref_rows(V)
     with torch.no_grad():  # the op's backward is its own (closed form), not autograd of this
@@ -65,7 +75,7 @@ def _stats_impl(logits: Tensor, labels: Tensor, temperature: float, backend: str
 
 
 def _bwd_impl(grad_out, logits, labels, lse, ent, grad_logp, grad_ent, temperature: float, backend: str) -> None:
-    if backend in ("triton", "interpret"):
+    if _kernels(backend, logits.dtype):
         from areal_fast.kernels.ppo_loss import token_stats_bwd
 
         token_stats_bwd(grad_out, logits, labels.contiguous(), lse, ent, grad_logp.float(), grad_ent.float(),
@@ -94,14 +104,15 @@ def _bwd_impl(grad_out, logits, labels, lse, ent, grad_logp, grad_ent, temperatu
 @torch.library.custom_op("areal_fast::ppo_token_stats", mutates_args=())
 def ppo_token_stats(logits: Tensor, labels: Tensor, temperature: float, grad_inplace: bool,
                     backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp, entropy, lse), fp32 [T]; lse is of logits / temperature (for the backward)."""
+    """(logp, entropy, lse), [T] in ``math_dtype(logits.dtype)`` (fp32; fp64 for fp64 logits); lse is
+    of logits / temperature (for the backward)."""
     return _stats_impl(logits, labels, temperature, backend)
 
 
 @ppo_token_stats.register_fake
 def _(logits, labels, temperature, grad_inplace, backend):
     T = logits.shape[0]
-    return tuple(logits.new_empty(T, dtype=torch.float32) for _ in range(3))
+    return tuple(logits.new_empty(T, dtype=math_dtype(logits.dtype)) for _ in range(3))
 
 
 @torch.library.custom_op("areal_fast::ppo_token_stats_bwd", mutates_args=("grad_out",))
@@ -151,9 +162,10 @@ def _chunks(T: int, chunk_size: int):
 @torch.library.custom_op("areal_fast::fused_linear_token_stats", mutates_args=())
 def fused_linear_token_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
                              temperature: float, chunk_size: int, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp, entropy, lse) of softmax((hidden @ weight.T + bias) / tau); peak extra memory one chunk."""
+    """(logp, entropy, lse) of softmax((hidden @ weight.T + bias) / tau), in ``math_dtype(hidden.dtype)``;
+    peak extra memory one chunk."""
     T = hidden.shape[0]
-    logp = hidden.new_empty(T, dtype=torch.float32)
+    logp = hidden.new_empty(T, dtype=math_dtype(hidden.dtype))
     ent, lse = torch.empty_like(logp), torch.empty_like(logp)
     for a, b in _chunks(T, chunk_size):
         z = F.linear(hidden[a:b], weight, bias)
@@ -164,7 +176,7 @@ def fused_linear_token_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None
 @fused_linear_token_stats.register_fake
 def _(hidden, weight, bias, labels, temperature, chunk_size, backend):
     T = hidden.shape[0]
-    return tuple(hidden.new_empty(T, dtype=torch.float32) for _ in range(3))
+    return tuple(hidden.new_empty(T, dtype=math_dtype(hidden.dtype)) for _ in range(3))
 
 
 # Whether torch.addmm(acc_fp32, a_lowp, b_lowp, out_dtype=float32, out=acc_fp32) runs on a device
@@ -239,13 +251,15 @@ class _LinearGrads:
     dz (written into the chunk's logits buffer). grad_weight is accumulated in fp32 *inside* the
     GEMM (``addmm_fp32_``): rounding each chunk's [V, H] product to bf16 before adding it cost
     ~2^-9 relative error per chunk and a full extra read/write of [V, H]; grad_bias is a column sum
-    with an fp32 accumulator (no fp32 copy of the chunk). Unneeded outputs are [0]."""
+    with an fp32 accumulator (no fp32 copy of the chunk). Both accumulate in fp64 for fp64 weights.
+    Unneeded outputs are [0]."""
 
     def __init__(self, hidden, weight, bias, need_hidden: bool, need_weight: bool, need_bias: bool):
         self.weight, self.bias = weight, bias
+        acc = math_dtype(weight.dtype)
         self.gh = torch.empty_like(hidden) if need_hidden else None
-        self.gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        self.gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
+        self.gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+        self.gb = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_bias else None
 
     def add_chunk(self, a: int, b: int, h: Tensor, dz: Tensor) -> None:
         if self.gh is not None:
@@ -253,7 +267,7 @@ class _LinearGrads:
         if self.gw is not None:
             addmm_fp32_(self.gw, dz.t(), h)
         if self.gb is not None:
-            self.gb += dz.sum(0, dtype=torch.float32)
+            self.gb += dz.sum(0, dtype=self.gb.dtype)
 
     def result(self) -> tuple[Tensor, Tensor, Tensor]:
         # a fresh [0] per missing output: custom ops may not return aliased tensors
@@ -353,9 +367,10 @@ def _fused_linear_ppo_single_pass(hidden, weight, bias, labels, behav_logprobs, 
                                   coef, chunk_size, backend, need_hidden, need_weight, need_bias, *options):
     cfg = _config_from_op_args(options)  # the trailing scalars are op_args(config)
     T = hidden.shape[0]
-    C = token_constants(behav_logprobs, adv, mask, prox, ref, torch.float32, hidden.device, cfg, cu_seqlens)
-    coef = coef.float()
-    logp = hidden.new_empty(T, dtype=torch.float32)
+    md = math_dtype(hidden.dtype)
+    C = token_constants(behav_logprobs, adv, mask, prox, ref, md, hidden.device, cfg, cu_seqlens)
+    coef = coef.to(md)
+    logp = hidden.new_empty(T, dtype=md)
     ent = torch.empty_like(logp)
     grads = _LinearGrads(hidden, weight, bias, need_hidden, need_weight, need_bias)
     for a, b in _chunks(T, chunk_size):
@@ -378,7 +393,8 @@ def _(hidden, weight, bias, labels, behav_logprobs, adv, mask, prox, ref, cu_seq
     gh = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
     gw = torch.empty_like(weight) if need_weight else weight.new_empty(0)
     gb = weight.new_empty(weight.shape[0], dtype=bias.dtype) if need_bias else weight.new_empty(0)
-    return hidden.new_empty(T, dtype=torch.float32), hidden.new_empty(T, dtype=torch.float32), gh, gw, gb
+    md = math_dtype(hidden.dtype)
+    return hidden.new_empty(T, dtype=md), hidden.new_empty(T, dtype=md), gh, gw, gb
 
 
 def fused_linear_ppo_single_pass(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,

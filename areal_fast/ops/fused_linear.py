@@ -43,6 +43,7 @@ from areal_fast.backend import select
 from . import custom_ops  # (also registers torch.ops.areal_fast.*)
 from .loss_config import PPOLossConfig, resolve_loss_config
 from .objective import aggregation_weights, check_token_inputs, ppo_objective
+from .ppo_loss_ref import math_dtype
 from .types import PPOLossOutput
 
 AVAILABLE = ("triton", "interpret", "reference")
@@ -143,6 +144,8 @@ def fused_linear_decoupled_ppo_loss(
     ``single_pass`` (default: when ``importance_level="token"``): compute the gradients during
     the forward (3 GEMMs, no recompute); they are held (grad_hidden [T, H], grad_weight [V, H]
     in the weight dtype) until the backward. Otherwise the backward recomputes the logits.
+    fp64 ``hidden``/``weight`` compute in fp64 on every backend (the Triton kernels are fp32-only:
+    the reference formulas run then) and give an fp64 loss; ``logprobs``/``entropy`` are fp32.
     """
     chunk = _check_linear(hidden, weight, bias, labels, chunk_size)
     cfg = resolve_loss_config(config, overrides)
@@ -157,7 +160,7 @@ def fused_linear_decoupled_ppo_loss(
     if single_pass and torch.is_grad_enabled() and any(needs):
         # Gradients in the forward (3 GEMMs); the loss value and stats come from the same
         # per-token function, evaluated on the detached [T] statistics.
-        coef = aggregation_weights(loss_mask, cu_seqlens, normalizer, cfg, torch.float32, hidden.device)
+        coef = aggregation_weights(loss_mask, cu_seqlens, normalizer, cfg, math_dtype(hidden.dtype), hidden.device)
         # detached inputs: the op has no autograd formula; attach_grads below carries the gradients
         logp, ent, gh, gw, gb = custom_ops.fused_linear_ppo_single_pass(
             hidden.detach(), weight.detach(), None if bias is None else bias.detach(), labels, behav_logprobs,
@@ -166,12 +169,12 @@ def fused_linear_decoupled_ppo_loss(
             loss, stats = ppo_objective(logp, ent, behav_logprobs, advantages, loss_mask, prox=prox_logprobs,
                                         ref=ref_logprobs, cu_seqlens=cu_seqlens, normalizer=normalizer, cfg=cfg)
         loss = torch.ops.areal_fast.attach_grads(loss, hidden, weight, bias, gh, gw, gb)
-        return PPOLossOutput(loss=loss, logprobs=logp, entropy=ent, stats=stats)
+        return PPOLossOutput(loss=loss, logprobs=logp.float(), entropy=ent.float(), stats=stats)
     logp, ent, _ = torch.ops.areal_fast.fused_linear_token_stats(hidden, weight, bias, labels,
                                                                  float(cfg.temperature), chunk, be)
     loss, stats = ppo_objective(logp, ent, behav_logprobs, advantages, loss_mask, prox=prox_logprobs,
                                 ref=ref_logprobs, cu_seqlens=cu_seqlens, normalizer=normalizer, cfg=cfg)
-    return PPOLossOutput(loss=loss, logprobs=logp.detach(), entropy=ent.detach(), stats=stats)
+    return PPOLossOutput(loss=loss, logprobs=logp.detach().float(), entropy=ent.detach().float(), stats=stats)
 
 
 def fused_linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None,
@@ -184,4 +187,5 @@ def fused_linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, 
     with torch.no_grad():
         logp, ent, _ = torch.ops.areal_fast.fused_linear_token_stats(hidden, weight, bias, labels,
                                                                      float(temperature), chunk, be)
+    logp, ent = logp.float(), ent.float()  # fp32 [T] like token_logprobs (fp64 inputs compute in fp64)
     return (logp, ent) if return_entropy else logp

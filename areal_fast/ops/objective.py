@@ -10,8 +10,9 @@ Choices written down in ``docs/objective.md`` (and implemented here only):
   * ``rho_t = l_t - p_t``: non-finite values become 0, then it is clamped to [-20, 20] (zero
     gradient outside).
   * A loss token whose behaviour weight ``exp(p_t - b_t)`` cannot be formed (``b_t`` or ``p_t``
-    non-finite, or the weight overflows) is *dropped*: ``w_t = 0`` and it leaves the sequence
-    statistics, like a token masked by MIS or M2PO. ``nonfinite_count`` counts the loss
+    non-finite, or ``p_t - b_t > LOG_BEHAV_WEIGHT_MAX`` = 20: the weight overflows, or is so large
+    that the weight times the surrogate would) is *dropped*: ``w_t = 0`` and it leaves the
+    sequence statistics, like a token masked by MIS or M2PO. ``nonfinite_count`` counts the loss
     tokens with a dropped weight or a non-finite log-ratio.
   * Sequence level: ``rho_s`` and ``A_s`` are means over the sequence's *kept* loss tokens (not
     masked by a behaviour-weight option, not dropped as non-finite).
@@ -22,7 +23,9 @@ Choices written down in ``docs/objective.md`` (and implemented here only):
     (``r_s`` broadcast to its tokens at sequence level); ``approx_kl`` is the mean of the
     cleaned, unclamped ``l - p``; ``*_fraction`` count the loss tokens each option truncated or
     masked;
-    ``behav_weight_mean``/``behav_kl`` count a dropped token as weight 0 / log-ratio 0.
+    ``behav_weight_mean``/``behav_kl`` count a dropped token as weight 0 / log-ratio 0. The means
+    are summed in float64, so a mean of finite per-token values is finite (an fp32 sum of a few
+    values near 3e38 is not).
   * Masked-out tokens contribute exactly zero (``torch.where``, so NaN/inf there cannot leak).
   * A zero denominator is replaced by 1 (an empty micro-batch gives loss 0, not NaN).
 """
@@ -38,6 +41,13 @@ from .loss_config import PPOLossConfig
 
 # exp(20) = 4.9e8: far beyond any clip range, and exp stays finite in fp32.
 LOG_RATIO_CLAMP = 20.0
+# A behaviour weight exp(p - b) above exp(20) = 4.9e8 drops its token, as one that overflows does:
+# a finite weight up to fp32's 3.4e38 (p - b = 88.7) times a clipped surrogate of a few units
+# overflows, and no correction is meant at such a ratio (the trainer gives the sampled token 4.9e8
+# times the probability the server reported: the behaviour record is broken, as with b = -inf).
+# Below it, |w pg| <= e^20 e^20 |A| stays far inside fp32 and fp64 alike, so every dtype drops the
+# same tokens. The lower side needs no bound (w -> 0 is harmless).
+LOG_BEHAV_WEIGHT_MAX = LOG_RATIO_CLAMP
 
 STAT_NAMES = (
     "n_tokens",
@@ -188,7 +198,8 @@ def token_constants(behav_logprobs, adv, mask, prox, ref, dt, dev, cfg: PPOLossC
         p = behav_logprobs if prox is None else const(prox)
         q = None if ref is None else const(ref)
         w_raw = torch.ones_like(behav_logprobs) if prox is None else torch.exp(p - behav_logprobs)
-        dropped = m & ~(torch.isfinite(behav_logprobs) & torch.isfinite(p) & torch.isfinite(w_raw))
+        usable = torch.isfinite(w_raw) & (p - behav_logprobs <= LOG_BEHAV_WEIGHT_MAX)
+        dropped = m & ~(torch.isfinite(behav_logprobs) & torch.isfinite(p) & usable)
         behav_logprobs = torch.where(dropped, zero, behav_logprobs)
         p = torch.where(dropped, zero, p) if prox is not None else behav_logprobs
         w_raw = torch.where(dropped, zero, w_raw)
@@ -356,10 +367,10 @@ def ppo_objective(
 
     with torch.no_grad():
         n = m.to(dt).sum()
-        nd = n.clamp_min(1.0)
+        nd = m.sum().to(torch.float64).clamp_min(1.0)
 
-        def mean(x):
-            return torch.where(m, x.to(dt), zero).sum() / nd
+        def mean(x):  # summed in float64: finite per-token values (< 3.4e38 each) give a finite mean
+            return torch.where(m, x.to(torch.float64), 0.0).sum() / nd
 
         stats = {
             "n_tokens": n,

@@ -66,7 +66,9 @@ def decoupled_ppo_loss(
     memory): only use it when nothing else needs the logits' values after the backward, and on
     a non-leaf buffer (e.g. the output of the lm_head matmul; a leaf's ``.grad`` would alias it).
     Labels outside [0, V) (e.g. -100) must be masked out. ``backend``: 'triton', 'interpret',
-    'reference' or None (``areal_fast.backend.select``).
+    'reference' or None (``areal_fast.backend.select``). The math is fp32 for fp32/bf16/fp16 logits
+    and fp64 for fp64 logits, whose loss is then fp64 (the Triton kernels are fp32-only: fp64
+    logits take the reference formulas on every backend); ``logprobs``/``entropy`` are fp32.
     """
     logits = _check_logits(logits, labels)
     cfg = resolve_loss_config(config, overrides)
@@ -76,7 +78,7 @@ def decoupled_ppo_loss(
     logp, ent, _ = torch.ops.areal_fast.ppo_token_stats(logits, labels, float(cfg.temperature), bool(grad_inplace), be)
     loss, stats = ppo_objective(logp, ent, behav_logprobs, advantages, loss_mask, prox=prox_logprobs,
                                 ref=ref_logprobs, cu_seqlens=cu_seqlens, normalizer=normalizer, cfg=cfg)
-    return PPOLossOutput(loss=loss, logprobs=logp.detach(), entropy=ent.detach(), stats=stats)
+    return PPOLossOutput(loss=loss, logprobs=logp.detach().float(), entropy=ent.detach().float(), stats=stats)
 
 
 def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0, return_entropy: bool = False,
@@ -91,4 +93,5 @@ def token_logprobs(logits: Tensor, labels: Tensor, *, temperature: float = 1.0, 
     be = select("ppo_loss", logits.device, available=AVAILABLE, backend=backend)
     with torch.no_grad():
         logp, ent, _ = torch.ops.areal_fast.ppo_token_stats(logits, labels, float(temperature), False, be)
+    logp, ent = logp.float(), ent.float()  # fp32 [T] (fp64 logits are computed in fp64, then rounded)
     return (logp, ent) if return_entropy else logp

@@ -22,9 +22,11 @@ Every run gets, whatever the isolation mode:
     clone with CLONE_NEW*, setns; clone3 answers ENOSYS so libc uses clone), no mount API, no
     keyctl/add_key/request_key, no bpf, userfaultfd, perf_event_open, io_uring, ptrace,
     process_vm_*, no kexec or module loading and other machine-wide calls (full list in
-    `seccomp.py`), all EPERM; a call for another architecture (i386 on x86_64) or through x32
-    kills the process. Where the kernel has no seccomp or we have no syscall table for the
-    architecture, the filter is left out and a warning says so (``Isolation.seccomp``).
+    `seccomp.py`), all EPERM; no socket of a family other than AF_UNIX/AF_INET/AF_INET6
+    (EAFNOSUPPORT: AF_VSOCK would reach a VM's hypervisor whatever the network namespace); a call
+    for another architecture (i386 on x86_64) or through x32 kills the process. Where the kernel
+    has no seccomp or we have no syscall table for the architecture, the filter is left out and a
+    warning says so (``Isolation.seccomp``).
 
 Isolation modes, detected once per process by actually running a probe (`isolation()`):
 

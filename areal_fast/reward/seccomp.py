@@ -9,18 +9,29 @@
 2. **A seccomp filter** (classic BPF, ``PR_SET_SECCOMP``/``SECCOMP_MODE_FILTER``, after
    ``PR_SET_NO_NEW_PRIVS``; inherited by every child, irrevocable). Denied calls fail with EPERM
    (`DENIED`); ``clone3`` fails with ENOSYS so that glibc falls back to ``clone``, whose flags a
-   classic filter can read (``clone3`` passes them in memory, out of its reach). A call made
+   classic filter can read (``clone3`` passes them in memory, out of its reach); ``socket`` and
+   ``socketpair`` fail with EAFNOSUPPORT for any address family but `SOCKET_FAMILIES`. A call made
    for another architecture (i386 ``int 0x80`` on x86_64, arm32 on aarch64) or through the x32
    ABI kills the process: the syscall numbers below would mean other calls there.
 
 The filter is a deny list over an otherwise normal process: threads, fork/exec, pipes, files,
-signals, mmap all work. It is a linear chain of compares (127 instructions on x86_64, JIT-compiled
+signals, mmap all work. It is a linear chain of compares (141 instructions on x86_64, JIT-compiled
 by the kernel) that every syscall runs: getppid() in a C loop took 416-690 ns without it and
 534-800 ns with it on our loaded 2-core VM (best of 6: +~120 ns a call; a binary search over the
 numbers measured no better: the cost is mostly the filtered entry path itself). Installing it
 and the keyring take ~0.2 ms, importing and building it ~0.7 ms, once per run. The list follows the spirit of
 Docker's default profile (calls an unprivileged container has no business making) but is our own:
 
+* socket families: ``socket`` and ``socketpair`` (the family is their first argument) for any
+  family but AF_UNIX, AF_INET and AF_INET6. A network namespace isolates only families that are
+  namespace-aware: AF_VSOCK is not, and on a VM guest it reaches the hypervisor side (host
+  services listening on vsock ports) from an otherwise network-less sandbox. AF_NETLINK,
+  AF_PACKET and the other ~40 families are kernel code no sandboxed program needs. Nothing the
+  sandbox runs needs AF_NETLINK: Python starts without a socket, ``getaddrinfo`` of a literal or
+  loopback address uses none, and glibc's ``AI_ADDRCONFIG`` probe (a NETLINK_ROUTE socket), when
+  refused, assumes both IPv4 and IPv6 are configured and goes on (there is no network to reach
+  either way). The error is EAFNOSUPPORT, what a kernel built without the family answers, so
+  programs take the path they already have for it;
 * namespaces: ``unshare`` and ``clone`` with any CLONE_NEW* flag, ``setns``, ``clone3``. A new
   user namespace would give the program a full capability set over namespaces of its own, the
   door to much of the kernel's rarely exercised code (mounting file systems, netfilter, ...);
@@ -49,7 +60,7 @@ import os
 import struct
 import sys
 
-EPERM, ENOSYS = 1, 38
+EPERM, ENOSYS, EAFNOSUPPORT = 1, 38, 97  # the same numbers on x86_64 and aarch64 (asm-generic)
 PR_GET_SECCOMP, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 21, 22, 38
 SECCOMP_MODE_FILTER = 2
 SECCOMP_RET_KILL_PROCESS = 0x80000000
@@ -73,6 +84,9 @@ CLONE_NS_FLAGS = (CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | 
 """Flags that make ``clone`` create a namespace (CLONE_NEWTIME is clone3/unshare only: in clone's
 first argument its bit is part of the exit signal)."""
 UNSHARE_NS_FLAGS = CLONE_NS_FLAGS | CLONE_NEWTIME
+AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
+SOCKET_FAMILIES = (AF_UNIX, AF_INET, AF_INET6)
+"""The address families ``socket``/``socketpair`` may open; any other fails with EAFNOSUPPORT."""
 
 
 class Arch:
@@ -92,7 +106,8 @@ _X86_64 = dict(
     kexec_load=246, kexec_file_load=320, init_module=175, finit_module=313, delete_module=176, reboot=169,
     swapon=167, swapoff=168, acct=163, settimeofday=164, clock_settime=227, clock_adjtime=305,
     sethostname=170, setdomainname=171, vhangup=153, quotactl=179, quotactl_fd=443, open_by_handle_at=304,
-    name_to_handle_at=303, iopl=172, ioperm=173, uselib=134, ustat=136, sysfs=139, _sysctl=156)
+    name_to_handle_at=303, iopl=172, ioperm=173, uselib=134, ustat=136, sysfs=139, _sysctl=156,
+    socket=41, socketpair=53)
 _AARCH64 = dict(
     clone=220, clone3=435, unshare=97, setns=268, mount=40, umount2=39, pivot_root=41, chroot=51,
     open_tree=428, move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
@@ -102,7 +117,7 @@ _AARCH64 = dict(
     kexec_load=104, kexec_file_load=294, init_module=105, finit_module=273, delete_module=106, reboot=142,
     swapon=224, swapoff=225, acct=89, settimeofday=170, clock_settime=112, clock_adjtime=266,
     sethostname=161, setdomainname=162, vhangup=58, quotactl=60, quotactl_fd=443, open_by_handle_at=265,
-    name_to_handle_at=264)
+    name_to_handle_at=264, socket=198, socketpair=199)
 ARCHES = {"x86_64": Arch("x86_64", 0xC000003E, _X86_64, x32_bit=True),
           "aarch64": Arch("aarch64", 0xC00000B7, _AARCH64)}
 
@@ -110,7 +125,9 @@ FLAG_CHECKED = ("clone", "unshare")
 """Denied (EPERM) only when their flags ask for a new namespace."""
 ENOSYS_CALLS = ("clone3",)
 """Reported as not implemented: glibc then falls back to clone (threads, fork, posix_spawn)."""
-DENIED = tuple(n for n in _X86_64 if n not in FLAG_CHECKED + ENOSYS_CALLS)
+FAMILY_CHECKED = ("socket", "socketpair")
+"""Allowed only for `SOCKET_FAMILIES` (their first argument); EAFNOSUPPORT otherwise."""
+DENIED = tuple(n for n in _X86_64 if n not in FLAG_CHECKED + ENOSYS_CALLS + FAMILY_CHECKED)
 """Always EPERM (those missing on an architecture are simply absent from its filter)."""
 
 
@@ -133,6 +150,11 @@ def build_filter(arch):
                  _insn(BPF_JSET_K, mask, jf=1),
                  _insn(BPF_RET_K, SECCOMP_RET_ERRNO | EPERM),
                  _insn(BPF_RET_K, SECCOMP_RET_ALLOW)]
+    n = len(SOCKET_FAMILIES)
+    for name in FAMILY_CHECKED:  # the kernel reads the family as an int: the low word of args[0]
+        prog += [_insn(BPF_JEQ_K, nr[name], jf=n + 3), _insn(BPF_LD_W_ABS, OFF_ARG0_LOW)]
+        prog += [_insn(BPF_JEQ_K, family, jt=n - i) for i, family in enumerate(SOCKET_FAMILIES)]
+        prog += [_insn(BPF_RET_K, SECCOMP_RET_ERRNO | EAFNOSUPPORT), _insn(BPF_RET_K, SECCOMP_RET_ALLOW)]
     for name in ENOSYS_CALLS:
         prog += [_insn(BPF_JEQ_K, nr[name], jf=1), _insn(BPF_RET_K, SECCOMP_RET_ERRNO | ENOSYS)]
     for name in DENIED:

@@ -13,7 +13,7 @@ import torch
 from areal_fast.weights.delta_codec import delta_apply
 
 __all__ = ["DELTA_IDX", "DELTA_VAL", "delta_name", "parse_delta_name", "split_entries", "check_delta",
-           "apply_named"]
+           "check_indices", "apply_named"]
 
 DELTA_IDX = "#delta_idx"
 DELTA_VAL = "#delta_val"
@@ -71,10 +71,16 @@ def check_delta(name: str, param: torch.Tensor, shape, idx: torch.Tensor) -> Non
     """Refuse a delta that does not fit ``param`` before anything is written."""
     if shape is not None and tuple(shape) != tuple(param.shape):
         raise ValueError(f"delta for {name}: computed for shape {tuple(shape)}, the parameter is {tuple(param.shape)}")
+    check_indices(name, param.numel(), idx)
+
+
+def check_indices(name: str, numel: int, idx: torch.Tensor) -> None:
+    """Refuse flat indices outside a tensor of ``numel`` elements (negative or ``>= numel``), naming
+    the tensor and the first bad index (the smallest negative one, else the largest)."""
     if idx.numel():
         lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= param.numel():
-            raise ValueError(f"delta for {name}: index {lo if lo < 0 else hi} outside {param.numel()} elements")
+        if lo < 0 or hi >= numel:
+            raise ValueError(f"delta for {name}: index {lo if lo < 0 else hi} outside {numel} elements")
 
 
 def apply_named(name: str, param: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> None:

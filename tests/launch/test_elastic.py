@@ -489,3 +489,43 @@ def test_a_paused_server_that_answers_model_info_but_503_on_health_counts_as_ans
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_large_target_starts_a_bounded_number_of_servers_per_tick(tmp_path, ready):
+    launcher = FakeLauncher()
+    sup, _ = _supervisor(tmp_path, launcher, n=1)
+    write_target(tmp_path, Target(11))
+    sup.tick()
+    assert 0 < len(launcher.started) <= 4  # not 10 back to back
+    assert len(launcher.started) == elastic.MAX_STARTS_PER_TICK
+    sup.tick()
+    assert len(launcher.started) == 2 * elastic.MAX_STARTS_PER_TICK
+    for _ in range(3):
+        sup.tick()
+    assert len(launcher.started) == 10 and len(sup.starting) == 10  # the rest, a few at a time
+
+
+def test_a_target_file_above_the_cap_is_refused_and_the_target_kept(tmp_path, ready, caplog):
+    import json
+    import logging
+
+    from areal_fast.launch.members import TARGET_FILE, servers_dir
+
+    launcher = FakeLauncher()
+    start = launcher.start_server
+
+    def runaway_guard(*a, **kw):  # a supervisor that obeyed the file would start 99998 servers
+        if len(launcher.started) >= 16:
+            raise RuntimeError("more than 16 starts")
+        return start(*a, **kw)
+
+    launcher.start_server = runaway_guard
+    sup, _ = _supervisor(tmp_path, launcher, n=2)
+    servers_dir(tmp_path).mkdir(parents=True, exist_ok=True)
+    (servers_dir(tmp_path) / TARGET_FILE).write_text(json.dumps({"n_servers": 100000}))  # by hand
+    with caplog.at_level(logging.ERROR, logger="areal_fast.launch.elastic"):
+        sup.tick()
+        sup.tick()
+    assert launcher.started == [] and sup.target == 2
+    refusals = [m for m in caplog.messages if "100000" in m and "at most 1024" in m]
+    assert len(refusals) == 1, caplog.messages  # said once, not every tick

@@ -280,3 +280,138 @@ def test_the_actor_reports_the_dashboard_per_step(tmp_path):
     assert all(0 <= m[k] <= 1 for k in DASHBOARD_KEYS if k.endswith("_fraction"))
     assert m["token_mis_masked_fraction"] > 0 and m["m2po_masked_fraction"] > 0  # random b: far from p
     assert m["staleness_p50"] == m["staleness_max"] == 2
+
+
+def _huge_weight_case(dtype=torch.float32):
+    """Random fp32 data whose loss tokens 1 and 3 carry a finite behaviour weight of e^88.6
+    (3.0e38, just under fp32's largest number) and a large advantage."""
+    d = make(T=7, seed=5, dtype=dtype)
+    d["m"][:] = 1.0
+    b, A = d["b"].clone(), d["A"].clone()
+    for t in (1, 3):
+        b[t] = d["p"][t] - 88.6
+        A[t] = 2.0
+    assert torch.isfinite(torch.exp(d["p"].float() - b.float())).all()  # finite in fp32: no overflow to drop
+    return {**d, "b": b, "A": A}
+
+
+def _huge_weight_runs(d, **opts):
+    """(name, output, gradient) of the reference, the Triton kernels (interpreter) and both fused
+    paths on the same fp32 inputs."""
+    g = torch.Generator().manual_seed(1)
+    T, V = d["z"].shape
+    H = 6
+    hidden, W = torch.randn(T, H, generator=g), torch.randn(V, H, generator=g)
+    args = (d["y"], d["b"].float(), d["A"].float(), d["m"])
+    kw = dict(prox_logprobs=d["p"].float(), cu_seqlens=d["cu"], **opts)
+    runs = []
+    for name, fn, extra in (("reference", decoupled_ppo_loss_ref, {}),
+                            ("interpret", decoupled_ppo_loss, dict(backend="interpret"))):
+        z = d["z"].float().clone().requires_grad_()
+        out = fn(z, *args, **kw, **extra)
+        out.loss.backward()
+        runs.append((name, out, z.grad))
+    for single in (True, False):
+        h = hidden.clone().requires_grad_()
+        out = fused_linear_decoupled_ppo_loss(h, W, *args, **kw, single_pass=single, chunk_size=3,
+                                              backend="interpret")
+        out.loss.backward()
+        runs.append((f"fused single_pass={single}", out, h.grad))
+    return runs
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("opts", [{}, dict(tis_cap=2.0)], ids=["raw", "tis_cap"])
+def test_a_huge_finite_behaviour_weight_drops_the_token_and_keeps_loss_and_stats_finite(opts):
+    """w = e^88.6 is finite in fp32, but w times the surrogate is not (the loss was inf, and
+    behav_weight_mean inf even with tis_cap): a weight above e^20 drops its token, like one that
+    overflows, on every path; the loss is the one with those tokens' behaviour log-probs at -inf."""
+    d = _huge_weight_case()
+    broken = {**d, "b": d["b"].clone()}
+    broken["b"][[1, 3]] = float("-inf")  # the existing rule: dropped
+    for (name, out, grad), (_, want, want_grad) in zip(_huge_weight_runs(d, **opts),
+                                                       _huge_weight_runs(broken, **opts)):
+        assert torch.isfinite(out.loss) and torch.isfinite(grad).all(), name
+        assert all(math.isfinite(float(v)) for v in out.stats.values()), (name, out.stats)
+        assert float(out.stats["nonfinite_count"]) == 2.0, name
+        torch.testing.assert_close(out.loss, want.loss, **FP32_REORDER_TOL)
+        torch.testing.assert_close(grad, want_grad, **FP32_GRAD_TOL)
+        for k in want.stats:
+            if k != "behav_kl":  # a dropped token counts 0 there; -inf vs a finite b differs only in that
+                torch.testing.assert_close(out.stats[k], want.stats[k], **FP32_REORDER_TOL)
+
+
+def test_a_weight_at_e20_is_kept_and_just_above_it_is_dropped():
+    """The bound is the log-ratio clamp's, 20 (w = 4.85e8), on the upper side only; the fp64 path
+    draws it at the same place."""
+    for dtype in (torch.float32, torch.float64):
+        p = torch.tensor([-1.0, -1.0, -1.0], dtype=dtype)
+        b = p - torch.tensor([20.0, 20.01, -40.0], dtype=dtype)
+        z, y = _one_hot_logits(p.double())
+        out = decoupled_ppo_loss_ref(z.to(dtype), y, b, torch.ones(3, dtype=dtype), torch.ones(3), prox_logprobs=p)
+        assert float(out.stats["nonfinite_count"]) == 1.0, dtype
+        assert float(out.stats["behav_weight_mean"]) == pytest.approx((math.exp(20.0) + math.exp(-40.0)) / 3,
+                                                                       rel=1e-6)
+
+
+def test_stat_means_are_finite_when_their_fp32_sum_would_overflow():
+    """kl_mean of six tokens with k3 = e^87 each (6.1e37): the fp32 sum is 3.6e38 = inf; the mean is not."""
+    l = torch.full((6,), -87.0, dtype=torch.float64)  # noqa: E741  (l_t of docs/objective.md)
+    z, y = _one_hot_logits(l)
+    out = decoupled_ppo_loss_ref(z.float(), y, l.float(), torch.ones(6), torch.ones(6), ref_logprobs=torch.zeros(6),
+                                 kl_coef=1e-6, kl_estimator="k3")
+    assert torch.isfinite(out.loss)
+    kl = float(out.stats["kl_mean"])
+    assert math.isfinite(kl) and kl == pytest.approx(math.exp(87.0) + 86.0, rel=1e-4)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_with_prox_none_only_a_cap_or_band_that_excludes_one_acts(level):
+    """prox_mode none: w_t = 1. M2PO never masks (p - b = 0), a cap or band holding 1 changes
+    nothing, but tis_cap < 1 scales every token's policy term by the cap, and a token- or
+    sequence-MIS band that excludes 1 masks every token."""
+    d = make(T=13, seed=3)
+    args = (d["z"], d["y"], d["b"], d["A"], d["m"])
+    kw = dict(cu_seqlens=d["cu"], importance_level=level)
+    base = decoupled_ppo_loss_ref(*args, **kw)
+    zero = decoupled_ppo_loss_ref(*args, **kw, token_mis_upper=0.0 + 0.5, token_mis_lower=0.1)  # excludes 1
+    for opts in (dict(m2po_tau=1e-9), dict(tis_cap=1.0), dict(tis_cap=3.0), dict(token_mis_lower=0.5,
+                 token_mis_upper=2.0), dict(seq_mis_lower=1.0, seq_mis_upper=1.0)):
+        out = decoupled_ppo_loss_ref(*args, **kw, **opts)
+        assert float(out.loss) == pytest.approx(float(base.loss), abs=FP64_REORDER_TOL), opts
+        assert all(float(out.stats[k]) == 0.0 for k in ("tis_truncated_fraction", "token_mis_masked_fraction",
+                                                          "seq_mis_masked_fraction", "m2po_masked_fraction")), opts
+    # the policy term alone (no KL, no entropy here): scaled by the cap, or gone
+    out = decoupled_ppo_loss_ref(*args, **kw, tis_cap=0.25)
+    assert float(out.loss) == pytest.approx(0.25 * float(base.loss), abs=FP64_REORDER_TOL)
+    assert float(out.stats["tis_truncated_fraction"]) == float(base.stats["n_tokens"] > 0)
+    assert float(zero.loss) == 0.0 and float(zero.stats["token_mis_masked_fraction"]) == 1.0
+    for opts in (dict(seq_mis_lower=1.5), dict(seq_mis_upper=0.5)):
+        out = decoupled_ppo_loss_ref(*args, **kw, **opts)
+        assert float(out.loss) == 0.0 and float(out.stats["seq_mis_masked_fraction"]) == 1.0, opts
+
+
+def test_m2po_stops_strictly_below_tau_and_keeps_ppo_clipping():
+    # a remaining mean exactly at tau is not enough: one more token is masked
+    sq = torch.tensor([2.0, 0.0], dtype=torch.float64)
+    valid = torch.ones(2, dtype=torch.bool)
+    assert m2po_select(sq, valid, 1.0).tolist() == [True, False]  # mean 1.0 == tau: mask the 2
+    assert m2po_select(sq, valid, 1.0 + 1e-9).tolist() == [False, False]
+    # M2PO only masks: the kept tokens are clipped exactly as without it (here like the token-MIS
+    # band that masks the same two tokens, weights 1.5 and 0.5)
+    log_w = torch.tensor([0.0, math.log(1.5), math.log(0.5), math.log(1.1)], dtype=torch.float64)
+    l_true = torch.log(torch.tensor([0.5, 0.4, 0.3, 0.2], dtype=torch.float64))
+    p = l_true - torch.tensor([0.3, -0.3, 0.25, -0.4], dtype=torch.float64)  # ratios e^0.3, e^-0.3, ...
+    b = p - log_w
+    A = torch.tensor([1.0, 2.0, -1.0, -0.5], dtype=torch.float64)
+    z, y = _one_hot_logits(l_true)
+    kw = dict(prox_logprobs=p, eps_clip=0.2)
+    m2po = decoupled_ppo_loss_ref(z, y, b, A, torch.ones(4), m2po_tau=0.05, **kw)
+    band = decoupled_ppo_loss_ref(z, y, b, A, torch.ones(4), token_mis_lower=0.6, token_mis_upper=1.2, **kw)
+    assert float(m2po.stats["m2po_masked_fraction"]) == 0.5
+    assert float(m2po.stats["clip_fraction"]) == float(band.stats["clip_fraction"]) > 0
+    r = torch.exp(l_true - p)
+    pg = torch.maximum(-A * r, -A * r.clamp(0.8, 1.2))
+    expect = float((torch.exp(log_w) * pg)[[0, 3]].sum()) / 4
+    assert float(m2po.loss) == pytest.approx(expect, abs=FP64_REORDER_TOL)
+    assert float(band.loss) == pytest.approx(expect, abs=FP64_REORDER_TOL)

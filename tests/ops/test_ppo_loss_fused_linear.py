@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from tolerances import FP32_CHUNKED_GEMM_TOL
+from tolerances import FP32_CHUNKED_GEMM_TOL, FP64_REORDER_TOL
 
 from areal_fast.ops import (
     PPOLossConfig,
@@ -449,3 +449,17 @@ def test_fused_linear_backward_warns_once_on_the_fallback(fresh_gemm_probe):
                                                   backend="reference")
             out.loss.backward()
     assert len([w for w in rec if "cannot accumulate" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("interpret", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_fp64_inputs_give_an_fp64_loss_on_the_fused_paths(single_pass, backend):
+    """fp64 hidden and weight: logits, loss, stats math and the weight-gradient accumulator in fp64
+    (the Triton kernels are fp32-only: fp64 chunks take the reference formulas)."""
+    d = {k: (v.double() if torch.is_tensor(v) and v.dtype.is_floating_point else v) for k, v in make(seed=3).items()}
+    kw = dict(TOKEN_OPTS, single_pass=single_pass, chunk_size=4, backend=backend)
+    fused = run_fused(fused_linear_decoupled_ppo_loss, d, **kw)
+    kw = {k: v for k, v in kw.items() if k not in ("single_pass", "chunk_size", "backend")}
+    ref = run_fused(fused_linear_decoupled_ppo_loss_ref, d, **kw)
+    assert fused[0].loss.dtype == torch.float64 and all(g.dtype == torch.float64 for g in fused[1:])
+    assert_same(fused, ref, tol=dict(atol=FP64_REORDER_TOL, rtol=FP64_REORDER_TOL))

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerances import FP32_ERR_FLOOR, FP32_GRAD_TOL, FP32_GRAD_VS_AUTOGRAD_TOL, FP32_REORDER_TOL
+from tolerances import FP32_ERR_FLOOR, FP32_GRAD_TOL, FP32_GRAD_VS_AUTOGRAD_TOL, FP32_REORDER_TOL, FP64_REORDER_TOL
 
 from areal_fast.ops import decoupled_ppo_loss, decoupled_ppo_loss_ref, ppo_objective, token_logprobs
 from areal_fast.ops.objective import PPOLossConfig
@@ -430,3 +430,27 @@ def test_benchmark_records_the_weight_gradient_path(monkeypatch):
     assert row["weight_grad_path"] == expected and row["table"] == "fused_linear_cpu"
     n_warned = sum("cannot accumulate" in str(w.message) for w in rec)
     assert n_warned == (1 if expected == custom_ops.PATH_UPCAST else 0)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("interpret", marks=pytest.mark.interpreter)])
+def test_fp64_logits_give_an_fp64_loss_and_gradient_on_every_backend(backend):
+    """docs/objective.md: fp64 for fp64 inputs. The Triton kernels compute in fp32 only, so fp64
+    logits take the reference formulas (row chunks) whatever the backend asked for."""
+    d = {k: (v.double() if v.dtype.is_floating_point else v) for k, v in make(9, 40, torch.float32, seed=4).items()}
+    out, grad = run(decoupled_ppo_loss, d, backend)
+    ref, grad_ref = run(decoupled_ppo_loss_ref, d)
+    assert out.loss.dtype == grad.dtype == torch.float64
+    torch.testing.assert_close(out.loss, ref.loss, atol=FP64_REORDER_TOL, rtol=FP64_REORDER_TOL)
+    torch.testing.assert_close(grad, grad_ref, atol=FP64_REORDER_TOL, rtol=FP64_REORDER_TOL)
+    lp = token_logprobs(d["z"], d["y"], temperature=OPTS["temperature"], backend=backend)
+    assert lp.dtype == torch.float32  # log-probs for the trainer's buffers stay fp32, as token_logprobs_ref's
+
+
+def test_gradcheck_fp64_through_the_custom_op():
+    d = {k: (v.double() if v.dtype.is_floating_point else v) for k, v in make(6, 11, torch.float32, seed=9).items()}
+
+    def f(z):
+        return decoupled_ppo_loss(z, d["y"], d["b"], d["A"], d["m"], prox_logprobs=d["p"], ref_logprobs=d["q"],
+                                  cu_seqlens=d["cu"], backend="reference", **OPTS).loss
+
+    assert torch.autograd.gradcheck(f, (d["z"].clone().requires_grad_(),))

@@ -73,11 +73,12 @@ def spec_eval(z, y, b, A, m, p, q, cu, normalizer, o):
     l = [logP[t, y[t]] for t in range(T)]  # noqa: E741  (the name in docs/objective.md)
     H = [-(P[t] * logP[t]).sum() for t in range(T)]
     pt = b if p is None else p
-    # behaviour weight; a loss token whose weight cannot be formed (b or p not finite, overflow) is
-    # dropped: weight 0, log-ratio 0, out of the sequence statistics, counted as non-finite
+    # behaviour weight; a loss token whose weight cannot be formed (b or p not finite, overflow, or
+    # p - b above 20) is dropped: weight 0, log-ratio 0, out of the sequence statistics, counted as
+    # non-finite
     w_raw, dropped = [], []
     for t in range(T):
-        ok = math.isfinite(_f(b[t])) and math.isfinite(_f(pt[t]))
+        ok = math.isfinite(_f(b[t])) and math.isfinite(_f(pt[t])) and _f(pt[t]) - _f(b[t]) <= 20.0
         w = (1.0 if p is None else math.exp(min(_f(p[t]) - _f(b[t]), 800.0))) if ok else math.inf
         drop = bool(m[t] != 0) and not math.isfinite(w)
         dropped.append(drop)

@@ -5,7 +5,8 @@
   no setuid escalation (every mount nosuid, no_new_privs set);
 * the kernel (issue 32 H3, M3), in every mode this machine can run: the launcher's keyrings are out
   of reach (a fresh session keyring, keyctl denied), no user namespace, no mount, each call of the
-  seccomp deny list fails with EPERM, and ordinary programs (threads, fork, exec) still work.
+  seccomp deny list fails with EPERM, no socket but AF_UNIX/AF_INET/AF_INET6 (AF_VSOCK reaches
+  the hypervisor whatever the network namespace), and ordinary programs (threads, fork, exec) still work.
 
 Each test waits only on events it controls (pipes, process exit), never on a timer.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from test_reward_sandbox import FINISH, FINISH_S, assert_no_leftovers
-from test_reward_seccomp import ENOSYS, EPERM, probe_source
+from test_reward_seccomp import ENOSYS, EPERM, SOCKET_ANSWERS, SOCKET_FAMILIES, probe_source
 
 from areal_fast.reward import cgroup, sandbox
 from areal_fast.reward.code import code_reward
@@ -532,3 +533,31 @@ def test_ordinary_programs_still_work_under_the_filter(mode):
     iso = isolation_for(mode)
     r = sandbox._run(iso, [iso.python, "-I", "-c", ORDINARY], b"", {}, FINISH)
     assert r.ok and r.stdout.split() == [b"True", b"42", b"True", b"100"], r
+
+
+# The families, then what a program does with the ones it keeps: name lookups of loopback (with
+# AI_ADDRCONFIG glibc asks the kernel over AF_NETLINK first and, refused, assumes both IPv4 and IPv6)
+# and a TCP connection to 127.0.0.1, refused or unreachable as without the filter.
+SOCKETS_IN_USE = SOCKET_FAMILIES.replace("print(json.dumps(out))", """
+out["lookup"] = sorted({a[4][0] for a in socket.getaddrinfo("127.0.0.1", 80)})
+out["lookup_addrconfig"] = sorted({a[4][0] for a in socket.getaddrinfo("127.0.0.1", 80, flags=socket.AI_ADDRCONFIG)})
+try:
+    socket.create_connection(("127.0.0.1", 9), timeout=5).close()
+    out["connect"] = 0
+except OSError as e:
+    out["connect"] = e.errno
+print(json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_only_unix_and_inet_sockets_inside_the_sandbox(mode):
+    import errno
+
+    iso = isolation_for(mode)
+    r = sandbox._run(iso, [iso.python, "-I", "-c", SOCKETS_IN_USE], b"", {}, FINISH)
+    assert r.ok, r
+    got = json.loads(r.stdout)
+    assert {k: got[k] for k in SOCKET_ANSWERS} == SOCKET_ANSWERS, got
+    assert got["lookup"] == got["lookup_addrconfig"] == ["127.0.0.1"], got
+    assert got["connect"] in (errno.ENETUNREACH, errno.ECONNREFUSED), got

@@ -1,8 +1,9 @@
 """The sandbox's seccomp filter (`areal_fast/reward/seccomp.py`), on its own.
 
 * the BPF program, run by a small classic-BPF interpreter here, for x86_64 and aarch64: every
-  denied call gets EPERM, clone/unshare only with namespace flags, clone3 ENOSYS, a foreign
-  architecture or an x32 call kills, ordinary calls pass;
+  denied call gets EPERM, clone/unshare only with namespace flags, clone3 ENOSYS, socket and
+  socketpair EAFNOSUPPORT for any family but AF_UNIX/AF_INET/AF_INET6, a foreign architecture or
+  an x32 call kills, ordinary calls pass;
 * the syscall numbers against the system headers where they are installed;
 * the kernel: a process that installed the filter gets EPERM from each denied call, called with
   arguments that give another answer without the filter (shown by a control run, as root).
@@ -21,7 +22,8 @@ import pytest
 
 from areal_fast.reward import seccomp
 
-EPERM, ENOSYS = 1, 38
+EPERM, ENOSYS, EAFNOSUPPORT = 1, 38, 97
+AF_UNIX, AF_INET, AF_INET6, AF_NETLINK, AF_PACKET, AF_VSOCK = 1, 2, 10, 16, 17, 40
 CLONE_NEWUSER, CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWTIME = 0x10000000, 0x00020000, 0x40000000, 0x80
 SIGCHLD = 17
 THREAD_FLAGS = 0x3D0F00  # what glibc's pthread_create passes to clone: VM|FS|FILES|SIGHAND|THREAD|SYSVSEM|...
@@ -51,6 +53,7 @@ def run_filter(prog: bytes, nr: int, arch: int, args=(0, 0, 0, 0, 0, 0)) -> int:
 
 ALLOW, KILL = seccomp.SECCOMP_RET_ALLOW, seccomp.SECCOMP_RET_KILL_PROCESS
 ERR_EPERM, ERR_ENOSYS = seccomp.SECCOMP_RET_ERRNO | EPERM, seccomp.SECCOMP_RET_ERRNO | ENOSYS
+ERR_EAFNOSUPPORT = seccomp.SECCOMP_RET_ERRNO | EAFNOSUPPORT
 
 
 @pytest.mark.parametrize("arch_name", sorted(seccomp.ARCHES))
@@ -87,13 +90,33 @@ def test_filter_decisions(arch_name):
         assert decide(seccomp.X32_SYSCALL_BIT) == KILL
 
 
+@pytest.mark.parametrize("arch_name", sorted(seccomp.ARCHES))
+def test_socket_families_other_than_unix_and_inet_are_refused(arch_name):
+    """AF_VSOCK reaches the hypervisor side of a VM whatever the network namespace; AF_NETLINK,
+    AF_PACKET and the rest are kernel surface no sandboxed program needs. Both socket and
+    socketpair take the family in their first argument."""
+    arch = seccomp.ARCHES[arch_name]
+    prog, nr = seccomp.build_filter(arch), arch.numbers
+    assert {"x86_64": (41, 53), "aarch64": (198, 199)}[arch_name] == (nr["socket"], nr["socketpair"])
+    for call in ("socket", "socketpair"):
+        def decide(family, call=call):
+            return run_filter(prog, nr[call], arch.audit_arch, (family, 1, 0, 0, 0, 0))
+
+        for family in (AF_UNIX, AF_INET, AF_INET6):
+            assert decide(family) == ALLOW, (call, family)
+            assert decide(0xFFFFFFFF_00000000 | family) == ALLOW  # the kernel reads an int
+        for family in (0, AF_NETLINK, AF_PACKET, AF_VSOCK, 3, 9, 38, 44, 45, 46, 0xFFFF, 0xFFFFFFFF):
+            assert decide(family) == ERR_EAFNOSUPPORT, (call, family)
+        assert decide(0x1_00000000 | AF_VSOCK) == ERR_EAFNOSUPPORT
+
+
 def test_denied_list_names_the_issue_calls():
     must = {"add_key", "keyctl", "request_key", "setns", "mount", "umount2", "pivot_root", "bpf", "userfaultfd",
             "perf_event_open", "ptrace", "kexec_load", "kexec_file_load", "init_module", "finit_module",
             "open_by_handle_at"}
     assert must <= set(seccomp.DENIED)
     for arch in seccomp.ARCHES.values():
-        assert set(arch.numbers) <= set(seccomp.DENIED) | {"clone", "unshare", "clone3"}
+        assert set(arch.numbers) <= set(seccomp.DENIED) | {"clone", "unshare", "clone3", "socket", "socketpair"}
 
 
 HEADERS = {"x86_64": "/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "aarch64": "/usr/include/asm-generic/unistd.h"}
@@ -217,6 +240,45 @@ print(sorted(box) == list(range(8)), forked, spawned, child, n)
     r = subprocess.run([sys.executable, "-I", "-c", src], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["True", "7", "3", "child", "10"]
+
+
+# socket(family) for each family (and socketpair for two): {name: errno or 0}. Printed as JSON.
+SOCKET_FAMILIES = r"""
+import json, socket
+out = {}
+for name, fam, kind in (("unix", 1, 1), ("inet", 2, 1), ("inet6", 10, 1), ("netlink", 16, 3), ("packet", 17, 3),
+                        ("vsock", 40, 1)):
+    try:
+        socket.socket(fam, kind).close()
+        out[name] = 0
+    except OSError as e:
+        out[name] = e.errno
+for name, fam in (("pair_unix", 1), ("pair_vsock", 40)):
+    try:
+        [s.close() for s in socket.socketpair(fam, 1)]
+        out[name] = 0
+    except OSError as e:
+        out[name] = e.errno
+print(json.dumps(out))
+"""
+SOCKET_ANSWERS = {"unix": 0, "inet": 0, "inet6": 0, "netlink": EAFNOSUPPORT, "packet": EAFNOSUPPORT,
+                  "vsock": EAFNOSUPPORT, "pair_unix": 0, "pair_vsock": EAFNOSUPPORT}
+
+
+@needs_arch
+def test_the_kernel_refuses_vsock_and_netlink_sockets_under_the_filter():
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(seccomp.__file__)))
+    for filtered in (False, True):
+        src = (INSTALL.format(pkg=pkg) if filtered else "") + SOCKET_FAMILIES
+        r = subprocess.run([sys.executable, "-I", "-c", src], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got = json.loads(r.stdout)
+        if not filtered:  # the control: these families exist here (a kernel without vsock would say 97)
+            assert got["netlink"] == 0, got
+            vsock_here = got["vsock"] == 0
+    assert got == SOCKET_ANSWERS, got
+    if not vsock_here:
+        pytest.skip("no AF_VSOCK in this kernel: the refusal above is not shown to be the filter's")
 
 
 @needs_arch

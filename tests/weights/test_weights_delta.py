@@ -260,3 +260,20 @@ def test_delta_pairs_that_do_not_match_are_refused():
     with pytest.raises(ValueError, match="computed for shape"):
         recv.load([("q.bias#delta_idx:4x4", torch.tensor([1], dtype=torch.int32)),
                    ("q.bias#delta_val", torch.ones(1, dtype=torch.bfloat16))])
+
+
+@pytest.mark.parametrize("bad", [-1, 16])
+def test_the_embedded_receiver_refuses_indices_outside_the_tensor_before_writing(bad):
+    """The twin of the SGLang applier's check: the error names the tensor and the index, and neither
+    the good delta nor the whole tensor of the same call is written."""
+    model = _Model(torch.bfloat16)
+    recv = WeightReceiver(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=rf"q\.bias: index {bad} outside 16 elements"):
+        recv.load([("q.weight#delta_idx:16x16", torch.tensor([3], dtype=torch.int32)),
+                   ("q.weight#delta_val", torch.ones(1, dtype=torch.bfloat16)),
+                   ("norm.weight", torch.ones(7, dtype=torch.bfloat16)),
+                   ("q.bias#delta_idx:16", torch.tensor([0, bad], dtype=torch.int32)),
+                   ("q.bias#delta_val", torch.ones(2, dtype=torch.bfloat16))])
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n

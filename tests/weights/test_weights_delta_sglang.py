@@ -167,3 +167,45 @@ def test_the_package_subclasses_the_release_models(version):
         ours = importlib.import_module(f"areal_fast.backends.sglang.models.{mod}").EntryClass
         base = sglang_module(version, f"sglang.srt.models.{mod}")
         assert ours.__name__ == cls and issubclass(ours, getattr(base, cls))
+
+
+@pytest.mark.parametrize("bad", [-1, NKV * HD, 2**31 - 1])
+def test_indices_outside_the_tensor_are_refused_before_anything_is_written(bad):
+    """An index no run holds used to be dropped as "another rank's"; one outside the tensor is a
+    broken update: refused, naming the tensor and the index, with no parameter touched (neither
+    the good delta before it nor the whole tensor in the same call)."""
+    from areal_fast.weights.delta_wire import DELTA_VAL, delta_name
+
+    state = hf_state()
+    model = DeltaQwen(2, 1)
+    model.load_weights(_entries(_bucket(state)))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    q, kb = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.bias"
+    entries = [(delta_name(q, (NH * HD, H)), torch.tensor([0, NH * HD * H - 1], dtype=torch.int32)),
+               (q + DELTA_VAL, torch.ones(2, dtype=torch.bfloat16)),
+               ("model.norm.weight", torch.ones(H, dtype=torch.bfloat16)),
+               (delta_name(kb, (NKV * HD,)), torch.tensor([0, bad], dtype=torch.int32)),
+               (kb + DELTA_VAL, torch.ones(2, dtype=torch.bfloat16))]
+    with pytest.raises(ValueError, match=rf"{kb}.*index {bad}\b.*{NKV * HD} elements"):
+        model.load_weights(entries)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.view(torch.int16), before[n].view(torch.int16)), n
+
+
+def test_a_streamed_call_checks_every_delta_before_applying_one():
+    """An iterator (start-up's checkpoint stream) cannot be checked ahead of SGLang's loader, but
+    no delta is applied while another one in the call is out of range."""
+    from areal_fast.weights.delta_wire import DELTA_VAL, delta_name
+
+    model = DeltaQwen(1, 0)
+    model.load_weights(_entries(_bucket(hf_state())))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    q, kb = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.bias"
+    entries = [(delta_name(q, (NH * HD, H)), torch.tensor([0], dtype=torch.int32)),
+               (q + DELTA_VAL, torch.ones(1, dtype=torch.bfloat16)),
+               (delta_name(kb, (NKV * HD,)), torch.tensor([NKV * HD], dtype=torch.int32)),
+               (kb + DELTA_VAL, torch.ones(1, dtype=torch.bfloat16))]
+    with pytest.raises(ValueError, match=rf"{kb}.*index {NKV * HD}\b"):
+        model.load_weights(iter(entries))
+    for n, p in model.named_parameters():
+        assert torch.equal(p.view(torch.int16), before[n].view(torch.int16)), n

@@ -23,6 +23,13 @@ flat indices (``arange``) into it, and the written positions give runs
 ``param_start + i - hf_start`` of the run holding it (a binary search), and positions that no run
 holds belong to another TP rank. The runs are cached per tensor (a few per tensor: one per shard,
 or one per row for input-dim splits).
+
+Indices outside the tensor (negative, or at least the product of the shape in the index entry's
+name) are refused with a ValueError naming the tensor and the index, like the embedded engine's
+receiver: a run-less position is another rank's only inside the tensor. The check comes before
+anything is written: an update call (a list, as SGLang's ``/update_weights_from_*`` pass) is checked
+whole before its whole tensors go to SGLang's loader; a streamed iterator (start-up's checkpoint,
+where no delta occurs) cannot be, so there every delta is checked before the first is applied.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import re
 import torch
 
 from areal_fast.weights.delta_codec import delta_apply
-from areal_fast.weights.delta_wire import parse_delta_name, split_entries
+from areal_fast.weights.delta_wire import check_indices, parse_delta_name, split_entries
 
 __all__ = ["delta_model_class", "load_weights_with_deltas", "trace_runs"]
 
@@ -108,9 +115,20 @@ def _apply_runs(param: torch.nn.Parameter, runs, idx: torch.Tensor, val: torch.T
             param.data.view(-1)[pos] = v.to(param.dtype)
 
 
+def _check_deltas(deltas: dict) -> None:
+    """Refuse any delta without a shape or with an index outside its tensor, before one is applied."""
+    for name, (shape, idx, _val) in deltas.items():
+        if shape is None:
+            raise ValueError(f"delta for {name}: the index entry carries no shape")
+        check_indices(name, math.prod(shape), idx)
+
+
 def load_weights_with_deltas(model: torch.nn.Module, weights, load):
-    """Whole tensors through ``load`` (SGLang's ``load_weights``), then every delta entry in place."""
+    """Whole tensors through ``load`` (SGLang's ``load_weights``), then every delta entry in place.
+    A delta that does not fit its tensor raises ValueError before anything is written (see above)."""
     marked = []
+    if isinstance(weights, (list, tuple)):  # an update call: check its deltas before the whole tensors load
+        _check_deltas(split_entries([(n, t) for n, t in weights if parse_delta_name(n) is not None])[1])
 
     def whole_only():  # streamed: at start-up SGLang hands the checkpoint's iterator to load_weights
         for name, t in weights:
@@ -122,11 +140,10 @@ def load_weights_with_deltas(model: torch.nn.Module, weights, load):
     result = load(whole_only())
     _, deltas = split_entries(marked)
     if deltas:
+        _check_deltas(deltas)
         cache = model.__dict__.setdefault("_areal_delta_runs", {})
         params = dict(model.named_parameters())
         for name, (shape, idx, val) in deltas.items():
-            if shape is None:
-                raise ValueError(f"delta for {name}: the index entry carries no shape")
             key = (name, tuple(shape))
             if key not in cache:
                 cache[key] = trace_runs(model, name, tuple(shape), load)
