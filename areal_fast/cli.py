@@ -22,6 +22,8 @@ import signal
 import sys
 import threading
 
+from areal_fast.procutil import raise_nofile_limit
+
 _COMMANDS = {
     "train": "train from a YAML config",
     "eval": "greedy evaluation on the held-out set",
@@ -38,7 +40,8 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
     if cmd == "servers":
         p.add_argument("action", choices=["list", "add", "remove", "set"])
         p.add_argument("arg", nargs="?",
-                       help="add: how many (1); remove: a server URL or how many (1); set: the number")
+                       help="add: how many (1); remove: a server URL or how many (1); set: the number "
+                            "(the target is at most 1024: launch.members.MAX_SERVERS)")
         p.add_argument("--run-dir", required=True, help="the run's experiment.output_dir")
         return p
     p.add_argument("config", help="YAML run configuration (see docs/config.md)")
@@ -111,6 +114,7 @@ def _in_finalizer(frame) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    raise_nofile_limit()  # the controller's connections (servers, the agent endpoint) are descriptors
     args = parse_args(argv)
     if args.cmd == "info":
         from areal_fast import __version__, backend

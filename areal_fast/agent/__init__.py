@@ -3,7 +3,7 @@
 - ``engine.openai()`` in a workflow: the episode's chat client (``client.AgentClient``), which
   behaves as ``openai.AsyncOpenAI`` for ``chat.completions.create``;
 - ``server.AgentServer``: the same API over HTTP (``base_url``) for frameworks that build their
-  own client, behind the run's key;
+  own client, behind a key of each episode's own (never the run's key);
 - ``workflow.openai_agent``: the workflow that runs an agent function and trains on its calls
   (``trajectories.assemble``); ``template``: the chat templates; ``session``: what is recorded;
   ``completion`` / ``stream``: the answer, whole or as ``stream=True`` chunks.

@@ -2,9 +2,9 @@
 
 ::
 
-    server = await AgentServer(api_key).start()        # 127.0.0.1, a free port
+    server = await AgentServer().start()                # 127.0.0.1, a free port
     base_url = server.open(client)                      # http://127.0.0.1:P/episodes/<token>/v1
-    openai.AsyncOpenAI(base_url=base_url, api_key=api_key)   # -> POST <base_url>/chat/completions
+    openai.AsyncOpenAI(base_url=base_url, api_key=client.api_key)   # -> POST <base_url>/chat/completions
     server.close_episode(base_url)
 
 One listener serves every episode of a process; each episode has its own ``base_url`` (a random
@@ -14,10 +14,13 @@ client: ``areal_fast.agent.request``, ``areal_fast.agent.completion``; with ``st
 ``text/event-stream`` of the whole answer once generated, ``areal_fast.agent.stream``) and
 ``GET /models``.
 
-Every request needs the run's key (``Authorization: Bearer <key>``), checked by the one check of
-our listeners (``areal_fast.rollout.auth``): 401 otherwise. A run without a key gets a fresh
-random one for this listener (``AgentServer(None)``), handed to the agent with ``base_url``. The
-listener binds 127.0.0.1 unless told otherwise. Errors have the OpenAI API's shape
+Each episode has a key of its own (``secrets.token_hex(32)``, made by ``open`` and set on the
+client with ``base_url``): a request needs ``Authorization: Bearer <the episode's key>``, checked
+by the one check of our listeners (``areal_fast.rollout.auth``), and the key opens that episode's
+routes only; it ends with the episode. The run's key (the inference servers') is never used here
+nor handed to agent code: an agent's key cannot call the engine (load weights, pause, abort).
+Idle and unauthenticated connections are limited as on the engine (``areal_fast.rollout.conn_guard``).
+The listener binds 127.0.0.1 unless told otherwise. Errors have the OpenAI API's shape
 (``{"error": {"message", "type", "param", "code"}}``): 400 for a refused request (the SDK raises
 ``BadRequestError``), 401 for the key, 404 for an episode that is over or never was.
 """
@@ -35,7 +38,7 @@ from aiohttp import web
 from areal_fast.agent.completion import completion_dict
 from areal_fast.agent.request import ChatRequestError
 from areal_fast.agent.stream import chunk_dicts, sse_body
-from areal_fast.rollout.auth import authorized
+from areal_fast.rollout.conn_guard import ConnLimits, authorize, start_site
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20  # a long conversation with tool results; more is a mistake
@@ -46,13 +49,20 @@ def _error(status: int, message: str, kind: str, param: str | None = None, code:
                              status=status)
 
 
+def _episode_not_found() -> web.HTTPNotFound:
+    return web.HTTPNotFound(text=json.dumps({"error": {"message": "no such episode (it is over, or this base_url "
+                                                       "was never handed out)", "type": "invalid_request_error",
+                                                       "param": None, "code": "episode_not_found"}}),
+                            content_type="application/json")
+
+
 class AgentServer:
     """See the module docstring."""
 
-    def __init__(self, api_key: str | None, host: str = "127.0.0.1", port: int = 0):
-        self.api_key = api_key or secrets.token_hex(32)
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, conn_limits: ConnLimits | None = None):
         self.host, self.port = host, port
-        self._clients: dict[str, object] = {}
+        self.conn_limits = conn_limits or ConnLimits()
+        self._episodes: dict[str, tuple[object, str]] = {}  # token -> (client, the episode's key)
         self._runner: web.AppRunner | None = None
 
     @property
@@ -64,10 +74,7 @@ class AgentServer:
         app = web.Application(middlewares=[self._auth], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/episodes/{token}/v1/chat/completions", self._chat)
         app.router.add_get("/episodes/{token}/v1/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        self._runner = await start_site(app, self.host, self.port, self.conn_limits)
         self.port = self._runner.addresses[0][1]
         return self
 
@@ -84,33 +91,37 @@ class AgentServer:
 
     # ------------------------------------------------------------------ episodes
     def open(self, client) -> str:
-        """Serve ``client`` (an ``AgentClient``) under a new ``base_url``, returned and set on it."""
-        token = secrets.token_urlsafe(12)
-        self._clients[token] = client
-        client.base_url, client.api_key = f"{self.url}/episodes/{token}/v1", self.api_key
+        """Serve ``client`` (an ``AgentClient``) under a new ``base_url`` with a new key of its own;
+        the ``base_url`` is returned, and both are set on the client (``base_url``, ``api_key``)."""
+        token, key = secrets.token_urlsafe(12), secrets.token_hex(32)
+        self._episodes[token] = (client, key)
+        client.base_url, client.api_key = f"{self.url}/episodes/{token}/v1", key
         return client.base_url
 
     def close_episode(self, base_url: str) -> None:
-        """Stop serving the episode at ``base_url`` (later requests: 404)."""
-        self._clients.pop(base_url.rstrip("/").split("/")[-2], None)
+        """Stop serving the episode at ``base_url`` (later requests: 404; its key opens nothing)."""
+        self._episodes.pop(base_url.rstrip("/").split("/")[-2], None)
 
     # ------------------------------------------------------------------ routes
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if not authorized(self.api_key, request.path, request.headers.get("Authorization")):
-            return _error(401, "invalid or missing API key (Authorization: Bearer <the run's key>)",
-                          "invalid_request_error", code="invalid_api_key")
+        token = request.match_info.get("token")
+        if token is None:  # no route of ours: aiohttp's own 404 or 405
+            return await handler(request)
+        episode = self._episodes.get(token)
+        if episode is None:
+            raise _episode_not_found()
+        if not authorize(request, episode[1]):  # rollout/auth.py's check, via rollout/conn_guard.py
+            return _error(401, "invalid or missing API key (Authorization: Bearer <this episode's key>, "
+                          "the api_key handed out with its base_url)", "invalid_request_error",
+                          code="invalid_api_key")
         return await handler(request)
 
     def _client(self, request: web.Request):
-        client = self._clients.get(request.match_info["token"])
-        if client is None:
-            raise web.HTTPNotFound(text=json.dumps({"error": {"message": "no such episode (it is over, or this "
-                                                              "base_url was never handed out)",
-                                                              "type": "invalid_request_error", "param": None,
-                                                              "code": "episode_not_found"}}),
-                                   content_type="application/json")
-        return client
+        episode = self._episodes.get(request.match_info["token"])
+        if episode is None:  # closed after its key was checked
+            raise _episode_not_found()
+        return episode[0]
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         client = self._client(request)
@@ -140,16 +151,16 @@ class AgentServer:
 _shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-async def shared_server(api_key: str | None) -> AgentServer:
-    """The listener of this event loop for the run's key, started on first use (episodes of one
-    process share it; it closes with the process)."""
-    starts = _shared.setdefault(asyncio.get_running_loop(), {})
-    start = starts.get(api_key)
+async def shared_server() -> AgentServer:
+    """The listener of this event loop, started on first use (episodes of one process share it;
+    it closes with the process)."""
+    loop = asyncio.get_running_loop()
+    start = _shared.get(loop)
     if start is None:  # concurrent first episodes wait for the same start
-        start = starts[api_key] = asyncio.ensure_future(AgentServer(api_key).start())
+        start = _shared[loop] = asyncio.ensure_future(AgentServer().start())
     try:
         return await asyncio.shield(start)
     except Exception:
-        if start.done():
-            starts.pop(api_key, None)  # the next episode tries again
+        if start.done() and _shared.get(loop) is start:
+            del _shared[loop]  # the next episode tries again
         raise

@@ -16,8 +16,9 @@
 The controller runs it like any workflow: ``group_size`` episodes per task, each one call. The
 agent gets ``client``: the episode's in-process client (``engine.openai()``, which behaves as
 ``openai.AsyncOpenAI``) or, with ``transport: http``, a real ``openai.AsyncOpenAI`` pointed at this
-process's agent endpoint (``areal_fast.agent.server``) with the run's key. Either way every call
-is recorded, and the episode's trajectories are assembled from the calls.
+process's agent endpoint (``areal_fast.agent.server``) with a key of the episode's own (never the
+run's key, which the inference servers require). Either way every call is recorded, and the
+episode's trajectories are assembled from the calls.
 
 What the agent returns is its episode's reward:
 
@@ -68,16 +69,17 @@ def _check(reward: str, discount: float, transport: str) -> None:
 
 
 def _sdk_client(openai, server):
-    """One ``openai.AsyncOpenAI`` per event loop; each episode gets a copy with its own base_url
-    (``with_options``), which shares the first one's connection pool. A new client per episode
+    """One ``openai.AsyncOpenAI`` per event loop; each episode gets a copy with its own base_url and
+    key (``with_options``), which shares the first one's connection pool. A new client per episode
     costs a new HTTP client and TLS context: 256 of them at once blocked the event loop past the
     SDK's 5 s connect timeout in the tiny agent example. Loopback calls wait as long as a paused
     generation may (the rollout client's own timeout applies behind them)."""
     clients = _sdk.setdefault(asyncio.get_running_loop(), {})
     sdk = clients.get(server.url)
     if sdk is None:
-        sdk = clients[server.url] = openai.AsyncOpenAI(base_url=server.url, api_key=server.api_key, max_retries=0,
-                                              timeout=openai.Timeout(SDK_TIMEOUT_S, connect=60.0))
+        # no key here: each episode's copy carries its own (AgentServer.open)
+        sdk = clients[server.url] = openai.AsyncOpenAI(base_url=server.url, api_key="per-episode", max_retries=0,
+                                                       timeout=openai.Timeout(SDK_TIMEOUT_S, connect=60.0))
     return sdk
 
 
@@ -110,10 +112,11 @@ async def openai_agent(row, engine, agent: str, agent_args: dict | None = None, 
     else:
         import openai  # the http transport needs the SDK (pip install openai)
 
-        server = await shared_server(engine.api_key)
-        base_url = server.open(client)
+        server = await shared_server()
+        base_url = server.open(client)  # and the episode's key, client.api_key
         try:
-            out = await fn(row, _sdk_client(openai, server).with_options(base_url=base_url), **(agent_args or {}))
+            sdk = _sdk_client(openai, server).with_options(base_url=base_url, api_key=client.api_key)
+            out = await fn(row, sdk, **(agent_args or {}))
         finally:
             server.close_episode(base_url)
     final = await _final_reward(out, row, engine, client)

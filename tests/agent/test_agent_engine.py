@@ -44,9 +44,8 @@ async def _with_sdk(engine, sampling, body, marker=None):
         rollout = ClientRollout(rc)
         eng = EpisodeEngine(rollout, None, TOK, sampling, "agent-ep", training=False)
         client = eng.openai(call_marker=marker)
-        async with AgentServer(eng.api_key) as server:
-            assert server.api_key == KEY  # the run's key: the one the engine requires
-            sdk = openai.AsyncOpenAI(base_url=server.open(client), api_key=KEY, max_retries=0)
+        async with AgentServer() as server:
+            sdk = openai.AsyncOpenAI(base_url=server.open(client), api_key=client.api_key, max_retries=0)
             try:
                 return await body(sdk, client, rollout)
             finally:
@@ -120,10 +119,32 @@ def test_bad_input_is_a_400_and_the_key_is_required(setup):
                             ({"stream": True, "logprobs": True, "top_logprobs": 2}, "top_logprobs: not supported")):
             with pytest.raises(openai.BadRequestError, match=what):
                 await sdk.chat.completions.create(**{"model": MODEL, "messages": msgs, **extra})
-        wrong = openai.AsyncOpenAI(base_url=str(sdk.base_url), api_key="not-the-key", max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
-            await wrong.chat.completions.create(model=MODEL, messages=msgs)
-        await wrong.close()
+        for key in ("not-the-key", KEY):  # the run's key is not an episode's key
+            wrong = openai.AsyncOpenAI(base_url=str(sdk.base_url), api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                await wrong.chat.completions.create(model=MODEL, messages=msgs)
+            await wrong.close()
         return client.calls
 
     assert asyncio.run(asyncio.wait_for(_with_sdk(engine, {"max_new_tokens": 2, "temperature": 0.0}, body), 60)) == []
+
+
+def test_the_engine_refuses_the_key_handed_to_agent_code(setup):
+    """Agent code gets its episode's key, never the run's: with it, the engine's control routes
+    (here loading other weights from disk) answer 401."""
+    import aiohttp
+
+    engine, base, _, _ = setup
+
+    async def go():
+        async with RolloutClient([engine.url], api_key=KEY) as rc:
+            eng = EpisodeEngine(ClientRollout(rc), None, TOK, {"max_new_tokens": 2}, "agent-ep", training=False)
+            client = eng.openai()
+            async with AgentServer() as server, aiohttp.ClientSession() as http:
+                server.open(client)
+                async with http.post(engine.url + "/update_weights_from_disk", json={"model_path": base},
+                                     headers={"Authorization": f"Bearer {client.api_key}"}) as r:
+                    return client.api_key, r.status
+
+    handed, status = asyncio.run(asyncio.wait_for(go(), 60))
+    assert handed and handed != KEY and status == 401

@@ -225,7 +225,7 @@ def test_http_form_needs_the_key_and_answers_bad_input_with_400():
     client = eng.openai()
 
     async def go():
-        async with AgentServer("the-key") as server:
+        async with AgentServer() as server:
             assert server.url.startswith("http://127.0.0.1:")
             base = server.open(client)
             msgs = [{"role": "user", "content": "1="}]
@@ -235,7 +235,7 @@ def test_http_form_needs_the_key_and_answers_bad_input_with_400():
                 with pytest.raises(openai.AuthenticationError):
                     await bad.chat.completions.create(model=MODEL, messages=msgs)
                 await bad.close()
-            sdk = openai.AsyncOpenAI(base_url=base, api_key="the-key", max_retries=0)
+            sdk = openai.AsyncOpenAI(base_url=base, api_key=client.api_key, max_retries=0)
             for extra, what in (({"model": "gpt-4o"}, "not served"), ({"n": 2}, "n=1"),
                                 ({"stream": True, "top_logprobs": 5}, "top_logprobs")):
                 with pytest.raises(openai.BadRequestError, match=what):
@@ -249,3 +249,142 @@ def test_http_form_needs_the_key_and_answers_bad_input_with_400():
 
     run(go())
     assert len(client.calls) == 1
+
+
+_handed: list = []
+
+
+async def _key_agent(row, client):
+    _handed.append(client.api_key)
+    r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": row.text}])
+    return float(r.choices[0].message.content == "7")
+
+
+def test_http_agent_gets_a_key_of_its_episode_never_the_run_key():
+    pytest.importorskip("openai")
+    wf = load_workflow("areal_fast.agent.workflow:openai_agent")
+    row = type("Row", (), {"text": "3+4=", "task": {}})()
+    _handed.clear()
+    for _ in range(2):
+        eng, _ = episode([ids("7") + [EOS]], key="run-key")
+        (t,) = run(wf(row, eng, agent=f"{__name__}:_key_agent", transport="http"))
+        assert t.reward == 1.0
+    assert len(_handed) == 2 and "run-key" not in _handed and _handed[0] != _handed[1]
+    assert all(len(k) == 64 for k in _handed)  # secrets.token_hex(32)
+
+
+def test_an_episode_key_opens_only_its_own_episode():
+    aiohttp = pytest.importorskip("aiohttp")
+    a, b = episode([])[0].openai(), episode([])[0].openai()
+
+    async def go():
+        async with AgentServer() as server, aiohttp.ClientSession() as http:
+            base_a, base_b = server.open(a), server.open(b)
+
+            async def status(base, key):
+                async with http.get(base + "/models", headers={"Authorization": f"Bearer {key}"}) as r:
+                    return r.status
+
+            got = {"a": await status(base_a, a.api_key), "b": await status(base_b, b.api_key),
+                   "a on b": await status(base_b, a.api_key), "b on a": await status(base_a, b.api_key)}
+            server.close_episode(base_a)
+            got["a after its end"] = await status(base_a, a.api_key)
+            got["a on b after its end"] = await status(base_b, a.api_key)
+            return got
+
+    assert run(go()) == {"a": 200, "b": 200, "a on b": 401, "b on a": 401, "a after its end": 404,
+                         "a on b after its end": 401}
+    assert a.api_key != b.api_key
+
+
+def test_agent_endpoint_closes_idle_connections_and_serves_a_key_holder_at_the_cap():
+    """The listeners' guard (``areal_fast.rollout.conn_guard``, shown on the engine in
+    ``tests/rollout/test_conn_guard.py``) on the agent endpoint: connections without a request are
+    closed after the head timeout, and at the cap of unauthenticated ones the oldest gives way."""
+    aiohttp = pytest.importorskip("aiohttp")
+    from areal_fast.rollout.conn_guard import ConnLimits
+
+    cap, within_s = 4, 15.0
+    client = episode([])[0].openai()
+
+    async def closed(reader, wait_s):
+        try:
+            while await asyncio.wait_for(reader.read(65536), wait_s):
+                pass
+            return True
+        except TimeoutError:
+            return False
+        except ConnectionError:
+            return True
+
+    async def go():
+        limits = ConnLimits(head_timeout_s=3.0, keepalive_s=60, max_unauthenticated=cap)
+        async with AgentServer(conn_limits=limits) as server, aiohttp.ClientSession() as http:
+            base = server.open(client)
+            idle = [await asyncio.open_connection(server.host, server.port) for _ in range(cap + 20)]
+            evicted = [await closed(r, within_s) for r, _ in idle[:20]]
+            async with http.get(base + "/models", headers={"Authorization": f"Bearer {client.api_key}"}) as r:
+                served = r.status
+            timed_out = [await closed(r, within_s) for r, _ in idle[20:]]
+            for _, w in idle:
+                w.close()
+            return evicted, served, timed_out
+
+    evicted, served, timed_out = run(go())
+    assert all(evicted) and served == 200 and all(timed_out)
+
+
+# ------------------------------------------------------------------ stop strings: the cut in O(n log n)
+def _reference_cut(decode, ids, stops):
+    """The first prefix whose text holds a stop (what ``_cut_at_stop`` computed by decoding every prefix)."""
+    if not any(s in decode(ids) for s in stops):
+        return None
+    return next(k for k in range(1, len(ids) + 1) if any(s in decode(ids[:k]) for s in stops))
+
+
+def _sample(out_ids):
+    n = len(out_ids)
+    return Sample(prompt_ids=[BOS], output_ids=out_ids, output_logprobs=[-0.5] * n, output_versions=[3] * n)
+
+
+def test_stop_cut_is_the_first_prefix_that_holds_a_stop():
+    import random
+    from types import SimpleNamespace
+
+    from areal_fast.agent.session import _cut_at_stop
+
+    rng = random.Random(7)
+    template = SimpleNamespace(tok=TOK)
+    for _ in range(300):
+        text = "".join(rng.choice("12+=*") for _ in range(rng.randint(0, 30)))
+        stops = tuple("".join(rng.choice("12+=*") for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 3)))
+        out = ids(text)
+        want = _reference_cut(TOK.decode, out, stops)
+        s = _sample(out)
+        assert _cut_at_stop(template, s, stops) is (want is not None), (text, stops)
+        k = len(out) if want is None else want
+        assert s.output_ids.tolist() == out[:k], (text, stops)
+        assert len(s.output_logprobs) == len(s.output_versions) == len(s.loss_mask) == k
+
+
+def test_stop_cut_decodes_n_log_n_tokens_not_every_prefix():
+    from types import SimpleNamespace
+
+    from areal_fast.agent.session import _cut_at_stop
+
+    n = 4000
+    budget = 40 * n  # decoding every prefix is ~n*n/2 = 8,000,000 tokens here
+
+    class Counting(CharTokenizer):
+        decoded = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Counting.decoded += len(ids)
+            assert Counting.decoded <= budget, "the stop cut decodes far more than O(n log n) tokens"
+            return super().decode(ids, skip_special_tokens)
+
+    tok = Counting(TOK.chars)
+    out = ids("1" * n + "2+" + "3" * 50)
+    s = _sample(out)
+    assert _cut_at_stop(SimpleNamespace(tok=tok), s, ("2+",))
+    assert s.output_ids.tolist() == out[: n + 2]

@@ -115,8 +115,8 @@ def test_sdk_parses_the_http_stream_into_the_plain_answer(output, tools):
     extra = {"tools": tools} if tools else {}
 
     async def go():
-        async with AgentServer("k") as server:
-            sdk = openai.AsyncOpenAI(base_url=server.open(client), api_key="k", max_retries=0)
+        async with AgentServer() as server:
+            sdk = openai.AsyncOpenAI(base_url=server.open(client), api_key=client.api_key, max_retries=0)
             plain = await sdk.chat.completions.create(model=MODEL, messages=USER, **extra)
             stream = await sdk.chat.completions.create(model=MODEL, messages=USER, stream=True, logprobs=True,
                                                        **extra)
@@ -155,9 +155,9 @@ def test_http_stream_is_server_sent_events_ending_with_done_and_bad_input_stays_
     client = client_for([ids("9") + [EOS]])
 
     async def go():
-        async with AgentServer("k") as server, aiohttp.ClientSession() as http:
+        async with AgentServer() as server, aiohttp.ClientSession() as http:
             url = server.open(client) + "/chat/completions"
-            auth = {"Authorization": "Bearer k"}
+            auth = {"Authorization": f"Bearer {client.api_key}"}
             body = {"model": MODEL, "messages": USER, "stream": True, "stream_options": {"include_usage": True}}
             async with http.post(url, json=body, headers=auth) as r:
                 ok = (r.status, r.headers["Content-Type"], await r.text())

@@ -137,3 +137,23 @@ def test_a_stop_signal_in_a_finalizer_is_sent_again_not_dropped(monkeypatch):
     assert got == [(cli.os.getpid(), signal.SIGTERM)] and unraisable == []
     with pytest.raises(KeyboardInterrupt, match="signal 15"):  # anywhere else it raises
         cli._terminate_as_interrupt(signal.SIGTERM, sys._getframe())
+
+
+def test_servers_set_or_add_above_the_cap_is_refused_naming_the_value_and_the_cap(tmp_path, capsys):
+    from areal_fast.launch.members import Member, read_target, write_members
+
+    MAX_SERVERS = 1024  # the documented cap (areal_fast.launch.members.MAX_SERVERS)
+    write_members(tmp_path, [Member("server0", "http://127.0.0.1:40000", 0)], target=1)
+    for argv in (["servers", "set", "100000"], ["servers", "add", str(MAX_SERVERS)]):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--run-dir", str(tmp_path)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        wanted = "100000" if argv[1] == "set" else str(MAX_SERVERS + 1)
+        assert wanted in err and f"at most {MAX_SERVERS}" in err, err
+        assert read_target(tmp_path) is None  # nothing written
+    assert main(["servers", "set", str(MAX_SERVERS), "--run-dir", str(tmp_path)]) == 0
+    assert read_target(tmp_path).n_servers == MAX_SERVERS
+    from areal_fast.launch.members import MAX_SERVERS as documented
+
+    assert documented == MAX_SERVERS

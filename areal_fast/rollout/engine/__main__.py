@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from areal_fast.procutil import raise_nofile_limit
 from areal_fast.weights.config import API_KEY_ENV
 
 
@@ -115,8 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from aiohttp import web
-
+    raise_nofile_limit()  # every connection is a descriptor: the soft limit (often 1024) is not the ceiling
+    from areal_fast.rollout.conn_guard import serve_forever
     from areal_fast.rollout.engine.server import EngineServer
 
     args = parse_args(argv)
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         api=args.api,
         vllm_version=args.vllm_version,
     )
-    web.run_app(server.build_app(), host=args.host, port=args.port, print=None, access_log=None)
+    serve_forever(server.build_app(), args.host, args.port, server.conn_limits)
 
 
 if __name__ == "__main__":

@@ -77,10 +77,10 @@ def start_engine_in_thread(
 ) -> EngineHandle:
     """Serve the engine from a background thread of this process (its own event loop); port 0 = any.
 
-    ``server_options`` go to ``EngineServer`` (e.g. ``health_check_timeout_s``, ``dist_timeout_s``).
+    ``server_options`` go to ``EngineServer`` (e.g. ``health_check_timeout_s``, ``dist_timeout_s``,
+    ``conn_limits``).
     """
-    from aiohttp import web
-
+    from areal_fast.rollout.conn_guard import start_site
     from areal_fast.rollout.engine.server import EngineServer
 
     server = EngineServer(model_path, device=device, dtype=dtype, seed=seed,
@@ -92,10 +92,7 @@ def start_engine_in_thread(
     box: dict = {}
 
     async def _start():
-        runner = web.AppRunner(server.build_app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
+        runner = await start_site(server.build_app(), host, port, server.conn_limits)
         box["runner"] = runner
         box["port"] = runner.addresses[0][1]
         server.port = box["port"]

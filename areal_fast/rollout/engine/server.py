@@ -4,7 +4,8 @@ It behaves as one chosen SGLang release (``sglang_version``, default the newest 
 version-gated behaviour is named in ``compat.SGLangBehaviour`` and described in docs/sglang.md.
 
 This module owns the model, the scheduler and the aiohttp app: the routes, the api-key
-middleware (which turns each validation error into SGLang's answer), /generate and its answer,
+middleware (which turns each validation error into SGLang's answer; idle and unauthenticated
+connections are limited by ``rollout/conn_guard.py``, ``conn_limits``), /generate and its answer,
 the request control (abort, pause, continue, flush), /health and the info endpoints. Bodies are
 read and checked by ``engine/request_parsing.py`` (limits, JSON, sampling keys, the /generate
 body); the weight-update endpoints are ``engine/weight_routes.py`` (``WeightUpdateRoutes``, a part
@@ -31,7 +32,7 @@ from aiohttp import web
 
 from areal_fast.backends.sglang.compat import ENGINE_LOAD_FORMATS, SGLangBehaviour
 from areal_fast.backends.vllm.compat import DEFAULT_VLLM_VERSION, VLLMBehaviour
-from areal_fast.rollout.auth import authorized
+from areal_fast.rollout.conn_guard import ConnLimits, authorize
 from areal_fast.rollout.engine.request_parsing import (  # noqa: F401 - the errors are part of this module's API
     BYTES_PER_ID,
     GENERATE_OVERHEAD,
@@ -108,6 +109,7 @@ class EngineServer(WeightUpdateRoutes):
         dist_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
         api: str = "sglang",
         vllm_version: str | None = None,
+        conn_limits: ConnLimits | None = None,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -122,6 +124,7 @@ class EngineServer(WeightUpdateRoutes):
             raise ValueError(f"dist_timeout_s must be > 0, got {dist_timeout_s}")
         self.model_path = model_path
         self.host, self.port, self.api_key = host, port, api_key
+        self.conn_limits = conn_limits or ConnLimits()  # idle connections: rollout/conn_guard.py
         self.load_format = load_format
         self.launch_weight_version = weight_version
         self.health_check_timeout_s = (DEFAULT_HEALTH_CHECK_TIMEOUT_S if health_check_timeout_s is None
@@ -207,7 +210,7 @@ class EngineServer(WeightUpdateRoutes):
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
-        if not authorized(self.api_key, request.path, request.headers.get("Authorization")):  # rollout/auth.py
+        if not authorize(request, self.api_key):  # rollout/auth.py's check, via rollout/conn_guard.py
             return web.json_response({"error": "Unauthorized"}, status=401)
         try:
             return await handler(request)

@@ -1,0 +1,199 @@
+"""Idle connections on our listeners (``areal_fast.rollout.conn_guard``), shown on the embedded engine
+(the agent endpoint shares the guard: ``tests/agent/test_agent_session.py``), and the raised limit on
+open descriptors (``areal_fast.procutil.raise_nofile_limit``).
+
+Without the guard a connection that never sent a request was kept for about an hour and counted
+nowhere: enough of them used up the process's descriptors and locked every client out. Waits here
+are bounded (a connection must be closed within ``CLOSE_WITHIN_S``), never timed."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from _shared import tiny_model
+
+from areal_fast.rollout.conn_guard import ConnLimits
+from areal_fast.rollout.engine import start_engine_in_thread
+
+KEY = "guard-key"
+CAP = 8  # unauthenticated connections kept by the capped engine
+CLOSE_WITHIN_S = 15.0  # a connection the server must close is closed by then (its timeouts are 0.5 s)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model(tmp_path_factory, "tiny_guard")
+
+
+@pytest.fixture(scope="module")
+def quick_head(model_dir):
+    """An engine that gives a connection 0.5 s for its first request head (and 120 s of keep-alive)."""
+    h = start_engine_in_thread(model_dir, api_key=KEY,
+                               conn_limits=ConnLimits(head_timeout_s=0.5, keepalive_s=120, max_unauthenticated=64))
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def quick_keepalive(model_dir):
+    """An engine that keeps an idle connection 0.5 s after an answer."""
+    h = start_engine_in_thread(model_dir, api_key=KEY,
+                               conn_limits=ConnLimits(head_timeout_s=120, keepalive_s=0.5))
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def capped(model_dir):
+    """An engine with long timeouts and room for only CAP unauthenticated connections."""
+    h = start_engine_in_thread(model_dir, api_key=KEY,
+                               conn_limits=ConnLimits(head_timeout_s=120, keepalive_s=120, max_unauthenticated=CAP))
+    yield h
+    h.stop()
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=CLOSE_WITHIN_S)
+
+
+def closed_by_server(s: socket.socket, wait_s: float) -> bool:
+    """True when the server closes ``s`` within ``wait_s`` (end of stream or reset), False when it
+    is still open then. Whatever the server sends before closing is read and dropped."""
+    s.settimeout(wait_s)
+    try:
+        while s.recv(65536):
+            pass
+        return True
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+
+
+def request(s: socket.socket, path: str, key: str | None = KEY) -> int:
+    """One keep-alive GET on ``s``; the answer's status (its body is read)."""
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode())
+    return request_answer(s, path)
+
+
+def request_answer(s: socket.socket, path: str = "the request") -> int:
+    """The status of the next answer on ``s`` (its body is read)."""
+    s.settimeout(CLOSE_WITHIN_S)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"the server closed the connection instead of answering {path}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += s.recv(65536)
+    return int(head.split(b" ", 2)[1])
+
+
+def test_idle_connections_without_a_request_are_closed_after_the_head_timeout(quick_head):
+    quick = quick_head
+    idle = [connect(quick.url) for _ in range(64 + 20)]  # 20 beyond the cap: the others time out
+    partial = connect(quick.url)  # a request head that never ends
+    partial.sendall(b"GET /server_info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n")
+    try:
+        for s in [*idle, partial]:
+            assert closed_by_server(s, CLOSE_WITHIN_S), "an idle connection outlived the head timeout"
+        with connect(quick.url) as s:  # the listener still serves
+            assert request(s, "/server_info") == 200
+    finally:
+        for s in [*idle, partial]:
+            s.close()
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_keepalive_timeout(quick_keepalive):
+    with connect(quick_keepalive.url) as s:
+        assert request(s, "/server_info") == 200
+        assert closed_by_server(s, CLOSE_WITHIN_S), "an idle keep-alive connection was kept past its timeout"
+
+
+def test_an_authorized_client_gets_200_while_unauthenticated_connections_are_at_the_cap(capped):
+    kept = connect(capped.url)
+    assert request(kept, "/server_info") == 200  # authenticated: no longer counted
+    idle = [connect(capped.url) for _ in range(CAP + 20)]
+    try:
+        # beyond the cap, the oldest unauthenticated connections are closed once they had 1 s to speak
+        for s in idle[:20]:
+            assert closed_by_server(s, CLOSE_WITHIN_S), "more unauthenticated connections than the cap were kept"
+        for s in idle[20:]:
+            assert not closed_by_server(s, 0.2), "a connection within the cap was closed"
+        with connect(capped.url) as fresh:  # a new client with the key: served, at the cap
+            assert request(fresh, "/server_info") == 200
+            assert request(fresh, "/server_info") == 200
+        assert request(kept, "/server_info") == 200  # an authenticated connection is never evicted
+        # a request without the key does not authenticate its connection: it stays counted
+        refused = connect(capped.url)
+        assert request(refused, "/server_info", key=None) == 401
+        probe = connect(capped.url)
+        assert request(probe, "/health", key=None) == 200  # no key needed there, so none proved
+        more = [connect(capped.url) for _ in range(CAP)]
+        assert closed_by_server(refused, CLOSE_WITHIN_S), "a connection refused its key escaped the cap"
+        assert closed_by_server(probe, CLOSE_WITHIN_S), "a probe without the key escaped the cap"
+        for s in more:
+            s.close()
+    finally:
+        kept.close()
+        for s in idle:
+            s.close()
+
+
+def test_a_burst_of_clients_beyond_the_cap_is_served(capped):
+    """The cap closes a connection only once it has had time to send its request: clients that
+    connect together (the rollout client opens one connection per request in flight) are served."""
+    burst = [connect(capped.url) for _ in range(5 * CAP)]
+    try:
+        for s in burst:
+            s.sendall(f"GET /server_info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+        assert all(request_answer(s) == 200 for s in burst)
+    finally:
+        for s in burst:
+            s.close()
+
+
+_LIMIT_SCRIPT = textwrap.dedent("""
+    import resource
+    from areal_fast.procutil import raise_nofile_limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(128, hard), hard))
+    raise_nofile_limit()
+    print(*resource.getrlimit(resource.RLIMIT_NOFILE))
+""")
+
+
+def test_the_soft_nofile_limit_is_raised_to_the_hard_limit():
+    out = subprocess.run([sys.executable, "-c", _LIMIT_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    soft, hard = map(int, out.stdout.split())
+    assert soft == hard
+
+
+class _Raised(Exception):
+    pass
+
+
+def _refuse():
+    raise _Raised
+
+
+def test_the_engine_and_controller_entry_points_raise_the_nofile_limit_first(monkeypatch):
+    from areal_fast import cli
+    from areal_fast.rollout.engine import __main__ as engine_main
+
+    monkeypatch.setattr(cli, "raise_nofile_limit", _refuse)
+    monkeypatch.setattr(engine_main, "raise_nofile_limit", _refuse)
+    with pytest.raises(_Raised):
+        cli.main(["info"])
+    with pytest.raises(_Raised):
+        engine_main.main(["--model-path", "/nonexistent"])
