@@ -664,11 +664,17 @@ def test_a_request_whose_client_went_away_is_aborted(twins):
 
     asyncio.run(running())
     req = next(r for r in list(sched._rows) if r.rid == "gone")
+    # frozen in place, so that it cannot finish before the engine sees the closed connection (it
+    # looks every DISCONNECT_POLL_S; a fast machine generates the whole answer in less)
+    sched.call(lambda: sched.pause("in_place")).result()
     s.close()
-    for _ in range(3000):
-        if req not in list(sched._rows):
-            break
-        time.sleep(0.01)
-    else:
-        pytest.fail("the request of a client that went away kept running")
+    try:
+        for _ in range(3000):
+            if req not in list(sched._rows):
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the request of a client that went away kept running")
+    finally:
+        sched.call(sched.resume).result()
     assert req.finish_reason["type"] == "abort" and len(req.output_ids) < max_new
