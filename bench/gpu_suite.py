@@ -1,53 +1,74 @@
-"""One command for a fresh GPU machine: install, run every GPU test and GPU benchmark, one result file.
+"""The GPU day: one command for a lent GPU machine, the most valuable checks first, under 8 minutes.
 
-    python bench/gpu_suite.py --part a|b|c --commit SHA   # a third of it, each under 9 minutes (PARTS)
-    python bench/gpu_suite.py [--out FILE] [--only STEP,...] [--wheelhouse DIR] [--budget-s 1200]
-    python bench/gpu_suite.py --dry-run                   # on CPU: every step found, GPU tests collected
+    python3 bench/gpu_suite.py --day --commit <sha> --out $OUT/gpu_day.json     # budget 450 s; timeout_s 480
+    python3 bench/gpu_suite.py --day --steps reshard --budget-s 120 --out $OUT/gpu_day.json   # a rerun, warm
+    python bench/gpu_suite.py --dry-run [--steps ...] [--budget-s 450] [--out FILE] [--deep]   # on CPU
 
-Steps, in order, each under its own time limit and all under ``--budget-s`` (20 minutes; a part
-520 s):
+A session lent a GPU gets 15 minutes of device time in all (the machine's start, a few minutes,
+counted in), at most 10 minutes a command, a copy of the tree without ``.git``, and back only a
+few files written under ``$OUT``. So the day is one command of at most :data:`DAY_BUDGET_S`
+seconds that runs :data:`STEPS` in priority order, each in its own process group under its own
+deadline (cut to what is left of the budget):
 
-==============  =====  ==========================================================================
-step            limit  what
-==============  =====  ==========================================================================
-env               20   versions (python, torch, CUDA, Triton, nvcc), ``nvidia-smi``, missing modules
-install          210   ``pip install -e . --no-build-isolation --no-deps`` with the CUDA sources
-                       (``AREAL_FAST_CUDA=ON``, sm_90a), then checks that ``_C`` has CUDA; skipped
-                       when the installed build is from the same build inputs (:func:`reusable_build`)
-gpu_tests        290   ``pytest -m gpu tests`` (every test marked ``gpu``), 120 s per test
-ppo_loss         230   loss 16k/32k x 151,936 bf16 fwd+bwd vs copy, eager, compiled, Liger;
-                       fused linear at H = 3584 vs the bare GEMMs
-packing           80   pack / unpack / gather / scatter vs a same-size copy, H = 3584
-reshard          150   interval copy of the whole Qwen2.5-7B layout vs copy, SGLang TP shard build,
-                       NCCL between two processes on one GPU (or why not: then the colocated path)
-trainer          150   PPO trainer step, Qwen2-0.5B shape, fused vs unfused: tokens/s, MFU
-==============  =====  ==========================================================================
+==============  ========  ========  ====  =====================================================
+step            estimate  deadline  must  what
+==============  ========  ========  ====  =====================================================
+env                  10        30   yes   torch, CUDA, Triton, GPU name and memory, nvcc,
+                                          ``nvidia-smi``, missing modules
+install             120       240   yes   ``pip install -e . --no-build-isolation --no-deps``,
+                                          ``AREAL_FAST_CUDA=ON``, sm_90a, then ``_C`` checked for
+                                          CUDA; seconds when the build is reused
+                                          (:func:`reusable_build`)
+gpu_tests           120       200   yes   ``pytest -m gpu tests``, 120 s a test
+loss                 90       150   yes   fused PPO loss 16k/32k x 151,936 bf16 fwd+bwd vs copy
+                                          and eager; fused linear at H = 3584 vs the bare GEMMs
+trainer              60       120   yes   one timed PPO trainer step (after one warm-up),
+                                          Qwen2-0.5B shape, fused vs unfused: tokens/s, MFU
+packing              40        80   no    pack / unpack / gather / scatter vs a same-size copy
+reshard              90       150   no    interval copy of the Qwen2.5-7B layout vs copy, SGLang
+                                          shard build, NCCL on one GPU (or why not)
+loss_baselines      150       230   no    the loss vs ``torch.compile`` of the reference (and
+                                          Liger with ``--wheelhouse``): minutes of compiling
+==============  ========  ========  ====  =====================================================
 
-Made for a machine that kills a command after 10 minutes and gives back only ``$OUT``:
+Estimates are seconds on an H100 with a cold build, read off the benchmarks' sizes and the old
+suite's limits (not yet measured: correct them from the first day's JSON). The must-run steps
+(400 s, plus :data:`STARTUP_S` for the suite's own start) fit the 450 s budget; a must-run step
+runs with whatever is left (skipped only under :data:`MIN_STEP_S`), every other step is skipped
+(``"skipped: budget"``) when less than its estimate is left. On a warm machine the install is
+reused in seconds, so the benchmarks get its two minutes. Call the day with the device tool's
+``timeout_s`` at :data:`DAY_WALL_S` (not 600), which leaves minutes of the lease to rerun a step on
+the warm machine: ``--steps NAME --budget-s B`` with ``timeout_s`` B + 30.
 
-* ``--part a|b|c`` runs a third of the steps (each part starts with ``install``, which on a warm
-  machine reuses the build of the part before) within :data:`PART_BUDGET_S`.
-* The result file goes to ``--out``, by default ``$OUT/gpu_suite[-part<X>]-<device>-<date>.json``
-  when ``$OUT`` is set (else under ``bench/results/``). It is rewritten (atomically) before and
-  after every step, so a killed run keeps every finished step and names the one it was in.
-  Benchmark rows and each step's full output go to ``<out>.rows/`` beside it as they are written.
-* A step runs in its own process group; when it runs out of time (or leaves processes behind,
-  e.g. NCCL workers) the whole group is killed.
-* The commit is taken from ``git``, else ``--commit`` / ``AREAL_FAST_COMMIT``, else from the
-  installed build (``areal_fast/_build_info.py``, written by CMake at build time).
+What comes back, at most two files: ``--out`` (the JSON summary: provenance, the plan, and every
+step with its status ``planned | running | ok | failed | timeout | skipped``, seconds, deadline,
+and its key numbers (the env facts, the test counts and failed ids, the benchmark rows) or the
+tail of its output) and ``<out>.log`` beside it (the tail of each step's output). Both are
+rewritten atomically before and after every step, so a kill at any moment leaves valid files
+that name the step it was in. Full logs, benchmark rows and the JUnit file stay in a work
+folder outside ``$OUT`` (``--work-dir``, else a temporary folder removed at the end).
 
-A step that fails or runs out of time is recorded (exit status, the tail of its output) and the
-suite goes on. Exit status: 0 when every step passed.
+A step runs in its own session: past its deadline its whole process group is killed, and so is
+anything a finished step left running (NCCL workers). Its first process (the benchmark, pytest)
+gets SIGKILL when the suite dies (``PR_SET_PDEATHSIG``), so a suite killed from outside does not
+leave it holding the GPU (processes it started itself may outlive it); on SIGTERM the suite kills
+the step's group, records it as ``timeout`` and exits 130.
 
-The dry run collects the GPU tests exactly as the real step selects them (``-m gpu tests``) in an
-interpreter where the optional packages the GPU image lacks (orjson, SGLang, flash-attn, ...) cannot
-be imported (``bench/without_optional/sitecustomize.py``), and checks that every test file with a
-``gpu`` mark is collected without a collection error.
+``--steps a,b`` runs only the named steps, in plan order; ``install`` is added in front when a
+named step needs the package (seconds on a warm machine: the build is reused when its inputs
+match). ``--dry-run`` walks the plan on CPU: prints each step's estimate and deadline and the
+totals, checks that each step's command, script or module exists and that the must-run steps
+fit the budget, writes the JSON with every step ``planned``, and exits non-zero when something
+is missing or the plan does not fit. ``--dry-run --deep`` also runs each step's CPU check (the
+GPU tests collected as on the GPU image with the optional packages hidden,
+``bench/without_optional/sitecustomize.py``; each benchmark's own ``--dry-run`` with the day's
+arguments).
 
-No network is assumed: the image must hold torch, Triton, nvcc, CMake, scikit-build-core,
-pybind11, pytest, transformers, aiohttp, safetensors and PyYAML (the ``env`` step lists what is
-missing). Anything else, e.g. ``liger-kernel`` for the Liger baseline, is installed first from
-local wheels with ``--wheelhouse DIR`` (``pip install --no-index --no-deps``).
+The commit: ``git``, else ``--commit`` / ``AREAL_FAST_COMMIT``, else the installed build's
+``areal_fast/_build_info.py``. No network: the image must hold torch, Triton, nvcc, CMake,
+scikit-build-core, pybind11, pytest, transformers, aiohttp, safetensors and PyYAML (``env`` lists
+what is missing); other packages travel as wheels, installed first with ``--wheelhouse DIR``.
+Exit status: 0 when every step that ran passed and no must-run step was skipped.
 """
 
 from __future__ import annotations
@@ -60,10 +81,13 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,8 +96,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import provenance  # noqa: E402
 
-BUDGET_S = 1200
-TAIL_CHARS = 4000
+DAY_BUDGET_S = 450  # the day's command: under 8 minutes with the suite's start and end
+DAY_WALL_S = 480  # what the day must finish within (the session calls it with timeout_s about this)
+STARTUP_S = 10  # the suite's own start (torch imported for provenance) and its writes
+MIN_STEP_S = 5  # a must-run step is skipped only when less than this is left
+TAIL_CHARS = 4000  # of each step's output, in the log file and (failed steps) in the JSON
 # modules the install and the tests need besides torch / triton (the image's)
 REQUIRED = ("numpy", "pybind11", "scikit_build_core", "transformers", "aiohttp", "pytest", "pytest_timeout",
             "safetensors", "yaml", "hypothesis")
@@ -90,26 +117,41 @@ INSTALL_ENV = {"AREAL_FAST_CUDA": "ON", "CMAKE_ARGS": "-DCMAKE_CUDA_ARCHITECTURE
 @dataclass(frozen=True)
 class Step:
     name: str
-    limit_s: int
+    estimate_s: int
+    """Expected seconds on the GPU machine: what the budget plans with."""
+    deadline_s: int
+    """The most the step may take (cut to what is left of the budget): then its process group is killed."""
     argv: tuple[str, ...]
-    """Command, run from the repository root; ``{py}`` is the interpreter, ``{results}`` the rows dir."""
+    """Command, run from the repository root; ``{py}`` is the interpreter, ``{results}`` the step's folder."""
+    must: bool = False
+    """Runs with whatever the budget left; other steps are skipped when less than their estimate is left."""
+    after_install: bool = False
+    """Needs the package installed: ``--steps`` adds ``install`` in front of it."""
     dry_argv: tuple[str, ...] | None = None
-    """What --dry-run runs instead (None: only check that the files it names exist)."""
+    """The step's CPU check (``--dry-run --deep``; None: only its files and command are checked)."""
     needs: tuple[str, ...] = ()
     """Repository files the step needs."""
     env: dict = field(default_factory=dict)
-    """Environment added to the step's (the real run and the dry run)."""
+    """Environment added to the step's (the real run and the CPU check alike)."""
     dry_check: Callable[[str], str | None] | None = None
-    """Checks the dry run's output; returns what is wrong, or None."""
+    """Checks the CPU check's output; returns what is wrong, or None."""
     reuse: Callable[[], tuple[bool, str]] | None = None
     """``(True, why)`` when the step's work is already done (the real run then skips it)."""
     done: Callable[[], None] | None = None
     """Called after the real step passed (e.g. to record what was built)."""
+    key: Callable[[str, str], dict] | None = None
+    """``key(output, results_dir)``: the step's key numbers for the summary."""
 
 
-def _bench(name: str, limit: int, script: str, *args: str) -> Step:
+def rows_key(output: str, results: str) -> dict:
+    """A benchmark's key numbers: the rows it wrote (a step cut at its deadline keeps those it finished)."""
+    return {"rows": collect_rows(results)}
+
+
+def _bench(name: str, estimate: int, deadline: int, script: str, *args: str, must: bool = False) -> Step:
     argv = ("{py}", f"bench/{script}", *args, "--results", "{results}")
-    return Step(name, limit, argv, dry_argv=(*argv, "--dry-run"), needs=(f"bench/{script}",))
+    return Step(name, estimate, deadline, argv, must=must, after_install=True, dry_argv=(*argv, "--dry-run"),
+                needs=(f"bench/{script}",), key=rows_key)
 
 
 # ----------------------------------------------------------------------------- the GPU tests
@@ -152,6 +194,35 @@ def check_gpu_collection(output: str) -> str | None:
 def _timeout_args() -> list[str]:
     # without pytest-timeout a `--timeout` option would end the step before any test ran
     return ["--timeout", "120"] if importlib.util.find_spec("pytest_timeout") else []
+
+
+_PYTEST_SUMMARY = re.compile(r"\b\d+ (?:passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s")
+
+
+def tests_key(output: str, results: str) -> dict:
+    """The GPU tests' counts and failed ids (from the JUnit file) and pytest's summary line."""
+    key: dict = {}
+    lines = [ln for ln in output.splitlines() if _PYTEST_SUMMARY.search(ln)]
+    if lines:
+        key["summary"] = lines[-1].strip("= ")
+    xml = Path(results) / "gpu_tests.xml"
+    if not xml.exists():
+        return key
+    try:
+        root = ET.parse(xml).getroot()
+    except ET.ParseError as e:  # cut short by the deadline
+        return key | {"junit": f"unreadable: {e}"}
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    for k in ("tests", "failures", "errors", "skipped"):
+        key[k] = sum(int(s.get(k, 0)) for s in suites)
+    key["passed"] = key["tests"] - key["failures"] - key["errors"] - key["skipped"]
+    bad = []
+    for tc in root.iter("testcase"):
+        if tc.find("failure") is not None or tc.find("error") is not None:
+            mod = tc.get("classname", "").replace(".", "/")
+            bad.append(f"{mod}.py::{tc.get('name')}")
+    key["failed_ids"] = bad[:30]
+    return key
 
 
 # ----------------------------------------------------------------------------- the install
@@ -208,41 +279,130 @@ def record_install(stamp: Path = INSTALL_STAMP, inputs: str | None = None) -> No
     _write_atomic(stamp, json.dumps(info) + "\n")
 
 
+def install_key(output: str, results: str) -> dict:
+    lines = [ln for ln in output.splitlines() if ln.startswith("areal_fast._C with CUDA")]
+    return {"check": lines[-1]} if lines else {}
+
+
+# ----------------------------------------------------------------------------- the environment
+
 ENV_PY = ("import importlib.util, json, platform, torch; "
           f"mods = {{m: importlib.util.find_spec(m) is not None for m in {REQUIRED!r}}}; "
+          "c = torch.cuda.is_available(); pr = torch.cuda.get_device_properties(0) if c else None; "
           "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__, "
-          "'cuda': torch.version.cuda, 'gpu': torch.cuda.get_device_name() if torch.cuda.is_available() else None, "
+          "'cuda': torch.version.cuda, "
+          "'triton': importlib.util.find_spec('triton') and __import__('triton').__version__, "
+          "'gpu': pr and pr.name, 'capability': pr and f'sm_{pr.major}{pr.minor}', "
+          "'sms': pr and pr.multi_processor_count, 'gpu_mem_gib': pr and round(pr.total_memory / 2**30, 1), "
           "'missing': [m for m, ok in mods.items() if not ok]}))")
 
+
+def env_key(output: str, results: str) -> dict:
+    """The env step's facts: the JSON line of :data:`ENV_PY`, nvcc's release, nvidia-smi's row."""
+    key: dict = {}
+    lines = output.splitlines()
+    for i, ln in enumerate(lines):
+        if ln.startswith("{"):
+            try:
+                key.update(json.loads(ln))
+            except ValueError:
+                pass
+        elif m := re.search(r"release ([\d.]+)", ln):
+            key["nvcc"] = m.group(1)
+        elif ln.startswith("name, memory.total") and i + 1 < len(lines):
+            key["nvidia_smi"] = lines[i + 1].strip()
+    return key
+
+
+# ----------------------------------------------------------------------------- the plan
+
 STEPS: tuple[Step, ...] = (
-    Step("env", 20, ("bash", "-c", "{py} -c " + shlex.quote(ENV_PY) + "; nvcc --version | tail -2; "
-                     "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv"),
-         dry_argv=("{py}", "-c", ENV_PY)),
-    Step("install", 210, ("bash", "-c", "set -o pipefail; export CUDACXX=${CUDACXX:-$(command -v nvcc || "
-                          "echo /usr/local/cuda/bin/nvcc)}; {py} -m pip install -e . --no-build-isolation --no-deps -v "
-                          "2>&1 | tail -40 && {py} -c " + shlex.quote(CHECK_C) + " " + shlex.quote(str(ROOT))),
-         dry_argv=("{py}", "-m", "pip", "--version"), needs=("pyproject.toml", "CMakeLists.txt"),
-         env=INSTALL_ENV, reuse=reusable_build, done=record_install),
-    Step("gpu_tests", 290, ("{py}", "-m", "pytest", "-q", *GPU_TEST_ARGS, "--continue-on-collection-errors",
-                            "{timeout_args}", "--junitxml", "{results}/gpu_tests.xml"),
-         dry_argv=("{py}", "-m", "pytest", "-q", "--collect-only", *GPU_TEST_ARGS),
-         needs=("tests/conftest.py",), dry_check=check_gpu_collection),
-    _bench("ppo_loss", 230, "bench_ppo_loss.py", "--production"),
-    _bench("packing", 80, "bench_packing_kernels.py", "--batch", "64", "--max-len", "8192", "--hidden", "3584",
+    Step("env", 10, 30, ("bash", "-c", "{py} -c " + shlex.quote(ENV_PY) + "; nvcc --version | tail -2; "
+                         "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv"),
+         must=True, dry_argv=("{py}", "-c", ENV_PY), key=env_key),
+    Step("install", 120, 240, ("bash", "-c", "set -o pipefail; export CUDACXX=${CUDACXX:-$(command -v nvcc || "
+                               "echo /usr/local/cuda/bin/nvcc)}; {py} -m pip install -e . --no-build-isolation "
+                               "--no-deps -v 2>&1 | tail -40 && {py} -c " + shlex.quote(CHECK_C) + " "
+                               + shlex.quote(str(ROOT))),
+         must=True, dry_argv=("{py}", "-m", "pip", "--version"), needs=("pyproject.toml", "CMakeLists.txt"),
+         env=INSTALL_ENV, reuse=reusable_build, done=record_install, key=install_key),
+    Step("gpu_tests", 120, 200, ("{py}", "-m", "pytest", "-q", *GPU_TEST_ARGS, "--continue-on-collection-errors",
+                                 "{timeout_args}", "--junitxml", "{results}/gpu_tests.xml"),
+         must=True, after_install=True, dry_argv=("{py}", "-m", "pytest", "-q", "--collect-only", *GPU_TEST_ARGS),
+         needs=("tests/conftest.py",), dry_check=check_gpu_collection, key=tests_key),
+    _bench("loss", 90, 150, "bench_ppo_loss.py", "--production", "--skip-compile", "--skip-liger", must=True),
+    _bench("trainer", 60, 120, "bench_trainer.py", "--shape", "qwen2-0.5b", "--tokens", "16384", "--mb-tokens",
+           "8192", "--steps", "1", must=True),
+    _bench("packing", 40, 80, "bench_packing_kernels.py", "--batch", "64", "--max-len", "8192", "--hidden", "3584",
            "--reps", "30"),
-    _bench("reshard", 150, "bench_reshard.py", "--parts", "plan,cuda_copy,gpu_sync", "--layers", "28"),
-    _bench("trainer", 150, "bench_trainer.py", "--shape", "qwen2-0.5b", "--tokens", "16384", "--mb-tokens", "8192",
-           "--steps", "3"),
+    _bench("reshard", 90, 150, "bench_reshard.py", "--parts", "plan,cuda_copy,gpu_sync", "--layers", "28"),
+    _bench("loss_baselines", 150, 230, "bench_ppo_loss.py", "--production", "--skip-fused"),
 )
 
 
-# For machines that limit one command to 10 minutes: three parts, each starting with the install
-# (skipped when the build of an earlier part on this machine is reusable) and within PART_BUDGET_S,
-# which leaves 20 s of the 9 minutes for the suite's own start (torch import) and its writes.
-PARTS = {"a": ("env", "install", "gpu_tests"), "b": ("install", "ppo_loss", "packing"),
-         "c": ("install", "reshard", "trainer")}
-PART_BUDGET_S = 520
-PART_WALL_S = 540  # what a part must finish within, its install included
+def select_steps(names: list[str] | None, steps: tuple[Step, ...] | None = None) -> list[Step]:
+    """The steps to run, in plan order: all, or the named ones (with ``install`` in front when one
+    of them needs the package). Raises ValueError on an unknown name."""
+    steps = STEPS if steps is None else steps
+    if names is None:
+        return list(steps)
+    known = [s.name for s in steps]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"unknown steps {bad}; steps are {known}")
+    want = set(names)
+    if "install" in known and any(s.after_install for s in steps if s.name in want):
+        want.add("install")
+    return [s for s in steps if s.name in want]
+
+
+def plan(steps: list[Step], budget_s: float, all_must: bool = False) -> dict:
+    """The budget arithmetic: each step's estimate, deadline and the estimated time at its end; the
+    must-run total (with the suite's start) and whether it fits; the steps expected to be skipped.
+    ``all_must``: every step counts as must-run (steps named by ``--steps``)."""
+    rows, at, must = [], float(STARTUP_S), float(STARTUP_S)
+    for s in steps:
+        is_must = s.must or all_must
+        runs = is_must or budget_s - at >= s.estimate_s
+        if runs:
+            at += s.estimate_s
+        if is_must:
+            must += s.estimate_s
+        rows.append({"step": s.name, "estimate_s": s.estimate_s, "deadline_s": s.deadline_s, "must": is_must,
+                     "expected": "run" if runs else "skipped: budget", "ends_at_s": round(at) if runs else None})
+    return {"budget_s": budget_s, "startup_s": STARTUP_S, "steps": rows, "must_estimate_s": round(must),
+            "must_deadline_s": STARTUP_S + sum(s.deadline_s for s in steps if s.must or all_must),
+            "all_estimate_s": STARTUP_S + sum(s.estimate_s for s in steps), "fits": must <= budget_s}
+
+
+def format_plan(p: dict) -> str:
+    out = [f"{'step':<16}{'estimate':>9}{'deadline':>9}  must  expected (ends at, estimated)"]
+    for r in p["steps"]:
+        exp = f"run (~{r['ends_at_s']} s)" if r["ends_at_s"] is not None else r["expected"]
+        out.append(f"{r['step']:<16}{r['estimate_s']:>9}{r['deadline_s']:>9}  {'yes' if r['must'] else 'no':<4}  {exp}")
+    out.append(f"must-run: {p['must_estimate_s']} s estimated ({p['startup_s']} s of start included; at most "
+               f"{p['must_deadline_s']} s by their deadlines, cut by the budget) of a {p['budget_s']:g} s budget: "
+               + ("fits" if p["fits"] else "DOES NOT FIT"))
+    out.append(f"all steps: {p['all_estimate_s']} s estimated")
+    return "\n".join(out)
+
+
+def check_step(step: Step) -> list[str]:
+    """What a step's command needs that is not here: repository files, the program, the script or
+    module it runs (``nvcc``, ``nvidia-smi`` inside a shell line are the GPU image's and not checked)."""
+    missing = [f"file {f}" for f in step.needs if not (ROOT / f).exists()]
+    argv = [a.replace("{py}", sys.executable) for a in step.argv]
+    if not argv:
+        return missing + ["an empty command"]
+    if shutil.which(argv[0]) is None and not Path(argv[0]).is_file():
+        missing.append(f"program {argv[0]}")
+    elif argv[0] == sys.executable and len(argv) > 2 and argv[1] == "-m":
+        if importlib.util.find_spec(argv[2]) is None:
+            missing.append(f"module {argv[2]}")
+    elif argv[0] == sys.executable and len(argv) > 1 and argv[1].endswith(".py"):
+        if not (ROOT / argv[1]).is_file():
+            missing.append(f"script {argv[1]}")
+    return missing
 
 
 # ----------------------------------------------------------------------------- running a step
@@ -274,10 +434,25 @@ def _step_env(step: Step, dry: bool) -> dict:
     return env
 
 
+try:  # resolved before any fork: the child only calls it
+    import ctypes
+
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (ImportError, OSError, AttributeError):
+    _PRCTL = None
+
+
+def _die_with_suite() -> None:
+    """In the step's first process, before it runs: SIGKILL when the suite dies (PR_SET_PDEATHSIG),
+    since the step's own session would outlive a suite killed from outside."""
+    if _PRCTL is not None:
+        _PRCTL(1, int(signal.SIGKILL))
+
+
 def run_step(step: Step, results: str, limit_s: float, dry: bool) -> dict:
     """Run one step in its own process group (its output in ``<results>/<step>.log``); a step that
     runs past ``limit_s`` is killed with everything it started, and so is anything it leaves behind."""
-    rec = {"step": step.name, "limit_s": round(limit_s, 1)}
+    rec = {"step": step.name, "deadline_s": round(limit_s, 1)}
     missing = [f for f in step.needs if not (ROOT / f).exists()]
     if missing:
         return rec | {"status": "failed", "error": f"missing {missing}"}
@@ -294,19 +469,23 @@ def run_step(step: Step, results: str, limit_s: float, dry: bool) -> dict:
     cmd = _expand(argv, results)
     rec["cmd"] = shlex.join(cmd)
     if limit_s <= 0:
-        return rec | {"status": "skipped", "error": "suite budget spent"}
+        return rec | {"status": "skipped", "reason": "budget: none left"}
     log = Path(results) / f"{step.name}{'-dry' if dry else ''}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log, "wb") as f:
         # a file, not a pipe: a child that outlives the step cannot hold the suite up on an open pipe
         p = subprocess.Popen(cmd, cwd=ROOT, env=_step_env(step, dry), stdout=f, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
+                             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_suite)
         try:
             rc, timed_out = p.wait(timeout=limit_s), False
         except subprocess.TimeoutExpired:
             _kill_group(p.pid)
             rc, timed_out = p.wait(), True
+        except BaseException:  # the suite interrupted (SIGTERM, Ctrl-C): the step goes with it
+            _kill_group(p.pid)
+            p.wait()
+            raise
         leftovers = _kill_group(p.pid)  # NCCL workers, servers... started by the step and still running
     out = log.read_text(errors="replace")
     rec.update(seconds=round(time.perf_counter() - t0, 1), rc=None if timed_out else rc, timed_out=timed_out,
@@ -318,6 +497,11 @@ def run_step(step: Step, results: str, limit_s: float, dry: bool) -> dict:
         wrong = step.dry_check(out)
         if wrong:
             rec.update(status="failed", error=wrong)
+    if not dry and step.key is not None:
+        try:
+            rec["key"] = step.key(out, results)
+        except Exception as e:  # a parser's slip must not cost the day
+            rec["key"] = {"error": f"{type(e).__name__}: {e}"}
     if rec["status"] == "ok" and not dry and step.done is not None:
         step.done()
     return rec
@@ -333,7 +517,7 @@ def collect_rows(results: str) -> dict[str, list[dict]]:
             except ValueError:  # a line cut short by a killed benchmark
                 continue
         for r in rows[p.stem]:
-            r.pop("provenance", None)  # the suite's file carries it once
+            r.pop("provenance", None)  # the summary carries it once
     return rows
 
 
@@ -343,90 +527,198 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def default_out(prov: dict, part: str | None, dry: bool, environ=os.environ) -> Path:
-    """``$OUT/gpu_suite[-dry][-part<X>]-<device>-<date>.json`` (``bench/results/`` without ``$OUT``)."""
+def default_out(prov: dict, dry: bool, environ=os.environ) -> Path:
+    """``$OUT/gpu_day.json`` (``gpu_day-dry.json`` for a dry run); without ``$OUT``
+    ``bench/results/gpu_day[-dry]-<device>-<date>.json``."""
+    tag = "-dry" if dry else ""
+    if environ.get("OUT"):
+        return Path(environ["OUT"]) / f"gpu_day{tag}.json"
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d_%H%M")
     device = re.sub(r"[^A-Za-z0-9_.-]+", "_", prov.get("device", "cpu"))
-    tag = ("-dry" if dry else "") + (f"-part{part}" if part else "")
-    folder = Path(environ["OUT"]) if environ.get("OUT") else ROOT / "bench" / "results"
-    return folder / f"gpu_suite{tag}-{device}-{stamp}.json"
+    return ROOT / "bench" / "results" / f"gpu_day{tag}-{device}-{stamp}.json"
+
+
+class Report:
+    """The two files that come back: the JSON summary and the log of step tails, rewritten
+    atomically before and after every step."""
+
+    def __init__(self, out: Path, res: dict, steps: list[Step], start: float, log: bool = True):
+        self.out, self.res, self.start = out, res, start
+        self.log = out.with_suffix(".log") if log else None
+        self.records = {s.name: {"step": s.name, "status": "planned", "estimate_s": s.estimate_s,
+                                 "deadline_s": s.deadline_s, "must": s.must} for s in steps}
+        self.tails: dict[str, str] = {}
+
+    def set(self, rec: dict, tail: str | None = None) -> None:
+        self.records[rec["step"]] = rec
+        if tail is not None:
+            self.tails[rec["step"]] = tail
+
+    def write(self) -> None:
+        recs = list(self.records.values())
+        ran = [r for r in recs if r["status"] not in ("planned", "skipped")]
+        self.res.update(seconds=round(time.perf_counter() - self.start, 1), steps=recs,
+                        passed=self.res.get("finished", False) and all(r["status"] == "ok" for r in ran)
+                        and not any(r["status"] == "skipped" and r["must"] for r in recs))
+        _write_atomic(self.out, json.dumps(self.res, indent=1, default=str) + "\n")
+        if self.log is not None:
+            parts = [f"# gpu_day {self.res.get('mode')}: commit {self.res['provenance'].get('commit')}, "
+                     f"{self.res['provenance'].get('device')}, {self.res['seconds']} s of {self.res['budget_s']:g}"]
+            for r in recs:
+                if r["step"] in self.tails or r["status"] not in ("planned",):
+                    head = f"== {r['step']}: {r['status']}, {r.get('seconds', 0)} s (deadline {r.get('deadline_s')} s)"
+                    parts.append("\n".join(x for x in (head, "$ " + r["cmd"] if r.get("cmd") else "",
+                                                       r.get("reuse", ""), r.get("reason", ""),
+                                                       self.tails.get(r["step"], "")) if x))
+            _write_atomic(self.log, "\n\n".join(parts) + "\n")
+
+
+def _summarise(rec: dict, must: bool, estimate: int) -> tuple[dict, str]:
+    """The JSON's record of a finished step (the output tail only when it did not pass) and its log tail."""
+    tail = rec.pop("output_tail", "")
+    rec.pop("log", None)
+    if rec["status"] != "ok" and tail:
+        rec["error_tail"] = tail[-2000:]
+    return {"must": must, "estimate_s": estimate} | rec, tail
+
+
+class _Interrupted(BaseException):
+    pass
+
+
+def _on_term(signum, frame):
+    raise _Interrupted(signal.Signals(signum).name)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="check every step on CPU; run no GPU work")
-    which = ap.add_mutually_exclusive_group()
-    which.add_argument("--only", default=None, help="comma-separated steps to run (default: all)")
-    which.add_argument("--part", choices=sorted(PARTS), default=None,
-                       help=f"one of the parts for a 10-minute command limit: {PARTS}")
-    ap.add_argument("--out", default=None,
-                    help="result file (default $OUT/gpu_suite[-part<X>]-<device>-<date>.json, or under "
-                         "bench/results/ without $OUT)")
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--day", action="store_true", help="run the plan on the GPU machine")
+    mode.add_argument("--dry-run", action="store_true", help="walk the plan on CPU: estimates, deadlines, the fit")
+    ap.add_argument("--steps", default=None, help=f"comma-separated steps, in plan order (default all: "
+                                                  f"{','.join(s.name for s in STEPS)})")
+    ap.add_argument("--out", default=None, help="the JSON summary (default $OUT/gpu_day.json); the log goes "
+                                                "beside it as <out>.log")
+    ap.add_argument("--no-log", action="store_true", help="write only the JSON")
     ap.add_argument("--commit", default=None,
                     help="the commit being measured, where there is no .git (sets AREAL_FAST_COMMIT for the "
                          "build and every step)")
-    ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="time for the whole suite (default 1200 s)")
+    ap.add_argument("--budget-s", type=float, default=DAY_BUDGET_S,
+                    help=f"time for the whole command (default {DAY_BUDGET_S} s)")
+    ap.add_argument("--work-dir", default=None, help="full logs, rows, JUnit file (default: a temporary folder, "
+                                                     "removed at the end); never under --out's folder")
+    ap.add_argument("--deep", action="store_true", help="with --dry-run: also run each step's CPU check")
     ap.add_argument("--wheelhouse", default=None, help="install missing requirements from these local wheels first")
     args = ap.parse_args(argv)
-    names = [s.name for s in STEPS]
-    if args.part is not None:
-        only = list(PARTS[args.part])
-        args.budget_s = min(args.budget_s, PART_BUDGET_S)
-    else:
-        only = names if args.only is None else [x for x in args.only.split(",") if x]
-    bad = [x for x in only if x not in names]
-    if bad:
-        ap.error(f"--only: unknown steps {bad}; steps are {names}")
+    start = time.perf_counter()
+    try:
+        steps = select_steps(None if args.steps is None else [x for x in args.steps.split(",") if x])
+    except ValueError as e:
+        ap.error(f"--steps: {e}")
     if args.commit:
         os.environ["AREAL_FAST_COMMIT"] = args.commit
-    start = time.perf_counter()
-    if args.wheelhouse and not args.dry_run:
+    if args.wheelhouse and args.day:
         wh = Path(args.wheelhouse)
-        if not wh.is_dir():
-            ap.error(f"--wheelhouse {wh}: not a directory")
-        wheels = sorted(str(p) for p in wh.glob("*.whl"))
+        wheels = sorted(str(p) for p in wh.glob("*.whl")) if wh.is_dir() else []
         if not wheels:
             ap.error(f"--wheelhouse {wh}: no .whl files")
         subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", *wheels], cwd=ROOT,
                        check=False, timeout=120)
     # without areal_fast's _C: the install step may be about to replace it
     prov = provenance(native=False)
-    out = Path(args.out) if args.out else default_out(prov, args.part, args.dry_run)
+    out = Path(args.out) if args.out else default_out(prov, args.dry_run)
     out.parent.mkdir(parents=True, exist_ok=True)
-    results = out.with_name(out.stem + ".rows")
-    results.mkdir(parents=True, exist_ok=True)
-    for old in [*results.glob("*.jsonl"), *results.glob("*.log")]:  # an earlier run under the same name
-        old.unlink()
-    records: list[dict] = []
-    res = {"suite": "gpu_suite", "dry_run": args.dry_run, "part": args.part, "provenance": prov,
-           "budget_s": args.budget_s, "finished": False, "steps": records, "rows": {}}
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="gpu_day-"))
+    if out.parent.resolve() in (work.resolve(), *work.resolve().parents):
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+        ap.error(f"the work folder {work} is under {out.parent}: only the JSON and its log may be written "
+                 "there (name another with --work-dir)")
+    the_plan = plan(steps, args.budget_s, all_must=args.steps is not None)
+    res = {"suite": "gpu_day", "mode": "dry-run" if args.dry_run else "day", "provenance": prov,
+           "budget_s": args.budget_s, "plan": the_plan, "finished": False, "steps": []}
+    report = Report(out, res, steps, start, log=not args.no_log)
+    print(format_plan(the_plan), flush=True)
+    try:
+        if args.dry_run:
+            return _dry_run(args, steps, report, work, the_plan)
+        return _day(args, steps, report, work)
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
 
-    def write(current: dict | None = None) -> None:
-        res.update(seconds=round(time.perf_counter() - start, 1), rows=collect_rows(str(results)),
-                   steps=records + ([current] if current else []),
-                   passed=bool(records) and all(r["status"] == "ok" for r in records) and current is None)
-        _write_atomic(out, json.dumps(res, indent=1, default=str) + "\n")
 
-    for step in STEPS:
-        if step.name not in only:
-            continue
-        left = args.budget_s - (time.perf_counter() - start)
-        limit = min(step.limit_s, left) if not args.dry_run else 180  # a dry step's time says nothing
-        print(f"[gpu_suite] {step.name} (limit {limit:.0f} s) ...", flush=True)
-        write({"step": step.name, "status": "running", "limit_s": round(limit, 1),
-               "started": _dt.datetime.now(_dt.timezone.utc).strftime("%H:%M:%SZ")})
-        rec = run_step(step, str(results), limit, args.dry_run)
-        print(f"[gpu_suite] {step.name}: {rec['status']} ({rec.get('seconds', 0)} s)"
-              + (f"; {rec['reuse']}" if "reuse" in rec else ""), flush=True)
-        if rec["status"] != "ok":
-            print(rec.get("error", "") + "\n" + rec.get("output_tail", "")[-1500:], flush=True)
-        records.append(rec)
-        write()
-    res["finished"] = True
-    write()
-    print(f"[gpu_suite] {'passed' if res['passed'] else 'FAILED'}: "
-          f"{sum(r['status'] == 'ok' for r in records)}/{len(records)} steps in {res['seconds']} s; wrote {out}")
-    return 0 if res["passed"] else 1
+def _dry_run(args, steps: list[Step], report: Report, work: Path, the_plan: dict) -> int:
+    bad = 0
+    for step in steps:
+        rec = {"step": step.name, "status": "planned", "estimate_s": step.estimate_s, "deadline_s": step.deadline_s,
+               "must": step.must, "cmd": shlex.join(_expand(step.argv, str(work / step.name)))}
+        missing = check_step(step)
+        tail = None
+        if missing:
+            rec.update(status="failed", error=f"missing {missing}")
+        elif args.deep:
+            r = run_step(step, str(work / step.name), 180, dry=True)
+            rec["check"] = r.get("cmd", r.get("note"))
+            tail = r.get("output_tail", "")
+            if r["status"] != "ok":
+                rec.update(status="failed", error=r.get("error", r["status"]), error_tail=tail[-2000:])
+        bad += rec["status"] != "planned"
+        report.set(rec, tail)
+        print(f"[gpu_day] {step.name}: {rec['status']}" + (f" ({rec['error']})" if "error" in rec else ""), flush=True)
+    report.res["finished"] = True
+    report.write()
+    ok = the_plan["fits"] and not bad
+    print(f"[gpu_day] dry run: {'the plan fits' if ok else 'THE PLAN DOES NOT FIT OR A STEP IS MISSING'}; "
+          f"wrote {report.out}", flush=True)
+    return 0 if ok else 1
+
+
+def _day(args, steps: list[Step], report: Report, work: Path) -> int:
+    explicit = args.steps is not None  # named steps run with whatever is left, as must-run ones do
+    old = signal.signal(signal.SIGTERM, _on_term)
+    current = None
+    try:
+        for step in steps:
+            left = args.budget_s - (time.perf_counter() - report.start)
+            must = step.must or explicit
+            if left < MIN_STEP_S or (not must and left < step.estimate_s):
+                report.set({"step": step.name, "status": "skipped", "must": step.must, "estimate_s": step.estimate_s,
+                            "seconds": 0, "reason": f"budget: {max(left, 0):.0f} s left, estimate {step.estimate_s} s"})
+                print(f"[gpu_day] {step.name}: skipped: budget ({left:.0f} s left)", flush=True)
+                report.write()
+                continue
+            deadline = min(step.deadline_s, left)
+            current = {"step": step.name, "status": "running", "must": step.must, "estimate_s": step.estimate_s,
+                       "deadline_s": round(deadline, 1), "started": _dt.datetime.now(_dt.timezone.utc).strftime(
+                           "%H:%M:%SZ")}
+            report.set(current)
+            report.write()
+            print(f"[gpu_day] {step.name} (deadline {deadline:.0f} s, estimate {step.estimate_s} s) ...", flush=True)
+            rec, tail = _summarise(run_step(step, str(work / step.name), deadline, dry=False), step.must,
+                                   step.estimate_s)
+            report.set(rec, tail)
+            current = None
+            report.write()
+            print(f"[gpu_day] {step.name}: {rec['status']} ({rec.get('seconds', 0)} s)"
+                  + (f"; {rec['reuse']}" if "reuse" in rec else ""), flush=True)
+            if rec["status"] != "ok":
+                print(rec.get("error", "") + "\n" + tail[-1500:], flush=True)
+    except (_Interrupted, KeyboardInterrupt) as e:
+        if current is not None:
+            report.set(current | {"status": "timeout", "error": f"the suite was interrupted ({e or 'SIGINT'})"})
+        report.write()
+        print(f"[gpu_day] interrupted ({e or 'SIGINT'}); wrote {report.out}", flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    report.res["finished"] = True
+    report.write()
+    recs = list(report.records.values())
+    print(f"[gpu_day] {'passed' if report.res['passed'] else 'FAILED'}: "
+          + ", ".join(f"{r['step']} {r['status']}" for r in recs)
+          + f" in {report.res['seconds']} s; wrote {report.out}", flush=True)
+    return 0 if report.res["passed"] else 1
 
 
 if __name__ == "__main__":

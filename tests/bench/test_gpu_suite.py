@@ -1,10 +1,12 @@
-"""The GPU suite's plan and its dry run: every step is found and every benchmark parses its arguments;
-parts fit a 10-minute command, results are written after every step, a timed-out step is killed
-with its whole process group, and a second part on a warm machine reuses the build."""
+"""The GPU day (bench/gpu_suite.py) on CPU: the plan's must-run steps fit the budget and the dry run
+walks it; with fake steps, the summary is rewritten after every step, a step past its deadline is
+killed with its process group and the next one runs, at most two files land beside --out, --steps
+runs only the named steps; every benchmark parses the day's arguments; the build is reused."""
 
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -27,54 +29,203 @@ def _load_bench(script: str):
     return mod
 
 
-def test_steps_cover_the_gpu_work_within_the_budget():
+# ----------------------------------------------------------------------------- the plan
+
+
+def test_the_plan_covers_the_gpu_work_and_its_must_run_steps_fit_the_day():
     names = [s.name for s in gpu_suite.STEPS]
-    for required in ("env", "install", "gpu_tests", "ppo_loss", "packing", "reshard", "trainer"):
+    assert names[:5] == ["env", "install", "gpu_tests", "loss", "trainer"], "the most valuable checks first"
+    for required in ("packing", "reshard", "loss_baselines"):
         assert required in names
-    assert sum(s.limit_s for s in gpu_suite.STEPS) <= gpu_suite.BUDGET_S
+    assert all(s.must for s in gpu_suite.STEPS[:5]) and not any(s.must for s in gpu_suite.STEPS[5:])
+    must = gpu_suite.STARTUP_S + sum(s.estimate_s for s in gpu_suite.STEPS if s.must)
+    assert must <= gpu_suite.DAY_BUDGET_S < gpu_suite.DAY_WALL_S <= 8 * 60
     for s in gpu_suite.STEPS:
-        for f in s.needs:
-            assert (ROOT / f).exists(), f"step {s.name} needs {f}"
+        assert 0 < s.estimate_s <= s.deadline_s <= gpu_suite.DAY_BUDGET_S, s.name
+        assert not gpu_suite.check_step(s), (s.name, gpu_suite.check_step(s))
     assert gpu_suite.gpu_test_files(), "no test file carries a gpu mark"
 
 
-def test_parts_fit_a_ten_minute_command_and_cover_every_step():
-    """Each part, its install included, within 9 minutes (the device kills a command at 10)."""
-    limits = {s.name: s.limit_s for s in gpu_suite.STEPS}
-    for part, steps in gpu_suite.PARTS.items():
-        assert sum(limits[s] for s in steps) <= gpu_suite.PART_BUDGET_S, part
-        assert steps[0] in ("env", "install") and "install" in steps, f"part {part} must build the package first"
-    assert {s for steps in gpu_suite.PARTS.values() for s in steps} == set(limits)
+def _files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
 
 
-# ends by itself after 30 s (so a budget that is not enforced fails the test instead of hanging it),
-# long past the 2 s budget below
-LONG = ("{py}", "-c", "import time; time.sleep(30)")
-
-
-@pytest.mark.parametrize("how", ["budget", "part"])
-def test_the_budget_cuts_a_step_and_skips_the_rest(tmp_path, monkeypatch, how):
-    """The budget is enforced, not only declared: a step whose own limit is past the time left gets
-    only the time left (it is killed at the budget, not at its 600 s limit) and the steps
-    after it are skipped; ``--part`` runs under PART_BUDGET_S whatever ``--budget-s`` says."""
-    steps = (gpu_suite.Step("hang", 600, LONG), gpu_suite.Step("after", 600, ("{py}", "-c", "pass")))
-    monkeypatch.setattr(gpu_suite, "STEPS", steps)
-    if how == "part":
-        monkeypatch.setattr(gpu_suite, "PARTS", {"x": ("hang", "after")})
-        monkeypatch.setattr(gpu_suite, "PART_BUDGET_S", 2)
-        args = ["--part", "x", "--budget-s", "1200"]
-    else:
-        args = ["--budget-s", "2"]
-    out = tmp_path / "suite.json"
-    assert gpu_suite.main([*args, "--out", str(out)]) != 0
+def test_the_dry_run_fits_the_budget_and_writes_one_json_with_every_step_planned(tmp_path, capsys):
+    out = tmp_path / "out" / "gpu_day.json"
+    assert gpu_suite.main(["--dry-run", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
     res = json.loads(out.read_text())
+    assert res["mode"] == "dry-run" and res["finished"] and res["plan"]["fits"]
+    assert res["budget_s"] == gpu_suite.DAY_BUDGET_S
+    assert [(s["step"], s["status"]) for s in res["steps"]] == [(s.name, "planned") for s in gpu_suite.STEPS]
+    assert res["plan"]["must_estimate_s"] <= gpu_suite.DAY_BUDGET_S
+    for s in gpu_suite.STEPS:  # printed: every step with its estimate and deadline, then the totals
+        assert re.search(rf"^{s.name}\s+{s.estimate_s}\s+{s.deadline_s}\s", printed, re.M), s.name
+    assert "must-run: " in printed and "fits" in printed
+    assert len(_files(out.parent)) <= 2, _files(out.parent)
+
+
+def test_the_dry_run_fails_a_plan_that_does_not_fit_or_a_missing_script(tmp_path, monkeypatch):
+    out = tmp_path / "gpu_day.json"
+    assert gpu_suite.main(["--dry-run", "--budget-s", "200", "--out", str(out)]) == 1
+    assert not json.loads(out.read_text())["plan"]["fits"]
+    monkeypatch.setattr(gpu_suite, "STEPS", (*gpu_suite.STEPS[:1], gpu_suite.Step(
+        "gone", 1, 5, ("{py}", "bench/no_such_bench.py"))))
+    assert gpu_suite.main(["--dry-run", "--out", str(out)]) == 1
+    steps = {s["step"]: s for s in json.loads(out.read_text())["steps"]}
+    assert steps["env"]["status"] == "planned" and steps["gone"]["status"] == "failed"
+    assert "bench/no_such_bench.py" in steps["gone"]["error"]
+
+
+def test_the_plan_skips_optional_steps_past_the_budget_never_must_run_ones():
+    steps = [gpu_suite.Step("a", 100, 200, ("true",), must=True), gpu_suite.Step("b", 50, 60, ("true",)),
+             gpu_suite.Step("c", 10, 20, ("true",))]
+    p = gpu_suite.plan(steps, 150)
+    assert [r["expected"] for r in p["steps"]] == ["run", "skipped: budget", "run"]
+    assert p["fits"] and p["must_estimate_s"] == 100 + gpu_suite.STARTUP_S
+    assert not gpu_suite.plan(steps, 150, all_must=True)["fits"]
+    assert not gpu_suite.plan(steps, 100)["fits"]
+
+
+# ----------------------------------------------------------------------------- the day, with fake steps
+
+
+def _py(code: str, *args: str) -> tuple[str, ...]:
+    return ("{py}", "-c", code, *args)
+
+
+def _day(tmp_path, monkeypatch, steps, *args) -> tuple[int, dict, Path]:
+    monkeypatch.setattr(gpu_suite, "STEPS", tuple(steps))
+    out = tmp_path / "out" / "gpu_day.json"
+    rc = gpu_suite.main(["--day", "--out", str(out), *args])
+    return rc, json.loads(out.read_text()), out
+
+
+# reads the summary as it stands while this step runs: every earlier step finished and recorded
+CHECKS_JSON = """import json, sys
+res = json.load(open(sys.argv[1]))
+st = {s["step"]: s["status"] for s in res["steps"]}
+want = dict(x.split("=") for x in sys.argv[2].split(","))
+assert all(st[k] == v for k, v in want.items()), st
+print("seen", st)
+"""
+
+
+def test_the_day_records_each_step_rewrites_the_json_after_each_and_goes_on_past_a_timeout(tmp_path, monkeypatch):
+    out = tmp_path / "out" / "gpu_day.json"
+    steps = [
+        gpu_suite.Step("first", 1, 30, _py("print('first ran')"), must=True),
+        gpu_suite.Step("sees_first", 1, 30, _py(CHECKS_JSON, str(out), "first=ok,sees_first=running,slow=planned")),
+        # waits on an event nobody sets: only its deadline ends it
+        gpu_suite.Step("slow", 1, 1, _py("import threading; print('slow began', flush=True); "
+                                         "threading.Event().wait()")),
+        gpu_suite.Step("fails", 1, 30, _py("import sys; print('boom'); sys.exit(3)")),
+        gpu_suite.Step("sees_all", 1, 30, _py(CHECKS_JSON, str(out), "slow=timeout,fails=failed")),
+        gpu_suite.Step("too_big", 10_000, 10_000, _py("raise SystemExit('must not run')")),
+    ]
+    t0 = time.monotonic()
+    rc, res, out = _day(tmp_path, monkeypatch, steps)
+    assert time.monotonic() - t0 < 60
+    st = {s["step"]: s for s in res["steps"]}
+    assert [s["step"] for s in res["steps"]] == [s.name for s in steps]
+    assert [s["status"] for s in res["steps"]] == ["ok", "ok", "timeout", "failed", "ok", "skipped"]
+    assert rc == 1 and res["finished"] and not res["passed"]
+    assert st["slow"]["deadline_s"] == 1 and "slow began" in st["slow"]["error_tail"]
+    assert st["fails"]["rc"] == 3 and "boom" in st["fails"]["error_tail"]
+    assert "error_tail" not in st["first"] and st["first"]["seconds"] >= 0
+    assert st["too_big"]["reason"].startswith("budget")
+    assert _files(out.parent) == ["gpu_day.json", "gpu_day.log"]
+    log = (out.parent / "gpu_day.log").read_text()
+    assert "first ran" in log and "boom" in log and "== slow: timeout" in log
+
+
+def test_the_budget_cuts_a_must_run_step_and_skips_the_rest(tmp_path, monkeypatch):
+    """Enforced, not only declared: a must-run step whose deadline is past the time left gets only
+    the time left; the next must-run step, with under MIN_STEP_S left, is skipped."""
+    steps = [gpu_suite.Step("hang", 1, 600, _py("import time; time.sleep(30)"), must=True),
+             gpu_suite.Step("after", 1, 600, _py("pass"), must=True)]
+    monkeypatch.setattr(gpu_suite, "MIN_STEP_S", 1)
+    rc, res, _ = _day(tmp_path, monkeypatch, steps, "--budget-s", "3")
     hang, after = res["steps"]
-    # killed at the time left, or skipped when the suite's own start already spent the budget
-    assert res["budget_s"] == 2 and hang["status"] in ("timeout", "skipped") and hang["limit_s"] <= 2
-    assert after["status"] == "skipped" and "budget" in after["error"]
+    assert rc == 1 and res["budget_s"] == 3 and hang["status"] == "timeout" and hang["deadline_s"] <= 3
+    assert after["status"] == "skipped" and "budget" in after["reason"] and not res["passed"]
 
 
-BENCH_STEPS = [s for s in gpu_suite.STEPS if s.name in ("ppo_loss", "packing", "reshard", "trainer")]
+def test_steps_runs_only_the_named_ones_and_the_install_they_need(tmp_path, monkeypatch):
+    ran = tmp_path / "ran"
+    ran.mkdir()
+
+    def mark(name, **kw):
+        return gpu_suite.Step(name, 1, 30, _py(f"open({str(ran / name)!r}, 'w')"), **kw)
+
+    steps = [mark("install"), mark("a"), mark("b", after_install=True), mark("c"), mark("d")]
+    rc, res, _ = _day(tmp_path, monkeypatch, steps, "--steps", "d,a")
+    assert rc == 0 and res["passed"] and [s["step"] for s in res["steps"]] == ["a", "d"]
+    assert _files(ran) == ["a", "d"]
+    rc, res, _ = _day(tmp_path, monkeypatch, steps, "--steps", "b")
+    assert rc == 0 and [s["step"] for s in res["steps"]] == ["install", "b"]
+    with pytest.raises(SystemExit):
+        gpu_suite.main(["--day", "--steps", "nope", "--out", str(tmp_path / "x.json")])
+
+
+def test_the_work_folder_may_not_be_under_the_out_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_suite, "STEPS", (gpu_suite.Step("a", 1, 5, _py("pass")),))
+    with pytest.raises(SystemExit):
+        gpu_suite.main(["--day", "--out", str(tmp_path / "gpu_day.json"), "--work-dir", str(tmp_path / "w")])
+    rc = gpu_suite.main(["--day", "--out", str(tmp_path / "o" / "gpu_day.json"), "--work-dir", str(tmp_path / "w")])
+    assert rc == 0 and (tmp_path / "w" / "a" / "a.log").exists()
+
+
+def test_default_out(tmp_path):
+    prov = {"device": "NVIDIA H100 80GB HBM3"}
+    assert gpu_suite.default_out(prov, False, environ={"OUT": str(tmp_path)}) == tmp_path / "gpu_day.json"
+    here = gpu_suite.default_out(prov, True, environ={})
+    assert here.parent == ROOT / "bench" / "results" and here.name.startswith("gpu_day-dry-NVIDIA_H100")
+
+
+# ----------------------------------------------------------------------------- the key numbers
+
+ENV_OUT = json.dumps({"python": "3.12.3", "torch": "2.11.0+cu130", "cuda": "13.0", "triton": "3.6.0",
+                      "gpu": "NVIDIA H100 80GB HBM3", "missing": []}) + """
+Cuda compilation tools, release 13.0, V13.0.88
+Build cuda_13.0.r13.0/compiler.36424714_0
+name, memory.total [MiB], driver_version, clocks.max.sm [MHz]
+NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04, 1980 MHz
+"""
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0" failures="1"
+skipped="2" tests="5" time="61.2"><testcase classname="tests.ops.test_ppo_loss_kernels" name="test_a[x]" time="1"/>
+<testcase classname="tests.ops.test_ppo_loss_kernels" name="test_b" time="1"><failure message="m">tb</failure>
+</testcase></testsuite></testsuites>"""
+
+
+def test_the_key_numbers_of_env_tests_and_benchmarks(tmp_path):
+    env = gpu_suite.env_key(ENV_OUT, str(tmp_path))
+    assert env["gpu"] == "NVIDIA H100 80GB HBM3" and env["triton"] == "3.6.0" and env["nvcc"] == "13.0"
+    assert env["nvidia_smi"].startswith("NVIDIA H100 80GB HBM3, 81559 MiB")
+    (tmp_path / "gpu_tests.xml").write_text(JUNIT)
+    key = gpu_suite.tests_key("...\n1 failed, 2 passed, 2 skipped in 61.20s (0:01:01)\n", str(tmp_path))
+    assert (key["tests"], key["failures"], key["skipped"], key["passed"]) == (5, 1, 2, 2)
+    assert key["failed_ids"] == ["tests/ops/test_ppo_loss_kernels.py::test_b"] and "1 failed" in key["summary"]
+    (tmp_path / "gpu_tests.xml").write_text(JUNIT[:80])  # cut short by the deadline
+    assert "unreadable" in gpu_suite.tests_key("", str(tmp_path))["junit"]
+    (tmp_path / "loss.jsonl").write_text(json.dumps({"T": 1, "provenance": {}}) + "\n")
+    assert gpu_suite.rows_key("", str(tmp_path)) == {"rows": {"loss": [{"T": 1}]}}
+
+
+def test_the_documented_tables_match_the_plan():
+    """The module's table and docs/benchmarks.md name each step with its estimate and deadline."""
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    for s in gpu_suite.STEPS:
+        row = rf"^{s.name}\s+{s.estimate_s}\s+{s.deadline_s}\s+{'yes' if s.must else 'no'}\b"
+        assert re.search(row, gpu_suite.__doc__, re.M), f"module table: {s.name}"
+        assert re.search(rf"^\| `{s.name}` \| {s.estimate_s} \| {s.deadline_s} \| {'yes' if s.must else 'no'} \|",
+                         docs, re.M), f"docs/benchmarks.md: {s.name}"
+    assert "--part" not in docs.split("## The GPU day")[1].split("\n## ")[0]
+
+
+
+BENCH_STEPS = [s for s in gpu_suite.STEPS if s.argv[1:2] and s.argv[1].startswith("bench/")]
 
 
 @pytest.mark.parametrize("step", BENCH_STEPS, ids=lambda s: s.name)
@@ -95,13 +246,13 @@ def test_a_bad_argument_fails_the_bench(capsys):
 
 
 def test_run_step_records_missing_files_failures_and_timeouts(tmp_path):
-    missing = gpu_suite.Step("m", 10, ("{py}", "-c", "pass"), needs=("bench/no_such_bench.py",))
+    missing = gpu_suite.Step("m", 1, 10, ("{py}", "-c", "pass"), needs=("bench/no_such_bench.py",))
     assert gpu_suite.run_step(missing, str(tmp_path), 10, dry=False)["status"] == "failed"
-    fails = gpu_suite.Step("f", 10, ("{py}", "-c", "import sys; print('boom'); sys.exit(3)"))
+    fails = gpu_suite.Step("f", 1, 10, ("{py}", "-c", "import sys; print('boom'); sys.exit(3)"))
     rec = gpu_suite.run_step(fails, str(tmp_path), 10, dry=False)
     assert (rec["status"], rec["rc"]) == ("failed", 3) and "boom" in rec["output_tail"]
     # waits on an event nobody sets: only the step's limit can end it
-    hangs = gpu_suite.Step("h", 1, ("{py}", "-c", "import threading; threading.Event().wait()"))
+    hangs = gpu_suite.Step("h", 1, 1, ("{py}", "-c", "import threading; threading.Event().wait()"))
     rec = gpu_suite.run_step(hangs, str(tmp_path), 0.5, dry=False)
     assert rec["status"] == "timeout" and rec["timed_out"]
     assert gpu_suite.run_step(fails, str(tmp_path), 0, dry=False)["status"] == "skipped"
@@ -141,7 +292,7 @@ SPAWNS = textwrap.dedent("""
 @pytest.mark.parametrize("how", ["hang", "exit"])
 def test_a_step_is_killed_with_its_whole_process_group(tmp_path, how):
     pid_file = tmp_path / "child.pid"
-    step = gpu_suite.Step("spawn", 30, ("{py}", "-c", SPAWNS, str(pid_file), how))
+    step = gpu_suite.Step("spawn", 1, 30, ("{py}", "-c", SPAWNS, str(pid_file), how))
     try:
         rec = gpu_suite.run_step(step, str(tmp_path), 2 if how == "hang" else 60, dry=False)
         child = int(pid_file.read_text())
@@ -155,49 +306,78 @@ def test_a_step_is_killed_with_its_whole_process_group(tmp_path, how):
             os.kill(int(pid_file.read_text()), 9)
 
 
-def test_a_killed_suite_keeps_its_finished_steps(tmp_path):
-    """The result file is written before and after every step: the suite killed (as the device kills
-    a command at 10 minutes) in its second step still has the first step's result and rows."""
-    out = tmp_path / "suite.json"
+def _driver(tmp_path: Path, out: Path, steps_src: str) -> subprocess.Popen:
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT / "bench")!r})
         import gpu_suite as g
-        row = "import json, sys; open(sys.argv[1] + '/quick.jsonl', 'a').write(json.dumps({{'x': 1}}) + chr(10))"
-        g.STEPS = (g.Step("quick", 60, ("{{py}}", "-c", row, "{{results}}")),
-                   g.Step("stuck", 600, ("{{py}}", "-c", "import threading; threading.Event().wait()")))
-        sys.exit(g.main(["--out", {str(out)!r}]))
+        g.STEPS = {steps_src}
+        sys.exit(g.main(["--day", "--out", {str(out)!r}, "--work-dir", {str(tmp_path / "work")!r}]))
     """))
-    p = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    return subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _wait_for(out: Path, p: subprocess.Popen, want: list[tuple[str, str]]) -> None:
+    end = time.monotonic() + 60
+    while time.monotonic() < end and p.poll() is None:
+        if out.exists() and [(s["step"], s["status"]) for s in json.loads(out.read_text())["steps"]] == want:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the suite never reached {want} (exit {p.poll()})")
+
+
+# the second step records its pid, then waits forever
+STUCK = ('g.Step("stuck", 1, 600, ("{py}", "-c", "import os, sys, threading; open(sys.argv[1], \'w\').write('
+         'str(os.getpid())); threading.Event().wait()", PID))')
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process states from /proc")
+def test_a_killed_day_keeps_its_finished_steps_and_takes_its_step_along(tmp_path):
+    """Killed with SIGKILL mid-step (as a command limit would), the day leaves a valid summary with
+    the finished step and the one it was in, and the step (in its own session) dies with it."""
+    out = tmp_path / "out" / "gpu_day.json"
+    pid_file = tmp_path / "stuck.pid"
+    p = _driver(tmp_path, out, f'(g.Step("quick", 1, 60, ("{{py}}", "-c", "print(1)")), '
+                               f'{STUCK.replace("PID", repr(str(pid_file)))})')
     try:
-        end = time.monotonic() + 60
-        res = None
-        while time.monotonic() < end and p.poll() is None:
-            if out.exists():
-                res = json.loads(out.read_text())
-                if [s["step"] for s in res["steps"]] == ["quick", "stuck"]:
-                    break
-            time.sleep(0.1)
-        assert p.poll() is None, "the suite ended by itself"
-    finally:
-        os.killpg(p.pid, 9)
+        _wait_for(out, p, [("quick", "ok"), ("stuck", "running")])
+        end = time.monotonic() + 30
+        while not pid_file.exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        os.kill(p.pid, 9)  # the suite alone, not its steps' groups
         p.wait()
+        assert _wait_gone(int(pid_file.read_text())), "the step outlived the killed suite"
+    finally:
+        os.killpg(p.pid, 9) if p.poll() is None else None
+        if pid_file.exists() and not _gone(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), 9)
     res = json.loads(out.read_text())
     assert [(s["step"], s["status"]) for s in res["steps"]] == [("quick", "ok"), ("stuck", "running")]
-    assert res["rows"] == {"quick": [{"x": 1}]} and not res["finished"] and not res["passed"]
-    assert (tmp_path / "suite.rows" / "quick.jsonl").exists()
-    assert not list(tmp_path.glob(".suite.json.*")), "a temporary file of the atomic write was left"
+    assert not res["finished"] and not res["passed"]
+    assert _files(out.parent) == ["gpu_day.json", "gpu_day.log"], "a temporary file of an atomic write was left"
 
 
-def test_default_out_goes_under_OUT_when_set(tmp_path):
-    prov = {"device": "NVIDIA H100 80GB HBM3"}
-    out = gpu_suite.default_out(prov, "b", False, environ={"OUT": str(tmp_path)})
-    assert out.parent == tmp_path and out.name.startswith("gpu_suite-partb-NVIDIA_H100_80GB_HBM3-")
-    assert out.suffix == ".json"
-    here = gpu_suite.default_out(prov, None, True, environ={})
-    assert here.parent == ROOT / "bench" / "results" and here.name.startswith("gpu_suite-dry-NVIDIA_H100")
+def test_sigterm_ends_the_step_and_records_it(tmp_path):
+    out = tmp_path / "out" / "gpu_day.json"
+    pid_file = tmp_path / "stuck.pid"
+    p = _driver(tmp_path, out, f'({STUCK.replace("PID", repr(str(pid_file)))},)')
+    try:
+        _wait_for(out, p, [("stuck", "running")])
+        end = time.monotonic() + 30
+        while not pid_file.exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        p.send_signal(15)
+        assert p.wait(timeout=30) == 130
+        assert _wait_gone(int(pid_file.read_text()))
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+        if pid_file.exists() and not _gone(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), 9)
+    (stuck,) = json.loads(out.read_text())["steps"]
+    assert stuck["status"] == "timeout" and "SIGTERM" in stuck["error"]
 
 
 # ----------------------------------------------------------------------------- reusing the build
@@ -219,11 +399,11 @@ def test_install_is_skipped_only_for_the_same_build_inputs(tmp_path):
 def test_a_reused_install_runs_nothing_and_a_passed_one_is_recorded(tmp_path):
     calls = []
     ran = tmp_path / "ran"
-    step = gpu_suite.Step("install", 30, ("{py}", "-c", f"open({str(ran)!r}, 'w')"),
+    step = gpu_suite.Step("install", 1, 30, ("{py}", "-c", f"open({str(ran)!r}, 'w')"),
                           reuse=lambda: (True, "same inputs"), done=lambda: calls.append("done"))
     rec = gpu_suite.run_step(step, str(tmp_path), 30, dry=False)
     assert rec["status"] == "ok" and rec["reused"] and not ran.exists() and calls == []
-    step = gpu_suite.Step("install", 30, step.argv, reuse=lambda: (False, "inputs changed"),
+    step = gpu_suite.Step("install", 1, 30, step.argv, reuse=lambda: (False, "inputs changed"),
                           done=lambda: calls.append("done"))
     rec = gpu_suite.run_step(step, str(tmp_path), 30, dry=False)
     assert rec["status"] == "ok" and ran.exists() and calls == ["done"] and rec["reuse"] == "inputs changed"
@@ -320,19 +500,20 @@ def test_collect_rows_gathers_every_bench_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_dry_run_of_the_whole_suite(tmp_path):
-    out = tmp_path / "suite.json"
-    rc = gpu_suite.main(["--dry-run", "--out", str(out)])
+def test_deep_dry_run_of_the_whole_plan(tmp_path):
+    """Each step's CPU check: the GPU tests collected as on the GPU image, each bench's own dry run."""
+    out = tmp_path / "out" / "gpu_day.json"
+    rc = gpu_suite.main(["--dry-run", "--deep", "--out", str(out), "--work-dir", str(tmp_path / "work")])
     res = json.loads(out.read_text())
-    failed = {s["step"]: s.get("output_tail", s.get("error")) for s in res["steps"] if s["status"] != "ok"}
+    failed = {s["step"]: s.get("error_tail", s.get("error")) for s in res["steps"] if s["status"] != "planned"}
     assert rc == 0 and not failed, failed
     assert [s["step"] for s in res["steps"]] == [s.name for s in gpu_suite.STEPS]
-    assert res["dry_run"] and res["finished"] and {"device", "commit", "date", "torch"} <= set(res["provenance"])
+    assert res["finished"] and {"device", "commit", "date", "torch"} <= set(res["provenance"])
     steps = {s["step"]: s for s in res["steps"]}
     # collected as the real step selects (-m gpu tests), checked by check_gpu_collection
-    assert " -m gpu tests " in steps["gpu_tests"]["cmd"] + " " and "--collect-only" in steps["gpu_tests"]["cmd"]
-    assert "reuse" in steps["install"]
-    assert (tmp_path / "suite.rows" / "gpu_tests-dry.log").exists()
+    assert " -m gpu tests " in steps["gpu_tests"]["check"] + " " and "--collect-only" in steps["gpu_tests"]["check"]
+    assert (tmp_path / "work" / "gpu_tests" / "gpu_tests-dry.log").exists()
+    assert len(_files(out.parent)) <= 2
 
 
 def test_the_dry_run_and_the_real_step_select_the_same_tests():
