@@ -11,7 +11,11 @@ the loop body has no barrier or shuffle (the first version reduced three block-w
 block: 6 barriers and 24 shuffles per iteration in the sm_90a code). Exponentials are exp2 with
 log2(e) folded into the 1/tau scale, one exp2 per element (the max either moves, and the old sums
 are rescaled, or it does not, and the new term is exponentiated). Then lse = m + log s,
-H = lse - t / s and l = x_y - lse. Nothing of size [T, V] is written.
+H = lse - t / s and l = x_y - lse. Nothing of size [T, V] is written. Non-finite logits give what
+torch.logsumexp gives (docs/objective.md, "Non-finite logits"): the floors are NaN-propagating
+maxima (``max.NaN.f32``, same instruction count), so a lane's running max turns NaN at a NaN
+logit and stays NaN; after the loop a NaN lane makes lse, l and H NaN, a +inf maximum makes lse
++inf and H NaN (the sums, which saw inf - inf, are not used then).
 
 Compiled for sm_90a (bf16, V = 151,936: BLOCK_V 4096, 8 warps, maxnreg 80; figures from
 ``bench/static_sm90.py``, committed in bench/results/static_sm90-triton*.json):
@@ -93,8 +97,10 @@ def _ppo_token_stats_fwd_kernel(Z, stride_z, LABELS, LOGP, ENT, LSE, V, inv_tau,
         u = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * scale
         # -inf (tail, masked vocabulary) -> a finite floor: no inf - inf or 0 * inf, no selects. A
         # floored entry counts 1 at scale 2^NEG_FLOOR, rescaled to exactly 0 once the lane (or,
-        # after the loop, the row) sees a real value.
-        u = tl.maximum(u, NEG_FLOOR)
+        # after the loop, the row) sees a real value. NaN stays NaN (max.NaN.f32: the plain
+        # max.f32, like the interpreter's np.fmax, returns the other operand, which turned a NaN
+        # logit into probability 0 and a finite log-prob).
+        u = tl.maximum(u, NEG_FLOOR, propagate_nan=tl.PropagateNan.ALL)
         # One exp2 per element: with d = u - m, either the max moves (d > 0: rescale the old sums
         # by exp2(-d), the new term is 1) or it does not (the new term is exp2(d)).
         d = u - m
@@ -104,16 +110,24 @@ def _ppo_token_stats_fwd_kernel(Z, stride_z, LABELS, LOGP, ENT, LSE, V, inv_tau,
         p = tl.where(up, 1.0, e)
         s = s * alpha + p
         t = t * alpha + p * u
-        m = tl.maximum(m, u)
+        # a lane that saw a NaN keeps m = NaN (and s, t NaN) to the end; +inf and -inf never make
+        # m NaN, so NaN in m means a NaN logit, whatever inf - inf the sums went through
+        m = tl.maximum(m, u, propagate_nan=tl.PropagateNan.ALL)
+    has_nan = tl.sum((m != m).to(tl.int32), 0) > 0
     m_row = tl.max(m, 0)
     w = tl.exp2(m - m_row)
     s_row = tl.sum(s * w, 0)
     t_row = tl.sum(t * w, 0)
     lse2 = m_row + tl.log2(s_row)  # log-sum-exp in base-2 units of u
-    # a row whose logits are all -inf (or below the floor) has no distribution: lse = -inf as in torch
+    # Non-finite rows as torch.logsumexp has them: a NaN logit makes lse NaN; else a +inf logit
+    # makes it +inf (the sums, inf - inf in them, are not used); a row whose logits are all -inf (or
+    # below the floor) has no distribution: lse = -inf. The entropy of all three is NaN, as in torch.
     lse2 = tl.where(m_row > NEG_FLOOR, lse2, float("-inf"))
+    lse2 = tl.where(m_row == float("inf"), float("inf"), lse2)
+    lse2 = tl.where(has_nan, float("nan"), lse2)
     lse = lse2 * LN2
     ent = (lse2 - t_row / s_row) * LN2
+    ent = tl.where(has_nan | (m_row == float("inf")) | (m_row <= NEG_FLOOR), float("nan"), ent)
     label = tl.load(LABELS + row).to(tl.int64)
     valid = (label >= 0) & (label < V)
     x_y = tl.load(z_row + tl.where(valid, label, 0)).to(tl.float32) * inv_tau
@@ -144,7 +158,8 @@ def _ppo_token_stats_bwd_kernel(Z, stride_z, G, stride_g, LABELS, LSE, ENT, GRAD
         # flooring log2 P there changes no value and keeps -inf logits out of 0 * inf.
         LOG2P_FLOOR: tl.constexpr = -200.0
         scale = inv_tau * LOG2E
-        lse2 = tl.load(LSE + row).to(tl.float32) * LOG2E
+        # lse = -inf (a row of -inf logits) -> a finite floor: no -inf - -inf below. NaN and +inf stay.
+        lse2 = tl.maximum(tl.load(LSE + row).to(tl.float32) * LOG2E, -1e30, propagate_nan=tl.PropagateNan.ALL)
         ent = tl.load(ENT + row).to(tl.float32)
         label = tl.load(LABELS + row).to(tl.int64)
         g_s = g * inv_tau
@@ -154,7 +169,8 @@ def _ppo_token_stats_bwd_kernel(Z, stride_z, G, stride_g, LABELS, LSE, ENT, GRAD
             # base 2 as in the forward: P = exp2(u - lse2), log P = (u - lse2) ln 2;
             # dz = (g (onehot - P) - e P (log P + H)) / tau, regrouped as below
             u = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * scale
-            logP2 = tl.maximum(u - lse2, LOG2P_FLOOR)
+            # NaN-propagating floor: a NaN logit (or lse) gives a NaN gradient, not P = 0
+            logP2 = tl.maximum(u - lse2, LOG2P_FLOOR, propagate_nan=tl.PropagateNan.ALL)
             P = tl.exp2(logP2)
             dz = tl.where(cols == label, g_s, 0.0) - P * (g_s + e_s * (logP2 * LN2 + ent))
             tl.store(g_row + cols, dz.to(G.dtype.element_ty), mask=cols < V)

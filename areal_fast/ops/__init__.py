@@ -41,6 +41,7 @@ _EXPORTS = {
     "default_chunk_size": "fused_linear",
     "fused_linear_decoupled_ppo_loss": "fused_linear",
     "fused_linear_token_logprobs": "fused_linear",
+    "fused_linear_grad_path": "fused_linear",
     "decoupled_ppo_loss_ref": "ppo_loss_ref",
     "fused_linear_decoupled_ppo_loss_ref": "ppo_loss_ref",
     "fused_linear_token_logprobs_ref": "ppo_loss_ref",

@@ -27,6 +27,7 @@ on every backend; the fused-linear weight and bias gradients accumulate in fp64 
 
 # No `from __future__ import annotations` here: torch.library.custom_op reads the annotations
 # at runtime to infer the op schemas.
+import contextlib
 import logging
 import typing
 import warnings
@@ -94,7 +95,11 @@ def _bwd_impl(grad_out, logits, labels, lse, ent, grad_logp, grad_ent, temperatu
         onehot = torch.zeros_like(P).scatter_(1, labels[a:b].clamp(0, V - 1).long()[:, None], 1.0)
         onehot = onehot * ((labels[a:b] >= 0) & (labels[a:b] < V))[:, None]
         ent_term = torch.where(P > 0, P * (logP + ent[a:b, None].to(md)), torch.zeros_like(P))
-        grad_out[a:b] = ((g * (onehot - P) - e * ent_term) / temperature).to(grad_out.dtype)
+        dz = (g * (onehot - P) - e * ent_term) / temperature
+        # rows with g = e = 0 (prompt, padding and dropped tokens) get exact zeros whatever their
+        # logits hold, as from the Triton kernel (0 * NaN would put NaN there for a NaN logit)
+        live = (g != 0) | (e != 0)
+        grad_out[a:b] = torch.where(live, dz, torch.zeros_like(dz)).to(grad_out.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,15 +185,21 @@ def _(hidden, weight, bias, labels, temperature, chunk_size, backend):
 
 
 # Whether torch.addmm(acc_fp32, a_lowp, b_lowp, out_dtype=float32, out=acc_fp32) runs on a device
-# type and input dtype (cuBLAS does on CUDA for bf16/fp16 in recent torch; CPU does not in 2.13).
+# type and input dtype (cuBLAS does on CUDA for bf16/fp16 since torch 2.8; CPU does not in 2.13),
+# and, where it does not, what the probe said.
 _FP32_ADDMM_OK: dict[tuple[str, torch.dtype], bool] = {}
+_FP32_ADDMM_WHY: dict[tuple[str, torch.dtype], str] = {}
 # (device type, dtype) pairs already warned about the fp32 fallback: one warning per process each.
 _FALLBACK_WARNED: set[tuple[str, torch.dtype]] = set()
+# (device type, dtype) pairs whose grad_weight path was already logged.
+_PATH_LOGGED: set[tuple[str, torch.dtype]] = set()
 
 # The three ways grad_weight += dz^T @ h can run (recorded in the benchmark rows).
 PATH_FP32_INPUTS = "fp32 inputs: fp32 GEMM"
 PATH_FP32_OUT = "low-precision GEMM, fp32 accumulation inside it (out_dtype=float32)"
-PATH_UPCAST = "FALLBACK: inputs upcast to fp32, fp32 GEMM"
+PATH_UPCAST = "FALLBACK: inputs upcast to fp32, fp32 GEMM (TF32 allowed on CUDA: exact for bf16/fp16 inputs)"
+# The first torch whose addmm takes out_dtype=float32 for bf16/fp16 inputs on CUDA.
+OUT_DTYPE_TORCH = "2.8"
 
 
 def fp32_addmm_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -196,16 +207,19 @@ def fp32_addmm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     into an fp32 output itself; cached, so the cost is one tiny GEMM per process."""
     key = (device.type, dtype)
     if key not in _FP32_ADDMM_OK:
-        ok = False
+        ok, why = False, "fp32 inputs"
         if dtype != torch.float32:
             try:
                 acc = torch.zeros(2, 2, dtype=torch.float32, device=device)
                 a = torch.ones(2, 2, dtype=dtype, device=device)
                 torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
                 ok = bool(acc[0, 0] == 2.0)
-            except (RuntimeError, NotImplementedError, TypeError):
-                ok = False
+                why = "" if ok else f"torch.addmm(..., out_dtype=torch.float32) gave {float(acc[0, 0])}, not 2.0"
+            except (RuntimeError, NotImplementedError, TypeError) as e:
+                first_line = (str(e).strip().splitlines() or [""])[0][:200]
+                ok, why = False, f"torch.addmm(..., out_dtype=torch.float32) raised {type(e).__name__}: {first_line}"
         _FP32_ADDMM_OK[key] = ok
+        _FP32_ADDMM_WHY[key] = why
     return _FP32_ADDMM_OK[key]
 
 
@@ -216,17 +230,93 @@ def weight_grad_path(device: torch.device, dtype: torch.dtype) -> str:
     return PATH_FP32_OUT if fp32_addmm_supported(device, dtype) else PATH_UPCAST
 
 
-def _warn_upcast_once(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+class GradPath(typing.NamedTuple):
+    """The fused-linear weight-gradient GEMM: ``name`` is 'addmm_out_dtype' (bf16/fp16 GEMM
+    accumulating into the fp32 accumulator itself), 'fp32_fallback' (inputs upcast to fp32, an fp32
+    GEMM, TF32 allowed on CUDA), 'fp32_inputs' or 'fp64_inputs'; ``reason`` says why, in words."""
+    name: str
+    reason: str
+
+
+def fused_linear_grad_path(device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16) -> GradPath:
+    """Which GEMM accumulates the fused-linear grad_weight for inputs of ``dtype`` on ``device``
+    (default: the current CUDA device if there is one, else the CPU), and why. Probes once."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if dtype in (torch.float32, torch.float64):
+        name = "fp32_inputs" if dtype == torch.float32 else "fp64_inputs"
+        return GradPath(name, f"{dtype} inputs: the GEMM runs in {dtype}, accumulating into the {dtype} "
+                              "accumulator; no low-precision product to widen")
     key = (device.type, dtype)
-    if key in _FALLBACK_WARNED:
+    if fp32_addmm_supported(device, dtype):
+        return GradPath("addmm_out_dtype", f"torch {torch.__version__} accumulates {dtype} GEMMs into an fp32 "
+                                           f"output on {device.type} (torch.addmm(..., out_dtype=torch.float32))")
+    why = _FP32_ADDMM_WHY.get(key) or "the capability check said no"
+    if device.type == "cuda":
+        gemm = ("an fp32 GEMM with TF32 allowed for it (exact for bf16/fp16 inputs; about half the bf16 "
+                "tensor-core rate, plus the fp32 copies)")
+        fix = f"Install torch >= {OUT_DTYPE_TORCH} (CUDA build) for the fast path."
+    else:
+        gemm = "an fp32 GEMM"
+        fix = f"The fast path is torch >= {OUT_DTYPE_TORCH} on a CUDA device."
+    return GradPath("fp32_fallback", f"torch {torch.__version__} cannot accumulate {dtype} GEMMs in fp32 on "
+                                     f"{device.type} ({why}), so each grad_weight chunk upcasts dz and h to fp32 "
+                                     f"and runs {gemm}. {fix}")
+
+
+@contextlib.contextmanager
+def tf32_matmul(device: torch.device):
+    """Allow TF32 for the fp32 GEMMs of this block on CUDA (yields whether it applies), then put
+    the process's setting back exactly. For fp32 copies of bf16/fp16 values TF32 changes nothing:
+    their significands (8 and 11 bits) fit TF32's 11, the products are exact and the sums fp32, as
+    in the bf16 GEMM with an fp32 output; only the speed differs (~7x the plain fp32 rate on an
+    H100). Uses the API the process used: torch >= 2.9 raises when the legacy flag is read after
+    only the new one (``fp32_precision``) was set. The setting is process-wide while the block
+    runs: a GEMM launched by another thread meanwhile may use TF32 too."""
+    if device.type != "cuda":
+        yield False
         return
-    _FALLBACK_WARNED.add(key)
+    m = torch.backends.cuda.matmul
+    new = getattr(m, "fp32_precision", None)
+    try:
+        legacy = m.allow_tf32
+    except RuntimeError:  # set through the new API only: stay with it
+        legacy = None
+    if legacy is True or (legacy is None and new == "tf32"):
+        yield True  # already on
+        return
+    try:
+        if legacy is None:
+            m.fp32_precision = "tf32"
+        else:
+            m.allow_tf32 = True  # sets the legacy and the new flag together (consistent)
+        yield True
+    finally:
+        if legacy is not None:
+            m.allow_tf32 = False
+        if new is not None:
+            m.fp32_precision = new  # e.g. back to 'none' (inherit) rather than the 'ieee' set above
+
+
+def _say_path_once(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    """Log once per process and (device type, dtype) which grad_weight GEMM runs; the fallback
+    also warns (RuntimeWarning and log.warning), with the reason and what to install."""
+    key = (device.type, dtype)
+    fallback = not fp32_addmm_supported(device, dtype)  # cached: no probe after the first call
+    said = _FALLBACK_WARNED if fallback else _PATH_LOGGED
+    if key in said:
+        return
+    said.add(key)
+    path = fused_linear_grad_path(device, dtype)
+    if not fallback:
+        _log.info("areal_fast fused-linear grad_weight GEMM: %s (%s)", path.name, path.reason)
+        return
     m, k, n = shape
-    msg = (f"areal_fast fused-linear loss: torch {torch.__version__} cannot accumulate {dtype} GEMMs in fp32 "
-           f"on {device.type} (torch.addmm(..., out_dtype=torch.float32) is not supported), so every "
-           f"grad_weight chunk upcasts dz [{k}, {m}] and h [{k}, {n}] to fp32 and runs an fp32 GEMM: several "
-           "times slower than the bf16 tensor-core GEMM (~0.6 s a step at T = 32k, H = 3584, V = 151,936 on "
-           "an H100). Install a torch whose addmm takes out_dtype on this device to get the fast path.")
+    msg = (f"areal_fast fused-linear loss, grad_weight GEMM path '{path.name}': {path.reason} "
+           f"(chunks of dz [{k}, {m}] and h [{k}, {n}]; without TF32 the fp32 GEMM cost ~0.7 s a step "
+           "at T = 32k, H = 3584, V = 151,936 on an H100). areal_fast.ops.fused_linear_grad_path() says "
+           "which path runs.")
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
     _log.warning(msg)
 
@@ -234,16 +324,20 @@ def _warn_upcast_once(device: torch.device, dtype: torch.dtype, shape: tuple[int
 def addmm_fp32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """``acc += a @ b`` with ``acc`` fp32 and the products summed in fp32, with no rounding of the
     partial product to the inputs' dtype. Uses the GEMM's fp32 output where the installed torch
-    supports it (no extra traffic); else upcasts the inputs (exact, at the cost of an fp32 copy
-    and an fp32 GEMM), and says so once per process and (device type, dtype), loudly."""
+    supports it (no extra traffic); else upcasts the inputs and runs an fp32 GEMM with TF32
+    allowed on CUDA (``tf32_matmul``: exact for bf16/fp16 values, at the cost of the fp32 copies),
+    and says so once per process and (device type, dtype), loudly."""
     path = weight_grad_path(acc.device, a.dtype)
     if path == PATH_FP32_INPUTS:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
-    elif path == PATH_FP32_OUT:
+        return
+    _say_path_once(acc.device, a.dtype, (a.shape[0], a.shape[1], b.shape[1]))
+    if path == PATH_FP32_OUT:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
-        _warn_upcast_once(acc.device, a.dtype, (a.shape[0], a.shape[1], b.shape[1]))
-        acc.addmm_(a.float(), b.float())
+        a32, b32 = a.float(), b.float()
+        with tf32_matmul(acc.device):
+            acc.addmm_(a32, b32)
 
 
 class _LinearGrads:

@@ -41,6 +41,7 @@ from torch import Tensor
 from areal_fast.backend import select
 
 from . import custom_ops  # (also registers torch.ops.areal_fast.*)
+from .custom_ops import GradPath, fused_linear_grad_path  # noqa: F401  (public: which grad_weight GEMM runs)
 from .loss_config import PPOLossConfig, resolve_loss_config
 from .objective import aggregation_weights, check_token_inputs, ppo_objective
 from .ppo_loss_ref import math_dtype

@@ -1,5 +1,6 @@
 """Fused-linear decoupled-PPO loss vs the materialised path; chunking and micro-batch invariance."""
 
+import contextlib
 import warnings
 
 import pytest
@@ -300,6 +301,58 @@ def test_nonfinite_behaviour_and_gspo_mask_agree_with_reference(path):
     assert float(fused[0].stats["nonfinite_count"]) == float(ref[0].stats["nonfinite_count"]) >= 1.0
 
 
+# token level, no entropy or KL term: a token with a NaN logit is dropped, the loss stays finite,
+# and the bad value shows in the log-probs and in nonfinite_count
+CLEAN_TOKEN_OPTS = dict(temperature=0.8, eps_clip=0.2, entropy_coef=0.0, kl_coef=0.0, importance_level="token",
+                        loss_agg="token-mean")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, in the interpreter
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+@pytest.mark.parametrize("backend", ["reference", pytest.param("interpret", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("single_pass", [True, False])
+@pytest.mark.parametrize("where", ["hidden", "weight"])
+def test_nan_in_hidden_or_weight_shows_in_logprobs_and_nonfinite_count(where, single_pass, backend):
+    """A diverging LM head: a NaN in one token's hidden state makes that token's logits all NaN; a
+    NaN in one row of the weight (a vocabulary entry no label names) makes that logit NaN in every
+    row. The fused paths must report it as the reference does: NaN log-prob and entropy for the
+    rows concerned, each loss token among them counted in ``nonfinite_count``, the other rows'
+    log-probs unchanged; the loss stays finite here (the tokens are dropped), and with an entropy
+    term it is NaN, as in the reference."""
+    d = make(seed=17)
+    y = d["y"]
+    loss_tok = int(torch.nonzero(d["m"])[2])
+    if where == "hidden":
+        d["h"] = d["h"].clone()
+        d["h"][loss_tok, 3] = float("nan")
+        bad = torch.zeros(len(y), dtype=torch.bool)
+        bad[loss_tok] = True
+    else:
+        v = next(v for v in range(d["W"].shape[0]) if not (y == v).any())
+        d["W"] = d["W"].clone()
+        d["W"][v, 0] = float("nan")
+        bad = torch.ones(len(y), dtype=torch.bool)
+    kw = dict(CLEAN_TOKEN_OPTS, chunk_size=4, backend=backend, single_pass=single_pass)
+    fused = run_fused(fused_linear_decoupled_ppo_loss, d, **kw)[0]
+    ref = run_fused(fused_linear_decoupled_ppo_loss_ref, d, **CLEAN_TOKEN_OPTS)[0]
+    assert torch.equal(torch.isnan(fused.logprobs), bad) and torch.equal(torch.isnan(fused.entropy), bad)
+    torch.testing.assert_close(fused.logprobs, ref.logprobs, equal_nan=True, **FP32_CHUNKED_GEMM_TOL)
+    torch.testing.assert_close(fused.entropy, ref.entropy, equal_nan=True, **FP32_CHUNKED_GEMM_TOL)
+    n_bad = float((bad & (d["m"] != 0)).sum())
+    assert float(fused.stats["nonfinite_count"]) == float(ref.stats["nonfinite_count"]) == n_bad >= 1
+    assert torch.isfinite(fused.loss)
+    torch.testing.assert_close(fused.loss, ref.loss, **FP32_CHUNKED_GEMM_TOL)
+    lp = fused_linear_token_logprobs(d["h"], d["W"], y, bias=d["bias"], temperature=0.8, chunk_size=4,
+                                     backend=backend)
+    assert torch.equal(torch.isnan(lp), bad)
+    clean = make(seed=17)
+    lp_clean = fused_linear_token_logprobs(clean["h"], clean["W"], y, bias=clean["bias"], temperature=0.8,
+                                           chunk_size=4, backend=backend)
+    torch.testing.assert_close(lp[~bad], lp_clean[~bad], **FP32_CHUNKED_GEMM_TOL)
+    with_entropy = run_fused(fused_linear_decoupled_ppo_loss, d, **dict(kw, entropy_coef=0.05))[0]
+    assert torch.isnan(with_entropy.loss)
+
+
 def test_config_value_and_keyword_overrides_are_the_same_loss():
     """The options travel as one PPOLossConfig; keyword overrides replace single options."""
     d = make(seed=14)
@@ -397,7 +450,9 @@ def fresh_gemm_probe(monkeypatch):
     from areal_fast.ops import custom_ops
 
     monkeypatch.setattr(custom_ops, "_FP32_ADDMM_OK", {})
+    monkeypatch.setattr(custom_ops, "_FP32_ADDMM_WHY", {})
     monkeypatch.setattr(custom_ops, "_FALLBACK_WARNED", set())
+    monkeypatch.setattr(custom_ops, "_PATH_LOGGED", set())
     return custom_ops
 
 
@@ -449,6 +504,145 @@ def test_fused_linear_backward_warns_once_on_the_fallback(fresh_gemm_probe):
                                                   backend="reference")
             out.loss.backward()
     assert len([w for w in rec if "cannot accumulate" in str(w.message)]) == 1
+
+
+def test_fused_linear_grad_path_answers_for_this_torch(fresh_gemm_probe):
+    """Which grad_weight GEMM runs, by name, with the reason: the probe's own answer on this torch
+    (CPU torch 2.13 has no bf16 GEMM with an fp32 output: the fallback, saying what to install)."""
+    from areal_fast.ops import fused_linear_grad_path
+
+    ops = fresh_gemm_probe
+    cpu = torch.device("cpu")
+    path = fused_linear_grad_path(cpu, torch.bfloat16)
+    expected = "addmm_out_dtype" if ops.fp32_addmm_supported(cpu, torch.bfloat16) else "fp32_fallback"
+    assert path.name == expected and path.reason
+    if expected == "fp32_fallback":
+        assert "out_dtype" in path.reason and f"torch {torch.__version__}" in path.reason
+        assert "torch >= 2.8" in path.reason  # what the fast path needs
+    assert fused_linear_grad_path(cpu, torch.float32).name == "fp32_inputs"
+    assert fused_linear_grad_path(cpu, torch.float64).name == "fp64_inputs"
+    default = fused_linear_grad_path()  # the device training would use, bf16
+    assert default.name in ("addmm_out_dtype", "fp32_fallback") and default.reason
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_the_grad_path_is_logged_once_with_its_reason(supported, fresh_gemm_probe, monkeypatch, caplog):
+    """The first grad_weight GEMM of a (device type, dtype) logs which path runs: info for the
+    fp32-output GEMM, a warning with the reason and what to install for the fallback; once."""
+    import logging
+
+    ops = fresh_gemm_probe
+    monkeypatch.setitem(ops._FP32_ADDMM_OK, ("cpu", torch.bfloat16), supported)
+    if supported:  # CPU torch has no fp32-output bf16 GEMM: stand one in
+        monkeypatch.setattr(ops.torch, "addmm", lambda acc, a, b, out_dtype, out: acc.add_(a.float() @ b.float()))
+    one = torch.ones(2, 2, dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger=ops.__name__), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            ops.addmm_fp32_(torch.zeros(2, 2), one, one)
+    records = [r for r in caplog.records if "grad_weight GEMM" in r.getMessage()]
+    assert len(records) == 1
+    if supported:
+        assert records[0].levelno == logging.INFO and "addmm_out_dtype" in records[0].getMessage()
+    else:
+        assert records[0].levelno == logging.WARNING and "fp32_fallback" in records[0].getMessage()
+        assert "torch >= 2.8" in records[0].getMessage()
+
+
+def test_forced_fallback_accumulates_exactly_and_gives_the_reference_gradient(fresh_gemm_probe, monkeypatch):
+    """With the capability check forced to fail, the fallback reports itself, warns once with the
+    reason, sums the bf16 products exactly in fp32 (the accumulator vs fp64, over 64 chunks), and
+    the fused bf16 loss gets the materialised reference's gradient."""
+    from areal_fast.ops import fused_linear_grad_path
+    from areal_fast.ops.custom_ops import _LinearGrads
+
+    ops = fresh_gemm_probe
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(ops._FP32_ADDMM_OK, ("cpu", torch.bfloat16), False)
+    assert fused_linear_grad_path(cpu, torch.bfloat16).name == "fp32_fallback"
+    g = torch.Generator().manual_seed(1)
+    T, H, V, chunk = 512, 32, 64, 8
+    h = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    W = torch.randn(V, H, generator=g).to(torch.bfloat16)
+    dz = (torch.randn(T, V, generator=g) * 1e-2).to(torch.bfloat16)
+    grads = _LinearGrads(h, W, None, False, True, False)
+    scopes = []  # the fallback GEMM runs inside tf32_matmul (a no-op on a CPU)
+    real_scope = ops.tf32_matmul
+
+    @contextlib.contextmanager
+    def spy(device):
+        with real_scope(device) as on:
+            scopes.append((device.type, on))
+            yield on
+
+    monkeypatch.setattr(ops, "tf32_matmul", spy)
+    with pytest.warns(RuntimeWarning, match="cannot accumulate torch.bfloat16 GEMMs in fp32") as rec:
+        for a in range(0, T, chunk):
+            grads.add_chunk(a, a + chunk, h[a:a + chunk], dz[a:a + chunk])
+    assert len([w for w in rec if "cannot accumulate" in str(w.message)]) == 1
+    assert "fused_linear_grad_path" in str(rec[0].message)
+    assert scopes == [("cpu", False)] * (T // chunk)
+    torch.testing.assert_close(grads.gw.double(), dz.double().t() @ h.double(), **FP32_CHUNKED_GEMM_TOL)
+    d = make(T=24, H=16, V=96, dtype=torch.bfloat16, seed=2)
+    fused = run_fused(fused_linear_decoupled_ppo_loss, d, chunk_size=5, backend="reference", **TOKEN_OPTS)
+    mat = run_fused(lambda h, W, *a, bias=None, **k: decoupled_ppo_loss(
+        torch.nn.functional.linear(h, W, bias), *a, backend="reference", **k), d, **TOKEN_OPTS)
+    torch.testing.assert_close(fused[0].loss, mat[0].loss, **FP32_CHUNKED_GEMM_TOL)
+    for x, y in zip(fused[1:], mat[1:]):  # bf16 logits gradient on both sides, as in the tests above
+        assert (x.float() - y.float()).abs().max() <= 0.02 * y.float().abs().max()
+
+
+def _tf32_state():
+    """(new-API value or None, legacy flag or 'mixed' where reading it raises)."""
+    m = torch.backends.cuda.matmul
+    try:
+        legacy = m.allow_tf32
+    except RuntimeError:  # set through the new API only: torch refuses to read the legacy flag
+        legacy = "mixed"
+    return getattr(m, "fp32_precision", None), legacy
+
+
+@pytest.fixture
+def restore_tf32():
+    """The process-wide TF32 flags put back as they were, whatever the test set."""
+    m = torch.backends.cuda.matmul
+    new, legacy = _tf32_state()
+    yield
+    if legacy != "mixed":
+        m.allow_tf32 = legacy
+    if new is not None:
+        m.fp32_precision = new
+
+
+@pytest.mark.parametrize("user", ["default", "legacy_off", "legacy_on", "new_api_ieee", "new_api_tf32"])
+def test_fallback_allows_tf32_for_its_gemm_only_and_restores_the_flags(user, restore_tf32):
+    """The fallback's fp32 GEMM on CUDA runs with TF32 allowed (exact for bf16/fp16 inputs: their
+    significands fit TF32's), inside a scope that leaves the process's TF32 setting as it was,
+    whichever of torch's APIs set it (mixing the legacy and the new one makes torch raise)."""
+    from areal_fast.ops.custom_ops import tf32_matmul
+
+    m = torch.backends.cuda.matmul
+    new_api = hasattr(m, "fp32_precision")
+    if user.startswith("new_api") and not new_api:
+        pytest.skip(f"torch {torch.__version__} has no torch.backends.cuda.matmul.fp32_precision")
+    if user == "legacy_off":
+        m.allow_tf32 = False
+    elif user == "legacy_on":
+        m.allow_tf32 = True
+    elif user == "new_api_ieee":
+        m.fp32_precision = "ieee"
+    elif user == "new_api_tf32":
+        m.fp32_precision = "tf32"
+    before = _tf32_state()
+    with tf32_matmul(torch.device("cuda")) as on:
+        assert on
+        if new_api:
+            assert m.fp32_precision == "tf32"
+        if before[1] != "mixed":
+            assert m.allow_tf32  # the flag cuBLAS reads, consistent in both APIs
+    assert _tf32_state() == before
+    with tf32_matmul(torch.device("cpu")) as on:  # no TF32 on a CPU: nothing touched
+        assert not on and _tf32_state() == before
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("interpret", marks=pytest.mark.interpreter)])

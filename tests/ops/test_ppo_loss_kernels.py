@@ -381,6 +381,214 @@ def test_kernel_path_drops_nonfinite_behaviour_like_the_reference():
     assert float(out.stats["nonfinite_count"]) == float(ref.stats["nonfinite_count"]) >= 1.0
 
 
+# ----------------------------------------------------------------------------- NaN and inf logits
+
+NAN, INF = float("nan"), float("inf")
+# What each row of ``nonfinite_logits`` holds (V = 300: three 128-wide interpreter blocks, so a bad
+# value can sit in a later block, or share a lane with another one).
+BAD_ROWS = {
+    1: "NaN, not the target, in the last block",
+    2: "NaN at the target",
+    3: "+inf twice in one lane, not the target",
+    4: "+inf at the target",
+    6: "-inf at the target",
+    7: "NaN in a row that is otherwise -inf",
+    8: "NaN and +inf in one row",
+    10: "-inf only (no distribution: lse -inf, log-prob and entropy NaN)",
+}
+# Rows that stay finite: 0 and 9 plain, 5 a -inf logit that is not the target (probability 0, legitimate).
+
+
+def nonfinite_logits(seed=21):
+    d = make(11, 300, torch.float32, seed=seed)
+    z = d["z"].clone()
+    y = torch.tensor([3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23])
+    z[1, 290] = NAN
+    z[2, 7] = NAN
+    z[3, 40], z[3, 168] = INF, INF
+    z[4, 11] = INF
+    z[5, 40] = -INF
+    z[6, 15] = -INF
+    z[7] = -INF
+    z[7, 17], z[7, 100] = 1.0, NAN
+    z[8, 30], z[8, 200] = INF, NAN
+    z[10] = -INF
+    d.update(z=z, y=y, m=torch.ones(11))
+    return d
+
+
+# token level, no entropy or KL term: a bad row's token is dropped (non-finite log-ratio) and the
+# loss stays finite, so what the kernels say about the row shows in the logprobs and the count only
+CLEAN_TOKEN_OPTS = dict(temperature=0.7, eps_clip=0.2, entropy_coef=0.0, kl_coef=0.0, importance_level="token",
+                        loss_agg="token-mean")
+
+
+def _same(a, b, tol=FP32_REORDER_TOL):
+    torch.testing.assert_close(a, b, equal_nan=True, **tol)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.interpreter
+@pytest.mark.parametrize("opts", ["sequence_entropy_kl", "token_clean"])
+def test_nan_and_inf_logits_give_the_references_logprobs_entropy_loss_and_count(opts):
+    """A NaN logit (at the target or not) makes the row's log-prob and entropy NaN on the Triton
+    path exactly as in the reference (the floor ``max(u, -1e30)`` used to drop it: probability 0, a
+    finite log-prob, nothing counted); a +inf logit gives log-sum-exp +inf (log-prob -inf, or NaN at
+    the +inf target; entropy NaN); a -inf logit that is not the target stays legitimate. The loss and
+    ``nonfinite_count`` agree with the reference, and the other rows are untouched."""
+    d = nonfinite_logits()
+    kw = OPTS if opts == "sequence_entropy_kl" else CLEAN_TOKEN_OPTS
+    out, _ = run(decoupled_ppo_loss, d, "interpret", **kw)
+    ref, _ = run(decoupled_ppo_loss_ref, d, **kw)
+    for name in ("logprobs", "entropy"):
+        _same(getattr(out, name), getattr(ref, name))
+    _same(out.loss, ref.loss)
+    assert float(out.stats["nonfinite_count"]) == float(ref.stats["nonfinite_count"]) == len(BAD_ROWS)
+    bad = torch.zeros(11, dtype=torch.bool)
+    bad[list(BAD_ROWS)] = True
+    assert torch.equal(~torch.isfinite(out.logprobs), bad), out.logprobs
+    assert torch.isnan(out.logprobs[[1, 2, 4, 7, 8, 10]]).all()
+    assert torch.equal(out.logprobs[[3, 6]], torch.full((2,), -INF))
+    assert torch.isnan(out.entropy[[1, 2, 3, 4, 7, 8, 10]]).all() and torch.isfinite(out.entropy[[0, 5, 6, 9]]).all()
+    if opts == "token_clean":
+        assert torch.isfinite(out.loss)
+    else:  # the entropy and KL terms of a NaN row make the loss NaN, as in the reference
+        assert torch.isnan(out.loss)
+    # the rows without a bad value: the same numbers as in a batch without any bad row
+    clean = make(11, 300, torch.float32, seed=21)
+    lp = token_logprobs(d["z"], d["y"], temperature=0.7, backend="interpret")
+    lp_clean = token_logprobs(clean["z"], d["y"], temperature=0.7, backend="interpret")
+    assert torch.equal(lp[~bad], lp_clean[~bad])
+    _same(lp, token_logprobs(d["z"], d["y"], temperature=0.7, backend="reference"))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.interpreter
+def test_nan_logits_leave_the_gradient_of_finite_rows_unchanged():
+    """Token level without entropy or KL term: a bad row's token is dropped (g = e = 0), so the loss
+    and every gradient stay finite, the bad rows get a zero gradient on both backends of the op, and
+    the finite rows get exactly the gradient they get in a batch without bad rows."""
+    d = nonfinite_logits()
+    out, grad = run(decoupled_ppo_loss, d, "interpret", **CLEAN_TOKEN_OPTS)
+    ref_op, grad_ref_op = run(decoupled_ppo_loss, d, "reference", **CLEAN_TOKEN_OPTS)
+    ref, grad_ref = run(decoupled_ppo_loss_ref, d, **CLEAN_TOKEN_OPTS)
+    bad = list(BAD_ROWS)
+    good = [r for r in range(11) if r not in BAD_ROWS]
+    assert torch.isfinite(out.loss) and torch.isfinite(grad).all() and torch.isfinite(grad_ref_op).all()
+    assert torch.all(grad[bad] == 0) and torch.all(grad_ref_op[bad] == 0)
+    torch.testing.assert_close(grad[good], grad_ref[good], **FP32_GRAD_VS_AUTOGRAD_TOL)
+    torch.testing.assert_close(grad, grad_ref_op, **FP32_GRAD_TOL)
+    clean = {**d, "z": d["z"].clone()}
+    clean["z"][bad] = make(11, 300, torch.float32, seed=21)["z"][bad]
+    clean["m"] = d["m"].clone()
+    _, grad_clean = run(decoupled_ppo_loss, clean, "interpret", **CLEAN_TOKEN_OPTS)
+    assert torch.equal(grad[good], grad_clean[good])
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.interpreter
+def test_nan_logits_give_a_nonfinite_gradient_row_where_the_loss_is_nan():
+    """With entropy and KL terms the bad rows make the loss NaN; their gradient rows are then not
+    finite on every backend (no finite-looking gradient from a NaN logit), the others are finite."""
+    d = nonfinite_logits()
+    kw = dict(OPTS, importance_level="token", loss_agg="token-mean")
+    _, grad = run(decoupled_ppo_loss, d, "interpret", **kw)
+    _, grad_ref_op = run(decoupled_ppo_loss, d, "reference", **kw)
+    _, grad_ref = run(decoupled_ppo_loss_ref, d, **kw)
+    finite_rows = torch.isfinite(grad_ref).all(1)
+    assert torch.equal(torch.isfinite(grad).all(1), finite_rows)
+    assert torch.equal(torch.isfinite(grad_ref_op).all(1), finite_rows)
+    assert not finite_rows[[1, 2, 7, 8]].any()
+
+
+# ----------------------------------------------------------------------------- more than 2**31 logits
+
+
+def int32_row_offsets(source: str) -> list[str]:
+    """What in the kernels of ``source`` could index past 2**31 - 1 elements in int32: a
+    ``tl.program_id`` not turned into int64 at once, and a product with a row stride whose other
+    factor is not such an int64 row index. Empty when every row offset is computed in int64."""
+    import ast
+
+    problems = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, ast.FunctionDef) or not any("jit" in ast.unparse(d) for d in fn.decorator_list):
+            continue
+        int64_rows = set()
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                text = ast.unparse(node.value)
+                if "tl.program_id" in text:
+                    if text.replace(" ", "").endswith(".to(tl.int64)"):
+                        int64_rows.add(node.targets[0].id)
+                    else:
+                        problems.append(f"{fn.name}: {node.targets[0].id} = {text} is int32")
+        for node in ast.walk(fn):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+                names = [x.id for x in (node.left, node.right) if isinstance(x, ast.Name)]
+                if any(n.startswith("stride") for n in names) and not any(n in int64_rows for n in names):
+                    problems.append(f"{fn.name}: {ast.unparse(node)} is not an int64 row index times a stride")
+    return problems
+
+
+def test_row_offsets_of_the_loss_kernels_are_int64():
+    """T x V passes 2**31 at T = 14,124 for V = 152,064 (and T = 16,384 for V = 131,072): the row
+    offset ``row * stride`` must be computed in int64, in both kernels. The check itself flags an
+    int32 row index (the mutated source below)."""
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parents[2] / "kernels" / "ppo_loss.py").read_text()
+    assert src.count("row = tl.program_id(0).to(tl.int64)") == 2
+    assert int32_row_offsets(src) == []
+    broken = src.replace("row = tl.program_id(0).to(tl.int64)", "row = tl.program_id(0)")
+    assert len(int32_row_offsets(broken)) >= 4  # two int32 rows, each times a stride
+
+
+def check_rows_alone_equal_rows_in_the_batch(T, V, dtype, device, backend, rows):
+    """Log-probs, entropy and the gradient of ``rows`` of a [T, V] batch equal those of the same
+    rows computed alone (the kernels are row-local, so bit for bit): a wrong row offset (int32
+    overflow of ``row * V``) reads or writes another row's logits. Token level with a fixed
+    normaliser, so each row's gradient depends on that row only."""
+    g = torch.Generator(device=device).manual_seed(0)
+    z = torch.randn(T, V, device=device, dtype=dtype, generator=g)
+    y = torch.randint(0, V, (T,), device=device, generator=g)
+    ones = torch.ones(T, device=device)
+    idx = torch.tensor(rows, device=device)
+    kw = dict(importance_level="token", loss_agg="token-mean", normalizer=float(T), backend=backend)
+
+    def loss_and_grad(logits, labels, n):
+        b = torch.zeros(n, device=device) - 5.0
+        leaf = logits.requires_grad_()
+        out = decoupled_ppo_loss(leaf, labels, b, ones[:n], ones[:n], **kw)
+        out.loss.backward()
+        return out, leaf.grad
+
+    out, grad = loss_and_grad(z, y, T)
+    part = z[idx].detach().clone()
+    out_p, grad_p = loss_and_grad(part, y[idx], len(rows))
+    assert torch.equal(out.logprobs[idx], out_p.logprobs) and torch.equal(out.entropy[idx], out_p.entropy)
+    assert torch.equal(grad[idx], grad_p)
+    lp_torch = torch.log_softmax(part.float(), -1).gather(1, y[idx][:, None])[:, 0]
+    torch.testing.assert_close(out_p.logprobs, lp_torch, atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(grad[idx]).all() and (grad[idx].abs().sum(1) > 0).all()
+
+
+@pytest.mark.interpreter
+def test_rows_alone_equal_rows_in_the_batch_interpreter():
+    """The check of the > 2**31 GPU test below, on a small batch (interpreter)."""
+    check_rows_alone_equal_rows_in_the_batch(9, 300, torch.bfloat16, "cpu", "interpret", [0, 4, 7, 8])
+
+
+@pytest.mark.gpu
+def test_more_than_2_pow_31_logits_in_one_call_gpu():
+    """T x V = 17,000 x 131,072 = 2.23e9 bf16 logits (4.5 GB, 8.9 GB with the gradient): the rows
+    past 2**31 / V = 16,384 get the log-probs, entropy and gradient they get alone."""
+    T, V = 17_000, 131_072
+    assert T * V > 2**31
+    rows = [0, 1, 16_383, 16_384, 16_385, T - 2, T - 1]
+    check_rows_alone_equal_rows_in_the_batch(T, V, torch.bfloat16, "cuda", "triton", rows)
+
+
 # ----------------------------------------------------------------------------- benchmark inputs (issue 25)
 
 
