@@ -9,16 +9,23 @@ Kernels, in order of preference for ``impl="auto"``:
 - ``flash_attn``: ``flash_attn_varlen_func`` (CUDA, when flash-attn is installed);
 - ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, torch >= 2.9), called through
   ``torch_varlen_call``, which adapts to the installed signature: 2.10 takes ``is_causal=``, 2.11
-  ``window_size=`` (causal is ``(-1, 0)``), 2.13 adds ``enable_gqa=``; without it the KV heads are
-  repeated to the query heads;
+  ``window_size=`` (causal is ``(-1, 0)``), 2.13 adds ``enable_gqa=``;
 - ``sdpa_loop``: one ``scaled_dot_product_attention(is_causal=True)`` per sequence: exact
   everywhere (CPU tests), O(S) kernel launches.
+
+Grouped-query heads (``Hq = r * Hkv``, Qwen2.5-7B: 28 and 4) reach every kernel as they are, never
+repeated to ``[T, Hq, D]`` (at 32k tokens and 28 layers the repeated K/V saved for the backward are
+13 GB): flash-attn and torch's flash kernel read ``Hkv < Hq`` directly (torch 2.10 - 2.12 pass K/V
+to it unchanged, 2.13 wants ``enable_gqa=True``), SDPA takes ``enable_gqa=True`` (torch >= 2.5).
+K/V are repeated only where the kernel cannot take them: a ``varlen_attn`` that routes the call to
+cuDNN without choosing per call (:func:`varlen_gqa_native`), an SDPA older than 2.5.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -64,24 +71,43 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
+@functools.cache
+def _sdpa_takes_gqa() -> bool:
+    """Does ``scaled_dot_product_attention`` take ``enable_gqa`` (torch >= 2.5)?"""
+    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return (major, minor) >= (2, 5)
+
+
+def sdpa_gqa(q, k, v, head_dim: int, **kw):
+    """``scaled_dot_product_attention`` with ``Hkv`` dividing ``Hq`` on dimension ``head_dim`` of
+    ``q``/``k``/``v``: ``enable_gqa`` where SDPA has it, else K/V repeated to the query heads."""
+    hq, hkv = q.shape[head_dim], k.shape[head_dim]
+    if hq != hkv:
+        if _sdpa_takes_gqa():
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+        k = k.repeat_interleave(hq // hkv, dim=head_dim)
+        v = v.repeat_interleave(hq // hkv, dim=head_dim)
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
 def varlen_attention_ref(query, key, value, cu_seqlens, scaling, sliding_window=None):
-    """Reference: per-sequence causal SDPA. query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
-    n_rep = query.shape[1] // key.shape[1]
+    """Reference: per-sequence causal SDPA. query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]
+    (query head ``h`` reads KV head ``h // (Hq / Hkv)``, the grouping of transformers)."""
     out = torch.empty_like(query)
     bounds = cu_seqlens.tolist()
     for s, e in zip(bounds[:-1], bounds[1:]):
         if e == s:
             continue
         q = query[s:e].transpose(0, 1)  # [Hq, L, D]
-        k = key[s:e].transpose(0, 1).repeat_interleave(n_rep, dim=0)
-        v = value[s:e].transpose(0, 1).repeat_interleave(n_rep, dim=0)
+        k = key[s:e].transpose(0, 1)  # [Hkv, L, D]
+        v = value[s:e].transpose(0, 1)
         if sliding_window is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+            o = sdpa_gqa(q, k, v, -3, is_causal=True, scale=scaling)
         else:
             pos = torch.arange(e - s, device=q.device)
             diff = pos[:, None] - pos[None, :]
             mask = (diff >= 0) & (diff < sliding_window)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+            o = sdpa_gqa(q, k, v, -3, attn_mask=mask, scale=scaling)
         out[s:e] = o.transpose(0, 1)
     return out
 
@@ -91,16 +117,38 @@ def _varlen_params(fn) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
-def torch_varlen_call(fn, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale, sliding_window=None):
+def varlen_gqa_native(fn, device: torch.device) -> bool:
+    """Does ``fn`` (a ``varlen_attn``) take K/V with ``Hkv < Hq`` heads for tensors on ``device``?
+
+    Every release sends the call to torch's flash kernel (flash-attn 2), which reads grouped heads
+    directly, unless its module routes CUDA calls to cuDNN (``_should_use_cudnn``, a constant
+    ``False`` in 2.10 - 2.13) without choosing a backend per call (``_select_backend``, which leaves
+    cuDNN for GQA calls): there K/V must be repeated. A check that fails counts as cuDNN."""
+    mod = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if mod is None or hasattr(mod, "_select_backend") or torch.device(device).type != "cuda":
+        return True
+    probe = getattr(mod, "_should_use_cudnn", None)
+    if probe is None:
+        return True
+    try:
+        return not probe(torch.device(device).index or 0)
+    except Exception:  # noqa: BLE001 - unknown: repeat, which every backend takes
+        return False
+
+
+def torch_varlen_call(fn, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale, sliding_window=None,
+                      native_gqa: bool | None = None):
     """``(args, kwargs)`` for a causal ``fn(*args, **kwargs)`` = ``torch.nn.attention.varlen.varlen_attn``
     of the installed torch, whose keywords changed between releases:
 
     - causality: ``window_size=(-1, 0)`` (2.11+) or ``is_causal=True`` (2.10);
     - sliding window of ``W`` keys (the query and the ``W - 1`` before it, as the reference):
       ``window_size=(W - 1, 0)``; refused where the function has no ``window_size``;
-    - grouped-query heads (``Hq = r * Hkv``): ``enable_gqa=True`` where accepted, else K and V are
-      repeated ``r`` times along the head dimension (query head ``h`` reads KV head ``h // r``, the
-      grouping of transformers and of the reference).
+    - grouped-query heads (``Hq = r * Hkv``): K/V go as they are, with ``enable_gqa=True`` where
+      the function has it (2.13+; it refuses ``Hq != Hkv`` without); only where the kernel cannot
+      take them (``native_gqa`` False; None: :func:`varlen_gqa_native` for ``q``'s device) are
+      K and V repeated ``r`` times along the head dimension (query head ``h`` reads KV head
+      ``h // r``, the grouping of transformers and of the reference).
     """
     params = _varlen_params(fn)
     hq, hkv = q.shape[1], k.shape[1]
@@ -119,11 +167,13 @@ def torch_varlen_call(fn, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale, sl
         raise TypeError(f"torch {torch.__version__} varlen_attn takes neither window_size nor is_causal: "
                         f"unknown signature {sorted(params)}; use attn_impl='sdpa_loop'")
     if hq != hkv:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
+        if native_gqa is None:
+            native_gqa = varlen_gqa_native(fn, q.device)
+        if not native_gqa:
             k = k.repeat_interleave(hq // hkv, dim=1)
             v = v.repeat_interleave(hq // hkv, dim=1)
+        elif "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
     return (q, k, v, cu_q, cu_k, max_q, max_k), kwargs
 
 
@@ -149,13 +199,10 @@ def varlen_attention_forward(
     if dropout:
         raise ValueError("areal_varlen attention does not implement dropout (the trainer runs with dropout 0)")
     if cu_seq_lens_q is None:
-        n_rep = query.shape[1] // key.shape[1]
-        k = key.repeat_interleave(n_rep, dim=1)
-        v = value.repeat_interleave(n_rep, dim=1)
         if attention_mask is not None:
-            out = F.scaled_dot_product_attention(query, k, v, attn_mask=attention_mask, scale=scaling)
+            out = sdpa_gqa(query, key, value, 1, attn_mask=attention_mask, scale=scaling)
         else:
-            out = F.scaled_dot_product_attention(query, k, v, is_causal=query.shape[2] > 1, scale=scaling)
+            out = sdpa_gqa(query, key, value, 1, is_causal=query.shape[2] > 1, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects batch size 1, got query of shape {tuple(query.shape)}")

@@ -3,11 +3,15 @@
 Setting: one SGLang server with ``tp == trainer world size`` shares the trainer's GPUs, TP rank
 r on trainer rank r's GPU. Each trainer rank
 
-1. materialises the full HF tensors (``DTensor.full_tensor()``: one all-gather per parameter;
-   colocated models are small enough to hold once per GPU),
-2. builds its TP rank's SGLang-layout buffer with ONE interval-copy launch from a cached
-   ``plan_tp_shard`` plan (qkv / gate_up stacking, TP splits, replicated kv heads, vocabulary
-   padding, fp32 -> bf16 cast),
+1. allocates its TP rank's SGLang-layout buffer (``1/tp`` of the model in the sent dtype, plus the
+   vocabulary padding) and plans it once (``plan_tp_shard``: qkv / gate_up stacking, TP splits,
+   replicated kv heads, vocabulary padding, cast),
+2. fills it **one bucket at a time** (:func:`build_tp_shard_streamed`): the HF tensors of a bucket
+   of at most ``weights.bucket_bytes`` (a larger tensor alone) are materialised whole
+   (``DTensor.full_tensor()``, one all-gather per tensor, cast to the sent dtype on the shard
+   before the gather), copied into the buffer by one interval-copy launch, and freed before the
+   next bucket; so the extra memory is one bucket, not the model (a 7B model gathered whole
+   in fp32 is 30.5 GB on every GPU),
 3. serialises ``[(sglang_name, view)]`` with CUDA IPC handles exactly like SGLang's
    ``MultiprocessingSerializer.serialize(..., output_str=True)`` (ForkingPickler + base64),
 
@@ -16,13 +20,15 @@ and rank 0 posts ``/update_weights_from_tensor`` with one payload per TP rank an
 Buffers stay alive until the next update, since the server reads them after we return.
 
 Status: written against the protocol but not yet run on a GPU in CI (no device was lent); on a
-CPU-only machine :meth:`ColocatedWeightSync.update` raises NotImplementedError.
+CPU-only machine :meth:`ColocatedWeightSync.update` raises NotImplementedError (the gather and
+build, :meth:`ColocatedWeightSync._send`, are tested on the CPU with the server stubbed).
 """
 
 from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -32,6 +38,7 @@ from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.interval_copy import interval_copy
 from areal_fast.weights.layout import ModelSpec, clean_name, sendable
 from areal_fast.weights.plan import (
+    CASTS,
     CODE_DTYPES,
     DST_DTYPE,
     DST_IDX,
@@ -40,6 +47,7 @@ from areal_fast.weights.plan import (
     INTERVAL_COLS,
     LEN,
     ROWS,
+    SRC_IDX,
     TPShardPlan,
     dtype_code,
     plan_tp_shard,
@@ -101,15 +109,79 @@ def build_tp_shard(full: dict[str, torch.Tensor], spec: ModelSpec, tp: int, tp_r
     alignment gaps, :func:`unwritten_ranges`): zero-filling the whole buffer first would write
     every byte twice, ~15 GB a 7B update.
     """
+    return build_tp_shard_streamed(full, spec, tp, tp_rank, dtype, plan)
+
+
+def _gather_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``t`` is materialised in: a sharded floating tensor is cast to the sent dtype on its
+    shard, before the all-gather (half the bytes gathered and held for fp32 -> bf16; the cast is
+    elementwise, so the bits equal the interval copy's cast); a full tensor as it is (the copy casts)."""
+    from torch.distributed.tensor import DTensor
+
+    if (isinstance(t, DTensor) and t.dtype != dtype and t.dtype.is_floating_point
+            and (dtype_code(t.dtype), dtype_code(dtype)) in CASTS):
+        return dtype
+    return t.dtype
+
+
+def materialize(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The full tensor of ``t`` (a DTensor shard: all-gathered, cast first per :func:`_gather_dtype`)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        d = _gather_dtype(t, dtype)
+        t = (t.to(d) if d != t.dtype else t).full_tensor()
+    t = t.detach()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def source_buckets(nbytes: list[int], bucket_bytes: int | None) -> list[list[int]]:
+    """Consecutive groups of tensors of at most ``bucket_bytes`` together (a larger tensor alone);
+    None: one group of all."""
+    if bucket_bytes is None:
+        return [list(range(len(nbytes)))] if nbytes else []
+    out: list[list[int]] = []
+    cur, size = [], 0
+    for i, n in enumerate(nbytes):
+        if cur and size + n > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def build_tp_shard_streamed(sources: dict[str, torch.Tensor], spec: ModelSpec, tp: int, tp_rank: int,
+                            dtype: torch.dtype = torch.bfloat16, plan: TPShardPlan | None = None,
+                            bucket_bytes: int | None = None,
+                            full_of: Callable[[torch.Tensor, torch.dtype], torch.Tensor] = materialize,
+                            ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]], TPShardPlan]:
+    """:func:`build_tp_shard` from full tensors or FSDP2 ``Shard(0)`` DTensors, materialising the
+    sources ``bucket_bytes`` at a time (in the HF order, the same on every rank: the all-gathers
+    are collective), each bucket copied into the buffer by one interval copy and freed before the
+    next. Peak extra memory: the buffer plus one bucket (a tensor larger than a bucket alone)."""
     names = list(spec.hf_shapes())
-    srcs = [full[n].contiguous() for n in names]
+    ts = [sources[n] for n in names]
+    src_dt = [_gather_dtype(t, dtype) for t in ts]
     if plan is None:
-        plan = plan_tp_shard(spec, tp, tp_rank, names, [tuple(t.shape) for t in srcs],
-                             [dtype_code(t.dtype) for t in srcs], dtype)
-    buf = _alloc(plan.buffer_bytes, srcs[0].device)
+        plan = plan_tp_shard(spec, tp, tp_rank, names, [tuple(t.shape) for t in ts],
+                             [dtype_code(d) for d in src_dt], dtype)
+    device = ts[0].device if ts else torch.device("cpu")
+    buf = _alloc(plan.buffer_bytes, device)
     for a, b in unwritten_ranges(plan.intervals[0], plan.buffer_bytes).tolist():
         buf[a:b].zero_()
-    interval_copy(srcs, [buf], plan.intervals[0])
+    iv = np.asarray(plan.intervals[0], np.int64).reshape(-1, INTERVAL_COLS)
+    nbytes = [t.numel() * d.itemsize for t, d in zip(ts, src_dt)]
+    for group in source_buckets(nbytes, bucket_bytes):
+        local = np.full(len(ts), -1, np.int64)
+        local[group] = np.arange(len(group))
+        sub = iv[local[iv[:, SRC_IDX]] >= 0].copy()
+        sub[:, SRC_IDX] = local[sub[:, SRC_IDX]]
+        srcs = [full_of(ts[i], dtype) for i in group]
+        interval_copy(srcs, [buf], sub)
+        del srcs  # on CUDA the copy is queued on the current stream: the allocator reuses the memory after it
     named = []
     for n, shp, off in zip(plan.names, plan.shapes, plan.offsets.tolist()):
         nb = dtype.itemsize * torch.Size(shp).numel()
@@ -133,19 +205,15 @@ class ColocatedWeightSync(WeightSync):
         super().update(model_or_state, version)
 
     def _collect(self, model_or_state):
-        return model_or_state  # the full tensors are materialised in _send (one all-gather each)
+        return model_or_state  # the full tensors are materialised in _send, a bucket at a time
 
     def _send(self, model_or_state, version: str) -> None:
-        from torch.distributed.tensor import DTensor
-
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         rank = self.rank
         state = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
-        full = {}
-        for n, t in sendable({clean_name(k): v for k, v in state.items()}, self.spec).items():
-            full[n] = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+        sources = sendable({clean_name(k): v for k, v in state.items()}, self.spec)
         layout_error = None
-        if rank == 0:  # checked now, raised after the gather below (the other ranks take part in it)
+        if rank == 0:  # checked now, raised after the gathers below (the other ranks take part in them)
             try:
                 facts = self.read_facts()[self.urls[0]]
                 facts.check_layout()
@@ -154,9 +222,12 @@ class ColocatedWeightSync(WeightSync):
                                      f"has {world} ranks; colocated sync needs one TP rank per trainer rank")
             except Exception as e:  # noqa: BLE001 - re-raised below
                 layout_error = e
-        buf, named, self._plan = build_tp_shard(full, self.spec, world, rank,
-                                                self.config.send_dtype("cuda") or torch.bfloat16, self._plan)
-        torch.cuda.current_stream().synchronize()  # the server reads through IPC on its own streams
+        self._alive = None  # last update's buffer: the server has loaded it (it answered), free it first
+        buf, named, self._plan = build_tp_shard_streamed(
+            sources, self.spec, world, rank, self.config.send_dtype("cuda") or torch.bfloat16, self._plan,
+            self.config.bucket_bytes)
+        if buf.is_cuda:
+            torch.cuda.current_stream().synchronize()  # the server reads through IPC on its own streams
         self._alive = buf
         payload = serialize_for_sglang(named)
         payloads = [None] * world if rank == 0 else None

@@ -62,7 +62,8 @@ class WeightSyncConfig:
     servers get whole updates, because a stock SGLang skips the delta entries (it would keep stale
     weights), and a CPU trainer too (its encode costs more than the bytes it saves); 'on':
     to every server (SGLang launched with ``SGLANG_EXTERNAL_MODEL_PACKAGE=areal_fast.backends.sglang.models``);
-    'off': never. Trainer rank 0 keeps a copy of the sent weights (one model in the sent dtype)."""
+    'off': never. Trainer rank 0 keeps a copy of the sent weights (one model in the sent dtype) in
+    host memory, pinned where CUDA is available; each tensor is staged to the GPU for its compare."""
     delta_full_every: int = 10
     """With deltas: every N-th update is sent whole (also the first, and the one after a failure)."""
     delta_max_changed: float = 0.25

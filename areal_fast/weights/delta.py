@@ -3,9 +3,13 @@
 After an optimizer step at RL learning rates most bf16 elements of the model do not change (the
 fp32 master moves by ~lr, less than half a bf16 step for most weights): 2.8 % per step at lr 1e-6
 on a Qwen3-0.6B-shaped model, ~85 % at the tiny example's 2e-4 (``bench/bench_delta.py``). So
-trainer rank 0 keeps a *shadow*: the bytes every server holds, as sent. For each bucket of an
-update, each 16-bit tensor is compared with its shadow (:mod:`areal_fast.weights.delta_codec`,
-a kernel) and travels as
+trainer rank 0 keeps a *shadow*: the bytes every server holds, as sent, in **host memory** (pinned
+where CUDA is available: one model in the sent dtype, 15.2 GB at 7B, would not fit beside a 32B
+model's shards on rank 0's GPU). For each bucket of an update, each 16-bit tensor's shadow is
+copied to the bucket's device, compared with the new values there
+(:mod:`areal_fast.weights.delta_codec`, a kernel) and freed; the changes (indices and values, a
+few percent of the tensor) come back to update the host shadow. The device holds one tensor's
+staged shadow at a time (at most one bucket). The tensor travels as
 
 * nothing, when no element changed;
 * a delta, two entries ``NAME#delta_idx:SHAPE`` (int32 flat indices) and ``NAME#delta_val``
@@ -81,7 +85,8 @@ class _Entry:
 
 @dataclass
 class DeltaEncoder:
-    """Trainer rank 0's shadow of what the servers hold, and the per-bucket choice (module docstring)."""
+    """Trainer rank 0's shadow of what the servers hold (host tensors), and the per-bucket choice
+    (module docstring). ``backend``: the codec's backend for the encode on the buckets' device."""
 
     full_every: int = 10
     max_changed: float = 0.25
@@ -119,7 +124,7 @@ class DeltaEncoder:
         if st.mode == "whole":
             for i, name in enumerate(bucket.names):
                 if bucket.dtypes[i] in WORD_DTYPES:  # only 16-bit tensors ever travel as deltas
-                    self.shadow[name] = bucket.tensor(i).clone()
+                    self._keep(name, bucket.tensor(i))
             st.bytes_sent += nbytes
             st.tensors_whole += len(bucket.names)
             return bucket
@@ -135,28 +140,42 @@ class DeltaEncoder:
         st.bytes_sent += int(out.data.numel())
         return out
 
+    def _keep(self, name: str, t: torch.Tensor) -> None:
+        """The shadow of ``name`` := ``t`` (a host copy; the old one is reused when it fits)."""
+        old = self.shadow.get(name)
+        if old is None or old.dtype != t.dtype or old.shape != t.shape:
+            old = self.shadow[name] = host_empty(t.shape, t.dtype)
+        old.copy_(t)  # device -> host; a blocking copy: the host shadow is read next on the CPU
+
     def _encode_tensor(self, name: str, t: torch.Tensor) -> list[_Entry]:
         st = self.stats
-        old = self.shadow.get(name)
-        usable = (old is not None and t.dtype in WORD_DTYPES and old.dtype == t.dtype and old.shape == t.shape
+        host = self.shadow.get(name)
+        usable = (host is not None and t.dtype in WORD_DTYPES and host.dtype == t.dtype and host.shape == t.shape
                   and 0 < t.numel() <= MAX_WORDS)
         enc = None
         if usable:
             st.elements += t.numel()
             limit = int(math.floor(self.max_changed * t.numel()))
+            # the shadow staged on the bucket's device for the compare (freed when this returns;
+            # non_blocking from pinned memory, ordered before the encode on the same stream)
+            old = host if host.device == t.device else host.to(t.device, non_blocking=host.is_pinned())
             enc = delta_encode(old, t, backend=self.backend, max_changed=limit)
+            del old
             if enc is None:
                 st.changed += t.numel()  # more than the limit; counted as all for the stats
         if enc is None:
             if t.dtype in WORD_DTYPES:
-                self.shadow[name] = t.clone()
+                self._keep(name, t)
             st.tensors_whole += 1
             return [_Entry(name, t.dtype, tuple(t.shape), t.contiguous())]
         idx, val = enc
         st.changed += idx.numel()
         if idx.numel() == 0:
             return []
-        delta_apply(old, idx, val, backend=self.backend, check=False)
+        if host.device == idx.device:
+            delta_apply(host, idx, val, backend=self.backend, check=False)
+        else:  # the changes to the host shadow (a few percent of the tensor cross back, not all of it)
+            delta_apply(host, idx.cpu(), val.cpu())
         st.tensors_delta += 1
         return [_Entry(delta_name(name, t.shape), torch.int32, (idx.numel(),), idx),
                 _Entry(name + DELTA_VAL, t.dtype, (val.numel(),), val)]
@@ -170,6 +189,12 @@ class DeltaEncoder:
                 return [_Entry(delta_name(name, t.shape), torch.int32, (1,), idx),
                         _Entry(name + DELTA_VAL, t.dtype, (1,), t.reshape(-1)[:1].clone())]
         raise AssertionError("a bucket with no 16-bit tensor is always sent whole")
+
+
+def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor for the shadow: pinned where CUDA is available (fast, asynchronous
+    copies to the device; the caching host allocator reuses the blocks of a dropped shadow)."""
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=torch.cuda.is_available())
 
 
 def _pack(entries: list[_Entry], index: int, last: bool, device) -> Bucket:

@@ -1,5 +1,6 @@
 """Varlen attention: the packed forward equals the unpacked per-sequence forward."""
 
+import contextlib
 import inspect
 
 import pytest
@@ -76,7 +77,8 @@ def test_packed_forward_equals_per_sequence_forward(arch):
 
 # ---------------------------------------------------------------- torch varlen_attn, per torch release
 # Fakes with the keyword sets of the releases we meet; each computes causal (optionally windowed)
-# attention per sequence and, like torch, refuses Hq != Hkv unless it has and gets enable_gqa.
+# attention per sequence. Like torch: 2.10 and 2.11 hand K/V to the flash kernel as they are, which
+# reads Hkv < Hq heads directly (GQA); 2.13 refuses Hq != Hkv unless it gets enable_gqa.
 def _fake_attend(q, k, v, cu_q, scale, left, gqa):
     if q.shape[1] != k.shape[1] and not gqa:
         raise ValueError(f"fake varlen_attn: Hq={q.shape[1]} != Hkv={k.shape[1]} without enable_gqa")
@@ -86,13 +88,13 @@ def _fake_attend(q, k, v, cu_q, scale, left, gqa):
 def fake_varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, is_causal=False,
                      scale=None):
     assert is_causal, "the trainer's attention is causal"
-    return _fake_attend(query, key, value, cu_seq_q, scale, -1, False)
+    return _fake_attend(query, key, value, cu_seq_q, scale, -1, True)
 
 
 def fake_varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                      window_size=(-1, -1)):
     assert window_size[1] == 0, "the trainer's attention is causal"
-    return _fake_attend(query, key, value, cu_seq_q, scale, window_size[0], False)
+    return _fake_attend(query, key, value, cu_seq_q, scale, window_size[0], True)
 
 
 def fake_varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
@@ -110,6 +112,37 @@ def _packed_qkv(lens, hq=6, hkv=2, d=8):
     return q, k, v, cu
 
 
+def _repeated_kv_ref(q, k, v, cu, scale, window=None):
+    """Oracle with K/V repeated to the query heads by hand (what the kernels must equal)."""
+    rep = q.shape[1] // k.shape[1]
+    return _dense_block_causal(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), cu, scale, window)
+
+
+@contextlib.contextmanager
+def refusing_kv_repeat(monkeypatch):
+    """K/V must not be repeated to the query heads (``[T, Hq, D]`` copies: 13 GB of saved activations
+    at 32k tokens and 28 layers of a 7B GQA model): inside, every repeat_interleave raises."""
+    def refuse(*a, **k):
+        raise AssertionError("K/V repeated to the query heads (repeat_interleave called)")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "repeat_interleave", refuse)
+        m.setattr(torch, "repeat_interleave", refuse)
+        yield
+
+
+def _with_grads(out, inputs):
+    return out, torch.autograd.grad(out.square().sum(), inputs)
+
+
+def _assert_same(got, want):
+    (out, grads), (want_out, want_grads) = got, want
+    torch.testing.assert_close(out, want_out, atol=FP32_SHORT_ATTN_ATOL, rtol=0)
+    for a, b in zip(grads, want_grads):  # dK, dV: summed over each KV head's query group, as the repeat's backward
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("fake", [fake_varlen_2_10, fake_varlen_2_11, fake_varlen_2_13])
 @pytest.mark.parametrize("hkv", [6, 2, 1])
 def test_torch_varlen_call_matches_reference_for_every_signature(fake, hkv):
@@ -117,10 +150,76 @@ def test_torch_varlen_call_matches_reference_for_every_signature(fake, hkv):
     q, k, v, cu = _packed_qkv(lens, hkv=hkv)
     args, kwargs = attention.torch_varlen_call(fake, q, k, v, cu, cu, max(lens), max(lens), 0.3)
     inspect.signature(fake).bind(*args, **kwargs)
-    if fake is not fake_varlen_2_13 and hkv != 6:
-        assert args[1].shape[1] == 6, "K must be expanded to the query heads where GQA is not supported"
+    assert args[1].shape[1] == hkv and args[2].shape[1] == hkv, "K/V reach the kernel with their own heads"
     out = fake(*args, **kwargs)
     torch.testing.assert_close(out, varlen_attention_ref(q, k, v, cu, 0.3), atol=FP32_SHORT_ATTN_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("fake", [fake_varlen_2_10, fake_varlen_2_11, fake_varlen_2_13])
+def test_torch_varlen_gqa_gives_the_repeated_output_and_gradients_without_repeating(fake, monkeypatch):
+    lens = [5, 1, 9, 0, 3]
+    q, k, v, cu = (t.requires_grad_() if t.is_floating_point() else t for t in _packed_qkv(lens, hkv=2))
+    want = _with_grads(_repeated_kv_ref(q, k, v, cu, 0.3), (q, k, v))
+    with refusing_kv_repeat(monkeypatch):
+        args, kwargs = attention.torch_varlen_call(fake, q, k, v, cu, cu, max(lens), max(lens), 0.3)
+        got = _with_grads(fake(*args, **kwargs), (q, k, v))
+    _assert_same(got, want)
+
+
+def test_torch_varlen_call_repeats_kv_where_the_kernel_cannot_take_gqa():
+    lens = [4, 7]
+    q, k, v, cu = _packed_qkv(lens, hkv=2)
+    for fake in (fake_varlen_2_11, fake_varlen_2_13):
+        args, kwargs = attention.torch_varlen_call(fake, q, k, v, cu, cu, 7, 7, 0.3, native_gqa=False)
+        assert args[1].shape[1] == 6 and args[2].shape[1] == 6 and not kwargs.get("enable_gqa")
+        torch.testing.assert_close(fake(*args, **kwargs), _repeated_kv_ref(q, k, v, cu, 0.3),
+                                   atol=FP32_SHORT_ATTN_ATOL, rtol=0)
+
+
+def test_varlen_gqa_native_follows_the_backend_torch_routes_to(monkeypatch):
+    import sys
+    import types
+
+    cuda0, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert attention.varlen_gqa_native(fake_varlen_2_11, cuda0)  # no cuDNN routing: the flash kernel
+    mod = types.ModuleType("fake_torch_varlen")
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        raise AssertionError("not called")
+
+    varlen_attn.__module__ = mod.__name__
+    mod._should_use_cudnn = lambda index: False
+    assert attention.varlen_gqa_native(varlen_attn, cuda0)
+    mod._should_use_cudnn = lambda index: True  # routed to cuDNN, which does not take Hkv < Hq there
+    assert not attention.varlen_gqa_native(varlen_attn, cuda0)
+    assert attention.varlen_gqa_native(varlen_attn, cpu)  # only CUDA tensors are routed to cuDNN
+    mod._select_backend = lambda *a, **k: 0  # torch picks per call and leaves cuDNN for GQA
+    assert attention.varlen_gqa_native(varlen_attn, cuda0)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_sdpa_loop_gqa_gives_the_repeated_output_and_gradients_without_repeating(window, monkeypatch):
+    lens = [5, 1, 9, 0, 3]
+    q, k, v, cu = (t.requires_grad_() if t.is_floating_point() else t for t in _packed_qkv(lens, hkv=2))
+    want = _with_grads(_repeated_kv_ref(q, k, v, cu, 0.3, window), (q, k, v))
+    with refusing_kv_repeat(monkeypatch):
+        got = _with_grads(varlen_attention_ref(q, k, v, cu, 0.3, window), (q, k, v))
+    _assert_same(got, want)
+
+
+def test_unpacked_forward_gqa_gives_the_repeated_output_and_gradients_without_repeating(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 6, 9, 8, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, 9, 8, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, 9, 8, generator=g, requires_grad=True)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), is_causal=True,
+                                         scale=0.3)
+    want = _with_grads(ref.transpose(1, 2), (q, k, v))
+    with refusing_kv_repeat(monkeypatch):
+        out, _ = attention.varlen_attention_forward(None, q, k, v, None, scaling=0.3)
+        got = _with_grads(out, (q, k, v))
+    _assert_same(got, want)
 
 
 @pytest.mark.parametrize("fake", [fake_varlen_2_11, fake_varlen_2_13])
