@@ -4,9 +4,11 @@
 
 * Triton: every kernel of ``kernels/`` is compiled for ``GPUTarget("cuda", 90, 32)`` (sm_90a)
   with the installed Triton, by calling its *real launcher* (``token_stats_fwd``,
-  ``segment_copy``, ...) on CPU tensors of the production shapes under a stand-in driver that
+  ``segment_copy``, ``unpack_rows``, the delta codec's ``count_blocks`` / ``encode`` /
+  ``apply``, ...) on CPU tensors of the production shapes under a stand-in driver that
   compiles instead of launching: the block sizes, ``num_warps`` and the specialisations
-  (16-divisible strides and pointers) are the ones production gets, not a copy of them.
+  (16-divisible strides and pointers) are the ones production gets, not a copy of them. Every
+  kind of packing launch is compiled, several mixed columns in one launch included.
 * CUDA: every ``csrc/**/*.cu`` with ``nvcc -arch=sm_90a -Xptxas -v`` (the build's defines and
   include path).
 
@@ -15,7 +17,8 @@ from the disassembled cubin (``cuobjdump -sass``) every loop (a backward branch 
 instructions, local-memory instructions (STL/LDL: spills) and global bytes moved per thread.
 The *hot loop* is the loop that moves the most global bytes (ties: the smaller body); its
 instructions divided by the elements each thread handles per iteration is ``sass_per_element``.
-A spill inside any loop is an error (exit status 1). Results go to
+A spill inside any loop is an error (exit status 1); a kernel without a loop (the delta
+kernels) is measured over its whole body, where a spill is an error too. Results go to
 ``bench/results/static_sm90-triton<version>.json``; see docs/static_sm90.md.
 """
 
@@ -43,6 +46,12 @@ CAPABILITY = 90
 VOCAB, HIDDEN = 151_936, 3_584
 FAST_VOCABS = (VOCAB,)
 FULL_VOCABS = (VOCAB, 152_064, 32_000)
+# Packing: T tokens in B sequences; 4,097 as well, since the JIT specialises a 16-divisible T.
+TOKENS, SEQS = 4096, 16
+# Delta codec: the largest tensor of a 7B model (its embedding / lm_head, 544.5 M 16-bit words)
+# and an update that changes 2.4 % of it (docs/weight_sync.md), a count that is not 16-divisible.
+DELTA_WORDS = VOCAB * HIDDEN
+DELTA_CHANGED = round(DELTA_WORDS * 0.024)
 
 
 # ----------------------------------------------------------------------------------- SASS reading
@@ -91,6 +100,30 @@ def _opcode(insn: str) -> str:
     return parts[1] if parts[0].startswith("@") and len(parts) > 1 else parts[0]
 
 
+def _region(body: list[str], start: int, end: int) -> Loop:
+    """A stretch of instructions as a :class:`Loop` (its ``own_*`` still counting nested loops)."""
+    ops = [_opcode(x) for x in body]
+    return Loop(
+        start=start, end=end, instructions=len(ops),
+        spill_instructions=sum(o.startswith(("STL", "LDL")) for o in ops),
+        ld_bytes=sum(_mem_bytes(o) for o in ops if o.startswith("LDG")),
+        st_bytes=sum(_mem_bytes(o) for o in ops if o.startswith("STG")),
+        own_instructions=len(ops),
+        own_vector_bytes=sum(_mem_bytes(o) for o in ops if o.startswith(("LDG", "STG")) and _mem_bytes(o) >= 16))
+
+
+def straight_body(insns: list[tuple[int, str]]) -> Loop | None:
+    """A kernel without loops (one block per program: the delta kernels) as one region, from its
+    first instruction to its last EXIT: there the body is the hot path, run once by every program."""
+    exits = [i for i, (_, x) in enumerate(insns) if _opcode(x) == "EXIT"]
+    if not insns or not exits:
+        return None
+    body = insns[: exits[-1] + 1]
+    lp = _region([x for _, x in body], body[0][0], body[-1][0])
+    lp.own_ld_bytes, lp.own_st_bytes = lp.ld_bytes, lp.st_bytes
+    return lp
+
+
 def find_loops(insns: list[tuple[int, str]]) -> list[Loop]:
     """Every backward branch (``BRA`` to a lower address, not the self-branch after EXIT)."""
     loops = []
@@ -101,13 +134,7 @@ def find_loops(insns: list[tuple[int, str]]) -> list[Loop]:
         target = int(m.group(1), 16)
         if target >= addr:
             continue
-        ops = [_opcode(x) for a, x in insns[: i + 1] if a >= target]
-        loops.append(Loop(
-            start=target, end=addr, instructions=len(ops),
-            spill_instructions=sum(o.startswith(("STL", "LDL")) for o in ops),
-            ld_bytes=sum(_mem_bytes(o) for o in ops if o.startswith("LDG")),
-            st_bytes=sum(_mem_bytes(o) for o in ops if o.startswith("STG")),
-            own_vector_bytes=sum(_mem_bytes(o) for o in ops if o.startswith(("LDG", "STG")) and _mem_bytes(o) >= 16)))
+        loops.append(_region([x for a, x in insns[: i + 1] if a >= target], target, addr))
     for lp in loops:
         inner = [c for c in loops if c is not lp and lp.start <= c.start and c.end <= lp.end]
         children = [c for c in inner if not any(o is not c and o.start <= c.start and c.end <= o.end for o in inner)]
@@ -196,7 +223,8 @@ class KernelReport:
     element_bytes: int | None = None  # when the hot loop moves only elements: detects ptxas's unrolling
     unroll: int = 1  # source-level iterations per pass through the hot loop's body
     sass_per_element: float | None = None
-    hot_loop_spills: int = 0  # STL/LDL instructions in any loop
+    hot_loop_spills: int = 0  # STL/LDL instructions in any loop (in the body of a loop-free kernel)
+    loop_free: bool = False  # no loop: hot_loop is the whole body (straight_body)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -212,6 +240,10 @@ def analyse(report: KernelReport, usage: dict, ptxas: dict, insns: list[tuple[in
     report.loops = [asdict(lp) for lp in loops]
     report.hot_loop_spills = sum(lp.spill_instructions for lp in loops)
     hot = hot_loop(loops)
+    if hot is None and insns:  # no loop: the whole body is the hot path, and a spill in it counts
+        hot = straight_body(insns)
+        report.loop_free = hot is not None
+        report.hot_loop_spills = hot.spill_instructions if hot is not None else 0
     if hot is not None:
         report.hot_loop = asdict(hot)
         if report.element_bytes and report.elements_per_iteration:
@@ -324,29 +356,125 @@ def triton_cases(fast: bool) -> list[TritonCase]:
             cases.append(TritonCase("ppo_loss", "_ppo_token_stats_bwd_kernel", f"loss bwd {tag}", bwd, per_elem,
                                     "logit", size))
 
-    T, B = 4096, 16
-    tile = lambda meta: meta["BLOCK_TS"][0] * meta["BLOCK_WS"][0] / _threads(meta)  # noqa: E731
-    # per-token columns: int64 ids / positions (one 8-byte word), fp32 log-probs (one 4-byte
-    # word), and bf16 hidden rows of H = 3584 (7168 bytes = 896 words of 8 bytes)
+    cases += packing_cases(fast) + delta_cases()
+    return cases
+
+
+def _tile(meta: dict) -> float | None:
+    """Words per thread of one tile; None for a launch of several tensors (tiles differ)."""
+    if meta["N_TENSORS"] != 1:
+        return None
+    return meta["BLOCK_TS"][0] * meta["BLOCK_WS"][0] / _threads(meta)
+
+
+def _cu(T: int, B: int):
+    import torch
+    return (torch.arange(B + 1) * T // B).to(torch.int32)
+
+
+def per_token_columns(T: int):
+    """What a trainer reorders per token (bench/bench_packing_kernels.py): ids int64, log-probs and
+    advantages fp32, versions int32, loss mask bool."""
+    import torch
+    return [torch.zeros(T, dtype=torch.int64), torch.zeros(T), torch.zeros(T), torch.zeros(T, dtype=torch.int32),
+            torch.zeros(T, dtype=torch.bool)]
+
+
+def mixed_columns(T: int):
+    """Widths that are not 16-word multiples next to 1-word columns (tests/packing's launch of six:
+    int64, int32, fp32 [T, 5], bf16 [T, 3], bf16, int64 [T, 3, 5]): every tile shape in one launch."""
+    import torch
+    return [torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int32), torch.zeros(T, 5),
+            torch.zeros(T, 3, dtype=torch.bfloat16), torch.zeros(T, dtype=torch.bfloat16),
+            torch.zeros(T, 3, 5, dtype=torch.int64)]
+
+
+def packing_cases(fast: bool) -> list[TritonCase]:
+    """Every launch of ``kernels/packing.py`` that ``areal_fast.packing`` makes: one column
+    (gather / scatter, pack with position ids, positions only), several columns in one launch
+    (gather_segments / scatter_segments of a list), unpack with and without a pad row."""
+    import torch
+
+    cases = []
+    T, B = TOKENS, SEQS
+    # one column: 1-word rows, a hidden row (H = 3584 bf16: 896 words, 16-byte accesses) and rows
+    # of widths that are not 16-word multiples (scalar accesses: the tile that once took 255 registers)
     columns = [("int64 [T]", torch.zeros(T, dtype=torch.int64)), ("fp32 [T]", torch.zeros(T)),
-               (f"bf16 [T, {HIDDEN}]", torch.zeros(T, HIDDEN, dtype=torch.bfloat16))]
+               (f"bf16 [T, {HIDDEN}]", torch.zeros(T, HIDDEN, dtype=torch.bfloat16)),
+               ("fp32 [T, 5]", torch.zeros(T, 5)), ("int64 [T, 3, 5]", torch.zeros(T, 3, 5, dtype=torch.int64))]
     if fast:
-        columns = columns[::2]
+        columns = [columns[0], columns[2], columns[4]]
     for what, col in columns:
         def gather(K, col=col):
-            cu = torch.arange(0, T + 1, T // B, dtype=torch.int32)
-            K.segment_copy([col], [torch.empty_like(col)], cu, torch.zeros(B, dtype=torch.int64), scatter=False)
+            K.segment_copy([col], [torch.empty_like(col)], _cu(T, B), torch.zeros(B, dtype=torch.int64), scatter=False)
 
-        def unpack(K, col=col):
-            cu = torch.arange(0, T + 1, T // B, dtype=torch.int32)
+        def unpack(K, col=col, pad=True):
             out = torch.empty((B, T // B) + tuple(col.shape[1:]), dtype=col.dtype)
-            K.unpack_rows(col, out, cu, T // B, pad_row=torch.zeros(col.shape[1:] or (1,), dtype=col.dtype)[:1]
-                          if col.dim() == 1 else torch.zeros(col.shape[1:], dtype=col.dtype))
+            pad_row = torch.ones(col.shape[1:] or (1,), dtype=col.dtype) if pad else None
+            K.unpack_rows(col, out, _cu(T, B), T // B, pad_row=pad_row)
 
-        cases.append(TritonCase("packing", "_segment_copy_kernel", f"segment copy {what}", gather, tile, "word"))
-        cases.append(TritonCase("packing", "_unpack_kernel", f"unpack {what}", unpack,
-                                lambda meta: meta["BLOCK_T"] * meta["BLOCK_W"] / _threads(meta), "word"))
+        per_row = lambda meta: meta["BLOCK_T"] * meta["BLOCK_W"] / _threads(meta)  # noqa: E731
+        cases.append(TritonCase("packing", "_segment_copy_kernel", f"segment copy {what}", gather, _tile, "word"))
+        cases.append(TritonCase("packing", "_unpack_kernel", f"unpack {what}", unpack, per_row, "word"))
+        if not fast or what == "int64 [T]":
+            cases.append(TritonCase("packing", "_unpack_kernel", f"unpack {what} zero pad",
+                                    lambda K, u=unpack: u(K, pad=False), per_row, "word"))
+
+    def pack(K, rest=(), dtype=torch.int64):
+        padded = torch.zeros((B * (T // B),) + rest, dtype=dtype)  # [B, L, ...] viewed as [B * L, ...]
+        out = torch.empty((T,) + rest, dtype=dtype)
+        K.segment_copy([padded], [out], _cu(T, B), torch.arange(B) * (T // B), scatter=False,
+                       pos=torch.empty(T, dtype=torch.int64))
+
+    cases.append(TritonCase("packing", "_segment_copy_kernel", "pack int64 [B, L] (+ position ids)", pack, _tile,
+                            "word"))
+    if not fast:
+        cases.append(TritonCase("packing", "_segment_copy_kernel", "pack [B, L, 0] (position ids only)",
+                                lambda K: pack(K, (0,), torch.bfloat16), _tile, "word"))
+
+    # several columns in one launch, both directions, at a 16-divisible T and at one that is not
+    sets = [("5 per-token columns", per_token_columns), ("mixed widths, 6 columns", mixed_columns)]
+    if not fast:
+        sets.append((f"5 per-token columns + bf16 [T, {HIDDEN}]",
+                     lambda T: per_token_columns(T) + [torch.zeros(T, HIDDEN, dtype=torch.bfloat16)]))
+    for what, make in sets:
+        for n_tok in (T, T + 1):
+            for scatter in (False, True):
+                def launch(K, make=make, n_tok=n_tok, scatter=scatter):
+                    cols = make(n_tok)
+                    K.segment_copy(cols, [torch.empty_like(c) for c in cols], _cu(n_tok, B),
+                                   torch.zeros(B, dtype=torch.int64), scatter=scatter)
+
+                label = f"{'scatter' if scatter else 'gather'} {what}, T={n_tok}"
+                cases.append(TritonCase("packing", "_segment_copy_kernel", label, launch, _tile, "word"))
     return cases
+
+
+def delta_cases() -> list[TritonCase]:
+    """The delta codec's three launches (``count_blocks``, ``encode``, ``apply``) on the 7B
+    embedding. The 16-bit word views are stride-0 expansions of one word: the JIT reads only the
+    data pointer and the dtype, so the shapes are production's without 2 x 1.1 GB on the host."""
+    import torch
+
+    def words(n, dtype=torch.int16):
+        return torch.zeros(1, dtype=dtype).expand(n)
+
+    def count(K):
+        K.count_blocks(words(DELTA_WORDS), words(DELTA_WORDS))
+
+    def encode(K):
+        counts = torch.zeros(-(-DELTA_WORDS // K.BLOCK), dtype=torch.int32)
+        K.encode(words(DELTA_WORDS), words(DELTA_WORDS), counts, DELTA_CHANGED)
+
+    def apply(K):
+        K.apply(words(DELTA_WORDS), words(DELTA_CHANGED, torch.int32), words(DELTA_CHANGED))
+
+    per_block = lambda meta: meta["BLOCK"] / _threads(meta)  # noqa: E731
+    what = f"{VOCAB} x {HIDDEN} bf16"
+    return [TritonCase("delta", "_count_kernel", f"delta count {what}", count, per_block, "16-bit word"),
+            TritonCase("delta", "_encode_kernel", f"delta encode {what}", encode, per_block, "16-bit word"),
+            TritonCase("delta", "_apply_kernel", f"delta apply {what}, {DELTA_CHANGED} changes", apply, per_block,
+                       "change")]
 
 
 def compile_triton(fast: bool) -> list[KernelReport]:
@@ -432,7 +560,8 @@ def problems(result: dict) -> list[str]:
     out = []
     for k in result["kernels"]:
         if k["hot_loop_spills"]:
-            out.append(f"{k['name']}: {k['hot_loop_spills']} spill instruction(s) (STL/LDL) inside a loop")
+            where = "in its body (no loop)" if k.get("loop_free") else "inside a loop"
+            out.append(f"{k['name']}: {k['hot_loop_spills']} spill instruction(s) (STL/LDL) {where}")
         if k["registers"] is None or k["spill_store_bytes"] is None:
             out.append(f"{k['name']}: no register or spill figures (no ptxas -v log)")
     return out
@@ -451,7 +580,8 @@ def run(fast: bool, cuda: bool) -> dict:
         target=f"sm_{CAPABILITY}a", triton=triton.__version__,
         triton_ptxas=ptxas_version[-1] if ptxas_version else None,
         nvcc=nvcc_version(nvcc) if nvcc else None, python=platform.python_version(), fast=fast,
-        shapes=dict(vocab=list(FAST_VOCABS if fast else FULL_VOCABS), hidden=HIDDEN),
+        shapes=dict(vocab=list(FAST_VOCABS if fast else FULL_VOCABS), hidden=HIDDEN, tokens=TOKENS, seqs=SEQS,
+                    delta_words=DELTA_WORDS, delta_changed=DELTA_CHANGED),
         kernels=[asdict(k) for k in kernels])
     result["problems"] = problems(result)
     return result
@@ -459,12 +589,12 @@ def run(fast: bool, cuda: bool) -> dict:
 
 def summary(result: dict) -> str:
     lines = [f"Triton {result['triton']} ({result['triton_ptxas']}), nvcc {result['nvcc']}, {result['target']}",
-             f"{'kernel':<62} {'regs':>4} {'spill':>7} {'smem':>6} {'loop':>5} {'/elem':>6}"]
+             f"{'kernel':<72} {'regs':>4} {'spill':>7} {'smem':>6} {'loop':>5} {'/elem':>6}"]
     for k in result["kernels"]:
         spill = f"{k['spill_store_bytes']}/{k['spill_load_bytes']}"
         loop = k["hot_loop"]["instructions"] if k["hot_loop"] else "-"
         per = k["sass_per_element"] if k["sass_per_element"] is not None else "-"
-        lines.append(f"{k['name'][:62]:<62} {k['registers']!s:>4} {spill:>7} {k['shared_bytes']!s:>6} {loop!s:>5} "
+        lines.append(f"{k['name'][:72]:<72} {k['registers']!s:>4} {spill:>7} {k['shared_bytes']!s:>6} {loop!s:>5} "
                      f"{per!s:>6}")
     lines += [f"PROBLEM: {p}" for p in result["problems"]]
     return "\n".join(lines)

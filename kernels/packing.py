@@ -20,6 +20,14 @@ Two kernels:
   and writes every output row exactly once, either the packed row or the pad row, so the
   output needs no separate fill pass.
 
+Tiles: ~``TILE_WORDS`` words per tile when rows are *vector rows* (``W % 16 == 0`` words and
+16-byte aligned pointers, Triton's specialisations: 16-byte loads, a few rows per thread), and
+~``SCALAR_TILE_WORDS`` otherwise. A scalar tile of 4096 words gives each of 128 threads 32 rows
+with their own 64-bit addresses: 200-255 registers on sm_90a, and a launch mixing such widths
+with 1-word columns (int64 [T, 3, 5], fp32 [T, 5], bf16 [T, 3], int64, int32) 255 registers and
+16 bytes spilled inside the copy loop under Triton 3.9; at 1024 words the single columns take
+56-80 registers and that launch 80-114 (docs/static_sm90.md).
+
 Grids never grow past ``MAX_PROGRAMS`` along axis 0: programs stride over token blocks, so
 any T works (CUDA's axis-0 limit is 2**31 - 1 blocks, but the cap also keeps the launch small).
 
@@ -40,8 +48,11 @@ import triton.language as tl
 # of an H100 (~500 programs per SM); past that, programs loop over token blocks.
 MAX_PROGRAMS = 65535
 # Target words per tile (one loop iteration of one program): 4096 int64 words = 32 KiB in
-# flight per program, enough to saturate HBM with a few programs per SM.
+# flight per program, enough to saturate HBM with a few programs per SM. Rows that cannot be
+# moved by 16-byte accesses (see ``vector_rows``) get SCALAR_TILE_WORDS: 8 words per thread at
+# 4 warps, because every row a thread touches costs it two 64-bit addresses.
 TILE_WORDS = 4096
+SCALAR_TILE_WORDS = 1024
 MAX_BLOCK_W = 256  # words per row chunk (2 KiB of int64); wider rows loop over chunks
 MIN_BLOCK_T, MAX_BLOCK_T = 16, 1024
 
@@ -175,10 +186,21 @@ def words_of(nbytes: int, dtype: torch.dtype) -> int:
     return nbytes // torch.empty((), dtype=dtype).element_size()
 
 
-def tile_shape(words: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_W) for rows of ``words`` words: ~TILE_WORDS words per tile."""
+def vector_rows(words: int, *tensors: torch.Tensor) -> bool:
+    """Whether rows of ``words`` words of ``tensors`` move by 16-byte accesses: Triton knows a row
+    offset is 16-word aligned only when ``words % 16 == 0``, and a pointer only when it is
+    16-byte aligned."""
+    return words % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def tile_shape(words: int, vector: bool | None = None) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_W) for rows of ``words`` words: ~TILE_WORDS words per tile for vector rows,
+    ~SCALAR_TILE_WORDS otherwise (``vector=None``: ``words % 16 == 0``, aligned pointers assumed)."""
+    if vector is None:
+        vector = words % 16 == 0
     block_w = min(triton.next_power_of_2(max(words, 1)), MAX_BLOCK_W)
-    block_t = max(MIN_BLOCK_T, min(MAX_BLOCK_T, TILE_WORDS // block_w))
+    tile = TILE_WORDS if vector else SCALAR_TILE_WORDS
+    block_t = max(MIN_BLOCK_T, min(MAX_BLOCK_T, tile // block_w))
     return block_t, block_w
 
 
@@ -221,7 +243,7 @@ def segment_copy(
         W = words_of(nbytes, wd)
         ws, wdst = as_words(s, wd, W), as_words(d, wd, W)
         assert (ws if scatter else wdst).shape[0] == T
-        bt, bw = tile_shape(ws.shape[1])
+        bt, bw = tile_shape(W, vector_rows(W, ws, wdst))
         wsrcs.append(ws)
         wdsts.append(wdst)
         widths.append(ws.shape[1])
@@ -272,7 +294,7 @@ def unpack_rows(
     W = words_of(nbytes, wd)
     wsrc, wdst = as_words(packed, wd, W), as_words(out, wd, W)
     wpad = as_words(pad_row, wd, W) if pad_row is not None else wdst
-    bt, bw = tile_shape(W)
+    bt, bw = tile_shape(W, vector_rows(W, wsrc, wdst, wpad))
     n_blocks = triton.cdiv(n_rows, bt)
     with _on_device(cu):
         _unpack_kernel[(min(n_blocks, max_programs),)](

@@ -141,6 +141,63 @@ def test_gather_scatter_many_tensors_one_launch(case, monkeypatch):
     assert len(launches) == (2 if T else 0)
 
 
+def test_scalar_rows_get_small_tiles():
+    """Rows that cannot move by 16-byte accesses (width not a 16-word multiple, or a pointer not
+    16-byte aligned) get tiles of SCALAR_TILE_WORDS: at TILE_WORDS each thread held 32 rows and
+    their addresses, 200-255 registers on sm_90a and a spill in a mixed launch (docs/static_sm90.md)."""
+    from areal_fast.kernels import packing as K
+
+    assert K.tile_shape(1) == (1024, 1) and K.tile_shape(896) == (16, 256)  # 1-word and hidden rows: unchanged
+    assert K.tile_shape(16) == (256, 16) and K.tile_shape(16, vector=True) == (256, 16)
+    for words in (2, 3, 5, 15, 16, 33, 100):
+        bt, bw = K.tile_shape(words, vector=False)
+        # at least MIN_BLOCK_T rows: wide rows keep 16 x 128 or 16 x 256 tiles (few rows per thread)
+        assert bt * bw <= max(K.SCALAR_TILE_WORDS, K.MIN_BLOCK_T * bw) and bw >= min(words, K.MAX_BLOCK_W), words
+    assert K.SCALAR_TILE_WORDS <= 1024  # 8 words per thread at 4 warps
+    x = torch.zeros(65, 16, dtype=torch.int64)
+    assert K.vector_rows(16, x) and not K.vector_rows(15, x) and not K.vector_rows(16, x.view(-1)[1:])
+
+
+@pytest.mark.interpreter
+def test_five_mixed_dtype_columns_one_launch(monkeypatch):
+    """The trainer's per-token columns (int64 ids, fp32 log-probs, int32 versions, bool mask) and
+    int64 [T, 3, 5] rows (scalar tiles of 64 x 16 words) in ONE launch each way, over several
+    token blocks per program (capped grid), bitwise equal to the references."""
+    from areal_fast.kernels import packing as K
+
+    launches = []
+    real = K._segment_copy_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                launches.append(meta)
+                return real[grid](*args, **meta)
+            return launch
+
+    monkeypatch.setattr(K, "_segment_copy_kernel", Recording())
+    gen = torch.Generator().manual_seed(8)
+    lengths = [700, 0, 333, 1000, 1]
+    cu, T = cu_of(lengths), sum(lengths)
+    tensors = [random_bits((T,), torch.int64, gen), random_bits((T,), torch.float32, gen),
+               random_bits((T,), torch.int32, gen), torch.randint(0, 2, (T,), generator=gen).bool(),
+               random_bits((T, 3, 5), torch.int64, gen)]
+    order = torch.tensor([3, 0, 4, 2, 1])
+    want, new_cu = gather_segments_ref(tensors, cu, order)
+    old_start = cu.long()[:-1][order]
+    outs = [torch.empty_like(t) for t in tensors]
+    K.segment_copy(tensors, outs, new_cu, old_start, scatter=False, max_programs=3)
+    assert all(same_bits(o, w) for o, w in zip(outs, want))
+    back = [torch.empty_like(t) for t in tensors]
+    K.segment_copy(outs, back, new_cu, old_start, scatter=True, max_programs=3)
+    assert all(same_bits(b, t) for b, t in zip(back, tensors))
+    assert len(launches) == 2 and all(m["N_TENSORS"] == 5 for m in launches)
+    assert launches[0]["BLOCK_TS"] == (1024, 1024, 1024, 1024, 64) and launches[0]["BLOCK_WS"] == (1, 1, 1, 1, 16)
+    got, got_cu = gather_segments(tensors, cu, order, backend="interpret")
+    assert torch.equal(got_cu, new_cu) and all(same_bits(g, w) for g, w in zip(got, want))
+    assert len(launches) == 3
+
+
 @pytest.mark.interpreter
 def test_gather_in_planner_order_and_single_tensor():
     lengths = [5, 3, 8, 1, 9, 2, 7]
