@@ -123,19 +123,36 @@ if not _has_cuda():
 _REAL_VLLM: dict = {}
 
 
-def _start_real_vllm() -> None:
+def _prepare_real_vllm() -> None:
+    """The part that imports (in the main thread: transformers' lazy modules are not safe to import
+    from two threads at once) and builds the tiny model."""
     import tempfile
 
     import real_vllm as rv
 
+    import areal_fast.backends.vllm.server_command  # noqa: F401 - imported here, not in the thread
+    import areal_fast.rollout.calls  # noqa: F401
     from areal_fast.netutil import find_free_port
 
     try:
-        rv.vllm_python()
         root = Path(tempfile.mkdtemp(prefix="real_vllm-"))
         _REAL_VLLM["root"] = root
-        model = rv.build_model(root / "model")
-        server = _REAL_VLLM["server"] = rv.VLLMServer(model, find_free_port(), root / "server.log")
+        _REAL_VLLM["model"] = rv.build_model(root / "model")
+        _REAL_VLLM["port"] = find_free_port()
+    except Exception as e:  # noqa: BLE001 - reported by the fixture
+        _REAL_VLLM["error"] = f"{type(e).__name__}: {e}"
+
+
+def _start_real_vllm() -> None:
+    """The part that waits (the install, the server's start-up): subprocesses and HTTP only."""
+    import real_vllm as rv
+
+    if "error" in _REAL_VLLM:
+        return
+    try:
+        rv.vllm_python()
+        root = _REAL_VLLM["root"]
+        server = _REAL_VLLM["server"] = rv.VLLMServer(_REAL_VLLM["model"], _REAL_VLLM["port"], root / "server.log")
         server.wait_ready()
     except Exception as e:  # noqa: BLE001 - reported by the fixture: a skip, or a failure in CI
         _REAL_VLLM["error"] = f"{type(e).__name__}: {e}"
@@ -145,6 +162,7 @@ def pytest_collection_finish(session):
     import threading
 
     if any("real_vllm" in getattr(item, "fixturenames", ()) for item in session.items):
+        _prepare_real_vllm()
         _REAL_VLLM["thread"] = threading.Thread(target=_start_real_vllm, name="real-vllm-start", daemon=True)
         _REAL_VLLM["thread"].start()
 
@@ -170,6 +188,7 @@ def real_vllm():
     import real_vllm as rv
 
     if "thread" not in _REAL_VLLM:  # collected by another route (a plugin's hook order): start it now
+        _prepare_real_vllm()
         _start_real_vllm()
     else:
         _REAL_VLLM["thread"].join()

@@ -118,19 +118,16 @@ def test_the_checkpoints_generation_config_does_not_reach_the_sampling(real_vllm
 
 
 def test_abort_by_id_ends_the_request(server):
-    """The request is frozen by a keep pause (so it cannot finish first), aborted by the client, and
-    comes back aborted with fewer tokens than asked: the abort named the engine's id."""
+    """A request aborted by the client while it generates comes back aborted with fewer tokens than
+    asked: the abort named the engine's id (an abort by the bare id matches nothing in vLLM, and
+    the request would run to its end, ~0.4 s here, while the abort is sent within ~0.05 s)."""
     async def go():
         async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION) as c:
             task = asyncio.create_task(c.generate(PROMPT, LONG, rid="a"))
             await _started(c)
-            await asyncio.sleep(0.05)
-            assert _http(f"{server}/pause?mode=keep&clear_cache=false", "POST")[0] == 200
-            try:
-                await c.abort("a")
-            finally:
-                assert _http(f"{server}/resume", "POST")[0] == 200
-            return await task
+            await asyncio.sleep(0.02)
+            await asyncio.wait_for(c.abort("a"), 30)
+            return await asyncio.wait_for(task, 60)
 
     s = _run(go())
     assert s.aborted and len(s.output_ids) < LONG["max_new_tokens"]
