@@ -75,9 +75,9 @@ class VLLMRolloutClient(RolloutClient):
         for s in self.servers:  # the watchdogs' liveness check asks /version of these (no /model_info)
             register_liveness_path(s.url, VLLM_LIVENESS_PATH)
 
-    def add_server(self, url: str, *args, **kwargs):
+    async def add_server(self, url: str) -> None:
         register_liveness_path(url.rstrip("/"), VLLM_LIVENESS_PATH)
-        return super().add_server(url, *args, **kwargs)
+        await super().add_server(url)
 
     def behaviour(self, server: ServerState) -> VLLMBehaviour:
         """What ``server``'s release serves (the declared release until its /version answered)."""
