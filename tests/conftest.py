@@ -121,6 +121,9 @@ if not _has_cuda():
 # The real vLLM server starts in the background as soon as the collected tests are known to need
 # it (~30-100 s of start-up on 2 cores, hidden behind the tests that run before its first user).
 _REAL_VLLM: dict = {}
+# its context: room for requests long enough (hundreds of tokens, a second or more) that a test
+# acting while they generate is never outrun by them
+REAL_VLLM_CONTEXT = 512
 
 
 def _prepare_real_vllm() -> None:
@@ -137,7 +140,7 @@ def _prepare_real_vllm() -> None:
     try:
         root = Path(tempfile.mkdtemp(prefix="real_vllm-"))
         _REAL_VLLM["root"] = root
-        _REAL_VLLM["model"] = rv.build_model(root / "model")
+        _REAL_VLLM["model"] = rv.build_model(root / "model", max_position_embeddings=REAL_VLLM_CONTEXT)
         _REAL_VLLM["port"] = find_free_port()
     except Exception as e:  # noqa: BLE001 - reported by the fixture
         _REAL_VLLM["error"] = f"{type(e).__name__}: {e}"
@@ -152,7 +155,8 @@ def _start_real_vllm() -> None:
     try:
         rv.vllm_python()
         root = _REAL_VLLM["root"]
-        server = _REAL_VLLM["server"] = rv.VLLMServer(_REAL_VLLM["model"], _REAL_VLLM["port"], root / "server.log")
+        server = _REAL_VLLM["server"] = rv.VLLMServer(_REAL_VLLM["model"], _REAL_VLLM["port"], root / "server.log",
+                                                      extra_args=["--max-model-len", str(REAL_VLLM_CONTEXT)])
         server.wait_ready()
     except Exception as e:  # noqa: BLE001 - reported by the fixture: a skip, or a failure in CI
         _REAL_VLLM["error"] = f"{type(e).__name__}: {e}"

