@@ -6,7 +6,10 @@
   own client, behind a key of each episode's own (never the run's key);
 - ``workflow.openai_agent``: the workflow that runs an agent function and trains on its calls
   (``trajectories.assemble``); ``template``: the chat templates; ``session``: what is recorded;
-  ``completion`` / ``stream``: the answer, whole or as ``stream=True`` chunks.
+  ``completion`` / ``stream``: the answer, whole or as ``stream=True`` chunks;
+- ``responses``: the Responses API (``client.responses.create``) on the same recording;
+- ``process``: an agent that runs as its own process (any language) given its episode's
+  ``base_url`` and key, which ends its episode with ``POST <base_url>/reward``.
 
 Nothing here imports ``openai`` at import time.
 """

@@ -10,6 +10,10 @@ and ``model_dump()``. The streamed form (``stream=True``) is :mod:`areal_fast.ag
 order: its recorded log-prob (``sample.output_logprobs``), its text decoded alone
 (:meth:`Session.token_texts`) and that text's UTF-8 bytes; ``top_logprobs`` is always empty (only
 the sampled token's log-prob is recorded; asking for more is refused by the request checks).
+
+With a reasoning parser (``areal_fast.agent.reasoning``) the message has ``reasoning_content``
+(the ``<think>`` part) beside ``content``; the SDK's message type keeps the extra field
+(``message.reasoning_content``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ def completion_dict(call: ChatCall, session: Session) -> dict:
     """The ``chat.completion`` JSON of ``call`` (the OpenAI API's shape, ``n`` = 1)."""
     message = {"role": "assistant", "content": call.content if (call.content or not call.tool_calls) else None,
                "refusal": None, "tool_calls": [c.to_dict() for c in call.tool_calls] or None}
+    if call.reasoning_content is not None:  # a reasoning parser split it off (as vLLM and SGLang name it)
+        message["reasoning_content"] = call.reasoning_content
     return {
         "id": call.completion_id,
         "object": "chat.completion",

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4  # as the OpenAI API
 # accepted and ignored: they change nothing about the tokens (or only bookkeeping on OpenAI's side)
-_IGNORED = ("user", "metadata", "store", "seed", "parallel_tool_calls", "service_tier", "prompt_cache_key",
-            "safety_identifier")
+_IGNORED = ("user", "metadata", "store", "seed", "service_tier", "prompt_cache_key", "safety_identifier")
+TOOL_CHOICES = ("auto", "none", "required")  # or a named function: {"type": "function", "function": {"name": f}}
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 _STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # the latter accepted and ignored
 
@@ -56,9 +56,15 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = field(default=None, compare=False)
+    """An assistant message's reasoning (``<think>``), when a reasoning parser split it off. Not
+    compared: an agent that sends the answer back without it sends the same answer (the recorded
+    tokens hold the reasoning either way)."""
 
     def to_dict(self) -> dict:
         d: dict = {"role": self.role, "content": self.content}
+        if self.reasoning_content is not None:
+            d["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
         if self.tool_call_id is not None:
@@ -107,11 +113,24 @@ class ChatRequest:
     messages: tuple[Message, ...]
     tools: tuple[Tool, ...] = ()
     tool_choice: str = "auto"
+    """auto | none | required | function (a named function: ``tool_choice_name``)."""
+    tool_choice_name: str | None = None
+    parallel_tool_calls: bool = True
+    """False: only the first call the model wrote is returned (the tokens of all are recorded)."""
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     stop: tuple[str, ...] = ()
     answer: AnswerForm = AnswerForm()
+
+    def callable_tools(self) -> tuple[Tool, ...]:
+        """The tools whose calls are parsed out of the answer: none with ``tool_choice`` none, the
+        named one with a named function, all offered otherwise."""
+        if self.tool_choice == "none":
+            return ()
+        if self.tool_choice == "function":
+            return tuple(t for t in self.tools if t.name == self.tool_choice_name)
+        return self.tools
 
 
 def _plain(obj, where: str) -> dict:
@@ -169,9 +188,11 @@ def parse_message(raw, i: int) -> Message:
     if role == "tool" and not isinstance(tcid, str):
         raise ChatRequestError(f"{where}.tool_call_id: a tool message needs the id of the call it answers", where)
     name = d.get("name")
+    reasoning = d.get("reasoning_content")
     return Message(role="system" if role == "developer" else role, content=_text(d.get("content"), f"{where}.content"),
                    tool_calls=calls, tool_call_id=tcid if role == "tool" else None,
-                   name=name if isinstance(name, str) else None)
+                   name=name if isinstance(name, str) else None,
+                   reasoning_content=reasoning if role == "assistant" and isinstance(reasoning, str) else None)
 
 
 def _tool(raw, k: int) -> Tool:
@@ -220,14 +241,27 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _tool_choice(body: dict, tools: tuple[Tool, ...]) -> str:
+def _tool_choice(body: dict, tools: tuple[Tool, ...]) -> tuple[str, str | None]:
+    """(auto | none | required | function, the named function's name)."""
     choice = body.get("tool_choice")
-    if choice is None or choice == "auto":
-        return "auto"
-    if choice == "none":
-        return "none"
-    raise ChatRequestError(f"tool_choice: only 'auto' and 'none' are supported (the model decides), got {choice!r}",
-                           "tool_choice")
+    if choice is None:
+        return "auto", None
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICES:
+            raise ChatRequestError(f"tool_choice: expected one of {TOOL_CHOICES} or a named function, got "
+                                   f"{choice!r}", "tool_choice")
+        if choice == "required" and not tools:
+            raise ChatRequestError("tool_choice: 'required' needs tools", "tool_choice")
+        return choice, None
+    d = _plain(choice, "tool_choice")
+    name = _plain(d.get("function") or {}, "tool_choice.function").get("name")
+    if d.get("type") != "function" or not isinstance(name, str):
+        raise ChatRequestError(f"tool_choice: expected {{'type': 'function', 'function': {{'name': ...}}}}, got "
+                               f"{choice!r}", "tool_choice")
+    if name not in {t.name for t in tools}:
+        raise ChatRequestError(f"tool_choice: function {name!r} is not among the tools offered "
+                               f"{[t.name for t in tools]}", "tool_choice")
+    return "function", name
 
 
 def _flag(d: Mapping, key: str, where: str | None = None) -> bool:
@@ -285,7 +319,7 @@ def _refuse_unsupported(body: dict) -> None:
 
 KNOWN = {"model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature",
          "top_p", "stop", "n", "stream", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty",
-         "response_format", "stream_options", *_IGNORED}
+         "response_format", "stream_options", "parallel_tool_calls", *_IGNORED}
 
 
 def parse_request(body: Mapping, served_model: str) -> ChatRequest:
@@ -305,6 +339,11 @@ def parse_request(body: Mapping, served_model: str) -> ChatRequest:
         raise ChatRequestError("messages: expected a non-empty list", "messages")
     messages = tuple(parse_message(m, i) for i, m in enumerate(raw))
     tools = tuple(_tool(t, k) for k, t in enumerate(body.get("tools") or ()))
-    return ChatRequest(model=model, messages=messages, tools=tools, tool_choice=_tool_choice(body, tools),
+    choice, choice_name = _tool_choice(body, tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ChatRequestError(f"parallel_tool_calls: expected true or false, got {parallel!r}", "parallel_tool_calls")
+    return ChatRequest(model=model, messages=messages, tools=tools, tool_choice=choice, tool_choice_name=choice_name,
+                       parallel_tool_calls=parallel is not False,
                        max_tokens=_max_tokens(body), temperature=_number(body, "temperature", 0.0, 2.0),
                        top_p=_number(body, "top_p", 0.0, 1.0), stop=_stop(body), answer=answer)

@@ -11,13 +11,17 @@ One listener serves every episode of a process; each episode has its own ``base_
 token in the path), so an agent's calls land in its own episode's record. Routes, under
 ``/episodes/<token>/v1``: ``POST /chat/completions`` (the same checks and answer as the in-process
 client: ``areal_fast.agent.request``, ``areal_fast.agent.completion``; with ``stream=True`` a
-``text/event-stream`` of the whole answer once generated, ``areal_fast.agent.stream``) and
-``GET /models``.
+``text/event-stream`` of the whole answer once generated, ``areal_fast.agent.stream``),
+``POST /responses`` (the Responses API on the same recording, ``areal_fast.agent.responses``),
+``GET /models``, and ``POST /reward`` with ``{"reward": <number>}``: the episode's final reward,
+for an agent that runs elsewhere (its own process, any language); it ends the episode (later
+calls: 404, as for an episode that is over; a second reward: 409).
 
 Each episode has a key of its own (``secrets.token_hex(32)``, made by ``open`` and set on the
 client with ``base_url``): a request needs ``Authorization: Bearer <the episode's key>``, checked
 by the one check of our listeners (``areal_fast.rollout.auth``), and the key opens that episode's
-routes only; it ends with the episode. The run's key (the inference servers') is never used here
+routes only; it ends with the episode. Any other path of this listener is a 401 whatever the key.
+The run's key (the inference servers') is never used here
 nor handed to agent code: an agent's key cannot call the engine (load weights, pause, abort).
 Idle and unauthenticated connections are limited as on the engine (``areal_fast.rollout.conn_guard``).
 The listener binds 127.0.0.1 unless told otherwise. Errors have the OpenAI API's shape
@@ -30,11 +34,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import secrets
 import weakref
 
 from aiohttp import web
 
+from areal_fast.agent import responses
 from areal_fast.agent.completion import completion_dict
 from areal_fast.agent.request import ChatRequestError
 from areal_fast.agent.stream import chunk_dicts, sse_body
@@ -63,6 +69,7 @@ class AgentServer:
         self.host, self.port = host, port
         self.conn_limits = conn_limits or ConnLimits()
         self._episodes: dict[str, tuple[object, str]] = {}  # token -> (client, the episode's key)
+        self._ended: dict[str, asyncio.Event] = {}  # token -> set when its reward is set over HTTP
         self._runner: web.AppRunner | None = None
 
     @property
@@ -74,6 +81,8 @@ class AgentServer:
         app = web.Application(middlewares=[self._auth], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/episodes/{token}/v1/chat/completions", self._chat)
         app.router.add_get("/episodes/{token}/v1/models", self._models)
+        app.router.add_post("/episodes/{token}/v1/responses", self._responses)
+        app.router.add_post("/episodes/{token}/v1/reward", self._reward)
         self._runner = await start_site(app, self.host, self.port, self.conn_limits)
         self.port = self._runner.addresses[0][1]
         return self
@@ -95,19 +104,34 @@ class AgentServer:
         the ``base_url`` is returned, and both are set on the client (``base_url``, ``api_key``)."""
         token, key = secrets.token_urlsafe(12), secrets.token_hex(32)
         self._episodes[token] = (client, key)
+        self._ended[token] = asyncio.Event()
         client.base_url, client.api_key = f"{self.url}/episodes/{token}/v1", key
         return client.base_url
 
     def close_episode(self, base_url: str) -> None:
         """Stop serving the episode at ``base_url`` (later requests: 404; its key opens nothing)."""
-        self._episodes.pop(base_url.rstrip("/").split("/")[-2], None)
+        token = _token(base_url)
+        self._episodes.pop(token, None)
+        self._ended.pop(token, None)
+
+    def client_of(self, base_url: str):
+        """The client (``AgentClient``) of the episode served at ``base_url`` (KeyError when none)."""
+        return self._episodes[_token(base_url)][0]
+
+    async def wait_ended(self, base_url: str) -> float:
+        """Wait until the episode at ``base_url`` gets its reward over HTTP; that reward."""
+        token = _token(base_url)
+        await self._ended[token].wait()
+        return self._episodes[token][0].session.final_reward
 
     # ------------------------------------------------------------------ routes
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         token = request.match_info.get("token")
-        if token is None:  # no route of ours: aiohttp's own 404 or 405
-            return await handler(request)
+        if token is None:  # no episode's route: no key opens it
+            return _error(401, f"{request.path} is not an episode's route; this listener serves "
+                          "/episodes/<token>/v1/... only, each behind its episode's key", "invalid_request_error",
+                          code="invalid_api_key")
         episode = self._episodes.get(token)
         if episode is None:
             raise _episode_not_found()
@@ -118,17 +142,24 @@ class AgentServer:
         return await handler(request)
 
     def _client(self, request: web.Request):
-        episode = self._episodes.get(request.match_info["token"])
-        if episode is None:  # closed after its key was checked
+        token = request.match_info["token"]
+        episode = self._episodes.get(token)
+        if episode is None or self._ended[token].is_set():  # closed or ended after its key was checked
             raise _episode_not_found()
         return episode[0]
 
+    @staticmethod
+    async def _json(request: web.Request):
+        try:
+            return json.loads(await request.read())
+        except ValueError as e:
+            raise web.HTTPBadRequest(text=json.dumps({"error": {
+                "message": f"the request body is not JSON: {e}", "type": "invalid_request_error", "param": None,
+                "code": None}}), content_type="application/json") from None
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         client = self._client(request)
-        try:
-            body = json.loads(await request.read())
-        except ValueError as e:
-            return _error(400, f"the request body is not JSON: {e}", "invalid_request_error")
+        body = await self._json(request)
         try:
             call = await client.session.create(body)
         except ChatRequestError as e:
@@ -142,10 +173,48 @@ class AgentServer:
         await response.write_eof()
         return response
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        client = self._client(request)
+        body = await self._json(request)
+        try:
+            stream = responses.wants_stream(body) if isinstance(body, dict) else False
+            _, data = await responses.create_response(client.session, body)
+        except ChatRequestError as e:
+            return _error(400, str(e), "invalid_request_error", e.param)
+        if not stream:
+            return web.json_response(data)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await response.write(b"".join(f"event: {e['type']}\ndata: ".encode() + json.dumps(e).encode() + b"\n\n"
+                                      for e in responses.event_dicts(data)))
+        await response.write_eof()
+        return response
+
+    async def _reward(self, request: web.Request) -> web.Response:
+        token = request.match_info["token"]
+        episode = self._episodes.get(token)
+        if episode is None:
+            raise _episode_not_found()
+        session = episode[0].session
+        body = await self._json(request)
+        value = body.get("reward") if isinstance(body, dict) else None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return _error(400, f"reward: expected a finite number, got {value!r} (body: {{\"reward\": <number>}})",
+                          "invalid_request_error", "reward")
+        if self._ended[token].is_set():
+            return _error(409, "this episode's reward is already set", "invalid_request_error", "reward")
+        session.final_reward = float(value)
+        self._ended[token].set()  # the episode is over: its routes answer 404 from now on
+        return web.json_response({"reward": float(value), "calls": len(session.calls), "ended": True})
+
     async def _models(self, request: web.Request) -> web.Response:
         model = self._client(request).session.model
         return web.json_response({"object": "list", "data": [{"id": model, "object": "model", "created": 0,
                                                                "owned_by": "areal_fast"}]})
+
+
+def _token(base_url: str) -> str:
+    return str(base_url).rstrip("/").split("/")[-2]
 
 
 _shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -24,8 +24,9 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
+from areal_fast.agent.limits import TurnLimits
 from areal_fast.agent.request import AnswerForm, ChatRequest, ChatRequestError, Message, ToolCall, parse_request
-from areal_fast.agent.template import ChatTemplate, call_id
+from areal_fast.agent.template import ChatTemplate, HistoryRendersDifferently, call_id
 from areal_fast.sample import Sample
 
 DEFAULT_MODEL = "areal-fast"
@@ -55,11 +56,14 @@ class ChatCall:
     created: float = 0.0
     answer: AnswerForm = AnswerForm()
     """How the caller asked for the answer (stream, usage chunk, log-probs): the answer's form only."""
+    reasoning_content: str | None = None
+    """The reasoning the template's reasoning parser split off the output (``<think>``), else None."""
 
     @property
     def response(self) -> Message:
         """The assistant message returned, as the agent sends it back in the next call's history."""
-        return Message(role="assistant", content=self.content, tool_calls=tuple(self.tool_calls))
+        return Message(role="assistant", content=self.content, tool_calls=tuple(self.tool_calls),
+                       reasoning_content=self.reasoning_content)
 
     @property
     def history(self) -> tuple[Message, ...]:
@@ -93,7 +97,17 @@ class Prompt:
 
 
 def build_prompt(calls: list[ChatCall], req: ChatRequest, template: ChatTemplate) -> Prompt:
-    """The prompt of ``req`` given the episode's earlier ``calls`` (see the module docstring)."""
+    """The prompt of ``req`` given the episode's earlier ``calls`` (see the module docstring). A
+    template that renders the earlier messages differently once new ones follow, with
+    ``continuation='template'``: the whole conversation rendered again, a break from message 0."""
+    try:
+        return _build_prompt(calls, req, template)
+    except HistoryRendersDifferently:
+        ids, ends = template.render((), req.messages, req.tools)
+        return Prompt(ids, ends, diverged_at=0)
+
+
+def _build_prompt(calls: list[ChatCall], req: ChatRequest, template: ChatTemplate) -> Prompt:
     msgs = req.messages
     best, best_n = None, 0
     for c in calls:
@@ -165,28 +179,34 @@ class Session:
     template: ChatTemplate
     model: str = DEFAULT_MODEL
     calls: list[ChatCall] = field(default_factory=list)
+    limits: TurnLimits = field(default_factory=TurnLimits)
+    """The context and the engine's stop-string support (``areal_fast.agent.limits``)."""
+    responses: dict[str, list[dict]] = field(default_factory=dict)
+    """The Responses API's conversations by response id, for ``previous_response_id``
+    (``areal_fast.agent.responses``)."""
+    final_reward: float | None = None
+    """The episode's reward set over HTTP (``POST <base_url>/reward``), which also ends it."""
 
     async def create(self, body: dict) -> ChatCall:
         """One ``chat.completions.create``: checked, generated, recorded. ChatRequestError: a 400."""
         req = parse_request(body, self.model)
+        self.template.check(req)
         prompt = build_prompt(self.calls, req, self.template)
         overrides = self._sampling(req)
-        try:
-            sample = await self.engine.generate(prompt.ids, **overrides)
-        except ValueError as e:  # the engine handle's own refusals (the temperature is the run's)
-            raise ChatRequestError(str(e), "temperature" if "temperature" in str(e) else None) from None
+        sample = await self.limits.generate(self.engine, prompt.ids, overrides, req)  # refusals: ChatRequestError
         stopped = bool(req.stop) and _cut_at_stop(self.template, sample, tuple(s for s in req.stop))
         cid = f"chatcmpl-{sample.rid or len(self.calls)}"
-        tools = req.tools if req.tool_choice == "auto" else ()
-        content, calls = self.template.parse(sample.output_ids, tools)
-        calls = [ToolCall(id=call_id(cid, k), name=c.name, arguments=c.arguments) for k, c in enumerate(calls)]
+        answer = self.template.parse_answer(sample.output_ids, req)  # tool_choice, reasoning parser
+        content = answer.content
+        calls = [ToolCall(id=call_id(cid, k), name=c.name, arguments=c.arguments)
+                 for k, c in enumerate(answer.tool_calls)]
         if req.stop:
             content = _trim_stop(content, req.stop)
         finish = "tool_calls" if calls else ("stop" if stopped or sample.finish_reason == "stop" else "length")
         call = ChatCall(completion_id=cid, messages=req.messages, tools=req.tools, sample=sample,
                         message_ends=prompt.message_ends, finish_reason=finish, content=content, tool_calls=calls,
                         parent=prompt.parent, diverged_at=prompt.diverged_at, created=time.time(),
-                        answer=req.answer)
+                        answer=req.answer, reasoning_content=answer.reasoning)
         self.calls.append(call)
         return call
 
@@ -222,7 +242,10 @@ class Session:
         return [decode([int(i)], skip_special_tokens=True) for i in ids]
 
     def set_reward(self, completion_id: str, value: float) -> None:
-        """Attach ``value`` to the call whose completion id is ``completion_id`` (KeyError naming it)."""
+        """Attach ``value`` to the call whose completion id is ``completion_id`` (KeyError naming it);
+        a Responses API id (``resp_<rid>``) names the same call as its ``chatcmpl-<rid>``."""
+        if completion_id.startswith("resp_"):
+            completion_id = "chatcmpl-" + completion_id.removeprefix("resp_")
         for c in self.calls:
             if c.completion_id == completion_id:
                 c.reward = float(value)

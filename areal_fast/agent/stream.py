@@ -5,8 +5,9 @@ with its version), so the stream is *buffered*: it starts once the turn is gener
 and carries the whole answer at once. The chunks, all with the completion's ``id``/``created``:
 
 1. ``delta: {"role": "assistant", "content": ""}``;
-2. when there is anything to say: ``delta.content`` (the whole text) and ``delta.tool_calls`` (each
-   call whole, with its ``index``), and the log-probs when asked (``logprobs=True``);
+2. when there is anything to say: ``delta.reasoning_content`` (with a reasoning parser),
+   ``delta.content`` (the whole text) and ``delta.tool_calls`` (each call whole, with its
+   ``index``), and the log-probs when asked (``logprobs=True``);
 3. ``delta: {}`` with the ``finish_reason``;
 4. with ``stream_options: {"include_usage": true}``: ``choices: []`` and ``usage`` (every earlier
    chunk then has ``usage: null``, as the OpenAI API).
@@ -39,6 +40,8 @@ def chunk_dicts(call: ChatCall, session: Session) -> list[dict]:
 
     out = [chunk({"role": "assistant", "content": ""})]
     delta: dict = {}
+    if call.reasoning_content:
+        delta["reasoning_content"] = call.reasoning_content
     if call.content:
         delta["content"] = call.content
     if call.tool_calls:

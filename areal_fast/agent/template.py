@@ -8,7 +8,9 @@ A template has three jobs (``docs/agents.md``):
 - ``close_turn(output_ids)``: the end-of-turn tokens the template would have written after the
   model's output when the model did not write them (the turn was cut at ``max_tokens``).
 - ``parse(output_ids, tools)``: the assistant message's text and the tool calls in it, in the
-  template's format of tool calls.
+  template's format of tool calls; ``parse_answer(output_ids, request)`` the same for a request
+  (its ``tool_choice`` and ``parallel_tool_calls``), with the reasoning split off (:class:`Answer`);
+- ``check(request)``: what the template cannot answer, refused before anything is generated.
 
 Two templates ship:
 
@@ -22,26 +24,66 @@ dozen characters: it cannot spell a role name or a JSON schema). Written for thi
     generation prompt: nothing (the model writes right after the last message)
 
 Tools are not rendered (the vocabulary cannot spell them). The tools format: when exactly one
-tool is offered and ``call_marker`` is set, an output that contains ``call_marker`` is a call of
-that tool whose arguments are ``{"<its first parameter>": "<the output's text>"}``; any other
-output is text. The tiny tool task's model writes calls as text containing ``*``
-(``areal_fast/data/tool_task.py``), so its template is ``TinyChatTemplate(tok, call_marker="*")``.
+tool can be called (one offered, or one named by ``tool_choice``) and ``call_marker`` is set, an
+output that contains ``call_marker`` is a call of that tool whose arguments are
+``{"<its first parameter>": "<the output's text>"}``; any other output is text. Several tools
+that could be called are refused (400 naming ``tools``): the format cannot say which one a call is.
+The tiny tool task's model writes calls as text containing ``*`` (``areal_fast/data/tool_task.py``),
+so its template is ``TinyChatTemplate(tok, call_marker="*")``.
 
 :class:`HFChatTemplate`, for a Hugging Face tokenizer that has a chat template (e.g. Qwen2.5):
-the tokenizer's own Jinja template renders, with ``tools``; tool calls are parsed in the Hermes
-format those templates teach (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``). The
-new messages' ids are the tokens of the text the template adds after ``before``: the template
-is rendered for ``before`` and for ``before + new`` and the difference tokenized.
+the tokenizer's own Jinja template renders, with ``tools``; tool calls are parsed by the tool
+parser named (``areal_fast.agent.tool_parsers``: ``hermes``, the default, the format Qwen2.5's
+templates teach; ``qwen3_coder``; ``json``), after the reasoning parser (``reasoning_parser="think"``,
+``areal_fast.agent.reasoning``) took ``<think>...</think>`` out. The new messages' ids are the
+tokens of the text the template adds after ``before``: the template is rendered for ``before`` and
+for ``before + new`` and the difference tokenized.
+
+Some templates render the earlier messages differently once new ones follow (Qwen3's drops the
+``<think>`` of assistant messages before the last user message), so ``before`` is not a prefix of
+``before + new``. ``continuation`` says what then happens:
+
+- ``"concat"`` (the default): the new messages are rendered after a stand-in conversation (a user
+  message and an assistant message) and the text after the stand-in assistant's end of turn is
+  tokenized: the new messages' tokens as the template writes them after an assistant turn, appended
+  to the exact earlier tokens (the conversation goes on token for token, as AReaL's ``concat`` mode);
+- ``"template"``: :class:`HistoryRendersDifferently` is raised and the session renders the whole
+  conversation again with the template (a new trajectory: the model sees the history as the
+  template shows it, not as it was generated).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from areal_fast.agent.request import ChatRequestError, Message, Tool, ToolCall
+from areal_fast.agent.reasoning import reasoning_parser as _reasoning_parser
+from areal_fast.agent.request import ChatRequest, ChatRequestError, Message, Tool, ToolCall
+from areal_fast.agent.tool_parsers import tool_parser as _tool_parser
 from areal_fast.data.tokenizer import encode_text, hf_plain_ids
+
+CONTINUATIONS = ("concat", "template")
+
+
+class HistoryRendersDifferently(ChatRequestError):
+    """The template renders the earlier messages differently once new ones follow (a 400 where the
+    caller does not render the conversation again: ``continuation='template'``)."""
+
+
+@dataclass
+class Answer:
+    """The assistant message parsed out of a turn's tokens."""
+
+    content: str
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+def _answer(content: str, calls: list[ToolCall], req: ChatRequest, reasoning: str | None = None) -> Answer:
+    return Answer(content, reasoning, calls if req.parallel_tool_calls else calls[:1])
 
 
 class ChatTemplate(Protocol):
@@ -52,6 +94,8 @@ class ChatTemplate(Protocol):
                tools: tuple[Tool, ...]) -> tuple[list[int], list[int]]: ...
     def close_turn(self, output_ids) -> list[int]: ...
     def parse(self, output_ids, tools: tuple[Tool, ...]) -> tuple[str, list[ToolCall]]: ...
+    def parse_answer(self, output_ids, req: ChatRequest) -> Answer: ...
+    def check(self, req: ChatRequest) -> None: ...
 
 
 def call_id(completion_id: str, k: int) -> str:
@@ -110,30 +154,27 @@ class TinyChatTemplate:
             return "", [ToolCall(id="", name=tool.name, arguments=json.dumps({tool.first_parameter(): text}))]
         return text, []
 
+    def parse_answer(self, output_ids, req: ChatRequest) -> Answer:
+        return _answer(*self.parse(output_ids, req.callable_tools()), req)
+
+    def check(self, req: ChatRequest) -> None:
+        """Refuse what this template's tool format cannot say: a call of one of several tools."""
+        callable_ = req.callable_tools()
+        if not callable_ or req.tool_choice == "none":
+            return
+        if not self.call_marker:
+            if req.tool_choice in ("required", "function"):
+                raise ChatRequestError(f"tool_choice: {req.tool_choice!r} needs a tool format; the tiny template "
+                                       "has one only with call_marker set", "tool_choice")
+            return  # no tool format: the tools are context the model cannot call (as without tools)
+        if len(callable_) > 1:
+            raise ChatRequestError(f"tools: the tiny template's tool format (call_marker {self.call_marker!r}) "
+                                   f"calls one tool, and {len(callable_)} can be called here "
+                                   f"({[t.name for t in callable_]}); offer one, or name one with tool_choice",
+                                   "tools")
+
 
 _MARK = "AREALFASTMARK"
-_CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
-
-
-def hermes_blocks(text: str) -> list[tuple[int, int, str]]:
-    """The ``<tool_call>...</tool_call>`` blocks of ``text``: (start, end, the text inside, less
-    surrounding white space), in order. A block ends at the first close after its open (an open
-    inside a block is text of that block); an open never closed is text. One scan with
-    ``str.find``: linear in ``len(text)`` whatever the model wrote (a regex over the same shape,
-    ``<tool_call>\\s*(.*?)\\s*</tool_call>``, backtracked polynomially after an unclosed open
-    followed by white space, on the event loop)."""
-    out = []
-    pos = 0
-    while True:
-        start = text.find(_CALL_OPEN, pos)
-        if start < 0:
-            return out
-        close = text.find(_CALL_CLOSE, start + len(_CALL_OPEN))
-        if close < 0:
-            return out  # no close after this open, so none after any later one either
-        end = close + len(_CALL_CLOSE)
-        out.append((start, end, text[start + len(_CALL_OPEN):close].strip()))
-        pos = end
 
 
 _HIDE_OPEN, _HIDE_CLOSE = "\ufdd0", "\ufdd1"  # Unicode noncharacters: never text of a chat
@@ -216,10 +257,16 @@ class HFChatTemplate:
 
     renders_tools = True
 
-    def __init__(self, hf_tokenizer):
+    def __init__(self, hf_tokenizer, *, tool_parser: str = "hermes", reasoning_parser: str | None = None,
+                 continuation: str = "concat"):
         self.tok = getattr(hf_tokenizer, "tok", hf_tokenizer)  # our HFTokenizer adapter or the raw one
         if not getattr(self.tok, "chat_template", None):
             raise ValueError(f"tokenizer {type(self.tok).__name__} has no chat template")
+        if continuation not in CONTINUATIONS:
+            raise ValueError(f"continuation: expected one of {CONTINUATIONS}, got {continuation!r}")
+        self.parse_tools = _tool_parser(tool_parser)
+        self.split_reasoning = _reasoning_parser(reasoning_parser)
+        self.continuation = continuation
         self.eos = self.tok.eos_token_id
         self._tail: str | None = None
         self._specials: _Specials | None = None
@@ -258,59 +305,86 @@ class HFChatTemplate:
         texts = [self._render(msgs[: nb + k + 1], tool_dicts, False) for k in range(len(new))]
         full = self._render(msgs, tool_dicts, True)
         if not all(t.startswith(base) for t in texts + [full]):
-            raise ChatRequestError("the chat template renders the earlier messages differently once new ones "
-                                   "follow; this conversation cannot continue token for token", "messages")
+            if self.continuation == "template":
+                raise HistoryRendersDifferently("the chat template renders the earlier messages differently once "
+                                                "new ones follow", "messages")
+            return self._appended(msgs[nb:], tool_dicts)
+        return self._split(base, texts, full)
+
+    def _split(self, base: str, texts: list[str], full: str) -> tuple[list[int], list[int]]:
+        """The ids of ``full`` after ``base``, and where each message (``texts``: the renders up to it)
+        ends. A message ends where its render stops agreeing with ``full``: the end of its render
+        when that is a prefix of ``full`` (the usual case), else the text both share (a template that
+        renders a message differently once more follow, as Qwen3's reasoning, when the whole
+        conversation is rendered again)."""
         ids: list[int] = []
         ends: list[int] = []
-        prev = base
+        prev = len(base)
         for t in texts:  # each message's own text, tokenized once
-            ids += self._ids(t[len(prev):])
+            cut = len(t) if full.startswith(t) else max(prev, len(os.path.commonprefix([t, full])))
+            ids += self._ids(full[prev:cut])
             ends.append(len(ids))
-            prev = t
-        ids += self._ids(full[len(prev):])  # the generation prompt
+            prev = cut
+        ids += self._ids(full[prev:])  # the generation prompt
         return ids, ends
+
+    def _appended(self, new: list[dict], tool_dicts: list[dict]) -> tuple[list[int], list[int]]:
+        """``continuation='concat'``: ``new`` as the template writes it after an assistant turn, rendered
+        after a stand-in conversation (a user message, an assistant message ``_MARK``) whose text up to
+        the stand-in's end of turn is left out (see the module docstring)."""
+        stand_in = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+        full = self._render(stand_in + new, tool_dicts, True)
+        texts = [self._render(stand_in + new[: k + 1], tool_dicts, False) for k in range(len(new))]
+        at = full.find(_MARK)
+        base = full[: at + len(_MARK)] + self._turn_tail() if at >= 0 else None
+        if base is None or not all(t.startswith(base) for t in texts + [full]):
+            raise ChatRequestError("the chat template renders the earlier messages differently once new ones "
+                                   "follow, and does not write the new ones after an assistant turn the same way "
+                                   "either; this conversation cannot continue token for token", "messages")
+        return self._split(base, texts, full)
+
+    def _turn_tail(self) -> str:
+        """The text the template writes after an assistant message's content (Qwen: ``<|im_end|>\n``)."""
+        if self._tail is None:
+            text = self._text((Message("user", "x"), Message("assistant", _MARK)), (), False)
+            self._tail = text[text.rindex(_MARK) + len(_MARK):]
+        return self._tail
 
     def close_turn(self, output_ids) -> list[int]:
         """What the template writes after an assistant message's text (Qwen: ``<|im_end|>\n``), less
         the end-of-turn token when the model wrote it."""
-        if self._tail is None:
-            text = self._text((Message("user", "x"), Message("assistant", _MARK)), (), False)
-            self._tail = text[text.rindex(_MARK) + len(_MARK):]
-        tail = self._tail
+        tail = self._turn_tail()
         eos_text = self.tok.decode([self.eos]) if self.eos is not None else ""
         if len(output_ids) and output_ids[-1] == self.eos and eos_text and tail.startswith(eos_text):
             tail = tail[len(eos_text):]
         return self._ids(tail)
 
     def parse(self, output_ids, tools):
+        """The text and the tool calls of ``output_ids`` (no reasoning split: :meth:`parse_answer`)."""
         text = self.tok.decode(list(output_ids), skip_special_tokens=True)
         if not tools:
             return text, []
-        calls = []
-        blocks = hermes_blocks(text)
-        for _, _, block in blocks:
-            try:
-                d = json.loads(block)
-            except ValueError:
-                continue  # not a call: it stays in the text
-            if isinstance(d, dict) and isinstance(d.get("name"), str):
-                args = d.get("arguments", {})
-                calls.append(ToolCall(id="", name=d["name"],
-                                      arguments=args if isinstance(args, str) else json.dumps(args)))
-        if not calls:
-            return text, calls
-        kept, pos = [], 0
-        for start, end, _ in blocks:  # every block goes, a call or not (as the regex's sub did)
-            kept.append(text[pos:start])
-            pos = end
-        kept.append(text[pos:])
-        content = "".join(kept).strip()
-        return content, calls
+        return self.parse_tools(text, tools)
+
+    def parse_answer(self, output_ids, req: ChatRequest) -> Answer:
+        text = self.tok.decode(list(output_ids), skip_special_tokens=True)
+        reasoning = None
+        if self.split_reasoning is not None:
+            reasoning, text = self.split_reasoning(text)
+        tools = req.callable_tools()
+        content, calls = self.parse_tools(text, tools) if tools else (text, [])
+        return _answer(content, calls, req, reasoning)
+
+    def check(self, req: ChatRequest) -> None:
+        return None  # every template with tools can say which function a call is
 
 
-def template_for(tokenizer, call_marker: str | None = None) -> ChatTemplate:
-    """The template of ``tokenizer``: its own chat template when it has one, else the tiny one."""
+def template_for(tokenizer, call_marker: str | None = None, *, tool_parser: str = "hermes",
+                 reasoning_parser: str | None = None, continuation: str = "concat") -> ChatTemplate:
+    """The template of ``tokenizer``: its own chat template when it has one (with the tool parser,
+    reasoning parser and continuation named), else the tiny one (with ``call_marker``)."""
     inner = getattr(tokenizer, "tok", tokenizer)
     if getattr(inner, "chat_template", None) and hasattr(inner, "apply_chat_template"):
-        return HFChatTemplate(tokenizer)
+        return HFChatTemplate(tokenizer, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
+                              continuation=continuation)
     return TinyChatTemplate(tokenizer, call_marker)

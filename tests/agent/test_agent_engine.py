@@ -130,8 +130,8 @@ def test_bad_input_is_a_400_and_the_key_is_required(setup):
 
 
 def test_the_engine_refuses_the_key_handed_to_agent_code(setup):
-    """Agent code gets its episode's key, never the run's: with it, the engine's control routes
-    (here loading other weights from disk) answer 401."""
+    """Agent code gets its episode's key, never the run's: with it, every engine route (generate,
+    load other weights, pause, resume, abort, flush) answers 401."""
     import aiohttp
 
     engine, base, _, _ = setup
@@ -142,9 +142,15 @@ def test_the_engine_refuses_the_key_handed_to_agent_code(setup):
             client = eng.openai()
             async with AgentServer() as server, aiohttp.ClientSession() as http:
                 server.open(client)
-                async with http.post(engine.url + "/update_weights_from_disk", json={"model_path": base},
-                                     headers={"Authorization": f"Bearer {client.api_key}"}) as r:
-                    return client.api_key, r.status
+                statuses = {}
+                for path, body in (("/update_weights_from_disk", {"model_path": base}),
+                                   ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}),
+                                   ("/pause_generation", {}), ("/continue_generation", {}),
+                                   ("/abort_request", {"abort_all": True}), ("/flush_cache", {})):
+                    async with http.post(engine.url + path, json=body,
+                                         headers={"Authorization": f"Bearer {client.api_key}"}) as r:
+                        statuses[path] = r.status
+                return client.api_key, statuses
 
-    handed, status = asyncio.run(asyncio.wait_for(go(), 60))
-    assert handed and handed != KEY and status == 401
+    handed, statuses = asyncio.run(asyncio.wait_for(go(), 60))
+    assert handed and handed != KEY and set(statuses.values()) == {401}, statuses
