@@ -5,6 +5,7 @@
     areal-fast info                                            versions, backends, devices
     areal-fast config CONFIG [KEY=VALUE ...] [--check]        print the resolved configuration
     areal-fast servers list|add|remove|set --run-dir DIR [N | URL]   a running run's servers (docs/elastic.md)
+    areal-fast slurm-script CONFIG [KEY=VALUE ...] > job.sh    an sbatch script of the run (launcher 'slurm')
 
 Overrides use dotted keys: ``areal-fast train examples/tiny_reverse.yaml train.optim.lr=1e-3``;
 flags may come anywhere after the command (before, between or after the overrides). A bad key
@@ -30,6 +31,7 @@ _COMMANDS = {
     "config": "print the resolved configuration",
     "info": "versions, backends and devices",
     "servers": "list, add or remove the inference servers of a running run",
+    "slurm-script": "print an sbatch script that trains CONFIG on a Slurm allocation (docs/multinode.md)",
 }
 
 
@@ -135,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             raise _fail(str(e)) from None
         return 0
-    cfg = _load(args, machine=args.cmd != "config" or args.check)
+    cfg = _load(args, machine=args.cmd in ("train", "eval") or getattr(args, "check", False))
+    if args.cmd == "slurm-script":
+        from areal_fast.launch.slurm import batch_script
+
+        print(batch_script(cfg, args.config, args.overrides), end="")
+        return 0
     if args.cmd == "config":
         import yaml
 
@@ -146,7 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (e.g. from `timeout` or a scheduler) unwinds like Ctrl-C: every process is shut down
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     if args.cmd == "train":
-        from areal_fast.launch.train import RUN_REFUSED, run_train  # local or Ray launcher (cfg.launcher)
+        from areal_fast.launch.train import RUN_REFUSED, run_train  # local, Ray or Slurm launcher (cfg.launcher)
+
+        if cfg.launcher == "slurm":  # an allocation to run in, before anything starts
+            from areal_fast.launch.slurm import job_ids
+
+            try:
+                job_ids(cfg.slurm)
+            except ValueError as e:
+                raise _fail(str(e)) from None
 
         try:
             s = run_train(cfg, progress=False if args.no_progress else None)

@@ -1,5 +1,5 @@
 """The run's own sections of a run config: ``experiment``, ``model``, ``eval``, ``checkpoint``,
-``log``, ``ray`` and the ``launcher`` names. They are read by the launcher (``areal_fast.launch``):
+``log``, ``ray``, ``slurm`` and the ``launcher`` names. They are read by the launcher (``areal_fast.launch``):
 where the run writes, which policy it starts from, when it evaluates and saves, how it logs and
 where Ray places it.
 
@@ -19,7 +19,7 @@ from areal_fast.data.config import WarmStartConfig
 
 __all__ = [
     "LAUNCHERS", "MAX_SEED", "CheckpointConfig", "EvalConfig", "ExperimentConfig", "LogConfig", "ModelConfig",
-    "RayConfig",
+    "RayConfig", "SlurmConfig",
 ]
 
 MAX_SEED = 2**32 - 1
@@ -199,6 +199,82 @@ class RayConfig:
             raise ValueError(f"grace: must be >= 0 seconds, got {self.grace!r}")
 
 
-LAUNCHERS = ("local", "ray")
-"""Values of the top-level ``launcher`` key (checked by ``AppConfig``): ``launch/local.py`` and
-``launch/ray_launcher.py``."""
+@dataclass(kw_only=True, slots=True)
+class SlurmConfig:
+    """Where the Slurm launcher runs the steps of the run (``launcher: slurm``, ``launch/slurm.py``)
+    and what ``areal-fast slurm-script`` asks of ``sbatch``."""
+
+    job: str | None = None
+    """Job id of the allocation the steps run in (None = $SLURM_JOB_ID: the job the launcher runs in)."""
+    server_job: str | None = None
+    """Job id of another allocation for the inference servers (None = ``job``): servers and trainer
+    ranks in separate allocations."""
+    cpus_per_server: int | None = None
+    """CPUs of each server step (None = rollout.threads_per_server)."""
+    gpus_per_server: int | None = None
+    """GPUs of each server step (None = the tensor-parallel size for SGLang and vLLM, 1 for a CUDA
+    embedded engine, 0 otherwise)."""
+    cpus_per_rank: int | None = None
+    """CPUs of each trainer rank (None = train.threads)."""
+    gpus_per_rank: int | None = None
+    """GPUs of each trainer rank (None = 1 with train.device 'cuda', else 0)."""
+    server_srun_args: list[str] = field(default_factory=list)
+    """Extra srun options of each server step, e.g. ["--mem=32G", "--nodelist=gpu[01-02]"]."""
+    rank_srun_args: list[str] = field(default_factory=list)
+    """Extra srun options of the trainer step."""
+    host: str | None = None
+    """Address servers bind and ranks meet on (None = the address each node's hostname resolves to)."""
+    start_timeout: float = 300.0
+    """Seconds a step may take to start (waiting for free resources in the allocation included)."""
+    grace: float = 10.0
+    """Seconds between SIGTERM and SIGKILL when a step is stopped."""
+    nodes: int = 1
+    """slurm-script: ``#SBATCH --nodes``."""
+    time: int | str | None = None
+    """slurm-script: ``#SBATCH --time`` (e.g. '24:00:00', or YAML's reading of 24:00:00 unquoted:
+    seconds; None = the partition's default)."""
+    partition: str | None = None
+    """slurm-script: ``#SBATCH --partition`` (None = the cluster's default)."""
+    sbatch_args: list[str] = field(default_factory=list)
+    """slurm-script: more ``#SBATCH`` options, e.g. ["--account=rl", "--mem=0"]."""
+
+    def __post_init__(self):
+        for key in ("job", "server_job"):
+            v = getattr(self, key)
+            if v is not None and not str(v).replace("_", "").isdigit():
+                raise ValueError(f"{key}: expected a Slurm job id (digits, or JOB_TASK of an array) or null, "
+                                 f"got {v!r}")
+            if v is not None:
+                setattr(self, key, str(v))
+        for key in ("cpus_per_server", "cpus_per_rank"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or v < 1):
+                raise ValueError(f"{key}: must be >= 1 or null, got {v!r}")
+        for key in ("gpus_per_server", "gpus_per_rank"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or v < 0):
+                raise ValueError(f"{key}: must be >= 0 or null, got {v!r}")
+        for key in ("server_srun_args", "rank_srun_args", "sbatch_args"):
+            for a in getattr(self, key):
+                if not isinstance(a, str) or not a.startswith("-"):
+                    raise ValueError(f"{key}: expected options such as '--mem=32G', got {a!r}")
+                if key != "sbatch_args" and a.split("=", 1)[0] in _SRUN_TAKEN:
+                    raise ValueError(f"{key}: {a.split('=', 1)[0]} is set by the launcher (see docs/multinode.md)")
+        positive_seconds("start_timeout", self.start_timeout)
+        if self.grace < 0:
+            raise ValueError(f"grace: must be >= 0 seconds, got {self.grace!r}")
+        if isinstance(self.time, int) and not isinstance(self.time, bool):  # YAML 1.1 reads 1:30:00 as 5400
+            if self.time < 1:
+                raise ValueError(f"time: must be a positive duration, got {self.time!r}")
+            self.time = f"{self.time // 3600}:{self.time // 60 % 60:02d}:{self.time % 60:02d}"
+        if self.nodes < 1:
+            raise ValueError(f"nodes: must be >= 1, got {self.nodes!r}")
+
+
+_SRUN_TAKEN = ("--jobid", "--ntasks", "-n", "--nodes", "-N", "--cpus-per-task", "-c", "--gpus-per-task",
+               "--job-name", "-J", "--output", "-o", "--error", "-e", "--export")
+
+
+LAUNCHERS = ("local", "ray", "slurm")
+"""Values of the top-level ``launcher`` key (checked by ``AppConfig``): ``launch/local.py``,
+``launch/ray_launcher.py`` and ``launch/slurm.py``."""

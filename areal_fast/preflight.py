@@ -52,6 +52,13 @@ def check_machine(cfg: AppConfig, *, gpus: int | None = None) -> None:
     if cfg.launcher == "ray":
         need("ray", "launcher", "launcher 'ray'")
         return
+    if cfg.launcher == "slurm":  # the steps run on the allocation's nodes: Slurm's own programs are checked
+        import shutil
+
+        for prog in ("srun", "scancel"):
+            if shutil.which(prog) is None:
+                raise ConfigError(f"launcher: 'slurm' needs Slurm's `{prog}` on PATH, which is not found here")
+        return
     _check_writable_dir("experiment.output_dir", cfg.experiment.out)
     if not cfg.model.warm_start.enabled:
         _check_model_dir("model.path", cfg.model.path)

@@ -335,6 +335,9 @@ def kill_now(p: LaunchedProcess) -> None:
     if p.actor is not None:
         release_dead(p)
         return
+    if hasattr(p, "kill"):  # a Slurm step: scancel (killing its srun would leave the step running)
+        p.kill()
+        return
     try:
         os.killpg(p.pid, signal.SIGKILL)  # started with start_new_session: its group is its pid
     except (ProcessLookupError, PermissionError) as e:

@@ -105,7 +105,7 @@ CASES = [
      ["reward.name", "rewrd"]),
     ("eval-reward-misspelled", lambda t: (EXAMPLE, ["eval.reward=areal_fast.data.tiny_task:exact"]), 0,
      ["eval.reward", "exact"]),
-    ("launcher-unknown", lambda t: (EXAMPLE, ["launcher=slurm"]), 0, ["launcher", "slurm"]),
+    ("launcher-unknown", lambda t: (EXAMPLE, ["launcher=pbs"]), 0, ["launcher", "pbs"]),
     ("engine-unknown", lambda t: (EXAMPLE, ["rollout.engine=vllm"]), 0, ["rollout.engine", "vllm"]),
     ("server-url-without-scheme", lambda t: (EXAMPLE, ["rollout.servers=['127.0.0.1:30000']"]), 0,
      ["rollout.servers[0]"]),

@@ -1,0 +1,141 @@
+"""The Slurm launcher's parts that need no Slurm (``areal_fast/launch/slurm.py``); the launcher against a
+real Slurm is ``test_slurm_e2e.py``.
+
+- the config: job ids, srun options the launcher sets itself, and YAML's seconds for ``slurm.time``
+  are refused or read with the key named;
+- the allocation: none is refused naming ``slurm.job``; servers go to ``slurm.server_job`` when set;
+- an ``srun`` line holds sizes and the spec file's path, nothing else: no key, no address; a step
+  gets its size from those options alone, not from the allocation's SLURM_* settings;
+- a trainer rank's rendezvous: rank 0 publishes its address, the others read it, each gets what
+  torchrun would set (its node's share of the tasks read from Slurm's compressed list);
+- a hung server step is killed with ``scancel`` (killing its srun would leave the step running);
+- ``areal-fast slurm-script`` writes an sbatch script sized for the run that resumes it when
+  submitted again.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal_fast.config import ConfigError, load_config
+from areal_fast.launch import slurm
+from areal_fast.launch_config import SlurmConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny_reverse.yaml"
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("slurm.job=abc", "slurm.job: expected a Slurm job id"),
+    ('slurm.server_srun_args=["--ntasks=4"]', "slurm.server_srun_args: --ntasks is set by the launcher"),
+    ('slurm.rank_srun_args=["-c", "2"]', "slurm.rank_srun_args: -c is set by the launcher"),
+    ('slurm.sbatch_args=["account=x"]', "slurm.sbatch_args: expected options"),
+    ("slurm.cpus_per_server=0", "slurm.cpus_per_server: must be >= 1"),
+    ("launcher=slurmm", "launcher: must be one of"),
+])
+def test_bad_slurm_keys_are_refused_naming_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
+        load_config(EXAMPLE, [override])
+
+
+def test_yaml_seconds_for_the_time_limit_become_hours_minutes_seconds():
+    assert load_config(EXAMPLE, ["slurm.time=24:00:00"]).slurm.time == "24:00:00"  # YAML 1.1 read 86400
+    assert load_config(EXAMPLE, ['slurm.time="2-00:00:00"']).slurm.time == "2-00:00:00"
+    assert load_config(EXAMPLE, ["slurm.job=4242"]).slurm.job == "4242"
+
+
+def test_no_allocation_is_refused_naming_the_key_and_servers_may_have_their_own():
+    with pytest.raises(ValueError, match="slurm.job"):
+        slurm.job_ids(SlurmConfig(), environ={})
+    assert slurm.job_ids(SlurmConfig(), environ={"SLURM_JOB_ID": "7"}) == ("7", "7")
+    assert slurm.job_ids(SlurmConfig(server_job="8"), environ={"SLURM_JOB_ID": "7"}) == ("8", "7")
+    assert slurm.job_ids(SlurmConfig(job="9"), environ={"SLURM_JOB_ID": "7"}) == ("9", "9")
+
+
+def test_srun_line_holds_sizes_and_the_spec_path_and_steps_ignore_the_allocations_settings(monkeypatch):
+    cmd = slurm.srun_command("12", "server0", Path("/runs/a/slurm/server0.json"), ntasks=1, cpus=4, gpus=2,
+                             extra=["--mem=8G"], python="/venv/bin/python")
+    assert cmd[:2] == ["srun", "--jobid=12"] and "--exact" in cmd and "--gpus-per-task=2" in cmd
+    assert cmd[-4:] == ["/venv/bin/python", "-m", "areal_fast.launch.slurm", "/runs/a/slurm/server0.json"]
+    assert "--mem=8G" in cmd and "--cpus-per-task=4" in cmd
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "32")
+    monkeypatch.setenv("SLURM_NTASKS", "9")
+    monkeypatch.setenv("SLURM_CONF", "/etc/x/slurm.conf")
+    env = slurm._client_env({"OMP_NUM_THREADS": 1})
+    assert "SLURM_CPUS_PER_TASK" not in env and "SLURM_NTASKS" not in env
+    assert env["SLURM_CONF"] == "/etc/x/slurm.conf" and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_tasks_per_node_reads_slurms_compressed_list():
+    assert [slurm.tasks_on_node("2(x3),1", i) for i in range(4)] == [2, 2, 2, 1]
+    with pytest.raises(ValueError, match="cannot read"):
+        slurm.tasks_on_node("2x3", 0)
+
+
+def test_rank_rendezvous_through_the_run_directory(tmp_path, monkeypatch):
+    execs = []
+    monkeypatch.setattr(slurm, "_exec", lambda cmd, env: execs.append((cmd, env)))
+    spec = {"kind": "ranks", "cmd": ["python", "-m", "areal_fast.launch.rank", "cfg.yaml"], "host": "127.0.0.1",
+            "started_file": str(tmp_path / "trainer.step.json")}
+    step = {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "3", "SLURM_NTASKS": "3", "SLURM_STEP_TASKS_PER_NODE": "2,1"}
+    slurm.run_rank(spec, {**step, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"})
+    slurm.run_rank(spec, {**step, "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "1"})
+    (cmd0, env0), (cmd2, env2) = execs
+    assert cmd0 == spec["cmd"] == cmd2
+    assert env0["MASTER_ADDR"] == env2["MASTER_ADDR"] == "127.0.0.1" and env0["MASTER_PORT"] == env2["MASTER_PORT"]
+    assert (env0["RANK"], env0["LOCAL_WORLD_SIZE"], env2["RANK"], env2["LOCAL_WORLD_SIZE"]) == (0, 2, 2, 1)
+    assert env2["GROUP_RANK"] == 1 and env0["WORLD_SIZE"] == 3
+    started = json.loads((tmp_path / "trainer.step.json").read_text())
+    assert started["step"] == "5.3"  # what scancel needs to stop it
+    execs.clear()
+    slurm.run_rank(spec, {**step, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"})
+    assert "MASTER_ADDR" not in execs[0][1]  # one rank: no process group, as with the other launchers
+
+
+def test_a_hung_server_step_is_killed_with_scancel(monkeypatch):
+    from areal_fast.launch.elastic import kill_now
+
+    calls = []
+    monkeypatch.setattr(slurm.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0, "", ""))
+    p = slurm.SlurmStep(name="server0", log_path=Path("/nonexistent"), pid=2**22 + 7, critical=False)
+    p.extra["step"] = "5.1"
+    kill_now(p)
+    assert calls == [["scancel", "--signal", "KILL", "5.1"]]
+
+
+def test_slurm_script_sizes_the_allocation_and_runs_train_with_the_slurm_launcher(tmp_path):
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "areal_fast.cli", "slurm-script", str(EXAMPLE), f"experiment.output_dir={out}",
+            "rollout.n_servers=2", "train.world_size=2", "train.threads=3", "slurm.gpus_per_rank=1",
+            "slurm.time=1:00:00", "slurm.partition=gpu", 'slurm.sbatch_args=["--account=rl"]']
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for want in ("#SBATCH --ntasks=4", "#SBATCH --cpus-per-task=3", "#SBATCH --gpus=2", "#SBATCH --time=1:00:00",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=rl", f"#SBATCH --output={out}/slurm-%j.out"):
+        assert want in lines, (want, r.stdout)
+    train = lines[-1]
+    assert train.startswith(f"exec {sys.executable} -m areal_fast.cli train {EXAMPLE}") and "launcher=slurm" in train
+    assert out.is_dir()  # sbatch opens its output there before the script runs
+    r = subprocess.run([*args, "slurm.server_job=77"], capture_output=True, text=True, timeout=120)
+    assert "#SBATCH --ntasks=2" in r.stdout.splitlines()  # the servers live in job 77
+
+
+def test_train_outside_any_allocation_exits_2_naming_the_key_before_starting_anything(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from areal_fast import cli
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda prog, *a, **kw: f"/usr/bin/{prog}")  # srun and scancel 'found'
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", str(EXAMPLE), "launcher=slurm", f"experiment.output_dir={tmp_path / 'run'}"])
+    assert e.value.code == 2 and "slurm.job" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
