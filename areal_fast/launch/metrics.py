@@ -1,8 +1,9 @@
 """Metric sinks of a run: JSONL (always), TensorBoard (when installed), a tqdm bar, PNG plots.
+W&B and MLflow are in ``launch.metric_sinks``, the Prometheus endpoint in ``launch.prometheus``.
 
 ``metrics.jsonl`` holds one JSON object per event: ``{"kind": "train"|"eval"|"checkpoint", "step": ...}``.
-After a resume from step s the file is cut back to the events of steps <= s, so every step
-appears once in the lineage that produced the final model.
+After a resume from step s the file is cut back to the events of steps <= s, and TensorBoard purges
+the steps after s, so every step appears once in the lineage that produced the final model.
 """
 
 from __future__ import annotations
@@ -67,15 +68,26 @@ class JsonlSink:
         self.f.close()
 
 
-class TensorBoardSink:
-    """Scalars to TensorBoard; a no-op (with one log line) when no writer library is installed."""
+def scalars(m: dict) -> dict[str, float]:
+    """The scalars of one record under the names every sink uses (TensorBoard, W&B, MLflow): a key
+    without '/' gets the record's kind in front (``train/reward``, ``eval/eval_reward``), one with a
+    '/' is kept (``train/clip_fraction``, ``sync/servers``). Lists, strings and booleans are left out."""
+    prefix = m.get("kind", "train")
+    return {(f"{prefix}/{k}" if "/" not in k else k): v for k, v in m.items()
+            if k not in ("step", "kind") and isinstance(v, int | float) and not isinstance(v, bool)}
 
-    def __init__(self, log_dir: Path):
+
+class TensorBoardSink:
+    """Scalars to TensorBoard; a no-op (with one log line) when no writer library is installed.
+    ``purge_step``: a resumed run's first step; TensorBoard hides what earlier event files hold from
+    that step on (the steps a killed run made after its checkpoint)."""
+
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
         self.w = None
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.w = SummaryWriter(str(log_dir))
+            self.w = SummaryWriter(str(log_dir), purge_step=purge_step)
         except Exception as e:  # noqa: BLE001 - tensorboard is optional
             log.info("TensorBoard disabled (%s); metrics are in metrics.jsonl", e)
 
@@ -83,9 +95,8 @@ class TensorBoardSink:
         if self.w is None or "step" not in m:
             return
         prefix = m.get("kind", "train")
-        for k, v in m.items():
-            if k not in ("step", "kind") and isinstance(v, int | float) and not isinstance(v, bool):
-                self.w.add_scalar(f"{prefix}/{k}" if "/" not in k else k, v, m["step"])
+        for k, v in scalars(m).items():
+            self.w.add_scalar(k, v, m["step"])
         if m.get("staleness"):  # the consumed groups' staleness, as a histogram per step
             import numpy as np
 
