@@ -59,7 +59,9 @@ from areal_fast.launch_config import (
     LogConfig,
     ModelConfig,
     RayConfig,
+    SlurmConfig,
 )
+from areal_fast.metrics_config import MetricsConfig, is_loopback
 from areal_fast.ops.loss_config import PPOLossConfig
 from areal_fast.reward.config import RewardConfig
 from areal_fast.rollout.config import MIN_TEMPERATURE, RESERVED_SERVER_ARGS, RolloutConfig, check_server_url
@@ -70,7 +72,8 @@ __all__ = [
     "DERIVED", "LAUNCHERS", "MAX_SEED", "MIN_TEMPERATURE", "RESERVED_SERVER_ARGS", "RESOLVED_HEADER",
     "WARM_START_LR_SCHEDULES", "AppConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EvalConfig",
     "ExperimentConfig", "LogConfig", "ModelConfig", "OptimConfig", "PPOConfig", "PPOLossConfig", "RayConfig",
-    "RewardConfig", "RolloutConfig", "SyntheticTaskConfig", "TrainerConfig", "WarmStartConfig", "WeightSyncConfig",
+    "RewardConfig", "RolloutConfig", "SlurmConfig", "SyntheticTaskConfig", "TrainerConfig", "WarmStartConfig",
+    "WeightSyncConfig",
     "check_names", "check_server_url", "from_dict", "load_config", "parse_override",
     "save_config", "to_dict",
 ]
@@ -93,10 +96,15 @@ class AppConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """W&B, MLflow and the Prometheus endpoint (``areal_fast.metrics_config``, docs/observability.md)."""
     launcher: str = "local"
-    """'local' (subprocesses and torchrun on this machine) or 'ray' (a Ray cluster, see ``ray``)."""
+    """'local' (subprocesses and torchrun on this machine), 'ray' (a Ray cluster, see ``ray``) or 'slurm'
+    (job steps of a Slurm allocation, see ``slurm``)."""
     ray: RayConfig = field(default_factory=RayConfig)
     """Where the Ray launcher connects and how it places servers and trainer ranks."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """Which allocations the Slurm launcher's steps run in and their sizes (``launch/slurm.py``)."""
 
     def __post_init__(self):
         if self.launcher not in LAUNCHERS:
@@ -125,6 +133,14 @@ class AppConfig:
                 raise ValueError("rollout.server_args: --load-format dummy with weights.method 'disk': vLLM cannot "
                                  "reload a dummy-loaded model from disk (its dummy loader reads no weights); use "
                                  "weights.method 'distributed' or another load format")
+        if self.train.lora is not None:
+            from areal_fast.trainer.lora_config import check_run
+
+            check_run(self)
+        prom = self.metrics.prometheus
+        if prom.enabled and not is_loopback(prom.host) and not self.weights.resolved_api_key:
+            raise ValueError(f"metrics.prometheus.host {prom.host!r} is not a loopback address, so every scrape must "
+                             f"carry a bearer key: set weights.api_key or $AREAL_FAST_API_KEY (docs/observability.md)")
         self._fill_derived()
         if self.model.warm_start.enabled and not self.data.train.startswith("synthetic:"):
             raise ValueError(f"model.warm_start.enabled: only available with data.train = 'synthetic:reverse', "
@@ -424,9 +440,15 @@ def check_names(cfg: AppConfig) -> None:
     from areal_fast.workflow.api import load_workflow
 
     try:
-        load_workflow(cfg.rollout.workflow)
+        workflow = load_workflow(cfg.rollout.workflow)
     except ValueError as e:
         raise ConfigError(f"rollout.workflow: {e}") from None
     except Exception as e:  # noqa: BLE001 - a user module that fails to import for any reason
         raise ConfigError(f"rollout.workflow: importing {cfg.rollout.workflow!r} failed: "
                           f"{type(e).__name__}: {e}") from None
+    check_args = getattr(workflow, "check_args", None)  # a workflow that checks its workflow_args (the agent's)
+    if callable(check_args):
+        try:
+            check_args(dict(cfg.rollout.workflow_args))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None

@@ -17,6 +17,7 @@ files the run collects, and in whatever order.
 """
 
 import os
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -39,6 +40,8 @@ SLOW_FILES = {
     "test_cli_launch.py": "the local launcher starting, killing and reaping processes",
     "test_workflow_e2e.py": "a multi-turn training run in subprocesses, killed and resumed",
     "test_real_vllm_e2e.py": "a training run against a real vLLM server (its CPU build)",
+    "test_lora_real_vllm.py": "a LoRA training run and a LoRA-enabled server of real vLLM (its CPU build)",
+    "test_lora_e2e.py": "a LoRA training run of the tiny recipe in subprocesses (engine, trainer), resumed",
 }
 # Any test that uses one of these fixtures (so new tests that use them are slow automatically).
 SLOW_FIXTURES = {
@@ -46,6 +49,7 @@ SLOW_FIXTURES = {
     "doomed": "an engine subprocess that the test kills",
     "engines": "two engines; their fixture also starts the `doomed` subprocess engine",
     "real_vllm": "a real vLLM server (its CPU build, in its own virtual environment: tests/real_vllm.py)",
+    "real_slurm": "a real one-node Slurm cluster (slurm-wlm and munge: tests/real_slurm.py)",
 }
 # Single tests, by file and name (parametrized cases included).
 SLOW_TESTS = {
@@ -199,3 +203,24 @@ def real_vllm():
     if "error" in _REAL_VLLM:
         rv.skip_or_fail(_REAL_VLLM["error"])
     yield _REAL_VLLM["server"]
+
+
+@pytest.fixture(scope="session")
+def real_slurm(tmp_path_factory):
+    """A real one-node Slurm for the session (``tests/real_slurm.py``): Debian's slurm-wlm and munge
+    (installed with apt-get when missing), munged, slurmctld and one slurmd on this machine,
+    configured in a temporary directory; stopped (every job cancelled) after the session. Yields the
+    ``SlurmCluster`` (``env`` holds SLURM_CONF for srun, sbatch, squeue, scancel). Skips, saying
+    why, where the packages cannot be installed or the daemons do not start; fails instead under
+    ``AREAL_FAST_REAL_SLURM=require`` (CI)."""
+    import real_slurm as rs
+
+    try:
+        rs.install()
+        cluster = rs.SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    except (rs.SlurmUnavailable, OSError, subprocess.SubprocessError) as e:
+        rs.skip_or_fail(f"{type(e).__name__}: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -111,7 +111,8 @@ def build_model(path: Path, seed: int = 0, max_position_embeddings: int = 128) -
     from areal_fast.rollout.testing import build_tiny_qwen2
 
     build_tiny_qwen2(str(path), seed=seed, hidden_size=128, intermediate_size=256, vocab_size=32, num_heads=4,
-                     num_kv_heads=2, max_position_embeddings=max_position_embeddings, eos_token_id=2, tie_word_embeddings=True)
+                     num_kv_heads=2, max_position_embeddings=max_position_embeddings, eos_token_id=2,
+                     tie_word_embeddings=True)
     CharTokenizer("abcdefghijklmnopqrstuvwxyz").save_pretrained(path, model_vocab_size=32)
     # sampling defaults a checkpoint may bring (as Qwen2.5-Instruct's top_k 20 and repetition penalty):
     # top_k 1 would make every sample greedy if they reached the server's sampling
@@ -127,14 +128,15 @@ class VLLMServer:
     version: str
 
     def __init__(self, model: Path, port: int, log_path: Path, *, version: str = VLLM_CPU_VERSION,
-                 api_key_file: Path | None = None, extra_args: list[str] | None = None, python: Path | None = None):
+                 api_key_file: Path | None = None, extra_args: list[str] | None = None, python: Path | None = None,
+                 env: dict[str, str] | None = None):
         from areal_fast.backends.vllm.server_command import vllm_server_command, vllm_server_env
 
         python = python or vllm_python(version)
         cmd = vllm_server_command(str(model), "127.0.0.1", port, version=version, api_key_file=api_key_file,
                                   extra_args=[*CPU_SERVER_ARGS, *(extra_args or [])], python=str(python))
         env = {**os.environ, **vllm_server_env(), **CPU_SERVER_ENV, "OMP_NUM_THREADS": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
+               "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         env.pop("PYTHONPATH", None)
         self.url = f"http://127.0.0.1:{port}"
         self.model, self.version = Path(model), version

@@ -28,7 +28,7 @@ from pathlib import Path
 from areal_fast.controller import Controller, ControllerSettings
 from areal_fast.launch.base import PrivateFileHandler
 from areal_fast.launch.liveness import DEFAULT_HANG_TIMEOUT_S, server_is_dead, server_state
-from areal_fast.launch.metrics import JsonlSink, ProgressBar, TensorBoardSink, truncate_jsonl
+from areal_fast.launch.metric_sinks import RecordFilter, open_sinks  # noqa: F401 - RecordFilter: also here
 from areal_fast.launch.run_dir import write_private
 from areal_fast.procutil import die_with_parent
 
@@ -101,13 +101,15 @@ def trainer_config(cfg, model_path: str):
 # ----------------------------------------------------------------------------- one rank
 
 
-def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=None) -> dict:
+def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=None,
+             metrics_key: str | None = None) -> dict:
     """Run this process's trainer rank of the run described by ``cfg`` (a trainer config: model
     path resolved, ``rollout.servers`` filled in). Returns rank 0's summary ({} on other ranks).
 
     ``api_key``: the servers' key, given by a launcher that runs the rank in its own process; it
     becomes ``weights.api_key`` of ``cfg`` in memory. Without it the key is
-    ``weights.resolved_api_key`` as configured (a rank process: $AREAL_FAST_API_KEY from the launcher)."""
+    ``weights.resolved_api_key`` as configured (a rank process: $AREAL_FAST_API_KEY from the launcher).
+    ``metrics_key``: the bearer key of an exposed Prometheus endpoint (a rank process: $AREAL_FAST_METRICS_KEY)."""
     if api_key is not None:
         cfg = dataclasses.replace(cfg, weights=dataclasses.replace(cfg.weights, api_key=api_key))
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -124,9 +126,12 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
 
         follower_loop(PPOActor(trainer_config(cfg, cfg.model.path)))
         return {}
+    from areal_fast.launch.prometheus import METRICS_KEY_ENV
     from areal_fast.rollout.loop import run_event_loop  # uvloop where installed (AREAL_FAST_EVENT_LOOP)
 
-    summary = run_event_loop(_rank0(cfg, cfg.weights.resolved_api_key, say, progress))  # the sync's key too
+    metrics_key = metrics_key or os.environ.get(METRICS_KEY_ENV)
+    exposed = {"metrics_key": metrics_key} if metrics_key else {}  # only an exposed endpoint has one
+    summary = run_event_loop(_rank0(cfg, cfg.weights.resolved_api_key, say, progress, **exposed))  # the sync's key too
     write_summary(out, summary)
     return summary
 
@@ -136,10 +141,11 @@ def write_summary(out: Path, summary: dict) -> None:
     write_private(Path(out) / "summary.json", json.dumps(summary, indent=1).encode())
 
 
-async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
+async def _rank0(cfg, api_key: str | None, say, progress: bool, metrics_key: str | None = None) -> dict:
     from areal_fast.data import load_tokenizer
     from areal_fast.launch.empty_pool import refill_empty_pool
     from areal_fast.launch.pool_watch import watch_members
+    from areal_fast.launch.prometheus import start_exporter
     from areal_fast.launch.runtime import ActorTrainer, ServiceReward, make_sync_port
     from areal_fast.reward import RewardService
     from areal_fast.rollout.staleness import StalenessManager
@@ -154,18 +160,37 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
                             default_reward=cfg.reward.name)
     closers: list = []
     trainer = None
+    where: dict = {}  # sink -> where it writes (summary["sinks"]: the launcher prints them at the end)
     try:
-        async with rollout_port(r, urls, api_key) as rollout:
+        exporter = start_exporter(cfg, metrics_key)  # listening before the long start: a taken port fails now
+        if exporter is not None:
+            closers.append(exporter)
+            where["prometheus"] = exporter.where()
+            say(f"prometheus: {exporter.where()}")
+        lora = cfg.train.lora
+        async with rollout_port(r, urls, api_key, lora.name if lora else None) as rollout:
             await service.start()
             actor = await asyncio.to_thread(PPOActor, trainer_config(cfg, path))
             trainer = ActorTrainer(actor)
-            syncer = make_sync_port(cfg.weights, trainer, rollout, urls, out / "weights_sync", backend=r.backend)
-            ctl = Controller(controller_settings(cfg, tok, resume_key(cfg, prompts)), prompts, tok, rollout,
+            if lora is not None:  # adapter-only updates (weights/lora_sync.py)
+                from areal_fast.weights.lora_port import LoRASync
+
+                syncer = LoRASync(trainer, rollout, out / "weights_sync", cfg.weights, lora=lora, api=r.backend,
+                                  base_model=path)
+            else:
+                syncer = make_sync_port(cfg.weights, trainer, rollout, urls, out / "weights_sync", backend=r.backend)
+            ctl = Controller(controller_settings(cfg, tok, resume_key(cfg, prompts)), prompts, tok,
+                             exporter.metered(rollout) if exporter else rollout,
                              ServiceReward(service), trainer, syncer, gate, eval_prompts=evals)
             resumed = ctl.restore_newest() if cfg.experiment.resume else None
             if resumed is not None:
                 say(f"resuming from {resumed}")
-            ctl.callbacks = _sinks(cfg, ctl.version, progress, closers)
+            if lora is not None and ctl.version == 0:  # the servers hold no adapter yet; requests name it
+                await syncer.sync(0)
+            ctl.callbacks = open_sinks(cfg, ctl.version, progress, closers, where)
+            if exporter is not None:
+                ctl.callbacks.append(exporter.observe)
+                sampler = asyncio.create_task(exporter.sample_forever(ctl, rollout))
             empty = empty_pool(cfg, rollout, syncer)
             watch = asyncio.create_task(_watch_servers(rollout, out / "logs", r.hang_timeout, empty))
             follow = asyncio.create_task(watch_members(rollout, syncer, out, hang_timeout_s=r.hang_timeout,
@@ -180,7 +205,10 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool) -> dict:
             watch.cancel()
             follow.cancel()
             refill.cancel()
+            if exporter is not None:
+                sampler.cancel()
             summary = run.result()
+            summary["sinks"] = where
             if cfg.checkpoint.save_hf:
                 await asyncio.to_thread(trainer.export, out / "final")
                 _copy_tokenizer(Path(cfg.model.tokenizer or path), out / "final")
@@ -215,7 +243,7 @@ def empty_pool(cfg, rollout, syncer):
 
 
 @contextlib.asynccontextmanager
-async def rollout_port(r, urls: list[str], api_key: str | None):
+async def rollout_port(r, urls: list[str], api_key: str | None, lora_name: str | None = None):
     """The controller's rollout port over the servers at ``urls``, started, and closed on exit:
     ``ClientRollout`` over one ``RolloutClient`` in this process, or with ``rollout.client_processes``
     > 1 a ``ShardedRollout`` (the same port over clients in worker processes). Either forgets a
@@ -223,6 +251,8 @@ async def rollout_port(r, urls: list[str], api_key: str | None):
     is_dead = functools.partial(server_is_dead, hang_timeout_s=r.hang_timeout)
     options = dict(api_key=api_key, request_timeout_s=r.request_timeout, control_timeout_s=r.control_timeout,
                    down_cooldown_s=2.0, pause_mode=r.pause_mode)
+    if lora_name is not None:  # a LoRA run: every request names the adapter (docs/lora.md)
+        options["lora_name"] = lora_name
     if r.client_processes > 1:
         from areal_fast.rollout.sharded import ShardedRollout
 
@@ -234,39 +264,6 @@ async def rollout_port(r, urls: list[str], api_key: str | None):
 
         async with client_for_backend(r, urls, **options) as client:
             yield ClientRollout(client, is_dead=is_dead)
-
-
-class RecordFilter:
-    """Passes the controller's records of one ``kind`` to ``sink`` (``keep=True``), or every other
-    record (``keep=False``): samples.jsonl takes the "samples" records, metrics.jsonl the rest."""
-
-    def __init__(self, sink, kind: str, keep: bool):
-        self.sink, self.kind, self.keep = sink, kind, keep
-
-    def __call__(self, record: dict) -> None:
-        if (record.get("kind") == self.kind) == self.keep:
-            self.sink(record)
-
-
-def _sinks(cfg, start_step: int, progress: bool, closers: list) -> list:
-    """metrics.jsonl (cut back to the resumed step), samples.jsonl, TensorBoard, the progress bar."""
-    out = cfg.experiment.out
-    truncate_jsonl(out / "metrics.jsonl", start_step)
-    metrics_sink = JsonlSink(out / "metrics.jsonl")
-    sinks = [RecordFilter(metrics_sink, "samples", keep=False)]
-    closers.append(metrics_sink)
-    if cfg.log.samples:
-        truncate_jsonl(out / "samples.jsonl", start_step)
-        samples_sink = JsonlSink(out / "samples.jsonl")
-        sinks.append(RecordFilter(samples_sink, "samples", keep=True))
-        closers.append(samples_sink)
-    if cfg.log.tensorboard:
-        closers.append(TensorBoardSink(out / "tensorboard"))
-        sinks.append(closers[-1])
-    bar = ProgressBar(cfg.experiment.total_steps, start_step, enabled=progress)
-    sinks.append(bar)
-    closers.append(bar)
-    return sinks
 
 
 def _copy_tokenizer(src: Path, dest: Path) -> None:

@@ -1,4 +1,4 @@
-"""``areal-fast train``: the one driver of a run, for the local and the Ray launcher alike.
+"""``areal-fast train``: the one driver of a run, for the local, Ray and Slurm launchers alike.
 
 Read top to bottom, :func:`run_train` is the whole run:
 
@@ -33,6 +33,7 @@ from pathlib import Path
 from areal_fast.checkpoint import CorruptCheckpoint, ResumeMismatch, checkpoints_dir
 from areal_fast.launch.base import API_KEY_ENV, SECRETS_DIR, TRAINER_CONFIG_FILE, LaunchedProcess, ProcessDied
 from areal_fast.launch.metrics import ProgressBar, plot_run
+from areal_fast.launch.prometheus import METRICS_KEY_ENV
 from areal_fast.launch.rank import run_rank, setup_logging
 from areal_fast.launch.run_dir import NotARunDir, RunDirBusy, RunLock, UnsafeOutputDir, move_previous_run_aside
 from areal_fast.rollout.server_command import ServerKind, server_kind
@@ -71,6 +72,7 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
         kind = server_kind(cfg.rollout)  # the one decision: external, embedded or sglang servers
         reused, api_key = kept_servers(cfg, kind, out, model, say)  # rollout.keep_servers (launch.reuse)
         api_key = api_key or run_api_key(cfg, kind)
+        scrape_key = metrics_key(cfg)
         with open_launcher(cfg, out / "logs", out / SECRETS_DIR) as launcher:
             procs = run_servers(cfg, kind, launcher, model, api_key, say, reused=reused)
             urls = [p.url for p in procs] if kind.launched else [u.rstrip("/") for u in cfg.rollout.servers]
@@ -80,17 +82,22 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
             save_config(tcfg, out / TRAINER_CONFIG_FILE)
             with supervised_servers(cfg, kind, launcher, model, out, api_key, procs):
                 if in_process:  # rank 0 here: the key as an argument (rank processes read their environment)
-                    summary = run_rank(tcfg, api_key=api_key, progress=progress, say=say)
+                    exposed = {"metrics_key": scrape_key} if scrape_key else {}  # an exposed Prometheus endpoint
+                    summary = run_rank(tcfg, api_key=api_key, progress=progress, say=say, **exposed)
                 else:
                     say(f"starting {cfg.train.world_size} trainer rank(s) ({cfg.launcher}); logs in {out / 'logs'}")
-                    ranks = launcher.start_trainer_ranks(cfg.train, out / TRAINER_CONFIG_FILE,
-                                                         {API_KEY_ENV: api_key} if api_key else {})
+                    env = {API_KEY_ENV: api_key} if api_key else {}
+                    if scrape_key:
+                        env[METRICS_KEY_ENV] = scrape_key
+                    ranks = launcher.start_trainer_ranks(cfg.train, out / TRAINER_CONFIG_FILE, env)
                     summary = _watch_ranks(launcher, ranks, out, ProgressBar(cfg.experiment.total_steps, 0,
                                                                               enabled=progress))
         if cfg.log.plots:
             plots = plot_run(out / "metrics.jsonl", out / "plots")
             if plots:
                 say(f"plots: {', '.join(str(p) for p in plots)}")
+        for sink, where in (summary.get("sinks") or {}).items():
+            say(f"metrics ({sink}): {where}")
         return summary
 
 
@@ -106,6 +113,17 @@ def run_api_key(cfg, kind: ServerKind) -> str | None:
     if not kind.launched:
         return cfg.weights.resolved_api_key
     return secrets.token_hex(32)  # hex: a key starting with "-" would be read as a flag by the server
+
+
+def metrics_key(cfg) -> str | None:
+    """The bearer key of a Prometheus endpoint bound beyond loopback: the key the user gave the run
+    (``weights.api_key`` or $AREAL_FAST_API_KEY; the config load refused such a host without one). It
+    reaches rank 0 as an argument or in its environment ($AREAL_FAST_METRICS_KEY), never in a file.
+    Launched servers keep their own fresh key: a scraper never holds the servers' key."""
+    from areal_fast.metrics_config import is_loopback
+
+    p = cfg.metrics.prometheus
+    return cfg.weights.resolved_api_key if p.enabled and not is_loopback(p.host) else None
 
 
 def run_servers(cfg, kind: ServerKind, launcher, model: str, api_key: str | None, say=print,
@@ -258,8 +276,8 @@ def trainer_run_config(cfg, model: str, urls: list[str], out: Path):
     d["rollout"]["servers"] = list(urls)
     d["log"]["progress"] = False
     d["weights"]["api_key"] = None  # never in a file: the ranks are given the run's key (run_api_key)
-    if cfg.launcher == "ray":
-        d["train"]["gpus"] = None  # Ray gives each rank its GPU (CUDA_VISIBLE_DEVICES)
+    if cfg.launcher in ("ray", "slurm"):
+        d["train"]["gpus"] = None  # Ray or Slurm gives each rank its GPU (CUDA_VISIBLE_DEVICES)
     return from_dict(AppConfig, d)
 
 
@@ -271,6 +289,11 @@ def open_launcher(cfg, log_dir: Path, secrets_dir: Path | None = None):
         from areal_fast.launch.ray_launcher import open_ray_launcher
 
         with open_ray_launcher(cfg.ray, log_dir, secrets_dir) as launcher:
+            yield launcher
+    elif cfg.launcher == "slurm":
+        from areal_fast.launch.slurm import SlurmLauncher
+
+        with SlurmLauncher(log_dir, cfg.slurm, run_dir=log_dir.parent, secrets_dir=secrets_dir) as launcher:
             yield launcher
     else:
         from areal_fast.launch.local import LocalLauncher

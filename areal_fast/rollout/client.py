@@ -147,7 +147,8 @@ class RolloutClient(ServerPool, ServerControl):
                  connect_timeout_s: float = 10.0, control_timeout_s: float = 600.0, max_attempts: int = 6,
                  retry_backoff_s: float = 0.2, down_cooldown_s: float = 5.0, max_segments: int = 10_000,
                  pause_mode: str = "auto", gc_tuning: bool = True, http: str | None = None,
-                 vocab_size: int | None = None, answer_bytes_per_token: int = ANSWER_BYTES_PER_TOKEN):
+                 vocab_size: int | None = None, answer_bytes_per_token: int = ANSWER_BYTES_PER_TOKEN,
+                 lora_name: str | None = None):
         if not urls:
             raise ValueError("RolloutClient needs at least one server url")
         for u in urls:  # user info (it would go in the Host header), a bad port, a query: refused here
@@ -157,6 +158,7 @@ class RolloutClient(ServerPool, ServerControl):
         if type(answer_bytes_per_token) is not int or answer_bytes_per_token < 64:
             raise ValueError(f"answer_bytes_per_token must be an int >= 64, got {answer_bytes_per_token!r}")
         self.vocab_size = vocab_size or 0  # 0: not known (ids are only checked to be >= 0)
+        self.lora_name = lora_name  # a LoRA run's adapter: every request names it (docs/lora.md)
         self.answer_bytes_per_token = answer_bytes_per_token
         http = http or os.environ.get(HTTP_ENV) or "native"
         if http not in HTTP_CHOICES:
@@ -322,6 +324,8 @@ class RolloutClient(ServerPool, ServerControl):
                 payload = {"input_ids": _prompt_plus(prompt, out_ids),
                            "sampling_params": {**sampling, "max_new_tokens": remaining},
                            "return_logprob": True, "logprob_start_len": -1, "stream": False}
+                if self.lora_name is not None:  # SGLang's name of a loaded adapter
+                    payload["lora_path"] = self.lora_name
                 ans, server, known = await self._generate_segment(rid, server_rid(rid, seg), payload)
                 del payload
                 seg += 1

@@ -71,7 +71,9 @@ class PPOActor:
         torch.manual_seed(config.seed)
         kw = dict(device=self.device, mesh=self.mesh, param_dtype=config.param_dtype, attn_impl=config.attn_impl,
                   seed=config.seed)
-        self.model = build_policy(config.model_path, gradient_checkpointing=config.gradient_checkpointing, **kw)
+        self.lora = config.lora  # a LoRA actor: only the adapters train (trainer/lora.py, docs/lora.md)
+        self.model = build_policy(config.model_path, gradient_checkpointing=config.gradient_checkpointing,
+                                  lora=config.lora, **kw)
         self.ref = None
         if self.loss_config.kl_coef > 0:
             self.ref = build_policy(config.model_path, **kw)
@@ -79,8 +81,8 @@ class PPOActor:
             self.ref.eval()
         self.hf_config = self.model.lm.config
         o = config.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                           weight_decay=o.weight_decay)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # a LoRA actor: the adapters only
+        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         # A function of the config alone: a bound method here (self._lr_factor) made the cycle
         # actor -> scheduler -> actor, which kept a dropped actor's model, gradients and optimizer
         # state on the device until the cycle collector ran (bench_trainer's second variant OOMed).
@@ -345,6 +347,15 @@ class PPOActor:
             seen.add(id(v))
             full = v.full_tensor() if hasattr(v, "full_tensor") else v
             yield name, full if dtype is None else full.to(dtype)
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """A LoRA actor's adapter: PEFT file name -> full CPU tensor (every rank gets it; collective).
+        Only the adapter is gathered, never the frozen base."""
+        from areal_fast.trainer.lora import iter_adapter
+
+        if self.lora is None:
+            raise ValueError("adapter_state_dict: this actor trains the whole model (train.lora is not set)")
+        return {k: v.detach().cpu() for k, v in iter_adapter(self.model, hf_name)}
 
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """HF-named unsharded CPU state dict (every rank gets it; collective)."""

@@ -154,13 +154,24 @@ def _write_state_durably(extra: dict, path: str) -> None:
     _fsync_path(path)
 
 
+def _model_options(actor, strict: bool = True):
+    """A LoRA actor's checkpoint holds its adapter, not the frozen base (reloaded from model_path); on
+    load every adapter matrix must be in it (DCP's load fails on a key the checkpoint lacks), the base
+    is not looked for (``strict=False``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if getattr(actor, "lora", None) is None:
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
+
+
 def save_checkpoint(actor, path: str, version: int | None = None) -> None:
     """Save everything needed to resume ``actor`` (collective: every rank calls it), recording its
     weights as ``version`` (the controller's; None: ``actor.version``). Returns once every file is on
     disk (see the module docstring)."""
     os.makedirs(path, exist_ok=True)
     state = {
-        "model": get_model_state_dict(actor.model),
+        "model": get_model_state_dict(actor.model, options=_model_options(actor)),
         "optim": get_optimizer_state_dict(actor.model, actor.optimizer),
     }
     dcp.save(state, checkpoint_id=path)
@@ -261,7 +272,7 @@ def load_checkpoint(actor, path: str) -> None:
     :func:`verify_checkpoint`, so a refused metadata global is named rather than lost in DCP's error)."""
     extra = verify_checkpoint(path)
     state = {
-        "model": get_model_state_dict(actor.model),
+        "model": get_model_state_dict(actor.model, options=_model_options(actor)),
         "optim": get_optimizer_state_dict(actor.model, actor.optimizer),
     }
     try:
@@ -270,7 +281,7 @@ def load_checkpoint(actor, path: str) -> None:
         raise CheckpointError(f"{path}: the model/optimizer state (DCP files) cannot be read "
                               f"({type(e).__name__}: {str(e)[:300]})") from e
     try:  # a checkpoint of another model or optimizer, or an edited scheduler state
-        set_model_state_dict(actor.model, state["model"])
+        set_model_state_dict(actor.model, state["model"], options=_model_options(actor, strict=False))
         set_optimizer_state_dict(actor.model, actor.optimizer, state["optim"])
         actor.scheduler.load_state_dict(extra["scheduler"])
         torch.set_rng_state(extra["rng_cpu"])
@@ -284,8 +295,16 @@ def load_checkpoint(actor, path: str) -> None:
 
 def export_hf(actor, path: str, dtype: torch.dtype | None = None, max_shard_bytes: int = 4 << 30) -> None:
     """Write ``config.json`` and ``model*.safetensors`` (HF names, unsharded) to ``path`` from rank 0;
-    loadable by ``AutoModelForCausalLM.from_pretrained`` and by :class:`PPOActor`. Collective."""
+    loadable by ``AutoModelForCausalLM.from_pretrained`` and by :class:`PPOActor`. Collective.
+    A LoRA actor writes its adapter (PEFT's directory) and, with ``lora.save_merged``, the merged
+    model in ``path/merged`` (``trainer/lora.py``)."""
     from safetensors.torch import save_file
+
+    if getattr(actor, "lora", None) is not None:
+        from areal_fast.trainer.lora import export_adapter
+
+        export_adapter(actor, path, dtype)
+        return
 
     rank0 = dist.get_rank() == 0
     if rank0:

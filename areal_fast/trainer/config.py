@@ -9,6 +9,7 @@ YAML layout (dotted keys of a run config)::
     train.batch_size / world_size / threads / gpus / device / max_tokens_per_mb / min_mbs /
           packing_cost / param_dtype / gradient_checkpointing / attn_impl / loss_chunk_size /
           loss_backend / broadcast_batch / peak_flops
+    train.lora.*          a LoRA adapter on the frozen base (LoRAConfig, docs/lora.md)
     train.ppo.prox_mode / ppo_n_minibatches / adv_estimator / adv_std_norm / adv_std_unbiased /
               adv_batch_norm / adv_eps / reward_scale / reward_bias
     train.ppo.loss.*      the objective's options (PPOLossConfig, docs/objective.md)
@@ -25,6 +26,7 @@ import re
 from dataclasses import dataclass, field
 
 from areal_fast.ops.loss_config import PPOLossConfig, check_finite, migrate_deprecated_options
+from areal_fast.trainer.lora_config import LoRAConfig
 
 ADV_ESTIMATORS = ("grpo", "rloo")
 PROX_MODES = ("recompute", "approx", "none")
@@ -202,6 +204,9 @@ class TrainerConfig:
     every rank must pass the same full batch (the actor splits it over the ranks itself)."""
     peak_flops: float | None = None
     """Peak dense FLOP/s of one device for the MFU metric (None = looked up from the device name)."""
+    lora: LoRAConfig | None = None
+    """Train a LoRA adapter on the frozen base (``rank``, ``alpha``, ``dropout``, ``target_modules``,
+    ``name``, ``save_merged``; docs/lora.md); null: the whole model is trained."""
 
     def __post_init__(self):
         if self.model_path is not None and not (isinstance(self.model_path, str) and self.model_path):
@@ -238,6 +243,8 @@ class TrainerConfig:
                 raise ValueError(f"peak_flops must be > 0 or null, got {self.peak_flops!r}")
         self.ppo = _section(PPOConfig, self.ppo, "ppo")
         self.optim = _section(OptimConfig, self.optim, "optim")
+        if self.lora is not None:
+            self.lora = _section(LoRAConfig, self.lora, "lora")
         lt = self.ppo.loss.temperature
         if lt != 1.0 and lt != self.sampling_temperature:
             raise ValueError(

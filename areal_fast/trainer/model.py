@@ -99,11 +99,14 @@ def build_policy(
     gradient_checkpointing: bool = False,
     attn_impl: str = "auto",
     seed: int = 1,
+    lora=None,
 ) -> PolicyModule:
     """A sharded :class:`PolicyModule` with the weights of ``model_path`` (fp32 master weights).
 
     ``mesh`` is a 1-D DeviceMesh (None = no sharding: a plain module, for world size 1 without
     torch.distributed). On CUDA the compute runs in ``param_dtype`` with fp32 gradient reduction.
+    ``lora`` (a ``LoRAConfig``): PEFT's adapters on the frozen base (``trainer/lora.py``), sharded
+    with their blocks.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -117,6 +120,10 @@ def build_policy(
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config, attn_implementation=attn_name, dtype=torch.float32)
     lm.config.use_cache = False
+    if lora is not None:
+        from areal_fast.trainer import lora as lora_mod
+
+        lm = lora_mod.inject(lm, lora)
     if gradient_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -141,6 +148,8 @@ def build_policy(
     if getattr(config, "tie_word_embeddings", False):
         full.pop("lm_head.weight", None)
     expected = set(_hf_names(policy))
+    if lora is not None:  # the base's names at .base_layer., the adapters initialised (not in the checkpoint)
+        full = {**lora_mod.policy_state(full, sorted(expected), seed), **lora_mod.adapter_init(policy, hf_name, seed)}
     missing = expected - set(full)
     if missing:
         raise ValueError(f"{model_path}: safetensors lack {len(missing)} weights, e.g. {sorted(missing)[:3]}")

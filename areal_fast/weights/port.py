@@ -69,6 +69,7 @@ class SyncSpec:
     method: str
     urls: tuple[str, ...]
     config: tuple[tuple[str, object], ...]  # WeightSyncConfig fields as (name, value) pairs
+    extra: tuple[tuple[str, object], ...] = ()  # an adapter-only update's LoRA settings (weights/lora_sync.py)
 
     @classmethod
     def of(cls, method: str, urls, config: WeightSyncConfig) -> SyncSpec:
@@ -80,6 +81,11 @@ class SyncSpec:
 
     def build(self):
         from areal_fast.weights.sync import DiskWeightSync, DistributedWeightSync
+
+        if self.method in ("lora_sglang", "lora_vllm"):  # adapter-only updates of a LoRA run
+            from areal_fast.weights.lora_sync import transport_of_spec
+
+            return transport_of_spec(self)
 
         if self.method == "vllm_disk":  # disk updates on vLLM servers (backends/vllm/disk.py)
             from areal_fast.backends.vllm.disk import VLLMDiskWeightSync
@@ -201,7 +207,8 @@ class VLLMDistributedSync(DistributedSync):
 
 def make_sync_port(config: WeightSyncConfig, trainer: WeightTrainer, rollout: ServerPool, urls, work_dir,
                    backend: str = "sglang"):
-    """The sync port the run's ``weights:`` section asks for (``backend``: the servers' API)."""
+    """The sync port the run's ``weights:`` section asks for (``backend``: the servers' API). A LoRA
+    run's port is ``weights.lora_port.LoRASync``."""
     if backend == "vllm":
         if config.method == "distributed":
             return VLLMDistributedSync(trainer, rollout, urls, work_dir, config)

@@ -117,7 +117,7 @@ class VLLMRolloutClient(RolloutClient):
     async def _post_segment(self, server: ServerState, payload: dict, attempt_rid: str, max_body: int) -> Segment:
         b = self.behaviour(server)
         ids = payload["input_ids"]
-        model = server.info.get("model", DEFAULT_MODEL)
+        model = self.lora_name or server.info.get("model", DEFAULT_MODEL)  # a LoRA run names its adapter
         if isinstance(ids, list | tuple):
             body = completion_body(ids, payload["sampling_params"], attempt_rid, b, model)
         else:  # the shared client's pre-encoded ids (an orjson Fragment): sent as they are

@@ -122,9 +122,17 @@ class VLLMRoutes:
         if self.s.scheduler.paused and self.pause_mode in ("abort", "wait") and self.b.refuses_during_pause:
             return _vllm_error("the engine is paused: retry after /resume", status=503)
         rid, prompt, params, body = self._parse(body)
+        lora = None
+        if self.s.lora is not None:  # an adapter named as the model (engine/lora.py); vLLM's 404 otherwise
+            from areal_fast.rollout.engine.lora import LoRARoutes, _NotFound
+
+            try:
+                lora = LoRARoutes(self.s).adapter_of_completion(body)
+            except _NotFound as e:
+                return _vllm_error(str(e), status=404)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        self.s.scheduler.submit(Request(rid=rid, input_ids=prompt, params=params,
+        self.s.scheduler.submit(Request(rid=rid, input_ids=prompt, params=params, lora=lora,
                                         on_finish=lambda req: loop.call_soon_threadsafe(
                                             lambda: fut.done() or fut.set_result(req))))
         try:

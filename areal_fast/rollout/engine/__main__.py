@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a weight-update rendezvous or broadcast may wait before the call fails")
     p.add_argument("--attn-implementation", default="sdpa", help="sdpa or eager")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters loaded at run time "
+                   "(vLLM's /v1/load_lora_adapter or SGLang's /load_lora_adapter; docs/lora.md)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
+    p.add_argument("--max-loras", "--max-loras-per-batch", dest="max_loras", type=int, default=4,
+                   help="adapters loaded at once")
     return p
 
 
@@ -139,6 +144,9 @@ def main(argv: list[str] | None = None) -> None:
         dist_timeout_s=args.dist_timeout,
         api=args.api,
         vllm_version=args.vllm_version,
+        enable_lora=args.enable_lora,
+        max_lora_rank=args.max_lora_rank,
+        max_loras=args.max_loras,
     )
     serve_forever(server.build_app(), args.host, args.port, server.conn_limits)
 

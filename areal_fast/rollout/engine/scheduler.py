@@ -54,6 +54,7 @@ class Request:
     created: float = field(default_factory=time.monotonic)
     next_input: int = -1  # last sampled token, not yet in the KV cache
     position: int = 0  # position id of next_input
+    lora: str | None = None  # the adapter it names (engine/lora.py); None: the base model
 
     def prefill_ids(self) -> list[int]:
         """What a prefill computes KV for: the prompt, plus the output kept over a retract."""
@@ -108,6 +109,7 @@ class Scheduler:
         self._cache = None
         self._mask: torch.Tensor | None = None  # [B, L] 1 = real token, 0 = left padding
         self.steps = 0
+        self.lora = None  # engine/lora.py's LoRAServing when the engine serves adapters
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
 
     # ------------------------------------------------------------------ public, thread-safe
@@ -208,6 +210,11 @@ class Scheduler:
     def has_running(self) -> bool:
         return bool(self._rows)
 
+    def uses_adapter(self, name: str) -> bool:
+        """Whether a running or waiting request names LoRA adapter ``name``."""
+        with self._cv:
+            return any(r.lora == name for r in [*self._rows, *self._waiting])
+
     def crash(self, reason: str) -> None:
         """Stop serving for good, as SGLang's scheduler process does when an assertion fails."""
         log.error("scheduler crashed: %s", reason)
@@ -290,6 +297,8 @@ class Scheduler:
 
     def _prefill_group(self, length: int, reqs: list[Request]) -> None:
         ids = torch.tensor([r.prefill_ids() for r in reqs], device=self.device)
+        if self.lora is not None:
+            self.lora.activate([r.lora for r in reqs])
         out = self.model(input_ids=ids, past_key_values=self._new_cache(), use_cache=True, logits_to_keep=1)
         toks, lps = sample_batch(out.logits[:, -1], [r.params for r in reqs], self.generator)
         for r, t, lp in zip(reqs, toks.tolist(), lps.tolist()):
@@ -311,6 +320,8 @@ class Scheduler:
         ids = torch.tensor([[r.next_input] for r in rows], device=dev)
         pos = torch.tensor([[r.position] for r in rows], device=dev)
         mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=self._mask.dtype, device=dev)], dim=1)
+        if self.lora is not None:
+            self.lora.activate([r.lora for r in rows])
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self._cache, use_cache=True
         )

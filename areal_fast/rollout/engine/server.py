@@ -110,6 +110,9 @@ class EngineServer(WeightUpdateRoutes):
         api: str = "sglang",
         vllm_version: str | None = None,
         conn_limits: ConnLimits | None = None,
+        enable_lora: bool = False,
+        max_lora_rank: int = 16,
+        max_loras: int = 4,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -156,6 +159,12 @@ class EngineServer(WeightUpdateRoutes):
             tokenizer=self.tokenizer,
         )
         self.receiver = WeightReceiver(self.model, timeout_s=dist_timeout_s)
+        self.lora = None  # LoRA adapters (engine/lora.py), wrapped after the receiver took the base's names
+        if enable_lora:
+            from areal_fast.rollout.engine.lora import LoRAServing
+
+            self.lora = LoRAServing(self.model, max_lora_rank=max_lora_rank, max_loras=max_loras)
+            self.scheduler.lora = self.lora
         self.session_open = False  # a begin_weight_update without its end (SGLang >= 0.5.21)
         self.scheduler.start()
 
@@ -188,6 +197,8 @@ class EngineServer(WeightUpdateRoutes):
             from areal_fast.backends.vllm.twin_routes import VLLMRoutes
 
             VLLMRoutes(self, str(self.vllm.version), _until_done_or_gone).add(r)
+            if self.lora is not None:
+                self._lora_routes().add_vllm(r)
             app.on_shutdown.append(self._on_shutdown)
             return app
         r.add_post("/generate", self.generate)
@@ -196,6 +207,8 @@ class EngineServer(WeightUpdateRoutes):
         r.add_post("/continue_generation", self.continue_generation)
         r.add_route("*", "/flush_cache", self.flush_cache)
         self._add_weight_routes(r)
+        if self.lora is not None:
+            self._lora_routes().add_sglang(r)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
         for path in ("/model_info", "/get_model_info"):  # the get_ forms are deprecated in SGLang
@@ -204,6 +217,11 @@ class EngineServer(WeightUpdateRoutes):
             r.add_get(path, self.server_info)
         app.on_shutdown.append(self._on_shutdown)
         return app
+
+    def _lora_routes(self):
+        from areal_fast.rollout.engine.lora import LoRARoutes
+
+        return LoRARoutes(self)
 
     async def _on_shutdown(self, app) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.scheduler.stop)
@@ -236,6 +254,7 @@ class EngineServer(WeightUpdateRoutes):
         body = await read_json(request, self.generate_limit)
         rids, ids, params, return_logprob = parse_generate(body, self.vocab_size, self.context_length,
                                                            self.tokenizer is not None, self.sglang)
+        lora = self._lora_routes().adapter_of_generate(body) if "lora_path" in body else None
         loop = asyncio.get_running_loop()
         futs: list[asyncio.Future] = []
         submitted: list[str] = []
@@ -246,7 +265,8 @@ class EngineServer(WeightUpdateRoutes):
                 def on_finish(req: Request, fut=fut) -> None:
                     loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
 
-                self.scheduler.submit(Request(rid=rid, input_ids=list(ids), params=params, on_finish=on_finish))
+                self.scheduler.submit(Request(rid=rid, input_ids=list(ids), params=params, on_finish=on_finish,
+                                              lora=lora))
                 submitted.append(rid)
                 futs.append(fut)
         except DuplicateRid as e:
