@@ -154,41 +154,18 @@ class LoRAAdapterSync(WeightSync):
         return self._http
 
     def _vllm_swap(self, path: str, version: str) -> None:
+        """The adapter at ``path`` loaded in place on every vLLM server, inside the disk update's
+        pause and labelled ``version`` (``VLLMDiskCalls.update_paused``)."""
         http = self.http
-        futs = [(u, http._calls.run(lambda calls, u=u: self._vllm_one(calls, u, path, version))) for u in self.urls]
-        errors = []
-        for _u, f in futs:
-            try:
-                f.result()
-            except WeightSyncError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
 
-    async def _vllm_one(self, calls, url: str, path: str, version: str) -> None:
-        from areal_fast.backends.vllm.compat import VLLMBehaviour, served_release
-        from areal_fast.backends.vllm.requests import pause_query, weight_version_body
+        def update(calls, url: str):
+            async def load(_b) -> None:
+                await http._ask(calls, url, "/v1/load_lora_adapter", vllm_load_body(self.lora.name, path), "POST",
+                                "the adapter")
 
-        http = self.http
-        ver = await http._ask(calls, url, "/version", None, "GET")
-        try:
-            b = VLLMBehaviour(served_release(str(ver.get("version")))[0])
-        except ValueError as e:
-            raise WeightSyncError(f"{url}: {e}") from None
-        paused_here = False
-        if b.has_pause and not (await http._ask(calls, url, "/is_paused", None, "GET")).get("is_paused"):
-            mode = "in_place" if b.token_weight_versions else "abort"
-            q = "&".join(f"{k}={v}" for k, v in pause_query(mode, b).items())
-            await http._ask(calls, url, f"/pause?{q}", None, "POST")
-            paused_here = True
-        try:
-            await http._ask(calls, url, "/v1/load_lora_adapter", vllm_load_body(self.lora.name, path), "POST",
-                            "the adapter")
-            if b.labels_weight_version:
-                await http._ask(calls, url, "/update_weight_version", weight_version_body(version), "POST")
-        finally:
-            if paused_here:
-                await http._ask(calls, url, "/resume", None, "POST", "resume after the adapter update")
+            return http.update_paused(calls, url, load, version, "the adapter update")
+
+        http.run_each(self.urls, update)
 
     def close(self) -> None:
         super().close()

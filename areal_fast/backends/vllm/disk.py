@@ -32,22 +32,37 @@ class VLLMDiskCalls(SyncCalls):
     def all(self, urls: list[str], path: str, body: dict | None = None, method: str = "POST") -> list[dict]:
         if path != DISK_PATH:
             return super().all(urls, path, body, method)
-        futs = [(u, self._calls.run(lambda calls, u=u: self._async_update(calls, u, body))) for u in urls]
+        self.run_each(urls, lambda calls, u: self._async_update(calls, u, body))
+        return [{} for _ in urls]
+
+    def run_each(self, urls: list[str], update) -> None:
+        """``update(calls, url)`` on every server at once; the first server's error is raised after
+        all of them ended."""
+        futs = [self._calls.run(lambda calls, u=u: update(calls, u)) for u in urls]
         errors = []
-        for _u, f in futs:
+        for f in futs:
             try:
                 f.result()
             except WeightSyncError as e:
                 errors.append(e)
         if errors:
             raise errors[0]
-        return [{} for _ in urls]
 
     def update_one(self, url: str, body: dict) -> None:
         """The disk update of one server (blocking)."""
         self._calls.run(lambda calls: self._async_update(calls, url, body)).result()
 
     async def _async_update(self, calls, url: str, body: dict) -> None:
+        async def reload(b: VLLMBehaviour) -> None:
+            for rpc in disk_update_calls(body["model_path"], b):
+                await self._ask(calls, url, "/collective_rpc", rpc, "POST", "reload")
+
+        await self.update_paused(calls, url, reload, body.get("weight_version"), "the disk update")
+
+    async def update_paused(self, calls, url: str, act, version, what: str) -> None:
+        """One update of the server at ``url`` (see the module docstring): paused unless it is already,
+        ``await act(behaviour)`` (the reload, or an adapter's load), the new label ``version`` (where
+        the release labels one and ``version`` is not None), resumed in ``finally`` if paused here."""
         ver = await self._ask(calls, url, "/version", None, "GET")
         try:
             b = VLLMBehaviour(served_release(str(ver.get("version")))[0])
@@ -55,21 +70,19 @@ class VLLMDiskCalls(SyncCalls):
             raise WeightSyncError(f"{url}: {e}") from None
         paused_here = False
         if b.has_pause and not (await self._ask(calls, url, "/is_paused", None, "GET")).get("is_paused"):
-            # keep: in-flight work survives the reload, labelled by the answers' per-token spans; before
+            # keep: in-flight work survives the update, labelled by the answers' per-token spans; before
             # 0.33.0 nothing would tell a kept request's tokens of the two versions apart: abort
             mode = "in_place" if b.token_weight_versions else "abort"
             q = "&".join(f"{k}={v}" for k, v in pause_query(mode, b).items())
             await self._ask(calls, url, f"/pause?{q}", None, "POST")
             paused_here = True
         try:
-            for rpc in disk_update_calls(body["model_path"], b):
-                await self._ask(calls, url, "/collective_rpc", rpc, "POST", "reload")
-            if b.labels_weight_version and body.get("weight_version") is not None:
-                await self._ask(calls, url, "/update_weight_version", weight_version_body(body["weight_version"]),
-                                "POST")
+            await act(b)
+            if b.labels_weight_version and version is not None:
+                await self._ask(calls, url, "/update_weight_version", weight_version_body(version), "POST")
         finally:
             if paused_here:
-                await self._ask(calls, url, "/resume", None, "POST", "resume after the disk update")
+                await self._ask(calls, url, "/resume", None, "POST", f"resume after {what}")
 
     async def _ask(self, calls, url: str, path: str, body, method: str, what: str = "") -> dict:
         return await self._one(calls, url, path, body, method, what)
