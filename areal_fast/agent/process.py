@@ -21,6 +21,10 @@ Each episode starts the command with, in its environment (on top of this process
 - ``AREAL_FAST_ROW``: the row as JSON, ``{"text": ..., "task": {...}}`` (its task fields hold the
   problem and, for the reward, its answer).
 
+The run's own secrets are not passed on: every ``AREAL_FAST_*KEY`` variable of this process (the
+inference servers' key, the metrics endpoint's) is removed from the agent's environment, as are
+``OPENAI_*`` variables other than the two above (a real provider's key must not reach it either).
+
 The process makes its calls (chat completions or the Responses API), then ends its episode with
 its reward: ``POST $AREAL_FAST_REWARD_URL`` with ``{"reward": <number>}`` and the key as a bearer
 token. The episode is trained on when the process exits; a process that exits without setting a
@@ -62,6 +66,12 @@ def _endpoint(client) -> tuple[str, str]:
     return str(base_url).rstrip("/"), key
 
 
+def _inherited(env: dict[str, str]) -> dict[str, str]:
+    """This process's environment without the run's secrets (see the module docstring)."""
+    return {k: v for k, v in env.items()
+            if not (k.startswith("AREAL_FAST_") and k.endswith("KEY")) and not k.startswith("OPENAI_")}
+
+
 def episode_env(row, base_url: str, key: str) -> dict[str, str]:
     """What an agent process finds in its environment (see the module docstring)."""
     return {"OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": key, "AREAL_FAST_REWARD_URL": f"{base_url}/reward",
@@ -75,7 +85,7 @@ async def run_command(row, client, command, timeout_s: float = 600.0, env: dict 
     server = await shared_server()
     session = server.client_of(base_url).session
     proc = await asyncio.create_subprocess_exec(
-        *argv, env={**os.environ, **(env or {}), **episode_env(row, base_url, key)},
+        *argv, env={**_inherited(dict(os.environ)), **(env or {}), **episode_env(row, base_url, key)},
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     try:
         _, err = await asyncio.wait_for(proc.communicate(), timeout_s)

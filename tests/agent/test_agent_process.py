@@ -22,6 +22,9 @@ AGENT = textwrap.dedent('''
     import openai
 
     row = json.loads(os.environ["AREAL_FAST_ROW"])
+    leaked = [k for k in ("AREAL_FAST_API_KEY", "AREAL_FAST_METRICS_KEY", "OPENAI_ORG_ID") if k in os.environ]
+    if leaked:
+        sys.exit(f"the run's secrets reached the agent: {leaked}")
     client = openai.OpenAI(max_retries=0)                      # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {
         "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
@@ -80,7 +83,11 @@ def _run(script, mode: str, outputs):
     return out, rollout
 
 
-def test_process_agent_calls_then_sets_its_reward_over_http_which_ends_the_episode(script):
+def test_process_agent_calls_then_sets_its_reward_over_http_which_ends_the_episode(script, monkeypatch):
+    """... and the process sees its episode's key only: the run's keys in this process's environment
+    (the servers', the metrics endpoint's) and other OPENAI_ variables are not passed on."""
+    for k in ("AREAL_FAST_API_KEY", "AREAL_FAST_METRICS_KEY", "OPENAI_ORG_ID"):
+        monkeypatch.setenv(k, "secret-of-the-run")
     (traj,), rollout = _run(script, "ok", [ids("43*7") + [EOS], ids("238") + [EOS]])
     assert traj.reward == 1.0 and traj.turn_rewards == [0.0, 1.0]
     # one trajectory: both model turns trained, the tool's result between them is context
