@@ -41,12 +41,13 @@ def check_source(source: str) -> None:
                          "(or 'synthetic:reverse', 'hf:NAME[:CONFIG]')")
 
 
+WARM_START_ARCHS = ("qwen2", "qwen3_moe")
 WARM_START_LR_SCHEDULES = ("constant", "linear")
 
 
 @dataclass(kw_only=True, slots=True)
 class WarmStartConfig:
-    """Build a tiny Qwen2 from a config and fine-tune it briefly on the synthetic task (supervised),
+    """Build a tiny Qwen2 (or Qwen3-MoE) from a config and fine-tune it briefly on the synthetic task (supervised),
     so RL starts from a policy that is sometimes right. Cached under ``<output_dir>/warm_start``."""
 
     enabled: bool = False
@@ -78,6 +79,16 @@ class WarmStartConfig:
     """Query heads."""
     num_key_value_heads: int = 2
     """Key/value heads (grouped-query attention)."""
+    arch: str = "qwen2"
+    """'qwen2' (dense), or 'qwen3_moe': a Qwen3-MoE whose every block's MLP is ``num_experts``
+    experts of size ``moe_intermediate_size``, ``num_experts_per_tok`` of them routed per token
+    (docs/moe.md). The head size is ``hidden_size / num_attention_heads`` for both."""
+    num_experts: int = 4
+    """MoE experts per block (``arch: qwen3_moe`` only)."""
+    num_experts_per_tok: int = 2
+    """Experts routed per token (top-k, at most ``num_experts``; ``arch: qwen3_moe`` only)."""
+    moe_intermediate_size: int = 128
+    """MLP size of one expert (``arch: qwen3_moe`` only)."""
 
     def __post_init__(self):
         if self.steps < 0:
@@ -94,6 +105,14 @@ class WarmStartConfig:
             raise ValueError(f"mistake_fraction: must be in [0, 1), got {self.mistake_fraction!r}")
         if self.mistake_min_len < 1:
             raise ValueError(f"mistake_min_len: must be >= 1, got {self.mistake_min_len!r}")
+        if self.arch not in WARM_START_ARCHS:
+            raise ValueError(f"arch: must be one of {WARM_START_ARCHS}, got {self.arch!r}")
+        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok: must be <= num_experts ({self.num_experts}), "
+                             f"got {self.num_experts_per_tok}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size: must be a multiple of num_attention_heads ({self.num_attention_heads}), "
                              f"got {self.hidden_size}")

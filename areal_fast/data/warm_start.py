@@ -55,6 +55,20 @@ def qwen2_kwargs(cfg: AppConfig, tokenizer: CharTokenizer) -> dict:
     )
 
 
+MOE_FIELDS = ("arch", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+def model_kwargs(cfg: AppConfig, tokenizer: CharTokenizer) -> dict:
+    """Arguments of the transformers config of the tiny model (``model.warm_start.arch``)."""
+    ws = cfg.model.warm_start
+    kw = qwen2_kwargs(cfg, tokenizer)
+    if ws.arch == "qwen3_moe":  # every block sparse; head size as the dense model's
+        kw.update(num_experts=ws.num_experts, num_experts_per_tok=ws.num_experts_per_tok,
+                  moe_intermediate_size=ws.moe_intermediate_size, decoder_sparse_step=1, norm_topk_prob=True,
+                  head_dim=ws.hidden_size // ws.num_attention_heads)
+    return kw
+
+
 def signature(cfg: AppConfig) -> dict:
     """Everything the warm-started model depends on (the cache key)."""
     import importlib.metadata
@@ -66,20 +80,25 @@ def signature(cfg: AppConfig) -> dict:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             versions[dist] = None
-    return {"format": SIGNATURE_FORMAT, "warm_start": dataclasses.asdict(cfg.model.warm_start),
+    ws = dataclasses.asdict(cfg.model.warm_start)
+    if ws["arch"] == "qwen2":  # the dense model's key as before the MoE options existed
+        for k in MOE_FIELDS:
+            ws.pop(k)
+    return {"format": SIGNATURE_FORMAT, "warm_start": ws,
             "task": dataclasses.asdict(cfg.data.synthetic), "seed": cfg.experiment.seed,
             "max_new_tokens": cfg.rollout.max_new_tokens, "max_len": cfg.data.synthetic.max_len,
             "tokenizer": {"chars": tok.chars, "specials": list(SPECIALS)},
-            "model": qwen2_kwargs(cfg, tok), "versions": versions}
+            "model": model_kwargs(cfg, tok), "versions": versions}
 
 
 def build_tiny_qwen2(cfg: AppConfig, tokenizer: CharTokenizer):
     import torch
     import transformers
 
-    qcfg = transformers.Qwen2Config(**qwen2_kwargs(cfg, tokenizer))
     torch.manual_seed(cfg.experiment.seed)
-    return transformers.Qwen2ForCausalLM(qcfg)
+    if cfg.model.warm_start.arch == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**model_kwargs(cfg, tokenizer)))
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**qwen2_kwargs(cfg, tokenizer)))
 
 
 def _batch(rows, tok: CharTokenizer):

@@ -29,6 +29,35 @@ def build_tiny_qwen2(path: str, *, seed: int = 0, hidden_size: int = 64, num_lay
     return path
 
 
+def build_tiny_qwen3_moe(path: str, *, seed: int = 0, hidden_size: int = 64, num_layers: int = 2,
+                         vocab_size: int = 256, num_heads: int = 2, num_kv_heads: int = 1,
+                         num_experts: int = 4, num_experts_per_tok: int = 2, moe_intermediate_size: int = 32,
+                         max_position_embeddings: int = 512, eos_token_id: int = 1,
+                         tie_word_embeddings: bool = False) -> str:
+    """Save a randomly initialised Qwen3-MoE causal LM (every block sparse, fp32 safetensors in the
+    checkpoint layout: one tensor per expert and projection) to ``path``. Head size 32 (vLLM's CPU
+    attention serves it)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        moe_intermediate_size=moe_intermediate_size, num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok, decoder_sparse_step=1, norm_topk_prob=True,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads, max_position_embeddings=max_position_embeddings,
+        eos_token_id=eos_token_id, bos_token_id=0, pad_token_id=0, tie_word_embeddings=tie_word_embeddings,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # as build_tiny_qwen2; the router too, so tokens spread over the experts
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def perturbed_state_dict(path: str, *, seed: int, scale: float = 0.2) -> dict:
     """The checkpoint at ``path`` with every matrix replaced by fresh noise (a clearly different policy)."""
     import torch

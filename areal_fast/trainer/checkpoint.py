@@ -300,6 +300,8 @@ def export_hf(actor, path: str, dtype: torch.dtype | None = None, max_shard_byte
     model in ``path/merged`` (``trainer/lora.py``)."""
     from safetensors.torch import save_file
 
+    from areal_fast.weights.experts import to_checkpoint_state
+
     if getattr(actor, "lora", None) is not None:
         from areal_fast.trainer.lora import export_adapter
 
@@ -318,7 +320,8 @@ def export_hf(actor, path: str, dtype: torch.dtype | None = None, max_shard_byte
         if size and size + t.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = t
+        # MoE: the fused expert tensors as the checkpoint's per-expert ones (what SGLang and vLLM load)
+        shards[-1].update((n, p if p is t else p.clone()) for n, p in to_checkpoint_state({name: t}).items())
         size += t.nbytes
     if rank0:
         actor.hf_config.save_pretrained(path)

@@ -148,6 +148,9 @@ def build_policy(
     if getattr(config, "tie_word_embeddings", False):
         full.pop("lm_head.weight", None)
     expected = set(_hf_names(policy))
+    from areal_fast.weights.experts import to_model_layout
+
+    full = to_model_layout(full, expected)  # MoE checkpoints: per-expert tensors -> the model's fused ones
     if lora is not None:  # the base's names at .base_layer., the adapters initialised (not in the checkpoint)
         full = {**lora_mod.policy_state(full, sorted(expected), seed), **lora_mod.adapter_init(policy, hf_name, seed)}
     missing = expected - set(full)

@@ -53,6 +53,7 @@ from areal_fast.rollout.calls import BlockingCalls, RequestError, RetryPolicy, S
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.delta import DeltaEncoder, wants_delta
 from areal_fast.weights.errors import WeightSyncError
+from areal_fast.weights.experts import to_checkpoint_layout
 from areal_fast.weights.gather import Bucket, BucketGatherer, Sources, collect_sources, send_dtypes
 from areal_fast.weights.group import (
     HostedStore,
@@ -433,6 +434,7 @@ class DistributedWeightSync(WeightSync):
 
     def _send_bucket(self, bucket: Bucket, version: str, delta: DeltaEncoder | None = None):
         cfg = self.config
+        bucket = to_checkpoint_layout(bucket)  # fused MoE experts -> per-expert checkpoint tensors (no copy)
         if delta is not None:
             bucket = delta.encode(bucket)  # only what changed since the last update; None: nothing
             if bucket is None:
@@ -524,6 +526,7 @@ class DiskWeightSync(WeightSync):
 
         def write(bucket: Bucket):
             fname = f"model-{bucket.index + 1:05d}.safetensors"
+            bucket = to_checkpoint_layout(bucket)  # a checkpoint any server loads: per-expert MoE tensors
             write_safetensors(os.path.join(path, fname), bucket)
             weight_map.update(dict.fromkeys(bucket.names, fname))
             return _Done()

@@ -50,6 +50,7 @@ from areal_fast.backends.vllm.requests import (
 from areal_fast.netutil import url_host
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.errors import WeightSyncError
+from areal_fast.weights.experts import split_entries, to_checkpoint_layout
 from areal_fast.weights.gather import Bucket, BucketGatherer, Sources
 from areal_fast.weights.group import HostedStore, host_weight_group, rendezvous
 from areal_fast.weights.sync import POLL_S, WeightSync, send_gathered
@@ -248,9 +249,11 @@ class VLLMTransferWeightSync(WeightSync):
         """Rank 0's update (inside :func:`~areal_fast.weights.sync.send_gathered`)."""
         self.connect(src)
         order = transfer_order(self._gatherer, src, dtypes)
-        body = update_transfer_body([src.names[t] for t in order],
-                                    [str(dtypes[t]).removeprefix("torch.") for t in order],
-                                    [list(src.shapes[t]) for t in order])
+        # MoE: the fused expert tensors go as the checkpoint's per-expert tensors (weights/experts.py),
+        # in the same order as _broadcast sends them
+        wire = [(name, shape, t) for t in order for name, shape, _ in split_entries(src.names[t], src.shapes[t])]
+        body = update_transfer_body([n for n, _, _ in wire], [str(dtypes[t]).removeprefix("torch.") for *_, t in wire],
+                                    [list(shape) for _, shape, _ in wire])
         with self._update_session(version):
             begin()
             calls = [(u, self.http.submit(u, "/update_weights", body, what=f"{len(order)} tensors"))
@@ -260,6 +263,7 @@ class VLLMTransferWeightSync(WeightSync):
                 f.result(timeout=self.config.timeout_s)
 
     def _broadcast(self, bucket: Bucket, calls: list[tuple[str, Future]]) -> _PendingBucket:
+        bucket = to_checkpoint_layout(bucket)
         works = [self._channel.broadcast(bucket.tensor(i)) for i in range(len(bucket.names))]
         what = f"bucket {bucket.index} ({bucket.names[0]} .. {bucket.names[-1]})"
         return _PendingBucket(self, works, calls, what)

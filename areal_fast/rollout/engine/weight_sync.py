@@ -112,6 +112,11 @@ class WeightReceiver:
         self.timeout_s = timeout_s
         self.groups: dict[str, object] = {}
         self._params = dict(model.named_parameters(remove_duplicate=False))
+        # MoE: the checkpoint's per-expert names (what the weight sync sends) write into views of
+        # the fused expert parameters; the fused names are accepted as well
+        from areal_fast.weights.experts import checkpoint_views
+
+        self._params.update(checkpoint_views(self._params))
 
     # -------------------------------------------------------------- groups
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
