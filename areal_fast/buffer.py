@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from areal_fast.columns import ITEMSIZE, LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY
+from areal_fast.columns import ITEMSIZE, LOGPROB_ARRAY, MASK_ARRAY, ROUTING_ARRAY, TOKEN_ARRAY
 from areal_fast.group import legacy_fields
 from areal_fast.sample import COLUMN_NAMES
 
@@ -68,7 +68,8 @@ MAGIC = b"AFG1"
 _HEADER = struct.Struct("<4sIQI")  # magic, meta length, data length, CRC-32 of meta + data
 # the columns of a sample, in the order a record stores them (the sample record's names)
 COLUMNS = {"prompt_ids": TOKEN_ARRAY, "output_ids": TOKEN_ARRAY, "output_logprobs": LOGPROB_ARRAY,
-           "output_versions": TOKEN_ARRAY, "loss_mask": MASK_ARRAY}
+           "output_versions": TOKEN_ARRAY, "loss_mask": MASK_ARRAY, "routed_experts": ROUTING_ARRAY}
+_OPTIONAL_COLUMNS = ("routed_experts",)  # absent from records written before it: empty columns
 assert tuple(COLUMNS) == COLUMN_NAMES
 _SAMPLE_FIELDS = ("reward", "finish_reason", "info")  # what a record keeps of a sample besides its columns
 _GROUP_FIELDS = ("position", "row", "admitted_version", "gen_seconds", "episodes_failed")
@@ -170,6 +171,8 @@ def decode_record(meta: bytes | memoryview, data: bytes | memoryview, crc: int, 
             plan += [(col, code, int(n)) for col, code in _LEGACY_COLUMNS.items() for n in counts[col]]
         else:
             samples = [dict(s) for s in samples]
+            for col in _OPTIONAL_COLUMNS:
+                counts.setdefault(col, [0] * len(samples))
             plan = [(col, code, int(n)) for col, code in COLUMNS.items() for n in counts[col]]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{name}: unreadable record meta ({e!r})") from None

@@ -9,6 +9,8 @@ field                   typecode  element
 token ids, versions     ``'i'``   C int (int32): vocabularies and weight versions fit in 31 bits
 behaviour log-probs     ``'f'``   C float (float32): the precision the trainer computes with
 loss mask               ``'B'``   unsigned char: 1 model token, 0 context (prompt, tool, feedback)
+routed experts          ``'h'``   int16: MoE routing, ``layers x top_k`` expert ids a position
+                                  (-1: not recorded); empty when the servers returned none
 ======================  ========  ==========================================================
 
 Why: as Python lists, each token costs a list slot plus a boxed float (and a boxed int above 256),
@@ -47,16 +49,19 @@ from collections.abc import Iterable
 from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY
 
 MASK_ARRAY = "B"  # loss mask: one byte a token, 0 or 1
+ROUTING_ARRAY = "h"  # routed experts: int16 expert ids (below 32768), -1 where not recorded
 COLUMN_KEY = "__array__"  # marks an encoded column in a checkpoint's JSON
 _OLD_LOGPROB_ARRAY = "d"  # float64 log-probs, as checkpoints before the float32 columns stored them
 # bytes an item of each column typecode
-ITEMSIZE = {code: array(code).itemsize for code in (TOKEN_ARRAY, LOGPROB_ARRAY, MASK_ARRAY, _OLD_LOGPROB_ARRAY)}
+ITEMSIZE = {code: array(code).itemsize
+            for code in (TOKEN_ARRAY, LOGPROB_ARRAY, MASK_ARRAY, ROUTING_ARRAY, _OLD_LOGPROB_ARRAY)}
 _BINARY = bytes((0, 1))
 _ZERO = b"\x00"
 _ONES = array(MASK_ARRAY, [1])
 
-__all__ = ["ITEMSIZE", "LOGPROB_ARRAY", "MASK_ARRAY", "TOKEN_ARRAY", "column", "decode_column", "encode_column",
-           "is_binary_mask", "json_default", "logprobs", "mask", "min_model_version", "tokens"]
+__all__ = ["ITEMSIZE", "LOGPROB_ARRAY", "MASK_ARRAY", "ROUTING_ARRAY", "TOKEN_ARRAY", "column", "decode_column",
+           "encode_column", "is_binary_mask", "json_default", "logprobs", "mask", "min_model_version", "routing",
+           "tokens"]
 
 
 def column(values: Iterable, typecode: str, name: str) -> array:
@@ -73,7 +78,7 @@ def column(values: Iterable, typecode: str, name: str) -> array:
     try:
         return array(typecode, values)
     except (TypeError, OverflowError, ValueError) as e:
-        kind = {"d": "floats", "B": "0/1 entries"}.get(typecode, "int32 token ids or versions")
+        kind = {"d": "floats", "B": "0/1 entries", "h": "int16 expert ids"}.get(typecode, "int32 token ids or versions")
         raise type(e)(f"{name}: expected {kind}: {e}") from None
 
 
@@ -90,6 +95,11 @@ def logprobs(values: Iterable = (), name: str = "log-probs") -> array:
 def mask(values: Iterable = (), name: str = "loss_mask") -> array:
     """A loss mask as ``array('B')`` (check it with :func:`is_binary_mask`)."""
     return column(values, MASK_ARRAY, name)
+
+
+def routing(values: Iterable = (), name: str = "routed_experts") -> array:
+    """Routed experts (flat, ``layers x top_k`` a position) as ``array('h')``."""
+    return column(values, ROUTING_ARRAY, name)
 
 
 def is_binary_mask(m) -> bool:

@@ -133,6 +133,13 @@ class AppConfig:
                 raise ValueError("rollout.server_args: --load-format dummy with weights.method 'disk': vLLM cannot "
                                  "reload a dummy-loaded model from disk (its dummy loader reads no weights); use "
                                  "weights.method 'distributed' or another load format")
+        if self.train.ppo.routing_replay and not self.rollout.return_routed_experts:
+            raise ValueError("train.ppo.routing_replay: replays the routing the servers record; set "
+                             "rollout.return_routed_experts: true as well (docs/moe.md)")
+        ws = self.model.warm_start
+        if self.rollout.return_routed_experts and ws.enabled and ws.arch == "qwen2":
+            raise ValueError("rollout.return_routed_experts: the warm-started model (model.warm_start.arch "
+                             "'qwen2') is dense: no routing to record; use arch 'qwen3_moe' (docs/moe.md)")
         if self.train.lora is not None:
             from areal_fast.trainer.lora_config import check_run
 

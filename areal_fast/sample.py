@@ -28,22 +28,32 @@ from dataclasses import dataclass, field
 from areal_fast.columns import (
     LOGPROB_ARRAY,
     MASK_ARRAY,
+    ROUTING_ARRAY,
     TOKEN_ARRAY,
     column,
     is_binary_mask,
     logprobs,
     mask,
     min_model_version,
+    routing,
     tokens,
 )
 
 CONTEXT_VERSION = -1  # version recorded for tokens the model did not generate
 _CONTEXT_VERSIONS = array(TOKEN_ARRAY, [CONTEXT_VERSION])
 _COLUMNS = {"prompt_ids": TOKEN_ARRAY, "output_ids": TOKEN_ARRAY, "output_logprobs": LOGPROB_ARRAY,
-            "output_versions": TOKEN_ARRAY, "loss_mask": MASK_ARRAY}
+            "output_versions": TOKEN_ARRAY, "loss_mask": MASK_ARRAY, "routed_experts": ROUTING_ARRAY}
 COLUMN_NAMES = tuple(_COLUMNS)
 """The per-token columns of a sample, in the order a buffer record stores them."""
 _MODEL = b"\x01"
+_UNROUTED = array(ROUTING_ARRAY, [-1])
+
+
+def _routing_from(rows) -> array:
+    """A numpy int16 ``[positions, width]`` routing as the column (its bytes, one copy)."""
+    out = array(ROUTING_ARRAY)
+    out.frombytes(rows.tobytes())
+    return out
 
 
 @dataclass
@@ -62,14 +72,20 @@ class Sample:
     - ``output_versions``: the weight version that generated each output token, -1 on spliced text.
     - ``loss_mask``: 1 for a token the model generated, 0 for spliced text. Empty with output tokens
       means every output token is a model token: it is filled with ones on construction.
+    - ``routed_experts``: MoE routing replay's record (``docs/moe.md``): for each position of the
+      forwarded sequence ``(prompt_ids + output_ids)[:-1]`` (the last token is never forwarded), the
+      experts the server routed it to in every sparse block, ``layers x top_k`` int16 ids a position
+      (flat; the width is the column's length over ``len(prompt_ids) + len(output_ids) - 1``), -1 for
+      a position no server recorded. Empty: no routing (dense models, servers not asked).
 
     The columns are compact ``array.array`` (``areal_fast.columns``): ``prompt_ids``,
     ``output_ids`` and ``output_versions`` ``array('i')``, ``output_logprobs`` ``array('f')``,
-    ``loss_mask`` ``array('B')``. They index, slice, iterate and ``len`` like lists; compare them
-    with ``list(x)`` (an array never equals a list). Lists, tuples or tensors given to the
-    constructor or assigned later are converted on entry; an array of the right typecode is kept as
-    the same object (the client's columns reach the trainer without a copy). Build a multi-turn
-    sample with :meth:`add_model` and :meth:`add_context`, which extend the columns in place.
+    ``loss_mask`` ``array('B')``, ``routed_experts`` ``array('h')``. They index, slice, iterate
+    and ``len`` like lists; compare them with ``list(x)`` (an array never equals a list). Lists,
+    tuples or tensors given to the constructor or assigned later are converted on entry; an array
+    of the right typecode is kept as the same object (the client's columns reach the trainer
+    without a copy). Build a multi-turn sample with :meth:`add_model` and :meth:`add_context`,
+    which extend the columns in place.
 
     ``reward`` is what the trainer uses; ``turn_rewards`` and ``info`` (numbers) are logged only.
     ``group_id`` is set by the controller (samples of one prompt share it: the advantage groups).
@@ -81,6 +97,7 @@ class Sample:
     output_logprobs: array = field(default_factory=logprobs)
     output_versions: array = field(default_factory=tokens)
     loss_mask: array = field(default_factory=mask)
+    routed_experts: array = field(default_factory=routing)
     reward: float = 0.0
     finish_reason: str = ""
     """Finish reason of the last model turn: 'stop', 'length' (also for a sample ended by abort)."""
@@ -155,20 +172,60 @@ class Sample:
         n = len(ids)
         if len(lps) != n or len(vers) != n:
             raise ValueError(f"model turn: {n} tokens but {len(lps)} log-probs and {len(vers)} versions")
+        width_before = self.routing_width()
         self.output_ids.extend(ids)
         self.loss_mask.frombytes(_MODEL * n)
         self.output_logprobs.extend(lps)
         self.output_versions.extend(vers)
+        self._add_turn_routing(turn, width_before)
         if n and self._min_known:
             m = min_model_version(vers)
             if m is not None:
                 object.__setattr__(self, "_min_version", m if self._min_version is None else min(m, self._min_version))
         self.finish_reason = turn.finish_reason
 
+    def _add_turn_routing(self, turn: Sample, width_before: int) -> None:
+        """Merge a model turn's routing (after the columns were extended by the turn). The turn's
+        column covers every forwarded position of its context and output; a position this sample
+        recorded before keeps its row (the forward that produced its next token's log-prob), the
+        others take the turn's. A turn without routing (or for another context) adds unrecorded rows."""
+        rows = len(self.prompt_ids) + len(self.output_ids) - 1
+        width = turn.routing_width()
+        if width and width_before and width != width_before:
+            raise ValueError(f"model turn: routed_experts of {width} ids a position after {width_before}")
+        if not width or len(turn.routed_experts) != rows * width:
+            if width_before:  # unrecorded rows for the new positions
+                self.routed_experts.extend(_UNROUTED * (rows * width_before - len(self.routed_experts)))
+            return
+        if not width_before:
+            self.routed_experts = array(ROUTING_ARRAY, turn.routed_experts)  # a copy: the turn keeps its own
+            return
+        import numpy as np  # a dependency of the package; only multi-turn routing needs it here
+
+        merged = np.frombuffer(turn.routed_experts, dtype=np.int16).reshape(rows, width).copy()
+        old = np.frombuffer(self.routed_experts, dtype=np.int16).reshape(-1, width)
+        keep = (old >= 0).all(axis=1)
+        merged[: len(old)][keep] = old[keep]
+        self.routed_experts = _routing_from(merged)
+
+    def routing_width(self) -> int:
+        """Expert ids a position in ``routed_experts`` (``layers x top_k``); 0 when it is empty.
+        ValueError when its length is not whole positions of the forwarded sequence."""
+        n = len(self.routed_experts)
+        if not n:
+            return 0
+        rows = len(self.prompt_ids) + len(self.output_ids) - 1
+        if rows <= 0 or n % rows:
+            raise ValueError(f"routed_experts: {n} ids are not whole rows of the {rows} forwarded positions")
+        return n // rows
+
     def add_context(self, ids) -> None:
         """Append tokens the model did not generate (tool output, feedback): context, not trained."""
         ids = tokens(ids, "add_context ids")
         n = len(ids)
+        width = self.routing_width()
+        if width:  # n more forwarded positions, none recorded yet
+            self.routed_experts.extend(_UNROUTED * (n * width))
         self.output_ids.extend(ids)
         self.loss_mask.frombytes(bytes(n))
         self.output_logprobs.frombytes(bytes(n * self.output_logprobs.itemsize))  # 0.0 is all zero bits
@@ -210,6 +267,10 @@ class Sample:
             raise ValueError(f"{where}: empty prompt_ids (the first model turn needs context)")
         if not is_binary_mask(self.loss_mask):
             raise ValueError(f"{where}: loss_mask entries must be 0 or 1")
+        try:
+            self.routing_width()
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
         r = self.reward
         if isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r):
             raise ValueError(f"{where}: reward must be a finite number, got {r!r}")

@@ -173,6 +173,11 @@ def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: 
     from areal_fast.rollout.server_command import server_command as build
 
     r = rollout_cfg
+    from areal_fast.rollout.config import ROUTED_EXPERTS_FLAG
+
+    server_args = list(r.server_args)
+    if r.return_routed_experts and ROUTED_EXPERTS_FLAG not in server_args:  # each engine records routing on it
+        server_args.append(ROUTED_EXPERTS_FLAG)
     if api_key_file is not None and "--config" in r.server_args:
         raise ValueError("rollout.server_args: --config is taken by the launcher (it passes the run's API key "
                          "in a private file); give those options in rollout.server_args instead")
@@ -184,8 +189,8 @@ def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: 
             twin = embedded_vllm_args(r.vllm_version)
         return build("embedded", model_path, host, port, api_key_file=api_key_file, weight_version="0", seed=seed,
                      device=r.device, max_running_requests=max(256, r.max_concurrent * r.group_size),
-                     extra_args=twin + list(r.server_args), python=python)
-    tp, rest = _split_tp(list(r.server_args))
+                     extra_args=twin + server_args, python=python)
+    tp, rest = _split_tp(server_args)
     python = r.server_python or python  # a real server may live in an environment of its own
     if launched_kind(r.engine) is ServerKind.VLLM:  # real vLLM (backends/vllm/server_command.py)
         from areal_fast.backends.vllm.compat import VLLMBehaviour

@@ -168,7 +168,12 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool, metrics_key: str
             where["prometheus"] = exporter.where()
             say(f"prometheus: {exporter.where()}")
         lora = cfg.train.lora
-        async with rollout_port(r, urls, api_key, lora.name if lora else None) as rollout:
+        width = None
+        if r.return_routed_experts:  # routing replay's record: sparse blocks x top-k ids a position
+            from areal_fast.trainer.routing import routing_width
+
+            width = routing_width(path)
+        async with rollout_port(r, urls, api_key, lora.name if lora else None, width) as rollout:
             await service.start()
             actor = await asyncio.to_thread(PPOActor, trainer_config(cfg, path))
             trainer = ActorTrainer(actor)
@@ -243,7 +248,8 @@ def empty_pool(cfg, rollout, syncer):
 
 
 @contextlib.asynccontextmanager
-async def rollout_port(r, urls: list[str], api_key: str | None, lora_name: str | None = None):
+async def rollout_port(r, urls: list[str], api_key: str | None, lora_name: str | None = None,
+                       routed_experts_width: int | None = None):
     """The controller's rollout port over the servers at ``urls``, started, and closed on exit:
     ``ClientRollout`` over one ``RolloutClient`` in this process, or with ``rollout.client_processes``
     > 1 a ``ShardedRollout`` (the same port over clients in worker processes). Either forgets a
@@ -253,6 +259,8 @@ async def rollout_port(r, urls: list[str], api_key: str | None, lora_name: str |
                    down_cooldown_s=2.0, pause_mode=r.pause_mode)
     if lora_name is not None:  # a LoRA run: every request names the adapter (docs/lora.md)
         options["lora_name"] = lora_name
+    if routed_experts_width:  # every request asks for its routing (docs/moe.md)
+        options["routed_experts_width"] = routed_experts_width
     if r.client_processes > 1:
         from areal_fast.rollout.sharded import ShardedRollout
 

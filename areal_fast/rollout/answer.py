@@ -126,6 +126,11 @@ class Segment:
     finish: dict
     weight_version: str | None
     rid: object = None
+    routing: object = None
+    """MoE routing the server returned for the answer's forwarded positions, as it came: SGLang's
+    ``meta_info["routed_experts"]`` (a base64 string), or the vLLM adapter's decoded int16
+    ``[positions, layers, top_k]`` array; None when the answer has none (the client decodes it,
+    knowing how many positions it asked for: ``areal_fast.rollout.client``)."""
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -198,6 +203,9 @@ def _check_meta(meta) -> None:
         if matched is not None and type(matched) not in (int, str):
             raise _Refused(f"finish_reason.matched is a {type(matched).__name__}")
     _version(meta.get("weight_version"), "weight_version")
+    routed = meta.get("routed_experts")
+    if routed is not None and type(routed) is not str:
+        raise _Refused(f"routed_experts is a {type(routed).__name__}, not a base64 string")
     spans = meta.get("weight_versions")
     if spans is not None:
         if type(spans) is not list:
@@ -213,7 +221,8 @@ def _segment(ids: array, lps: array, meta: dict) -> Segment:
     wv = meta.get("weight_version")
     return Segment(ids=ids, logprobs=lps, versions=token_versions(meta, len(ids)),
                    finish=meta.get("finish_reason") or {"type": "length"},
-                   weight_version=None if wv is None else str(wv), rid=meta.get("id"))
+                   weight_version=None if wv is None else str(wv), rid=meta.get("id"),
+                   routing=meta.get("routed_experts"))
 
 
 def _unique_keys(pairs: list) -> dict:

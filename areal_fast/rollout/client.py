@@ -69,6 +69,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from areal_fast.backends.sglang.compat import SGLANG_SAMPLING_KEYS
+from areal_fast.columns import ROUTING_ARRAY
 from areal_fast.rollout.answer import (
     LOGPROB_ARRAY,
     TOKEN_ARRAY,
@@ -105,6 +106,7 @@ from areal_fast.rollout.client_pool import (  # noqa: F401 - the pool's names ar
     ServerUnavailable,
     _str_or_none,
 )
+from areal_fast.rollout.routed_experts import from_sglang
 from areal_fast.sample import Sample
 
 try:  # the rollout extra's JSON encoder: it writes a numpy view of an array column without a Python list
@@ -119,6 +121,8 @@ HTTP_CHOICES = ("native", "aiohttp")
 # ANSWER_SLACK_BYTES. SGLang's answers take ~40 bytes a generated token ([logprob, id, null] and
 # the id in output_ids), ~60-100 with the text; 512 leaves room for escaped token texts.
 ANSWER_BYTES_PER_TOKEN = 512
+ROUTING_B64_BYTES = 6  # answer bytes an expert id of the routing may take (base64 of int32: 5.33)
+UNROUTED = array(ROUTING_ARRAY, [-1])
 ANSWER_SLACK_BYTES = 1 << 20
 ABORT_TIMEOUT_S = 5.0  # an abort of a timed-out request before it is sent again
 
@@ -148,7 +152,7 @@ class RolloutClient(ServerPool, ServerControl):
                  retry_backoff_s: float = 0.2, down_cooldown_s: float = 5.0, max_segments: int = 10_000,
                  pause_mode: str = "auto", gc_tuning: bool = True, http: str | None = None,
                  vocab_size: int | None = None, answer_bytes_per_token: int = ANSWER_BYTES_PER_TOKEN,
-                 lora_name: str | None = None):
+                 lora_name: str | None = None, routed_experts_width: int | None = None):
         if not urls:
             raise ValueError("RolloutClient needs at least one server url")
         for u in urls:  # user info (it would go in the Host header), a bad port, a query: refused here
@@ -160,6 +164,11 @@ class RolloutClient(ServerPool, ServerControl):
         self.vocab_size = vocab_size or 0  # 0: not known (ids are only checked to be >= 0)
         self.lora_name = lora_name  # a LoRA run's adapter: every request names it (docs/lora.md)
         self.answer_bytes_per_token = answer_bytes_per_token
+        if routed_experts_width is not None and (type(routed_experts_width) is not int or routed_experts_width <= 0):
+            raise ValueError(f"routed_experts_width must be a positive int (layers x top_k) or None, "
+                             f"got {routed_experts_width!r}")
+        # MoE routing replay (docs/moe.md): every request asks for its routing, layers x top_k ids a position
+        self.routed_experts_width = routed_experts_width
         http = http or os.environ.get(HTTP_ENV) or "native"
         if http not in HTTP_CHOICES:
             raise ValueError(f"http (or ${HTTP_ENV}) must be one of {HTTP_CHOICES}, got {http!r}")
@@ -204,7 +213,8 @@ class RolloutClient(ServerPool, ServerControl):
         tried: set[str] = set()
         last_err: Exception | None = None
         n_tokens = len(payload["input_ids"]) if isinstance(payload["input_ids"], list | tuple) else 0
-        max_body = ANSWER_SLACK_BYTES + self.answer_bytes_per_token * (
+        per_token = self.answer_bytes_per_token + ROUTING_B64_BYTES * (self.routed_experts_width or 0)
+        max_body = ANSWER_SLACK_BYTES + per_token * (
             n_tokens + int(payload["sampling_params"].get("max_new_tokens") or 0))
         attempt = sent = 0
         while attempt < self.max_attempts:
@@ -308,6 +318,8 @@ class RolloutClient(ServerPool, ServerControl):
         lps = array(LOGPROB_ARRAY)
         versions = array(TOKEN_ARRAY)
         servers: list[str] = []
+        width = self.routed_experts_width
+        routing = array(ROUTING_ARRAY)  # rows of the forwarded positions recorded so far, width ids each
         prompt = input_ids  # an array('i') copy of it from the first resubmission on (_prompt_plus)
         finish, matched, aborted, seg = "length", None, False, 0
         try:
@@ -326,8 +338,14 @@ class RolloutClient(ServerPool, ServerControl):
                            "return_logprob": True, "logprob_start_len": -1, "stream": False}
                 if self.lora_name is not None:  # SGLang's name of a loaded adapter
                     payload["lora_path"] = self.lora_name
+                sent = len(prompt) + len(out_ids)
+                if width:  # only the positions not recorded yet (SGLang's and vLLM's start offset)
+                    payload["return_routed_experts"] = True
+                    payload["routed_experts_start_len"] = len(routing) // width
                 ans, server, known = await self._generate_segment(rid, server_rid(rid, seg), payload)
                 del payload
+                if width:
+                    routing += segment_routing(ans, width, sent, len(routing) // width, server.url)
                 seg += 1
                 servers.append(server.url)
                 if ans.weight_version is not None:
@@ -355,8 +373,11 @@ class RolloutClient(ServerPool, ServerControl):
             self._user_aborted.discard(rid)
             self._segment_rid.pop(rid, None)
             self._affinity.pop(rid, None)
+        if routing:  # positions no answer recorded (a segment aborted without its routing): -1
+            routing.extend(UNROUTED * ((len(input_ids) + len(out_ids) - 1) * width - len(routing)))
         # the columns themselves: the sample takes arrays of these typecodes as they are (no copy)
         return Sample(prompt_ids=input_ids, output_ids=out_ids, output_logprobs=lps, output_versions=versions,
+                      routed_experts=routing,
                       finish_reason=finish, rid=rid, matched=matched, aborted=aborted, num_segments=seg,
                       servers=servers, latency_s=time.monotonic() - t0)
 
@@ -421,4 +442,35 @@ def _token_versions(meta: dict, n: int, fallback: str | None = None) -> array:
     out = token_versions(meta, n, fallback)
     if out is None:
         raise RolloutError(f"answer for rid {meta.get('id')!r} carries no weight_version and none is known")
+    return out
+
+
+def segment_routing(ans: Segment, width: int, sent: int, start: int, url: str) -> array:
+    """The routing rows of one answer (``width`` ids each) for the positions ``[start, sent + len(ans)
+    - 1)`` it was asked for (``sent`` tokens sent as its prompt), flat ``array('h')``. An answer
+    without routing gives none; an aborted one whose rows do not cover that range gives none either
+    (its positions are asked again by the next segment, or stay unrecorded). A finished answer with
+    another count or width is a ``MalformedAnswer``: the server does not record what we ask."""
+    import numpy as np
+
+    out = array(ROUTING_ARRAY)
+    if ans.routing is None:
+        return out
+    want = sent + len(ans.ids) - 1 - start
+    try:
+        if isinstance(ans.routing, str):  # SGLang: raw int32 ids, the shape not sent
+            rows = from_sglang(ans.routing, 1, 1).reshape(-1)
+            if rows.size % width == 0:
+                rows = rows.reshape(-1, width)
+        else:  # the vLLM adapter's [positions, layers, top_k]
+            rows = np.asarray(ans.routing)
+            rows = rows.reshape(len(rows), -1)
+    except ValueError as e:
+        raise MalformedAnswer(url, str(ans.rid), f"routed_experts: {e}") from None
+    if rows.ndim != 2 or rows.shape != (want, width):
+        if ans.finish.get("type") == "abort":
+            return out
+        raise MalformedAnswer(url, str(ans.rid), f"routed_experts: {rows.size} expert ids for {want} positions "
+                              f"of {width} (layers x top_k) asked")
+    out.frombytes(np.ascontiguousarray(rows, dtype=np.int16).tobytes())
     return out

@@ -140,6 +140,10 @@ class RolloutConfig:
     """MB of token columns the controller keeps in memory for finished groups waiting to be trained;
     groups beyond it wait in a temporary file in output_dir, read back when trained (0 = every group;
     null = no bound). The default (128) and why: ``areal_fast.buffer.DEFAULT_MEMORY_MB``."""
+    return_routed_experts: bool = False
+    """MoE models: every request asks for the experts each position was routed to, and launched servers
+    record them (``--enable-return-routed-experts``: the embedded engine, vLLM >= 0.32, SGLang >= 0.5.23);
+    the samples carry them (``Sample.routed_experts``) for ``train.ppo.routing_replay`` (``docs/moe.md``)."""
 
     def __post_init__(self):
         if not re.match(r"^[\w.]+:[\w.]+$", self.workflow or ""):
@@ -200,6 +204,8 @@ class RolloutConfig:
         positive_seconds("health_timeout", self.health_timeout)
         positive_seconds("empty_pool_timeout", self.empty_pool_timeout)
         check_rollout_backend(self.backend, self.engine, bool(self.servers), self.vllm_version, self.pause_mode)
+        if self.return_routed_experts:
+            check_routed_experts(self.backend, self.engine, self.vllm_version, _installed_sglang(self.engine))
         n = len(self.servers) or self.n_servers
         if not isinstance(self.client_processes, int) or not 1 <= self.client_processes <= max(n, 1):
             raise ValueError(f"client_processes: must be >= 1 and <= the number of servers ({n}), "
@@ -215,3 +221,23 @@ class RolloutConfig:
                 device_indices(g)
             except ValueError as e:
                 raise ValueError(f"gpus[{i}]: {e}") from None
+
+
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"  # the launch flag of all three engines
+_ROUTING_SINCE = {"vllm": (0, 32), "sglang": (0, 5, 23)}  # the first releases that return routing
+
+
+def check_routed_experts(backend: str, engine: str, vllm_version: str, sglang_version: str | None) -> None:
+    """``return_routed_experts``: refused (naming the release) where the servers cannot answer routing."""
+    def older(version: str, since: tuple) -> bool:
+        nums = tuple(int(x) for x in re.findall(r"\d+", version)[:len(since)])
+        return nums < since
+
+    if backend == "vllm" and older(vllm_version, _ROUTING_SINCE["vllm"]):
+        raise ValueError(f"return_routed_experts: vLLM returns routing from 0.32 on (routed_experts in the "
+                         f"completion answer); this run's vllm_version is {vllm_version}")
+    real_sglang = backend == "sglang" and engine == "sglang"
+    if real_sglang and sglang_version and older(sglang_version, _ROUTING_SINCE["sglang"]):
+        raise ValueError(f"return_routed_experts: SGLang returns routing from 0.5.23 on (meta_info.routed_experts); "
+                         f"the installed sglang is {sglang_version}")
+

@@ -29,6 +29,7 @@ import pickle
 import struct
 from array import array
 
+from areal_fast.columns import ROUTING_ARRAY
 from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY
 from areal_fast.rollout.calls import RequestError, RolloutError, ServerError
 from areal_fast.sample import Sample
@@ -79,7 +80,8 @@ def as_array(raw: bytes, typecode: str) -> array:
 def answer_item(rid: str, r: Sample) -> tuple:
     """The answer item of a finished ``generate``: its columns as their bytes."""
     return (rid, r.finish_reason, r.output_ids.tobytes(), r.output_logprobs.tobytes(),
-            r.output_versions.tobytes(), (r.matched, r.aborted, r.num_segments, r.servers, r.latency_s))
+            r.output_versions.tobytes(), (r.matched, r.aborted, r.num_segments, r.servers, r.latency_s),
+            r.routed_experts.tobytes())
 
 
 def answer_sample(rid: str, item: tuple, prompt: array) -> Sample:
@@ -87,8 +89,8 @@ def answer_sample(rid: str, item: tuple, prompt: array) -> Sample:
     matched, aborted, segments, servers, latency = item[5]
     return Sample(prompt_ids=prompt, output_ids=as_array(item[2], TOKEN_ARRAY),
                   output_logprobs=as_array(item[3], LOGPROB_ARRAY), output_versions=as_array(item[4], TOKEN_ARRAY),
-                  finish_reason=item[1], rid=rid, matched=matched, aborted=aborted, num_segments=segments,
-                  servers=servers, latency_s=latency)
+                  routed_experts=as_array(item[6], ROUTING_ARRAY), finish_reason=item[1], rid=rid, matched=matched,
+                  aborted=aborted, num_segments=segments, servers=servers, latency_s=latency)
 
 
 def _reduce_http_error(e: RequestError | ServerError):

@@ -13,6 +13,7 @@ over ranks, so the loss is multiplied by the world size to turn that mean into t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -27,6 +28,7 @@ from areal_fast.trainer import advantages as adv_mod
 from areal_fast.trainer.batch import Packed, Seq, as_sample, dummy_seq, pack, split_minibatches, to_seq
 from areal_fast.trainer.config import OptimConfig, TrainerConfig
 from areal_fast.trainer.model import build_policy, hf_name, init_process_group_if_needed
+from areal_fast.trainer.routing import replay_indices, replay_routing
 
 # Dense bf16 peak FLOP/s by device name (datasheet numbers, no sparsity).
 _PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
@@ -131,6 +133,13 @@ class PPOActor:
                                                    chunk_size=self.config.loss_chunk_size,
                                                    backend=self.loss_backend, **kw)
 
+    def _replay(self, p: Packed):
+        """Routing replay over the forward(s) of ``p`` (``ppo.routing_replay`` and rows recorded), else
+        nothing: the routers of the trained model take the recorded experts (``trainer/routing.py``)."""
+        if p.routing is None or not self.config.ppo.routing_replay:
+            return contextlib.nullcontext()
+        return replay_routing(self.model, replay_indices(self.model, p.routing.to(self.device)))
+
     @torch.no_grad()
     def _logprobs(self, model, p: Packed) -> torch.Tensor:
         labels = p.labels
@@ -143,12 +152,14 @@ class PPOActor:
     def compute_logprobs(self, samples: list) -> list[torch.Tensor]:
         """Recomputed log-probs of each sample's output tokens under the current weights (fp32, CPU).
         Collective: every rank calls it with the same samples; each rank computes its share."""
-        seqs = [to_seq(as_sample(s, i)) for i, s in enumerate(samples)]
+        seqs = [to_seq(as_sample(s, i), self.config.ppo.routing_replay) for i, s in enumerate(samples)]
         out: list[torch.Tensor | None] = [None] * len(seqs)
         self.model.eval()
         for ids, mb in self._plan(seqs, list(range(len(seqs)))):
             p = pack(ids, mb, torch.zeros(len(ids)), self.device)
-            for i, s, lp in zip(ids, mb, p.split(self._logprobs(self.model, p).cpu())):
+            with self._replay(p):
+                lps = self._logprobs(self.model, p).cpu()
+            for i, s, lp in zip(ids, mb, p.split(lps)):
                 if i >= 0:
                     out[i] = lp[s.loss_mask]
         if self.world > 1:
@@ -172,7 +183,7 @@ class PPOActor:
         if not samples:
             raise ValueError("train_batch needs at least one sample")
         samples = [as_sample(s, i) for i, s in enumerate(samples)]
-        seqs = [to_seq(s) for s in samples]
+        seqs = [to_seq(s, ppo.routing_replay) for s in samples]
         rewards = [float(s.reward) * ppo.reward_scale + ppo.reward_bias for s in samples]
         adv = adv_mod.group_advantages(rewards, [s.group_id for s in samples], estimator=ppo.adv_estimator,
                                        std_norm=ppo.adv_std_norm, unbiased=ppo.adv_std_unbiased, eps=ppo.adv_eps)
@@ -199,7 +210,9 @@ class PPOActor:
                     p = packed(ids, mb)
                     for store, model in ((prox, self.model), (ref, self.ref)):
                         if store is not None:
-                            for i, lp in zip(ids, p.split(self._logprobs(model, p).cpu())):
+                            with self._replay(p) if model is self.model else contextlib.nullcontext():
+                                lps = self._logprobs(model, p).cpu()
+                            for i, lp in zip(ids, p.split(lps)):
                                 if i >= 0:
                                     store[i] = lp
         t_recompute = time.perf_counter() - t_recompute
@@ -220,12 +233,13 @@ class PPOActor:
             for ids, mb in plan:
                 p = packed(ids, mb, prox, ref)
                 n_tok_local += p.n_tokens
-                out = self.model(self._loss_fn(p, normalizer, theta_version), p.input_ids, p.position_ids,
-                                 p.cu_seqlens, p.max_seqlen)
-                loss, stats = out[0], out[3]
-                if p.prox_logprobs is not None:  # p recomputed by the trainer (not approx / none)
-                    dash.append((p.behav_logprobs, p.prox_logprobs, out[1].detach(), p.loss_mask))
-                (loss * self.world).backward()
+                with self._replay(p):  # forward and backward: a checkpointed block routes again in backward
+                    out = self.model(self._loss_fn(p, normalizer, theta_version), p.input_ids, p.position_ids,
+                                     p.cu_seqlens, p.max_seqlen)
+                    loss, stats = out[0], out[3]
+                    if p.prox_logprobs is not None:  # p recomputed by the trainer (not approx / none)
+                        dash.append((p.behav_logprobs, p.prox_logprobs, out[1].detach(), p.loss_mask))
+                    (loss * self.world).backward()
                 # accumulate on the device: no host sync per micro-batch
                 loss_sum += loss.detach().double()
                 n = stats["n_tokens"].detach().double()
@@ -268,6 +282,10 @@ class PPOActor:
             metrics.update(staleness_mean=float(ages.mean()), staleness_max=float(ages.max()),
                            staleness_p50=float(ages.quantile(0.5, interpolation="lower")),
                            staleness_p90=float(ages.quantile(0.9, interpolation="lower")))
+        if ppo.routing_replay:  # the share of the trained positions whose routing the servers recorded
+            rows = sum(len(s) for s in seqs)
+            recorded = sum(int((s.routing >= 0).all(-1).sum()) for s in seqs if s.routing is not None)
+            metrics["routing_replayed_fraction"] = recorded / max(rows, 1)
         mfu = self._mfu(seqs, elapsed, recompute=(prox is not None) + (ref is not None))
         if mfu is not None:
             metrics["mfu"] = mfu

@@ -92,12 +92,15 @@ class Seq:
     behav_logprobs: torch.Tensor  # fp32, 0 where masked
     versions: torch.Tensor  # int64, -1 where masked
     n_gen: int
+    routing: torch.Tensor | None = None  # int16 [n, layers x top_k] (routing replay), -1 unrecorded
 
     def __len__(self) -> int:
         return self.input_ids.numel()
 
 
-def to_seq(s: Sample) -> Seq:
+def to_seq(s: Sample, routing: bool = False) -> Seq:
+    """``s`` as shifted tensors; ``routing``: with its ``routed_experts`` rows (the inputs' positions,
+    ``[n, layers x top_k]``), when it has any."""
     p, g = len(s.prompt_ids), len(s.output_ids)
     n = p + g - 1
     ids = torch.empty(p + g, dtype=torch.long)
@@ -112,7 +115,11 @@ def to_seq(s: Sample) -> Seq:
     notmask = ~mask
     behav_logprobs.masked_fill_(notmask, 0.0)  # context tokens (prompt, tool output): no behaviour policy
     ver.masked_fill_(notmask, -1)
-    return Seq(ids[:-1], ids[1:], mask, behav_logprobs, ver, int(mask.sum()))
+    rows = None
+    width = s.routing_width() if routing else 0
+    if width:
+        rows = copy_column(torch.empty(n * width, dtype=torch.int16), s.routed_experts).view(n, width)
+    return Seq(ids[:-1], ids[1:], mask, behav_logprobs, ver, int(mask.sum()), rows)
 
 
 def dummy_seq() -> Seq:
@@ -137,6 +144,7 @@ class Packed:
     advantages: torch.Tensor
     prox_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    routing: torch.Tensor | None = None  # int16 [T, layers x top_k] on the CPU: routing replay's rows
 
     @property
     def n_tokens(self) -> int:
@@ -176,7 +184,20 @@ def pack(index: list[int], seqs: list[Seq], adv: torch.Tensor, device: torch.dev
         advantages=torch.repeat_interleave(adv.float(), lens).to(device),
         prox_logprobs=per_seq(prox),
         ref_logprobs=per_seq(ref),
+        routing=_pack_routing(seqs),
     )
+
+
+def _pack_routing(seqs: list[Seq]) -> torch.Tensor | None:
+    """The sequences' routing rows end to end (-1 rows for a sequence without any); None when none has."""
+    widths = {s.routing.shape[1] for s in seqs if s.routing is not None}
+    if not widths:
+        return None
+    if len(widths) > 1:
+        raise ValueError(f"routing replay: sequences of one micro-batch record {sorted(widths)} expert ids a position")
+    (w,) = widths
+    return torch.cat([s.routing if s.routing is not None else torch.full((len(s), w), -1, dtype=torch.int16)
+                      for s in seqs])
 
 
 def split_minibatches(lengths: list[int], n: int) -> list[list[int]]:

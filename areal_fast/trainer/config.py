@@ -132,6 +132,11 @@ class PPOConfig:
     """Rewards are ``reward * reward_scale + reward_bias`` before the advantages."""
     reward_bias: float = 0.0
     """See ``reward_scale``."""
+    routing_replay: bool = False
+    """MoE models: the proximal recompute's and the loss's forward route every position to the experts
+    the server recorded for it (``Sample.routed_experts``, asked for with ``rollout.return_routed_experts``)
+    instead of the trainer's own top-k; positions without a record are routed by the trainer
+    (``docs/moe.md``). The reference model's forward is not replayed."""
 
     def __post_init__(self):
         if isinstance(self.loss, dict):  # run configs written with behav_weight_cap still load

@@ -15,7 +15,9 @@ interface: ``forward(hidden) -> (logits, weights, indices)``, attributes ``top_k
 from __future__ import annotations
 
 import contextlib
+import json
 import types
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -76,3 +78,37 @@ def replay_routing(model: nn.Module, indices: list[torch.Tensor]):
         for r in rs:
             r.__dict__.pop("forward", None)
             r.__dict__.pop("_replay_indices", None)
+
+
+def routing_width(model_dir: str | Path) -> int:
+    """Expert ids a position of the routing record holds for the model in ``model_dir``: sparse blocks
+    x experts per token, from its ``config.json`` (Qwen2-MoE / Qwen3-MoE keys: ``num_experts`` or
+    ``num_local_experts``, ``num_experts_per_tok``, ``decoder_sparse_step``, ``mlp_only_layers``). ValueError naming the
+    directory for a dense model or a config without those keys."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"routing: cannot read {path}: {e}") from None
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0  # transformers 5 writes the latter
+    top_k = cfg.get("num_experts_per_tok") or 0
+    if not experts or not top_k:
+        raise ValueError(f"routing: {path} describes no mixture-of-experts model (model_type "
+                         f"{cfg.get('model_type')!r}, no num_experts / num_experts_per_tok): nothing is routed")
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+    sparse = sum(1 for i in range(int(cfg["num_hidden_layers"])) if i not in dense and (i + 1) % step == 0)
+    return sparse * int(top_k)
+
+
+def replay_indices(model: nn.Module, rows: torch.Tensor) -> list[torch.Tensor]:
+    """The per-router indices of :func:`replay_routing` from packed routing rows ``[tokens, layers x
+    top_k]`` (the record's layout: block by block, top-k ids each); ValueError when the width is not
+    this model's routers x top-k."""
+    rs = routers(model)
+    top_k = int(rs[0].top_k) if rs else 0
+    if not rs or rows.shape[-1] != len(rs) * top_k:
+        raise ValueError(f"routing replay: the record has {rows.shape[-1]} expert ids a position, this model "
+                         f"routes {len(rs)} blocks x top {top_k}")
+    per = rows.view(rows.shape[0], len(rs), top_k).long()
+    return [per[:, k] for k in range(len(rs))]
+

@@ -56,6 +56,7 @@ from areal_fast.rollout.calls import RequestError, RolloutError, no_answer_error
 from areal_fast.rollout.client import ABORT_TIMEOUT_S, MalformedAnswer, RolloutClient
 from areal_fast.rollout.client_pool import ServerState, _apply_info, _str_or_none
 from areal_fast.rollout.liveness_route import VLLM_LIVENESS_PATH, register_liveness_path
+from areal_fast.rollout.routed_experts import from_vllm
 
 log = logging.getLogger(__name__)
 _DRAIN_POLL_S = 0.02
@@ -122,12 +123,16 @@ class VLLMRolloutClient(RolloutClient):
             body = completion_body(ids, payload["sampling_params"], attempt_rid, b, model)
         else:  # the shared client's pre-encoded ids (an orjson Fragment): sent as they are
             body = {**completion_body([0], payload["sampling_params"], attempt_rid, b, model), "prompt": ids}
+        if payload.get("return_routed_experts"):  # vLLM answers routing when launched to; skip recorded rows
+            body["routed_experts_prompt_start"] = payload["routed_experts_start_len"]
         where = f"{server.url}{COMPLETIONS_PATH} (request_id {attempt_rid!r})"
         data = await self._call(server, "POST", COMPLETIONS_PATH, body, timeout_s=self.request_timeout_s,
                                 max_body=max_body)
         try:
             c = parse_completion(data, request_id=attempt_rid)
-        except CompletionAnswerError as e:
+            asked = payload.get("return_routed_experts")
+            routing = from_vllm(data["choices"][0].get("routed_experts")) if asked else None
+        except (CompletionAnswerError, ValueError) as e:
             raise MalformedAnswer(server.url, attempt_rid, f"{where}: {e}") from None
         if self.vocab_size and any(t >= self.vocab_size for t in c["ids"]):
             raise MalformedAnswer(server.url, attempt_rid, f"{where}: a token id >= the vocabulary {self.vocab_size}")
@@ -138,7 +143,7 @@ class VLLMRolloutClient(RolloutClient):
         if c["spans"] is not None:
             versions = token_versions({"weight_versions": c["spans"]}, len(c["ids"]))
         return Segment(ids=array(TOKEN_ARRAY, c["ids"]), logprobs=array(LOGPROB_ARRAY, c["logprobs"]),
-                       versions=versions, finish=finish, weight_version=None, rid=attempt_rid)
+                       versions=versions, finish=finish, weight_version=None, rid=attempt_rid, routing=routing)
 
     async def _abort_quietly(self, server: ServerState, server_rid_: str) -> None:
         if not self.behaviour(server).has_abort_requests:
