@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import signal
 import subprocess
@@ -365,5 +366,6 @@ def test_fuzzer_quick():
 
 @pytest.mark.slow
 def test_fuzzer_long():
-    for seed in range(10):
+    # 120,000 cases in the suite (~15 s); AREAL_FAST_FUZZ_SEEDS=N runs N x 30,000 for a longer soak
+    for seed in range(int(os.environ.get("AREAL_FAST_FUZZ_SEEDS", "4"))):
         run_fuzzer(seed=1000 + seed, cases=30_000)
