@@ -9,6 +9,8 @@
 
 Both decode to an int16 array ``[tokens, layers, top_k]`` (expert ids fit: below 32768), the
 dtype of the per-token column the trainer would replay; None stays None (routing not returned).
+The encoders (:func:`to_vllm`, :func:`to_sglang`) write each server's field the way its own code
+does; the embedded engine answers with them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,15 @@ import base64
 import io
 
 import numpy as np
+from packaging.version import Version
+
+# The releases whose sources we read (docs/moe.md): SGLang 0.5.23 has the server argument and the
+# request fields, 0.5.6 none of them; vLLM 0.27.0 has the choice's ``routed_experts`` but not the
+# completion request's ``routed_experts_prompt_start``, 0.32.0 and 0.33.0 both, 0.11.0 neither.
+# The releases between were not read: the engine serves routing from the first one read to have it.
+SGLANG_SINCE = Version("0.5.23")
+VLLM_ANSWER_SINCE = Version("0.27.0")
+VLLM_PROMPT_START_SINCE = Version("0.32.0")
 
 
 def from_vllm(field: str | None) -> np.ndarray | None:
@@ -40,6 +51,26 @@ def from_sglang(field: str | None, num_layers: int, top_k: int) -> np.ndarray | 
         raise ValueError(f"routed_experts: {len(raw)} bytes are not whole tokens of {num_layers} layers x "
                          f"{top_k} int32 experts")
     return _as_int16(np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, top_k))
+
+
+def vllm_dtype(num_experts: int) -> np.dtype:
+    """The dtype vLLM 0.32 / 0.33 sends routing in (``RoutedExpertsCapturer``: the narrowest of
+    uint8 and uint16 that holds every expert id, by the model's expert count)."""
+    return np.dtype(np.uint8 if num_experts <= 256 else np.uint16)
+
+
+def to_vllm(rows: np.ndarray, num_experts: int) -> str:
+    """``rows`` (``[tokens, layers, top_k]``) as a vLLM choice's ``routed_experts``: base64 of the
+    ``.npy`` bytes (``np.save``, as vLLM's ``numpy2base64``) in :func:`vllm_dtype`."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(rows, dtype=vllm_dtype(num_experts)), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def to_sglang(rows: np.ndarray) -> str:
+    """``rows`` (``[tokens, layers, top_k]``) as SGLang's ``meta_info["routed_experts"]``: base64 of
+    the raw little-endian int32 bytes, no header (no rows: the empty string, as SGLang sends)."""
+    return base64.b64encode(np.ascontiguousarray(rows, dtype="<i4").tobytes()).decode("ascii")
 
 
 def _as_int16(arr: np.ndarray) -> np.ndarray:

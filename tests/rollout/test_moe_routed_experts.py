@@ -1,6 +1,7 @@
 """The routed experts the servers return (``areal_fast/rollout/routed_experts.py``), encoded by the
 servers' own code: vLLM 0.32's ``numpy2base64`` (run in its CPU build's venv) and SGLang 0.5.23's
-detokenizer encoder (the released wheel, imported on CPU); both decode to the array they encoded."""
+detokenizer encoder (the released wheel, imported on CPU); both decode to the array they encoded,
+and our encoders (the embedded engine's answers) write the same bytes as theirs."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ print(json.dumps([numpy2base64(np.array(req["routing"], dtype=d)) for d in req["
 def test_vllm_encoding_decodes_to_the_routing():
     import real_vllm as rv
 
-    from areal_fast.rollout.routed_experts import from_vllm
+    from areal_fast.rollout.routed_experts import from_vllm, to_vllm
 
     try:
         python = rv.vllm_python()
@@ -39,9 +40,12 @@ def test_vllm_encoding_decodes_to_the_routing():
     r = subprocess.run([str(python), "-c", _ENCODE], input=json.dumps({"routing": ROUTING.tolist(), "dtypes": dtypes}),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
-    for field in json.loads(r.stdout.strip().splitlines()[-1]):
+    fields = json.loads(r.stdout.strip().splitlines()[-1])
+    for field in fields:
         got = from_vllm(field)
         assert got.dtype == np.int16 and np.array_equal(got, ROUTING)
+    # ours: uint8 up to 256 experts, uint16 above (vLLM's capturer), byte for byte vLLM's encoding
+    assert to_vllm(ROUTING, num_experts=128) == fields[0] and to_vllm(ROUTING, num_experts=257) == fields[1]
     assert from_vllm(None) is None
 
 
@@ -49,10 +53,11 @@ def test_sglang_encoding_decodes_to_the_routing():
     import torch
     from sglang_wheel import sglang_module
 
-    from areal_fast.rollout.routed_experts import from_sglang
+    from areal_fast.rollout.routed_experts import from_sglang, to_sglang
 
     detok = sglang_module("0.5.23", "sglang.srt.managers.detokenizer_manager")
     (field,) = detok.DetokenizerManager._b64_encode_per_request([torch.tensor(ROUTING, dtype=torch.int32)])
+    assert to_sglang(ROUTING) == field  # the engine's answer: SGLang's bytes
     got = from_sglang(field, num_layers=3, top_k=8)
     assert got.dtype == np.int16 and np.array_equal(got, ROUTING)
     with pytest.raises(ValueError, match="not whole tokens"):

@@ -180,7 +180,7 @@ def test_the_actor_replays_the_recorded_routing_only_when_asked(moe):
     n = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in batch]
     assert stats["routing_replayed_fraction"] == pytest.approx(sum(n[2:]) / sum(n))
     batch[2].routed_experts = [0] * (3 * n[2])  # a record of another model
-    with pytest.raises(ValueError, match="the record has 3 expert ids a position, this model routes 2 blocks x top 2"):
+    with pytest.raises(ValueError, match="3 expert ids a position, this model routes 2 decoder layers x top 2"):
         replay.compute_logprobs(batch[2:3])
 
 

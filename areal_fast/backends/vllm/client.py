@@ -50,6 +50,7 @@ from areal_fast.backends.vllm.requests import (
     completion_body,
     parse_completion,
     pause_query,
+    routing_start_field,
 )
 from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY, Segment, token_versions
 from areal_fast.rollout.calls import RequestError, RolloutError, no_answer_errors
@@ -124,7 +125,8 @@ class VLLMRolloutClient(RolloutClient):
         else:  # the shared client's pre-encoded ids (an orjson Fragment): sent as they are
             body = {**completion_body([0], payload["sampling_params"], attempt_rid, b, model), "prompt": ids}
         if payload.get("return_routed_experts"):  # vLLM answers routing when launched to; skip recorded rows
-            body["routed_experts_prompt_start"] = payload["routed_experts_start_len"]
+            n = len(ids) if isinstance(ids, list | tuple) else None  # pre-encoded: the client counted them
+            body.update(routing_start_field(payload["routed_experts_start_len"], n, b))
         where = f"{server.url}{COMPLETIONS_PATH} (request_id {attempt_rid!r})"
         data = await self._call(server, "POST", COMPLETIONS_PATH, body, timeout_s=self.request_timeout_s,
                                 max_body=max_body)

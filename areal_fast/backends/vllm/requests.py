@@ -51,11 +51,13 @@ NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, 
 
 
 def completion_body(prompt_ids: Sequence[int], sampling: dict, request_id: str, behaviour: VLLMBehaviour,
-                    model: str = DEFAULT_MODEL) -> dict:
+                    model: str = DEFAULT_MODEL, routed_experts_prompt_start: int | None = None) -> dict:
     """The body of ``POST /v1/completions`` for one sample of ``prompt_ids`` (token ids in and out,
     one log-prob a token, the weight-version spans where the release has them). Every key of
     ``NEUTRAL_SAMPLING`` is sent, the caller's value or the neutral one; ``top_k`` -1 (ours: off)
-    is vLLM's off, 0."""
+    is vLLM's off, 0. ``routed_experts_prompt_start`` (a server started with
+    ``--enable-return-routed-experts`` returns the routing of every request): skip that many prompt
+    tokens' rows (``rollout/routed_experts.py``; 0.32.0 on)."""
     unknown = sorted(k for k in sampling if k not in SAMPLING_KEY_TO_VLLM and k != "n")
     if unknown:
         raise ValueError(f"sampling_params.{unknown[0]}: no vLLM equivalent (vLLM takes "
@@ -72,7 +74,23 @@ def completion_body(prompt_ids: Sequence[int], sampling: dict, request_id: str, 
     body.setdefault("max_tokens", 128)
     if behaviour.token_weight_versions:
         body["return_weight_versions"] = True
+    if routed_experts_prompt_start is not None:
+        body.update(routing_start_field(routed_experts_prompt_start, len(body["prompt"]), behaviour))
     return body
+
+
+def routing_start_field(start: int, prompt_len: int | None, behaviour: VLLMBehaviour) -> dict:
+    """``{"routed_experts_prompt_start": start}`` for a prompt of ``prompt_len`` tokens (None: not
+    known here, pre-encoded): the routing rows of the first ``start`` prompt positions are not sent
+    (0.32.0 on); ValueError otherwise."""
+    from areal_fast.rollout.routed_experts import VLLM_PROMPT_START_SINCE
+
+    if behaviour.version < VLLM_PROMPT_START_SINCE:
+        raise ValueError(f"routed_experts_prompt_start: vLLM {behaviour.version}'s completion request has "
+                         f"no such field ({VLLM_PROMPT_START_SINCE} on)")
+    if start < 0 or (prompt_len is not None and start > prompt_len):
+        raise ValueError(f"routed_experts_prompt_start={start}: must be within the prompt's {prompt_len} tokens")
+    return {"routed_experts_prompt_start": int(start)}
 
 
 def engine_request_id(request_id: str) -> str:

@@ -20,6 +20,12 @@ finish, then pauses. A completion that arrives during an abort or wait pause is 
 0.33.0; before, and in keep mode, it is queued and runs after /resume (vLLM's scheduler holds it).
 0.16.x's /is_paused answers false during a keep pause, as vLLM's does.
 
+Routed experts (``--enable-return-routed-experts``, docs/moe.md): each choice carries
+``routed_experts`` from 0.27.0 (null when the server does not record them or nothing was forwarded),
+base64 ``.npy`` of the rows ``[routed_experts_prompt_start, seqlen - 1)``; the request field
+``routed_experts_prompt_start`` from 0.32.0, refused as vLLM refuses it (400 naming it) when
+negative or past the prompt.
+
 Request ids are vLLM's: a completion with ``request_id`` R is registered as ``cmpl-R-0`` (the
 engine's id of its one choice) and /abort_requests matches that id only; its answer is
 ``{"aborted": <number of ids given>}`` whether or not they matched, as vLLM answers.
@@ -39,6 +45,7 @@ from areal_fast.rollout.engine.request_parsing import BadRequest, read_json
 from areal_fast.rollout.engine.sampling import SamplingError, parse_sampling_params
 from areal_fast.rollout.engine.scheduler import Request
 from areal_fast.rollout.engine.weight_sync import TensorMeta, parse_dtype
+from areal_fast.rollout.routed_experts import VLLM_ANSWER_SINCE, VLLM_PROMPT_START_SINCE, to_vllm
 
 TRANSFER_GROUP = TWIN_TRANSFER_GROUP
 _WAIT_POLL_S = 0.01
@@ -104,6 +111,8 @@ class VLLMRoutes:
         if body.get("stream") or body.get("echo") or body.get("n", 1) != 1:
             raise BadRequest("stream, echo and n > 1 are not served by the embedded engine")
         unknown = sorted(set(body) - _ACCEPTED - set(_TO_SAMPLING))
+        if self._has_prompt_start:
+            unknown = [k for k in unknown if k != "routed_experts_prompt_start"]
         if unknown:
             raise BadRequest(f"{unknown[0]}: not served by the embedded engine's vLLM twin")
         raw = {_TO_SAMPLING[k]: v for k, v in body.items() if k in _TO_SAMPLING and v is not None}
@@ -122,6 +131,9 @@ class VLLMRoutes:
         if self.s.scheduler.paused and self.pause_mode in ("abort", "wait") and self.b.refuses_during_pause:
             return _vllm_error("the engine is paused: retry after /resume", status=503)
         rid, prompt, params, body = self._parse(body)
+        routing_start = self._routing_start(body, len(prompt))
+        if isinstance(routing_start, web.Response):
+            return routing_start
         lora = None
         if self.s.lora is not None:  # an adapter named as the model (engine/lora.py); vLLM's 404 otherwise
             from areal_fast.rollout.engine.lora import LoRARoutes, _NotFound
@@ -133,6 +145,7 @@ class VLLMRoutes:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self.s.scheduler.submit(Request(rid=rid, input_ids=prompt, params=params, lora=lora,
+                                        routing_start=routing_start if self.s.routing is not None else None,
                                         on_finish=lambda req: loop.call_soon_threadsafe(
                                             lambda: fut.done() or fut.set_result(req))))
         try:
@@ -143,6 +156,30 @@ class VLLMRoutes:
         if req.error is not None:
             return _vllm_error(f"engine failed on request {rid!r}: {req.error}", status=500)
         return web.json_response(self._answer(req, body))
+
+    @property
+    def _has_prompt_start(self) -> bool:
+        return self.b.version >= VLLM_PROMPT_START_SINCE
+
+    def _routing_start(self, body: dict, prompt_len: int) -> int | web.Response:
+        """``routed_experts_prompt_start`` (0 when left out), or vLLM's 400 for a bad one: its schema's
+        answer for a negative or non-integer value, its input check's past the prompt. Checked whether
+        or not the server records routing, as vLLM does."""
+        start = body.get("routed_experts_prompt_start", 0) if self._has_prompt_start else 0
+        if type(start) is not int or start < 0:
+            kind, msg, ctx = (("greater_than_equal", "Input should be greater than or equal to 0", ", 'ctx': {'ge': 0}")
+                              if type(start) is int else ("int_type", "Input should be a valid integer", ""))
+            detail = (f"{{'type': '{kind}', 'loc': 'body.routed_experts_prompt_start', 'msg': '{msg}', "
+                      f"'input': '{start}'{ctx}}}")
+            return web.json_response({"error": {"message": f"1 validation error:\n  {detail}", "type": "Bad Request",
+                                                "param": "body.routed_experts_prompt_start", "code": 400}},
+                                     status=400)
+        if start > prompt_len:
+            return web.json_response({"error": {
+                "message": f"routed_experts_prompt_start must be between 0 and the prompt length ({prompt_len}), "
+                           f"inclusive. (parameter=routed_experts_prompt_start, value={start})",
+                "type": "BadRequestError", "param": "routed_experts_prompt_start", "code": 400}}, status=400)
+        return start
 
     def _answer(self, req: Request, body: dict) -> dict:
         kind = (req.finish_reason or {}).get("type", "length")
@@ -158,6 +195,10 @@ class VLLMRoutes:
             choice["prompt_token_ids"] = list(req.input_ids)
         if body.get("return_weight_versions") and self.b.token_weight_versions:
             choice["weight_versions"] = _spans(req.versions)
+        if self.b.version >= VLLM_ANSWER_SINCE:  # null unless recorded and something was forwarded
+            rows = self.s.routing.rows_of(req) if self.s.routing is not None else None
+            choice["routed_experts"] = None if rows is None else to_vllm(rows, self.s.routing.num_experts)
+            req.routing = None
         n_out = len(req.output_ids)
         return {"id": req.rid.removesuffix("-0"), "object": "text_completion", "created": int(time.time()),
                 "model": str(body.get("model") or "default"), "choices": [choice],

@@ -9,10 +9,15 @@ Command line (one server per process; shared flags have SGLang's names, and
         [--sglang-version 0.5.23] [--device cpu|cuda] [--dtype auto|float32|bfloat16] \\
         [--random-seed 0] [--max-running-requests 256] [--weight-version default] \\
         [--load-format auto|safetensors|dummy] [--api-key KEY] [--skip-tokenizer-init] \\
-        [--dist-timeout 120] [--api sglang|vllm] [--vllm-version 0.33.0]
+        [--dist-timeout 120] [--api sglang|vllm] [--vllm-version 0.33.0] \\
+        [--enable-return-routed-experts]
 
 ``--api vllm`` serves vLLM's HTTP API of ``--vllm-version`` instead of SGLang's (the vLLM twin:
 ``backends/vllm/twin_routes.py``, docs/vllm.md).
+
+``--enable-return-routed-experts`` records the routed experts of every forwarded token of a MoE
+model and returns them to the requests that ask, in SGLang's or vLLM's format
+(``engine/routing_capture.py``, docs/moe.md).
 
 From Python (``areal_fast.rollout.engine.launch``)::
 

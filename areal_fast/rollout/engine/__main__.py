@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
     p.add_argument("--max-loras", "--max-loras-per-batch", dest="max_loras", type=int, default=4,
                    help="adapters loaded at once")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="record the top-k experts of every token in every sparse block and return them when a "
+                   "request asks (SGLang's return_routed_experts, vLLM's routed_experts; docs/moe.md)")
     return p
 
 
@@ -147,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_lora=args.enable_lora,
         max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras,
+        return_routed_experts=args.enable_return_routed_experts,
     )
     serve_forever(server.build_app(), args.host, args.port, server.conn_limits)
 

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from areal_fast.backends.sglang.compat import SGLANG_SAMPLING_KEYS, SGLangBehaviour
 from areal_fast.rollout.engine.sampling import SamplingError, parse_sampling_params
+from areal_fast.rollout.routed_experts import SGLANG_SINCE
 
 log = logging.getLogger("areal_fast.rollout.engine.server")  # the front end's log, as SGLang's server logs it
 
@@ -132,3 +133,25 @@ def parse_generate(body: dict, vocab_size: int, context_length: int, has_tokeniz
     else:
         rids = [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(params.n)]
     return rids, ids, params, bool(body.get("return_logprob", False))
+
+
+def parse_routed_experts(body: dict, prompt_len: int, sglang: SGLangBehaviour) -> int | None:
+    """SGLang's ``return_routed_experts`` / ``routed_experts_start_len``: the first position whose
+    routing to return, or None when not asked (or the release has no such fields). A start outside
+    ``[0, prompt length]`` aborts the request with SGLang 0.5.23's message (HTTP 400), whether or not
+    the server records routing."""
+    if sglang.version < SGLANG_SINCE or not body.get("return_routed_experts", False):
+        return None
+    if body["return_routed_experts"] is not True:
+        raise BadRequest(f"return_routed_experts must be a boolean, got {body['return_routed_experts']!r}",
+                         schema=True)
+    start = body.get("routed_experts_start_len", 0)
+    if type(start) is not int:
+        raise BadRequest(f"routed_experts_start_len must be an integer, got {start!r}", schema=True)
+    if start > prompt_len:
+        raise BadRequest(f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+                         f"len(req.origin_input_ids)={prompt_len}. Please use a smaller routed_experts_start_len.")
+    if start < 0:
+        raise BadRequest(f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a non-negative "
+                         "routed_experts_start_len.")
+    return start

@@ -16,6 +16,10 @@ Each iteration of the scheduler thread:
   3. one decode step for every running request: input [B, 1], 2-D attention mask [B, L + 1],
      explicit position ids (left padding shifts positions, so they are tracked per row);
   4. finished rows leave the batch (``batch_select_indices``) and leading all-pad columns are cut.
+
+With ``routing`` set (``--enable-return-routed-experts``, ``engine/routing_capture.py``) every
+prefill and decode forward that holds a request asking for its routed experts records them per
+request and position.
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ class Request:
     next_input: int = -1  # last sampled token, not yet in the KV cache
     position: int = 0  # position id of next_input
     lora: str | None = None  # the adapter it names (engine/lora.py); None: the base model
+    routing_start: int | None = None  # routed experts asked for, from this position (None: not asked)
+    routing: object = None  # np.ndarray [positions, layers, top_k] int16 (engine/routing_capture.py)
+    routing_end: int = 0  # positions [0, routing_end) recorded
 
     def prefill_ids(self) -> list[int]:
         """What a prefill computes KV for: the prompt, plus the output kept over a retract."""
@@ -110,6 +117,7 @@ class Scheduler:
         self._mask: torch.Tensor | None = None  # [B, L] 1 = real token, 0 = left padding
         self.steps = 0
         self.lora = None  # engine/lora.py's LoRAServing when the engine serves adapters
+        self.routing = None  # engine/routing_capture.py's RoutingCapture with --enable-return-routed-experts
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
 
     # ------------------------------------------------------------------ public, thread-safe
@@ -299,7 +307,8 @@ class Scheduler:
         ids = torch.tensor([r.prefill_ids() for r in reqs], device=self.device)
         if self.lora is not None:
             self.lora.activate([r.lora for r in reqs])
-        out = self.model(input_ids=ids, past_key_values=self._new_cache(), use_cache=True, logits_to_keep=1)
+        out = self._forward(reqs, [0] * len(reqs), length, input_ids=ids, past_key_values=self._new_cache(),
+                            use_cache=True, logits_to_keep=1)
         toks, lps = sample_batch(out.logits[:, -1], [r.params for r in reqs], self.generator)
         for r, t, lp in zip(reqs, toks.tolist(), lps.tolist()):
             r.position = length
@@ -322,9 +331,8 @@ class Scheduler:
         mask = torch.cat([self._mask, torch.ones(len(rows), 1, dtype=self._mask.dtype, device=dev)], dim=1)
         if self.lora is not None:
             self.lora.activate([r.lora for r in rows])
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self._cache, use_cache=True
-        )
+        out = self._forward(rows, [r.position for r in rows], 1, input_ids=ids, attention_mask=mask, position_ids=pos,
+                            past_key_values=self._cache, use_cache=True)
         self._mask = mask
         self.steps += 1
         toks, lps = sample_batch(out.logits[:, -1], [r.params for r in rows], self.generator)
@@ -334,6 +342,16 @@ class Scheduler:
         self._retire_finished()
 
     # ------------------------------------------------------------------ helpers
+    def _forward(self, reqs: list[Request], starts: list[int], n: int, **inputs):
+        """The model's forward over ``reqs`` (``n`` new tokens each, request i's at positions
+        ``starts[i] ..``), recording the routed experts of the requests that asked for them."""
+        if self.routing is None or all(r.routing_start is None for r in reqs):
+            return self.model(**inputs)
+        with self.routing.recording() as got:
+            out = self.model(**inputs)
+        self.routing.store(reqs, got, starts, n)
+        return out
+
     def _append_token(self, req: Request, tok: int, lp: float) -> None:
         self.last_output = time.monotonic()
         req.output_ids.append(tok)

@@ -41,12 +41,14 @@ from areal_fast.rollout.engine.request_parsing import (  # noqa: F401 - the erro
     ContractError,
     InternalServerError,
     parse_generate,
+    parse_routed_experts,
     read_json,
 )
 from areal_fast.rollout.engine.sampling import parse_sampling_params
 from areal_fast.rollout.engine.scheduler import PAUSE_MODES, DuplicateRid, Request, Scheduler, SchedulerDown
 from areal_fast.rollout.engine.weight_routes import FLUSH_REFUSED, WeightUpdateRoutes  # noqa: F401
 from areal_fast.rollout.engine.weight_sync import DEFAULT_GROUP_TIMEOUT_S, WeightReceiver, parse_dtype
+from areal_fast.rollout.routed_experts import to_sglang
 
 log = logging.getLogger(__name__)
 _FLUSH_POLL_S = 0.01
@@ -113,6 +115,7 @@ class EngineServer(WeightUpdateRoutes):
         enable_lora: bool = False,
         max_lora_rank: int = 16,
         max_loras: int = 4,
+        return_routed_experts: bool = False,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -165,6 +168,12 @@ class EngineServer(WeightUpdateRoutes):
 
             self.lora = LoRAServing(self.model, max_lora_rank=max_lora_rank, max_loras=max_loras)
             self.scheduler.lora = self.lora
+        self.routing = None  # --enable-return-routed-experts: engine/routing_capture.py
+        if return_routed_experts:
+            from areal_fast.rollout.engine.routing_capture import RoutingCapture, check_release
+
+            check_release(api, self.vllm.version if self.vllm is not None else self.sglang.version)
+            self.routing = self.scheduler.routing = RoutingCapture(self.model)
         self.session_open = False  # a begin_weight_update without its end (SGLang >= 0.5.21)
         self.scheduler.start()
 
@@ -255,6 +264,9 @@ class EngineServer(WeightUpdateRoutes):
         rids, ids, params, return_logprob = parse_generate(body, self.vocab_size, self.context_length,
                                                            self.tokenizer is not None, self.sglang)
         lora = self._lora_routes().adapter_of_generate(body) if "lora_path" in body else None
+        routing_start = parse_routed_experts(body, len(ids), self.sglang)
+        if self.routing is None:
+            routing_start = None  # asked of a server started without the flag: no field, as SGLang answers
         loop = asyncio.get_running_loop()
         futs: list[asyncio.Future] = []
         submitted: list[str] = []
@@ -266,7 +278,7 @@ class EngineServer(WeightUpdateRoutes):
                     loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(req))
 
                 self.scheduler.submit(Request(rid=rid, input_ids=list(ids), params=params, on_finish=on_finish,
-                                              lora=lora))
+                                              lora=lora, routing_start=routing_start))
                 submitted.append(rid)
                 futs.append(fut)
         except DuplicateRid as e:
@@ -306,6 +318,13 @@ class EngineServer(WeightUpdateRoutes):
             meta["weight_versions"] = spans
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
+        # SGLang collects the routing of a request that ran (finished or aborted while running); one
+        # aborted in the waiting queue is answered without it
+        if self.routing is not None and req.routing_start is not None and not req.aborted_in_waiting:
+            rows = self.routing.rows_of(req)
+            if rows is not None:
+                meta["routed_experts"] = to_sglang(rows)
+            req.routing = None
         out = {"output_ids": req.output_ids, "meta_info": meta}
         if self.tokenizer is not None:
             out["text"] = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
