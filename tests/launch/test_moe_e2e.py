@@ -2,7 +2,9 @@
 examples/tiny_reverse_moe.yaml`, shrunken, with two trainer ranks (torchrun, gloo: each holds half
 of every block's experts) and the example's distributed weight sync into the embedded engine
 server. The run makes every step and evaluates; the warm start and the exported model are
-Qwen3-MoE checkpoints in the per-expert layout, the export equal to what the trainer held."""
+Qwen3-MoE checkpoints in the per-expert layout, the export equal to what the trainer held. Routing
+replay is on: the engine records every position's experts, the samples carry them through the
+buffer to both ranks, and every trained position is replayed."""
 
 from __future__ import annotations
 
@@ -34,12 +36,16 @@ def test_moe_recipe_trains_on_two_ranks_and_syncs_the_experts(tmp_path):
     out = tmp_path / "run"
     steps = 3
     cmd = [sys.executable, "-m", "areal_fast.cli", "train", EXAMPLE, f"experiment.output_dir={out}", *TINY,
-           f"experiment.total_steps={steps}", f"eval.every_steps={steps}", "train.world_size=2"]
+           f"experiment.total_steps={steps}", f"eval.every_steps={steps}", "train.world_size=2",
+           "rollout.return_routed_experts=true", "train.ppo.routing_replay=true"]
     p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=TIMEOUT_S)
     logs = out / "logs" / "trainer.log"
     assert p.returncode == 0, p.stderr.decode()[-3000:] + (logs.read_text()[-3000:] if logs.exists() else "")
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert [r["step"] for r in rows if r.get("kind") == "train"] == list(range(1, steps + 1))
+    train = [r for r in rows if r.get("kind") == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    # every forwarded position of every trained sample had its server routing, across weight updates
+    assert [r["train/routing_replayed_fraction"] for r in train] == [1.0] * steps, train
     assert [r for r in rows if r.get("kind") == "eval"], "no held-out evaluation"
     for d in (out / "warm_start", out / "final"):
         config = json.loads((d / "config.json").read_text())
