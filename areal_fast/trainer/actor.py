@@ -28,7 +28,7 @@ from areal_fast.trainer import advantages as adv_mod
 from areal_fast.trainer.batch import Packed, Seq, as_sample, dummy_seq, pack, split_minibatches, to_seq
 from areal_fast.trainer.config import OptimConfig, TrainerConfig
 from areal_fast.trainer.model import build_policy, hf_name, init_process_group_if_needed
-from areal_fast.trainer.routing import replay_indices, replay_routing
+from areal_fast.trainer.routing import replay_indices, replay_routing, routing_agreement
 
 # Dense bf16 peak FLOP/s by device name (datasheet numbers, no sparsity).
 _PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
@@ -36,6 +36,15 @@ _PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A
 _MEAN_STATS = ("ratio_mean", "clip_fraction", "dual_clip_fraction", "approx_kl", "behav_kl",
                "behav_weight_mean", "tis_truncated_fraction", "token_mis_masked_fraction",
                "seq_mis_masked_fraction", "m2po_masked_fraction", "entropy_mean", "kl_mean")
+
+
+@contextlib.contextmanager
+def _summed(counter, into: dict):
+    """Run the counting context ``counter`` and add what it counted to ``into``."""
+    with counter as got:
+        yield
+    for k, v in got.items():
+        into[k] += v
 
 
 def lr_factor(o: OptimConfig, step: int) -> float:
@@ -140,6 +149,13 @@ class PPOActor:
             return contextlib.nullcontext()
         return replay_routing(self.model, replay_indices(self.model, p.routing.to(self.device)))
 
+    def _agreement(self, p: Packed, into: dict):
+        """Count, in the forward(s) of ``p``, the recorded (position, block) pairs the trained model's
+        own routers would route elsewhere (added to ``into``); nothing without recorded rows."""
+        if p.routing is None:
+            return contextlib.nullcontext()
+        return _summed(routing_agreement(self.model, replay_indices(self.model, p.routing.to(self.device))), into)
+
     @torch.no_grad()
     def _logprobs(self, model, p: Packed) -> torch.Tensor:
         labels = p.labels
@@ -183,7 +199,7 @@ class PPOActor:
         if not samples:
             raise ValueError("train_batch needs at least one sample")
         samples = [as_sample(s, i) for i, s in enumerate(samples)]
-        seqs = [to_seq(s, ppo.routing_replay) for s in samples]
+        seqs = [to_seq(s, routing=True) for s in samples]  # recorded routing: replayed, or compared
         rewards = [float(s.reward) * ppo.reward_scale + ppo.reward_bias for s in samples]
         adv = adv_mod.group_advantages(rewards, [s.group_id for s in samples], estimator=ppo.adv_estimator,
                                        std_norm=ppo.adv_std_norm, unbiased=ppo.adv_std_unbiased, eps=ppo.adv_eps)
@@ -203,6 +219,7 @@ class PPOActor:
         prox: dict | None = {} if ppo.prox_mode == "recompute" else None
         ref: dict | None = {} if self.ref is not None else None
         t_recompute = time.perf_counter()
+        agree = {"differ": 0, "recorded": 0}  # the servers' routing against the trainer's own (MoE)
         if prox is not None or ref is not None:
             self.model.eval()
             for plan in plans:
@@ -210,7 +227,10 @@ class PPOActor:
                     p = packed(ids, mb)
                     for store, model in ((prox, self.model), (ref, self.ref)):
                         if store is not None:
-                            with self._replay(p) if model is self.model else contextlib.nullcontext():
+                            if model is self.model:
+                                with self._replay(p), self._agreement(p, agree):
+                                    lps = self._logprobs(model, p).cpu()
+                            else:
                                 lps = self._logprobs(model, p).cpu()
                             for i, lp in zip(ids, p.split(lps)):
                                 if i >= 0:
@@ -286,6 +306,8 @@ class PPOActor:
             rows = sum(len(s) for s in seqs)
             recorded = sum(int((s.routing >= 0).all(-1).sum()) for s in seqs if s.routing is not None)
             metrics["routing_replayed_fraction"] = recorded / max(rows, 1)
+        if agree["recorded"]:  # this rank's recompute: recorded (position, block) pairs the trainer routes elsewhere
+            metrics["routing_differ_fraction"] = agree["differ"] / agree["recorded"]
         mfu = self._mfu(seqs, elapsed, recompute=(prox is not None) + (ref is not None))
         if mfu is not None:
             metrics["mfu"] = mfu

@@ -56,6 +56,7 @@ def _replayed_forward(self, hidden_states):
     if given.shape != own.shape:
         raise ValueError(f"routing replay: {tuple(given.shape)} recorded experts for {tuple(own.shape)} "
                          "routed ones in this forward")
+    self._own_indices = own  # what it would have chosen (routing_agreement compares the two)
     # rows recorded as -1 (not recorded: e.g. the last sampled token) are routed by the router itself
     idx = torch.where((given >= 0).all(-1, keepdim=True), given.to(own.device), own)
     weights = probs.gather(-1, idx)
@@ -81,6 +82,35 @@ def replay_routing(model: nn.Module, indices: list[torch.Tensor]):
         for r in rs:
             r.__dict__.pop("forward", None)
             r.__dict__.pop("_replay_indices", None)
+            r.__dict__.pop("_own_indices", None)
+
+
+@contextlib.contextmanager
+def routing_agreement(model: nn.Module, indices: list[torch.Tensor]):
+    """Within the block, count the (position, router) pairs of the forward(s) whose recorded experts
+    (``indices[k]``, rows of -1 not counted) are not the set the router itself picks; yields
+    ``{"differ": n, "recorded": m}``, filled as forwards run. Inside :func:`replay_routing` too (then
+    the router's own pick is the one it was told to ignore)."""
+    rs = routers(model)
+    out = {"differ": 0, "recorded": 0}
+
+    def count(k, module, output):
+        own = getattr(module, "_own_indices", None)
+        own = output[2] if own is None else own
+        given = indices[k].to(own.device)
+        if given.shape != own.shape:
+            return
+        valid = (given >= 0).all(-1)
+        differ = (given.sort(-1).values != own.sort(-1).values).any(-1) & valid
+        out["differ"] += int(differ.sum())
+        out["recorded"] += int(valid.sum())
+
+    hooks = [r.register_forward_hook(lambda m, _i, o, k=k: count(k, m, o)) for k, r in enumerate(rs)]
+    try:
+        yield out
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def router_layers(model: nn.Module) -> tuple[int, list[int]]:

@@ -165,6 +165,8 @@ def test_the_actor_replays_the_recorded_routing_only_when_asked(moe):
     plain = actor_for(path, max_tokens_per_mb=64)
     for lp, w in zip(plain.compute_logprobs(batch), want):  # off by default: the record is not used
         torch.testing.assert_close(lp, w, atol=1e-4, rtol=0)
+    stats = plain.train_batch(batch, version=0)  # but compared: every recorded pair differs from its own
+    assert stats["routing_differ_fraction"] == 1.0 and "routing_replayed_fraction" not in stats
     replay = actor_for(path, max_tokens_per_mb=64, ppo={"routing_replay": True})
     moved = replay.compute_logprobs(batch)
     assert all((lp - w).abs().max() > 0.05 for lp, w in zip(moved, want))  # the other experts were used
@@ -179,6 +181,7 @@ def test_the_actor_replays_the_recorded_routing_only_when_asked(moe):
     stats = replay.train_batch(batch, version=0)
     n = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in batch]
     assert stats["routing_replayed_fraction"] == pytest.approx(sum(n[2:]) / sum(n))
+    assert stats["routing_differ_fraction"] == 0.0  # HF's own routing: the trainer's (before the update)
     batch[2].routed_experts = [0] * (3 * n[2])  # a record of another model
     with pytest.raises(ValueError, match="3 expert ids a position, this model routes 2 decoder layers x top 2"):
         replay.compute_logprobs(batch[2:3])
