@@ -7,7 +7,13 @@ that differ, k1 and k3 of the log-ratio (behaviour - trainer), the largest |log-
 fraction of tokens IcePop's band [0.5, 2] would mask; and the cost (a forward with replay against
 one without, the recording hook, the column's bytes per token).
 
-    python bench/bench_routing_replay.py [--seeds 0,1,2] [--prompts 32] [--new-tokens 48]
+    python bench/bench_routing_replay.py [--seeds 0,1,2] [--prompts 32] [--new-tokens 48] [--engine]
+
+``--engine``: the same comparison on what the loop trains on, paired: the recipe's warm-started
+(trained) MoE on longer strings, served by the embedded engine in bf16, its routing recorded while
+it generates (KV cache, continuous batching) and stitched by the rollout client; the fp32 actor's
+proximal recompute of the very same samples without and with replay, and the share of recorded
+(position, block) routings the trainer would pick otherwise.
 """
 
 from __future__ import annotations
@@ -75,13 +81,83 @@ def one_seed(seed: int, n_prompts: int, new_tokens: int) -> dict:
     return out
 
 
+def engine_paired(seed: int, n_prompts: int, new_tokens: int, work: str) -> dict:
+    """The trained recipe's MoE (``examples/tiny_reverse_moe.yaml``'s warm start, longer strings),
+    served by the embedded engine in bf16 with routing recorded at generation time (KV cache,
+    continuous batching), the answers stitched by the rollout client; the fp32 trainer's proximal
+    recompute of the very same samples without and with replay (paired: the same tokens)."""
+    import asyncio
+    from pathlib import Path
+
+    from areal_fast.config import load_config
+    from areal_fast.data import load_tokenizer
+    from areal_fast.data.warm_start import ensure_warm_start
+    from areal_fast.launch.rank import load_data
+    from areal_fast.rollout.client import RolloutClient
+    from areal_fast.rollout.engine import start_engine_in_thread
+    from areal_fast.trainer import PPOActor, TrainerConfig
+    from areal_fast.trainer.config import PPOConfig
+    from areal_fast.trainer.routing import routing_width
+
+    root = Path(__file__).resolve().parent.parent
+    cfg = load_config(root / "examples" / "tiny_reverse_moe.yaml",
+                      [f"experiment.output_dir={work}/seed{seed}", f"experiment.seed={seed}",
+                       "data.synthetic.min_len=6", "data.synthetic.max_len=16", "data.synthetic.log_mean=0.7"])
+    model = str(ensure_warm_start(cfg))
+    tok = load_tokenizer(model)
+    _, evals = load_data(cfg, tok)
+    prompts = [tok.encode(r.text) for r in evals[:n_prompts]]
+    h = start_engine_in_thread(model, seed=seed, dtype="bfloat16", return_routed_experts=True)
+    try:
+        async def gen():
+            async with RolloutClient([h.url], routed_experts_width=routing_width(model)) as c:
+                return await asyncio.gather(*(c.generate(p, {"max_new_tokens": new_tokens, "temperature": 1.0,
+                                                              "ignore_eos": True}) for p in prompts))
+        samples = asyncio.run(gen())
+    finally:
+        h.stop()
+    b = torch.cat([torch.tensor(list(s.output_logprobs)) for s in samples]).double()
+    out = {"tokens": int(b.numel())}
+    for name, replay in (("free", False), ("replay", True)):
+        actor = PPOActor(TrainerConfig(model_path=model, device="cpu", ppo=PPOConfig(routing_replay=replay)))
+        p = torch.cat(actor.compute_logprobs(samples)).double()
+        stats = actor.train_batch([_with_group(s) for s in samples], version=0) if name == "free" else {}
+        if "routing_differ_fraction" in stats:
+            out["flip_frac"] = stats["routing_differ_fraction"]
+        d = b - p
+        out[f"{name}_k1"] = d.mean().item()
+        out[f"{name}_k3"] = (d.exp() - 1 - d).mean().item()
+        out[f"{name}_max"] = d.abs().max().item()
+        out[f"{name}_icepop_masked"] = (d.abs() > math.log(2)).double().mean().item()
+    return out
+
+
+def _with_group(s):
+    s.group_id = 0
+    return s
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="0,1,2", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--engine", action="store_true",
+                    help="the trained recipe's MoE served by the embedded engine in bf16 (routing recorded while "
+                         "it generates), the fp32 trainer's recompute of the same samples without / with replay")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if a.engine:
+        with tempfile.TemporaryDirectory(prefix="areal_bench_replay_") as work:
+            rows = [engine_paired(s, a.prompts, a.new_tokens, work) for s in a.seeds]
+        for s, r in zip(a.seeds, rows):
+            print(f"seed {s}: {r['tokens']} tokens | routings differing {100 * r['flip_frac']:.3f} % | k3 "
+                  f"{r['free_k3']:.3e} -> {r['replay_k3']:.3e} | k1 {r['free_k1']:+.2e} -> {r['replay_k1']:+.2e} | "
+                  f"max |log w| {r['free_max']:.3f} -> {r['replay_max']:.3f} | IcePop masks "
+                  f"{100 * r['free_icepop_masked']:.3f} % -> {100 * r['replay_icepop_masked']:.3f} %")
+        ratio = [r["free_k3"] / r["replay_k3"] for r in rows]
+        print(f"k3 without / with replay (same samples): {', '.join(f'{x:.2f}' for x in ratio)}")
+        return 0
     rows = [one_seed(s, a.prompts, a.new_tokens) for s in a.seeds]
     for s, r in zip(a.seeds, rows):
         print(f"seed {s}: routings differing {100 * r['flip_frac']:.2f} % | k3 {r['free_k3']:.2e} -> "
