@@ -49,6 +49,7 @@ from bench_staleness import (  # noqa: E402
     ROOT,
     RUN_SETTINGS,
     SharedServers,
+    _ints,
     _preload,
     build_warm_starts,
     ci95_halfwidth,
@@ -295,10 +296,6 @@ def report(runs: list[Run], work: Path, out: Path, args, prov: dict, wall_s: flo
 
 
 # ----------------------------------------------------------------------------- main
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def _names(text: str) -> list[str]:
