@@ -12,6 +12,7 @@ that imports a package's submodules on a CPU-only machine.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -260,6 +261,15 @@ class WheelPackage:
         if self._active is not None:
             self._set_aside()
         importlib.invalidate_caches()
+        # inspect caches each module name's file: another version's file under the same name (a package
+        # in one release, a namespace package without a file in the other) makes inspect.getmodule, which
+        # torch calls when a wheel registers an op, raise "is a built-in module"
+        import inspect
+
+        for cache in (inspect._filesbymodname, inspect.modulesbyfile):
+            for k, v in list(cache.items()):
+                if self._owns(k if cache is inspect._filesbymodname else v):
+                    del cache[k]
         if version in self._saved:
             sys.modules.update(self._saved.pop(version))
         else:
@@ -291,7 +301,48 @@ class WheelPackage:
 
         self.activate(version, root)
         try:
-            return importlib.import_module(name)
+            with _first_custom_op_wins():
+                return importlib.import_module(name)
         except Exception as e:
             raise ImportError(f"importing {name} from {self.label} {version} ({root}) failed: "
                               f"{type(e).__name__}: {e}; stubbed so far: {sorted(_STUBBED)}") from e
+
+
+@contextlib.contextmanager
+def _first_custom_op_wins():
+    """While a wheel's modules import: a torch custom op that another version of the package registered
+    already in this process (SGLang 0.5.23 defines ``sglang::fp4_gemm`` with its own helper, 0.5.6 with
+    ``torch.library.custom_op``) keeps the first definition instead of failing the import. The ops are
+    GPU kernels the contract tests never run; what they judge is plain Python."""
+    import torch
+
+    real_custom_op, real_register_fake = torch.library.custom_op, torch.library.register_fake
+
+    def defined(name) -> bool:
+        if not isinstance(name, str) or "::" not in name:
+            return False
+        ns, _, op = name.partition("::")
+        try:
+            return hasattr(getattr(torch.ops, ns), op.split(".")[0])
+        except (AttributeError, RuntimeError):
+            return False
+
+    def custom_op(name, fn=None, /, **kw):
+        if defined(name):
+            return fn if fn is not None else (lambda f: f)
+        return real_custom_op(name, fn, **kw) if fn is not None else real_custom_op(name, **kw)
+
+    def register_fake(op, fn=None, /, **kw):
+        def register(f):
+            try:
+                return real_register_fake(op, f, **kw)
+            except RuntimeError:  # the op's first definition has its fake already
+                return f
+        return register(fn) if fn is not None else register
+
+    torch.library.custom_op, torch.library.register_fake = custom_op, register_fake
+    try:
+        yield
+    finally:
+        torch.library.custom_op, torch.library.register_fake = real_custom_op, real_register_fake
+
