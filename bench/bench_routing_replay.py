@@ -29,8 +29,8 @@ import torch
 
 
 def one_seed(seed: int, n_prompts: int, new_tokens: int) -> dict:
+    from areal_fast.moe_routing import record_routing, replay_routing, routers
     from areal_fast.rollout.testing import build_tiny_qwen3_moe, load_hf
-    from areal_fast.trainer.routing import record_routing, replay_routing, routers
 
     with tempfile.TemporaryDirectory() as d:
         path = build_tiny_qwen3_moe(d, seed=seed, vocab_size=100)
@@ -93,11 +93,11 @@ def engine_paired(seed: int, n_prompts: int, new_tokens: int, work: str) -> dict
     from areal_fast.data import load_tokenizer
     from areal_fast.data.warm_start import ensure_warm_start
     from areal_fast.launch.rank import load_data
+    from areal_fast.moe_routing import routing_width
     from areal_fast.rollout.client import RolloutClient
     from areal_fast.rollout.engine import start_engine_in_thread
     from areal_fast.trainer import PPOActor, TrainerConfig
     from areal_fast.trainer.config import PPOConfig
-    from areal_fast.trainer.routing import routing_width
 
     root = Path(__file__).resolve().parent.parent
     cfg = load_config(root / "examples" / "tiny_reverse_moe.yaml",

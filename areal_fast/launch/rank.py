@@ -170,7 +170,7 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool, metrics_key: str
         lora = cfg.train.lora
         width = None
         if r.return_routed_experts:  # routing replay's record: sparse blocks x top-k ids a position
-            from areal_fast.trainer.routing import routing_width
+            from areal_fast.moe_routing import routing_width
 
             width = routing_width(path)
         async with rollout_port(r, urls, api_key, lora.name if lora else None, width) as rollout:

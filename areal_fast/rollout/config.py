@@ -224,20 +224,20 @@ class RolloutConfig:
 
 
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"  # the launch flag of all three engines
-_ROUTING_SINCE = {"vllm": (0, 32), "sglang": (0, 5, 23)}  # the first releases that return routing
 
 
 def check_routed_experts(backend: str, engine: str, vllm_version: str, sglang_version: str | None) -> None:
     """``return_routed_experts``: refused (naming the release) where the servers cannot answer routing."""
-    def older(version: str, since: tuple) -> bool:
-        nums = tuple(int(x) for x in re.findall(r"\d+", version)[:len(since)])
-        return nums < since
+    if backend == "vllm":
+        from areal_fast.backends.vllm.compat import ROUTED_EXPERTS_PROMPT_START_SINCE, VLLMBehaviour
 
-    if backend == "vllm" and older(vllm_version, _ROUTING_SINCE["vllm"]):
-        raise ValueError(f"return_routed_experts: vLLM returns routing from 0.32 on (routed_experts in the "
-                         f"completion answer); this run's vllm_version is {vllm_version}")
-    real_sglang = backend == "sglang" and engine == "sglang"
-    if real_sglang and sglang_version and older(sglang_version, _ROUTING_SINCE["sglang"]):
-        raise ValueError(f"return_routed_experts: SGLang returns routing from 0.5.23 on (meta_info.routed_experts); "
-                         f"the installed sglang is {sglang_version}")
+        if not VLLMBehaviour.of(vllm_version).has_routed_experts_prompt_start:
+            raise ValueError(f"return_routed_experts: vLLM returns routing from {ROUTED_EXPERTS_PROMPT_START_SINCE} "
+                             f"on (routed_experts in the completion answer, routed_experts_prompt_start in the "
+                             f"request); this run's vllm_version is {vllm_version}")
+    if backend == "sglang" and engine == "sglang" and sglang_version:
+        from areal_fast.backends.sglang.compat import ROUTED_EXPERTS_SINCE, parse_sglang_version, returns_routed_experts
 
+        if not returns_routed_experts(parse_sglang_version(sglang_version)):
+            raise ValueError(f"return_routed_experts: SGLang returns routing from {ROUTED_EXPERTS_SINCE} on "
+                             f"(meta_info.routed_experts); the installed sglang is {sglang_version}")

@@ -19,15 +19,6 @@ import base64
 import io
 
 import numpy as np
-from packaging.version import Version
-
-# The releases whose sources we read (docs/moe.md): SGLang 0.5.23 has the server argument and the
-# request fields, 0.5.6 none of them; vLLM 0.27.0 has the choice's ``routed_experts`` but not the
-# completion request's ``routed_experts_prompt_start``, 0.32.0 and 0.33.0 both, 0.11.0 neither.
-# The releases between were not read: the engine serves routing from the first one read to have it.
-SGLANG_SINCE = Version("0.5.23")
-VLLM_ANSWER_SINCE = Version("0.27.0")
-VLLM_PROMPT_START_SINCE = Version("0.32.0")
 
 
 def from_vllm(field: str | None) -> np.ndarray | None:

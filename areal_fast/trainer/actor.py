@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from areal_fast import ops
+from areal_fast.moe_routing import replay_indices, replay_routing, routing_agreement
 from areal_fast.packing import plan_microbatches
 from areal_fast.trainer import advantages as adv_mod
 from areal_fast.trainer.batch import Packed, Seq, as_sample, dummy_seq, pack, split_minibatches, to_seq
 from areal_fast.trainer.config import OptimConfig, TrainerConfig
 from areal_fast.trainer.model import build_policy, hf_name, init_process_group_if_needed
-from areal_fast.trainer.routing import replay_indices, replay_routing, routing_agreement
 
 # Dense bf16 peak FLOP/s by device name (datasheet numbers, no sparsity).
 _PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
@@ -144,7 +144,7 @@ class PPOActor:
 
     def _replay(self, p: Packed):
         """Routing replay over the forward(s) of ``p`` (``ppo.routing_replay`` and rows recorded), else
-        nothing: the routers of the trained model take the recorded experts (``trainer/routing.py``)."""
+        nothing: the routers of the trained model take the recorded experts (``moe_routing.py``)."""
         if p.routing is None or not self.config.ppo.routing_replay:
             return contextlib.nullcontext()
         return replay_routing(self.model, replay_indices(self.model, p.routing.to(self.device)))

@@ -71,7 +71,7 @@ def hf_routing(model, ids: list[int]) -> np.ndarray:
     """The routing of one HF forward of ``ids``: ``[len(ids), layers, top_k]`` (every block sparse)."""
     import torch
 
-    from areal_fast.trainer.routing import record_routing
+    from areal_fast.moe_routing import record_routing
 
     with torch.no_grad(), record_routing(model) as got:
         model(torch.tensor([ids]))

@@ -169,6 +169,32 @@ def test_real_vllm_serves_the_checkpoint_our_disk_sync_writes_as_hf(moe_server):
     assert _same_as_hf(_generate(server.url), hf_model)
 
 
+# (kept before the in-place reload test below: that reload leaves the shared server's weights wrong)
+@pytest.mark.slow  # a real vLLM server
+def test_real_vllm_routed_experts_fields_and_errors_equal_the_twins(moe_server):
+    """On the real server (started without the flag): every choice carries ``routed_experts``, null;
+    a ``routed_experts_prompt_start`` past the prompt or below 0 is answered 400 with the same body
+    our twin answers. The twin, with the flag, returns HF's routing for the same request."""
+    from areal_fast.rollout.routed_experts import from_vllm
+
+    server, hf_model, _ = moe_server
+    body = {"prompt": PROMPT, "max_tokens": 4, "routed_experts_prompt_start": 2}
+    code, real = _complete(server.url, body)
+    assert code == 200 and "routed_experts" in real["choices"][0] and real["choices"][0]["routed_experts"] is None
+    twin = _twin(server.model)
+    try:
+        code, ours = _complete(twin.url, body)
+        choice = ours["choices"][0]
+        assert code == 200 and choice["token_ids"] == real["choices"][0]["token_ids"]
+        seq = PROMPT + choice["token_ids"]
+        assert (from_vllm(choice["routed_experts"]) == _hf_rows(hf_model, seq)[2:len(seq) - 1]).all()
+        for start in (len(PROMPT) + 1, -1):
+            bad = {**body, "routed_experts_prompt_start": start}
+            assert _complete(server.url, bad) == _complete(twin.url, bad)
+    finally:
+        twin.stop()
+
+
 @pytest.mark.slow  # a real vLLM server
 @pytest.mark.xfail(strict=True, reason="vLLM 0.32's CPU build: the in-place reload (reload_weights) of a MoE "
                                        "model does not give the reloaded checkpoint's outputs (docs/moe.md)")
@@ -205,7 +231,7 @@ def _hf_rows(model, ids):
     import numpy as np
     import torch
 
-    from areal_fast.trainer.routing import record_routing
+    from areal_fast.moe_routing import record_routing
 
     with torch.no_grad(), record_routing(model) as got:
         model(torch.tensor([ids]))
@@ -234,31 +260,6 @@ def _twin(path, routed=True):
 
     return start_engine_in_thread(str(path), dtype="float32", api="vllm", vllm_version=VLLM_CPU_VERSION,
                                   return_routed_experts=routed)
-
-
-@pytest.mark.slow  # a real vLLM server
-def test_real_vllm_routed_experts_fields_and_errors_equal_the_twins(moe_server):
-    """On the real server (started without the flag): every choice carries ``routed_experts``, null;
-    a ``routed_experts_prompt_start`` past the prompt or below 0 is answered 400 with the same body
-    our twin answers. The twin, with the flag, returns HF's routing for the same request."""
-    from areal_fast.rollout.routed_experts import from_vllm
-
-    server, hf_model, _ = moe_server
-    body = {"prompt": PROMPT, "max_tokens": 4, "routed_experts_prompt_start": 2}
-    code, real = _complete(server.url, body)
-    assert code == 200 and "routed_experts" in real["choices"][0] and real["choices"][0]["routed_experts"] is None
-    twin = _twin(server.model)
-    try:
-        code, ours = _complete(twin.url, body)
-        choice = ours["choices"][0]
-        assert code == 200 and choice["token_ids"] == real["choices"][0]["token_ids"]
-        seq = PROMPT + choice["token_ids"]
-        assert (from_vllm(choice["routed_experts"]) == _hf_rows(hf_model, seq)[2:len(seq) - 1]).all()
-        for start in (len(PROMPT) + 1, -1):
-            bad = {**body, "routed_experts_prompt_start": start}
-            assert _complete(server.url, bad) == _complete(twin.url, bad)
-    finally:
-        twin.stop()
 
 
 @pytest.mark.slow  # starts (and, on this CPU build, fails to start) a real vLLM server

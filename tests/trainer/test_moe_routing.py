@@ -1,4 +1,4 @@
-"""Routing replay's building blocks (``areal_fast/trainer/routing.py``) on the tiny Qwen3-MoE: the
+"""Routing replay's building blocks (``areal_fast/moe_routing.py``) on the tiny Qwen3-MoE: the
 recorded routing replayed in the same model changes nothing; a bf16 copy (the server) routes some
 tokens elsewhere than the fp32 model (the trainer), and replaying the server's routing in the
 trainer's forward removes most of the log-prob mismatch while the router still gets gradients."""
@@ -27,8 +27,8 @@ def _k3(trainer, behaviour):
 
 
 def test_replaying_the_models_own_routing_changes_nothing_and_another_routing_is_used(moe_dir):
+    from areal_fast.moe_routing import record_routing, replay_routing, routers
     from areal_fast.rollout.testing import load_hf
-    from areal_fast.trainer.routing import record_routing, replay_routing, routers
 
     model = load_hf(moe_dir)
     assert len(routers(model)) == 2
@@ -50,8 +50,8 @@ def test_replaying_the_models_own_routing_changes_nothing_and_another_routing_is
 
 
 def test_replaying_the_bf16_servers_routing_removes_most_of_the_mismatch(moe_dir):
+    from areal_fast.moe_routing import record_routing, replay_routing, routers
     from areal_fast.rollout.testing import load_hf
-    from areal_fast.trainer.routing import record_routing, replay_routing, routers
 
     trainer = load_hf(moe_dir)
     server = load_hf(moe_dir).to(torch.bfloat16)

@@ -146,7 +146,7 @@ def moe(tmp_path_factory):
 
 def _own_routing(model, s: Sample) -> torch.Tensor:
     """HF's routing of the sample's forwarded positions, as the record lays it out [n, layers x top_k]."""
-    from areal_fast.trainer.routing import record_routing
+    from areal_fast.moe_routing import record_routing
 
     ids = torch.tensor(list(s.prompt_ids) + list(s.output_ids))[None, :-1]
     with torch.no_grad(), record_routing(model) as rec:
@@ -196,12 +196,12 @@ def test_routing_replay_options_are_checked_at_load():
     with pytest.raises(ValueError, match="'qwen2'\\) is dense"):
         load_config(None, ["rollout.return_routed_experts=true", "model.warm_start.enabled=true",
                            "data.train=synthetic:reverse"])
-    with pytest.raises(ValueError, match="vLLM returns routing from 0.32 on"):
+    with pytest.raises(ValueError, match="vLLM returns routing from 0.32.0 on"):
         RolloutConfig(backend="vllm", engine="vllm", vllm_version="0.27.0", return_routed_experts=True)
 
 
 def test_routing_width_comes_from_the_models_config(moe, tmp_path):
-    from areal_fast.trainer.routing import routing_width
+    from areal_fast.moe_routing import routing_width
 
     assert routing_width(moe[0]) == WIDTH
     (tmp_path / "config.json").write_text('{"model_type": "qwen2", "num_hidden_layers": 2}')

@@ -42,6 +42,9 @@ WEIGHT_UPDATE_SESSIONS_SINCE = Version("0.5.21")  # /begin_weight_update and /en
 GENERATE_SCHEMA_400_SINCE = Version("0.5.22")  # unknown sampling keys: a schema 400 (a 500 TypeError before)
 REFUSES_FLUSH_WITH_RUNNING_SINCE = Version("0.5.22")  # a flush with requests holding KV fails the call
 CHECKS_BUCKET_ALIGNMENT_SINCE = Version("0.5.23")  # a misaligned flattened bucket is refused up front
+# --enable-return-routed-experts, return_routed_experts / routed_experts_start_len, meta_info.routed_experts
+# (0.5.6 has none; the releases between were not read: the first one read to have it)
+ROUTED_EXPERTS_SINCE = Version("0.5.23")
 IN_PLACE_UPDATES_SINCE = WEIGHT_VERSION_SPANS_SINCE  # in_place pause + update without flush, versions exact
 
 # What an in_place pause needs of a real SGLang server for every token to keep the version of the
@@ -81,6 +84,12 @@ def refuses_unknown_sampling_keys_with_400(version: Version) -> bool:
     """/generate bodies are checked against a schema first: an unknown sampling key is a 400. Before,
     the key reaches ``SamplingParams(**params)``: a TypeError, answered 500."""
     return version >= GENERATE_SCHEMA_400_SINCE
+
+
+def returns_routed_experts(version: Version) -> bool:
+    """MoE routing per position: the server argument ``--enable-return-routed-experts``, the request
+    fields ``return_routed_experts`` and ``routed_experts_start_len``, ``meta_info["routed_experts"]``."""
+    return version >= ROUTED_EXPERTS_SINCE
 
 
 def in_place_refusal(version: Version) -> str | None:

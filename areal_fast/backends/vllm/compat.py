@@ -34,6 +34,8 @@ WEIGHT_TRANSFER_SINCE = Version("0.16.0")  # /init_weight_transfer_engine, /upda
 RELOAD_FROM_PATH_SINCE = Version("0.16.0")  # collective_rpc reload_weights(weights_path=...)
 WEIGHT_UPDATE_SESSIONS_SINCE = Version("0.21.0")  # /start_weight_update ... /finish_weight_update
 WEIGHT_VERSION_LABEL_SINCE = Version("0.27.0")  # /update_weight_version, GET /weight_info
+ROUTED_EXPERTS_ANSWER_SINCE = Version("0.27.0")  # --enable-return-routed-experts, choices[].routed_experts
+ROUTED_EXPERTS_PROMPT_START_SINCE = Version("0.32.0")  # the completion request's routed_experts_prompt_start
 TOKEN_WEIGHT_VERSIONS_SINCE = Version("0.33.0")  # return_weight_versions: per-choice weight_versions spans
 KEEP_CLEARS_CACHE_SINCE = Version("0.20.0")  # /pause?mode=keep with clear_cache=true (the default) preempts
 # the kept requests: their KV is dropped and recomputed at /resume by the weights of then (SGLang's retract)
@@ -131,6 +133,17 @@ class VLLMBehaviour:
         """/pause takes ``mode`` (abort, wait, keep) as a query parameter; before, a boolean
         ``wait_for_inflight_requests`` (false = abort)."""
         return self.version >= PAUSE_MODES_SINCE
+
+    @property
+    def returns_routed_experts(self) -> bool:
+        """A server launched with ``--enable-return-routed-experts`` answers each choice's
+        ``routed_experts`` (the releases between 0.11 and 0.27 were not read)."""
+        return self.version >= ROUTED_EXPERTS_ANSWER_SINCE
+
+    @property
+    def has_routed_experts_prompt_start(self) -> bool:
+        """The completion request takes ``routed_experts_prompt_start`` (0.27 answers routing without it)."""
+        return self.version >= ROUTED_EXPERTS_PROMPT_START_SINCE
 
     @property
     def has_weight_transfer(self) -> bool:

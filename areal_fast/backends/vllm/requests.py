@@ -83,11 +83,11 @@ def routing_start_field(start: int, prompt_len: int | None, behaviour: VLLMBehav
     """``{"routed_experts_prompt_start": start}`` for a prompt of ``prompt_len`` tokens (None: not
     known here, pre-encoded): the routing rows of the first ``start`` prompt positions are not sent
     (0.32.0 on); ValueError otherwise."""
-    from areal_fast.rollout.routed_experts import VLLM_PROMPT_START_SINCE
+    from areal_fast.backends.vllm.compat import ROUTED_EXPERTS_PROMPT_START_SINCE
 
-    if behaviour.version < VLLM_PROMPT_START_SINCE:
+    if not behaviour.has_routed_experts_prompt_start:
         raise ValueError(f"routed_experts_prompt_start: vLLM {behaviour.version}'s completion request has "
-                         f"no such field ({VLLM_PROMPT_START_SINCE} on)")
+                         f"no such field ({ROUTED_EXPERTS_PROMPT_START_SINCE} on)")
     if start < 0 or (prompt_len is not None and start > prompt_len):
         raise ValueError(f"routed_experts_prompt_start={start}: must be within the prompt's {prompt_len} tokens")
     return {"routed_experts_prompt_start": int(start)}

@@ -45,7 +45,7 @@ from areal_fast.rollout.engine.request_parsing import BadRequest, read_json
 from areal_fast.rollout.engine.sampling import SamplingError, parse_sampling_params
 from areal_fast.rollout.engine.scheduler import Request
 from areal_fast.rollout.engine.weight_sync import TensorMeta, parse_dtype
-from areal_fast.rollout.routed_experts import VLLM_ANSWER_SINCE, VLLM_PROMPT_START_SINCE, to_vllm
+from areal_fast.rollout.routed_experts import to_vllm
 
 TRANSFER_GROUP = TWIN_TRANSFER_GROUP
 _WAIT_POLL_S = 0.01
@@ -159,7 +159,7 @@ class VLLMRoutes:
 
     @property
     def _has_prompt_start(self) -> bool:
-        return self.b.version >= VLLM_PROMPT_START_SINCE
+        return self.b.has_routed_experts_prompt_start
 
     def _routing_start(self, body: dict, prompt_len: int) -> int | web.Response:
         """``routed_experts_prompt_start`` (0 when left out), or vLLM's 400 for a bad one: its schema's
@@ -195,7 +195,7 @@ class VLLMRoutes:
             choice["prompt_token_ids"] = list(req.input_ids)
         if body.get("return_weight_versions") and self.b.token_weight_versions:
             choice["weight_versions"] = _spans(req.versions)
-        if self.b.version >= VLLM_ANSWER_SINCE:  # null unless recorded and something was forwarded
+        if self.b.returns_routed_experts:  # null unless recorded and something was forwarded
             rows = self.s.routing.rows_of(req) if self.s.routing is not None else None
             choice["routed_experts"] = None if rows is None else to_vllm(rows, self.s.routing.num_experts)
             req.routing = None

@@ -17,9 +17,8 @@ import uuid
 
 from aiohttp import web
 
-from areal_fast.backends.sglang.compat import SGLANG_SAMPLING_KEYS, SGLangBehaviour
+from areal_fast.backends.sglang.compat import SGLANG_SAMPLING_KEYS, SGLangBehaviour, returns_routed_experts
 from areal_fast.rollout.engine.sampling import SamplingError, parse_sampling_params
-from areal_fast.rollout.routed_experts import SGLANG_SINCE
 
 log = logging.getLogger("areal_fast.rollout.engine.server")  # the front end's log, as SGLang's server logs it
 
@@ -140,7 +139,7 @@ def parse_routed_experts(body: dict, prompt_len: int, sglang: SGLangBehaviour) -
     routing to return, or None when not asked (or the release has no such fields). A start outside
     ``[0, prompt length]`` aborts the request with SGLang 0.5.23's message (HTTP 400), whether or not
     the server records routing."""
-    if sglang.version < SGLANG_SINCE or not body.get("return_routed_experts", False):
+    if not returns_routed_experts(sglang.version) or not body.get("return_routed_experts", False):
         return None
     if body["return_routed_experts"] is not True:
         raise BadRequest(f"return_routed_experts must be a boolean, got {body['return_routed_experts']!r}",

@@ -4,7 +4,7 @@ Routing replay (docs/moe.md) needs, for every token, the experts each sparse blo
 the forward that produced the next token's log-prob. SGLang and vLLM record them per KV slot; the
 embedded engine records them per request and position:
 
-* a forward hook on every top-k router (``trainer.routing.record_routing``, the one recorder of
+* a forward hook on every top-k router (``moe_routing.record_routing``, the one recorder of
   both sides) collects the forward's ``[tokens, top_k]`` indices, in the order the routers see the
   tokens: row-major over the batch, so a prefill of ``B`` prompts of length ``n`` (the scheduler
   prefills equal lengths together, no padding) is ``[B * n]`` and a decode step is ``[B]``; the
@@ -27,14 +27,17 @@ import numpy as np
 import torch
 from packaging.version import Version
 
-from areal_fast.rollout.routed_experts import SGLANG_SINCE, VLLM_ANSWER_SINCE
-from areal_fast.trainer.routing import record_routing, router_layers, routers
+from areal_fast.moe_routing import record_routing, router_layers, routers
 
 
 def check_release(api: str, version: Version) -> None:
     """Refuse ``--enable-return-routed-experts`` for a release that has no routed-experts answer."""
-    since = SGLANG_SINCE if api == "sglang" else VLLM_ANSWER_SINCE
-    if version < since:
+    from areal_fast.backends.sglang.compat import ROUTED_EXPERTS_SINCE, returns_routed_experts
+    from areal_fast.backends.vllm.compat import ROUTED_EXPERTS_ANSWER_SINCE, VLLMBehaviour
+
+    ok = returns_routed_experts(version) if api == "sglang" else VLLMBehaviour.of(version).returns_routed_experts
+    if not ok:
+        since = ROUTED_EXPERTS_SINCE if api == "sglang" else ROUTED_EXPERTS_ANSWER_SINCE
         raise ValueError(f"--enable-return-routed-experts: {api} {version} returns no routed experts (the "
                          f"embedded engine serves them as {api} {since} and later do)")
 

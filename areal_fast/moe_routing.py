@@ -7,6 +7,9 @@ through other experts than the ones that produced its behaviour log-prob. The ro
 the trainer's own (softmax of its router logits at the replayed experts, renormalised as the model
 does), so the router still learns through them; only the selection is fixed.
 
+It sits below the rollout layer and the trainer (the embedded engine records with it, the actor
+replays with it).
+
 Works on transformers' top-k routers (``Qwen3MoeTopKRouter`` and the routers that share its
 interface: ``forward(hidden) -> (logits, weights, indices)``, attributes ``top_k``,
 ``num_experts``, ``norm_topk_prob``, ``weight``).
