@@ -311,3 +311,51 @@ def test_the_flag_is_refused_where_it_cannot_work(tmp_path, moe_dir):
 
     with pytest.raises(ValueError, match="routed_experts_prompt_start: vLLM 0.27.0's completion request has no"):
         completion_body([1, 2], {}, "r", VLLMBehaviour.of("0.27.0"), routed_experts_prompt_start=1)
+
+
+@pytest.mark.parametrize("api", ["sglang", "vllm"])
+def test_the_client_stitches_a_requests_routing_across_pauses(api, sglang, twin, hf, monkeypatch):
+    """Through the rollout client (SGLang's API, or the vLLM adapter against the twin): a request
+    paused in abort mode twice while it generates is resubmitted with its prompt and output so far,
+    each segment asking only for the positions not recorded yet; the sample's column is HF's routing
+    of the whole forwarded sequence, row by row."""
+    import asyncio
+    import time
+
+    import areal_fast.rollout.client as client_mod
+    from areal_fast.backends.vllm.client import VLLMRolloutClient
+    from areal_fast.rollout.client import RolloutClient
+
+    handle = sglang if api == "sglang" else twin
+    sch = handle.server.scheduler
+    forward = sch._forward
+
+    def slow_forward(*a, **kw):  # a step every ~20 ms, so that the pauses land mid-generation
+        time.sleep(0.02)
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(sch, "_forward", slow_forward)
+    starts = []
+    stitch = client_mod.segment_routing
+    monkeypatch.setattr(client_mod, "segment_routing",
+                        lambda ans, w, sent, start, url: starts.append(start) or stitch(ans, w, sent, start, url))
+    width = hf.config.num_hidden_layers * hf.config.num_experts_per_tok
+    make = RolloutClient if api == "sglang" else lambda urls, **kw: VLLMRolloutClient(urls, vllm_version="0.32.0", **kw)
+
+    async def run():
+        async with make([handle.url], routed_experts_width=width) as c:
+            task = asyncio.create_task(c.generate(PROMPTS[1], {"max_new_tokens": 40, "temperature": 1.0,
+                                                                "ignore_eos": True}))
+            for _ in range(2):
+                await asyncio.sleep(0.25)
+                await c.pause_all("abort")
+                await c.continue_all()
+            return await task
+
+    s = asyncio.run(asyncio.wait_for(run(), 120))
+    seq = list(s.prompt_ids) + list(s.output_ids)
+    assert len(s.output_ids) == 40 and s.num_segments >= 3, s.num_segments
+    # only the positions not recorded yet (a segment aborted before it ran records none: the same start)
+    assert starts[0] == 0 and starts[-1] > 0 and all(b >= a for a, b in zip(starts, starts[1:])), starts
+    got = np.frombuffer(s.routed_experts, dtype=np.int16).reshape(len(seq) - 1, -1)
+    assert (got == hf_routing(hf, seq[:-1]).reshape(len(seq) - 1, -1)).all()
