@@ -7,7 +7,7 @@ that differ, k1 and k3 of the log-ratio (behaviour - trainer), the largest |log-
 fraction of tokens IcePop's band [0.5, 2] would mask; and the cost (a forward with replay against
 one without, the recording hook, the column's bytes per token).
 
-    python bench/bench_routing_replay.py [--seeds 0,1,2] [--prompts 32] [--new-tokens 48] [--engine]
+    python bench/bench_routing_replay.py [--seeds 0,1,2] [--prompts 32] [--new-tokens 48] [--engine [--temperature T]]
 
 ``--engine``: the same comparison on what the loop trains on, paired: the recipe's warm-started
 (trained) MoE on longer strings, served by the embedded engine in bf16, its routing recorded while
@@ -81,7 +81,7 @@ def one_seed(seed: int, n_prompts: int, new_tokens: int) -> dict:
     return out
 
 
-def engine_paired(seed: int, n_prompts: int, new_tokens: int, work: str) -> dict:
+def engine_paired(seed: int, n_prompts: int, new_tokens: int, work: str, temperature: float = 1.0) -> dict:
     """The trained recipe's MoE (``examples/tiny_reverse_moe.yaml``'s warm start, longer strings),
     served by the embedded engine in bf16 with routing recorded at generation time (KV cache,
     continuous batching), the answers stitched by the rollout client; the fp32 trainer's proximal
@@ -111,7 +111,7 @@ def engine_paired(seed: int, n_prompts: int, new_tokens: int, work: str) -> dict
     try:
         async def gen():
             async with RolloutClient([h.url], routed_experts_width=routing_width(model)) as c:
-                return await asyncio.gather(*(c.generate(p, {"max_new_tokens": new_tokens, "temperature": 1.0,
+                return await asyncio.gather(*(c.generate(p, {"max_new_tokens": new_tokens, "temperature": temperature,
                                                               "ignore_eos": True}) for p in prompts))
         samples = asyncio.run(gen())
     finally:
@@ -119,7 +119,8 @@ def engine_paired(seed: int, n_prompts: int, new_tokens: int, work: str) -> dict
     b = torch.cat([torch.tensor(list(s.output_logprobs)) for s in samples]).double()
     out = {"tokens": int(b.numel())}
     for name, replay in (("free", False), ("replay", True)):
-        actor = PPOActor(TrainerConfig(model_path=model, device="cpu", ppo=PPOConfig(routing_replay=replay)))
+        actor = PPOActor(TrainerConfig(model_path=model, device="cpu", ppo=PPOConfig(routing_replay=replay),
+                                       sampling_temperature=temperature))
         p = torch.cat(actor.compute_logprobs(samples)).double()
         stats = actor.train_batch([_with_group(s) for s in samples], version=0) if name == "free" else {}
         if "routing_differ_fraction" in stats:
@@ -142,6 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0,1,2", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=1.0, help="--engine: the sampling temperature")
     ap.add_argument("--engine", action="store_true",
                     help="the trained recipe's MoE served by the embedded engine in bf16 (routing recorded while "
                          "it generates), the fp32 trainer's recompute of the same samples without / with replay")
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if a.engine:
         with tempfile.TemporaryDirectory(prefix="areal_bench_replay_") as work:
-            rows = [engine_paired(s, a.prompts, a.new_tokens, work) for s in a.seeds]
+            rows = [engine_paired(s, a.prompts, a.new_tokens, work, a.temperature) for s in a.seeds]
         for s, r in zip(a.seeds, rows):
             print(f"seed {s}: {r['tokens']} tokens | routings differing {100 * r['flip_frac']:.3f} % | k3 "
                   f"{r['free_k3']:.3e} -> {r['replay_k3']:.3e} | k1 {r['free_k1']:+.2e} -> {r['replay_k1']:+.2e} | "
