@@ -89,13 +89,13 @@ def replay_routing(model: nn.Module, indices: list[torch.Tensor]):
 
 
 @contextlib.contextmanager
-def routing_agreement(model: nn.Module, indices: list[torch.Tensor]):
+def routing_agreement(model: nn.Module, indices: list[torch.Tensor], out: dict | None = None):
     """Within the block, count the (position, router) pairs of the forward(s) whose recorded experts
-    (``indices[k]``, rows of -1 not counted) are not the set the router itself picks; yields
-    ``{"differ": n, "recorded": m}``, filled as forwards run. Inside :func:`replay_routing` too (then
-    the router's own pick is the one it was told to ignore)."""
+    (``indices[k]``, rows of -1 not counted) are not the set the router itself picks, adding to
+    ``out`` (``{"differ": n, "recorded": m}``, a new one when None), which it yields. Inside
+    :func:`replay_routing` too (then the router's own pick is the one it was told to ignore)."""
     rs = routers(model)
-    out = {"differ": 0, "recorded": 0}
+    out = {"differ": 0, "recorded": 0} if out is None else out
 
     def count(k, module, output):
         own = getattr(module, "_own_indices", None)

@@ -457,17 +457,12 @@ def segment_routing(ans: Segment, width: int, sent: int, start: int, url: str) -
     if ans.routing is None:
         return out
     want = sent + len(ans.ids) - 1 - start
-    try:
-        if isinstance(ans.routing, str):  # SGLang: raw int32 ids, the shape not sent
-            rows = from_sglang(ans.routing, 1, 1).reshape(-1)
-            if rows.size % width == 0:
-                rows = rows.reshape(-1, width)
-        else:  # the vLLM adapter's [positions, layers, top_k]
-            rows = np.asarray(ans.routing)
-            rows = rows.reshape(len(rows), -1)
+    try:  # SGLang's raw int32 ids (the shape not sent: rows of ``width``), or the vLLM adapter's decoded rows
+        rows = from_sglang(ans.routing, 1, width) if isinstance(ans.routing, str) else ans.routing
     except ValueError as e:
         raise MalformedAnswer(url, str(ans.rid), f"routed_experts: {e}") from None
-    if rows.ndim != 2 or rows.shape != (want, width):
+    rows = rows.reshape(len(rows), -1)
+    if rows.shape != (want, width):
         if ans.finish.get("type") == "abort":
             return out
         raise MalformedAnswer(url, str(ans.rid), f"routed_experts: {rows.size} expert ids for {want} positions "

@@ -38,15 +38,6 @@ _MEAN_STATS = ("ratio_mean", "clip_fraction", "dual_clip_fraction", "approx_kl",
                "seq_mis_masked_fraction", "m2po_masked_fraction", "entropy_mean", "kl_mean")
 
 
-@contextlib.contextmanager
-def _summed(counter, into: dict):
-    """Run the counting context ``counter`` and add what it counted to ``into``."""
-    with counter as got:
-        yield
-    for k, v in got.items():
-        into[k] += v
-
-
 def lr_factor(o: OptimConfig, step: int) -> float:
     """The LR multiplier at optimizer step ``step``: linear warm-up, then constant, linear or cosine
     decay to ``min_lr_ratio`` at ``total_steps``."""
@@ -142,19 +133,21 @@ class PPOActor:
                                                    chunk_size=self.config.loss_chunk_size,
                                                    backend=self.loss_backend, **kw)
 
-    def _replay(self, p: Packed):
-        """Routing replay over the forward(s) of ``p`` (``ppo.routing_replay`` and rows recorded), else
-        nothing: the routers of the trained model take the recorded experts (``moe_routing.py``)."""
-        if p.routing is None or not self.config.ppo.routing_replay:
-            return contextlib.nullcontext()
-        return replay_routing(self.model, replay_indices(self.model, p.routing.to(self.device)))
-
-    def _agreement(self, p: Packed, into: dict):
-        """Count, in the forward(s) of ``p``, the recorded (position, block) pairs the trained model's
-        own routers would route elsewhere (added to ``into``); nothing without recorded rows."""
-        if p.routing is None:
-            return contextlib.nullcontext()
-        return _summed(routing_agreement(self.model, replay_indices(self.model, p.routing.to(self.device))), into)
+    def _routing(self, p: Packed, agree: dict | None = None) -> contextlib.ExitStack:
+        """The recorded routing of ``p``'s positions over the forward(s) in the block: replayed by the
+        trained model's routers with ``ppo.routing_replay``, and with ``agree`` the recorded
+        (position, block) pairs its own routers would route elsewhere counted into it
+        (``moe_routing.py``); nothing without recorded rows."""
+        stack = contextlib.ExitStack()
+        if p.routing is None or not (self.config.ppo.routing_replay or agree is not None):
+            return stack
+        idx = replay_indices(self.model, p.routing.to(self.device))  # once for both
+        with stack:  # closed here only if entering one fails; the caller's block closes it otherwise
+            if self.config.ppo.routing_replay:
+                stack.enter_context(replay_routing(self.model, idx))
+            if agree is not None:
+                stack.enter_context(routing_agreement(self.model, idx, agree))
+            return stack.pop_all()
 
     @torch.no_grad()
     def _logprobs(self, model, p: Packed) -> torch.Tensor:
@@ -173,7 +166,7 @@ class PPOActor:
         self.model.eval()
         for ids, mb in self._plan(seqs, list(range(len(seqs)))):
             p = pack(ids, mb, torch.zeros(len(ids)), self.device)
-            with self._replay(p):
+            with self._routing(p):
                 lps = self._logprobs(self.model, p).cpu()
             for i, s, lp in zip(ids, mb, p.split(lps)):
                 if i >= 0:
@@ -228,7 +221,7 @@ class PPOActor:
                     for store, model in ((prox, self.model), (ref, self.ref)):
                         if store is not None:
                             if model is self.model:
-                                with self._replay(p), self._agreement(p, agree):
+                                with self._routing(p, agree):
                                     lps = self._logprobs(model, p).cpu()
                             else:
                                 lps = self._logprobs(model, p).cpu()
@@ -253,7 +246,7 @@ class PPOActor:
             for ids, mb in plan:
                 p = packed(ids, mb, prox, ref)
                 n_tok_local += p.n_tokens
-                with self._replay(p):  # forward and backward: a checkpointed block routes again in backward
+                with self._routing(p):  # forward and backward: a checkpointed block routes again in backward
                     out = self.model(self._loss_fn(p, normalizer, theta_version), p.input_ids, p.position_ids,
                                      p.cu_seqlens, p.max_seqlen)
                     loss, stats = out[0], out[3]
