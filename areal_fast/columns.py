@@ -61,7 +61,7 @@ _ONES = array(MASK_ARRAY, [1])
 
 __all__ = ["ITEMSIZE", "LOGPROB_ARRAY", "MASK_ARRAY", "ROUTING_ARRAY", "TOKEN_ARRAY", "column", "decode_column",
            "encode_column", "is_binary_mask", "json_default", "logprobs", "mask", "min_model_version", "routing",
-           "tokens"]
+           "routing_from_rows", "tokens"]
 
 
 def column(values: Iterable, typecode: str, name: str) -> array:
@@ -100,6 +100,17 @@ def mask(values: Iterable = (), name: str = "loss_mask") -> array:
 def routing(values: Iterable = (), name: str = "routed_experts") -> array:
     """Routed experts (flat, ``layers x top_k`` a position) as ``array('h')``."""
     return column(values, ROUTING_ARRAY, name)
+
+
+def routing_from_rows(rows) -> array:
+    """A numpy ``[positions, width]`` routing (any integer dtype) as the ``array('h')`` column: one copy
+    (into int16 when it is another dtype, then into the array)."""
+    import numpy as np  # a dependency of the package; only routing needs it here
+
+    out = array(ROUTING_ARRAY)
+    flat = np.ascontiguousarray(rows, dtype=np.int16).reshape(-1)  # 1-D: a view of it casts to bytes
+    out.frombytes(memoryview(flat).cast("B"))
+    return out
 
 
 def is_binary_mask(m) -> bool:

@@ -36,6 +36,7 @@ from areal_fast.columns import (
     mask,
     min_model_version,
     routing,
+    routing_from_rows,
     tokens,
 )
 
@@ -47,13 +48,6 @@ COLUMN_NAMES = tuple(_COLUMNS)
 """The per-token columns of a sample, in the order a buffer record stores them."""
 _MODEL = b"\x01"
 _UNROUTED = array(ROUTING_ARRAY, [-1])
-
-
-def _routing_from(rows) -> array:
-    """A numpy int16 ``[positions, width]`` routing as the column (its bytes, one copy)."""
-    out = array(ROUTING_ARRAY)
-    out.frombytes(rows.tobytes())
-    return out
 
 
 @dataclass
@@ -206,7 +200,7 @@ class Sample:
         old = np.frombuffer(self.routed_experts, dtype=np.int16).reshape(-1, width)
         keep = (old >= 0).all(axis=1)
         merged[: len(old)][keep] = old[keep]
-        self.routed_experts = _routing_from(merged)
+        self.routed_experts = routing_from_rows(merged)
 
     def routing_width(self) -> int:
         """Expert ids a position in ``routed_experts`` (``layers x top_k``); 0 when it is empty.

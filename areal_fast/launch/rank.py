@@ -169,7 +169,7 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool, metrics_key: str
             say(f"prometheus: {exporter.where()}")
         lora = cfg.train.lora
         width = None
-        if r.return_routed_experts:  # routing replay's record: sparse blocks x top-k ids a position
+        if r.return_routed_experts:  # routing replay's record: decoder layers x top-k ids a position
             from areal_fast.moe_routing import routing_width
 
             width = routing_width(path)

@@ -69,7 +69,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from areal_fast.backends.sglang.compat import SGLANG_SAMPLING_KEYS
-from areal_fast.columns import ROUTING_ARRAY
+from areal_fast.columns import ROUTING_ARRAY, routing_from_rows
 from areal_fast.rollout.answer import (
     LOGPROB_ARRAY,
     TOKEN_ARRAY,
@@ -451,11 +451,8 @@ def segment_routing(ans: Segment, width: int, sent: int, start: int, url: str) -
     without routing gives none; an aborted one whose rows do not cover that range gives none either
     (its positions are asked again by the next segment, or stay unrecorded). A finished answer with
     another count or width is a ``MalformedAnswer``: the server does not record what we ask."""
-    import numpy as np
-
-    out = array(ROUTING_ARRAY)
     if ans.routing is None:
-        return out
+        return array(ROUTING_ARRAY)
     want = sent + len(ans.ids) - 1 - start
     try:  # SGLang's raw int32 ids (the shape not sent: rows of ``width``), or the vLLM adapter's decoded rows
         rows = from_sglang(ans.routing, 1, width) if isinstance(ans.routing, str) else ans.routing
@@ -464,8 +461,7 @@ def segment_routing(ans: Segment, width: int, sent: int, start: int, url: str) -
     rows = rows.reshape(len(rows), -1)
     if rows.shape != (want, width):
         if ans.finish.get("type") == "abort":
-            return out
+            return array(ROUTING_ARRAY)
         raise MalformedAnswer(url, str(ans.rid), f"routed_experts: {rows.size} expert ids for {want} positions "
                               f"of {width} (layers x top_k) asked")
-    out.frombytes(np.ascontiguousarray(rows, dtype=np.int16).tobytes())
-    return out
+    return routing_from_rows(rows)
