@@ -118,6 +118,8 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
     setup_logging(out, cfg.log.level, console=rank == 0)
     import torch
 
+    from areal_fast.trainer.model import shutdown_process_group
+
     # one thread: 2 OpenMP threads on 2 busy cores spin and run ~10x slower than one (measured)
     torch.set_num_threads(cfg.train.threads)
     if rank > 0:
@@ -125,6 +127,7 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
         from areal_fast.trainer import PPOActor
 
         follower_loop(PPOActor(trainer_config(cfg, cfg.model.path)))
+        shutdown_process_group()
         return {}
     from areal_fast.launch.prometheus import METRICS_KEY_ENV
     from areal_fast.rollout.loop import run_event_loop  # uvloop where installed (AREAL_FAST_EVENT_LOOP)
@@ -133,6 +136,7 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
     exposed = {"metrics_key": metrics_key} if metrics_key else {}  # only an exposed endpoint has one
     summary = run_event_loop(_rank0(cfg, cfg.weights.resolved_api_key, say, progress, **exposed))  # the sync's key too
     write_summary(out, summary)
+    shutdown_process_group()  # on success only: after a failure a peer may be inside a collective
     return summary
 
 

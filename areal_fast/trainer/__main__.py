@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch.distributed as dist
-
 from areal_fast.trainer import PPOActor, TrainerConfig, export_hf, load_checkpoint, save_checkpoint
+from areal_fast.trainer.model import shutdown_process_group
 
 
 def main(argv=None) -> None:
@@ -37,7 +36,7 @@ def main(argv=None) -> None:
         save_checkpoint(actor, args.save)
     if args.export_hf:
         export_hf(actor, args.export_hf)
-    dist.destroy_process_group()
+    shutdown_process_group()
 
 
 if __name__ == "__main__":

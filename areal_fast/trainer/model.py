@@ -197,3 +197,15 @@ def init_process_group_if_needed(device: torch.device) -> None:
                 os.environ.pop("GLOO_SOCKET_IFNAME", None)
     else:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def shutdown_process_group() -> None:
+    """The end of a trainer rank: every rank reaches a barrier (all of its own collectives and the
+    other ranks' last writes are done) before any tears its group down. A rank that destroyed its
+    gloo group while a peer still worked on the last gather, or left it to interpreter exit, could
+    end in ``terminate called without an active exception`` (SIGABRT) after the run had finished."""
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()

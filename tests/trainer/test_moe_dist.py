@@ -31,11 +31,13 @@ def config(model_path, max_tokens):
 
 
 def worker(model_path, out_dir):
-    import torch.distributed as dist
+    import faulthandler
 
+    from areal_fast.trainer.model import shutdown_process_group
     from areal_fast.weights.experts import to_checkpoint_layout
     from areal_fast.weights.gather import BucketGatherer, collect_sources, send_dtypes
 
+    faulthandler.enable()  # a rank that aborts (SIGABRT) prints where it was
     actor = PPOActor(config(model_path, max_tokens=40))
     assert actor.world == 2
     shard = actor.sharded_state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
@@ -58,7 +60,7 @@ def worker(model_path, out_dir):
     out["wire"] = wire
     if actor.rank == 0:
         torch.save(out, os.path.join(out_dir, "two_ranks.pt"))
-    dist.destroy_process_group()
+    shutdown_process_group()
 
 
 @pytest.fixture(scope="module")

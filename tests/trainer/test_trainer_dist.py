@@ -60,7 +60,13 @@ def run_steps(actor, out, ckpt=None):
 
 
 def worker(model_path, out_dir):
+    import faulthandler
+
     import torch.distributed as dist
+
+    from areal_fast.trainer.model import shutdown_process_group
+
+    faulthandler.enable()  # a rank that aborts (SIGABRT) prints where it was
 
     actor = PPOActor(config(model_path, max_tokens=40))
     assert actor.world == 2
@@ -78,7 +84,7 @@ def worker(model_path, out_dir):
     out["n_mbs"] = len(actor._plan([to_seq(s) for s in make_batch(14, seed=11)], list(range(14))))
     if actor.rank == 0:
         torch.save(out, os.path.join(out_dir, "two_ranks.pt"))
-    dist.destroy_process_group()
+    shutdown_process_group()
 
 
 @pytest.fixture(scope="module")
