@@ -136,7 +136,8 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
     exposed = {"metrics_key": metrics_key} if metrics_key else {}  # only an exposed endpoint has one
     summary = run_event_loop(_rank0(cfg, cfg.weights.resolved_api_key, say, progress, **exposed))  # the sync's key too
     write_summary(out, summary)
-    shutdown_process_group()  # on success only: after a failure a peer may be inside a collective
+    if "RANK" in os.environ:  # a rank process of its own (an in-process rank 0 keeps the caller's group)
+        shutdown_process_group()  # on success only: after a failure a peer may be inside a collective
     return summary
 
 
