@@ -127,7 +127,7 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
         from areal_fast.trainer import PPOActor
 
         follower_loop(PPOActor(trainer_config(cfg, cfg.model.path)))
-        shutdown_process_group()
+        shutdown_process_group(barrier=False)  # rank 0's "stop" was the last collective, after success or failure
         return {}
     from areal_fast.launch.prometheus import METRICS_KEY_ENV
     from areal_fast.rollout.loop import run_event_loop  # uvloop where installed (AREAL_FAST_EVENT_LOOP)
@@ -137,7 +137,7 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
     summary = run_event_loop(_rank0(cfg, cfg.weights.resolved_api_key, say, progress, **exposed))  # the sync's key too
     write_summary(out, summary)
     if "RANK" in os.environ:  # a rank process of its own (an in-process rank 0 keeps the caller's group)
-        shutdown_process_group()  # on success only: after a failure a peer may be inside a collective
+        shutdown_process_group(barrier=False)  # "stop" was announced: the followers are done
     return summary
 
 

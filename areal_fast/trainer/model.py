@@ -199,13 +199,15 @@ def init_process_group_if_needed(device: torch.device) -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 
-def shutdown_process_group() -> None:
-    """The end of a trainer rank: every rank reaches a barrier (all of its own collectives and the
-    other ranks' last writes are done) before any tears its group down. A rank that destroyed its
-    gloo group while a peer still worked on the last gather, or left it to interpreter exit, could
-    end in ``terminate called without an active exception`` (SIGABRT) after the run had finished."""
+def shutdown_process_group(barrier: bool = True) -> None:
+    """The end of a trainer rank: with ``barrier`` every rank reaches a barrier (all of its own
+    collectives and the other ranks' last writes are done) before any tears its group down. A rank
+    that destroyed its gloo group while a peer still worked on the last collective, or left it to
+    interpreter exit, could end in ``terminate called without an active exception`` (SIGABRT) after
+    the work was done. ``barrier=False`` where the caller's last collective already was the end
+    (the run's ``stop`` announcement: a barrier there would hang the followers of a failed rank 0)."""
     if not dist.is_initialized():
         return
-    if dist.get_world_size() > 1:
+    if barrier and dist.get_world_size() > 1:
         dist.barrier()
     dist.destroy_process_group()
