@@ -60,8 +60,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from areal_fast.checkpoint import STATE_FILE, CorruptCheckpoint, read_state
 from areal_fast.columns import ITEMSIZE, LOGPROB_ARRAY, MASK_ARRAY, ROUTING_ARRAY, TOKEN_ARRAY
-from areal_fast.group import legacy_fields
+from areal_fast.group import Group, legacy_fields
 from areal_fast.sample import COLUMN_NAMES
 
 MAGIC = b"AFG1"
@@ -516,3 +517,26 @@ class GroupBuffer:
 
     def close(self) -> None:
         self.spill.close()
+
+
+def checkpoint_groups(path: Path, st: dict | None = None) -> Iterator[Group]:
+    """The buffered groups of the checkpoint at ``path`` (``st``: its controller state, read when not
+    given), one at a time, FIFO: from ``buffer.bin``, or from controller.json as checkpoints before
+    buffer.bin held them. CorruptCheckpoint names the file when a group is unreadable or the file is
+    short or too long. The checkpoint's layout is ``areal_fast.checkpoint``'s, its records this module's."""
+    st = read_state(path) if st is None else st
+    ref, where = st.get("buffer_file"), STATE_FILE
+    try:
+        if ref is None:
+            for g in st["buffer"]:
+                yield Group.from_state(g)
+            return
+        where = str(ref["name"])
+        f = path / where
+        if f.stat().st_size != int(ref["bytes"]):
+            raise ValueError(f"{f.stat().st_size} bytes, {STATE_FILE} says {ref['bytes']}")
+        with open(f, "rb") as fh:
+            for kw in read_records(fh, int(ref["groups"]), where):
+                yield Group(**kw)
+    except (OSError, ValueError, TypeError, KeyError, OverflowError) as e:
+        raise CorruptCheckpoint(f"checkpoint {path}: a buffered group in {where} is unreadable: {e!r}") from e

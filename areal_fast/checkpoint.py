@@ -33,14 +33,12 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from areal_fast import columns
-from areal_fast.buffer import GroupBuffer, read_records
 from areal_fast.diskutil import write_failed
-from areal_fast.group import Group
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +129,10 @@ def move_aside(path: Path) -> Path:
 # ----------------------------------------------------------------------------- writing
 
 
-def write(ckpt_dir: Path, state: dict, buffer: GroupBuffer, trainer, keep_last: int) -> Path:
+def write(ckpt_dir: Path, state: dict, buffer, trainer, keep_last: int) -> Path:
     """Write the checkpoint of ``state`` (the controller's state dict; ``buffer`` its slots, a
-    snapshot of ``buffer``) atomically: step_N.tmp (trainer + buffer.bin + controller.json + COMPLETE),
+    snapshot of ``buffer``, an ``areal_fast.buffer.GroupBuffer``) atomically: step_N.tmp
+    (trainer + buffer.bin + controller.json + COMPLETE),
     then rename; then delete all but the newest ``keep_last``. The trainer is told the version it
     saves (``trainer.save(path, version)``). The buffered groups are streamed to buffer.bin group by
     group (a spilled one copied from the spill file as it is), so the write holds no second copy of
@@ -210,10 +209,12 @@ def _failpoint_after_checkpoint(version: int) -> None:
 # ----------------------------------------------------------------------------- reading
 
 
-def load(path: Path, *, resume_key: dict, batch_size: int, new_buffer: Callable[[], GroupBuffer], trainer) -> dict:
+def load(path: Path, *, resume_key: dict, batch_size: int, new_buffer: Callable,
+         read_groups: Callable[[Path, dict], Iterable], trainer) -> dict:
     """Read and check the checkpoint at ``path``, then load the trainer from it; returns the
     controller state, its ``buffer`` the buffered groups in a buffer from ``new_buffer`` (spilling
-    past its bound as they are read, group by group).
+    past its bound as they are read, group by group), read by ``read_groups(path, state)``
+    (``areal_fast.buffer.checkpoint_groups``: the record format is the buffer's).
 
     Raises :class:`ResumeMismatch` when the checkpoint was written with another ``resume_key``,
     :class:`CorruptCheckpoint` when it cannot be read or does not agree with itself (the trainer's
@@ -224,7 +225,7 @@ def load(path: Path, *, resume_key: dict, batch_size: int, new_buffer: Callable[
     # the buffered groups first: a damaged one makes the checkpoint corrupt, found before any load
     buf = new_buffer()
     try:
-        buf.extend(checkpoint_groups(path, st))
+        buf.extend(read_groups(path, st))
         check_consistent(st, len(buf), batch_size, path)
         check = getattr(trainer, "check", None)  # optional: a trainer without it is trusted
         try:
@@ -389,26 +390,3 @@ def check_state(st) -> None:
                          f"got {ref!r:.200}")
     elif "buffer" in st:
         raise ValueError("buffer: not expected beside buffer_file")
-
-
-def checkpoint_groups(path: Path, st: dict | None = None) -> Iterator[Group]:
-    """The buffered groups of the checkpoint at ``path`` (``st``: its controller state, read when not
-    given), one at a time, FIFO: from ``buffer.bin``, or from controller.json as checkpoints before
-    buffer.bin held them. CorruptCheckpoint names the file when a group is unreadable or the file is
-    short or too long."""
-    st = read_state(path) if st is None else st
-    ref, where = st.get("buffer_file"), STATE_FILE
-    try:
-        if ref is None:
-            for g in st["buffer"]:
-                yield Group.from_state(g)
-            return
-        where = str(ref["name"])
-        f = path / where
-        if f.stat().st_size != int(ref["bytes"]):
-            raise ValueError(f"{f.stat().st_size} bytes, {STATE_FILE} says {ref['bytes']}")
-        with open(f, "rb") as fh:
-            for kw in read_records(fh, int(ref["groups"]), where):
-                yield Group(**kw)
-    except (OSError, ValueError, TypeError, KeyError, OverflowError) as e:
-        raise CorruptCheckpoint(f"checkpoint {path}: a buffered group in {where} is unreadable: {e!r}") from e

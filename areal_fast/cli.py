@@ -43,7 +43,7 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
         p.add_argument("action", choices=["list", "add", "remove", "set"])
         p.add_argument("arg", nargs="?",
                        help="add: how many (1); remove: a server URL or how many (1); set: the number "
-                            "(the target is at most 1024: launch.members.MAX_SERVERS)")
+                            "(the target is at most 1024: elastic.members.MAX_SERVERS)")
         p.add_argument("--run-dir", required=True, help="the run's experiment.output_dir")
         return p
     p.add_argument("config", help="YAML run configuration (see docs/config.md)")
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(info, indent=1, default=str))
         return 0
     if args.cmd == "servers":
-        from areal_fast.launch.members import servers_command
+        from areal_fast.elastic.members import servers_command
 
         try:
             print(json.dumps(servers_command(args.action, args.run_dir, args.arg), indent=1))

@@ -46,8 +46,8 @@ import sys
 from array import array
 from collections.abc import Iterable
 
-from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY
-
+TOKEN_ARRAY = "i"  # token ids and versions: C int (vocabularies and versions fit in 31 bits)
+LOGPROB_ARRAY = "f"  # log-probs: C float (float32): the precision the trainer computes with
 MASK_ARRAY = "B"  # loss mask: one byte a token, 0 or 1
 ROUTING_ARRAY = "h"  # routed experts: int16 expert ids (below 32768), -1 where not recorded
 COLUMN_KEY = "__array__"  # marks an encoded column in a checkpoint's JSON

@@ -38,18 +38,16 @@ Every section class can still be imported from here; the machine checks are impo
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from areal_fast.configutil import ConfigError
+from areal_fast.configutil import ConfigError, Loader, check_rules, option
 from areal_fast.data.config import WARM_START_LR_SCHEDULES, DataConfig, SyntheticTaskConfig, WarmStartConfig
+from areal_fast.data.warm_start import Recipe
 from areal_fast.launch_config import (
     LAUNCHERS,
     MAX_SEED,
@@ -74,7 +72,7 @@ __all__ = [
     "ExperimentConfig", "LogConfig", "ModelConfig", "OptimConfig", "PPOConfig", "PPOLossConfig", "RayConfig",
     "RewardConfig", "RolloutConfig", "SlurmConfig", "SyntheticTaskConfig", "TrainerConfig", "WarmStartConfig",
     "WeightSyncConfig",
-    "check_names", "check_server_url", "from_dict", "load_config", "parse_override",
+    "RENAMED", "check_names", "check_server_url", "from_dict", "load_config", "parse_override",
     "save_config", "to_dict",
 ]
 
@@ -98,7 +96,11 @@ class AppConfig:
     log: LogConfig = field(default_factory=LogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """W&B, MLflow and the Prometheus endpoint (``areal_fast.metrics_config``, docs/observability.md)."""
-    launcher: str = "local"
+    api_key: str | None = field(default=None, repr=False)
+    """The run's one API key: the bearer token of its servers (launched ones get it; give the key of
+    servers you start yourself here), of the weight sync's calls and of a Prometheus endpoint off
+    loopback. null: $AREAL_FAST_API_KEY when set. Never written to disk (`save_config`)."""
+    launcher: str = option("local", choices=LAUNCHERS)
     """'local' (subprocesses and torchrun on this machine), 'ray' (a Ray cluster, see ``ray``) or 'slurm'
     (job steps of a Slurm allocation, see ``slurm``)."""
     ray: RayConfig = field(default_factory=RayConfig)
@@ -107,8 +109,7 @@ class AppConfig:
     """Which allocations the Slurm launcher's steps run in and their sizes (``launch/slurm.py``)."""
 
     def __post_init__(self):
-        if self.launcher not in LAUNCHERS:
-            raise ValueError(f"launcher: must be one of {LAUNCHERS}, got {self.launcher!r}")
+        check_rules(self)
         last_seed = self.experiment.seed + (0 if self.rollout.servers else self.rollout.n_servers - 1)
         if last_seed > MAX_SEED:
             raise ValueError(f"experiment.seed: launched server i gets seed + i; {self.experiment.seed!r} + "
@@ -116,20 +117,18 @@ class AppConfig:
         if self.train.ppo.reward_scale == 0:
             raise ValueError("train.ppo.reward_scale: must not be 0 (every reward would be the bias: every "
                              "advantage 0, nothing learned), got 0")
-        if self.rollout.backend == "vllm":  # the rollout section checked the rest (vllm's compat.check_rollout_backend)
-            from areal_fast.backends.vllm.compat import vllm_refusal
+        from areal_fast.backends.checks import check_rollout_servers
 
-            why = vllm_refusal(self.rollout.vllm_version, pause_mode=self.rollout.pause_mode,
-                               weights_method=self.weights.method)
-            if why:
-                raise ValueError(f"rollout.backend 'vllm': {why}")
+        check_rollout_servers(self.rollout, self.weights.method)  # the one check of what the servers serve
+        if self.rollout.api == "vllm":
             if self.rollout.client_processes > 1:
-                raise ValueError("rollout.client_processes > 1 with rollout.backend 'vllm': the sharded client's "
-                                 "workers build SGLang clients; use 1 (docs/vllm.md)")
+                raise ValueError("rollout.client_processes > 1 with rollout.api 'vllm': the vLLM adapter is not run "
+                                 "in worker processes yet (the sharded client is tested with SGLang's); use 1 "
+                                 "(docs/vllm.md)")
             args = self.rollout.server_args
             dummy = any(a == "--load-format=dummy" or a == "--load-format" and args[i + 1:i + 2] == ["dummy"]
                         for i, a in enumerate(args))
-            if dummy and self.rollout.engine == "vllm" and self.weights.method == "disk":
+            if dummy and self.rollout.server == "vllm" and self.weights.method == "disk":
                 raise ValueError("rollout.server_args: --load-format dummy with weights.method 'disk': vLLM cannot "
                                  "reload a dummy-loaded model from disk (its dummy loader reads no weights); use "
                                  "weights.method 'distributed' or another load format")
@@ -141,14 +140,18 @@ class AppConfig:
             raise ValueError("rollout.return_routed_experts: the warm-started model (model.warm_start.arch "
                              "'qwen2') is dense: no routing to record; use arch 'qwen3_moe' (docs/moe.md)")
         if self.train.lora is not None:
-            from areal_fast.trainer.lora_config import check_run
+            from areal_fast.lora_config import check_run
 
             check_run(self)
+        if self.weights.flush_cache and self.rollout.pause_mode == "in_place":
+            raise ValueError("weights.flush_cache: true flushes the servers' prefix cache with each update, which "
+                             "rollout.pause_mode 'in_place' cannot do (the kept requests hold their KV); set "
+                             "weights.flush_cache to false or null (null: flush unless the pause mode is in_place)")
+        self._fill_derived()
         prom = self.metrics.prometheus
         if prom.enabled and not is_loopback(prom.host) and not self.weights.resolved_api_key:
             raise ValueError(f"metrics.prometheus.host {prom.host!r} is not a loopback address, so every scrape must "
-                             f"carry a bearer key: set weights.api_key or $AREAL_FAST_API_KEY (docs/observability.md)")
-        self._fill_derived()
+                             f"carry a bearer key: set api_key or $AREAL_FAST_API_KEY (docs/observability.md)")
         if self.model.warm_start.enabled and not self.data.train.startswith("synthetic:"):
             raise ValueError(f"model.warm_start.enabled: only available with data.train = 'synthetic:reverse', "
                              f"got data.train = {self.data.train!r}")
@@ -161,10 +164,16 @@ class AppConfig:
             setattr(t, key, value)
         if t.ppo.loss.temperature != self.rollout.temperature:
             t.ppo.loss = dataclasses.replace(t.ppo.loss, temperature=self.rollout.temperature)
-        if self.rollout.pause_mode == "in_place":  # requests keep KV across the update: a flush would fail
-            self.weights.flush_cache = False
+        self.weights.api_key = self.api_key
+        if self.weights.flush_cache is None:  # requests kept in place hold their KV: a flush would fail
+            self.weights.flush_cache = self.rollout.pause_mode != "in_place"
         if t.optim.total_steps == 0 and t.optim.lr_schedule != "constant":  # a decay needs the run's length
             t.optim.total_steps = self.experiment.total_steps
+
+    def warm_start_recipe(self) -> Recipe:
+        """The sections the warm start reads (``areal_fast.data.warm_start``, below this assembler)."""
+        return Recipe(warm_start=self.model.warm_start, task=self.data.synthetic, seed=self.experiment.seed,
+                      max_new_tokens=self.rollout.max_new_tokens, out=self.experiment.out / "warm_start")
 
 
 DERIVED = {
@@ -172,131 +181,36 @@ DERIVED = {
     "train.seed": "experiment.seed",
     "train.sampling_temperature": "rollout.temperature",
     "train.ppo.loss.temperature": "rollout.temperature",
+    "weights.api_key": "api_key",
 }
-"""Keys of the trainer's configuration that a run config does not set: each is filled from the key
-it maps to (one home per value; the launcher replaces ``model.path`` by the warm-start directory)."""
+"""Keys of the sections that a run config does not set: each is filled from the key it maps to (one
+home per value; the launcher replaces ``model.path`` by the warm-start directory)."""
 
 
 # ----------------------------------------------------------------------------- loading
 
 
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+RENAMED = {
+    "weights.api_key": "api_key",
+    "weights.backend": "weights.collective",
+    "rollout.backend": "rollout.api",
+    "rollout.engine": "rollout.server",
+    "train.loss_backend": "train.loss_impl",
+    "train.ppo.loss.behav_weight_cap": "train.ppo.loss.token_mis_upper (behav_weight_mode 'mask') or "
+                                       "train.ppo.loss.tis_cap (behav_weight_mode 'clamp')",
+    "train.ppo.loss.behav_weight_mode": "train.ppo.loss.token_mis_upper (mode 'mask') or train.ppo.loss.tis_cap "
+                                        "(mode 'clamp')",
+}
+"""Keys a run config may no longer use, and what replaced each: loading one is an error naming the
+new key (one meaning per word: ``backend`` is the op dispatcher's word alone, ``areal_fast/dispatch.py``)."""
+
+_LOADER = Loader(derived=DERIVED, renamed=RENAMED)
 
 
-def _coerce(value, tp, key: str):
-    """Check ``value`` against the annotation ``tp``; returns the (possibly converted) value."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ConfigError(f"{key}: must not be null")
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {_type_name(tp)}")
-    if value is None:
-        raise ConfigError(f"{key}: must not be null")
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping (section {tp.__name__}), got {value!r}")
-        return from_dict(tp, value, prefix=key)
-    if origin in (list, tuple):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        args = typing.get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
-            return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-        item = args[0] if args else Any
-        out = [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if tp is float:
-        number = None
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # YAML reads '1e-5' (no dot) as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None:
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        if not math.isfinite(number):  # "no limit" is written null where a field allows it
-            raise ConfigError(f"{key}: must be a finite number, got {value!r}")
-        return number
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    raise ConfigError(f"{key}: unsupported field type {_type_name(tp)}")
-
-
-def from_dict(cls, data: dict, prefix: str = ""):
-    """Build dataclass ``cls`` from a nested dict; every error names the dotted key."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
-    if hasattr(cls, "migrate_options"):  # deprecated aliases of a section (PPOLossConfig's behav_weight_cap)
-        data = cls.migrate_options(data, f"{prefix}." if prefix else "")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    kwargs = {}
-    for k, v in data.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if key in DERIVED:
-            raise ConfigError(f"{key}: set from {DERIVED[key]} (one setting per value); set {DERIVED[key]} instead")
-        if k not in names:
-            valid = [n for n in names if f"{prefix}.{n}" not in DERIVED]
-            raise ConfigError(f"unknown key '{key}' (valid keys{' under ' + repr(prefix) if prefix else ''}: "
-                              f"{', '.join(valid)})")
-        kwargs[k] = _coerce(v, hints[k], key)
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise ConfigError(_with_prefix(str(e), prefix)) from e
-
-
-def _with_prefix(msg: str, prefix: str) -> str:
-    """Section validators name their field first ("lr: must be ..."); add the section path. The
-    trainer's own sections already write "optim.lr ..."; keep only the part below the prefix."""
-    if not prefix or msg.startswith(prefix + ".") or msg.startswith(prefix + ":"):
-        return msg
-    tail = prefix.rsplit(".", 1)[-1]
-    if msg.startswith(tail + "."):
-        msg = msg[len(tail) + 1:]
-    return f"{prefix}.{msg}"
+def from_dict(cls, data: dict | None, prefix: str = ""):
+    """Build dataclass ``cls`` from a nested dict (``configutil.Loader`` with this config's
+    :data:`DERIVED` and :data:`RENAMED` keys); every error names the dotted key."""
+    return _LOADER.build(cls, data, prefix)
 
 
 def to_dict(cfg, prefix: str = "") -> dict:
@@ -396,10 +310,10 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
 def save_config(cfg: AppConfig, path: str | os.PathLike) -> Path:
     """Write ``cfg`` as YAML so that ``load_config(path) == cfg`` (written to a temporary file and
     renamed, so a reader never sees half a file), readable by this user only (0600). The one value
-    left out is ``weights.api_key`` (written as null): a key never goes to disk. Returns the path."""
+    left out is ``api_key`` (written as null): a key never goes to disk. Returns the path."""
     p = Path(path)
     d = to_dict(cfg)
-    d["weights"]["api_key"] = None  # never on disk: the key reaches processes in their environment only
+    d["api_key"] = None  # never on disk: the key reaches processes in their environment only
     text = f"{RESOLVED_HEADER} (load_config reads it back exactly)\n" + yaml.safe_dump(d, sort_keys=False)
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
     try:

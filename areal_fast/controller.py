@@ -72,8 +72,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from areal_fast import checkpoint
+from areal_fast.agent.client import AgentClient
 from areal_fast.buffer import DEFAULT_MEMORY_MB as DEFAULT_BUFFER_MEMORY_MB
-from areal_fast.buffer import MB, GroupBuffer
+from areal_fast.buffer import MB, GroupBuffer, checkpoint_groups
 from areal_fast.checkpoint import Counters
 from areal_fast.group import Group, group_of, merge_parts, numbers
 from areal_fast.heap import HeapTrimmer
@@ -240,7 +241,8 @@ class Controller:
         return EpisodeEngine(self.rollout, self.reward, self.tok, sampling, episode_id, training=training,
                              eval_reward=self.s.eval_reward, tool_timeout_s=self.s.tool_timeout,
                              tool_counts=self._tool_counts, version=lambda: self.version,
-                             reward_counts=self._reward_counts if training else Counter())
+                             reward_counts=self._reward_counts if training else Counter(),
+                             chat_client=AgentClient.for_engine)
 
     async def _episode(self, row, engine: EpisodeEngine) -> list:
         """One workflow call; its trajectories, or None when it gave up (``EpisodeFailed``, counted)."""
@@ -493,7 +495,7 @@ class Controller:
 
     async def sync_between_steps(self, still=lambda: True) -> dict | None:
         """Send the current version's weights now if ``still()`` holds once no step's train and sync
-        or checkpoint runs (``trainer_lock``): servers that joined an empty pool (``launch.empty_pool``)
+        or checkpoint runs (``trainer_lock``): servers that joined an empty pool (``elastic.empty_pool``)
         cannot wait for the next step's update, which needs samples only they can make. None if not."""
         async with self.trainer_lock:
             return (await self.syncer.sync(self.version) or {}) if still() else None
@@ -507,7 +509,8 @@ class Controller:
         checked before the controller's state is loaded (``checkpoint.load``: ResumeMismatch,
         CorruptCheckpoint)."""
         st = checkpoint.load(path, resume_key=self.s.resume_key, batch_size=self.s.batch_size,
-                             new_buffer=self._new_buffer, trainer=self.trainer)
+                             new_buffer=self._new_buffer, read_groups=checkpoint_groups,
+                             trainer=self.trainer)
         self.load_state_dict(st)
         log.info("resumed from %s: version %d, position %d, %d buffered, %d to regenerate", path,
                  self.version, self.position, len(self.buffer), len(self.requeue))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_fast.configutil import positive_seconds
+from areal_fast.configutil import check_rules, option
 from areal_fast.data.config import WarmStartConfig
 
 __all__ = [
@@ -31,24 +31,19 @@ launched server i gets ``experiment.seed + i``."""
 class ExperimentConfig:
     """Where a run writes and how long it lasts."""
 
-    name: str = "run"
+    name: str = option("run", nonempty=True)
     """Run name, used in the default output directory."""
-    output_dir: str = "runs/{name}"
+    output_dir: str = option("runs/{name}", nonempty=True)
     """Directory for checkpoints, metrics, logs and plots ('{name}' is replaced)."""
     seed: int = 1
     """Seed of the data order, the sampling seeds and the model initialisation."""
-    total_steps: int = 100
+    total_steps: int = option(100, ge=1)
     """Trainer steps (= weight versions) of the run."""
     resume: bool = True
     """Continue from the newest complete checkpoint in output_dir when there is one."""
 
     def __post_init__(self):
-        if not self.name:
-            raise ValueError("name: must not be empty")
-        if not self.output_dir:
-            raise ValueError("output_dir: must not be empty")
-        if self.total_steps < 1:
-            raise ValueError(f"total_steps: must be >= 1, got {self.total_steps!r}")
+        check_rules(self)
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed: must be in [0, {MAX_SEED}] (numpy seeds the servers with it), got {self.seed!r}")
 
@@ -78,45 +73,35 @@ class ModelConfig:
 class EvalConfig:
     """Greedy evaluation on the held-out set."""
 
-    every_steps: int = 10
+    every_steps: int = option(10, ge=0)
     """Evaluate after every this many steps (0 = never); also at the start and the end."""
-    size: int | None = None
+    size: int | None = option(None, ge=1)
     """Held-out prompts to use (None = all)."""
-    max_new_tokens: int | None = None
+    max_new_tokens: int | None = option(None, ge=1)
     """Generation budget (None = rollout.max_new_tokens)."""
     at_start: bool = True
     """Evaluate the initial policy before training."""
-    reward: str | None = None
+    reward: str | None = option(None, nonempty=True)
     """Reward of the evaluation when it differs from training (e.g. exact match while training on a
     dense partial-credit reward); None = reward.name. Resolved when the config is loaded."""
 
     def __post_init__(self):
-        if self.every_steps < 0:
-            raise ValueError(f"every_steps: must be >= 0, got {self.every_steps!r}")
-        if self.size is not None and self.size < 1:
-            raise ValueError(f"size: must be >= 1 or null, got {self.size!r}")
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1 or null, got {self.max_new_tokens!r}")
-        if self.reward is not None and not self.reward:
-            raise ValueError("reward: must be a reward name or null")
+        check_rules(self)
 
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     """Checkpoints that hold the trainer and the controller state (resumable after kill -9)."""
 
-    every_steps: int = 10
+    every_steps: int = option(10, ge=0)
     """Save after every this many steps (0 = only at the end)."""
-    keep_last: int = 2
+    keep_last: int = option(2, ge=1)
     """Complete checkpoints kept on disk."""
     save_hf: bool = True
     """Also export the final policy as a Hugging Face directory (<output_dir>/final)."""
 
     def __post_init__(self):
-        if self.every_steps < 0:
-            raise ValueError(f"every_steps: must be >= 0, got {self.every_steps!r}")
-        if self.keep_last < 1:
-            raise ValueError(f"keep_last: must be >= 1, got {self.keep_last!r}")
+        check_rules(self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -149,18 +134,18 @@ class RayConfig:
     address: str | None = None
     """Cluster to join: 'auto', 'HOST:6379' or 'ray://HOST:10001'. None = the RAY_ADDRESS environment
     variable, or a local single-node Ray started (and stopped) by the launcher."""
-    num_cpus: int | None = None
+    num_cpus: int | None = option(None, ge=1)
     """CPUs of a local Ray started by the launcher (None = all)."""
-    server_strategy: str = "SPREAD"
+    server_strategy: str = option("SPREAD", choices=_RAY_STRATEGIES)
     """Placement strategy of the server bundles: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."""
-    trainer_strategy: str = "PACK"
+    trainer_strategy: str = option("PACK", choices=_RAY_STRATEGIES)
     """Placement strategy of the trainer-rank bundles (PACK keeps NCCL traffic inside nodes)."""
-    cpus_per_server: float | None = None
+    cpus_per_server: float | None = option(None, gt=0)
     """Logical CPUs per server bundle (None = rollout.threads_per_server)."""
-    gpus_per_server: int | None = None
+    gpus_per_server: int | None = option(None, ge=0)
     """GPUs per server bundle (None = the --tp-size of server_args for SGLang, 1 for a CUDA embedded
     engine, 0 otherwise)."""
-    cpus_per_rank: float | None = None
+    cpus_per_rank: float | None = option(None, gt=0)
     """Logical CPUs per trainer-rank bundle (None = train.threads)."""
     server_resources: dict = field(default_factory=dict)
     """Custom Ray resources of each server bundle, e.g. {"inference": 1}: servers go only to nodes
@@ -170,23 +155,13 @@ class RayConfig:
     host: str | None = None
     """Address servers bind and ranks meet on (None = 127.0.0.1 on a one-node cluster, else the IP
     of each process's own node, as Ray reports it on that node)."""
-    placement_timeout: float = 300.0
+    placement_timeout: float = option(300.0, gt=0)
     """Seconds to wait for the placement groups (and autoscaled nodes) before failing."""
-    grace: float = 10.0
+    grace: float = option(10.0, ge=0)
     """Seconds between SIGTERM and SIGKILL at teardown."""
 
     def __post_init__(self):
-        for key in ("server_strategy", "trainer_strategy"):
-            if getattr(self, key) not in _RAY_STRATEGIES:
-                raise ValueError(f"{key}: must be one of {_RAY_STRATEGIES}, got {getattr(self, key)!r}")
-        for key in ("cpus_per_server", "cpus_per_rank"):
-            v = getattr(self, key)
-            if v is not None and not v > 0:
-                raise ValueError(f"{key}: must be > 0 or null, got {v!r}")
-        if self.gpus_per_server is not None and self.gpus_per_server < 0:
-            raise ValueError(f"gpus_per_server: must be >= 0 or null, got {self.gpus_per_server!r}")
-        if self.num_cpus is not None and self.num_cpus < 1:
-            raise ValueError(f"num_cpus: must be >= 1 or null, got {self.num_cpus!r}")
+        check_rules(self)
         for key in ("server_resources", "rank_resources"):
             for name, amount in getattr(self, key).items():
                 if name in ("CPU", "GPU", "memory") or isinstance(amount, bool) or not (
@@ -194,9 +169,6 @@ class RayConfig:
                     raise ValueError(f"{key}: expected custom resource names with amounts > 0 (CPU and GPU come "
                                      f"from cpus_per_server / cpus_per_rank and the GPU rules), got {name!r}: "
                                      f"{amount!r}")
-        positive_seconds("placement_timeout", self.placement_timeout)
-        if self.grace < 0:
-            raise ValueError(f"grace: must be >= 0 seconds, got {self.grace!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -209,14 +181,14 @@ class SlurmConfig:
     server_job: str | None = None
     """Job id of another allocation for the inference servers (None = ``job``): servers and trainer
     ranks in separate allocations."""
-    cpus_per_server: int | None = None
+    cpus_per_server: int | None = option(None, ge=1)
     """CPUs of each server step (None = rollout.threads_per_server)."""
-    gpus_per_server: int | None = None
+    gpus_per_server: int | None = option(None, ge=0)
     """GPUs of each server step (None = the tensor-parallel size for SGLang and vLLM, 1 for a CUDA
     embedded engine, 0 otherwise)."""
-    cpus_per_rank: int | None = None
+    cpus_per_rank: int | None = option(None, ge=1)
     """CPUs of each trainer rank (None = train.threads)."""
-    gpus_per_rank: int | None = None
+    gpus_per_rank: int | None = option(None, ge=0)
     """GPUs of each trainer rank (None = 1 with train.device 'cuda', else 0)."""
     server_srun_args: list[str] = field(default_factory=list)
     """Extra srun options of each server step, e.g. ["--mem=32G", "--nodelist=gpu[01-02]"]."""
@@ -224,11 +196,11 @@ class SlurmConfig:
     """Extra srun options of the trainer step."""
     host: str | None = None
     """Address servers bind and ranks meet on (None = the address each node's hostname resolves to)."""
-    start_timeout: float = 300.0
+    start_timeout: float = option(300.0, gt=0)
     """Seconds a step may take to start (waiting for free resources in the allocation included)."""
-    grace: float = 10.0
+    grace: float = option(10.0, ge=0)
     """Seconds between SIGTERM and SIGKILL when a step is stopped."""
-    nodes: int = 1
+    nodes: int = option(1, ge=1)
     """slurm-script: ``#SBATCH --nodes``."""
     time: int | str | None = None
     """slurm-script: ``#SBATCH --time`` (e.g. '24:00:00', or YAML's reading of 24:00:00 unquoted:
@@ -239,6 +211,7 @@ class SlurmConfig:
     """slurm-script: more ``#SBATCH`` options, e.g. ["--account=rl", "--mem=0"]."""
 
     def __post_init__(self):
+        check_rules(self)
         for key in ("job", "server_job"):
             v = getattr(self, key)
             if v is not None and not str(v).replace("_", "").isdigit():
@@ -246,29 +219,16 @@ class SlurmConfig:
                                  f"got {v!r}")
             if v is not None:
                 setattr(self, key, str(v))
-        for key in ("cpus_per_server", "cpus_per_rank"):
-            v = getattr(self, key)
-            if v is not None and (isinstance(v, bool) or v < 1):
-                raise ValueError(f"{key}: must be >= 1 or null, got {v!r}")
-        for key in ("gpus_per_server", "gpus_per_rank"):
-            v = getattr(self, key)
-            if v is not None and (isinstance(v, bool) or v < 0):
-                raise ValueError(f"{key}: must be >= 0 or null, got {v!r}")
         for key in ("server_srun_args", "rank_srun_args", "sbatch_args"):
             for a in getattr(self, key):
                 if not isinstance(a, str) or not a.startswith("-"):
                     raise ValueError(f"{key}: expected options such as '--mem=32G', got {a!r}")
                 if key != "sbatch_args" and a.split("=", 1)[0] in _SRUN_TAKEN:
                     raise ValueError(f"{key}: {a.split('=', 1)[0]} is set by the launcher (see docs/multinode.md)")
-        positive_seconds("start_timeout", self.start_timeout)
-        if self.grace < 0:
-            raise ValueError(f"grace: must be >= 0 seconds, got {self.grace!r}")
         if isinstance(self.time, int) and not isinstance(self.time, bool):  # YAML 1.1 reads 1:30:00 as 5400
             if self.time < 1:
                 raise ValueError(f"time: must be a positive duration, got {self.time!r}")
             self.time = f"{self.time // 3600}:{self.time // 60 % 60:02d}:{self.time % 60:02d}"
-        if self.nodes < 1:
-            raise ValueError(f"nodes: must be >= 1, got {self.nodes!r}")
 
 
 _SRUN_TAKEN = ("--jobid", "--ntasks", "-n", "--nodes", "-N", "--cpus-per-task", "-c", "--gpus-per-task",

@@ -16,6 +16,8 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 
+from areal_fast.configutil import check_rules, option
+
 __all__ = ["METRICS_EXTRA", "MetricsConfig", "MlflowConfig", "PrometheusConfig", "WandbConfig", "is_loopback"]
 
 METRICS_EXTRA = "pip install 'areal_fast[metrics]'"
@@ -44,13 +46,13 @@ class WandbConfig:
 
     enabled: bool = False
     """Report to W&B (needs the wandb package)."""
-    project: str = "areal-fast"
+    project: str = option("areal-fast", nonempty=True)
     """W&B project."""
     entity: str | None = None
     """W&B team or user (None = the API key's default)."""
     name: str | None = None
     """Display name of the W&B run (None = experiment.name)."""
-    mode: str | None = None
+    mode: str | None = option(None, choices=WANDB_MODES)
     """'online' or 'offline' (files only, `wandb sync` them later). None = $WANDB_MODE, else online."""
     dir: str | None = None
     """Where W&B writes its files (None = <output_dir>/tracking)."""
@@ -58,10 +60,7 @@ class WandbConfig:
     """Tags of the W&B run."""
 
     def __post_init__(self):
-        if self.mode is not None and self.mode not in WANDB_MODES:
-            raise ValueError(f"mode: must be one of {WANDB_MODES} or null ($WANDB_MODE), got {self.mode!r}")
-        if not self.project:
-            raise ValueError("project: must not be empty")
+        check_rules(self)
         if self.enabled:
             _need("wandb", "wandb", "metrics.wandb")
 
@@ -72,19 +71,16 @@ class MlflowConfig:
 
     enabled: bool = False
     """Report to MLflow (needs the mlflow package; mlflow-skinny is enough for an http(s) server)."""
-    tracking_uri: str | None = None
+    tracking_uri: str | None = option(None, nonempty=True)
     """Tracking server or store: 'http://HOST:5000', 'sqlite:///PATH', 'databricks'... None =
     $MLFLOW_TRACKING_URI, else a sqlite store at <output_dir>/tracking/mlflow.db."""
-    experiment: str = "areal-fast"
+    experiment: str = option("areal-fast", nonempty=True)
     """MLflow experiment (created when missing)."""
     run_name: str | None = None
     """Name of the MLflow run (None = experiment.name)."""
 
     def __post_init__(self):
-        if not self.experiment:
-            raise ValueError("experiment: must not be empty")
-        if self.tracking_uri is not None and not self.tracking_uri.strip():
-            raise ValueError("tracking_uri: must not be empty (null = $MLFLOW_TRACKING_URI or a local sqlite store)")
+        check_rules(self)
         if self.enabled:
             _need("mlflow", "mlflow", "metrics.mlflow")
             uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:"
@@ -104,13 +100,12 @@ class PrometheusConfig:
     """Serve /metrics in Prometheus's text format (needs prometheus-client)."""
     host: str = "127.0.0.1"
     """Address to bind. Any other than loopback (127.0.0.1, ::1, localhost) requires a bearer token on every
-    scrape: the key of weights.api_key or $AREAL_FAST_API_KEY, which must then be set."""
-    port: int = 9400
+    scrape: the key of api_key or $AREAL_FAST_API_KEY, which must then be set."""
+    port: int = option(9400, ge=0, le=65535)
     """Port to bind (0 = any free port; the run prints the URL)."""
 
     def __post_init__(self):
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port: must be in 0..65535, got {self.port!r}")
+        check_rules(self)
         if not self.host or self.host.strip() != self.host:
             raise ValueError(f"host: must be an address or a host name without spaces, got {self.host!r}")
         if self.enabled:

@@ -89,7 +89,7 @@ def check_server_url(url, name: str = "server URL"):
     if "@" in parts.netloc:
         raise ValueError(f"{name} {parts.scheme}://...@{parts.netloc.rpartition('@')[2]}: user info "
                          "(user:password@) in a server URL is refused (it would travel in the Host header); "
-                         "the servers' key is the run's api_key (weights.api_key or $AREAL_FAST_API_KEY)")
+                         "the servers' key is the run's api_key (or $AREAL_FAST_API_KEY)")
     if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
         raise ValueError(f"{name}: expected 'http(s)://host[:port][/prefix]' without spaces, got {url!r}")
     try:

@@ -81,29 +81,29 @@ def check_machine(cfg: AppConfig, *, gpus: int | None = None) -> None:
     r, t = cfg.rollout, cfg.train
     launching = not r.servers
     server_gpus = physical if r.gpus else visible  # rollout.gpus replaces what the servers inherit
-    if launching and r.engine == "sglang":
-        need("sglang", "rollout.engine", "engine 'sglang'")
+    if launching and r.server == "sglang":
+        need("sglang", "rollout.server", "server 'sglang'")
         if server_gpus == 0:
-            raise ConfigError("rollout.engine: 'sglang' servers need a CUDA device and this machine has none "
-                              "(use rollout.engine=embedded)")
-    if launching and r.engine == "embedded" and r.device.startswith("cuda") and server_gpus == 0:
+            raise ConfigError("rollout.server: 'sglang' servers need a CUDA device and this machine has none "
+                              "(use rollout.server=embedded)")
+    if launching and r.server == "embedded" and r.device.startswith("cuda") and server_gpus == 0:
         raise ConfigError(f"rollout.device: {r.device!r} asked for, but this machine has no CUDA device")
     train_gpus = physical if t.gpus else visible
     if t.device and t.device.startswith("cuda") and train_gpus == 0:
         raise ConfigError(f"train.device: {t.device!r} asked for, but this machine has no CUDA device "
                           "(use train.device=cpu)")
-    for key, lists in (("rollout.gpus", r.gpus if launching else []), ("train.gpus", [t.gpus] if t.gpus else [])):
+    for key, lists in (("rollout.gpus", r.gpus if launching else []), ("train.gpus", t.gpus)):
         for i, text in enumerate(lists):
             indices = device_indices(text) or []
             bad = [g for g in indices if g >= physical]
             if bad:
-                where = f"{key}[{i}]" if key == "rollout.gpus" else key
+                where = f"{key}[{i}]"
                 raise ConfigError(f"{where}: GPU {bad[0]} asked for, but this machine has {physical} GPU(s) "
                                   f"(indices 0..{physical - 1})" if physical else
                                   f"{where}: GPU {bad[0]} asked for, but this machine has no GPU")
     uses_cuda = (t.device or "").startswith("cuda") or (t.device is None and train_gpus > 0)
     if uses_cuda and t.world_size > 1:
-        have = len(device_indices(t.gpus) or [None] * t.world_size) if t.gpus else train_gpus
+        have = len(t.gpus) if t.gpus else train_gpus
         if have < t.world_size:
             raise ConfigError(f"train.world_size: {t.world_size} GPU ranks asked for, but "
                               f"{'train.gpus lists' if t.gpus else 'this machine has'} {have} GPU(s)")

@@ -20,7 +20,6 @@ can build it without importing the workflow, the controller or the trainer. ``Tr
 from __future__ import annotations
 
 import math
-import warnings
 from array import array
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -126,19 +125,6 @@ class Sample:
         if not self.output_versions:  # built turn by turn: add_model keeps the minimum as it goes
             object.__setattr__(self, "_min_version", None)
             object.__setattr__(self, "_min_known", True)
-
-    # ------------------------------------------------------------------ old names (read only)
-    @property
-    def behav_logprobs(self) -> array:
-        """Deprecated: ``output_logprobs`` (the name this column had in workflows before)."""
-        warnings.warn("Sample.behav_logprobs is deprecated: use output_logprobs", DeprecationWarning, stacklevel=2)
-        return self.output_logprobs
-
-    @property
-    def versions(self) -> array:
-        """Deprecated: ``output_versions`` (the name a model turn's column had before)."""
-        warnings.warn("Sample.versions is deprecated: use output_versions", DeprecationWarning, stacklevel=2)
-        return self.output_versions
 
     # ------------------------------------------------------------------ views
     @property

@@ -3,8 +3,8 @@ whole answer, then the columns picked from the decoded lists) and the native sca
 for output_ids and output_token_logprobs, orjson for the small rest), on the same answers, in the
 same run. Answers have SGLang's shape with return_logprob ([logprob, id, null] per token).
 
-    python bench/bench_answer_parse.py            # table
-    python bench/bench_answer_parse.py --json     # and a row per length in bench/results/answer_parse.jsonl
+    python bench/bench_answer_parse.py --no-results   # table only
+    python bench/bench_answer_parse.py                # and a row per length in bench/results/answer_parse.jsonl
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_rows, print_table, provenance  # noqa: E402
-
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from areal_fast.rollout import answer  # noqa: E402
+from bench.common import add_harness_args, print_table, refuse_dirty, save  # noqa: E402
 
 LENGTHS = (100, 1_000, 4_000, 32_000)
 
@@ -48,10 +48,12 @@ def ns_per_token(fn, raws: list[bytes], n: int, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", action="store_true", help="append the rows to bench/results/answer_parse.jsonl")
+    add_harness_args(ap, dry_run=None)
     ap.add_argument("--tokens", type=int, default=2_000_000, help="tokens parsed per pass and length")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
+    if not args.no_results:
+        refuse_dirty(args.results)
     if answer._scan is None:
         raise SystemExit("the native scanner is not built (or AREAL_FAST_ANSWER_PARSER=python): nothing to compare")
     gc.collect()
@@ -67,9 +69,7 @@ def main() -> None:
                      "reference_ns_per_token": round(ref, 1), "native_ns_per_token": round(nat, 1),
                      "speedup": round(ref / nat, 2)})
     print_table(rows)
-    if args.json:
-        path = append_rows("answer_parse", rows, prov=provenance())
-        print(f"appended {len(rows)} rows to {path}")
+    save("answer_parse", rows, args)
 
 
 if __name__ == "__main__":

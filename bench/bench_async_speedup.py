@@ -38,10 +38,11 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sim_sglang as sim  # noqa: E402
-from bench_controller_scale import RunSpec, run_controller  # noqa: E402
-from common import add_harness_args, print_table, provenance, save  # noqa: E402
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import sim_sglang as sim  # noqa: E402
+from bench.bench_controller_scale import RunSpec, run_controller  # noqa: E402
+from bench.common import add_harness_args, print_table, provenance, save  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -34,14 +34,22 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chaos_lib import FAULTS, Arrival, StallingProxy, account, fault_figures, parse_schedule  # noqa: E402
-from chaos_reward import HANG_FILE_ENV  # noqa: E402
-from common import proc_alive, proc_children, proc_cmdline, proc_ppid, provenance  # noqa: E402
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.chaos_lib import FAULTS, Arrival, StallingProxy, account, fault_figures, parse_schedule  # noqa: E402
+from bench.chaos_reward import HANG_FILE_ENV  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_harness_args,
+    proc_alive,
+    proc_children,
+    proc_cmdline,
+    proc_ppid,
+    provenance,
+    refuse_dirty,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "tiny_reverse.yaml")
-RESULTS = ROOT / "bench" / "results"
 GROUP_SIZE = 4
 # the shrunken tiny task of tests/launch/test_e2e.py, with groups of 4, batches of 4 and eta 2
 BASE = [
@@ -56,7 +64,7 @@ BASE = [
     "rollout.hang_timeout=5", "rollout.control_timeout=10", "weights.timeout_s=20",
 ]
 MAIN = ["rollout.n_servers=3", "rollout.keep_servers=true", "checkpoint.every_steps=10",
-        "reward.name=chaos_reward:reward"]
+        "reward.name=bench.chaos_reward:reward"]
 # a step takes ~0.3 s here and a relaunched server ~30-60 s to join: faults ~60 s apart; the server
 # left stopped comes last (what follows it is bounded by weights.timeout_s per step, docs/chaos.md)
 MAIN_SCHEDULE = ("40:server_kill 220:server_stop:20 380:reward_kill 440:reward_hang:15 580:controller_kill "
@@ -290,7 +298,8 @@ def cleanup_servers(phase: Phase) -> None:
 
 def accounting(out: Path) -> dict:
     """0 lost, 0 duplicated? From the final lineage of metrics.jsonl, samples.jsonl and the last checkpoint."""
-    from areal_fast.checkpoint import checkpoint_groups, latest_checkpoint, read_state
+    from areal_fast.buffer import checkpoint_groups
+    from areal_fast.checkpoint import latest_checkpoint, read_state
 
     ck = latest_checkpoint(out / "checkpoints")
     if ck is None:
@@ -347,7 +356,7 @@ def fault_rows(name: str, injected: list[dict], arrivals: list[Arrival], pool: l
 
 def reanalyze(path: Path) -> dict:
     """The fault rows of a results JSON again from its saved arrivals and pool (samples: a full batch a step)."""
-    from chaos_lib import Fault
+    from bench.chaos_lib import Fault
 
     res = json.loads(path.read_text())
     for ph in res["phases"]:
@@ -405,7 +414,7 @@ def start_engines(work: Path, n: int) -> tuple[list[subprocess.Popen], list[str]
 
 def run_phase(name: str, work: Path, schedule: list, steps: int) -> dict:
     out = work / name
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            HANG_FILE_ENV: str(out / "chaos_hang")}
     base = [sys.executable, "-m", "areal_fast.cli", "train", EXAMPLE, f"experiment.output_dir={out}", *BASE,
             f"experiment.total_steps={steps}"]
@@ -489,8 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=MAIN_STEPS)
     ap.add_argument("--proxy-steps", type=int, default=PROXY_STEPS)
     ap.add_argument("--work", default=None, help="where the runs go (default: /tmp/chaos_<time>)")
-    ap.add_argument("--results", default=str(RESULTS))
-    ap.add_argument("--no-results", action="store_true")
+    add_harness_args(ap, dry_run=None)
     ap.add_argument("--reanalyze", default=None, help="recompute the fault rows of a results JSON and rewrite its .md")
     a = ap.parse_args(argv)
     if a.reanalyze:
@@ -499,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.reanalyze).with_suffix(".md").write_text(markdown(res) + "\n")
         print(markdown(res))
         return 0
+    if not a.no_results:
+        refuse_dirty(a.results)
     stamp = dt.datetime.now().strftime("%Y%m%d_%H%M")
     work = Path(a.work or f"/tmp/chaos_{stamp}")
     work.mkdir(parents=True, exist_ok=True)

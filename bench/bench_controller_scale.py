@@ -45,17 +45,17 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sim_sglang as sim  # noqa: E402
-from common import add_harness_args, print_table, provenance, save  # noqa: E402
-
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from areal_fast.backends.sglang.client import SGLangRolloutClient  # noqa: E402
 from areal_fast.controller import Controller, ControllerSettings  # noqa: E402
-from areal_fast.rollout.client import RolloutClient  # noqa: E402
 from areal_fast.rollout.loop import event_loop_choice, run_event_loop  # noqa: E402
 from areal_fast.rollout.port import ClientRollout  # noqa: E402
 from areal_fast.rollout.sharded import ShardedRollout  # noqa: E402
 from areal_fast.rollout.staleness import StalenessManager  # noqa: E402
 from areal_fast.sample import Sample  # noqa: E402
+from bench import sim_sglang as sim  # noqa: E402
+from bench.common import add_harness_args, print_table, provenance, save  # noqa: E402
 
 TICK_S = 0.01  # loop-lag ticker period: fine enough to see 10 ms stalls, ~100 wakeups/s of CPU
 PROMPT_LEN = 64
@@ -420,11 +420,12 @@ async def run_controller(spec: RunSpec, cfg: sim.SimConfig, urls: list[str], *, 
     concurrent = spec.in_flight // spec.group_size
     batch = spec.batch_groups or max(1, concurrent // 2)
     if spec.client_procs > 1:
-        client = port = ShardedRollout(urls, spec.client_procs, api_key=spec.api_key, request_timeout_s=24 * 3600,
-                                       loop=spec.loop)
+        client = port = ShardedRollout(urls, spec.client_procs, client_class=SGLangRolloutClient,
+                                      api_key=spec.api_key, request_timeout_s=24 * 3600,
+                                      loop=spec.loop)
         worker_cpu = port.worker_cpu_seconds
     else:
-        client = RolloutClient(urls, api_key=spec.api_key, request_timeout_s=24 * 3600)
+        client = SGLangRolloutClient(urls, api_key=spec.api_key, request_timeout_s=24 * 3600)
         port = ClientRollout(client)
         worker_cpu = lambda: 0.0  # noqa: E731
     # an in_place pause keeps requests with their KV: the update goes in without a flush (as production's)

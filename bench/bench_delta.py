@@ -41,8 +41,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (  # noqa: E402
     RESULTS_DIR,
     add_harness_args,
     print_dry_run,
@@ -161,7 +162,7 @@ def _receiver_main(shapes, port_q, stop_ev):
 
     from aiohttp import web
 
-    from areal_fast.rollout.engine.weight_sync import TensorMeta, WeightReceiver, parse_dtype
+    from areal_fast.embedded.weight_sync import TensorMeta, WeightReceiver, parse_dtype
 
     model = torch.nn.Module()
     for n, s in shapes.items():
@@ -205,7 +206,8 @@ def _perturb(state: dict[str, torch.Tensor], frac: float, g: torch.Generator) ->
 
 
 def bench_gloo(n_params: float, frac: float, updates: int = 4, bucket_mb: int = 64) -> list[dict]:
-    from areal_fast.weights.sync import DistributedWeightSync, SyncCalls, WeightSyncConfig
+    from areal_fast.backends.sglang.weight_sync import DistributedWeightSync
+    from areal_fast.weights.sync import SyncCalls, WeightSyncConfig
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     shapes = _gloo_shapes(n_params)
@@ -215,7 +217,7 @@ def bench_gloo(n_params: float, frac: float, updates: int = 4, bucket_mb: int = 
             g = torch.Generator().manual_seed(0)
             state = {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()}
             sync = DistributedWeightSync([url], WeightSyncConfig(bucket_bytes=bucket_mb << 20, dtype="bfloat16",
-                                                                 backend="gloo", timeout_s=300, delta=mode,
+                                                                 collective="gloo", timeout_s=300, delta=mode,
                                                                  delta_full_every=updates + 1))
             sync.connect()
             sync.update(state, 0)  # whole: plan, buffers, the shadow
@@ -257,7 +259,7 @@ SECTOR_BYTES = 32
 def sim_constants() -> dict:
     """The weight-sync constants of the GPU simulator (bench/bench_async_speedup.py), so both agree."""
     try:
-        from bench_async_speedup import CONSTANTS
+        from bench.bench_async_speedup import CONSTANTS
 
         return {"nccl_bytes_per_s": CONSTANTS["nccl_bytes_per_s"][0], "sync_fixed_s": CONSTANTS["sync_fixed_s"][0]}
     except Exception:  # noqa: BLE001 - the simulator is being edited or cannot import: its values of today

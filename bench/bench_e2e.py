@@ -27,8 +27,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_rows, print_dry_run, provenance  # noqa: E402
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import add_harness_args, append_rows, print_dry_run, provenance, refuse_dirty  # noqa: E402
 
 
 def read(path: Path) -> list[dict]:
@@ -152,7 +153,7 @@ def main(argv=None) -> None:
                          "pattern with {seed}, e.g. runs/s{seed}/warm_start (its signature must match, or the "
                          "run rebuilds it)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--dry-run", action="store_true", help="print the runs' commands, run nothing")
+    add_harness_args(ap, results=False, dry_run="print the runs' commands, run nothing")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     mode_etas = (("async", args.eta), ("sync", 0))
@@ -160,6 +161,7 @@ def main(argv=None) -> None:
         print_dry_run("e2e", [dict(mode=m, eta=e, seed=s, config=args.config, steps=args.steps,
                                    overrides=args.overrides) for s in args.seeds for m, e in mode_etas])
         return
+    refuse_dirty(args.out)
     prov = provenance()
     work = Path(args.work)
     runs: dict[str, list[dict]] = {m: [] for m, _ in mode_etas}

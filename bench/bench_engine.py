@@ -2,7 +2,7 @@
 
     python bench/bench_engine.py [--requests 64] [--new-tokens 64] [--hidden 256] [--layers 4] [--device cpu]
 
-Builds a small random Qwen2 (no download), serves it with ``python -m areal_fast.rollout.engine`` in a
+Builds a small random Qwen2 (no download), serves it with ``python -m areal_fast.embedded`` in a
 subprocess (so client and server do not share a GIL) and reports aggregate output tokens/s of both
 modes and their ratio (goal >= 4x on CPU: proves requests really share forward passes). A row with
 provenance is appended to bench/results/engine.jsonl (``--results DIR``, ``--no-results``).
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_harness_args, print_dry_run, provenance, save  # noqa: E402
-
-from areal_fast.rollout.engine import launch_engine_subprocess  # noqa: E402
-from areal_fast.rollout.testing import build_tiny_qwen2  # noqa: E402
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from areal_fast.data.tiny_models import build_tiny_qwen2  # noqa: E402
+from areal_fast.embedded import launch_engine_subprocess  # noqa: E402
+from bench.common import add_harness_args, print_dry_run, provenance, save  # noqa: E402
 
 
 async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], n: int) -> int:

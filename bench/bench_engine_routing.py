@@ -26,9 +26,9 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import DynamicCache
 
-    from areal_fast.rollout.engine.routing_capture import RoutingCapture
-    from areal_fast.rollout.engine.scheduler import Request
-    from areal_fast.rollout.testing import build_tiny_qwen3_moe, load_hf
+    from areal_fast.data.tiny_models import build_tiny_qwen3_moe, load_hf
+    from areal_fast.embedded.routing_capture import RoutingCapture
+    from areal_fast.embedded.scheduler import Request
 
     with tempfile.TemporaryDirectory() as d:
         model = load_hf(build_tiny_qwen3_moe(d, vocab_size=64, max_position_embeddings=128))

@@ -36,8 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_harness_args, print_dry_run, print_table, save  # noqa: E402
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import add_harness_args, print_dry_run, print_table, save  # noqa: E402
 
 NAME = "lora_sync"
 QWEN25_7B = {"hidden": 3584, "inter": 18944, "layers": 28, "heads": 28, "kv_heads": 4, "head_dim": 128,
@@ -78,12 +79,12 @@ def part_tiny(reps: int, shapes: list[tuple[str, dict]]) -> list[dict]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from areal_fast.rollout.engine import start_engine_in_thread
-    from areal_fast.trainer.lora import peft_config
-    from areal_fast.trainer.lora_config import LoRAConfig
+    from areal_fast.backends.sglang.lora_sync import SGLangLoRASync
+    from areal_fast.backends.sglang.weight_sync import DiskWeightSync
+    from areal_fast.embedded import start_engine_in_thread
+    from areal_fast.lora_config import LoRAConfig
     from areal_fast.weights import WeightSyncConfig
-    from areal_fast.weights.lora_sync import LoRAAdapterSync
-    from areal_fast.weights.sync import DiskWeightSync
+    from areal_fast.weights.adapter import peft_config
 
     rows = []
     for label, s in shapes:
@@ -119,8 +120,7 @@ def part_tiny(reps: int, shapes: list[tuple[str, dict]]) -> list[dict]:
 
                     inj = inject_adapter_in_model(peft_config(lcfg), Qwen2ForCausalLM(cfg), adapter_name="default")
                     ad_state = {k: v.detach().clone() for k, v in inj.state_dict().items() if "lora_" in k}
-                    sync = LoRAAdapterSync([h.url], WeightSyncConfig(save_root=str(tmp / "ls")), lora=lcfg,
-                                           api="sglang")
+                    sync = SGLangLoRASync([h.url], WeightSyncConfig(save_root=str(tmp / "ls")), lora=lcfg)
 
                     def lora_update(sync=sync, ad_state=ad_state, v=v):
                         v[0] += 1
@@ -153,12 +153,12 @@ def part_vllm(reps: int, shapes: list[tuple[str, dict]]) -> list[dict]:
     from peft import inject_adapter_in_model
 
     from areal_fast.backends.vllm.disk import VLLMDiskWeightSync
+    from areal_fast.backends.vllm.lora_sync import VLLMLoRASync
     from areal_fast.data.tokenizer import CharTokenizer
+    from areal_fast.lora_config import LoRAConfig
     from areal_fast.netutil import find_free_port
-    from areal_fast.trainer.lora import peft_config
-    from areal_fast.trainer.lora_config import LoRAConfig
     from areal_fast.weights import WeightSyncConfig
-    from areal_fast.weights.lora_sync import LoRAAdapterSync
+    from areal_fast.weights.adapter import peft_config
 
     rows = []
     for label, s in shapes:
@@ -193,8 +193,7 @@ def part_vllm(reps: int, shapes: list[tuple[str, dict]]) -> list[dict]:
                     lcfg = LoRAConfig(rank=rank, alpha=2 * rank)
                     inj = inject_adapter_in_model(peft_config(lcfg), Qwen2ForCausalLM(cfg), adapter_name="default")
                     ad_state = {k: v.detach().clone() for k, v in inj.state_dict().items() if "lora_" in k}
-                    sync = LoRAAdapterSync([server.url], WeightSyncConfig(save_root=str(tmp / "ls")), lora=lcfg,
-                                           api="vllm")
+                    sync = VLLMLoRASync([server.url], WeightSyncConfig(save_root=str(tmp / "ls")), lora=lcfg)
 
                     def lora_update(sync=sync, ad_state=ad_state, v=v):
                         v[0] += 1
@@ -217,8 +216,8 @@ def part_vllm(reps: int, shapes: list[tuple[str, dict]]) -> list[dict]:
 def part_7b(reps: int) -> list[dict]:
     import torch
 
-    from areal_fast.trainer.lora import write_adapter
-    from areal_fast.trainer.lora_config import LoRAConfig
+    from areal_fast.lora_config import LoRAConfig
+    from areal_fast.weights.adapter import write_adapter
 
     s = QWEN25_7B
     full_b = full_params(s) * 2  # bf16
@@ -269,7 +268,8 @@ def part_memory(shape: dict) -> list[dict]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from areal_fast.trainer import PPOActor, Sample, TrainerConfig
+    from areal_fast.lora_config import LoRAConfig
+    from areal_fast.trainer import OptimConfig, PPOActor, Sample, TrainerConfig
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_lora_mem_"))
     rows = []
@@ -286,7 +286,8 @@ def part_memory(shape: dict) -> list[dict]:
                         output_logprobs=[-1.0] * 16, output_versions=[0] * 16, reward=float(i % 2), group_id=i // 4)
                    for i in range(8)]
         for lora in (None, {"rank": 8}, {"rank": 32}):
-            actor = PPOActor(TrainerConfig(model_path=str(tmp), device="cpu", lora=lora, optim={"lr": 1e-4}))
+            actor = PPOActor(TrainerConfig(model_path=str(tmp), device="cpu", lora=lora and LoRAConfig(**lora),
+                                           optim=OptimConfig(lr=1e-4)))
             actor.train_batch(batch, 0)
 
             def nbytes(ts):

@@ -37,9 +37,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(ROOT / "tests"))
-from common import add_harness_args, print_dry_run, print_table, provenance, save  # noqa: E402
+from bench.common import add_harness_args, print_dry_run, print_table, provenance, save  # noqa: E402
 
 RECIPE = ROOT / "examples" / "tiny_reverse.yaml"
 BANDS = ((0.5, 2.0), (0.8, 1.25))
@@ -54,8 +55,8 @@ def stats(samples: list[tuple[list[int], list[int], list[float]]], trainer, temp
     """The mismatch of ``samples`` ((prompt, output, behaviour log-probs) each) against ``trainer``."""
     import torch
 
+    from areal_fast.data.tiny_models import hf_logprobs
     from areal_fast.ops.objective import mismatch_stats
-    from areal_fast.rollout.testing import hf_logprobs
 
     behav, prox, seq = [], [], []
     for prompt, out, lps in samples:
@@ -85,15 +86,15 @@ async def generate(client, prompts: list[list[int]], sampling: dict) -> list[tup
 
 def run_server(engine: str, dtype: str, model: Path, work: Path, args, prompts, task_sampling, trainer) -> list[dict]:
     """Every temperature and shape on one server; the rows."""
+    from areal_fast.backends.sglang.client import SGLangRolloutClient
     from areal_fast.backends.vllm.client import VLLMRolloutClient
+    from areal_fast.embedded import start_engine_in_thread
     from areal_fast.netutil import find_free_port
-    from areal_fast.rollout.client import RolloutClient
-    from areal_fast.rollout.engine import start_engine_in_thread
 
     if engine == "embedded":
         handle = start_engine_in_thread(str(model), seed=1, dtype=dtype)
         url, stop = handle.url, handle.stop
-        make_client = lambda: RolloutClient([url], gc_tuning=False)  # noqa: E731
+        make_client = lambda: SGLangRolloutClient([url], gc_tuning=False)  # noqa: E731
     else:
         import real_vllm as rv
 
@@ -170,14 +171,14 @@ def main(argv=None) -> int:
 
     from areal_fast.config import load_config
     from areal_fast.data import tiny_task
+    from areal_fast.data.tiny_models import load_hf
     from areal_fast.data.tokenizer import CharTokenizer
     from areal_fast.data.warm_start import ensure_warm_start
-    from areal_fast.rollout.testing import load_hf
 
     torch.set_num_threads(1)
     cache = Path(tempfile.gettempdir()) / "areal_fast_bench_mismatch"
     cfg = load_config(RECIPE, [f"experiment.output_dir={cache}"])
-    model = ensure_warm_start(cfg)
+    model = ensure_warm_start(cfg.warm_start_recipe())
     tok = CharTokenizer(tiny_task.vocabulary(cfg.data.synthetic))
     rows_eval = tiny_task.generate(cfg.data.synthetic, "eval", cfg.experiment.seed)
     prompts = [tok.encode(r["prompt"]) for r in (rows_eval * (1 + args.samples // max(1, len(rows_eval))))]

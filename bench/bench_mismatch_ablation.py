@@ -42,8 +42,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_staleness import (  # noqa: E402
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.bench_staleness import (  # noqa: E402
     DEFAULT_CONFIG,
     OBJECTIVE_LOSS,
     ROOT,
@@ -66,7 +67,7 @@ from bench_staleness import (  # noqa: E402
     sweep_key,
     write_json_atomic,
 )
-from common import append_rows, print_dry_run, provenance  # noqa: E402
+from bench.common import add_harness_args, append_rows, print_dry_run, provenance, refuse_dirty  # noqa: E402
 
 # The corrections, each replacing the recipe's token_mis_upper = 5 (docs/objective.md): TIS with
 # C = 2, IcePop's band [0.5, 2], the geometric-mean sequence band [0.5, 2], M2PO with tau = 0.04.
@@ -317,7 +318,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--report-only", action="store_true")
-    ap.add_argument("--dry-run", action="store_true", help="print the runs and their overrides, run nothing")
+    add_harness_args(ap, results=False, dry_run="print the runs and their overrides, run nothing")
     ap.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides of the recipe for every run")
     args = ap.parse_intermixed_args(argv)
     if args.steps < 1 or args.eval_every < 1 or args.batch_size < 1:
@@ -342,6 +343,7 @@ def main(argv=None) -> None:
             run_overrides(r, args.steps, args.eval_every, args.overrides, args.batch_size))) for r in runs])
         return
     key = sweep_key(args.config, args.steps, args.eval_every, [*TASK, *args.overrides], "shared", args.batch_size)
+    refuse_dirty(args.out)
     prov = provenance()
     if args.report_only:
         report(runs, work, Path(args.out), args, prov, None)

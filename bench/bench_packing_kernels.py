@@ -29,9 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_harness_args, print_dry_run, print_table, provenance, save, time_fn  # noqa: E402
-
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from areal_fast.packing import (  # noqa: E402
     gather_segments,
     gather_segments_ref,
@@ -42,6 +41,7 @@ from areal_fast.packing import (  # noqa: E402
     unpack,
     unpack_ref,
 )
+from bench.common import add_harness_args, print_dry_run, print_table, provenance, save, time_fn  # noqa: E402
 
 
 def lognormal_lengths(n: int, max_len: int, seed: int = 0) -> list[int]:

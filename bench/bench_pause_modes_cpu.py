@@ -26,8 +26,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_rows, provenance  # noqa: E402
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import add_harness_args, append_rows, provenance, refuse_dirty  # noqa: E402
 
 MODES = ("abort", "retract", "in_place")
 
@@ -107,7 +108,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-share-warm", dest="share_warm", action="store_false")
     ap.add_argument("--report-only", action="store_true", help="summarise the work dirs' results, run nothing")
     ap.add_argument("--results", default=str(ROOT / "bench" / "results"))
+    add_harness_args(ap, results=False, dry_run=None)
     args = ap.parse_args(argv)
+    refuse_dirty(args.results)
     args.modes = [m for m in args.modes.split(",") if m]
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     bad = [m for m in args.modes if m not in MODES]

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_harness_args, print_dry_run, print_table, provenance, save, time_fn  # noqa: E402
-
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from areal_fast.packing import plan_microbatches, plan_microbatches_ref  # noqa: E402
+from bench.common import add_harness_args, print_dry_run, print_table, provenance, save, time_fn  # noqa: E402
 
 
 def long_tailed_lengths(n: int, seed: int = 0, max_len: int = 32768) -> np.ndarray:

@@ -24,7 +24,7 @@ counted once per shape), and ``gbs_fwd_bwd`` divides it by the time. The 3-pass 
 ``3 * T * V * 2`` bytes at the device's datasheet HBM bandwidth (32k x 151,936 bf16: 30 GB,
 ~10 ms at 3 TB/s); ``ratio_to_3pass_roofline`` is the measured time over it (1.0 at the roof)
 and ``ratio_to_3pass_copy_roofline`` the same against 1.5x the same-size copy timed in the run.
-(Before issue 25 the inputs had ~50% of rows with zero gradient, so 2.5 passes were moved while
+(Earlier inputs had ~50% of rows with zero gradient, so 2.5 passes were moved while
 3 were counted: the GB/s was ~1.2x too high.) The fused-linear
 table reports TFLOP/s of the three GEMMs (``6 * T * H * V`` flops) and their fraction of the
 datasheet peak.
@@ -44,9 +44,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_harness_args, device_peaks, print_dry_run, print_table, provenance, save, time_fn  # noqa: E402
-
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from areal_fast.ops import (  # noqa: E402
     decoupled_ppo_loss,
     decoupled_ppo_loss_ref,
@@ -56,8 +55,9 @@ from areal_fast.ops import (  # noqa: E402
 )
 from areal_fast.ops.custom_ops import weight_grad_path  # noqa: E402
 from areal_fast.ops.fused_linear import default_chunk_size  # noqa: E402
+from bench.common import add_harness_args, device_peaks, print_dry_run, print_table, provenance, save, time_fn  # noqa: E402
 
-OPTS = dict(eps_clip=0.2, eps_clip_higher=0.28, behav_weight_cap=5.0, importance_level="token",
+OPTS = dict(eps_clip=0.2, eps_clip_higher=0.28, token_mis_upper=5.0, importance_level="token",
             loss_agg="token-mean")
 LOGIT_PASSES_FWD_BWD = 3  # forward read, backward read, gradient write
 LOGIT_PASSES_COPY = 2  # read + write

@@ -33,12 +33,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_harness_args, print_dry_run, provenance, save, serve_until_stopped, server_process, time_fn  # noqa: E402
-
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from areal_fast.weights.interval_copy import interval_copy  # noqa: E402
 from areal_fast.weights.layout import ModelSpec  # noqa: E402
 from areal_fast.weights.plan import plan_fsdp_buckets, plan_tp_shard, rows_cols  # noqa: E402
+from bench.common import add_harness_args, print_dry_run, provenance, save, serve_until_stopped, server_process, time_fn  # noqa: E402
 
 QWEN25_7B = ModelSpec("qwen2", num_layers=28, hidden_size=3584, intermediate_size=18944, num_heads=28, num_kv_heads=4,
                       head_dim=128, vocab_size=152064, qkv_bias=True)
@@ -248,7 +248,8 @@ def _receiver_main(port_q, stop_ev):
 def bench_sync(n_params: float, reps: int = 3, bucket_mb: int = 64) -> dict:
     import torch.distributed as dist
 
-    from areal_fast.weights.sync import DistributedWeightSync, SyncCalls, WeightSyncConfig
+    from areal_fast.backends.sglang.weight_sync import DistributedWeightSync
+    from areal_fast.weights.sync import SyncCalls, WeightSyncConfig
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with server_process(_receiver_main, start_timeout_s=60) as url:
@@ -258,7 +259,7 @@ def bench_sync(n_params: float, reps: int = 3, bucket_mb: int = 64) -> dict:
         state = {n: torch.randn(s) for n, s in spec.hf_shapes().items()}
         nbytes = sum(t.numel() * 2 for t in state.values())
         sync = DistributedWeightSync([url], WeightSyncConfig(bucket_bytes=bucket_mb << 20, dtype="bfloat16",
-                                                             backend="gloo", timeout_s=300))
+                                                             collective="gloo", timeout_s=300))
         sync.connect()
         sync.update(state, 0)  # warm-up: plan, buffers
         raw = torch.empty(nbytes, dtype=torch.uint8)

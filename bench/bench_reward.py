@@ -29,14 +29,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_harness_args, print_dry_run, print_table, save, time_fn  # noqa: E402
-
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from areal_fast.reward import RewardService, sandbox  # noqa: E402
 from areal_fast.reward.cgroup import RunCgroup  # noqa: E402
 from areal_fast.reward.code import code_reward  # noqa: E402
 from areal_fast.reward.math import math_reward  # noqa: E402
 from areal_fast.reward.sandbox import SandboxLimits, isolation  # noqa: E402
+from bench.common import add_harness_args, print_dry_run, print_table, save, time_fn  # noqa: E402
 
 
 def noop(task, completion):

@@ -14,6 +14,10 @@ one without, the recording hook, the column's bytes per token).
 it generates (KV cache, continuous batching) and stitched by the rollout client; the fp32 actor's
 proximal recompute of the very same samples without and with replay, and the share of recorded
 (position, block) routings the trainer would pick otherwise.
+
+A row per seed goes to ``bench/results/routing_replay.jsonl`` (``routing_replay_engine.jsonl`` with
+``--engine``); the ``routing_replay_engine_*.md`` files there are this command's printed output from
+before it wrote rows.
 """
 
 from __future__ import annotations
@@ -22,15 +26,21 @@ import argparse
 import contextlib
 import math
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import add_harness_args, provenance, refuse_dirty, save  # noqa: E402
+
 
 def one_seed(seed: int, n_prompts: int, new_tokens: int) -> dict:
+    from areal_fast.data.tiny_models import build_tiny_qwen3_moe, load_hf
     from areal_fast.moe_routing import record_routing, replay_routing, routers
-    from areal_fast.rollout.testing import build_tiny_qwen3_moe, load_hf
 
     with tempfile.TemporaryDirectory() as d:
         path = build_tiny_qwen3_moe(d, seed=seed, vocab_size=100)
@@ -87,15 +97,14 @@ def engine_paired(seed: int, n_prompts: int, new_tokens: int, work: str, tempera
     continuous batching), the answers stitched by the rollout client; the fp32 trainer's proximal
     recompute of the very same samples without and with replay (paired: the same tokens)."""
     import asyncio
-    from pathlib import Path
 
+    from areal_fast.backends.sglang.client import SGLangRolloutClient
     from areal_fast.config import load_config
     from areal_fast.data import load_tokenizer
     from areal_fast.data.warm_start import ensure_warm_start
+    from areal_fast.embedded import start_engine_in_thread
     from areal_fast.launch.rank import load_data
     from areal_fast.moe_routing import routing_width
-    from areal_fast.rollout.client import RolloutClient
-    from areal_fast.rollout.engine import start_engine_in_thread
     from areal_fast.trainer import PPOActor, TrainerConfig
     from areal_fast.trainer.config import PPOConfig
 
@@ -103,14 +112,14 @@ def engine_paired(seed: int, n_prompts: int, new_tokens: int, work: str, tempera
     cfg = load_config(root / "examples" / "tiny_reverse_moe.yaml",
                       [f"experiment.output_dir={work}/seed{seed}", f"experiment.seed={seed}",
                        "data.synthetic.min_len=6", "data.synthetic.max_len=16", "data.synthetic.log_mean=0.7"])
-    model = str(ensure_warm_start(cfg))
+    model = str(ensure_warm_start(cfg.warm_start_recipe()))
     tok = load_tokenizer(model)
     _, evals = load_data(cfg, tok)
     prompts = [tok.encode(r.text) for r in evals[:n_prompts]]
     h = start_engine_in_thread(model, seed=seed, dtype="bfloat16", return_routed_experts=True)
     try:
         async def gen():
-            async with RolloutClient([h.url], routed_experts_width=routing_width(model)) as c:
+            async with SGLangRolloutClient([h.url], routed_experts_width=routing_width(model)) as c:
                 return await asyncio.gather(*(c.generate(p, {"max_new_tokens": new_tokens, "temperature": temperature,
                                                               "ignore_eos": True}) for p in prompts))
         samples = asyncio.run(gen())
@@ -147,7 +156,11 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", action="store_true",
                     help="the trained recipe's MoE served by the embedded engine in bf16 (routing recorded while "
                          "it generates), the fp32 trainer's recompute of the same samples without / with replay")
+    add_harness_args(ap, dry_run=None)
     a = ap.parse_args(argv)
+    if not a.no_results:
+        refuse_dirty(a.results)
+    prov = provenance(native=False)
     torch.set_num_threads(1)
     if a.engine:
         with tempfile.TemporaryDirectory(prefix="areal_bench_replay_") as work:
@@ -159,6 +172,7 @@ def main(argv=None) -> int:
                   f"{100 * r['free_icepop_masked']:.3f} % -> {100 * r['replay_icepop_masked']:.3f} %")
         ratio = [r["free_k3"] / r["replay_k3"] for r in rows]
         print(f"k3 without / with replay (same samples): {', '.join(f'{x:.2f}' for x in ratio)}")
+        save("routing_replay_engine", [{"seed": s, **r} for s, r in zip(a.seeds, rows)], a, prov)
         return 0
     rows = [one_seed(s, a.prompts, a.new_tokens) for s in a.seeds]
     for s, r in zip(a.seeds, rows):
@@ -171,6 +185,7 @@ def main(argv=None) -> int:
     print(f"k3 without / with replay: {', '.join(f'{x:.1f}' for x in ratio)} (median "
           f"{statistics.median(ratio):.1f}); column {rows[0]['column_bytes_per_token']} bytes per token "
           f"({rows[0]['tokens']} tokens a seed)")
+    save("routing_replay", [{"seed": s, **r} for s, r in zip(a.seeds, rows)], a, prov)
     return 0
 
 

@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_harness_args, print_dry_run, provenance, save  # noqa: E402
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import add_harness_args, print_dry_run, provenance, save  # noqa: E402
 
 RECIPE = ROOT / "examples" / "tiny_reverse_moe.yaml"
 KEYS = ("mismatch_k3", "mismatch_k1", "mismatch_ratio_p99", "mismatch_ratio_max", "tis_truncated_fraction",

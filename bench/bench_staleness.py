@@ -26,7 +26,7 @@ the difference). Staleness is measured, not assumed: the controller logs, per tr
 trained version minus the oldest version among its tokens (``staleness`` in ``metrics.jsonl``);
 the histogram of every arm is reported.
 
-``--preset hard`` is issue 27's hard-task sweep (naive / decoupled / decoupled + each mismatch option,
+``--preset hard`` is the hard-task sweep (naive / decoupled / decoupled + each mismatch option,
 6 etas, 5 seeds, 4 minibatches, a task still being learned at step 200), run in its plan's order: the
 naive-vs-decoupled contrast first, the options at the largest etas next. The report adds, per arm, the
 mean EM over the run (area under the learning curve) beside the final EM, both paired with eta 0 by seed
@@ -60,8 +60,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_rows, print_dry_run, provenance  # noqa: E402
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import add_harness_args, append_rows, print_dry_run, provenance, refuse_dirty  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "examples" / "tiny_reverse.yaml"
 ETAS = (0, 1, 2, 4, 8, 16)
@@ -84,7 +85,7 @@ OBJECTIVE_TITLES = {"recompute": "decoupled, recomputed proximal", "loglinear": 
                     "naive": "naive PPO (proximal = behaviour)", "tis": "decoupled + token TIS (C = 2)",
                     "icepop": "decoupled + IcePop [0.5, 5]", "seq_mis": "decoupled + sequence MIS [0.5, 2]",
                     "m2po": "decoupled + M2PO (tau = 0.04)"}
-# The hard-task sweep (issue 27, item 3): a task still being learned after 200 steps at eta 0, 4 optimizer
+# The hard-task sweep: a task still being learned after 200 steps at eta 0, 4 optimizer
 # steps per batch as AReaL does (so the decoupled clip acts from the second minibatch on), every eta,
 # naive / decoupled / decoupled + each option, 5 seeds, GRPO. The task is the shipped reversal with a
 # weak warm start (120 supervised steps instead of 350: held-out EM ~0.19 at step 0) and a lower RL
@@ -789,7 +790,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--config", default=str(DEFAULT_CONFIG))
     ap.add_argument("--preset", choices=sorted(PRESETS),
                     help="a named sweep (etas, objectives, advantages, seeds, steps, eval-every and overrides); "
-                         "'hard': issue 27's hard-task ablation, in its plan's order (most information first). The "
+                         "'hard': the hard-task ablation, in its plan's order (most information first). The "
                          "preset's values replace --etas/--objectives/--seeds/--steps/--eval-every/--batch-size; "
                          "KEY=VALUE overrides are added after its own")
     ap.add_argument("--etas", type=_ints, default=list(ETAS))
@@ -811,7 +812,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tag", default="", help="suffix of the result files' names (staleness_<date>_<tag>.*)")
     ap.add_argument("--report-only", action="store_true",
                     help="write the table and plot from the work dir's results, run nothing")
-    ap.add_argument("--dry-run", action="store_true", help="print the run list and each run's overrides, run nothing")
+    add_harness_args(ap, results=False, dry_run="print the run list and each run's overrides, run nothing")
     ap.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides of the recipe for every run")
     args = ap.parse_intermixed_args(argv)  # KEY=VALUE overrides may come before or after the flags
     args.plan = None
@@ -845,6 +846,7 @@ def main(argv=None) -> None:
         print(f"recipe: {args.config} ({recipe_commit(args.config)}); work dir {work}")
         return
     key = sweep_key(args.config, args.steps, args.eval_every, args.overrides, args.servers, args.batch_size)
+    refuse_dirty(args.out)
     prov = provenance()
     if args.report_only:
         report(runs, work, Path(args.out), args, prov, None)

@@ -21,18 +21,18 @@ import argparse
 import gc
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_harness_args, print_dry_run, print_table, provenance, save  # noqa: E402
-
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from areal_fast.ops import fused_linear_decoupled_ppo_loss_ref, fused_linear_token_logprobs_ref  # noqa: E402
 from areal_fast.trainer import OptimConfig, PPOActor, PPOConfig, Sample, TrainerConfig  # noqa: E402
+from bench.common import add_harness_args, print_dry_run, print_table, provenance, save  # noqa: E402
 
 SHAPES = {
     # Qwen2-1.5B: 28 layers, d 1536, 12 heads / 2 KV heads, MLP 8960, vocab 151936, tied embeddings

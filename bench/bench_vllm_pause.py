@@ -42,9 +42,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(ROOT / "tests"))
-from common import add_harness_args, append_rows, provenance  # noqa: E402
+from bench.common import add_harness_args, append_rows, provenance  # noqa: E402
 
 MODES = ("abort", "keep", "keep_in_place")
 PROMPT = [1, 3, 4, 5, 6, 7, 8, 9]

@@ -3,8 +3,8 @@
 holds a wall-clock time in the future. The reward service must end each such call at
 ``reward.timeout``, kill its worker and score the row 0 (``docs/deadlines.md``).
 
-It runs in the reward workers, which inherit the run's environment and ``sys.path`` (the bench puts
-``bench/`` on ``PYTHONPATH``)."""
+It runs in the reward workers as ``bench.chaos_reward:reward``; they inherit the run's environment
+(the bench puts the repository root on ``PYTHONPATH``)."""
 
 from __future__ import annotations
 

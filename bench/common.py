@@ -10,8 +10,10 @@
   ``{"bench": name, ...the row..., "provenance": {...}}``; results accumulate across runs and
   machines and are compared by filtering on the provenance.
 * :func:`add_harness_args` - the options every script shares: ``--results DIR``,
-  ``--no-results`` and ``--dry-run`` (build the cases and print them without running anything:
-  what the GPU suite's dry run calls on a machine without a GPU).
+  ``--no-results``, ``--dry-run`` (build the cases and print them without running anything:
+  what the GPU suite's dry run calls on a machine without a GPU) and ``--allow-dirty``.
+* :func:`refuse_dirty` - results written into the repository must come from a committed tree:
+  :func:`append_rows` refuses a ``-dirty`` commit unless ``--allow-dirty`` was given.
 * :func:`proc_children`, :func:`proc_cmdline`, :func:`proc_ppid`, :func:`proc_alive` - a process
   tree read from Linux ``/proc`` (the chaos bench and the end-to-end tests find and check the
   processes a run started with them).
@@ -38,6 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = RESULTS_DIR.parents[1]
+ALLOW_DIRTY_ENV = "AREAL_FAST_BENCH_ALLOW_DIRTY"  # set by --allow-dirty; a bench's own subprocesses inherit it
 
 # Datasheet peaks (SXM parts): HBM GB/s and dense bf16 tensor-core TFLOP/s. H200 has the H100's
 # compute with HBM3e. Matched by substring of torch.cuda.get_device_name().
@@ -173,9 +177,9 @@ def provenance(native: bool = True) -> dict:
             pass
     if native:
         try:
-            from areal_fast import backend
+            from areal_fast import dispatch
 
-            info["areal_fast_cuda_core"] = bool(backend.native().has_cuda())
+            info["areal_fast_cuda_core"] = bool(dispatch.native().has_cuda())
         except Exception:  # noqa: BLE001 - provenance never fails a benchmark
             pass
     return info
@@ -196,6 +200,7 @@ def append_rows(name: str, rows: list[dict], results_dir: str | os.PathLike | No
         raise ValueError(f"append_rows: bad benchmark name {name!r}")
     prov = provenance() if prov is None else prov
     path = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    refuse_dirty(path, prov.get("commit"))
     path.mkdir(parents=True, exist_ok=True)
     path = path / f"{name}.jsonl"
     with open(path, "a") as f:
@@ -204,12 +209,38 @@ def append_rows(name: str, rows: list[dict], results_dir: str | os.PathLike | No
     return path
 
 
-def add_harness_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    ap.add_argument("--results", default=str(RESULTS_DIR), metavar="DIR",
-                    help="append result rows to DIR/<bench>.jsonl (default: bench/results)")
-    ap.add_argument("--no-results", action="store_true", help="print only; write no result rows")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="build and print the cases with their estimated sizes, run nothing")
+def refuse_dirty(path: str | os.PathLike, commit: str | None = None) -> None:
+    """Refuse (SystemExit) to write results into the repository from a tree with uncommitted changes:
+    a committed number must name the commit that measured it. ``--allow-dirty`` (or
+    ``$AREAL_FAST_BENCH_ALLOW_DIRTY=1``) lets it through, the commit stamped ``-dirty``. Results
+    written outside the repository (a test's temporary folder) are not refused."""
+    commit = git_commit() if commit is None else commit
+    if not commit.endswith("-dirty") or os.environ.get(ALLOW_DIRTY_ENV) == "1":
+        return
+    if Path(path).resolve().is_relative_to(REPO):
+        raise SystemExit(f"refusing to write results to {path} from a tree with uncommitted changes "
+                         f"({commit}): commit first, or pass --allow-dirty to stamp them {commit!r}")
+
+
+class _AllowDirty(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        os.environ[ALLOW_DIRTY_ENV] = "1"
+        setattr(namespace, self.dest, True)
+
+
+def add_harness_args(ap: argparse.ArgumentParser, *, results: bool = True,
+                     dry_run: str = "build and print the cases with their estimated sizes, run nothing"
+                     ) -> argparse.ArgumentParser:
+    """The options every script shares: ``--allow-dirty``; with ``results``, ``--results DIR`` and
+    ``--no-results``; with a ``dry_run`` help text, ``--dry-run``."""
+    ap.add_argument("--allow-dirty", action=_AllowDirty, nargs=0, default=False,
+                    help="write results from a tree with uncommitted changes (stamped -dirty)")
+    if results:
+        ap.add_argument("--results", default=str(RESULTS_DIR), metavar="DIR",
+                        help="append result rows to DIR/<bench>.jsonl (default: bench/results)")
+        ap.add_argument("--no-results", action="store_true", help="print only; write no result rows")
+    if dry_run:
+        ap.add_argument("--dry-run", action="store_true", help=dry_run)
     return ap
 
 
@@ -226,19 +257,6 @@ def print_dry_run(name: str, cases: list[dict]) -> None:
     print(f"[dry-run] {name}: {len(cases)} cases")
     for c in cases:
         print("  " + "  ".join(f"{k}={_fmt(v)}" for k, v in c.items()))
-
-
-def write_result(name: str, rows: list[dict], out: str | os.PathLike | None = None) -> Path:
-    """Older form kept for callers that pass a path: appends the rows to bench/results/<name>.jsonl
-    and, when ``out`` is given, also writes ``{"provenance", "rows"}`` as JSON there."""
-    prov = provenance()
-    path = append_rows(name, rows, prov=prov)
-    if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=2, default=str) + "\n")
-        return out
-    return path
 
 
 def print_table(rows: list[dict]) -> None:

@@ -93,8 +93,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import provenance  # noqa: E402
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import provenance  # noqa: E402
 
 DAY_BUDGET_S = 450  # the day's command: under 8 minutes with the suite's start and end
 DAY_WALL_S = 480  # what the day must finish within (the session calls it with timeout_s about this)
@@ -243,7 +244,7 @@ def build_inputs_hash(env: dict | None = None) -> str:
     return h.hexdigest()[:16]
 
 
-CHECK_C = ("import pathlib, sys, torch; import areal_fast; from areal_fast import backend; n = backend.native(); "
+CHECK_C = ("import pathlib, sys, torch; import areal_fast; from areal_fast import dispatch; n = dispatch.native(); "
            "assert n.has_cuda(), '_C was built without CUDA'; "
            "root = pathlib.Path(sys.argv[1]).resolve(); here = pathlib.Path(areal_fast.__file__).resolve(); "
            "assert root in here.parents, f'areal_fast is imported from {here}, not from {root}'; "

@@ -1,5 +1,5 @@
 """Triton kernels of areal_fast, installed as ``areal_fast.kernels``.
 
 Importing this package does not import Triton; each kernel module does, and the backend
-selector (``areal_fast.backend``) only imports them when Triton is usable.
+selector (``areal_fast.dispatch``) only imports them when Triton is usable.
 """

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from areal_fast.backend import interpreter_enabled
+from areal_fast.dispatch import interpreter_enabled
 
 # 4096 bf16 elements = 8 KiB per block and 8 warps: 16 elements per thread per iteration,
 # enough loads in flight to keep HBM busy; V = 152,064 is 38 iterations per row.

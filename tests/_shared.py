@@ -4,25 +4,54 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
+import socket
 import threading
+import time
 import urllib.request
 
-from areal_fast.rollout.engine import start_engine_in_thread
-from areal_fast.rollout.testing import build_tiny_qwen2, perturbed_state_dict, save_state_dict
+from areal_fast.data.tiny_models import build_tiny_qwen2, perturbed_state_dict, save_state_dict
+from areal_fast.embedded import start_engine_in_thread
 
 # The twin's health-probe timeout (SGLang waits 20 s); 1 s so a paused twin answers 503 quickly.
 TWIN_HEALTH_TIMEOUT_S = 1.0
 
 
 async def wait_until(cond, what: str, limit_s: float = 60.0) -> None:
-    """Poll a condition whose cause the test controls (e.g. generation making progress)."""
+    """Poll a condition whose cause the test controls (e.g. generation making progress) until it holds;
+    fails naming ``what`` when ``limit_s`` passes first. ``cond`` may be a coroutine function (a
+    condition read over HTTP). A test waits for a state this way, never by sleeping a guessed time."""
     loop = asyncio.get_running_loop()
     end = loop.time() + limit_s
-    while not cond():
+    while True:
+        got = cond()
+        if inspect.isawaitable(got):
+            got = await got
+        if got:
+            return
         if loop.time() > end:
             raise AssertionError(f"waited {limit_s}s for {what}")
         await asyncio.sleep(0.005)
+
+
+def poll_until(cond, what: str, limit_s: float = 60.0, every_s: float = 0.01) -> None:
+    """:func:`wait_until` for code without an event loop (threads, processes, files)."""
+    end = time.monotonic() + limit_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"waited {limit_s}s for {what}")
+        time.sleep(every_s)
+
+
+async def stays_pending(task: asyncio.Future, window_s: float, what: str) -> None:
+    """For a claim that something does NOT happen (a held request is not answered): waits on ``task``
+    for ``window_s`` and fails if it ended, naming ``what``. The window is the only timer a test uses,
+    and only once the state it checks is reached (the request is sent, the server is paused): size it
+    from what the wrong behaviour would take (an answer of a few tokens), so that it would show."""
+    done, _ = await asyncio.wait({task}, timeout=window_s)
+    if done:
+        raise AssertionError(f"{what}: it ended within {window_s:.2f}s ({task.exception() or task.result()!r})")
 
 
 def in_watched_thread(fn, limit_s: float) -> dict:
@@ -122,3 +151,51 @@ def disk_update(urls: list[str], path: str, version: str, api_key: str | None = 
         req = urllib.request.Request(url + "/update_weights_from_disk", headers=headers, data=body)
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.loads(r.read())["success"] is True
+
+
+# ----------------------------------------------------------------------------- raw connections to our listeners
+# (http.conn_guard's limits, shown on the embedded engine and the Prometheus endpoint)
+CLOSE_WITHIN_S = 15.0  # a connection the server must close is closed by then (the tests' timeouts are 0.5 s)
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=CLOSE_WITHIN_S)
+
+
+def closed_by_server(s: socket.socket, wait_s: float) -> bool:
+    """True when the server closes ``s`` within ``wait_s`` (end of stream or reset), False when it
+    is still open then. Whatever the server sends before closing is read and dropped."""
+    s.settimeout(wait_s)
+    try:
+        while s.recv(65536):
+            pass
+        return True
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+
+
+def request(s: socket.socket, path: str, key: str | None = None) -> int:
+    """One keep-alive GET on ``s`` (with ``Authorization: Bearer <key>`` when given); the answer's
+    status (its body is read)."""
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode())
+    return request_answer(s, path)
+
+
+def request_answer(s: socket.socket, path: str = "the request") -> int:
+    """The status of the next answer on ``s`` (its body is read)."""
+    s.settimeout(CLOSE_WITHIN_S)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"the server closed the connection instead of answering {path}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += s.recv(65536)
+    return int(head.split(b" ", 2)[1])

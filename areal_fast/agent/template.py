@@ -28,7 +28,7 @@ tool can be called (one offered, or one named by ``tool_choice``) and ``call_mar
 output that contains ``call_marker`` is a call of that tool whose arguments are
 ``{"<its first parameter>": "<the output's text>"}``; any other output is text. Several tools
 that could be called are refused (400 naming ``tools``): the format cannot say which one a call is.
-The tiny tool task's model writes calls as text containing ``*`` (``areal_fast/data/tool_task.py``),
+The tiny tool task's model writes calls as text containing ``*`` (``areal_fast/recipes/tool_task.py``),
 so its template is ``TinyChatTemplate(tok, call_marker="*")``.
 
 :class:`HFChatTemplate`, for a Hugging Face tokenizer that has a chat template (e.g. Qwen2.5):

@@ -2,11 +2,11 @@
 version gates, the request bodies we send it, its launch command, the rollout client's adapter and
 its weight-update calls.
 
-- :mod:`areal_fast.backends.sglang` - SGLang (the default ``rollout.backend``);
-- :mod:`areal_fast.backends.vllm` - vLLM (``rollout.backend: vllm``, ``docs/vllm.md``).
+- :mod:`areal_fast.backends.sglang` - SGLang (the default ``rollout.api``);
+- :mod:`areal_fast.backends.vllm` - vLLM (``rollout.api: vllm``, ``docs/vllm.md``).
 
-The embedded engine (``areal_fast/rollout/engine/``) imitates them: it is SGLang's twin, and with
-``--api vllm`` vLLM's, whose routes are ``backends/vllm/twin_routes.py``, kept beside the facts
+The embedded engine (``areal_fast/embedded/``) imitates them: it is SGLang's twin, and with
+``--api vllm`` vLLM's, whose routes are ``embedded/vllm_routes.py``, kept beside the facts
 they imitate. Submodules are not imported here: some need torch, and the config loader imports
 the torch-free version tables.
 """

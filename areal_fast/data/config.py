@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from areal_fast.configutil import check_rules, option
 from areal_fast.data.tiny_task import SyntheticTaskConfig
 
 __all__ = ["FILE_SUFFIXES", "SYNTHETIC_TASKS", "WARM_START_LR_SCHEDULES", "DataConfig", "SyntheticTaskConfig",
@@ -52,64 +53,46 @@ class WarmStartConfig:
 
     enabled: bool = False
     """Build the model this way instead of loading ``model.path``."""
-    steps: int = 150
+    steps: int = option(150, ge=0)
     """Supervised steps (about 0.1 s each for the default model on one CPU core)."""
-    batch_size: int = 64
+    batch_size: int = option(64, ge=1)
     """Sequences per supervised step."""
-    lr: float = 3e-3
+    lr: float = option(3e-3, gt=0)
     """AdamW learning rate of the warm start."""
-    lr_schedule: str = "constant"
+    lr_schedule: str = option("constant", choices=WARM_START_LR_SCHEDULES)
     """'constant', or 'linear' (decay from ``lr`` to 0 over ``steps``: the model ends settled, so a
     later RL run at a small learning rate does not improve it merely by annealing it)."""
-    mistake_fraction: float = 0.0
+    mistake_fraction: float = option(0.0, ge=0, lt=1)
     """Imperfect demonstrations: this fraction (in [0, 1)) of the supervised examples whose string has
     at least ``mistake_min_len`` characters carry a systematic mistake, their answer's last character
     dropped (as truncated answers in real fine-tuning data). The warm-started policy then often
     samples the right answer but often decodes the truncated one greedily; RL with the reward turns
     the first into the second. 0 = clean demonstrations."""
-    mistake_min_len: int = 1
+    mistake_min_len: int = option(1, ge=1)
     """Shortest string whose demonstrations may carry the mistake (>= 1)."""
-    hidden_size: int = 128
+    hidden_size: int = option(128, ge=1)
     """Qwen2 hidden size."""
-    intermediate_size: int = 256
+    intermediate_size: int = option(256, ge=1)
     """Qwen2 MLP size."""
-    num_hidden_layers: int = 2
+    num_hidden_layers: int = option(2, ge=1)
     """Decoder blocks."""
-    num_attention_heads: int = 4
+    num_attention_heads: int = option(4, ge=1)
     """Query heads."""
-    num_key_value_heads: int = 2
+    num_key_value_heads: int = option(2, ge=1)
     """Key/value heads (grouped-query attention)."""
-    arch: str = "qwen2"
+    arch: str = option("qwen2", choices=WARM_START_ARCHS)
     """'qwen2' (dense), or 'qwen3_moe': a Qwen3-MoE whose every block's MLP is ``num_experts``
     experts of size ``moe_intermediate_size``, ``num_experts_per_tok`` of them routed per token
     (docs/moe.md). The head size is ``hidden_size / num_attention_heads`` for both."""
-    num_experts: int = 4
+    num_experts: int = option(4, ge=1)
     """MoE experts per block (``arch: qwen3_moe`` only)."""
-    num_experts_per_tok: int = 2
+    num_experts_per_tok: int = option(2, ge=1)
     """Experts routed per token (top-k, at most ``num_experts``; ``arch: qwen3_moe`` only)."""
-    moe_intermediate_size: int = 128
+    moe_intermediate_size: int = option(128, ge=1)
     """MLP size of one expert (``arch: qwen3_moe`` only)."""
 
     def __post_init__(self):
-        if self.steps < 0:
-            raise ValueError(f"steps: must be >= 0, got {self.steps!r}")
-        for key in ("batch_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr: must be > 0, got {self.lr!r}")
-        if self.lr_schedule not in WARM_START_LR_SCHEDULES:
-            raise ValueError(f"lr_schedule: must be one of {WARM_START_LR_SCHEDULES}, got {self.lr_schedule!r}")
-        if not 0 <= self.mistake_fraction < 1:  # at 1 the right answer is never shown: nothing for RL to find
-            raise ValueError(f"mistake_fraction: must be in [0, 1), got {self.mistake_fraction!r}")
-        if self.mistake_min_len < 1:
-            raise ValueError(f"mistake_min_len: must be >= 1, got {self.mistake_min_len!r}")
-        if self.arch not in WARM_START_ARCHS:
-            raise ValueError(f"arch: must be one of {WARM_START_ARCHS}, got {self.arch!r}")
-        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}: must be >= 1, got {getattr(self, key)!r}")
+        check_rules(self)  # mistake_fraction < 1: at 1 the right answer is never shown, nothing for RL to find
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok: must be <= num_experts ({self.num_experts}), "
                              f"got {self.num_experts_per_tok}")
@@ -130,21 +113,21 @@ class DataConfig:
     `datasets`)."""
     eval: str | None = None
     """Held-out set, same forms; None = the synthetic held-out split, or no evaluation for files."""
-    split: str = "train"
+    split: str = option("train", nonempty=True)
     """Split name for 'hf:' sources (eval uses eval_split)."""
-    eval_split: str = "test"
+    eval_split: str = option("test", nonempty=True)
     """Split name of an 'hf:' eval source."""
-    prompt_key: str = "prompt"
+    prompt_key: str = option("prompt", nonempty=True)
     """Field holding the prompt text."""
-    answer_key: str = "answer"
+    answer_key: str = option("answer", nonempty=True)
     """Field holding the reference answer (math-style rewards); passed to the reward as 'answer'."""
-    tests_key: str = "tests"
+    tests_key: str = option("tests", nonempty=True)
     """Field holding test cases (code rewards); passed to the reward as 'tests'."""
     prompt_template: str = "{prompt}"
     """Python format string applied to the prompt ({prompt} is the field; write '{{' for a brace)."""
     chat_template: bool = False
     """Wrap the prompt with the tokenizer's chat template (user turn + generation prompt)."""
-    max_prompt_tokens: int = 1024
+    max_prompt_tokens: int = option(1024, ge=1)
     """Longer prompts are skipped (and counted) rather than truncated."""
     shuffle: bool = True
     """Seeded permutation of the training rows."""
@@ -152,6 +135,7 @@ class DataConfig:
     """Parameters of the 'synthetic:reverse' task."""
 
     def __post_init__(self):
+        check_rules(self)
         for key in ("train", "eval"):
             source = getattr(self, key)
             if source is None and key == "eval":
@@ -167,8 +151,3 @@ class DataConfig:
         except (KeyError, IndexError, ValueError) as e:
             raise ValueError(f"prompt_template: not a format string with only {{prompt}} ({e!r}); write '{{{{' "
                              f"and '}}}}' for literal braces, got {self.prompt_template!r}") from None
-        for key in ("prompt_key", "answer_key", "tests_key", "split", "eval_split"):
-            if not getattr(self, key):
-                raise ValueError(f"{key}: must not be empty")
-        if self.max_prompt_tokens < 1:
-            raise ValueError(f"max_prompt_tokens: must be >= 1, got {self.max_prompt_tokens!r}")

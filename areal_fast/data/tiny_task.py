@@ -19,6 +19,8 @@ import math
 import random
 from dataclasses import dataclass
 
+from areal_fast.configutil import check_rules, option
+
 SEPARATOR = "="
 TRAIN_SEED_OFFSET = 0
 EVAL_SEED_OFFSET = 1_000_003  # a different stream for the held-out split
@@ -36,26 +38,21 @@ class SyntheticTaskConfig:
     """Longest string (the tail of the log-normal length distribution is cut here)."""
     log_mean: float = 1.0
     """mu of the log-normal part of the length: len = min_len + floor(exp(N(mu, sigma)))."""
-    log_std: float = 0.75
+    log_std: float = option(0.75, ge=0)
     """sigma of the log-normal part of the length (larger = longer tail)."""
-    n_train: int = 20000
+    n_train: int = option(20000, ge=1)
     """Training prompts (the order is a seeded permutation; the run cycles through it)."""
-    n_eval: int = 128
+    n_eval: int = option(128, ge=0)
     """Held-out prompts (a disjoint seed)."""
 
     def __post_init__(self):
+        check_rules(self)
         if len(set(self.alphabet)) != len(self.alphabet) or not self.alphabet:
             raise ValueError(f"alphabet: must be non-empty distinct characters, got {self.alphabet!r}")
         if SEPARATOR in self.alphabet:
             raise ValueError(f"alphabet: must not contain the separator {SEPARATOR!r}")
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"min_len/max_len: need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
-        if self.log_std < 0:
-            raise ValueError(f"log_std: must be >= 0, got {self.log_std!r}")
-        if self.n_train < 1:
-            raise ValueError(f"n_train: must be >= 1, got {self.n_train!r}")
-        if self.n_eval < 0:
-            raise ValueError(f"n_eval: must be >= 0, got {self.n_eval!r}")
 
 
 def sample_length(rng: random.Random, cfg: SyntheticTaskConfig) -> int:

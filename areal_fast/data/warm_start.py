@@ -1,6 +1,6 @@
-"""Build a tiny Qwen2 from a config and warm-start it with a short supervised run on the synthetic
-task, so that RL starts from a policy that is sometimes right (about 10-30 % exact answers on
-the held-out split after the default 150 steps; 600 steps reach about 90 %, measured on 2 cores).
+"""Build a tiny model (a Qwen2, or a Qwen3-MoE with ``model.warm_start.arch: qwen3_moe``) and
+warm-start it with a short supervised run on the synthetic task, so that RL starts from a policy
+that is sometimes right (about 10-30 % exact answers on the held-out split after the default 150 steps; 600 steps reach about 90 %, measured on 2 cores).
 
 Two options shape what RL starts from. ``lr_schedule: linear`` decays the learning rate to 0, so
 the warm start ends settled (a constant high rate ends noisy, and a later RL run at a small rate
@@ -16,6 +16,9 @@ cached under ``<output_dir>/warm_start``. Its signature file records everything 
 depends on (every warm-start setting, the task, the seed, the tokenizer's vocabulary, the model
 shape including the context length derived from ``data.synthetic.max_len`` and
 ``rollout.max_new_tokens``, and the library versions); any difference rebuilds it.
+
+The data package sits below the config assembler: it reads the run's settings as a :class:`Recipe`,
+the config sections it needs, which ``AppConfig.warm_start_recipe`` (``areal_fast.config``) fills.
 """
 
 from __future__ import annotations
@@ -26,30 +29,41 @@ import logging
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from areal_fast.data import tiny_task
+from areal_fast.data.config import WarmStartConfig
+from areal_fast.data.tiny_task import SyntheticTaskConfig
 from areal_fast.data.tokenizer import SPECIALS, CharTokenizer
-
-if TYPE_CHECKING:  # annotations only: the data package never imports the loader (it imports data/config.py)
-    from areal_fast.config import AppConfig
 
 log = logging.getLogger(__name__)
 SIGNATURE_FILE = "warm_start.json"
 SIGNATURE_FORMAT = 3  # bump when the build or the recipe changes in a way the fields do not show (3: tokenizer.json)
 
 
-def qwen2_kwargs(cfg: AppConfig, tokenizer: CharTokenizer) -> dict:
-    """Arguments of the ``transformers.Qwen2Config`` that :func:`build_tiny_qwen2` builds."""
-    ws = cfg.model.warm_start
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """What the warm start reads from a run's config: its sections, not the whole config."""
+
+    warm_start: WarmStartConfig  # model.warm_start
+    task: SyntheticTaskConfig  # data.synthetic
+    seed: int  # experiment.seed
+    max_new_tokens: int  # rollout.max_new_tokens: with task.max_len, the model's context length
+    out: Path  # where the built model is cached (<experiment.out>/warm_start)
+
+
+def qwen2_kwargs(r: Recipe, tokenizer: CharTokenizer) -> dict:
+    """Arguments of the ``transformers.Qwen2Config`` of the dense tiny model (:func:`build_tiny_model`;
+    the Qwen3-MoE's start from them, :func:`model_kwargs`)."""
+    ws = r.warm_start
     return dict(
         vocab_size=((tokenizer.vocab_size + 15) // 16) * 16,  # rows past the tokenizer are never trained on
         hidden_size=ws.hidden_size, intermediate_size=ws.intermediate_size,
         num_hidden_layers=ws.num_hidden_layers, num_attention_heads=ws.num_attention_heads,
         num_key_value_heads=ws.num_key_value_heads,
         # prompt + answer of the longest string, twice over, and never below 128 positions
-        max_position_embeddings=max(128, 2 * (cfg.data.synthetic.max_len + cfg.rollout.max_new_tokens)),
+        max_position_embeddings=max(128, 2 * (r.task.max_len + r.max_new_tokens)),
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
     )
@@ -58,10 +72,10 @@ def qwen2_kwargs(cfg: AppConfig, tokenizer: CharTokenizer) -> dict:
 MOE_FIELDS = ("arch", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
-def model_kwargs(cfg: AppConfig, tokenizer: CharTokenizer) -> dict:
+def model_kwargs(r: Recipe, tokenizer: CharTokenizer) -> dict:
     """Arguments of the transformers config of the tiny model (``model.warm_start.arch``)."""
-    ws = cfg.model.warm_start
-    kw = qwen2_kwargs(cfg, tokenizer)
+    ws = r.warm_start
+    kw = qwen2_kwargs(r, tokenizer)
     if ws.arch == "qwen3_moe":  # every block sparse; head size as the dense model's
         kw.update(num_experts=ws.num_experts, num_experts_per_tok=ws.num_experts_per_tok,
                   moe_intermediate_size=ws.moe_intermediate_size, decoder_sparse_step=1, norm_topk_prob=True,
@@ -69,36 +83,37 @@ def model_kwargs(cfg: AppConfig, tokenizer: CharTokenizer) -> dict:
     return kw
 
 
-def signature(cfg: AppConfig) -> dict:
+def signature(r: Recipe) -> dict:
     """Everything the warm-started model depends on (the cache key)."""
     import importlib.metadata
 
-    tok = CharTokenizer(tiny_task.vocabulary(cfg.data.synthetic))
+    tok = CharTokenizer(tiny_task.vocabulary(r.task))
     versions = {}
     for dist in ("torch", "transformers"):
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             versions[dist] = None
-    ws = dataclasses.asdict(cfg.model.warm_start)
+    ws = dataclasses.asdict(r.warm_start)
     if ws["arch"] == "qwen2":  # the dense model's key as before the MoE options existed
         for k in MOE_FIELDS:
             ws.pop(k)
     return {"format": SIGNATURE_FORMAT, "warm_start": ws,
-            "task": dataclasses.asdict(cfg.data.synthetic), "seed": cfg.experiment.seed,
-            "max_new_tokens": cfg.rollout.max_new_tokens, "max_len": cfg.data.synthetic.max_len,
+            "task": dataclasses.asdict(r.task), "seed": r.seed,
+            "max_new_tokens": r.max_new_tokens, "max_len": r.task.max_len,
             "tokenizer": {"chars": tok.chars, "specials": list(SPECIALS)},
-            "model": model_kwargs(cfg, tok), "versions": versions}
+            "model": model_kwargs(r, tok), "versions": versions}
 
 
-def build_tiny_qwen2(cfg: AppConfig, tokenizer: CharTokenizer):
+def build_tiny_model(r: Recipe, tokenizer: CharTokenizer):
+    """The untrained tiny model of ``warm_start.arch``: a Qwen2, or a Qwen3-MoE (every block sparse)."""
     import torch
     import transformers
 
-    torch.manual_seed(cfg.experiment.seed)
-    if cfg.model.warm_start.arch == "qwen3_moe":
-        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**model_kwargs(cfg, tokenizer)))
-    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**qwen2_kwargs(cfg, tokenizer)))
+    torch.manual_seed(r.seed)
+    if r.warm_start.arch == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**model_kwargs(r, tokenizer)))
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**qwen2_kwargs(r, tokenizer)))
 
 
 def _batch(rows, tok: CharTokenizer):
@@ -119,11 +134,11 @@ def _batch(rows, tok: CharTokenizer):
     return x, m
 
 
-def demonstration(rng: random.Random, cfg: AppConfig) -> dict:
+def demonstration(rng: random.Random, r: Recipe) -> dict:
     """One supervised example; with ``mistake_fraction`` > 0 it may carry the systematic mistake
     (the answer's last character dropped) when its string is at least ``mistake_min_len`` long."""
-    ws = cfg.model.warm_start
-    row = tiny_task.make_row(rng, cfg.data.synthetic)
+    ws = r.warm_start
+    row = tiny_task.make_row(rng, r.task)
     if ws.mistake_fraction > 0:
         draw = rng.random()  # drawn for every row so the rows do not depend on the string lengths
         if len(row["answer"]) >= ws.mistake_min_len and draw < ws.mistake_fraction:
@@ -131,13 +146,13 @@ def demonstration(rng: random.Random, cfg: AppConfig) -> dict:
     return row
 
 
-def supervised_warm_start(model, cfg: AppConfig, tok: CharTokenizer, progress=None) -> list[float]:
+def supervised_warm_start(model, r: Recipe, tok: CharTokenizer, progress=None) -> list[float]:
     """``ws.steps`` AdamW steps of answer-only cross-entropy on freshly generated rows."""
     import torch
     import torch.nn.functional as F
 
-    ws = cfg.model.warm_start
-    rng = random.Random(cfg.experiment.seed * 31 + 17)  # a stream disjoint from the train/eval rows
+    ws = r.warm_start
+    rng = random.Random(r.seed * 31 + 17)  # a stream disjoint from the train/eval rows
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr)
     sched = None
     if ws.lr_schedule == "linear":  # ws.lr at the first step, lr / steps at the last
@@ -145,7 +160,7 @@ def supervised_warm_start(model, cfg: AppConfig, tok: CharTokenizer, progress=No
     model.train()
     losses = []
     for step in range(ws.steps):
-        x, m = _batch([demonstration(rng, cfg) for _ in range(ws.batch_size)], tok)
+        x, m = _batch([demonstration(rng, r) for _ in range(ws.batch_size)], tok)
         logits = model(input_ids=x).logits[:, :-1].float()
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="none")
         loss = (nll * m[:, 1:].reshape(-1)).sum() / m[:, 1:].sum()
@@ -161,10 +176,10 @@ def supervised_warm_start(model, cfg: AppConfig, tok: CharTokenizer, progress=No
     return losses
 
 
-def ensure_warm_start(cfg: AppConfig, progress=None) -> Path:
-    """Return the warm-started model directory, building it when missing or stale."""
-    out = cfg.experiment.out / "warm_start"
-    sig = json.loads(json.dumps(signature(cfg)))  # as it reads back from the file (tuples -> lists)
+def ensure_warm_start(r: Recipe, progress=None) -> Path:
+    """Return the warm-started model directory (``r.out``), building it when missing or stale."""
+    out = r.out
+    sig = json.loads(json.dumps(signature(r)))  # as it reads back from the file (tuples -> lists)
     cached = _cached_signature(out / SIGNATURE_FILE)
     if cached == sig:
         return out
@@ -174,7 +189,7 @@ def ensure_warm_start(cfg: AppConfig, progress=None) -> Path:
                  out, ", ".join(changed))
     import torch
 
-    tok = CharTokenizer(tiny_task.vocabulary(cfg.data.synthetic))
+    tok = CharTokenizer(tiny_task.vocabulary(r.task))
     t0 = time.perf_counter()
     # One intra-op thread: the model is tiny (a step is ~64 x 10 tokens), and a second thread only
     # waits for a busy core. Measured on the 2-core machine with one other busy process: 0.06 s per
@@ -183,8 +198,8 @@ def ensure_warm_start(cfg: AppConfig, progress=None) -> Path:
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng():
-            model = build_tiny_qwen2(cfg, tok)
-            losses = supervised_warm_start(model, cfg, tok, progress)
+            model = build_tiny_model(r, tok)
+            losses = supervised_warm_start(model, r, tok, progress)
     finally:
         torch.set_num_threads(threads)
     tmp = out.with_name(out.name + ".tmp")

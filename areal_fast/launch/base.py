@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from areal_fast.launch.run_dir import open_private
+from areal_fast.backends.server_command import (  # noqa: F401 - the names every launcher uses
+    gpus_per_server,
+    server_command,
+    server_env,
+    tp_size,
+)
+from areal_fast.diskutil import open_private
 from areal_fast.weights.config import API_KEY_ENV, HOST_ENV  # noqa: F401 - the names every launcher uses
 
 PYTHON = "{python}"  # placeholder in a command: the interpreter of the machine that runs it
@@ -107,106 +113,6 @@ def rank_command(config_file: Path, python: str = sys.executable) -> list[str]:
     return [python, "-m", "areal_fast.launch.rank", str(config_file)]
 
 
-def server_ready(url: str, timeout: float = 2.0) -> bool:
-    """The start-up wait's question, the one health check's probe (``rollout.calls``): GET /health
-    answers 200 within ``timeout``."""
-    from areal_fast.rollout.calls import health_now
-
-    return health_now(url, liveness=False, probe_timeout_s=timeout).state == "ok"
-
-
-def server_alive(url: str, timeout: float = 2.0) -> bool:
-    """The watchdog's question, the one health check's liveness half: the server's process answers
-    HTTP (any status, a 401 or the 503 of a server paused for a weight update included), or is
-    connected and busy; False for a refused, reset or timed-out connection."""
-    from areal_fast.rollout.calls import health_now
-
-    return health_now(url, probe=False, timeout_s=timeout).alive
-
-
-def _split_tp(server_args: list[str]) -> tuple[int, list[str]]:
-    """The tensor-parallel size named in SGLang arguments (--tp-size N, --tp N, --tp-size=N; else 1)
-    and the other arguments."""
-    tp, rest, skip = 1, [], False
-    for i, a in enumerate(server_args):
-        if skip:
-            skip = False
-            continue
-        for flag in ("--tp-size", "--tp", "--tensor-parallel-size", "-tp"):
-            if a == flag and i + 1 < len(server_args):
-                tp, skip = int(server_args[i + 1]), True
-                break
-            if a.startswith(flag + "="):
-                tp = int(a.split("=", 1)[1])
-                break
-        else:
-            rest.append(a)
-    return tp, rest
-
-
-def tp_size(server_args: list[str]) -> int:
-    return _split_tp(server_args)[0]
-
-
-def gpus_per_server(rollout_cfg) -> int:
-    """GPUs one launched server of ``rollout.engine`` takes: SGLang and vLLM their tensor-parallel size, the
-    embedded engine one on a CUDA device and none on the CPU."""
-    from areal_fast.rollout.server_command import ServerKind, launched_kind
-
-    kind = launched_kind(rollout_cfg.engine)
-    if kind is ServerKind.VLLM:  # tensor x pipeline x data parallel
-        from areal_fast.backends.vllm.server_command import gpus_of
-
-        tp, rest = _split_tp(list(rollout_cfg.server_args))
-        return gpus_of(tp, rest)
-    if kind is ServerKind.SGLANG:
-        return tp_size(rollout_cfg.server_args)
-    return int(rollout_cfg.device.startswith("cuda"))
-
-
-def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: int,
-                   api_key_file: str | Path | None, python: str = sys.executable) -> list[str]:
-    """The command of one inference server of the run (``rollout.engine``), through the one builder
-    of server command lines; ``rollout.server_args`` are appended. The API key travels in
-    ``api_key_file`` (``--config``, see :func:`server_key_file`), never on the command line."""
-    from areal_fast.rollout.server_command import ServerKind, launched_kind
-    from areal_fast.rollout.server_command import server_command as build
-
-    r = rollout_cfg
-    from areal_fast.rollout.config import ROUTED_EXPERTS_FLAG
-
-    server_args = list(r.server_args)
-    if r.return_routed_experts and ROUTED_EXPERTS_FLAG not in server_args:  # each engine records routing on it
-        server_args.append(ROUTED_EXPERTS_FLAG)
-    if api_key_file is not None and "--config" in r.server_args:
-        raise ValueError("rollout.server_args: --config is taken by the launcher (it passes the run's API key "
-                         "in a private file); give those options in rollout.server_args instead")
-    if launched_kind(r.engine) is ServerKind.EMBEDDED:
-        twin = []  # backend 'vllm': the engine serves vLLM's API of that release (docs/vllm.md)
-        if r.backend == "vllm":
-            from areal_fast.backends.vllm.server_command import embedded_vllm_args
-
-            twin = embedded_vllm_args(r.vllm_version)
-        return build("embedded", model_path, host, port, api_key_file=api_key_file, weight_version="0", seed=seed,
-                     device=r.device, max_running_requests=max(256, r.max_concurrent * r.group_size),
-                     extra_args=twin + server_args, python=python)
-    tp, rest = _split_tp(server_args)
-    python = r.server_python or python  # a real server may live in an environment of its own
-    if launched_kind(r.engine) is ServerKind.VLLM:  # real vLLM (backends/vllm/server_command.py)
-        from areal_fast.backends.vllm.compat import VLLMBehaviour
-        from areal_fast.backends.vllm.server_command import vllm_server_command
-
-        # the weight-transfer engine is on whenever the release has it: the run's weights.method is
-        # not known here, and an unused transfer engine costs nothing until /init_weight_transfer_engine
-        return vllm_server_command(model_path, host, port, version=r.vllm_version, tp_size=tp,
-                                   api_key_file=api_key_file, seed=seed,
-                                   max_num_seqs=max(256, r.max_concurrent * r.group_size),
-                                   weight_transfer=VLLMBehaviour.of(r.vllm_version).has_weight_transfer,
-                                   extra_args=rest, python=python)
-    return build("sglang", model_path, host, port, tp_size=tp, api_key_file=api_key_file, weight_version="0",
-                 seed=seed, extra_args=rest, python=python)
-
-
 @contextlib.contextmanager
 def server_key_file(secrets_dir_fn, api_key: str | None):
     """The run's API key in a new private file (0700 directory from ``secrets_dir_fn()``, 0600 file),
@@ -216,7 +122,7 @@ def server_key_file(secrets_dir_fn, api_key: str | None):
     if not api_key:
         yield None
         return
-    from areal_fast.rollout.server_command import write_api_key_file
+    from areal_fast.backends.keyfile import write_api_key_file
 
     path = write_api_key_file(secrets_dir_fn(), api_key)
     try:
@@ -228,7 +134,7 @@ def server_key_file(secrets_dir_fn, api_key: str | None):
 def open_private_log(path: Path):
     """``path`` opened for appending, readable by this user only (0600): a server may print its
     arguments, the API key included (SGLang logs ``server_args=...`` at start-up). A symlink planted
-    at ``path`` is refused, not followed (``run_dir.open_private``)."""
+    at ``path`` is refused, not followed (``diskutil.open_private``)."""
     return os.fdopen(open_private(path), "ab")
 
 
@@ -238,15 +144,3 @@ class PrivateFileHandler(logging.FileHandler):
 
     def _open(self):
         return os.fdopen(open_private(self.baseFilename), self.mode, encoding=self.encoding, errors=self.errors)
-
-
-def server_env(rollout_cfg) -> dict[str, str]:
-    """The environment entries of one launched server (vLLM's: its dev-mode endpoints on)."""
-    threads = str(rollout_cfg.threads_per_server)
-    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
-    if getattr(rollout_cfg, "engine", None) == "vllm":
-        from areal_fast.backends.vllm.server_command import vllm_server_env
-
-        env.update(vllm_server_env())
-    env.update(getattr(rollout_cfg, "server_env", None) or {})
-    return env

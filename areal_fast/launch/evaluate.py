@@ -66,7 +66,7 @@ def run_eval(cfg: AppConfig, checkpoint: str | None = None) -> dict:
 
 
 async def _eval_async(cfg: AppConfig, tok, evals, urls, path: str, api_key: str) -> dict:
-    from areal_fast.backends.vllm.client import client_for_backend
+    from areal_fast.backends.registry import make_client
     from areal_fast.reward import RewardService
 
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
@@ -75,7 +75,8 @@ async def _eval_async(cfg: AppConfig, tok, evals, urls, path: str, api_key: str)
     t0 = time.perf_counter()
     rewards = RewardService(num_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout,
                             default_reward=cfg.reward.name)
-    async with client_for_backend(cfg.rollout, urls, api_key=api_key) as client, rewards as service:
+    async with make_client(cfg.rollout, urls, api_key=api_key) as client, rewards as service:
+        from areal_fast.agent.client import AgentClient
         from areal_fast.launch.runtime import ServiceReward
         from areal_fast.rollout.port import ClientRollout
         from areal_fast.workflow import EpisodeEngine, EpisodeFailed, check_trajectories, load_workflow
@@ -85,7 +86,8 @@ async def _eval_async(cfg: AppConfig, tok, evals, urls, path: str, api_key: str)
 
         async def one(i, row):
             engine = EpisodeEngine(rollout, reward, tok, sampling, f"eval-{i}", training=False,
-                                   eval_reward=cfg.eval.reward, tool_timeout_s=cfg.rollout.tool_timeout)
+                                   eval_reward=cfg.eval.reward, tool_timeout_s=cfg.rollout.tool_timeout,
+                                   chat_client=AgentClient.for_engine)
             try:
                 trajs = check_trajectories(await workflow(row, engine, **cfg.rollout.workflow_args),
                                            f"workflow {cfg.rollout.workflow}")

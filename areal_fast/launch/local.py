@@ -30,6 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from areal_fast.backends.keyfile import redact_command
+from areal_fast.elastic.liveness import server_ready
+from areal_fast.elastic.port_owner import PortTaken, check_listener
 from areal_fast.launch.base import (
     LaunchedProcess,
     ProcessDied,
@@ -38,12 +41,9 @@ from areal_fast.launch.base import (
     server_command,
     server_env,
     server_key_file,
-    server_ready,
 )
-from areal_fast.launch.port_owner import PortTaken, check_listener
 from areal_fast.netutil import find_free_port, url_host
 from areal_fast.procutil import die_with_parent
-from areal_fast.rollout.server_command import redact_command
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.1
@@ -83,7 +83,7 @@ class LocalLauncher:
         return p
 
     def wait_healthy(self, procs: list[LaunchedProcess], timeout: float) -> None:
-        """Block until every process answers 200 on /health (``base.server_ready``) from a listening
+        """Block until every process answers 200 on /health (``elastic.liveness.server_ready``) from a listening
         socket of its own (``port_owner.check_listener``: else PortTaken, and it is stopped); fail fast
         when one exits."""
         deadline = time.monotonic() + timeout
@@ -119,7 +119,7 @@ class LocalLauncher:
     def start_server(self, rollout_cfg, model_path: str, slot: int, name: str, *, seed: int,
                      key_file: Path | None) -> LaunchedProcess:
         """One server of the run in ``slot`` (its GPU: ``rollout.gpus[slot]``) on a free port, not
-        waiting for its health (``launch.elastic`` starts replacements with it)."""
+        waiting for its health (``elastic.supervisor`` starts replacements with it)."""
         port = find_free_port(self.host)
         cmd = server_command(rollout_cfg, model_path, self.host, port, seed=seed, api_key_file=key_file)
         env = server_env(rollout_cfg)
@@ -164,7 +164,7 @@ class LocalLauncher:
                "--nproc-per-node", str(train_cfg.world_size), *rank_command(config_file)[1:]]
         e = {"OMP_NUM_THREADS": str(train_cfg.threads), **env}
         if train_cfg.gpus:
-            e["CUDA_VISIBLE_DEVICES"] = str(train_cfg.gpus)
+            e["CUDA_VISIBLE_DEVICES"] = ",".join(train_cfg.gpus)
         return [self.start("trainer", cmd, env=e)]
 
     # ------------------------------------------------------------ watching

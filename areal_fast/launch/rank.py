@@ -4,7 +4,7 @@ The launcher writes the resolved config of the run (model path resolved, warm st
 servers' URLs filled in) to ``<output_dir>/trainer_config.yaml``; every rank reads it, nothing else.
 The API key of the servers comes in the environment (``AREAL_FAST_API_KEY``), or as an argument of
 :func:`run_rank` for the rank inside the launcher's process; never on a command line or in the config
-file. The client and the weight sync both take ``weights.resolved_api_key``.
+file. The client and the weight sync both take ``weights.resolved_api_key`` (filled from the run's ``api_key``).
 
 Rank 0 builds the real parts, wraps them in the controller's ports (``launch.runtime``) and runs the
 controller; ranks > 0 follow rank 0's announced trainer calls (``runtime.follower_loop``). With
@@ -26,10 +26,10 @@ import sys
 from pathlib import Path
 
 from areal_fast.controller import Controller, ControllerSettings
+from areal_fast.diskutil import write_private
+from areal_fast.elastic.liveness import DEFAULT_HANG_TIMEOUT_S, server_is_dead, server_state
 from areal_fast.launch.base import PrivateFileHandler
-from areal_fast.launch.liveness import DEFAULT_HANG_TIMEOUT_S, server_is_dead, server_state
-from areal_fast.launch.metric_sinks import RecordFilter, open_sinks  # noqa: F401 - RecordFilter: also here
-from areal_fast.launch.run_dir import write_private
+from areal_fast.metrics.services import RecordFilter, open_sinks  # noqa: F401 - RecordFilter: also here
 from areal_fast.procutil import die_with_parent
 
 log = logging.getLogger("areal_fast")
@@ -129,7 +129,7 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
         follower_loop(PPOActor(trainer_config(cfg, cfg.model.path)))
         shutdown_process_group(barrier=False)  # rank 0's "stop" was the last collective, after success or failure
         return {}
-    from areal_fast.launch.prometheus import METRICS_KEY_ENV
+    from areal_fast.metrics.prometheus import METRICS_KEY_ENV
     from areal_fast.rollout.loop import run_event_loop  # uvloop where installed (AREAL_FAST_EVENT_LOOP)
 
     metrics_key = metrics_key or os.environ.get(METRICS_KEY_ENV)
@@ -142,16 +142,16 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
 
 
 def write_summary(out: Path, summary: dict) -> None:
-    """``<out>/summary.json`` (a planted symlink there is refused, not followed: ``run_dir.write_private``)."""
+    """``<out>/summary.json`` (a planted symlink there is refused, not followed: ``diskutil.write_private``)."""
     write_private(Path(out) / "summary.json", json.dumps(summary, indent=1).encode())
 
 
 async def _rank0(cfg, api_key: str | None, say, progress: bool, metrics_key: str | None = None) -> dict:
     from areal_fast.data import load_tokenizer
-    from areal_fast.launch.empty_pool import refill_empty_pool
-    from areal_fast.launch.pool_watch import watch_members
-    from areal_fast.launch.prometheus import start_exporter
+    from areal_fast.elastic.empty_pool import refill_empty_pool
+    from areal_fast.elastic.pool_watch import watch_members
     from areal_fast.launch.runtime import ActorTrainer, ServiceReward, make_sync_port
+    from areal_fast.metrics.prometheus import start_exporter
     from areal_fast.reward import RewardService
     from areal_fast.rollout.staleness import StalenessManager
     from areal_fast.trainer import PPOActor
@@ -182,13 +182,16 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool, metrics_key: str
             await service.start()
             actor = await asyncio.to_thread(PPOActor, trainer_config(cfg, path))
             trainer = ActorTrainer(actor)
+            from areal_fast.backends.registry import lora_transport, weight_transport
+
             if lora is not None:  # adapter-only updates (weights/lora_sync.py)
                 from areal_fast.weights.lora_port import LoRASync
 
-                syncer = LoRASync(trainer, rollout, out / "weights_sync", cfg.weights, lora=lora, api=r.backend,
-                                  base_model=path)
-            else:
-                syncer = make_sync_port(cfg.weights, trainer, rollout, urls, out / "weights_sync", backend=r.backend)
+                syncer = LoRASync(trainer, rollout, out / "weights_sync", cfg.weights, lora=lora,
+                                  transport=lora_transport(r.api), base_model=path)
+            else:  # the servers' API's transport of weights.method
+                syncer = make_sync_port(cfg.weights, trainer, rollout, out / "weights_sync",
+                                        transport=weight_transport(r.api, cfg.weights.method))
             ctl = Controller(controller_settings(cfg, tok, resume_key(cfg, prompts)), prompts, tok,
                              exporter.metered(rollout) if exporter else rollout,
                              ServiceReward(service), trainer, syncer, gate, eval_prompts=evals)
@@ -233,12 +236,12 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool, metrics_key: str
 
 
 def empty_pool(cfg, rollout, syncer):
-    """The watchdog's :class:`~areal_fast.launch.empty_pool.EmptyPool`: the pool may become empty
+    """The watchdog's :class:`~areal_fast.elastic.empty_pool.EmptyPool`: the pool may become empty
     when a server can come back (launched servers relaunched, or servers of ``rollout.servers``,
-    which ``launch.rejoin`` offers again) and the rollout port can wait for one (not the sharded
+    which ``elastic.rejoin`` offers again) and the rollout port can wait for one (not the sharded
     client); then ``rollout.allow_empty`` is set and the wait lasts ``rollout.empty_pool_timeout``."""
-    from areal_fast.launch.empty_pool import EmptyPool
-    from areal_fast.launch.members import read_members
+    from areal_fast.elastic.empty_pool import EmptyPool
+    from areal_fast.elastic.members import read_members
 
     r, out = cfg.rollout, cfg.experiment.out
 
@@ -266,16 +269,18 @@ async def rollout_port(r, urls: list[str], api_key: str | None, lora_name: str |
         options["lora_name"] = lora_name
     if routed_experts_width:  # every request asks for its routing (docs/moe.md)
         options["routed_experts_width"] = routed_experts_width
+    from areal_fast.backends.registry import client_class, client_options, make_client  # the API's adapter
+
     if r.client_processes > 1:
         from areal_fast.rollout.sharded import ShardedRollout
 
-        async with ShardedRollout(urls, r.client_processes, is_dead=is_dead, **options) as port:
+        async with ShardedRollout(urls, r.client_processes, client_class=client_class(r.api), is_dead=is_dead,
+                                  **client_options(r), **options) as port:
             yield port
     else:
-        from areal_fast.backends.vllm.client import client_for_backend  # SGLang's client or the vLLM adapter
         from areal_fast.rollout.port import ClientRollout
 
-        async with client_for_backend(r, urls, **options) as client:
+        async with make_client(r, urls, **options) as client:
             yield ClientRollout(client, is_dead=is_dead)
 
 
@@ -290,14 +295,14 @@ def _copy_tokenizer(src: Path, dest: Path) -> None:
 
 async def _watch_servers(rollout, log_dir, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S, empty=None) -> None:
     """Drop servers that stopped answering from the pool. The last one too when a server can come
-    back (``empty``: :class:`~areal_fast.launch.empty_pool.EmptyPool`, which fails the run past
+    back (``empty``: :class:`~areal_fast.elastic.empty_pool.EmptyPool`, which fails the run past
     ``rollout.empty_pool_timeout``); without ``empty``, or when none can, fail instead.
 
     Dead means the connection is refused (or reset) several times in a row; hung, that it was taken
     and GET /model_info got no answer within ``hang_timeout_s`` (once is enough: that is the
     deadline). Any HTTP answer, a 503 from a server paused for a weight update included, is alive.
     Every server is asked at once, so a hung one delays nobody else's check."""
-    from areal_fast.launch.empty_pool import EmptyPool
+    from areal_fast.elastic.empty_pool import EmptyPool
 
     empty = empty or EmptyPool(None, log_dir)
     misses: dict[str, int] = {}

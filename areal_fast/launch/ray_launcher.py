@@ -6,7 +6,7 @@
     driver (this process)
       |-- ray.init(address)  ................... or a local single-node Ray when no address is given
       |-- placement group "servers":  n_servers x {CPU: c, GPU: tp}    (SPREAD: one server per node first)
-      |     `-- ProcessHost actor per bundle --> python -m areal_fast.rollout.engine | sglang.launch_server
+      |     `-- ProcessHost actor per bundle --> python -m areal_fast.embedded | sglang.launch_server
       |           --config <output_dir>/.secrets/server-key-*.yaml (the API key; 0600, removed once healthy)
       |-- placement group "trainers": world_size x {CPU: c, GPU: 1}    (PACK: ranks on as few nodes as possible)
       |     `-- ProcessHost actor per bundle --> python -m areal_fast.launch.rank <output_dir>/trainer_config.yaml
@@ -53,6 +53,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
+from areal_fast.backends.keyfile import redact_command
 from areal_fast.launch.base import (
     HOST_ENV,
     PYTHON,
@@ -68,7 +69,6 @@ from areal_fast.launch.base import (
 )
 from areal_fast.launch_config import RayConfig
 from areal_fast.netutil import find_free_port, url_host
-from areal_fast.rollout.server_command import redact_command
 
 log = logging.getLogger(__name__)
 _LOG_CHUNK = 1 << 20  # bytes pulled per process per round; a log never lags more than ~1 MiB/s
@@ -274,7 +274,7 @@ class RayLauncher:
         if gpus is None:
             gpus = gpus_per_server(r)
         if gpus and ray.cluster_resources().get("GPU", 0) < gpus:
-            raise ValueError(f"rollout: {r.engine} servers need {gpus} GPU(s) each but the Ray cluster has "
+            raise ValueError(f"rollout: {r.server} servers need {gpus} GPU(s) each but the Ray cluster has "
                              f"{ray.cluster_resources().get('GPU', 0):g} (set rollout.device=cpu for CPU servers)")
         cpus = self.cfg.cpus_per_server or float(r.threads_per_server)
         bundles = [_resources(cpus, gpus, self.cfg.server_resources)] * r.n_servers
@@ -300,6 +300,51 @@ class RayLauncher:
             self._own_secrets_dir = tempfile.mkdtemp(prefix="areal_fast_secrets_")  # mode 0700
             self.secrets_dir = Path(self._own_secrets_dir)
         return self.secrets_dir
+
+    # ------------------------------------------------------------ one server (the elastic supervisor's)
+    def start_server(self, rollout_cfg, model_path: str, slot: int, name: str, *, seed: int,
+                     key_file: Path | None) -> LaunchedProcess:
+        """One server on the Ray cluster now (not waiting for its health): a host actor in bundle
+        ``slot`` of the run's server placement group (its previous actor killed: :meth:`release_dead`),
+        or for a slot past it a new placement group of one bundle sized as the run's servers are
+        (:meth:`start_servers`). ``elastic.supervisor`` relaunches servers through it."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray, r, rc = _ray(), rollout_cfg, self.cfg
+        gpus = rc.gpus_per_server if rc.gpus_per_server is not None else gpus_per_server(r)
+        bundle = _resources(rc.cpus_per_server or float(r.threads_per_server), gpus)
+        servers_pg = [g for g in self.groups if getattr(g, "bundle_count", 0) > slot and
+                      ray.util.placement_group_table(g).get("name", "").endswith("-servers")]
+        if servers_pg:
+            pg, index = servers_pg[0], slot
+        else:
+            pg, index = self._placement_group([bundle], "PACK", name), 0
+        actor = ray.remote(ProcessHost).options(
+            name=f"areal-{self.run_id}-{name}", num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+            max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=index, placement_group_capture_child_tasks=False),
+        ).remote(self.node_log_dir)
+        self.actors.append(actor)
+        info = ray.get(actor.info.remote(), timeout=rc.placement_timeout)
+        host = self.host_for(info["node_ip"])
+        port = ray.get(actor.free_port.remote(host))
+        cmd = server_command(r, model_path, host, port, seed=seed, api_key_file=key_file, python=PYTHON)
+        return self._run(actor, info, name, cmd, {**server_env(r), HOST_ENV: host}, f"http://{url_host(host)}:{port}",
+                         critical=False)
+
+    def stop_process(self, p: LaunchedProcess, grace: float) -> None:
+        """Stop one process now (SIGTERM, SIGKILL after ``grace``) through its host actor."""
+        _ray().get(p.actor.stop.remote(grace), timeout=grace + 15)
+
+    def release_dead(self, p: LaunchedProcess) -> None:
+        """A dead server's Ray actor still holds its placement-group bundle: kill it, so the replacement
+        can take the bundle (same node, same GPU)."""
+        if p.actor is None:
+            return
+        try:
+            _ray().kill(p.actor)
+        except Exception as e:  # noqa: BLE001 - already gone
+            log.info("killing the actor of dead server %s: %s", p.name, e)
 
     def start_trainer_ranks(self, train_cfg, config_file: Path, env: dict[str, str]) -> list[LaunchedProcess]:
         """``train.world_size`` trainer ranks reading ``config_file``, one per bundle (GPU ranks when

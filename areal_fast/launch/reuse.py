@@ -30,8 +30,9 @@ import os
 import signal
 from pathlib import Path
 
-from areal_fast.launch.base import SECRETS_DIR, LaunchedProcess, pid_alive, server_ready
-from areal_fast.launch.members import (
+from areal_fast.diskutil import open_private
+from areal_fast.elastic.liveness import server_ready
+from areal_fast.elastic.members import (
     MEMBERS_FILE,
     POOL_FILE,
     Member,
@@ -40,13 +41,13 @@ from areal_fast.launch.members import (
     read_starting,
     servers_dir,
 )
-from areal_fast.launch.run_dir import open_private
+from areal_fast.launch.base import SECRETS_DIR, LaunchedProcess, pid_alive
 from areal_fast.weights.membership import group_name_of
 
 log = logging.getLogger(__name__)
 KEY_FILE = "servers.key"
 # in a kept server's command line: the embedded engine, SGLang, vLLM's API server
-_SERVER_MARKERS = ("areal_fast.rollout.engine", "sglang", "vllm.entrypoints")
+_SERVER_MARKERS = ("areal_fast.embedded", "sglang", "vllm.entrypoints")
 
 
 def key_path(out: Path) -> Path:
@@ -96,14 +97,13 @@ def judge(answers: bool, weight_version: str | None, kept_model: str | None, mod
 
 def probe(url: str, key: str | None, rollout_cfg=None) -> tuple[bool, str | None]:
     """(answers with ``key``, its current weight version) of the server at ``url``, asked in its
-    backend's API (``rollout_cfg.backend``; SGLang's without one)."""
-    from areal_fast.backends.vllm.client import client_for_backend
-    from areal_fast.rollout.client import RolloutClient
+    backend's API (``rollout_cfg.api``; SGLang's without one)."""
+    from areal_fast.backends.registry import client_class, make_client
 
     def client():
         if rollout_cfg is None:
-            return RolloutClient([url], api_key=key, request_timeout_s=10.0)
-        return client_for_backend(rollout_cfg, [url], api_key=key, request_timeout_s=10.0)
+            return client_class("sglang")([url], api_key=key, request_timeout_s=10.0)
+        return make_client(rollout_cfg, [url], api_key=key, request_timeout_s=10.0)
 
     async def ask():
         async with client() as c:
@@ -141,7 +141,7 @@ def _port_taken(m: Member) -> bool:
     """The kept server's address is listened on, but not by its process (``port_owner``)."""
     from urllib.parse import urlsplit
 
-    from areal_fast.launch.port_owner import listener_owner
+    from areal_fast.elastic.port_owner import listener_owner
 
     port = urlsplit(m.url).port
     return port is not None and listener_owner(m.pid, port) is False
@@ -226,7 +226,7 @@ def reuse_kept_servers(out: Path, model: str, ckpt_version: int, say=print,
     last = (read_json(servers_dir(out) / POOL_FILE) or {}).get("generation") or 0
     for m in keep:  # up to one generation past the last one rank 0 published (it may have re-formed since)
         release_groups(m.url, key, [group_name_of(group_name, g) for g in range(int(last) + 2)],
-                       getattr(rollout_cfg, "backend", "sglang"))
+                       getattr(rollout_cfg, "api", "sglang"))
     procs = [LaunchedProcess(name=m.name, log_path=Path(m.log), url=m.url, critical=False, pid=m.pid, node=m.node,
                              extra={"slot": m.slot}) for m in keep]
     return procs, key if keep else None

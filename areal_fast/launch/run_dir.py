@@ -15,8 +15,8 @@ that its group or every user may write to (another user could plant a symlink or
 run directory or file in it (``checkpoints``, ``logs``, ``final``... and everything below them) that
 is a symlink, not ours, or writable by others; :class:`RunLock` then makes the run create its files
 and directories writable by their owner alone whatever the umask; and the files we write in it (the
-lock, every log, metrics, samples, the summary: :func:`open_private`; temporaries:
-:func:`open_private_temp`, ``O_EXCL`` too) are opened with ``O_NOFOLLOW`` and mode 0600, so a planted
+lock, every log, metrics, samples, the summary: ``diskutil.open_private``; temporaries:
+``diskutil.open_private_temp``, ``O_EXCL`` too) are opened with ``O_NOFOLLOW`` and mode 0600, so a planted
 symlink is refused, never followed.
 """
 
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from areal_fast.checkpoint import CHECKPOINTS_DIR
+from areal_fast.diskutil import UnsafeOutputDir, open_private
 
 LOCK_FILE = ".lock"
 KEPT_ON_FRESH_START = ("warm_start",)  # a cache keyed by its own signature, not a result of the run
@@ -40,11 +41,6 @@ RUN_PRODUCTS = frozenset({RUN_CONFIG, "trainer_config.yaml", CHECKPOINTS_DIR, "l
 # never in a run's output directory: a repository, a source tree, a home directory
 NOT_A_RUN = frozenset({".git", ".hg", ".svn", "src", "setup.py", "pyproject.toml", "Makefile", "package.json",
                        ".ssh", ".bashrc", ".profile", ".config"})
-
-
-class UnsafeOutputDir(RuntimeError):
-    """The output directory belongs to another user or every user may write into it, or a file we
-    write there is a symlink or not ours."""
 
 
 class NotARunDir(RuntimeError):
@@ -108,49 +104,6 @@ def _check_run_entry(out: Path, top: Path) -> None:
                                   f"{'go' if st.st_mode & stat.S_IWOTH else 'g'}-w {out}")
         if stat.S_ISDIR(st.st_mode):
             stack.extend(os.path.join(p, n) for n in os.listdir(p))
-
-
-def open_private(path: str | os.PathLike, flags: int = os.O_WRONLY | os.O_APPEND) -> int:
-    """A descriptor on ``path``, created 0600 when missing; a symlink at ``path`` is refused
-    (:class:`UnsafeOutputDir`) rather than followed, and so is a file of another user or a
-    non-regular file. An existing
-    file of ours with wider permissions is narrowed to 0600 (logs may hold what a server prints)."""
-    path = Path(path)
-    try:
-        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        if os.path.islink(path):
-            raise UnsafeOutputDir(f"{path} is a symlink; refusing to follow it (remove it if it is yours)") from e
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        os.close(fd)
-        raise UnsafeOutputDir(f"{path}: not a regular file of this user; refusing to write to it")
-    if stat.S_IMODE(st.st_mode) != 0o600:
-        os.fchmod(fd, 0o600)
-    return fd
-
-
-def open_private_temp(path: str | os.PathLike, flags: int = os.O_WRONLY) -> int:
-    """A descriptor on a new file at ``path`` (a temporary, renamed into place when written), created
-    0600 with ``O_EXCL`` and ``O_NOFOLLOW`` (:func:`open_private`): a leftover regular file of ours (an
-    earlier write that died) is removed first; a symlink there is refused, never followed."""
-    path = Path(path)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        pass
-    else:
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
-            os.unlink(path)
-    return open_private(path, flags | os.O_EXCL)
-
-
-def write_private(path: str | os.PathLike, data: bytes) -> None:
-    """Replace the contents of ``path`` with ``data`` (:func:`open_private`: a symlink there is refused)."""
-    fd = open_private(path, os.O_WRONLY | os.O_TRUNC)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
 
 
 def private_umask() -> None:

@@ -25,7 +25,7 @@ key travels as elsewhere: servers read it from a private file under ``<output_di
 step (``--export=ALL``) and no other user can read.
 
 Failures are those of the local launcher: a server step that ends is relaunched by the server
-supervisor (``launch.elastic``) and rejoins at the next weight update; the trainer step ending with
+supervisor (``elastic.supervisor``) and rejoins at the next weight update; the trainer step ending with
 an error fails the run (``ProcessDied``), the checkpoints stay, and the same command resumes. A step
 is stopped with ``scancel --signal=TERM JOB.STEP``, then ``scancel JOB.STEP`` (SIGKILL) after
 ``slurm.grace`` seconds: killing ``srun`` alone would leave its step running. ``scancel`` of the job
@@ -47,6 +47,8 @@ import sys
 import time
 from pathlib import Path
 
+from areal_fast.elastic.members import read_json, write_json
+from areal_fast.elastic.port_owner import PortTaken, check_listener
 from areal_fast.launch.base import (
     HOST_ENV,
     LaunchedProcess,
@@ -58,8 +60,6 @@ from areal_fast.launch.base import (
     server_env,
 )
 from areal_fast.launch.local import LocalLauncher
-from areal_fast.launch.members import read_json, write_json
-from areal_fast.launch.port_owner import PortTaken, check_listener
 from areal_fast.launch_config import SlurmConfig
 from areal_fast.netutil import find_free_port, url_host
 from areal_fast.procutil import die_with_parent
@@ -194,7 +194,7 @@ class SlurmLauncher(LocalLauncher):
     def start_server(self, rollout_cfg, model_path: str, slot: int, name: str, *, seed: int,
                      key_file: Path | None) -> SlurmStep:
         """One server as a step of ``slurm.server_job`` (or the run's job), returned once it knows its
-        address, not waiting for its health (``launch.elastic`` starts replacements with it)."""
+        address, not waiting for its health (``elastic.supervisor`` starts replacements with it)."""
         p = self._start_server_step(rollout_cfg, model_path, name, seed=seed, key_file=key_file)
         p.extra["slot"] = slot
         self.wait_started([p])

@@ -5,11 +5,11 @@ Read top to bottom, :func:`run_train` is the whole run:
 1. hold the output directory (a second live run on it is refused) and, with
    ``experiment.resume=false``, move the previous run aside;
 2. prepare the model (warm start) and check the reward with one real call, before any server starts;
-3. decide where the servers come from (:func:`~areal_fast.rollout.server_command.server_kind`:
+3. decide where the servers come from (:func:`~areal_fast.backends.server_command.server_kind`:
    external, embedded or sglang) and start them, if the run launches them, with a fresh API key
    (SGLang's ``--api-key``, given in a private file ``<output_dir>/.secrets/*.yaml`` with ``--config``
    and removed once they are healthy; never on a command line, never in a file that stays: the saved
-   configs hold ``weights.api_key: null``). Rank processes get the key in their environment, the
+   configs hold ``api_key: null``). Rank processes get the key in their environment, the
    rank inside this process as an argument; the ranks' client and weight sync both read it from
    ``weights.resolved_api_key`` (:func:`run_api_key`): one key;
 4. write the resolved trainer config and start the trainer ranks, which read only that file
@@ -30,13 +30,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from areal_fast.backends.server_command import ServerKind, server_kind
 from areal_fast.checkpoint import CorruptCheckpoint, ResumeMismatch, checkpoints_dir
 from areal_fast.launch.base import API_KEY_ENV, SECRETS_DIR, TRAINER_CONFIG_FILE, LaunchedProcess, ProcessDied
-from areal_fast.launch.metrics import ProgressBar, plot_run
-from areal_fast.launch.prometheus import METRICS_KEY_ENV
 from areal_fast.launch.rank import run_rank, setup_logging
 from areal_fast.launch.run_dir import NotARunDir, RunDirBusy, RunLock, UnsafeOutputDir, move_previous_run_aside
-from areal_fast.rollout.server_command import ServerKind, server_kind
+from areal_fast.metrics.prometheus import METRICS_KEY_ENV
+from areal_fast.metrics.sinks import ProgressBar, plot_run
 
 log = logging.getLogger("areal_fast")
 _WATCH_S = 0.5
@@ -65,7 +65,7 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
             move_previous_run_aside(out, say)
         setup_logging(out, cfg.log.level, name="launcher.log")
         if in_process and cfg.train.gpus:  # before anything initialises CUDA in this process
-            os.environ["CUDA_VISIBLE_DEVICES"] = cfg.train.gpus
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(cfg.train.gpus)
         save_config(cfg, out / "config.yaml")
         model = model_dir(cfg, say)
         check_data_and_reward(cfg, model)
@@ -77,7 +77,7 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
             procs = run_servers(cfg, kind, launcher, model, api_key, say, reused=reused)
             urls = [p.url for p in procs] if kind.launched else [u.rstrip("/") for u in cfg.rollout.servers]
             log.info("inference servers (%s): %s; API key auth %s", kind.value, ", ".join(urls),
-                     "on" if api_key else "off (neither weights.api_key nor AREAL_FAST_API_KEY is set)")
+                     "on" if api_key else "off (neither api_key nor AREAL_FAST_API_KEY is set)")
             tcfg = trainer_run_config(cfg, model, urls, out)
             save_config(tcfg, out / TRAINER_CONFIG_FILE)
             with supervised_servers(cfg, kind, launcher, model, out, api_key, procs):
@@ -106,7 +106,7 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
 
 def run_api_key(cfg, kind: ServerKind) -> str | None:
     """The one API key of a run: a fresh one for servers we launch, else the external servers' own
-    key (``weights.api_key``, else $AREAL_FAST_API_KEY: ``WeightSyncConfig.resolved_api_key``). It
+    key (``api_key``, else $AREAL_FAST_API_KEY: ``WeightSyncConfig.resolved_api_key``). It
     reaches rank processes in their environment and the rank inside the launcher's process as an
     argument; their client and weight sync both read it from ``weights.resolved_api_key`` (the
     trainer config file holds ``api_key: null``)."""
@@ -117,7 +117,7 @@ def run_api_key(cfg, kind: ServerKind) -> str | None:
 
 def metrics_key(cfg) -> str | None:
     """The bearer key of a Prometheus endpoint bound beyond loopback: the key the user gave the run
-    (``weights.api_key`` or $AREAL_FAST_API_KEY; the config load refused such a host without one). It
+    (``api_key`` or $AREAL_FAST_API_KEY; the config load refused such a host without one). It
     reaches rank 0 as an argument or in its environment ($AREAL_FAST_METRICS_KEY), never in a file.
     Launched servers keep their own fresh key: a scraper never holds the servers' key."""
     from areal_fast.metrics_config import is_loopback
@@ -163,11 +163,11 @@ def kept_servers(cfg, kind: ServerKind, out: Path, model: str, say=print) -> tup
 @contextmanager
 def supervised_servers(cfg, kind: ServerKind, launcher, model: str, out: Path, api_key: str | None,
                        procs: list[LaunchedProcess]):
-    """The launched servers kept at their target (``launch.elastic.ServerSupervisor``) while the block
+    """The launched servers kept at their target (``elastic.supervisor.ServerSupervisor``) while the block
     runs; with ``rollout.keep_servers`` their key is kept, and a failing block leaves them running."""
+    from areal_fast.elastic.members import servers_dir
+    from areal_fast.elastic.supervisor import ServerSupervisor
     from areal_fast.launch import reuse
-    from areal_fast.launch.elastic import ServerSupervisor
-    from areal_fast.launch.members import servers_dir
 
     if not kind.launched:
         for name in ("members.json", "target.json"):  # a previous run's: these servers are not launched
@@ -217,7 +217,7 @@ def model_dir(cfg, say=print) -> str:
             last[0] = time.perf_counter()
             say(f"warm start: step {step}/{total}, loss {loss:.3f}")
 
-    path = ensure_warm_start(cfg, progress)
+    path = ensure_warm_start(cfg.warm_start_recipe(), progress)
     say(f"model: {path} ({time.perf_counter() - t0:.1f} s)")
     return str(Path(path).resolve())
 
@@ -275,9 +275,9 @@ def trainer_run_config(cfg, model: str, urls: list[str], out: Path):
     d["model"]["warm_start"]["enabled"] = False
     d["rollout"]["servers"] = list(urls)
     d["log"]["progress"] = False
-    d["weights"]["api_key"] = None  # never in a file: the ranks are given the run's key (run_api_key)
+    d["api_key"] = None  # never in a file: the ranks are given the run's key (run_api_key)
     if cfg.launcher in ("ray", "slurm"):
-        d["train"]["gpus"] = None  # Ray or Slurm gives each rank its GPU (CUDA_VISIBLE_DEVICES)
+        d["train"]["gpus"] = []  # Ray or Slurm gives each rank its GPU (CUDA_VISIBLE_DEVICES)
     return from_dict(AppConfig, d)
 
 

@@ -14,7 +14,7 @@ and their pure-PyTorch references ``*_ref`` (same arguments). The objective's op
 one :class:`PPOLossConfig` value (``config=``); keyword overrides replace single options, so
 ``decoupled_ppo_loss(..., eps_clip=0.3)`` works without building a config. Other keywords:
 ``prox_logprobs``, ``ref_logprobs``, ``cu_seqlens``, ``normalizer``; ``backend=`` ('triton' |
-'interpret' | 'reference' | None = ``areal_fast.backend.select``) on all four, ``grad_inplace=`` on
+'interpret' | 'reference' | None = ``areal_fast.dispatch.select``) on all four, ``grad_inplace=`` on
 ``decoupled_ppo_loss`` (write dloss/dlogits into the logits buffer) and ``single_pass=`` on
 ``fused_linear_decoupled_ppo_loss`` (gradients during the forward; default on for token-level
 importance). The objective itself (``objective.ppo_objective``) is plain PyTorch on [T] vectors, shared by

@@ -17,7 +17,7 @@ through them, and autograd registered on the differentiable ones:
 
 ``backend`` is 'triton' / 'interpret' (the kernels of ``areal_fast.kernels.ppo_loss``) or
 'reference' (row-chunked PyTorch, bounded memory, same formulas). The public functions in
-``ppo_loss.py``/``fused_linear.py`` choose it with ``areal_fast.backend.select``.
+``ppo_loss.py``/``fused_linear.py`` choose it with ``areal_fast.dispatch.select``.
 
 Dtypes: the [T] outputs (logp, entropy, lse) and the math behind them are fp32 for fp32, bf16 and
 fp16 inputs and fp64 for fp64 inputs (``ppo_loss_ref.math_dtype``), as in docs/objective.md. The

@@ -38,7 +38,7 @@ import math
 import torch
 from torch import Tensor
 
-from areal_fast.backend import select
+from areal_fast.dispatch import select
 
 from . import custom_ops  # (also registers torch.ops.areal_fast.*)
 from .custom_ops import GradPath, fused_linear_grad_path  # noqa: F401  (public: which grad_weight GEMM runs)

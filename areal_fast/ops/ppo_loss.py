@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from areal_fast.backend import select
+from areal_fast.dispatch import select
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.areal_fast.*)
 from .loss_config import PPOLossConfig, resolve_loss_config
@@ -66,7 +66,7 @@ def decoupled_ppo_loss(
     memory): only use it when nothing else needs the logits' values after the backward, and on
     a non-leaf buffer (e.g. the output of the lm_head matmul; a leaf's ``.grad`` would alias it).
     Labels outside [0, V) (e.g. -100) must be masked out. ``backend``: 'triton', 'interpret',
-    'reference' or None (``areal_fast.backend.select``). The math is fp32 for fp32/bf16/fp16 logits
+    'reference' or None (``areal_fast.dispatch.select``). The math is fp32 for fp32/bf16/fp16 logits
     and fp64 for fp64 logits, whose loss is then fp64 (the Triton kernels are fp32-only: fp64
     logits take the reference formulas on every backend); ``logprobs``/``entropy`` are fp32.
     """

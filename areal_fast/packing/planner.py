@@ -9,7 +9,7 @@ for a sequence of length ``len``, so the time of a sequence is proportional to
 step times. It only changes the balance across ranks, never the budget check, which is
 always in tokens.
 
-Backends (:func:`areal_fast.backend.select`, op ``packing.plan``): ``native`` (the C++ planner,
+Backends (:func:`areal_fast.dispatch.select`, op ``packing.plan``): ``native`` (the C++ planner,
 about 10 ms for 64k sequences) and ``reference`` (:func:`plan_microbatches_ref`, pure Python,
 the same guarantees but a different and slower algorithm, so plans may differ). Without the
 native core the reference runs, with a warning that says why.
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from areal_fast.backend import native, select
+from areal_fast.dispatch import native, select
 from areal_fast.packing.plan import (  # noqa: F401 - re-exported: the planner's public names
     DEFAULT_ATTN_COEF,
     DEFAULT_HIDDEN_SIZE,

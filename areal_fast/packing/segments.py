@@ -13,7 +13,7 @@ with ``cu_seqlens`` (int32 ``[B+1]``, ``cu_seqlens[0] = 0``, sequence ``b`` is r
   :func:`scatter_segments` is its inverse (per-token outputs back into the original order).
 
 Each op has a pure-PyTorch reference (``*_ref``, differentiable through torch) and dispatches
-with :func:`areal_fast.backend.select` among ``triton``, ``interpret`` (the same Triton kernels
+with :func:`areal_fast.dispatch.select` among ``triton``, ``interpret`` (the same Triton kernels
 in the CPU interpreter, only when asked for) and ``reference``. The kernel paths are differentiable too (autograd
 Functions: pack <-> unpack and gather <-> scatter are each other's backward). All results are
 exact copies, so every backend gives bitwise-identical outputs.
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from areal_fast.backend import select
+from areal_fast.dispatch import select
 
 Tensors = torch.Tensor | Sequence[torch.Tensor]
 

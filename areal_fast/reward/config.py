@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from areal_fast.configutil import positive_seconds
+from areal_fast.configutil import check_rules, option
 
 __all__ = ["RewardConfig"]
 
@@ -14,17 +14,13 @@ __all__ = ["RewardConfig"]
 class RewardConfig:
     """The verifiable reward (``areal_fast.reward``)."""
 
-    name: str = "math"
+    name: str = option("math", nonempty=True)
     """'math', 'code', or 'package.module:function' for a custom reward (resolved when the config
     is loaded)."""
-    timeout: float = 10.0
+    timeout: float = option(10.0, gt=0)
     """Seconds per call; a timeout scores 0 and is counted."""
-    workers: int | None = None
+    workers: int | None = option(None, ge=1)
     """Processes of the reward pool (None = from the CPU count)."""
 
     def __post_init__(self):
-        if not self.name:
-            raise ValueError("name: must not be empty")
-        positive_seconds("timeout", self.timeout)
-        if self.workers is not None and self.workers < 1:
-            raise ValueError(f"workers: must be >= 1 or null, got {self.workers!r}")
+        check_rules(self)

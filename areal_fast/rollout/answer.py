@@ -45,6 +45,8 @@ from collections import Counter
 from dataclasses import dataclass
 from operator import itemgetter
 
+from areal_fast.columns import LOGPROB_ARRAY, TOKEN_ARRAY
+
 try:  # a dependency of the rollout extra; the standard library's json is the fallback
     import orjson as _orjson
 except ImportError:  # pragma: no cover - exercised only where orjson is missing
@@ -81,8 +83,6 @@ def _native_scanner():
 
 _scan = _native_scanner()  # areal_fast._C.scan_generate_answer, or None for the reference alone
 FALLBACKS: Counter[str] = Counter()  # answers the scanner left to the reference, by its reason
-TOKEN_ARRAY = "i"  # token ids and versions: C int (vocabularies and versions fit in 31 bits)
-LOGPROB_ARRAY = "f"  # log-probs: C float (float32): the precision the trainer computes with
 _first = itemgetter(0)
 
 

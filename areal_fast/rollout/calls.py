@@ -17,10 +17,10 @@ What every call shares:
 - a deadline per call (``timeout_s``, connect included) and, across attempts, one
   :class:`RetryPolicy`;
 - the transport: ``http://`` servers through our HTTP/1.1 connection pool
-  (``areal_fast.rollout.http``: strict status and chunk parsing, size limits, never a request sent
+  (``areal_fast.http.pool``: strict status and chunk parsing, size limits, never a request sent
   twice by the transport); ``https://`` servers, and ``transport="aiohttp"``, through aiohttp;
-- the answer rules: 2xx is the decoded body; a 4xx (and SGLang's 500 for an unknown sampling key
-  before 0.5.22: ``compat.refuses_unknown_sampling_keys_with_400``) is :class:`RequestError`, the
+- the answer rules: 2xx is the decoded body; a 4xx (and a 500 naming a TypeError where the server's
+  adapter says its release answers an unknown sampling key so: ``caller_500``) is :class:`RequestError`, the
   caller's fault, never retried unless the policy names its status; any other 5xx is
   :class:`ServerError`; no answer is ``ConnectionError`` (refused, reset, not HTTP, too large) or
   ``TimeoutError``.
@@ -46,12 +46,9 @@ from collections.abc import Awaitable, Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from packaging.version import Version
-
-from areal_fast.backends.sglang.compat import refuses_unknown_sampling_keys_with_400
+from areal_fast.http.pool import DEFAULT_MAX_BODY_BYTES, KEEPALIVE_S, ConnectionPool, ConnectTimeout, HttpError
 from areal_fast.netutil import check_server_url
 from areal_fast.rollout.answer import dumps, loads
-from areal_fast.rollout.http import DEFAULT_MAX_BODY_BYTES, KEEPALIVE_S, ConnectionPool, ConnectTimeout, HttpError
 from areal_fast.rollout.liveness_route import learn_liveness_route, liveness_path
 
 __all__ = ["API_KEY_ENV", "BlockingCalls", "CONTROL_RETRY", "DEAD_SERVER_RETRY", "HEALTH_PROBE_TIMEOUT_S",
@@ -87,21 +84,22 @@ class ServerError(_StatusError):
     """A live server answered 5xx for a reason that is not the caller's (retried elsewhere)."""
 
 
-def is_caller_error(status: int, body: object, version: Version | None = None) -> bool:
-    """True when an answer blames the request, not the server (``version``: the server's SGLang
-    release when known; unknown: a 500 naming a TypeError is taken as the caller's)."""
+def is_caller_error(status: int, body: object, caller_500: bool = True) -> bool:
+    """True when an answer blames the request, not the server. ``caller_500``: a 500 naming a
+    TypeError is the caller's (a server that answers an unknown request key that way; the client's
+    backend adapter says which releases do, and a server whose release is not known is taken so)."""
     if 400 <= status < 500:
         return True
-    if status == 500 and (version is None or not refuses_unknown_sampling_keys_with_400(version)):
+    if status == 500 and caller_500:
         text = body if isinstance(body, str) else json.dumps(body)
         return any(m in text for m in _CALLER_500)
     return False
 
 
-def status_error(where: str, status: int, body: object, version: Version | None = None,
+def status_error(where: str, status: int, body: object, caller_500: bool = True,
                  note: str = "") -> RequestError | ServerError:
     """The error an answer of ``status`` >= 400 from ``where`` (server and path) is."""
-    cls = RequestError if is_caller_error(status, body, version) else ServerError
+    cls = RequestError if is_caller_error(status, body, caller_500) else ServerError
     return cls(where, status, body, note)
 
 
@@ -310,17 +308,17 @@ class ServerCalls:
             return raw, r.headers.get("Content-Type", ""), r.status
 
     async def call(self, url: str, method: str, path: str, body: dict | None = None, *,
-                   policy: RetryPolicy = RetryPolicy(), version: Version | None = None, parse: Callable | None = None,
+                   policy: RetryPolicy = RetryPolicy(), caller_500: bool = True, parse: Callable | None = None,
                    max_body: int | None = None, fresh: bool = False):
         """A call that must succeed: the decoded 2xx answer, sent again as ``policy`` allows; else
         :class:`RequestError` / :class:`ServerError` (naming server and path), ``ConnectionError``
-        or ``TimeoutError``. ``version``: the server's SGLang release, for :func:`is_caller_error`."""
+        or ``TimeoutError``. ``caller_500``: see :func:`is_caller_error`."""
         if policy.attempts == 1 and policy.deadline_s is None:  # sent once (/generate): no retry bookkeeping
             status, data = await self.request(url, method, path, body, timeout_s=policy.timeout_s, max_body=max_body,
                                               parse=parse, fresh=fresh)
             if status < 400:
                 return data
-            raise status_error(url + path, status, data, version)
+            raise status_error(url + path, status, data, caller_500)
         loop = asyncio.get_running_loop()
         deadline = None if policy.deadline_s is None else loop.time() + policy.deadline_s
         attempt = 0
@@ -341,7 +339,7 @@ class ServerCalls:
                     return data
                 if not (policy.retries_status(status) and policy.another(attempt, deadline, loop.time())):
                     note = f" (after {attempt + 1} attempts)" if policy.retries_status(status) else ""
-                    raise status_error(url + path, status, data, version, note)
+                    raise status_error(url + path, status, data, caller_500, note)
             await asyncio.sleep(policy.wait_s(attempt))
             attempt += 1
 

@@ -1,9 +1,22 @@
-"""Asyncio client for SGLang servers and the embedded engine (the contract is in docs/sglang.md).
+"""The rollout client's generic core: the interface every inference backend's adapter implements.
 
-    client = RolloutClient(["http://127.0.0.1:30000", ...])   # api_key: AREAL_FAST_API_KEY by default
-    async with client:                       # opens the session, reads /server_info of every server
+    from areal_fast.backends.registry import client_class     # the layer above picks the adapter by name
+    client = client_class("sglang")(["http://127.0.0.1:30000", ...])   # api_key: AREAL_FAST_API_KEY by default
+    async with client:                       # opens the session, reads the facts of every server
         res = await client.generate(prompt_ids, {"max_new_tokens": 256, "temperature": 1.0}, rid="q1-s0")
         res.output_ids, res.output_logprobs, res.output_versions, res.finish_reason   # array.array columns
+
+``RolloutClient`` names no backend. What one server says differently (its facts call, the segment
+call and its answer, abort, pause, continue, flush, the current weight version, which 500 blames the
+request, which sampling keys it knows) is a backend adapter, a subclass in
+``areal_fast/backends/<name>/client.py`` that implements the hooks below (each raises
+``NotImplementedError`` here): ``_read_info``, ``_post_segment``, ``_abort_quietly``,
+``_abort_segment``, ``_current_weight_version``, ``pause_all``, ``continue_all``, ``abort_all``,
+``flush_cache_all``, ``weight_versions``; and supplies its capabilities as class data
+(``SAMPLING_KEYS``, ``INFO_PATH``) and per server (``_caller_500``). The adapters read a server's
+answer with the public helpers of this layer (``client_pool.apply_server_info``,
+``client_pool.str_or_none``, ``answer.token_versions``). ``areal_fast.backends.registry`` maps a
+backend's name to its adapter; rollout never imports it.
 
 ``generate`` returns the one sample record (:class:`areal_fast.sample.Sample`): the workflow extends
 it, the controller buffers it and the trainer reads it, as the same object.
@@ -25,11 +38,13 @@ the request: its finish reason is ``"length"`` (a truncated sample) with ``abort
 
 Pauses: ``pause_all()`` uses the client's ``pause_mode``, ``"auto"`` by default: per server,
 ``retract`` from SGLang 0.5.19 (requests stay on the server and nothing comes back; the answer's
-weight_versions spans label every token) and ``abort`` before (see :func:`auto_pause_mode`).
+weight_versions spans label every token) and ``abort`` before (``backends/sglang/client.py``).
 Answers are decoded into compact columns (``areal_fast.rollout.answer``, ``docs/scale.md``).
+(The pause modes and the other server behaviours named here are SGLang's, ``backends/sglang/client.py``;
+vLLM's adapter spells them its way, ``backends/vllm/client.py``.)
 
 Transport: calls to an ``http://`` server go through the client's own HTTP/1.1 connection pool
-(``areal_fast.rollout.http``: kept-alive connections, each checked just before a request is
+(``areal_fast.http.pool``: kept-alive connections, each checked just before a request is
 written, never a request sent twice by the transport); ``https://`` servers, and ``http="aiohttp"``
 (or ``AREAL_FAST_ROLLOUT_HTTP=aiohttp``), use aiohttp.
 
@@ -66,16 +81,12 @@ import time
 import uuid
 from array import array
 from collections.abc import Sequence
-from functools import partial
 
-from areal_fast.backends.sglang.compat import SGLANG_SAMPLING_KEYS
 from areal_fast.columns import ROUTING_ARRAY, routing_from_rows
 from areal_fast.rollout.answer import (
     LOGPROB_ARRAY,
     TOKEN_ARRAY,
-    AnswerError,
     Segment,
-    parse_generate,
     token_versions,
     version_to_int,  # noqa: F401 - part of this module's API (tests, callers)
 )
@@ -97,14 +108,14 @@ from areal_fast.rollout.client_control import (  # noqa: F401 - the pause modes 
     PAUSE_MODE_CHOICES,
     PAUSE_MODES,
     ServerControl,
-    auto_pause_mode,
 )
 from areal_fast.rollout.client_pool import (  # noqa: F401 - the pool's names are part of this module's API
     PICK_SCAN_MAX,
     ServerPool,
     ServerState,
     ServerUnavailable,
-    _str_or_none,
+    apply_server_info,
+    str_or_none,
 )
 from areal_fast.rollout.routed_experts import from_sglang
 from areal_fast.sample import Sample
@@ -142,10 +153,16 @@ def server_rid(rid: str, segment: int) -> str:
 
 
 class RolloutClient(ServerPool, ServerControl):
-    """Pool of SGLang-compatible servers; see the module docstring. The pool, its calls and routing
-    are ``ServerPool`` (``client_pool``), the control of every server ``ServerControl``
+    """The generic client over a pool of servers; see the module docstring. The pool, its calls and
+    routing are ``ServerPool`` (``client_pool``), the control of every server ``ServerControl``
     (``client_control``); this class adds the generate path: one request across pauses, weight
-    updates and failover, stitched into one ``Sample``."""
+    updates and failover, stitched into one ``Sample``. A backend adapter subclasses it."""
+
+    # Capabilities a backend adapter supplies as data (the generic values here check nothing):
+    SAMPLING_KEYS: frozenset[str] | None = None  # the sampling keys its servers know (None: not checked)
+    SAMPLING_KEYS_OF = "the server"  # who knows them, for the error naming an unknown key
+    UNKNOWN_KEY_NOTE = ""  # what its servers do with an unknown key, for that error
+    INFO_PATH = "its facts call"  # the call that reads a server's facts, for the error when none answered
 
     def __init__(self, urls: list[str], *, api_key: str | None = None, request_timeout_s: float = 3600.0,
                  connect_timeout_s: float = 10.0, control_timeout_s: float = 600.0, max_attempts: int = 6,
@@ -195,7 +212,7 @@ class RolloutClient(ServerPool, ServerControl):
         self._active: set[str] = set()
         self._running = asyncio.Event()
         self._running.set()
-        # rank 0 lets the pool become empty when a server can come back (``launch.empty_pool``):
+        # rank 0 lets the pool become empty when a server can come back (``elastic.empty_pool``):
         # requests then wait in _generate_segment until add_server refills it
         self.allow_empty = False
         self._filled = asyncio.Event()
@@ -251,47 +268,32 @@ class RolloutClient(ServerPool, ServerControl):
                                 f"{type(last_err).__name__}: {last_err}")
 
     async def _post_segment(self, server: ServerState, payload: dict, attempt_rid: str, max_body: int) -> Segment:
-        """One segment's call on ``server``, its answer checked (the backend adapter's hook: a vLLM
-        client sends /v1/completions instead, ``backends/vllm/client.py``)."""
-        where = f"{server.url}/generate (rid {attempt_rid!r})"
-        try:
-            data = await self._call(server, "POST", "/generate", {**payload, "rid": attempt_rid},
-                                    timeout_s=self.request_timeout_s, max_body=max_body,
-                                    parse=partial(parse_generate, where=where, vocab=self.vocab_size))
-        except AnswerError as e:
-            raise MalformedAnswer(server.url, attempt_rid, str(e)) from None
-        if not isinstance(data, Segment):  # a 2xx that was not JSON
-            raise MalformedAnswer(server.url, attempt_rid, f"{where} answered {type(data).__name__}, "
-                                  f"not one result: {str(data)[:200]}")
-        if data.rid is not None and data.rid != attempt_rid:
-            raise MalformedAnswer(server.url, attempt_rid, f"{where}: the answer is for rid {data.rid!r}")
-        return data
+        """One segment's call on ``server``, its answer checked and decoded into a ``Segment``; the
+        backend adapter's (``payload`` is the client's segment request, see :meth:`generate`; a
+        2xx that breaks the answer rules raises :class:`MalformedAnswer`)."""
+        raise NotImplementedError(f"{type(self).__name__}: sending a segment is the backend adapter's")
 
     async def _abort_quietly(self, server: ServerState, server_rid_: str) -> None:
-        """Best effort: /abort_request for one server rid (a server that timed out may not answer)."""
-        try:
-            async with asyncio.timeout(ABORT_TIMEOUT_S):
-                await self._call(server, "POST", "/abort_request", {"rid": server_rid_, "abort_all": False},
-                                 timeout_s=ABORT_TIMEOUT_S)
-        except (RolloutError, *no_answer_errors()):
-            pass
+        """Best effort: abort one server rid on ``server`` (one that timed out may not answer);
+        the backend adapter's call."""
+        raise NotImplementedError(f"{type(self).__name__}: aborting a request is the backend adapter's")
 
     # ------------------------------------------------------------------ generation
-    @staticmethod
-    def _check_request(input_ids: Sequence[int], sampling: dict, rid: str | None) -> None:
+    @classmethod
+    def _check_request(cls, input_ids: Sequence[int], sampling: dict, rid: str | None) -> None:
         if isinstance(input_ids, str | bytes | bytearray | memoryview) or not hasattr(input_ids, "__len__"):
             raise TypeError(f"input_ids must be a sequence of token ids (a list, tuple or array('i')), "
                             f"got {type(input_ids).__name__}")
         if len(input_ids) == 0:
             raise ValueError("input_ids must be a non-empty sequence of token ids")
-        unknown = sorted(k for k in sampling if k not in SGLANG_SAMPLING_KEYS)
+        unknown = [] if cls.SAMPLING_KEYS is None else sorted(k for k in sampling if k not in cls.SAMPLING_KEYS)
         if unknown:
-            raise ValueError(f"sampling_params.{unknown[0]}: not a sampling parameter SGLang knows (SGLang "
-                             "answers it with a bare 500 before 0.5.22 and a 400 from 0.5.22)")
+            raise ValueError(f"sampling_params.{unknown[0]}: not a sampling parameter {cls.SAMPLING_KEYS_OF} "
+                             f"knows{cls.UNKNOWN_KEY_NOTE}")
         n = sampling.get("n", 1)
         if n not in (1, None):
-            raise ValueError(f"sampling_params.n={n!r}: RolloutClient.generate asks for one sample per call "
-                             "(SGLang answers n > 1 with a list); call generate once per sample with its own rid")
+            raise ValueError(f"sampling_params.n={n!r}: {cls.__name__}.generate asks for one sample per call "
+                             "(a server answers n > 1 with a list); call generate once per sample with its own rid")
         if rid is not None and (not isinstance(rid, str) or not rid or RID_SEP in rid):
             raise ValueError(f"rid {rid!r} must be a non-empty string without {RID_SEP!r} (the client appends "
                              f"'{RID_SEP}segment{RID_SEP}' so that no rid on a server is a prefix of another)")
@@ -382,12 +384,9 @@ class RolloutClient(ServerPool, ServerControl):
                       servers=servers, latency_s=time.monotonic() - t0)
 
     async def _current_weight_version(self, server: ServerState) -> str | None:
-        try:
-            mi = await self._call(server, "GET", "/model_info", timeout_s=self._short_timeout_s)
-        except (RolloutError, *no_answer_errors()):
-            return None
-        server.weight_version = _str_or_none((mi or {}).get("weight_version"))
-        return server.weight_version
+        """``server``'s current weight version, asked now and recorded on it (None if it does not
+        answer); the backend adapter's call."""
+        raise NotImplementedError(f"{type(self).__name__}: reading a weight version is the backend adapter's")
 
     async def abort(self, rid: str) -> None:
         """End generation ``rid`` (its result comes back with finish_reason "length", aborted=True)."""
@@ -395,10 +394,13 @@ class RolloutClient(ServerPool, ServerControl):
             return
         self._user_aborted.add(rid)
         live = self._segment_rid.get(rid)
-        if live is not None:
-            url, seg_rid = live
-            if url in self._by_url:
-                await self._call(self._by_url[url], "POST", "/abort_request", {"rid": seg_rid, "abort_all": False})
+        if live is not None and live[0] in self._by_url:
+            await self._abort_segment(self._by_url[live[0]], live[1])
+
+    async def _abort_segment(self, server: ServerState, server_rid_: str) -> None:
+        """Abort the live segment ``server_rid_`` on ``server`` (the caller's ``abort``); the backend
+        adapter's call."""
+        raise NotImplementedError(f"{type(self).__name__}: aborting a request is the backend adapter's")
 
 
 def _is_token_array(x) -> bool:

@@ -3,8 +3,8 @@
 ``RolloutClient`` (``areal_fast.rollout.client``) is this pool plus the generate path (that module)
 and the control of every server (``areal_fast.rollout.client_control``). This part owns:
 
-- ``ServerState``: one server's facts from /server_info and /model_info (SGLang version, tp size,
-  the weight version seen last), its requests in flight and its down-until time;
+- ``ServerState``: one server's facts as its backend adapter read them (release, tp size, the
+  weight version seen last: :func:`apply_server_info`), its requests in flight and its down-until time;
 - the lifecycle of the client's ``ServerCalls`` (``areal_fast.rollout.calls``): one connection
   pool per server, opened by ``start`` and closed by ``close``;
 - ``_call`` / ``_request``: every HTTP call the client makes, with its ``RetryPolicy``;
@@ -13,7 +13,7 @@ and the control of every server (``areal_fast.rollout.client_control``). This pa
 - dead-server bookkeeping: a server that gave no answer is skipped until ``down_until``
   (``down_cooldown_s``), ``add_server`` / ``remove_server`` change the pool, and ``health`` is the
   one health check a watchdog asks before it declares a server dead. The last server is removed
-  only with ``allow_empty`` (rank 0: a server can come back, ``launch.empty_pool``); new segments
+  only with ``allow_empty`` (rank 0: a server can come back, ``elastic.empty_pool``); new segments
   then wait in ``_wait_for_servers`` until ``add_server``.
 
 The attributes it reads are set by ``RolloutClient.__init__``; ``health`` reads ``is_paused``
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from packaging.version import InvalidVersion, Version
 
-from areal_fast.backends.sglang.compat import server_info_reports_launch_version
+from areal_fast.http.pool import ConnectionPool
 from areal_fast.rollout.answer import tune_gc
 from areal_fast.rollout.calls import (
     HEALTH_PROBE_TIMEOUT_S,
@@ -39,7 +39,6 @@ from areal_fast.rollout.calls import (
     ServerHealth,
     check_server_url,
 )
-from areal_fast.rollout.http import ConnectionPool
 
 PICK_SCAN_MAX = 16  # up to this many servers a new request goes to the least loaded of all
 
@@ -79,7 +78,7 @@ class ServerPool:
         if refused:  # e.g. 401: a wrong or missing api key is the caller's bug, not a down server
             raise refused[0]
         if all(isinstance(i, BaseException) for i in infos):
-            raise ServerUnavailable(f"no server answered GET /server_info: {infos[0]!r}")
+            raise ServerUnavailable(f"no server answered {self.INFO_PATH}: {infos[0]!r}")
         for s, info in zip(self.servers, infos):
             if isinstance(info, BaseException):  # down for now; its facts are read again before use
                 s.down_until = time.monotonic() + self.down_cooldown_s
@@ -87,7 +86,7 @@ class ServerPool:
             tune_gc()
 
     def _open_pool(self, server: ServerState) -> None:
-        """Calls to ``server`` go through our own HTTP client (``areal_fast.rollout.http``) for
+        """Calls to ``server`` go through our own HTTP client (``areal_fast.http.pool``) for
         http:// servers; https:// ones (and ``http="aiohttp"``) through aiohttp (``rollout.calls``)."""
         server.pool = self._calls.pool(server.url)
 
@@ -110,23 +109,14 @@ class ServerPool:
         await self.close()
 
     async def _read_info(self, s: ServerState) -> dict:
-        """GET /server_info (falls back to the deprecated /get_server_info of old servers) and /model_info."""
-        try:
-            info = await self._call(s, "GET", "/server_info", timeout_s=self._short_timeout_s)
-        except RequestError as e:
-            if e.status not in (404, 405):  # a server older than /server_info
-                raise
-            info = await self._call(s, "GET", "/get_server_info", timeout_s=self._short_timeout_s)
-        _apply_info(s, info)
-        if not _reports_launch_version(s):
-            s.weight_version = _str_or_none(s.info.get("weight_version"))
-        else:  # from 0.5.19 server_info holds the launch value; the current one is in /model_info
-            try:
-                mi = await self._call(s, "GET", "/model_info", timeout_s=self._short_timeout_s)
-                s.weight_version = _str_or_none((mi or {}).get("weight_version"))
-            except RolloutError:
-                pass
-        return s.info
+        """Read ``s``'s facts (release, tp size, current weight version) into it: the backend
+        adapter's call (:func:`apply_server_info` records them); returns ``s.info``."""
+        raise NotImplementedError(f"{type(self).__name__} reads no server facts: a backend adapter does")
+
+    def _caller_500(self, server: ServerState) -> bool:
+        """Whether a 500 naming a TypeError from ``server`` blames the request (``calls.is_caller_error``):
+        taken so for a server whose facts are not known; the adapter says for a known release."""
+        return not server.info
 
     async def _ensure_info(self, servers: list[ServerState]) -> None:
         """Read the facts of servers that were down when last asked (they are used right after)."""
@@ -155,7 +145,7 @@ class ServerPool:
         """One HTTP call that must succeed: the decoded answer, else RequestError / ServerError."""
         policy = policy or self._once(timeout_s or self.control_timeout_s)
         return await self._server_calls().call(
-            server.url, method, path, body, policy=policy, version=server.version if server.info else None,
+            server.url, method, path, body, policy=policy, caller_500=self._caller_500(server),
             parse=parse, max_body=max_body, fresh=control)
 
     def _once(self, timeout_s: float) -> RetryPolicy:
@@ -186,13 +176,13 @@ class ServerPool:
 
     async def _wait_for_servers(self) -> None:
         """Until the pool holds a server again (an empty pool: ``allow_empty``). No deadline here:
-        rank 0's watchdog ends the run past ``rollout.empty_pool_timeout`` (``launch.empty_pool``)."""
+        rank 0's watchdog ends the run past ``rollout.empty_pool_timeout`` (``elastic.empty_pool``)."""
         while not self.servers:
             self._filled.clear()
             await self._filled.wait()
 
     async def add_server(self, url: str) -> None:
-        """Add ``url`` to the pool (its facts are read from /server_info first)."""
+        """Add ``url`` to the pool (its facts are read first, ``_read_info``)."""
         check_server_url(url)
         server = ServerState(url.rstrip("/"))
         if server.url in self._by_url:
@@ -234,20 +224,19 @@ class ServerPool:
         return best
 
 
-def _str_or_none(v) -> str | None:
+def str_or_none(v) -> str | None:
+    """A weight version as the client keeps it: ``None`` stays ``None``, anything else its ``str``
+    (servers send versions as strings or numbers). For backend adapters reading a server's answer."""
     return None if v is None else str(v)
 
 
-def _reports_launch_version(s: ServerState) -> bool:
-    return server_info_reports_launch_version(s.version)
-
-
-def _apply_info(server: ServerState, info) -> None:
-    """Record /server_info: ``version`` (unparseable -> 0, the most conservative) and ``tp_size``."""
+def apply_server_info(server: ServerState, info) -> None:
+    """Record a server's facts on ``server``: ``info`` (a dict; anything else is taken as empty),
+    ``version`` from its "version" field (unparseable or absent: 0, the most conservative: the
+    oldest behaviour of every gate) and ``tp_size`` (default 1). For backend adapters' ``_read_info``."""
     server.info = info if isinstance(info, dict) else {}
     try:
         server.version = Version(str(server.info.get("version", "0")))
     except InvalidVersion:
         server.version = Version("0")
     server.tp_size = int(server.info.get("tp_size", 1))
-

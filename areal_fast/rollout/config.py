@@ -11,10 +11,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from areal_fast.backends.sglang.compat import in_place_launch_refusal
-from areal_fast.backends.vllm.compat import DEFAULT_VLLM_VERSION, check_rollout_backend
 from areal_fast.buffer import DEFAULT_MEMORY_MB as DEFAULT_BUFFER_MEMORY_MB
-from areal_fast.configutil import device_indices, positive_seconds
+from areal_fast.configutil import check_rules, device_indices, option
 from areal_fast.heap import period_from_env as heap_trim_period_from_env
 from areal_fast.netutil import check_server_url  # the one check of a server address
 
@@ -29,19 +27,13 @@ RESERVED_SERVER_ARGS = ("--api-key", "--config")
 given with ``--config`` (``launch.base.server_key_file``)."""
 
 
+SERVERS = ("embedded", "sglang", "vllm")
+"""Values of ``rollout.server``: the server programs the launcher starts."""
+APIS = ("sglang", "vllm")
+"""Values of ``rollout.api``: the inference APIs the client speaks."""
+PAUSE_MODES = ("auto", "retract", "abort", "in_place")
+
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
-
-
-def _installed_sglang(engine: str) -> str | None:
-    """The sglang release installed here (launched 'sglang' servers run it), None if unknown."""
-    if engine != "sglang":
-        return None
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return None
 
 
 SERVER_ENV_TAKEN = {"OMP_NUM_THREADS": "from threads_per_server", "MKL_NUM_THREADS": "from threads_per_server",
@@ -53,18 +45,18 @@ SERVER_ENV_TAKEN = {"OMP_NUM_THREADS": "from threads_per_server", "MKL_NUM_THREA
 class RolloutConfig:
     """Inference servers, sampling and the staleness bound."""
 
-    engine: str = "embedded"
-    """'embedded' (``python -m areal_fast.rollout.engine``), 'sglang', or 'vllm' (real vLLM servers,
-    with ``backend: vllm``; ``docs/vllm.md``)."""
-    backend: str = "sglang"
+    server: str = option("embedded", choices=SERVERS)
+    """Which server program a launched server runs: 'embedded' (``python -m areal_fast.embedded``),
+    'sglang', or 'vllm' (real vLLM servers, with ``api: vllm``; ``docs/vllm.md``)."""
+    api: str = option("sglang", choices=APIS)
     """The inference API the servers speak: 'sglang', or 'vllm' (vLLM's OpenAI-compatible server, or the
     embedded engine launched as vLLM's twin; ``docs/vllm.md``)."""
-    vllm_version: str = DEFAULT_VLLM_VERSION
-    """With backend 'vllm': the vLLM release the servers run (0.11.0 .. 0.33.0); what it cannot serve is
+    vllm_version: str = "0.33.0"  # the newest release read: backends/vllm/compat.py DEFAULT_VLLM_VERSION
+    """With api 'vllm': the vLLM release the servers run (0.11.0 .. 0.33.0); what it cannot serve is
     refused at load, with the reason (``areal_fast.backends.vllm.compat``)."""
     servers: list[str] = field(default_factory=list)
     """Addresses of servers that are already running ('http://host:port'); empty = launch them."""
-    n_servers: int = 1
+    n_servers: int = option(1, ge=0)
     """Servers to launch."""
     device: str = "cpu"
     """Device of launched embedded engines ('cpu', 'cuda' or 'cuda:N')."""
@@ -78,45 +70,45 @@ class RolloutConfig:
     a server's pins may need an environment of its own); empty: the run's own interpreter."""
     gpus: list[str] = field(default_factory=list)
     """CUDA_VISIBLE_DEVICES of each launched server, e.g. ["0", "1"] or ["0,1"] for tp 2 (empty: inherit)."""
-    threads_per_server: int = 1
+    threads_per_server: int = option(1, ge=1)
     """torch CPU threads of each embedded engine (OMP_NUM_THREADS)."""
-    group_size: int = 8
+    group_size: int = option(8, ge=1)
     """n: samples per prompt, scored together as one group (GRPO)."""
-    max_new_tokens: int = 64
+    max_new_tokens: int = option(64, ge=1)
     """Generation budget per sample."""
     temperature: float = 1.0
     """Sampling temperature, set once for the run: the trainer recomputes log-probs at the same one."""
-    top_p: float = 1.0
+    top_p: float = option(1.0, gt=0, le=1)
     """Nucleus sampling, in (0, 1]."""
     top_k: int = -1
     """Top-k sampling: -1 = off (the whole vocabulary), else >= 1 (SGLang refuses 0)."""
-    max_staleness: int = 4
+    max_staleness: int = option(4, ge=0)
     """eta: a sample may start at most eta versions before the one that trains on it. 0 = synchronous."""
-    max_concurrent: int = 64
+    max_concurrent: int = option(64, ge=1)
     """Groups generating at once (across all servers)."""
     strict_staleness: bool = False
     """Drop a finished group any of whose tokens is older than version - eta (counted)."""
-    request_timeout: float = 600.0
+    request_timeout: float = option(600.0, gt=0)
     """Seconds for one /generate call before it is retried elsewhere."""
-    control_timeout: float = 60.0
+    control_timeout: float = option(60.0, gt=0)
     """Seconds for one control call to a server (pause, continue, abort, flush, its facts); a server
     that does not answer in time is checked for death or a hang (``docs/deadlines.md``)."""
-    hang_timeout: float = 30.0
+    hang_timeout: float = option(30.0, gt=0)
     """Seconds a server's process may leave the liveness check (GET /model_info, or /version of a vLLM
     server: answered without the scheduler) unanswered before it is declared hung (SIGSTOPped,
     deadlocked) and dropped like a dead one, by the watchdog or by a control call that timed out."""
-    pause_mode: str = "auto"
+    pause_mode: str = option("auto", choices=PAUSE_MODES)
     """How servers pause for a weight update: 'auto' (per server: 'retract' on SGLang >= 0.5.19, whose
     per-token version spans label retracted requests, else 'abort'), 'retract', 'abort' or 'in_place'
     (requests keep running on their KV across the update; updates then never flush the cache:
     SGLang >= 0.5.19 launched with --disable-overlap-schedule --disable-radix-cache, or the embedded
     engine; ``docs/pause_modes.md``)."""
-    health_timeout: float = 300.0
+    health_timeout: float = option(300.0, gt=0)
     """Seconds to wait for launched servers to become healthy."""
     relaunch_servers: bool = True
     """A launched server that dies is started again; it joins at the next weight update, over a re-formed
     broadcast group, before it takes requests (``docs/elastic.md``). false: the run goes on with fewer."""
-    empty_pool_timeout: float = 600.0
+    empty_pool_timeout: float = option(600.0, gt=0)
     """Seconds the run waits for a server when its pool is empty (every server died or hung) and one can
     come back (relaunched: ``relaunch_servers``; a server of ``servers`` answering again): generation
     waits, and a server that joins gets the current weights at once (``docs/elastic.md``). Past it the
@@ -131,12 +123,12 @@ class RolloutConfig:
     completion and one reward. Resolved when the config is loaded."""
     workflow_args: dict = field(default_factory=dict)
     """Keyword arguments passed to every call of the workflow (e.g. a turn budget)."""
-    tool_timeout: float = 10.0
+    tool_timeout: float = option(10.0, gt=0)
     """Seconds per tool call of a workflow; a tool that takes longer is killed (counted as tool/timeout)."""
-    client_processes: int = 1
+    client_processes: int = option(1, ge=1)
     """Processes of the rollout client: 1 = the client runs in the controller's process; N > 1 = N worker
     processes, each with its own client over a disjoint share of the servers (``docs/scale.md``)."""
-    buffer_memory_mb: float | None = DEFAULT_BUFFER_MEMORY_MB
+    buffer_memory_mb: float | None = option(DEFAULT_BUFFER_MEMORY_MB, ge=0)
     """MB of token columns the controller keeps in memory for finished groups waiting to be trained;
     groups beyond it wait in a temporary file in output_dir, read back when trained (0 = every group;
     null = no bound). The default (128) and why: ``areal_fast.buffer.DEFAULT_MEMORY_MB``."""
@@ -146,11 +138,9 @@ class RolloutConfig:
     the samples carry them (``Sample.routed_experts``) for ``train.ppo.routing_replay`` (``docs/moe.md``)."""
 
     def __post_init__(self):
+        check_rules(self)
         if not re.match(r"^[\w.]+:[\w.]+$", self.workflow or ""):
             raise ValueError(f"workflow: expected 'package.module:function', got {self.workflow!r}")
-        positive_seconds("tool_timeout", self.tool_timeout)
-        if self.engine not in ("embedded", "sglang", "vllm"):
-            raise ValueError(f"engine: must be 'embedded', 'sglang' or 'vllm', got {self.engine!r}")
         for i, url in enumerate(self.servers):
             check_server_url(url, f"servers[{i}]")
         for key, value in self.server_env.items():
@@ -160,59 +150,32 @@ class RolloutConfig:
                 raise ValueError(f"server_env: {key} is set by the launcher ({SERVER_ENV_TAKEN[key]})")
         self.server_env = {str(k): str(v) for k, v in self.server_env.items()}
         if self.server_python:
-            if self.engine not in ("sglang", "vllm"):
+            if self.server not in ("sglang", "vllm"):
                 raise ValueError(f"server_python: names the interpreter of launched SGLang or vLLM servers; this run's "
-                                 f"engine is {self.engine!r}")
+                                 f"server is {self.server!r}")
             if not (os.path.isfile(self.server_python) and os.access(self.server_python, os.X_OK)):
                 raise ValueError(f"server_python: {self.server_python!r} is not an executable file")
         for arg in self.server_args:
             if str(arg).split("=", 1)[0] in RESERVED_SERVER_ARGS:
                 raise ValueError(f"server_args: {arg!r} is set by the launcher (the run's one API key reaches the "
                                  f"servers in a private file given with --config); remove it, and give the key of "
-                                 f"servers you start yourself as weights.api_key or $AREAL_FAST_API_KEY")
+                                 f"servers you start yourself as api_key or $AREAL_FAST_API_KEY")
         if self.n_servers < 1 and not self.servers:
             raise ValueError(f"n_servers: must be >= 1, got {self.n_servers!r}")
         if not _DEVICE.match(self.device):
             raise ValueError(f"device: must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.threads_per_server < 1:
-            raise ValueError(f"threads_per_server: must be >= 1, got {self.threads_per_server!r}")
-        if self.group_size < 1:
-            raise ValueError(f"group_size: must be >= 1, got {self.group_size!r}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens!r}")
         if not self.temperature >= MIN_TEMPERATURE:
             raise ValueError(f"temperature: must be >= {MIN_TEMPERATURE} for RL sampling (lower is greedy: SGLang "
                              f"switches to greedy below 1e-6, the trainer's logits / temperature overflow), got "
                              f"{self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"top_k: must be -1 (off) or >= 1, got {self.top_k!r}")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness: must be >= 0, got {self.max_staleness!r}")
-        if self.max_concurrent < 1:
-            raise ValueError(f"max_concurrent: must be >= 1, got {self.max_concurrent!r}")
-        positive_seconds("request_timeout", self.request_timeout)
-        positive_seconds("control_timeout", self.control_timeout)
-        positive_seconds("hang_timeout", self.hang_timeout)
-        if self.pause_mode not in ("auto", "retract", "abort", "in_place"):
-            raise ValueError(f"pause_mode: must be 'auto', 'retract', 'abort' or 'in_place', got {self.pause_mode!r}")
-        if self.pause_mode == "in_place" and not self.servers and self.engine != "vllm":  # vLLM: backends.vllm.compat
-            why = in_place_launch_refusal(self.engine, self.server_args, _installed_sglang(self.engine))
-            if why:
-                raise ValueError(f"pause_mode: 'in_place' refused for launched {self.engine} servers: {why}")
-        positive_seconds("health_timeout", self.health_timeout)
-        positive_seconds("empty_pool_timeout", self.empty_pool_timeout)
-        check_rollout_backend(self.backend, self.engine, bool(self.servers), self.vllm_version, self.pause_mode)
-        if self.return_routed_experts:
-            check_routed_experts(self.backend, self.engine, self.vllm_version, _installed_sglang(self.engine))
+        # what the servers can serve (pause mode, API, release, routing) needs the backends' facts: the
+        # assembler checks it (areal_fast.config -> areal_fast.backends.checks)
         n = len(self.servers) or self.n_servers
         if not isinstance(self.client_processes, int) or not 1 <= self.client_processes <= max(n, 1):
             raise ValueError(f"client_processes: must be >= 1 and <= the number of servers ({n}), "
                              f"got {self.client_processes!r}")
-        mb = self.buffer_memory_mb
-        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 <= mb < float("inf")):
-            raise ValueError(f"buffer_memory_mb: must be a number of MB >= 0, or null for no bound, got {mb!r}")
         heap_trim_period_from_env()  # AREAL_FAST_HEAP_TRIM_S: refused here, before any server starts
         if self.gpus and not self.servers and len(self.gpus) != self.n_servers:
             raise ValueError(f"gpus: one entry per server expected ({self.n_servers}), got {self.gpus!r}")
@@ -221,23 +184,3 @@ class RolloutConfig:
                 device_indices(g)
             except ValueError as e:
                 raise ValueError(f"gpus[{i}]: {e}") from None
-
-
-ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"  # the launch flag of all three engines
-
-
-def check_routed_experts(backend: str, engine: str, vllm_version: str, sglang_version: str | None) -> None:
-    """``return_routed_experts``: refused (naming the release) where the servers cannot answer routing."""
-    if backend == "vllm":
-        from areal_fast.backends.vllm.compat import ROUTED_EXPERTS_PROMPT_START_SINCE, VLLMBehaviour
-
-        if not VLLMBehaviour.of(vllm_version).has_routed_experts_prompt_start:
-            raise ValueError(f"return_routed_experts: vLLM returns routing from {ROUTED_EXPERTS_PROMPT_START_SINCE} "
-                             f"on (routed_experts in the completion answer, routed_experts_prompt_start in the "
-                             f"request); this run's vllm_version is {vllm_version}")
-    if backend == "sglang" and engine == "sglang" and sglang_version:
-        from areal_fast.backends.sglang.compat import ROUTED_EXPERTS_SINCE, parse_sglang_version, returns_routed_experts
-
-        if not returns_routed_experts(parse_sglang_version(sglang_version)):
-            raise ValueError(f"return_routed_experts: SGLang returns routing from {ROUTED_EXPERTS_SINCE} on "
-                             f"(meta_info.routed_experts); the installed sglang is {sglang_version}")

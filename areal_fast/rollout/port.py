@@ -57,7 +57,7 @@ class ClientRollout:
     @property
     def allow_empty(self) -> bool:
         """May the pool become empty? Rank 0 sets it when a dropped server can come back (relaunched,
-        or offered again: ``launch.empty_pool``); requests then wait for a server. False: dropping
+        or offered again: ``elastic.empty_pool``); requests then wait for a server. False: dropping
         the last server is an error, as it was before."""
         return self.client.allow_empty
 

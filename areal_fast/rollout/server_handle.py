@@ -1,8 +1,8 @@
 """A handle on a running inference server (the embedded engine or SGLang): its address, its process
 or in-thread stop function, its log, and the start-up wait for GET /health.
 
-Both launchers return one: ``areal_fast.rollout.engine.launch`` (the embedded engine, as a subprocess
-or in a thread) and ``areal_fast.rollout.server_command.launch_sglang_server`` (real SGLang). It sits
+Both launchers return one: ``areal_fast.embedded.launch`` (the embedded engine, as a subprocess
+or in a thread) and ``areal_fast.backends.sglang.server_command.launch_sglang_server`` (real SGLang). It sits
 below both so that neither launcher imports the other.
 """
 

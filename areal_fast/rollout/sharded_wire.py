@@ -29,8 +29,7 @@ import pickle
 import struct
 from array import array
 
-from areal_fast.columns import ROUTING_ARRAY
-from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY
+from areal_fast.columns import LOGPROB_ARRAY, ROUTING_ARRAY, TOKEN_ARRAY
 from areal_fast.rollout.calls import RequestError, RolloutError, ServerError
 from areal_fast.sample import Sample
 

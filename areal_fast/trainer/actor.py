@@ -14,6 +14,7 @@ over ranks, so the loss is multiplied by the world size to turn that mean into t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -36,6 +37,39 @@ _PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A
 _MEAN_STATS = ("ratio_mean", "clip_fraction", "dual_clip_fraction", "approx_kl", "behav_kl",
                "behav_weight_mean", "tis_truncated_fraction", "token_mis_masked_fraction",
                "seq_mis_masked_fraction", "m2po_masked_fraction", "entropy_mean", "kl_mean")
+
+
+@dataclasses.dataclass
+class _Recomputed:
+    """The log-probs recomputed before a step's update, keyed by sample index (None: not used)."""
+
+    prox: dict | None
+    ref: dict | None
+    agree: dict = dataclasses.field(default_factory=lambda: {"differ": 0, "recorded": 0})
+    """The servers' MoE routing against the trainer's own in the proximal forward."""
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class _StepSums:
+    """What the micro-batches of one step add up on this rank (device float64 sums: no host sync)."""
+
+    totals: dict = dataclasses.field(default_factory=dict)
+    losses: list = dataclasses.field(default_factory=list)
+    grad_norms: list = dataclasses.field(default_factory=list)
+    dash: list = dataclasses.field(default_factory=list)
+    """(b, p, l, mask) of each micro-batch: the mismatch dashboard."""
+    n_tokens: int = 0
+
+
+def _staleness(seqs: list[Seq], theta_version: int) -> dict[str, float]:
+    """Staleness of the trained tokens: versions behind the weights before this step."""
+    ages = torch.cat([theta_version - s.versions[s.loss_mask] for s in seqs]).float()
+    if not ages.numel():
+        return {}
+    return dict(staleness_mean=float(ages.mean()), staleness_max=float(ages.max()),
+                staleness_p50=float(ages.quantile(0.5, interpolation="lower")),
+                staleness_p90=float(ages.quantile(0.9, interpolation="lower")))
 
 
 def lr_factor(o: OptimConfig, step: int) -> float:
@@ -94,7 +128,7 @@ class PPOActor:
         # last told for a standalone caller that tells it nothing.
         self.version = 0
         self._grad_observer = None
-        self.loss_backend = config.loss_backend  # None: areal_fast.backend.select decides
+        self.loss_impl = config.loss_impl  # None: areal_fast.dispatch.select decides
         hidden = self.hf_config.hidden_size
         self._attn_coef = 1.0 / (12 * hidden) if config.packing_cost == "attention" else None
         self._matmul_params = self._count_matmul_params()
@@ -126,12 +160,12 @@ class PPOActor:
     def _token_logprobs_op(self, hidden, weight, labels, bias):
         return ops.fused_linear_token_logprobs(hidden, weight, labels, bias=bias,
                                                temperature=self.loss_config.temperature,
-                                               chunk_size=self.config.loss_chunk_size, backend=self.loss_backend)
+                                               chunk_size=self.config.loss_chunk_size, backend=self.loss_impl)
 
     def _loss_op(self, hidden, weight, labels, behav_logprobs, adv, mask, **kw):
         return ops.fused_linear_decoupled_ppo_loss(hidden, weight, labels, behav_logprobs, adv, mask,
                                                    chunk_size=self.config.loss_chunk_size,
-                                                   backend=self.loss_backend, **kw)
+                                                   backend=self.loss_impl, **kw)
 
     def _routing(self, p: Packed, agree: dict | None = None) -> contextlib.ExitStack:
         """The recorded routing of ``p``'s positions over the forward(s) in the block: replayed by the
@@ -184,124 +218,151 @@ class PPOActor:
         ``version``: the version of the weights this update starts from, as the controller numbers
         them (None: ``self.version``, for a caller that tells none); the updated weights are version
         + 1, and ``self.version`` says so afterwards. Collective: every rank calls it (with the same
-        version); with ``broadcast_batch`` only rank 0's samples count."""
+        version); with ``broadcast_batch`` only rank 0's samples count.
+
+        The steps: read the batch (:meth:`_read_batch`), plan the minibatches and their advantages
+        (:meth:`_advantages`), recompute the proximal and reference log-probs before any update
+        (:meth:`_recompute`), one optimizer step per minibatch (:meth:`_minibatch_step`), then the
+        metrics, reduced over the ranks (:meth:`_step_metrics`)."""
         t0 = time.perf_counter()
         theta_version = self.version if version is None else int(version)
-        ppo = self.config.ppo
-        samples = self._broadcast(samples)
-        if not samples:
-            raise ValueError("train_batch needs at least one sample")
-        samples = [as_sample(s, i) for i, s in enumerate(samples)]
-        seqs = [to_seq(s, routing=True) for s in samples]  # recorded routing: replayed, or compared
-        rewards = [float(s.reward) * ppo.reward_scale + ppo.reward_bias for s in samples]
-        adv = adv_mod.group_advantages(rewards, [s.group_id for s in samples], estimator=ppo.adv_estimator,
-                                       std_norm=ppo.adv_std_norm, unbiased=ppo.adv_std_unbiased, eps=ppo.adv_eps)
-        minibatches = split_minibatches([len(s) for s in seqs], ppo.ppo_n_minibatches)
+        samples, seqs = self._read_batch(samples)
+        minibatches = split_minibatches([len(s) for s in seqs], self.config.ppo.ppo_n_minibatches)
         plans = [self._plan(seqs, mb) for mb in minibatches]
-        if ppo.adv_batch_norm:
-            mine = sorted({i for plan in plans for ids, _ in plan for i in ids if i >= 0})
-            w = torch.tensor([seqs[i].n_gen for i in mine], dtype=torch.float64)
-            adv = adv.clone()
-            adv[mine] = adv_mod.batch_normalize(adv[mine], w, unbiased=ppo.adv_std_unbiased, eps=ppo.adv_eps)
+        adv = self._advantages(samples, seqs, plans)
 
         def packed(ids, mb, prox=None, ref=None):
             a = torch.stack([adv[i] if i >= 0 else adv.new_zeros(()) for i in ids])
             return pack(ids, mb, a, self.device, prox, ref)
 
-        # proximal / reference log-probs for the whole batch, before any update
-        prox: dict | None = {} if ppo.prox_mode == "recompute" else None
-        ref: dict | None = {} if self.ref is not None else None
-        t_recompute = time.perf_counter()
-        agree = {"differ": 0, "recorded": 0}  # the servers' routing against the trainer's own (MoE)
-        if prox is not None or ref is not None:
-            self.model.eval()
-            for plan in plans:
-                for ids, mb in plan:
-                    p = packed(ids, mb)
-                    for store, model in ((prox, self.model), (ref, self.ref)):
-                        if store is not None:
-                            if model is self.model:
-                                with self._routing(p, agree):
-                                    lps = self._logprobs(model, p).cpu()
-                            else:
-                                lps = self._logprobs(model, p).cpu()
-                            for i, lp in zip(ids, p.split(lps)):
-                                if i >= 0:
-                                    store[i] = lp
-        t_recompute = time.perf_counter() - t_recompute
-
+        rec = self._recompute(plans, packed)
         self.model.train()
-        totals: dict[str, torch.Tensor] = {}  # device float64 sums over this rank's micro-batches
-        dash: list[tuple] = []  # (b, p, l, mask) of each micro-batch: the mismatch dashboard
-        grad_norms, losses = [], []
-        n_tok_local = 0
+        acc = _StepSums()
         for plan in plans:
-            if self.loss_config.loss_agg == "token-mean":
-                local = sum(int(s.loss_mask.sum()) for _, mb in plan for s in mb)
-            else:
-                local = sum(int(s.loss_mask.any()) for _, mb in plan for s in mb)
-            denom = float(adv_mod.all_reduce_sum(torch.tensor([local], dtype=torch.float64)).item())
-            normalizer = max(denom, 1.0)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            for ids, mb in plan:
-                p = packed(ids, mb, prox, ref)
-                n_tok_local += p.n_tokens
-                with self._routing(p):  # forward and backward: a checkpointed block routes again in backward
-                    out = self.model(self._loss_fn(p, normalizer, theta_version), p.input_ids, p.position_ids,
-                                     p.cu_seqlens, p.max_seqlen)
-                    loss, stats = out[0], out[3]
-                    if p.prox_logprobs is not None:  # p recomputed by the trainer (not approx / none)
-                        dash.append((p.behav_logprobs, p.prox_logprobs, out[1].detach(), p.loss_mask))
-                    (loss * self.world).backward()
-                # accumulate on the device: no host sync per micro-batch
-                loss_sum += loss.detach().double()
-                n = stats["n_tokens"].detach().double()
-                self._acc(totals, "n_tokens", n)
-                self._acc(totals, "nonfinite_count", stats["nonfinite_count"].detach().double())
-                for k in _MEAN_STATS:
-                    if k in stats:
-                        self._acc(totals, k, stats[k].detach().double() * n)
-            grad_norms.append(self._clip_and_step())
-            losses.append(loss_sum)
+            acc.grad_norms.append(self._minibatch_step(plan, packed, rec, theta_version, acc))
         self.scheduler.step()
         self.version = theta_version + 1  # what these weights are now, in the caller's numbering
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
+        return self._step_metrics(acc, rec, samples, seqs, theta_version, elapsed)
 
-        keys = sorted(totals)
-        n_tok = torch.tensor(float(n_tok_local), dtype=torch.float64, device=self.device)
-        red = adv_mod.all_reduce_sum(torch.stack([totals[k] for k in keys] + losses + [n_tok])).tolist()
+    def _read_batch(self, samples: list | None) -> tuple[list, list[Seq]]:
+        """The batch as checked samples (rank 0's on every rank with ``broadcast_batch``) and their
+        shifted sequences (with the recorded routing: replayed, or compared)."""
+        samples = self._broadcast(samples)
+        if not samples:
+            raise ValueError("train_batch needs at least one sample")
+        samples = [as_sample(s, i) for i, s in enumerate(samples)]
+        return samples, [to_seq(s, routing=True) for s in samples]
+
+    def _advantages(self, samples: list, seqs: list[Seq], plans: list) -> torch.Tensor:
+        """One advantage per sample: scaled rewards, per group (GRPO / RLOO), then optionally
+        normalised over this rank's share of the batch (``adv_batch_norm``, all-reduced)."""
+        ppo = self.config.ppo
+        rewards = [float(s.reward) * ppo.reward_scale + ppo.reward_bias for s in samples]
+        adv = adv_mod.group_advantages(rewards, [s.group_id for s in samples], estimator=ppo.adv_estimator,
+                                       std_norm=ppo.adv_std_norm, unbiased=ppo.adv_std_unbiased, eps=ppo.adv_eps)
+        if ppo.adv_batch_norm:
+            mine = sorted({i for plan in plans for ids, _ in plan for i in ids if i >= 0})
+            w = torch.tensor([seqs[i].n_gen for i in mine], dtype=torch.float64)
+            adv = adv.clone()
+            adv[mine] = adv_mod.batch_normalize(adv[mine], w, unbiased=ppo.adv_std_unbiased, eps=ppo.adv_eps)
+        return adv
+
+    def _recompute(self, plans: list, packed) -> _Recomputed:
+        """The proximal (``prox_mode`` 'recompute') and reference log-probs of the whole batch, before
+        any update, keyed by sample index; the MoE routing agreement of the proximal forward."""
+        rec = _Recomputed(prox={} if self.config.ppo.prox_mode == "recompute" else None,
+                          ref={} if self.ref is not None else None)
+        t = time.perf_counter()
+        if rec.prox is not None or rec.ref is not None:
+            self.model.eval()
+            for plan in plans:
+                for ids, mb in plan:
+                    p = packed(ids, mb)
+                    if rec.prox is not None:
+                        with self._routing(p, rec.agree):
+                            self._store(rec.prox, ids, p, self._logprobs(self.model, p).cpu())
+                    if rec.ref is not None:
+                        self._store(rec.ref, ids, p, self._logprobs(self.ref, p).cpu())
+        rec.seconds = time.perf_counter() - t
+        return rec
+
+    @staticmethod
+    def _store(store: dict, ids: list[int], p: Packed, lps: torch.Tensor) -> None:
+        for i, lp in zip(ids, p.split(lps)):
+            if i >= 0:  # -1: a rank's padding sequence
+                store[i] = lp
+
+    def _normalizer(self, plan: list) -> float:
+        """The loss's denominator for one minibatch over every rank: loss tokens (token-mean) or
+        sequences with a loss token (seq-mean-token-mean); at least 1."""
+        if self.loss_config.loss_agg == "token-mean":
+            local = sum(int(s.loss_mask.sum()) for _, mb in plan for s in mb)
+        else:
+            local = sum(int(s.loss_mask.any()) for _, mb in plan for s in mb)
+        return max(float(adv_mod.all_reduce_sum(torch.tensor([local], dtype=torch.float64)).item()), 1.0)
+
+    def _minibatch_step(self, plan: list, packed, rec: _Recomputed, theta_version: int, acc: _StepSums) -> float:
+        """Forward and backward every micro-batch of one minibatch, then one optimizer step; sums
+        its statistics into ``acc`` on the device (no host sync per micro-batch). Returns the
+        gradient norm."""
+        normalizer = self._normalizer(plan)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for ids, mb in plan:
+            p = packed(ids, mb, rec.prox, rec.ref)
+            acc.n_tokens += p.n_tokens
+            with self._routing(p):  # forward and backward: a checkpointed block routes again in backward
+                out = self.model(self._loss_fn(p, normalizer, theta_version), p.input_ids, p.position_ids,
+                                 p.cu_seqlens, p.max_seqlen)
+                loss, stats = out[0], out[3]
+                if p.prox_logprobs is not None:  # p recomputed by the trainer (not approx / none)
+                    acc.dash.append((p.behav_logprobs, p.prox_logprobs, out[1].detach(), p.loss_mask))
+                (loss * self.world).backward()
+            loss_sum += loss.detach().double()
+            n = stats["n_tokens"].detach().double()
+            self._acc(acc.totals, "n_tokens", n)
+            self._acc(acc.totals, "nonfinite_count", stats["nonfinite_count"].detach().double())
+            for k in _MEAN_STATS:
+                if k in stats:
+                    self._acc(acc.totals, k, stats[k].detach().double() * n)
+        acc.losses.append(loss_sum)
+        return self._clip_and_step()
+
+    def _step_metrics(self, acc: _StepSums, rec: _Recomputed, samples: list, seqs: list[Seq], theta_version: int,
+                      elapsed: float) -> dict[str, float]:
+        """The step's metrics: sums all-reduced in one call, means per loss token, the mismatch
+        dashboard, the staleness of the trained tokens, MoE routing shares and MFU."""
+        keys = sorted(acc.totals)
+        n_tok = torch.tensor(float(acc.n_tokens), dtype=torch.float64, device=self.device)
+        red = adv_mod.all_reduce_sum(torch.stack([acc.totals[k] for k in keys] + acc.losses + [n_tok])).tolist()
         tot = dict(zip(keys, red[: len(keys)]))
         n_loss = max(tot.get("n_tokens", 0.0), 1.0)
         metrics = {k: tot[k] / n_loss for k in keys if k in _MEAN_STATS}
         metrics.update(
-            loss=sum(red[len(keys): len(keys) + len(losses)]) / len(losses),
+            loss=sum(red[len(keys): len(keys) + len(acc.losses)]) / len(acc.losses),
             n_loss_tokens=tot.get("n_tokens", 0.0),
             nonfinite_count=tot.get("nonfinite_count", 0.0),
-            grad_norm=sum(grad_norms) / len(grad_norms),
+            grad_norm=sum(acc.grad_norms) / len(acc.grad_norms),
             lr=self.optimizer.param_groups[0]["lr"],
             version=float(self.version),
             n_samples=float(len(samples)),
             n_tokens=red[-1],
             step_time_s=elapsed,
-            recompute_time_s=t_recompute,
+            recompute_time_s=rec.seconds,
             tokens_per_s=red[-1] / elapsed,
         )
-        if dash:  # this rank's loss tokens (rank 0's on a multi-rank run; docs/objective.md, "Dashboard")
-            metrics.update(ops.mismatch_stats(*(torch.cat([x[i] for x in dash]) for i in range(4))))
-        ages = torch.cat([theta_version - s.versions[s.loss_mask] for s in seqs]).float()
-        if ages.numel():  # staleness of the trained tokens: versions behind the weights before this step
-            metrics.update(staleness_mean=float(ages.mean()), staleness_max=float(ages.max()),
-                           staleness_p50=float(ages.quantile(0.5, interpolation="lower")),
-                           staleness_p90=float(ages.quantile(0.9, interpolation="lower")))
-        if ppo.routing_replay:  # the share of the trained positions whose routing the servers recorded
+        if acc.dash:  # this rank's loss tokens (rank 0's on a multi-rank run; docs/objective.md, "Dashboard")
+            metrics.update(ops.mismatch_stats(*(torch.cat([x[i] for x in acc.dash]) for i in range(4))))
+        metrics.update(_staleness(seqs, theta_version))
+        if self.config.ppo.routing_replay:  # the share of the trained positions whose routing the servers recorded
             rows = sum(len(s) for s in seqs)
             recorded = sum(int((s.routing >= 0).all(-1).sum()) for s in seqs if s.routing is not None)
             metrics["routing_replayed_fraction"] = recorded / max(rows, 1)
-        if agree["recorded"]:  # this rank's recompute: recorded (position, block) pairs the trainer routes elsewhere
-            metrics["routing_differ_fraction"] = agree["differ"] / agree["recorded"]
-        mfu = self._mfu(seqs, elapsed, recompute=(prox is not None) + (ref is not None))
+        if rec.agree["recorded"]:  # this rank's recompute: recorded (position, block) pairs routed elsewhere
+            metrics["routing_differ_fraction"] = rec.agree["differ"] / rec.agree["recorded"]
+        mfu = self._mfu(seqs, elapsed, recompute=(rec.prox is not None) + (rec.ref is not None))
         if mfu is not None:
             metrics["mfu"] = mfu
         return metrics

@@ -19,7 +19,6 @@ The samples' ``array.array`` columns (``areal_fast.columns``) become tensors thr
 
 from __future__ import annotations
 
-import warnings
 from array import array
 from dataclasses import dataclass
 
@@ -58,10 +57,6 @@ def as_sample(s, index: int = 0) -> Sample:
     ``loss_mask`` means every output token is a model token). Length and mask checks only: no
     per-token Python work."""
     if isinstance(s, dict):
-        if "behav_logprobs" in s and "output_logprobs" not in s:  # the key's name before the one record
-            warnings.warn(f"sample {index}: 'behav_logprobs' is deprecated, name the column 'output_logprobs'",
-                          DeprecationWarning, stacklevel=2)
-            s = {**s, "output_logprobs": s["behav_logprobs"]}
         kw = {k: v for k, v in s.items() if k in _SAMPLE_FIELDS and not (k == "loss_mask" and v is None)}
         missing = [k for k in ("prompt_ids", "output_ids", "output_logprobs", "output_versions", "reward",
                                                   "group_id")

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from areal_fast.checkpoint import TRAINER_STATE_FILE as _STATE_FILE
+from areal_fast.diskutil import open_private_temp
 
 _METADATA_FILE = ".metadata"
 _STATE_KEYS = ("version", "scheduler", "rng_cpu", "rng_cuda")
@@ -144,9 +145,7 @@ def _fsync_path(path: str) -> None:
 def _write_state_durably(extra: dict, path: str) -> None:
     final = os.path.join(path, _STATE_FILE)
     tmp = final + ".tmp"
-    from areal_fast.launch.run_dir import open_private_temp  # O_EXCL, O_NOFOLLOW: a planted symlink is refused
-
-    with os.fdopen(open_private_temp(tmp), "wb") as f:
+    with os.fdopen(open_private_temp(tmp), "wb") as f:  # O_EXCL, O_NOFOLLOW: a planted symlink is refused
         torch.save(extra, f)
         f.flush()
         os.fsync(f.fileno())

@@ -8,7 +8,7 @@ YAML layout (dotted keys of a run config)::
 
     train.batch_size / world_size / threads / gpus / device / max_tokens_per_mb / min_mbs /
           packing_cost / param_dtype / gradient_checkpointing / attn_impl / loss_chunk_size /
-          loss_backend / broadcast_batch / peak_flops
+          loss_impl / broadcast_batch / peak_flops
     train.lora.*          a LoRA adapter on the frozen base (LoRAConfig, docs/lora.md)
     train.ppo.prox_mode / ppo_n_minibatches / adv_estimator / adv_std_norm / adv_std_unbiased /
               adv_batch_norm / adv_eps / reward_scale / reward_bias
@@ -25,8 +25,9 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from areal_fast.ops.loss_config import PPOLossConfig, check_finite, migrate_deprecated_options
-from areal_fast.trainer.lora_config import LoRAConfig
+from areal_fast.configutil import check_rules, device_indices, option
+from areal_fast.lora_config import LoRAConfig
+from areal_fast.ops.loss_config import PPOLossConfig
 
 ADV_ESTIMATORS = ("grpo", "rloo")
 PROX_MODES = ("recompute", "approx", "none")
@@ -34,74 +35,50 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 ATTN_IMPLS = ("auto", "flash_attn", "torch_varlen", "sdpa_loop")
 PARAM_DTYPES = ("bfloat16", "float16", "float32")
 PACKING_COSTS = ("tokens", "attention")
-LOSS_BACKENDS = ("triton", "interpret", "reference")
+LOSS_IMPLS = ("triton", "interpret", "reference")
 _DEVICE_RE = re.compile(r"(cpu|cuda(:\d+)?)")
-_GPU_ID = r"(\d+|GPU-[\w-]+|MIG-[\w/-]+)"  # what CUDA_VISIBLE_DEVICES accepts
-_GPUS_RE = re.compile(rf"{_GPU_ID}(,{_GPU_ID})*")
 
 
-def _section(cls, value, name: str):
-    """A sub-config from a dict (errors prefixed with the section name), or the value itself."""
-    if isinstance(value, cls):
-        return value
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a {cls.__name__} or a mapping, got {value!r}")
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    unknown = sorted(set(value) - set(names))
-    if unknown:
-        raise ValueError(f"{name}.{unknown[0]}: unknown key (valid keys under {name!r}: {', '.join(names)})")
-    try:
-        return cls(**value)
-    except (TypeError, ValueError) as e:
-        msg = str(e)
-        raise ValueError(msg if msg.startswith(name + ".") else f"{name}.{msg}") from None
+def _sections(obj, **classes) -> None:
+    """Refuse a sub-section that is not its dataclass (a mapping goes through the loader:
+    ``areal_fast.configutil.from_dict(TrainerConfig, {...})``)."""
+    for name, cls in classes.items():
+        value = getattr(obj, name)
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(f"{name}: expected a {cls.__name__}, got {type(value).__name__} (build a config from "
+                            f"plain data with areal_fast.configutil.from_dict)")
 
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
     """AdamW with global-norm clipping and a warmup-then-decay learning rate."""
 
-    lr: float = 1e-6
+    lr: float = option(1e-6, ge=0)
     """Peak learning rate (>= 0)."""
-    weight_decay: float = 0.0
+    weight_decay: float = option(0.0, ge=0)
     """Decoupled (AdamW) weight decay (>= 0)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam betas, each in [0, 1)."""
-    eps: float = 1e-8
+    eps: float = option(1e-8, gt=0)
     """Adam epsilon (> 0)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (<= 0 disables clipping, the norm is still logged)."""
-    warmup_steps: int = 0
+    warmup_steps: int = option(0, ge=0)
     """Linear warmup to ``lr`` over this many trainer steps (``train_batch`` calls; the LR is
     constant across the ppo_n_minibatches optimizer steps of one batch)."""
-    total_steps: int = 0
+    total_steps: int = option(0, ge=0)
     """Trainer steps of the whole run, for the decaying schedules (0 = constant after warmup; the
     launcher fills it from ``experiment.total_steps`` when a decaying schedule leaves it at 0)."""
-    lr_schedule: str = "constant"
+    lr_schedule: str = option("constant", choices=LR_SCHEDULES)
     """'constant', 'linear' or 'cosine' decay after warmup."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = option(0.0, ge=0, le=1)
     """Floor of the decayed learning rate as a fraction of ``lr``, in [0, 1]."""
 
     def __post_init__(self):
-        for name in ("lr", "weight_decay", "eps", "grad_clip", "min_lr_ratio"):
-            check_finite(f"optim.{name}", getattr(self, name))
-        if not self.lr >= 0:
-            raise ValueError(f"optim.lr must be >= 0, got {self.lr!r}")
-        if self.weight_decay < 0:
-            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay!r}")
-        if not self.eps > 0:
-            raise ValueError(f"optim.eps must be > 0, got {self.eps!r}")
+        check_rules(self)
         self.betas = tuple(self.betas)
         if len(self.betas) != 2 or not all(isinstance(b, int | float) and 0 <= b < 1 for b in self.betas):
-            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps!r}")
-        if self.total_steps < 0:
-            raise ValueError(f"optim.total_steps must be >= 0, got {self.total_steps!r}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"optim.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+            raise ValueError(f"betas: must be two numbers in [0, 1), got {self.betas!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -111,13 +88,13 @@ class PPOConfig:
     loss: PPOLossConfig = field(default_factory=PPOLossConfig)
     """Options of the decoupled-PPO objective (``docs/objective.md``). Leave ``loss.temperature``
     unset: the loss uses the rollout's sampling temperature (``TrainerConfig.sampling_temperature``)."""
-    prox_mode: str = "recompute"
+    prox_mode: str = option("recompute", choices=PROX_MODES)
     """Proximal policy: 'recompute' (a no-grad forward before the update), 'approx' (log-linear
     interpolation between behaviour and current log-probs by weight version, no extra forward) or
     'none' (p = b: standard PPO on the behaviour policy)."""
-    ppo_n_minibatches: int = 1
+    ppo_n_minibatches: int = option(1, ge=1)
     """Optimizer steps per batch; the batch is split into this many token-balanced minibatches."""
-    adv_estimator: str = "grpo"
+    adv_estimator: str = option("grpo", choices=ADV_ESTIMATORS)
     """'grpo' or 'rloo' (per group of samples of one prompt; a group of one gets advantage 0)."""
     adv_std_norm: bool = True
     """GRPO divides by the group std (False = Dr. GRPO: mean-centred only)."""
@@ -126,7 +103,7 @@ class PPOConfig:
     n - 1, as AReaL does), False = population (divide by n)."""
     adv_batch_norm: bool = False
     """Normalise the advantages over the whole batch (token-weighted, all-reduced in float64)."""
-    adv_eps: float = 1e-5
+    adv_eps: float = option(1e-5, gt=0)
     """Added to the std before dividing (> 0)."""
     reward_scale: float = 1.0
     """Rewards are ``reward * reward_scale + reward_bias`` before the advantages."""
@@ -139,19 +116,8 @@ class PPOConfig:
     (``docs/moe.md``). The reference model's forward is not replayed."""
 
     def __post_init__(self):
-        if isinstance(self.loss, dict):  # run configs written with behav_weight_cap still load
-            self.loss = migrate_deprecated_options(self.loss, "ppo.loss.")
-        self.loss = _section(PPOLossConfig, self.loss, "ppo.loss")
-        if self.prox_mode not in PROX_MODES:
-            raise ValueError(f"ppo.prox_mode must be one of {PROX_MODES}, got {self.prox_mode!r}")
-        if self.ppo_n_minibatches < 1:
-            raise ValueError(f"ppo.ppo_n_minibatches must be >= 1, got {self.ppo_n_minibatches!r}")
-        if self.adv_estimator not in ADV_ESTIMATORS:
-            raise ValueError(f"ppo.adv_estimator must be one of {ADV_ESTIMATORS}, got {self.adv_estimator!r}")
-        for name in ("adv_eps", "reward_scale", "reward_bias"):
-            check_finite(f"ppo.{name}", getattr(self, name))
-        if not self.adv_eps > 0:
-            raise ValueError(f"ppo.adv_eps must be > 0, got {self.adv_eps!r}")
+        _sections(self, loss=PPOLossConfig)
+        check_rules(self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -161,95 +127,72 @@ class TrainerConfig:
     The PPO actor needs ``model_path``: a local HF directory (config.json and optionally
     *.safetensors; without weights the model is randomly initialised from ``seed``)."""
 
-    model_path: str | None = None
+    model_path: str | None = option(None, nonempty=True)
     """Local directory with config.json (+ safetensors). Filled by the launcher (from ``model.path``
     or the warm-start cache); required by the actor."""
-    sampling_temperature: float = 1.0
+    sampling_temperature: float = option(1.0, gt=0)
     """Sampling temperature of the rollouts (> 0). Filled by the launcher from ``rollout.temperature``;
     the recomputed log-probs and the loss use it (the one temperature of a run)."""
     seed: int = 1
     """Seed of the random initialisation (when the directory has no weights) and the RNG. Filled by
     the launcher from ``experiment.seed``."""
-    batch_size: int = 8
+    batch_size: int = option(8, ge=1)
     """B: groups (prompts) per trainer step (read by the controller)."""
-    world_size: int = 1
+    world_size: int = option(1, ge=1)
     """Trainer ranks (torchrun); 1 = the trainer runs inside the controller process (read by the launcher)."""
-    threads: int = 1
+    threads: int = option(1, ge=1)
     """torch CPU threads per trainer rank (read by the launcher)."""
-    gpus: str | None = None
-    """CUDA_VISIBLE_DEVICES of the trainer ranks, e.g. "4,5,6,7" (None: inherit; may share the
-    servers' GPUs). Read by the launcher."""
+    gpus: list[str] = field(default_factory=list)
+    """The GPUs of the trainer ranks, one device each (an index or a GPU-/MIG- UUID), e.g. ["4", "5"]
+    (empty: inherit CUDA_VISIBLE_DEVICES; may share the servers' GPUs). The same type as
+    ``rollout.gpus``, whose entries are one server's devices each. Read by the launcher."""
     device: str | None = None
     """'cpu', 'cuda', 'cuda:N' or None (cuda when available)."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """The PPO update: objective, proximal policy, advantages."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """AdamW and the learning-rate schedule."""
-    max_tokens_per_mb: int = 16384
+    max_tokens_per_mb: int = option(16384, ge=2)
     """Token budget of one packed micro-batch (>= 2; a sequence longer than this is an error)."""
-    min_mbs: int = 1
+    min_mbs: int = option(1, ge=1)
     """Minimum micro-batches per rank and minibatch (>= 1)."""
-    packing_cost: str = "attention"
+    packing_cost: str = option("attention", choices=PACKING_COSTS)
     """Balance ranks by 'tokens' or by 'attention' cost (len + len^2 / (12 d))."""
-    param_dtype: str = "bfloat16"
+    param_dtype: str = option("bfloat16", choices=PARAM_DTYPES)
     """Compute dtype of the FSDP2 mixed-precision policy on GPU: 'bfloat16', 'float16' or
     'float32' (master weights and the gradient reduction stay fp32). CPU always computes in float32."""
     gradient_checkpointing: bool = False
     """Activation checkpointing per decoder block."""
-    attn_impl: str = "auto"
+    attn_impl: str = option("auto", choices=ATTN_IMPLS)
     """'auto' (flash-attn varlen if installed, else torch varlen on CUDA, else a per-sequence
     SDPA loop), or one of 'flash_attn', 'torch_varlen', 'sdpa_loop'."""
-    loss_chunk_size: int | None = None
+    loss_chunk_size: int | None = option(None, ge=1)
     """Token rows per chunk of the fused-linear loss (None = the op's default, ~ T * H logits)."""
-    loss_backend: str | None = None
-    """``backend=`` of the loss ops: 'triton', 'interpret', 'reference' or None (automatic: the
-    Triton kernels on GPU, the reference on CPU)."""
+    loss_impl: str | None = option(None, choices=LOSS_IMPLS)
+    """Which implementation of the loss ops runs (their ``backend=``, ``areal_fast/dispatch.py``):
+    'triton', 'interpret', 'reference' or None (automatic: the Triton kernels on GPU, the reference on
+    CPU)."""
     broadcast_batch: bool = True
     """In a multi-rank run only rank 0 needs to pass the samples; they are broadcast. With False
     every rank must pass the same full batch (the actor splits it over the ranks itself)."""
-    peak_flops: float | None = None
+    peak_flops: float | None = option(None, gt=0)
     """Peak dense FLOP/s of one device for the MFU metric (None = looked up from the device name)."""
     lora: LoRAConfig | None = None
     """Train a LoRA adapter on the frozen base (``rank``, ``alpha``, ``dropout``, ``target_modules``,
     ``name``, ``save_merged``; docs/lora.md); null: the whole model is trained."""
 
     def __post_init__(self):
-        if self.model_path is not None and not (isinstance(self.model_path, str) and self.model_path):
-            raise ValueError(f"model_path must name a local HF model directory, got {self.model_path!r}")
-        check_finite("sampling_temperature", self.sampling_temperature)
-        if not self.sampling_temperature > 0:
-            raise ValueError(f"sampling_temperature must be > 0, got {self.sampling_temperature!r}")
-        for name in ("batch_size", "world_size", "threads", "max_tokens_per_mb", "min_mbs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-        for name, low in (("batch_size", 1), ("world_size", 1), ("threads", 1), ("max_tokens_per_mb", 2),
-                          ("min_mbs", 1)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)!r}")
-        if self.gpus is not None and not _GPUS_RE.fullmatch(str(self.gpus)):
-            raise ValueError(f"gpus must be a comma-separated list of GPU indices (or GPU-/MIG- UUIDs) like "
-                             f"'0,1', got {self.gpus!r}")
+        _sections(self, ppo=PPOConfig, optim=OptimConfig, lora=LoRAConfig)
+        check_rules(self)
+        for i, g in enumerate(self.gpus):
+            try:
+                one = device_indices(g) is None or len(device_indices(g)) == 1
+            except ValueError as e:
+                raise ValueError(f"gpus[{i}]: {e}") from None
+            if not one or "," in str(g):
+                raise ValueError(f"gpus[{i}]: one device per trainer rank, got {g!r} (write a list: ['0', '1'])")
         if self.device is not None and not _DEVICE_RE.fullmatch(str(self.device)):
-            raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or null, got {self.device!r}")
-        if self.packing_cost not in PACKING_COSTS:
-            raise ValueError(f"packing_cost must be one of {PACKING_COSTS}, got {self.packing_cost!r}")
-        if self.param_dtype not in PARAM_DTYPES:
-            raise ValueError(f"param_dtype must be one of {PARAM_DTYPES}, got {self.param_dtype!r}")
-        if self.attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
-        if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
-            raise ValueError(f"loss_chunk_size must be >= 1 or null, got {self.loss_chunk_size!r}")
-        if self.loss_backend is not None and self.loss_backend not in LOSS_BACKENDS:
-            raise ValueError(f"loss_backend must be one of {LOSS_BACKENDS} or null, got {self.loss_backend!r}")
-        if self.peak_flops is not None:
-            check_finite("peak_flops", self.peak_flops)
-            if not self.peak_flops > 0:
-                raise ValueError(f"peak_flops must be > 0 or null, got {self.peak_flops!r}")
-        self.ppo = _section(PPOConfig, self.ppo, "ppo")
-        self.optim = _section(OptimConfig, self.optim, "optim")
-        if self.lora is not None:
-            self.lora = _section(LoRAConfig, self.lora, "lora")
+            raise ValueError(f"device: must be 'cpu', 'cuda', 'cuda:N' or null, got {self.device!r}")
         lt = self.ppo.loss.temperature
         if lt != 1.0 and lt != self.sampling_temperature:
             raise ValueError(

@@ -42,13 +42,6 @@ class PolicyModule(nn.Module):
         return fn(hidden, head.weight, head.bias, **kw)
 
 
-def decoder_layers(lm: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a HF causal LM (Qwen2/2.5/3, Llama, Mistral: ``lm.model.layers``)."""
-    inner = getattr(lm, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(lm).__name__} has no .model.layers; only decoder-only HF LMs are supported")
-    return list(layers)
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -3,9 +3,10 @@ every transport in :mod:`areal_fast.weights`. Torch-free, so loading a config do
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
+
+from areal_fast.configutil import check_rules, option
 
 __all__ = ["WeightSyncConfig", "METHODS", "DISK_LOAD_FORMATS", "API_KEY_ENV", "HOST_ENV"]
 
@@ -23,40 +24,44 @@ _DTYPES = ("auto", "bfloat16", "float16", "float32")
 class WeightSyncConfig:
     """How new weights reach the inference servers after each trainer step."""
 
-    method: str = "distributed"
+    method: str = option("distributed", choices=METHODS)
     """'distributed' (NCCL / gloo broadcast of flattened buckets; when the servers change, a server
     dies or joins, the group is formed again over the new ones: docs/elastic.md) or 'disk'
     (safetensors + /update_weights_from_disk)."""
-    bucket_bytes: int = 256 << 20
+    bucket_bytes: int = option(256 << 20, ge=1 << 10)
     """Largest flattened bucket (bytes); a larger tensor travels alone."""
     dtype: str | None = "auto"
     """Floating tensors are sent in this dtype ('bfloat16', 'float16', 'float32'); 'auto': bfloat16
     when the trainer runs on CUDA, as stored otherwise; null: always as stored."""
-    load_format: str | None = "flattened_bucket"
+    load_format: str | None = option("flattened_bucket", choices=("flattened_bucket",))
     """Distributed path: 'flattened_bucket' (one broadcast per bucket) or null (one per tensor)."""
-    disk_load_format: str = "auto"
+    disk_load_format: str = option("auto", choices=DISK_LOAD_FORMATS)
     """``load_format`` sent with /update_weights_from_disk: 'auto' or 'safetensors'."""
-    group_name: str = "weight_update_group"
+    group_name: str = option("weight_update_group", nonempty=True)
     """Name of the weight-update process group on the servers."""
     master_addr: str | None = None
     """Address of the group's store on trainer rank 0; null: $AREAL_FAST_HOST, else 127.0.0.1.
     The store listens on this address only. IPv6 as ``::1`` or ``[::1]``."""
-    master_port: int = 0
+    master_port: int = option(0, ge=0, le=65535)
     """Port of that store; 0 picks a free one."""
-    backend: str | None = None
-    """'nccl' or 'gloo'; null: chosen from where the tensors are (see docs/weight_sync.md)."""
-    timeout_s: float = 600.0
+    collective: str | None = option(None, choices=("nccl", "gloo"))
+    """The process-group library of the broadcast: 'nccl' or 'gloo'; null: chosen from where the tensors
+    are (see docs/weight_sync.md)."""
+    timeout_s: float = option(600.0, gt=0)
     """Limit for each HTTP call, the group rendezvous and each broadcast."""
     api_key: str | None = field(default=None, repr=False)
-    """Bearer token for the servers; null: $AREAL_FAST_API_KEY when set."""
-    flush_cache: bool = True
-    """Ask the servers to flush their prefix cache with each update."""
+    """Bearer token for the servers; null: $AREAL_FAST_API_KEY when set. A run config does not set it:
+    the run's one key is the top-level ``api_key`` (``areal_fast.config.DERIVED``)."""
+    flush_cache: bool | None = None
+    """Ask the servers to flush their prefix cache with each update; null: yes, unless
+    ``rollout.pause_mode`` is 'in_place' (kept requests hold their KV, a flush would fail). true with
+    'in_place' is refused at load."""
     save_root: str | None = None
     """Disk path: parent directory of the temporary checkpoint (null: the system temp dir)."""
     shared_fs: bool = True
     """The servers see trainer rank 0's files at the same paths: one machine, or several nodes with
     a shared file system. false: the disk path is refused (``docs/multinode.md``)."""
-    delta: str = "auto"
+    delta: str = option("auto", choices=("auto", "on", "off"))
     """Delta updates (``docs/weight_sync.md``): after a whole update, send only the elements that
     changed. 'auto': to servers that apply them (the embedded engine) from a CUDA trainer; SGLang
     servers get whole updates, because a stock SGLang skips the delta entries (it would keep stale
@@ -64,47 +69,31 @@ class WeightSyncConfig:
     to every server (SGLang launched with ``SGLANG_EXTERNAL_MODEL_PACKAGE=areal_fast.backends.sglang.models``);
     'off': never. Trainer rank 0 keeps a copy of the sent weights (one model in the sent dtype) in
     host memory, pinned where CUDA is available; each tensor is staged to the GPU for its compare."""
-    delta_full_every: int = 10
+    delta_full_every: int = option(10, ge=1)
     """With deltas: every N-th update is sent whole (also the first, and the one after a failure)."""
-    delta_max_changed: float = 0.25
+    delta_max_changed: float = option(0.25, ge=0, le=1)
     """With deltas: a tensor with a larger fraction of changed elements is sent whole (a delta costs
     6 bytes per change against 2 per element whole: even at 1/3)."""
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"method: must be one of {METHODS}, got {self.method!r}")
-        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1 << 10:
-            raise ValueError(f"bucket_bytes: must be an integer >= 1024, got {self.bucket_bytes!r}")
         if self.dtype is not None and not isinstance(self.dtype, str):  # a torch.dtype from Python callers
             self.dtype = str(self.dtype).removeprefix("torch.")
+        check_rules(self)
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype: must be one of {_DTYPES} or null, got {self.dtype!r}")
-        if self.load_format not in (None, "flattened_bucket"):
-            raise ValueError(f"load_format: must be 'flattened_bucket' or null, got {self.load_format!r}")
-        if self.disk_load_format not in DISK_LOAD_FORMATS:
-            raise ValueError(f"disk_load_format: must be one of {DISK_LOAD_FORMATS}, got {self.disk_load_format!r}")
-        if not self.group_name:
-            raise ValueError("group_name: must not be empty")
         if self.master_addr is not None and (not isinstance(self.master_addr, str) or not self.master_addr
                                              or any(c.isspace() or c in "/@" for c in self.master_addr)):
             raise ValueError(f"master_addr: expected a host name or an address (e.g. 10.0.0.7, ::1), got "
                              f"{self.master_addr!r}")
-        if not 0 <= self.master_port < 65536:
-            raise ValueError(f"master_port: must be in [0, 65535], got {self.master_port!r}")
-        if self.delta not in ("auto", "on", "off"):
-            raise ValueError(f"delta: must be 'auto', 'on' or 'off', got {self.delta!r}")
-        if not isinstance(self.delta_full_every, int) or self.delta_full_every < 1:
-            raise ValueError(f"delta_full_every: must be an integer >= 1, got {self.delta_full_every!r}")
-        if not (isinstance(self.delta_max_changed, int | float) and 0 <= self.delta_max_changed <= 1):
-            raise ValueError(f"delta_max_changed: must be in [0, 1], got {self.delta_max_changed!r}")
-        if self.backend not in (None, "nccl", "gloo"):
-            raise ValueError(f"backend: must be 'nccl', 'gloo' or null, got {self.backend!r}")
         if self.method == "disk" and not self.shared_fs:
             raise ValueError("method: 'disk' needs the servers to read the files trainer rank 0 writes, and "
                              "shared_fs is false; use method 'distributed' (no file crosses nodes) or put the "
                              "output directory on a shared file system and set shared_fs true")
-        if not (isinstance(self.timeout_s, int | float) and self.timeout_s > 0 and math.isfinite(self.timeout_s)):
-            raise ValueError(f"timeout_s: must be a finite number > 0, got {self.timeout_s!r}")
+
+    @property
+    def flushes(self) -> bool:
+        """Whether an update flushes the servers' prefix cache (``flush_cache``; null: yes)."""
+        return self.flush_cache is not False
 
     @property
     def resolved_master_addr(self) -> str:

@@ -12,7 +12,7 @@ Elements are compared as 16-bit words (``int16`` views), never as floats: ``-0.0
 change, NaN equals itself bit for bit, and a NaN payload travels unchanged. Indices are ascending
 int32 (a tensor of 2**31 elements or more is always sent whole).
 
-Ops and backends (:func:`areal_fast.backend.select`):
+Ops and backends (:func:`areal_fast.dispatch.select`):
 
 * ``weights.delta_encode``: triton (``kernels/delta.py``, CUDA tensors), native (C++
   ``csrc/reshard/delta_cpu.cpp``, CPU tensors), interpret (the Triton kernel on CPU, tests),
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from areal_fast import backend as _backend
+from areal_fast import dispatch as _backend
 
 __all__ = ["delta_encode", "delta_apply", "delta_encode_ref", "delta_apply_ref", "delta_bytes", "MAX_WORDS",
            "WORD_DTYPES"]

@@ -247,7 +247,7 @@ def choose_backend(requested: str | None, tensor_device: torch.device, servers: 
     tensor_device = torch.device(tensor_device)
     if tensor_device.type != "cuda":
         if requested == "nccl":
-            raise WeightSyncError(f"weights.backend='nccl' but the tensors to send are on {tensor_device}; "
+            raise WeightSyncError(f"weights.collective='nccl' but the tensors to send are on {tensor_device}; "
                                   "NCCL only moves CUDA tensors. Use backend=gloo (or null)")
         return "gloo"
     clash = shared_gpu(servers, tensor_device)
@@ -255,7 +255,7 @@ def choose_backend(requested: str | None, tensor_device: torch.device, servers: 
         msg = (f"trainer rank 0 and server {clash.url} share GPU {tensor_device}; NCCL cannot hold two ranks of "
                "one group on one device")
         if requested == "nccl":
-            raise WeightSyncError(msg + ". Use ColocatedWeightSync (CUDA IPC), backend=gloo or weights.method=disk")
+            raise WeightSyncError(msg + ". Use ColocatedWeightSync (CUDA IPC), weights.collective=gloo or weights.method=disk")
         log.warning("%s: using gloo (copies through host memory); ColocatedWeightSync avoids that copy", msg)
         return "gloo"
     return requested or "nccl"

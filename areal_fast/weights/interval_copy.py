@@ -4,7 +4,7 @@ Backends: ``cuda`` (``csrc/reshard/interval_copy.cu``, one kernel launch on the 
 stream), ``native`` (the C++ CPU routine in ``csrc/reshard/interval_copy_cpu.cpp``) and
 ``reference`` (:func:`interval_copy_ref`, torch slicing + ``copy_``, which defines the result
 bit for bit: fp32 -> bf16/fp16 round to nearest even like ``Tensor.to``).
-:func:`areal_fast.backend.select` (op ``weights.interval_copy``) chooses: cuda for CUDA tensors
+:func:`areal_fast.dispatch.select` (op ``weights.interval_copy``) chooses: cuda for CUDA tensors
 when the core has CUDA, native for CPU tensors, else the reference; ``backend=`` or
 ``AREAL_FAST_BACKEND`` force one.
 """
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from areal_fast import backend as _backend
+from areal_fast import dispatch as _backend
 from areal_fast.weights.plan import (
     CODE_DTYPES,
     DST_DTYPE,

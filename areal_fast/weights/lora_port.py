@@ -21,16 +21,17 @@ class LoRASync(_MembershipSync):
     method, timer = "disk", "adapter_sync_s"
 
     def __init__(self, trainer, rollout, work_dir, config: WeightSyncConfig | None = None, *, lora,
-                 api: str = "sglang", base_model: str | None = None, membership=None):
+                 transport: type, base_model: str | None = None, membership=None):
+        """``transport``: the servers' ``LoRAAdapterSync`` subclass (``backends.registry.lora_transport``)."""
         self.work_dir = Path(work_dir)
         config = dataclasses.replace(config or WeightSyncConfig(), save_root=str(self.work_dir))
-        super().__init__(trainer, rollout, config, membership)
-        self.lora, self.api = lora, api
-        self._extra = spec_extra(lora, api, base_model)
+        super().__init__(trainer, rollout, config, membership, transport)
+        self.lora = lora
+        self._extra = spec_extra(lora, base_model)
 
     def _spec(self, urls: list[str]) -> SyncSpec:
-        return SyncSpec(f"lora_{self.api}", tuple(str(u).rstrip("/") for u in urls),
-                        SyncSpec.of("disk", urls, self.config).config, self._extra)
+        return SyncSpec("lora", tuple(str(u).rstrip("/") for u in urls),
+                        SyncSpec.of("disk", urls, self.config).config, self._extra, self.transport)
 
     async def sync(self, version: int) -> dict:
         self.work_dir.mkdir(parents=True, exist_ok=True)

@@ -60,7 +60,7 @@ class SyncMembership:
         self.joining: list[str] = []
         self.held: dict[str, float] = {}  # url -> monotonic time before which an offer is refused
         self._group_urls: tuple[str, ...] | None = None  # the servers of the current generation's group
-        self.empty_s = 0.0  # seconds the pool was empty, not yet reported (launch.empty_pool adds them)
+        self.empty_s = 0.0  # seconds the pool was empty, not yet reported (elastic.empty_pool adds them)
 
     def take_empty_s(self) -> float:
         """The seconds the pool was empty since the last call (an update's ``empty_pool_s``)."""

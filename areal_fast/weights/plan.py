@@ -7,7 +7,7 @@ A plan is a set of copy *intervals*, int64 rows of ``INTERVAL_COLS`` columns
 ``src_idx`` to element ``dst_off + k*dst_ld`` of destination ``dst_idx`` (offsets in elements of
 each side's dtype), executed by :func:`areal_fast.weights.interval_copy.interval_copy`.
 
-``backend=`` on every planner: 'native' (C++), 'reference' or None (:func:`areal_fast.backend.select`,
+``backend=`` on every planner: 'native' (C++), 'reference' or None (:func:`areal_fast.dispatch.select`,
 op ``weights.plan``: native when the core is built, else the reference with a warning).
 
 Sources are 2-D ``[rows, cols]`` views (dim 0 x the rest) that are full (``n_ranks=1``) or
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from areal_fast.backend import native, select
+from areal_fast.dispatch import native, select
 
 INTERVAL_COLS = 10
 BLOCK_COLS = 9  # src, row0, col0, n_rows, n_cols, dst_idx, dst_off, dst_ld, dst_dtype

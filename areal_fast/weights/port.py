@@ -1,10 +1,14 @@
-"""The controller's sync port (``SyncPort.sync(version)``) over the transports of this package.
+"""The controller's sync port (``SyncPort.sync(version)``) over a weight-sync transport.
 
-* :class:`DistributedSync` - :class:`~areal_fast.weights.sync.DistributedWeightSync`; when the
-  servers of an update change (a member died, a server joins or leaves) the broadcast group is
-  formed again over the new ones (``weights.membership``), so the run stays on the broadcast.
-* :class:`DiskSync` - :class:`~areal_fast.weights.sync.DiskWeightSync` on the servers still in
-  the pool.
+* :class:`DistributedSync` - a broadcast transport; when the servers of an update change (a member
+  died, a server joins or leaves) the broadcast group is formed again over the new ones
+  (``weights.membership``), so the run stays on the broadcast.
+* :class:`DiskSync` - a disk transport on the servers still in the pool.
+
+The transport speaks the servers' API, so it is the layer above's choice, passed in as a class
+(``transport``: a :class:`~areal_fast.weights.sync.WeightSync` subclass, built as
+``transport(urls, config)`` on every trainer rank): ``areal_fast.backends.registry.weight_transport``
+maps the run's API and ``weights.method`` to SGLang's or vLLM's. This package names no backend.
 
 Both send to the pool's servers and to the servers waiting to join (``offer(url)``: relaunched or
 added mid-run, ``docs/elastic.md``); a joining server enters the pool only once it holds the new
@@ -12,7 +16,7 @@ version. A server whose process is gone is dropped and the update retried on the
 (``rollout.calls.retry_dropping_dead``). Each update's metrics name the servers in the pool after
 it (``servers``: ``sync/servers`` in metrics.jsonl), those that joined, those still waiting and the
 group's generation, and ``empty_pool_s``: seconds the pool was empty since the last update's
-metrics (``launch.empty_pool``). An update with no server at all (an empty pool, nobody joining)
+metrics (``elastic.empty_pool``). An update with no server at all (an empty pool, nobody joining)
 sends nothing; the server that joins next gets the current version in full.
 
 The version is the controller's (``sync(version)``); it only travels down from here: every
@@ -70,33 +74,27 @@ class SyncSpec:
     urls: tuple[str, ...]
     config: tuple[tuple[str, object], ...]  # WeightSyncConfig fields as (name, value) pairs
     extra: tuple[tuple[str, object], ...] = ()  # an adapter-only update's LoRA settings (weights/lora_sync.py)
+    transport: type | None = None  # the WeightSync class built on every rank (picklable by reference)
 
     @classmethod
-    def of(cls, method: str, urls, config: WeightSyncConfig) -> SyncSpec:
+    def of(cls, method: str, urls, config: WeightSyncConfig, transport: type | None = None) -> SyncSpec:
         items = tuple((f.name, getattr(config, f.name)) for f in dataclasses.fields(config))
-        return cls(method, tuple(str(u).rstrip("/") for u in urls), items)
+        return cls(method, tuple(str(u).rstrip("/") for u in urls), items, transport=transport)
 
     def weight_config(self) -> WeightSyncConfig:
         return WeightSyncConfig(**dict(self.config))
 
     def build(self):
-        from areal_fast.weights.sync import DiskWeightSync, DistributedWeightSync
-
-        if self.method in ("lora_sglang", "lora_vllm"):  # adapter-only updates of a LoRA run
+        """The transport of this spec, built on every trainer rank: the adapter-only updates of a
+        LoRA run (``weights/lora_sync.py``), else ``transport(urls, config)``."""
+        if self.method == "lora":
             from areal_fast.weights.lora_sync import transport_of_spec
 
             return transport_of_spec(self)
-
-        if self.method == "vllm_disk":  # disk updates on vLLM servers (backends/vllm/disk.py)
-            from areal_fast.backends.vllm.disk import VLLMDiskWeightSync
-
-            return VLLMDiskWeightSync(list(self.urls), dataclasses.replace(self.weight_config(), method="disk"))
-        if self.method == "vllm_distributed":  # vLLM's weight transfer (backends/vllm/transfer.py)
-            from areal_fast.backends.vllm.transfer import VLLMTransferWeightSync
-
-            return VLLMTransferWeightSync(list(self.urls), self.weight_config())
-        cls = {"distributed": DistributedWeightSync, "disk": DiskWeightSync}[self.method]
-        return cls(list(self.urls), self.weight_config())
+        if self.transport is None:
+            raise ValueError(f"SyncSpec({self.method!r}): no transport given (the layer above passes the servers' "
+                             "one: areal_fast.backends.registry.weight_transport)")
+        return self.transport(list(self.urls), self.weight_config())
 
 
 class _MembershipSync:
@@ -107,8 +105,9 @@ class _MembershipSync:
     method = ""
 
     def __init__(self, trainer: WeightTrainer, rollout: ServerPool, config: WeightSyncConfig | None = None,
-                 membership: SyncMembership | None = None):
+                 membership: SyncMembership | None = None, transport: type | None = None):
         self.trainer, self.rollout = trainer, rollout
+        self.transport = transport
         self.config = dataclasses.replace(config or WeightSyncConfig(), method=self.method)
         self.membership = membership or SyncMembership(rollout, self.config.group_name)
 
@@ -117,7 +116,7 @@ class _MembershipSync:
         return self.membership.offer(url)
 
     def _spec(self, urls: list[str]) -> SyncSpec:
-        return SyncSpec.of(self.method, urls, self.config)
+        return SyncSpec.of(self.method, urls, self.config, self.transport)
 
     async def _withdraw_unresponsive_joiners(self) -> None:
         """A joining server that fails its liveness check (dead, or hung: SIGSTOPped) is withdrawn
@@ -156,16 +155,16 @@ class _MembershipSync:
 
 
 class DiskSync(_MembershipSync):
-    """SyncPort: HF safetensors under ``work_dir`` + ``/update_weights_from_disk`` on every live server
-    (and the joining ones)."""
+    """SyncPort: HF safetensors under ``work_dir``, loaded by every live server (and the joining ones)
+    through the disk ``transport``."""
 
     method, timer = "disk", "disk_sync_s"
 
     def __init__(self, trainer: WeightTrainer, rollout: ServerPool, work_dir, config: WeightSyncConfig | None = None,
-                 membership: SyncMembership | None = None):
+                 membership: SyncMembership | None = None, transport: type | None = None):
         self.work_dir = Path(work_dir)
         config = dataclasses.replace(config or WeightSyncConfig(), save_root=str(self.work_dir))
-        super().__init__(trainer, rollout, config, membership)
+        super().__init__(trainer, rollout, config, membership, transport)
 
     async def sync(self, version: int) -> dict:
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -180,39 +179,20 @@ class DistributedSync(_MembershipSync):
 
     method, timer = "distributed", "broadcast_s"
 
-    def __init__(self, trainer: WeightTrainer, rollout: ServerPool, urls=None, work_dir=None,
-                 config: WeightSyncConfig | None = None, membership: SyncMembership | None = None):
-        super().__init__(trainer, rollout, config, membership)  # urls, work_dir: the old signature's
+    def __init__(self, trainer: WeightTrainer, rollout: ServerPool, config: WeightSyncConfig | None = None,
+                 membership: SyncMembership | None = None, transport: type | None = None):
+        super().__init__(trainer, rollout, config, membership, transport)
 
     def _spec(self, urls: list[str]) -> SyncSpec:
         name = self.membership.group_for(urls)
-        return SyncSpec.of(self.method, urls, dataclasses.replace(self.config, group_name=name))
+        return SyncSpec.of(self.method, urls, dataclasses.replace(self.config, group_name=name), self.transport)
 
 
-class VLLMDiskSync(DiskSync):
-    """The disk port on vLLM servers: its transport is ``backends.vllm.disk.VLLMDiskWeightSync``."""
-
-    def _spec(self, urls: list[str]) -> SyncSpec:
-        return SyncSpec.of("vllm_disk", urls, self.config)  # the config's method stays 'disk'
-
-
-class VLLMDistributedSync(DistributedSync):
-    """The broadcast port on vLLM servers: its transport is ``backends.vllm.transfer.VLLMTransferWeightSync``
-    (a new group when the servers change, as for SGLang)."""
-
-    def _spec(self, urls: list[str]) -> SyncSpec:
-        name = self.membership.group_for(urls)
-        return SyncSpec.of("vllm_distributed", urls, dataclasses.replace(self.config, group_name=name))
-
-
-def make_sync_port(config: WeightSyncConfig, trainer: WeightTrainer, rollout: ServerPool, urls, work_dir,
-                   backend: str = "sglang"):
-    """The sync port the run's ``weights:`` section asks for (``backend``: the servers' API). A LoRA
+def make_sync_port(config: WeightSyncConfig, trainer: WeightTrainer, rollout: ServerPool, work_dir, *,
+                   transport: type):
+    """The sync port the run's ``weights:`` section asks for (``weights.method``), over ``transport``
+    (the servers' transport of that method: ``areal_fast.backends.registry.weight_transport``). A LoRA
     run's port is ``weights.lora_port.LoRASync``."""
-    if backend == "vllm":
-        if config.method == "distributed":
-            return VLLMDistributedSync(trainer, rollout, urls, work_dir, config)
-        return VLLMDiskSync(trainer, rollout, work_dir, config)
     if config.method == "distributed":
-        return DistributedSync(trainer, rollout, urls, work_dir, config)
-    return DiskSync(trainer, rollout, work_dir, config)
+        return DistributedSync(trainer, rollout, config, transport=transport)
+    return DiskSync(trainer, rollout, work_dir, config, transport=transport)

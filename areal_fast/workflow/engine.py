@@ -4,11 +4,16 @@ One :class:`EpisodeEngine` per episode. It owns nothing: it forwards to the cont
 (rollout, reward) and counts tool outcomes into a dict the controller reports. Request ids are
 ``<episode id>-<turn>``, unique across the run and its restarts (the episode id carries the
 controller's incarnation), so a resumed run never collides with requests of the one before.
+
+The episode's OpenAI-style chat client (:meth:`EpisodeEngine.openai`) is made by the ``chat_client``
+factory its maker passes (``areal_fast.agent.client.AgentClient.for_engine``: the agent package sits
+above this one and is never imported from here).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from areal_fast.columns import tokens
@@ -25,7 +30,8 @@ class EpisodeEngine:
 
     def __init__(self, rollout, reward, tokenizer, sampling: dict, episode_id: str, *,
                  training: bool = True, eval_reward: str | None = None, tool_timeout_s: float = TOOL_TIMEOUT_S,
-                 tool_counts: Counter | None = None, reward_counts: Counter | None = None, version=lambda: 0):
+                 tool_counts: Counter | None = None, reward_counts: Counter | None = None, version=lambda: 0,
+                 chat_client: Callable[..., Any] | None = None):
         self._rollout, self._reward, self.tokenizer = rollout, reward, tokenizer
         self.sampling = dict(sampling)
         self.episode_id = episode_id
@@ -37,6 +43,7 @@ class EpisodeEngine:
         self._version = version
         self._turn = 0
         self._chat = None  # the episode's chat client (openai()), made on first use
+        self._chat_client = chat_client  # its factory: chat_client(engine, **options)
 
     @property
     def api_key(self) -> str | None:
@@ -46,11 +53,13 @@ class EpisodeEngine:
     def openai(self, **options):
         """This episode's chat client, which behaves as ``openai.AsyncOpenAI`` for
         ``chat.completions.create`` (``areal_fast.agent``, ``docs/agents.md``): every call goes through
-        :meth:`generate` and is recorded. One per episode (``options`` count on the first call only)."""
+        :meth:`generate` and is recorded. One per episode (``options`` count on the first call only).
+        Made by the engine's ``chat_client`` factory (the controller passes ``AgentClient.for_engine``)."""
         if self._chat is None:
-            from areal_fast.agent.client import AgentClient
-
-            self._chat = AgentClient.for_engine(self, **options)
+            if self._chat_client is None:
+                raise RuntimeError("EpisodeEngine.openai: this engine handle was made without a chat client "
+                                   "(pass chat_client=areal_fast.agent.client.AgentClient.for_engine)")
+            self._chat = self._chat_client(self, **options)
         return self._chat
 
     @property

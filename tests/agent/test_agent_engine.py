@@ -12,12 +12,13 @@ import pytest
 from _shared import disk_update, tiny_checkpoints, until_running
 from tolerances import ENGINE_LOGPROB_ATOL
 
+from areal_fast.agent.client import AgentClient
 from areal_fast.agent.server import AgentServer
+from areal_fast.backends.sglang.client import SGLangRolloutClient
+from areal_fast.data.tiny_models import hf_greedy, hf_logprobs, load_hf
 from areal_fast.data.tokenizer import CharTokenizer
-from areal_fast.rollout.client import RolloutClient
-from areal_fast.rollout.engine import start_engine_in_thread
+from areal_fast.embedded import start_engine_in_thread
 from areal_fast.rollout.port import ClientRollout
-from areal_fast.rollout.testing import hf_greedy, hf_logprobs, load_hf
 from areal_fast.workflow import EpisodeEngine
 
 TOK = CharTokenizer("0123456789*+=")
@@ -40,9 +41,10 @@ async def _with_sdk(engine, sampling, body, marker=None):
     """``body(sdk, client, rollout)`` with an openai.AsyncOpenAI on the agent endpoint of one episode."""
     import openai
 
-    async with RolloutClient([engine.url], api_key=KEY) as rc:
+    async with SGLangRolloutClient([engine.url], api_key=KEY) as rc:
         rollout = ClientRollout(rc)
-        eng = EpisodeEngine(rollout, None, TOK, sampling, "agent-ep", training=False)
+        eng = EpisodeEngine(rollout, None, TOK, sampling, "agent-ep", training=False,
+                            chat_client=AgentClient.for_engine)
         client = eng.openai(call_marker=marker)
         async with AgentServer() as server:
             sdk = openai.AsyncOpenAI(base_url=server.open(client), api_key=client.api_key, max_retries=0)
@@ -137,8 +139,9 @@ def test_the_engine_refuses_the_key_handed_to_agent_code(setup):
     engine, base, _, _ = setup
 
     async def go():
-        async with RolloutClient([engine.url], api_key=KEY) as rc:
-            eng = EpisodeEngine(ClientRollout(rc), None, TOK, {"max_new_tokens": 2}, "agent-ep", training=False)
+        async with SGLangRolloutClient([engine.url], api_key=KEY) as rc:
+            eng = EpisodeEngine(ClientRollout(rc), None, TOK, {"max_new_tokens": 2}, "agent-ep", training=False,
+                                chat_client=AgentClient.for_engine)
             client = eng.openai()
             async with AgentServer() as server, aiohttp.ClientSession() as http:
                 server.open(client)

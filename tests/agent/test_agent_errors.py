@@ -14,9 +14,10 @@ import logging
 from pathlib import Path
 
 import pytest
-from _shared import tiny_model
+from _shared import tiny_model, wait_until
 from test_agent_session import EOS, MODEL, TOK, TOOLS, Scores, ScriptedRollout, episode, ids, run
 
+from areal_fast.agent.client import AgentClient
 from areal_fast.agent.request import ChatRequestError
 from areal_fast.agent.server import AgentServer
 from areal_fast.workflow import EpisodeEngine, EpisodeFailed
@@ -30,7 +31,7 @@ KEY = "errors-engine-key"
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     pytest.importorskip("openai")
-    from areal_fast.rollout.engine import start_engine_in_thread
+    from areal_fast.embedded import start_engine_in_thread
 
     path = tiny_model(tmp_path_factory, vocab_size=16, eos_token_id=TOK.eos_token_id, max_position_embeddings=CONTEXT)
     eng = start_engine_in_thread(path, api_key=KEY)  # no tokenizer in the checkpoint: no stop strings there
@@ -42,11 +43,12 @@ async def _both(engine_url, sampling, body):
     """``body(sdk, client)``: an openai.AsyncOpenAI on one episode's endpoint and its in-process client."""
     import openai
 
-    from areal_fast.rollout.client import RolloutClient
+    from areal_fast.backends.sglang.client import SGLangRolloutClient
     from areal_fast.rollout.port import ClientRollout
 
-    async with RolloutClient([engine_url], api_key=KEY) as rc:
-        eng = EpisodeEngine(ClientRollout(rc), None, TOK, sampling, "errors-ep", training=False)
+    async with SGLangRolloutClient([engine_url], api_key=KEY) as rc:
+        eng = EpisodeEngine(ClientRollout(rc), None, TOK, sampling, "errors-ep", training=False,
+                            chat_client=AgentClient.for_engine)
         client = eng.openai()
         async with AgentServer() as server:
             sdk = openai.AsyncOpenAI(base_url=server.open(client), api_key=client.api_key, max_retries=0)
@@ -82,7 +84,7 @@ def test_engine_refusals_are_400s_naming_the_parameter_over_http_and_in_process(
 
 
 def test_a_stop_string_works_on_a_checkpoint_without_a_tokenizer(engine):
-    from areal_fast.rollout.testing import hf_greedy, load_hf
+    from areal_fast.data.tiny_models import hf_greedy, load_hf
 
     eng, path = engine
     prompt = [TOK.bos_token_id] + ids("7*34=")
@@ -112,7 +114,8 @@ class Refusing(ScriptedRollout):
 
 def test_any_other_engine_4xx_is_a_400_over_http():
     openai = pytest.importorskip("openai")
-    eng = EpisodeEngine(Refusing([]), Scores(), TOK, {"max_new_tokens": 4, "temperature": 1.0}, "ep", training=True)
+    eng = EpisodeEngine(Refusing([]), Scores(), TOK, {"max_new_tokens": 4, "temperature": 1.0}, "ep", training=True,
+                        chat_client=AgentClient.for_engine)
     client = eng.openai()
 
     async def go():
@@ -244,14 +247,15 @@ class Slow(ScriptedRollout):
 def test_in_process_timeout_raises_the_sdk_timeout_error_and_the_turn_is_still_recorded():
     openai = pytest.importorskip("openai")
     eng = EpisodeEngine(Slow([ids("1") + [EOS]]), Scores(), TOK, {"max_new_tokens": 4, "temperature": 1.0}, "ep",
-                        training=True)
+                        training=True, chat_client=AgentClient.for_engine)
     client = eng.openai()
 
     async def go():
         with pytest.raises(openai.APITimeoutError):
             await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "1="}],
                                                  timeout=0.05)
-        await asyncio.sleep(0.5)  # as over HTTP, where the server finishes the turn of a client that left
+        # as over HTTP, where the server finishes the turn of a client that left
+        await wait_until(lambda: len(client.calls) >= 1, "the turn of the client that timed out to be recorded", 30)
         return len(client.calls)
 
     assert run(go()) == 1

@@ -1,4 +1,4 @@
-"""The lookup agent example (``areal_fast/data/lookup_agent.py``, ``examples/tiny_lookup_agent.yaml``):
+"""The lookup agent example (``areal_fast/recipes/lookup_agent.py``, ``examples/tiny_lookup_agent.yaml``):
 with a scripted model, a call with the right key gets the stored value as the answer, a miss finds
 nothing (with ``max_calls`` 2 the model queries again after the empty result), an answer without a
 call is a guess; and the example trains
@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from test_agent_session import EOS, TOK, ScriptedRollout, ids, run
 
+from areal_fast.agent.client import AgentClient
 from areal_fast.data import tiny_task
 from areal_fast.data.datasets import PromptRow
-from areal_fast.data.lookup_agent import store
+from areal_fast.recipes.lookup_agent import store
 from areal_fast.workflow import EpisodeEngine
 from areal_fast.workflow.api import load_workflow
 
@@ -31,9 +32,10 @@ class Exact:
 
 def _episode(outputs, **agent_args):
     rollout = ScriptedRollout(outputs)
-    eng = EpisodeEngine(rollout, Exact(), TOK, {"max_new_tokens": 8, "temperature": 1.0}, "lookup-ep", training=True)
+    eng = EpisodeEngine(rollout, Exact(), TOK, {"max_new_tokens": 8, "temperature": 1.0}, "lookup-ep", training=True,
+                        chat_client=AgentClient.for_engine)
     wf = load_workflow("areal_fast.agent.workflow:openai_agent")
-    trajectories = run(wf(ROW, eng, agent="areal_fast.data.lookup_agent:solve", call_marker="*",
+    trajectories = run(wf(ROW, eng, agent="areal_fast.recipes.lookup_agent:solve", call_marker="*",
                           agent_args=agent_args))
     return trajectories, rollout
 

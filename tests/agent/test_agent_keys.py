@@ -13,7 +13,7 @@ from test_agent_responses import client_for
 from test_agent_session import EOS, MODEL, ids, run
 
 from areal_fast.agent.server import AgentServer
-from areal_fast.rollout import auth
+from areal_fast.http import auth
 
 USER = [{"role": "user", "content": "1="}]
 NOT_EPISODE_ROUTES = ["/v1/chat/completions", "/v1/responses", "/v1/models", "/", "/episodes", "/health", "/metrics"]

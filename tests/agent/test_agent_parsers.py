@@ -11,6 +11,7 @@ import json
 import pytest
 from test_agent_session import ScriptedRollout
 
+from areal_fast.agent.client import AgentClient
 from areal_fast.agent.reasoning import split_think
 from areal_fast.agent.request import ChatRequestError, Tool
 from areal_fast.agent.server import AgentServer
@@ -53,7 +54,8 @@ def qwen3_tok():
 
 def _client(tok, outputs, **options):
     rollout = ScriptedRollout(outputs)
-    eng = EpisodeEngine(rollout, None, tok, {"max_new_tokens": 512, "temperature": 1.0}, "p", training=True)
+    eng = EpisodeEngine(rollout, None, tok, {"max_new_tokens": 512, "temperature": 1.0}, "p", training=True,
+                        chat_client=AgentClient.for_engine)
     return eng.openai(**options), rollout
 
 

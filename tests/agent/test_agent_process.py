@@ -13,6 +13,7 @@ import textwrap
 import pytest
 from test_agent_session import EOS, TOK, Scores, ScriptedRollout, ids, run
 
+from areal_fast.agent.client import AgentClient
 from areal_fast.data.datasets import PromptRow
 from areal_fast.workflow import EpisodeEngine, EpisodeFailed
 from areal_fast.workflow.api import load_workflow
@@ -62,7 +63,8 @@ AGENT = textwrap.dedent('''
 
 def _episode(outputs):
     rollout = ScriptedRollout(outputs)
-    eng = EpisodeEngine(rollout, Scores(), TOK, {"max_new_tokens": 12, "temperature": 1.0}, "proc-ep", training=True)
+    eng = EpisodeEngine(rollout, Scores(), TOK, {"max_new_tokens": 12, "temperature": 1.0}, "proc-ep", training=True,
+                        chat_client=AgentClient.for_engine)
     return eng, rollout
 
 

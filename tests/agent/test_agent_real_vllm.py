@@ -11,16 +11,17 @@ import asyncio
 
 import pytest
 from real_vllm import VLLM_CPU_VERSION
+from tolerances import VLLM_CPU_LOGPROB_ATOL
 
+from areal_fast.agent.client import AgentClient
 from areal_fast.agent.server import AgentServer
 from areal_fast.agent.trajectories import assemble
 from areal_fast.backends.vllm.client import VLLMRolloutClient
+from areal_fast.data.tiny_models import hf_logprobs, load_hf
 from areal_fast.data.tokenizer import CharTokenizer
 from areal_fast.rollout.port import ClientRollout
-from areal_fast.rollout.testing import hf_logprobs, load_hf
 from areal_fast.workflow import EpisodeEngine
 
-LOGPROB_ATOL = 2e-3  # vLLM's CPU kernels against the HF forward, both fp32, at these tiny shapes
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 MODEL = "areal-fast"
 
@@ -34,7 +35,8 @@ def test_an_sdk_agent_episode_on_real_vllm_records_its_exact_tokens(real_vllm):
         async with VLLMRolloutClient([real_vllm.url], vllm_version=VLLM_CPU_VERSION) as rc:
             direct = await rc.generate(first_prompt, GREEDY, rid="direct-1")
             marker = tok.decode(list(direct.output_ids))[0]  # the tool format's marker: what this model writes
-            eng = EpisodeEngine(ClientRollout(rc), None, tok, GREEDY, "vllm-agent", training=False)
+            eng = EpisodeEngine(ClientRollout(rc), None, tok, GREEDY, "vllm-agent", training=False,
+                                chat_client=AgentClient.for_engine)
             client = eng.openai(call_marker=marker)
             tools = [{"type": "function", "name": "lookup", "parameters": {
                 "type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}]
@@ -63,7 +65,7 @@ def test_an_sdk_agent_episode_on_real_vllm_records_its_exact_tokens(real_vllm):
     hf = load_hf(str(real_vllm.model))
     for c in (c1, c2):
         ref = hf_logprobs(hf, c.sample.prompt_ids.tolist(), c.sample.output_ids.tolist(), 0.0)
-        assert max(abs(a - b) for a, b in zip(c.sample.output_logprobs, ref)) < LOGPROB_ATOL
+        assert max(abs(a - b) for a, b in zip(c.sample.output_logprobs, ref)) < VLLM_CPU_LOGPROB_ATOL
         assert c.sample.output_versions.tolist() == [0] * len(c.sample.output_ids)
     (traj,) = assemble(client.calls)
     assert traj.loss_mask.tolist() == [1] * 6 + [0] * 4 + [1] * 4

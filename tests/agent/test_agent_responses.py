@@ -11,6 +11,7 @@ import json
 import pytest
 from test_agent_session import EOS, MODEL, TOK, TOOLS, Scores, ScriptedRollout, ids, run
 
+from areal_fast.agent.client import AgentClient
 from areal_fast.agent.request import ChatRequestError
 from areal_fast.agent.server import AgentServer
 from areal_fast.agent.trajectories import assemble
@@ -23,7 +24,8 @@ OUTPUTS = [ids("43*7") + [EOS], ids("238") + [EOS]]  # a call, then the answer a
 
 def client_for(outputs=OUTPUTS):
     rollout = ScriptedRollout(list(outputs))
-    eng = EpisodeEngine(rollout, Scores(), TOK, {"max_new_tokens": 12, "temperature": 1.0}, "ep1", training=True)
+    eng = EpisodeEngine(rollout, Scores(), TOK, {"max_new_tokens": 12, "temperature": 1.0}, "ep1", training=True,
+                        chat_client=AgentClient.for_engine)
     return eng.openai(call_marker="*"), rollout
 
 

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from areal_fast.agent.client import AgentClient
 from areal_fast.agent.request import ChatRequestError
 from areal_fast.agent.server import AgentServer
 from areal_fast.agent.trajectories import assemble
@@ -61,7 +62,7 @@ def ids(text: str) -> list[int]:
 def episode(outputs, *, training=True, key=None, reward=None):
     rollout = ScriptedRollout(outputs, key)
     eng = EpisodeEngine(rollout, reward or Scores(), TOK, {"max_new_tokens": 12, "temperature": 1.0}, "ep1",
-                        training=training)
+                        training=training, chat_client=AgentClient.for_engine)
     return eng, rollout
 
 
@@ -298,11 +299,11 @@ def test_an_episode_key_opens_only_its_own_episode():
 
 
 def test_agent_endpoint_closes_idle_connections_and_serves_a_key_holder_at_the_cap():
-    """The listeners' guard (``areal_fast.rollout.conn_guard``, shown on the engine in
+    """The listeners' guard (``areal_fast.http.conn_guard``, shown on the engine in
     ``tests/rollout/test_conn_guard.py``) on the agent endpoint: connections without a request are
     closed after the head timeout, and at the cap of unauthenticated ones the oldest gives way."""
     aiohttp = pytest.importorskip("aiohttp")
-    from areal_fast.rollout.conn_guard import ConnLimits
+    from areal_fast.http.conn_guard import ConnLimits
 
     cap, within_s = 4, 15.0
     client = episode([])[0].openai()

@@ -11,6 +11,7 @@ import sys
 import pytest
 from test_agent_session import EOS, MODEL, TOK, TOOLS, Scores, ScriptedRollout, ids, run
 
+from areal_fast.agent.client import AgentClient
 from areal_fast.agent.request import ChatRequestError
 from areal_fast.agent.server import AgentServer
 from areal_fast.sample import Sample
@@ -32,7 +33,7 @@ class DistinctLogprobs(ScriptedRollout):
 
 def client_for(outputs, **kw):
     eng = EpisodeEngine(DistinctLogprobs(outputs), Scores(), TOK, {"max_new_tokens": 12, "temperature": 1.0},
-                        "ep1", training=True)
+                        "ep1", training=True, chat_client=AgentClient.for_engine)
     return eng.openai(**kw)
 
 

@@ -10,6 +10,7 @@ import json
 import pytest
 from test_agent_session import ScriptedRollout
 
+from areal_fast.agent.client import AgentClient
 from areal_fast.agent.template import HFChatTemplate, template_for
 from areal_fast.workflow import EpisodeEngine
 
@@ -48,7 +49,8 @@ def test_hf_template_renders_once_per_turn_and_parses_hermes_calls(hf_tok):
     call = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
     out1 = enc("ok" + call) + [eos]
     rollout = ScriptedRollout([out1, enc("3") + [eos]])
-    eng = EpisodeEngine(rollout, None, hf_tok, {"max_new_tokens": 64, "temperature": 1.0}, "hf", training=True)
+    eng = EpisodeEngine(rollout, None, hf_tok, {"max_new_tokens": 64, "temperature": 1.0}, "hf", training=True,
+                        chat_client=AgentClient.for_engine)
     client = eng.openai()
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 

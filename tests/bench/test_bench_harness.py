@@ -1,15 +1,11 @@
 """The benchmark harness (bench/common.py) and the loss benchmark's bytes and memory models."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import bench_ppo_loss  # noqa: E402
-import common  # noqa: E402
+from bench import bench_ppo_loss, common
 
 
 def test_time_fn_on_cpu_counts_calls_and_orders_percentiles():
@@ -69,7 +65,7 @@ def test_eager_reference_estimate_and_skip(monkeypatch):
 
 def test_vllm_pause_bench_dry_run_and_table(capsys):
     """bench/bench_vllm_pause.py: its dry run starts nothing, its table has a row per mode."""
-    import bench_vllm_pause as b
+    from bench import bench_vllm_pause as b
 
     assert b.main(["--dry-run", "--modes", "abort,keep"]) == 0
     assert "['abort', 'keep']" in capsys.readouterr().out

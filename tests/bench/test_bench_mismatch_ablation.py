@@ -3,15 +3,12 @@ in the resolved config (serving dtype, correction, staleness bound, task), the r
 per-step dashboard read from metrics.jsonl with the paired contrasts. Nothing here trains."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from areal_fast.config import load_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import bench_mismatch_ablation as bm  # noqa: E402
+from bench import bench_mismatch_ablation as bm
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_reverse.yaml")
 # (tis_cap, token_mis_lower, token_mis_upper, seq_mis_lower, seq_mis_upper, m2po_tau) per correction

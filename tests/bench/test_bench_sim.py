@@ -1,22 +1,18 @@
-"""The simulated SGLang server of the benchmarks against the real RolloutClient: every request
+"""The simulated SGLang server of the benchmarks against the real SGLangRolloutClient: every request
 answered exactly once, stitched tokens and per-token versions exact across pause / update /
 continue in each pause mode. No timing is asserted."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import aiohttp
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import bench_controller_scale as scale  # noqa: E402
-import sim_sglang as sim  # noqa: E402
 from _shared import wait_until  # noqa: E402, I001
 
-from areal_fast.rollout.client import RolloutClient  # noqa: E402
+from areal_fast.backends.sglang.client import SGLangRolloutClient  # noqa: E402
+from bench import bench_controller_scale as scale
+from bench import sim_sglang as sim
 
 PROMPT_LEN = 7
 MAX_NEW = 600
@@ -68,7 +64,7 @@ async def _run_exact(modes):
     n_req = 40
     async with sim.SimCluster(3, cfg) as cluster:
         urls = cluster.urls
-        async with RolloutClient(urls, api_key="k3y") as client, \
+        async with SGLangRolloutClient(urls, api_key="k3y") as client, \
                 aiohttp.ClientSession(headers={"Authorization": "Bearer k3y"}) as session:
             rids = [f"t{i}" for i in range(n_req)]
             tasks = [asyncio.create_task(client.generate(list(range(10, 10 + PROMPT_LEN)),
@@ -106,7 +102,7 @@ async def _run_exact(modes):
 def test_flush_refused_after_in_place_update_with_running_requests():
     async def run():
         async with sim.SimCluster(1, _cfg(**IN_PLACE_FLAGS)) as cluster:
-            async with RolloutClient(cluster.urls) as client, aiohttp.ClientSession() as session:
+            async with SGLangRolloutClient(cluster.urls) as client, aiohttp.ClientSession() as session:
                 assert sim.answer_length(RID, _cfg()) > 100  # still running at the pause below
                 task = asyncio.create_task(client.generate([5, 6, 7], {"max_new_tokens": MAX_NEW}, rid=RID))
                 await wait_until(lambda: cluster.servers[0].ticks() >= 3, "progress")
@@ -167,7 +163,7 @@ def test_in_place_needs_the_servers_flags_and_an_update_without_flush():
 
     async def run(cfg):
         async with sim.SimCluster(1, cfg) as cluster:
-            async with RolloutClient(cluster.urls) as client, aiohttp.ClientSession() as session:
+            async with SGLangRolloutClient(cluster.urls) as client, aiohttp.ClientSession() as session:
                 task = asyncio.create_task(client.generate([5, 6, 7], {"max_new_tokens": MAX_NEW}, rid=RID))
                 await wait_until(lambda: cluster.servers[0].ticks() >= 3, "progress")
                 try:

@@ -4,15 +4,12 @@ metrics, and resume. Nothing here trains, and nothing asserts a reward or a time
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
 from areal_fast.config import load_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import bench_staleness as bs  # noqa: E402
+from bench import bench_staleness as bs
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_reverse.yaml")
 

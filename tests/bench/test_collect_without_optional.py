@@ -9,7 +9,9 @@ none of them - with "errors during collection" and no GPU test run. Two checks:
 * slow, real: in an interpreter where the optional packages cannot be imported
   (``bench/without_optional/sitecustomize.py``, as the GPU suite's dry run uses it), ``pytest -m gpu
   --collect-only tests`` collects with no error exactly the GPU tests that an interpreter with them
-  collects from the files that carry a ``gpu`` mark.
+  collects from the files that carry a ``gpu`` mark: checked on the GPU suite's own dry-run collection
+  (``test_gpu_suite.py::test_deep_dry_run_of_the_whole_plan``, with :func:`_collect` below), one
+  collection of the whole suite instead of two.
 """
 
 from __future__ import annotations
@@ -20,11 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-import gpu_suite  # noqa: E402
+from bench import gpu_suite  # noqa: E402
 
 OPTIONAL = ("orjson", "sglang", "vllm", "ray", "flash_attn", "liger_kernel", "uvloop", "math_verify")
 
@@ -80,21 +79,3 @@ def test_the_blocker_hides_installed_packages():
 def _collect(args: list[str], env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.slow
-def test_gpu_tests_collect_without_optional_packages():
-    """Exactly the GPU suite's dry-run collection (its argv, its interpreter), against a collection
-    with every package installed of the files that carry a gpu mark."""
-    step = next(s for s in gpu_suite.STEPS if s.name == "gpu_tests")
-    argv = gpu_suite._expand(step.dry_argv, "unused")
-    assert argv[:3] == [sys.executable, "-m", "pytest"]
-    blocked = subprocess.run(argv, cwd=ROOT, env=gpu_suite._step_env(step, dry=True), capture_output=True,
-                             text=True, timeout=300)
-    out = blocked.stdout + blocked.stderr
-    assert blocked.returncode == 0, out[-3000:]
-    assert gpu_suite.check_gpu_collection(blocked.stdout) is None, out[-3000:]
-    full = _collect(["-m", "gpu", "-p", "no:cacheprovider", *gpu_suite.gpu_test_files()], dict(os.environ))
-    want = gpu_suite.collected_gpu_tests(full.stdout)
-    got = gpu_suite.collected_gpu_tests(blocked.stdout)
-    assert len(want) > 0 and sorted(got) == sorted(want), (sorted(set(want) - set(got)), sorted(set(got) - set(want)))

@@ -18,15 +18,11 @@ from shutil import which as shutil_which
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-import gpu_suite  # noqa: E402
+from bench import gpu_suite  # noqa: E402
 
 
 def _load_bench(script: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_{Path(script).stem}", ROOT / script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"bench.{Path(script).stem}")
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -310,13 +306,13 @@ def _driver(tmp_path: Path, out: Path, steps_src: str) -> subprocess.Popen:
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(ROOT / "bench")!r})
-        import gpu_suite as g
+        from bench import gpu_suite as g
         g.STEPS = {steps_src}
         sys.exit(g.main(["--day", "--out", {str(out)!r}, "--work-dir", {str(tmp_path / "work")!r}]))
     """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
 
 
 def _wait_for(out: Path, p: subprocess.Popen, want: list[tuple[str, str]]) -> None:
@@ -501,7 +497,8 @@ def test_collect_rows_gathers_every_bench_file(tmp_path):
 
 @pytest.mark.slow
 def test_deep_dry_run_of_the_whole_plan(tmp_path):
-    """Each step's CPU check: the GPU tests collected as on the GPU image, each bench's own dry run."""
+    """Each step's CPU check: the GPU tests collected as on the GPU image (without the optional
+    packages: the same tests as with them), each bench's own dry run."""
     out = tmp_path / "out" / "gpu_day.json"
     rc = gpu_suite.main(["--dry-run", "--deep", "--out", str(out), "--work-dir", str(tmp_path / "work")])
     res = json.loads(out.read_text())
@@ -512,8 +509,16 @@ def test_deep_dry_run_of_the_whole_plan(tmp_path):
     steps = {s["step"]: s for s in res["steps"]}
     # collected as the real step selects (-m gpu tests), checked by check_gpu_collection
     assert " -m gpu tests " in steps["gpu_tests"]["check"] + " " and "--collect-only" in steps["gpu_tests"]["check"]
-    assert (tmp_path / "work" / "gpu_tests" / "gpu_tests-dry.log").exists()
     assert len(_files(out.parent)) <= 2
+    # that collection ran where the optional packages cannot be imported (the GPU image's interpreter):
+    # it collected exactly the GPU tests an interpreter with every package collects from the files that
+    # carry a gpu mark (tests/bench/test_collect_without_optional.py: why)
+    from test_collect_without_optional import _collect
+
+    blocked = (tmp_path / "work" / "gpu_tests" / "gpu_tests-dry.log").read_text(errors="replace")
+    full = _collect(["-m", "gpu", "-p", "no:cacheprovider", *gpu_suite.gpu_test_files()], dict(os.environ))
+    want, got = gpu_suite.collected_gpu_tests(full.stdout), gpu_suite.collected_gpu_tests(blocked)
+    assert len(want) > 0 and sorted(got) == sorted(want), (sorted(set(want) - set(got)), sorted(set(got) - set(want)))
 
 
 def test_the_dry_run_and_the_real_step_select_the_same_tests():

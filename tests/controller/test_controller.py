@@ -14,7 +14,7 @@ from fakes import make_controller
 
 from areal_fast.checkpoint import ResumeMismatch, latest_checkpoint, list_checkpoints
 from areal_fast.diskutil import WriteFailed
-from areal_fast.launch.metrics import JsonlSink
+from areal_fast.metrics.sinks import JsonlSink
 from areal_fast.rollout.staleness import StalenessManager
 
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from fakes import ConstantReward, ParityTok, Prompts, RecordingTrainer, VersionSync
 
-from areal_fast.checkpoint import STATE_FILE, checkpoint_groups, read_state
+from areal_fast.buffer import checkpoint_groups
+from areal_fast.checkpoint import STATE_FILE, read_state
 from areal_fast.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY, decode_column, encode_column
 from areal_fast.controller import Controller, ControllerSettings
 from areal_fast.group import Group, legacy_fields

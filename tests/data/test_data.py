@@ -94,7 +94,7 @@ def test_changing_max_new_tokens_builds_a_new_warm_start(tmp_path):
 
     def build(*extra):
         cfg = load_config(EXAMPLE, [f"experiment.output_dir={tmp_path}", *TINY_MODEL, *extra])
-        path = ensure_warm_start(cfg)
+        path = ensure_warm_start(cfg.warm_start_recipe())
         sig = json.loads((path / SIGNATURE_FILE).read_text())
         return sig, json.loads((path / "config.json").read_text())
 

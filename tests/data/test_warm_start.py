@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+from tolerances import FP64_FEW_OPS_RTOL
 
 from areal_fast.config import ConfigError, load_config
 from areal_fast.data import tiny_task, warm_start
@@ -35,7 +36,7 @@ def test_bad_warm_start_values_name_the_key(override, needle):
 def _demonstrations(n: int, *overrides: str) -> list[dict]:
     cfg = load_config(EXAMPLE, list(overrides))
     rng = random.Random(0)
-    return [warm_start.demonstration(rng, cfg) for _ in range(n)]
+    return [warm_start.demonstration(rng, cfg.warm_start_recipe()) for _ in range(n)]
 
 
 def test_mistakes_drop_the_last_character_of_long_enough_strings_at_the_configured_rate():
@@ -78,12 +79,13 @@ def test_linear_schedule_decays_the_warm_start_learning_rate_to_zero(monkeypatch
         cfg = load_config(EXAMPLE, [*TINY_MODEL, f"model.warm_start.steps={steps}", "model.warm_start.lr=1e-3",
                                     f"model.warm_start.lr_schedule={schedule}"])
         tok = CharTokenizer(tiny_task.vocabulary(cfg.data.synthetic))
-        losses = warm_start.supervised_warm_start(warm_start.build_tiny_qwen2(cfg, tok), cfg, tok)
+        recipe = cfg.warm_start_recipe()
+        losses = warm_start.supervised_warm_start(warm_start.build_tiny_model(recipe, tok), recipe, tok)
         assert len(losses) == steps
-        assert seen == pytest.approx(expected, rel=1e-12), schedule
+        assert seen == pytest.approx(expected, rel=FP64_FEW_OPS_RTOL), schedule
 
 
 def test_mistake_settings_are_part_of_the_warm_start_cache_key():
-    base = warm_start.signature(load_config(EXAMPLE, []))
-    other = warm_start.signature(load_config(EXAMPLE, ["model.warm_start.mistake_fraction=0.25"]))
+    base = warm_start.signature(load_config(EXAMPLE, []).warm_start_recipe())
+    other = warm_start.signature(load_config(EXAMPLE, ["model.warm_start.mistake_fraction=0.25"]).warm_start_recipe())
     assert base != other and other["warm_start"]["mistake_fraction"] == 0.25

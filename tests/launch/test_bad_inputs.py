@@ -76,7 +76,7 @@ CASES = [
     ("train-cuda-without-gpu", lambda t: (EXAMPLE, ["train.device=cuda"]), 0, ["train.device", "no CUDA device"]),
     ("rollout-cuda-without-gpu", lambda t: (EXAMPLE, ["rollout.device=cuda:0"]), 0,
      ["rollout.device", "no CUDA device"]),
-    ("train-gpus-beyond-machine", lambda t: (EXAMPLE, ["train.gpus='0,7'"]), 2, ["train.gpus", "GPU 7", "2 GPU"]),
+    ("train-gpus-beyond-machine", lambda t: (EXAMPLE, ["train.gpus=['0','7']"]), 2, ["train.gpus[1]", "GPU 7", "2 GPU"]),
     ("rollout-gpus-beyond-machine", lambda t: (EXAMPLE, ["rollout.gpus=['3']"]), 2, ["rollout.gpus[0]", "GPU 3"]),
     ("world-size-beyond-gpus", lambda t: (EXAMPLE, ["train.device=cuda", "train.world_size=4"]), 2,
      ["train.world_size", "2 GPU"]),
@@ -106,7 +106,7 @@ CASES = [
     ("eval-reward-misspelled", lambda t: (EXAMPLE, ["eval.reward=areal_fast.data.tiny_task:exact"]), 0,
      ["eval.reward", "exact"]),
     ("launcher-unknown", lambda t: (EXAMPLE, ["launcher=pbs"]), 0, ["launcher", "pbs"]),
-    ("engine-unknown", lambda t: (EXAMPLE, ["rollout.engine=vllm"]), 0, ["rollout.engine", "vllm"]),
+    ("engine-unknown", lambda t: (EXAMPLE, ["rollout.server=vllm"]), 0, ["rollout.server", "vllm"]),
     ("server-url-without-scheme", lambda t: (EXAMPLE, ["rollout.servers=['127.0.0.1:30000']"]), 0,
      ["rollout.servers[0]"]),
     ("attn-impl-unknown", lambda t: (EXAMPLE, ["train.attn_impl=flash"]), 0, ["train.attn_impl"]),
@@ -132,7 +132,7 @@ def test_the_same_inputs_pass_when_they_are_right(tmp_path):
     rows = b'{"prompt": "1+1", "answer": "2", "fn_name": "f"}\n'
     cfg = load_config(EXAMPLE, _data_file(tmp_path, "d.jsonl.gz", gzip.compress(rows)) + [
         "rollout.top_k=5", "eval.max_new_tokens=4", "train.max_tokens_per_mb=64", "rollout.temperature=0.5",
-        "reward.name=math", "eval.reward=null", "train.gpus='1'", "train.device=cuda"])
+        "reward.name=math", "eval.reward=null", "train.gpus=['1']", "train.device=cuda"])
     check_machine(cfg, gpus=2)
     assert cfg.train.sampling_temperature == 0.5 and cfg.train.loss.temperature == 0.5
 

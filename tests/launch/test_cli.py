@@ -140,9 +140,9 @@ def test_a_stop_signal_in_a_finalizer_is_sent_again_not_dropped(monkeypatch):
 
 
 def test_servers_set_or_add_above_the_cap_is_refused_naming_the_value_and_the_cap(tmp_path, capsys):
-    from areal_fast.launch.members import Member, read_target, write_members
+    from areal_fast.elastic.members import Member, read_target, write_members
 
-    MAX_SERVERS = 1024  # the documented cap (areal_fast.launch.members.MAX_SERVERS)
+    MAX_SERVERS = 1024  # the documented cap (areal_fast.elastic.members.MAX_SERVERS)
     write_members(tmp_path, [Member("server0", "http://127.0.0.1:40000", 0)], target=1)
     for argv in (["servers", "set", "100000"], ["servers", "add", str(MAX_SERVERS)]):
         with pytest.raises(SystemExit) as e:
@@ -154,6 +154,6 @@ def test_servers_set_or_add_above_the_cap_is_refused_naming_the_value_and_the_ca
         assert read_target(tmp_path) is None  # nothing written
     assert main(["servers", "set", str(MAX_SERVERS), "--run-dir", str(tmp_path)]) == 0
     assert read_target(tmp_path).n_servers == MAX_SERVERS
-    from areal_fast.launch.members import MAX_SERVERS as documented
+    from areal_fast.elastic.members import MAX_SERVERS as documented
 
     assert documented == MAX_SERVERS

@@ -13,7 +13,7 @@ import pytest
 
 from areal_fast.config import RolloutConfig
 from areal_fast.launch.local import LocalLauncher, ProcessDied
-from areal_fast.launch.metrics import plot_run, read_jsonl, truncate_jsonl
+from areal_fast.metrics.sinks import plot_run, read_jsonl, truncate_jsonl
 from areal_fast.netutil import find_free_port
 
 
@@ -69,8 +69,9 @@ def test_launched_servers_refuse_requests_without_the_api_key(tmp_path):
     import asyncio
     import stat
 
-    from areal_fast.rollout.client import RequestError, RolloutClient
-    from areal_fast.rollout.testing import build_tiny_qwen2
+    from areal_fast.backends.sglang.client import SGLangRolloutClient
+    from areal_fast.data.tiny_models import build_tiny_qwen2
+    from areal_fast.rollout.client import RequestError
 
     model = build_tiny_qwen2(str(tmp_path / "model"), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64)
@@ -91,7 +92,7 @@ def test_launched_servers_refuse_requests_without_the_api_key(tmp_path):
         assert _get(server.url + "/health") == 200  # health needs no key (as in SGLang)
 
         async def generate(api_key):
-            async with RolloutClient([server.url], api_key=api_key, max_attempts=1) as c:
+            async with SGLangRolloutClient([server.url], api_key=api_key, max_attempts=1) as c:
                 return await c.generate([5, 6, 7], {"max_new_tokens": 3, "temperature": 0.0}, rid="r")
 
         assert len(asyncio.run(generate(key)).output_ids) == 3
@@ -101,7 +102,8 @@ def test_launched_servers_refuse_requests_without_the_api_key(tmp_path):
 
 
 def test_the_key_file_is_private_and_never_written_through_what_exists(tmp_path):
-    from areal_fast.rollout.server_command import redact_command, server_command, write_api_key_file
+    from areal_fast.backends.keyfile import redact_command, write_api_key_file
+    from areal_fast.backends.sglang.server_command import sglang_server_command
 
     d = tmp_path / "secrets"
     d.mkdir(mode=0o755)
@@ -119,12 +121,12 @@ def test_the_key_file_is_private_and_never_written_through_what_exists(tmp_path)
         write_api_key_file(link, "abc")  # a symlinked directory is refused, naming it
     with pytest.raises(ValueError, match="'-'"):
         write_api_key_file(d, "-abc")
-    cmd = server_command("embedded", "/m", "127.0.0.1", 1234, api_key_file=f)
+    cmd = sglang_server_command("embedded", "/m", "127.0.0.1", 1234, api_key_file=f)
     assert cmd[cmd.index("--config") + 1] == str(f) and "--api-key" not in cmd
     with pytest.raises(ValueError, match="not both"):
-        server_command("embedded", "/m", "127.0.0.1", 1234, api_key="k", api_key_file=f)
+        sglang_server_command("embedded", "/m", "127.0.0.1", 1234, api_key="k", api_key_file=f)
     with pytest.raises(ValueError, match="one --config"):
-        server_command("sglang", "/m", "127.0.0.1", 1234, api_key_file=f, extra_args=["--config", "x.yaml"])
+        sglang_server_command("sglang", "/m", "127.0.0.1", 1234, api_key_file=f, extra_args=["--config", "x.yaml"])
     assert redact_command(["x", "--api-key", "s3", "--api-key=s4"]) == ["x", "--api-key", "***", "--api-key=***"]
 
 

@@ -57,7 +57,7 @@ def test_save_then_load_gives_back_an_equal_config(tmp_path, monkeypatch):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "d.jsonl").write_text('{"prompt": "q", "answer": "b"}\n')
     cfg = load_config(EXAMPLE, [
-        "train.optim.lr=1e-5", "train.optim.betas=[0.9, 0.95]", "train.gpus='0'", "experiment.seed=7",
+        "train.optim.lr=1e-5", "train.optim.betas=[0.9, 0.95]", "train.gpus=['0']", "experiment.seed=7",
         "data.train=d.jsonl", "model.warm_start.enabled=false", "model.path=m", "reward.name=math",
         "data.prompt_template=Q: {prompt} {{x}}", "rollout.server_args=[--dtype, '1.0']", "eval.reward=null",
         "rollout.temperature=0.7", "ray.cpus_per_rank=0.5",
@@ -66,7 +66,7 @@ def test_save_then_load_gives_back_an_equal_config(tmp_path, monkeypatch):
     again = load_config(path)
     assert again == cfg
     assert again.data.train == "d.jsonl" and again.train.optim.betas == (0.9, 0.95)
-    assert again.train.gpus == "0" and again.rollout.server_args == ["--dtype", "1.0"]
+    assert again.train.gpus == ["0"] and again.rollout.server_args == ["--dtype", "1.0"]
     assert not list((tmp_path / "out").glob(".*tmp*"))  # written through a temporary file and renamed
 
 
@@ -83,7 +83,7 @@ def test_save_config_names_the_path_it_cannot_write(tmp_path):
     ("train.batch_size=1.5", "train.batch_size: expected an integer"),
     ("train.optim.lr=fast", "train.optim.lr: expected a number"),
     ("train.optim.lr=-1", "train.optim.lr"),
-    ("rollout.engine=vllm", "rollout.engine"),
+    ("rollout.server=vllm", "rollout.server"),
     ("rollout.top_p=0", "rollout.top_p"),
     ("rollout.max_staleness=-1", "rollout.max_staleness"),
     ("rollout.temperature=0", "rollout.temperature"),
@@ -336,7 +336,7 @@ def test_docs_list_every_key_of_the_configuration():
     assert sorted(documented - keys) == [], "docs/config.md lists keys that do not exist"
 
 
-# ----------------------------------------------------------------------------- issue 32, L8
+# ----------------------------------------------------------------------------- values that must not reach a command line
 
 
 @pytest.mark.parametrize("override, needles", [

@@ -26,7 +26,7 @@ WATCHDOG_S = 60.0
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from areal_fast.rollout.testing import build_tiny_qwen2
+    from areal_fast.data.tiny_models import build_tiny_qwen2
 
     return build_tiny_qwen2(str(tmp_path_factory.mktemp("deadlines") / "model"), hidden_size=32, num_layers=1,
                             num_heads=2, num_kv_heads=1, intermediate_size=64)
@@ -34,7 +34,7 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_engines(tiny_model):
-    from areal_fast.rollout.engine.launch import launch_engine_subprocess
+    from areal_fast.embedded.launch import launch_engine_subprocess
 
     handles = [launch_engine_subprocess(tiny_model, dtype="float32") for _ in range(2)]
     try:
@@ -111,13 +111,14 @@ def test_the_watchdog_drops_a_sigstopped_server(two_engines, monkeypatch, tmp_pa
 
 @pytest.mark.slow
 def test_a_sigstopped_weight_sync_peer_times_out_the_broadcast(two_engines, tiny_model):
-    from areal_fast.rollout.testing import perturbed_state_dict
+    from areal_fast.backends.sglang.weight_sync import DistributedWeightSync
+    from areal_fast.data.tiny_models import perturbed_state_dict
     from areal_fast.weights import WeightSyncError
-    from areal_fast.weights.sync import DistributedWeightSync, WeightSyncConfig
+    from areal_fast.weights.sync import WeightSyncConfig
 
     good, hung = two_engines
     state = perturbed_state_dict(tiny_model, seed=1)
-    cfg = WeightSyncConfig(backend="gloo", timeout_s=5.0, dtype="float32", bucket_bytes=1 << 20)
+    cfg = WeightSyncConfig(collective="gloo", timeout_s=5.0, dtype="float32", bucket_bytes=1 << 20)
     sync = DistributedWeightSync([good.url, hung.url], cfg)
     sync.update(state, 1)  # the group is made and used once with both servers
     os.kill(hung.process.pid, signal.SIGSTOP)
@@ -134,9 +135,10 @@ def test_a_sigstopped_peer_sends_the_sync_port_down_its_failure_path(two_engines
     """The run's wiring (``rank.rollout_port`` and ``make_sync_port``): the broadcast to a hung
     peer times out (``weights.timeout_s``), the hung server is found hung (not merely "alive")
     and dropped, and the version still reaches the other server."""
+    from areal_fast.backends.registry import weight_transport
+    from areal_fast.data.tiny_models import perturbed_state_dict
     from areal_fast.launch.runtime import apply_update, make_sync_port
     from areal_fast.rollout.calls import BlockingCalls
-    from areal_fast.rollout.testing import perturbed_state_dict
     from areal_fast.weights.sync import WeightSyncConfig
 
     good, hung = two_engines
@@ -151,8 +153,9 @@ def test_a_sigstopped_peer_sends_the_sync_port_down_its_failure_path(two_engines
 
     async def run():
         async with rank.rollout_port(r, [good.url, hung.url], None) as port:
-            cfg = WeightSyncConfig(backend="gloo", timeout_s=5.0, dtype="float32", group_name="deadline_group")
-            syncer = make_sync_port(cfg, Trainer(), port, port.urls, tmp_path / "sync")
+            cfg = WeightSyncConfig(collective="gloo", timeout_s=5.0, dtype="float32", group_name="deadline_group")
+            syncer = make_sync_port(cfg, Trainer(), port, tmp_path / "sync",
+                                    transport=weight_transport("sglang", "distributed"))
             await asyncio.wait_for(syncer.sync(11), WATCHDOG_S)
             os.kill(hung.process.pid, signal.SIGSTOP)
             await asyncio.wait_for(syncer.sync(12), WATCHDOG_S)

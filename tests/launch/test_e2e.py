@@ -5,9 +5,12 @@ engine servers over HTTP, reward worker processes, the PPO actor, disk weight sy
   every step is trained once, no prompt is trained twice, the staleness bound holds, the
   servers of the killed run did not outlive it. While the first run is alive, its server refuses a
   request without the run's API key (401) and a second run on the same output directory is refused;
-- one of two inference servers is killed mid-training of a synchronous (eta = 0) run, which still
-  finishes with only fresh samples;
-- two trainer ranks (torchrun, gloo) with the default distributed weight sync finish a run.
+- two trainer ranks (torchrun, gloo) with the default distributed weight sync and the rollout client
+  in two worker processes (one per server) finish a run.
+
+(A server killed mid-run of a synchronous run, which goes on with only fresh samples: ``test_elastic_e2e``.)
+Each run starts from the session's warm start of the shrunken task (``tiny_warm_start``: built once,
+copied into the run's output directory, where the run finds it up to date).
 """
 
 from __future__ import annotations
@@ -23,26 +26,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from e2e_runs import ETA, TINY, seed_run_dir
 
-from areal_fast.checkpoint import HANG_AFTER_CHECKPOINT_ENV, checkpoint_groups
+from areal_fast.buffer import checkpoint_groups
+from areal_fast.checkpoint import HANG_AFTER_CHECKPOINT_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-from common import proc_alive, proc_children, proc_cmdline  # noqa: E402
+from bench.common import proc_alive, proc_children, proc_cmdline  # noqa: E402
 
 EXAMPLE = str(ROOT / "examples" / "tiny_reverse.yaml")
-START_TIMEOUT_S = 240  # model build + server start-up + a few steps on a busy 2-core machine
-ETA = 1
-
-TINY = [
-    "model.warm_start.steps=10", "model.warm_start.hidden_size=32", "model.warm_start.intermediate_size=64",
-    "model.warm_start.num_hidden_layers=1", "model.warm_start.num_attention_heads=2",
-    "model.warm_start.num_key_value_heads=1", "data.synthetic.max_len=6", "data.synthetic.n_train=200",
-    "data.synthetic.n_eval=8", "rollout.group_size=2", "rollout.max_new_tokens=8",
-    f"rollout.max_staleness={ETA}", "rollout.strict_staleness=true", "rollout.max_concurrent=8",
-    "train.batch_size=2", "eval.every_steps=0", "checkpoint.every_steps=1", "log.tensorboard=false",
-    "log.progress=false", "reward.workers=1",
-]
+START_TIMEOUT_S = 240  # server start-up + a few steps on a busy 2-core machine
 
 
 def _cmd(out: Path, *extra: str) -> list[str]:
@@ -74,6 +67,12 @@ def _wait_for(pred, proc: subprocess.Popen, what: str, timeout=START_TIMEOUT_S):
 
 
 @pytest.fixture
+def run_dir(tmp_path, tiny_warm_start):
+    """A run's output directory holding the session's warm start of TINY."""
+    return seed_run_dir(tiny_warm_start, tmp_path / "run")
+
+
+@pytest.fixture
 def runner():
     procs = []
 
@@ -95,8 +94,8 @@ def runner():
         p.wait()
 
 
-def test_kill_9_then_the_same_command_resumes_without_loss_or_duplicates(tmp_path, runner):
-    out = tmp_path / "run"
+def test_kill_9_then_the_same_command_resumes_without_loss_or_duplicates(run_dir, runner):
+    out = run_dir
     steps = 5
     # The first run holds still right after checkpoint 2 (a test hook), so the kill lands mid-run at
     # a point the test controls: the run can neither finish nor let retention delete step 2 first.
@@ -104,7 +103,7 @@ def test_kill_9_then_the_same_command_resumes_without_loss_or_duplicates(tmp_pat
                env={HANG_AFTER_CHECKPOINT_ENV: "2"})
     _wait_for(lambda: (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file(), p, "checkpoint 2")
     kids = proc_children(p.pid)
-    engines = [proc_cmdline(k).split() for k in kids if "areal_fast.rollout.engine" in proc_cmdline(k)]
+    engines = [proc_cmdline(k).split() for k in kids if "areal_fast.embedded" in proc_cmdline(k)]
     assert engines, "no engine server was launched"
     url = f"http://127.0.0.1:{engines[0][engines[0].index('--port') + 1]}"
     # the key travels in a private --config file, never on the (world-readable) command line
@@ -149,59 +148,25 @@ def test_kill_9_then_the_same_command_resumes_without_loss_or_duplicates(tmp_pat
     assert ev["eval_n"] == 8 and ev["eval_reward"] == pytest.approx(summary["eval"]["eval_reward"])
 
 
-def test_a_dying_inference_server_does_not_stop_the_run_in_sync_mode(tmp_path, runner):
-    """Synchronous baseline (eta = 0) with two servers and the distributed (gloo) weight sync; one
-    server is SIGKILLed after step 2: the pool fails over and the broadcast group is re-formed without
-    it (``docs/elastic.md``; the relaunched server may join before the end)."""
-    out = tmp_path / "run"
-    # A step of this tiny run takes ~50 ms: 40 steps leave ~2 s after the kill at step 2, so the
-    # death is seen mid-run (with 5 steps the run could end before the SIGKILL landed).
-    steps = 40
-    p = runner(_cmd(out, f"experiment.total_steps={steps}", "rollout.n_servers=2", "checkpoint.every_steps=0",
-                    "rollout.max_staleness=0", "weights.method=distributed"))
-    _wait_for(lambda: (out / "metrics.jsonl").is_file() and len(_train_events(out)) >= 2, p, "step 2")
-    servers = [k for k in proc_children(p.pid) if "areal_fast.rollout.engine" in proc_cmdline(k)]
-    assert len(servers) == 2
-    os.kill(servers[0], signal.SIGKILL)
-    _, err = p.communicate(timeout=START_TIMEOUT_S)
-    assert p.returncode == 0, err.decode()[-3000:]
-    events = _train_events(out)
-    assert [e["step"] for e in events] == list(range(1, steps + 1))
-    assert all(e["staleness_max"] == 0 for e in events)  # eta = 0: every sample from the current weights
-    assert "died" in (out / "logs" / "controller.log").read_text()
-
-
-def test_two_trainer_ranks_with_the_default_distributed_sync_finish(tmp_path, runner):
-    """The local launcher with train.world_size=2 (torchrun, gloo) and the example's default weight
-    sync (distributed): the run makes every step and exits 0; the API key is in the ranks'
-    environment, never on a command line."""
-    out = tmp_path / "run"
-    steps = 3
-    p = runner(_cmd(out, f"experiment.total_steps={steps}", "train.world_size=2", "checkpoint.every_steps=0",
-                    "log.plots=false"))
+def test_two_trainer_ranks_and_the_rollout_client_in_two_worker_processes_finish(run_dir, runner):
+    """The local launcher with train.world_size=2 (torchrun, gloo), the example's default weight sync
+    (distributed) and `rollout.client_processes=2`: two servers, one per rollout worker process
+    (``areal_fast.rollout.sharded``). The run makes every step and exits 0, the staleness bound holds,
+    no worker outlives the run; the API key is in the ranks' environment, never on a command line."""
+    out = run_dir
+    steps = 4
+    p = runner(_cmd(out, f"experiment.total_steps={steps}", "train.world_size=2", "rollout.n_servers=2",
+                    "rollout.client_processes=2", "checkpoint.every_steps=0", "log.plots=false"))
     cmdlines: list[str] = []
     while p.poll() is None and len(cmdlines) < 3:  # record the ranks' command lines while they run
         cmdlines = [c for c in (proc_cmdline(k) for k in proc_children(p.pid)) if "areal_fast.launch.rank" in c]
         time.sleep(0.2)
     _, err = p.communicate(timeout=START_TIMEOUT_S * 2)
     assert p.returncode == 0, err.decode()[-3000:] + (out / "logs" / "trainer.log").read_text()[-3000:]
-    assert [e["step"] for e in _train_events(out)] == list(range(1, steps + 1))
-    assert json.loads((out / "summary.json").read_text())["steps"] == steps
-    assert cmdlines and not [c for c in cmdlines if "api-key" in c or "API_KEY" in c]
-
-
-def test_a_run_with_the_rollout_client_in_two_worker_processes_finishes(tmp_path, runner):
-    """`rollout.client_processes=2` through the launcher: two servers, one per rollout worker
-    process (``areal_fast.rollout.sharded``); every step is trained, the staleness bound holds, and
-    no worker outlives the run."""
-    out = tmp_path / "run"
-    steps = 6
-    p = runner(_cmd(out, f"experiment.total_steps={steps}", "rollout.n_servers=2", "rollout.client_processes=2",
-                    "checkpoint.every_steps=0", "log.plots=false"))
-    _, err = p.communicate(timeout=START_TIMEOUT_S)
-    assert p.returncode == 0, err.decode()[-3000:]
     events = _train_events(out)
     assert [e["step"] for e in events] == list(range(1, steps + 1))
+    assert json.loads((out / "summary.json").read_text())["steps"] == steps
+    assert cmdlines and not [c for c in cmdlines if "api-key" in c or "API_KEY" in c]
     assert all(e["staleness_max"] <= ETA for e in events)  # strict mode (TINY): the bound is hard
     log = (out / "logs" / "controller.log").read_text()
     assert "rollout client in 2 worker processes" in log

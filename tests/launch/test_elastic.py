@@ -1,4 +1,4 @@
-"""Elastic servers without real servers (``launch.elastic``, ``launch.pool_watch``, ``launch.reuse``):
+"""Elastic servers without real servers (``elastic.supervisor``, ``elastic.pool_watch``, ``launch.reuse``):
 the supervisor relaunches a dead server and publishes it only once healthy, follows the target file
 (grows; shrinks by taking the server out of the members first and stopping it once rank 0's pool
 no longer lists it), gives up after repeated failed starts; rank 0 offers new members to the weight
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from areal_fast.launch import elastic, pool_watch
+from areal_fast.elastic import pool_watch, supervisor
+from areal_fast.elastic.members import Member, Target, read_members, write_members, write_pool, write_target
 from areal_fast.launch.base import LaunchedProcess
-from areal_fast.launch.members import Member, Target, read_members, write_members, write_pool, write_target
 from areal_fast.launch.reuse import judge
 from areal_fast.weights.membership import SyncMembership
 
@@ -47,14 +47,15 @@ class FakeLauncher:
 @pytest.fixture
 def ready(monkeypatch):
     healthy: set[str] = set()
-    monkeypatch.setattr(elastic, "server_ready", lambda url: url in healthy)
+    monkeypatch.setattr(supervisor, "server_ready", lambda url: url in healthy)
     return healthy
 
 
 def _supervisor(tmp_path, launcher, n=2, **cfg):
     rollout = SimpleNamespace(relaunch_servers=True, health_timeout=300.0, gpus=[], **cfg)
     servers = [launcher.proc(f"server{i}", f"http://127.0.0.1:{40000 + i}") for i in range(n)]
-    return elastic.ServerSupervisor(launcher, rollout, "/m", tmp_path, seed=0, api_key=None, servers=servers), servers
+    sup = supervisor.ServerSupervisor(launcher, rollout, "/m", tmp_path, seed=0, api_key=None, servers=servers)
+    return sup, servers
 
 
 def _member_urls(out):
@@ -110,9 +111,9 @@ def test_repeated_failed_starts_stop_the_relaunching(tmp_path, ready):
     launcher = FakeLauncher(fail=True)
     sup, servers = _supervisor(tmp_path, launcher, n=1)
     launcher.dead.add(servers[0].url)
-    for _ in range(3 * elastic.MAX_FAILED_STARTS):
+    for _ in range(3 * supervisor.MAX_FAILED_STARTS):
         sup.tick()
-    assert len(launcher.started) == elastic.MAX_FAILED_STARTS
+    assert len(launcher.started) == supervisor.MAX_FAILED_STARTS
 
 
 class Pool:
@@ -164,7 +165,7 @@ def test_a_server_dropped_as_dead_is_not_offered_again_until_a_new_process_serve
 
 
 def test_the_pool_file_follows_the_pool(tmp_path):
-    from areal_fast.launch.members import read_pool
+    from areal_fast.elastic.members import read_pool
 
     A = "http://127.0.0.1:1"
     pool = Pool([A])
@@ -198,7 +199,7 @@ def test_a_kept_server_is_reused_only_when_its_weights_can_be_trusted(answers, v
 
 
 def test_a_starting_server_is_recorded_with_its_pid_and_state_before_it_is_healthy(tmp_path, ready):
-    from areal_fast.launch.members import read_starting
+    from areal_fast.elastic.members import read_starting
 
     launcher = FakeLauncher()
     sup, servers = _supervisor(tmp_path, launcher)
@@ -220,11 +221,11 @@ def _fake_server(tmp_path):
     import subprocess
     import sys
 
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "areal_fast.rollout.engine"],
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "areal_fast.embedded"],
                             start_new_session=True)
 
 
-@pytest.mark.parametrize("marker", ["areal_fast.rollout.engine", "vllm.entrypoints.openai.api_server",
+@pytest.mark.parametrize("marker", ["areal_fast.embedded", "vllm.entrypoints.openai.api_server",
                                     "sglang.launch_server"])
 def test_every_launched_kind_of_server_is_recognised_as_a_kept_server(marker):
     """A kept vLLM server (python -m vllm.entrypoints.openai.api_server) is one too: a resume reuses
@@ -301,7 +302,7 @@ def _pool_after_members(out, urls):
     """pool.json as rank 0 writes it once it has seen the members (later than they became members)."""
     import time
 
-    from areal_fast.launch.members import POOL_FILE, servers_dir, write_json
+    from areal_fast.elastic.members import POOL_FILE, servers_dir, write_json
 
     write_json(servers_dir(out) / POOL_FILE, {"urls": urls, "joining": [], "generation": 1, "time": time.time() + 1})
 
@@ -310,8 +311,8 @@ def test_a_member_rank_0_dropped_that_does_not_answer_is_killed_and_relaunched(t
     launcher = FakeLauncher()
     sup, servers = _supervisor(tmp_path, launcher, hang_timeout=5.0)
     asked, killed = [], []
-    monkeypatch.setattr(elastic, "server_state", lambda url, t: asked.append((url, t)) or "hung")
-    monkeypatch.setattr(elastic, "kill_now", lambda p: killed.append(p.url) or launcher.dead.add(p.url))
+    monkeypatch.setattr(supervisor, "server_state", lambda url, t: asked.append((url, t)) or "hung")
+    monkeypatch.setattr(supervisor, "kill_now", lambda p: killed.append(p.url) or launcher.dead.add(p.url))
     sup.tick()
     _pool_after_members(tmp_path, [servers[1].url])  # rank 0 dropped server0 as hung; its process lives
     _tick_until(sup, lambda: launcher.started)
@@ -323,8 +324,8 @@ def test_a_slow_member_that_answers_within_hang_timeout_is_not_killed(tmp_path, 
     launcher = FakeLauncher()
     sup, servers = _supervisor(tmp_path, launcher, hang_timeout=5.0)
     asked, killed = [], []
-    monkeypatch.setattr(elastic, "server_state", lambda url, t: asked.append(url) or "alive")
-    monkeypatch.setattr(elastic, "kill_now", lambda p: killed.append(p.url))
+    monkeypatch.setattr(supervisor, "server_state", lambda url, t: asked.append(url) or "alive")
+    monkeypatch.setattr(supervisor, "kill_now", lambda p: killed.append(p.url))
     _pool_after_members(tmp_path, [servers[1].url])
     _tick_until(sup, lambda: asked and not sup._checks)
     for _ in range(5):
@@ -338,12 +339,12 @@ def test_a_slow_member_that_answers_within_hang_timeout_is_not_killed(tmp_path, 
 
 
 def test_a_member_not_yet_seen_by_rank_0_is_not_suspected(tmp_path, ready, monkeypatch):
-    from areal_fast.launch.members import POOL_FILE, servers_dir, write_json
+    from areal_fast.elastic.members import POOL_FILE, servers_dir, write_json
 
     launcher = FakeLauncher()
     sup, servers = _supervisor(tmp_path, launcher, hang_timeout=5.0)
     asked: list[str] = []
-    monkeypatch.setattr(elastic, "server_state", lambda url, t: asked.append(url) or "hung")
+    monkeypatch.setattr(supervisor, "server_state", lambda url, t: asked.append(url) or "hung")
     write_json(servers_dir(tmp_path) / POOL_FILE, {"urls": [], "joining": [], "time": 1.0})  # a previous run's
     for _ in range(5):
         sup.tick()
@@ -363,7 +364,7 @@ async def _settle(rejoin):
 
 
 def test_an_external_server_dropped_as_hung_is_offered_again_once_it_answers_with_backoff(tmp_path):
-    from areal_fast.launch.rejoin import Rejoin
+    from areal_fast.elastic.rejoin import Rejoin
 
     A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
     pool = Pool([A])  # B (rollout.servers) was dropped as hung
@@ -395,7 +396,7 @@ def test_an_external_server_dropped_as_hung_is_offered_again_once_it_answers_wit
 
 
 def test_a_rejoining_server_held_as_unresponsive_is_offered_after_the_hold(tmp_path):
-    from areal_fast.launch.rejoin import Rejoin
+    from areal_fast.elastic.rejoin import Rejoin
 
     A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
     pool = Pool([A])
@@ -423,7 +424,7 @@ def test_a_rejoining_server_held_as_unresponsive_is_offered_after_the_hold(tmp_p
 
 
 def test_a_launched_member_dropped_by_rank_0_is_offered_again_once_it_answers(tmp_path):
-    from areal_fast.launch.rejoin import Rejoin
+    from areal_fast.elastic.rejoin import Rejoin
 
     A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
     pool = Pool([A, B])
@@ -454,7 +455,7 @@ def test_kill_now_ends_a_sigstopped_server_and_its_group(tmp_path):
     proc = _fake_server(tmp_path)
     try:
         os.kill(proc.pid, signal.SIGSTOP)
-        elastic.kill_now(LaunchedProcess(name="s", log_path=Path("/dev/null"), pid=proc.pid))
+        supervisor.kill_now(LaunchedProcess(name="s", log_path=Path("/dev/null"), pid=proc.pid))
         assert proc.wait(timeout=20) == -signal.SIGKILL
     finally:
         proc.kill()
@@ -497,9 +498,9 @@ def test_a_large_target_starts_a_bounded_number_of_servers_per_tick(tmp_path, re
     write_target(tmp_path, Target(11))
     sup.tick()
     assert 0 < len(launcher.started) <= 4  # not 10 back to back
-    assert len(launcher.started) == elastic.MAX_STARTS_PER_TICK
+    assert len(launcher.started) == supervisor.MAX_STARTS_PER_TICK
     sup.tick()
-    assert len(launcher.started) == 2 * elastic.MAX_STARTS_PER_TICK
+    assert len(launcher.started) == 2 * supervisor.MAX_STARTS_PER_TICK
     for _ in range(3):
         sup.tick()
     assert len(launcher.started) == 10 and len(sup.starting) == 10  # the rest, a few at a time
@@ -509,7 +510,7 @@ def test_a_target_file_above_the_cap_is_refused_and_the_target_kept(tmp_path, re
     import json
     import logging
 
-    from areal_fast.launch.members import TARGET_FILE, servers_dir
+    from areal_fast.elastic.members import TARGET_FILE, servers_dir
 
     launcher = FakeLauncher()
     start = launcher.start_server
@@ -523,7 +524,7 @@ def test_a_target_file_above_the_cap_is_refused_and_the_target_kept(tmp_path, re
     sup, _ = _supervisor(tmp_path, launcher, n=2)
     servers_dir(tmp_path).mkdir(parents=True, exist_ok=True)
     (servers_dir(tmp_path) / TARGET_FILE).write_text(json.dumps({"n_servers": 100000}))  # by hand
-    with caplog.at_level(logging.ERROR, logger="areal_fast.launch.elastic"):
+    with caplog.at_level(logging.ERROR, logger="areal_fast.elastic.supervisor"):
         sup.tick()
         sup.tick()
     assert launcher.started == [] and sup.target == 2

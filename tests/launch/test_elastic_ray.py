@@ -14,8 +14,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from areal_fast.config import RayConfig, RolloutConfig  # noqa: E402
-from areal_fast.launch.elastic import ServerSupervisor  # noqa: E402
-from areal_fast.launch.members import read_members  # noqa: E402
+from areal_fast.elastic.members import read_members  # noqa: E402
+from areal_fast.elastic.supervisor import ServerSupervisor  # noqa: E402
 from areal_fast.launch.ray_launcher import RayLauncher  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def _generates(url: str) -> bool:
 
 
 def test_a_killed_server_actor_is_relaunched_in_its_bundle(tmp_path):
-    from areal_fast.rollout.testing import build_tiny_qwen2
+    from areal_fast.data.tiny_models import build_tiny_qwen2
 
     model = build_tiny_qwen2(str(tmp_path / "model"), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64)

@@ -1,4 +1,4 @@
-"""Rank 0 with an empty pool (``launch.empty_pool``, ``docs/elastic.md``), with fakes: the watchdog
+"""Rank 0 with an empty pool (``elastic.empty_pool``, ``docs/elastic.md``), with fakes: the watchdog
 drops the last server when one can come back and waits, fails past ``rollout.empty_pool_timeout``
 (naming it) or at once when nothing can come back; a server that joins the empty pool gets the
 current version at once, never inside a step's train and sync; an update with no server sends
@@ -15,9 +15,9 @@ from fakes import ServerListPool as Pool
 from fakes import UpdateRecordingTrainer, make_controller
 
 from areal_fast.config import load_config
+from areal_fast.elastic.empty_pool import EmptyPool, refill_empty_pool
+from areal_fast.elastic.members import Member, write_members
 from areal_fast.launch import rank
-from areal_fast.launch.empty_pool import EmptyPool, refill_empty_pool
-from areal_fast.launch.members import Member, write_members
 from areal_fast.netutil import find_free_port
 from areal_fast.weights import port
 from areal_fast.weights.config import WeightSyncConfig
@@ -88,7 +88,7 @@ def test_nothing_can_come_back_fails_at_once_as_before():
 
 @pytest.mark.parametrize("relaunch, launched, sharded, waits", [
     (True, True, False, True),     # relaunched in its slot
-    (False, False, False, True),   # rollout.servers: offered back once it answers (launch.rejoin)
+    (False, False, False, True),   # rollout.servers: offered back once it answers (elastic.rejoin)
     (False, True, False, False),   # nothing comes back: fail at once
     (True, True, True, False),     # the sharded client cannot wait for a server
 ])
@@ -159,7 +159,7 @@ def test_a_refill_that_the_step_made_unneeded_sends_nothing(tmp_path):
 
 
 def test_the_last_server_that_left_the_members_leaves_a_pool_that_may_be_empty(tmp_path):
-    from areal_fast.launch.pool_watch import follow_members
+    from areal_fast.elastic.pool_watch import follow_members
 
     write_members(tmp_path, [])  # the launcher saw it die: out of the members
     for allow_empty in (False, True):

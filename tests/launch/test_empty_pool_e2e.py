@@ -14,15 +14,15 @@ import signal
 import time
 
 import pytest
-from test_e2e import _cmd, _train_events, _wait_for, runner  # noqa: F401
+from test_e2e import _cmd, _train_events, _wait_for, run_dir, runner  # noqa: F401
 from test_elastic_e2e import _servers, stop_and_check_each_group_trained_once
 
 pytestmark = pytest.mark.slow
 REFILL_DEADLINE_S = 60.0  # a relaunched embedded engine starts in ~35 s on a busy 2-core machine
 
 
-def test_the_only_server_killed_the_run_waits_for_its_replacement(tmp_path, runner):  # noqa: F811
-    out = tmp_path / "run"
+def test_the_only_server_killed_the_run_waits_for_its_replacement(run_dir, runner):  # noqa: F811
+    out = run_dir
     p = runner(_cmd(out, "experiment.total_steps=100000", "rollout.n_servers=1", "checkpoint.every_steps=0",
                     "rollout.max_staleness=0", "weights.method=distributed", "log.samples=true", "log.plots=false",
                     "rollout.empty_pool_timeout=120"))

@@ -26,7 +26,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from areal_fast.config import RayConfig, RolloutConfig, load_config  # noqa: E402
-from areal_fast.launch.base import PYTHON, ProcessDied, server_command, server_ready, tp_size  # noqa: E402
+from areal_fast.elastic.liveness import server_ready  # noqa: E402
+from areal_fast.launch.base import PYTHON, ProcessDied, server_command, tp_size  # noqa: E402
 from areal_fast.launch.ray_launcher import RayLauncher  # noqa: E402
 from areal_fast.launch.train import run_train  # noqa: E402
 
@@ -155,7 +156,7 @@ def test_a_failing_rank_fails_fast_with_its_log(ray_cluster, tmp_path):
 
 
 def test_server_health_generate_and_killed_actor(ray_cluster, tmp_path):
-    from areal_fast.rollout.testing import build_tiny_qwen2
+    from areal_fast.data.tiny_models import build_tiny_qwen2
 
     model = build_tiny_qwen2(str(tmp_path / "model"), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64)
@@ -178,7 +179,7 @@ def test_server_health_generate_and_killed_actor(ray_cluster, tmp_path):
                 time.sleep(0.2)
         assert not _wait_gone([server.pid]), "the engine outlived its killed actor"
         assert not server_ready(server.url)
-        assert "areal_fast.rollout.engine" in server.log_path.read_text()  # its log was collected
+        assert "areal_fast.embedded" in server.log_path.read_text()  # its log was collected
     _assert_torn_down(launcher)
 
 
@@ -222,5 +223,5 @@ def test_tiny_e2e_run_survives_a_killed_server_actor(ray_cluster, tmp_path):
     assert (out / "final" / "config.json").is_file()
     left = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("areal-")]
     assert not left, f"actors left behind: {left}"
-    engines = [pid for pid, c in _proc_cmdlines().items() if "areal_fast.rollout.engine" in c and str(out) in c]
+    engines = [pid for pid, c in _proc_cmdlines().items() if "areal_fast.embedded" in c and str(out) in c]
     assert not _wait_gone(engines), "engine processes outlived the run"

@@ -10,11 +10,11 @@ import types
 
 import pytest
 
+from areal_fast.backends.server_command import ServerKind, server_kind
 from areal_fast.config import load_config
 from areal_fast.launch import train
 from areal_fast.launch.base import API_KEY_ENV, LaunchedProcess, gpus_per_server, server_command
 from areal_fast.launch.rank import RecordFilter
-from areal_fast.rollout.server_command import ServerKind, server_kind
 
 SECRET = "0123456789abcdef-configured-key"
 EXTERNAL = "rollout.servers=[http://127.0.0.1:1]"
@@ -22,9 +22,9 @@ EXTERNAL = "rollout.servers=[http://127.0.0.1:1]"
 
 def test_server_kind_is_decided_by_servers_then_engine():
     assert server_kind(load_config(None, [EXTERNAL]).rollout) is ServerKind.EXTERNAL
-    assert server_kind(load_config(None, [EXTERNAL, "rollout.engine=sglang"]).rollout) is ServerKind.EXTERNAL
+    assert server_kind(load_config(None, [EXTERNAL, "rollout.server=sglang"]).rollout) is ServerKind.EXTERNAL
     assert server_kind(load_config(None, []).rollout) is ServerKind.EMBEDDED
-    assert server_kind(load_config(None, ["rollout.engine=sglang"]).rollout) is ServerKind.SGLANG
+    assert server_kind(load_config(None, ["rollout.server=sglang"]).rollout) is ServerKind.SGLANG
     assert not ServerKind.EXTERNAL.launched and ServerKind.EMBEDDED.launched and ServerKind.SGLANG.launched
     with pytest.raises(ValueError, match="'tgi'"):
         server_kind(types.SimpleNamespace(servers=[], engine="tgi"))
@@ -32,9 +32,9 @@ def test_server_kind_is_decided_by_servers_then_engine():
 
 def test_the_launchers_build_the_command_and_count_gpus_of_the_launched_kind():
     embedded = load_config(None, ["rollout.device=cuda:0"]).rollout
-    sglang = load_config(None, ["rollout.engine=sglang", "rollout.server_args=[--tp-size,2]"]).rollout
+    sglang = load_config(None, ["rollout.server=sglang", "rollout.server_args=[--tp-size,2]"]).rollout
     cmd = server_command(embedded, "/m", "127.0.0.1", 30001, seed=0, api_key_file=None)
-    assert cmd[1:3] == ["-m", "areal_fast.rollout.engine"] and "--device" in cmd
+    assert cmd[1:3] == ["-m", "areal_fast.embedded"] and "--device" in cmd
     cmd = server_command(sglang, "/m", "127.0.0.1", 30001, seed=0, api_key_file=None)
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and cmd[cmd.index("--tp-size") + 1] == "2"
     assert gpus_per_server(embedded) == 1 and gpus_per_server(sglang) == 2

@@ -1,4 +1,4 @@
-"""``rollout.engine: vllm``: a run launches real vLLM servers (the launchers' one ``server_command`` and
+"""``rollout.server: vllm``: a run launches real vLLM servers (the launchers' one ``server_command`` and
 ``server_env``, ``launch/base.py``): vLLM's own command (``backends/vllm/server_command.py``) with the
 run's model, tensor-parallel size and key file, the dev-mode environment, and every flag one that
 vLLM's own argument parser defines (read from the wheel, as the contract tests do). Nothing runs."""
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from areal_fast.backends.server_command import ServerKind, server_kind
 from areal_fast.config import ConfigError, load_config
 from areal_fast.launch.base import gpus_per_server, server_command, server_env, server_key_file
-from areal_fast.rollout.server_command import ServerKind, server_kind
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VLLM = ["rollout.backend=vllm", "rollout.engine=vllm", "rollout.server_args=[--tensor-parallel-size,2]"]
+VLLM = ["rollout.api=vllm", "rollout.server=vllm", "rollout.server_args=[--tensor-parallel-size,2]"]
 KEY = "k-0123456789abcdef"
 
 
@@ -49,8 +49,8 @@ def test_every_release_a_run_accepts_gets_the_transfer_engine(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["rollout.engine=vllm"], "backend 'vllm'"),  # vLLM servers speak vLLM's API
-    (["rollout.backend=vllm", "rollout.engine=sglang"], "engine 'vllm'"),
+    (["rollout.server=vllm"], "backend 'vllm'"),  # vLLM servers speak vLLM's API
+    (["rollout.api=vllm", "rollout.server=sglang"], "engine 'vllm'"),
 ])
 def test_engine_and_backend_must_agree(overrides, needle):
     with pytest.raises(ConfigError, match=needle):

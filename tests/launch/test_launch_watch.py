@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from areal_fast.elastic.liveness import server_alive, server_ready
 from areal_fast.launch import rank
-from areal_fast.launch.base import server_alive, server_ready
 from areal_fast.netutil import find_free_port
 
 

@@ -1,4 +1,4 @@
-"""W&B and MLflow beside metrics.jsonl and TensorBoard (``areal_fast.launch.metric_sinks``), with the
+"""W&B and MLflow beside metrics.jsonl and TensorBoard (``areal_fast.metrics.services``), with the
 real packages in their local modes (W&B offline, MLflow on a sqlite store in the run directory), no
 network. What is read back is read with each tool's own reader where it has one: TensorBoard's event
 accumulator, ``MlflowClient.get_metric_history``; W&B 0.31 ships no Python reader of its offline
@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 
 import pytest
+from tolerances import FP32_FEW_ROUNDINGS_RTOL
 
 from areal_fast.config import ConfigError, load_config
 
@@ -93,7 +94,7 @@ def tensorboard_values(out: Path) -> dict[str, dict[int, float]]:
 
 
 def jsonl_values(out: Path) -> dict[str, dict[int, float]]:
-    from areal_fast.launch.metrics import read_jsonl, scalars
+    from areal_fast.metrics.sinks import read_jsonl, scalars
 
     seen: dict[str, dict[int, float]] = {}
     for rec in read_jsonl(out / "metrics.jsonl"):
@@ -107,7 +108,7 @@ def assert_same(a: dict, b: dict, what: str) -> None:
     for k in a:
         assert sorted(a[k]) == sorted(b[k]), f"{what}: {k} has steps {sorted(a[k])} vs {sorted(b[k])}"
         for s in a[k]:
-            assert a[k][s] == pytest.approx(b[k][s], rel=1e-6), f"{what}: {k} at step {s}"
+            assert a[k][s] == pytest.approx(b[k][s], rel=FP32_FEW_ROUNDINGS_RTOL), f"{what}: {k} at step {s}"
 
 
 def skip_without_services() -> None:
@@ -150,7 +151,7 @@ def _train(step: int, base: float) -> dict:
 
 
 def _feed(cfg, start_step: int, records: list[dict]) -> dict:
-    from areal_fast.launch.metric_sinks import open_sinks
+    from areal_fast.metrics.services import open_sinks
 
     closers, where = [], {}
     sinks = open_sinks(cfg, start_step, False, closers, where)

@@ -3,7 +3,7 @@
 The launcher names the port on the server's command line (readable in /proc) before the server
 binds it. A neighbour that binds it first and answers ``/health`` must be found out before any
 request with ``Authorization: Bearer <key>`` goes there: the listening socket must be the server's
-own (``launch.port_owner``).
+own (``elastic.port_owner``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import threading
 
 import pytest
 
+from areal_fast.elastic.port_owner import PortTaken, listener_owner, process_tree
 from areal_fast.launch.local import LocalLauncher
-from areal_fast.launch.port_owner import PortTaken, listener_owner, process_tree
 
 _LISTENER = ("import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
              "print(s.getsockname()[1], flush=True); time.sleep(60)")

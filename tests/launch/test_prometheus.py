@@ -1,4 +1,4 @@
-"""The Prometheus endpoint on the controller's process (``areal_fast.launch.prometheus``): scraped over
+"""The Prometheus endpoint on the controller's process (``areal_fast.metrics.prometheus``): scraped over
 HTTP and parsed with prometheus_client's own parser; key-free on loopback, the key required when
 exposed; and scraped during a real run of the tiny recipe, which also feeds W&B (offline) and MLflow
 (its default sqlite store in the run directory) the names and values TensorBoard gets.
@@ -77,7 +77,7 @@ class _Port:
 
 
 def test_the_endpoint_serves_what_an_operator_alerts_on_and_follows_the_pool():
-    from areal_fast.launch.prometheus import ControllerExporter
+    from areal_fast.metrics.prometheus import ControllerExporter
 
     ex = ControllerExporter("127.0.0.1", 0, total_steps=10, max_staleness=2)
     try:
@@ -109,7 +109,7 @@ def test_the_endpoint_serves_what_an_operator_alerts_on_and_follows_the_pool():
 
 
 def test_requests_in_flight_and_generated_tokens_are_counted_at_the_port():
-    from areal_fast.launch.prometheus import ControllerExporter
+    from areal_fast.metrics.prometheus import ControllerExporter
 
     async def run(ex):
         port = _Port()
@@ -134,7 +134,7 @@ def test_requests_in_flight_and_generated_tokens_are_counted_at_the_port():
 
 
 def test_an_exposed_endpoint_answers_only_the_runs_key():
-    from areal_fast.launch.prometheus import ControllerExporter
+    from areal_fast.metrics.prometheus import ControllerExporter
 
     with pytest.raises(ValueError, match="not a loopback address"):
         ControllerExporter("0.0.0.0", 0, key=None)
@@ -155,8 +155,79 @@ def test_an_exposed_endpoint_answers_only_the_runs_key():
         ex.close()
 
 
+def test_an_idle_connection_without_a_request_head_is_closed():
+    """The endpoint is on the listeners' one stack (``http.conn_guard``): a connection that sends no
+    request head, one whose head stops, and one whose head drips a line at a time (each line well
+    within any per-read timeout) are closed after the head timeout; the endpoint still serves."""
+    from _shared import CLOSE_WITHIN_S, closed_by_server, connect, request
+
+    from areal_fast.http.conn_guard import ConnLimits
+    from areal_fast.metrics.prometheus import ControllerExporter
+
+    ex = ControllerExporter("127.0.0.1", 0, conn_limits=ConnLimits(head_timeout_s=0.5, keepalive_s=120))
+    url = f"http://127.0.0.1:{ex.port}"
+    idle, partial = connect(url), connect(url)
+    partial.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
+    try:
+        for s in (idle, partial):
+            assert closed_by_server(s, CLOSE_WITHIN_S), "a connection without a request head outlived the timeout"
+        with connect(url) as drip:
+            drip.sendall(b"GET /metrics HTTP/1.1\r\n")
+            deadline, closed = time.monotonic() + CLOSE_WITHIN_S, False
+            while not closed and time.monotonic() < deadline:
+                try:
+                    drip.sendall(b"X-Drip: 1\r\n")
+                except OSError:
+                    closed = True
+                closed = closed or closed_by_server(drip, 0.1)
+            assert closed, "a head that never ends, sent a line at a time, outlived the head timeout"
+        with connect(url) as s:
+            assert request(s, "/metrics") == 200
+    finally:
+        idle.close()
+        partial.close()
+        ex.close()
+
+
+def test_connections_without_the_key_are_capped_and_a_keyed_scrape_is_served():
+    """Over the cap the oldest connections that have not proved the key are closed; a scrape with
+    the key is served at the cap, and its connection is never closed for it. ``/metrics`` proves the
+    key here (it is what the key guards): a scrape refused its key stays counted."""
+    from _shared import CLOSE_WITHIN_S, closed_by_server, connect, request
+
+    from areal_fast.http.conn_guard import ConnLimits
+    from areal_fast.metrics.prometheus import ControllerExporter
+
+    cap = 4
+    ex = ControllerExporter("0.0.0.0", 0, key="s3cret", conn_limits=ConnLimits(
+        head_timeout_s=120, keepalive_s=120, max_unauthenticated=cap))
+    url = f"http://127.0.0.1:{ex.port}"
+    kept = connect(url)
+    idle: list = []
+    try:
+        assert request(kept, "/metrics", "s3cret") == 200
+        idle = [connect(url) for _ in range(cap + 3)]
+        for s in idle[:3]:
+            assert closed_by_server(s, CLOSE_WITHIN_S), "more connections without the key than the cap were kept"
+        for s in idle[3:]:
+            assert not closed_by_server(s, 0.2), "a connection within the cap was closed"
+        refused = connect(url)
+        idle.append(refused)
+        assert request(refused, "/metrics", "wrong") == 401
+        with connect(url) as fresh:  # at the cap: a scrape with the key is served
+            assert request(fresh, "/metrics", "s3cret") == 200
+        idle.extend(connect(url) for _ in range(cap))
+        assert closed_by_server(refused, CLOSE_WITHIN_S), "a scrape refused its key escaped the cap"
+        assert request(kept, "/metrics", "s3cret") == 200  # a connection that proved the key stays
+    finally:
+        kept.close()
+        for s in idle:
+            s.close()
+        ex.close()
+
+
 def test_a_taken_port_is_refused_naming_the_setting():
-    from areal_fast.launch.prometheus import ControllerExporter
+    from areal_fast.metrics.prometheus import ControllerExporter
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -176,7 +247,7 @@ def test_an_exposed_endpoint_without_a_key_is_refused_at_config_load(monkeypatch
 
 
 def test_the_grafana_dashboard_plots_only_names_the_endpoint_serves():
-    from areal_fast.launch.prometheus import COUNTERS, GAUGES, PREFIX
+    from areal_fast.metrics.prometheus import COUNTERS, GAUGES, PREFIX
 
     served = {PREFIX + n for n in GAUGES} | {PREFIX + n + "_total" for n in COUNTERS}
     dash = json.loads((ROOT / "docs" / "grafana_dashboard.json").read_text())

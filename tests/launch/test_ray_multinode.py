@@ -29,7 +29,7 @@ TINY = [  # the shrunken tiny task of tests/launch/test_launch_ray.py, with the 
     "data.synthetic.n_eval=8", "rollout.group_size=2", "rollout.max_new_tokens=8", "rollout.max_staleness=1",
     "rollout.max_concurrent=8", "train.batch_size=2", "eval.every_steps=0", "checkpoint.every_steps=0",
     "log.tensorboard=false", "log.progress=false", "log.plots=false", "reward.workers=1",
-    "weights.method=distributed", "weights.backend=gloo", "checkpoint.save_hf=false",
+    "weights.method=distributed", "weights.collective=gloo", "checkpoint.save_hf=false",
 ]
 
 

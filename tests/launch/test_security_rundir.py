@@ -1,4 +1,4 @@
-"""Hostile or damaged files in a run's output directory (issue 32, M4-M7, L9-L11): an edited or
+"""Hostile or damaged files in a run's output directory: an edited or
 truncated checkpoint is moved aside and the previous one used; no readable checkpoint is an
 error, never a silent restart at step 0; planted symlinks are not followed; a directory that is
 not ours, or not a run, is refused; the API key never reaches a file; the trainer's own process
@@ -15,7 +15,7 @@ from fakes import GroupListTrainer, make_controller
 
 from areal_fast.checkpoint import CorruptCheckpoint, latest_checkpoint, list_checkpoints
 
-# ----------------------------------------------------------------------------- checkpoints (M4, L11)
+# ----------------------------------------------------------------------------- checkpoints
 
 
 def _run_with_checkpoints(tmp_path, steps=4):
@@ -42,7 +42,7 @@ EDITS = {
     "buffer file elsewhere": lambda st: st["buffer_file"].update(name="../../etc/passwd"),
     "elapsed not a number": lambda st: st.update(elapsed="NaN"),
     "timers a list": lambda st: st.update(timers=[1]),
-    # L11: consistency with the trainer state and with what the position accounts for
+    # consistency with the trainer state and with what the position accounts for
     "version ahead of the trainer": lambda st: st.update(version=st["version"] + 1),
     "position behind the trained groups": lambda st: st.update(position=1),
 }
@@ -118,7 +118,7 @@ def test_no_readable_checkpoint_is_an_error_not_a_silent_restart_at_step_zero(tm
     assert latest_checkpoint(tmp_path / "checkpoints") is None
 
 
-# ----------------------------------------------------------------------------- the output directory (M5, L9)
+# ----------------------------------------------------------------------------- the output directory
 
 import os  # noqa: E402
 import stat  # noqa: E402
@@ -281,7 +281,7 @@ def test_a_symlink_inside_the_checkpoints_is_refused_at_start(tmp_path):
 
 @pytest.mark.parametrize("name", ["metrics.jsonl", "samples.jsonl", "metrics.jsonl.tmp", "summary.json"])
 def test_a_symlink_planted_as_a_metrics_summary_or_temporary_file_is_not_followed(tmp_path, name):
-    from areal_fast.launch.metrics import JsonlSink, truncate_jsonl
+    from areal_fast.metrics.sinks import JsonlSink, truncate_jsonl
 
     out = tmp_path / "run"
     out.mkdir()
@@ -304,8 +304,8 @@ def test_a_symlink_planted_as_a_metrics_summary_or_temporary_file_is_not_followe
 
 
 def test_metrics_summary_and_their_rewrite_are_written_private(tmp_path):
-    from areal_fast.launch.metrics import JsonlSink, read_jsonl, truncate_jsonl
     from areal_fast.launch.rank import write_summary
+    from areal_fast.metrics.sinks import JsonlSink, read_jsonl, truncate_jsonl
 
     out = tmp_path / "run"
     out.mkdir()
@@ -349,7 +349,7 @@ def test_a_fresh_start_still_moves_a_run_and_a_run_that_died_early(tmp_path):
     assert move_previous_run_aside(early, print) is not None
 
 
-# ----------------------------------------------------------------------------- the API key (M6)
+# ----------------------------------------------------------------------------- the API key
 
 SECRET = "0123456789abcdef-very-secret-key"
 
@@ -379,10 +379,10 @@ def test_client_and_weight_sync_use_one_key(tmp_path, monkeypatch):
     """Launched servers get a fresh key; the ranks read it from their environment for both the
     client and the weight sync, even when the config names another key. External servers: the
     configured key is the run's key (the client used to send none)."""
+    from areal_fast.backends.server_command import server_kind
     from areal_fast.config import load_config
     from areal_fast.launch.base import API_KEY_ENV
     from areal_fast.launch.train import run_api_key, trainer_run_config
-    from areal_fast.rollout.server_command import server_kind
 
     cfg = load_config(None, [f"weights.api_key={SECRET}"])
     fresh = run_api_key(cfg, server_kind(cfg.rollout))
@@ -395,7 +395,7 @@ def test_client_and_weight_sync_use_one_key(tmp_path, monkeypatch):
     assert run_api_key(external, server_kind(external.rollout)) == SECRET
 
 
-# ----------------------------------------------------------------------------- the trainer's process group (M7)
+# ----------------------------------------------------------------------------- the trainer's process group
 
 LISTENERS = r"""
 import os, torch, torch.distributed as dist
@@ -438,7 +438,7 @@ def test_a_world_of_one_trainer_group_hosts_no_tcp_store_and_listens_on_loopback
     assert all(a in loopback for a in listening), f"listening beyond loopback: {listening}"
 
 
-# ----------------------------------------------------------------------------- IPv6 (L7)
+# ----------------------------------------------------------------------------- IPv6
 
 
 def test_find_free_port_takes_an_ipv6_host():
@@ -462,7 +462,7 @@ def test_the_weight_group_rendezvous_works_over_ipv6(addr):
     from fakes import FakeServer
     from test_weights_session import _assert_received, _cfg, _state
 
-    from areal_fast.weights.sync import DistributedWeightSync
+    from areal_fast.backends.sglang.weight_sync import DistributedWeightSync
 
     s = FakeServer()
     ws = DistributedWeightSync([s.url], _cfg(master_addr=addr))

@@ -98,7 +98,7 @@ def test_rank_rendezvous_through_the_run_directory(tmp_path, monkeypatch):
 
 
 def test_a_hung_server_step_is_killed_with_scancel(monkeypatch):
-    from areal_fast.launch.elastic import kill_now
+    from areal_fast.elastic.supervisor import kill_now
 
     calls = []
     monkeypatch.setattr(slurm.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or

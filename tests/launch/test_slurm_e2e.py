@@ -27,8 +27,7 @@ from areal_fast.checkpoint import HANG_AFTER_CHECKPOINT_ENV
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 240  # imports of three interpreters, the warm start and a few steps on a busy 2-core machine
-sys.path.insert(0, str(ROOT / "bench"))
-from common import proc_alive  # noqa: E402
+from bench.common import proc_alive  # noqa: E402
 
 
 def _script(tmp_path: Path, out: Path, *extra: str) -> Path:

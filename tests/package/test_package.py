@@ -10,9 +10,10 @@ import sys
 
 import pytest
 import torch
+from tolerances import FP32_TINY_OP_TOL
 
 import areal_fast
-from areal_fast import backend
+from areal_fast import dispatch
 
 
 def test_import_has_no_gpu_requirement():
@@ -32,7 +33,7 @@ def test_kernels_are_a_subpackage_not_top_level():
 
 
 def test_native_core_reports_its_build():
-    C = backend.native()
+    C = dispatch.native()
     assert isinstance(C.has_cuda(), bool)
     if shutil.which("nvcc") and os.environ.get("AREAL_FAST_CUDA", "AUTO") != "OFF":
         # This machine has nvcc, so the build must have compiled the CUDA sources.
@@ -40,42 +41,42 @@ def test_native_core_reports_its_build():
 
 
 def test_native_core_counts_the_devices_torch_sees():
-    C = backend.native()
+    C = dispatch.native()
     if not C.has_cuda():
         assert C.cuda_device_count() == 0, "a build without CUDA sources must report no devices"
     elif torch.version.cuda is not None:
         assert C.cuda_device_count() == torch.cuda.device_count()
     # With every device hidden, the CUDA runtime (and so the core) must see none.
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    code = "from areal_fast.backend import native; print(native().cuda_device_count())"
+    code = "from areal_fast.dispatch import native; print(native().cuda_device_count())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0"
 
 
 def test_reference_is_always_available():
-    assert backend.select("demo", "cpu", available=("triton", "reference")) == "reference"
-    assert backend.why_unavailable("reference", "cpu") is None
+    assert dispatch.select("demo", "cpu", available=("triton", "reference")) == "reference"
+    assert dispatch.why_unavailable("reference", "cpu") is None
 
 
 def test_env_override(monkeypatch):
-    monkeypatch.setenv(backend.ENV_VAR, "reference")
-    assert backend.select("demo", "cpu", available=backend.BACKENDS) == "reference"
-    monkeypatch.setenv(backend.ENV_VAR, "warp")
-    with pytest.raises(backend.BackendUnavailable, match="AREAL_FAST_BACKEND='warp': 'warp' is not a backend"):
-        backend.select("demo", "cpu", available=backend.BACKENDS)
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    assert dispatch.select("demo", "cpu", available=dispatch.BACKENDS) == "reference"
+    monkeypatch.setenv(dispatch.ENV_VAR, "warp")
+    with pytest.raises(dispatch.BackendUnavailable, match="AREAL_FAST_BACKEND='warp': 'warp' is not a backend"):
+        dispatch.select("demo", "cpu", available=dispatch.BACKENDS)
 
 
 def test_explicit_backend_that_cannot_run_raises(monkeypatch):
-    monkeypatch.delenv(backend.ENV_VAR, raising=False)
-    with pytest.raises(backend.BackendUnavailable, match="backend 'triton' was requested .* but cannot run"):
-        backend.select("demo", "cpu", available=backend.BACKENDS, backend="triton")
-    with pytest.raises(backend.BackendUnavailable, match="has only reference"):
-        backend.select("demo", "cpu", available=("reference",), backend="cuda")
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    with pytest.raises(dispatch.BackendUnavailable, match="backend 'triton' was requested .* but cannot run"):
+        dispatch.select("demo", "cpu", available=dispatch.BACKENDS, backend="triton")
+    with pytest.raises(dispatch.BackendUnavailable, match="has only reference"):
+        dispatch.select("demo", "cpu", available=("reference",), backend="cuda")
 
 
 def test_cuda_backend_needs_cuda_tensors():
-    reason = backend.why_unavailable("cuda", "cpu")
+    reason = dispatch.why_unavailable("cuda", "cpu")
     assert reason is not None and ("CUDA" in reason or "cuda" in reason)
 
 
@@ -136,7 +137,7 @@ def _tiny_case(op: str, device: str):
 
 def _same(got, want) -> bool:
     if isinstance(want, torch.Tensor):
-        return torch.allclose(got.cpu().float(), want.cpu().float(), rtol=1e-5, atol=1e-6)
+        return torch.allclose(got.cpu().float(), want.cpu().float(), **FP32_TINY_OP_TOL)
     if isinstance(want, (tuple, list)) and any(isinstance(w, (tuple, list)) or hasattr(w, "shape") for w in want):
         return len(got) == len(want) and all(_same(a, b) for a, b in zip(got, want))
     if hasattr(want, "shape"):  # numpy arrays
@@ -146,30 +147,30 @@ def _same(got, want) -> bool:
     return got == want
 
 
-@pytest.mark.parametrize("op", sorted(backend.OPS))
+@pytest.mark.parametrize("op", sorted(dispatch.OPS))
 def test_what_describe_reports_is_what_runs(op, monkeypatch):
     """describe() is what `areal-fast info` shows: every backend of ``op`` it reports available runs
     the op and equals the reference; every one it reports unavailable, forced, raises
     BackendUnavailable naming the op and the reason describe gave; the op's automatic choice is
     the backend describe names, and runs."""
-    monkeypatch.delenv(backend.ENV_VAR, raising=False)
-    d = backend.describe()
-    assert set(backend.BACKENDS) <= set(d) and d["reference"] == "available"
-    host_only = set(backend.OPS[op]) <= {"native", "reference"}
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    d = dispatch.describe()
+    assert set(dispatch.BACKENDS) <= set(d) and d["reference"] == "available"
+    host_only = set(dispatch.OPS[op]) <= {"native", "reference"}
     device = "cpu" if host_only else d["device"]
     run = _tiny_case(op, device)
     want = run("reference")
-    for b in backend.OPS[op]:
+    for b in dispatch.OPS[op]:
         status = d["native"] if b == "native" else d[b]
         if b == "native" or host_only or device == d["device"]:
             if status == "available":
                 assert _same(run(b), want), f"{op}: backend {b!r} is reported available but differs from the reference"
             else:
-                with pytest.raises(backend.BackendUnavailable, match=re.escape(op)) as e:
+                with pytest.raises(dispatch.BackendUnavailable, match=re.escape(op)) as e:
                     run(b)
                 assert status in str(e.value), f"{op}: forcing {b!r} says {e.value}, describe says {status!r}"
     chosen = d[f"op:{op}"]
-    assert chosen in backend.OPS[op] and d["native" if chosen == "native" else chosen] == "available"
+    assert chosen in dispatch.OPS[op] and d["native" if chosen == "native" else chosen] == "available"
     assert _same(run(None), want)
 
 

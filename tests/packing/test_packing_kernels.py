@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from areal_fast.backend import BackendUnavailable
+from areal_fast.dispatch import BackendUnavailable
 from areal_fast.packing import (
     gather_segments,
     gather_segments_ref,

@@ -3,7 +3,7 @@
 * memory: a run's processes together stay within the run's cap (a cgroup, or the RLIMIT fallback);
 * the host: no host /proc (other processes' command lines), no /work, no repository, no /etc,
   no setuid escalation (every mount nosuid, no_new_privs set);
-* the kernel (issue 32 H3, M3), in every mode this machine can run: the launcher's keyrings are out
+* the kernel (keyrings, user namespaces), in every mode this machine can run: the launcher's keyrings are out
   of reach (a fresh session keyring, keyctl denied), no user namespace, no mount, each call of the
   seccomp deny list fails with EPERM, no socket but AF_UNIX/AF_INET/AF_INET6 (AF_VSOCK reaches
   the hypervisor whatever the network namespace), and ordinary programs (threads, fork, exec) still work.
@@ -451,7 +451,7 @@ def run_keyring_attack(mode: str, seccomp_on: bool) -> dict:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_the_launchers_keyrings_are_out_of_reach(mode):
-    """H3: the program could read and revoke the launcher's key and plant one in root's user keyring."""
+    """Once the program could read and revoke the launcher's key and plant one in root's user keyring."""
     got = run_keyring_attack(mode, seccomp_on=True)
     prog = got["program"]
     assert prog["read"] == EPERM, got  # not the payload
@@ -488,7 +488,7 @@ print("mounted" if r == 0 else "mount", ctypes.get_errno(), caps)
 
 @pytest.mark.parametrize("mode", MODES)
 def test_no_user_namespace_and_no_mount(mode):
-    """M3: a new user namespace gave the program every capability in it, and a tmpfs mount."""
+    """Once a new user namespace gave the program every capability in it, and a tmpfs mount."""
     iso = isolation_for(mode)
     r = sandbox._run(iso, [iso.python, "-I", "-c", USERNS_AND_MOUNT], b"", {}, FINISH)
     assert r.ok and r.stdout.split() == [b"unshare", str(EPERM).encode()], r

@@ -1,4 +1,4 @@
-"""Idle connections on our listeners (``areal_fast.rollout.conn_guard``), shown on the embedded engine
+"""Idle connections on our listeners (``areal_fast.http.conn_guard``), shown on the embedded engine
 (the agent endpoint shares the guard: ``tests/agent/test_agent_session.py``), and the raised limit on
 open descriptors (``areal_fast.procutil.raise_nofile_limit``).
 
@@ -14,14 +14,14 @@ import sys
 import textwrap
 
 import pytest
-from _shared import tiny_model
+from _shared import CLOSE_WITHIN_S, closed_by_server, connect, request_answer, tiny_model
+from _shared import request as shared_request
 
-from areal_fast.rollout.conn_guard import ConnLimits
-from areal_fast.rollout.engine import start_engine_in_thread
+from areal_fast.embedded import start_engine_in_thread
+from areal_fast.http.conn_guard import ConnLimits
 
 KEY = "guard-key"
 CAP = 8  # unauthenticated connections kept by the capped engine
-CLOSE_WITHIN_S = 15.0  # a connection the server must close is closed by then (its timeouts are 0.5 s)
 
 
 @pytest.fixture(scope="module")
@@ -56,46 +56,9 @@ def capped(model_dir):
     h.stop()
 
 
-def connect(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=CLOSE_WITHIN_S)
-
-
-def closed_by_server(s: socket.socket, wait_s: float) -> bool:
-    """True when the server closes ``s`` within ``wait_s`` (end of stream or reset), False when it
-    is still open then. Whatever the server sends before closing is read and dropped."""
-    s.settimeout(wait_s)
-    try:
-        while s.recv(65536):
-            pass
-        return True
-    except TimeoutError:
-        return False
-    except ConnectionError:
-        return True
-
-
 def request(s: socket.socket, path: str, key: str | None = KEY) -> int:
-    """One keep-alive GET on ``s``; the answer's status (its body is read)."""
-    auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode())
-    return request_answer(s, path)
-
-
-def request_answer(s: socket.socket, path: str = "the request") -> int:
-    """The status of the next answer on ``s`` (its body is read)."""
-    s.settimeout(CLOSE_WITHIN_S)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = s.recv(65536)
-        assert chunk, f"the server closed the connection instead of answering {path}"
-        data += chunk
-    head, body = data.split(b"\r\n\r\n", 1)
-    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
-    while len(body) < length:
-        body += s.recv(65536)
-    return int(head.split(b" ", 2)[1])
+    """One keep-alive GET on ``s`` with the engine's key (``_shared.request``)."""
+    return shared_request(s, path, key)
 
 
 def test_idle_connections_without_a_request_are_closed_after_the_head_timeout(quick_head):
@@ -189,7 +152,7 @@ def _refuse():
 
 def test_the_engine_and_controller_entry_points_raise_the_nofile_limit_first(monkeypatch):
     from areal_fast import cli
-    from areal_fast.rollout.engine import __main__ as engine_main
+    from areal_fast.embedded import __main__ as engine_main
 
     monkeypatch.setattr(cli, "raise_nofile_limit", _refuse)
     monkeypatch.setattr(engine_main, "raise_nofile_limit", _refuse)

@@ -23,7 +23,7 @@ N_NEW = [9, 6, 12, 7]  # rows leave the batch at different steps (the leading pa
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from areal_fast.rollout.testing import build_tiny_qwen3_moe
+    from areal_fast.data.tiny_models import build_tiny_qwen3_moe
 
     return build_tiny_qwen3_moe(str(tmp_path_factory.mktemp("moe")), vocab_size=64, max_position_embeddings=128,
                                 eos_token_id=1)
@@ -31,13 +31,13 @@ def moe_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(moe_dir):
-    from areal_fast.rollout.testing import load_hf
+    from areal_fast.data.tiny_models import load_hf
 
     return load_hf(moe_dir)
 
 
 def _engine(moe_dir, **kw):
-    from areal_fast.rollout.engine import start_engine_in_thread
+    from areal_fast.embedded import start_engine_in_thread
 
     return start_engine_in_thread(moe_dir, seed=3, dtype="float32", max_running_requests=8, **kw)
 
@@ -297,8 +297,8 @@ def test_off_by_default(moe_dir):
 
 def test_the_flag_is_refused_where_it_cannot_work(tmp_path, moe_dir):
     """A dense model, and a release without routed experts, are refused at start, naming the flag."""
-    from areal_fast.rollout.engine.__main__ import parse_args
-    from areal_fast.rollout.testing import build_tiny_qwen2
+    from areal_fast.data.tiny_models import build_tiny_qwen2
+    from areal_fast.embedded.__main__ import parse_args
 
     assert parse_args(["--model-path", "m", "--enable-return-routed-experts"]).enable_return_routed_experts
     dense = build_tiny_qwen2(str(tmp_path / "dense"))
@@ -323,8 +323,8 @@ def test_the_client_stitches_a_requests_routing_across_pauses(api, sglang, twin,
     import time
 
     import areal_fast.rollout.client as client_mod
+    from areal_fast.backends.sglang.client import SGLangRolloutClient
     from areal_fast.backends.vllm.client import VLLMRolloutClient
-    from areal_fast.rollout.client import RolloutClient
 
     handle = sglang if api == "sglang" else twin
     sch = handle.server.scheduler
@@ -340,7 +340,8 @@ def test_the_client_stitches_a_requests_routing_across_pauses(api, sglang, twin,
     monkeypatch.setattr(client_mod, "segment_routing",
                         lambda ans, w, sent, start, url: starts.append(start) or stitch(ans, w, sent, start, url))
     width = hf.config.num_hidden_layers * hf.config.num_experts_per_tok
-    make = RolloutClient if api == "sglang" else lambda urls, **kw: VLLMRolloutClient(urls, vllm_version="0.32.0", **kw)
+    make = (SGLangRolloutClient if api == "sglang"
+            else lambda urls, **kw: VLLMRolloutClient(urls, vllm_version="0.32.0", **kw))
 
     async def run():
         async with make([handle.url], routed_experts_width=width) as c:

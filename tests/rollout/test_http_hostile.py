@@ -1,4 +1,4 @@
-"""The rollout client's HTTP/1.1 parser (``areal_fast.rollout.http``) against hostile answers.
+"""The rollout client's HTTP/1.1 parser (``areal_fast.http.pool``) against hostile answers.
 
 A hang is tested with a watchdog: a subprocess with a deadline for a real request (the old parser
 spun inside ``data_received``, so no asyncio timeout could fire), and a CPU-time alarm for the
@@ -18,8 +18,8 @@ import textwrap
 
 import pytest
 
-from areal_fast.rollout import http
-from areal_fast.rollout.http import ConnectionPool, HttpError, _Connection
+from areal_fast.http import pool as http
+from areal_fast.http.pool import ConnectionPool, HttpError, _Connection
 
 WHERE = "http://s:1/generate"
 WATCHDOG_S = 60  # a subprocess that has not finished by then hung (it takes ~1 s)
@@ -67,12 +67,12 @@ def head(status: str = "200 OK", *headers: str) -> bytes:
     return ("\r\n".join([f"HTTP/1.1 {status}", "Content-Type: application/json", *headers]) + "\r\n\r\n").encode()
 
 
-# ----------------------------------------------------------------------------- H1 / H2: no hang
+# ----------------------------------------------------------------------------- hostile answers: no hang
 
 
 _REQUEST_WITH_DEADLINE = textwrap.dedent('''
     import asyncio, socket, sys, threading
-    from areal_fast.rollout.http import ConnectionPool
+    from areal_fast.http.pool import ConnectionPool
     raw = sys.stdin.buffer.read()
     lsock = socket.create_server(("127.0.0.1", 0))
     def serve():
@@ -105,9 +105,9 @@ def request_with_deadline(raw: bytes) -> str:
 
 
 @pytest.mark.parametrize("raw,match", [
-    (head("200 OK", "Transfer-Encoding: chunked") + b"-6\r\n", "bad chunk size b'-6'"),  # H1: position went back
+    (head("200 OK", "Transfer-Encoding: chunked") + b"-6\r\n", "bad chunk size b'-6'"),  # the position went back
     (head("200 OK", "Transfer-Encoding: chunked") + b"-2\r\n\r\n", "bad chunk size b'-2'"),  # was an empty body
-    (b"HTTP/1.1 000 OK\r\nContent-Length: 2\r\n\r\n{}", "not an HTTP/1.x status line"),  # H2: status 0 looped
+    (b"HTTP/1.1 000 OK\r\nContent-Length: 2\r\n\r\n{}", "not an HTTP/1.x status line"),  # status 0 looped
 ])
 def test_hostile_answers_end_the_request_instead_of_hanging(raw, match):
     got = request_with_deadline(raw)
@@ -133,7 +133,7 @@ def test_a_well_formed_chunked_answer_with_extensions_and_trailers_still_parses(
     assert got.status == 200 and bytes(got.body) == b"ab0123456789"
 
 
-# ----------------------------------------------------------------------------- L4: leniencies
+# ----------------------------------------------------------------------------- leniencies
 
 
 @pytest.mark.parametrize("te", ["notchunked", "chunked, gzip", "gzip", "chunkedx",
@@ -183,7 +183,7 @@ def test_bare_lf_answers_are_an_error_at_once_not_a_wait_for_the_timeout(raw):
     assert isinstance(got, HttpError) and "bare" in str(got), got
 
 
-# ----------------------------------------------------------------------------- L3: size limits
+# ----------------------------------------------------------------------------- size limits
 
 
 def test_content_length_over_the_limit_is_refused_at_the_head():
@@ -250,7 +250,7 @@ def test_interim_answers_are_bounded(n):
         assert isinstance(got, HttpError) and "interim" in str(got)
 
 
-# ----------------------------------------------------------------------------- L5: user info
+# ----------------------------------------------------------------------------- user info in a server address
 
 
 @pytest.mark.parametrize("url", ["http://user:secret@127.0.0.1:1", "http://user@127.0.0.1:1",

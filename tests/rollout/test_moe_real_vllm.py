@@ -15,9 +15,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from tolerances import VLLM_CPU_LOGPROB_ATOL, VLLM_LOADED_SUM_ATOL
 
 PROMPT = [1, 3, 4, 5, 6]
-LOGPROB_ATOL = 2e-3  # vLLM's CPU kernels against the HF forward, both fp32, at these tiny shapes
 N_NEW = 16
 
 # vLLM's own loader on a stand-in layer that records what each checkpoint tensor was loaded as
@@ -63,7 +63,7 @@ def _vllm_python():
 def test_vllm_expert_loader_takes_our_per_expert_tensors(tmp_path):
     """Each tensor of one layer's wire (our split of transformers' fused experts) lands in vLLM's
     w13 (gate as shard w1, up as w3) or w2 of the expert its name says, with our values."""
-    from areal_fast.rollout.testing import build_tiny_qwen3_moe, load_hf
+    from areal_fast.data.tiny_models import build_tiny_qwen3_moe, load_hf
     from areal_fast.weights.experts import to_checkpoint_state
 
     python = _vllm_python()
@@ -83,7 +83,8 @@ def test_vllm_expert_loader_takes_our_per_expert_tensors(tmp_path):
     for (name, t), g in zip(wire.items(), got):
         e, proj = name.removeprefix(layer + ".").split(".")[:2]
         assert (proj, g["param"], g["shard"]) in want and g["expert"] == int(e), (name, g)
-        assert g["shape"] == list(t.shape) and g["sum"] == pytest.approx(float(t.double().sum()), abs=1e-5)
+        assert g["shape"] == list(t.shape)
+        assert g["sum"] == pytest.approx(float(t.double().sum()), abs=VLLM_LOADED_SUM_ATOL)
     # the fused tensors themselves (transformers' layout): vLLM splits them into the same loads
     req["weights"] = [(n.removeprefix(layer + "."), t.tolist()) for n, t in fused.items()]
     r = subprocess.run([str(python), "-c", _JUDGE], input=json.dumps(req), capture_output=True, text=True,
@@ -92,14 +93,16 @@ def test_vllm_expert_loader_takes_our_per_expert_tensors(tmp_path):
     key = lambda g: (g["param"], g["shard"], g["expert"])  # noqa: E731
     fused_got = sorted(json.loads(r.stdout.strip().splitlines()[-1]), key=key)
     assert [(key(a), a["shape"]) for a in fused_got] == [(key(b), b["shape"]) for b in sorted(got, key=key)]
-    assert all(a["sum"] == pytest.approx(b["sum"], abs=1e-5) for a, b in zip(fused_got, sorted(got, key=key)))
+    assert all(a["sum"] == pytest.approx(b["sum"], abs=VLLM_LOADED_SUM_ATOL)
+               for a, b in zip(fused_got, sorted(got, key=key)))
 
 
 def _written_by_our_disk_sync(base: Path, state: dict, root: Path) -> Path:
     """The checkpoint directory our disk transport writes for ``state`` (the trainer's fused names),
     with the tokenizer's files added for a server to start on it."""
+    from areal_fast.backends.sglang.weight_sync import DiskWeightSync
     from areal_fast.data.tokenizer import CharTokenizer
-    from areal_fast.weights.sync import DiskWeightSync, WeightSyncConfig
+    from areal_fast.weights.sync import WeightSyncConfig
 
     sync = DiskWeightSync(["http://127.0.0.1:9"], WeightSyncConfig(dtype="float32", save_root=str(root)),
                           config_dir=str(base), keep=True)
@@ -119,8 +122,8 @@ def moe_server(tmp_path_factory):
     holding the same weights, the original checkpoint)."""
     import real_vllm as rv
 
+    from areal_fast.data.tiny_models import build_tiny_qwen3_moe, load_hf, perturbed_state_dict
     from areal_fast.netutil import find_free_port
-    from areal_fast.rollout.testing import build_tiny_qwen3_moe, load_hf, perturbed_state_dict
 
     python = _vllm_python()
     root = tmp_path_factory.mktemp("moe_vllm")
@@ -154,11 +157,11 @@ def _generate(url):
 
 
 def _same_as_hf(sample, model) -> bool:
-    from areal_fast.rollout.testing import hf_greedy, hf_logprobs
+    from areal_fast.data.tiny_models import hf_greedy, hf_logprobs
 
     ref = hf_logprobs(model, PROMPT, list(sample.output_ids), 0.0)
     return list(sample.output_ids) == hf_greedy(model, PROMPT, N_NEW) and max(
-        abs(a - b) for a, b in zip(sample.output_logprobs, ref)) < LOGPROB_ATOL
+        abs(a - b) for a, b in zip(sample.output_logprobs, ref)) < VLLM_CPU_LOGPROB_ATOL
 
 
 @pytest.mark.slow  # a real vLLM server
@@ -202,7 +205,7 @@ def test_real_vllm_disk_update_of_a_moe_model_reaches_the_new_weights(moe_server
     """The disk update path (pause, reload_weights, resume) on a served MoE model; a fresh server on
     the same files serves them correctly (the test above), so the files are not the cause."""
     from areal_fast.backends.vllm.disk import VLLMDiskCalls
-    from areal_fast.rollout.testing import load_hf
+    from areal_fast.data.tiny_models import load_hf
 
     server, _, base = moe_server
     disk = VLLMDiskCalls(120.0, None)
@@ -256,7 +259,7 @@ def _complete(url, body):
 def _twin(path, routed=True):
     from real_vllm import VLLM_CPU_VERSION
 
-    from areal_fast.rollout.engine import start_engine_in_thread
+    from areal_fast.embedded import start_engine_in_thread
 
     return start_engine_in_thread(str(path), dtype="float32", api="vllm", vllm_version=VLLM_CPU_VERSION,
                                   return_routed_experts=routed)

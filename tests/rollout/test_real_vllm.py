@@ -1,7 +1,7 @@
 """Real vLLM judges the vLLM adapter, and the embedded engine's twin is held to it.
 
 One real vLLM server (its CPU build, release ``real_vllm.VLLM_CPU_VERSION``, started the documented
-way by the ``real_vllm`` fixture) on a tiny random Qwen2; the twin (``--api vllm --vllm-version``
+way by the ``real_vllm`` fixture, the session's) on the tiny recipe's warm start; the twin (``--api vllm --vllm-version``
 of the same release) serves the same model in this process. Each test drives both where the
 behaviour is one both must show, and the real server alone where only it can tell (its cache, its
 metrics). What differs and why is written in ``docs/vllm.md`` ("Twin against real").
@@ -16,19 +16,20 @@ import urllib.error
 import urllib.request
 
 import pytest
+from _shared import stays_pending, wait_until
 from real_vllm import VLLM_CPU_VERSION
+from tolerances import VLLM_CPU_LOGPROB_ATOL
 
 from areal_fast.backends.vllm.client import VLLMRolloutClient
 from areal_fast.backends.vllm.disk import VLLMDiskCalls
 from areal_fast.backends.vllm.server_command import embedded_vllm_args
+from areal_fast.data.tiny_models import hf_logprobs, load_hf
+from areal_fast.embedded import launch_engine_subprocess
 from areal_fast.rollout.calls import RequestError
 from areal_fast.rollout.client import server_rid
-from areal_fast.rollout.engine import launch_engine_subprocess
 from areal_fast.rollout.liveness_route import liveness_path
-from areal_fast.rollout.testing import hf_logprobs, load_hf
 
 PROMPT = [1, 3, 4, 5, 6]
-LOGPROB_ATOL = 2e-3  # vLLM's CPU kernels against the HF forward, both fp32, at these tiny shapes
 # the same request, greedy, to the twin and to real vLLM: the tokens must be equal
 GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
 # long enough (~1.5 s on real vLLM here, 2 cores) that a test acting while it generates is not outrun
@@ -121,8 +122,8 @@ def test_greedy_tokens_equal_and_log_probs_match_the_reference(real_vllm, twin):
     real, tw = _run(one(real_vllm.url)), _run(one(twin.url))
     assert list(real.output_ids) == list(tw.output_ids) and len(real.output_ids) == 24
     ref = hf_logprobs(load_hf(str(real_vllm.model)), PROMPT, list(real.output_ids), 0.0)
-    assert max(abs(a - b) for a, b in zip(real.output_logprobs, ref)) < LOGPROB_ATOL
-    assert max(abs(a - b) for a, b in zip(tw.output_logprobs, ref)) < LOGPROB_ATOL
+    assert max(abs(a - b) for a, b in zip(real.output_logprobs, ref)) < VLLM_CPU_LOGPROB_ATOL
+    assert max(abs(a - b) for a, b in zip(tw.output_logprobs, ref)) < VLLM_CPU_LOGPROB_ATOL
     assert list(real.output_versions) == list(tw.output_versions) == [0] * 24  # /weight_info: "default"
 
 
@@ -137,8 +138,8 @@ def test_behaviour_log_probs_are_the_sampled_distributions_at_a_temperature(real
     hf = load_hf(str(real_vllm.model))
     ref = hf_logprobs(hf, PROMPT, list(s.output_ids), 0.6)
     raw = hf_logprobs(hf, PROMPT, list(s.output_ids), 1.0)
-    assert max(abs(a - b) for a, b in zip(s.output_logprobs, ref)) < LOGPROB_ATOL
-    assert max(abs(a - b) for a, b in zip(s.output_logprobs, raw)) > 10 * LOGPROB_ATOL  # not the raw ones
+    assert max(abs(a - b) for a, b in zip(s.output_logprobs, ref)) < VLLM_CPU_LOGPROB_ATOL
+    assert max(abs(a - b) for a, b in zip(s.output_logprobs, raw)) > 10 * VLLM_CPU_LOGPROB_ATOL  # not the raw ones
 
 
 def test_the_checkpoints_generation_config_does_not_reach_the_sampling(real_vllm):
@@ -157,17 +158,16 @@ def test_the_checkpoints_generation_config_does_not_reach_the_sampling(real_vllm
 def test_abort_by_id_ends_the_request(server):
     """A request aborted by the client while it generates comes back aborted with fewer tokens than
     asked: the abort named the engine's id (an abort by the bare id matches nothing in vLLM, and
-    the request would run to its end, ~1.5 s here, while the abort is sent within ~0.05 s)."""
+    the request would run to its end, ~1.5 s here, while an abort is sent every ~0.05 s)."""
     async def go():
         async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION) as c:
             task = asyncio.create_task(c.generate(PROMPT, LONG, rid="a"))
             await _in_flight(c, [task])
-            await asyncio.sleep(0.02)
-            await asyncio.wait_for(c.abort("a"), 30)
-            s = await asyncio.wait_for(task, 60)
-            if not s.aborted and len(s.output_ids) == LONG["max_new_tokens"]:
-                raise Outrun("the request ran to its end (before the abort came, or the abort matched nothing)")
-            return s
+            # aborted until it comes back: an abort that reaches the server before the request matches nothing
+            while not task.done():
+                await asyncio.wait_for(c.abort("a"), 30)
+                await asyncio.wait({task}, timeout=0.05)
+            return task.result()
 
     s = _rounds(go)
     assert s.aborted and len(s.output_ids) < LONG["max_new_tokens"]
@@ -177,12 +177,17 @@ def test_a_request_that_arrives_during_an_abort_pause_waits_for_resume(server):
     """vLLM before 0.33.0 queues it (no 503) and runs it after /resume."""
     async def go():
         async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION) as c:
+            short = {"max_new_tokens": 8, "ignore_eos": True}
+            t0 = asyncio.get_running_loop().time()
+            await c.generate(PROMPT, short, rid="timed")  # what answering it takes while not paused
+            served_s = asyncio.get_running_loop().time() - t0
             await c.pause_all("abort")
             assert _http(f"{server}/is_paused")[1] == {"is_paused": True}
             late = asyncio.create_task(c._generate_segment("late", server_rid("late", 0), {
-                "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}))
-            await asyncio.sleep(1.0)
-            assert not late.done()  # held, not refused
+                "input_ids": PROMPT, "sampling_params": short}))
+            await _in_flight(c, [late])
+            # held, not refused (a 503 comes at once) nor run (that takes served_s)
+            await stays_pending(late, 10 * served_s, "a request sent during the pause")
             assert _http(f"{server}/resume", "POST")[0] == 200
             seg, _, _ = await late
             await c.continue_all()
@@ -200,9 +205,13 @@ def test_every_token_carries_the_version_that_made_it_across_updates(server, rea
 
     async def update(c, version: str):
         await c.pause_all()  # auto: abort before 0.33.0
-        straggler = asyncio.create_task(c._generate_segment("late", server_rid("late", version), {
+        seg_rid = server_rid("late", version)
+        straggler = asyncio.create_task(c._generate_segment("late", seg_rid, {
             "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}))
-        await asyncio.sleep(0.3)  # it is on the server, queued, before the update
+        # sent before the update, so it reaches the server while paused (the settle before the resume
+        # waits for every segment in flight to come back)
+        await wait_until(lambda: c._segment_rid.get("late", ("", ""))[1] == seg_rid or straggler.done(),
+                         "the straggler to be sent", 30)
         await asyncio.to_thread(disk.update_one, server, {"model_path": str(real_vllm.model),
                                                           "weight_version": version})
         await c.continue_all()
@@ -214,10 +223,11 @@ def test_every_token_carries_the_version_that_made_it_across_updates(server, rea
             assert c.behaviour(c.servers[0]).token_weight_versions is False
             tasks = [asyncio.create_task(c.generate(PROMPT, LONG, rid=f"r{i}")) for i in range(4)]
             await _in_flight(c, tasks, 4)
-            await asyncio.sleep(0.05)
+            # they generate under the launch weights: a request sent after them came back
+            await c.generate(PROMPT, {"max_new_tokens": 2, "ignore_eos": True}, rid="witness")
             stragglers = [await update(c, "1")]
-            while c.servers[0].in_flight == 0 and not all(t.done() for t in tasks):
-                await asyncio.sleep(0.005)
+            await wait_until(lambda: c.servers[0].in_flight > 0 or all(t.done() for t in tasks),
+                             "the requests resubmitted after the first update", 60)
             stragglers.append(await update(c, "2"))
             return await asyncio.gather(*tasks), stragglers
 
@@ -225,6 +235,8 @@ def test_every_token_carries_the_version_that_made_it_across_updates(server, rea
         samples, stragglers = _rounds(go)
     finally:
         disk.close()
+        if server == real_vllm.url:  # the session's server: its launch label again
+            real_vllm.restore()
     for s in samples:
         v = list(s.output_versions)
         assert len(v) == LONG["max_new_tokens"] and v == sorted(v) and v[-1] >= 1, v
@@ -255,7 +267,13 @@ def test_keep_pause_recomputes_the_kept_requests_unless_clear_cache_is_false(rea
             async with VLLMRolloutClient([url], vllm_version=VLLM_CPU_VERSION) as c:
                 tasks = [asyncio.create_task(c.generate(PROMPT, LONG, rid=f"k{i}")) for i in range(3)]
                 await _in_flight(c, tasks, 3)
-                await asyncio.sleep(0.05)
+
+                async def running() -> bool:  # on the server, holding KV (the gauge moves every step)
+                    if any(t.done() for t in tasks):
+                        raise Outrun("a request ended before all three ran")
+                    return await asyncio.to_thread(_metric, url, "vllm:num_requests_running") >= 3
+
+                await wait_until(running, "three requests running on the server", 60)
                 before = _metric(url, "vllm:num_preemptions_total")
                 assert _http(f"{url}/pause?mode=keep{query}", "POST")[0] == 200
                 assert _http(f"{url}/resume", "POST")[0] == 200

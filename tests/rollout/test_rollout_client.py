@@ -7,16 +7,16 @@ import pytest
 from _shared import disk_update, engine_twins, serve_app, tiny_checkpoints, until_running
 from tolerances import ENGINE_LOGPROB_ATOL
 
+from areal_fast.backends.sglang.client import SGLangRolloutClient
+from areal_fast.data.tiny_models import hf_greedy, hf_logprobs, load_hf
+from areal_fast.embedded import launch_engine_subprocess, start_engine_in_thread
 from areal_fast.rollout.client import (
     RequestError,
-    RolloutClient,
     RolloutError,
     ServerError,
     server_rid,
     version_to_int,
 )
-from areal_fast.rollout.engine import launch_engine_subprocess, start_engine_in_thread
-from areal_fast.rollout.testing import hf_greedy, hf_logprobs, load_hf
 
 VOCAB = 256
 
@@ -46,11 +46,11 @@ def _run(coro, timeout=60):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-async def _update(client: RolloutClient, path: str, version: str) -> None:
+async def _update(client: SGLangRolloutClient, path: str, version: str) -> None:
     await asyncio.to_thread(disk_update, [s.url for s in client.servers], path, version)
 
 
-async def _reset(client: RolloutClient, base: str) -> None:
+async def _reset(client: SGLangRolloutClient, base: str) -> None:
     await _update(client, base, "0")
 
 
@@ -77,7 +77,7 @@ def test_pause_update_continue_stitches_tokens_and_versions(engines, dirs, mode,
     prompt, n = [9, 8, 7, 6], 120
 
     async def run():
-        async with RolloutClient([h.url for h in engines]) as c:
+        async with SGLangRolloutClient([h.url for h in engines]) as c:
             await _reset(c, paths[0])
             task = asyncio.create_task(c.generate(prompt, {"max_new_tokens": n, "temperature": 0.0,
                                                            "ignore_eos": True}, rid="stitch"))
@@ -110,7 +110,7 @@ def test_pause_update_continue_stitches_tokens_and_versions(engines, dirs, mode,
 
 def test_explicit_abort_ends_as_length(engines):
     async def run():
-        async with RolloutClient([h.url for h in engines]) as c:
+        async with SGLangRolloutClient([h.url for h in engines]) as c:
             task = asyncio.create_task(c.generate([3, 4, 5], {"max_new_tokens": 400, "ignore_eos": True}, rid="ab"))
             await _wait_tokens(engines[0], 5)
             await c.abort("ab")
@@ -124,20 +124,20 @@ def test_explicit_abort_ends_as_length(engines):
 def test_sglang_launcher_needs_sglang(monkeypatch):
     import importlib.util
 
-    from areal_fast.rollout import server_command as sc
+    from areal_fast.backends.sglang import server_command as sc
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
     with pytest.raises(RuntimeError, match="sglang is not installed"):
         sc.launch_sglang_server("/nonexistent")
-    cmd = sc.server_command("sglang", "/m", "127.0.0.1", 30001, tp_size=2, weight_version="3")
+    cmd = sc.sglang_server_command("sglang", "/m", "127.0.0.1", 30001, tp_size=2, weight_version="3")
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and "--skip-tokenizer-init" in cmd
     assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--weight-version") + 1] == "3"
 
 
 def test_4xx_raises_without_retry(engines):
     async def run():
-        async with RolloutClient([h.url for h in engines]) as c:
+        async with SGLangRolloutClient([h.url for h in engines]) as c:
             with pytest.raises(RequestError) as ei:
                 await c.generate([1, 2], {"max_new_tokens": 4, "top_p": 0.0})
             return ei.value, [s.down_until for s in c.servers]
@@ -153,7 +153,7 @@ def test_killed_server_request_completes_on_other(engines, dirs, doomed):
     prompt, n = [11, 12, 13], 150
     try:
         async def run():
-            async with RolloutClient([doomed.url, engines[0].url], down_cooldown_s=60) as c:
+            async with SGLangRolloutClient([doomed.url, engines[0].url], down_cooldown_s=60) as c:
                 await _update(c, paths[0], "0")
                 task = asyncio.create_task(c.generate(prompt, {"max_new_tokens": n, "temperature": 0.0,
                                                                "ignore_eos": True}, rid="failover"))
@@ -188,7 +188,7 @@ def test_200_concurrent_with_random_pauses_and_updates(engines, dirs):
               rng.random() < 0.5) for i in range(200)]
 
     async def run():
-        async with RolloutClient([h.url for h in engines]) as c:
+        async with SGLangRolloutClient([h.url for h in engines]) as c:
             await _reset(c, paths[0])
 
             async def updater():
@@ -262,7 +262,7 @@ def test_version_adaptation_and_5xx_failover_with_fake_servers():
             runners.append(runner)
             urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
         try:
-            async with RolloutClient(urls, down_cooldown_s=60) as c:
+            async with SGLangRolloutClient(urls, down_cooldown_s=60) as c:
                 await c.pause_all()
                 await c.continue_all()
                 res = await c.generate([1, 2], {"max_new_tokens": 3}, rid="x")  # "old" answers 503 first
@@ -295,7 +295,7 @@ def test_n_greater_than_one_and_unknown_keys_refused_before_sending(twins):
     h = twins("0.5.6")
 
     async def run():
-        async with RolloutClient([h.url]) as c:
+        async with SGLangRolloutClient([h.url]) as c:
             with pytest.raises(ValueError, match=r"sampling_params.n=4.*one sample per call"):
                 await c.generate([1, 2], {"n": 4})
             with pytest.raises(ValueError, match="sampling_params.no_such_key"):
@@ -318,7 +318,7 @@ def test_abort_of_one_rid_leaves_the_rids_it_prefixes_running(twins):
     h = twins("0.5.23")
 
     async def run():
-        async with RolloutClient([h.url]) as c:
+        async with SGLangRolloutClient([h.url]) as c:
             sp = {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True}
             short = asyncio.create_task(c.generate([3, 4], sp, rid="q1-s1"))
             longer = asyncio.create_task(c.generate([3, 4], sp, rid="q1-s10"))
@@ -336,7 +336,7 @@ def test_missing_weight_version_on_0_5_6_is_not_labelled_version_0(twins, dirs):
     disk_update([h.url], dirs[0][0], "3")
 
     async def run():
-        async with RolloutClient([h.url]) as c:
+        async with SGLangRolloutClient([h.url]) as c:
             task = asyncio.create_task(c.generate([6, 2], {"max_new_tokens": 300, "ignore_eos": True}, rid="w"))
             await until_running(h, 3)
             await c.pause_all("retract")  # the request goes back to the server's waiting queue
@@ -353,7 +353,7 @@ def test_in_place_pause_forbids_flush_and_retract_allows_it(twins):
     h = twins("0.5.23")
 
     async def run():
-        async with RolloutClient([h.url]) as c:
+        async with SGLangRolloutClient([h.url]) as c:
             task = asyncio.create_task(c.generate([8, 1], {"max_new_tokens": 200, "ignore_eos": True}, rid="ip"))
             await until_running(h, 2)
             await c.pause_all("in_place")
@@ -376,7 +376,7 @@ def test_health_tells_a_paused_server_from_a_dead_one(twins):
     h = twins("0.5.23")
 
     async def run():
-        async with RolloutClient([h.url]) as c:
+        async with SGLangRolloutClient([h.url]) as c:
             ok = await c.health(h.url)
             await c.pause_all()
             try:
@@ -399,7 +399,7 @@ def test_current_weight_version_comes_from_model_info_from_0_5_19(twins, dirs):
     disk_update([h.url], dirs[0][0], "7")
 
     async def run():
-        async with RolloutClient([h.url]) as c:
+        async with SGLangRolloutClient([h.url]) as c:
             return c.servers[0].info["weight_version"], c.servers[0].weight_version, await c.weight_versions()
 
     launch, current, listed = _run(run())
@@ -410,7 +410,7 @@ def test_api_key_from_the_environment(twins, monkeypatch):
     h = twins("0.5.23", api_key="k3y")
 
     async def run(key=None):
-        async with RolloutClient([h.url], api_key=key) as c:
+        async with SGLangRolloutClient([h.url], api_key=key) as c:
             return (await c.generate([1, 2], {"max_new_tokens": 2})).output_ids
 
     monkeypatch.delenv("AREAL_FAST_API_KEY", raising=False)
@@ -454,7 +454,7 @@ def test_answers_are_classified_by_what_they_say():
         app.router.add_get("/server_info", info)
         app.router.add_post("/flush_cache", flush)
         app.router.add_post("/generate", generate)
-        async with serve_app(app) as url, RolloutClient([url], retry_backoff_s=0.0, down_cooldown_s=0.0) as c:
+        async with serve_app(app) as url, SGLangRolloutClient([url], retry_backoff_s=0.0, down_cooldown_s=0.0) as c:
             with pytest.raises(RequestError) as ei:
                 await c.generate([1], {"max_new_tokens": 2, "min_p": 0.1})
             await c.flush_cache_all(timeout_s=10, poll_s=0.0)

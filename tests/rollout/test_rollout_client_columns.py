@@ -10,9 +10,9 @@ import pytest
 from aiohttp import web
 
 import areal_fast.rollout.client as client_mod
+from areal_fast.backends.sglang.client import SGLangRolloutClient
 from areal_fast.columns import LOGPROB_ARRAY, TOKEN_ARRAY
 from areal_fast.rollout.answer import dumps
-from areal_fast.rollout.client import RolloutClient
 from areal_fast.rollout.port import ClientRollout
 from areal_fast.sample import Sample
 
@@ -79,7 +79,7 @@ class _Server:
         await self.runner.cleanup()
 
 
-async def _across_a_pause(srv: _Server, client: RolloutClient, start):
+async def _across_a_pause(srv: _Server, client: SGLangRolloutClient, start):
     """Run ``start()`` (a coroutine that generates), pause while segment 0 is held, continue."""
     task = asyncio.create_task(start())
     await asyncio.wait_for(srv.first_held.wait(), WAIT_S)
@@ -98,7 +98,7 @@ def test_generate_returns_the_stitched_columns(monkeypatch, prompt_kind, encoder
     prompt = {"list": list, "tuple": tuple, "array": lambda p: array(TOKEN_ARRAY, p)}[prompt_kind](PROMPT)
 
     async def run():
-        async with _Server() as srv, RolloutClient([srv.url], gc_tuning=False) as c:
+        async with _Server() as srv, SGLangRolloutClient([srv.url], gc_tuning=False) as c:
             res = await _across_a_pause(srv, c, lambda: c.generate(prompt, {"max_new_tokens": MAX_NEW}, rid="s"))
             return srv, res
 
@@ -124,7 +124,7 @@ def test_generate_returns_the_stitched_columns(monkeypatch, prompt_kind, encoder
 
 def test_client_rollout_hands_on_the_clients_sample_itself():
     async def run():
-        async with _Server() as srv, RolloutClient([srv.url], gc_tuning=False) as c:
+        async with _Server() as srv, SGLangRolloutClient([srv.url], gc_tuning=False) as c:
             seen: list[Sample] = []
             generate = c.generate
 
@@ -146,13 +146,13 @@ def test_client_rollout_hands_on_the_clients_sample_itself():
 @pytest.mark.parametrize("ids", [[], (), array(TOKEN_ARRAY)])
 def test_empty_prompt_refused(ids):
     with pytest.raises(ValueError, match="input_ids must be a non-empty"):
-        RolloutClient._check_request(ids, {}, "r")
+        SGLangRolloutClient._check_request(ids, {}, "r")
 
 
 @pytest.mark.parametrize("ids", ["abc", b"\x01\x02", (i for i in range(3)), 5])
 def test_prompt_that_is_not_a_sequence_of_ids_refused(ids):
     with pytest.raises(TypeError, match="input_ids must be a sequence of token ids"):
-        RolloutClient._check_request(ids, {}, "r")
+        SGLangRolloutClient._check_request(ids, {}, "r")
 
 
 @pytest.mark.parametrize("use_fragment", [True, False])

@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import sys
 from array import array
-from pathlib import Path
 
 import aiohttp
 import pytest
+from _shared import serve_app, wait_until  # noqa: E402, I001
 from packaging.version import Version
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import sim_sglang as sim  # noqa: E402
-from _shared import serve_app, wait_until  # noqa: E402, I001
-
+from areal_fast.backends.sglang.client import SGLangRolloutClient, auto_pause_mode  # noqa: E402
 from areal_fast.rollout.answer import AnswerError, parse_generate, token_versions, tune_gc  # noqa: E402
-from areal_fast.rollout.client import RolloutClient, auto_pause_mode  # noqa: E402
+from bench import sim_sglang as sim
 
 PROMPT_LEN = 5
 MAX_NEW = 500
@@ -104,7 +100,7 @@ def test_auto_pause_mode_by_version_and_bad_setting():
     assert auto_pause_mode(Version("0.5.19")) == "retract" and auto_pause_mode(Version("0.5.23")) == "retract"
     assert auto_pause_mode(Version("0.5.18")) == "abort" and auto_pause_mode(Version("0.5.6")) == "abort"
     with pytest.raises(ValueError, match="pause_mode must be one of"):
-        RolloutClient(["http://127.0.0.1:1"], pause_mode="in-place")
+        SGLangRolloutClient(["http://127.0.0.1:1"], pause_mode="in-place")
 
 
 # ----------------------------------------------------------------------------- against the simulator
@@ -127,7 +123,7 @@ async def _mixed(pause_mode: str) -> None:
     old_cfg, new_cfg = _cfg("0.5.8"), _cfg("0.5.23")
     async with sim.SimCluster(1, old_cfg) as old, sim.SimCluster(2, new_cfg) as new:
         servers = old.servers + new.servers
-        async with RolloutClient(old.urls + new.urls, pause_mode=pause_mode, gc_tuning=False) as client, \
+        async with SGLangRolloutClient(old.urls + new.urls, pause_mode=pause_mode, gc_tuning=False) as client, \
                 aiohttp.ClientSession() as session:
             rids = [f"m{i}" for i in range(36)]
             tasks = [asyncio.create_task(client.generate(list(range(10, 10 + PROMPT_LEN)), {"max_new_tokens": MAX_NEW},
@@ -172,7 +168,7 @@ def test_large_pool_two_choices_exact():
     async def run():
         cfg = _cfg("0.5.23")
         async with sim.SimCluster(PICK_SCAN_MAX + 4, cfg) as cl:
-            async with RolloutClient(cl.urls, gc_tuning=False) as client:
+            async with SGLangRolloutClient(cl.urls, gc_tuning=False) as client:
                 rids = [f"p{i}" for i in range(8 * len(cl.urls))]
                 tasks = [asyncio.create_task(client.generate([3] * PROMPT_LEN, {"max_new_tokens": MAX_NEW}, rid=r))
                          for r in rids]
@@ -216,7 +212,7 @@ def test_control_call_sent_again_once_when_the_connection_breaks(http):
         app.router.add_get("/server_info", info)
         app.router.add_get("/model_info", model_info)
         app.router.add_post("/continue_generation", cont)
-        async with serve_app(app) as url, RolloutClient([url], gc_tuning=False, http=http) as c:
+        async with serve_app(app) as url, SGLangRolloutClient([url], gc_tuning=False, http=http) as c:
             await c.continue_all()
         return calls["continue"]
 

@@ -1,5 +1,5 @@
 """The rollout client when a server leaves its pool. With an empty pool (``allow_empty``:
-``launch.empty_pool``) a request whose server died waits for a server instead of failing, keeps the
+``elastic.empty_pool``) a request whose server died waits for a server instead of failing, keeps the
 tokens of its earlier segments, and finishes on the server that joins; without ``allow_empty`` the
 last server cannot be removed. A request in flight on a hung server (it never answers, its
 connection stays open) fails over as soon as the server is dropped, not at its deadline."""
@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from _shared import serve_app
+from _shared import serve_app, stays_pending
 
-from areal_fast.rollout.client import RolloutClient
+from areal_fast.backends.sglang.client import SGLangRolloutClient
 from areal_fast.rollout.port import ClientRollout
 
 
@@ -60,14 +60,16 @@ def test_a_request_waits_through_an_empty_pool_and_finishes_on_the_server_that_j
         a_app = _app("A", calls, [(200, [7, 8], "3", "abort"), (503, [], "3", "")])
         b_app = _app("B", calls, [(200, [9, 9, 9], "4", "length")])
         async with serve_app(a_app) as a, serve_app(b_app) as b:
-            async with RolloutClient([a], down_cooldown_s=0.05, retry_backoff_s=0.01, max_attempts=3) as c:
+            async with SGLangRolloutClient([a], down_cooldown_s=0.05, retry_backoff_s=0.01, max_attempts=3) as c:
                 port = ClientRollout(c)
                 port.allow_empty = True
                 task = asyncio.create_task(c.generate([1, 2], {"max_new_tokens": 5}, rid="r"))
                 await _until(lambda: len(calls) >= 2)  # the second segment failed on A
                 assert port.remove_server(a) and port.urls == []  # the watchdog drops it: the pool is empty
-                await asyncio.sleep(0.3)  # more than max_attempts retries' worth of backoff
-                assert not task.done(), task  # it waits for a server, its attempts not spent
+                # it waits for a server, its attempts not spent: spending them would end it within
+                # max_attempts retries' worth of backoff
+                spent_s = sum(c.retry_backoff_s * (a + 1) for a in range(c.max_attempts))
+                await stays_pending(task, 5 * spent_s, "a request while the pool is empty")
                 await port.add_server(b)
                 return await asyncio.wait_for(task, 10)
 
@@ -81,7 +83,7 @@ def test_a_request_waits_through_an_empty_pool_and_finishes_on_the_server_that_j
 def test_the_last_server_stays_without_allow_empty():
     async def run():
         async with serve_app(_app("A", [], [(200, [1], "0", "length")])) as a:
-            async with RolloutClient([a]) as c:
+            async with SGLangRolloutClient([a]) as c:
                 port = ClientRollout(c)
                 assert not port.allow_empty
                 with pytest.raises(RuntimeError, match="last inference server"):
@@ -103,7 +105,7 @@ def test_a_request_on_a_hung_server_fails_over_as_soon_as_the_server_is_dropped(
         async with serve_app(a_app) as a, serve_app(b_app) as b:
             try:
                 # its deadline is an hour: only the drop can end the wait on A within the 10 s below
-                async with RolloutClient([a], request_timeout_s=3600.0, down_cooldown_s=0.05,
+                async with SGLangRolloutClient([a], request_timeout_s=3600.0, down_cooldown_s=0.05,
                                          retry_backoff_s=0.01) as c:
                     port = ClientRollout(c)
                     task = asyncio.create_task(c.generate([1, 2], {"max_new_tokens": 3}, rid="h"))

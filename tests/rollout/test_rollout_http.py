@@ -1,4 +1,4 @@
-"""The rollout client's own HTTP/1.1 path (``areal_fast.rollout.http``) and event-loop choice
+"""The rollout client's own HTTP/1.1 path (``areal_fast.http.pool``) and event-loop choice
 (``areal_fast.rollout.loop``): keep-alive reuse, a connection closed by the server while idle
 (the next request goes out once, on a new connection), chunked and Connection: close answers, the
 API key, timeouts, cancellation, and exact answers against the simulated servers. Scripted servers
@@ -12,15 +12,14 @@ import json
 import socket
 import sys
 import threading
-from pathlib import Path
 
 import pytest
+from _shared import wait_until
 
-from areal_fast.rollout.client import RequestError, RolloutClient, ServerUnavailable
-from areal_fast.rollout.http import ConnectionPool, HttpError, _Connection
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import sim_sglang as sim  # noqa: E402
+from areal_fast.backends.sglang.client import SGLangRolloutClient
+from areal_fast.http.pool import ConnectionPool, HttpError, _Connection
+from areal_fast.rollout.client import RequestError, ServerUnavailable
+from bench import sim_sglang as sim
 
 ANSWER_WAIT_S = 30.0  # a scripted server's longest wait for something the test does (never reached)
 NO_IDLE_LIMIT_S = 3600.0  # keep-alive for tests that count connections: a slow machine cannot expire one
@@ -369,7 +368,7 @@ def test_client_native_path_exact_reused_and_once_after_an_idle_close(scripted):
     box.append(srv)
 
     async def run():
-        async with RolloutClient([srv.url], gc_tuning=False) as c:
+        async with SGLangRolloutClient([srv.url], gc_tuning=False) as c:
             assert c.http == "native" and c.servers[0].pool is not None
             c.servers[0].pool.keepalive_s = NO_IDLE_LIMIT_S
             a = await c.generate([1, 2], {"max_new_tokens": 4}, rid="a")
@@ -393,7 +392,7 @@ def test_client_native_path_401_with_a_wrong_key(scripted):
     box.append(srv)
 
     async def run(key):
-        async with RolloutClient([srv.url], api_key=key, gc_tuning=False) as c:
+        async with SGLangRolloutClient([srv.url], api_key=key, gc_tuning=False) as c:
             try:
                 return await c.generate([1], {"max_new_tokens": 2}, rid="k")
             finally:
@@ -412,7 +411,7 @@ def test_client_native_path_timeout_fails_over_then_gives_up(scripted):
     box.append(srv)
 
     async def run():
-        async with RolloutClient([srv.url], request_timeout_s=0.2, max_attempts=2, retry_backoff_s=0.0,
+        async with SGLangRolloutClient([srv.url], request_timeout_s=0.2, max_attempts=2, retry_backoff_s=0.0,
                                  gc_tuning=False) as c:
             await c.generate([1], {"max_new_tokens": 2}, rid="t")
 
@@ -425,7 +424,7 @@ def test_client_native_path_timeout_fails_over_then_gives_up(scripted):
 
 
 def test_a_timed_out_request_is_aborted_then_sent_again_to_the_only_server(scripted):
-    """M1: SGLang answers 400 "already running" to a rid it still runs. After a timeout the client
+    """SGLang answers 400 "already running" to a rid it still runs. After a timeout the client
     aborts the request there and sends it again under a new rid: with one server the run goes on."""
     box: list = []
     running: set[str] = set()
@@ -447,7 +446,7 @@ def test_a_timed_out_request_is_aborted_then_sent_again_to_the_only_server(scrip
     box.append(srv)
 
     async def run():
-        async with RolloutClient([srv.url], request_timeout_s=0.5, retry_backoff_s=0.0, down_cooldown_s=0.0,
+        async with SGLangRolloutClient([srv.url], request_timeout_s=0.5, retry_backoff_s=0.0, down_cooldown_s=0.0,
                                  gc_tuning=False) as c:
             return await c.generate([1], {"max_new_tokens": 3}, rid="m")
 
@@ -465,7 +464,7 @@ def test_a_timed_out_request_is_aborted_then_sent_again_to_the_only_server(scrip
     (lambda a: a[:-5], "not a valid /generate result"),
 ])
 def test_malformed_answers_are_one_client_error_naming_server_and_rid(scripted, mutate, match):
-    """L1/L2 through the client: MalformedAnswer (a RolloutError), never a raw decoder exception."""
+    """Malformed answers through the client: MalformedAnswer (a RolloutError), never a raw decoder exception."""
     from areal_fast.rollout.client import MalformedAnswer
 
     box: list = []
@@ -479,7 +478,7 @@ def test_malformed_answers_are_one_client_error_naming_server_and_rid(scripted, 
     box.append(srv)
 
     async def run():
-        async with RolloutClient([srv.url], gc_tuning=False) as c:
+        async with SGLangRolloutClient([srv.url], gc_tuning=False) as c:
             await c.generate([1], {"max_new_tokens": 2}, rid="x")
 
     with pytest.raises(MalformedAnswer, match=match.replace("(", r"\(").replace("[", r"\[")) as e:
@@ -488,7 +487,7 @@ def test_malformed_answers_are_one_client_error_naming_server_and_rid(scripted, 
 
 
 def test_an_answer_over_its_size_bound_is_a_failed_connection(scripted):
-    """L3 through the client: the bound grows with max_new_tokens; past it the server is skipped."""
+    """The answer size bound through the client: it grows with max_new_tokens; past it the server is skipped."""
     box: list = []
 
     def answer(req):
@@ -501,7 +500,7 @@ def test_an_answer_over_its_size_bound_is_a_failed_connection(scripted):
     box.append(srv)
 
     async def run(max_new):
-        async with RolloutClient([srv.url], max_attempts=1, gc_tuning=False) as c:
+        async with SGLangRolloutClient([srv.url], max_attempts=1, gc_tuning=False) as c:
             return await c.generate([1], {"max_new_tokens": max_new}, rid="big")
 
     with pytest.raises(ServerUnavailable, match="over the limit"):
@@ -512,7 +511,7 @@ def test_an_answer_over_its_size_bound_is_a_failed_connection(scripted):
 @pytest.mark.parametrize("url", ["http://user:pw@127.0.0.1:1", "http://127.0.0.1:70000"])
 def test_the_client_refuses_server_urls_with_user_info_or_a_bad_port(url):
     with pytest.raises(ValueError, match="user info|port"):
-        RolloutClient([url])
+        SGLangRolloutClient([url])
 
 
 def test_no_request_bytes_are_held_while_the_answer_is_awaited(scripted, monkeypatch):
@@ -542,7 +541,7 @@ def test_no_request_bytes_are_held_while_the_answer_is_awaited(scripted, monkeyp
         await asyncio.gather(task, return_exceptions=True)
         pool.close()
         srv.received.clear()
-        async with RolloutClient([srv.url], gc_tuning=False) as c:
+        async with SGLangRolloutClient([srv.url], gc_tuning=False) as c:
             made.clear()
             gen = asyncio.create_task(c.generate([1, 2, 3], {"max_new_tokens": 8}, rid="held"))
             await asyncio.to_thread(srv.received.wait, ANSWER_WAIT_S)
@@ -568,10 +567,10 @@ def test_simulated_servers_exact_on_both_transports(http):
                             prefill_tokens_per_s=1e6, max_running=64, vocab_size=5000, seed=9,
                             sglang_version="0.5.23", api_key="k")
         async with sim.SimCluster(3, cfg) as cl:
-            async with RolloutClient(cl.urls, api_key="k", http=http, gc_tuning=False) as c:
+            async with SGLangRolloutClient(cl.urls, api_key="k", http=http, gc_tuning=False) as c:
                 rids = [f"e{i}" for i in range(48)]
                 tasks = [asyncio.create_task(c.generate([4] * 5, {"max_new_tokens": 600}, rid=r)) for r in rids]
-                await asyncio.sleep(0.05)
+                await wait_until(lambda: all(s.ticks() >= 5 for s in cl.servers), "every server decoding")
                 await c.pause_all()
                 await c.continue_all()
                 first = await asyncio.gather(*tasks)
@@ -594,4 +593,4 @@ def test_simulated_servers_exact_on_both_transports(http):
 def test_bad_http_setting_names_itself(monkeypatch):
     monkeypatch.setenv("AREAL_FAST_ROLLOUT_HTTP", "curl")
     with pytest.raises(ValueError, match="AREAL_FAST_ROLLOUT_HTTP.*'curl'"):
-        RolloutClient(["http://127.0.0.1:1"])
+        SGLangRolloutClient(["http://127.0.0.1:1"])

@@ -22,11 +22,13 @@ import pytest
 from _shared import engine_twins, serve_app
 from packaging.version import Version
 
+from areal_fast.backends import checks
+from areal_fast.backends.checks import check_rollout_servers
+from areal_fast.backends.sglang.client import SGLangRolloutClient
 from areal_fast.backends.sglang.compat import IN_PLACE_SERVER_FLAGS, in_place_server_refusal
-from areal_fast.rollout import config as rollout_config
-from areal_fast.rollout.client import RolloutClient, RolloutError
+from areal_fast.data.tiny_models import build_tiny_qwen2, hf_greedy, load_hf, perturbed_state_dict, save_state_dict
+from areal_fast.rollout.client import RolloutError
 from areal_fast.rollout.config import RolloutConfig
-from areal_fast.rollout.testing import build_tiny_qwen2, hf_greedy, load_hf, perturbed_state_dict, save_state_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 256
@@ -36,29 +38,36 @@ FLAGS = ["--disable-overlap-schedule", "--disable-radix-cache"]
 # ----------------------------------------------------------------------------- config
 
 
+def _check(rollout: RolloutConfig) -> None:
+    """The load-time check of what the servers serve (the assembler asks it; the section names no backend)."""
+    check_rollout_servers(rollout, "distributed")
+
+
 @pytest.mark.parametrize("version,ok", [("0.5.6", False), ("0.5.18", False), ("0.5.19", True), ("0.5.23", True)])
 def test_config_in_place_per_embedded_engine_version(version, ok):
     kw = dict(pause_mode="in_place", server_args=["--sglang-version", version])
     if ok:
-        RolloutConfig(**kw)
+        _check(RolloutConfig(**kw))
     else:
         with pytest.raises(ValueError, match=r"pause_mode: 'in_place' refused .*one weight_version per request"):
-            RolloutConfig(**kw)
+            _check(RolloutConfig(**kw))
     # the last --sglang-version wins, as in the engine's own parser
-    RolloutConfig(pause_mode="in_place", server_args=[f"--sglang-version={version}", "--sglang-version", "0.5.23"])
+    _check(RolloutConfig(pause_mode="in_place",
+                         server_args=[f"--sglang-version={version}", "--sglang-version", "0.5.23"]))
 
 
 def test_config_in_place_for_launched_sglang_needs_its_flags_and_a_release_with_spans(monkeypatch):
-    monkeypatch.setattr(rollout_config, "_installed_sglang", lambda engine: "0.5.23")
+    monkeypatch.setattr(checks, "installed_sglang", lambda server: "0.5.23")
     for missing in FLAGS:
         with pytest.raises(ValueError, match=f"needs {missing} in rollout.server_args"):
-            RolloutConfig(pause_mode="in_place", engine="sglang", server_args=[f for f in FLAGS if f != missing])
-    RolloutConfig(pause_mode="in_place", engine="sglang", server_args=FLAGS)
-    monkeypatch.setattr(rollout_config, "_installed_sglang", lambda engine: "0.5.18")
+            _check(RolloutConfig(pause_mode="in_place", server="sglang",
+                                 server_args=[f for f in FLAGS if f != missing]))
+    _check(RolloutConfig(pause_mode="in_place", server="sglang", server_args=FLAGS))
+    monkeypatch.setattr(checks, "installed_sglang", lambda server: "0.5.18")
     with pytest.raises(ValueError, match="SGLang 0.5.18 answers one weight_version"):
-        RolloutConfig(pause_mode="in_place", engine="sglang", server_args=FLAGS)
+        _check(RolloutConfig(pause_mode="in_place", server="sglang", server_args=FLAGS))
     # servers the run does not launch: checked by the client before its first pause
-    RolloutConfig(pause_mode="in_place", engine="sglang", servers=["http://127.0.0.1:1"])
+    _check(RolloutConfig(pause_mode="in_place", server="sglang", servers=["http://127.0.0.1:1"]))
     with pytest.raises(ValueError, match="'auto', 'retract', 'abort' or 'in_place'"):
         RolloutConfig(pause_mode="sometimes")
 
@@ -110,7 +119,7 @@ def test_client_refuses_in_place_on_a_server_without_spans_before_pausing(twins)
     h = twins("0.5.18")
 
     async def run():
-        async with RolloutClient([h.url]) as c:
+        async with SGLangRolloutClient([h.url]) as c:
             with pytest.raises(RolloutError, match=r"'in_place' refused for .*0\.5\.19"):
                 await c.pause_all("in_place")
             return c.is_paused, h.server.scheduler.paused
@@ -139,7 +148,7 @@ def test_client_refuses_in_place_on_sglang_without_its_flags_before_pausing():
     app.router.add_post("/pause_generation", pause)
 
     async def run():
-        async with serve_app(app) as url, RolloutClient([url]) as c:
+        async with serve_app(app) as url, SGLangRolloutClient([url]) as c:
             with pytest.raises(RolloutError, match="--disable-radix-cache"):
                 await c.pause_all("in_place")
             await c.pause_all("retract")  # the other modes are unaffected
@@ -172,7 +181,7 @@ def test_requests_in_flight_keep_going_across_an_in_place_update_with_exact_vers
     async def run():
         await _post(h.url + "/update_weights_from_disk", {"model_path": base, "weight_version": "0",
                                                           "flush_cache": True})
-        async with RolloutClient([h.url], pause_mode="in_place") as c:
+        async with SGLangRolloutClient([h.url], pause_mode="in_place") as c:
             tasks = [asyncio.create_task(c.generate(p, {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
                                                     rid=f"ip{i}")) for i, p in enumerate(prompts)]
             sched = h.server.scheduler

@@ -14,15 +14,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import sim_sglang as sim  # noqa: E402
 from _shared import wait_until  # noqa: E402, I001
 
+from areal_fast.backends.sglang.client import SGLangRolloutClient
 from areal_fast.config import ConfigError, RolloutConfig, from_dict  # noqa: E402
 from areal_fast.rollout.client import RequestError, RolloutError  # noqa: E402
 from areal_fast.rollout.sharded import ShardedRollout  # noqa: E402
 from areal_fast.sample import Sample  # noqa: E402
+from bench import sim_sglang as sim
 
 PROMPT = list(range(10, 17))
 MAX_NEW = 600
@@ -66,7 +65,7 @@ def test_every_request_answered_once_and_exact_across_pauses(mode):
 
     async def run():
         async with sim.SimCluster(4, cfg) as cluster:
-            async with ShardedRollout(cluster.urls, 2, api_key=KEY) as rollout:
+            async with ShardedRollout(cluster.urls, 2, client_class=SGLangRolloutClient, api_key=KEY) as rollout:
                 assert sorted(rollout.urls) == sorted(cluster.urls)
                 assert {tuple(w.urls) for w in rollout.workers} == {tuple(cluster.urls[0::2]),
                                                                     tuple(cluster.urls[1::2])}
@@ -101,7 +100,7 @@ def test_killed_worker_loses_nothing_and_is_named(caplog):
 
     async def run():
         async with sim.SimCluster(4, cfg) as cluster:
-            async with ShardedRollout(cluster.urls, 2, api_key=KEY) as rollout:
+            async with ShardedRollout(cluster.urls, 2, client_class=SGLangRolloutClient, api_key=KEY) as rollout:
                 rids = [f"k{i}" for i in range(24)]
                 tasks = [asyncio.create_task(rollout.generate(PROMPT, {"max_new_tokens": MAX_NEW}, r)) for r in rids]
                 await _progress(cluster)
@@ -136,7 +135,7 @@ def _gone(pid: int) -> bool:
 def test_close_leaves_no_process_and_fails_waiting_requests():
     async def run():
         async with sim.SimCluster(2, _cfg()) as cluster:
-            rollout = ShardedRollout(cluster.urls, 2, api_key=KEY)
+            rollout = ShardedRollout(cluster.urls, 2, client_class=SGLangRolloutClient, api_key=KEY)
             await rollout.start()
             pids = rollout.worker_pids()
             assert len(pids) == 2 and not any(_gone(p) for p in pids)
@@ -158,9 +157,10 @@ def test_api_key_and_options_reach_the_workers():
     async def run():
         async with sim.SimCluster(2, _cfg()) as cluster:
             with pytest.raises(RequestError, match="401"):  # a wrong key is the workers' first answer
-                async with ShardedRollout(cluster.urls, 2, api_key="wrong"):
+                async with ShardedRollout(cluster.urls, 2, client_class=SGLangRolloutClient, api_key="wrong"):
                     pass
-            async with ShardedRollout(cluster.urls, 2, api_key=KEY, pause_mode="abort") as rollout:
+            async with ShardedRollout(cluster.urls, 2, client_class=SGLangRolloutClient, api_key=KEY,
+                                      pause_mode="abort") as rollout:
                 await rollout.pause()
                 modes = dict(rollout.server_pause_modes)
                 await rollout.resume()
@@ -175,11 +175,11 @@ def test_api_key_and_options_reach_the_workers():
 def test_bad_options_and_requests_are_refused_before_any_process():
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     with pytest.raises(ValueError, match=r"client_processes: .*number of servers \(2\), got 3"):
-        ShardedRollout(urls, 3)
+        ShardedRollout(urls, 3, client_class=SGLangRolloutClient)
     with pytest.raises(ValueError, match="client_processes"):
-        ShardedRollout(urls, 0)
+        ShardedRollout(urls, 0, client_class=SGLangRolloutClient)
     with pytest.raises(ValueError, match="pause_mode"):
-        ShardedRollout(urls, 2, pause_mode="sometimes")
+        ShardedRollout(urls, 2, client_class=SGLangRolloutClient, pause_mode="sometimes")
 
 
 def test_client_processes_config_is_validated():
@@ -194,14 +194,14 @@ def test_client_processes_config_is_validated():
 
 
 _CONTROLLER = """
-import asyncio, json, sys
-sys.path.insert(0, {bench!r})
-import sim_sglang as sim
+import asyncio, json
+from bench import sim_sglang as sim
+from areal_fast.backends.sglang.client import SGLangRolloutClient
 from areal_fast.rollout.sharded import ShardedRollout
 
 async def main():
     async with sim.SimCluster(2, sim.SimConfig(api_key="k")) as cluster:
-        rollout = ShardedRollout(cluster.urls, 2, api_key="k")
+        rollout = ShardedRollout(cluster.urls, 2, client_class=SGLangRolloutClient, api_key="k")
         await rollout.start()
         print(json.dumps(rollout.worker_pids()), flush=True)
         await asyncio.sleep(3600)  # until killed
@@ -222,8 +222,8 @@ def test_workers_die_with_a_killed_controller():
     import json
     import subprocess
 
-    bench = str(Path(__file__).resolve().parents[2] / "bench")
-    proc = subprocess.Popen([sys.executable, "-c", _CONTROLLER.format(bench=bench)], stdout=subprocess.PIPE, text=True)
+    root = Path(__file__).resolve().parents[2]  # `python -c` puts its working folder on the path: bench.* imports
+    proc = subprocess.Popen([sys.executable, "-c", _CONTROLLER], stdout=subprocess.PIPE, text=True, cwd=root)
     try:
         line = proc.stdout.readline()
         assert line, f"the controller process exited with {proc.wait()} before starting its workers"

@@ -5,13 +5,10 @@ all its servers; every request is answered. Simulated SGLang servers (``bench/si
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import sim_sglang as sim  # noqa: E402
-
+from areal_fast.backends.sglang.client import SGLangRolloutClient
 from areal_fast.rollout.sharded import ShardedRollout  # noqa: E402
+from bench import sim_sglang as sim
 
 KEY = "k3y"
 PROMPT = list(range(10, 17))
@@ -24,7 +21,8 @@ def test_an_added_server_takes_requests_through_the_worker_that_lost_its_own():
     async def run():
         async with sim.SimCluster(3, cfg) as cluster:
             first, second, joiner = cluster.urls
-            async with ShardedRollout([first, second], 2, api_key=KEY) as rollout:
+            async with ShardedRollout([first, second], 2, client_class=SGLangRolloutClient,
+                                      api_key=KEY) as rollout:
                 assert rollout.remove_server(first)  # worker 0 is left without a server
                 await rollout.add_server(joiner + "/")
                 assert sorted(rollout.urls) == sorted([second, joiner])

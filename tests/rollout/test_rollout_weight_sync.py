@@ -3,13 +3,14 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from safetensors.torch import save_file
 
+from areal_fast.data.tiny_models import build_tiny_qwen2, hf_greedy, load_hf, perturbed_state_dict
+from areal_fast.embedded import start_engine_in_thread
 from areal_fast.netutil import find_free_port
-from areal_fast.rollout.engine import start_engine_in_thread
-from areal_fast.rollout.testing import build_tiny_qwen2, hf_greedy, load_hf, perturbed_state_dict
 
 PROBE = [4, 40, 14, 41]
 PROBE_TOKENS = 12
@@ -27,8 +28,8 @@ def setup(tmp_path_factory):
 def _run_sender(spec: dict, tmp) -> dict:
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    code = "from areal_fast.rollout.testing import reference_sender_main; reference_sender_main()"
-    proc = subprocess.run([sys.executable, "-c", code, str(spec_path)], capture_output=True, text=True, timeout=120)
+    sender = Path(__file__).with_name("reference_sender.py")
+    proc = subprocess.run([sys.executable, str(sender), str(spec_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(open(spec["result_path"]).read())
 

@@ -61,12 +61,15 @@ def test_the_engine_behaves_as_the_predicates_say_for_every_supported_release():
 
 
 def test_the_client_and_the_weight_sync_ask_compat():
-    from areal_fast.rollout.client import auto_pause_mode, is_caller_error
+    from areal_fast.backends.sglang.client import SGLangRolloutClient, auto_pause_mode
+    from areal_fast.rollout.client_pool import ServerState
 
     assert auto_pause_mode(Version("0.5.18")) == "abort" and auto_pause_mode(Version("0.5.19")) == "retract"
-    typeerror = "TypeError: __init__() got an unexpected keyword argument 'foo'"
-    assert is_caller_error(500, typeerror, Version("0.5.21"))  # before the schema: the 500 blames the request
-    assert not is_caller_error(500, typeerror, Version("0.5.22"))  # from 0.5.22 such a request is a 400
-    from areal_fast.weights.sync import uses_sessions
+    client = SGLangRolloutClient(["http://127.0.0.1:1"])
+    old, new = (ServerState("u", version=Version(v), info={"version": v}) for v in ("0.5.21", "0.5.22"))
+    assert client._caller_500(old)  # before the schema: a 500 naming a TypeError blames the request
+    assert not client._caller_500(new)  # from 0.5.22 such a request is a 400
+    assert client._caller_500(ServerState("u"))  # facts unknown: taken as the caller's
+    from areal_fast.backends.sglang.weight_sync import uses_sessions
 
     assert not uses_sessions("0.5.20") and uses_sessions("0.5.21") and uses_sessions("main-build")

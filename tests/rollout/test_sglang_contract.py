@@ -8,7 +8,7 @@
     ``SamplingParams(**params).normalize(None)`` / ``.verify(vocab)``, and on 0.5.22+ the schema
     check of ``sglang.srt.entrypoints.api_contract``. Every key we send must also be a field of
     that type: SGLang ignores unknown keys, so a misspelt option would silently do nothing.
-(c) Our SGLang launch command (``server_command("sglang", ...)``) parsed by
+(c) Our SGLang launch command (``sglang_server_command("sglang", ...)``) parsed by
     ``ServerArgs.add_cli_args`` + ``ServerArgs.from_cli_args``; the form the launcher uses, with the
     API key in a ``--config`` file, parsed by SGLang's own ``prepare_server_args``, which must find
     the key; and the embedded engine reads such a file exactly as SGLang does.
@@ -35,10 +35,11 @@ from packaging.version import Version
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_wheel import sglang_module  # noqa: E402
 
+from areal_fast.backends.keyfile import write_api_key_file  # noqa: E402
+from areal_fast.backends.sglang.client import SGLangRolloutClient  # noqa: E402
 from areal_fast.backends.sglang.compat import in_place_refusal  # noqa: E402
+from areal_fast.backends.sglang.server_command import sglang_server_command  # noqa: E402
 from areal_fast.rollout.calls import RolloutError  # noqa: E402
-from areal_fast.rollout.client import RolloutClient  # noqa: E402
-from areal_fast.rollout.server_command import server_command, write_api_key_file  # noqa: E402
 
 VERSIONS = ("0.5.6", "0.5.23")
 VOCAB = 256
@@ -128,7 +129,7 @@ def _record_client_calls(version: str) -> list[tuple[str, dict | None]]:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         try:
-            async with RolloutClient([url], api_key="k") as c:
+            async with SGLangRolloutClient([url], api_key="k") as c:
                 await c.generate([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
                                              "min_p": 0.05, "stop_token_ids": [2], "ignore_eos": True}, rid="g0")
                 held = asyncio.create_task(c.generate([4, 5], {"max_new_tokens": 3}, rid="held-1"))
@@ -168,7 +169,7 @@ def test_rollout_client_bodies_parse_with_sglang_types(version):
 # ----------------------------------------------------------------------------- (c) launch command
 @pytest.mark.parametrize("version", VERSIONS)
 def test_sglang_launch_command_parses_with_sglang_server_args(version, monkeypatch):
-    cmd = server_command("sglang", "/models/qwen", "127.0.0.1", 30001, tp_size=2, api_key="key",
+    cmd = sglang_server_command("sglang", "/models/qwen", "127.0.0.1", 30001, tp_size=2, api_key="key",
                          weight_version="0", load_format="dummy", dtype="bfloat16", seed=3,
                          max_running_requests=64, mem_fraction_static=0.7, disable_radix_cache=True,
                          enable_memory_saver=True, skip_server_warmup=True)
@@ -204,7 +205,7 @@ def _prepare_server_args(version: str, argv: list[str], monkeypatch):
 def test_sglang_reads_the_api_key_from_the_config_file_we_pass(version, tmp_path, monkeypatch):
     key = os.urandom(16).hex()
     key_file = write_api_key_file(tmp_path / "secrets", key)
-    cmd = server_command("sglang", "/models/qwen", "127.0.0.1", 30001, tp_size=2, api_key_file=key_file,
+    cmd = sglang_server_command("sglang", "/models/qwen", "127.0.0.1", 30001, tp_size=2, api_key_file=key_file,
                          weight_version="0", seed=3)
     assert key not in " ".join(cmd) and "--api-key" not in cmd
     sa = _prepare_server_args(version, cmd[3:], monkeypatch)
@@ -217,7 +218,7 @@ def test_sglang_reads_the_api_key_from_the_config_file_we_pass(version, tmp_path
 def test_the_engine_reads_a_config_file_as_sglang_does(version, tmp_path, monkeypatch):
     """The same argv and file give the same values to SGLang and to the embedded engine: the file's
     options, under the command line's (``--port`` is in both; the command line wins)."""
-    from areal_fast.rollout.engine.__main__ import parse_args
+    from areal_fast.embedded.__main__ import parse_args
 
     monkeypatch.delenv("AREAL_FAST_API_KEY", raising=False)
     f = tmp_path / "server.yaml"

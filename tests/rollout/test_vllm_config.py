@@ -1,4 +1,4 @@
-"""rollout.backend 'vllm' at config load: accepted where vLLM serves it, refused with the reason where
+"""rollout.api 'vllm' at config load: accepted where vLLM serves it, refused with the reason where
 not (the version, pause mode, weights method and engine rules of ``backends/vllm/compat.py``); and the
 request builders' own refusals. Torch-free, fast."""
 
@@ -20,35 +20,35 @@ EXAMPLE = "examples/tiny_reverse.yaml"
 
 
 @pytest.mark.parametrize("overrides", [
-    ["rollout.backend=vllm", "weights.method=disk"],
-    ["rollout.backend=vllm", "weights.method=disk", "rollout.vllm_version=0.27.0"],
-    ["rollout.backend=vllm", "weights.method=disk", "rollout.pause_mode=abort"],
-    ["rollout.backend=vllm"],  # weights.method distributed: vLLM's weight transfer (backends/vllm/transfer.py)
-    ["rollout.backend=vllm", "rollout.vllm_version=0.27.0"],
+    ["rollout.api=vllm", "weights.method=disk"],
+    ["rollout.api=vllm", "weights.method=disk", "rollout.vllm_version=0.27.0"],
+    ["rollout.api=vllm", "weights.method=disk", "rollout.pause_mode=abort"],
+    ["rollout.api=vllm"],  # weights.method distributed: vLLM's weight transfer (backends/vllm/transfer.py)
+    ["rollout.api=vllm", "rollout.vllm_version=0.27.0"],
 ])
 def test_config_check_accepts_backend_vllm(overrides):
     cfg = load_config(EXAMPLE, overrides)
-    assert cfg.rollout.backend == "vllm"
+    assert cfg.rollout.api == "vllm"
 
 
 @pytest.mark.parametrize("overrides, needles", [
-    (["rollout.backend=vllm", "rollout.vllm_version=0.11.0"], ["0.11.0", "/update_weight_version", "0.27.0"]),
-    (["rollout.backend=vllm", "rollout.vllm_version=0.14.0", "rollout.pause_mode=abort"], ["0.14.0", "0.27.0"]),
-    (["rollout.backend=vllm", "rollout.vllm_version=0.21.0", "rollout.pause_mode=abort"],
+    (["rollout.api=vllm", "rollout.vllm_version=0.11.0"], ["0.11.0", "/update_weight_version", "0.27.0"]),
+    (["rollout.api=vllm", "rollout.vllm_version=0.14.0", "rollout.pause_mode=abort"], ["0.14.0", "0.27.0"]),
+    (["rollout.api=vllm", "rollout.vllm_version=0.21.0", "rollout.pause_mode=abort"],
      ["0.21.0", "/update_weight_version", "0.27.0"]),
-    (["rollout.backend=vllm", "weights.method=disk", "rollout.vllm_version=0.26.0"], ["0.26.0", "0.27.0"]),
-    (["rollout.backend=vllm", "weights.method=disk", "rollout.client_processes=2", "rollout.n_servers=2"],
+    (["rollout.api=vllm", "weights.method=disk", "rollout.vllm_version=0.26.0"], ["0.26.0", "0.27.0"]),
+    (["rollout.api=vllm", "weights.method=disk", "rollout.client_processes=2", "rollout.n_servers=2"],
      ["client_processes"]),
-    (["rollout.backend=vllm", "weights.method=disk", "rollout.vllm_version=0.20.0", "rollout.pause_mode=in_place",
+    (["rollout.api=vllm", "weights.method=disk", "rollout.vllm_version=0.20.0", "rollout.pause_mode=in_place",
       "rollout.servers=[http://127.0.0.1:8000]"], ["in_place", "0.33.0", "0.20.0"]),
-    (["rollout.backend=vllm", "weights.method=disk", "rollout.pause_mode=retract"], ["retract", "SGLang"]),
-    (["rollout.backend=vllm", "rollout.vllm_version=0.10.2"], ["0.10.2", "0.11.0 to 0.33.0"]),
-    (["rollout.backend=vllm", "rollout.vllm_version=banana"], ["banana"]),
-    (["rollout.backend=vllm", "rollout.engine=sglang"], ["engine", "sglang"]),
-    (["rollout.backend=tgi"], ["backend", "tgi"]),
-    (["rollout.backend=vllm", "rollout.engine=vllm", "weights.method=disk",
+    (["rollout.api=vllm", "weights.method=disk", "rollout.pause_mode=retract"], ["retract", "SGLang"]),
+    (["rollout.api=vllm", "rollout.vllm_version=0.10.2"], ["0.10.2", "0.11.0 to 0.33.0"]),
+    (["rollout.api=vllm", "rollout.vllm_version=banana"], ["banana"]),
+    (["rollout.api=vllm", "rollout.server=sglang"], ["engine", "sglang"]),
+    (["rollout.api=tgi"], ["backend", "tgi"]),
+    (["rollout.api=vllm", "rollout.server=vllm", "weights.method=disk",
       "rollout.server_args=[--load-format,dummy]"], ["--load-format dummy", "disk"]),
-    (["rollout.backend=vllm", "rollout.engine=vllm", "rollout.server_python=/nonexistent/python"],
+    (["rollout.api=vllm", "rollout.server=vllm", "rollout.server_python=/nonexistent/python"],
      ["server_python", "/nonexistent/python"]),
     (["rollout.server_env={OMP_NUM_THREADS: '4'}"], ["server_env", "OMP_NUM_THREADS"]),
 ])

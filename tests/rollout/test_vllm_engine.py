@@ -18,13 +18,13 @@ import urllib.error
 import urllib.request
 
 import pytest
-from _shared import perturbed_checkpoint, tiny_model, until_running
+from _shared import perturbed_checkpoint, tiny_model, until_running, wait_until
 from tolerances import ENGINE_LOGPROB_ATOL
 
 from areal_fast.backends.vllm.client import VLLMRolloutClient
 from areal_fast.backends.vllm.disk import VLLMDiskCalls
-from areal_fast.rollout.engine import start_engine_in_thread
-from areal_fast.rollout.testing import hf_greedy, hf_logprobs, load_hf
+from areal_fast.data.tiny_models import hf_greedy, hf_logprobs, load_hf
+from areal_fast.embedded import start_engine_in_thread
 from areal_fast.weights.errors import WeightSyncError
 
 VOCAB = 256
@@ -131,7 +131,7 @@ def test_abort_pause_resubmits_prompt_plus_partial_output(twin):
                                                            "temperature": 1.0}, rid="cut"))
             await until_running(twin, 2, task=task)
             await c.pause_all()
-            await asyncio.sleep(0.05)
+            await wait_until(lambda: c.servers[0].in_flight == 0, "the aborted segment to come back")
             await c.continue_all()
             return await asyncio.wait_for(task, 120)
 

@@ -80,14 +80,12 @@ def test_a_mask_that_is_not_binary_is_refused_naming_the_sample():
         as_sample({**s, "loss_mask": None, "output_logprobs": array("d", [0.0, 0.0])})
 
 
-def test_a_dict_with_the_old_log_prob_key_still_trains_with_a_warning():
-    """Batches written for the trainer's command line before the one sample record name the
-    behaviour log-probs ``behav_logprobs``: read, with a DeprecationWarning; a missing key is named."""
+def test_a_dict_without_a_column_is_refused_naming_it():
+    """A sample dict must name every column by the record's names; a missing key is named (the
+    behaviour log-probs are ``output_logprobs``, never ``behav_logprobs`` on a sample)."""
     s = _sample(3, 4, seed=3, multi_turn=False)
     old = {("behav_logprobs" if k == "output_logprobs" else k): v for k, v in s.items()}
-    with pytest.warns(DeprecationWarning, match="output_logprobs"):
-        got = to_seq(as_sample(old))
-    want = to_seq(as_sample(s))
-    assert torch.equal(got.behav_logprobs, want.behav_logprobs)
+    with pytest.raises(ValueError, match="sample 0 lacks key 'output_logprobs'"):
+        as_sample(old)
     with pytest.raises(ValueError, match="sample 2 lacks key 'group_id'"):
         as_sample({k: v for k, v in s.items() if k != "group_id"}, 2)

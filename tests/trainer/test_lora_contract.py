@@ -5,13 +5,9 @@ import dataclasses
 
 import pytest
 
-from areal_fast.trainer.lora_config import LoRAConfig, server_lora_args
-from areal_fast.weights.lora_sync import (
-    sglang_load_body,
-    sglang_unload_body,
-    sglang_weight_version_body,
-    vllm_load_body,
-)
+from areal_fast.backends.sglang.lora_sync import sglang_load_body, sglang_unload_body, sglang_weight_version_body
+from areal_fast.backends.vllm.lora_sync import vllm_load_body
+from areal_fast.lora_config import LoRAConfig, server_lora_args
 
 pytestmark = pytest.mark.slow  # imports (and on first use downloads) the servers' sources
 

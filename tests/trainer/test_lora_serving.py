@@ -13,9 +13,10 @@ import urllib.request
 import pytest
 import torch
 from test_trainer_actor import make_tiny_model
+from tolerances import ENGINE_LOGPROB_ATOL
 
-from areal_fast.rollout.engine import start_engine_in_thread
-from areal_fast.trainer.lora_config import LoRAConfig
+from areal_fast.embedded import start_engine_in_thread
+from areal_fast.lora_config import LoRAConfig
 from areal_fast.weights import WeightSyncConfig
 
 PROMPT = [5, 9, 13, 17, 21]
@@ -34,7 +35,7 @@ def adapter_tensors(base, seed):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from areal_fast.trainer.lora import peft_config
+    from areal_fast.weights.adapter import peft_config
 
     torch.manual_seed(seed)
     pm = get_peft_model(AutoModelForCausalLM.from_pretrained(base), peft_config(CFG))
@@ -79,7 +80,7 @@ def post(url, body=None):
 
 
 def write(tmp_path, name, tensors, base):
-    from areal_fast.trainer.lora import write_adapter
+    from areal_fast.weights.adapter import write_adapter
 
     path = str(tmp_path / name)
     write_adapter(path, tensors, CFG, base)
@@ -102,11 +103,11 @@ def test_sglang_api_serves_the_named_adapter_as_peft_computes_it(base, tmp_path)
         ids, lps, _ = sglang_generate(h.url, 8, lora_path="run-a")
         ref_ids, ref_lps = peft_greedy(base, a_dir, 8)
         assert ids == ref_ids
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=ENGINE_LOGPROB_ATOL, rtol=0)
         base_ids, base_lps, _ = sglang_generate(h.url, 8)  # no lora_path: the base, untouched
         ref_ids, ref_lps = peft_greedy(base, None, 8)
         assert base_ids == ref_ids and base_lps != lps
-        torch.testing.assert_close(torch.tensor(base_lps), torch.tensor(ref_lps), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(base_lps), torch.tensor(ref_lps), atol=ENGINE_LOGPROB_ATOL, rtol=0)
         code, ans = post(f"{h.url}/load_lora_adapter", {"lora_name": "run-a", "lora_path": a_dir})
         assert code == 400 and "already loaded" in ans["error_message"]  # SGLang: unload first
         assert post(f"{h.url}/unload_lora_adapter", {"lora_name": "run-a"})[0] == 200
@@ -120,13 +121,13 @@ def test_sglang_api_serves_the_named_adapter_as_peft_computes_it(base, tmp_path)
 
 
 def test_adapter_only_update_replaces_the_adapter_and_labels_the_version(base, tmp_path):
-    from areal_fast.weights.lora_sync import LoRAAdapterSync
+    from areal_fast.backends.sglang.lora_sync import SGLangLoRASync
 
     h = start_engine_in_thread(base, enable_lora=True, max_lora_rank=8, weight_version="0")
     full_loads = []
     h.server.receiver.load = lambda named: full_loads.append(named)  # a full-weight load would land here
-    sync = LoRAAdapterSync([h.url], WeightSyncConfig(save_root=str(tmp_path / "ws")), lora=CFG, api="sglang",
-                           base_model=base)
+    sync = SGLangLoRASync([h.url], WeightSyncConfig(save_root=str(tmp_path / "ws")), lora=CFG,
+                          base_model=base)
     try:
         dirs = []
         for version, seed in ((1, 1), (2, 2)):
@@ -138,7 +139,7 @@ def test_adapter_only_update_replaces_the_adapter_and_labels_the_version(base, t
         _ids, lps, ans = sglang_generate(h.url, 6, lora_path="run-a")
         assert ans["meta_info"]["weight_version"] == "2"
         _ref_ids, ref_lps = peft_greedy(base, dirs[1], 6)
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=ENGINE_LOGPROB_ATOL, rtol=0)
         assert not os.path.exists(dirs[0]) and os.path.isdir(dirs[1])  # the previous version's files removed
         assert full_loads == []
     finally:
@@ -147,11 +148,11 @@ def test_adapter_only_update_replaces_the_adapter_and_labels_the_version(base, t
 
 
 def test_vllm_api_in_place_replacement_labels_each_token_with_its_adapter_version(base, tmp_path):
-    from areal_fast.weights.lora_sync import LoRAAdapterSync
+    from areal_fast.backends.vllm.lora_sync import VLLMLoRASync
 
     h = start_engine_in_thread(base, enable_lora=True, max_lora_rank=8, api="vllm", vllm_version="0.33.0",
                                weight_version="0")
-    sync = LoRAAdapterSync([h.url], WeightSyncConfig(save_root=str(tmp_path / "ws")), lora=CFG, api="vllm")
+    sync = VLLMLoRASync([h.url], WeightSyncConfig(save_root=str(tmp_path / "ws")), lora=CFG)
     state = {k.removeprefix("base_model.model.").replace(".lora_A.", ".lora_A.default.")
              .replace(".lora_B.", ".lora_B.default."): v for k, v in adapter_tensors(base, 1).items()}
     try:
@@ -210,6 +211,7 @@ def test_one_batch_serves_each_row_with_its_own_adapter_or_the_base(base, tmp_pa
         for key, adapter in (("lora", a_dir), ("base", None)):
             ref_ids, ref_lps = peft_greedy(base, adapter, 12, prompts[key])
             assert out[key][0] == ref_ids, key
-            torch.testing.assert_close(torch.tensor(out[key][1]), torch.tensor(ref_lps), atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(out[key][1]), torch.tensor(ref_lps), atol=ENGINE_LOGPROB_ATOL,
+                                       rtol=0)
     finally:
         h.stop()

@@ -21,14 +21,14 @@ N_NEW = 10
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> str:
-    from areal_fast.rollout.testing import build_tiny_qwen3_moe
+    from areal_fast.data.tiny_models import build_tiny_qwen3_moe
 
     return build_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_moe")), vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module")
 def hf_moe(moe_dir):
-    from areal_fast.rollout.testing import load_hf
+    from areal_fast.data.tiny_models import load_hf
 
     return load_hf(moe_dir)
 
@@ -61,9 +61,9 @@ def test_checkpoint_layout_is_what_transformers_saves(moe_dir, hf_moe):
 def test_renamed_bucket_is_the_same_bytes_in_checkpoint_layout(hf_moe):
     """A gathered bucket renamed to the checkpoint layout: every per-expert tensor read from the
     bucket's bytes at its new offset equals transformers' split, and the bucket stays unpadded."""
+    from areal_fast.backends.sglang.weight_sync import check_unpadded
     from areal_fast.weights.experts import to_checkpoint_layout, to_checkpoint_state
     from areal_fast.weights.gather import BucketGatherer, collect_sources, send_dtypes
-    from areal_fast.weights.sync import check_unpadded
 
     state = _fused_state(hf_moe)
     src = collect_sources(state)
@@ -106,7 +106,7 @@ def test_trainer_recompute_equals_hf_and_a_step_moves_experts_and_router(moe_dir
     # the export is a checkpoint in the per-expert layout that transformers loads as the trained model
     from safetensors import safe_open
 
-    from areal_fast.rollout.testing import load_hf
+    from areal_fast.data.tiny_models import load_hf
     from areal_fast.trainer import export_hf
 
     export_hf(actor, str(tmp_path / "export"))
@@ -132,7 +132,7 @@ def _greedy(url, prompt=PROMPT, n=N_NEW):
 
 @pytest.fixture(scope="module")
 def engine(moe_dir):
-    from areal_fast.rollout.engine.launch import launch_engine_subprocess
+    from areal_fast.embedded.launch import launch_engine_subprocess
 
     # a process of its own: the weight group's name is registered once per process on each side
     h = launch_engine_subprocess(moe_dir, dtype="float32")
@@ -146,7 +146,7 @@ def engine(moe_dir):
 def test_embedded_engine_serves_moe_as_hf(engine, hf_moe):
     """Greedy tokens equal HF's generate and the engine's log-probs a fresh HF forward, also for a
     batch of different prompts served together (routing is per token: batching must not change it)."""
-    from areal_fast.rollout.testing import hf_greedy, hf_logprobs
+    from areal_fast.data.tiny_models import hf_greedy, hf_logprobs
 
     async def many(bodies):
         return await asyncio.gather(*[asyncio.to_thread(_post, engine.url, "/generate", b) for b in bodies])
@@ -168,8 +168,9 @@ def test_weight_sync_into_engine_sends_checkpoint_layout(engine, moe_dir):
     then equals HF holding the same weights; the disk path wrote the per-expert checkpoint names."""
     from safetensors import safe_open
 
-    from areal_fast.rollout.testing import hf_greedy, hf_logprobs, load_hf, perturbed_state_dict
-    from areal_fast.weights.sync import DiskWeightSync, DistributedWeightSync, WeightSyncConfig
+    from areal_fast.backends.sglang.weight_sync import DiskWeightSync, DistributedWeightSync
+    from areal_fast.data.tiny_models import hf_greedy, hf_logprobs, load_hf, perturbed_state_dict
+    from areal_fast.weights.sync import WeightSyncConfig
 
     before = _greedy(engine.url)[0]
 
@@ -184,7 +185,7 @@ def test_weight_sync_into_engine_sends_checkpoint_layout(engine, moe_dir):
     s1 = perturbed_state_dict(moe_dir, seed=1)  # the model's fused names, as the trainer holds them
     assert "model.layers.0.mlp.experts.gate_up_proj" in s1
     sync = DistributedWeightSync([engine.url], WeightSyncConfig(
-        bucket_bytes=24 << 10, backend="gloo", timeout_s=60, dtype="bfloat16", group_name="moe_weight_group"))
+        bucket_bytes=24 << 10, collective="gloo", timeout_s=60, dtype="bfloat16", group_name="moe_weight_group"))
     wire: list[str] = []
     submit = sync.http.submit
 
@@ -214,7 +215,7 @@ def test_weight_sync_into_engine_sends_checkpoint_layout(engine, moe_dir):
     # delta updates: after a whole update, one that moves only some expert elements goes as a delta
     s3 = perturbed_state_dict(moe_dir, seed=3)
     delta = DistributedWeightSync([engine.url], WeightSyncConfig(
-        bucket_bytes=24 << 10, backend="gloo", timeout_s=60, dtype="bfloat16", group_name="moe_delta_group",
+        bucket_bytes=24 << 10, collective="gloo", timeout_s=60, dtype="bfloat16", group_name="moe_delta_group",
         delta="on"))
     try:
         delta.update(s3, 5)
@@ -241,21 +242,21 @@ def test_moe_recipe_config_is_checked_at_load_and_builds_qwen3_moe():
     from areal_fast.configutil import ConfigError
     from areal_fast.data import tiny_task
     from areal_fast.data.tokenizer import CharTokenizer
-    from areal_fast.data.warm_start import build_tiny_qwen2, signature
+    from areal_fast.data.warm_start import build_tiny_model, signature
 
     root = Path(__file__).resolve().parents[2] / "examples"
     cfg = load_config(root / "tiny_reverse_moe.yaml", ["model.warm_start.hidden_size=64",
                                                        "model.warm_start.num_attention_heads=2"])
-    model = build_tiny_qwen2(cfg, CharTokenizer(tiny_task.vocabulary(cfg.data.synthetic)))
+    model = build_tiny_model(cfg.warm_start_recipe(), CharTokenizer(tiny_task.vocabulary(cfg.data.synthetic)))
     assert isinstance(model, transformers.Qwen3MoeForCausalLM)
     c = model.config
     assert (c.num_experts, c.num_experts_per_tok, c.head_dim, c.decoder_sparse_step) == (4, 2, 32, 1)
-    assert signature(cfg)["model"]["num_experts"] == 4
+    assert signature(cfg.warm_start_recipe())["model"]["num_experts"] == 4
     with pytest.raises(ConfigError, match=r"model\.warm_start\.arch: must be one of"):
         load_config(root / "tiny_reverse_moe.yaml", ["model.warm_start.arch=mixtral"])
     with pytest.raises(ConfigError, match=r"model\.warm_start\.num_experts_per_tok: must be <= num_experts"):
         load_config(root / "tiny_reverse_moe.yaml", ["model.warm_start.num_experts_per_tok=5"])
-    dense = signature(load_config(root / "tiny_reverse.yaml"))
+    dense = signature(load_config(root / "tiny_reverse.yaml").warm_start_recipe())
     assert "arch" not in dense["warm_start"] and "num_experts" not in dense["model"]
 
 
@@ -269,8 +270,8 @@ def test_vllm_transfer_into_the_twin_carries_the_experts_bitwise(moe_dir, tmp_pa
     import sys
     from pathlib import Path
 
-    from areal_fast.rollout.engine import start_engine_in_thread
-    from areal_fast.rollout.testing import perturbed_state_dict
+    from areal_fast.data.tiny_models import perturbed_state_dict
+    from areal_fast.embedded import start_engine_in_thread
 
     sender = Path(__file__).resolve().parents[1] / "weights" / "_vllm_sender.py"
     state = perturbed_state_dict(moe_dir, seed=9)

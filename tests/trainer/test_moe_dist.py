@@ -65,7 +65,7 @@ def worker(model_path, out_dir):
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
-    from areal_fast.rollout.testing import build_tiny_qwen3_moe
+    from areal_fast.data.tiny_models import build_tiny_qwen3_moe
 
     root = tmp_path_factory.mktemp("moe_dist")
     model_path = build_tiny_qwen3_moe(str(root / "model"), vocab_size=VOCAB, seed=7)

@@ -11,7 +11,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> str:
-    from areal_fast.rollout.testing import build_tiny_qwen3_moe
+    from areal_fast.data.tiny_models import build_tiny_qwen3_moe
 
     return build_tiny_qwen3_moe(str(tmp_path_factory.mktemp("moe_routing")), vocab_size=100)
 
@@ -27,8 +27,8 @@ def _k3(trainer, behaviour):
 
 
 def test_replaying_the_models_own_routing_changes_nothing_and_another_routing_is_used(moe_dir):
+    from areal_fast.data.tiny_models import load_hf
     from areal_fast.moe_routing import record_routing, replay_routing, routers
-    from areal_fast.rollout.testing import load_hf
 
     model = load_hf(moe_dir)
     assert len(routers(model)) == 2
@@ -50,8 +50,8 @@ def test_replaying_the_models_own_routing_changes_nothing_and_another_routing_is
 
 
 def test_replaying_the_bf16_servers_routing_removes_most_of_the_mismatch(moe_dir):
+    from areal_fast.data.tiny_models import load_hf
     from areal_fast.moe_routing import record_routing, replay_routing, routers
-    from areal_fast.rollout.testing import load_hf
 
     trainer = load_hf(moe_dir)
     server = load_hf(moe_dir).to(torch.bfloat16)

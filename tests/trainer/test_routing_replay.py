@@ -12,6 +12,7 @@ from array import array
 import numpy as np
 import pytest
 import torch
+from tolerances import FP32_MOE_LOGPROB_ATOL
 
 from areal_fast.sample import Sample
 
@@ -138,7 +139,7 @@ def test_answer_refuses_a_routing_field_that_is_not_a_string():
 def moe(tmp_path_factory):
     from test_trainer_actor import VOCAB
 
-    from areal_fast.rollout.testing import build_tiny_qwen3_moe, load_hf
+    from areal_fast.data.tiny_models import build_tiny_qwen3_moe, load_hf
 
     path = build_tiny_qwen3_moe(str(tmp_path_factory.mktemp("moe_replay")), vocab_size=VOCAB)
     return path, load_hf(path).eval()
@@ -164,7 +165,7 @@ def test_the_actor_replays_the_recorded_routing_only_when_asked(moe):
     want = [hf_logprobs(hf, s) for s in batch]
     plain = actor_for(path, max_tokens_per_mb=64)
     for lp, w in zip(plain.compute_logprobs(batch), want):  # off by default: the record is not used
-        torch.testing.assert_close(lp, w, atol=1e-4, rtol=0)
+        torch.testing.assert_close(lp, w, atol=FP32_MOE_LOGPROB_ATOL, rtol=0)
     stats = plain.train_batch(batch, version=0)  # but compared: every recorded pair differs from its own
     assert stats["routing_differ_fraction"] == 1.0 and "routing_replayed_fraction" not in stats
     replay = actor_for(path, max_tokens_per_mb=64, ppo={"routing_replay": True})
@@ -173,11 +174,11 @@ def test_the_actor_replays_the_recorded_routing_only_when_asked(moe):
     for s in batch:  # HF's own routing replayed: HF's log-probs
         s.routed_experts = _own_routing(hf, s).flatten().tolist()
     for lp, w in zip(replay.compute_logprobs(batch), want):
-        torch.testing.assert_close(lp, w, atol=1e-4, rtol=0)
+        torch.testing.assert_close(lp, w, atol=FP32_MOE_LOGPROB_ATOL, rtol=0)
     batch[0].routed_experts = [-1] * len(batch[0].routed_experts)  # unrecorded rows: routed by the trainer
     batch[1].routed_experts = []  # no record at all
     for lp, w in zip(replay.compute_logprobs(batch), want):
-        torch.testing.assert_close(lp, w, atol=1e-4, rtol=0)
+        torch.testing.assert_close(lp, w, atol=FP32_MOE_LOGPROB_ATOL, rtol=0)
     stats = replay.train_batch(batch, version=0)
     n = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in batch]
     assert stats["routing_replayed_fraction"] == pytest.approx(sum(n[2:]) / sum(n))
@@ -188,6 +189,7 @@ def test_the_actor_replays_the_recorded_routing_only_when_asked(moe):
 
 
 def test_routing_replay_options_are_checked_at_load():
+    from areal_fast.backends.checks import check_rollout_servers
     from areal_fast.config import load_config
     from areal_fast.rollout.config import RolloutConfig
 
@@ -197,7 +199,8 @@ def test_routing_replay_options_are_checked_at_load():
         load_config(None, ["rollout.return_routed_experts=true", "model.warm_start.enabled=true",
                            "data.train=synthetic:reverse"])
     with pytest.raises(ValueError, match="vLLM returns routing from 0.32.0 on"):
-        RolloutConfig(backend="vllm", engine="vllm", vllm_version="0.27.0", return_routed_experts=True)
+        check_rollout_servers(RolloutConfig(api="vllm", server="vllm", vllm_version="0.27.0",
+                                            return_routed_experts=True), "disk")
 
 
 def test_routing_width_comes_from_the_models_config(moe, tmp_path):

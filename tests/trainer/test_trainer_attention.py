@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
-from tolerances import FP32_SHORT_ATTN_ATOL
+from tolerances import FP32_SHORT_ATTN_ATOL, FP32_SHORT_ATTN_GRAD_TOL
 
 from areal_fast.trainer import attention
 from areal_fast.trainer.attention import varlen_attention_ref
@@ -140,7 +140,7 @@ def _assert_same(got, want):
     torch.testing.assert_close(out, want_out, atol=FP32_SHORT_ATTN_ATOL, rtol=0)
     for a, b in zip(grads, want_grads):  # dK, dV: summed over each KV head's query group, as the repeat's backward
         assert a.shape == b.shape
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a, b, **FP32_SHORT_ATTN_GRAD_TOL)
 
 
 @pytest.mark.parametrize("fake", [fake_varlen_2_10, fake_varlen_2_11, fake_varlen_2_13])

@@ -92,7 +92,7 @@ def test_damaged_shard_raises_an_error_naming_the_checkpoint(saved, tmp_path):
         load_checkpoint(actor, str(copy))
 
 
-# ----------------------------------------------------------------------------- issue 32: M4, L10
+# ----------------------------------------------------------------------------- edited or damaged checkpoints
 
 
 def _copy(saved, tmp_path):
@@ -277,7 +277,7 @@ def test_dcp_metadata_globals_are_an_explicit_list_of_classes():
 
 
 def test_the_trainer_state_temporary_is_created_exclusively_and_never_through_a_symlink(tmp_path):
-    from areal_fast.launch.run_dir import UnsafeOutputDir
+    from areal_fast.diskutil import UnsafeOutputDir
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")

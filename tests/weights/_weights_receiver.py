@@ -31,7 +31,7 @@ def _receive(pg, names, dtypes, shapes, load_format):
     import torch
     import torch.distributed as dist
 
-    from areal_fast.weights.sync import init_custom_process_group  # noqa: F401 (same helper as SGLang's)
+    from areal_fast.weights.sync import init_custom_process_group  # noqa: F401 same helper as SGLang's
 
     metas = [(n, getattr(torch, d), tuple(s)) for n, d, s in zip(names, dtypes, shapes)]
     out = {}

@@ -63,8 +63,9 @@ def main():
     rank = dist.get_rank()
     from torch.distributed.fsdp import fully_shard
 
+    from areal_fast.backends.sglang.weight_sync import DiskWeightSync, DistributedWeightSync
     from areal_fast.weights.layout import ModelSpec
-    from areal_fast.weights.sync import DiskWeightSync, DistributedWeightSync, WeightSyncConfig, WeightSyncError
+    from areal_fast.weights.sync import WeightSyncConfig, WeightSyncError
 
     model = tiny_qwen2()
     spec = ModelSpec.from_hf_config(model.config)

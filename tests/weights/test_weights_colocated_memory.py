@@ -15,9 +15,9 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from areal_fast.backends.sglang import colocated
+from areal_fast.backends.sglang.colocated import ColocatedWeightSync
 from areal_fast.trainer.model import init_process_group_if_needed
-from areal_fast.weights import colocated
-from areal_fast.weights.colocated import ColocatedWeightSync
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.layout import ModelSpec, hf_to_sglang
 

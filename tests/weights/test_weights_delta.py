@@ -3,7 +3,7 @@ server's weights bitwise equal to a whole update.
 
 In one process, like test_weights_session: a real gloo weight group whose server ranks run in
 threads behind SGLang-like fake servers (tests/fakes.py). The engine-like server loads what it gets
-through the embedded engine's own ``WeightReceiver`` (``rollout/engine/weight_sync.py``), which
+through the embedded engine's own ``WeightReceiver`` (``embedded/weight_sync.py``), which
 applies deltas natively, and says ``engine: areal_fast.embedded`` in /server_info like the engine.
 """
 
@@ -15,12 +15,12 @@ import sys
 import pytest
 import torch
 
-from areal_fast.rollout.engine.weight_sync import WeightReceiver
+from areal_fast.backends.sglang.weight_sync import DistributedWeightSync
+from areal_fast.embedded.weight_sync import WeightReceiver
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.delta import DeltaEncoder, wants_delta
 from areal_fast.weights.delta_wire import DELTA_IDX, parse_delta_name, split_entries
 from areal_fast.weights.gather import Bucket
-from areal_fast.weights.sync import DistributedWeightSync
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fakes import FakeServer  # noqa: E402
@@ -102,7 +102,7 @@ def _assert_bitwise(model, state, dtype=torch.bfloat16):
 
 
 def _cfg(**kw):
-    base = dict(bucket_bytes=1 << 10, dtype="bfloat16", backend="gloo", timeout_s=TIMEOUT_S)
+    base = dict(bucket_bytes=1 << 10, dtype="bfloat16", collective="gloo", timeout_s=TIMEOUT_S)
     base.update(kw)
     return WeightSyncConfig(**base)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_fast import backend
+from areal_fast import dispatch
 from areal_fast.weights.delta_codec import delta_apply, delta_apply_ref, delta_encode, delta_encode_ref
 
 # bf16 bit patterns that float compares get wrong: +0/-0, two NaN payloads, +-inf, a subnormal
@@ -58,8 +58,8 @@ def _backends():
 
 def _need(name: str, device="cpu"):
     try:
-        backend.select("weights.delta_encode", device, backend=name)
-    except backend.BackendUnavailable as e:
+        dispatch.select("weights.delta_encode", device, backend=name)
+    except dispatch.BackendUnavailable as e:
         pytest.skip(str(e))
 
 

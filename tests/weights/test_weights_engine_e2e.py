@@ -1,4 +1,4 @@
-"""End to end against the embedded engine (areal_fast.rollout.engine) in a subprocess: the
+"""End to end against the embedded engine (areal_fast.embedded) in a subprocess: the
 trainer (this process, no FSDP) pushes new weights through the broadcast path and the disk
 path; the engine's weight_version changes and its greedy continuation equals a local HF model
 holding the same bf16-rounded weights."""
@@ -29,8 +29,8 @@ def _get(url, path):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from areal_fast.rollout.engine.launch import launch_engine_subprocess
-    from areal_fast.rollout.testing import build_tiny_qwen2
+    from areal_fast.data.tiny_models import build_tiny_qwen2
+    from areal_fast.embedded.launch import launch_engine_subprocess
 
     base = build_tiny_qwen2(str(tmp_path_factory.mktemp("e2e") / "base"))
     h = launch_engine_subprocess(base, dtype="float32")
@@ -47,7 +47,7 @@ def _engine_greedy(url):
 
 
 def _expected_greedy(base, state):
-    from areal_fast.rollout.testing import hf_greedy, load_hf
+    from areal_fast.data.tiny_models import hf_greedy, load_hf
 
     model = load_hf(base, {k: v.to(torch.bfloat16).float() for k, v in state.items()})
     return hf_greedy(model, PROMPT, N_NEW)
@@ -55,13 +55,14 @@ def _expected_greedy(base, state):
 
 @pytest.mark.slow  # an engine subprocess
 def test_broadcast_then_disk_update_real_engine(engine):
-    from areal_fast.rollout.testing import perturbed_state_dict
-    from areal_fast.weights.sync import DiskWeightSync, DistributedWeightSync, WeightSyncConfig
+    from areal_fast.backends.sglang.weight_sync import DiskWeightSync, DistributedWeightSync
+    from areal_fast.data.tiny_models import perturbed_state_dict
+    from areal_fast.weights.sync import WeightSyncConfig
 
     h, base = engine
     before, _ = _engine_greedy(h.url)
     s1 = perturbed_state_dict(base, seed=1)
-    sync = DistributedWeightSync([h.url], WeightSyncConfig(bucket_bytes=64 << 10, backend="gloo", timeout_s=60,
+    sync = DistributedWeightSync([h.url], WeightSyncConfig(bucket_bytes=64 << 10, collective="gloo", timeout_s=60,
                                                            dtype="bfloat16", group_name="e2e_weight_group"))
     try:
         sync.update(s1, 7)
@@ -86,12 +87,13 @@ def test_broadcast_then_disk_update_real_engine(engine):
 def test_delta_updates_real_engine(engine):
     """Delta updates through the engine's HTTP route: after a whole update and K sparse steps sent as
     deltas, the engine's greedy output equals a model holding the bf16 weights of the last step."""
-    from areal_fast.rollout.testing import perturbed_state_dict
-    from areal_fast.weights.sync import DistributedWeightSync, WeightSyncConfig
+    from areal_fast.backends.sglang.weight_sync import DistributedWeightSync
+    from areal_fast.data.tiny_models import perturbed_state_dict
+    from areal_fast.weights.sync import WeightSyncConfig
 
     h, base = engine
     state = perturbed_state_dict(base, seed=4)
-    sync = DistributedWeightSync([h.url], WeightSyncConfig(bucket_bytes=64 << 10, backend="gloo", timeout_s=60,
+    sync = DistributedWeightSync([h.url], WeightSyncConfig(bucket_bytes=64 << 10, collective="gloo", timeout_s=60,
                                                            dtype="bfloat16", group_name="e2e_delta_group", delta="on"))
     g = torch.Generator().manual_seed(0)
     try:

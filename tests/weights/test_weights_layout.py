@@ -128,7 +128,8 @@ def test_planner_path_equals_reference(model_and_spec, tp, n_src_ranks):
 
 
 def test_colocated_shard_builder_on_cpu_and_gpu_only_update():
-    from areal_fast.weights.colocated import ColocatedWeightSync, build_tp_shard
+    from areal_fast.backends.sglang.colocated import ColocatedWeightSync
+    from areal_fast.weights.colocated import build_tp_shard
 
     spec = ModelSpec.from_hf_config(CONFIGS["qwen2_tied"])
     state = {n: torch.randn(s) for n, s in spec.hf_shapes().items()}

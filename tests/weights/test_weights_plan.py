@@ -148,7 +148,7 @@ def test_assign_buckets_alignment_and_big_tensors():
 
 
 def test_interval_layout_constant():
-    from areal_fast.backend import native
+    from areal_fast.dispatch import native
 
     assert native().RESHARD_INTERVAL_COLS == INTERVAL_COLS
 

@@ -13,6 +13,7 @@ import pytest
 from fakes import ServerListPool as FakePool
 from fakes import UpdateRecordingTrainer
 
+from areal_fast.backends.registry import weight_transport
 from areal_fast.weights import port
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.port import DiskSync, DistributedSync, SyncSpec, make_sync_port
@@ -28,19 +29,27 @@ def _short_death_wait(monkeypatch):
 
 def test_spec_is_a_plain_value_every_rank_can_build():
     cfg = WeightSyncConfig(bucket_bytes=4096, dtype="bfloat16", api_key="k")
-    spec = SyncSpec.of("distributed", [A + "/"], cfg)
+    spec = SyncSpec.of("distributed", [A + "/"], cfg, weight_transport("sglang", "distributed"))
     again = pickle.loads(pickle.dumps(spec))  # what the announcement to the other ranks carries
     assert again == spec and hash(again) == hash(spec) and spec.urls == (A,)
     assert spec.weight_config() == cfg
     ws = spec.build()
     assert type(ws).__name__ == "DistributedWeightSync" and ws.urls == [A] and ws.config == cfg
-    assert type(SyncSpec.of("disk", [A], cfg).build()).__name__ == "DiskWeightSync"
+    assert type(SyncSpec.of("disk", [A], cfg, weight_transport("sglang", "disk")).build()).__name__ == "DiskWeightSync"
+    vllm_disk = SyncSpec.of("disk", [A], cfg, weight_transport("vllm", "disk"))
+    assert type(vllm_disk.build()).__name__ == "VLLMDiskWeightSync"
+    with pytest.raises(ValueError, match="no transport given"):  # the layer above must choose one
+        SyncSpec.of("disk", [A], cfg).build()
+    with pytest.raises(ValueError, match="weights.method 'ftp'"):
+        weight_transport("sglang", "ftp")
 
 
 def test_make_sync_port_follows_the_config(tmp_path):
     t, p = UpdateRecordingTrainer(), FakePool([A])
-    assert isinstance(make_sync_port(WeightSyncConfig(), t, p, [A], tmp_path), DistributedSync)
-    assert isinstance(make_sync_port(WeightSyncConfig(method="disk"), t, p, [A], tmp_path), DiskSync)
+    transport = weight_transport("sglang", "distributed")
+    port_ = make_sync_port(WeightSyncConfig(), t, p, tmp_path, transport=transport)
+    assert isinstance(port_, DistributedSync) and port_._spec([A]).transport is transport
+    assert isinstance(make_sync_port(WeightSyncConfig(method="disk"), t, p, tmp_path, transport=transport), DiskSync)
 
 
 def test_a_dead_member_re_forms_the_group_and_the_run_stays_distributed(tmp_path):
@@ -53,7 +62,7 @@ def test_a_dead_member_re_forms_the_group_and_the_run_stays_distributed(tmp_path
         return None
 
     trainer = UpdateRecordingTrainer(fail)
-    sync = DistributedSync(trainer, pool, [A, B], tmp_path, WeightSyncConfig(timeout_s=5))
+    sync = DistributedSync(trainer, pool, WeightSyncConfig(timeout_s=5))
     asyncio.run(sync.sync(1))
     assert [(s.method, s.urls, v) for s, v in trainer.calls] == [("distributed", (A, B), 1)]
     assert trainer.calls[0][0].weight_config().group_name == "weight_update_group"
@@ -127,7 +136,7 @@ def test_a_new_transport_closes_the_one_it_replaces_on_every_rank():
 
 def test_failure_with_every_server_alive_is_raised(tmp_path):
     trainer = UpdateRecordingTrainer(lambda spec: RuntimeError("bucket 3 refused by " + A))
-    sync = DistributedSync(trainer, FakePool([A, B]), [A, B], tmp_path)
+    sync = DistributedSync(trainer, FakePool([A, B]))
     with pytest.raises(RuntimeError, match="bucket 3 refused"):
         asyncio.run(sync.sync(1))
     assert len(trainer.calls) == 1
@@ -142,6 +151,6 @@ def test_liveness_is_probed_only_after_a_failure(tmp_path):
     pool = FakePool([A, B])
     probes = []
     pool.is_dead = lambda url: probes.append(url) or False
-    sync = DistributedSync(UpdateRecordingTrainer(), pool, [A, B], tmp_path)
+    sync = DistributedSync(UpdateRecordingTrainer(), pool)
     asyncio.run(sync.sync(1))
     assert probes == []

@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
+from areal_fast.backends.sglang.weight_sync import DiskWeightSync, DistributedWeightSync
 from areal_fast.weights.config import API_KEY_ENV, WeightSyncConfig
 from areal_fast.weights.errors import WeightSyncError
 from areal_fast.weights.group import HostedStore
-from areal_fast.weights.sync import DiskWeightSync, DistributedWeightSync
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fakes import FakeServer  # noqa: E402
@@ -51,7 +51,7 @@ def _state(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def _cfg(**kw) -> WeightSyncConfig:
-    base = dict(bucket_bytes=1 << 10, dtype="bfloat16", backend="gloo", timeout_s=TIMEOUT_S)
+    base = dict(bucket_bytes=1 << 10, dtype="bfloat16", collective="gloo", timeout_s=TIMEOUT_S)
     base.update(kw)
     return WeightSyncConfig(**base)
 

@@ -17,9 +17,9 @@ import sys
 import pytest
 import torch
 
+from areal_fast.backends.sglang.weight_sync import bucket_request, check_unpadded
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.gather import BucketGatherer, collect_sources, send_dtypes
-from areal_fast.weights.sync import bucket_request, check_unpadded
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_wheel import sglang_module  # noqa: E402

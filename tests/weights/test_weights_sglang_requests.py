@@ -16,8 +16,8 @@ import warnings
 import pytest
 import torch
 
+from areal_fast.backends.sglang.weight_sync import DiskWeightSync, DistributedWeightSync
 from areal_fast.weights.config import WeightSyncConfig
-from areal_fast.weights.sync import DiskWeightSync, DistributedWeightSync
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fakes import FakeServer  # noqa: E402
@@ -39,7 +39,7 @@ def _captured_bodies(version: str, tmp_path) -> list[tuple[str, dict]]:
              "model.layers.0.self_attn.q_proj.bias": torch.randn(16, generator=g),
              "model.norm.weight": torch.randn(16, generator=g)}
     server = FakeServer(version=version)
-    cfg = dict(bucket_bytes=1 << 10, dtype="bfloat16", backend="gloo", timeout_s=30)
+    cfg = dict(bucket_bytes=1 << 10, dtype="bfloat16", collective="gloo", timeout_s=30)
     try:
         ws = DistributedWeightSync([server.url], WeightSyncConfig(**cfg))
         try:

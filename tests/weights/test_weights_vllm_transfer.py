@@ -23,8 +23,8 @@ from _shared import until_running
 from areal_fast.backends.vllm.client import VLLMRolloutClient
 from areal_fast.backends.vllm.compat import VLLMBehaviour
 from areal_fast.backends.vllm.transfer import VLLMServer, _ranks_of, choose_transfer_backend
-from areal_fast.rollout.engine import start_engine_in_thread
-from areal_fast.rollout.testing import build_tiny_qwen2, perturbed_state_dict
+from areal_fast.data.tiny_models import build_tiny_qwen2, perturbed_state_dict
+from areal_fast.embedded import start_engine_in_thread
 from areal_fast.weights.errors import WeightSyncError
 
 SENDER = Path(__file__).with_name("_vllm_sender.py")

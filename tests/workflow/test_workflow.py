@@ -441,7 +441,7 @@ class ScriptedTokens:
 
 
 def test_tool_example_calls_the_calculator_right_to_left():
-    from areal_fast.data import tool_task
+    from areal_fast.recipes import tool_task
 
     prompt, answer = tool_task.problem("seed-row")
     a, b = prompt[:-1].split("*")
@@ -458,7 +458,7 @@ def test_tool_example_calls_the_calculator_right_to_left():
 
 
 def test_multiturn_example_feedback_and_turns():
-    from areal_fast.data import multiturn_task
+    from areal_fast.recipes import multiturn_task
 
     assert multiturn_task.feedback_text("djbac", "djbxcq", "positions") == "djb=c"
     assert multiturn_task.feedback_text("djbac", "dj", "positions") == "dj==="

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from test_e2e import START_TIMEOUT_S, TINY, _train_events, _wait_for, proc_alive, proc_children, runner  # noqa: F401
 
-from areal_fast.checkpoint import HANG_AFTER_CHECKPOINT_ENV, checkpoint_groups
+from areal_fast.buffer import checkpoint_groups
+from areal_fast.checkpoint import HANG_AFTER_CHECKPOINT_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "tiny_reverse_multiturn.yaml")

@@ -12,10 +12,10 @@ import pytest
 from _shared import disk_update, tiny_checkpoints, until_running
 from tolerances import ENGINE_LOGPROB_ATOL
 
-from areal_fast.rollout.client import RolloutClient
-from areal_fast.rollout.engine import start_engine_in_thread
+from areal_fast.backends.sglang.client import SGLangRolloutClient
+from areal_fast.data.tiny_models import hf_greedy, hf_logprobs, load_hf
+from areal_fast.embedded import start_engine_in_thread
 from areal_fast.rollout.port import ClientRollout
-from areal_fast.rollout.testing import hf_greedy, hf_logprobs, load_hf
 from areal_fast.workflow import EpisodeEngine, Trajectory
 
 FEEDBACK = [5, 6, 7]
@@ -52,7 +52,7 @@ def test_weight_updates_within_and_between_turns_resume_the_episode_exactly(setu
             traj.add_model(await eng.generate(traj.context_ids))
             return traj
 
-        async with RolloutClient([engine.url]) as client:
+        async with SGLangRolloutClient([engine.url]) as client:
             rollout = ClientRollout(client)
             eng = EpisodeEngine(rollout, NoReward(), None, {"max_new_tokens": N, "temperature": 0.0,
                                                             "ignore_eos": True}, "wf", training=False)

@@ -1,4 +1,4 @@
-"""SGLang as an inference backend (the default ``rollout.backend``; ``docs/sglang.md`` has the facts
+"""SGLang as an inference backend (the default ``rollout.api``; ``docs/sglang.md`` has the facts
 in prose).
 
 - ``compat.py`` - which SGLang release the embedded engine behaves as, and every behaviour that
@@ -12,7 +12,7 @@ SGLang's HTTP API is the rollout layer's own vocabulary, so the rest lives there
 request/answer contract is implemented by the shared rollout client (``areal_fast/rollout/client.py``,
 ``client_control.py``, ``answer.py``), its launch command is built in
 ``areal_fast/rollout/server_command.py``, and its weight-update calls are in
-``areal_fast/weights/sync.py`` (and ``colocated.py``). The embedded engine (``areal_fast/rollout/engine/``)
+``areal_fast/weights/sync.py`` (and ``colocated.py``). The embedded engine (``areal_fast/embedded/``)
 is SGLang's twin.
 
 Submodules are not imported here: import the one you need.

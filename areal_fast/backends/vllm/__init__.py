@@ -1,4 +1,4 @@
-"""vLLM as an inference backend (``rollout.backend: vllm``; ``docs/vllm.md`` has the facts in prose).
+"""vLLM as an inference backend (``rollout.api: vllm``; ``docs/vllm.md`` has the facts in prose).
 
 - ``compat.py`` - which vLLM release a server behaves as, and every behaviour of vLLM's HTTP API
   that depends on it: the version gates, read from vLLM's own sources (torch-free: the config
@@ -11,8 +11,8 @@
 - ``disk.py`` - disk weight updates on vLLM servers (``weights.method: disk``);
 - ``transfer.py`` - the trainer's side of vLLM's weight transfer (``weights.method: distributed``,
   vLLM 0.16.0 on; needs torch);
-- ``twin_routes.py`` - the embedded engine as vLLM's twin: vLLM's HTTP routes over the engine's
-  model and scheduler, mounted by ``areal_fast/rollout/engine/server.py`` with ``--api vllm``.
+(The embedded engine as vLLM's twin, vLLM's HTTP routes over the engine's
+  model and scheduler, mounted by ``areal_fast/embedded/server.py`` with ``--api vllm``.
 
 Submodules are not imported here: import the one you need.
 """

@@ -36,6 +36,7 @@ import asyncio
 import logging
 from array import array
 
+from areal_fast.backends.sglang.compat import SGLANG_SAMPLING_KEYS
 from areal_fast.backends.vllm.compat import (
     DEFAULT_VLLM_VERSION,
     VLLMBehaviour,
@@ -52,10 +53,11 @@ from areal_fast.backends.vllm.requests import (
     pause_query,
     routing_start_field,
 )
-from areal_fast.rollout.answer import LOGPROB_ARRAY, TOKEN_ARRAY, Segment, token_versions
+from areal_fast.columns import LOGPROB_ARRAY, TOKEN_ARRAY
+from areal_fast.rollout.answer import Segment, token_versions
 from areal_fast.rollout.calls import RequestError, RolloutError, no_answer_errors
 from areal_fast.rollout.client import ABORT_TIMEOUT_S, MalformedAnswer, RolloutClient
-from areal_fast.rollout.client_pool import ServerState, _apply_info, _str_or_none
+from areal_fast.rollout.client_pool import ServerState, apply_server_info, str_or_none
 from areal_fast.rollout.liveness_route import VLLM_LIVENESS_PATH, register_liveness_path
 from areal_fast.rollout.routed_experts import from_vllm
 
@@ -67,6 +69,11 @@ _SETTLE_POLL_S = 0.05
 class VLLMRolloutClient(RolloutClient):
     """``RolloutClient`` over vLLM servers; see the module docstring. ``vllm_version``: the release
     assumed for a server whose ``/version`` has not answered yet."""
+
+    # the client's sampling keys are SGLang's names; ``requests.completion_body`` maps them to vLLM's
+    SAMPLING_KEYS = SGLANG_SAMPLING_KEYS
+    SAMPLING_KEYS_OF = "SGLang (the client's names, mapped to vLLM's)"
+    INFO_PATH = "GET /version"
 
     def __init__(self, urls: list[str], *, vllm_version: str = DEFAULT_VLLM_VERSION, **options):
         if options.get("pause_mode") == "retract":
@@ -101,7 +108,7 @@ class VLLMRolloutClient(RolloutClient):
             model = str(listed["data"][0]["id"])
         except (RolloutError, KeyError, IndexError, TypeError):
             pass  # a twin or server without the list: the launcher's --served-model-name
-        _apply_info(s, {"version": str(release), "reported_version": reported, "engine": "vllm", "model": model})
+        apply_server_info(s, {"version": str(release), "reported_version": reported, "engine": "vllm", "model": model})
         await self._current_weight_version(s)
         return s.info
 
@@ -112,7 +119,7 @@ class VLLMRolloutClient(RolloutClient):
             wi = await self._call(server, "GET", "/weight_info", timeout_s=self._short_timeout_s)
         except (RolloutError, *no_answer_errors()):
             return server.weight_version
-        server.weight_version = _str_or_none((wi or {}).get("weight_version"))
+        server.weight_version = str_or_none((wi or {}).get("weight_version"))
         return server.weight_version
 
     # ------------------------------------------------------------------ generation
@@ -157,15 +164,9 @@ class VLLMRolloutClient(RolloutClient):
         except (RolloutError, *no_answer_errors()):
             pass
 
-    async def abort(self, rid: str) -> None:
-        if rid not in self._active:
-            return
-        self._user_aborted.add(rid)
-        live = self._segment_rid.get(rid)
-        if live is not None and live[0] in self._by_url:
-            server = self._by_url[live[0]]
-            if self.behaviour(server).has_abort_requests:  # before: the request ends with its segment
-                await self._call(server, "POST", "/abort_requests", abort_body([live[1]]))
+    async def _abort_segment(self, server: ServerState, server_rid_: str) -> None:
+        if self.behaviour(server).has_abort_requests:  # before: the request ends with its segment
+            await self._call(server, "POST", "/abort_requests", abort_body([server_rid_]))
 
     # ------------------------------------------------------------------ control
     def _mode_for(self, server: ServerState, mode: str) -> str:
@@ -216,7 +217,7 @@ class VLLMRolloutClient(RolloutClient):
         """Before ``s`` (no per-token versions) resumes: its new label first, then no segment of
         ours left in flight there (each aborted: it comes back and goes again after resume)."""
         wi = await self._control(s, "GET", "/weight_info")
-        s.weight_version = _str_or_none((wi or {}).get("weight_version"))
+        s.weight_version = str_or_none((wi or {}).get("weight_version"))
         deadline = asyncio.get_running_loop().time() + self.control_timeout_s
         while s.in_flight:
             if asyncio.get_running_loop().time() > deadline:
@@ -236,11 +237,3 @@ class VLLMRolloutClient(RolloutClient):
 
     async def weight_versions(self) -> list[str]:
         return [str(await self._current_weight_version(s)) for s in self.servers]
-
-
-def client_for_backend(rollout_cfg, urls: list[str], **options) -> RolloutClient:
-    """The rollout client of a run's ``rollout`` section: the vLLM adapter for ``backend: vllm``,
-    else the SGLang client."""
-    if rollout_cfg.backend == "vllm":
-        return VLLMRolloutClient(urls, vllm_version=rollout_cfg.vllm_version, **options)
-    return RolloutClient(urls, **options)

@@ -229,22 +229,23 @@ def auto_vllm_pause_mode(version: str | Version) -> str:
 BACKENDS = ("sglang", "vllm")
 
 
-def check_rollout_backend(backend: str, engine: str, external: bool, vllm_version: str, pause_mode: str) -> None:
-    """The ``rollout`` section's backend rules (ValueError naming the field and the reason):
-    ``backend`` is 'sglang' or 'vllm'; vLLM servers are given in ``servers``, launched as real vLLM
-    (``engine: vllm``, which needs backend 'vllm') or as the embedded engine's vLLM twin (``engine:
-    embedded``), never as SGLang; the version and pause mode
-    must be ones :func:`vllm_refusal` accepts (the weights method is checked by the loader)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
-    if backend != "vllm":
-        if engine == "vllm" and not external:
-            raise ValueError(f"engine: launched vLLM servers speak vLLM's API; set backend 'vllm' (got {backend!r})")
+def check_rollout_backend(api: str, server: str, external: bool, vllm_version: str) -> None:
+    """Which servers may serve which API (ValueError naming the ``rollout`` key and the reason):
+    ``api`` is 'sglang' or 'vllm'; vLLM servers are given in ``servers``, launched as real vLLM
+    (``server: vllm``, which needs api 'vllm') or as the embedded engine's vLLM twin (``server:
+    embedded``), never as SGLang; ``vllm_version`` is a release we read. What that release serves
+    with the run's options is :func:`vllm_refusal`'s (``backends/checks.py`` asks both, once)."""
+    if api not in BACKENDS:
+        raise ValueError(f"api: must be one of {BACKENDS}, got {api!r}")
+    if api != "vllm":
+        if server == "vllm" and not external:
+            raise ValueError(f"server: launched vLLM servers speak vLLM's API; set api 'vllm' (got {api!r})")
         return
-    if engine == "sglang" and not external:
-        raise ValueError("backend: 'vllm' cannot be served by launched SGLang servers (engine: 'sglang'); use "
-                         "engine 'vllm' (real vLLM servers), 'embedded' (the embedded engine's vLLM twin) or give "
+    if server == "sglang" and not external:
+        raise ValueError("api: 'vllm' cannot be served by launched SGLang servers (server: 'sglang'); use "
+                         "server 'vllm' (real vLLM servers), 'embedded' (the embedded engine's vLLM twin) or give "
                          "running vLLM servers in servers")
-    why = vllm_refusal(vllm_version, pause_mode=pause_mode, weights_method="disk")  # the method: by the loader
-    if why:
-        raise ValueError(f"vllm_version / pause_mode: {why}")
+    try:
+        VLLMBehaviour.of(vllm_version)
+    except ValueError as e:
+        raise ValueError(f"vllm_version: {e}") from None

@@ -1,4 +1,4 @@
-"""Disk weight updates on vLLM servers (``weights.method: disk`` with ``rollout.backend: vllm``).
+"""Disk weight updates on vLLM servers (``weights.method: disk`` with ``rollout.api: vllm``).
 
 The trainer side is the disk transport's (``DiskWeightSync``: HF safetensors written by rank 0);
 only the servers' calls differ. Where the SGLang transport posts ``/update_weights_from_disk``, a
@@ -17,10 +17,11 @@ server the rollout client paused stays paused: resuming it is the client's (``co
 
 from __future__ import annotations
 
+from areal_fast.backends.sglang.weight_sync import DiskWeightSync
 from areal_fast.backends.vllm.compat import VLLMBehaviour, served_release
 from areal_fast.backends.vllm.requests import disk_update_calls, pause_query, weight_version_body
 from areal_fast.weights.errors import WeightSyncError
-from areal_fast.weights.sync import DiskWeightSync, SyncCalls
+from areal_fast.weights.sync import SyncCalls
 
 DISK_PATH = "/update_weights_from_disk"
 

@@ -1,4 +1,4 @@
-"""The command line and environment of one real vLLM server (the sibling of ``rollout/server_command.py``,
+"""The command line and environment of one real vLLM server (the sibling of ``backends/sglang/server_command.py``,
 SGLang's and the embedded engine's builder), from vLLM's own CLI flags (``docs/vllm.md``):
 
     python -m vllm.entrypoints.openai.api_server --model P --host H --port N
@@ -16,10 +16,10 @@ top-k/top-p; vLLM's default is the raw model's, at temperature 1), and ``--gener
 checkpoint would bring top_k 20 and a repetition penalty to every request that leaves them out).
 
 The API key travels as SGLang's does: ``--config FILE.yaml`` holding ``api-key: KEY`` (vLLM reads
-a YAML config file of long option names too), written by ``rollout.server_command.write_api_key_file``.
+a YAML config file of long option names too), written by ``backends.keyfile.write_api_key_file``.
 
-The embedded engine twins vLLM with ``python -m areal_fast.rollout.engine --api vllm
---vllm-version X`` (built by ``server_command("embedded", ..., extra_args=embedded_vllm_args(X))``).
+The embedded engine twins vLLM with ``python -m areal_fast.embedded --api vllm
+--vllm-version X`` (built by ``sglang_server_command("embedded", ..., extra_args=embedded_vllm_args(X))``).
 """
 
 from __future__ import annotations

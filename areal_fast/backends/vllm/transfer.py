@@ -1,5 +1,5 @@
 """The trainer's side of vLLM's weight transfer (``weights.method: distributed`` with
-``rollout.backend: vllm``; vLLM 0.16.0 on; ``docs/vllm.md`` has the rendezvous in prose).
+``rollout.api: vllm``; vLLM 0.16.0 on; ``docs/vllm.md`` has the rendezvous in prose).
 
 What vLLM's NCCL transfer engine expects of the trainer (read from the 0.16.0, 0.21.0 and 0.33.0
 wheels: ``vllm/distributed/weight_transfer/nccl_engine.py`` and, from 0.33.0, ``nccl_common.py``):
@@ -23,7 +23,7 @@ wheels: ``vllm/distributed/weight_transfer/nccl_engine.py`` and, from 0.33.0, ``
 The data plane follows where the trainer's tensors are: CUDA tensors go over vLLM's NCCL
 communicator (vLLM must be importable on trainer rank 0: the communicator is vLLM's own, so the
 wire is vLLM's by construction); CPU tensors go over gloo, which only the embedded engine's vLLM
-twin speaks (``backends/vllm/twin_routes.py``: same endpoints, same bodies, same ranks, the
+twin speaks (``embedded/vllm_routes.py``: same endpoints, same bodies, same ranks, the
 store prefixed with the twin's group name). Anything else is refused before the servers are asked.
 
 Gathering FSDP2 shards into buckets is the broadcast transport's (``weights.gather``): every

@@ -1,0 +1,205 @@
+"""Every measured figure the README and docs quote is the one its committed result file holds.
+
+``FIGURES`` maps a quoted text in a document, with ``{}`` where each figure stands, to the result file
+under ``bench/results/`` and the function that computes the figures from it, formatted as the text
+writes them. The test finds every occurrence of the text (whitespace folded, as Markdown renders it)
+and compares the figures: a document that quotes a number no result file holds, or an older one than
+the newest measurement of its kind, fails with the text it should say. A new measurement (a newer row)
+makes the docs fail until they say the new figure. ``docs/benchmarks.md``'s table is checked against
+``bench/`` the same way: every benchmark listed, nothing listed that does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results"
+
+
+def rows(name: str) -> list[dict]:
+    """The rows of ``bench/results/<name>``, in the order they were measured (file order)."""
+    return [json.loads(line) for line in (RESULTS / name).read_text().splitlines() if line.strip()]
+
+
+def newest(name: str, **match) -> dict:
+    """The last row of ``name`` whose fields equal ``match``."""
+    found = [r for r in rows(name) if all(r.get(k) == v for k, v in match.items())]
+    assert found, f"bench/results/{name} has no row with {match}"
+    return found[-1]
+
+
+def note(name: str, prefix: str) -> dict:
+    """The last row of ``name`` whose ``note`` starts with ``prefix`` (a measurement the docs name)."""
+    found = [r for r in rows(name) if (r.get("note") or "").startswith(prefix)]
+    assert found, f"bench/results/{name} has no row noted {prefix!r}..."
+    return found[-1]
+
+
+def thousands(x: float) -> str:
+    return f"{round(x):,}"
+
+
+def e2e_speedup() -> tuple[str, ...]:
+    return (f"{newest('e2e.jsonl')['speedup_tokens_per_s']:.2f}",)
+
+
+def e2e_tokens() -> tuple[str, ...]:
+    r = newest("e2e.jsonl")
+    a, s = r["async_trained_tokens_per_s"], r["sync_trained_tokens_per_s"]
+    return tuple(f"{round(v)}" for v in (a["mean"], a["min"], a["max"], s["mean"], s["min"], s["max"]))
+
+
+def sim_speedup(setup: str) -> Callable[[], tuple[str, ...]]:
+    return lambda: (f"{newest('async_speedup_summary.jsonl', setup=setup)['speedup']:.2f}",)
+
+
+def sim_paper_scale_range() -> tuple[str, ...]:
+    """The newest simulated async/sync speedup of each setup at the paper's scale (N nodes x 8 GPUs)."""
+    setups = {r["setup"] for r in rows("async_speedup_summary.jsonl") if "nodes" in r["setup"]}
+    s = [newest("async_speedup_summary.jsonl", setup=x)["speedup"] for x in sorted(setups)]
+    return f"{min(s):.1f}", f"{max(s):.1f}"
+
+
+CLIENT_RATE = "client rate at full lengths, no decode-rate limit"  # the note of the client-bound runs
+
+
+def client_rate(prefix: str = CLIENT_RATE) -> Callable[[], tuple[str, ...]]:
+    """Received tokens/s (millions) and the share of a core of the newest 256-server client-bound run."""
+    def figures():
+        r = note("controller_scale.jsonl", prefix)
+        return f"{r['received_tok_s'] / 1e6:.1f}", f"{100 * r['cpu_util']:.0f}"
+    return figures
+
+
+def client_rate_row() -> tuple[str, ...]:
+    r = note("controller_scale.jsonl", CLIENT_RATE)
+    return f"{r['received_tok_s'] / 1e6:.1f}", f"{r['cpu_us_per_tok']:.2f}", f"{100 * r['cpu_util']:.0f}"
+
+
+def answer_parse(tokens: int) -> Callable[[], tuple[str, ...]]:
+    def figures():
+        r = newest("answer_parse.jsonl", tokens=tokens)
+        return f"{r['reference_ns_per_token']:.0f}", f"{r['native_ns_per_token']:.0f}", f"{r['speedup']:.1f}"
+    return figures
+
+
+def suite_sentence() -> str:
+    """What the README says of the newest full-suite row of ``bench/results/suite_time.jsonl``."""
+    r = newest("suite_time.jsonl", selection="all")
+    counts = ", ".join(f"{thousands(r[k])} {k}" for k in ("passed", "skipped", "xfailed", "failed") if r.get(k))
+    total = f" and {thousands(r['total_s'])} s in all with the install" if r.get("total_s") else ""
+    quick = f"; the tests not marked slow took {thousands(r['not_slow_s'])} s of it" if r.get("not_slow_s") else ""
+    when = f"{r['provenance']['commit']}, {r['provenance']['date'][:10]}"
+    return f"{thousands(r['tests_s'])} s of tests{total} ({counts}; {when}){quick}"
+
+
+@dataclass(frozen=True)
+class Figure:
+    doc: str
+    text: str  # the quoted text, "{}" where each figure stands
+    source: str  # the result file under bench/results/
+    figures: Callable[[], tuple[str, ...]]
+    whole: bool = False  # the one "{}" is a whole phrase, there word for word (not numbers in a pattern)
+
+
+FIGURES = [
+    Figure("README.md", "async vs sync on the tiny task {}x", "e2e.jsonl", e2e_speedup),
+    Figure("README.md", "at the paper's scale async/sync is {}-{}x", "async_speedup_summary.jsonl",
+           sim_paper_scale_range),
+    Figure("README.md", "one rollout client process takes in {}M generated tokens/s from 256 simulated servers at "
+           "{}% of a core", "controller_scale.jsonl", client_rate()),
+    Figure("README.md", "The newest clean-clone `.ci/run` on 2 cores: {}.", "suite_time.jsonl",
+           lambda: (suite_sentence(),), whole=True),
+    Figure("examples/README.md", "of the means **{}x**", "e2e.jsonl", e2e_speedup),
+    Figure("examples/README.md", "| trained tokens/s | {} [{}..{}] | {} [{}..{}] (", "e2e.jsonl", e2e_tokens),
+    Figure("docs/scale.md", "| 1.5B, 16 nodes x 8 GPUs | 80 / 48 (62%; 96 / 32 within 4%) | **{}x** |",
+           "async_speedup_summary.jsonl", sim_speedup("1.5B, 16 nodes x 8 GPUs")),
+    Figure("docs/scale.md", "| 7B, 24 nodes x 8 GPUs | 112 / 80 (58%) | **{}x** (same-session pair",
+           "async_speedup_summary.jsonl", sim_speedup("7B, 24 nodes x 8 GPUs")),
+    Figure("docs/scale.md", "| 1.5B, 4 GPUs | 3 / 1 | {}x |", "async_speedup_summary.jsonl",
+           sim_speedup("1.5B, 4 GPUs")),
+    Figure("docs/scale.md", "| 7B, 8 GPUs | 5 / 3 | {}x |", "async_speedup_summary.jsonl", sim_speedup("7B, 8 GPUs")),
+    Figure("docs/scale.md", "(the client is the bottleneck), 10 steps | **{}M** | {} | {}% |", "controller_scale.jsonl",
+           client_rate_row),
+    Figure("docs/scale.md", "yes, as a rate: {}M tokens/s at {}% of one core, one process", "controller_scale.jsonl",
+           client_rate()),
+    Figure("docs/scale.md", "({}M at {}% before heap trimming and parking)", "controller_scale.jsonl",
+           client_rate("client rate at 256 servers: simulator without a decode-rate")),
+    *(Figure("docs/scale.md", f"| {n:,} | {{}} | {{}} | {{}}x |", "answer_parse.jsonl", answer_parse(n))
+      for n in (100, 1000, 4000, 32000)),
+]
+
+
+def _fold(text: str) -> str:
+    return re.sub(r"\s+", " ", text)
+
+
+def _pattern(template: str) -> re.Pattern:
+    parts = [re.escape(_fold(p)) for p in template.split("{}")]
+    return re.compile(r"([0-9][0-9.,]*)".join(parts))
+
+
+@pytest.mark.parametrize("fig", FIGURES, ids=lambda f: f"{f.doc}:{f.text[:40]}")
+def test_each_quoted_figure_is_its_result_files(fig):
+    assert (RESULTS / fig.source).is_file(), f"{fig.doc} quotes bench/results/{fig.source}, which is not committed"
+    doc = _fold((REPO / fig.doc).read_text())
+    want = tuple(_fold(w) for w in fig.figures())
+    expected = fig.text.format(*want)
+    if fig.whole:
+        assert _fold(expected) in doc, f"{fig.doc} must say, from bench/results/{fig.source}: {expected!r}"
+        return
+    found = [m.groups() for m in _pattern(fig.text).finditer(doc)]
+    assert found, f"{fig.doc} no longer says {fig.text!r}: say {expected!r} (from bench/results/{fig.source})"
+    for got in found:
+        assert got == want, f"{fig.doc} says {fig.text.format(*got)!r}; bench/results/{fig.source} says {expected!r}"
+
+
+def test_the_helpers_read_figures_as_the_docs_write_them():
+    """The formatting the table relies on: rounding, thousands, the pattern of a quoted figure."""
+    assert thousands(1569.6) == "1,570" and thousands(39) == "39"
+    assert _pattern("a {}x").findall("a 1.07x and a 2,125x") == ["1.07", "2,125"]
+    assert not (RESULTS / "no_such.jsonl").exists()
+    with pytest.raises(AssertionError, match="no row with"):
+        newest("e2e.jsonl", bench="not e2e")
+
+
+# ----------------------------------------------------------------------------- docs/benchmarks.md
+
+
+def _benchmarks_table() -> list[str]:
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    section = text.split("## The benchmarks", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `(bench_\w+\.py)` \|", section, flags=re.M)
+
+
+def test_benchmarks_table_lists_every_benchmark_and_nothing_else():
+    listed = _benchmarks_table()
+    on_disk = sorted(p.name for p in (REPO / "bench").glob("bench_*.py"))
+    assert len(listed) == len(set(listed)), f"docs/benchmarks.md lists a benchmark twice: {listed}"
+    assert sorted(set(on_disk) - set(listed)) == [], "benchmarks missing from docs/benchmarks.md's table"
+    assert sorted(set(listed) - set(on_disk)) == [], "docs/benchmarks.md lists benchmarks that do not exist"
+
+
+def test_no_result_file_is_in_a_format_no_command_writes():
+    """Rows files are the harness's (``bench/common.py: append_rows``): every row of ``<name>.jsonl`` says
+    ``"bench": "<name>"`` and carries its provenance. Any other file is named as a benchmark writes it
+    (``<name>_<stamp>...``, or a name its source spells out). Nothing is left from an earlier format."""
+    sources = "\n".join(p.read_text() for p in (REPO / "bench").glob("*.py"))
+    stale = []
+    for f in sorted(RESULTS.iterdir()):
+        if f.suffix == ".jsonl":
+            if any(r.get("bench") != f.stem or not isinstance(r.get("provenance"), dict) for r in rows(f.name)):
+                stale.append(f.name)
+            continue
+        stem = re.sub(r"(_\d{8}_\d{4}.*|\.(json|md|png|log))$", "", f.name)
+        stem = re.sub(r"-triton[0-9.]+$", "", stem)  # static_sm90-triton<version>.json
+        if not re.search(rf"[\"'/]{re.escape(stem)}[_\"'.-]", sources):
+            stale.append(f.name)
+    assert stale == [], f"result files in a format no command writes any more (regenerate or delete them): {stale}"
