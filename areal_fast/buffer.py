@@ -80,13 +80,6 @@ _LEGACY_COLUMNS = {"outputs": TOKEN_ARRAY, "behav_logprobs": LOGPROB_ARRAY, "ver
 _SAME_PROMPT = -1  # a sample's prompt equal to the first sample's: stored once
 _COPY_CHUNK = 8 << 20  # bytes per read when a spilled record is copied into a checkpoint
 MB = 1 << 20
-DEFAULT_MEMORY_MB = 128.0
-"""The default bound (``rollout.buffer_memory_mb``): finished columns the controller keeps in memory,
-buffered groups and parked parts of running groups together. At 256 servers / 16,384 in flight with
-long-tailed answers (median 4,000 tokens) the parts alone are ~50M tokens (~0.7 GB) and the batch
-being trained ~0.65 GB; with this bound the peak RSS was 1.39 GB at 0.8M tokens/s (``docs/scale.md``).
-Past the bound a finished episode costs a write and a read of its columns (~80 KB at 6k tokens), and
-its group one more write and read; at short answers nothing spills."""
 
 
 # ----------------------------------------------------------------------------- records

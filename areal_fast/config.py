@@ -11,13 +11,16 @@ across sections and saves:
   ``train.ppo.loss``: ``areal_fast/ops/loss_config.py``; ``weights``: ``areal_fast/weights/config.py``;
 - the run's own sections, read by the launcher (``experiment``, ``model``, ``eval``,
   ``checkpoint``, ``log``, ``ray``): ``areal_fast/launch_config.py``;
-- what they share (:class:`ConfigError`, two value rules): ``areal_fast/configutil.py``.
+- what they share (:class:`ConfigError`, the field rules, the one loader): ``areal_fast/configutil.py``.
 
-Every section is a ``@dataclass(kw_only=True, slots=True)`` whose ``__post_init__`` raises
-``ValueError`` on a bad value. :func:`load_config` builds the tree from plain dicts, checks
-each value against the field's type and turns every problem into a :class:`ConfigError`
-that names the full dotted key (``unknown key 'train.optim.lrr'``, ``train.batch_size: must
-be >= 1``).
+Every section is a ``@dataclass(kw_only=True, slots=True)``: ranges and choices are declared
+on its fields (``configutil.option``) and checked by ``configutil.check_rules`` first in its
+``__post_init__``, which raises ``ValueError`` for what a rule cannot say. :func:`load_config`
+builds the tree from plain dicts with the one loader (``configutil.Loader``, given this module's
+:data:`DERIVED` and :data:`RENAMED` keys), checks each value against the field's type and turns
+every problem into a :class:`ConfigError` that names the full dotted key (``unknown key
+'train.optim.lrr'``, ``train.batch_size: must be >= 1``, ``rollout.engine: renamed to
+rollout.server``).
 
 What is checked, and when (``docs/config.md`` lists every key):
 

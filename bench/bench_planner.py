@@ -3,7 +3,6 @@
 
     python bench/bench_planner.py                       # 65,536 lognormal lengths, 1..32k tokens
     python bench/bench_planner.py --dry-run             # list the cases, run nothing
-    python -m pytest bench/bench_planner.py --benchmark-only   # pytest-benchmark form
 
 Goals: <= 20 ms single-threaded for 65,536 sequences and >= 50x the references;
 reports micro-batches per rank vs the lower bound and the rank imbalance (max/mean cost).
@@ -72,25 +71,6 @@ def main(argv=None) -> None:
     rows = run(args.n, args.ranks, args.budget, args.reps, args.ref_reps)
     print_table(rows)
     save("planner", rows, args, prov)
-
-
-# pytest-benchmark form: `python -m pytest bench/bench_planner.py --benchmark-only`.
-N_BENCH = 65536
-
-
-def test_bench_planner_cpp(benchmark):
-    lengths = long_tailed_lengths(N_BENCH)
-    plan = benchmark(plan_microbatches, lengths, 32768, n_ranks=8, cost="attention")
-    benchmark.extra_info.update(mbs_per_rank=plan.mbs_per_rank, lower_bound=plan.lower_bound,
-                                imbalance=plan.imbalance)
-
-
-def test_bench_planner_python_reference(benchmark):
-    lengths = long_tailed_lengths(N_BENCH)
-    plan = benchmark.pedantic(plan_microbatches_ref, args=(lengths, 32768),
-                              kwargs=dict(n_ranks=8, cost="attention"), rounds=1, iterations=1)
-    benchmark.extra_info.update(mbs_per_rank=plan.mbs_per_rank, lower_bound=plan.lower_bound,
-                                imbalance=plan.imbalance)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import torch
 
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import add_harness_args, provenance, refuse_dirty, save  # noqa: E402
+from bench.common import add_harness_args, provenance, save  # noqa: E402
 
 
 def one_seed(seed: int, n_prompts: int, new_tokens: int) -> dict:
@@ -158,8 +158,6 @@ def main(argv=None) -> int:
                          "it generates), the fp32 trainer's recompute of the same samples without / with replay")
     add_harness_args(ap, dry_run=None)
     a = ap.parse_args(argv)
-    if not a.no_results:
-        refuse_dirty(a.results)
     prov = provenance(native=False)
     torch.set_num_threads(1)
     if a.engine:

@@ -232,7 +232,8 @@ def add_harness_args(ap: argparse.ArgumentParser, *, results: bool = True,
                      dry_run: str = "build and print the cases with their estimated sizes, run nothing"
                      ) -> argparse.ArgumentParser:
     """The options every script shares: ``--allow-dirty``; with ``results``, ``--results DIR`` and
-    ``--no-results``; with a ``dry_run`` help text, ``--dry-run``."""
+    ``--no-results``; with a ``dry_run`` help text, ``--dry-run``. With ``results``, parsing refuses
+    a dirty tree at once (:func:`refuse_dirty`) unless nothing will be written, not after the run."""
     ap.add_argument("--allow-dirty", action=_AllowDirty, nargs=0, default=False,
                     help="write results from a tree with uncommitted changes (stamped -dirty)")
     if results:
@@ -241,6 +242,16 @@ def add_harness_args(ap: argparse.ArgumentParser, *, results: bool = True,
         ap.add_argument("--no-results", action="store_true", help="print only; write no result rows")
     if dry_run:
         ap.add_argument("--dry-run", action="store_true", help=dry_run)
+    if results:
+        parse = ap.parse_args
+
+        def parse_and_check(*a, **kw):
+            args = parse(*a, **kw)
+            if not args.no_results and not getattr(args, "dry_run", False):
+                refuse_dirty(args.results)
+            return args
+
+        ap.parse_args = parse_and_check
     return ap
 
 

@@ -4,71 +4,10 @@
     python3 bench/gpu_suite.py --day --steps reshard --budget-s 120 --out $OUT/gpu_day.json   # a rerun, warm
     python bench/gpu_suite.py --dry-run [--steps ...] [--budget-s 450] [--out FILE] [--deep]   # on CPU
 
-A session lent a GPU gets 15 minutes of device time in all (the machine's start, a few minutes,
-counted in), at most 10 minutes a command, a copy of the tree without ``.git``, and back only a
-few files written under ``$OUT``. So the day is one command of at most :data:`DAY_BUDGET_S`
-seconds that runs :data:`STEPS` in priority order, each in its own process group under its own
-deadline (cut to what is left of the budget):
-
-==============  ========  ========  ====  =====================================================
-step            estimate  deadline  must  what
-==============  ========  ========  ====  =====================================================
-env                  10        30   yes   torch, CUDA, Triton, GPU name and memory, nvcc,
-                                          ``nvidia-smi``, missing modules
-install             120       240   yes   ``pip install -e . --no-build-isolation --no-deps``,
-                                          ``AREAL_FAST_CUDA=ON``, sm_90a, then ``_C`` checked for
-                                          CUDA; seconds when the build is reused
-                                          (:func:`reusable_build`)
-gpu_tests           120       200   yes   ``pytest -m gpu tests``, 120 s a test
-loss                 90       150   yes   fused PPO loss 16k/32k x 151,936 bf16 fwd+bwd vs copy
-                                          and eager; fused linear at H = 3584 vs the bare GEMMs
-trainer              60       120   yes   one timed PPO trainer step (after one warm-up),
-                                          Qwen2-0.5B shape, fused vs unfused: tokens/s, MFU
-packing              40        80   no    pack / unpack / gather / scatter vs a same-size copy
-reshard              90       150   no    interval copy of the Qwen2.5-7B layout vs copy, SGLang
-                                          shard build, NCCL on one GPU (or why not)
-loss_baselines      150       230   no    the loss vs ``torch.compile`` of the reference (and
-                                          Liger with ``--wheelhouse``): minutes of compiling
-==============  ========  ========  ====  =====================================================
-
-Estimates are seconds on an H100 with a cold build, read off the benchmarks' sizes and the old
-suite's limits (not yet measured: correct them from the first day's JSON). The must-run steps
-(400 s, plus :data:`STARTUP_S` for the suite's own start) fit the 450 s budget; a must-run step
-runs with whatever is left (skipped only under :data:`MIN_STEP_S`), every other step is skipped
-(``"skipped: budget"``) when less than its estimate is left. On a warm machine the install is
-reused in seconds, so the benchmarks get its two minutes. Call the day with the device tool's
-``timeout_s`` at :data:`DAY_WALL_S` (not 600), which leaves minutes of the lease to rerun a step on
-the warm machine: ``--steps NAME --budget-s B`` with ``timeout_s`` B + 30.
-
-What comes back, at most two files: ``--out`` (the JSON summary: provenance, the plan, and every
-step with its status ``planned | running | ok | failed | timeout | skipped``, seconds, deadline,
-and its key numbers (the env facts, the test counts and failed ids, the benchmark rows) or the
-tail of its output) and ``<out>.log`` beside it (the tail of each step's output). Both are
-rewritten atomically before and after every step, so a kill at any moment leaves valid files
-that name the step it was in. Full logs, benchmark rows and the JUnit file stay in a work
-folder outside ``$OUT`` (``--work-dir``, else a temporary folder removed at the end).
-
-A step runs in its own session: past its deadline its whole process group is killed, and so is
-anything a finished step left running (NCCL workers). Its first process (the benchmark, pytest)
-gets SIGKILL when the suite dies (``PR_SET_PDEATHSIG``), so a suite killed from outside does not
-leave it holding the GPU (processes it started itself may outlive it); on SIGTERM the suite kills
-the step's group, records it as ``timeout`` and exits 130.
-
-``--steps a,b`` runs only the named steps, in plan order; ``install`` is added in front when a
-named step needs the package (seconds on a warm machine: the build is reused when its inputs
-match). ``--dry-run`` walks the plan on CPU: prints each step's estimate and deadline and the
-totals, checks that each step's command, script or module exists and that the must-run steps
-fit the budget, writes the JSON with every step ``planned``, and exits non-zero when something
-is missing or the plan does not fit. ``--dry-run --deep`` also runs each step's CPU check (the
-GPU tests collected as on the GPU image with the optional packages hidden,
-``bench/without_optional/sitecustomize.py``; each benchmark's own ``--dry-run`` with the day's
-arguments).
-
-The commit: ``git``, else ``--commit`` / ``AREAL_FAST_COMMIT``, else the installed build's
-``areal_fast/_build_info.py``. No network: the image must hold torch, Triton, nvcc, CMake,
-scikit-build-core, pybind11, pytest, transformers, aiohttp, safetensors and PyYAML (``env`` lists
-what is missing); other packages travel as wheels, installed first with ``--wheelhouse DIR``.
-Exit status: 0 when every step that ran passed and no must-run step was skipped.
+:data:`STEPS` in priority order, each in its own process group under its own deadline (cut to what
+is left of :data:`DAY_BUDGET_S`); the JSON summary (``--out``) and ``<out>.log`` rewritten atomically
+after every step. docs/benchmarks.md ("The GPU day") gives the steps with their estimates and
+deadlines, what comes back, and what keeps a short GPU session from being wasted.
 """
 
 from __future__ import annotations

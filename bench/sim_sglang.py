@@ -31,7 +31,7 @@ cycle of vocab - 2 ids, so the cycle's ids and, once per version, its log-prob t
 to JSON bytes once; an answer is slices of those (one per version span) joined, a few ns a token
 instead of ~0.45 us. :meth:`SimServer.render_reference` builds the same JSON token by token.
 
-Use: ``SimCluster(n, cfg)`` in-process (``await start()``), or :func:`start_sim_process` for a
+Use: ``SimCluster(n, cfg)`` in-process (``await start()``), or :class:`SimProcess` for a
 child process (the client's CPU is then measured alone); the child binds port 0 itself and
 reports its ports, so no port can be taken between finding and binding.
 """
@@ -841,10 +841,6 @@ class SimProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def start_sim_process(n: int, cfg: SimConfig) -> SimProcess:
-    return SimProcess(n, cfg)
 
 
 async def _serve(n: int, cfg: SimConfig) -> None:

@@ -1,5 +1,6 @@
 """The one check of the run's API key on the HTTP listeners we serve: the embedded engine
-(``embedded/server.py``) and the agent endpoint (``areal_fast/agent/server.py``).
+(``embedded/server.py``), the agent endpoint (``areal_fast/agent/server.py``) and the Prometheus
+endpoint (``areal_fast/metrics/prometheus.py``).
 
 A request is let in when its ``Authorization`` header is exactly ``Bearer <key>``, compared in
 constant time (``hmac.compare_digest``), as SGLang's api-key middleware does. Paths under

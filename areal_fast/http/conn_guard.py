@@ -1,6 +1,6 @@
 """Idle and unauthenticated connections on the HTTP listeners we serve: the embedded engine
-(``embedded/``) and the agent endpoint (``areal_fast/agent/server.py``). One implementation
-for both.
+(``embedded/``), the agent endpoint (``areal_fast/agent/server.py``) and the Prometheus endpoint
+(``areal_fast/metrics/prometheus.py``). One implementation for all three.
 
 aiohttp keeps a connection that never sends a request for its keep-alive timeout, an hour by
 default, and counts it nowhere, so a few hundred idle connections used up a process's descriptors
@@ -112,10 +112,6 @@ class ConnGuard:
         self.evicted = 0  # closed for the cap
         self._warned_at = float("-inf")
         self.timed_out = 0  # closed without a first request head
-
-    @property
-    def unauthenticated(self) -> int:
-        return len(self._unauthenticated)
 
     def install(self, server: web.Server) -> None:
         """Wrap ``server``'s connection callbacks and request factory (before it serves)."""

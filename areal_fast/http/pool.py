@@ -467,16 +467,6 @@ class ConnectionPool:
     def _forget(self, conn: _Connection) -> None:
         self._open.discard(conn)
 
-    def idle_count(self) -> int:
-        return sum(not c.closed for c in self._idle)
-
-    def close_idle(self) -> None:
-        """Close the idle connections (busy ones finish their request, then close)."""
-        while self._idle:
-            conn = self._idle.pop()
-            conn.abort()
-            self._forget(conn)
-
     def close(self) -> None:
         """Close every connection, idle or busy: a busy request fails with HttpError now (its server
         may never answer: a hung one keeps the connection open), not at its own deadline."""

@@ -107,11 +107,11 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
     path resolved, ``rollout.servers`` filled in). Returns rank 0's summary ({} on other ranks).
 
     ``api_key``: the servers' key, given by a launcher that runs the rank in its own process; it
-    becomes ``weights.api_key`` of ``cfg`` in memory. Without it the key is
+    becomes the run's ``api_key`` (and so ``weights.api_key``) of a copy of ``cfg``. Without it the key is
     ``weights.resolved_api_key`` as configured (a rank process: $AREAL_FAST_API_KEY from the launcher).
     ``metrics_key``: the bearer key of an exposed Prometheus endpoint (a rank process: $AREAL_FAST_METRICS_KEY)."""
     if api_key is not None:
-        cfg = dataclasses.replace(cfg, weights=dataclasses.replace(cfg.weights, api_key=api_key))
+        cfg = dataclasses.replace(cfg, api_key=api_key, weights=dataclasses.replace(cfg.weights))  # a copy to fill
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
     out = cfg.experiment.out
     rank = int(os.environ.get("RANK", "0"))

@@ -15,7 +15,7 @@
       `-- watch loop (run_train, 0.5 s): actor liveness and exit codes, server health, per-process logs
           pulled into <output_dir>/logs/<name>.log
 
-Every program runs as a child process of a small actor (:class:`ProcessHost`) on the node of its
+Every program runs as a child process of a small actor (``ray_host.ProcessHost``) on the node of its
 bundle, not inside the actor: the programs are exactly those the local launcher starts (no Ray
 inside the trainer or the engine), the actor holds the resource reservation (Ray sets
 CUDA_VISIBLE_DEVICES for it and the child inherits it), and a killed actor takes its child with
@@ -42,10 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -53,7 +50,6 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from areal_fast.backends.keyfile import redact_command
 from areal_fast.launch.base import (
     HOST_ENV,
     PYTHON,
@@ -67,110 +63,13 @@ from areal_fast.launch.base import (
     server_env,
     server_key_file,
 )
+from areal_fast.launch.ray_host import ProcessHost, remove_log
 from areal_fast.launch_config import RayConfig
-from areal_fast.netutil import find_free_port, url_host
+from areal_fast.netutil import url_host
 
 log = logging.getLogger(__name__)
-_LOG_CHUNK = 1 << 20  # bytes pulled per process per round; a log never lags more than ~1 MiB/s
 _UNHEALTHY_WARN_S = 60.0  # a busy CPU engine answers /health within ~1 s; a minute means it is stuck
 _HEALTH_EVERY = 10  # check() asks /health on every 10th call: ~5 s apart at the driver's 0.5 s poll
-
-
-# ----------------------------------------------------------------------------- the actor
-
-
-def _die_with_actor() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the kernel SIGKILLs the child when its actor dies, even by ray.kill (no orphans)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except Exception:  # noqa: BLE001 - other OSes: stop() still cleans up on a normal teardown
-        pass
-
-
-class ProcessHost:
-    """Actor body (``ray.remote(ProcessHost)``): runs one command on its node and reports on it.
-
-    Every method returns quickly (the actor is single-threaded, and the child must be forked from
-    the thread that lives as long as the actor, or PR_SET_PDEATHSIG would fire early)."""
-
-    def __init__(self, log_dir: str):
-        self.log_dir = log_dir
-        self.log_path: str | None = None
-        self.proc: subprocess.Popen | None = None
-
-    def info(self) -> dict:
-        import ray
-
-        return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
-
-    def free_port(self, host: str) -> int:
-        return find_free_port(host)
-
-    def start(self, name: str, cmd: list[str], env: dict, cwd: str | None) -> dict:
-        cmd = [sys.executable if c == PYTHON else c for c in cmd]
-        os.makedirs(self.log_dir, exist_ok=True)
-        self.log_path = os.path.join(self.log_dir, f"{name}.log")
-        with open_private_log(Path(self.log_path)) as f:
-            f.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(redact_command(cmd))}\n".encode())
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                         cwd=cwd if cwd and os.path.isdir(cwd) else None,
-                                         start_new_session=True, preexec_fn=_die_with_actor)
-        return {"pid": self.proc.pid, "log_path": self.log_path}
-
-    def poll(self, server_url: str | None = None, ready: bool = False) -> dict:
-        """The exit code and, for a server, the one health check (``rollout.calls``): ``healthy``
-        is its liveness (any answer counts: a server paused for a weight update may answer 503 for
-        minutes), ``ready`` (asked with ``ready=True``) its /health probe answering 200."""
-        from areal_fast.rollout.calls import health_now
-
-        rc = self.proc.poll() if self.proc else None
-        if not server_url or rc is not None:
-            return {"returncode": rc, "healthy": None, "ready": None}
-        if ready:
-            h = health_now(server_url, liveness=False, probe_timeout_s=1.0)
-            return {"returncode": rc, "healthy": h.alive, "ready": h.state == "ok"}
-        return {"returncode": rc, "healthy": health_now(server_url, probe=False, timeout_s=1.0).alive, "ready": None}
-
-    def read_log(self, offset: int, limit: int = _LOG_CHUNK) -> tuple[bytes, int]:
-        if not self.log_path:
-            return b"", offset
-        with open(self.log_path, "rb") as f:
-            f.seek(offset)
-            data = f.read(limit)
-        return data, offset + len(data)
-
-    def discard_log(self) -> None:
-        """Remove the node-local log (the driver has pulled it) and the run's folder once empty."""
-        if self.log_path:
-            _remove_log(self.log_path)
-
-    def stop(self, grace: float) -> int | None:
-        """SIGTERM the child's process group, SIGKILL it after ``grace`` seconds; the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                try:
-                    self.proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        return self.proc.poll()
-
-
-def _remove_log(path: str) -> None:
-    try:
-        os.remove(path)
-        os.rmdir(os.path.dirname(path))  # fails while other processes of the run still log there
-    except OSError:
-        pass
 
 
 # ----------------------------------------------------------------------------- the driver side
@@ -543,7 +442,7 @@ class RayLauncher:
             log.warning("stopping processes: %r", e)
         for p in self.procs:
             if p.lost is not None and p.extra["remote_log"]:  # same machine: pulled by _pull_local already
-                _remove_log(p.extra["remote_log"])
+                remove_log(p.extra["remote_log"])
         from ray.util.placement_group import remove_placement_group
 
         for actor in self.actors:

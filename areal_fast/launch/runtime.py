@@ -117,45 +117,69 @@ def close_superseded(transport, still_members) -> None:
 
 
 def follower_loop(actor) -> None:
-    """Ranks > 0: execute rank 0's announced trainer calls until 'stop' (or rank 0 vanishes)."""
+    """Ranks > 0: execute rank 0's announced trainer calls until 'stop' (or rank 0 vanishes); each op
+    is one function of :data:`FOLLOWER_OPS`."""
     import torch.distributed as dist
 
-    from areal_fast.trainer import CheckpointError, export_hf, load_checkpoint, save_checkpoint
-
-    syncs: dict = {}
+    syncs: dict = {}  # this rank's weight transports (each rank holds its own: it joins the gathers)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
         op, arg = box[0]
-        if op == "train":
-            actor.train_batch(None, arg)
-        elif op == "save":
-            save_checkpoint(actor, *arg)
-        elif op == "load":
-            try:
-                load_checkpoint(actor, arg)
-            except CheckpointError as e:  # rank 0 got it too (DCP's load is collective): it falls back
-                log.warning("follower: checkpoint %s not loaded (%s); waiting for rank 0", arg, e)
-        elif op == "state":
-            actor.full_state_dict()
-        elif op == "export":
-            export_hf(actor, arg)
-        elif op == "wsync":  # each rank holds its own transports (it joins the gathers)
-            from areal_fast.weights import WeightSyncError
-
-            spec, version = arg
-            try:
-                apply_update(syncs, spec, version, actor.sharded_state_dict())
-            except WeightSyncError as e:
-                # Rank 0 got the same error (the transports share it with every rank) and decides:
-                # it retries without a dead server (a new wsync follows) or ends the run (then the
-                # next broadcast fails here). A follower that exited here would kill a run that
-                # rank 0 was about to save.
-                log.warning("follower: weight update to version %s failed (%s); waiting for rank 0", version, e)
-        elif op == "stop":
+        if op == "stop":
             return
-        else:
+        follow = FOLLOWER_OPS.get(op)
+        if follow is None:
             raise RuntimeError(f"follower: unknown op {op!r} from rank 0")
+        follow(actor, arg, syncs)
+
+
+def _follow_train(actor, version, _syncs) -> None:
+    actor.train_batch(None, version)
+
+
+def _follow_save(actor, path_version, _syncs) -> None:
+    from areal_fast.trainer import save_checkpoint
+
+    save_checkpoint(actor, *path_version)
+
+
+def _follow_load(actor, path, _syncs) -> None:
+    from areal_fast.trainer import CheckpointError, load_checkpoint
+
+    try:
+        load_checkpoint(actor, path)
+    except CheckpointError as e:  # rank 0 got it too (DCP's load is collective): it falls back
+        log.warning("follower: checkpoint %s not loaded (%s); waiting for rank 0", path, e)
+
+
+def _follow_state(actor, _arg, _syncs) -> None:
+    actor.full_state_dict()
+
+
+def _follow_export(actor, path, _syncs) -> None:
+    from areal_fast.trainer import export_hf
+
+    export_hf(actor, path)
+
+
+def _follow_wsync(actor, spec_version, syncs: dict) -> None:
+    from areal_fast.weights import WeightSyncError
+
+    spec, version = spec_version
+    try:
+        apply_update(syncs, spec, version, actor.sharded_state_dict())
+    except WeightSyncError as e:
+        # Rank 0 got the same error (the transports share it with every rank) and decides: it
+        # retries without a dead server (a new wsync follows) or ends the run (then the next
+        # broadcast fails here). A follower that exited here would kill a run that rank 0 was about
+        # to save.
+        log.warning("follower: weight update to version %s failed (%s); waiting for rank 0", version, e)
+
+
+# op -> what a follower does with its argument (rank 0's side: ActorTrainer's announcements)
+FOLLOWER_OPS = {"train": _follow_train, "save": _follow_save, "load": _follow_load, "state": _follow_state,
+                "export": _follow_export, "wsync": _follow_wsync}
 
 
 # ----------------------------------------------------------------------------- reward

@@ -88,7 +88,7 @@ class SlurmStep(LaunchedProcess):
         return self.extra.get("step")
 
     def kill(self) -> None:
-        """SIGKILL every task of the step now (a hung server: ``elastic.kill_now``)."""
+        """SIGKILL every task of the step now (a hung server: ``elastic.supervisor.kill_now``)."""
         _scancel(self, "KILL")
 
 

@@ -11,7 +11,6 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from areal_fast.buffer import DEFAULT_MEMORY_MB as DEFAULT_BUFFER_MEMORY_MB
 from areal_fast.configutil import check_rules, device_indices, option
 from areal_fast.heap import period_from_env as heap_trim_period_from_env
 from areal_fast.netutil import check_server_url  # the one check of a server address
@@ -26,6 +25,14 @@ RESERVED_SERVER_ARGS = ("--api-key", "--config")
 """Server options the launcher owns: the run's one API key reaches the servers in a private file
 given with ``--config`` (``launch.base.server_key_file``)."""
 
+
+DEFAULT_BUFFER_MEMORY_MB = 128.0
+"""The default bound (``rollout.buffer_memory_mb``): finished columns the controller keeps in memory,
+buffered groups and parked parts of running groups together. At 256 servers / 16,384 in flight with
+long-tailed answers (median 4,000 tokens) the parts alone are ~50M tokens (~0.7 GB) and the batch
+being trained ~0.65 GB; with this bound the peak RSS was 1.39 GB at 0.8M tokens/s (``docs/scale.md``).
+Past the bound a finished episode costs a write and a read of its columns (~80 KB at 6k tokens), and
+its group one more write and read; at short answers nothing spills."""
 
 SERVERS = ("embedded", "sglang", "vllm")
 """Values of ``rollout.server``: the server programs the launcher starts."""
@@ -131,7 +138,7 @@ class RolloutConfig:
     buffer_memory_mb: float | None = option(DEFAULT_BUFFER_MEMORY_MB, ge=0)
     """MB of token columns the controller keeps in memory for finished groups waiting to be trained;
     groups beyond it wait in a temporary file in output_dir, read back when trained (0 = every group;
-    null = no bound). The default (128) and why: ``areal_fast.buffer.DEFAULT_MEMORY_MB``."""
+    null = no bound). The default (128) and why: ``DEFAULT_BUFFER_MEMORY_MB``."""
     return_routed_experts: bool = False
     """MoE models: every request asks for the experts each position was routed to, and launched servers
     record them (``--enable-return-routed-experts``: the embedded engine, vLLM >= 0.32, SGLang >= 0.5.23);

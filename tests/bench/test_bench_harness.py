@@ -36,6 +36,33 @@ def test_append_rows_writes_jsonl_with_provenance(tmp_path):
         common.append_rows("../x", [{}], tmp_path, prov)
 
 
+def test_results_from_a_dirty_tree_are_refused_unless_allowed(tmp_path, monkeypatch):
+    """Rows into the repository need a committed tree: refused at once when the options are parsed
+    (before the run) and again when written; ``--allow-dirty`` (or its variable) lets them through
+    stamped ``-dirty``; results outside the repository, a dry run and --no-results are never refused."""
+    import argparse
+
+    monkeypatch.setenv(common.ALLOW_DIRTY_ENV, "0")  # recorded: restored (unset) after the action sets it
+    monkeypatch.setattr(common, "git_commit", lambda: "abc1234-dirty")
+    inside = common.RESULTS_DIR
+    with pytest.raises(SystemExit, match="--allow-dirty"):
+        common.refuse_dirty(inside)
+    with pytest.raises(SystemExit, match="uncommitted"):
+        common.append_rows("demo", [{"a": 1}], inside, {"commit": "abc1234-dirty"})
+    common.refuse_dirty(tmp_path)  # outside the repository
+    common.refuse_dirty(inside, "abc1234")  # clean
+    ap = common.add_harness_args(argparse.ArgumentParser())
+    with pytest.raises(SystemExit, match="uncommitted"):
+        ap.parse_args([])
+    assert ap.parse_args(["--dry-run"]).dry_run and ap.parse_args(["--no-results"]).no_results
+    assert ap.parse_args(["--results", str(tmp_path)]).results == str(tmp_path)
+    assert ap.parse_args(["--allow-dirty"]).allow_dirty
+    assert common.os.environ[common.ALLOW_DIRTY_ENV] == "1"  # the bench's own subprocesses inherit it
+    common.refuse_dirty(inside)
+    path = common.append_rows("demo", [{"a": 1}], tmp_path, {"commit": "abc1234-dirty"})
+    assert json.loads(path.read_text())["provenance"]["commit"] == "abc1234-dirty"
+
+
 def test_device_peaks():
     assert common.device_peaks("NVIDIA H100 80GB HBM3")["hbm_gbs"] == 3350.0
     assert common.device_peaks("cpu") == {"hbm_gbs": None, "bf16_tflops": None}

@@ -106,7 +106,7 @@ CASES = [
     ("eval-reward-misspelled", lambda t: (EXAMPLE, ["eval.reward=areal_fast.data.tiny_task:exact"]), 0,
      ["eval.reward", "exact"]),
     ("launcher-unknown", lambda t: (EXAMPLE, ["launcher=pbs"]), 0, ["launcher", "pbs"]),
-    ("engine-unknown", lambda t: (EXAMPLE, ["rollout.server=vllm"]), 0, ["rollout.server", "vllm"]),
+    ("server-vllm-without-its-api", lambda t: (EXAMPLE, ["rollout.server=vllm"]), 0, ["rollout.server", "vllm"]),
     ("server-url-without-scheme", lambda t: (EXAMPLE, ["rollout.servers=['127.0.0.1:30000']"]), 0,
      ["rollout.servers[0]"]),
     ("attn-impl-unknown", lambda t: (EXAMPLE, ["train.attn_impl=flash"]), 0, ["train.attn_impl"]),

@@ -13,6 +13,7 @@ import pytest
 from test_import_graph import import_targets  # the one reader of an import statement
 
 from areal_fast.config import (
+    RENAMED,
     AppConfig,
     ConfigError,
     RayConfig,
@@ -370,3 +371,59 @@ def test_the_edge_values_still_load():
     assert cfg.experiment.seed == 2**32 - 1 and cfg.weights.master_addr == "::1"
     with pytest.raises(ConfigError, match="experiment.seed"):  # launched server 1 would get 2**32
         load_config(None, ["experiment.seed=4294967295", "rollout.n_servers=2"])
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED))
+def test_a_renamed_key_is_refused_naming_the_new_key(old):
+    value = "x" if old.endswith(("api_key", "_mode")) else 1
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{old}={value}"])
+    assert str(e.value).startswith(f"{old}: renamed to ") and RENAMED[old] in str(e.value)
+
+
+def test_docs_list_every_renamed_key():
+    import re
+
+    text = (ROOT / "docs" / "config.md").read_text()
+    table = text.split("## Renamed keys", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (`[^|]+`) \|", table, flags=re.M)
+    documented = {k for row in rows for k in re.findall(r"`([\w.]+)`", row)}
+    assert documented == set(RENAMED)
+
+
+def test_declared_rules_are_checked_on_construction_and_at_load():
+    from areal_fast.configutil import allowed, option
+    from areal_fast.trainer.config import OptimConfig, TrainerConfig
+
+    with pytest.raises(ValueError, match=r"^lr: must be >= 0, got -1"):
+        OptimConfig(lr=-1)
+    with pytest.raises(ConfigError, match=r"^train\.optim\.lr_schedule: must be one of \('constant', 'linear', "):
+        load_config(None, ["train.optim.lr_schedule=step"])
+    with pytest.raises(ValueError, match=r"^peak_flops: must be a number > 0 or null, got True"):
+        TrainerConfig(peak_flops=True)
+    with pytest.raises(ValueError, match="eps: must be a finite number"):
+        OptimConfig(eps=float("inf"))
+    assert allowed(option(0, ge=0, le=1).metadata["areal_fast.rules"]) == ">= 0 and <= 1"
+    assert load_config(None, ["train.optim.lr=0"]).train.optim.lr == 0
+
+
+def test_flush_cache_follows_the_user_and_refuses_a_flush_in_place():
+    assert load_config(None, ["rollout.pause_mode=in_place"]).weights.flush_cache is False
+    assert load_config(None, []).weights.flush_cache is True
+    assert load_config(None, ["weights.flush_cache=false"]).weights.flush_cache is False
+    with pytest.raises(ConfigError, match="weights.flush_cache: true .* 'in_place'"):
+        load_config(None, ["rollout.pause_mode=in_place", "weights.flush_cache=true"])
+
+
+def test_the_api_key_is_the_runs_and_reaches_the_weight_sync():
+    cfg = load_config(None, ["api_key=k3y"])
+    assert cfg.api_key == "k3y" and cfg.weights.resolved_api_key == "k3y" and "k3y" not in repr(cfg)
+
+
+def test_both_gpus_keys_are_lists_from_yaml_and_the_command_line():
+    cfg = load_config(None, ["train.gpus=[4, 5]", "rollout.gpus=['0,1']"])
+    assert cfg.train.gpus == ["4", "5"] and cfg.rollout.gpus == ["0,1"]
+    with pytest.raises(ConfigError, match=r"train\.gpus: expected a list"):
+        load_config(None, ["train.gpus='4,5'"])
+    with pytest.raises(ConfigError, match=r"train\.gpus\[0\]: one device per trainer rank"):
+        load_config(None, ["train.gpus=['4,5']"])

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _shared import wait_until
 
 from areal_fast.elastic import pool_watch, supervisor
 from areal_fast.elastic.members import Member, Target, read_members, write_members, write_pool, write_target
@@ -171,12 +172,13 @@ def test_the_pool_file_follows_the_pool(tmp_path):
     pool = Pool([A])
     syncer = SimpleNamespace(membership=SyncMembership(pool), offer=lambda u: None)
 
-    async def briefly():
+    async def until_written():
         t = asyncio.create_task(pool_watch.watch_members(pool, syncer, tmp_path, every_s=0.01))
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: read_pool(tmp_path) is not None or t.done(), "the pool file", 30)
         t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
 
-    asyncio.run(briefly())
+    asyncio.run(until_written())
     assert read_pool(tmp_path)["urls"] == [A]
 
 

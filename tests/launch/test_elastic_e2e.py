@@ -87,8 +87,8 @@ def test_kept_servers_are_reused_by_the_resume_after_a_kill_9(run_dir, runner): 
     out = run_dir
     cmd = _cmd(out, "experiment.total_steps=4", "rollout.keep_servers=true", "log.plots=false")
     p = runner(cmd, env={HANG_AFTER_CHECKPOINT_ENV: "2"})
-    _wait_for(lambda: (out / "checkpoints" / "step_00000002").is_dir(), p, "checkpoint 2")
-    time.sleep(1.0)  # the hook holds the run right after the checkpoint is complete
+    # the hook holds the run right after the checkpoint is complete
+    _wait_for(lambda: (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file(), p, "checkpoint 2")
     kept = _servers(p.pid)
     assert len(kept) == 1
     try:

@@ -43,6 +43,11 @@ async def _until(cond, timeout_s: float = 10.0):
             await asyncio.sleep(0.01)
 
 
+def _lock_waiters(lock: asyncio.Lock) -> int:
+    """The tasks waiting for ``lock`` (asyncio keeps them in ``_waiters``; no public count)."""
+    return len(lock._waiters or ())
+
+
 def test_the_last_dead_server_is_dropped_and_the_run_waits_until_one_joins(caplog):
     """Before: "the last inference server ... stopped answering" ended the run."""
     dead = _dead()
@@ -50,12 +55,16 @@ def test_the_last_dead_server_is_dropped_and_the_run_waits_until_one_joins(caplo
     membership = SyncMembership(pool)
     empty = EmptyPool(600.0, "logs", membership=membership)
 
+    rounds = []  # the watchdog's rounds: each ends by telling ``empty`` the pool
+    check = empty.check
+    empty.check = lambda urls: rounds.append(list(urls)) or check(urls)
+
     async def run():
         task = asyncio.create_task(rank._watch_servers(pool, "logs", 5.0, empty))
         await _until(lambda: pool.removed)
-        for _ in range(10):  # more rounds with the pool empty: the watchdog waits
-            await asyncio.sleep(0.02)
-            assert not task.done(), task
+        mark = len(rounds)
+        await _until(lambda: len(rounds) >= mark + 10 or task.done())  # more rounds with the pool empty
+        assert not task.done(), task  # the watchdog waits
         await pool.add_server(B)  # a replacement joined
         await _until(lambda: empty.since is None)
         task.cancel()
@@ -127,8 +136,8 @@ def test_a_joiner_of_the_empty_pool_gets_the_current_version_at_once_never_durin
         refill = asyncio.create_task(refill_empty_pool(pool, ctl.syncer, ctl.sync_between_steps, every_s=0.01))
         async with ctl.trainer_lock:  # a step's train and sync runs: the refill waits for it
             ctl.syncer.offer(B)
-            await asyncio.sleep(0.1)
-            assert trainer.calls == [] and pool.urls == []
+            await _until(lambda: _lock_waiters(ctl.trainer_lock) == 1 or refill.done())
+            assert trainer.calls == [] and pool.urls == [] and not refill.done()
             ctl.version = 8  # the step's version moves before the lock is released
         await _until(lambda: pool.urls)
         refill.cancel()
@@ -143,19 +152,26 @@ def test_a_refill_that_the_step_made_unneeded_sends_nothing(tmp_path):
     pool, trainer = Pool([]), UpdateRecordingTrainer()
     ctl.syncer = DistributedSync(trainer, pool, config=WeightSyncConfig(timeout_s=5))
 
+    looked = []  # the refill's attempts that found the lock free, with what they sent
+
+    async def sync_between_steps(still):
+        looked.append(await ctl.sync_between_steps(still))
+        return looked[-1]
+
     async def run():
-        refill = asyncio.create_task(refill_empty_pool(pool, ctl.syncer, ctl.sync_between_steps, every_s=0.01))
+        refill = asyncio.create_task(refill_empty_pool(pool, ctl.syncer, sync_between_steps, every_s=0.01))
         async with ctl.trainer_lock:
             ctl.syncer.offer(B)
-            await asyncio.sleep(0.05)  # the refill waits for the lock
+            await _until(lambda: _lock_waiters(ctl.trainer_lock) == 1 or refill.done())  # the refill waits
             await ctl.syncer.sync(1)  # the step's own update admits the joiner
             ctl.version = 1
-        await asyncio.sleep(0.1)
+        await _until(lambda: looked or refill.done())  # the refill's look once the step ended
         refill.cancel()
         await asyncio.gather(refill, return_exceptions=True)
 
     asyncio.run(run())
-    assert [(s.urls, v) for s, v in trainer.calls] == [((B,), 1)]  # once: the refill found the pool full
+    assert looked[:1] == [None]  # the refill found the pool full: it sent nothing
+    assert [(s.urls, v) for s, v in trainer.calls] == [((B,), 1)]  # once, by the step
 
 
 def test_the_last_server_that_left_the_members_leaves_a_pool_that_may_be_empty(tmp_path):

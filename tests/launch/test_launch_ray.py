@@ -67,7 +67,7 @@ def test_config_validation_and_server_placement_helpers():
         RayConfig(cpus_per_rank=0)
     assert tp_size(["--mem-fraction-static", "0.8", "--tp-size", "4"]) == 4
     assert tp_size(["--tp=2"]) == 2 and tp_size([]) == 1
-    r = RolloutConfig(engine="sglang", server_args=["--tp-size", "2"])
+    r = RolloutConfig(server="sglang", server_args=["--tp-size", "2"])
     cmd = server_command(r, "/m", "10.0.0.7", 30001, seed=0, api_key_file="/run/.secrets/k.yaml", python=PYTHON)
     assert cmd[:3] == [PYTHON, "-m", "sglang.launch_server"] and cmd.count("--tp-size") == 1
     assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--config") + 1] == "/run/.secrets/k.yaml"

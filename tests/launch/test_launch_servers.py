@@ -27,7 +27,7 @@ def test_server_kind_is_decided_by_servers_then_engine():
     assert server_kind(load_config(None, ["rollout.server=sglang"]).rollout) is ServerKind.SGLANG
     assert not ServerKind.EXTERNAL.launched and ServerKind.EMBEDDED.launched and ServerKind.SGLANG.launched
     with pytest.raises(ValueError, match="'tgi'"):
-        server_kind(types.SimpleNamespace(servers=[], engine="tgi"))
+        server_kind(types.SimpleNamespace(servers=[], server="tgi"))
 
 
 def test_the_launchers_build_the_command_and_count_gpus_of_the_launched_kind():
@@ -43,10 +43,10 @@ def test_the_launchers_build_the_command_and_count_gpus_of_the_launched_kind():
 
 def test_run_api_key_fresh_for_launched_servers_configured_for_external_ones(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    launched = load_config(None, [f"weights.api_key={SECRET}"])
+    launched = load_config(None, [f"api_key={SECRET}"])
     fresh = train.run_api_key(launched, server_kind(launched.rollout))
     assert fresh and fresh != SECRET and not fresh.startswith("-")
-    external = load_config(None, [f"weights.api_key={SECRET}", EXTERNAL])
+    external = load_config(None, [f"api_key={SECRET}", EXTERNAL])
     assert train.run_api_key(external, server_kind(external.rollout)) == SECRET
 
 
@@ -97,7 +97,7 @@ def test_the_in_process_rank_is_handed_the_launched_servers_key_not_through_the_
 
 
 def test_external_servers_are_not_launched_and_their_key_is_handed_over(monkeypatch, tmp_path):
-    launcher, call = _run_in_process(monkeypatch, tmp_path, [EXTERNAL, f"weights.api_key={SECRET}"])
+    launcher, call = _run_in_process(monkeypatch, tmp_path, [EXTERNAL, f"api_key={SECRET}"])
     assert launcher.started == []
     assert call["api_key"] == SECRET and call["env"] is None and call["urls"] == ["http://127.0.0.1:1"]
 

@@ -49,8 +49,8 @@ def test_every_release_a_run_accepts_gets_the_transfer_engine(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["rollout.server=vllm"], "backend 'vllm'"),  # vLLM servers speak vLLM's API
-    (["rollout.api=vllm", "rollout.server=sglang"], "engine 'vllm'"),
+    (["rollout.server=vllm"], "api 'vllm'"),  # vLLM servers speak vLLM's API
+    (["rollout.api=vllm", "rollout.server=sglang"], "server 'vllm'"),
 ])
 def test_engine_and_backend_must_agree(overrides, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -8,6 +8,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from _shared import wait_until
 
 from areal_fast.elastic.liveness import server_alive, server_ready
 from areal_fast.launch import rank
@@ -53,14 +54,18 @@ def test_watchdog_keeps_a_paused_server_and_drops_a_dead_one(paused_server, monk
     monkeypatch.setattr(rank, "_WATCH_S", 0.01)
     dead = f"http://127.0.0.1:{find_free_port('127.0.0.1')}"
     pool = _Pool([paused_server, dead])
+    probed: list[str] = []  # every url the watchdog asked, round after round
+    state = rank.server_state
+    monkeypatch.setattr(rank, "server_state", lambda url, timeout_s: probed.append(url) or state(url, timeout_s))
 
     async def run():
         task = asyncio.create_task(rank._watch_servers(pool, "logs"))
-        while not pool.removed:  # ends when the dead one is dropped (a few refused rounds)
-            await asyncio.sleep(0.01)
-            assert not task.done(), task
-        for _ in range(5):  # more rounds: the paused server stays
-            await asyncio.sleep(0.02)
+        # the dead one is dropped after a few refused rounds
+        await wait_until(lambda: pool.removed or task.done(), "the dead server to be dropped", 30)
+        mark = probed.count(paused_server)
+        await wait_until(lambda: probed.count(paused_server) >= mark + 5 or task.done(),
+                         "five more rounds of the watchdog", 30)
+        assert not task.done(), task  # the paused server stays, and so does the watchdog
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _shared import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "tiny_reverse.yaml")
@@ -70,8 +71,10 @@ class _Port:
     def __init__(self):
         self.release = asyncio.Event()
         self.urls = ["http://a:1", "http://b:2"]
+        self.waiting = 0  # requests held at the port until release
 
     async def generate(self, input_ids, sampling, rid):
+        self.waiting += 1
         await self.release.wait()
         return SimpleNamespace(output_ids=[1, 2, 3, 4, 5])
 
@@ -116,7 +119,7 @@ def test_requests_in_flight_and_generated_tokens_are_counted_at_the_port():
         metered = ex.metered(port)
         assert metered.urls == port.urls  # every other attribute is the port's
         tasks = [asyncio.create_task(metered.generate([1], {}, f"r{i}")) for i in range(3)]
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: port.waiting == 3, "the three requests at the port")
         ex.sample(_controller(), port)
         during = scrape(ex.url)
         port.release.set()

@@ -363,7 +363,7 @@ def test_the_api_key_is_never_written_and_the_saved_configs_are_private(tmp_path
     from areal_fast.launch.base import TRAINER_CONFIG_FILE
     from areal_fast.launch.train import trainer_run_config
 
-    cfg = load_config(None, [f"weights.api_key={SECRET}", "rollout.servers=[http://127.0.0.1:1]"])
+    cfg = load_config(None, [f"api_key={SECRET}", "rollout.servers=[http://127.0.0.1:1]"])
     out = tmp_path / "run"
     out.mkdir()
     save_config(cfg, out / "config.yaml")
@@ -372,7 +372,7 @@ def test_the_api_key_is_never_written_and_the_saved_configs_are_private(tmp_path
     assert _files_holding(out, SECRET.encode()) == []
     for name in ("config.yaml", TRAINER_CONFIG_FILE):
         assert stat.S_IMODE((out / name).stat().st_mode) == 0o600, name
-    assert load_config(out / "config.yaml").weights.api_key is None
+    assert load_config(out / "config.yaml").api_key is None
 
 
 def test_client_and_weight_sync_use_one_key(tmp_path, monkeypatch):
@@ -384,13 +384,13 @@ def test_client_and_weight_sync_use_one_key(tmp_path, monkeypatch):
     from areal_fast.launch.base import API_KEY_ENV
     from areal_fast.launch.train import run_api_key, trainer_run_config
 
-    cfg = load_config(None, [f"weights.api_key={SECRET}"])
+    cfg = load_config(None, [f"api_key={SECRET}"])
     fresh = run_api_key(cfg, server_kind(cfg.rollout))
     assert fresh and fresh != SECRET
     tcfg = trainer_run_config(cfg, "/m", ["http://127.0.0.1:1"], tmp_path)
     monkeypatch.setenv(API_KEY_ENV, fresh)  # what the launcher gives every rank
     assert tcfg.weights.resolved_api_key == fresh  # the sync's key (the client takes the same property)
-    external = load_config(None, [f"weights.api_key={SECRET}", "rollout.servers=[http://127.0.0.1:1]"])
+    external = load_config(None, [f"api_key={SECRET}", "rollout.servers=[http://127.0.0.1:1]"])
     monkeypatch.delenv(API_KEY_ENV)
     assert run_api_key(external, server_kind(external.rollout)) == SECRET
 

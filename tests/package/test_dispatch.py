@@ -119,7 +119,7 @@ def test_missing_native_core_falls_back_with_the_reason(monkeypatch):
     def broken_native():
         raise ImportError("areal_fast._C (the native core) is not built (simulated)")
 
-    monkeypatch.setattr(backend, "native", broken_native)
+    monkeypatch.setattr(dispatch, "native", broken_native)
     dispatch._warn_fallback.cache_clear()
     lengths, budget = PLANNER_ARGS
     with pytest.warns(RuntimeWarning, match=r"packing.plan: falling back from 'native'.*not built \(simulated\)"):

@@ -203,3 +203,28 @@ def test_no_result_file_is_in_a_format_no_command_writes():
         if not re.search(rf"[\"'/]{re.escape(stem)}[_\"'.-]", sources):
             stale.append(f.name)
     assert stale == [], f"result files in a format no command writes any more (regenerate or delete them): {stale}"
+
+
+# ----------------------------------------------------------------------------- the suite's own time
+
+
+def test_the_suite_records_its_own_time(tmp_path):
+    """tests/_suite_time.py, as .ci/run uses it: one row with the counts, the seconds and the tiers."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "test_x.py").write_text("import pytest\n\ndef test_a():\n    pass\n\n@pytest.mark.skip\ndef test_b():\n"
+                                        "    pass\n\n@pytest.mark.slow\ndef test_c():\n    pass\n")
+    out = tmp_path / "suite_time.jsonl"
+    env = {**os.environ, "AREAL_FAST_SUITE_TIME": str(out), "AREAL_FAST_SUITE_START": str(time.time() - 5),
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "_suite_time", "-p", "no:cacheprovider",
+                        "test_x.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = json.loads(out.read_text())
+    counts = (row["bench"], row["selection"], row["passed"], row["skipped"], row["failed"])
+    assert counts == ("suite_time", "all", 2, 1, 0)
+    assert row["not_slow_passed"] == 1 and row["tests_s"] > 0 and row["total_s"] >= 5
+    assert row["provenance"]["commit"] and row["exitstatus"] == 0

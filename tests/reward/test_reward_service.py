@@ -250,10 +250,13 @@ def test_concurrency_is_bounded_by_the_workers():
 
 
 def test_cancelled_call_and_dead_idle_worker_are_replaced():
+    from _shared import wait_until  # here, not at the top: the reward workers import this module
+
     async def main():
         async with RewardService(num_workers=1, timeout_s=30) as svc:
             call = asyncio.ensure_future(svc.score({"reward": f"{ME}:hangs"}, ""))
-            await asyncio.sleep(0.2)
+            await wait_until(lambda: svc._workers and svc._workers[0].future is not None,
+                             "the call to reach the worker")
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call

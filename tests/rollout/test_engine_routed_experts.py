@@ -322,6 +322,8 @@ def test_the_client_stitches_a_requests_routing_across_pauses(api, sglang, twin,
     import asyncio
     import time
 
+    from _shared import until_running
+
     import areal_fast.rollout.client as client_mod
     from areal_fast.backends.sglang.client import SGLangRolloutClient
     from areal_fast.backends.vllm.client import VLLMRolloutClient
@@ -348,9 +350,7 @@ def test_the_client_stitches_a_requests_routing_across_pauses(api, sglang, twin,
             task = asyncio.create_task(c.generate(PROMPTS[1], {"max_new_tokens": 40, "temperature": 1.0,
                                                                 "ignore_eos": True}))
             for _ in range(2):  # each pause once the running segment has made a few tokens (no timer)
-                while not any(len(r.output_ids) >= 3 for r in list(sch._rows)):
-                    assert not task.done(), "the request finished before it was paused"
-                    await asyncio.sleep(0.005)
+                await until_running(handle, 3, task=task)
                 await c.pause_all("abort")
                 await c.continue_all()
             return await task

@@ -545,8 +545,7 @@ def test_no_request_bytes_are_held_while_the_answer_is_awaited(scripted, monkeyp
             made.clear()
             gen = asyncio.create_task(c.generate([1, 2, 3], {"max_new_tokens": 8}, rid="held"))
             await asyncio.to_thread(srv.received.wait, ANSWER_WAIT_S)
-            while not any(b'"rid":"held|0|"' in b for b in made):
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: any(b'"rid":"held|0|"' in b for b in made), "the held request's body")
             mine = next(b for b in made if b'"rid":"held|0|"' in b)
             client_refs = sys.getrefcount(mine)  # the list, the name, the argument
             gen.cancel()

@@ -33,6 +33,7 @@ import pytest
 from packaging.version import Version
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _shared import wait_until  # noqa: E402
 from sglang_wheel import sglang_module  # noqa: E402
 
 from areal_fast.backends.keyfile import write_api_key_file  # noqa: E402
@@ -133,8 +134,8 @@ def _record_client_calls(version: str) -> list[tuple[str, dict | None]]:
                 await c.generate([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20,
                                              "min_p": 0.05, "stop_token_ids": [2], "ignore_eos": True}, rid="g0")
                 held = asyncio.create_task(c.generate([4, 5], {"max_new_tokens": 3}, rid="held-1"))
-                while not any(p == "/generate" and b["rid"].startswith("held") for p, b in calls):
-                    await asyncio.sleep(0.01)
+                await wait_until(lambda: any(p == "/generate" and b["rid"].startswith("held") for p, b in calls),
+                                 "the held request at the server")
                 await c.abort("held-1")
                 release.set()
                 await held

@@ -25,7 +25,7 @@ def test_run_config_uses_this_class():
 @pytest.mark.parametrize("kw,field", [
     ({"method": "nccl"}, "method"), ({"bucket_bytes": 10}, "bucket_bytes"), ({"dtype": "int8"}, "dtype"),
     ({"load_format": "auto"}, "load_format"), ({"disk_load_format": "dummy"}, "disk_load_format"),
-    ({"group_name": ""}, "group_name"), ({"master_port": 70000}, "master_port"), ({"backend": "mpi"}, "backend"),
+    ({"group_name": ""}, "group_name"), ({"master_port": 70000}, "master_port"), ({"collective": "mpi"}, "collective"),
     ({"timeout_s": 0}, "timeout_s"), ({"timeout_s": float("inf")}, "timeout_s"), ({"timeout_s": -5}, "timeout_s"),
 ])
 def test_bad_values_name_the_field(kw, field):

@@ -173,13 +173,6 @@ class VLLMBehaviour:
         spans ({version, start, end}) labelling every output token, across kept pauses."""
         return self.version >= TOKEN_WEIGHT_VERSIONS_SINCE
 
-    @property
-    def pause_modes(self) -> tuple[str, ...]:
-        """The pause modes this release serves (none before /pause existed)."""
-        if self.has_pause_modes:
-            return VLLM_PAUSE_MODES
-        return ("abort", "wait") if self.has_pause else ()
-
 
 # our rollout.pause_mode -> vLLM's /pause mode
 PAUSE_MODE_TO_VLLM = {"abort": "abort", "in_place": "keep"}
@@ -210,13 +203,14 @@ def vllm_refusal(version: str, *, pause_mode: str, weights_method: str) -> str |
         return (f"rollout.pause_mode 'in_place' (vLLM's keep) needs per-token weight versions, which vLLM returns "
                 f"from {TOKEN_WEIGHT_VERSIONS_SINCE} (return_weight_versions); {b.version} would label a kept "
                 f"request's tokens wrongly")
+    # the label first: every run needs it, whatever the method (and from it on, the transfer exists too)
+    if not b.labels_weight_version:
+        return (f"a training run labels every token with the weights that made it, and vLLM {b.version} cannot be "
+                f"told its weight version (/update_weight_version, from {WEIGHT_VERSION_LABEL_SINCE})")
     if weights_method == "distributed" and not b.has_weight_transfer:
         return (f"weights.method 'distributed' needs vLLM's weight-transfer endpoints "
                 f"(/init_weight_transfer_engine, from {WEIGHT_TRANSFER_SINCE}); vLLM {b.version} has none: "
                 f"use weights.method 'disk'")
-    if not b.labels_weight_version:
-        return (f"a training run labels every token with the weights that made it, and vLLM {b.version} cannot be "
-                f"told its weight version (/update_weight_version, from {WEIGHT_VERSION_LABEL_SINCE})")
     return None
 
 
