@@ -27,11 +27,6 @@ A **record** (one group; the spill file and a checkpoint's ``buffer.bin`` hold t
           loss_mask), sample by sample within a column; a prompt equal to the first sample's is
           stored once, counted -1
 
-Records written before the one sample record (no "samples" in the meta) are read too: their
-columns are ``prompt_ids`` (the group's, once), then ``outputs``, ``behav_logprobs``, ``versions``,
-``prompts``, ``loss_masks``, and the per-sample fields lists in "fields" (``rewards``,
-``finish_reasons``, ``infos``, ``min_versions``); ``areal_fast.group.legacy_fields`` maps them.
-
 A spilled group is copied into a checkpoint byte for byte (its CRC travels with it); a damaged or
 truncated record is a ``ValueError`` naming the record and its offset, which the controller reports
 as a corrupt checkpoint (a length field is checked against the bytes left in the file before
@@ -62,7 +57,7 @@ from typing import Any, BinaryIO
 
 from areal_fast.checkpoint import STATE_FILE, CorruptCheckpoint, read_state
 from areal_fast.columns import ITEMSIZE, LOGPROB_ARRAY, MASK_ARRAY, ROUTING_ARRAY, TOKEN_ARRAY
-from areal_fast.group import Group, legacy_fields
+from areal_fast.group import Group
 from areal_fast.sample import COLUMN_NAMES
 
 MAGIC = b"AFG1"
@@ -74,9 +69,6 @@ _OPTIONAL_COLUMNS = ("routed_experts",)  # absent from records written before it
 assert tuple(COLUMNS) == COLUMN_NAMES
 _SAMPLE_FIELDS = ("reward", "finish_reason", "info")  # what a record keeps of a sample besides its columns
 _GROUP_FIELDS = ("position", "row", "admitted_version", "gen_seconds", "episodes_failed")
-# the records written before the one sample record: the group's prompt_ids, then these columns
-_LEGACY_COLUMNS = {"outputs": TOKEN_ARRAY, "behav_logprobs": LOGPROB_ARRAY, "versions": TOKEN_ARRAY,
-                   "prompts": TOKEN_ARRAY, "loss_masks": MASK_ARRAY}
 _SAME_PROMPT = -1  # a sample's prompt equal to the first sample's: stored once
 _COPY_CHUNK = 8 << 20  # bytes per read when a spilled record is copied into a checkpoint
 MB = 1 << 20
@@ -153,32 +145,19 @@ def _record(raw: bytes | memoryview, name: str) -> tuple[int, int, int]:
 
 def decode_record(meta: bytes | memoryview, data: bytes | memoryview, crc: int, name: str) -> dict:
     """A group's fields (keyword arguments of ``Group``: its samples as dicts of ``Sample`` keyword
-    arguments) from a record's meta and data, of either layout (see the module docstring);
-    ValueError naming ``name`` when the CRC, the meta or the column lengths do not check out."""
+    arguments) from a record's meta and data (see the module docstring); ValueError naming ``name``
+    when the CRC, the meta or the column lengths do not check out."""
     if zlib.crc32(data, zlib.crc32(meta)) != crc:
         raise ValueError(f"{name}: CRC mismatch (the record is damaged)")
     try:
         m = json.loads(bytes(meta))
-        kw, counts, samples = dict(m["fields"]), m["columns"], m.get("samples")
-        if samples is None:  # written before the one sample record
-            plan = [("prompt_ids", TOKEN_ARRAY, int(counts["prompt_ids"]))]
-            plan += [(col, code, int(n)) for col, code in _LEGACY_COLUMNS.items() for n in counts[col]]
-        else:
-            samples = [dict(s) for s in samples]
-            for col in _OPTIONAL_COLUMNS:
-                counts.setdefault(col, [0] * len(samples))
-            plan = [(col, code, int(n)) for col, code in COLUMNS.items() for n in counts[col]]
+        kw, counts, samples = dict(m["fields"]), m["columns"], [dict(s) for s in m["samples"]]
+        for col in _OPTIONAL_COLUMNS:
+            counts.setdefault(col, [0] * len(samples))
+        plan = [(col, code, int(n)) for col, code in COLUMNS.items() for n in counts[col]]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{name}: unreadable record meta ({e!r})") from None
     cols = _read_columns(memoryview(data), plan, name)
-    if samples is None:
-        kw["prompt_ids"] = cols.pop("prompt_ids")[0]
-        kw.update({col: cols.get(col, []) for col in _LEGACY_COLUMNS})
-        kw["prompts"] = [kw["prompt_ids"] if p is None else p for p in kw["prompts"]]
-        try:
-            return legacy_fields(kw)
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"{name}: unreadable record meta ({e!r})") from None
     for col in COLUMNS:
         if len(cols.get(col, ())) != len(samples):
             raise ValueError(f"{name}: {len(cols.get(col, ()))} {col} columns for {len(samples)} samples")
@@ -514,16 +493,12 @@ class GroupBuffer:
 
 def checkpoint_groups(path: Path, st: dict | None = None) -> Iterator[Group]:
     """The buffered groups of the checkpoint at ``path`` (``st``: its controller state, read when not
-    given), one at a time, FIFO: from ``buffer.bin``, or from controller.json as checkpoints before
-    buffer.bin held them. CorruptCheckpoint names the file when a group is unreadable or the file is
-    short or too long. The checkpoint's layout is ``areal_fast.checkpoint``'s, its records this module's."""
+    given), one at a time, FIFO, from ``buffer.bin``. CorruptCheckpoint names the file when a group is
+    unreadable or the file is short or too long. The checkpoint's layout is ``areal_fast.checkpoint``'s,
+    its records this module's."""
     st = read_state(path) if st is None else st
-    ref, where = st.get("buffer_file"), STATE_FILE
+    ref, where = st["buffer_file"], STATE_FILE
     try:
-        if ref is None:
-            for g in st["buffer"]:
-                yield Group.from_state(g)
-            return
         where = str(ref["name"])
         f = path / where
         if f.stat().st_size != int(ref["bytes"]):

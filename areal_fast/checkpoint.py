@@ -381,11 +381,8 @@ def check_state(st) -> None:
     if st.get("resume_key") is not None and not isinstance(st["resume_key"], dict):
         raise ValueError(f"resume_key: expected an object, got {st['resume_key']!r:.200}")
     ref = st.get("buffer_file")
-    if ref is None:  # checkpoints before buffer.bin held the groups in this file
-        if not isinstance(st["buffer"], list):
-            raise ValueError(f"buffer: expected a list of groups, got {type(st['buffer']).__name__}")
-    elif not (isinstance(ref, dict) and set(ref) == {"name", "groups", "bytes"} and ref["name"] == BUFFER_FILE
-              and _is_int(ref["groups"]) and _is_int(ref["bytes"])):
+    if not (isinstance(ref, dict) and set(ref) == {"name", "groups", "bytes"} and ref["name"] == BUFFER_FILE
+            and _is_int(ref["groups"]) and _is_int(ref["bytes"])):
         raise ValueError(f"buffer_file: expected {{'name': {BUFFER_FILE!r}, 'groups': N, 'bytes': N}}, "
                          f"got {ref!r:.200}")
     elif "buffer" in st:

@@ -32,16 +32,13 @@ array (``array('i', [1]) == [1]`` is False) and ``+`` needs an array on both sid
 an array of another typecode) on entry; an array of the right typecode is used as it is, not copied.
 
 Checkpoints hold the buffered groups' columns as raw little-endian bytes in ``buffer.bin``
-(``areal_fast/buffer.py``). Checkpoints before that stored a column inside ``controller.json`` as
-``{"__array__": typecode, "b64": base64 of its little-endian bytes}`` (:func:`encode_column`), and
-older ones as plain lists; :func:`decode_column` reads both, and their float64 (``'d'``) log-prob
-columns.
+(``areal_fast/buffer.py``); a column in JSON is ``{"__array__": typecode, "b64": base64 of its
+little-endian bytes}`` (:func:`encode_column`).
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import sys
 from array import array
 from collections.abc import Iterable
@@ -51,15 +48,14 @@ LOGPROB_ARRAY = "f"  # log-probs: C float (float32): the precision the trainer c
 MASK_ARRAY = "B"  # loss mask: one byte a token, 0 or 1
 ROUTING_ARRAY = "h"  # routed experts: int16 expert ids (below 32768), -1 where not recorded
 COLUMN_KEY = "__array__"  # marks an encoded column in a checkpoint's JSON
-_OLD_LOGPROB_ARRAY = "d"  # float64 log-probs, as checkpoints before the float32 columns stored them
 # bytes an item of each column typecode
 ITEMSIZE = {code: array(code).itemsize
-            for code in (TOKEN_ARRAY, LOGPROB_ARRAY, MASK_ARRAY, ROUTING_ARRAY, _OLD_LOGPROB_ARRAY)}
+            for code in (TOKEN_ARRAY, LOGPROB_ARRAY, MASK_ARRAY, ROUTING_ARRAY)}
 _BINARY = bytes((0, 1))
 _ZERO = b"\x00"
 _ONES = array(MASK_ARRAY, [1])
 
-__all__ = ["ITEMSIZE", "LOGPROB_ARRAY", "MASK_ARRAY", "ROUTING_ARRAY", "TOKEN_ARRAY", "column", "decode_column",
+__all__ = ["ITEMSIZE", "LOGPROB_ARRAY", "MASK_ARRAY", "ROUTING_ARRAY", "TOKEN_ARRAY", "column",
            "encode_column", "is_binary_mask", "json_default", "logprobs", "mask", "min_model_version", "routing",
            "routing_from_rows", "tokens"]
 
@@ -161,29 +157,6 @@ def encode_column(a: array) -> dict:
         a = array(a.typecode, a)
         a.byteswap()
     return {COLUMN_KEY: a.typecode, "b64": base64.b64encode(a).decode("ascii")}
-
-
-def decode_column(obj, typecode: str, name: str) -> array:
-    """A column read back from JSON: an encoded column (:func:`encode_column`) or a plain list (older
-    checkpoints). ValueError names ``name`` when the encoding is damaged or of another typecode."""
-    if not isinstance(obj, dict):
-        return column(obj, typecode, name)
-    code = obj.get(COLUMN_KEY)
-    if code == _OLD_LOGPROB_ARRAY and typecode == LOGPROB_ARRAY:  # float64 log-probs of older checkpoints
-        return column(decode_column(obj, code, name), typecode, name)
-    if code != typecode:
-        raise ValueError(f"{name}: stored as array {code!r}, expected {typecode!r}")
-    try:
-        raw = base64.b64decode(obj["b64"], validate=True)
-    except (KeyError, TypeError, binascii.Error) as e:
-        raise ValueError(f"{name}: damaged column encoding ({e!r})") from None
-    if len(raw) % ITEMSIZE[typecode]:
-        raise ValueError(f"{name}: {len(raw)} bytes is not a whole number of {ITEMSIZE[typecode]}-byte items")
-    out = array(typecode)
-    out.frombytes(raw)
-    if sys.byteorder == "big":
-        out.byteswap()
-    return out
 
 
 def json_default(obj):

@@ -1,6 +1,6 @@
 """What the config sections and the checks share: the error type, the declarative field rules
-(:func:`option`, :func:`check_rules`), the one dict-to-dataclass loader (:class:`Loader`) and two
-small value rules.
+(:func:`option`, :func:`check_rules`), the one dict-to-dataclass loader (:class:`Loader`) and one
+value rule (a device list).
 
 The lowest layer of the configuration: every section module (``rollout/config.py``,
 ``reward/config.py``, ``launch_config.py`` ...), the machine checks (``preflight.py``) and the
@@ -16,17 +16,11 @@ import types
 import typing
 from typing import Any
 
-__all__ = ["ConfigError", "Loader", "check_rules", "device_indices", "from_dict", "option", "positive_seconds"]
+__all__ = ["ConfigError", "Loader", "check_rules", "device_indices", "from_dict", "option"]
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the dotted key."""
-
-
-def positive_seconds(name: str, value: float) -> None:
-    """Refuse a duration that is not > 0 seconds, naming the field."""
-    if not value > 0:  # NaN and infinity never get here: the loader refuses non-finite numbers
-        raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")
 
 
 def device_indices(text: str) -> list[int] | None:
@@ -112,13 +106,18 @@ def check_rules(obj) -> None:
             raise ValueError(must)
         if rules.get("nonempty") and (not value or isinstance(value, str) and not value.strip()):
             raise ValueError(f"{name}: must not be empty")
-        bounds = [(k, test) for k, _, test in _BOUNDS if k in rules]
-        if bounds:
-            if not number or is_int and not isinstance(value, int):
-                raise ValueError(f"{name}: must be {'an integer' if is_int else 'a number'} "
-                                 f"{allowed(rules, nullable)}, got {value!r}")
-            if not all(test(value, rules[k]) for k, test in bounds):
-                raise ValueError(must)
+        _check_bounds(name, value, rules, nullable, is_int, must)
+
+
+def _check_bounds(name: str, value, rules: dict, nullable: bool, is_int: bool, must: str) -> None:
+    bounds = [(k, test) for k, _, test in _BOUNDS if k in rules]
+    if not bounds:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or is_int and not isinstance(value, int):
+        raise ValueError(f"{name}: must be {'an integer' if is_int else 'a number'} {allowed(rules, nullable)}, "
+                         f"got {value!r}")
+    if not all(test(value, rules[k]) for k, test in bounds):
+        raise ValueError(must)
 
 
 # ----------------------------------------------------------------------------- the one loader

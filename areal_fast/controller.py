@@ -465,15 +465,15 @@ class Controller:
         }
 
     def load_state_dict(self, st: dict) -> None:
-        """Load a state: ``buffer`` a :class:`GroupBuffer` (what :meth:`restore` reads), or groups (or
-        their dicts, as controller.json held them before ``buffer.bin``)."""
+        """Load a state: ``buffer`` a :class:`GroupBuffer` (what :meth:`restore` reads) or a list of
+        groups."""
         self.version = int(st["version"])
         self.position = int(st["position"])
         self.requeue = deque(int(p) for p in st["pending"])
         buf = st["buffer"]
         if not isinstance(buf, GroupBuffer):
             groups, buf = buf, self._new_buffer()
-            buf.extend(g if isinstance(g, Group) else Group.from_state(g) for g in groups)
+            buf.extend(groups)
         self.buffer.close()
         self.buffer = buf
         self.counters = Counters(**st["counters"])

@@ -7,15 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from areal_fast import columns
 from areal_fast.sample import Sample
-
-# the per-trajectory columns of groups as checkpoints before the one sample record stored them, and
-# the sample column each became (``behav_logprobs`` was ``logprobs`` before that)
-LEGACY_COLUMNS = {"outputs": "output_ids", "behav_logprobs": "output_logprobs", "versions": "output_versions",
-                  "prompts": "prompt_ids", "loss_masks": "loss_mask"}
-_LEGACY_CODES = {"outputs": columns.TOKEN_ARRAY, "behav_logprobs": columns.LOGPROB_ARRAY,
-                 "versions": columns.TOKEN_ARRAY, "prompts": columns.TOKEN_ARRAY, "loss_masks": columns.MASK_ARRAY}
 
 
 @dataclass
@@ -34,21 +26,6 @@ class Group:
     def __post_init__(self) -> None:
         if not all(type(s) is Sample for s in self.samples):  # read back from a record: sample dicts
             self.samples = [_sample(s, self.position) for s in self.samples]
-
-    @classmethod
-    def from_state(cls, g: dict) -> Group:
-        """A group from its dict in the controller.json of checkpoints written before ``buffer.bin``:
-        columns encoded compactly (``columns.encode_column``), or the lists (and the ``logprobs``
-        name) of still older ones."""
-        g = dict(g)
-        if "logprobs" in g:  # checkpoints written before the behaviour log-probs got their one name
-            g["behav_logprobs"] = g.pop("logprobs")
-        pos = g.get("position")
-        g["prompt_ids"] = columns.decode_column(g["prompt_ids"], columns.TOKEN_ARRAY, f"group {pos}: prompt_ids")
-        for name, code in _LEGACY_CODES.items():
-            if name in g:
-                g[name] = [columns.decode_column(c, code, f"group {pos}: {name}[{i}]") for i, c in enumerate(g[name])]
-        return cls(**legacy_fields(g))
 
     @property
     def prompt_ids(self):
@@ -91,30 +68,6 @@ def _sample(s, position: int) -> Sample:
     known, m = "min_version" in s, s.pop("min_version", None)
     out = Sample(**s, group_id=position)
     return out.known_min_version(m) if known else out
-
-
-def legacy_fields(g: dict) -> dict:
-    """The keyword arguments of :class:`Group` from those of the group before the one sample record
-    (parallel lists per trajectory: ``outputs``, ``behav_logprobs``, ``versions``, ``rewards``,
-    ``finish_reasons``, optional ``prompts``, ``loss_masks``, ``infos``, ``min_versions``), sharing
-    their arrays. An absent ``prompts`` means every sample starts with ``prompt_ids``, an absent
-    ``loss_masks`` that every output token is a model token."""
-    g = dict(g)
-    prompt = g.pop("prompt_ids")
-    n = len(g["outputs"])
-    per = {new: g.pop(old, None) or [] for old, new in LEGACY_COLUMNS.items()}
-    per["prompt_ids"] = per["prompt_ids"] or [prompt] * n
-    per["reward"] = g.pop("rewards")
-    per["finish_reason"] = g.pop("finish_reasons")
-    per["info"] = g.pop("infos", None) or [{} for _ in range(n)]
-    mins = g.pop("min_versions", None)
-    if mins is not None and len(mins) == n:
-        per["min_version"] = mins
-    for k, v in per.items():
-        if v and len(v) != n:
-            raise ValueError(f"group {g.get('position')}: {len(v)} {k} for {n} outputs")
-    g["samples"] = [{k: v[i] for k, v in per.items() if v} for i in range(n)]
-    return g
 
 
 def group_of(pos: int, row: int, admitted_version: int, samples: list[Sample], **fields) -> Group:

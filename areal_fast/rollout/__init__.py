@@ -1,11 +1,12 @@
-"""Rollout layer: SGLang HTTP client with interruptible generation, staleness manager, embedded engine.
+"""Rollout layer: the generic client of inference servers (it names no backend).
 
-- ``areal_fast.rollout.client``: ``RolloutClient`` (server pool, interruptible ``generate``, pause /
-  continue / flush / abort, ``health`` for watchdogs). Weight updates live in ``areal_fast.weights``.
+- ``areal_fast.rollout.client``: ``RolloutClient``, the interface a backend's adapter implements
+  (server pool, interruptible ``generate``, pause / continue / flush / abort, ``health`` for
+  watchdogs); the adapters are ``areal_fast.backends.<name>.client``, chosen by name through
+  ``areal_fast.backends.registry``. Weight updates live in ``areal_fast.weights``.
+- ``areal_fast.rollout.calls``: every call to a server, the retry policy, the one health check.
 - ``areal_fast.rollout.staleness``: ``StalenessManager`` (admission bound of decoupled PPO).
-- ``areal_fast.embedded``: the embedded engine, a twin of a chosen SGLang release, and its launchers.
-- ``areal_fast.rollout.server_command``: the one builder of server command lines (embedded or SGLang).
+- ``areal_fast.rollout.sharded``: the client in worker processes.
 
-The SGLang contract (endpoints, version table) is in docs/sglang.md.
 Importing this package does not import torch or transformers.
 """

@@ -1,7 +1,7 @@
 """The controller's buffer of finished groups under a memory bound (``areal_fast.buffer``): groups
 past the bound wait in a spill file and come back FIFO with exactly their contents; the file's space
 is reused; strict mode drops spilled groups without reading them; checkpoints stream the buffer to
-``buffer.bin`` and restore it (older checkpoints with the groups in controller.json still load); a
+``buffer.bin`` and restore it; a
 damaged buffer file makes the checkpoint corrupt; and a run with a tiny bound trains exactly what an
 unbounded run trains."""
 
@@ -12,16 +12,14 @@ import json
 import os
 import random
 import struct
-import zlib
 from array import array
 
 import pytest
 from fakes import MatchReward, ParityTok, Prompts, RecordingTrainer, VersionSync
-from test_controller_columns import legacy_state  # a group as controller.json held it before the one record
 
-from areal_fast.buffer import MAGIC, GroupBuffer, column_bytes, read_records
-from areal_fast.checkpoint import BUFFER_FILE, STATE_FILE, CorruptCheckpoint, read_state
-from areal_fast.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY, encode_column
+from areal_fast.buffer import GroupBuffer, column_bytes, read_records
+from areal_fast.checkpoint import BUFFER_FILE, STATE_FILE, CorruptCheckpoint
+from areal_fast.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY
 from areal_fast.config import RolloutConfig
 from areal_fast.controller import Controller, ControllerSettings
 from areal_fast.group import Group
@@ -282,71 +280,6 @@ def test_checkpoint_round_trip_with_spilled_and_in_memory_groups(tmp_path, resto
     assert (ctl2.buffer.spilled > 0) == (restore_bound is not None)
     assert ctl2.gate.accepted == 3 * 3 + 12
     assert_same_groups(_drain(ctl2.buffer, 12), groups)
-
-
-def test_a_checkpoint_with_the_buffer_in_controller_json_still_loads(tmp_path):
-    """Checkpoints before buffer.bin held the groups' encoded columns in controller.json."""
-    rng = random.Random(12)
-    groups = [make_group(p, rng) for p in range(5)]
-    _, ck = _checkpoint_with(tmp_path, groups, bound_mb=None)
-    st = read_state(ck)
-    del st["buffer_file"]
-    (ck / BUFFER_FILE).unlink()
-    st["buffer"] = [{k: v for k, v in legacy_state(g).items() if k != "min_versions"} for g in groups]
-    (ck / STATE_FILE).write_text(json.dumps(st, default=encode_column))
-    ctl = controller(tmp_path, bound_mb=0.001)  # read into a bounded buffer: some are spilled
-    assert ctl.restore_newest() == ck
-    assert ctl.buffer.spilled > 0
-    assert_same_groups(list(ctl.buffer), groups)
-
-
-def legacy_record(g: Group) -> bytes:
-    """``g`` as a buffer.bin record was written before the one sample record (the group's
-    ``prompt_ids`` once, then per-trajectory ``outputs``, ``behav_logprobs``, ``versions``,
-    ``prompts``, ``loss_masks``; the per-trajectory fields as lists in "fields")."""
-    st = legacy_state(g)
-    cols = {"outputs": st["outputs"], "behav_logprobs": st["behav_logprobs"], "versions": st["versions"],
-            "prompts": st["prompts"], "loss_masks": st["loss_masks"]}
-    counts, arrays = {"prompt_ids": len(g.prompt_ids)}, [g.prompt_ids]
-    for name, cs in cols.items():
-        counts[name] = []
-        for c in cs:
-            if name == "prompts" and c == g.prompt_ids:
-                counts[name].append(-1)
-                continue
-            counts[name].append(len(c))
-            arrays.append(c)
-    other = {k: v for k, v in st.items() if k not in cols and k != "prompt_ids"}
-    meta = json.dumps({"fields": other, "columns": counts}).encode()
-    data = b"".join(a.tobytes() for a in arrays)  # little-endian hosts only (as the tests run)
-    head = struct.pack("<4sIQI", MAGIC, len(meta), len(data), zlib.crc32(data, zlib.crc32(meta)))
-    return head + meta + data
-
-
-def test_a_buffer_file_with_the_old_column_names_still_loads(tmp_path):
-    """A checkpoint whose buffer.bin was written before the one sample record (old column names,
-    parallel lists of trajectories) restores into samples with the same bytes, and the run's next
-    checkpoint writes them in the current layout."""
-    rng = random.Random(15)
-    groups = [make_group(p, rng) for p in range(6)]
-    _, ck = _checkpoint_with(tmp_path, groups, bound_mb=None)
-    old = b"".join(legacy_record(g) for g in groups)
-    (ck / BUFFER_FILE).write_bytes(old)
-    st = json.loads((ck / STATE_FILE).read_text())
-    st["buffer_file"]["bytes"] = len(old)
-    (ck / STATE_FILE).write_text(json.dumps(st))
-    with open(ck / BUFFER_FILE, "rb") as f:  # the reader of records
-        assert_same_groups([Group(**kw) for kw in read_records(f, 6, BUFFER_FILE)], groups)
-    ctl = controller(tmp_path, bound_mb=0.001)  # and through a restore into a bounded buffer
-    assert ctl.restore_newest() == ck
-    assert ctl.buffer.spilled > 0
-    assert_same_groups(list(ctl.buffer), groups)
-    ctl.version += 1
-    new = ctl._write_checkpoint(ctl.state_dict())
-    assert b'"samples"' in (new / BUFFER_FILE).read_bytes() and b'"outputs"' not in (new / BUFFER_FILE).read_bytes()
-    ctl2 = controller(tmp_path, bound_mb=None)
-    assert ctl2.restore_newest() == new
-    assert_same_groups(list(ctl2.buffer), groups)
 
 
 def _second_record_offset(raw: bytes) -> int:

@@ -7,7 +7,7 @@ the oldest version only."""
 from __future__ import annotations
 
 import asyncio
-import json
+import io
 import random
 from array import array
 
@@ -15,11 +15,10 @@ import pytest
 import torch
 from fakes import ConstantReward, ParityTok, Prompts, RecordingTrainer, VersionSync
 
-from areal_fast.buffer import checkpoint_groups
-from areal_fast.checkpoint import STATE_FILE, read_state
-from areal_fast.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY, decode_column, encode_column
+from areal_fast.buffer import read_records, write_record
+from areal_fast.columns import LOGPROB_ARRAY, MASK_ARRAY, TOKEN_ARRAY
 from areal_fast.controller import Controller, ControllerSettings
-from areal_fast.group import Group, legacy_fields
+from areal_fast.group import Group, group_of
 from areal_fast.rollout.port import ClientRollout
 from areal_fast.rollout.staleness import StalenessManager
 from areal_fast.sample import Sample
@@ -147,36 +146,27 @@ def test_a_sample_converts_lists_and_keeps_arrays_without_a_copy():
         Sample(prompt_ids=[1], output_ids=[1.5], output_logprobs=[0.0], output_versions=[0])
     with pytest.raises(OverflowError, match="Sample.output_versions"):
         Sample(prompt_ids=[1], output_ids=[1], output_logprobs=[0.0], output_versions=[2**40])
-    # the names a model turn's columns had before: readable, deprecated
-    with pytest.warns(DeprecationWarning, match="output_logprobs"):
-        assert g.behav_logprobs is g.output_logprobs
-    with pytest.warns(DeprecationWarning, match="output_versions"):
-        assert g.versions is g.output_versions
-
-
-def legacy_state(g: Group) -> dict:
-    """``g`` as a group's dict in controller.json before the one sample record: parallel lists of
-    columns per trajectory under the old names (``outputs``, ``behav_logprobs``, ``versions``,
-    ``prompts``, ``loss_masks``), the per-trajectory fields as lists, arrays as they are."""
-    ss = g.samples
-    return {"position": g.position, "row": g.row, "admitted_version": g.admitted_version,
-            "prompt_ids": g.prompt_ids, "outputs": [s.output_ids for s in ss],
-            "behav_logprobs": [s.output_logprobs for s in ss], "versions": [s.output_versions for s in ss],
-            "rewards": [s.reward for s in ss], "finish_reasons": [s.finish_reason for s in ss],
-            "gen_seconds": g.gen_seconds, "prompts": [s.prompt_ids for s in ss],
-            "loss_masks": [s.loss_mask for s in ss], "infos": [s.info for s in ss],
-            "episodes_failed": g.episodes_failed, "min_versions": [s.min_model_version() for s in ss]}
+    assert not hasattr(g, "behav_logprobs") and not hasattr(g, "versions")  # one name per column
 
 
 def _group(pos=3, multi_turn=True) -> Group:
-    """A group as the layout before the one sample record described it (``legacy_fields``)."""
-    masks = [[1, 1, 0, 1], [1, 1, 1, 1]] if multi_turn else []
-    return Group(**legacy_fields(dict(
-        position=pos, row=pos, admitted_version=1, prompt_ids=decode_column([7, 8, 9], TOKEN_ARRAY, "p"),
-        outputs=[[10, 11, 12, 13], [20, 21, 22, 152_063]],
-        behav_logprobs=[[-0.1, -1e-300, 0.0, -3.0000000000000004], [-2.5, -0.5, -7.25, -0.125]],
-        versions=[[2, 3, -1, 3], [4, 4, 5, 5]], rewards=[1.0, 0.0], finish_reasons=["stop", "length"],
-        prompts=[[7, 8, 9], [7, 8, 9]] if multi_turn else [], loss_masks=masks)))
+    """A group of two samples (multi-turn: tool text masked out of the loss)."""
+    masks = [[1, 1, 0, 1], [1, 1, 1, 1]] if multi_turn else [None, None]
+    outputs = [[10, 11, 12, 13], [20, 21, 22, 152_063]]
+    lps = [[-0.1, -1e-300, 0.0, -3.0000000000000004], [-2.5, -0.5, -7.25, -0.125]]
+    versions = [[2, 3, -1, 3], [4, 4, 5, 5]]
+    samples = [Sample(prompt_ids=[7, 8, 9], output_ids=o, output_logprobs=lp, output_versions=v, reward=r,
+                      finish_reason=f, **({"loss_mask": m} if m else {}))
+               for o, lp, v, r, f, m in zip(outputs, lps, versions, [1.0, 0.0], ["stop", "length"], masks)]
+    return group_of(pos, pos, 1, samples)
+
+
+def _round_trip(g: Group) -> Group:
+    """``g`` written as a buffer record (what a checkpoint's buffer.bin holds) and read back."""
+    f = io.BytesIO()
+    write_record(f, g)
+    f.seek(0)
+    return Group(**next(read_records(f, 1, "buffer.bin")))
 
 
 def test_group_columns_min_version_and_checkpoint_round_trip():
@@ -189,76 +179,7 @@ def test_group_columns_min_version_and_checkpoint_round_trip():
     for s in versionless.samples:
         s.output_versions = [-1] * 4
     assert versionless.min_model_version() is None and versionless.min_version() == 1
-    text = json.dumps({"g": legacy_state(g)}, default=lambda a: encode_column(a))
-    stored = json.loads(text)["g"]
-    assert stored["outputs"][0]["__array__"] == TOKEN_ARRAY  # compact, not a list of numbers
-    back = Group.from_state(stored)
+    back = _round_trip(g)
     assert back == g
     lp0 = back.samples[0].output_logprobs
     assert lp0.tolist() == array(LOGPROB_ARRAY, [-0.1, -1e-300, 0.0, -3.0000000000000004]).tolist()
-    # checkpoints written before the float32 columns stored float64 ('d') log-probs: read and rounded
-    old = {**stored, "behav_logprobs": [encode_column(array("d", [-0.1, -2.5, 0, 0])),
-                                        encode_column(array("d", [0, 0, 0, 0]))]}
-    old_back = [s.output_logprobs for s in Group.from_state(old).samples]
-    assert [c.typecode for c in old_back] == [LOGPROB_ARRAY] * 2
-    assert old_back[0] == array(LOGPROB_ARRAY, [-0.1, -2.5, 0, 0])
-    with pytest.raises(ValueError, match=r"group 3: outputs\[0\]: stored as array 'd', expected 'i'"):
-        Group.from_state({**stored, "outputs": [encode_column(array("d", [1.0]))]})
-    with pytest.raises(ValueError, match="prompt_ids: damaged column encoding"):
-        Group.from_state({**stored, "prompt_ids": {"__array__": "i", "b64": "!!"}})
-    assert decode_column({"__array__": "i", "b64": ""}, "i", "x") == array("i")
-
-
-def test_a_checkpoint_with_lists_from_an_older_version_still_loads_and_resumes(tmp_path):
-    """An older controller.json held the buffered groups' tokens as lists (and log-probs under the
-    name ``logprobs``): it loads into arrays with the same values, and the run goes on from it."""
-    client, trainer = FakeClient(as_arrays=True), RecordingTrainer(keep_seqs=True)
-    ctl, _ = _controller(tmp_path, client, trainer, steps=2, ckpt=2)
-    trainer.hold_until = lambda: len(ctl.buffer) >= 1  # the checkpoint after step 2 holds a finished group
-    asyncio.run(ctl.run())
-    ck = tmp_path / "checkpoints" / "step_00000002"
-    st = read_state(ck)
-    new_buffer = list(checkpoint_groups(ck, st))
-    assert new_buffer, "no buffered group in the checkpoint to convert"
-    old = {k: v for k, v in st.items() if k != "buffer_file"}  # as an older version wrote it: lists,
-    (ck / "buffer.bin").unlink()  # in controller.json, and no min_versions
-    old["buffer"] = []
-    for g in new_buffer:
-        d = {k: v for k, v in legacy_state(g).items() if k not in ("min_versions", "behav_logprobs")}
-        d["logprobs"] = [s.output_logprobs.tolist() for s in g.samples]
-        for k in ("outputs", "versions", "prompts", "loss_masks"):
-            d[k] = [c.tolist() for c in d[k]]
-        d["prompt_ids"] = g.prompt_ids.tolist()
-        old["buffer"].append(d)
-    assert "__array__" not in json.dumps(old["buffer"])
-    (ck / STATE_FILE).write_text(json.dumps(old))
-
-    trainer2 = RecordingTrainer(keep_seqs=True)
-    ctl2, _ = _controller(tmp_path, client, trainer2, steps=4, ckpt=2)
-    assert ctl2.restore_newest() == ck
-    assert list(ctl2.buffer) == new_buffer
-    assert all(type(getattr(s, c)) is array for g in ctl2.buffer for s in g.samples for c in SAMPLE_COLUMNS)
-    asyncio.run(ctl2.run())
-    assert ctl2.version == 4
-    trained = {s.group_id for s in trainer2.samples}
-    assert {g.position for g in new_buffer} <= trained  # the restored groups were trained first
-    assert len(trainer2.samples) == 2 * 2 * 2
-
-
-def test_a_damaged_column_makes_the_checkpoint_corrupt_and_the_previous_one_is_used(tmp_path, caplog):
-    client, trainer = FakeClient(as_arrays=True), RecordingTrainer(keep_seqs=True)
-    ctl, _ = _controller(tmp_path, client, trainer, steps=4, ckpt=2)
-    trainer.hold_until = lambda: len(ctl.buffer) >= 1  # the checkpoint after step 4 holds a finished group
-    asyncio.run(ctl.run())
-    newest = tmp_path / "checkpoints" / "step_00000004"
-    st = read_state(newest)  # rewritten as before buffer.bin: encoded columns in controller.json
-    st["buffer"] = json.loads(json.dumps([legacy_state(g) for g in checkpoint_groups(newest, st)],
-                                         default=encode_column))
-    del st["buffer_file"]
-    assert st["buffer"], "no buffered group in the checkpoint to damage"
-    st["buffer"][0]["outputs"][0]["b64"] = "not base64!"
-    (newest / STATE_FILE).write_text(json.dumps(st))
-    ctl2, _ = _controller(tmp_path, client, RecordingTrainer(keep_seqs=True), steps=4, ckpt=2)
-    with caplog.at_level("WARNING"):
-        assert ctl2.restore_newest() == tmp_path / "checkpoints" / "step_00000002"
-    assert "outputs[0]: damaged column encoding" in caplog.text and ctl2.version == 2

@@ -38,6 +38,7 @@ def test_the_tiny_recipe_learns_as_a_lora_run_against_real_vllm(tmp_path, real_v
            *rv.external_overrides(real_vllm), f"experiment.total_steps={STEPS}", "eval.every_steps=15",
            f"rollout.max_staleness={ETA}", "rollout.strict_staleness=true", "log.tensorboard=false",
            "log.plots=false", "checkpoint.every_steps=0"]
+    real_vllm.load(recipe_warm_start)  # the run's starting weights
     since = real_vllm.log_size()
     try:
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)

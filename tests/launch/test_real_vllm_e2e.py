@@ -37,6 +37,7 @@ def test_the_tiny_recipe_trains_against_real_vllm_with_exact_token_versions(tmp_
            *rv.external_overrides(real_vllm), f"experiment.total_steps={STEPS}", "eval.every_steps=10",
            f"rollout.max_staleness={ETA}", "rollout.strict_staleness=true", "log.progress=false",
            "log.tensorboard=false", "log.plots=false"]
+    real_vllm.load(recipe_warm_start)  # the run's starting weights
     since = real_vllm.log_size()
     try:
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)

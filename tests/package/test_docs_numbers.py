@@ -78,9 +78,19 @@ def client_rate(prefix: str = CLIENT_RATE) -> Callable[[], tuple[str, ...]]:
     return figures
 
 
-def client_rate_row() -> tuple[str, ...]:
-    r = note("controller_scale.jsonl", CLIENT_RATE)
-    return f"{r['received_tok_s'] / 1e6:.1f}", f"{r['cpu_us_per_tok']:.2f}", f"{100 * r['cpu_util']:.0f}"
+def scale_row(prefix: str, rate: str = "M") -> Callable[[], tuple[str, ...]]:
+    """A row of docs/scale.md's latest-state table: received tokens/s, CPU us a token, share of a core,
+    loop lag p50 / p99 / max (ms), pause -> continue max (s), peak RSS (the table's GB: MB / 1000)."""
+    def figures():
+        r = note("controller_scale.jsonl", prefix)
+        tok = f"{r['received_tok_s'] / 1e6:.1f}" if rate == "M" else f"{r['received_tok_s'] / 1e3:.0f}"
+        return (tok, f"{r['cpu_us_per_tok']:.2f}", f"{100 * r['cpu_util']:.0f}",
+                *(thousands(r[k]) for k in ("lag_p50_ms", "lag_p99_ms", "lag_max_ms")),
+                f"{r['pause_to_continue_max_s']:.2f}", f"{r['peak_rss_mb'] / 1000:.2f}")
+    return figures
+
+
+PARKED = "finished episodes of running groups parked under the bound; default bound 128 MB; "
 
 
 def answer_parse(tokens: int) -> Callable[[], tuple[str, ...]]:
@@ -126,8 +136,12 @@ FIGURES = [
     Figure("docs/scale.md", "| 1.5B, 4 GPUs | 3 / 1 | {}x |", "async_speedup_summary.jsonl",
            sim_speedup("1.5B, 4 GPUs")),
     Figure("docs/scale.md", "| 7B, 8 GPUs | 5 / 3 | {}x |", "async_speedup_summary.jsonl", sim_speedup("7B, 8 GPUs")),
-    Figure("docs/scale.md", "(the client is the bottleneck), 10 steps | **{}M** | {} | {}% |", "controller_scale.jsonl",
-           client_rate_row),
+    Figure("docs/scale.md", "(the client is the bottleneck), 10 steps | **{}M** | {} | {}% | {} / {} / {} | {} | "
+           "{} GB |", "controller_scale.jsonl", scale_row(CLIENT_RATE)),
+    Figure("docs/scale.md", "| decode 4x real time (the production rate) | {}k | {} | {}% | {} / **{}** / {} | {} | "
+           "**{} GB** |", "controller_scale.jsonl", scale_row(PARKED + "decode 4x", rate="k")),
+    Figure("docs/scale.md", "| decode 16x | {}M | {} | {}% | {} / {} / {} | {} | {} GB |", "controller_scale.jsonl",
+           scale_row(PARKED + "decode 16x")),
     Figure("docs/scale.md", "yes, as a rate: {}M tokens/s at {}% of one core, one process", "controller_scale.jsonl",
            client_rate()),
     Figure("docs/scale.md", "({}M at {}% before heap trimming and parking)", "controller_scale.jsonl",

@@ -233,7 +233,7 @@ def test_cpu_tensors_use_gloo_even_with_a_visible_gpu(servers, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU is "visible"...
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     s = servers()
-    ws = DistributedWeightSync([s.url], _cfg(backend=None))  # ...but the tensors are on the CPU
+    ws = DistributedWeightSync([s.url], _cfg(collective=None))  # ...but the tensors are on the CPU
     try:
         ws.update(_state(), 1)
         assert ws.backend == "gloo"

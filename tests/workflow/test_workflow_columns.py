@@ -17,7 +17,6 @@ from areal_fast.columns import (
     MASK_ARRAY,
     TOKEN_ARRAY,
     column,
-    decode_column,
     encode_column,
     is_binary_mask,
     min_model_version,
@@ -100,12 +99,7 @@ def test_column_helpers():
     assert min_model_version(array(TOKEN_ARRAY, [5, -1, 4])) == 4  # -1: context or unordered version
     assert min_model_version(array(TOKEN_ARRAY, [5, 1, 4]), array(MASK_ARRAY, [1, 0, 1])) == 4
     assert min_model_version(array(TOKEN_ARRAY, [-1, -1]), array(MASK_ARRAY, [0, 0])) is None
-    lps = array(LOGPROB_ARRAY, [-0.1, -1e-300, 5e-324, -3.0000000000000004, float("-inf")])
-    assert decode_column(encode_column(lps), LOGPROB_ARRAY, "x").tolist() == lps.tolist()  # bit for bit
-    assert decode_column([1, 2], TOKEN_ARRAY, "x") == array(TOKEN_ARRAY, [1, 2])  # older checkpoints
-    assert encode_column(array(TOKEN_ARRAY, [1]))["b64"] == "AQAAAA=="  # little-endian int32
-    with pytest.raises(ValueError, match="x: 3 bytes is not a whole number of 4-byte items"):
-        decode_column({"__array__": TOKEN_ARRAY, "b64": "AQID"}, TOKEN_ARRAY, "x")
+    assert encode_column(array(TOKEN_ARRAY, [1])) == {"__array__": TOKEN_ARRAY, "b64": "AQAAAA=="}  # little-endian
 
 
 @pytest.mark.parametrize("n", [1, 5, 127, 128, 129, 4000])

@@ -8,12 +8,14 @@ in prose).
 - ``models/`` - that package (``SGLANG_EXTERNAL_MODEL_PACKAGE=areal_fast.backends.sglang.models``):
   SGLang's Qwen2, Qwen3 and Llama classes with a ``load_weights`` that applies delta entries.
 
-SGLang's HTTP API is the rollout layer's own vocabulary, so the rest lives there: its
-request/answer contract is implemented by the shared rollout client (``areal_fast/rollout/client.py``,
-``client_control.py``, ``answer.py``), its launch command is built in
-``areal_fast/rollout/server_command.py``, and its weight-update calls are in
-``areal_fast/weights/sync.py`` (and ``colocated.py``). The embedded engine (``areal_fast/embedded/``)
-is SGLang's twin.
+- ``client.py`` - the rollout client's SGLang adapter (``SGLangRolloutClient``; also the embedded
+  engine's client);
+- ``server_command.py`` - SGLang's and the embedded engine's command line, and the start of a real
+  SGLang server;
+- ``weight_sync.py``, ``colocated.py`` - SGLang's weight-update calls (broadcast, disk, sessions; the
+  colocated update through CUDA IPC); ``lora_sync.py`` - its adapter swap of a LoRA run.
+
+The embedded engine (``areal_fast/embedded/``) is SGLang's twin.
 
 Submodules are not imported here: import the one you need.
 """

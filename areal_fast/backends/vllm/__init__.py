@@ -11,8 +11,10 @@
 - ``disk.py`` - disk weight updates on vLLM servers (``weights.method: disk``);
 - ``transfer.py`` - the trainer's side of vLLM's weight transfer (``weights.method: distributed``,
   vLLM 0.16.0 on; needs torch);
-(The embedded engine as vLLM's twin, vLLM's HTTP routes over the engine's
-  model and scheduler, mounted by ``areal_fast/embedded/server.py`` with ``--api vllm``.
+- ``lora_sync.py`` - its adapter swap of a LoRA run.
+
+The embedded engine is vLLM's twin with ``--api vllm``: vLLM's HTTP routes over the engine's model
+and scheduler, ``areal_fast/embedded/vllm_routes.py``.
 
 Submodules are not imported here: import the one you need.
 """

@@ -203,15 +203,14 @@ def vllm_refusal(version: str, *, pause_mode: str, weights_method: str) -> str |
         return (f"rollout.pause_mode 'in_place' (vLLM's keep) needs per-token weight versions, which vLLM returns "
                 f"from {TOKEN_WEIGHT_VERSIONS_SINCE} (return_weight_versions); {b.version} would label a kept "
                 f"request's tokens wrongly")
-    # the label first: every run needs it, whatever the method (and from it on, the transfer exists too)
-    if not b.labels_weight_version:
-        return (f"a training run labels every token with the weights that made it, and vLLM {b.version} cannot be "
-                f"told its weight version (/update_weight_version, from {WEIGHT_VERSION_LABEL_SINCE})")
+    why = []  # both can apply (a release before the transfer is before the label too): name each
     if weights_method == "distributed" and not b.has_weight_transfer:
-        return (f"weights.method 'distributed' needs vLLM's weight-transfer endpoints "
-                f"(/init_weight_transfer_engine, from {WEIGHT_TRANSFER_SINCE}); vLLM {b.version} has none: "
-                f"use weights.method 'disk'")
-    return None
+        why.append(f"weights.method 'distributed' needs vLLM's weight-transfer endpoints "
+                   f"(/init_weight_transfer_engine, from {WEIGHT_TRANSFER_SINCE}); vLLM {b.version} has none")
+    if not b.labels_weight_version:
+        why.append(f"a training run labels every token with the weights that made it, and vLLM {b.version} cannot "
+                   f"be told its weight version (/update_weight_version, from {WEIGHT_VERSION_LABEL_SINCE})")
+    return "; and ".join(why) or None
 
 
 def auto_vllm_pause_mode(version: str | Version) -> str:
