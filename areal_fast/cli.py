@@ -119,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     raise_nofile_limit()  # the controller's connections (servers, the agent endpoint) are descriptors
     args = parse_args(argv)
     if args.cmd == "info":
-        from areal_fast import __version__, backend
+        from areal_fast import __version__, dispatch
 
-        info = {"areal_fast": __version__, **backend.describe()}
+        info = {"areal_fast": __version__, **dispatch.describe()}
         for mod in ("torch", "transformers", "triton", "sglang", "aiohttp"):
             try:
                 info[mod] = __import__(mod).__version__

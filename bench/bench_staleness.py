@@ -1,70 +1,40 @@
-"""The staleness ablation: held-out quality vs the staleness bound eta, for three objectives and two
-advantage estimators, on the shipped tiny task, with the real training loop.
+"""The staleness ablation: held-out quality vs the staleness bound eta, per objective (recomputed or
+log-linear proximal, naive PPO; with ``--preset hard`` also the decoupled objective plus each mismatch
+option) and advantage estimator, over seeds, on the shipped tiny task with the real training loop
+(``bench/sweep.py``). What it runs and what it found: docs/staleness_ablation.md.
 
     python bench/bench_staleness.py [--etas 0,1,2,4,8,16] [--objectives recompute,loglinear,naive]
-        [--advantages grpo,rloo] [--seeds 1,2,3] [--steps N] [--eval-every K] [--work DIR | --resume DIR]
-        [--out bench/results] [--dry-run] [KEY=VALUE ...]
+        [--advantages grpo,rloo] [--preset hard] [sweep options] [KEY=VALUE ...]
 
-Every run is one ``areal-fast train`` run (``areal_fast.launch.train.run_train``: an embedded engine
-server, the controller with its staleness gate, the PPO actor inside the controller, weight sync
-after every step) of ``examples/tiny_reverse.yaml`` with these overrides per arm:
-
-    rollout.max_staleness = eta
-    train.ppo.prox_mode   = recompute (decoupled, proximal recomputed) | approx (decoupled,
-                            log-linear proximal approximation) | none (naive PPO: proximal = behaviour)
-    train.ppo.adv_estimator = grpo | rloo
-    experiment.seed       = seed
-
-and the same ``experiment.total_steps`` and ``train.batch_size`` for all (the same number of trained
-samples). The warm start depends on the seed only: it is built once per seed under
-``<work>/warm/seed<S>/warm_start`` and copied into every run of that seed.
-
-Runs are sequential, each in a forked child of this process (the imports are paid once; a crash
-loses one run). Each finished run writes ``<work>/results/<run>.json`` at once; ``--resume DIR``
-skips the runs whose result exists (the sweep's settings must be the same, else it refuses, naming
-the difference). Staleness is measured, not assumed: the controller logs, per trained group, the
-trained version minus the oldest version among its tokens (``staleness`` in ``metrics.jsonl``);
-the histogram of every arm is reported.
-
-``--preset hard`` is the hard-task sweep (naive / decoupled / decoupled + each mismatch option,
-6 etas, 5 seeds, 4 minibatches, a task still being learned at step 200), run in its plan's order: the
-naive-vs-decoupled contrast first, the options at the largest etas next. The report adds, per arm, the
-mean EM over the run (area under the learning curve) beside the final EM, both paired with eta 0 by seed
-with 95 % t intervals, the decoupled-minus-naive difference and each option minus the plain decoupled
-objective per eta, paired by seed, and for each of these a pooled row (each seed's differences averaged
-over the stale etas first).
-
-Writes ``<out>/staleness_<date>.json`` (per run and per arm, with curves and histograms),
-``staleness_<date>.md`` (the table) and ``staleness_<date>.png`` (held-out exact match vs step per
-arm, and the paired mean-EM difference against eta 0 vs eta, with its interval), and appends one
-summary row per arm to ``<out>/staleness.jsonl``.
+Writes ``<out>/staleness_<date>.{json,md,png}`` and one row per arm to ``<out>/staleness.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import hashlib
 import itertools
-import json
-import math
-import multiprocessing
-import os
-import shutil
-import statistics
-import subprocess
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import add_harness_args, append_rows, print_dry_run, provenance, refuse_dirty  # noqa: E402
+from bench import sweep  # noqa: E402
+from bench.sweep import (  # noqa: E402
+    DIAGNOSTICS,
+    Run,
+    ci95_halfwidth,
+    contrast,
+    eval_mean,
+    hist_stats,
+    mean_curve,
+    mean_spread,
+    run_overrides,
+    summarise_run,
+)
 
-DEFAULT_CONFIG = ROOT / "examples" / "tiny_reverse.yaml"
+__all__ = ["Run", "contrast", "run_overrides", "summarise_run", "ci95_halfwidth"]
 ETAS = (0, 1, 2, 4, 8, 16)
 # name -> train.ppo.prox_mode (docs/objective.md, "The proximal policy")
 OBJECTIVES = {"recompute": "recompute", "loglinear": "approx", "naive": "none",
@@ -108,12 +78,6 @@ PRESETS = {
 }
 ADVANTAGES = ("grpo", "rloo")
 SEEDS = (1, 2, 3)
-DIAGNOSTICS = ("behav_kl", "clip_fraction", "token_mis_masked_fraction", "approx_kl", "tis_truncated_fraction",
-               "seq_mis_masked_fraction", "m2po_masked_fraction", "mismatch_k3")
-# Settings of every run that are not the recipe's business: no checkpoints, plots or TensorBoard files
-# (time and disk), no progress bar (the sweep prints one line per run), and a fresh start.
-RUN_SETTINGS = ("experiment.resume=false", "checkpoint.every_steps=0", "checkpoint.save_hf=false",
-                "log.tensorboard=false", "log.progress=false", "log.plots=false")
 
 
 @dataclass(frozen=True)
@@ -129,16 +93,6 @@ class Arm:
     def overrides(self) -> list[str]:
         return [f"rollout.max_staleness={self.eta}", f"train.ppo.prox_mode={OBJECTIVES[self.objective]}",
                 *OBJECTIVE_LOSS.get(self.objective, ()), f"train.ppo.adv_estimator={self.advantage}"]
-
-
-@dataclass(frozen=True)
-class Run:
-    arm: Arm
-    seed: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.arm.name}_s{self.seed}"
 
 
 def build_arms(etas=ETAS, objectives=DEFAULT_OBJECTIVES, advantages=ADVANTAGES) -> list[Arm]:
@@ -166,109 +120,6 @@ def build_plan_runs(plan, advantages, seeds) -> list[Run]:
     for objectives, etas in plan:
         runs += [r for r in build_runs(build_arms(etas, objectives, advantages), seeds) if r not in runs]
     return runs
-
-
-def run_overrides(run: Run, steps: int, eval_every: int, extra: list[str] = (), batch_size: int | None = None
-                  ) -> list[str]:
-    """The dotted overrides of one run, on top of the recipe (``extra`` after the sweep's settings: the
-    user's word wins except over the arm's own keys, which are what the sweep varies)."""
-    batch = [] if batch_size is None else [f"train.batch_size={batch_size}"]
-    return [*RUN_SETTINGS, f"experiment.total_steps={steps}", f"eval.every_steps={eval_every}", *batch, *extra,
-            *run.arm.overrides(), f"experiment.seed={run.seed}"]
-
-
-# ----------------------------------------------------------------------------- per-run result
-
-
-def staleness_hist(train_rows: list[dict]) -> dict[int, int]:
-    """Trained groups per staleness value, from the per-step ``staleness`` lists of metrics.jsonl."""
-    return dict(sorted(Counter(int(s) for r in train_rows for s in r["staleness"]).items()))
-
-
-def at_bound_fraction(train_rows: list[dict], eta: int) -> float | None:
-    """Share of trained groups as stale as the bound allows at their step: min(eta, step - 1) (step k
-    trains with the weights of version k - 1, so nothing can be older than k - 1 versions). Near 1:
-    generation outran training and the buffer was always full of the oldest admissible groups."""
-    n = hit = 0
-    for r in train_rows:
-        bound = min(eta, r["step"] - 1)
-        n += len(r["staleness"])
-        hit += sum(1 for s in r["staleness"] if s >= bound)
-    return hit / n if n else None
-
-
-def hist_stats(hist: dict) -> dict:
-    hist = {int(k): v for k, v in hist.items()}
-    n = sum(hist.values())
-    if n == 0:
-        return {"mean": None, "max": None, "groups": 0}
-    return {"mean": sum(k * v for k, v in hist.items()) / n, "max": max(k for k, v in hist.items() if v),
-            "groups": n}
-
-
-def summarise_run(run: Run, rows: list[dict], wall_s: float) -> dict:
-    """One run's result from its metrics.jsonl rows."""
-    train = [r for r in rows if r.get("kind") == "train"]
-    evals = [r for r in rows if r.get("kind") == "eval"]
-    if not train or not evals:
-        raise ValueError(f"{run.name}: metrics.jsonl has {len(train)} train and {len(evals)} eval rows")
-    trained = [e["eval_reward"] for e in evals if e["step"] > 0]
-    hist = staleness_hist(train)
-    st = hist_stats(hist)
-    return {
-        "run": run.name, "arm": run.arm.name, "eta": run.arm.eta, "objective": run.arm.objective,
-        "advantage": run.arm.advantage, "seed": run.seed, "steps": train[-1]["step"],
-        "eval_first": evals[0]["eval_reward"], "eval_final": evals[-1]["eval_reward"],
-        "eval_best": max(trained) if trained else evals[-1]["eval_reward"],
-        "eval_curve": [[e["step"], e["eval_reward"]] for e in evals],
-        "train_reward_curve": [[r["step"], r["reward"]] for r in train],
-        "trained_samples": sum(len(r.get("staleness", ())) for r in train),  # groups; times group_size below
-        "trained_samples_per_s": train[-1]["trained_samples_per_s"],
-        "elapsed_s": train[-1]["time"], "wall_s": wall_s,
-        "staleness_hist": {str(k): v for k, v in hist.items()}, "staleness_mean": st["mean"],
-        "staleness_max": st["max"], "staleness_at_bound_fraction": at_bound_fraction(train, run.arm.eta),
-        "dropped_stale": train[-1].get("dropped_stale", 0),
-        # how off-policy the data really was, and how much the trust region acted (means over steps):
-        # behav_kl = mean(p - b) over loss tokens (0 by construction for naive PPO, where p = b)
-        **{f"{k}_mean": _mean_of(train, f"train/{k}") for k in DIAGNOSTICS},
-    }
-
-
-def _mean_of(rows: list[dict], key: str) -> float | None:
-    xs = [r[key] for r in rows if isinstance(r.get(key), int | float) and math.isfinite(r[key])]
-    return statistics.fmean(xs) if xs else None
-
-
-# ----------------------------------------------------------------------------- aggregation
-
-
-def mean_spread(xs: list[float]) -> tuple[float | None, float | None]:
-    """Mean and sample standard deviation over seeds (spread 0 for one seed)."""
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return None, None
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
-# two-sided 95 % quantile of Student's t by degrees of freedom (1-10); 1.96 beyond 30
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-
-
-def ci95_halfwidth(xs: list[float]) -> float | None:
-    """Half-width of the 95 % t confidence interval of the mean of paired differences (None below 2)."""
-    xs = [x for x in xs if x is not None]
-    if len(xs) < 2:
-        return None
-    df = len(xs) - 1
-    t = _T975.get(df, 2.04 if df <= 30 else 1.96)  # 2.04 ~ t(30): conservative between 11 and 30
-    return t * statistics.stdev(xs) / math.sqrt(len(xs))
-
-
-def eval_mean(result: dict) -> float:
-    """Mean held-out EM over the evaluations after step 0: the area under the learning curve, which
-    shows slower learning even where the final values meet (the step-0 evaluation is the warm start)."""
-    xs = [v for s, v in result["eval_curve"] if s > 0] or [result["eval_final"]]
-    return statistics.fmean(xs)
 
 
 def sync_partner(result: dict, sync: dict) -> tuple[dict, str] | None:
@@ -322,52 +173,6 @@ def aggregate(results: list[dict]) -> list[dict]:
         row["eval_curve_mean"] = mean_curve([r["eval_curve"] for r in rs])
         rows.append(row)
     return rows
-
-
-_METRICS = (("eval_final", lambda x: x["eval_final"]), ("eval_mean", eval_mean))
-
-
-def _diff_stats(row: dict, deltas_by_key: dict[str, list[float]]) -> dict:
-    for key, deltas in deltas_by_key.items():
-        row[f"{key}_diff_mean"], row[f"{key}_diff_spread"] = mean_spread(deltas)
-        row[f"{key}_diff_ci95"] = ci95_halfwidth(deltas)
-    return row
-
-
-def contrast(results: list[dict], a: str = "recompute", b: str = "naive") -> list[dict]:
-    """Objective ``a`` minus objective ``b`` at each eta and advantage, paired by seed (the same warm
-    start and data order): final EM and mean EM over the run, with 95 % t intervals.
-
-    Where two or more stale etas (eta > 0) have pairs, a last row per advantage (``eta = "pooled"``)
-    averages each seed's differences over those etas first, then takes the interval over seeds: one
-    number per contrast that uses every run, for an effect that does not depend much on eta. A seed
-    enters it only if it has a pair at every one of those etas, so no seed weighs more than another."""
-    runs = {(r["objective"], r["eta"], r["advantage"], r["seed"]): r for r in results}
-    out = []
-    for adv in sorted({r["advantage"] for r in results}):
-        per_eta: dict[int, dict[int, tuple[dict, dict]]] = {}
-        for eta in sorted({r["eta"] for r in results if r["advantage"] == adv}):
-            pairs = {s: (runs[(a, eta, adv, s)], runs[(b, eta, adv, s)]) for (o, e, d, s) in runs
-                     if o == a and e == eta and d == adv and (b, eta, adv, s) in runs}
-            if not pairs:
-                continue
-            per_eta[eta] = pairs
-            row = {"eta": eta, "advantage": adv, "a": a, "b": b, "seeds": sorted(pairs)}
-            out.append(_diff_stats(row, {k: [f(x) - f(y) for x, y in pairs.values()] for k, f in _METRICS}))
-        stale = [e for e in per_eta if e > 0]
-        seeds = sorted(set.intersection(*(set(per_eta[e]) for e in stale))) if len(stale) > 1 else []
-        if seeds:
-            row = {"eta": "pooled", "etas": stale, "advantage": adv, "a": a, "b": b, "seeds": seeds}
-            out.append(_diff_stats(row, {k: [statistics.fmean(f(per_eta[e][s][0]) - f(per_eta[e][s][1])
-                                                              for e in stale) for s in seeds]
-                                         for k, f in _METRICS}))
-    return out
-
-
-def mean_curve(curves: list[list]) -> list[list]:
-    """Mean over seeds at each step that every curve has."""
-    steps = set.intersection(*(set(s for s, _ in c) for c in curves)) if curves else set()
-    return [[s, statistics.fmean(v for c in curves for t, v in c if t == s)] for s in sorted(steps)]
 
 
 def _pm(m, s, digits=3, signed=False) -> str:
@@ -496,232 +301,6 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-# ----------------------------------------------------------------------------- running
-
-
-def sweep_key(config: str, steps: int, eval_every: int, extra: list[str], servers: str = "shared",
-              batch_size: int | None = None) -> dict:
-    """What every run of a sweep shares; a resumed sweep must have the same."""
-    text = Path(config).read_text()
-    return {"config": str(Path(config).resolve()), "config_sha1": hashlib.sha1(text.encode()).hexdigest()[:12],
-            "steps": steps, "batch_size": batch_size, "eval_every": eval_every, "overrides": list(extra),
-            "servers": servers}
-
-
-def open_work_dir(work: Path, key: dict, resume: bool) -> None:
-    """Create the sweep's directory, or check that the one to resume ran the same settings."""
-    marker = work / "sweep.json"
-    if marker.is_file():
-        if not resume:
-            raise SystemExit(f"bench_staleness: {work} already holds a sweep; pass --resume {work} to continue it "
-                             f"or choose another --work")
-        old = json.loads(marker.read_text())
-        diff = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
-        if diff:
-            raise SystemExit(f"bench_staleness: cannot resume {work}: its {', '.join(diff)} differ "
-                             f"({', '.join(f'{k}: {old.get(k)!r} -> {key.get(k)!r}' for k in diff)})")
-        return
-    if resume:
-        raise SystemExit(f"bench_staleness: --resume {work}: no sweep there (no sweep.json)")
-    work.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(key, indent=1) + "\n")
-
-
-def result_path(work: Path, run: Run) -> Path:
-    return work / "results" / f"{run.name}.json"
-
-
-def pending(runs: list[Run], work: Path) -> list[Run]:
-    """The runs without a result file (a finished run is never run again)."""
-    return [r for r in runs if not result_path(work, r).is_file()]
-
-
-def load_results(runs: list[Run], work: Path) -> list[dict]:
-    return [json.loads(result_path(work, r).read_text()) for r in runs if result_path(work, r).is_file()]
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-def warm_dir(work: Path, seed: int) -> Path:
-    return work / "warm" / f"seed{seed}"
-
-
-def _build_warm_start(config: str, overrides: list[str], work: Path, seed: int) -> None:
-    import torch
-
-    from areal_fast.config import load_config
-    from areal_fast.launch.train import model_dir
-
-    torch.set_num_threads(1)  # one core each; seeds are built side by side
-    model_dir(load_config(config, [*overrides, f"experiment.seed={seed}",
-                                   f"experiment.output_dir={warm_dir(work, seed)}"]))
-
-
-def build_warm_starts(config: str, overrides: list[str], work: Path, seeds) -> dict[int, Path]:
-    """Each seed's warm-started model, built side by side in forked children (the parent runs no torch
-    op). A cached one is checked against the recipe's warm-start signature and rebuilt if it differs."""
-    ctx = multiprocessing.get_context("fork")
-    procs = {s: ctx.Process(target=_build_warm_start, args=(config, overrides, work, s), name=f"warm_start_seed{s}")
-             for s in seeds}
-    for p in procs.values():
-        p.start()
-    for p in procs.values():
-        p.join()
-    out = {}
-    for s, p in procs.items():
-        path = warm_dir(work, s) / "warm_start"
-        if p.exitcode != 0 or not path.is_dir():
-            raise RuntimeError(f"warm start of seed {s} failed (exit code {p.exitcode}); see {work / 'warm'}")
-        out[s] = path
-    return out
-
-
-def _child(run: Run, config: str, overrides: list[str], work: Path, api_key: str | None = None) -> None:
-    """One run, in a forked child: warm start (shared per seed), run_train, result file."""
-    log_path = work / "logs" / f"{run.name}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    from areal_fast.config import load_config
-    from areal_fast.launch.base import API_KEY_ENV
-    from areal_fast.launch.train import run_train
-
-    if api_key is not None:  # the shared servers' key (rollout.servers given: run_train takes it from here)
-        os.environ[API_KEY_ENV] = api_key
-    t0 = time.perf_counter()
-    out = work / "runs" / run.name
-    cfg = load_config(config, [*overrides, f"experiment.output_dir={out}"])
-    if cfg.model.warm_start.enabled:  # the same signature (seed, task, model): run_train reuses the copy
-        shutil.rmtree(out / "warm_start", ignore_errors=True)
-        shutil.copytree(warm_dir(work, run.seed) / "warm_start", out / "warm_start")
-    run_train(cfg, progress=False)
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    res = summarise_run(run, rows, time.perf_counter() - t0)
-    res["trained_samples"] *= cfg.rollout.group_size
-    res["batch_size"], res["group_size"] = cfg.train.batch_size, cfg.rollout.group_size
-    res["overrides"] = overrides
-    write_json_atomic(result_path(work, run), res)
-    sys.stdout.flush()
-    sys.stderr.flush()
-
-
-def execute(run: Run, config: str, overrides: list[str], work: Path, api_key: str | None = None,
-            timeout_s: float | None = None) -> bool:
-    """Run one arm and seed in a forked child; True when its result file was written. A child still
-    running after ``timeout_s`` is stopped (SIGTERM, then SIGKILL) and the run counts as failed."""
-    # fork: the parent imported torch / transformers / areal_fast once (about 4 s a run saved) and has
-    # run no torch op (no thread pools to inherit); every server is a fresh exec'd process.
-    ctx = multiprocessing.get_context("fork")
-    p = ctx.Process(target=_child, args=(run, config, overrides, work, api_key), name=run.name)
-    p.start()
-    p.join(timeout_s)
-    if p.is_alive():
-        print(f"{run.name}: still running after {timeout_s:.0f} s; stopping it", flush=True)
-        p.terminate()
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-            p.join()
-        return False
-    return p.exitcode == 0 and result_path(work, run).is_file()
-
-
-class SharedServers:
-    """The embedded engine server(s) of one seed, started once and reset before every run of that seed.
-
-    Starting a server costs 6-11 s on 2 busy cores (a fresh interpreter importing torch and
-    transformers), as much as a whole run's training; the reset costs well under a second. A reset
-    server is in the state a fresh one starts in: no request left (abort all), not paused, no weight
-    update group, the seed's warm-start weights reloaded from disk and weight version 0. Only the
-    sampling RNG goes on from the previous run instead of restarting from the seed."""
-
-    def __init__(self, config: str, overrides: list[str], work: Path, seed: int, model_path: Path):
-        import secrets
-
-        from areal_fast.config import load_config
-        from areal_fast.launch.local import LocalLauncher
-
-        self.model_path = str(model_path.resolve())
-        self.api_key = secrets.token_hex(32)
-        cfg = load_config(config, [*overrides, f"experiment.seed={seed}"])
-        self.seed = seed
-        self.group_name = cfg.weights.group_name
-        self.launcher = LocalLauncher(work / "servers" / f"seed{seed}")
-        procs = self.launcher.start_servers(cfg.rollout, self.model_path, seed=seed, api_key=self.api_key)
-        self.urls = [p.url for p in procs]
-
-    def override(self) -> str:
-        return "rollout.servers=[" + ", ".join(f'"{u}"' for u in self.urls) + "]"
-
-    def _post(self, url: str, path: str, body: dict, check: bool = True) -> dict:
-        import urllib.error
-        import urllib.request
-
-        req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {self.api_key}"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                text = r.read().decode() or "{}"
-        except urllib.error.HTTPError as e:
-            if check:
-                raise RuntimeError(f"{url}{path}: HTTP {e.code}: {e.read()[:300]!r}") from None
-            return {}
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError:
-            return {"text": text}
-
-    def reset(self) -> None:
-        for url in self.urls:
-            self._post(url, "/abort_request", {"abort_all": True})
-            self._post(url, "/continue_generation", {})
-            # a run that crashed may have left its group; normally the run's weight sync destroyed it
-            self._post(url, "/destroy_weights_update_group", {"group_name": self.group_name}, check=False)
-            r = self._post(url, "/update_weights_from_disk", {"model_path": self.model_path, "weight_version": "0",
-                                                                "abort_all_requests": True})
-            if not r.get("success", False):
-                raise RuntimeError(f"{url}: reloading {self.model_path} failed: {r}")
-
-    def close(self) -> None:
-        self.launcher.shutdown()
-
-
-# Imported once in the parent so that no run pays for them: the trainer's first model build alone
-# imports ~5 s of transformers / torch.distributed modules on 2 busy cores (profiled). Importing
-# runs no torch op, so the forked children inherit no thread pools.
-PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "transformers.models.qwen2.modeling_qwen2",
-           "torch.distributed.checkpoint", "torch.distributed.fsdp", "areal_fast.config", "areal_fast.controller",
-           "areal_fast.launch.train", "areal_fast.launch.rank", "areal_fast.launch.runtime", "areal_fast.trainer",
-           "areal_fast.trainer.actor", "areal_fast.trainer.model", "areal_fast.trainer.attention",
-           "areal_fast.rollout.client", "areal_fast.reward", "areal_fast.weights", "areal_fast.data.warm_start")
-
-
-def _preload() -> None:
-    import importlib
-
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except ImportError as e:  # a module moved: the run imports what it needs itself, only slower
-            print(f"bench_staleness: preload of {name} failed ({e}); continuing", flush=True)
-
-
-def recipe_commit(config: str) -> str:
-    try:
-        out = subprocess.run(["git", "log", "-1", "--format=%h %cI", "--", str(config)], cwd=ROOT,
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or "uncommitted"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def report(runs: list[Run], work: Path, out: Path, args, prov: dict, wall_s: float | None) -> Path | None:

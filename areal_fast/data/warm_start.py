@@ -1,6 +1,7 @@
 """Build a tiny model (a Qwen2, or a Qwen3-MoE with ``model.warm_start.arch: qwen3_moe``) and
 warm-start it with a short supervised run on the synthetic task, so that RL starts from a policy
-that is sometimes right (about 10-30 % exact answers on the held-out split after the default 150 steps; 600 steps reach about 90 %, measured on 2 cores).
+that is sometimes right (about 10-30 % exact answers on the held-out split after the default 150
+steps; 600 steps reach about 90 %, measured on 2 cores).
 
 Two options shape what RL starts from. ``lr_schedule: linear`` decays the learning rate to 0, so
 the warm start ends settled (a constant high rate ends noisy, and a later RL run at a small rate

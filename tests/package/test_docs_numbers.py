@@ -183,6 +183,78 @@ def test_the_helpers_read_figures_as_the_docs_write_them():
         newest("e2e.jsonl", bench="not e2e")
 
 
+# ----------------------------------------------------------------------------- nothing slips in unchecked
+
+DOCS = ["README.md", "examples/README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
+EXEMPT_FILE = Path(__file__).with_name("docs_numbers_exempt.txt")
+# A figure: a number followed by a unit of speed, time, size or ratio ("1.07x", "4.4M", "0.057 s", "62%").
+FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s?(?:x\b|×|s\b|ms\b|µs|us\b|%|tokens/s|tok/s|GB/s|MB/s"
+                    r"|GB\b|MB\b|KB\b|GiB\b|MiB\b|min\b|k\b|M\b)")
+
+
+def figure_lines(doc: str) -> dict[int, str]:
+    """Line number -> text of each line of ``doc`` (outside fenced code) that holds a figure."""
+    out, fenced = {}, False
+    for i, line in enumerate((REPO / doc).read_text().splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and FIGURE.search(line):
+            out[i] = line.strip()
+    return out
+
+
+def checked_lines(doc: str) -> set[int]:
+    """The lines of ``doc`` that a FIGURES entry spans (as it reads now, right or wrong)."""
+    text, lines = (REPO / doc).read_text(), set()
+
+    def loose(t: str) -> str:  # whitespace as Markdown folds it
+        return r"\s+".join(re.escape(w) for w in t.split(" "))
+
+    for fig in (f for f in FIGURES if f.doc == doc):
+        if fig.whole:
+            pat = loose(_fold(fig.text.format(*fig.figures())))
+        else:
+            pat = r"[0-9][0-9.,]*".join(loose(_fold(p)) for p in fig.text.split("{}"))
+        for m in re.finditer(pat, text):
+            lines.update(range(text.count("\n", 0, m.start()) + 1, text.count("\n", 0, m.end()) + 2))
+    return lines
+
+
+def exemptions() -> dict[tuple[str, str], str]:
+    """(doc, line text) -> reason, from ``docs_numbers_exempt.txt``: ``## reason`` then ``doc: line`` rows."""
+    out, reason = {}, None
+    for raw in EXEMPT_FILE.read_text().splitlines():
+        if raw.startswith("## "):
+            reason = raw[3:].strip()
+        elif raw.strip() and not raw.startswith("#"):
+            assert reason, f"{EXEMPT_FILE.name}: {raw!r} has no reason above it"
+            doc, line = raw.split(": ", 1)
+            out[(doc, line.strip())] = reason
+    return out
+
+
+def test_every_figure_in_the_docs_is_checked_or_exempt_with_a_reason():
+    """A line of README.md, examples/README.md or docs/*.md with a figure is spanned by a FIGURES entry,
+    or listed in docs_numbers_exempt.txt under its reason (a setting, a protocol constant, someone
+    else's number, ...). A new or edited line with a figure fails here until it is one or the other;
+    an exemption whose line is gone fails too, so the list stays the docs' own."""
+    exempt = exemptions()
+    unchecked, seen = [], set()
+    for doc in DOCS:
+        covered = checked_lines(doc)
+        for i, line in figure_lines(doc).items():
+            if i in covered:
+                continue
+            if (doc, line) in exempt:
+                seen.add((doc, line))
+            else:
+                unchecked.append(f"{doc}: {line}")
+    assert unchecked == [], ("figures no FIGURES entry checks and docs_numbers_exempt.txt does not exempt:\n"
+                             + "\n".join(unchecked))
+    stale = sorted(f"{d}: {t}" for d, t in set(exempt) - seen)
+    assert stale == [], "exemptions for lines no doc has (any more), or that FIGURES now checks:\n" + "\n".join(stale)
+
+
 # ----------------------------------------------------------------------------- docs/benchmarks.md
 
 
