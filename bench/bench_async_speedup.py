@@ -1,29 +1,11 @@
-"""Asynchronous vs synchronous RL throughput in simulated GPU time, at the AReaL paper's scale.
+"""Asynchronous vs synchronous RL throughput in simulated GPU time, at the AReaL paper's scale: the real
+Controller, staleness gate and rollout client against simulated SGLang servers (``bench/sim_sglang.py``),
+the trainer and weight sync simulated; ``--pause-modes``: GPU seconds lost per update per pause mode.
+The arms, the 1/16 slice and the constants' sources: docs/scale.md and docs/pause_modes.md.
 
     python bench/bench_async_speedup.py                 # paper setups + small setups, split sweep
     python bench/bench_async_speedup.py --setups 1.5B-128 --splits 0.75
     python bench/bench_async_speedup.py --dry-run       # the model constants and the planned runs
-
-What runs for real: ``areal_fast.controller.Controller`` (admission, batches of B groups, pause ->
-sync -> continue after each step), its staleness gate ``StalenessManager`` and the production
-rollout port over ``RolloutClient``, against simulated SGLang servers (``bench/sim_sglang.py``,
-one per generation GPU, in a child process). Simulated: the servers' decode rate, the trainer
-(a port that sleeps for the modelled step time) and the weight sync (sleeps for the modelled
-transfer, then sets every server's version). Wall time is compressed by K: every modelled
-duration is divided by K, and measured wall time is multiplied by K to give simulated time.
-
-Arms (same model, same batch, same GPUs in total):
-- sync: eta = 0, every GPU is a generation server, then every GPU trains (colocated, alternating:
-  generation waits for the step and the weight reload, the trainer waits for the whole batch);
-- async: eta = 4, ``n_gen`` GPUs serve, ``n_total - n_gen`` train, overlapping.
-Throughput = trained samples per simulated second over the steady-state steps.
-
-Scale: a 128-GPU run with B = 512 prompts is simulated as an exact 1/16 slice (8 GPUs, 32 prompts
-x 16 samples per step): per-GPU load, batch per server and the per-step tail are the same (with a
-32k cap reached by ~2% of answers, the longest answer of 512 samples is the cap, as for 8,192), and
-both servers and trainer scale linearly in GPUs (data-parallel generation; training at constant
-MFU). ``--tokens-per-token`` S model tokens travel as one returned token (decode steps per returned
-token), which keeps the controller's CPU far below the simulated load.
 
 Every constant and its source is in :data:`CONSTANTS` and printed with the table.
 """

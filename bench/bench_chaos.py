@@ -1,22 +1,12 @@
-"""Chaos benchmark: a tiny run (the shrunken tiny reverse task, embedded engine servers, the reward
-service) while faults are injected on a schedule; per fault, the time to recover, the steps delayed
-and the throughput dip; per run, every prompt position accounted for (0 lost, 0 duplicated).
-See ``docs/chaos.md`` for the faults, the figures' definitions and the last results.
+"""Chaos benchmark: a tiny run while faults are injected on a schedule; per fault, the time to recover,
+the steps delayed and the throughput dip; per run, every prompt position accounted for (0 lost, 0
+duplicated). Two phases: ``main`` (launched servers, gloo weight sync, reward workers; server,
+reward and controller faults) and ``proxy`` (a server behind :class:`chaos_lib.StallingProxy`).
+The faults, the figures' definitions and the last results: docs/chaos.md; the pure logic is in
+``bench/chaos_lib.py``.
 
     nice -n 5 python bench/bench_chaos.py                       # both phases, default schedules
     python bench/bench_chaos.py --phases main --schedule "20:server_kill 60:controller_kill"
-
-Two runs (phases), because a server behind a proxy must be one the run did not launch:
-
-- ``main``: ``areal-fast train`` with 3 launched servers (``rollout.keep_servers``, relaunching on),
-  the distributed (gloo) weight sync, 2 reward workers with ``bench/chaos_reward.py``; faults:
-  server_kill, server_stop, reward_kill, reward_hang, controller_kill (then the same command again:
-  the resume);
-- ``proxy``: two embedded engines the bench starts itself, the second reached through
-  :class:`chaos_lib.StallingProxy` (``rollout.servers``); fault: proxy_slow.
-
-The bench watches ``metrics.jsonl`` (a step's arrival time is when the bench first saw it),
-``servers/pool.json`` and ``servers/members.json``; the pure logic is in ``bench/chaos_lib.py``.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
-"""The controller at production scale: the real Controller, staleness gate and RolloutClient against
-N simulated SGLang servers (``bench/sim_sglang.py``, in a child process so that this process's CPU
-is the controller's alone).
+"""The controller at production scale: the real Controller, staleness gate and RolloutClient (or the
+sharded client, ``--client-procs N``) against N simulated SGLang servers (``bench/sim_sglang.py``, in a
+child process so that this process's CPU is the controller's alone). What each row of
+``bench/results/controller_scale.jsonl`` holds and the measured table: docs/scale.md.
 
     python bench/bench_controller_scale.py                    # 8/512, 64/4,096, 256/16,384
     python bench/bench_controller_scale.py --scales 64:4096   # servers:requests in flight
     python bench/bench_controller_scale.py --quick            # 4 servers, 128 in flight, short answers
     python bench/bench_controller_scale.py --client-procs 2   # the sharded client: 2 worker processes
-
-What runs: ``areal_fast.controller.Controller`` with ``StalenessManager`` as its gate and
-``areal_fast.rollout.port.ClientRollout`` over ``RolloutClient`` as its rollout port (the
-production adapters); only the trainer (sleeps for ``--train-s`` per step), the weight sync (posts
-``weight_version`` to every simulated server), the reward (constant) and the tokenizer are stand-ins.
-Requests in flight = ``max_concurrent`` groups x ``group_size``. With ``--client-procs N`` (N > 1) the
-rollout port is ``areal_fast.rollout.sharded.ShardedRollout`` instead: the client in N worker
-processes, each over a share of the servers.
-
-Per scale, one JSONL row (``bench/results/controller_scale.jsonl``):
-- received tokens/s (tokens in every answer the servers sent, partial ones included) and trained
-  tokens/s, over the run (admission ramp included) up to the last training step;
-- CPU us per received token: this process's CPU time / received tokens (the correctness checks'
-  own CPU is measured and subtracted), the Python garbage collector's share of it; with worker
-  processes also their CPU (``worker_cpu_us_per_tok``, from /proc) and the sum (``total_cpu_us_per_tok``);
-- event-loop lag p50/p99/max: a ticker task sleeping ``TICK_S`` records how late it wakes;
-- pause -> all acknowledged, and pause -> continue returned (pause, weight sync, continue);
-- peak RSS of this process, of the worker processes together, and of both (sampled every 100 ms);
-- the simulator's own loop lag (``sim_loop_lag_max_s``: it bounds how fast the servers acknowledge a pause);
-- correctness: every rid answered once, every trained group once, tokens, finish reasons and each
-  token's version exact (the simulated log-probs encode the weights that made each token).
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
-"""Delta weight sync: how much of a bf16 model changes per optimizer step, and what sending only
-that saves.
+"""Delta weight sync: how much of a bf16 model changes per optimizer step (``fraction``: a Qwen3-0.6B
+shape under AdamW), what sending only that saves over gloo to a receiver that applies it (``gloo``,
+checked bitwise), and at 7B / 32B across nodes from a network model (``sim``). docs/weight_sync.md.
 
     python bench/bench_delta.py [--parts fraction,gloo,sim] [--layers 4] [--steps 4]
                                 [--results DIR] [--no-results] [--dry-run]
-
-* fraction: a Qwen3-0.6B-shaped model (its real config: hidden 1024, 16 heads, 8 KV heads,
-  head_dim 128, MLP 3072, vocab 151936, tied embeddings; random weights, ``--layers`` of its 28
-  layers because 2 CPU cores and shared memory cannot hold AdamW over 0.6B parameters; every
-  layer has the same tensors, so per-tensor fractions do not depend on the count) trains with
-  fp32 master weights and AdamW (the trainer's defaults: betas 0.9/0.999, eps 1e-8, no weight
-  decay, global-norm clip 1.0) on a next-token loss over random tokens, at lr 1e-6 (the GPU
-  example) and 2e-4 (the tiny example). After every step the bf16 cast that weight sync would
-  send is compared bit for bit with the previous one: the fraction of changed elements per
-  tensor, and the bytes of each encoding (indices + values ``6n``, bitmask + values
-  ``N/8 + 2n``, whole ``2N``).
-* gloo: ``DistributedWeightSync`` (CPU, gloo over loopback) pushing a bf16 model to a receiver
-  process that applies what it gets (whole buckets, or deltas through
-  ``areal_fast.weights.delta.apply_named``) with and without ``delta``: bytes on the wire and
-  seconds per update, at a changed fraction taken from ``fraction`` (or ``--gloo-frac``); the
-  receiver's weights are checked bitwise against the trainer's after the run.
-* sim: the same for Qwen2.5-7B / 32B across nodes, from the wire bytes and a network model
-  (400 Gb/s InfiniBand per node at 80 % efficiency, as the GPU simulator's weight-sync cost) plus
-  the encode and apply passes at HBM speed (H100, 3.35 TB/s at 70 %).
 
 Results: ``bench/results/delta_fraction.json`` / ``.md``, ``delta_gloo.json``, ``delta_sim.json`` (and
 rows in ``bench/results/delta.jsonl``).

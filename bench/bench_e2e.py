@@ -1,17 +1,12 @@
-"""Asynchronous (eta = 4) vs synchronous (eta = 0) RL on the shipped tiny task, same machine,
-seeds, warm start and processes (one embedded engine + the trainer inside the controller), same
-batch size; several seeds, so that "the same final reward" can be judged against the spread.
+"""Asynchronous (eta = 4) vs synchronous (eta = 0) RL on the shipped tiny task, same machine, seeds,
+warm start, processes and batch size, the two modes of a seed one after the other: per mode the mean
+and spread over seeds of the final and best held-out reward, trained samples/s and tokens/s, the time
+to a target reward and where the wall time went (examples/README.md quotes it).
 
     python bench/bench_e2e.py [--seeds 1 2 3] [--steps 120] [--eta 4] [--target 0.7 0.8] [--dry-run] [KEY=VALUE ...]
 
-Per seed, the two modes run one after the other (never side by side: they would share the cores)
-from the very same warm-started weights. Reports, per mode, the mean and spread (min..max) over
-seeds of: the final and best held-out (greedy) reward, trained samples/s and tokens/s, the time
-to the first held-out reward >= target, and where the wall time went (waiting for a batch =
-generation-bound, training, weight sync, evaluation), plus the staleness histogram. Writes
-``bench/results/e2e_<date>.json`` (every curve) and ``e2e_<date>.png``, and appends a summary row
-with provenance to ``bench/results/e2e.jsonl``. The synchronous baseline is the same code with
-eta = 0: the same engine with continuous batching, batch size and kernels.
+Writes ``bench/results/e2e_<date>.json`` (every curve) and ``e2e_<date>.png``, and appends a summary row
+to ``bench/results/e2e.jsonl``.
 """
 
 from __future__ import annotations

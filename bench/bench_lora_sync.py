@@ -1,25 +1,8 @@
 """Bytes and time of one weight update, adapter-only (LoRA) against whole weights, and the trainer's
-memory with and without LoRA (docs/lora.md).
-
-Parts:
-
-* ``tiny``: the tiny recipe's model shape (examples/tiny_reverse.yaml's warm start) and a larger CPU
-  model, on the embedded engine in this process: the whole-weights disk update
-  (``DiskWeightSync``: HF safetensors + ``/update_weights_from_disk``) against the adapter update
-  (``LoRAAdapterSync``: a PEFT directory + ``/unload_lora_adapter`` + ``/load_lora_adapter`` +
-  ``/update_weight_version``), each timed end to end from trainer tensors to a server that
-  generates with them (median of ``--reps``), and the bytes written.
-* ``7b``: Qwen2.5-7B's shapes (hidden 3584, intermediate 18944, 28 layers, 28 query / 4 KV heads of
-  128, vocabulary 152064, untied head): the bytes of a whole bf16 update and of a bf16 adapter on all
-  seven projections at ranks 8, 32 and 128, computed from the shapes; the adapter's PEFT files
-  written here for real (random bf16 tensors of those shapes) and timed; the whole update's write
-  time estimated from the write bandwidth measured by the same run.
-* ``memory``: params + gradients + AdamW state of a real trainer after one step (the tensors
-  counted, not the process RSS), whole model against LoRA, on a CPU model; and the same accounting
-  computed for 7B (fp32 master weights as the trainer keeps them).
-
-* ``vllm``: the two updates against one real vLLM server (its CPU build, ``tests/real_vllm.py``)
-  started with ``--enable-lora``, on the same two models.
+memory with and without LoRA (docs/lora.md). Parts: ``tiny`` (the embedded engine, disk update vs
+adapter update, timed end to end), ``7b`` (Qwen2.5-7B's bytes from its shapes; the adapter's files
+written and timed), ``memory`` (params + gradients + AdamW state, whole vs LoRA) and ``vllm`` (the
+two updates against one real vLLM server, its CPU build, ``tests/real_vllm.py``).
 
     python bench/bench_lora_sync.py [--parts tiny,vllm,7b,memory] [--reps 5] [--no-results]
 """

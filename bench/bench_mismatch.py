@@ -1,28 +1,14 @@
-"""The train/inference mismatch of bf16 serving against the fp32 trainer, measured on CPU.
+"""The train/inference mismatch of bf16 serving against the fp32 trainer on the tiny recipe's warm
+start, measured on CPU: per server (embedded engine, real vLLM's CPU build), dtype, temperature and
+shape (``task``: the recipe's sampling; ``long``: ``--long-tokens`` with ``ignore_eos``), the
+dashboard's k1 / k3 and quantiles of w = exp(p - b), the share outside [0.5, 2] and [0.8, 1.25], and
+the per-sequence |sum log w| (docs/mismatch.md).
 
     python bench/bench_mismatch.py [--engines embedded,vllm] [--dtypes bfloat16,float32]
         [--temperatures 1.0,0.6] [--samples 64] [--long-tokens 96] [--python PATH]
         [--results DIR | --no-results] [--dry-run]
 
-The model is the shipped tiny recipe's warm start (``examples/tiny_reverse.yaml``: a Qwen2 taught
-to reverse strings, built and cached on first use), so its distributions are those a run trains
-from: peaked on the answer, flat where it is unsure. Each server generates ``--samples`` answers to
-the recipe's held-out prompts per temperature, in two shapes:
-
-- ``task``: the recipe's own sampling (its ``max_new_tokens``, stopping at the end of the answer);
-- ``long``: ``--long-tokens`` tokens, ``ignore_eos`` (past the answer the model is unsure: the
-  long generations where a mismatch accumulates over a sequence).
-
-Servers: the embedded engine (``--dtype``, in this process's thread) and real vLLM (its CPU build,
-``tests/real_vllm.py``; ``--python`` names another vLLM interpreter), each serving in bf16 (this
-machine's AVX-512 bf16 units for vLLM) and in fp32 as the control. The trainer's side is the fp32
-forward of the same checkpoint (``rollout.testing.hf_logprobs``: log_softmax(logits / T), what
-the proximal recompute computes), token by token on the served tokens.
-
-Per server, dtype, temperature and shape: the dashboard's numbers (``ops.objective.mismatch_stats``:
-k1, k3, quantiles of w = exp(p - b)), the fraction of tokens outside IcePop's band [0.5, 2] and
-outside [0.8, 1.25], and the per-sequence |sum log w| (what sequence-level MIS thresholds: its mean
-and p90). Writes ``<results>/mismatch_<date>.{json,md}`` and one row per case to ``mismatch.jsonl``.
+Writes ``<results>/mismatch_<date>.{json,md}`` and one row per case to ``mismatch.jsonl``.
 """
 
 from __future__ import annotations

@@ -1,73 +1,29 @@
 """The mismatch corrections under a real train/inference mismatch: the embedded engine serves in
-bfloat16 while the trainer computes in fp32, and each correction of the decoupled loss is trained
-against none, with the real training loop.
+bfloat16 while the trainer computes in fp32, and each correction of the decoupled loss (``CORRECTIONS``)
+is trained against none at eta 0 and 4, with an fp32-served control, over seeds, on the reversal task
+with 6-16 character strings (``TASK``), through the sweep harness (``bench/sweep.py``). Per run it keeps
+the trainer's per-step mismatch dashboard (``STEP_KEYS``). Results and reading: docs/mismatch.md.
 
     python bench/bench_mismatch_ablation.py [--arms none,tis,icepop,seq_mis,m2po,none_fp32] [--etas 0,4]
-        [--seeds 1,2,3] [--steps N] [--eval-every K] [--batch-size B] [--work DIR | --resume DIR]
-        [--out bench/results] [--tag T] [--report-only] [--dry-run] [KEY=VALUE ...]
+        [sweep options] [KEY=VALUE ...]
 
-Every run is one ``areal-fast train`` run of ``examples/tiny_reverse.yaml`` (``run_train``: embedded
-engine server, controller, PPO actor, weight sync after every step), driven by the machinery of
-``bench_staleness.py`` (forked child per run, warm start shared per seed, one server per seed and
-serving dtype reset between runs, ``--resume``). The task is the recipe's reversal with longer
-strings (``TASK``: 6-16 characters, so 7-17 generated tokens with the end token, against the recipe's
-~4), where a per-token mismatch has more tokens to add up over. Per arm:
-
-    rollout.server_args   = ["--dtype", "bfloat16"]  (the control: "float32", no mismatch)
-    rollout.max_staleness = eta
-    train.ppo.prox_mode   = recompute (the decoupled objective; its w = exp(p - b) is the
-                            train/inference ratio at eta 0, times the policy-lag ratio at eta > 0)
-    train.ppo.loss.*      = the correction (CORRECTIONS), the recipe's token_mis_upper removed
-
-``--arms`` may add ``seq_mis_fp32`` (sequence MIS with fp32 serving: does what it does need the
-mismatch?). ``--resume DIR`` with more seeds or arms runs only the new runs; the report then covers
-every run of the given lists, and its wall time is the sum of the invocations' (``invocations.jsonl``).
-
-Per run the result holds the held-out exact match curve and, per trainer step, what the trainer's
-mismatch dashboard logged (``train/mismatch_k1``, ``train/mismatch_k3``, the p99 / max of w) and the
-share of loss tokens each correction masked or truncated.
-
-Writes ``<out>/mismatch_ablation_<date>.json`` (runs with curves, per-arm aggregates, paired
-contrasts) and ``.md`` (the tables), and appends one row per arm to ``<out>/mismatch_ablation.jsonl``.
+Writes ``<out>/mismatch_ablation_<date>.{json,md}`` and one row per arm to ``<out>/mismatch_ablation.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_staleness import (  # noqa: E402
-    DEFAULT_CONFIG,
-    OBJECTIVE_LOSS,
-    ROOT,
-    RUN_SETTINGS,
-    SharedServers,
-    _ints,
-    _preload,
-    build_warm_starts,
-    ci95_halfwidth,
-    contrast,
-    eval_mean,
-    execute,
-    load_results,
-    mean_curve,
-    mean_spread,
-    open_work_dir,
-    pending,
-    recipe_commit,
-    result_path,
-    sweep_key,
-    write_json_atomic,
-)
-from bench.common import add_harness_args, append_rows, print_dry_run, provenance, refuse_dirty  # noqa: E402
+from bench import sweep  # noqa: E402
+from bench.bench_staleness import OBJECTIVE_LOSS  # noqa: E402
+from bench.sweep import Run, ci95_halfwidth, contrast, eval_mean, mean_curve, mean_spread  # noqa: E402
 
 # The corrections, each replacing the recipe's token_mis_upper = 5 (docs/objective.md): TIS with
 # C = 2, IcePop's band [0.5, 2], the geometric-mean sequence band [0.5, 2], M2PO with tau = 0.04.
@@ -129,16 +85,6 @@ class Arm:
                 *CORRECTIONS[self.correction], f"train.ppo.adv_estimator={self.advantage}"]
 
 
-@dataclass(frozen=True)
-class Run:
-    arm: Arm
-    seed: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.arm.name}_s{self.seed}"
-
-
 def build_runs(arms, etas, seeds) -> list[Run]:
     """Seed-major (complete seeds first); within a seed the bf16 arms, then the fp32 ones (one server
     start per seed and dtype)."""
@@ -154,9 +100,7 @@ def build_runs(arms, etas, seeds) -> list[Run]:
 
 def run_overrides(run: Run, steps: int, eval_every: int, extra=(), batch_size: int | None = None) -> list[str]:
     """The dotted overrides of one run: the sweep's settings, the task, the user's, the arm's, the seed."""
-    batch = [] if batch_size is None else [f"train.batch_size={batch_size}"]
-    return [*RUN_SETTINGS, f"experiment.total_steps={steps}", f"eval.every_steps={eval_every}", *batch, *TASK,
-            *extra, *run.arm.overrides(), f"experiment.seed={run.seed}"]
+    return sweep.run_overrides(run, steps, eval_every, [*TASK, *extra], batch_size)
 
 
 def step_curves(metrics_path: Path) -> dict[str, list]:
@@ -256,77 +200,33 @@ def markdown(rows: list[dict], cons: dict[str, list[dict]]) -> str:
     return out
 
 
-def report(runs: list[Run], work: Path, out: Path, args, prov: dict, wall_s: float | None) -> Path | None:
-    results = load_results(runs, work)
-    if not results:
-        return None
-    if wall_s is None and (work / "invocations.jsonl").is_file() and not pending(runs, work):
-        # a sweep finished over several invocations (--resume, more seeds or arms): the sum of their walls
-        wall_s = sum(json.loads(x)["wall_s"] for x in (work / "invocations.jsonl").read_text().splitlines() if x)
-    if (work / "provenance.json").is_file():
-        prov = json.loads((work / "provenance.json").read_text())
+def summary(results: list[dict], stamp: str):
     rows = aggregate(results)
     cons = contrasts(results)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M") + (f"_{args.tag}" if args.tag else "")
-    key = json.loads((work / "sweep.json").read_text())
-    # a sweep run from an exported copy (no .git) has the recipe of the commit its provenance names
-    rc = recipe_commit(args.config) if prov.get("commit_from", "git") == "git" else f"commit {prov.get('commit')}"
-    res = {"date": stamp, "provenance": prov, "sweep": key, "task": list(TASK), "recipe_commit": rc,
-           "runs_done": len(results), "runs_planned": len(runs), "sweep_wall_s": wall_s,
-           "sum_run_wall_s": sum(r["wall_s"] for r in results), "arms": rows, "contrasts": cons, "runs": results}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"mismatch_ablation_{stamp}.json").write_text(json.dumps(res, indent=1) + "\n")
-    md = (f"# Mismatch corrections under bf16 serving, {stamp} UTC\n\nRecipe `{Path(args.config).name}` at "
-          f"{res['recipe_commit']} with {' '.join(TASK)}; {key['steps']} steps x {results[0].get('batch_size')} groups "
-          f"x {results[0].get('group_size')} samples per run, eval every {key['eval_every']}; overrides "
-          f"{key['overrides'] or 'none'}; {len(results)}/{len(runs)} runs; sweep wall time "
-          f"{'-' if wall_s is None else f'{wall_s / 60:.1f} min'} (sum of run times "
-          f"{res['sum_run_wall_s'] / 60:.1f} min); commit {prov.get('commit')}, {prov.get('cpu_count')} CPUs.\n\n"
-          "Trainer fp32; the embedded engine serves in the dtype shown. EM = held-out exact match (greedy, 256 "
+    md = ("Trainer fp32; the embedded engine serves in the dtype shown. EM = held-out exact match (greedy, 256 "
           "prompts); mean EM over run = mean of the evaluations after step 0. Dashboard columns: the mean over "
           "steps of the trainer's per-step value, then the mean over seeds (k1 = mean(b - p), k3 = mean(w - 1 - "
           "log w), w = exp(p - b) on the loss tokens; at eta > 0 they include the policy lag). Intervals: 95 % "
           "Student t over seeds (per arm: of the seeds' values; contrasts: of the paired differences).\n\n"
           + markdown(rows, cons))
-    (out / f"mismatch_ablation_{stamp}.md").write_text(md)
-    append_rows("mismatch_ablation", [{k: v for k, v in r.items() if not k.endswith("_curve_mean")}
-                                      | {"results": f"mismatch_ablation_{stamp}.json"} for r in rows], out, prov)
-    print(md)
-    print(f"results: {out / f'mismatch_ablation_{stamp}.json'}, .md")
-    return out / f"mismatch_ablation_{stamp}.json"
+    return ({"task": list(TASK), "arms": rows, "contrasts": cons}, md,
+            [{k: v for k, v in r.items() if not k.endswith("_curve_mean")}
+             | {"results": f"mismatch_ablation_{stamp}.json"} for r in rows])
 
 
-# ----------------------------------------------------------------------------- main
-
-
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
+def after_run(run: Run, res: dict, work: Path) -> None:
+    """Add the run's serving dtype and per-step dashboard to its result."""
+    res["dtype"], res["correction"] = run.arm.dtype, run.arm.correction
+    res["steps_curves"] = step_curves(work / "runs" / run.name / "metrics.jsonl")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(DEFAULT_CONFIG))
-    ap.add_argument("--arms", type=_names, default=list(DEFAULT_ARMS), help=f"of {', '.join(ARMS)}")
-    ap.add_argument("--etas", type=_ints, default=list(ETAS))
-    ap.add_argument("--seeds", type=_ints, default=list(SEEDS))
-    ap.add_argument("--steps", type=int, default=40, help="trainer steps per run")
-    ap.add_argument("--batch-size", type=int, default=8, help="train.batch_size (groups per step)")
-    ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--run-timeout", type=float, default=600.0)
-    ap.add_argument("--work", default="/tmp/areal_bench_mismatch_ablation")
-    ap.add_argument("--resume", metavar="DIR")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--report-only", action="store_true")
-    add_harness_args(ap, results=False, dry_run="print the runs and their overrides, run nothing")
-    ap.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides of the recipe for every run")
+    ap.add_argument("--arms", type=sweep.names, default=list(DEFAULT_ARMS), help=f"of {', '.join(ARMS)}")
+    ap.add_argument("--etas", type=sweep.ints, default=list(ETAS))
+    sweep.add_sweep_args(ap, "mismatch_ablation", seeds=SEEDS, batch_size=8, run_timeout=600.0)
     args = ap.parse_intermixed_args(argv)
-    if args.steps < 1 or args.eval_every < 1 or args.batch_size < 1:
-        ap.error("--steps, --eval-every and --batch-size must be >= 1")
-    if not args.seeds:
-        ap.error("--seeds: at least one seed")
-    if args.tag and not args.tag.replace("-", "").replace("_", "").isalnum():
-        ap.error(f"--tag must be letters, digits, '-' or '_', got {args.tag!r}")
+    sweep.check_sweep_args(ap, args)
     try:
         build_runs(args.arms, args.etas, args.seeds)
     except ValueError as e:
@@ -337,76 +237,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     runs = build_runs(args.arms, args.etas, args.seeds)
-    work = Path(args.resume or args.work)
-    if args.dry_run:
-        print_dry_run("mismatch_ablation", [dict(run=r.name, overrides=" ".join(
-            run_overrides(r, args.steps, args.eval_every, args.overrides, args.batch_size))) for r in runs])
-        return
-    key = sweep_key(args.config, args.steps, args.eval_every, [*TASK, *args.overrides], "shared", args.batch_size)
-    refuse_dirty(args.out)
-    prov = provenance()
-    if args.report_only:
-        report(runs, work, Path(args.out), args, prov, None)
-        return
-    open_work_dir(work, key, resume=bool(args.resume))
-    if not (work / "provenance.json").is_file():
-        write_json_atomic(work / "provenance.json", prov)
-    todo = pending(runs, work)
-    print(f"mismatch ablation: {len(runs)} runs, {len(todo)} to run; work dir {work}", flush=True)
-    _preload()
-    t_start = time.perf_counter()
-    base = [*TASK, *args.overrides]
-    models = build_warm_starts(args.config, base, work, sorted({r.seed for r in todo}))
-    print(f"warm starts ready in {time.perf_counter() - t_start:.0f} s", flush=True)
-    servers, server_key, durations, failed = None, None, [], []
-    try:
-        for i, run in enumerate(todo, 1):
-            t0 = time.perf_counter()
-            ok = False
-            try:
-                if server_key != (run.seed, run.arm.dtype):
-                    if servers is not None:
-                        servers.close()
-                    servers = None
-                    server_key = (run.seed, run.arm.dtype)
-                if servers is None:
-                    servers = SharedServers(args.config, [*base, *run.arm.server_overrides()], work, run.seed,
-                                            models[run.seed])
-                servers.reset()
-                overrides = [*run_overrides(run, args.steps, args.eval_every, args.overrides, args.batch_size),
-                             servers.override()]
-                ok = execute(run, args.config, overrides, work, servers.api_key, args.run_timeout)
-                if ok:  # add the run's serving dtype and per-step dashboard to its result
-                    res = json.loads(result_path(work, run).read_text())
-                    res["dtype"], res["correction"] = run.arm.dtype, run.arm.correction
-                    res["steps_curves"] = step_curves(work / "runs" / run.name / "metrics.jsonl")
-                    write_json_atomic(result_path(work, run), res)
-            except Exception as e:  # noqa: BLE001 - one run's failure is reported, the sweep goes on
-                print(f"{run.name}: {type(e).__name__}: {e}", flush=True)
-                ok = False
-                if servers is not None:
-                    servers.close()
-                    servers = None
-            durations.append(time.perf_counter() - t0)
-            left = (len(todo) - i) * statistics.fmean(durations)
-            if ok:
-                what = (f"EM {res['eval_first']:.3f} -> {res['eval_final']:.3f}, k3/step "
-                        f"{_g(_curve_mean(res['steps_curves']['mismatch_k3']), '.2e')}")
-            else:
-                failed.append(run.name)
-                what = f"FAILED (log: {work / 'logs' / (run.name + '.log')})"
-            print(f"[{i}/{len(todo)}] {run.name}: {what}; {durations[-1]:.0f} s; ~{left / 60:.0f} min left",
-                  flush=True)
-    finally:
-        if servers is not None:
-            servers.close()
-    wall = time.perf_counter() - t_start
-    print(f"sweep wall time {wall / 60:.1f} min; {len(failed)} failed", flush=True)
-    with open(work / "invocations.jsonl", "a") as f:
-        f.write(json.dumps({"wall_s": wall, "runs": len(todo), "failed": len(failed)}) + "\n")
-    report(runs, work, Path(args.out), args, prov, None)
-    if failed:
-        raise SystemExit(1)
+    args.overrides = [*TASK, *args.overrides]  # the task, under the user's word, in every run and server
+    sweep.main("mismatch_ablation", runs, args, lambda runs, work, args: sweep.report(
+        "mismatch_ablation", "Mismatch corrections under bf16 serving", runs, work, args, summary),
+        after_run=after_run)
 
 
 if __name__ == "__main__":

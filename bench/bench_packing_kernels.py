@@ -1,23 +1,13 @@
-"""Packing kernels benchmark: pack / unpack / gather_segments / scatter_segments in GB/s, against a
-same-size ``dst.copy_(src)`` measured in the same run (the practical peak for a copy), and against
-the PyTorch references.
+"""Packing kernels benchmark: pack / unpack / gather_segments / scatter_segments in GB/s against a
+same-size ``dst.copy_(src)`` timed in the same run and against the PyTorch references, on lognormal
+segment lengths (the workload and bytes model: docs/benchmarks.md). ``kernel`` times the launcher
+alone, ``api`` the public function.
 
     python bench/bench_packing_kernels.py                     # GPU: kernels; CPU: references only
     python bench/bench_packing_kernels.py --interpret         # CPU smoke run of the kernel paths
     python bench/bench_packing_kernels.py --dry-run           # list the cases, run nothing
 
-Rows are appended to bench/results/packing_kernels.jsonl (``--results DIR``, ``--no-results``), each
-as soon as it is measured.
-
-Workload: B sequences with lognormal(7, 1.2) lengths clipped to [1, L] (median ~1.1k tokens, the
-shape of reasoning-model rollouts), per-token tensors of an RL batch (int64 ids, fp32 logprobs and
-advantages, int32 versions, bool mask) and a bf16 [T, H] hidden-state tensor.
-
-Bytes moved per op (what GB/s counts): pack reads and writes T rows and writes T int64 position
-ids; unpack reads T rows and writes B * max_len rows; gather/scatter read and write T rows of every
-tensor. ``copy`` is ``dst.copy_(src)`` on a flat buffer moving the same bytes; ``vs_copy`` is the
-op's GB/s over the copy's. ``kernel`` times the launcher alone; ``api`` the public function
-(input checks off where they cost a sync: ``validate=False``; ``pack`` gets host lengths).
+Rows go to bench/results/packing_kernels.jsonl, each as soon as it is measured.
 """
 
 from __future__ import annotations

@@ -1,86 +1,53 @@
-"""The tiny example's quality per pause mode (abort / retract / in_place), over seeds, on CPU.
+"""The tiny example's quality per pause mode (abort / retract / in_place), over seeds, on CPU: one
+sweep (``bench/sweep.py``) of ``examples/tiny_reverse.yaml`` at eta 4, the decoupled objective with the
+proximal recomputed, GRPO, with ``rollout.pause_mode=<mode>`` as the one difference between arms (the
+warm start built once per seed). The measured table: docs/pause_modes.md.
 
-    python bench/bench_pause_modes_cpu.py [--modes abort,retract,in_place] [--seeds 1,2,3] [--steps 40]
-        [--eval-every 20] [--work-root DIR] [--report-only] [--results bench/results]
+    python bench/bench_pause_modes_cpu.py [--modes abort,retract,in_place] [sweep options] [KEY=VALUE ...]
 
-Each mode is one sweep of ``bench/bench_staleness.py`` (the real training loop: an embedded engine,
-the controller with its staleness gate, the PPO actor, weight sync after every step) of
-``examples/tiny_reverse.yaml`` at the recipe's eta (4), the decoupled objective with the proximal
-recomputed, GRPO, with ``rollout.pause_mode=<mode>`` as the one difference, in
-``<work-root>/work_<mode>``. The warm start depends on the seed only: a warm start already built by
-one mode's sweep is copied into the others before they start (``--share-warm``, on by default).
-
-Writes ``<results>/pause_mode_cpu_<date>.json`` (every run) and ``.md`` (the table), and appends one
-row per mode to ``<results>/pause_mode_cpu.jsonl``. docs/pause_modes.md has the measured table.
+Writes ``<out>/pause_mode_cpu_<date>.{json,md}`` and one row per mode to ``<out>/pause_mode_cpu.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import shutil
-import statistics
-import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import add_harness_args, append_rows, provenance, refuse_dirty  # noqa: E402
+from bench import sweep  # noqa: E402
+from bench.sweep import Run, mean_spread  # noqa: E402
 
 MODES = ("abort", "retract", "in_place")
 
 
-def sweep_command(mode: str, args) -> list[str]:
-    return [sys.executable, str(ROOT / "bench" / "bench_staleness.py"), "--etas", "4", "--objectives", "recompute",
-            "--advantages", "grpo", "--seeds", ",".join(map(str, args.seeds)), "--steps", str(args.steps),
-            "--eval-every", str(args.eval_every), "--work", str(work_dir(args, mode)),
-            "--out", str(work_dir(args, mode) / "report"), "--tag", f"pause_mode_{mode}",
-            f"rollout.pause_mode={mode}"]
+@dataclass(frozen=True)
+class Arm:
+    mode: str
+    eta: int = 4
+    objective: str = "recompute"
+    advantage: str = "grpo"
 
+    @property
+    def name(self) -> str:
+        return f"pause_{self.mode}"
 
-def work_dir(args, mode: str) -> Path:
-    return Path(args.work_root) / f"work_{mode}"
-
-
-def share_warm_starts(args, mode: str) -> None:
-    """Copy each seed's warm start built by another mode's sweep into this one's (same recipe, same seed)."""
-    for seed in args.seeds:
-        dst = work_dir(args, mode) / "warm" / f"seed{seed}" / "warm_start"
-        if dst.is_dir():
-            continue
-        for other in args.modes:
-            src = work_dir(args, other) / "warm" / f"seed{seed}" / "warm_start"
-            if other != mode and (src / "warm_start.json").is_file():
-                shutil.copytree(src, dst)
-                break
-
-
-def mode_results(args, mode: str) -> list[dict]:
-    files = sorted((work_dir(args, mode) / "results").glob("*.json"))
-    return [json.loads(f.read_text()) | {"pause_mode": mode} for f in files]
-
-
-def _ms(xs):
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return None, None
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+    def overrides(self) -> list[str]:
+        return [f"rollout.max_staleness={self.eta}", "train.ppo.prox_mode=recompute",
+                f"train.ppo.adv_estimator={self.advantage}", f"rollout.pause_mode={self.mode}"]
 
 
 def summarise(mode: str, runs: list[dict]) -> dict:
-    em, em_sd = _ms([r["eval_final"] for r in runs])
-    area, area_sd = _ms([statistics.fmean(v for s, v in r["eval_curve"] if s > 0) for r in runs])
+    em, em_sd = mean_spread([r["eval_final"] for r in runs])
+    area, area_sd = mean_spread([sweep.eval_mean(r) for r in runs])
     return {"pause_mode": mode, "seeds": [r["seed"] for r in runs], "steps": runs[0]["steps"] if runs else None,
             "em_final_mean": em, "em_final_std": em_sd, "em_final_per_seed": [r["eval_final"] for r in runs],
             "em_start_per_seed": [r["eval_first"] for r in runs], "em_over_run_mean": area, "em_over_run_std": area_sd,
-            "staleness_mean": _ms([r["staleness_mean"] for r in runs])[0],
-            "behav_kl_mean": _ms([r.get("behav_kl_mean") for r in runs])[0],
-            "clip_fraction_mean": _ms([r.get("clip_fraction_mean") for r in runs])[0],
-            "trained_samples_per_s": _ms([r["trained_samples_per_s"] for r in runs])[0],
-            "run_wall_s_mean": _ms([r["wall_s"] for r in runs])[0]}
+            **{k: mean_spread([r.get(k) for r in runs])[0] for k in ("staleness_mean", "behav_kl_mean",
+                                                                       "clip_fraction_mean", "trained_samples_per_s")},
+            "run_wall_s_mean": mean_spread([r["wall_s"] for r in runs])[0]}
 
 
 def _f(x, d=3):
@@ -98,46 +65,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def summary(results: list[dict], stamp: str):
+    by_mode = {m: [r for r in results if r["pause_mode"] == m] for m in dict.fromkeys(r["pause_mode"] for r in results)}
+    rows = [summarise(m, rs) for m, rs in by_mode.items()]
+    return {"modes": rows}, "Decoupled PPO (recompute), GRPO, eta 4; one arm per pause mode.\n\n" + table(rows), rows
+
+
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--seeds", default="1,2,3")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--eval-every", type=int, default=20)
-    ap.add_argument("--work-root", default="/tmp/areal_bench_pause_modes")
-    ap.add_argument("--no-share-warm", dest="share_warm", action="store_false")
-    ap.add_argument("--report-only", action="store_true", help="summarise the work dirs' results, run nothing")
-    ap.add_argument("--results", default=str(ROOT / "bench" / "results"))
-    add_harness_args(ap, results=False, dry_run=None)
-    args = ap.parse_args(argv)
-    refuse_dirty(args.results)
-    args.modes = [m for m in args.modes.split(",") if m]
-    args.seeds = [int(s) for s in args.seeds.split(",") if s]
-    bad = [m for m in args.modes if m not in MODES]
-    if bad:
-        raise SystemExit(f"--modes: unknown mode {bad[0]!r}; known: {', '.join(MODES)}")
-    if not args.report_only:
-        for mode in args.modes:
-            if args.share_warm:
-                share_warm_starts(args, mode)
-            resume = ["--resume", str(work_dir(args, mode))] if (work_dir(args, mode) / "sweep.json").is_file() else []
-            subprocess.run(sweep_command(mode, args) + resume, check=True)
-    runs = {m: mode_results(args, m) for m in args.modes}
-    rows = [summarise(m, rs) for m, rs in runs.items() if rs]
-    if not rows:
-        raise SystemExit(f"no results under {args.work_root}")
-    prov = provenance()
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
-    out = Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"pause_mode_cpu_{stamp}.json").write_text(json.dumps(
-        {"date": stamp, "provenance": prov, "modes": rows, "runs": [r for rs in runs.values() for r in rs],
-         "commands": {m: " ".join(sweep_command(m, args)) for m in args.modes}}, indent=1) + "\n")
-    md = (f"# Tiny example per pause mode, {stamp} UTC\n\n{rows[0]['steps']} steps, eta 4, decoupled PPO "
-          f"(recompute), GRPO, seeds {args.seeds}; commit {prov.get('commit')}.\n\n" + table(rows))
-    (out / f"pause_mode_cpu_{stamp}.md").write_text(md)
-    append_rows("pause_mode_cpu", rows, out, prov)
-    print(md)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", type=sweep.names, default=list(MODES))
+    sweep.add_sweep_args(ap, "pause_modes", eval_every=20)
+    args = ap.parse_intermixed_args(argv)
+    sweep.check_sweep_args(ap, args)
+    if bad := [m for m in args.modes if m not in MODES]:
+        ap.error(f"--modes: unknown mode {bad[0]!r}; known: {', '.join(MODES)}")
+    runs = [Run(Arm(m), s) for s in args.seeds for m in args.modes]
+    sweep.main("pause_mode_cpu", runs, args, lambda runs, work, args: sweep.report(
+        "pause_mode_cpu", "Tiny example per pause mode", runs, work, args, summary),
+        after_run=lambda run, res, work: res.update(pause_mode=run.arm.mode))
 
 
 if __name__ == "__main__":

@@ -1,39 +1,16 @@
-"""Benchmark of the fused decoupled-PPO loss (areal_fast.ops) against a same-size copy and torch.
+"""Benchmark of the fused decoupled-PPO loss (areal_fast.ops) against a same-size copy and torch, bf16
+forward + backward on realistic batches (``realistic_batch``): ``from_logits`` [T, V] (our Triton
+kernels, also with the gradient in place and forward alone, against the copy, the eager reference,
+``torch.compile`` of it and Liger when installed) and ``fused_linear`` (hidden @ W^T + loss without
+the whole logits, against the bare lm_head GEMMs and the materialised path). The bytes and FLOP
+models and the memory guard: docs/benchmarks.md. ``bytes_moved`` counts what the kernels really move,
+``(2 * T + active_rows) * V * 2``; ``ratio_to_3pass_roofline`` is the time over ``3 * T * V * 2`` bytes
+at the datasheet HBM rate. On CPU it runs tiny shapes of the reference only, and says so.
 
     python bench/bench_ppo_loss.py [--quick | --production] [--skip-compile] [--skip-fused] [--skip-logits]
                                    [--skip-liger] [--results DIR] [--no-results] [--dry-run]
 
-Two tables, bf16, forward + backward, on realistic batches (``realistic_batch``): sequences of
-prompt tokens (masked out of the loss, ~15% of the tokens) then response tokens, with behaviour
-and proximal log-probs close to the current policy's (importance ratios near 1, as in
-asynchronous RL), so few tokens are clipped:
-
-* ``from_logits`` [T, V]: our Triton kernels; the same with the gradient written into the logits
-  (``grad_inplace``); the forward alone; against a same-size ``copy_`` timed in the same run, the
-  eager PyTorch reference, ``torch.compile`` of it and, when ``liger-kernel`` is importable, its
-  Triton GRPO loss from logits (a related objective, not the same one: timing only).
-* ``fused_linear``: ``hidden [T, H] @ W[V, H]^T`` + loss without the whole logits, against the
-  bare lm_head GEMMs (one forward, two backward) and the materialised path (GEMM + our loss).
-
-Bytes model (the roofline): the from-logits kernels make at most THREE passes over the logits:
-the forward reads them (log-sum-exp, label logit, entropy), the backward reads them again and
-writes the gradient; a row whose loss gradient is zero (masked, or clipped) is written with
-zeros without being read. ``bytes_moved`` counts what the kernels really move,
-``(2 * T + active_rows) * V * 2`` in bf16 (``active_rows``: rows with a non-zero gradient,
-counted once per shape), and ``gbs_fwd_bwd`` divides it by the time. The 3-pass roofline is
-``3 * T * V * 2`` bytes at the device's datasheet HBM bandwidth (32k x 151,936 bf16: 30 GB,
-~10 ms at 3 TB/s); ``ratio_to_3pass_roofline`` is the measured time over it (1.0 at the roof)
-and ``ratio_to_3pass_copy_roofline`` the same against 1.5x the same-size copy timed in the run.
-(Earlier inputs had ~50% of rows with zero gradient, so 2.5 passes were moved while
-3 were counted: the GB/s was ~1.2x too high.) The fused-linear
-table reports TFLOP/s of the three GEMMs (``6 * T * H * V`` flops) and their fraction of the
-datasheet peak.
-
-Memory: before each variant the script estimates what it would allocate beyond the inputs (the
-eager reference holds about five fp32 [T, V] tensors: 20 * T * V bytes) and skips it, with the
-reason in the row, when that exceeds 90% of the free device memory; an out-of-memory error is
-caught and recorded as well. Rows go to bench/results/ppo_loss.jsonl with provenance.
-On CPU it runs tiny shapes of the reference only, and says so.
+Rows go to bench/results/ppo_loss.jsonl.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
-"""Benchmark the reshard planner, the interval copy and a full weight sync.
+"""Benchmark the reshard planner, the interval copy and a full weight sync (the parts: docs/benchmarks.md):
+``plan`` (7B plan build, C++ vs Python), ``cpu_copy`` (C++ interval copy vs torch ``copy_``), ``cuda_copy``
+(the CUDA kernel on the Qwen2.5-7B layout vs a same-size copy, and the SGLang TP shard build), ``sync``
+(DistributedWeightSync over gloo vs a raw broadcast) and ``gpu_sync`` (NCCL on one GPU, or why not).
 
     python bench/bench_reshard.py [--parts plan,cpu_copy,cuda_copy,sync,gpu_sync] [--layers 28]
                                   [--sync-params 100e6] [--results DIR] [--no-results] [--dry-run]
 
-* plan: build time of the FSDP2 -> flattened-bucket plan and of one TP rank's SGLang-layout
-  plan for a 7B-shaped model (Qwen2.5-7B shapes; goal <= 5 ms), C++ vs the Python reference;
-* cpu_copy: GB/s of the C++ interval copy (fp32 -> bf16 pack of a whole model into one
-  buffer, and a same-dtype byte copy) vs torch ``copy_`` per tensor doing the same work;
-* cuda_copy (with a GPU): the CUDA kernel packing a Qwen2.5-7B layout (``--layers`` of its
-  layers, embeddings and head; fp32 -> bf16 into one flattened buffer) vs a same-size byte
-  ``copy_`` (read 4 + write 2 bytes per parameter; goal >= 80%) and vs torch ``copy_`` per tensor;
-  then the same model into the SGLang TP layout (the colocated path's shard build);
-* sync (CPU, gloo): bytes/s of DistributedWeightSync.update to a receiver process over
-  loopback vs a raw ``dist.broadcast`` of one flat buffer of the same size in the same group
-  (goal >= 0.9x);
-* gpu_sync (with a GPU): a raw NCCL broadcast between two processes on GPU 0 where NCCL allows
-  it (it normally refuses two ranks on one device); otherwise the row says why, and the
-  colocated path (shard build + CUDA IPC serialisation) stands in for it.
-Rows go to bench/results/reshard.jsonl with provenance.
+Rows go to bench/results/reshard.jsonl.
 """
 
 from __future__ import annotations

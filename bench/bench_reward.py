@@ -1,19 +1,10 @@
-"""Reward service throughput and overhead.
+"""Reward service throughput and overhead: math (plain numbers and LaTeX) and code rewards/s through
+the service against direct calls, a no-op reward's overhead one call at a time and many in flight,
+and the sandbox's cost per run (interpreter start, sandboxed run with and without a cgroup).
 
     python bench/bench_reward.py [--n 400] [--workers N] [--results DIR | --no-results | --dry-run]
 
-Rows:
-  * math, plain numbers (fast path) and LaTeX (math-verify): rewards/s through the service with
-    all workers busy, vs one process calling `math_reward` directly. 64 distinct problems, each
-    scored n/64 times, as GRPO scores a group of samples per prompt (gold parses are cached);
-  * code, a trivial stdin/stdout program with one test: rewards/s through the service (each
-    reward starts a sandboxed interpreter: namespaces + `_nsinit.py` + Python startup, ~50-70 ms);
-  * overhead: a no-op reward, one call at a time (latency) and many in flight (throughput),
-    vs calling the function directly;
-  * sandbox cost per run, one at a time: the bare interpreter start, a full sandboxed run (own
-    root, namespaces, cgroup), the same without a cgroup (the RLIMIT fallback), and creating and
-    removing a run's cgroup alone.
-Rows are appended to bench/results/reward.jsonl with provenance (bench/common.py).
+Rows go to bench/results/reward.jsonl.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""Routing replay on the tiny Qwen3-MoE, bf16 "server" against the fp32 "trainer" (docs/moe.md).
-
-The bf16 copy samples answers (temperature 1) to random prompts; both models then score the
-sampled tokens in one forward each, the server recording its routing. Reported, without and with
-the server's routing replayed in the trainer's forward: the fraction of (token, block) routings
-that differ, k1 and k3 of the log-ratio (behaviour - trainer), the largest |log-ratio|, and the
-fraction of tokens IcePop's band [0.5, 2] would mask; and the cost (a forward with replay against
-one without, the recording hook, the column's bytes per token).
+"""Routing replay on the tiny Qwen3-MoE, bf16 "server" against the fp32 "trainer" (docs/moe.md): the
+routings that differ, k1 / k3 of the log-ratio, the largest |log-ratio| and IcePop's masked share,
+without and with the server's routing replayed, and replay's cost. ``--engine``: the same, paired, on
+what the loop trains on (the recipe's warm-started MoE served by the embedded engine in bf16).
 
     python bench/bench_routing_replay.py [--seeds 0,1,2] [--prompts 32] [--new-tokens 48] [--engine [--temperature T]]
-
-``--engine``: the same comparison on what the loop trains on, paired: the recipe's warm-started
-(trained) MoE on longer strings, served by the embedded engine in bf16, its routing recorded while
-it generates (KV cache, continuous batching) and stitched by the rollout client; the fp32 actor's
-proximal recompute of the very same samples without and with replay, and the share of recorded
-(position, block) routings the trainer would pick otherwise.
 
 A row per seed goes to ``bench/results/routing_replay.jsonl`` (``routing_replay_engine.jsonl`` with
 ``--engine``); the ``routing_replay_engine_*.md`` files there are this command's printed output from

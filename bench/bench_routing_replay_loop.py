@@ -1,24 +1,11 @@
-"""Routing replay through the training loop: the MoE recipe served in bf16, trained in fp32, with and
-without replaying the servers' routing (docs/moe.md, "Routing replay, measured in the loop").
+"""Routing replay through the training loop: ``areal-fast train examples/tiny_reverse_moe.yaml`` served in
+bf16, trained in fp32, eta 0, routed experts recorded, ``train.ppo.routing_replay`` off or on, the
+corrections logging their masked shares (docs/moe.md, "Routing replay, measured in the loop").
 
     python bench/bench_routing_replay_loop.py [--seeds 1,2,3] [--steps 20] [--results DIR | --no-results]
         [--dry-run]
 
-Each run is ``areal-fast train examples/tiny_reverse_moe.yaml`` (a subprocess) with the embedded
-engine serving in bfloat16 (``rollout.server_args: [--dtype, bfloat16]``) and the trainer in fp32,
-``rollout.return_routed_experts: true`` (the engine records every position's experts, the samples
-carry them) and ``train.ppo.routing_replay`` off or on. ``rollout.max_staleness: 0``: the proximal
-policy p and the behaviour policy b are the same weights, so the mismatch the dashboard reports
-(``mismatch_k1``/``k3``, quantiles of w = exp(p - b)) is the train/inference mismatch alone. The loss
-runs with the corrections on at the values docs/objective.md uses (token TIS cap 2, IcePop band
-[0.5, 2], sequence MIS [0.5, 2]), so each one's masked (or truncated) fraction of the loss tokens
-is logged; their effect on learning is bench_mismatch_ablation's subject, not this one's.
-
-Per run: the step means (steps 2..N; step 1 trains the warm start's own samples) of k3, k1, the p99
-and max of w, each correction's fraction, the trainer's step and recompute time; the fraction of
-positions replayed; the held-out exact match at the end. Per arm: the mean over seeds and the ratio
-of k3 without / with replay per seed. Writes ``<results>/routing_replay_loop_<date>.{json,md}`` and a
-row per run to ``routing_replay_loop.jsonl``.
+Writes ``<results>/routing_replay_loop_<date>.{json,md}`` and a row per run to ``routing_replay_loop.jsonl``.
 """
 
 from __future__ import annotations

@@ -30,11 +30,8 @@ from bench.sweep import (  # noqa: E402
     hist_stats,
     mean_curve,
     mean_spread,
-    run_overrides,
-    summarise_run,
 )
 
-__all__ = ["Run", "contrast", "run_overrides", "summarise_run", "ci95_halfwidth"]
 ETAS = (0, 1, 2, 4, 8, 16)
 # name -> train.ppo.prox_mode (docs/objective.md, "The proximal policy")
 OBJECTIVES = {"recompute": "recompute", "loglinear": "approx", "naive": "none",
@@ -303,113 +300,53 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     return path
 
 
-def report(runs: list[Run], work: Path, out: Path, args, prov: dict, wall_s: float | None) -> Path | None:
-    results = load_results(runs, work)
-    if not results:
-        return None
-    if wall_s is None and (work / "sweep_wall.json").is_file():  # --report-only after a complete sweep
-        wall_s = json.loads((work / "sweep_wall.json").read_text())["wall_s"]
-    if (work / "provenance.json").is_file():  # where and on what commit the runs ran, not where this reports
-        prov = json.loads((work / "provenance.json").read_text())
-    # table order: by advantage, objective (as listed) and eta, whatever order the runs ran in
-    order = {o: i for i, o in enumerate(args.objectives)}
-    results.sort(key=lambda r: (ADVANTAGES.index(r["advantage"]), order.get(r["objective"], len(order)), r["eta"],
-                                r["seed"]))
-    rows = aggregate(results)
-    contrast_rows = contrast(results)
-    # each option on top of the decoupled objective against the plain decoupled objective, same eta and seed
-    options = [o for o in dict.fromkeys(r["objective"] for r in results) if o not in ("naive", "recompute")]
-    option_rows = {o: rows_o for o in options if (rows_o := contrast(results, a=o, b="recompute"))}
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M") + (f"_{args.tag}" if args.tag else "")
-    out.mkdir(parents=True, exist_ok=True)
-    key = json.loads((work / "sweep.json").read_text())
-    res = {"date": stamp, "provenance": prov, "sweep": key, "recipe_commit": recipe_commit(args.config),
-           "runs_done": len(results), "runs_planned": len(runs), "sweep_wall_s": wall_s,
-           "sum_run_wall_s": sum(r["wall_s"] for r in results),
-           "arms": rows, "contrast_recompute_minus_naive": contrast_rows,
-           "contrast_option_minus_recompute": option_rows, "runs": results}
-    (out / f"staleness_{stamp}.json").write_text(json.dumps(res, indent=1) + "\n")
-    md = (f"# Staleness ablation, {stamp} UTC\n\nRecipe `{Path(args.config).name}` at {res['recipe_commit']}; "
-          f"{key['steps']} steps x {results[0].get('batch_size')} groups x {results[0].get('group_size')} samples per "
-          f"run, eval every {key['eval_every']}; overrides {key['overrides'] or 'none'}; "
-          f"{len(results)}/{len(runs)} runs; sweep wall time "
-          f"{'-' if wall_s is None else f'{wall_s / 60:.1f} min'} (sum of run times "
-          f"{res['sum_run_wall_s'] / 60:.1f} min); commit {prov.get('commit')}, "
-          f"{prov.get('cpu_count')} CPUs.\n\nEM = held-out exact match (greedy), mean ± std over seeds; \"- sync\": "
-          f"final EM minus that of the eta = 0 run with the same objective, advantage and seed (\"vs recompute "
-          f"eta 0\": an option arm whose own eta = 0 runs are not there yet, paired with the plain decoupled "
-          f"objective's); 95% CI: Student t over the paired seeds. \"mean EM over run\": the mean of the "
-          f"evaluations after step 0 (area under the learning curve).\n\n"
-          + markdown_table(rows)
-          + ("\n## Decoupled minus naive PPO, paired by seed\n\n" + contrast_table(contrast_rows)
-             if contrast_rows else "")
-          + ("\n## Each option minus the plain decoupled objective, paired by seed\n\nAt eta = 0 an option "
-             "masks nothing, so its row there is two runs of the same algorithm: the run-to-run noise.\n\n"
-             + "\n".join(contrast_table(r) for r in option_rows.values()) if option_rows else ""))
-    (out / f"staleness_{stamp}.md").write_text(md)
-    png = plot(rows, out / f"staleness_{stamp}.png")
-    summary_rows = [{k: v for k, v in r.items() if k != "eval_curve_mean"} | {"curves": f"staleness_{stamp}.json"}
-                    for r in rows]
-    append_rows("staleness", summary_rows, out, prov)
-    print(md)
-    print(f"results: {out / f'staleness_{stamp}.json'}, .md" + (f", {png}" if png else ""))
-    return out / f"staleness_{stamp}.json"
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
+def summary(args):
+    def make(results, stamp):
+        # table order: by advantage, objective (as listed) and eta, whatever order the runs ran in
+        order = {o: i for i, o in enumerate(args.objectives)}
+        results.sort(key=lambda r: (ADVANTAGES.index(r["advantage"]), order.get(r["objective"], len(order)),
+                                    r["eta"], r["seed"]))
+        rows = aggregate(results)
+        contrast_rows = contrast(results)
+        # each option on top of the decoupled objective against the plain decoupled objective, same eta and seed
+        options = [o for o in dict.fromkeys(r["objective"] for r in results) if o not in ("naive", "recompute")]
+        option_rows = {o: rows_o for o in options if (rows_o := contrast(results, a=o, b="recompute"))}
+        md = ("EM = held-out exact match (greedy), mean ± std over seeds; \"- sync\": final EM minus that of the "
+              "eta = 0 run with the same objective, advantage and seed (\"vs recompute eta 0\": an option arm whose "
+              "own eta = 0 runs are not there yet, paired with the plain decoupled objective's); 95% CI: Student t "
+              "over the paired seeds. \"mean EM over run\": the mean of the evaluations after step 0 (area under "
+              "the learning curve).\n\n" + markdown_table(rows)
+              + ("\n## Decoupled minus naive PPO, paired by seed\n\n" + contrast_table(contrast_rows)
+                 if contrast_rows else "")
+              + ("\n## Each option minus the plain decoupled objective, paired by seed\n\nAt eta = 0 an option "
+                 "masks nothing, so its row there is two runs of the same algorithm: the run-to-run noise.\n\n"
+                 + "\n".join(contrast_table(r) for r in option_rows.values()) if option_rows else ""))
+        png = plot(rows, Path(args.out) / f"staleness_{stamp}.png")
+        if png:
+            print(f"plot: {png}")
+        summary_rows = [{k: v for k, v in r.items() if k != "eval_curve_mean"}
+                        | {"curves": f"staleness_{stamp}.json"} for r in rows]
+        return ({"arms": rows, "contrast_recompute_minus_naive": contrast_rows,
+                 "contrast_option_minus_recompute": option_rows}, md, summary_rows)
+    return make
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(DEFAULT_CONFIG))
     ap.add_argument("--preset", choices=sorted(PRESETS),
-                    help="a named sweep (etas, objectives, advantages, seeds, steps, eval-every and overrides); "
-                         "'hard': the hard-task ablation, in its plan's order (most information first). The "
-                         "preset's values replace --etas/--objectives/--seeds/--steps/--eval-every/--batch-size; "
-                         "KEY=VALUE overrides are added after its own")
-    ap.add_argument("--etas", type=_ints, default=list(ETAS))
-    ap.add_argument("--objectives", type=_names, default=list(DEFAULT_OBJECTIVES))
-    ap.add_argument("--advantages", type=_names, default=list(ADVANTAGES))
-    ap.add_argument("--seeds", type=_ints, default=list(SEEDS))
-    ap.add_argument("--steps", type=int, default=40, help="trainer steps per run (the same for every arm)")
-    ap.add_argument("--batch-size", type=int, default=None,
-                    help="train.batch_size (groups per step) of every run (default: the recipe's)")
-    ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every K steps (and at 0, end)")
-    ap.add_argument("--servers", choices=("shared", "per-run"), default="shared",
-                    help="shared: one embedded engine per seed, reset before each run (saves 6-11 s a run); "
-                         "per-run: run_train launches its own server every run")
-    ap.add_argument("--run-timeout", type=float, default=900.0,
-                    help="seconds after which a run that has not ended is stopped and counted as failed")
-    ap.add_argument("--work", default="/tmp/areal_bench_staleness", help="run directories and per-run results")
-    ap.add_argument("--resume", metavar="DIR", help="continue the sweep in DIR, skipping finished runs")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="where the table, JSON and plot go")
-    ap.add_argument("--tag", default="", help="suffix of the result files' names (staleness_<date>_<tag>.*)")
-    ap.add_argument("--report-only", action="store_true",
-                    help="write the table and plot from the work dir's results, run nothing")
-    add_harness_args(ap, results=False, dry_run="print the run list and each run's overrides, run nothing")
-    ap.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides of the recipe for every run")
+                    help="a named sweep ('hard': the hard-task ablation in its plan's order); its values replace "
+                         "--etas/--objectives/--seeds/--steps/--eval-every/--batch-size, KEY=VALUE adds to them")
+    ap.add_argument("--etas", type=sweep.ints, default=list(ETAS))
+    ap.add_argument("--objectives", type=sweep.names, default=list(DEFAULT_OBJECTIVES))
+    ap.add_argument("--advantages", type=sweep.names, default=list(ADVANTAGES))
+    sweep.add_sweep_args(ap, "staleness", seeds=SEEDS)
     args = ap.parse_intermixed_args(argv)  # KEY=VALUE overrides may come before or after the flags
     args.plan = None
     if args.preset:
-        preset = PRESETS[args.preset]
-        for k, v in preset.items():
+        for k, v in PRESETS[args.preset].items():
             setattr(args, k, v if k != "overrides" else [*v, *args.overrides])
         args.tag = args.tag or args.preset
-    if args.steps < 1:
-        ap.error(f"--steps must be >= 1, got {args.steps}")
-    if args.batch_size is not None and args.batch_size < 1:
-        ap.error(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.tag and not args.tag.replace("-", "").replace("_", "").isalnum():
-        ap.error(f"--tag must be letters, digits, '-' or '_', got {args.tag!r}")
-    if args.eval_every < 1:
-        ap.error(f"--eval-every must be >= 1, got {args.eval_every}")
-    if not args.seeds:
-        ap.error("--seeds: at least one seed")
+    sweep.check_sweep_args(ap, args)
     return args
 
 
@@ -417,85 +354,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     arms = build_arms(args.etas, args.objectives, args.advantages)
     runs = build_plan_runs(args.plan, args.advantages, args.seeds) if args.plan else build_runs(arms, args.seeds)
-    work = Path(args.resume or args.work)
-    if args.dry_run:
-        print_dry_run("staleness", [dict(run=r.name, overrides=" ".join(run_overrides(r, args.steps, args.eval_every,
-                                                                                   args.overrides, args.batch_size)))
-                                    for r in runs])
-        print(f"recipe: {args.config} ({recipe_commit(args.config)}); work dir {work}")
-        return
-    key = sweep_key(args.config, args.steps, args.eval_every, args.overrides, args.servers, args.batch_size)
-    refuse_dirty(args.out)
-    prov = provenance()
-    if args.report_only:
-        report(runs, work, Path(args.out), args, prov, None)
-        return
-    open_work_dir(work, key, resume=bool(args.resume))
-    if not (work / "provenance.json").is_file():
-        write_json_atomic(work / "provenance.json", prov)
-    todo = pending(runs, work)
-    print(f"staleness sweep: {len(runs)} runs, {len(runs) - len(todo)} already finished, {len(todo)} to run; "
-          f"work dir {work}", flush=True)
-    _preload()
-    t_start = time.perf_counter()
-    durations, failed = [], []
-    servers: SharedServers | None = None
-    t_warm = time.perf_counter()
-    models = build_warm_starts(args.config, args.overrides, work, sorted({r.seed for r in todo}))
-    print(f"warm starts of seeds {sorted(models)} ready in {time.perf_counter() - t_warm:.0f} s", flush=True)
-    try:
-        for i, run in enumerate(todo, 1):
-            t0 = time.perf_counter()
-            overrides = run_overrides(run, args.steps, args.eval_every, args.overrides, args.batch_size)
-            ok = False
-            try:
-                model = models[run.seed]
-                if args.servers == "shared":
-                    if servers is not None and servers.seed != run.seed:
-                        servers.close()
-                        servers = None
-                    if servers is None:
-                        servers = SharedServers(args.config, args.overrides, work, run.seed, model)
-                    try:
-                        servers.reset()
-                    except Exception as e:  # noqa: BLE001 - a server died or hangs: start them again, once
-                        print(f"{run.name}: server reset failed ({e}); starting the servers again", flush=True)
-                        servers.close()
-                        servers = SharedServers(args.config, args.overrides, work, run.seed, model)
-                        servers.reset()
-                    overrides = [*overrides, servers.override()]
-                ok = execute(run, args.config, overrides, work, servers.api_key if servers else None,
-                             args.run_timeout)
-            except Exception as e:  # noqa: BLE001 - one run's failure is reported, the sweep goes on
-                print(f"{run.name}: {type(e).__name__}: {e}", flush=True)
-                if servers is not None:  # start the seed's servers afresh for the next run
-                    servers.close()
-                    servers = None
-            durations.append(time.perf_counter() - t0)
-            left = (len(todo) - i) * statistics.fmean(durations)
-            eta_clock = (datetime.datetime.now() + datetime.timedelta(seconds=left)).strftime("%H:%M")
-            if ok:
-                r = json.loads(result_path(work, run).read_text())
-                what = (f"EM {r['eval_first']:.3f} -> {r['eval_final']:.3f} (best {r['eval_best']:.3f}), staleness "
-                        f"mean {r['staleness_mean']:.2f} max {r['staleness_max']}, "
-                        f"{r['trained_samples_per_s']:.0f} samples/s")
-            else:
-                failed.append(run.name)
-                what = f"FAILED (log: {work / 'logs' / (run.name + '.log')}); rerun with --resume {work}"
-            print(f"[{i}/{len(todo)}] {run.name}: {what}; {durations[-1]:.0f} s; sweep done in ~{left / 60:.0f} "
-                  f"min (~{eta_clock})", flush=True)
-    finally:
-        if servers is not None:
-            servers.close()
-    wall = time.perf_counter() - t_start
-    print(f"sweep wall time {wall / 60:.1f} min; {len(failed)} failed{': ' + ', '.join(failed) if failed else ''}",
-          flush=True)
-    complete = not failed and len(todo) == len(runs)
-    if complete:
-        write_json_atomic(work / "sweep_wall.json", {"wall_s": wall, "runs": len(runs)})
-    report(runs, work, Path(args.out), args, prov, wall if complete else None)
-    if failed:
-        raise SystemExit(1)
+    sweep.main("staleness", runs, args, lambda runs, work, args: sweep.report(
+        "staleness", "Staleness ablation", runs, work, args, summary(args)))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,12 @@
-"""Benchmark of one PPO trainer step: fused LM-head loss vs materialised logits + torch loss.
+"""Benchmark of one PPO trainer step (proximal recompute + loss + backward + AdamW) on a random-initialised
+model of the given shape: ``fused`` (the fused-linear loss, logits never whole) against ``unfused``
+(materialised logits + the PyTorch reference loss): tokens/s, MFU and peak memory. On CPU it runs the
+``tiny`` shape with a few hundred tokens: a smoke run, not a measurement.
 
     python bench/bench_trainer.py [--shape qwen2-1.5b|qwen2-0.5b|tiny] [--tokens 32768] [--mb-tokens 16384]
                                   [--steps 3] [--no-ckpt] [--results DIR] [--no-results] [--dry-run]
 
-A random-initialised model of the given shape (nothing downloaded), packed batches of about
-``--tokens`` tokens (lengths drawn log-uniformly in [256, 4096], a quarter prompt), one
-``train_batch`` per step (proximal recompute + loss + backward + AdamW). Both variants run in
-the same process on the same model and batches: ``fused`` (areal_fast.ops fused-linear loss and
-log-probs, logits never whole) and ``unfused`` (``hidden @ W^T`` materialised, then the
-pure-PyTorch reference loss). Reports tokens/s, MFU (GPU: model FLOPs per token, 6 N plus
-attention, over the device's dense bf16 peak) and peak memory; rows are appended to
-bench/results/trainer.jsonl with provenance.
-
-On CPU it runs the ``tiny`` shape with a few hundred tokens: a smoke run, not a measurement.
+Rows go to bench/results/trainer.jsonl.
 """
 
 from __future__ import annotations

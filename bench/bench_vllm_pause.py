@@ -1,30 +1,12 @@
-"""What a weight update's pause costs on a real vLLM server, per pause mode.
+"""What a weight update's pause costs on a real vLLM server (by default the CPU build of
+``tests/real_vllm.py``), per pause mode (``abort``, ``keep``, ``keep_in_place``): generation loops run
+through the vLLM rollout client while an updater pauses, reloads the weights from disk and resumes
+every ``--every`` seconds. Per mode: generated tokens/s, seconds per update, tokens computed again
+per update and preemptions (what each mode does and the measured table: docs/vllm.md).
 
     python bench/bench_vllm_pause.py [--python PATH] [--requests 16] [--max-new-tokens 100]
         [--every 0.5] [--seconds 15] [--modes abort,keep,keep_in_place] [--results DIR | --no-results]
 
-One real vLLM server (by default the CPU build of ``tests/real_vllm.py``, installed on first use;
-``--python`` names another vLLM interpreter) on the tiny model of the real-vLLM tests, launched with
-our command line (``backends/vllm/server_command.py``) and the CPU options. ``--requests``
-generation loops (each: one sample of ``--max-new-tokens`` tokens, then the next) run through the
-vLLM rollout client for ``--seconds`` while an updater, every ``--every`` seconds, pauses the server,
-reloads its weights from disk (``collective_rpc reload_weights``, the disk update), labels the new
-version and resumes it. Modes:
-
-- ``abort``: the client's pause (``/pause?mode=abort``, clear_cache default): running requests
-  end and are resubmitted (prompt + output so far) after the client settles and resumes the server;
-- ``keep``: ``/pause?mode=keep`` with vLLM's default ``clear_cache=true``: the kept requests'
-  KV is dropped and recomputed at /resume (vLLM preempts them);
-- ``keep_in_place``: ``/pause?mode=keep&clear_cache=false`` (what ``pause_mode: in_place`` sends):
-  the kept requests go on with their KV.
-
-Per mode: generated tokens per second, the time per update (pause to resume, the reload
-included), and the tokens the engine computed again per update: every token the engine processed
-(``vllm:iteration_tokens_total`` sum, prefill and decode) minus each sample's prompt once and its
-output, i.e. the prefixes of resubmitted or preempted requests computed a second time; and vLLM's
-preemption count. vLLM 0.32's token counters do not count the re-prefill of a preempted request,
-so in ``keep`` mode the recompute shows as preemptions (and in the throughput), not as tokens.
-A warm-up of one round of requests, without updates, runs before the first mode.
 Writes ``<results>/vllm_pause_<date>.{json,md}`` and a row per mode to ``vllm_pause.jsonl``.
 """
 

@@ -1,16 +1,7 @@
 """The chaos benchmark's pure parts (``bench/bench_chaos.py``, ``docs/chaos.md``): the fault schedule,
-the sample accounting of a finished run, the per-fault recovery figures, and the stalling TCP proxy.
-
-Nothing here starts a run; ``tests/bench/test_bench_chaos.py`` checks each part on synthetic records.
-
-Accounting (the run's own records, no sampling): the data loader hands out prompt positions
-0, 1, 2, ... (``Controller.position``); every train event of ``metrics.jsonl`` lists the positions
-of the groups it consumed (``positions``), and the last step always writes a checkpoint whose
-``controller.json`` holds the next position to hand out, the positions still generating
-(``pending``) and the buffered groups. After a resume ``metrics.jsonl`` is cut back to the
-checkpoint's step, so the file is the lineage of the final model. Then every position below the
-final ``position`` must be in exactly one of: trained (once), buffered, pending. A position
-trained twice is *duplicated*; one in none of them is *lost*.
+the sample accounting of a finished run (every prompt position below the final one trained once,
+buffered or pending; see :func:`account`), the per-fault recovery figures, and the stalling TCP
+proxy. Nothing here starts a run; ``tests/bench/test_bench_chaos.py`` checks each part.
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
-"""The benchmark harness every ``bench/`` script uses: timing, provenance and result rows.
-
-* :func:`time_fn` - warm-up, then one timing per call: CUDA events on a GPU (the kernels' time
-  on the stream, not the host's), ``time.perf_counter`` on CPU; returns :class:`Timing` with the
-  median and the 10th / 90th percentiles, and optionally the peak device memory above the start.
-* :func:`provenance` - where and with what a number was measured: date, commit (from git, else
-  ``$AREAL_FAST_COMMIT``, else the installed build's record), device, device count, torch / CUDA /
-  Triton / transformers versions, Python, CPU.
-* :func:`append_rows` - one JSON object per line appended to ``bench/results/<name>.jsonl``:
-  ``{"bench": name, ...the row..., "provenance": {...}}``; results accumulate across runs and
-  machines and are compared by filtering on the provenance.
-* :func:`add_harness_args` - the options every script shares: ``--results DIR``,
-  ``--no-results``, ``--dry-run`` (build the cases and print them without running anything:
-  what the GPU suite's dry run calls on a machine without a GPU) and ``--allow-dirty``.
-* :func:`refuse_dirty` - results written into the repository must come from a committed tree:
-  :func:`append_rows` refuses a ``-dirty`` commit unless ``--allow-dirty`` was given.
-* :func:`proc_children`, :func:`proc_cmdline`, :func:`proc_ppid`, :func:`proc_alive` - a process
-  tree read from Linux ``/proc`` (the chaos bench and the end-to-end tests find and check the
-  processes a run started with them).
-* :func:`server_process` and :func:`serve_until_stopped` - a stand-in server (an aiohttp handler for
-  every path) in a spawned process, for the weight-sync benchmarks' receivers.
-* :func:`device_peaks` - datasheet peaks (HBM GB/s, dense bf16 TFLOP/s) of known devices for
-  rooflines; the same-size copy each script times in the same run is the practical roof.
+"""The benchmark harness every ``bench/`` script uses (docs/benchmarks.md, "The harness"): timing
+(:func:`time_fn`), provenance (:func:`provenance`), result rows (:func:`append_rows`, :func:`save`), the
+shared options (:func:`add_harness_args`) and the refusal of a dirty tree (:func:`refuse_dirty`), a
+process tree read from ``/proc`` (:func:`proc_children` and friends), stand-in servers in a spawned
+process (:func:`server_process`) and datasheet peaks (:func:`device_peaks`).
 """
 
 from __future__ import annotations

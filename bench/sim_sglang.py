@@ -1,39 +1,11 @@
-"""Simulated SGLang servers: many per process, cheap on CPU, with a batching decode-rate model.
+"""Simulated SGLang servers: many per process, cheap on CPU, with a batching decode-rate model. They
+speak the HTTP subset of docs/sglang.md our rollout client uses, with the real JSON shapes (plus
+``/sim_stats``, the cluster's counters). The decode-rate model, the deterministic answers whose
+log-probs encode the version that made each token (:func:`logprob_of`, :func:`check_sample`) and the
+pre-rendered answers (:class:`_Streams`): docs/scale.md, "The simulated server".
 
-Each server is one aiohttp app on its own port; all servers of a :class:`SimCluster` share one
-event loop. They speak the HTTP subset of ``docs/sglang.md`` that our rollout client uses, with the
-real JSON shapes: ``/generate`` (``output_ids``, ``meta_info.output_token_logprobs`` triples,
-``finish_reason``, ``weight_version`` and, from 0.5.19, ``weight_versions`` spans),
-``/pause_generation`` in modes abort / retract / in_place, ``/continue_generation``,
-``/flush_cache``, ``/abort_request`` (by rid prefix), ``/server_info``, ``/model_info``,
-``/health``, and the weight-update endpoints (success; a ``weight_version`` in the body becomes
-the current version). ``/sim_stats`` is ours: the cluster's counters.
-
-Decode-rate model (what a batching GPU server does, event-driven, no per-step tick):
-every running request gets one token per decode step; a step takes, in model seconds,
-``a + b * batch + c * context_tokens_in_batch`` (a: weights read and launch overhead, b: per
-sequence work, c: KV-cache reads). ``tokens_per_token`` (S) model tokens stand behind each token
-a server returns (S decode steps per returned token), so a 32k-token answer can travel as 32k / S
-ids; ``time_scale`` (K) compresses time (wall = model seconds / K). Admission (new, resubmitted
-or retracted requests) costs a prefill of its whole context at ``prefill_tokens_per_s``; at most
-``max_running`` requests decode at once, the rest wait.
-
-Determinism, so a client's stitching can be checked exactly: the answer length of a caller rid
-(its part before the first ``|``) is drawn from a log-normal (median, sigma, cap) seeded by the
-rid; the token at sequence position p is a hash of (rid, p); the last token of a full answer is
-EOS (``finish_reason`` stop); every log-prob encodes the version that made the token and the
-token (:func:`logprob_of`, -k / 2**24: exact through a float32 column up to version 16,775), so
-per-token versions reported through spans can be checked against the weights that really produced
-each token. :func:`check_sample` is that check.
-
-Answers are cheap to render (:class:`_Streams`): the hash makes every rid's ids a window of one
-cycle of vocab - 2 ids, so the cycle's ids and, once per version, its log-prob triples are rendered
-to JSON bytes once; an answer is slices of those (one per version span) joined, a few ns a token
-instead of ~0.45 us. :meth:`SimServer.render_reference` builds the same JSON token by token.
-
-Use: ``SimCluster(n, cfg)`` in-process (``await start()``), or :class:`SimProcess` for a
-child process (the client's CPU is then measured alone); the child binds port 0 itself and
-reports its ports, so no port can be taken between finding and binding.
+Use: ``SimCluster(n, cfg)`` in-process (``await start()``), or :class:`SimProcess` for a child process
+(the client's CPU is then measured alone), which binds port 0 itself and reports its ports.
 """
 
 from __future__ import annotations

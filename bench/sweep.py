@@ -419,7 +419,7 @@ def _server_overrides(run: Run) -> list[str]:
 
 def run_all(runs: list[Run], args, work: Path, after_run=None) -> list[str]:
     """Run the pending runs in order (one server set per seed and serving overrides, reset before each
-    run, started afresh after a failure); ``after_run(run, result)`` may add to a finished run's
+    run, started afresh after a failure); ``after_run(run, result, work)`` may add to a finished run's
     result. Returns the names of the failed runs; appends the invocation to ``invocations.jsonl``."""
     todo = pending(runs, work)
     print(f"sweep: {len(runs)} runs, {len(runs) - len(todo)} already finished, {len(todo)} to run; "
@@ -458,7 +458,7 @@ def run_all(runs: list[Run], args, work: Path, after_run=None) -> list[str]:
                 if ok:
                     res = json.loads(result_path(work, run).read_text())
                     if after_run is not None:
-                        after_run(run, res)
+                        after_run(run, res, work)
                         write_json_atomic(result_path(work, run), res)
             except Exception as e:  # noqa: BLE001 - one run's failure is reported, the sweep goes on
                 print(f"{run.name}: {type(e).__name__}: {e}", flush=True)
@@ -511,10 +511,10 @@ def report(name: str, title: str, runs: list[Run], work: Path, args, summary) ->
     rc = recipe_commit(args.config) if prov.get("commit_from", "git") == "git" else f"commit {prov.get('commit')}"
     res = {"date": stamp, "provenance": prov, "sweep": key, "recipe_commit": rc, "runs_done": len(results),
            "runs_planned": len(runs), "sweep_wall_s": wall_s, "sum_run_wall_s": sum(r["wall_s"] for r in results)}
-    extra, body, rows = summary(results, stamp)
-    res |= {**extra, "runs": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    extra, body, rows = summary(results, stamp)
+    res |= {**extra, "runs": results}
     (out / f"{name}_{stamp}.json").write_text(json.dumps(res, indent=1) + "\n")
     md = (f"# {title}, {stamp} UTC\n\nRecipe `{Path(args.config).name}` at {rc}; {key['steps']} steps x "
           f"{results[0].get('batch_size')} groups x {results[0].get('group_size')} samples per run, eval every "

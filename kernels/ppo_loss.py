@@ -18,7 +18,7 @@ logit and stays NaN; after the loop a NaN lane makes lse, l and H NaN, a +inf ma
 +inf and H NaN (the sums, which saw inf - inf, are not used then).
 
 Compiled for sm_90a (bf16, V = 151,936: BLOCK_V 4096, 8 warps, maxnreg 80; figures from
-``bench/static_sm90.py``, committed in bench/results/static_sm90-triton*.json):
+``tools/static_sm90.py``, committed in bench/results/static_sm90-triton*.json):
 Triton 3.9 (ptxas 13.4) 72 registers, no spill, 13.7 SASS instructions per element in the loop
 (the first version with block-wide reductions: 19.6 and 48 registers); Triton 3.6 (ptxas 12.8)
 72 registers, no spill, 14.7 per element (without maxnreg it stopped at 64 registers and spilled
@@ -68,7 +68,7 @@ def _block_v(V: int) -> int:
 
 def launch_config(V: int, forward: bool) -> dict:
     """The meta-parameters the launchers pass for a vocabulary of ``V`` (one place, so that the
-    ahead-of-time compile in ``bench/static_sm90.py`` checks exactly what runs)."""
+    ahead-of-time compile in ``tools/static_sm90.py`` checks exactly what runs)."""
     block_v = _block_v(V)
     meta = dict(BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4)
     if forward and not interpreter_enabled():

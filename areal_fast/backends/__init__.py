@@ -11,6 +11,6 @@ command), ``keyfile.py`` (the run's key off the command line), ``checks.py`` (wh
 serve, checked at load) and ``releases.py``.
 
 The embedded engine (``areal_fast/embedded/``, a package above this one) imitates them: it is
-SGLang's twin, and with ``--api vllm`` vLLM's (``embedded/vllm_routes.py``). Submodules are not imported here: some need torch, and the config loader imports
-the torch-free version tables.
+SGLang's twin, and with ``--api vllm`` vLLM's (``embedded/vllm_routes.py``). Submodules are not
+imported here: some need torch, and the config loader imports the torch-free version tables.
 """

@@ -17,7 +17,7 @@ Command line (one server per process; shared flags have SGLang's names, and
 
 ``--enable-return-routed-experts`` records the routed experts of every forwarded token of a MoE
 model and returns them to the requests that ask, in SGLang's or vLLM's format
-(``engine/routing_capture.py``, docs/moe.md).
+(``embedded/routing_capture.py``, docs/moe.md).
 
 From Python (``areal_fast.embedded.launch``)::
 

@@ -24,6 +24,7 @@ from areal_fast.workflow import EpisodeEngine
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 MODEL = "areal-fast"
+TOOL_RESULT = "hij"  # characters of the served model's tokenizer (the tiny recipe's: a-j and =)
 
 
 def test_an_sdk_agent_episode_on_real_vllm_records_its_exact_tokens(real_vllm):
@@ -48,7 +49,7 @@ def test_an_sdk_agent_episode_on_real_vllm_records_its_exact_tokens(real_vllm):
                 messages = [{"role": "user", "content": "abc"},
                             {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function",
                              "function": {"name": call.name, "arguments": call.arguments}}]},
-                            {"role": "tool", "tool_call_id": call.call_id, "content": "xyz"}]
+                            {"role": "tool", "tool_call_id": call.call_id, "content": TOOL_RESULT}]
                 r2 = await sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
                 await sdk.close()
             second = await rc.generate(client.calls[1].sample.prompt_ids.tolist(), {**GREEDY, "max_new_tokens": 4},
@@ -60,7 +61,7 @@ def test_an_sdk_agent_episode_on_real_vllm_records_its_exact_tokens(real_vllm):
     assert c1.sample.output_ids.tolist() == direct.output_ids.tolist()
     assert c2.parent == c1.completion_id
     assert c2.sample.prompt_ids.tolist() == (first_prompt + direct.output_ids.tolist() + [tok.eos_token_id]
-                                             + tok.encode("xyz", add_bos=False))
+                                             + tok.encode(TOOL_RESULT, add_bos=False))
     assert c2.sample.output_ids.tolist() == second.output_ids.tolist() and r2.usage.completion_tokens == 4
     hf = load_hf(str(real_vllm.model))
     for c in (c1, c2):

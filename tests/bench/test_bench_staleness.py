@@ -10,6 +10,7 @@ import pytest
 
 from areal_fast.config import load_config
 from bench import bench_staleness as bs
+from bench import sweep as sw
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_reverse.yaml")
 
@@ -31,7 +32,7 @@ def test_every_runs_overrides_resolve_to_its_arm():
     runs = bs.build_runs(bs.build_arms(), bs.SEEDS)
     budgets = set()
     for run in runs:
-        cfg = load_config(RECIPE, [*bs.run_overrides(run, 40, 10, [], batch_size=4),
+        cfg = load_config(RECIPE, [*sw.run_overrides(run, 40, 10, [], batch_size=4),
                                    f"experiment.output_dir=/tmp/unused/{run.name}"])
         assert cfg.rollout.max_staleness == run.arm.eta
         assert cfg.train.ppo.prox_mode == bs.OBJECTIVES[run.arm.objective]
@@ -53,8 +54,8 @@ def test_the_three_objectives_are_the_three_proximal_modes():
 def test_an_arm_cannot_override_what_the_sweep_varies():
     """User overrides come before the arm's keys: `rollout.max_staleness=0` on the command line does
     not turn every arm synchronous."""
-    run = bs.Run(bs.Arm(8, "naive", "rloo"), 2)
-    cfg = load_config(RECIPE, [*bs.run_overrides(run, 5, 5, ["rollout.max_staleness=0", "experiment.seed=9"]),
+    run = sw.Run(bs.Arm(8, "naive", "rloo"), 2)
+    cfg = load_config(RECIPE, [*sw.run_overrides(run, 5, 5, ["rollout.max_staleness=0", "experiment.seed=9"]),
                                "experiment.output_dir=/tmp/unused"])
     assert cfg.rollout.max_staleness == 8 and cfg.experiment.seed == 2 and cfg.train.ppo.prox_mode == "none"
 
@@ -76,9 +77,9 @@ def _metrics(staleness_per_step, evals, samples_per_s=100.0, behav_kl=-0.1):
 
 
 def test_summarise_run_counts_groups_per_staleness():
-    run = bs.Run(bs.Arm(2, "recompute", "grpo"), 1)
+    run = sw.Run(bs.Arm(2, "recompute", "grpo"), 1)
     rows = _metrics([[0, 0], [1, 1], [2, 1], [2, 3]], [(0, 0.3), (2, 0.6), (4, 0.5)])
-    r = bs.summarise_run(run, rows, wall_s=12.0)
+    r = sw.summarise_run(run, rows, wall_s=12.0)
     assert r["staleness_hist"] == {"0": 2, "1": 3, "2": 2, "3": 1}
     assert r["staleness_mean"] == pytest.approx((0 * 2 + 1 * 3 + 2 * 2 + 3) / 8)
     assert r["staleness_max"] == 3
@@ -91,19 +92,19 @@ def test_summarise_run_counts_groups_per_staleness():
 
 
 def test_best_excludes_the_warm_start_evaluation():
-    run = bs.Run(bs.Arm(0, "naive", "rloo"), 3)
-    r = bs.summarise_run(run, _metrics([[0]], [(0, 0.9), (1, 0.2)]), wall_s=1.0)
+    run = sw.Run(bs.Arm(0, "naive", "rloo"), 3)
+    r = sw.summarise_run(run, _metrics([[0]], [(0, 0.9), (1, 0.2)]), wall_s=1.0)
     assert r["eval_best"] == 0.2
 
 
 def test_summarise_run_refuses_an_empty_run():
     with pytest.raises(ValueError, match="eta0_naive_grpo_s1"):
-        bs.summarise_run(bs.Run(bs.Arm(0, "naive", "grpo"), 1), [{"kind": "eval", "step": 0, "eval_reward": 0.1}],
+        sw.summarise_run(sw.Run(bs.Arm(0, "naive", "grpo"), 1), [{"kind": "eval", "step": 0, "eval_reward": 0.1}],
                          wall_s=1.0)
 
 
 def _result(eta, obj, adv, seed, final, best, hist, curve, sps=50.0):
-    run = bs.Run(bs.Arm(eta, obj, adv), seed)
+    run = sw.Run(bs.Arm(eta, obj, adv), seed)
     return {"run": run.name, "arm": run.arm.name, "eta": eta, "objective": obj, "advantage": adv, "seed": seed,
             "eval_first": 0.3, "eval_final": final, "eval_best": best, "eval_curve": curve,
             "trained_samples_per_s": sps, "staleness_hist": {str(k): v for k, v in hist.items()}, "wall_s": 10.0}
@@ -143,15 +144,15 @@ def test_aggregate_means_spreads_and_pools_histograms():
 
 
 def test_work_dir_refuses_a_changed_sweep_and_a_silent_rerun(tmp_path):
-    key = bs.sweep_key(RECIPE, 40, 10, [])
-    bs.open_work_dir(tmp_path / "w", key, resume=False)
+    key = sw.sweep_key(RECIPE, 40, 10, [])
+    sw.open_work_dir(tmp_path / "w", key, resume=False)
     with pytest.raises(SystemExit, match="--resume"):
-        bs.open_work_dir(tmp_path / "w", key, resume=False)
+        sw.open_work_dir(tmp_path / "w", key, resume=False)
     with pytest.raises(SystemExit, match="steps"):
-        bs.open_work_dir(tmp_path / "w", bs.sweep_key(RECIPE, 41, 10, []), resume=True)
-    bs.open_work_dir(tmp_path / "w", key, resume=True)  # the same settings: fine
+        sw.open_work_dir(tmp_path / "w", sw.sweep_key(RECIPE, 41, 10, []), resume=True)
+    sw.open_work_dir(tmp_path / "w", key, resume=True)  # the same settings: fine
     with pytest.raises(SystemExit, match="no sweep"):
-        bs.open_work_dir(tmp_path / "other", key, resume=True)
+        sw.open_work_dir(tmp_path / "other", key, resume=True)
 
 
 def test_resume_skips_finished_runs(tmp_path, monkeypatch):
@@ -167,16 +168,16 @@ def test_resume_skips_finished_runs(tmp_path, monkeypatch):
             crashed.add(run.name)
             return False  # this one crashes the first time: no result file
         rows = _metrics([[min(run.arm.eta, k) for _ in range(2)] for k in range(3)], [(0, 0.3), (3, 0.4)])
-        bs.write_json_atomic(bs.result_path(work_dir, run), bs.summarise_run(run, rows, 1.0))
+        sw.write_json_atomic(sw.result_path(work_dir, run), sw.summarise_run(run, rows, 1.0))
         return True
 
-    monkeypatch.setattr(bs, "execute", fake_execute)
-    monkeypatch.setattr(bs, "build_warm_starts", lambda config, overrides, work, seeds: {s: tmp_path for s in seeds})
-    monkeypatch.setattr(bs, "_preload", lambda: None)
+    monkeypatch.setattr(sw, "execute", fake_execute)
+    monkeypatch.setattr(sw, "build_warm_starts", lambda config, overrides, work, seeds: {s: tmp_path for s in seeds})
+    monkeypatch.setattr(sw, "_preload", lambda: None)
     with pytest.raises(SystemExit):  # one run failed: the sweep says so with a non-zero exit
         bs.main([*argv, "--work", str(work)])
     assert executed == ["eta0_naive_grpo_s1", "eta4_naive_grpo_s1", "eta0_naive_grpo_s2", "eta4_naive_grpo_s2"]
-    assert [r.name for r in bs.pending(bs.build_runs(bs.build_arms([0, 4], ["naive"], ["grpo"]), [1, 2]), work)] \
+    assert [r.name for r in sw.pending(bs.build_runs(bs.build_arms([0, 4], ["naive"], ["grpo"]), [1, 2]), work)] \
         == ["eta4_naive_grpo_s1"]
     executed.clear()
     bs.main([*argv, "--resume", str(work)])
@@ -190,7 +191,7 @@ def test_resume_skips_finished_runs(tmp_path, monkeypatch):
 
 
 def test_dry_run_lists_every_run_and_runs_nothing(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(bs, "execute", lambda *a, **k: pytest.fail("a dry run executed a run"))
+    monkeypatch.setattr(sw, "execute", lambda *a, **k: pytest.fail("a dry run executed a run"))
     bs.main(["--dry-run", "--work", str(tmp_path / "w")])
     out = capsys.readouterr().out
     assert "108 cases" in out and "eta16_naive_rloo_s3" in out and "train.ppo.prox_mode=approx" in out
@@ -200,21 +201,21 @@ def test_dry_run_lists_every_run_and_runs_nothing(tmp_path, capsys, monkeypatch)
 def test_execute_counts_a_run_without_result_as_failed(tmp_path, monkeypatch):
     """The child is a real forked process: a run that ends without writing its result failed, one that
     wrote it succeeded, and one that crashed does not take the sweep down."""
-    run = bs.Run(bs.Arm(1, "recompute", "grpo"), 1)
+    run = sw.Run(bs.Arm(1, "recompute", "grpo"), 1)
 
     def writes(run, config, overrides, work, api_key):
-        bs.write_json_atomic(bs.result_path(work, run), {"run": run.name})
+        sw.write_json_atomic(sw.result_path(work, run), {"run": run.name})
 
     def crashes(run, config, overrides, work, api_key):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(bs, "_child", lambda *a: None)
-    assert bs.execute(run, RECIPE, [], tmp_path) is False
-    monkeypatch.setattr(bs, "_child", crashes)
-    assert bs.execute(run, RECIPE, [], tmp_path) is False
-    monkeypatch.setattr(bs, "_child", writes)
-    assert bs.execute(run, RECIPE, [], tmp_path) is True
-    assert json.loads(bs.result_path(tmp_path, run).read_text()) == {"run": run.name}
+    monkeypatch.setattr(sw, "_child", lambda *a: None)
+    assert sw.execute(run, RECIPE, [], tmp_path) is False
+    monkeypatch.setattr(sw, "_child", crashes)
+    assert sw.execute(run, RECIPE, [], tmp_path) is False
+    monkeypatch.setattr(sw, "_child", writes)
+    assert sw.execute(run, RECIPE, [], tmp_path) is True
+    assert json.loads(sw.result_path(tmp_path, run).read_text()) == {"run": run.name}
 
 
 @pytest.mark.slow
@@ -238,7 +239,7 @@ def test_a_reset_shared_server_is_back_to_the_warm_start(tmp_path):
         return path
 
     warm, other = tiny(tmp_path / "warm", 1), tiny(tmp_path / "other", 2)
-    servers = bs.SharedServers(RECIPE, [], tmp_path / "work", 1, warm)
+    servers = sw.SharedServers(RECIPE, [], tmp_path / "work", 1, warm)
     try:
         url = servers.urls[0]
 
@@ -267,7 +268,7 @@ def test_a_reset_shared_server_is_back_to_the_warm_start(tmp_path):
 def test_the_hard_preset_dry_run_lists_the_issue_27_sweep(tmp_path, capsys, monkeypatch):
     """--preset hard: 6 etas x 6 objectives x 5 seeds (GRPO) with 4 minibatches, the weak warm start
     and the low learning rate; each option arm's overrides load into the loss option it names; nothing runs."""
-    monkeypatch.setattr(bs, "execute", lambda *a, **k: pytest.fail("a dry run executed a run"))
+    monkeypatch.setattr(sw, "execute", lambda *a, **k: pytest.fail("a dry run executed a run"))
     bs.main(["--preset", "hard", "--dry-run", "--work", str(tmp_path / "w")])
     out = capsys.readouterr().out
     assert "180 cases" in out and "eta16_m2po_grpo_s5" in out and "train.ppo.ppo_n_minibatches=4" in out
@@ -277,7 +278,7 @@ def test_the_hard_preset_dry_run_lists_the_issue_27_sweep(tmp_path, capsys, monk
     assert len(runs) == len(set(runs)) == 180
     seen = {}
     for run in runs[60:84]:  # the options at eta 16, then 8 (the first 60 are naive vs decoupled)
-        cfg = load_config(RECIPE, [*bs.run_overrides(run, args.steps, args.eval_every, args.overrides, args.batch_size),
+        cfg = load_config(RECIPE, [*sw.run_overrides(run, args.steps, args.eval_every, args.overrides, args.batch_size),
                                    "experiment.output_dir=/tmp/unused"])
         assert cfg.train.ppo.ppo_n_minibatches == 4 and cfg.experiment.total_steps == 200
         assert cfg.train.batch_size == 8 and cfg.train.optim.lr == 5e-5 and cfg.model.warm_start.steps == 120
@@ -333,15 +334,15 @@ def test_mean_em_over_the_run_and_the_paired_contrast():
     """The area under the curve leaves out the warm start's evaluation; decoupled minus naive is paired
     by seed, per eta, with a t interval."""
     r = _result(4, "recompute", "grpo", 1, 0.6, 0.6, {4: 1}, [[0, 0.9], [10, 0.2], [20, 0.6]])
-    assert bs.eval_mean(r) == pytest.approx(0.4)
+    assert sw.eval_mean(r) == pytest.approx(0.4)
     res = [_result(4, o, "grpo", s, f, f, {4: 1}, [[0, 0.2], [10, f]])
            for o, s, f in (("recompute", 1, 0.5), ("recompute", 2, 0.7), ("recompute", 3, 0.6),
                            ("naive", 1, 0.4), ("naive", 2, 0.5), ("naive", 3, 0.6))]
     res.append(_result(0, "naive", "grpo", 1, 0.3, 0.3, {0: 1}, [[0, 0.2], [10, 0.3]]))  # no decoupled twin
-    (row,) = bs.contrast(res)
+    (row,) = sw.contrast(res)
     assert row["eta"] == 4 and row["seeds"] == [1, 2, 3]
     assert row["eval_final_diff_mean"] == pytest.approx(0.1)  # +0.1, +0.2, 0.0
-    assert row["eval_final_diff_ci95"] == pytest.approx(bs.ci95_halfwidth([0.1, 0.2, 0.0]))
+    assert row["eval_final_diff_ci95"] == pytest.approx(sw.ci95_halfwidth([0.1, 0.2, 0.0]))
     assert row["eval_mean_diff_mean"] == pytest.approx(0.1)
     table = bs.contrast_table([row])
     assert table.count("\n") == 3 and "+0.100 ± 0.100" in table
@@ -358,7 +359,7 @@ def test_the_pooled_contrast_averages_each_seed_over_the_stale_etas_first():
     for (eta, s), d in diffs.items():
         res += [_result(eta, "recompute", "grpo", s, 0.4 + d, 0.4 + d, {eta: 1}, [[0, 0.2], [10, 0.4 + d]]),
                 _result(eta, "naive", "grpo", s, 0.4, 0.4, {eta: 1}, [[0, 0.2], [10, 0.4]])]
-    rows = bs.contrast(res)
+    rows = sw.contrast(res)
     assert [r["eta"] for r in rows] == [0, 4, 16, "pooled"]
     pooled = rows[-1]
     assert pooled["etas"] == [4, 16] and pooled["seeds"] == [1, 2]
@@ -367,7 +368,7 @@ def test_the_pooled_contrast_averages_each_seed_over_the_stale_etas_first():
     assert pooled["eval_mean_diff_mean"] == pytest.approx(0.2)
     assert "| mean over 4/16 | grpo | 2 |" in bs.contrast_table(rows)
     # one stale eta: nothing to pool
-    assert [r["eta"] for r in bs.contrast([r for r in res if r["eta"] != 16])] == [0, 4]
+    assert [r["eta"] for r in sw.contrast([r for r in res if r["eta"] != 16])] == [0, 4]
 
 def test_the_plot_takes_six_objectives(tmp_path):
     pytest.importorskip("matplotlib")
@@ -381,6 +382,6 @@ def test_the_plot_takes_six_objectives(tmp_path):
 
 
 def test_paired_confidence_interval():
-    assert bs.ci95_halfwidth([0.1]) is None
+    assert sw.ci95_halfwidth([0.1]) is None
     # differences 0.1, 0.2, 0.3: sd 0.1, t(2) = 4.303
-    assert bs.ci95_halfwidth([0.1, 0.2, 0.3]) == pytest.approx(4.303 * 0.1 / 3 ** 0.5)
+    assert sw.ci95_halfwidth([0.1, 0.2, 0.3]) == pytest.approx(4.303 * 0.1 / 3 ** 0.5)

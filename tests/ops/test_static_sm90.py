@@ -1,4 +1,4 @@
-"""The static sm_90a proof (bench/static_sm90.py): its SASS/ptxas readers, a run of it, and the
+"""The static sm_90a proof (tools/static_sm90.py): its SASS/ptxas readers, a run of it, and the
 committed results.
 
 A spill inside a loop of any kernel fails: the script exits 1 and the committed results must be
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "static_sm90.py"
+SCRIPT = ROOT / "tools" / "static_sm90.py"
 RESULTS = sorted((ROOT / "bench" / "results").glob("static_sm90*.json"))
 
 

@@ -7,6 +7,15 @@ and compares the figures: a document that quotes a number no result file holds, 
 the newest measurement of its kind, fails with the text it should say. A new measurement (a newer row)
 makes the docs fail until they say the new figure. ``docs/benchmarks.md``'s table is checked against
 ``bench/`` the same way: every benchmark listed, nothing listed that does not exist.
+
+What counts as a figure: a number the project measured (a speedup, a rate, a time, an exact-match
+score, a k3, a byte count or share that a run produced, a count of what a run did). Not figures:
+settings and defaults, fixed deadlines and limits in the code, protocol constants, version numbers,
+model sizes a config chooses, arithmetic from shapes, someone else's numbers (datasheets, papers,
+other projects' defaults). So that no figure slips in unchecked, every line of the docs with a number
+followed by a unit (``FIGURE``: x, s, ms, %, tokens/s, GB/s, MB, k, M, ...) is spanned by a FIGURES
+entry or listed, with its reason, in ``docs_numbers_exempt.txt``; that file's last section is the
+backlog of measured figures whose check is still to be written.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal, localcontext
 from pathlib import Path
 
 import pytest
@@ -42,8 +52,13 @@ def note(name: str, prefix: str) -> dict:
     return found[-1]
 
 
+def half_up(x: float) -> int:
+    """x rounded to an integer, halves away from zero (4,548.5 -> 4,549), as the docs round."""
+    return int(Decimal(repr(x)).quantize(Decimal(1), rounding=ROUND_HALF_UP))
+
+
 def thousands(x: float) -> str:
-    return f"{round(x):,}"
+    return f"{half_up(x):,}"
 
 
 def e2e_speedup() -> tuple[str, ...]:
@@ -110,6 +125,225 @@ def suite_sentence() -> str:
     return f"{thousands(r['tests_s'])} s of tests{total} ({counts}; {when}){quick}"
 
 
+def sci(x: float) -> str:
+    """1.7e-4 as the docs write it (one decimal, no padded exponent)."""
+    m, e = f"{x:.1e}".split("e")
+    return f"{m}e{int(e)}"
+
+
+def ci(mean: float, half: float, digits: int = 3) -> tuple[str, ...]:
+    """A mean and its interval [mean - half, mean + half]."""
+    return tuple(f"{v:.{digits}f}" for v in (mean, mean - half, mean + half))
+
+
+def vllm_pause(mode: str) -> Callable[[], tuple[str, ...]]:
+    """docs/vllm.md's pause table: tokens/s, median update time, recomputed tokens, preemptions."""
+    def figures():
+        r = newest("vllm_pause.jsonl", mode=mode)
+        out = [thousands(r["tokens_per_s"]), f"{r['update_s_median']:.3f}"]
+        if mode == "abort":
+            out.append(thousands(r["recomputed_tokens_per_update"]))
+        if mode == "keep":
+            out.append(f"{r['preemptions_per_update']:.1f}")
+        return tuple(out)
+    return figures
+
+
+def lora_update(part: str, model: str, rank: int) -> Callable[[], tuple[str, ...]]:
+    """docs/lora.md's one-update table: whole and adapter bytes and times, and their ratios."""
+    def figures():
+        r = newest("lora_sync.jsonl", part=part, model=model, rank=rank)
+        base = newest("lora_sync.jsonl", part="tiny", model=model, rank=rank)  # the bytes (same files)
+        t = (lambda s: f"{s:.2f}") if r["full_update_s"] >= 1 else (lambda s: f"{half_up(1000 * s)}")
+        ratio = (lambda x: f"{x:.1f}" if x < 10 else f"{round(x)}")
+        b, a = base["full_bytes"], base["adapter_bytes"]
+        size = (lambda n: f"{n / 1e3:.0f}" if n < 1e6 else f"{n / 1e6:.3g}")
+        return (size(b), t(r["full_update_s"]), size(a), f"{half_up(1000 * r['adapter_update_s'])}",
+                ratio(base["bytes_ratio"]), ratio(r["time_ratio"]))
+    return figures
+
+
+def lora_7b(rank: int) -> Callable[[], tuple[str, ...]]:
+    def figures():
+        r = newest("lora_sync.jsonl", part="7b", rank=rank)
+        mb = r["adapter_bytes"] / 1e6
+        size = f"{mb:.1f}" if mb < 100 else f"{mb:.4g}" if mb < 200 else f"{mb:.0f}"
+        return (f"{r['adapter_params'] / 1e6:.3g}", size,
+                f"{r['adapter_write_s']:.2f}", f"{r['full_bytes'] / 1e9:.1f}", f"{r['full_write_s_est']:.1f}",
+                f"{round(r['bytes_ratio'])}")
+    return figures
+
+
+def lora_memory(model: str, rank: int | None) -> Callable[[], tuple[str, ...]]:
+    """docs/lora.md's trainer-memory table: trainable params, params, grads, AdamW, total."""
+    def figures():
+        r = [x for x in rows("lora_sync.jsonl") if x.get("part") == "memory" and x.get("lora_rank") == rank
+             and x["model"].startswith(model)][-1]
+        n = r["trainable_params"]
+        count = f"{n / 1e9:.2f}" if n >= 1e9 else f"{n / 1e6:.3g}" if n >= 1e6 else f"{n / 1e6:.2f}"
+        if model.startswith("Qwen"):
+            gb = [r[k] / 1e9 for k in ("param_bytes", "grad_bytes", "adam_bytes", "total_bytes")]
+            return (count, *(f"{g:.1f}" if g >= 10 or i in (0, 3) else f"{g:.2f}" for i, g in enumerate(gb)))
+        mb = [r[k] / 1e6 for k in ("param_bytes", "grad_bytes", "adam_bytes", "total_bytes")]
+        return (count, *(f"{m:.0f}" if m >= 100 else f"{m:.1f}" for m in mb))
+    return figures
+
+
+def mismatch_row(engine: str, dtype: str, temperature: float, shape: str) -> Callable[[], tuple[str, ...]]:
+    """docs/mismatch.md's first table: tokens, k1, k3, w p99, w max, shares outside, per-sequence |sum log w|."""
+    def figures():
+        r = newest("mismatch.jsonl", engine=engine, dtype=dtype, temperature=temperature, shape=shape)
+        share = (lambda x: "0" if x == 0 else f"{100 * x:.2g}")
+        return (str(r["tokens"]), sci(r["mismatch_k1"]), sci(r["mismatch_k3"]), f"{r['mismatch_ratio_p99']:.2f}",
+                f"{r['mismatch_ratio_max']:.2f}", share(r["outside_0.5_2.0"]), share(r["outside_0.8_1.25"]),
+                f"{r['seq_abs_log_w_mean']:.3f}", f"{r['seq_abs_log_w_p90']:.3f}")
+    return figures
+
+
+def mismatch_arm(arm: str) -> Callable[[], tuple[str, ...]]:
+    """docs/mismatch.md's ablation table: final EM and mean EM over the run with their 95 % intervals, k3."""
+    def figures():
+        r = newest("mismatch_ablation.jsonl", arm=arm)
+        return (*ci(r["eval_final_mean"], r["eval_final_ci95"]), *ci(r["eval_mean_mean"], r["eval_mean_ci95"]),
+                sci(r["mismatch_k3_mean"]))
+    return figures
+
+
+STALENESS_SWEEP = "2026-11-23T18:13"  # the 108-run sweep docs/staleness_ablation.md reports (its first table)
+
+
+def staleness_arm(eta: int, objective: str, advantage: str) -> Callable[[], tuple[str, ...]]:
+    """A row of docs/staleness_ablation.md's sweep table: final EM, final - sync, best EM (mean ± spread over
+    the seeds), trained samples/s, staleness mean / max, the share of groups at the bound."""
+    def figures():
+        r = [x for x in rows("staleness.jsonl") if x["arm"] == f"eta{eta}_{objective}_{advantage}"
+             and x["provenance"]["date"].startswith(STALENESS_SWEEP)][-1]
+        return (f"{r['eval_final_mean']:.3f}", f"{r['eval_final_spread']:.3f}", f"{r['eval_final_vs_sync_mean']:+.3f}",
+                f"{r['eval_final_vs_sync_spread']:.3f}", f"{r['eval_best_mean']:.3f}", f"{r['eval_best_spread']:.3f}",
+                thousands(r["trained_samples_per_s_mean"]), f"{r['staleness_mean']:.2f}", str(r["staleness_max"]),
+                f"{half_up(100 * r['staleness_at_bound_fraction_mean'])}")
+    return figures
+
+
+def pause_arm(setup: str, arm: str) -> Callable[[], tuple[str, ...]]:
+    """A row of docs/pause_modes.md's tables (the newest measurement of the setup and pause mode): requests
+    running at an update, recomputed prefill (M tokens, GPU s), GPU s without overlap, share of generation
+    capacity lost, step (s), samples/s, speedup over sync; "sync" gives the synchronous arm's step and rate."""
+    def figures():
+        r = [x for x in rows("async_speedup_pause_mode_summary.jsonl") if x["setup"] == setup
+             and (arm == "sync" or x["pause_arm"] == arm) and not x.get("note")][-1]
+        if arm == "sync":
+            return f"{r['sync_step_s']:.1f}", f"{r['sync_samples_per_s']:.1f}"
+        run = [thousands(r["running_per_update"])]
+        rate = [f"{r['async_step_s']:.1f}", f"{r['async_samples_per_s']:.1f}", f"{r['speedup']:.2f}"]
+        lost = f"{100 * r['lost_fraction_of_generation']:.1f}"
+        if arm in ("abort", "retract"):
+            return (*run, f"{r['recomputed_prefill_tokens_per_update'] / 1e6:.1f}",
+                    thousands(r["recomputed_prefill_gpu_s_per_update"]), lost, *rate)
+        if arm == "in_place":
+            return (*run, thousands(r["no_overlap_gpu_s_per_update"]), lost, *rate)
+        return (*run, *rate)
+    return figures
+
+
+def pause_cpu(mode: str) -> Callable[[], tuple[str, ...]]:
+    """docs/pause_modes.md's CPU quality table: final EM mean ± std, EM over the run, staleness, KL, samples/s."""
+    def figures():
+        r = newest("pause_mode_cpu.jsonl", pause_mode=mode)
+        return (f"{r['em_final_mean']:.3f}", f"{r['em_final_std']:.3f}", f"{r['em_over_run_mean']:.3f}",
+                f"{r['staleness_mean']:.2f}", f"{r['behav_kl_mean']:.5f}", f"{r['trained_samples_per_s']:.1f}")
+    return figures
+
+
+def delta_gloo(delta: str) -> Callable[[], tuple[str, ...]]:
+    """docs/weight_sync.md's loopback table: bytes per update (MB; and the share of whole) and seconds."""
+    def figures():
+        r = newest("delta.jsonl", part="gloo", delta=delta)
+        share = () if delta == "off" else (f"{100 * r['sent_over_whole']:.1f}",)
+        return (f"{r['bytes_sent'] / 1e6:.1f}", *share, f"{r['update_s_median']:.2f}")
+    return figures
+
+
+def delta_sim(model: str, changed: float) -> Callable[[], tuple[str, ...]]:
+    """docs/weight_sync.md's simulated table: bytes whole / delta (GB), sync s whole / delta / mean, speedup."""
+    def figures():
+        r = newest("delta.jsonl", part="sim", model=model, changed_frac=changed)
+        gb = (lambda b: f"{b / 1e9:.1f}" if b >= 1e10 else f"{b / 1e9:.2f}")
+        return (f"{100 * changed:.3g}", gb(r["bytes_whole"]), gb(r["bytes_delta"]),
+                f"{r['sync_s_whole']:.2f}", f"{r['sync_s_delta']:.2f}", f"{r['sync_s_delta_mean']:.2f}",
+                f"{r['speedup']:.2f}")
+    return figures
+
+
+def vllm_pause_costs() -> tuple[str, ...]:
+    """docs/vllm.md's reading of its pause table: abort's and keep's throughput cost against keep in place (%),
+    and abort's segments a sample."""
+    tok = {m: newest("vllm_pause.jsonl", mode=m)["tokens_per_s"] for m in ("abort", "keep", "keep_in_place")}
+    cost = (lambda m: f"{half_up(100 * (1 - tok[m] / tok['keep_in_place']))}")
+    return cost("abort"), f"{newest('vllm_pause.jsonl', mode='abort')['segments_per_sample']:.2f}", cost("keep")
+
+
+def chaos_row(stamp: str, phase: str, fault: str, label: str = "", results: bool = False) -> Callable[[], tuple[str]]:
+    """A row of docs/chaos.md's fault tables, from ``chaos_<stamp>.json``, up to the dip: pool before / min
+    after, recovery s, pool back s, steps delayed, baseline and window samples/s, dip ("-": never)."""
+    def figures():
+        data = json.loads((RESULTS / f"chaos_{stamp}.json").read_text())
+        [ph] = [x for x in data["phases"] if x["phase"] == phase]
+        [f] = [x for x in ph["faults"] if x["fault"] == fault]
+        opt = (lambda v: "-" if v is None else f"{v:.1f}")
+        cells = [label or fault, f"`chaos_{stamp}`" if results else str(f["step_seen"]),
+                 f"{f['pool_before']} / {f['pool_min_after']}", opt(f["recovery_s"]), opt(f["pool_back_s"]),
+                 str(f["steps_delayed"]), f"{f['baseline_samples_per_s']:.1f}", f"{f['window_samples_per_s']:.1f}",
+                 f"{half_up(100 * f['dip'])}%"]
+        return ("| " + " | ".join(cells) + " |",)
+    return figures
+
+
+def replay_engine(stamp: str, seed: int) -> Callable[[], tuple[str, ...]]:
+    """A seed of ``routing_replay_engine_<stamp>.md`` (the bench's log lines), as docs/moe.md's table writes it:
+    routings that differ (%), k3, k1, max |log w| and IcePop's masked share (%), each without -> with replay."""
+    def figures():
+        text = (RESULTS / f"routing_replay_engine_{stamp}.md").read_text()
+        m = re.search(rf"^seed {seed}: \d+ tokens \| routings differing ([\d.]+) % \| k3 (\S+) -> (\S+) \| "
+                      r"k1 (\S+) -> (\S+) \| max \|log w\| (\S+) -> (\S+) \| IcePop masks (\S+) % -> (\S+) %$",
+                      text, flags=re.M)
+        assert m, f"bench/results/routing_replay_engine_{stamp}.md has no line for seed {seed}"
+        g = m.groups()
+
+        def fmt(x: str, spec: str) -> str:  # the log's figures are rounded already: round them on halves up
+            with localcontext() as ctx:
+                ctx.rounding = ROUND_HALF_UP
+                return format(Decimal(x), spec)
+
+        pct = (lambda x: "0" if float(x) == 0 else fmt(x, ".2f"))
+        return (pct(g[0]), fmt(g[1], ".2e"), fmt(g[2], ".2e"), fmt(g[3], "+.1e"), fmt(g[4], "+.1e"), fmt(g[5], ".3f"),
+                fmt(g[6], ".3f"), pct(g[7]), pct(g[8]))
+    return figures
+
+
+def replay_k3_ratios() -> tuple[str, ...]:
+    """docs/moe.md's k3 without / with replay per seed at temperature 1 and at 0.6 (the logs' last line)."""
+    out = []
+    for stamp in ("20261128_1000", "20261128_1103_t0.6"):
+        text = (RESULTS / f"routing_replay_engine_{stamp}.md").read_text()
+        m = re.search(r"^k3 without / with replay \(same samples\): (.+)$", text, flags=re.M)
+        assert m, f"bench/results/routing_replay_engine_{stamp}.md has no k3 ratio line"
+        out += [f"{x:.1f}" if x < 10 else f"{half_up(x)}" for x in map(float, m.group(1).split(", "))]
+    return tuple(out)
+
+
+def replay_loop() -> tuple[str, ...]:
+    """docs/moe.md's loop runs: k3 (step mean) per seed without and with replay on the recipe's strings and on
+    the longer ones; the range of routings that differ (%); the trainer's step and recompute times (s)."""
+    r = rows("routing_replay_loop.jsonl")
+    k3 = [sci(newest("routing_replay_loop.jsonl", task=t, replay=rp, seed=s)["mismatch_k3"])
+          for t in ("recipe", "long") for rp in (False, True) for s in (1, 2, 3)]
+    differ = [100 * x["routing_differ_fraction"] for x in r]
+    step, rec = [x["step_time_s"] for x in r], [x["recompute_time_s"] for x in r]
+    return (*k3, f"{min(differ):.2f}", f"{max(differ):.2f}", f"{min(step):.2f}", f"{max(step):.2f}",
+            f"{min(rec):.2f}", f"{max(rec):.2f}")
+
+
 @dataclass(frozen=True)
 class Figure:
     doc: str
@@ -117,6 +351,7 @@ class Figure:
     source: str  # the result file under bench/results/
     figures: Callable[[], tuple[str, ...]]
     whole: bool = False  # the one "{}" is a whole phrase, there word for word (not numbers in a pattern)
+    after: str = ""  # where the same text stands twice: only its first occurrence after this text is checked
 
 
 FIGURES = [
@@ -148,7 +383,89 @@ FIGURES = [
            client_rate("client rate at 256 servers: simulator without a decode-rate")),
     *(Figure("docs/scale.md", f"| {n:,} | {{}} | {{}} | {{}}x |", "answer_parse.jsonl", answer_parse(n))
       for n in (100, 1000, 4000, 32000)),
+    Figure("docs/vllm.md", "| abort (client pause, settle, resume) | {} | {} s | {} (resubmitted prefixes) | 0 |",
+           "vllm_pause.jsonl", vllm_pause("abort")),
+    Figure("docs/vllm.md", "| keep, `clear_cache` default (true) | {} | {} s | not in vLLM's counters | {} |",
+           "vllm_pause.jsonl", vllm_pause("keep")),
+    Figure("docs/vllm.md", "| keep, `clear_cache=false` (`in_place`) | {} | {} s | 0 | 0 |", "vllm_pause.jsonl",
+           vllm_pause("keep_in_place")),
+    Figure("docs/vllm.md", "Abort costs {} % of throughput here against keeping in place: the aborted requests' "
+           "prefixes (prompt + output so far) are prefilled again after every update, and {} segments a sample are "
+           "sent. Keep with vLLM's default clear_cache preempts nearly every running request: {} % here",
+           "vllm_pause.jsonl", vllm_pause_costs),
+    *(Figure("docs/lora.md", f"| {label} | {server} | {rank} | {{}} MB | {{}} {whole_time} | {{}} {adapter} | {{}} ms "
+             "| {}x | {}x |", "lora_sync.jsonl", lora_update(part, model, rank))
+      for label, model, adapter in (("tiny recipe", "tiny recipe", "KB"), ("small (55 M)", "small", "MB"))
+      for part, server in (("tiny", "embedded engine"), ("vllm", "real vLLM 0.32 CPU"))
+      for rank in (8, 32)
+      for whole_time in ["s" if (model, part) == ("small", "vllm") else "ms"]),
+    *(Figure("docs/lora.md", f"| {rank} | {{}} M | {{}} MB | {{}} s | {{}} GB | {{}} s | {{}}x |", "lora_sync.jsonl",
+             lora_7b(rank)) for rank in (8, 32, 128)),
+    *(Figure("docs/lora.md", f"| small (55 M), measured | {rank or 'none'} | {{}} M | {{}} MB | {{}} MB | {{}} MB | "
+             "{} MB |", "lora_sync.jsonl", lora_memory("5", rank)) for rank in (None, 8, 32)),
+    *(Figure("docs/lora.md", f"| Qwen2.5-7B shapes, computed | {rank or 'none'} | {{}} {'B' if rank is None else 'M'}"
+             " | {} GB | {} GB | {} GB | {} GB |", "lora_sync.jsonl", lora_memory("Qwen", rank))
+      for rank in (None, 8, 32, 128)),
+    *(Figure("docs/mismatch.md", f"| {label} | bf16 | {t} | {shape} | {{}} | {{}} | {{}} | {{}} | {{}} | {{}}"
+             f"{' %' if pct1 else ''} | {{}}{' %' if pct2 else ''} | {{}} / {{}} |", "mismatch.jsonl",
+             mismatch_row(engine, "bfloat16", t, shape))
+      for label, engine, t, shape, pct1, pct2 in (
+          ("embedded", "embedded", 1.0, "long", False, True), ("embedded", "embedded", 0.6, "long", False, True),
+          ("vLLM 0.32", "vllm", 1.0, "long", False, True), ("vLLM 0.32", "vllm", 0.6, "long", True, True),
+          ("vLLM 0.32", "vllm", 1.0, "task", False, False))),
+    *(Figure("docs/mismatch.md", f"| {eta} | {label} | {serving} | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] | {{}}",
+             "mismatch_ablation.jsonl", mismatch_arm(f"eta{eta}_{arm}{'_fp32' if serving == 'fp32' else ''}"))
+      for eta in (0, 4)
+      for label, arm, serving in (("none", "none", "bf16"), ("TIS C = 2", "tis", "bf16"),
+                                  ("IcePop [0.5, 2]", "icepop", "bf16"), ("sequence MIS [0.5, 2]", "seq_mis", "bf16"),
+                                  ("M2PO tau = 0.04", "m2po", "bf16"), ("none", "none", "fp32"),
+                                  ("sequence MIS [0.5, 2]", "seq_mis", "fp32"))),
+    *(Figure("docs/staleness_ablation.md", f"| {eta} | {objective} | {adv} | {{}} ± {{}} | {{}} ± {{}} | {{}} ± {{}} | "
+             "{} | {} / {} | {}% |", "staleness.jsonl", staleness_arm(eta, objective, adv))
+      for adv in ("grpo", "rloo") for objective in ("recompute", "loglinear", "naive") for eta in (0, 1, 2, 4, 8, 16)),
+    *(Figure("docs/pause_modes.md", text, "async_speedup_pause_mode_summary.jsonl", pause_arm(setup, arm), after=head)
+      for setup, head, arms in (("1.5B, 16 nodes x 8 GPUs", "**1.5B, 128 GPUs", ("abort", "retract")),
+                                ("7B, 24 nodes x 8 GPUs", "**7B, 192 GPUs", ("retract",)))
+      for arm, text in (("sync", "| sync (eta 0) | 0 | 0 | 0 | 0 | 0 | {} | {} | 1 |"),
+                        *((a, f"| `{a}` | {{}} | {{}}M tokens | {{}} | 0 | {{}} % | {{}} | {{}} | {{}}x |")
+                          for a in arms),
+                        ("in_place", "| `in_place` (+10 % decode) | {} | 0 | 0 | {} | {} % | {} | {} | {}x |"),
+                        ("in_place_ideal", "| `in_place_ideal` | {} | 0 | 0 | 0 | 0 | {} | {} | **{}x** |"))),
+    *(Figure("docs/pause_modes.md", f"| `{mode}` | {{}} ± {{}} | {per_seed} | {{}} | {{}} | {{}} | 0.0000 | {{}} |",
+             "pause_mode_cpu.jsonl", pause_cpu(mode))
+      for mode, per_seed in (("abort", "0.809, 0.770, 0.875"), ("retract", "0.816, 0.781, 0.906"),
+                             ("in_place", "0.801, 0.746, 0.902"))),
+    *(Figure("docs/chaos.md", "{}", f"chaos_{stamp}.json", chaos_row(stamp, phase, fault, label, results=bool(label)),
+             whole=True)
+      for stamp, phase, fault, label in (
+          ("20261125_1949", "main", "40:server_kill", ""), ("20261125_1949", "main", "220:server_stop:20", ""),
+          ("20261125_1949", "main", "380:reward_kill", ""), ("20261125_1949", "main", "440:reward_hang:15", ""),
+          ("20261125_1949", "main", "580:controller_kill", ""), ("20261125_1949", "main", "990:server_stop:never", ""),
+          ("20261125_1949", "proxy", "40:proxy_slow:30:1.0", ""), ("20261125_1949", "proxy", "250:proxy_slow:20:30", ""),
+          ("20261125_2020", "main", "40:server_stop:never", "40:server_stop:never (main, 3 launched)"),
+          ("20261125_2020", "proxy", "40:proxy_slow:20:30", "40:proxy_slow:20:30 (proxy, 2 external)"),
+          ("20261125_2024", "proxy", "40:proxy_slow:20:30", "40:proxy_slow:20:30 (proxy, 2 external)"))),
+    *(Figure("docs/moe.md", f"| {seed} | {{}} % | {{}} -> {{}} | {{}} -> {{}} | {{}} -> {{}} | {{}}{' %' * bool(mask)} -> {{}} |",
+             "routing_replay_engine_20261128_1000.md", replay_engine("20261128_1000", seed),
+             after="**Paired, on engine-generated samples**")
+      for seed, mask in ((1, False), (2, True), (3, True))),
+    Figure("docs/moe.md", "k3 is {}x, {}x and {}x lower with replay at temperature 1, {}x, {}x and {}x at 0.6",
+           "routing_replay_engine_20261128_1000.md", replay_k3_ratios),
+    Figure("docs/moe.md", "{} / {} / {} without and {} / {} / {} with replay on the recipe's strings, {} / {} / {} "
+           "against {} / {} / {} on the longer ones; {}-{} % of the recorded routings differ", "routing_replay_loop.jsonl",
+           replay_loop),
+    Figure("docs/moe.md", "the trainer's step {}-{} s and its recompute {}-{} s with or without replay",
+           "routing_replay_loop.jsonl", lambda: replay_loop()[-4:]),
+    Figure("docs/weight_sync.md", "| whole (`delta: off`) | {} MB | {} | yes |", "delta.jsonl", delta_gloo("off")),
+    Figure("docs/weight_sync.md", "left CPU trainers on whole updates) | {} MB ({} %) | {} | yes |", "delta.jsonl",
+           delta_gloo("auto")),
+    *(Figure("docs/weight_sync.md", f"| {model} | {{}} % | {{}} GB | " + ("{} GB (all whole)" if c == 0.8 else "{} GB")
+             + " | {} | {} | {} | {}x |", "delta.jsonl", delta_sim(model, c))
+      for model in ("Qwen2.5-7B", "Qwen2.5-32B") for c in (0.0236, 0.8)),
 ]
+
+
+NUMBER = r"[-+]?[0-9][0-9.,]*(?:e[-+]?[0-9]+)?"  # 1,570 / 0.057 / -0.004 / +0.019 / 1.7e-4
 
 
 def _fold(text: str) -> str:
@@ -157,7 +474,7 @@ def _fold(text: str) -> str:
 
 def _pattern(template: str) -> re.Pattern:
     parts = [re.escape(_fold(p)) for p in template.split("{}")]
-    return re.compile(r"([0-9][0-9.,]*)".join(parts))
+    return re.compile(f"({NUMBER})".join(parts))
 
 
 @pytest.mark.parametrize("fig", FIGURES, ids=lambda f: f"{f.doc}:{f.text[:40]}")
@@ -169,7 +486,10 @@ def test_each_quoted_figure_is_its_result_files(fig):
     if fig.whole:
         assert _fold(expected) in doc, f"{fig.doc} must say, from bench/results/{fig.source}: {expected!r}"
         return
-    found = [m.groups() for m in _pattern(fig.text).finditer(doc)]
+    if fig.after:
+        assert _fold(fig.after) in doc, f"{fig.doc} no longer says {fig.after!r}"
+        doc = doc[doc.index(_fold(fig.after)):]
+    found = [m.groups() for m in _pattern(fig.text).finditer(doc)][:1 if fig.after else None]
     assert found, f"{fig.doc} no longer says {fig.text!r}: say {expected!r} (from bench/results/{fig.source})"
     for got in found:
         assert got == want, f"{fig.doc} says {fig.text.format(*got)!r}; bench/results/{fig.source} says {expected!r}"
@@ -214,9 +534,11 @@ def checked_lines(doc: str) -> set[int]:
         if fig.whole:
             pat = loose(_fold(fig.text.format(*fig.figures())))
         else:
-            pat = r"[0-9][0-9.,]*".join(loose(_fold(p)) for p in fig.text.split("{}"))
-        for m in re.finditer(pat, text):
-            lines.update(range(text.count("\n", 0, m.start()) + 1, text.count("\n", 0, m.end()) + 2))
+            pat = NUMBER.join(loose(_fold(p)) for p in fig.text.split("{}"))
+        start = re.search(loose(_fold(fig.after)), text).start() if fig.after else 0
+        for m in list(re.finditer(pat, text[start:]))[:1 if fig.after else None]:
+            m_start, m_end = start + m.start(), start + m.end()
+            lines.update(range(text.count("\n", 0, m_start) + 1, text.count("\n", 0, m_end) + 2))
     return lines
 
 
@@ -276,7 +598,7 @@ def test_no_result_file_is_in_a_format_no_command_writes():
     """Rows files are the harness's (``bench/common.py: append_rows``): every row of ``<name>.jsonl`` says
     ``"bench": "<name>"`` and carries its provenance. Any other file is named as a benchmark writes it
     (``<name>_<stamp>...``, or a name its source spells out). Nothing is left from an earlier format."""
-    sources = "\n".join(p.read_text() for p in (REPO / "bench").glob("*.py"))
+    sources = "\n".join(p.read_text() for d in ("bench", "tools") for p in (REPO / d).glob("*.py"))
     stale = []
     for f in sorted(RESULTS.iterdir()):
         if f.suffix == ".jsonl":

@@ -87,7 +87,7 @@ def test_no_test_writes_a_tolerance_as_a_number():
 
 
 # ---------------------------------------------------------------------------------- tracker references
-SCANNED = ("areal_fast", "tests", "bench", "docs", "examples", "README.md")
+SCANNED = ("areal_fast", "tests", "bench", "tools", "docs", "examples", "README.md")
 SKIPPED = ("bench/results",)  # result files the benchmarks write (commit stamps, device names)
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".sh", ".cfg", ".ini", ".rst"}
 

@@ -212,3 +212,11 @@ def test_a_well_formed_completion_with_spans_is_taken():
     ok = vr.parse_completion(_answer(spans=[{"version": "1", "start": 0, "end": 1},
                                             {"version": "default", "start": 1, "end": 2}]), request_id="q|0|")
     assert ok["ids"] == [5, 6] and ok["logprobs"] == [-0.5, -0.25]
+
+
+def test_the_rollout_sections_default_release_is_the_newest_read():
+    """The section names no backend, so its default is written there; it must be the version table's."""
+    from areal_fast.backends.vllm.compat import DEFAULT_VLLM_VERSION
+    from areal_fast.rollout.config import RolloutConfig
+
+    assert RolloutConfig().vllm_version == DEFAULT_VLLM_VERSION

@@ -1,4 +1,4 @@
-"""The GPU day (bench/gpu_suite.py) on CPU: the plan's must-run steps fit the budget and the dry run
+"""The GPU day (tools/gpu_suite.py) on CPU: the plan's must-run steps fit the budget and the dry run
 walks it; with fake steps, the summary is rewritten after every step, a step past its deadline is
 killed with its process group and the next one runs, at most two files land beside --out, --steps
 runs only the named steps; every benchmark parses the day's arguments; the build is reused."""
@@ -18,7 +18,7 @@ from shutil import which as shutil_which
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-from bench import gpu_suite  # noqa: E402
+from tools import gpu_suite  # noqa: E402
 
 
 def _load_bench(script: str):
@@ -304,7 +304,7 @@ def _driver(tmp_path: Path, out: Path, steps_src: str) -> subprocess.Popen:
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(f"""
         import sys
-        from bench import gpu_suite as g
+        from tools import gpu_suite as g
         g.STEPS = {steps_src}
         sys.exit(g.main(["--day", "--out", {str(out)!r}, "--work-dir", {str(tmp_path / "work")!r}]))
     """))
@@ -510,7 +510,7 @@ def test_deep_dry_run_of_the_whole_plan(tmp_path):
     assert len(_files(out.parent)) <= 2
     # that collection ran where the optional packages cannot be imported (the GPU image's interpreter):
     # it collected exactly the GPU tests an interpreter with every package collects from the files that
-    # carry a gpu mark (tests/bench/test_collect_without_optional.py: why)
+    # carry a gpu mark (tests/tools/test_collect_without_optional.py: why)
     from test_collect_without_optional import _collect
 
     blocked = (tmp_path / "work" / "gpu_tests" / "gpu_tests-dry.log").read_text(errors="replace")

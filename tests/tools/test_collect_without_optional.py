@@ -7,7 +7,7 @@ none of them - with "errors during collection" and no GPU test run. Two checks:
 * quick, static: no module under ``tests/`` imports an optional package at module level (tests use
   ``pytest.importorskip`` inside the test, or a lazy import);
 * slow, real: in an interpreter where the optional packages cannot be imported
-  (``bench/without_optional/sitecustomize.py``, as the GPU suite's dry run uses it), ``pytest -m gpu
+  (``tools/without_optional/sitecustomize.py``, as the GPU suite's dry run uses it), ``pytest -m gpu
   --collect-only tests`` collects with no error exactly the GPU tests that an interpreter with them
   collects from the files that carry a ``gpu`` mark: checked on the GPU suite's own dry-run collection
   (``test_gpu_suite.py::test_deep_dry_run_of_the_whole_plan``, with :func:`_collect` below), one
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-from bench import gpu_suite  # noqa: E402
+from tools import gpu_suite  # noqa: E402
 
 OPTIONAL = ("orjson", "sglang", "vllm", "ray", "flash_attn", "liger_kernel", "uvloop", "math_verify")
 

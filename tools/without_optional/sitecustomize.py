@@ -4,8 +4,8 @@ Put this folder on ``PYTHONPATH`` and Python imports this file at start-up (``si
 every finder on ``sys.meta_path`` is wrapped so that ``NAME`` and ``NAME.sub`` are not found
 (``import`` raises ``ModuleNotFoundError``, ``importlib.util.find_spec`` returns None, as for a
 package that is not installed) for each name in ``AREAL_FAST_BLOCK_IMPORTS`` (comma-separated;
-default :data:`DEFAULT_BLOCKED`), even where the package is installed. ``bench/gpu_suite.py --dry-run --deep``
-and ``tests/bench/test_collect_without_optional.py`` collect the GPU tests this way, so a test module
+default :data:`DEFAULT_BLOCKED`), even where the package is installed. ``tools/gpu_suite.py --dry-run --deep``
+and ``tests/tools/test_collect_without_optional.py`` collect the GPU tests this way, so a test module
 that needs an optional package to be imported fails here, not on the GPU machine.
 """
 

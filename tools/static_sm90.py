@@ -1,6 +1,6 @@
 """Static sm_90a proof, no GPU needed: compile every kernel for an H100 and read the machine code.
 
-    python bench/static_sm90.py [--fast] [--no-cuda] [--out FILE | --no-results]
+    python tools/static_sm90.py [--fast] [--no-cuda] [--out FILE | --no-results]
 
 * Triton: every kernel of ``kernels/`` is compiled for ``GPUTarget("cuda", 90, 32)`` (sm_90a)
   with the installed Triton, by calling its *real launcher* (``token_stats_fwd``,

@@ -1,8 +1,8 @@
 """The GPU day: one command for a lent GPU machine, the most valuable checks first, under 8 minutes.
 
-    python3 bench/gpu_suite.py --day --commit <sha> --out $OUT/gpu_day.json     # budget 450 s; timeout_s 480
-    python3 bench/gpu_suite.py --day --steps reshard --budget-s 120 --out $OUT/gpu_day.json   # a rerun, warm
-    python bench/gpu_suite.py --dry-run [--steps ...] [--budget-s 450] [--out FILE] [--deep]   # on CPU
+    python3 tools/gpu_suite.py --day --commit <sha> --out $OUT/gpu_day.json     # budget 450 s; timeout_s 480
+    python3 tools/gpu_suite.py --day --steps reshard --budget-s 120 --out $OUT/gpu_day.json   # a rerun, warm
+    python tools/gpu_suite.py --dry-run [--steps ...] [--budget-s 450] [--out FILE] [--deep]   # on CPU
 
 :data:`STEPS` in priority order, each in its own process group under its own deadline (cut to what
 is left of :data:`DAY_BUDGET_S`); the JSON summary (``--out``) and ``<out>.log`` rewritten atomically
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
+if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.* and tools.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import provenance  # noqa: E402
 
@@ -45,7 +45,7 @@ TAIL_CHARS = 4000  # of each step's output, in the log file and (failed steps) i
 REQUIRED = ("numpy", "pybind11", "scikit_build_core", "transformers", "aiohttp", "pytest", "pytest_timeout",
             "safetensors", "yaml", "hypothesis")
 # The dry run's interpreter: this folder's sitecustomize.py hides the optional packages.
-WITHOUT_OPTIONAL = ROOT / "bench" / "without_optional"
+WITHOUT_OPTIONAL = ROOT / "tools" / "without_optional"
 # What pytest selects on the GPU machine, in the real step and in the dry run alike.
 GPU_TEST_ARGS = ("-m", "gpu", "tests", "-p", "no:cacheprovider")
 # Where a finished install records its build inputs (kept between commands on a warm machine).
