@@ -67,7 +67,7 @@ from areal_fast.ops.loss_config import PPOLossConfig
 from areal_fast.reward.config import RewardConfig
 from areal_fast.rollout.config import MIN_TEMPERATURE, RESERVED_SERVER_ARGS, RolloutConfig, check_server_url
 from areal_fast.trainer.config import OptimConfig, PPOConfig, TrainerConfig
-from areal_fast.weights.config import WeightSyncConfig
+from areal_fast.weights.config import WeightSyncConfig, default_method
 
 __all__ = [
     "DERIVED", "LAUNCHERS", "MAX_SEED", "MIN_TEMPERATURE", "RESERVED_SERVER_ARGS", "RESOLVED_HEADER",
@@ -120,6 +120,8 @@ class AppConfig:
         if self.train.ppo.reward_scale == 0:
             raise ValueError("train.ppo.reward_scale: must not be 0 (every reward would be the bias: every "
                              "advantage 0, nothing learned), got 0")
+        if self.weights.method is None:  # null: chosen for the run, never over a value the user gave
+            self.weights.method = default_method(lora=self.train.lora is not None)
         from areal_fast.backends.checks import check_rollout_servers
 
         check_rollout_servers(self.rollout, self.weights.method)  # the one check of what the servers serve

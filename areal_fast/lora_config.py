@@ -99,7 +99,10 @@ def check_run(app) -> None:
     if not app.weights.shared_fs:
         raise ValueError("train.lora with weights.shared_fs false: adapters reach the servers as files (a PEFT "
                          "directory each update); the servers must read trainer rank 0's files")
-    app.weights.method = "disk"  # an adapter travels as a PEFT directory (no broadcast group, no weight transfer)
+    if app.weights.method != "disk":
+        raise ValueError(f"train.lora with weights.method {app.weights.method!r}: an adapter travels as a PEFT "
+                         f"directory the servers load (no broadcast group, no weight transfer); set "
+                         f"weights.method: disk or leave it null")
     if r.api != "vllm":
         if r.pause_mode in ("in_place", "retract"):
             raise ValueError(f"rollout.pause_mode {r.pause_mode!r} with train.lora on SGLang's API: SGLang replaces an "

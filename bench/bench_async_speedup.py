@@ -24,7 +24,7 @@ if not __package__:  # run as a file, not with -m: the repository root on the pa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import sim_sglang as sim  # noqa: E402
 from bench.bench_controller_scale import RunSpec, run_controller  # noqa: E402
-from bench.common import add_harness_args, print_table, provenance, save  # noqa: E402
+from bench.common import add_harness_args, csv_list, print_table, provenance, save  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -232,28 +232,21 @@ async def run_one(run: dict, args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--setups", default="1.5B-128,7B-192,1.5B-4,7B-8",
+    ap.add_argument("--setups", type=csv_list(SETUPS), default=["1.5B-128", "7B-192", "1.5B-4", "7B-8"],
                     help=f"comma-separated, from {', '.join(SETUPS)}")
-    ap.add_argument("--splits", default="0.5,0.625,0.75,0.875", help="generation GPU fractions for the async arm")
+    ap.add_argument("--splits", type=csv_list(cast=float), default=[0.5, 0.625, 0.75, 0.875],
+                    help="generation GPU fractions for the async arm")
     ap.add_argument("--steps", type=int, default=7, help="training steps per run")
     ap.add_argument("--warmup-steps", type=int, default=2, help="steps left out of the measurement")
     ap.add_argument("--time-scale", type=float, default=25.0, help="K: simulated seconds per wall second")
     ap.add_argument("--tokens-per-token", type=int, default=128, help="S: model tokens per returned token")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--pause-modes", default="",
+    ap.add_argument("--pause-modes", type=csv_list(PAUSE_ARMS), default=[],
                     help=f"comma-separated pause arms from {', '.join(PAUSE_ARMS)}: the async arm once per arm, "
                          "results named pause_mode (default: the production pause only)")
     add_harness_args(ap)
     args = ap.parse_args(argv)
-    try:
-        setups = [SETUPS[x] for x in args.setups.split(",")]
-    except KeyError as e:
-        raise SystemExit(f"--setups: unknown setup {e.args[0]!r}; known: {', '.join(SETUPS)}") from None
-    pause_modes = [x for x in args.pause_modes.split(",") if x]
-    unknown = [x for x in pause_modes if x not in PAUSE_ARMS]
-    if unknown:
-        raise SystemExit(f"--pause-modes: unknown arm {unknown[0]!r}; known: {', '.join(PAUSE_ARMS)}")
-    splits = [float(x) for x in args.splits.split(",")]
+    setups, pause_modes, splits = [SETUPS[x] for x in args.setups], args.pause_modes, args.splits
     if any(not 0 < f < 1 for f in splits):
         raise SystemExit(f"--splits: each fraction must be in (0, 1), got {args.splits}")
     print("model constants:")

@@ -28,6 +28,7 @@ if not __package__:  # run as a file, not with -m: the repository root on the pa
 from bench.common import (  # noqa: E402
     RESULTS_DIR,
     add_harness_args,
+    csv_list,
     print_dry_run,
     provenance,
     save,
@@ -289,7 +290,7 @@ def _write(name: str, rows: list[dict], prov: dict, a, md: str | None = None) ->
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--parts", type=csv_list(PARTS), default=list(PARTS), help=f"a subset of {','.join(PARTS)}")
     ap.add_argument("--layers", type=int, default=4, help="Qwen3-0.6B layers in the fraction model (of 28)")
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per learning rate")
     ap.add_argument("--gloo-params", type=float, default=100e6, help="bf16 parameters pushed in the gloo part")
@@ -299,10 +300,7 @@ def main(argv=None):
     ap.add_argument("--updates", type=int, default=4, help="updates per mode in the gloo part")
     add_harness_args(ap)
     a = ap.parse_args(argv)
-    parts = [p for p in a.parts.split(",") if p]
-    bad = [p for p in parts if p not in PARTS]
-    if bad:
-        ap.error(f"--parts: unknown {bad}; choose from {PARTS}")
+    parts = a.parts
     if a.dry_run:
         print_dry_run("delta", [{"part": p, "layers": a.layers, "steps": a.steps, "gloo_params": a.gloo_params}
                                 for p in parts])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import add_harness_args, print_dry_run, print_table, save  # noqa: E402
+from bench.common import add_harness_args, csv_list, print_dry_run, print_table, save  # noqa: E402
 
 NAME = "lora_sync"
 QWEN25_7B = {"hidden": 3584, "inter": 18944, "layers": 28, "heads": 28, "kv_heads": 4, "head_dim": 128,
@@ -58,24 +58,50 @@ def _median_s(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
+def qwen2_config(s: dict, max_pos: int = 256):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+                       num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], vocab_size=s["vocab"],
+                       tie_word_embeddings=s["tied"], max_position_embeddings=max_pos)
+
+
+def adapter_updates(cfg, make_sync, v: list[int], reps: int, ranks=(8, 32)):
+    """Per rank: (rank, the adapter sync after its timed updates, median seconds of one update)."""
+    from peft import inject_adapter_in_model
+    from transformers import Qwen2ForCausalLM
+
+    from areal_fast.lora_config import LoRAConfig
+    from areal_fast.weights.adapter import peft_config
+
+    for rank in ranks:
+        lcfg = LoRAConfig(rank=rank, alpha=2 * rank)
+        inj = inject_adapter_in_model(peft_config(lcfg), Qwen2ForCausalLM(cfg), adapter_name="default")
+        ad_state = {k: t.detach().clone() for k, t in inj.state_dict().items() if "lora_" in k}
+        sync = make_sync(lcfg)
+
+        def lora_update(sync=sync, ad_state=ad_state):
+            v[0] += 1
+            sync.update(ad_state, v[0])
+
+        yield rank, sync, _median_s(lora_update, reps)
+        sync.close()
+
+
 def part_tiny(reps: int, shapes: list[tuple[str, dict]]) -> list[dict]:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from areal_fast.backends.sglang.lora_sync import SGLangLoRASync
     from areal_fast.backends.sglang.weight_sync import DiskWeightSync
     from areal_fast.embedded import start_engine_in_thread
-    from areal_fast.lora_config import LoRAConfig
     from areal_fast.weights import WeightSyncConfig
-    from areal_fast.weights.adapter import peft_config
 
     rows = []
     for label, s in shapes:
         tmp = Path(tempfile.mkdtemp(prefix="bench_lora_"))
         try:
-            cfg = Qwen2Config(hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
-                              num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                              vocab_size=s["vocab"], tie_word_embeddings=s["tied"], max_position_embeddings=256)
+            cfg = qwen2_config(s)
             torch.manual_seed(0)
             model = Qwen2ForCausalLM(cfg)
             model.save_pretrained(tmp / "base")
@@ -97,25 +123,13 @@ def part_tiny(reps: int, shapes: list[tuple[str, dict]]) -> list[dict]:
                 full_bytes = sum(f.stat().st_size for f in Path(full.last_path).iterdir())
                 shutil.rmtree(full.last_path, ignore_errors=True)
                 full.close()
-                for rank in (8, 32):
-                    lcfg = LoRAConfig(rank=rank, alpha=2 * rank)
-                    from peft import inject_adapter_in_model
-
-                    inj = inject_adapter_in_model(peft_config(lcfg), Qwen2ForCausalLM(cfg), adapter_name="default")
-                    ad_state = {k: v.detach().clone() for k, v in inj.state_dict().items() if "lora_" in k}
-                    sync = SGLangLoRASync([h.url], WeightSyncConfig(save_root=str(tmp / "ls")), lora=lcfg)
-
-                    def lora_update(sync=sync, ad_state=ad_state, v=v):
-                        v[0] += 1
-                        sync.update(ad_state, v[0])
-
-                    t_lora = _median_s(lora_update, reps)
+                for rank, sync, t_lora in adapter_updates(cfg, lambda lcfg, h=h, tmp=tmp: SGLangLoRASync(
+                        [h.url], WeightSyncConfig(save_root=str(tmp / "ls")), lora=lcfg), v, reps):
                     rows.append({"part": "tiny", "model": label, "params": sum(t.numel() for t in state.values()),
                                  "rank": rank, "full_bytes": full_bytes, "full_update_s": round(t_full, 4),
                                  "adapter_bytes": sync.last_bytes, "adapter_update_s": round(t_lora, 4),
                                  "bytes_ratio": round(full_bytes / sync.last_bytes, 1),
                                  "time_ratio": round(t_full / t_lora, 2)})
-                    sync.close()
             finally:
                 h.stop()
         finally:
@@ -129,27 +143,22 @@ def part_vllm(reps: int, shapes: list[tuple[str, dict]]) -> list[dict]:
     with --enable-lora: VLLMDiskWeightSync (pause, reload_weights, update_weight_version, resume)
     against LoRAAdapterSync (pause, load_lora_adapter in place, update_weight_version, resume)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import real_vllm as rv
-    from peft import inject_adapter_in_model
 
     from areal_fast.backends.vllm.disk import VLLMDiskWeightSync
     from areal_fast.backends.vllm.lora_sync import VLLMLoRASync
     from areal_fast.data.tokenizer import CharTokenizer
-    from areal_fast.lora_config import LoRAConfig
     from areal_fast.netutil import find_free_port
     from areal_fast.weights import WeightSyncConfig
-    from areal_fast.weights.adapter import peft_config
 
     rows = []
     for label, s in shapes:
         tmp = Path(tempfile.mkdtemp(prefix="bench_lora_vllm_"))
         try:
-            cfg = Qwen2Config(hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
-                              num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                              vocab_size=s["vocab"], tie_word_embeddings=s["tied"], max_position_embeddings=128)
+            cfg = qwen2_config(s, 128)
             torch.manual_seed(0)
             model = Qwen2ForCausalLM(cfg)
             model.save_pretrained(tmp / "base")
@@ -172,22 +181,12 @@ def part_vllm(reps: int, shapes: list[tuple[str, dict]]) -> list[dict]:
 
                 t_full = _median_s(full_update, reps)
                 full.close()
-                for rank in (8, 32):
-                    lcfg = LoRAConfig(rank=rank, alpha=2 * rank)
-                    inj = inject_adapter_in_model(peft_config(lcfg), Qwen2ForCausalLM(cfg), adapter_name="default")
-                    ad_state = {k: v.detach().clone() for k, v in inj.state_dict().items() if "lora_" in k}
-                    sync = VLLMLoRASync([server.url], WeightSyncConfig(save_root=str(tmp / "ls")), lora=lcfg)
-
-                    def lora_update(sync=sync, ad_state=ad_state, v=v):
-                        v[0] += 1
-                        sync.update(ad_state, v[0])
-
-                    t_lora = _median_s(lora_update, reps)
+                for rank, sync, t_lora in adapter_updates(cfg, lambda lcfg, server=server, tmp=tmp: VLLMLoRASync(
+                        [server.url], WeightSyncConfig(save_root=str(tmp / "ls")), lora=lcfg), v, reps):
                     rows.append({"part": "vllm", "model": label, "server": f"vLLM {rv.VLLM_CPU_VERSION} CPU",
                                  "params": sum(t.numel() for t in state.values()), "rank": rank,
                                  "full_update_s": round(t_full, 4), "adapter_bytes": sync.last_bytes,
                                  "adapter_update_s": round(t_lora, 4), "time_ratio": round(t_full / t_lora, 2)})
-                    sync.close()
             finally:
                 server.stop()
         finally:
@@ -249,7 +248,7 @@ def part_7b(reps: int) -> list[dict]:
 # ---------------------------------------------------------------------------------------- memory
 def part_memory(shape: dict) -> list[dict]:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from areal_fast.lora_config import LoRAConfig
     from areal_fast.trainer import OptimConfig, PPOActor, Sample, TrainerConfig
@@ -257,10 +256,7 @@ def part_memory(shape: dict) -> list[dict]:
     tmp = Path(tempfile.mkdtemp(prefix="bench_lora_mem_"))
     rows = []
     try:
-        cfg = Qwen2Config(hidden_size=shape["hidden"], intermediate_size=shape["inter"],
-                          num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                          num_key_value_heads=shape["kv_heads"], vocab_size=shape["vocab"],
-                          tie_word_embeddings=shape["tied"], max_position_embeddings=256)
+        cfg = qwen2_config(shape)
         torch.manual_seed(0)
         Qwen2ForCausalLM(cfg).save_pretrained(tmp)
         g = torch.Generator().manual_seed(0)
@@ -307,10 +303,10 @@ SMALL = {"hidden": 512, "inter": 1408, "layers": 8, "heads": 8, "kv_heads": 2, "
 
 def main(argv=None) -> int:
     ap = add_harness_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    ap.add_argument("--parts", default="tiny,7b,memory")
+    ap.add_argument("--parts", type=csv_list(("tiny", "vllm", "7b", "memory")), default=["tiny", "7b", "memory"])
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
-    parts = args.parts.split(",")
+    parts = args.parts
     if args.dry_run:
         print_dry_run(NAME, [{"part": p} for p in parts])
         return 0

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(ROOT / "tests"))
-from bench.common import add_harness_args, print_dry_run, print_table, provenance, save  # noqa: E402
+from bench.common import add_harness_args, csv_list, print_dry_run, print_table, provenance, save  # noqa: E402
 
 RECIPE = ROOT / "examples" / "tiny_reverse.yaml"
 BANDS = ((0.5, 2.0), (0.8, 1.25))
@@ -133,20 +133,14 @@ def write_md(path: Path, rows: list[dict], prov: dict, args) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engines", default="embedded,vllm", type=lambda s: s.split(","))
-    ap.add_argument("--dtypes", default="bfloat16,float32", type=lambda s: s.split(","))
-    ap.add_argument("--temperatures", default="1.0,0.6", type=lambda s: [float(x) for x in s.split(",")])
+    ap.add_argument("--engines", default=["embedded", "vllm"], type=csv_list(("embedded", "vllm")))
+    ap.add_argument("--dtypes", default=["bfloat16", "float32"], type=csv_list(("bfloat16", "float32")))
+    ap.add_argument("--temperatures", default=[1.0, 0.6], type=csv_list(cast=float))
     ap.add_argument("--samples", type=int, default=64, help="answers per temperature and shape")
     ap.add_argument("--long-tokens", type=int, default=96, help="tokens of a 'long' answer (ignore_eos)")
     ap.add_argument("--python", default=None, help="the vLLM interpreter (default: tests/real_vllm.py's)")
     add_harness_args(ap)
     args = ap.parse_args(argv)
-    for e in args.engines:
-        if e not in ("embedded", "vllm"):
-            ap.error(f"--engines: {e!r} is neither 'embedded' nor 'vllm'")
-    for d in args.dtypes:
-        if d not in ("bfloat16", "float32"):
-            ap.error(f"--dtypes: {d!r} is neither 'bfloat16' nor 'float32'")
     if args.samples < 1 or args.long_tokens < 1 or any(not (0 < t <= 2) for t in args.temperatures):
         ap.error("--samples and --long-tokens must be >= 1 and each temperature in (0, 2]")
     if args.dry_run:

@@ -18,6 +18,7 @@ from pathlib import Path
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import sweep  # noqa: E402
+from bench.common import csv_list  # noqa: E402
 from bench.sweep import Run, mean_spread  # noqa: E402
 
 MODES = ("abort", "retract", "in_place")
@@ -73,12 +74,10 @@ def summary(results: list[dict], stamp: str):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", type=sweep.names, default=list(MODES))
+    ap.add_argument("--modes", type=csv_list(MODES), default=list(MODES))
     sweep.add_sweep_args(ap, "pause_modes", eval_every=20)
     args = ap.parse_intermixed_args(argv)
     sweep.check_sweep_args(ap, args)
-    if bad := [m for m in args.modes if m not in MODES]:
-        ap.error(f"--modes: unknown mode {bad[0]!r}; known: {', '.join(MODES)}")
     runs = [Run(Arm(m), s) for s in args.seeds for m in args.modes]
     sweep.main("pause_mode_cpu", runs, args, lambda runs, work, args: sweep.report(
         "pause_mode_cpu", "Tiny example per pause mode", runs, work, args, summary),

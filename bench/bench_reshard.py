@@ -27,7 +27,16 @@ if not __package__:  # run as a file, not with -m: the repository root on the pa
 from areal_fast.weights.interval_copy import interval_copy  # noqa: E402
 from areal_fast.weights.layout import ModelSpec  # noqa: E402
 from areal_fast.weights.plan import plan_fsdp_buckets, plan_tp_shard, rows_cols  # noqa: E402
-from bench.common import add_harness_args, print_dry_run, provenance, save, serve_until_stopped, server_process, time_fn  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_harness_args,
+    csv_list,
+    print_dry_run,
+    provenance,
+    save,
+    serve_until_stopped,
+    server_process,
+    time_fn,
+)
 
 QWEN25_7B = ModelSpec("qwen2", num_layers=28, hidden_size=3584, intermediate_size=18944, num_heads=28, num_kv_heads=4,
                       head_dim=128, vocab_size=152064, qkv_bias=True)
@@ -278,17 +287,14 @@ PARTS = ("plan", "cpu_copy", "cuda_copy", "sync", "gpu_sync")
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--parts", type=csv_list(PARTS), default=list(PARTS), help=f"a subset of {','.join(PARTS)}")
     ap.add_argument("--layers", type=int, default=28, help="Qwen2.5-7B layers in the cuda_copy model (28: all)")
     ap.add_argument("--sync-params", type=float, default=100e6)
     ap.add_argument("--bucket-mb", type=int, default=32)
     ap.add_argument("--nccl-mb", type=int, default=1024, help="bytes of the one-GPU NCCL broadcast (MiB)")
     add_harness_args(ap)
     a = ap.parse_args(argv)
-    parts = [p for p in a.parts.split(",") if p]
-    bad = [p for p in parts if p not in PARTS]
-    if bad:
-        ap.error(f"--parts: unknown {bad}; choose from {PARTS}")
+    parts = a.parts
     if a.dry_run:
         cases = [{"part": p} for p in parts]
         for c in cases:

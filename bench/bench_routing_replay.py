@@ -25,7 +25,7 @@ import torch
 
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import add_harness_args, provenance, save  # noqa: E402
+from bench.common import add_harness_args, csv_list, provenance, save  # noqa: E402
 
 
 def one_seed(seed: int, n_prompts: int, new_tokens: int) -> dict:
@@ -139,7 +139,7 @@ def _with_group(s):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", default="0,1,2", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--seeds", default="0,1,2", type=csv_list(cast=int))
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0, help="--engine: the sampling temperature")

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import add_harness_args, print_dry_run, provenance, save  # noqa: E402
+from bench.common import add_harness_args, csv_list, print_dry_run, provenance, save  # noqa: E402
 
 RECIPE = ROOT / "examples" / "tiny_reverse_moe.yaml"
 KEYS = ("mismatch_k3", "mismatch_k1", "mismatch_ratio_p99", "mismatch_ratio_max", "tis_truncated_fraction",
@@ -85,7 +85,7 @@ def table(runs: list[dict], seeds: list[int]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", default="1,2,3", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--seeds", default="1,2,3", type=csv_list(cast=int))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--task", choices=("recipe", "long"), default="recipe",
                     help="the recipe's strings, or longer ones (6-16 characters, 24 new tokens)")

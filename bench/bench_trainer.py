@@ -26,7 +26,7 @@ if not __package__:  # run as a file, not with -m: the repository root on the pa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from areal_fast.ops import fused_linear_decoupled_ppo_loss_ref, fused_linear_token_logprobs_ref  # noqa: E402
 from areal_fast.trainer import OptimConfig, PPOActor, PPOConfig, Sample, TrainerConfig  # noqa: E402
-from bench.common import add_harness_args, print_dry_run, print_table, provenance, save  # noqa: E402
+from bench.common import add_harness_args, csv_list, print_dry_run, print_table, provenance, save  # noqa: E402
 
 SHAPES = {
     # Qwen2-1.5B: 28 layers, d 1536, 12 heads / 2 KV heads, MLP 8960, vocab 151936, tied embeddings
@@ -112,7 +112,7 @@ def main(argv=None):
     ap.add_argument("--mb-tokens", type=int, default=None, help="max_tokens_per_mb (default 16384 GPU)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-ckpt", action="store_true", help="disable activation checkpointing")
-    ap.add_argument("--variants", default="fused,unfused")
+    ap.add_argument("--variants", type=csv_list(("fused", "unfused")), default=["fused", "unfused"])
     add_harness_args(ap)
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -121,10 +121,7 @@ def main(argv=None):
     mb_tokens = args.mb_tokens or (16384 if cuda else 256)
     if not cuda:
         tokens = min(tokens, 4 * mb_tokens)
-    variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if v not in ("fused", "unfused")]
-    if bad:
-        ap.error(f"--variants: unknown {bad}; choose from fused, unfused")
+    variants = args.variants
     if args.dry_run:
         print_dry_run("trainer", [dict(variant=v, shape=shape, tokens=tokens, mb_tokens=mb_tokens, steps=args.steps,
                                        act_ckpt=not args.no_ckpt) for v in variants])

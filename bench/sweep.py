@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import add_harness_args, append_rows, print_dry_run, provenance, refuse_dirty
+from bench.common import add_harness_args, append_rows, csv_list, print_dry_run, provenance, refuse_dirty
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "examples" / "tiny_reverse.yaml"
@@ -529,12 +529,7 @@ def report(name: str, title: str, runs: list[Run], work: Path, args, summary) ->
     return out / f"{name}_{stamp}.json"
 
 
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
+ints, names = csv_list(cast=int), csv_list()
 
 
 def add_sweep_args(ap: argparse.ArgumentParser, name: str, *, seeds=(1, 2, 3), steps: int = 40,

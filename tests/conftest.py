@@ -11,10 +11,10 @@ a test may also carry ``@pytest.mark.slow`` itself.
 The tests live in one folder per component of ``areal_fast/`` (``tests/rollout/``, ``tests/weights/``...),
 without ``__init__.py``: pytest imports each test file by its base name, so base names are unique
 across folders (the rules below name files by base name). Helpers shared by several folders sit here
-in ``tests/`` (``fakes.py``, ``_shared.py``, ``tolerances.py``, ``sglang_wheel.py``, ``wheel_loader.py``),
-which pytest puts on ``sys.path`` for this file; the component folders are put there too, so a test may import a
-helper of another folder's test module (``from test_trainer_actor import make_tiny_model``) whatever
-files the run collects, and in whatever order.
+in ``tests/`` (``fakes.py``, ``_shared.py``, ``tolerances.py``, ``e2e_runs.py``, ``sglang_wheel.py``,
+``wheel_loader.py``), which pytest puts on ``sys.path`` for this file; the component folders are put
+there too, so a test may import a helper of another folder's test module (``from test_trainer_actor
+import make_tiny_model``) whatever files the run collects, and in whatever order.
 """
 
 import os
@@ -55,6 +55,8 @@ SLOW_FIXTURES = {
     "engines": "two engines; their fixture also starts the `doomed` subprocess engine",
     "real_vllm": "a real vLLM server (its CPU build, in its own virtual environment: tests/real_vllm.py)",
     "real_slurm": "a real one-node Slurm cluster (slurm-wlm and munge: tests/real_slurm.py)",
+    "tiny_warm_start": "a warm start built in a subprocess (tests/e2e_runs.py), for training runs",
+    "recipe_warm_start": "the recipe's warm start built in a subprocess (tests/e2e_runs.py: ~30-60 s)",
 }
 # Single tests, by file and name (parametrized cases included).
 SLOW_TESTS = {

@@ -178,9 +178,10 @@ class VLLMServer:
 
     def load(self, model: Path) -> None:
         """The weights of ``model`` (a checkpoint of the served architecture) served from now on,
-        labelled version 0: vLLM's disk update, as a run's."""
+        labelled version 0: vLLM's disk update, as a run's (of :func:`with_lm_head`'s copy)."""
         from areal_fast.backends.vllm.disk import VLLMDiskCalls
 
+        model = with_lm_head(Path(model), self.log_path.parent / f"load-{time.monotonic_ns()}")
         disk = VLLMDiskCalls(120.0, None)
         try:
             disk.update_one(self.url, {"model_path": str(model), "weight_version": "0"})
@@ -236,6 +237,22 @@ transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretr
 """
 
 
+def with_lm_head(model: Path, where: Path) -> Path:
+    """``model`` (one ``model.safetensors``) as vLLM 0.32's CPU build reloads it in place: with the
+    tied ``lm_head.weight`` written out. A checkpoint of a tied model that leaves it out (as
+    ``save_pretrained`` does) reloads every weight but the output layer, which keeps the weights it
+    had (the trainer's disk sync writes it); ``model`` itself when it has it, else a copy at ``where``."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(model / "model.safetensors"))
+    if "lm_head.weight" in state:
+        return model
+    shutil.copytree(model, where, ignore=shutil.ignore_patterns("*.safetensors"))
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, str(where / "model.safetensors"), metadata={"format": "pt"})
+    return where
+
+
 def served_model(warm: Path, path: Path, context: int) -> Path:
     """The shared server's model: the architecture, config and tokenizer of ``warm`` (a warm-started
     tiny model) with random weights (seed 0: flat distributions, where the tests of sampling need
@@ -243,11 +260,14 @@ def served_model(warm: Path, path: Path, context: int) -> Path:
     sampling defaults in its generation config (as Qwen2.5-Instruct's top_k 20 and repetition
     penalty: top_k 1 would make every sample greedy if they reached the server's sampling). A run
     that starts from ``warm`` loads its weights into the server first (:meth:`VLLMServer.load`)."""
-    shutil.copytree(warm, path, ignore=shutil.ignore_patterns("*.safetensors", "warm_start.json"))
-    r = subprocess.run([sys.executable, "-c", _RANDOM_WEIGHTS, str(warm), str(path)], capture_output=True,
+    random = path.with_name(path.name + ".random")
+    shutil.copytree(warm, random, ignore=shutil.ignore_patterns("*.safetensors", "warm_start.json"))
+    r = subprocess.run([sys.executable, "-c", _RANDOM_WEIGHTS, str(warm), str(random)], capture_output=True,
                        text=True, timeout=600)
     if r.returncode != 0:
         raise VLLMUnavailable(f"building the served model from {warm} failed: {r.stderr[-2000:]}")
+    with_lm_head(random, path)  # restore() reloads it
+    shutil.rmtree(random)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}))
     gen_file = path / "generation_config.json"

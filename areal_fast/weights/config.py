@@ -8,9 +8,14 @@ from dataclasses import dataclass, field
 
 from areal_fast.configutil import check_rules, option
 
-__all__ = ["WeightSyncConfig", "METHODS", "DISK_LOAD_FORMATS", "API_KEY_ENV", "HOST_ENV"]
+__all__ = ["WeightSyncConfig", "METHODS", "default_method", "DISK_LOAD_FORMATS", "API_KEY_ENV", "HOST_ENV"]
 
 METHODS = ("distributed", "disk")
+
+
+def default_method(lora: bool) -> str:
+    """``weights.method`` when the run leaves it null: a LoRA run's adapters travel as files."""
+    return "disk" if lora else "distributed"
 # What /update_weights_from_disk may name as ``load_format`` for an HF-layout safetensors
 # directory (SGLang's LoadFormat values that read such a directory); never null, which would
 # mean "the launch format" and fails on servers launched with ``--load-format dummy``.
@@ -24,10 +29,11 @@ _DTYPES = ("auto", "bfloat16", "float16", "float32")
 class WeightSyncConfig:
     """How new weights reach the inference servers after each trainer step."""
 
-    method: str = option("distributed", choices=METHODS)
+    method: str | None = option(None, choices=METHODS)
     """'distributed' (NCCL / gloo broadcast of flattened buckets; when the servers change, a server
     dies or joins, the group is formed again over the new ones: docs/elastic.md) or 'disk'
-    (safetensors + /update_weights_from_disk)."""
+    (safetensors + /update_weights_from_disk). null: 'disk' in a LoRA run (an adapter travels as a
+    PEFT directory), 'distributed' otherwise (``default_method``); a LoRA run refuses 'distributed'."""
     bucket_bytes: int = option(256 << 20, ge=1 << 10)
     """Largest flattened bucket (bytes); a larger tensor travels alone."""
     dtype: str | None = "auto"

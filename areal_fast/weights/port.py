@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Protocol
 
 from areal_fast.rollout.calls import DEAD_SERVER_RETRY, retry_dropping_dead
-from areal_fast.weights.config import WeightSyncConfig
+from areal_fast.weights.config import WeightSyncConfig, default_method
 from areal_fast.weights.membership import UNRESPONSIVE_HOLD_S, SyncMembership
 
 __all__ = ["SyncSpec", "DistributedSync", "DiskSync", "make_sync_port", "WeightTrainer",
@@ -193,6 +193,6 @@ def make_sync_port(config: WeightSyncConfig, trainer: WeightTrainer, rollout: Se
     """The sync port the run's ``weights:`` section asks for (``weights.method``), over ``transport``
     (the servers' transport of that method: ``areal_fast.backends.registry.weight_transport``). A LoRA
     run's port is ``weights.lora_port.LoRASync``."""
-    if config.method == "distributed":
+    if (config.method or default_method(lora=False)) == "distributed":
         return DistributedSync(trainer, rollout, config, transport=transport)
     return DiskSync(trainer, rollout, work_dir, config, transport=transport)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_fast.checkpoint import ResumeMismatch
+from areal_fast.checkpoint import BUFFER_FILE, ResumeMismatch
 from areal_fast.launch.run_dir import LOCK_FILE, RunDirBusy, RunLock, move_previous_run_aside
 from areal_fast.launch.train import RewardCheckFailed, check_resume, check_reward
 
@@ -75,9 +75,11 @@ def test_fresh_start_moves_the_whole_previous_run_aside(tmp_path):
 def _checkpoint(ckpt_dir: Path, step: int, key: dict | None, text: str | None = None) -> Path:
     d = ckpt_dir / f"step_{step:08d}"
     d.mkdir(parents=True)
-    st = {"version": step, "position": 4 * step, "pending": [], "buffer": [], "counters": {}}
+    st = {"version": step, "position": 4 * step, "pending": [], "counters": {},
+          "buffer_file": {"name": BUFFER_FILE, "groups": 0, "bytes": 0}}
     if key is not None:
         st["resume_key"] = key
+    (d / BUFFER_FILE).write_bytes(b"")
     (d / "controller.json").write_text(text if text is not None else json.dumps(st))
     (d / "COMPLETE").write_text("ok")
     return d

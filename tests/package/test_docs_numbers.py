@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from math import ceil
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal, localcontext
@@ -344,6 +345,257 @@ def replay_loop() -> tuple[str, ...]:
             f"{min(rec):.2f}", f"{max(rec):.2f}")
 
 
+def reward_cost() -> tuple[str, ...]:
+    """docs/reward.md's sandbox cost: load, child CPU ms of a sandboxed run (cgroup, RLIMIT fallback), of the
+    bare interpreter, a cgroup's create + remove (ms), the median wall time of a sandboxed run (ms)."""
+    run = newest("reward.jsonl", sandbox="sandboxed run (ns+uid, cgroup)")
+    return (f"{half_up(run['loadavg_1m'])}", f"{half_up(run['child_cpu_ms'])}",
+            f"{half_up(newest('reward.jsonl', sandbox='sandboxed run (ns+uid, RLIMIT fallback)')['child_cpu_ms'])}",
+            f"{half_up(newest('reward.jsonl', sandbox='interpreter start, bare, no site')['child_cpu_ms'])}",
+            f"{newest('reward.jsonl', sandbox='run cgroup create + remove (v1)')['median_ms']:.2f}",
+            f"{half_up(run['median_ms'])}")
+
+
+def e2e_stat(key: str, digits: int, target: str | None = None) -> Callable[[], tuple[str, ...]]:
+    """examples/README.md's e2e table: mean [min..max] of async, then of sync, for ``key`` (eval_final,
+    eval_best, time_to_target_s at ``target``)."""
+    def figures():
+        r = newest("e2e.jsonl")
+        out = []
+        for mode in ("async", "sync"):
+            v = r[f"{mode}_{key}"] if target is None else r[f"{mode}_{key}"][target]
+            out += [f"{v[k]:.{digits}f}" for k in ("mean", "min", "max")]
+        return tuple(out)
+    return figures
+
+
+def e2e_modes() -> dict:
+    """The per-mode summary of the newest e2e measurement (its ``curves`` file beside ``e2e.jsonl``)."""
+    return json.loads((RESULTS / newest("e2e.jsonl")["curves"]).read_text())["modes"]
+
+
+def e2e_spread(key: str, digits: int) -> Callable[[], tuple[str, ...]]:
+    """mean [min..max] of async, then of sync, for ``key`` of the newest e2e measurement's modes."""
+    def figures():
+        fmt = (lambda v: f"{v:.{digits}f}") if digits else thousands
+        return tuple(fmt(e2e_modes()[m][key][k]) for m in ("async", "sync") for k in ("mean", "min", "max"))
+    return figures
+
+
+def e2e_breakdown() -> tuple[str, ...]:
+    """Waiting for a batch / training / weight sync / eval (mean s), async then sync."""
+    keys = ("waiting_for_batch (generation-bound)", "training", "weight_sync", "evaluation")
+    return tuple(f"{e2e_modes()[m]['time_breakdown_s_mean'][k]:.1f}" for m in ("async", "sync") for k in keys)
+
+
+def e2e_staleness() -> tuple[str, ...]:
+    """The async groups' staleness: the share at 4 (%), how many above 4 and of how many."""
+    hist = {int(k): v for k, v in e2e_modes()["async"]["staleness_hist"].items()}
+    total, above = sum(hist.values()), sum(v for k, v in hist.items() if k > 4)
+    return f"{half_up(100 * hist[4] / total)}", str(above), str(total)
+
+
+def delta_fraction(tag: str) -> Callable[[], tuple[str, ...]]:
+    """docs/weight_sync.md's fraction table: % of bf16 elements changed at steps 1-4, then the delta's bytes
+    (indices + values) and a bitmask + values' at step 4, as a % of whole (the former only where it is smaller)."""
+    def figures():
+        r = [x for x in rows("delta.jsonl") if x.get("part") == "fraction" and x.get("lr_tag") == tag]
+        by_step = {x["step"]: x for x in r}
+        pct = (lambda x: f"{100 * x:.3g}")
+        last = by_step[4]
+        idx = last["bytes_indices_values"] / last["bytes_whole"]
+        bitmask = f"{100 * last['bytes_bitmask_values'] / last['bytes_whole']:.2g}"
+        return (*(pct(by_step[k]["changed_frac"]) for k in (1, 2, 3, 4)),
+                *((f"{100 * idx:.2g}",) if idx < 1 else ()), bitmask)
+    return figures
+
+
+HARD = "staleness_20261126_0300_hard.json"  # docs/staleness_ablation.md's harder sweep (200 steps, 5 seeds)
+
+
+def hard() -> dict:
+    return json.loads((RESULTS / HARD).read_text())
+
+
+def diff_ci(mean: float, half: float) -> str:
+    """A paired difference and its 95 % interval, bold where the interval excludes 0."""
+    lo, hi = mean - half, mean + half
+    text = f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+    return f"**{text}**" if lo > 0 or hi < 0 else text
+
+
+def hard_eta_row(eta: int) -> Callable[[], tuple[str]]:
+    """A row of the harder sweep's table: naive and decoupled mean EM - sync with their intervals, clip fractions."""
+    def figures():
+        arm = {(a["objective"], a["eta"]): a for a in hard()["arms"] if a["advantage"] == "grpo"}
+        n, d = arm[("naive", eta)], arm[("recompute", eta)]
+        clip = f"{n['clip_fraction_mean_mean']:#.2g} / {d['clip_fraction_mean_mean']:#.2g}"
+        if eta == 0:
+            cells = [f"0 ({n['eval_mean_mean']:.3f} ± {n['eval_mean_spread']:.3f})", "-",
+                     f"0 ({d['eval_mean_mean']:.3f} ± {d['eval_mean_spread']:.3f})", "-"]
+        else:
+            cells = []
+            for a in (n, d):
+                m, h = a["eval_mean_vs_sync_mean"], a["eval_mean_vs_sync_ci95"]
+                bold = m - h > 0 or m + h < 0
+                cells += [f"**{m:+.3f}**" if bold else f"{m:+.3f}", f"[{m - h:+.3f}, {m + h:+.3f}]"]
+        return ("| " + " | ".join([str(eta), *cells, clip]) + " |",)
+    return figures
+
+
+def hard_option_row(option: str, label: str) -> Callable[[], tuple[str]]:
+    """A row of the harder sweep's options table: option - decoupled, mean EM over the run, per eta and pooled."""
+    def figures():
+        cells = [diff_ci(c["eval_mean_diff_mean"], c["eval_mean_diff_ci95"])
+                 for c in hard()["contrast_option_minus_recompute"][option]]
+        return ("| " + " | ".join([label, *cells]) + " |",)
+    return figures
+
+
+def hard_pooled_final() -> tuple[str, ...]:
+    """Each option's final-EM difference pooled over eta 1-16."""
+    opts = hard()["contrast_option_minus_recompute"]
+    pooled = {o: [c for c in opts[o] if c["eta"] == "pooled"][0] for o in ("tis", "icepop", "seq_mis", "m2po")}
+    return tuple(f"{c['eval_final_diff_mean']:+.3f}" for c in pooled.values())
+
+
+def hard_final(objective: str) -> tuple[str, ...]:
+    """Final EM at step 200 minus sync, with interval, at eta 4, 8, 16."""
+    arm = {a["eta"]: a for a in hard()["arms"] if a["advantage"] == "grpo" and a["objective"] == objective}
+    out = []
+    for eta in (4, 8, 16):
+        m, h = arm[eta]["eval_final_vs_sync_mean"], arm[eta]["eval_final_vs_sync_ci95"]
+        out += [f"{m:+.3f}", f"{m - h:+.3f}", f"{m + h:+.3f}"]
+    return tuple(out)
+
+
+def hard_decoupled_minus_naive() -> tuple[str, ...]:
+    """Decoupled minus naive, mean EM over the run, paired by seed: eta 0 with interval, eta 1 and 2, eta 4, 8,
+    16 with intervals, pooled with its interval."""
+    c = {x["eta"]: x for x in hard()["contrast_recompute_minus_naive"] if x["advantage"] == "grpo"}
+    def ci3(e):
+        m, h = c[e]["eval_mean_diff_mean"], c[e]["eval_mean_diff_ci95"]
+        return f"{m:+.3f}", f"{m - h:+.3f}", f"{m + h:+.3f}"
+
+    return (*ci3(0), f"{c[1]['eval_mean_diff_mean']:+.3f}", f"{c[2]['eval_mean_diff_mean']:+.3f}", *ci3(4), *ci3(8),
+            *ci3(16), *ci3("pooled"))
+
+
+def hard_acted_row(eta: int) -> Callable[[], tuple[str]]:
+    """A row of the harder sweep's "what each option acted on" table: the share of loss tokens TIS truncated,
+    IcePop, sequence MIS and M2PO masked (%), and the decoupled arm's k3 and mean(p - b)."""
+    def figures():
+        arm = {(a["objective"], a["eta"]): a for a in hard()["arms"] if a["advantage"] == "grpo"}
+        pct = (lambda x: "0" if x == 0 else f"{100 * x:#.2g} %")
+        acted = [pct(arm[(o, eta)][f"{k}_mean_mean"]) for o, k in (
+            ("tis", "tis_truncated_fraction"), ("icepop", "token_mis_masked_fraction"),
+            ("seq_mis", "seq_mis_masked_fraction"), ("m2po", "m2po_masked_fraction"))]
+        d = arm[("recompute", eta)]
+        k3, kl = d["mismatch_k3_mean_mean"], d["behav_kl_mean_mean"]
+        tail = [sci(k3), f"{kl:.1e}"] if eta == 0 else [f"{k3:#.2g}", f"{kl:#.2g}"]
+        return ("| " + " | ".join([str(eta), *acted, *tail]) + " |",)
+    return figures
+
+
+def scale_run(commit: str, servers: int) -> dict:
+    """The controller_scale row measured at ``commit`` (its provenance, ``-dirty`` included) with ``servers``."""
+    found = [r for r in rows("controller_scale.jsonl") if r["provenance"]["commit"] == commit and r["servers"] == servers]
+    assert len(found) == 1, f"bench/results/controller_scale.jsonl has {len(found)} rows at {commit} with {servers} servers"
+    return found[0]
+
+
+def scale_memory(commit: str, servers: int, full: bool = True) -> Callable[[], tuple[str, ...]]:
+    """docs/scale.md's table of the options: received tok/s, share of a core, CPU us / token (and tok/s per core,
+    M), the simulator's CPU us / token, held tokens at peak (M; groups), RSS above base (MB), bytes / held token."""
+    def figures():
+        r = scale_run(commit, servers)
+        us = f"{r['cpu_us_per_tok']:.3f}" if r["cpu_us_per_tok"] < 0.3 else f"{r['cpu_us_per_tok']:.2f}"
+        held = r["at_peak_held_tokens"] / 1e6
+        held = f"{held:.2f}" if held < 1 else f"{held:.1f}"
+        return (thousands(r["received_tok_s"]), f"{half_up(100 * r['cpu_util'])}", us,
+                *((f"{r['client_tok_s_per_core'] / 1e6:.1f}",) if full else ()),
+                f"{r['sim_cpu_us_per_tok']:.3f}" if r["sim_cpu_us_per_tok"] < 0.1 else f"{r['sim_cpu_us_per_tok']:.2f}",
+                held, thousands(r["at_peak_rss_above_base_mb"]),
+                f"{r['rss_bytes_per_held_token']:.1f}" if r["rss_bytes_per_held_token"] < 100
+                else thousands(r["rss_bytes_per_held_token"]))
+    return figures
+
+
+def scale_max_speed() -> tuple[str, ...]:
+    """The --max-speed row: scale_memory's figures, with the checks' share of a core after the controller's,
+    and the buffer's groups and the running groups' tokens (M) after the held tokens."""
+    r = scale_run("f8a54d8", 64)
+    m = scale_memory("f8a54d8", 64)()
+    return (*m[:2], f"{half_up(100 * r['check_cpu_s'] / r['wall_s'])}", *m[2:6], str(r["at_peak_buffer_groups"]),
+            f"{r['at_peak_in_flight_finished_tokens'] / 1e6:.1f}", *m[6:])
+
+
+def scale_baseline(commit: str, servers: int, gc: bool = True) -> Callable[[], tuple[str, ...]]:
+    """docs/scale.md's baseline table: received tok/s, CPU us / token, share of a core, GC share, loop lag
+    p50 / p99 / max (ms), pause -> acked max, pause -> continue mean / max (s), RSS before -> peak (MB), samples
+    checked, load average."""
+    def figures():
+        r = scale_run(commit, servers)
+        return (thousands(r["received_tok_s"]), f"{r['cpu_us_per_tok']:.2f}", f"{half_up(100 * r['cpu_util'])}",
+                *((f"{half_up(100 * r['gc_share_of_cpu'])}",) if gc else ()),
+                f"{r['lag_p50_ms']:.1f}", thousands(r["lag_p99_ms"]), thousands(r["lag_max_ms"]), f"{r['pause_ack_max_s']:.2f}",
+                f"{r['pause_to_continue_mean_s']:.2f}", f"{r['pause_to_continue_max_s']:.2f}",
+                f"{half_up(r['rss_before_mb'])}", f"{half_up(r['peak_rss_mb'])}", thousands(r["samples_checked"]),
+                f"{r['load_avg_1m']:.1f}")
+    return figures
+
+
+SIM_SETUPS = {"1.5B, 16 nodes x 8 GPUs": "1.5B, 128 GPUs", "7B, 24 nodes x 8 GPUs": "7B, 192 GPUs",
+              "1.5B, 4 GPUs": "1.5B, 4 GPUs", "7B, 8 GPUs": "7B, 8 GPUs"}
+
+
+def sim_run(setup: str, gen: int, nth: int = 0) -> Callable[[], tuple[str]]:
+    """A row of docs/scale.md's simulated-time table: the ``nth`` run of ``setup`` with ``gen`` generation GPUs
+    (sync: every GPU); the best split of the setup (most samples/s) in bold, a repeated sync run "(again)"."""
+    def figures():
+        runs = [r for r in rows("async_speedup.jsonl") if r["setup"] == setup]
+        r = [x for x in runs if x["gen_gpus"] == gen][nth]
+        best = max((x for x in runs if x["arm"] == "async"), key=lambda x: x["samples_per_s"])
+        bold = (lambda t: f"**{t}**" if r is best else str(t))
+        rate = f"{r['samples_per_s']:.1f}" if r["samples_per_s"] >= 10 else f"{r['samples_per_s']:.2f}"
+        arm = "async eta 4" if r["arm"] == "async" else "sync eta 0" + (" (again)" if nth else "")
+        stale = "0 / 0" if r["arm"] == "sync" else f"{r['staleness_mean']:.2f} / {r['staleness_max']}"
+        cells = [SIM_SETUPS[setup], arm, bold(r["gen_gpus"]), bold(r["train_gpus"]), thousands(r["step_s"]), bold(rate),
+                 thousands(r["train_step_model_s"]), thousands(r["wait_for_batch_s"]), stale]
+        return ("| " + " | ".join(cells) + " |",)
+    return figures
+
+
+def sim_split() -> tuple[str, ...]:
+    """The best splits' share of generation GPUs (1.5B, 7B at 192), and how close the 1.5B runner-up came (%)."""
+    summary = {s: newest("async_speedup_summary.jsonl", setup=s) for s in ("1.5B, 16 nodes x 8 GPUs",
+                                                                          "7B, 24 nodes x 8 GPUs")}
+    runs = sorted((r for r in rows("async_speedup.jsonl") if r["setup"] == "1.5B, 16 nodes x 8 GPUs"
+                   and r["arm"] == "async"), key=lambda r: -r["samples_per_s"])
+    share = [100 * x["best_gen_gpus"] / (x["best_gen_gpus"] + x["best_train_gpus"]) for x in summary.values()]
+    return (f"{share[0]:.3g}", f"{ceil(100 * (1 - runs[1]['samples_per_s'] / runs[0]['samples_per_s']))}",
+            f"{share[1]:.3g}")
+
+
+def sim_7b_pairs() -> tuple[str, ...]:
+    """7B at 192 GPUs: the speedup of every (best async, sync) pair across its two sessions, min and max; the two
+    sync runs' load averages and how far apart their rates are (%)."""
+    r = [x for x in rows("async_speedup.jsonl") if x["setup"] == "7B, 24 nodes x 8 GPUs"]
+    syncs = [x for x in r if x["arm"] == "sync"]
+    best = [max((x for x in r if x["arm"] == "async" and x["provenance"]["commit"] == c), key=lambda x: x["samples_per_s"])
+            for c in dict.fromkeys(x["provenance"]["commit"] for x in syncs)]
+    ratios = [a["samples_per_s"] / s["samples_per_s"] for a in best for s in syncs]
+    rates = sorted(s["samples_per_s"] for s in syncs)
+    return (f"{min(ratios):.2f}", f"{max(ratios):.2f}", *(f"{s['load_avg_1m']:.1f}" for s in syncs),
+            f"{100 * (rates[1] / rates[0] - 1):.1f}")
+
+
+def sim_all_speedups() -> tuple[str, ...]:
+    setups = {r["setup"] for r in rows("async_speedup_summary.jsonl")}
+    s = [newest("async_speedup_summary.jsonl", setup=x)["speedup"] for x in setups]
+    return f"{min(s):.1f}", f"{max(s):.1f}"
+
+
 @dataclass(frozen=True)
 class Figure:
     doc: str
@@ -364,10 +616,46 @@ FIGURES = [
            lambda: (suite_sentence(),), whole=True),
     Figure("examples/README.md", "of the means **{}x**", "e2e.jsonl", e2e_speedup),
     Figure("examples/README.md", "| trained tokens/s | {} [{}..{}] | {} [{}..{}] (", "e2e.jsonl", e2e_tokens),
-    Figure("docs/scale.md", "| 1.5B, 16 nodes x 8 GPUs | 80 / 48 (62%; 96 / 32 within 4%) | **{}x** |",
-           "async_speedup_summary.jsonl", sim_speedup("1.5B, 16 nodes x 8 GPUs")),
-    Figure("docs/scale.md", "| 7B, 24 nodes x 8 GPUs | 112 / 80 (58%) | **{}x** (same-session pair",
-           "async_speedup_summary.jsonl", sim_speedup("7B, 24 nodes x 8 GPUs")),
+    Figure("examples/README.md", "| held-out exact match, final (step 120) | {} [{}..{}] | {} [{}..{}] |", "e2e.jsonl",
+           e2e_stat("eval_final", 3)),
+    Figure("examples/README.md", "| held-out exact match, best | {} [{}..{}] | {} [{}..{}] |", "e2e.jsonl",
+           e2e_stat("eval_best", 3)),
+    Figure("examples/README.md", "| time to held-out >= 0.7 (first eval that hit it) | {} s [{}..{}] | {} s [{}..{}] |",
+           "e2e.jsonl", e2e_stat("time_to_target_s", 1, "0.7")),
+    Figure("examples/README.md", "| time to held-out >= 0.8 | {} s [{}..{}] | {} s [{}..{}] |", "e2e.jsonl",
+           e2e_stat("time_to_target_s", 1, "0.8")),
+    Figure("examples/README.md", "| held-out exact match, warm start | {} [{}..{}] | {} [{}..{}] |", "e2e.jsonl",
+           e2e_spread("eval_first", 3)),
+    Figure("examples/README.md", "| trained samples/s | {} [{}..{}] | {} [{}..{}] |", "e2e.jsonl",
+           e2e_spread("trained_samples_per_s", 0)),
+    Figure("examples/README.md", "| wall time for 120 steps | {} s [{}..{}] | {} s [{}..{}] |", "e2e.jsonl",
+           e2e_spread("elapsed_s", 1)),
+    Figure("examples/README.md", "| time: waiting for a batch / training / weight sync / eval (mean s) | "
+           "{} / {} / {} / {} | {} / {} / {} / {} |", "e2e.jsonl", e2e_breakdown),
+    Figure("examples/README.md", "| staleness of trained groups | 4 for {} %, 0-3 mostly at the start, {} of {} "
+           "groups at 5-6 | 0 |", "e2e.jsonl", e2e_staleness),
+    Figure("examples/README.md", "the trainer waits {} s of ~100 s", "e2e.jsonl", lambda: (e2e_breakdown()[4],)),
+    Figure("examples/README.md", "({} vs {} s for the same 120 steps)", "e2e.jsonl",
+           lambda: (e2e_breakdown()[1], e2e_breakdown()[5])),
+    *(Figure("docs/scale.md", "{}", "async_speedup.jsonl", sim_run(setup, gen, nth), whole=True)
+      for setup, gens in (("1.5B, 16 nodes x 8 GPUs", (128, 64, 80, 96, 112)),
+                          ("7B, 24 nodes x 8 GPUs", (192, 96, 112, 128, 144, 160)), ("1.5B, 4 GPUs", (4, 2, 3)),
+                          ("7B, 8 GPUs", (8, 4, 5, 6, 7)))
+      for gen in gens for nth in ((0, 1) if gen == 192 else (0,))),
+    Figure("docs/scale.md", "| 1.5B, 16 nodes x 8 GPUs | 80 / 48 ({}%; 96 / 32 within {}%) | **{}x** |",
+           "async_speedup_summary.jsonl", lambda: (*sim_split()[:2], *sim_speedup("1.5B, 16 nodes x 8 GPUs")())),
+    Figure("docs/scale.md", "| 7B, 24 nodes x 8 GPUs | 112 / 80 ({}%) | **{}x** (same-session pair; {}-{}x across the "
+           "two sync runs) |", "async_speedup_summary.jsonl",
+           lambda: (sim_split()[2], *sim_speedup("7B, 24 nodes x 8 GPUs")(), *sim_7b_pairs()[:2])),
+    Figure("docs/scale.md", "| 1.5B, 8 GPUs | 5 / 3 (the 128-GPU slice itself) | {}x |", "async_speedup_summary.jsonl",
+           sim_speedup("1.5B, 16 nodes x 8 GPUs")),
+    Figure("docs/scale.md", "The model lands a little below the paper's 2.57-2.77x ({}-{}x).",
+           "async_speedup_summary.jsonl", sim_all_speedups),
+    Figure("docs/scale.md", "The two sync runs of the 7B setup, at load averages {} and {}, differ by {}%",
+           "async_speedup.jsonl", lambda: sim_7b_pairs()[2:]),
+    Figure("docs/scale.md", "(the controller had changed; its CPU stays below {}% of a core in every run)",
+           "async_speedup.jsonl",
+           lambda: (f"{ceil(100 * max(r['controller_cpu_util'] for r in rows('async_speedup.jsonl')))}",)),
     Figure("docs/scale.md", "| 1.5B, 4 GPUs | 3 / 1 | {}x |", "async_speedup_summary.jsonl",
            sim_speedup("1.5B, 4 GPUs")),
     Figure("docs/scale.md", "| 7B, 8 GPUs | 5 / 3 | {}x |", "async_speedup_summary.jsonl", sim_speedup("7B, 8 GPUs")),
@@ -381,6 +669,24 @@ FIGURES = [
            client_rate()),
     Figure("docs/scale.md", "({}M at {}% before heap trimming and parking)", "controller_scale.jsonl",
            client_rate("client rate at 256 servers: simulator without a decode-rate")),
+    Figure("docs/scale.md", "| 8 / 512, `--compress 1 --steps 2 --fill-buffer --buffer-memory-mb none` | {} | {}% | {} "
+           "({}M) | {} | {}M (64 + a batch of 16) | {} MB | {} |", "controller_scale.jsonl",
+           scale_memory("97c00c5-dirty", 8)),
+    Figure("docs/scale.md", "| same, `--reference-renderer` | {} | {}% | {} | {} | {}M | {} MB | {} |",
+           "controller_scale.jsonl", scale_memory("41c08b5-dirty", 8, full=False)),
+    Figure("docs/scale.md", "| 64 / 4,096, `--compress 1 --steps 10 --train-s 0.01 --max-speed` | {} | {}% (+{}% checks) "
+           "| {} ({}M) | {} | {}M ({}, + {}M in running groups) | {} MB | {} |", "controller_scale.jsonl",
+           scale_max_speed),
+    Figure("docs/scale.md", "| 64 / 4,096, default (/16, real time) | {} | {}% | {} | {} | {}M | {} MB | {} |",
+           "controller_scale.jsonl", scale_memory("97c00c5-dirty", 64, full=False)),
+    Figure("docs/scale.md", "| 8 / 512 | {} | {} | {}% | {}% | {} / {} / {} | {} | {} / {} | {} -> {} | yes, {} samples | {} |",
+           "controller_scale.jsonl", scale_baseline("49827d3", 8)),
+    Figure("docs/scale.md", "| 64 / 4,096 | {} | {} | {}% | {}% | {} / {} / {} | {} | {} / {} | {} -> {} | yes, {} samples | "
+           "{} |", "controller_scale.jsonl", scale_baseline("49827d3", 64)),
+    Figure("docs/scale.md", "| 8 / 512 (earlier run) | {} | {} | {}% | - | {} / {} / {} | {} | {} / {} | {} -> {} | yes, {} "
+           "samples | {} |", "controller_scale.jsonl", scale_baseline("12e2ca5", 8, gc=False)),
+    Figure("docs/scale.md", "| 64 / 4,096 (earlier run) | {} | {} | {}% | - | {} / {} / {} | {} | {} / {} | {} -> {} | yes, "
+           "{} samples | {} |", "controller_scale.jsonl", scale_baseline("12e2ca5", 64, gc=False)),
     *(Figure("docs/scale.md", f"| {n:,} | {{}} | {{}} | {{}}x |", "answer_parse.jsonl", answer_parse(n))
       for n in (100, 1000, 4000, 32000)),
     Figure("docs/vllm.md", "| abort (client pause, settle, resume) | {} | {} s | {} (resubmitted prefixes) | 0 |",
@@ -423,6 +729,19 @@ FIGURES = [
     *(Figure("docs/staleness_ablation.md", f"| {eta} | {objective} | {adv} | {{}} ± {{}} | {{}} ± {{}} | {{}} ± {{}} | "
              "{} | {} / {} | {}% |", "staleness.jsonl", staleness_arm(eta, objective, adv))
       for adv in ("grpo", "rloo") for objective in ("recompute", "loglinear", "naive") for eta in (0, 1, 2, 4, 8, 16)),
+    *(Figure("docs/staleness_ablation.md", "{}", HARD, hard_eta_row(eta), whole=True) for eta in (0, 1, 2, 4, 8, 16)),
+    *(Figure("docs/staleness_ablation.md", "{}", HARD, hard_option_row(option, label), whole=True)
+      for option, label in (("tis", "TIS (token, truncate at C = 2)"), ("icepop", "IcePop (token band [0.5, 5])"),
+                            ("seq_mis", "sequence MIS [0.5, 2]"), ("m2po", "M2PO (tau = 0.04)"))),
+    *(Figure("docs/staleness_ablation.md", "{}", HARD, hard_acted_row(eta), whole=True) for eta in (0, 1, 2, 4, 8, 16)),
+    Figure("docs/staleness_ablation.md", "(pooled over eta 1-16: TIS {}, IcePop {}, sequence MIS {}, M2PO {})", HARD,
+           hard_pooled_final),
+    Figure("docs/staleness_ablation.md", "Final EM at step 200, same pairing: naive {} [{}, {}] at eta 4, {} [{}, {}] "
+           "at 8 and {} [{}, {}] at 16; decoupled {} [{}, {}], {} [{}, {}] and {} [{}, {}].", HARD,
+           lambda: (*hard_final("naive"), *hard_final("recompute"))),
+    Figure("docs/staleness_ablation.md", "Decoupled minus naive, paired by seed (mean EM over run): eta 0 {} [{}, {}]; "
+           "eta 1 {}; eta 2 {}; eta 4 **{} [{}, {}]**; eta 8 **{} [{}, {}]**; eta 16 **{} [{}, {}]**; averaged over "
+           "eta 1-16 per seed first (the report's pooled row) **{} [{}, {}]**.", HARD, hard_decoupled_minus_naive),
     *(Figure("docs/pause_modes.md", text, "async_speedup_pause_mode_summary.jsonl", pause_arm(setup, arm), after=head)
       for setup, head, arms in (("1.5B, 16 nodes x 8 GPUs", "**1.5B, 128 GPUs", ("abort", "retract")),
                                 ("7B, 24 nodes x 8 GPUs", "**7B, 192 GPUs", ("retract",)))
@@ -441,21 +760,33 @@ FIGURES = [
           ("20261125_1949", "main", "40:server_kill", ""), ("20261125_1949", "main", "220:server_stop:20", ""),
           ("20261125_1949", "main", "380:reward_kill", ""), ("20261125_1949", "main", "440:reward_hang:15", ""),
           ("20261125_1949", "main", "580:controller_kill", ""), ("20261125_1949", "main", "990:server_stop:never", ""),
-          ("20261125_1949", "proxy", "40:proxy_slow:30:1.0", ""), ("20261125_1949", "proxy", "250:proxy_slow:20:30", ""),
+          ("20261125_1949", "proxy", "40:proxy_slow:30:1.0", ""),
+          ("20261125_1949", "proxy", "250:proxy_slow:20:30", ""),
           ("20261125_2020", "main", "40:server_stop:never", "40:server_stop:never (main, 3 launched)"),
           ("20261125_2020", "proxy", "40:proxy_slow:20:30", "40:proxy_slow:20:30 (proxy, 2 external)"),
           ("20261125_2024", "proxy", "40:proxy_slow:20:30", "40:proxy_slow:20:30 (proxy, 2 external)"))),
-    *(Figure("docs/moe.md", f"| {seed} | {{}} % | {{}} -> {{}} | {{}} -> {{}} | {{}} -> {{}} | {{}}{' %' * bool(mask)} -> {{}} |",
+    *(Figure("docs/moe.md", f"| {seed} | {{}} % | {{}} -> {{}} | {{}} -> {{}} | {{}} -> {{}} | "
+             f"{{}}{' %' * bool(mask)} -> {{}} |",
              "routing_replay_engine_20261128_1000.md", replay_engine("20261128_1000", seed),
              after="**Paired, on engine-generated samples**")
       for seed, mask in ((1, False), (2, True), (3, True))),
     Figure("docs/moe.md", "k3 is {}x, {}x and {}x lower with replay at temperature 1, {}x, {}x and {}x at 0.6",
            "routing_replay_engine_20261128_1000.md", replay_k3_ratios),
     Figure("docs/moe.md", "{} / {} / {} without and {} / {} / {} with replay on the recipe's strings, {} / {} / {} "
-           "against {} / {} / {} on the longer ones; {}-{} % of the recorded routings differ", "routing_replay_loop.jsonl",
-           replay_loop),
+           "against {} / {} / {} on the longer ones; {}-{} % of the recorded routings differ",
+           "routing_replay_loop.jsonl", lambda: replay_loop()[:14]),
     Figure("docs/moe.md", "the trainer's step {}-{} s and its recompute {}-{} s with or without replay",
            "routing_replay_loop.jsonl", lambda: replay_loop()[-4:]),
+    Figure("docs/reward.md", "(`bench/results/reward.jsonl`, at a load average of {}), a trivial program cost {} ms of "
+           "CPU per sandboxed run, all processes of the run counted ({} ms with the RLIMIT fallback instead of a "
+           "cgroup): {} ms are the interpreter itself", "reward.jsonl", lambda: reward_cost()[:4]),
+    Figure("docs/reward.md", "creating and removing a run's cgroup took {} ms. Wall time per run follows the machine's "
+           "load: {} ms (median) at that load", "reward.jsonl", lambda: reward_cost()[4:]),
+    Figure("docs/weight_sync.md", "| 1e-6 (GPU example) | {} % | {} % | {} % | {} % | {} % of whole | {} % |",
+           "delta.jsonl", delta_fraction("gpu_example_1e-6")),
+    Figure("docs/weight_sync.md", "| 2e-4 (tiny example) | {} % | {} % | {} % | {} % | whole (above the threshold) "
+           "| {} % |",
+           "delta.jsonl", delta_fraction("tiny_example_2e-4")),
     Figure("docs/weight_sync.md", "| whole (`delta: off`) | {} MB | {} | yes |", "delta.jsonl", delta_gloo("off")),
     Figure("docs/weight_sync.md", "left CPU trainers on whole updates) | {} MB ({} %) | {} | yes |", "delta.jsonl",
            delta_gloo("auto")),
@@ -482,6 +813,7 @@ def test_each_quoted_figure_is_its_result_files(fig):
     assert (RESULTS / fig.source).is_file(), f"{fig.doc} quotes bench/results/{fig.source}, which is not committed"
     doc = _fold((REPO / fig.doc).read_text())
     want = tuple(_fold(w) for w in fig.figures())
+    assert len(want) == fig.text.count("{}"), f"the table's entry gives {len(want)} figures for {fig.text!r}"
     expected = fig.text.format(*want)
     if fig.whole:
         assert _fold(expected) in doc, f"{fig.doc} must say, from bench/results/{fig.source}: {expected!r}"

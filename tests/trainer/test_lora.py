@@ -39,6 +39,15 @@ def test_run_config_names_an_unknown_or_refused_target_module_at_load():
     assert cfg.rollout.server_env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
 
 
+def test_a_lora_run_fills_a_null_weights_method_with_disk_and_refuses_distributed():
+    """weights.method left null is chosen for the run (adapters travel as files); a value the user gave is
+    never replaced: 'distributed' in a LoRA run is refused, naming the key and the way out."""
+    assert load_config("examples/tiny_reverse_lora.yaml").weights.method == "disk"
+    assert load_config("examples/tiny_reverse.yaml", ["weights.method=null"]).weights.method == "distributed"
+    with pytest.raises(ConfigError, match=r"weights.method 'distributed'.*weights.method: disk"):
+        load_config("examples/tiny_reverse_lora.yaml", ["weights.method=distributed"])
+
+
 def test_lora_actor_starts_at_the_base_and_trains_only_the_adapter(tiny):
     path, hf = tiny
     actor = lora_actor(path)
