@@ -1,5 +1,5 @@
 """Asynchronous vs synchronous RL throughput in simulated GPU time, at the AReaL paper's scale: the real
-Controller, staleness gate and rollout client against simulated SGLang servers (``bench/sim_sglang.py``),
+Controller, staleness gate and rollout client against simulated SGLang servers (``tools/sim_sglang.py``),
 the trainer and weight sync simulated; ``--pause-modes``: GPU seconds lost per update per pause mode.
 The arms, the 1/16 slice and the constants' sources: docs/scale.md and docs/pause_modes.md.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import sim_sglang as sim  # noqa: E402
+from tools import sim_sglang as sim  # noqa: E402
 from bench.bench_controller_scale import RunSpec, run_controller  # noqa: E402
 from bench.common import add_harness_args, csv_list, print_table, provenance, save  # noqa: E402
 

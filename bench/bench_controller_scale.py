@@ -1,5 +1,5 @@
 """The controller at production scale: the real Controller, staleness gate and RolloutClient (or the
-sharded client, ``--client-procs N``) against N simulated SGLang servers (``bench/sim_sglang.py``, in a
+sharded client, ``--client-procs N``) against N simulated SGLang servers (``tools/sim_sglang.py``, in a
 child process so that this process's CPU is the controller's alone). What each row of
 ``bench/results/controller_scale.jsonl`` holds and the measured table: docs/scale.md.
 
@@ -34,7 +34,7 @@ from areal_fast.rollout.port import ClientRollout  # noqa: E402
 from areal_fast.rollout.sharded import ShardedRollout  # noqa: E402
 from areal_fast.rollout.staleness import StalenessManager  # noqa: E402
 from areal_fast.sample import Sample  # noqa: E402
-from bench import sim_sglang as sim  # noqa: E402
+from tools import sim_sglang as sim  # noqa: E402
 from bench.common import add_harness_args, print_table, provenance, save  # noqa: E402
 
 TICK_S = 0.01  # loop-lag ticker period: fine enough to see 10 ms stalls, ~100 wakeups/s of CPU

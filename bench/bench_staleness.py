@@ -52,24 +52,16 @@ OBJECTIVE_TITLES = {"recompute": "decoupled, recomputed proximal", "loglinear": 
                     "naive": "naive PPO (proximal = behaviour)", "tis": "decoupled + token TIS (C = 2)",
                     "icepop": "decoupled + IcePop [0.5, 5]", "seq_mis": "decoupled + sequence MIS [0.5, 2]",
                     "m2po": "decoupled + M2PO (tau = 0.04)"}
-# The hard-task sweep: a task still being learned after 200 steps at eta 0, 4 optimizer
-# steps per batch as AReaL does (so the decoupled clip acts from the second minibatch on), every eta,
-# naive / decoupled / decoupled + each option, 5 seeds, GRPO. The task is the shipped reversal with a
-# weak warm start (120 supervised steps instead of 350: held-out EM ~0.19 at step 0) and a lower RL
-# learning rate (5e-5 instead of 2e-4), so RL climbs slowly (pilot: 0.19 -> 0.31 -> 0.34 at steps
-# 0 / 25 / 50); answers are at most 12 characters, so max_new_tokens 16 (cheaper runaway samples).
-# The earlier design (8-20 character strings) did not learn at all in 250 steps (docs/staleness_ablation.md).
+# The hard-task sweep: a slowly learned task (weak warm start, low learning rate), 4 minibatches, every eta,
+# naive / decoupled / decoupled + each option, 5 seeds, GRPO; the design and its pilot: docs/staleness_ablation.md.
 HARD_OPTIONS = ["tis", "icepop", "seq_mis", "m2po"]
 PRESETS = {
     "hard": dict(etas=[0, 1, 2, 4, 8, 16], objectives=["naive", "recompute", *HARD_OPTIONS],
                  advantages=["grpo"], seeds=[1, 2, 3, 4, 5], steps=200, eval_every=25, batch_size=8,
                  overrides=["train.ppo.ppo_n_minibatches=4", "rollout.max_new_tokens=16", "train.optim.lr=5e-5",
                             "model.warm_start.steps=120"],
-                 # The run order, most information first; each phase is seed-major (all its arms for seed 1,
-                 # then seed 2, ...), so a sweep stopped part-way has complete seeds to pair. First the paper's
-                 # contrast (naive vs decoupled) at eta 0 / 4 / 16 (synchronous, the paper's naive-PPO collapse,
-                 # the extreme), then at 1 / 2 / 8; then the options where they can act (eta 16, then 8), their
-                 # own eta 0 (until then they are paired with the decoupled eta 0 run), and the rest.
+                 # the run order, most information first, each phase seed-major (a sweep stopped part-way has
+                 # complete seeds to pair): naive vs decoupled at 0 / 4 / 16, then 1 / 2 / 8, then the options
                  plan=[(["naive", "recompute"], [0, 4, 16]), (["naive", "recompute"], [1, 2, 8]),
                        (HARD_OPTIONS, [16]), (HARD_OPTIONS, [8]), (HARD_OPTIONS, [0]), (HARD_OPTIONS, [1, 2, 4])]),
 }

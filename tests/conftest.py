@@ -70,6 +70,14 @@ SLOW_TESTS = {
         "reward worker processes killed and restarted by hung and crashing tools",
     ("test_workflow.py", "test_python_tool_runs_model_code_in_the_sandbox_and_stops_a_loop"):
         "sandboxed Python programs run from a reward worker process",
+    ("test_agent_process.py", "test_process_agent_calls_then_sets_its_reward_over_http_which_ends_the_episode"):
+        "an agent script run as its own process (it imports the openai package: ~3-8 s)",
+    ("test_agent_process.py", "test_process_that_sets_no_reward_or_fails_is_a_failed_episode"):
+        "agent scripts run as their own processes (each imports the openai package: ~3-8 s)",
+    ("test_gpu_suite.py", "test_sigterm_ends_the_step_and_records_it"):
+        "the GPU day in a subprocess, stopped by SIGTERM mid-step",
+    ("test_gpu_suite.py", "test_a_killed_day_keeps_its_finished_steps_and_takes_its_step_along"):
+        "the GPU day in a subprocess, killed mid-step",
 }
 
 

@@ -1,2 +1,4 @@
-"""Device and packaging checks that are not benchmarks: the GPU day's runner (``gpu_suite``), the sm_90a
-static compile check (``static_sm90``) and the optional-import blocker (``without_optional/``)."""
+"""What is not a benchmark but serves them and the tests: the GPU day's runner (``gpu_suite``), the sm_90a
+static compile check (``static_sm90``), the optional-import blocker (``without_optional/``) and the simulated
+SGLang fleet (``sim_sglang``: many cheap servers in one process, used by the scale benchmarks and the
+rollout tests)."""

@@ -12,7 +12,7 @@ from _shared import wait_until  # noqa: E402, I001
 
 from areal_fast.backends.sglang.client import SGLangRolloutClient  # noqa: E402
 from bench import bench_controller_scale as scale
-from bench import sim_sglang as sim
+from tools import sim_sglang as sim
 
 PROMPT_LEN = 7
 MAX_NEW = 600

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import json
 import re
-from math import ceil
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal, localcontext
+from math import ceil
 from pathlib import Path
 
 import pytest
@@ -251,7 +251,8 @@ def pause_cpu(mode: str) -> Callable[[], tuple[str, ...]]:
     """docs/pause_modes.md's CPU quality table: final EM mean ± std, EM over the run, staleness, KL, samples/s."""
     def figures():
         r = newest("pause_mode_cpu.jsonl", pause_mode=mode)
-        return (f"{r['em_final_mean']:.3f}", f"{r['em_final_std']:.3f}", f"{r['em_over_run_mean']:.3f}",
+        return (f"{r['em_final_mean']:.3f}", f"{r['em_final_std']:.3f}",
+                *(f"{x:.3f}" for x in r["em_final_per_seed"]), f"{r['em_over_run_mean']:.3f}",
                 f"{r['staleness_mean']:.2f}", f"{r['behav_kl_mean']:.5f}", f"{r['trained_samples_per_s']:.1f}")
     return figures
 
@@ -499,8 +500,9 @@ def hard_acted_row(eta: int) -> Callable[[], tuple[str]]:
 
 def scale_run(commit: str, servers: int) -> dict:
     """The controller_scale row measured at ``commit`` (its provenance, ``-dirty`` included) with ``servers``."""
-    found = [r for r in rows("controller_scale.jsonl") if r["provenance"]["commit"] == commit and r["servers"] == servers]
-    assert len(found) == 1, f"bench/results/controller_scale.jsonl has {len(found)} rows at {commit} with {servers} servers"
+    found = [r for r in rows("controller_scale.jsonl")
+             if r["provenance"]["commit"] == commit and r["servers"] == servers]
+    assert len(found) == 1, f"bench/results/controller_scale.jsonl: {len(found)} rows at {commit}, {servers} servers"
     return found[0]
 
 
@@ -538,7 +540,8 @@ def scale_baseline(commit: str, servers: int, gc: bool = True) -> Callable[[], t
         r = scale_run(commit, servers)
         return (thousands(r["received_tok_s"]), f"{r['cpu_us_per_tok']:.2f}", f"{half_up(100 * r['cpu_util'])}",
                 *((f"{half_up(100 * r['gc_share_of_cpu'])}",) if gc else ()),
-                f"{r['lag_p50_ms']:.1f}", thousands(r["lag_p99_ms"]), thousands(r["lag_max_ms"]), f"{r['pause_ack_max_s']:.2f}",
+                f"{r['lag_p50_ms']:.1f}", thousands(r["lag_p99_ms"]), thousands(r["lag_max_ms"]),
+                f"{r['pause_ack_max_s']:.2f}",
                 f"{r['pause_to_continue_mean_s']:.2f}", f"{r['pause_to_continue_max_s']:.2f}",
                 f"{half_up(r['rss_before_mb'])}", f"{half_up(r['peak_rss_mb'])}", thousands(r["samples_checked"]),
                 f"{r['load_avg_1m']:.1f}")
@@ -582,8 +585,9 @@ def sim_7b_pairs() -> tuple[str, ...]:
     sync runs' load averages and how far apart their rates are (%)."""
     r = [x for x in rows("async_speedup.jsonl") if x["setup"] == "7B, 24 nodes x 8 GPUs"]
     syncs = [x for x in r if x["arm"] == "sync"]
-    best = [max((x for x in r if x["arm"] == "async" and x["provenance"]["commit"] == c), key=lambda x: x["samples_per_s"])
-            for c in dict.fromkeys(x["provenance"]["commit"] for x in syncs)]
+    sessions = dict.fromkeys(x["provenance"]["commit"] for x in syncs)
+    best = [max((x for x in r if x["arm"] == "async" and x["provenance"]["commit"] == c),
+                key=lambda x: x["samples_per_s"]) for c in sessions]
     ratios = [a["samples_per_s"] / s["samples_per_s"] for a in best for s in syncs]
     rates = sorted(s["samples_per_s"] for s in syncs)
     return (f"{min(ratios):.2f}", f"{max(ratios):.2f}", *(f"{s['load_avg_1m']:.1f}" for s in syncs),
@@ -594,6 +598,213 @@ def sim_all_speedups() -> tuple[str, ...]:
     setups = {r["setup"] for r in rows("async_speedup_summary.jsonl")}
     s = [newest("async_speedup_summary.jsonl", setup=x)["speedup"] for x in setups]
     return f"{min(s):.1f}", f"{max(s):.1f}"
+
+
+def scale_before_after(scale: str, code: str, commit: str, servers: int) -> Callable[[], tuple[str]]:
+    """A row of docs/scale.md's before/after table (whole: two rows share their first cells): load, received
+    tok/s (k), CPU us / token, GC collections and CPU s, loop lag p99 / max (ms), pause ack max, pause ->
+    continue max (s), answers back at pauses, peak RSS (MB)."""
+    def figures():
+        r = scale_run(commit, servers)
+        cont = r["pause_to_continue_max_s"]
+        cells = (scale, code, f"{r['load_avg_1m']:.1f}", f"{r['received_tok_s'] / 1e3:.3g}k",
+                 f"{r['cpu_us_per_tok']:.2f}",
+                 f"{thousands(r['gc_collections'])}, {r['gc_s']:.1f}",
+                 f"{thousands(r['lag_p99_ms'])} / {thousands(r['lag_max_ms'])}", f"{r['pause_ack_max_s']:.2f}",
+                 f"{cont:.3g}" if cont >= 10 else f"{cont:.2f}", thousands(r["aborted_answers"]),
+                 thousands(r["peak_rss_mb"]), "yes" if r["correct"] else "no")
+        return ("| " + " | ".join(cells) + " |",)
+    return figures
+
+
+def sharded_row(label: str, procs: int, note_prefix: str) -> Callable[[], tuple[str]]:
+    """A row of docs/scale.md's sharded-client table (the run whose note starts with ``note_prefix``): load
+    before-after, received tok/s (k), controller and total CPU us / token, share of a core (controller / all),
+    loop lag p50 / p99 / max (ms), pause -> acked and -> continue max (s), the simulator's loop lag max (s),
+    peak RSS (controller + workers, MB), samples checked."""
+    def figures():
+        found = [r for r in rows("controller_scale.jsonl") if r["servers"] == (64 if label.startswith("64") else 256)
+                 and (r.get("note") or "").startswith(note_prefix)]
+        assert len(found) == 1, f"bench/results/controller_scale.jsonl: {len(found)} rows noted {note_prefix!r}"
+        r = found[0]
+        sec = (lambda x: f"{x:.2f}" if x < 1 else f"{x:.1f}")
+        rss = thousands(r["peak_rss_mb"]) + (f" + {thousands(r['workers_peak_rss_mb'])}" if procs > 1 else "")
+        cells = [label, str(procs), f"{r['load_avg_1m_before']:.1f}-{r['load_avg_1m']:.1f}",
+                 f"{half_up(r['received_tok_s'] / 1e3)}k", f"{r['cpu_us_per_tok']:.2f}",
+                 f"{r['total_cpu_us_per_tok']:.2f}",
+                 f"{half_up(100 * r['cpu_util'])}% / {half_up(100 * r['total_cpu_util'])}%",
+                 " / ".join(thousands(r[k]) for k in ("lag_p50_ms", "lag_p99_ms", "lag_max_ms")),
+                 sec(r["pause_ack_max_s"]), sec(r["pause_to_continue_max_s"]), f"{r['sim_loop_lag_max_s']:.1f}", rss,
+                 f"yes, {thousands(r['samples_checked'])}"]
+        return ("| " + " | ".join(cells) + " |",)
+    return figures
+
+
+def noted(prefix: str) -> dict:
+    """The one controller_scale row whose note starts with ``prefix``."""
+    found = [r for r in rows("controller_scale.jsonl") if (r.get("note") or "").startswith(prefix)]
+    assert len(found) == 1, f"bench/results/controller_scale.jsonl has {len(found)} rows noted {prefix!r}"
+    return found[0]
+
+
+def rate(x: float) -> str:
+    """Received tokens/s as the docs write them: 245k, 2.8M."""
+    return f"{x / 1e6:.1f}" if x >= 1e6 else f"{half_up(x / 1e3)}"
+
+
+def state_row(prefix: str) -> Callable[[], tuple[str, ...]]:
+    """A row of docs/scale.md's state tables: received tokens/s (k or M), controller CPU us / token, share of a
+    core, loop lag p50 / p99 / max (ms), pause -> continue max (s), peak RSS (GB)."""
+    def figures():
+        r = noted(prefix)
+        return (rate(r["received_tok_s"]), f"{r['cpu_us_per_tok']:.2f}", f"{half_up(100 * r['cpu_util'])}",
+                *(thousands(r[k]) for k in ("lag_p50_ms", "lag_p99_ms", "lag_max_ms")),
+                f"{r['pause_to_continue_max_s']:.2f}", f"{r['peak_rss_mb'] / 1000:.2f}")
+    return figures
+
+
+def state_range(*prefixes: str) -> tuple[str, ...]:
+    """The full-buffer decode-16x runs at bound 1024 MB as ranges, and the earlier run's peak (GB)."""
+    rs = [noted(p) for p in prefixes]
+
+    def span(key, fmt):
+        lo, hi = min(r[key] for r in rs), max(r[key] for r in rs)
+        return fmt(lo), fmt(hi)
+    return (*span("received_tok_s", lambda x: f"{x / 1e6:.1f}"), *span("cpu_us_per_tok", lambda x: f"{x:.2f}"),
+            *span("cpu_util", lambda x: f"{half_up(100 * x)}"), *span("lag_p50_ms", thousands),
+            *span("lag_p99_ms", thousands), *span("lag_max_ms", thousands),
+            *span("pause_to_continue_max_s", lambda x: f"{x:.2f}"), f"{rs[1]['peak_rss_mb'] / 1000:.2f}",
+            f"{rs[0]['peak_rss_mb'] / 1000:.2f}")
+
+
+def quiet_row(prefix: str) -> Callable[[], tuple[str, ...]]:
+    """A row of docs/scale.md's quiet-machine table: CPU us / token (controller; all processes when sharded), GC
+    share (%), loop lag p50 / p99 / max (ms), pause -> continue max (s), peak RSS (GB; + the workers'), tok/s (k)."""
+    def figures():
+        r = noted(prefix)
+        workers = r["client_procs"] > 1
+        us = (f"{r['cpu_us_per_tok']:.3g}", f"{r['total_cpu_us_per_tok']:.2f}") if workers else (
+            f"{r['cpu_us_per_tok']:.2f}",)
+        rss = (f"{r['peak_rss_mb'] / 1000:.2f}", f"{r['workers_peak_rss_mb'] / 1000:.2f}") if workers else (
+            f"{(r['process_peak_rss_mb'] if '/4' in prefix else r['peak_rss_mb']) / 1000:.2f}",)
+        return (*us, f"{100 * r['gc_share_of_cpu']:.1f}", *(thousands(r[k]) for k in ("lag_p50_ms", "lag_p99_ms",
+                "lag_max_ms")), f"{r['pause_to_continue_max_s']:.2f}", *rss, f"{half_up(r['received_tok_s'] / 1e3)}")
+    return figures
+
+
+def parked_workers_row() -> tuple[str, ...]:
+    """docs/scale.md's latest-state row with 2 client workers: tokens/s, controller and workers' CPU us / token
+    and shares of a core, loop lag, pause -> continue max, controller and workers' peak RSS (GB)."""
+    r = noted("sharded client, 2 worker processes; finished episodes parked")
+    return (rate(r["received_tok_s"]), f"{r['cpu_us_per_tok']:.2f}", f"{r['worker_cpu_us_per_tok']:.2f}",
+            f"{half_up(100 * r['cpu_util'])}", f"{half_up(100 * (r['total_cpu_util'] - r['cpu_util']))}",
+            *(thousands(r[k]) for k in ("lag_p50_ms", "lag_p99_ms", "lag_max_ms")),
+            f"{r['pause_to_continue_max_s']:.2f}", f"{r['peak_rss_mb'] / 1000:.2f}",
+            f"{r['workers_peak_rss_mb'] / 1000:.2f}")
+
+
+STATIC_ROWS = ("loss fwd, V = 151,936 bf16", "loss bwd, V = 151,936 bf16", "segment copy int64 [T]", "unpack int64 [T]",
+               "segment copy bf16 [T, 3584]", "unpack bf16 [T, 3584]", "segment copy int64 [T, 3, 5]",
+               "unpack int64 [T, 3, 5]", "pack int64 [B, L] (+ position ids)", "gather 5 per-token columns, T=4096",
+               "scatter 5 per-token columns, T=4097", "gather mixed widths, 6 columns, T=4096",
+               "scatter mixed widths, 6 columns, T=4096", "delta count, 151,936 x 3,584 bf16", "delta encode, same",
+               "delta apply, 13,068,927 changes (2.4 %)")
+STATIC_NAMES = {", V = 151,936 bf16": " V=151936 bfloat16",
+                "delta count, 151,936 x 3,584 bf16": "delta count 151936 x 3584 bf16",
+                "delta encode, same": "delta encode 151936 x 3584 bf16",
+                "delta apply, 13,068,927 changes (2.4 %)": "delta apply 151936 x 3584 bf16, 13068927 changes"}
+
+
+def static_row(triton: str, label: str) -> Callable[[], tuple[str]]:
+    """A row of docs/static_sm90.md's table from ``static_sm90-triton<triton>.json``: registers, spill bytes,
+    shared memory, the hot loop's own instructions ("(body)" for a loop-free kernel), SASS per element."""
+    def figures():
+        data = json.loads((RESULTS / f"static_sm90-triton{triton}.json").read_text())
+        name = label
+        for a, b in STATIC_NAMES.items():
+            name = name.replace(a, b)
+        if label.startswith("interval_copy_kernel"):
+            name = "interval_copy.cu"
+        [k] = [x for x in data["kernels"] if x["name"].split(":")[0] == name]
+        unit = {"16-bit word": "word", "16 bytes loaded": "16 B"}.get(k["element"], k["element"])
+        instr = f"{k['hot_loop']['own_instructions']}" + (" (body)" if k.get("loop_free") else "")
+        sass = "-" if k["sass_per_element"] is None else f"{k['sass_per_element']} / {unit}"
+        version = "nvcc" if name == "interval_copy.cu" else triton.rsplit(".", 1)[0]
+        cells = (version, label, str(k["registers"]), f"{k['spill_store_bytes']}/{k['spill_load_bytes']}",
+                 str(k["shared_bytes"]), instr, sass)
+        return ("| " + " | ".join(cells) + " |",)
+    return figures
+
+
+def pause_cpu_spread() -> tuple[str, ...]:
+    """docs/pause_modes.md's reading of the CPU table: the largest per-seed difference between modes, the range
+    of the per-mode std over seeds, and of the behaviour KL."""
+    r = [newest("pause_mode_cpu.jsonl", pause_mode=m) for m in ("abort", "retract", "in_place")]
+    per_seed = list(zip(*(x["em_final_per_seed"] for x in r)))
+    diff = max(max(s) - min(s) for s in per_seed)
+    std = sorted(x["em_final_std"] for x in r)
+    kl = sorted(x["behav_kl_mean"] for x in r)
+    return f"{diff:.3f}", f"{std[0]:.2f}", f"{std[-1]:.2f}", f"{kl[-1]:.3f}", f"{kl[0]:.3f}"
+
+
+def chaos_fault(stamp: str, phase: str, fault: str) -> dict:
+    data = json.loads((RESULTS / f"chaos_{stamp}.json").read_text())
+    [f] = [x for p in data["phases"] if p["phase"] == phase for x in p["faults"] if x["fault"] == fault]
+    return f
+
+
+def chaos_accounting() -> tuple[str, ...]:
+    """docs/chaos.md's sample accounting of the default-schedule run: lost, duplicated, then per phase issued,
+    trained, buffered, pending."""
+    data = json.loads((RESULTS / "chaos_20261125_1949.json").read_text())
+    acc = {p["phase"]: p["accounting"] for p in data["phases"]}
+    lost = sum(a["lost_n"] for a in acc.values())
+    dup = sum(a["duplicated_n"] for a in acc.values())
+    return (str(lost), str(dup), *(str(acc["main"][k]) for k in ("issued", "trained", "buffered", "pending")),
+            *(str(acc["proxy"][k]) for k in ("issued", "trained", "buffered", "pending")))
+
+
+def part(figures: Callable[[], tuple[str, ...]], start: int, n: int) -> Callable[[], tuple[str, ...]]:
+    """Figures ``start`` .. ``start + n`` of ``figures`` (one reading split over several quoted texts)."""
+    return lambda: figures()[start:start + n]
+
+
+def chaos_prose() -> tuple[str, ...]:
+    """docs/chaos.md's reading of the default-schedule run, fault by fault."""
+    f = (lambda fault, phase="main": chaos_fault("20261125_1949", phase, fault))
+    return (thousands(f("40:server_kill")["pool_back_s"]), thousands(f("220:server_stop:20")["pool_back_s"]),
+            f"{f('380:reward_kill')['recovery_s']:.1f}", str(f("380:reward_kill")["steps_delayed"]),
+            f"{half_up(100 * f('440:reward_hang:15')['dip'])}", thousands(f("440:reward_hang:15")["recovery_s"]),
+            thousands(f("580:controller_kill")["recovery_s"]), str(f("580:controller_kill")["steps_delayed"]),
+            f"{half_up(100 * f('40:proxy_slow:30:1.0', 'proxy')['dip'])}")
+
+
+def pause_summary(setup: str, arm: str, noted_run: bool = False) -> dict:
+    """The newest async_speedup_pause_mode_summary row of ``setup`` and ``arm``; ``noted_run``: the earlier
+    K = 25 run (rows with a note) instead of the table's."""
+    return [x for x in rows("async_speedup_pause_mode_summary.jsonl") if x["setup"] == setup
+            and x["pause_arm"] == arm and bool(x.get("note")) == noted_run][-1]
+
+
+def pause_prose() -> tuple[str, ...]:
+    """docs/pause_modes.md's reading of its tables: the K = 25 runs' prefill (M tokens, GPU s), the share of
+    generation lost and the speedups compared."""
+    small, big = "1.5B, 16 nodes x 8 GPUs", "7B, 24 nodes x 8 GPUs"
+    k25 = pause_summary(big, "abort", noted_run=True)
+    k25_small = [pause_summary(small, a, noted_run=True) for a in ("abort", "retract")]
+    k8_small = [pause_summary(small, a) for a in ("abort", "retract")]
+    lost = [pause_summary(s_, a)["lost_fraction_of_generation"] for s_, a in ((small, "abort"), (small, "retract"),
+                                                                              (big, "retract"))]
+    tok = (lambda rs: sorted(f"{r['recomputed_prefill_tokens_per_update'] / 1e6:.0f}" for r in rs))
+    gpu = (lambda rs: sorted(thousands(r["recomputed_prefill_gpu_s_per_update"]) for r in rs))
+    sp = (lambda setup, arm: f"{pause_summary(setup, arm)['speedup']:.2f}")
+    return (f"{k25['recomputed_prefill_tokens_per_update'] / 1e6:.1f}",
+            thousands(k25["recomputed_prefill_gpu_s_per_update"]),
+            *tok(k25_small), *gpu(k25_small), *tok(k8_small), *gpu(k8_small),
+            f"{100 * min(lost):.1f}", f"{100 * max(lost):.1f}",
+            f"{half_up(100 * pause_summary(small, 'in_place')['lost_fraction_of_generation'])}",
+            sp(small, "in_place"), sp(small, "retract"), sp(small, "in_place_ideal"), sp(small, "retract"),
+            sp(big, "in_place_ideal"), sp(big, "retract"))
 
 
 @dataclass(frozen=True)
@@ -615,6 +826,8 @@ FIGURES = [
     Figure("README.md", "The newest clean-clone `.ci/run` on 2 cores: {}.", "suite_time.jsonl",
            lambda: (suite_sentence(),), whole=True),
     Figure("examples/README.md", "of the means **{}x**", "e2e.jsonl", e2e_speedup),
+    Figure("examples/README.md", "to at least {} at step 120 in every seed, in both modes", "e2e.jsonl",
+           lambda: (f"{min(newest('e2e.jsonl')[f'{m}_eval_final']['min'] for m in ('async', 'sync')):.3f}",)),
     Figure("examples/README.md", "| trained tokens/s | {} [{}..{}] | {} [{}..{}] (", "e2e.jsonl", e2e_tokens),
     Figure("examples/README.md", "| held-out exact match, final (step 120) | {} [{}..{}] | {} [{}..{}] |", "e2e.jsonl",
            e2e_stat("eval_final", 3)),
@@ -674,19 +887,79 @@ FIGURES = [
            scale_memory("97c00c5-dirty", 8)),
     Figure("docs/scale.md", "| same, `--reference-renderer` | {} | {}% | {} | {} | {}M | {} MB | {} |",
            "controller_scale.jsonl", scale_memory("41c08b5-dirty", 8, full=False)),
-    Figure("docs/scale.md", "| 64 / 4,096, `--compress 1 --steps 10 --train-s 0.01 --max-speed` | {} | {}% (+{}% checks) "
+    Figure("docs/scale.md", "| 64 / 4,096, `--compress 1 --steps 10 --train-s 0.01 --max-speed` | {} | "
+           "{}% (+{}% checks) "
            "| {} ({}M) | {} | {}M ({}, + {}M in running groups) | {} MB | {} |", "controller_scale.jsonl",
            scale_max_speed),
     Figure("docs/scale.md", "| 64 / 4,096, default (/16, real time) | {} | {}% | {} | {} | {}M | {} MB | {} |",
            "controller_scale.jsonl", scale_memory("97c00c5-dirty", 64, full=False)),
-    Figure("docs/scale.md", "| 8 / 512 | {} | {} | {}% | {}% | {} / {} / {} | {} | {} / {} | {} -> {} | yes, {} samples | {} |",
+    Figure("docs/scale.md", "| 8 / 512 | {} | {} | {}% | {}% | {} / {} / {} | {} | {} / {} | {} -> {} | "
+           "yes, {} samples | {} |",
            "controller_scale.jsonl", scale_baseline("49827d3", 8)),
-    Figure("docs/scale.md", "| 64 / 4,096 | {} | {} | {}% | {}% | {} / {} / {} | {} | {} / {} | {} -> {} | yes, {} samples | "
+    Figure("docs/scale.md", "| 64 / 4,096 | {} | {} | {}% | {}% | {} / {} / {} | {} | {} / {} | {} -> {} | "
+           "yes, {} samples | "
            "{} |", "controller_scale.jsonl", scale_baseline("49827d3", 64)),
-    Figure("docs/scale.md", "| 8 / 512 (earlier run) | {} | {} | {}% | - | {} / {} / {} | {} | {} / {} | {} -> {} | yes, {} "
+    Figure("docs/scale.md", "| 8 / 512 (earlier run) | {} | {} | {}% | - | {} / {} / {} | {} | {} / {} | "
+           "{} -> {} | yes, {} "
            "samples | {} |", "controller_scale.jsonl", scale_baseline("12e2ca5", 8, gc=False)),
-    Figure("docs/scale.md", "| 64 / 4,096 (earlier run) | {} | {} | {}% | - | {} / {} / {} | {} | {} / {} | {} -> {} | yes, "
+    Figure("docs/scale.md", "| 64 / 4,096 (earlier run) | {} | {} | {}% | - | {} / {} / {} | {} | {} / {} | "
+           "{} -> {} | yes, "
            "{} samples | {} |", "controller_scale.jsonl", scale_baseline("12e2ca5", 64, gc=False)),
+    *(Figure("docs/scale.md", "{}", "controller_scale.jsonl", scale_before_after(scale, code, commit, servers),
+             whole=True)
+      for scale, code, commit, servers in (
+          ("64 / 4,096", "before", "12e2ca5", 64), ("64 / 4,096", "before", "49827d3", 64),
+          ("64 / 4,096", "after", "9e93af9", 64), ("256 / 16,384", "after", "9e93af9", 256),
+          ("256 / 16,384", "after (4478c76: control calls on new connections)", "4478c76", 256))),
+    Figure("docs/scale.md", "(the controller used {}% of a core); at 256 it is bounded by the machine (the simulated "
+           "servers took {} s of CPU in an {} s run, and the controller {} s, on 2 shared cores)",
+           "controller_scale.jsonl", lambda: (
+               f"{half_up(100 * scale_run('9e93af9', 64)['cpu_util'])}",
+               *(thousands(scale_run("9e93af9", 256)[k]) for k in ("sim_cpu_s", "wall_s", "cpu_s")))),
+    *(Figure("docs/scale.md", "{}", "controller_scale.jsonl", sharded_row(label, procs, note), whole=True)
+      for label, procs, note in (
+          ("64 / 4,096", 1, "sharded client, final: --client-procs 1"),
+          ("64 / 4,096", 2, "sharded client, final: --client-procs 2"),
+          ("64 / 4,096", 3, "sharded client, final: --client-procs 3"),
+          ("256 / 16,384", 1, "sharded client, final: --client-procs 1"),
+          ("256 / 16,384", 2, "sharded client, final: --client-procs 2"),
+          ("256 / 16,384", 3, "sharded client, final: --client-procs 3"),
+          *(("256 / 16,384, cheaper simulator", n, f"sharded client, cheaper simulator (orjson, GC thresholds): "
+             f"--client-procs {n}") for n in (1, 2, 3)))),
+    Figure("docs/scale.md", "| decode 16x, **2 client worker processes** | {}M | {} (+{} in the workers) | "
+           "{}% (+{}% in "
+           "the workers) | {} / **{}** / {} | {} | {} GB (+{} GB in the workers) |", "controller_scale.jsonl",
+           parked_workers_row),
+    Figure("docs/scale.md", "| answers /4, decode 4x real time; orjson parser, float32 columns | {}k | {} | "
+           "{}% | {} / {} "
+           "/ {} | {} | {} GB |", "controller_scale.jsonl", state_row("f32 columns, orjson parser (before the native "
+                                                                      "scanner), quiet machine")),
+    Figure("docs/scale.md", "| the same, native scanner | {}k | **{}** | {}% | {} / {} / {} | {} | {} GB |",
+           "controller_scale.jsonl", state_row("native answer scanner, float32 columns")),
+    Figure("docs/scale.md", "| full lengths, no decode-rate limit (the client is the bottleneck) | **{}M** | "
+           "{} | {}% | {} / {} / {} | {} | {} GB |", "controller_scale.jsonl", state_row("client rate at 256 servers")),
+    Figure("docs/scale.md", "| full lengths, full buffer (`--fill-buffer`), decode 4x real time, bound 1024 MB | "
+           "{}k | {} | {}% | {} / {} / {} | {} | {} GB |", "controller_scale.jsonl",
+           state_row("worst-case memory at full lengths, production buffer bound 1024 MB, decode 4x")),
+    Figure("docs/scale.md", "| full lengths, full buffer, decode 16x, bound 1024 MB | {}-{}M | {}-{} | "
+           "{}-{}% | {}-{} / {}-{} "
+           "/ {}-{} | {}-{} | {} GB ({} before the connection fix) |", "controller_scale.jsonl",
+           lambda: state_range("worst-case memory at full lengths: first step waits",
+                               "worst-case memory at full lengths, production buffer bound 1024 MB; connections")),
+    Figure("docs/scale.md", "| full lengths, full buffer, decode 16x, bound 256 MB | {}M | {} | {}% | "
+           "{} / {} / {} | {} "
+           "| {} GB |", "controller_scale.jsonl", state_row("worst-case memory at full lengths, buffer bound 256 MB")),
+    Figure("docs/scale.md", "| in process | /16 (median 250) | {} | {}% | {} / {} / {} | {} | {} GB | {}k |",
+           "controller_scale.jsonl", quiet_row("final, quiet machine, in-process client (HEAD")),
+    Figure("docs/scale.md", "| 2 workers | /16 | controller {}; all processes {} | {}% | {} / {} / {} | {} | "
+           "{} + {} GB | "
+           "{}k |", "controller_scale.jsonl", quiet_row("final, quiet machine, sharded client 2 processes (HEAD")),
+    Figure("docs/scale.md", "| in process | /4 (median 1,000) | {} | {}% | {} / {} / {} | {} | "
+           "{} GB (process peak) | {}k |",
+           "controller_scale.jsonl", quiet_row("final, quiet machine, in-process client, answers /4")),
+    Figure("docs/scale.md", "| 2 workers | /4 | **controller {}**; all processes {} | {}% | {} / {} / {} | "
+           "{} | {} + {} GB | {}k |", "controller_scale.jsonl",
+           quiet_row("final, quiet machine, sharded client 2 processes, answers /4")),
     *(Figure("docs/scale.md", f"| {n:,} | {{}} | {{}} | {{}}x |", "answer_parse.jsonl", answer_parse(n))
       for n in (100, 1000, 4000, 32000)),
     Figure("docs/vllm.md", "| abort (client pause, settle, resume) | {} | {} s | {} (resubmitted prefixes) | 0 |",
@@ -705,6 +978,8 @@ FIGURES = [
       for part, server in (("tiny", "embedded engine"), ("vllm", "real vLLM 0.32 CPU"))
       for rank in (8, 32)
       for whole_time in ["s" if (model, part) == ("small", "vllm") else "ms"]),
+    Figure("docs/lora.md", "estimated from the same run's measured safetensors write bandwidth ({} GB/s, page cache)",
+           "lora_sync.jsonl", lambda: (f"{newest('lora_sync.jsonl', part='7b')['write_gb_per_s']:.2f}",)),
     *(Figure("docs/lora.md", f"| {rank} | {{}} M | {{}} MB | {{}} s | {{}} GB | {{}} s | {{}}x |", "lora_sync.jsonl",
              lora_7b(rank)) for rank in (8, 32, 128)),
     *(Figure("docs/lora.md", f"| small (55 M), measured | {rank or 'none'} | {{}} M | {{}} MB | {{}} MB | {{}} MB | "
@@ -750,10 +1025,21 @@ FIGURES = [
                           for a in arms),
                         ("in_place", "| `in_place` (+10 % decode) | {} | 0 | 0 | {} | {} % | {} | {} | {}x |"),
                         ("in_place_ideal", "| `in_place_ideal` | {} | 0 | 0 | 0 | 0 | {} | {} | **{}x** |"))),
-    *(Figure("docs/pause_modes.md", f"| `{mode}` | {{}} ± {{}} | {per_seed} | {{}} | {{}} | {{}} | 0.0000 | {{}} |",
-             "pause_mode_cpu.jsonl", pause_cpu(mode))
-      for mode, per_seed in (("abort", "0.809, 0.770, 0.875"), ("retract", "0.816, 0.781, 0.906"),
-                             ("in_place", "0.801, 0.746, 0.902"))),
+    *(Figure("docs/pause_modes.md", f"| `{mode}` | {{}} ± {{}} | {{}}, {{}}, {{}} | {{}} | {{}} | {{}} | 0.0000 "
+             "| {} |",
+             "pause_mode_cpu.jsonl", pause_cpu(mode)) for mode in ("abort", "retract", "in_place")),
+    *(Figure("docs/pause_modes.md", text, "async_speedup_pause_mode_summary.jsonl",
+             part(pause_prose, i, text.count("{}")))
+      for i, text in ((0, "`abort`: {}M tokens and {} GPU s per update, the same order as retract."),
+                      (2, "(1.5B at K = 25 on the loaded machine: {}-{}M prefill tokens and {}-{} GPU s per update for "
+                          "abort and retract, against {}-{}M and {}-{} at K = 8"),
+                      (10, "{}-{} % of the generation GPUs' time"),
+                      (12, "At the assumed 10 % that costs more ({} % of generation capacity) than it saves: "
+                           "{}x against retract's {}x."),
+                      (15, "is the fastest mode: {}x against {}x at 1.5B, {}x against {}x at 7B"))),
+    Figure("docs/pause_modes.md", "the per-seed differences (at most {}) are below the spread between seeds "
+           "(std {}-{}). The behaviour weight's KL, `mean(p - b)`, is the same in all three ({} to {})",
+           "pause_mode_cpu.jsonl", pause_cpu_spread),
     *(Figure("docs/chaos.md", "{}", f"chaos_{stamp}.json", chaos_row(stamp, phase, fault, label, results=bool(label)),
              whole=True)
       for stamp, phase, fault, label in (
@@ -787,6 +1073,27 @@ FIGURES = [
     Figure("docs/weight_sync.md", "| 2e-4 (tiny example) | {} % | {} % | {} % | {} % | whole (above the threshold) "
            "| {} % |",
            "delta.jsonl", delta_fraction("tiny_example_2e-4")),
+    *(Figure("docs/static_sm90.md", "{}", f"static_sm90-triton{triton}.json", static_row(triton, label), whole=True)
+      for triton in ("3.6.0", "3.9.0") for label in STATIC_ROWS),
+    Figure("docs/static_sm90.md", "{}", "static_sm90-triton3.9.0.json",
+           static_row("3.9.0", "interval_copy_kernel (csrc/reshard)"), whole=True),
+    Figure("docs/chaos.md", "**Samples: {} lost, {} duplicated in both runs.** Main: {} positions handed out, {} "
+           "trained once (1000 steps x 4 groups, across the kill -9 and the resume), {} buffered and {} pending in "
+           "the last checkpoint; every group had its 4 samples; steps 1..1000 once each. Proxy: {} handed out, {} "
+           "trained, {} buffered, {} pending.", "chaos_20261125_1949.json", chaos_accounting),
+    *(Figure("docs/chaos.md", text, "chaos_20261125_1949.json", part(chaos_prose, i, text.count("{}")))
+      for i, text in ((0, "back in the pool {} s after the kill"), (1, "back in the pool only {} s after the stop"),
+                      (2, "no visible effect ({} s, {} step)"), (4, "throughput fell by {} % during the window"),
+                      (5, "back to pace {} s after it began"),
+                      (6, "{} s from the kill to being past the last step trained before it"),
+                      (7, "steps delayed ({}) is the meaningful figure"),
+                      (8, "but the run's pace fell by {} % for the"))),
+    Figure("docs/chaos.md", "joined over generation 2 of the weight group 0.1 s later: back in the pool {} s after the "
+           "stop", "chaos_20261125_2020.json",
+           lambda: (f"{chaos_fault('20261125_2020', 'main', '40:server_stop:never')['pool_back_s']:.1f}",)),
+    Figure("docs/chaos.md", "got the update in full and was back in the pool {} s after the stall began",
+           "chaos_20261125_2024.json",
+           lambda: (f"{chaos_fault('20261125_2024', 'proxy', '40:proxy_slow:20:30')['pool_back_s']:.1f}",)),
     Figure("docs/weight_sync.md", "| whole (`delta: off`) | {} MB | {} | yes |", "delta.jsonl", delta_gloo("off")),
     Figure("docs/weight_sync.md", "left CPU trainers on whole updates) | {} MB ({} %) | {} | yes |", "delta.jsonl",
            delta_gloo("auto")),

@@ -221,3 +221,16 @@ def test_no_module_of_the_package_is_over_600_lines():
                 if n > MAX_MODULE_LINES:
                     long[os.path.relpath(path, REPO)] = n
     assert long == {}, f"over {MAX_MODULE_LINES} lines: {long}"
+
+
+BENCH_LINE_LIMIT = 7000  # the benchmarks share one harness (bench/common.py, bench/sweep.py); past this, fold
+
+
+def test_the_benchmarks_stay_within_their_line_budget():
+    """bench/ holds measurements only, on one shared harness; servers, simulators and device checks
+    they use live in tools/. Growing past the budget means a new benchmark repeats the harness."""
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    lines = sum(len(p.read_text().splitlines()) for p in bench.rglob("*.py"))
+    assert 0 < lines <= BENCH_LINE_LIMIT, f"bench/ has {lines} lines of Python, over {BENCH_LINE_LIMIT}"

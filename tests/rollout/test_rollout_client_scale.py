@@ -15,7 +15,7 @@ from packaging.version import Version
 
 from areal_fast.backends.sglang.client import SGLangRolloutClient, auto_pause_mode  # noqa: E402
 from areal_fast.rollout.answer import AnswerError, parse_generate, token_versions, tune_gc  # noqa: E402
-from bench import sim_sglang as sim
+from tools import sim_sglang as sim
 
 PROMPT_LEN = 5
 MAX_NEW = 500

@@ -19,7 +19,7 @@ from _shared import wait_until
 from areal_fast.backends.sglang.client import SGLangRolloutClient
 from areal_fast.http.pool import ConnectionPool, HttpError, _Connection
 from areal_fast.rollout.client import RequestError, ServerUnavailable
-from bench import sim_sglang as sim
+from tools import sim_sglang as sim
 
 ANSWER_WAIT_S = 30.0  # a scripted server's longest wait for something the test does (never reached)
 NO_IDLE_LIMIT_S = 3600.0  # keep-alive for tests that count connections: a slow machine cannot expire one

@@ -1,5 +1,5 @@
 """The sharded rollout client (``areal_fast.rollout.sharded``) against simulated SGLang servers
-(``bench/sim_sglang.py``, in this process) with 2 worker processes: every request answered exactly
+(``tools/sim_sglang.py``, in this process) with 2 worker processes: every request answered exactly
 once with exact tokens, log-probs and per-token versions, across pauses in abort and retract mode,
 a killed worker, and close. No timing is asserted."""
 
@@ -21,7 +21,7 @@ from areal_fast.config import ConfigError, RolloutConfig, from_dict  # noqa: E40
 from areal_fast.rollout.client import RequestError, RolloutError  # noqa: E402
 from areal_fast.rollout.sharded import ShardedRollout  # noqa: E402
 from areal_fast.sample import Sample  # noqa: E402
-from bench import sim_sglang as sim
+from tools import sim_sglang as sim
 
 PROMPT = list(range(10, 17))
 MAX_NEW = 600
@@ -195,7 +195,7 @@ def test_client_processes_config_is_validated():
 
 _CONTROLLER = """
 import asyncio, json
-from bench import sim_sglang as sim
+from tools import sim_sglang as sim
 from areal_fast.backends.sglang.client import SGLangRolloutClient
 from areal_fast.rollout.sharded import ShardedRollout
 

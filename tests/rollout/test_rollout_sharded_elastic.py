@@ -1,6 +1,6 @@
 """A server added to the sharded rollout client mid-run (``ShardedRollout.add_server``, used when an
 elastic server joins: ``docs/elastic.md``) gets requests through a worker, also one that had lost
-all its servers; every request is answered. Simulated SGLang servers (``bench/sim_sglang.py``)."""
+all its servers; every request is answered. Simulated SGLang servers (``tools/sim_sglang.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 
 from areal_fast.backends.sglang.client import SGLangRolloutClient
 from areal_fast.rollout.sharded import ShardedRollout  # noqa: E402
-from bench import sim_sglang as sim
+from tools import sim_sglang as sim
 
 KEY = "k3y"
 PROMPT = list(range(10, 17))
