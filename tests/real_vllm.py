@@ -253,6 +253,27 @@ def with_lm_head(model: Path, where: Path) -> Path:
     return where
 
 
+def train_against(server: VLLMServer, warm: Path, example: Path, out: Path, overrides: list[str],
+                  timeout_s: float = 900) -> tuple[subprocess.CompletedProcess, str]:
+    """``areal-fast train example`` (with ``overrides``) whose server is ``server``: its output
+    directory ``out`` holding the warm start ``warm`` (``e2e_runs.seed_run_dir``), whose weights the
+    server serves first (:meth:`VLLMServer.load`); the server restored after. Returns the finished
+    process and what the server logged during the run."""
+    from e2e_runs import seed_run_dir
+
+    seed_run_dir(warm, out)
+    cmd = [sys.executable, "-m", "areal_fast.cli", "train", str(example), f"experiment.output_dir={out}",
+           *external_overrides(server), *overrides]
+    server.load(warm)
+    since = server.log_size()
+    try:
+        r = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                           timeout=timeout_s)
+        return r, server.log_since(since)
+    finally:
+        server.restore()
+
+
 def served_model(warm: Path, path: Path, context: int) -> Path:
     """The shared server's model: the architecture, config and tokenizer of ``warm`` (a warm-started
     tiny model) with random weights (seed 0: flat distributions, where the tests of sampling need

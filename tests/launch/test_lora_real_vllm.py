@@ -11,8 +11,6 @@ start, the LoRA run's base. Each test restores the server (adapters unloaded, ve
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -28,23 +26,15 @@ PROMPT = [1, 3, 4, 5, 6]
 
 def test_the_tiny_recipe_learns_as_a_lora_run_against_real_vllm(tmp_path, real_vllm, recipe_warm_start):
     from conftest import lora_server_options
-    from e2e_runs import assert_warm_start_used, seed_run_dir
+    from e2e_runs import assert_warm_start_used
 
     lora_args, lora_env = lora_server_options(rv.vllm_python())
     assert "--enable-lora" in lora_args and lora_env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
     assert set(lora_args) <= set(real_vllm.command)  # the server serves as a LoRA run's launched one would
-    out = seed_run_dir(recipe_warm_start, tmp_path / "run")
-    cmd = [sys.executable, "-m", "areal_fast.cli", "train", str(EXAMPLE), f"experiment.output_dir={out}",
-           *rv.external_overrides(real_vllm), f"experiment.total_steps={STEPS}", "eval.every_steps=15",
-           f"rollout.max_staleness={ETA}", "rollout.strict_staleness=true", "log.tensorboard=false",
-           "log.plots=false", "checkpoint.every_steps=0"]
-    real_vllm.load(recipe_warm_start)  # the run's starting weights
-    since = real_vllm.log_size()
-    try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        log = real_vllm.log_since(since)
-    finally:
-        real_vllm.restore()
+    out = tmp_path / "run"
+    r, log = rv.train_against(real_vllm, recipe_warm_start, EXAMPLE, out, [
+        f"experiment.total_steps={STEPS}", "eval.every_steps=15", f"rollout.max_staleness={ETA}",
+        "rollout.strict_staleness=true", "log.tensorboard=false", "log.plots=false", "checkpoint.every_steps=0"])
     assert r.returncode == 0, (r.stderr[-3000:], log[-3000:])
     assert_warm_start_used(recipe_warm_start, out)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

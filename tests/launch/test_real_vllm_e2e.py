@@ -18,8 +18,6 @@ vLLM server itself, as ``docs/vllm.md`` tells a user on a CPU machine, is
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import real_vllm as rv
@@ -30,20 +28,12 @@ STEPS, ETA = 20, 4
 
 
 def test_the_tiny_recipe_trains_against_real_vllm_with_exact_token_versions(tmp_path, real_vllm, recipe_warm_start):
-    from e2e_runs import assert_warm_start_used, seed_run_dir
+    from e2e_runs import assert_warm_start_used
 
-    out = seed_run_dir(recipe_warm_start, tmp_path / "run")
-    cmd = [sys.executable, "-m", "areal_fast.cli", "train", str(EXAMPLE), f"experiment.output_dir={out}",
-           *rv.external_overrides(real_vllm), f"experiment.total_steps={STEPS}", "eval.every_steps=10",
-           f"rollout.max_staleness={ETA}", "rollout.strict_staleness=true", "log.progress=false",
-           "log.tensorboard=false", "log.plots=false"]
-    real_vllm.load(recipe_warm_start)  # the run's starting weights
-    since = real_vllm.log_size()
-    try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        log = real_vllm.log_since(since)
-    finally:
-        real_vllm.restore()
+    out = tmp_path / "run"
+    r, log = rv.train_against(real_vllm, recipe_warm_start, EXAMPLE, out, [
+        f"experiment.total_steps={STEPS}", "eval.every_steps=10", f"rollout.max_staleness={ETA}",
+        "rollout.strict_staleness=true", "log.progress=false", "log.tensorboard=false", "log.plots=false"])
     assert r.returncode == 0, (r.stderr[-3000:], log[-3000:])
     assert_warm_start_used(recipe_warm_start, out)
     summary = json.loads((out / "summary.json").read_text())

