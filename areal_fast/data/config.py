@@ -54,7 +54,7 @@ class WarmStartConfig:
     enabled: bool = False
     """Build the model this way instead of loading ``model.path``."""
     steps: int = option(150, ge=0)
-    """Supervised steps (about 0.1 s each for the default model on one CPU core)."""
+    """Supervised steps of the warm start (cross-entropy on the task's answers) before RL begins."""
     batch_size: int = option(64, ge=1)
     """Sequences per supervised step."""
     lr: float = option(3e-3, gt=0)

@@ -16,8 +16,10 @@ bandwidths, someone else's numbers (datasheets, papers, other projects' defaults
 result file behind it is reworded away or deleted, never backed by a hand-written file.
 
 So that no figure slips in unchecked, every line of the docs (outside code blocks) with a number
-followed by a unit (``FIGURE``: x, s, ms, %, tokens/s, GB/s, MB, k, M, ...) is spanned by a FIGURES
-entry or listed, under its reason, in ``docs_numbers_exempt.txt``. The reasons are the four of
+followed by a unit (``FIGURE``: x, s, ms, %, tokens/s, GB/s, MB, k, M, ...), and every line with a
+unitless decimal in a table row or next to a measured quantity (exact match, EM, reward, k3, staleness:
+``unitless_figure``), is spanned by a FIGURES entry or listed, under its reason, in
+``docs_numbers_exempt.txt``. The reasons are the four of
 ``EXEMPT_REASONS`` (a setting, someone else's number, arithmetic, not a figure); there is no
 "later" among them. A new or edited line lands in none of them and fails.
 """
@@ -1002,6 +1004,47 @@ def lora_share() -> tuple[str]:
     return (f"{half_up(100 * r['adapter_bytes'] / r['full_bytes'])}",)
 
 
+def mismatch_fp32_row() -> tuple[str, ...]:
+    """docs/mismatch.md's fp32 control row (real vLLM, T 1.0, long): tokens, k1, k3, w p99 / max, the
+    per-sequence |sum log w| mean / p90, at one significant digit where they are noise."""
+    r = newest("mismatch.jsonl", engine="vllm", dtype="float32", temperature=1.0, shape="long")
+    one = (lambda x: "{}e{}".format(*f"{x:.0e}".split("e")[:1], int(f"{x:.0e}".split("e")[1])))
+    return (str(r["tokens"]), one(r["mismatch_k1"]), one(r["mismatch_k3"]), f"{r['mismatch_ratio_p99']:.2f}",
+            f"{r['mismatch_ratio_max']:.2f}", one(r["seq_abs_log_w_mean"]), one(r["seq_abs_log_w_p90"]))
+
+
+def mismatch_contrast(label: str, key: str) -> Callable[[], tuple[str]]:
+    """A row of docs/mismatch.md's paired-contrast table: mean EM over the run, arm minus its pair, with its
+    95 % interval, at eta 0 and at eta 4 (bold where the interval excludes 0)."""
+    def figures():
+        c = json.loads((RESULTS / MISMATCH_SWEEP).read_text())["contrasts"][key]
+        cells = [diff_ci(x["eval_mean_diff_mean"], x["eval_mean_diff_ci95"]) for eta in (0, 4) for x in c
+                 if x["eta"] == eta]
+        return ("| " + " | ".join([label, *cells]) + " |",)
+    return figures
+
+
+MINIBATCHES4 = "staleness_20261123_1848_minibatches4.json"  # docs/staleness_ablation.md's four-minibatch sweep
+
+
+def minibatches4_row(eta: int, objective: str) -> Callable[[], tuple[str, ...]]:
+    """A row of the four-minibatch table: final EM, final - sync, best EM (mean ± spread over the seeds),
+    mean(p - b) (the behaviour KL estimate) and the clip fraction."""
+    def figures():
+        d = json.loads((RESULTS / MINIBATCHES4).read_text())
+        [r] = [a for a in d["arms"] if a["arm"] == f"eta{eta}_{objective}_grpo"]
+        return (f"{r['eval_final_mean']:.3f}", f"{r['eval_final_spread']:.3f}", f"{r['eval_final_vs_sync_mean']:+.3f}",
+                f"{r['eval_final_vs_sync_spread']:.3f}", f"{r['eval_best_mean']:.3f}", f"{r['eval_best_spread']:.3f}",
+                f"{round(r['behav_kl_mean_mean'], 3) + 0.0:+.3f}", f"{r['clip_fraction_mean_mean']:.3f}")  # no -0.000
+    return figures
+
+
+def hard_pilot_curve() -> tuple[str, ...]:
+    """The held-out EM curve of the harder sweep's first run (pilot B, adopted by the sweep)."""
+    [r] = [x for x in hard()["runs"] if x["run"] == "eta0_recompute_grpo_s1"]
+    return tuple(str(Decimal(repr(em)).quantize(Decimal("0.001"), rounding=ROUND_HALF_UP)) for _, em in r["eval_curve"])
+
+
 @dataclass(frozen=True)
 class Figure:
     doc: str
@@ -1347,6 +1390,26 @@ FIGURES = [
            HARD, lambda: (*hard_option_share((1, 2)), *hard_option_share((4,)))),
     Figure("docs/staleness_ablation.md", "The options then only drop or truncate the gradient of {}-{} % of the tokens "
            "at eta 16", HARD, lambda: hard_option_share((16,))),
+    Figure("docs/mismatch.md", "| vLLM 0.32 | fp32 | 1.0 | long | {} | {} | {} | {} | {} | 0 | 0 | {} / {} |",
+           "mismatch.jsonl", mismatch_fp32_row),
+    Figure("docs/mismatch.md", "past 0: {} [{}, {}] with bf16 serving, {} [{}, {}] with fp32.", MISMATCH_SWEEP,
+           lambda: tuple(
+        f"{v:+.3f}" for key in ("seq_mis_minus_none", "seq_mis_fp32_minus_none_fp32")
+        for x in json.loads((RESULTS / MISMATCH_SWEEP).read_text())["contrasts"][key] if x["eta"] == 4
+        for v in (x["eval_final_diff_mean"], x["eval_final_diff_mean"] - x["eval_final_diff_ci95"],
+                  x["eval_final_diff_mean"] + x["eval_final_diff_ci95"]))),
+    *(Figure("docs/mismatch.md", "{}", MISMATCH_SWEEP, mismatch_contrast(label, key), whole=True)
+      for label, key in (("TIS - none", "tis_minus_none"), ("IcePop - none", "icepop_minus_none"),
+                         ("sequence MIS - none", "seq_mis_minus_none"), ("M2PO - none", "m2po_minus_none"),
+                         ("fp32 serving - bf16 serving (no correction)", "none_fp32_minus_none"),
+                         ("sequence MIS - none, both fp32 serving", "seq_mis_fp32_minus_none_fp32"))),
+    *(Figure("docs/staleness_ablation.md",
+             f"| {eta} | {objective} | {{}} ± {{}} | {{}} ± {{}} | {{}} ± {{}} | {{}} | {{}} |",
+             MINIBATCHES4, minibatches4_row(eta, objective))
+      for objective in ("recompute", "naive") for eta in (0, 8, 16)),
+    Figure("docs/staleness_ablation.md", "| held-out EM |" + " {} |" * 9, HARD, hard_pilot_curve),
+    Figure("docs/pause_modes.md", "warm start {} / {} / {} for seeds 1 / 2 / 3", "pause_mode_cpu.jsonl",
+           lambda: tuple(f"{x:.3f}" for x in newest("pause_mode_cpu.jsonl")["em_start_per_seed"])),
     Figure("docs/weight_sync.md", "| whole (`delta: off`) | {} MB | {} | yes |", "delta.jsonl", delta_gloo("off")),
     Figure("docs/weight_sync.md", "left CPU trainers on whole updates) | {} MB ({} %) | {} | yes |", "delta.jsonl",
            delta_gloo("auto")),
@@ -1395,6 +1458,11 @@ def test_the_helpers_read_figures_as_the_docs_write_them():
     assert _pattern("k {} / {} [{}]").findall("k 1.7e-4 / -0.004 [+0.019]") == [("1.7e-4", "-0.004", "+0.019")]
     assert [bool(FIGURE.search(t)) for t in ("took 1.5 s", "4.4M tokens", "62%", "v0.5.23", "rank 0")] == [
         True, True, True, False, False]
+    assert [unitless_figure(t, row) for t, row in (
+        ("| 1 | 0.297 | **0.922** |", True), ("exact match rises to 0.906", False), ("k3 1.7e-4 per token", False),
+        ("| `delta_max_changed` | `0.25` |", True), ("SGLang 0.5.23 and vLLM 0.27 / 0.33's", True),
+        ("a learning rate of 0.001", False), ("near 0: -0.080 [-0.161, +0.001] with", False))] == [
+        True, True, True, False, False, False, True]
     with pytest.raises(AssertionError, match="no row with"):
         newest("e2e.jsonl", bench="not e2e")
 
@@ -1408,13 +1476,40 @@ FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s?(?:x\b|×|s\b|ms\b|µs|us\b
                     r"|GB\b|MB\b|KB\b|GiB\b|MiB\b|min\b|k\b|M\b)")
 
 
+# A unitless figure: a decimal ("0.906", "-0.004", "1.7e-4") outside inline code, where a version
+# ("vLLM 0.32", "SGLang 0.5.23", "Triton 3.6") is not one. It counts in a table row (not the header) and
+# in a prose line that names a measured quantity (``MEASURED``): scores, rewards, divergences, lags.
+DECIMAL = re.compile(r"(?<![\w.\-/])[-+]?\d+\.\d+(?:e[-+]?\d+)?(?![\w.])")
+VERSION = re.compile(r"\b(?:(?:vLLM|SGLang|Triton|Python|CUDA|PyTorch|torch|transformers|Qwen\d?)[ -]?(?:>=|<=|<|>)?\s*"
+                     r"|versions? (?:before|after|from|since) )"
+                     r"v?\d+(?:\.\d+)+(?:'s)?(?:\s*(?:/|-|to|and)\s*\d+(?:\.\d+)+)*")
+MEASURED = re.compile(r"\b(?:exact[- ]match|EM|rewards?|k1|k3|KL|staleness|accuracy|loss|entropy|score|nats|"
+                      r"right characters|calls?|mismatch|w p99|w max|log w)\b", re.I)
+
+
+# Wherever it stands, an estimate with its interval ("-0.080 [-0.161, +0.001]") or spread ("0.815 ± 0.055") is
+# measured, and so is a signed decimal ("+0.043", "-0.035 at eta 4"): a difference a run showed.
+ESTIMATE = re.compile(r"[-+]?\d+\.\d+\s*(?:\[[-+]?\d+\.\d+, [-+]?\d+\.\d+\]|± ?\d)"
+                      r"|(?<![\w.\-+/=^*])[-+]\d+\.\d+(?![\w.])")
+
+
+def unitless_figure(line: str, table_row: bool) -> bool:
+    text = VERSION.sub("v", re.sub(r"`[^`]*`", "``", line))
+    return bool(ESTIMATE.search(text)) or bool(DECIMAL.search(text)) and (table_row or bool(MEASURED.search(text)))
+
+
 def figure_lines(doc: str) -> dict[int, str]:
-    """Line number -> text of each line of ``doc`` (outside fenced code) that holds a figure."""
+    """Line number -> text of each line of ``doc`` (outside fenced code) that holds a figure: a number
+    with a unit (``FIGURE``), or a unitless decimal in a table row or beside a measured quantity."""
     out, fenced = {}, False
-    for i, line in enumerate((REPO / doc).read_text().splitlines(), 1):
+    lines = (REPO / doc).read_text().splitlines()
+    for i, line in enumerate(lines, 1):
         if line.startswith("```"):
             fenced = not fenced
-        elif not fenced and FIGURE.search(line):
+            continue
+        header = i < len(lines) and re.match(r"^\s*\|[\s:|-]+\|\s*$", lines[i])  # the next line is |---|
+        unitless = not header and unitless_figure(line, line.lstrip().startswith("|"))
+        if not fenced and (FIGURE.search(line) or unitless):
             out[i] = line.strip()
     return out
 
