@@ -28,16 +28,19 @@ _STATE: dict = {}
 
 
 def pytest_sessionstart(session):
-    path = os.environ.get(ENV)
+    # taken out of the environment: the pytest sessions the tests start themselves (collections, GPU-suite dry
+    # runs) are not the suite and must neither write a row nor see the tree this session's row will change
+    path = os.environ.pop(ENV, None)
     if not path:
         return
-    from bench.common import refuse_dirty
+    from bench.common import provenance, refuse_dirty
 
     try:
         refuse_dirty(path)
     except SystemExit as e:
         raise pytest.UsageError(f"${ENV}: {e}") from None
-    _STATE.update(path=Path(path), t0=_IMPORTED, tiers={"slow": 0.0, "not_slow": 0.0}, not_slow_passed=0)
+    _STATE.update(path=Path(path), t0=_IMPORTED, tiers={"slow": 0.0, "not_slow": 0.0}, not_slow_passed=0,
+                  provenance=provenance(native=False))  # the commit tested, before the row itself dirties the tree
 
 
 def pytest_runtest_logreport(report):
@@ -52,8 +55,6 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if "path" not in _STATE:
         return
-    from bench.common import provenance
-
     stats = terminalreporter.stats
     start_pytest = getattr(terminalreporter, "_session_start", None)  # pytest's own "in N s" (pytest >= 8)
     tests_s = start_pytest.elapsed().seconds if start_pytest is not None else time.monotonic() - _STATE["t0"]
@@ -65,7 +66,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
            "total_s": round(time.time() - float(start), 1) if start else None,
            "not_slow_s": round(_STATE["tiers"]["not_slow"], 1), "slow_s": round(_STATE["tiers"]["slow"], 1),
            "not_slow_passed": _STATE["not_slow_passed"], "exitstatus": int(exitstatus),
-           "provenance": provenance(native=False)}
+           "provenance": _STATE["provenance"]}
     _STATE["path"].parent.mkdir(parents=True, exist_ok=True)
     with open(_STATE["path"], "a") as f:
         f.write(json.dumps(row) + "\n")
