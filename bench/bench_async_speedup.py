@@ -22,9 +22,9 @@ from pathlib import Path
 
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools import sim_sglang as sim  # noqa: E402
 from bench.bench_controller_scale import RunSpec, run_controller  # noqa: E402
 from bench.common import add_harness_args, csv_list, print_table, provenance, save  # noqa: E402
+from tools import sim_sglang as sim  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ from areal_fast.rollout.port import ClientRollout  # noqa: E402
 from areal_fast.rollout.sharded import ShardedRollout  # noqa: E402
 from areal_fast.rollout.staleness import StalenessManager  # noqa: E402
 from areal_fast.sample import Sample  # noqa: E402
-from tools import sim_sglang as sim  # noqa: E402
 from bench.common import add_harness_args, print_table, provenance, save  # noqa: E402
+from tools import sim_sglang as sim  # noqa: E402
 
 TICK_S = 0.01  # loop-lag ticker period: fine enough to see 10 ms stalls, ~100 wakeups/s of CPU
 PROMPT_LEN = 64

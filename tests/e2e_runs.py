@@ -61,3 +61,18 @@ def assert_warm_start_used(warm: Path, out: Path) -> None:
     """The run of ``out`` found the copy of ``warm`` up to date and did not build its own."""
     name = "warm_start.json"  # the build's record (areal_fast.data.warm_start.SIGNATURE_FILE): a rebuild rewrites it
     assert (out / "warm_start" / name).read_text() == (warm / name).read_text(), "the run rebuilt its warm start"
+
+
+def assert_versions_label_the_tokens(metrics: list[dict], steps: int, eta: int) -> list[dict]:
+    """A run's train records (``metrics.jsonl`` rows with ``staleness_max``): one a step, 1..``steps``, each
+    within the bound ``eta``, and the labels move with the weights. With ``steps - 1 > eta`` the staleness is
+    not the step number (every token labelled with the launch version), and some step trained tokens made by
+    earlier weights (every token labelled with the weights current at training time would make it 0
+    throughout). Returns the train records."""
+    train = [m for m in metrics if "staleness_max" in m]
+    seen = [m["staleness_max"] for m in train]
+    assert [m["step"] for m in train] == list(range(1, steps + 1)), [m["step"] for m in train]
+    assert all(s <= eta for s in seen), seen
+    assert max(seen) > 0, seen
+    return train
+

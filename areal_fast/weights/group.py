@@ -255,7 +255,8 @@ def choose_backend(requested: str | None, tensor_device: torch.device, servers: 
         msg = (f"trainer rank 0 and server {clash.url} share GPU {tensor_device}; NCCL cannot hold two ranks of "
                "one group on one device")
         if requested == "nccl":
-            raise WeightSyncError(msg + ". Use ColocatedWeightSync (CUDA IPC), weights.collective=gloo or weights.method=disk")
+            raise WeightSyncError(msg + ". Use ColocatedWeightSync (CUDA IPC), weights.collective=gloo or "
+                                        "weights.method=disk")
         log.warning("%s: using gloo (copies through host memory); ColocatedWeightSync avoids that copy", msg)
         return "gloo"
     return requested or "nccl"

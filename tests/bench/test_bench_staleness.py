@@ -265,7 +265,7 @@ def test_a_reset_shared_server_is_back_to_the_warm_start(tmp_path):
         servers.close()
 
 
-def test_the_hard_preset_dry_run_lists_the_issue_27_sweep(tmp_path, capsys, monkeypatch):
+def test_the_hard_preset_dry_run_lists_the_whole_hard_sweep(tmp_path, capsys, monkeypatch):
     """--preset hard: 6 etas x 6 objectives x 5 seeds (GRPO) with 4 minibatches, the weak warm start
     and the low learning rate; each option arm's overrides load into the loss option it names; nothing runs."""
     monkeypatch.setattr(sw, "execute", lambda *a, **k: pytest.fail("a dry run executed a run"))

@@ -337,7 +337,7 @@ def test_docs_list_every_key_of_the_configuration():
     assert sorted(documented - keys) == [], "docs/config.md lists keys that do not exist"
 
 
-# ----------------------------------------------------------------------------- values that must not reach a command line
+# ------------------------------------------------------------------------ values that must not reach a command line
 
 
 @pytest.mark.parametrize("override, needles", [

@@ -23,7 +23,7 @@ def _cmd(out: Path, *extra: str) -> list[str]:
 
 
 def test_the_tiny_recipe_learns_as_a_lora_run_and_resumes_from_its_adapter(tmp_path, recipe_warm_start):
-    from e2e_runs import assert_warm_start_used, seed_run_dir
+    from e2e_runs import assert_versions_label_the_tokens, assert_warm_start_used, seed_run_dir
 
     out = seed_run_dir(recipe_warm_start, tmp_path / "run")  # the session's warm start of the recipe
     r = subprocess.run(_cmd(out, f"experiment.total_steps={STEPS}"), cwd=ROOT, capture_output=True, text=True,
@@ -33,13 +33,7 @@ def test_the_tiny_recipe_learns_as_a_lora_run_and_resumes_from_its_adapter(tmp_p
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [m["eval_reward"] for m in metrics if m.get("kind") == "eval"]
     assert evals[0] <= 0.3 and evals[-1] >= evals[0] + 0.25, evals  # base frozen: the adapter did it
-    steps = [m for m in metrics if "staleness_max" in m]
-    assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
-    assert all(m["staleness_max"] <= ETA for m in steps)
-    # the labels move with the weights: with the bound above and STEPS - 1 > ETA the staleness is not the
-    # step number (all tokens labelled with the launch version), and some step trained tokens made by
-    # earlier weights (all labelled with the weights current at training time would make it 0 throughout)
-    assert max(m["staleness_max"] for m in steps) > 0, [m["staleness_max"] for m in steps]
+    steps = assert_versions_label_the_tokens(metrics, STEPS, ETA)
     assert all("sync/adapter_sync_s" in m and "sync/broadcast_s" not in m and "sync/disk_sync_s" not in m
                for m in steps)  # the adapter port on every update, never a whole-model transport
     trainer_ckpt = out / "checkpoints" / f"step_{STEPS:08d}" / "trainer"

@@ -26,7 +26,7 @@ PROMPT = [1, 3, 4, 5, 6]
 
 def test_the_tiny_recipe_learns_as_a_lora_run_against_real_vllm(tmp_path, real_vllm, recipe_warm_start):
     from conftest import lora_server_options
-    from e2e_runs import assert_warm_start_used
+    from e2e_runs import assert_versions_label_the_tokens, assert_warm_start_used
 
     lora_args, lora_env = lora_server_options(rv.vllm_python())
     assert "--enable-lora" in lora_args and lora_env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
@@ -40,13 +40,7 @@ def test_the_tiny_recipe_learns_as_a_lora_run_against_real_vllm(tmp_path, real_v
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [m["eval_reward"] for m in metrics if m.get("kind") == "eval"]
     assert evals[0] <= 0.3 and evals[-1] >= evals[0] + 0.3, evals  # exact match up by >= 0.3 (0.21 -> ~0.7)
-    steps = [m for m in metrics if "staleness_max" in m]
-    assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
-    assert all(m["staleness_max"] <= ETA for m in steps)
-    # the labels move with the weights: with the bound above and STEPS - 1 > ETA the staleness is not the
-    # step number (all tokens labelled with the launch version), and some step trained tokens made by
-    # earlier weights (all labelled with the weights current at training time would make it 0 throughout)
-    assert max(m["staleness_max"] for m in steps) > 0, [m["staleness_max"] for m in steps]
+    assert_versions_label_the_tokens(metrics, STEPS, ETA)
     # every update (the initial adapter and one a step) moved only the adapter: no weight reload at all
     assert log.count('"POST /v1/load_lora_adapter') == STEPS + 1
     assert log.count('"POST /update_weight_version') == STEPS + 1

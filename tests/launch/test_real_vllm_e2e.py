@@ -28,7 +28,7 @@ STEPS, ETA = 20, 4
 
 
 def test_the_tiny_recipe_trains_against_real_vllm_with_exact_token_versions(tmp_path, real_vllm, recipe_warm_start):
-    from e2e_runs import assert_warm_start_used
+    from e2e_runs import assert_versions_label_the_tokens, assert_warm_start_used
 
     out = tmp_path / "run"
     r, log = rv.train_against(real_vllm, recipe_warm_start, EXAMPLE, out, [
@@ -39,14 +39,8 @@ def test_the_tiny_recipe_trains_against_real_vllm_with_exact_token_versions(tmp_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == STEPS
     assert summary["eval"]["eval_reward"] >= 0.7, summary["eval"]
-    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in steps if "staleness_max" in m]
-    assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
-    assert all(m["staleness_max"] <= ETA for m in steps), [m["staleness_max"] for m in steps]
-    # the labels move with the weights: with the bound above and STEPS - 1 > ETA the staleness is not the
-    # step number (all tokens labelled with the launch version), and some step trained tokens made by
-    # earlier weights (all labelled with the weights current at training time would make it 0 throughout)
-    assert max(m["staleness_max"] for m in steps) > 0, [m["staleness_max"] for m in steps]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert_versions_label_the_tokens(metrics, STEPS, ETA)
     dropped, trained = summary["counters"]["dropped_stale"], summary["counters"]["trained_groups"]
     assert dropped <= trained // 10, (dropped, trained)
     assert '"GET /version' in log and "/model_info" not in log and "/v1/completions" in log

@@ -260,7 +260,8 @@ def test_single_pass_traces_under_torch_compile_fullgraph():
 
 
 def test_default_chunk_size_and_errors():
-    assert default_chunk_size(32768, 3584, 151936) == 4096  # TARGET_CHUNK (1024 rewrote the fp32 accumulator 4x as often)
+    assert default_chunk_size(32768, 3584, 151936) == 4096  # TARGET_CHUNK (1024 rewrote the fp32 accumulator 4x as
+    # often)
     assert default_chunk_size(500, 64, 1000) == 500  # never more than T
     assert default_chunk_size(1 << 20, 3584, 151936) == 32768  # ~ T * H elements of logits per chunk
     d = make()

@@ -91,7 +91,8 @@ SCANNED = ("areal_fast", "tests", "bench", "tools", "docs", "examples", "README.
 SKIPPED = ("bench/results",)  # result files the benchmarks write (commit stamps, device names)
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".sh", ".cfg", ".ini", ".rst"}
 
-_ISSUE = re.compile(r"(?:(?P<before>[\w.'-]+)\s+)?\bissues?\s+#?[0-9]+", re.IGNORECASE)
+# "issue" starts a word or follows an underscore (a test named after an issue and its number)
+_ISSUE = re.compile(r"(?:(?P<before>[\w.'-]+)\s+)?(?<![^\W_])issues?[\s_]+#?[0-9]+", re.IGNORECASE)
 _LABEL = re.compile(r"\b[MLHC][0-9]{1,2}\b(?P<after>\s+\w+)?")
 _ROUND = re.compile(r"\b(review\s+)?round\s+[0-9]+\s+(item|finding)s?\b", re.IGNORECASE)
 # Words after a label that make it a thing, not a finding of ours: C0 controls, C1 controls, an L2 norm,
@@ -127,7 +128,8 @@ def test_the_scan_tells_our_tracker_from_an_outside_project():
     # "|" keeps each example of ours from being a reference in this file; it is removed before the scan
     ours = [t.replace("|", "") for t in (
         "fixed in issue| 25", "(issue| 32, M|4-M|7)", "as Issue| #7 asks", "# ---- L|4: leniencies",
-        "H|1 / H|2: no hang", "review round| 4 item 2", "https://github.com/someone/areal|_fast/issues/3")]
+        "H|1 / H|2: no hang", "review round| 4 item 2", "https://github.com/someone/areal|_fast/issues/3",
+        "def test_lists_the_issue|_27_sweep():")]
     theirs = ["AReaL issue 1160", "vLLM's issue 4242", "SGLang issues 12", "C0 controls (below 0x20)",
               "the L2 norm", "an H100 and an H200", "M2PO", "https://github.com/vllm-project/vllm/issues/1"]
     assert [t for t in ours if not tracker_references(t)] == []
