@@ -1063,6 +1063,9 @@ FIGURES = [
            "{}% of a core", "controller_scale.jsonl", client_rate()),
     Figure("README.md", "The newest clean-clone `.ci/run` on 2 cores: {}.", "suite_time.jsonl",
            lambda: (suite_sentence(),), whole=True),
+    Figure("README.md", "the quick loop alone took {} s of tests ({} passed)", "suite_time.jsonl",
+           lambda: (lambda r: (thousands(r["tests_s"]), thousands(r["passed"])))(
+               newest("suite_time.jsonl", selection="not slow"))),
     Figure("examples/README.md", "of the means **{}x**", "e2e.jsonl", e2e_speedup),
     Figure("examples/README.md", "to at least {} at step 120 in every seed, in both modes", "e2e.jsonl",
            lambda: (f"{min(newest('e2e.jsonl')[f'{m}_eval_final']['min'] for m in ('async', 'sync')):.3f}",)),
