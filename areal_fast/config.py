@@ -51,6 +51,7 @@ import yaml
 from areal_fast.configutil import ConfigError, Loader, check_rules, option
 from areal_fast.data.config import WARM_START_LR_SCHEDULES, DataConfig, SyntheticTaskConfig, WarmStartConfig
 from areal_fast.data.warm_start import Recipe
+from areal_fast.diskutil import open_private_temp
 from areal_fast.launch_config import (
     LAUNCHERS,
     MAX_SEED,
@@ -322,8 +323,7 @@ def save_config(cfg: AppConfig, path: str | os.PathLike) -> Path:
     text = f"{RESOLVED_HEADER} (load_config reads it back exactly)\n" + yaml.safe_dump(d, sort_keys=False)
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
     try:
-        tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = open_private_temp(tmp)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, p)

@@ -1,9 +1,9 @@
 """The inference backends by name: the one place the layers above (config, launch, controller) turn
-``rollout.api`` into its rollout-client adapter, and a launched server's kind into its command.
+``rollout.api`` into its rollout-client adapter and its weight and adapter transports (a launched
+server's command: ``backends/server_command.py``).
 
-    from areal_fast.backends.registry import make_client, server_command
+    from areal_fast.backends.registry import make_client
     client = make_client(cfg.rollout, urls, api_key=key)       # SGLangRolloutClient or VLLMRolloutClient
-    argv, env = server_command("vllm", model_path, port, ...)   # backends/<name>/server_command.py
 
 The rollout layer defines the client interface (``areal_fast.rollout.client.RolloutClient``) and
 never imports this module: its users pass the class along (``ShardedRollout(client_class=...)``).

@@ -169,14 +169,11 @@ class RayLauncher:
         """``rollout.n_servers`` servers, one per bundle of a placement group; waits for health."""
         ray = _ray()
         r = rollout_cfg
-        gpus = self.cfg.gpus_per_server
-        if gpus is None:
-            gpus = gpus_per_server(r)
+        gpus, bundle = self._server_bundle(r)
         if gpus and ray.cluster_resources().get("GPU", 0) < gpus:
             raise ValueError(f"rollout: {r.server} servers need {gpus} GPU(s) each but the Ray cluster has "
                              f"{ray.cluster_resources().get('GPU', 0):g} (set rollout.device=cpu for CPU servers)")
-        cpus = self.cfg.cpus_per_server or float(r.threads_per_server)
-        bundles = [_resources(cpus, gpus, self.cfg.server_resources)] * r.n_servers
+        bundles = [bundle] * r.n_servers
         pg = self._placement_group(bundles, self.cfg.server_strategy, "servers")
         out = []
         env = server_env(r)
@@ -189,6 +186,13 @@ class RayLauncher:
                                      f"http://{url_host(host)}:{port}", critical=False))
             self.wait_healthy(out, r.health_timeout)  # every server has read the key file
             return out
+
+    def _server_bundle(self, r) -> tuple[float, dict]:
+        """A server's GPUs and the Ray resources of its bundle (CPUs, GPUs and ``server_resources``): the
+        run's servers and a relaunched one are sized alike."""
+        rc = self.cfg
+        gpus = rc.gpus_per_server if rc.gpus_per_server is not None else gpus_per_server(r)
+        return gpus, _resources(rc.cpus_per_server or float(r.threads_per_server), gpus, rc.server_resources)
 
     def _secrets(self) -> Path:
         """Where the API key file goes: ``secrets_dir``, or on a single node a private temporary one."""
@@ -210,8 +214,7 @@ class RayLauncher:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray, r, rc = _ray(), rollout_cfg, self.cfg
-        gpus = rc.gpus_per_server if rc.gpus_per_server is not None else gpus_per_server(r)
-        bundle = _resources(rc.cpus_per_server or float(r.threads_per_server), gpus)
+        _, bundle = self._server_bundle(r)
         servers_pg = [g for g in self.groups if getattr(g, "bundle_count", 0) > slot and
                       ray.util.placement_group_table(g).get("name", "").endswith("-servers")]
         if servers_pg:

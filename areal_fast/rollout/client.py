@@ -114,8 +114,6 @@ from areal_fast.rollout.client_pool import (  # noqa: F401 - the pool's names ar
     ServerPool,
     ServerState,
     ServerUnavailable,
-    apply_server_info,
-    str_or_none,
 )
 from areal_fast.rollout.routed_experts import from_sglang
 from areal_fast.sample import Sample

@@ -179,10 +179,6 @@ class DistributedSync(_MembershipSync):
 
     method, timer = "distributed", "broadcast_s"
 
-    def __init__(self, trainer: WeightTrainer, rollout: ServerPool, config: WeightSyncConfig | None = None,
-                 membership: SyncMembership | None = None, transport: type | None = None):
-        super().__init__(trainer, rollout, config, membership, transport)
-
     def _spec(self, urls: list[str]) -> SyncSpec:
         name = self.membership.group_for(urls)
         return SyncSpec.of(self.method, urls, dataclasses.replace(self.config, group_name=name), self.transport)

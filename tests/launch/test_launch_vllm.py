@@ -43,6 +43,17 @@ def test_the_launcher_builds_vllm_s_command_and_env(tmp_path):
     assert "VLLM_SERVER_DEV_MODE" not in server_env(load_config(None, []).rollout)
 
 
+def test_the_launcher_starts_a_lora_run_s_vllm_servers_with_runtime_adapters(tmp_path):
+    """A LoRA run's launched vLLM server: the launcher's own command and environment carry the flags the run
+    needs (the suite's shared real vLLM server is started by the tests, so only this checks the launcher)."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "tiny_reverse_lora.yaml"
+    r = load_config(example, ["rollout.api=vllm", "rollout.server=vllm"]).rollout
+    with server_key_file(lambda: tmp_path / "secrets", KEY) as key_file:
+        cmd = server_command(r, "/models/tiny", "127.0.0.1", 8001, seed=0, api_key_file=key_file)
+    assert "--enable-lora" in cmd and cmd[cmd.index("--max-lora-rank") + 1].isdigit()
+    assert server_env(r)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+
+
 def test_every_release_a_run_accepts_gets_the_transfer_engine(tmp_path):
     cmd, _, _ = _command(tmp_path, VLLM + ["rollout.vllm_version=0.27.0"])  # the oldest a run accepts
     assert "--weight-transfer-config" in cmd
