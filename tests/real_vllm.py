@@ -147,6 +147,21 @@ class VLLMServer:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
 
+    def record(self) -> dict:
+        """What another process needs to use this server (:meth:`attach`) and to stop it (``pid``: its
+        process group's)."""
+        return {"url": self.url, "model": str(self.model), "version": self.version, "log": str(self.log_path),
+                "command": self.command, "pid": self.proc.pid}
+
+    @classmethod
+    def attach(cls, record: dict) -> VLLMServer:
+        """The server of ``record`` (:meth:`record`), started by another process: everything but
+        :meth:`stop` (left to the process that started it)."""
+        self = cls.__new__(cls)
+        self.url, self.model, self.version = record["url"], Path(record["model"]), record["version"]
+        self.log_path, self.command, self.proc, self._log = Path(record["log"]), record["command"], None, None
+        return self
+
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S, api_key: str | None = None) -> None:
         from areal_fast.rollout.calls import health_now
 
@@ -201,6 +216,8 @@ class VLLMServer:
         self.load(self.model)
 
     def stop(self) -> None:
+        if self.proc is None:  # attached: its own process stops it
+            return
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)

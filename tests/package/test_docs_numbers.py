@@ -127,9 +127,12 @@ def suite_sentence() -> str:
     r = newest("suite_time.jsonl", selection="all")
     counts = ", ".join(f"{thousands(r[k])} {k}" for k in ("passed", "skipped", "xfailed", "failed") if r.get(k))
     total = f" and {thousands(r['total_s'])} s in all with the install" if r.get("total_s") else ""
-    quick = f"; the tests not marked slow took {thousands(r['not_slow_s'])} s of it" if r.get("not_slow_s") else ""
+    workers = r.get("workers") or 1
+    where = f" in {workers} worker processes" if workers > 1 else ""
+    of_it = "of the workers' time" if workers > 1 else "of it"
+    quick = f"; the tests not marked slow took {thousands(r['not_slow_s'])} s {of_it}" if r.get("not_slow_s") else ""
     when = f"{r['provenance']['commit']}, {r['provenance']['date'][:10]}"
-    return f"{thousands(r['tests_s'])} s of tests{total} ({counts}; {when}){quick}"
+    return f"{thousands(r['tests_s'])} s of tests{where}{total} ({counts}; {when}){quick}"
 
 
 def sci(x: float) -> str:
@@ -1618,7 +1621,8 @@ def test_no_result_file_is_in_a_format_no_command_writes():
 
 
 def test_the_suite_records_its_own_time(tmp_path):
-    """tests/_suite_time.py, as .ci/run uses it: one row with the counts, the seconds and the tiers."""
+    """tests/_suite_time.py, as .ci/run uses it (with worker processes): one row, written by the process
+    that started the workers, with the counts, the seconds, the tiers and the number of workers."""
     import os
     import subprocess
     import sys
@@ -1630,9 +1634,12 @@ def test_the_suite_records_its_own_time(tmp_path):
     env = {**os.environ, "AREAL_FAST_SUITE_TIME": str(out), "AREAL_FAST_SUITE_START": str(time.time() - 5),
            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "_suite_time", "-p", "no:cacheprovider",
-                        "test_x.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                        "-n", "2", "test_x.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    row = json.loads(out.read_text())
+    rows = out.read_text().splitlines()
+    assert len(rows) == 1, rows  # the workers write none
+    row = json.loads(rows[0])
+    assert row["workers"] == 2
     counts = (row["bench"], row["selection"], row["passed"], row["skipped"], row["failed"])
     assert counts == ("suite_time", "all", 2, 1, 0)
     assert row["not_slow_passed"] == 1 and row["tests_s"] > 0 and row["total_s"] >= 5
