@@ -65,15 +65,21 @@ def _fields(cls) -> tuple:
     cached = _FIELD_CACHE.get(cls)
     if cached is None:
         rows = []
+        hints = typing.get_type_hints(cls)  # the annotations resolved (the modules use postponed ones)
         for f in dataclasses.fields(cls):
-            text = f.type if isinstance(f.type, str) else str(f.type).replace("<class '", "").replace("'>", "")
-            first = text.split(" |")[0].strip()
-            rows.append((f.name, f.metadata.get(RULES, {}), "None" in text, first == "int", first == "float"))
+            t = hints[f.name]
+            members = typing.get_args(t) if _is_union(t) else (t,)
+            first = members[0]
+            rows.append((f.name, f.metadata.get(RULES, {}), type(None) in members, first is int, first is float))
         cached = _FIELD_CACHE[cls] = tuple(rows)
     return cached
 
 
 _FIELD_CACHE: dict = {}
+
+
+def _is_union(tp) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType)
 
 
 def allowed(rules: dict, nullable: bool = False) -> str:
@@ -179,7 +185,7 @@ class Loader:
         origin = typing.get_origin(tp)
         if tp is Any:
             return value
-        if origin in (typing.Union, types.UnionType):
+        if _is_union(tp):
             return self._union(value, tp, key)
         if value is None:
             raise ConfigError(f"{key}: must not be null")
