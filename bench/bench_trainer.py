@@ -26,6 +26,7 @@ if not __package__:  # run as a file, not with -m: the repository root on the pa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from areal_fast.ops import fused_linear_decoupled_ppo_loss_ref, fused_linear_token_logprobs_ref  # noqa: E402
 from areal_fast.trainer import OptimConfig, PPOActor, PPOConfig, Sample, TrainerConfig  # noqa: E402
+from areal_fast.trainer.model import shutdown_process_group  # noqa: E402
 from bench.common import add_harness_args, csv_list, print_dry_run, print_table, provenance, save  # noqa: E402
 
 SHAPES = {
@@ -129,6 +130,18 @@ def main(argv=None):
     if not cuda:
         print("# CPU: tiny shapes, a smoke run of the code path, not a measurement")
     prov = provenance()
+    # the actor makes a one-rank NCCL (gloo on CPU) group; left to interpreter exit, its teardown can
+    # abort the process after the rows are written, and the run ends with a failing exit status
+    own_group = not torch.distributed.is_initialized()
+    try:
+        rows = _measure(args, shape, tokens, mb_tokens, variants, prov)
+    finally:
+        if own_group:
+            shutdown_process_group()
+    print_table(rows)
+
+
+def _measure(args, shape, tokens, mb_tokens, variants, prov) -> list[dict]:
     from transformers import Qwen2Config
 
     with tempfile.TemporaryDirectory() as d:
@@ -145,7 +158,7 @@ def main(argv=None):
                          "act_ckpt": not args.no_ckpt, **res})
             print(json.dumps(rows[-1]), flush=True)
             save("trainer", rows[-1:], args, prov)  # at once: a run cut short keeps what it measured
-    print_table(rows)
+    return rows
 
 
 if __name__ == "__main__":

@@ -55,6 +55,20 @@ TILE_WORDS = 4096
 SCALAR_TILE_WORDS = 1024
 MAX_BLOCK_W = 256  # words per row chunk (2 KiB of int64); wider rows loop over chunks
 MIN_BLOCK_T, MAX_BLOCK_T = 16, 1024
+# Triton compiles one binary per specialisation of a launch: every constexpr, each pointer's word
+# type and 16-byte alignment, and for each plain int argument whether it equals 1 (folded into the
+# code) or is divisible by 16. Kept, because they change the code: the word type, a tensor's width in
+# words (1: a column moves as one contiguous run over tokens; a multiple of 16: 16-byte row accesses,
+# see ``vector_rows``), the tile (BLOCK_*), SCATTER (which side is contiguous over tokens), WRITE_POS
+# and HAS_PAD (no pad load when the pad is zero bytes). Not specialised: the counts below, which only
+# bound loops, feed masks and a binary search, or divide an index by a runtime value (M); a T that
+# happens to be 16-divisible, one sequence (B == 1, N_ITERS == 1) or one block gained nothing and cost
+# one more cold compile each time a new combination came by (the packing GPU test compiled 84 variants
+# cold, 51 without them). The segment copy's block count per tensor is derived in the kernel from T and
+# its BLOCK_T, not passed: Triton 3.9 specialises the elements of a tuple argument whatever
+# do_not_specialize says, so a tensor that fits one block would be one more variant.
+SEGMENT_COPY_RUNTIME = ("T", "B", "N_ITERS")
+UNPACK_RUNTIME = ("n_rows", "M", "n_blocks")
 
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
@@ -78,11 +92,12 @@ def _segment_of(cu, t, B, N_ITERS):
 
 @triton.jit
 def _segment_copy_one(
-    src, dst, W, n_blocks, cu, other_start, pos, T, B, N_ITERS,
+    src, dst, W, cu, other_start, pos, T, B, N_ITERS,
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, SCATTER: tl.constexpr, WRITE_POS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    n_blocks = (T - 1) // BLOCK_T + 1  # T >= 1 (the launcher returns early on T == 0); no overflow near 2**31
     for blk in range(pid, n_blocks, nprog):
         # int64 before the multiply: blk * BLOCK_T overflows int32 past 2**31 tokens
         t = (tl.zeros([BLOCK_T], tl.int64) + blk) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -108,9 +123,9 @@ def _segment_copy_one(
             tl.store(dst_base + cols[None, :], vals, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SEGMENT_COPY_RUNTIME)
 def _segment_copy_kernel(
-    srcs, dsts, widths, n_blocks, cu, other_start, pos, T, B, N_ITERS,
+    srcs, dsts, widths, cu, other_start, pos, T, B, N_ITERS,
     N_TENSORS: tl.constexpr, BLOCK_TS: tl.constexpr, BLOCK_WS: tl.constexpr,
     SCATTER: tl.constexpr, WRITE_POS: tl.constexpr,
 ):
@@ -119,12 +134,12 @@ def _segment_copy_kernel(
     for i in tl.static_range(N_TENSORS):
         if k == i:
             _segment_copy_one(
-                srcs[i], dsts[i], widths[i], n_blocks[i], cu, other_start, pos, T, B, N_ITERS,
+                srcs[i], dsts[i], widths[i], cu, other_start, pos, T, B, N_ITERS,
                 BLOCK_TS[i], BLOCK_WS[i], SCATTER, WRITE_POS and i == 0,
             )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNPACK_RUNTIME)
 def _unpack_kernel(
     src, dst, pad_row, cu, n_rows, M, W, n_blocks,
     BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, HAS_PAD: tl.constexpr,
@@ -261,7 +276,7 @@ def segment_copy(
     grid = (min(max(n_blocks), max_programs), len(wsrcs))
     with _on_device(cu):
         _segment_copy_kernel[grid](
-            tuple(wsrcs), tuple(wdsts), tuple(widths), tuple(n_blocks), cu, other_start,
+            tuple(wsrcs), tuple(wdsts), tuple(widths), cu, other_start,
             pos if pos is not None else other_start, T, B, B.bit_length(),
             N_TENSORS=len(wsrcs), BLOCK_TS=tuple(block_ts), BLOCK_WS=tuple(block_ws),
             SCATTER=bool(scatter), WRITE_POS=pos is not None,

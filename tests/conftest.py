@@ -16,8 +16,8 @@ in ``tests/`` (``fakes.py``, ``_shared.py``, ``tolerances.py``, ``e2e_runs.py``,
 there too, so a test may import a helper of another folder's test module (``from test_trainer_actor
 import make_tiny_model``) whatever files the run collects, and in whatever order.
 
-The suite runs in worker processes (pytest-xdist: ``-n auto``, with ``--dist loadgroup`` from
-pyproject.toml), and what is costly to start is started once for all of them. Every process of a run
+The suite runs in worker processes (pytest-xdist: ``-n auto``; ``--dist loadgroup``, set here), and
+what is costly to start is started once for all of them. Every process of a run
 shares one scratch directory (``$AREAL_FAST_TEST_SHARED``, made by the process that starts the run):
 the warm starts are built there once, under a file lock; the real vLLM server is started by the first
 worker that collects a user of it, and the others attach to it by its address. The tests that share
@@ -148,11 +148,13 @@ def xdist_group_of(item) -> str | None:
 
 def pytest_configure(config):
     _ensure_shared_dir()
-    workers = getattr(config.option, "numprocesses", None)
-    if workers and getattr(config.option, "dist", "loadgroup") != "loadgroup":
-        raise pytest.UsageError(f"tests/conftest.py: run the suite's workers with --dist loadgroup (pyproject.toml's "
-                                f"default), not --dist {config.option.dist}: tests that share one real vLLM "
-                                "server or Slurm cluster must run in one worker")
+    if getattr(config.option, "numprocesses", None):  # with workers, the groups above are kept together
+        if config.option.dist == "load":  # what -n implies (before the workers start and the scheduler is made)
+            config.option.dist = "loadgroup"
+        elif config.option.dist != "loadgroup":
+            raise pytest.UsageError(f"tests/conftest.py: the suite's workers take --dist loadgroup (the default with "
+                                    f"-n here), not --dist {config.option.dist}: tests that share one real vLLM "
+                                    "server or Slurm cluster must run in one worker")
 
 
 def pytest_unconfigure(config):
@@ -348,7 +350,7 @@ def _start_real_vllm() -> None:
         python = rv.vllm_python()
         lora_args, lora_env = lora_server_options(python)
         server = _REAL_VLLM["server"] = rv.VLLMServer(
-            model, _REAL_VLLM["port"], root / "server.log", python=python, env=lora_env,
+            model, _REAL_VLLM["port"], root / "server.log", python=python, env=lora_env, api_key=rv.SESSION_API_KEY,
             extra_args=["--max-model-len", str(REAL_VLLM_CONTEXT), *lora_args])
         _write_real_vllm_record({**server.record(), "ready": False})  # the process to stop, from now on
         server.wait_ready()
@@ -362,7 +364,6 @@ def _start_real_vllm() -> None:
 def _attach_real_vllm():
     """The server another process of the run started (waits for its record)."""
     import real_vllm as rv
-
     from _shared import poll_until
 
     def read() -> dict:

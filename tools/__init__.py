@@ -1,4 +1,5 @@
-"""What is not a benchmark but serves them and the tests: the GPU day's runner (``gpu_suite``), the sm_90a
+"""What is not a benchmark but serves them and the tests: the GPU day's runner (``gpu_suite``) and its pytest
+plugin that writes each test's result as the test ends (``results_log``), the sm_90a
 static compile check (``static_sm90``), the optional-import blocker (``without_optional/``) and the simulated
 SGLang fleet (``sim_sglang``: many cheap servers in one process, used by the scale benchmarks and the
 rollout tests)."""

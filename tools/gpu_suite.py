@@ -6,7 +6,8 @@
 
 :data:`STEPS` in priority order, each in its own process group under its own deadline (cut to what
 is left of :data:`DAY_BUDGET_S`); the JSON summary (``--out``) and ``<out>.log`` rewritten atomically
-after every step. docs/benchmarks.md ("The GPU day") gives the steps with their estimates and
+after every step and every :data:`PROGRESS_S` while one runs (the GPU tests' results test by test).
+docs/benchmarks.md ("The GPU day") gives the steps with their estimates and
 deadlines, what comes back, and what keeps a short GPU session from being wasted.
 """
 
@@ -35,19 +36,24 @@ ROOT = Path(__file__).resolve().parents[1]
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.* and tools.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import provenance  # noqa: E402
+from tools.results_log import read_results_log  # noqa: E402
 
 DAY_BUDGET_S = 450  # the day's command: under 8 minutes with the suite's start and end
 DAY_WALL_S = 480  # what the day must finish within (the session calls it with timeout_s about this)
 STARTUP_S = 10  # the suite's own start (torch imported for provenance) and its writes
 MIN_STEP_S = 5  # a must-run step is skipped only when less than this is left
 TAIL_CHARS = 4000  # of each step's output, in the log file and (failed steps) in the JSON
+PROGRESS_S = 10  # while a step runs, its key numbers so far go into the JSON this often
 # modules the install and the tests need besides torch / triton (the image's)
 REQUIRED = ("numpy", "pybind11", "scikit_build_core", "transformers", "aiohttp", "pytest", "pytest_timeout",
             "safetensors", "yaml", "hypothesis")
 # The dry run's interpreter: this folder's sitecustomize.py hides the optional packages.
 WITHOUT_OPTIONAL = ROOT / "tools" / "without_optional"
-# What pytest selects on the GPU machine, in the real step and in the dry run alike.
-GPU_TEST_ARGS = ("-m", "gpu", "tests", "-p", "no:cacheprovider")
+# What pytest selects on the GPU machine, in the real step and in the dry run alike; with the plugin
+# that writes each test's result as it finishes (tools/results_log.py), read even from a cut step.
+GPU_TEST_ARGS = ("-m", "gpu", "tests", "-p", "no:cacheprovider", "-p", "tools.results_log")
+RESULTS_LOG = "gpu_tests.results.jsonl"
+MAX_FAILED_IDS = 30
 # Where a finished install records its build inputs (kept between commands on a warm machine).
 INSTALL_STAMP = ROOT / "build" / "gpu_suite_install.json"
 INSTALL_ENV = {"AREAL_FAST_CUDA": "ON", "CMAKE_ARGS": "-DCMAKE_CUDA_ARCHITECTURES=90a",
@@ -140,11 +146,25 @@ _PYTEST_SUMMARY = re.compile(r"\b\d+ (?:passed|failed|errors?|skipped|deselected
 
 
 def tests_key(output: str, results: str) -> dict:
-    """The GPU tests' counts and failed ids (from the JUnit file) and pytest's summary line."""
+    """The GPU tests' results: each finished test's ``[id, outcome, seconds]``, the counts, the
+    failed ids with their errors and the test a cut was in (from the results log, written test by
+    test, so a step cut at its deadline still has them); the counts and failed ids from the JUnit
+    file when pytest got to write it; pytest's summary line."""
     key: dict = {}
     lines = [ln for ln in output.splitlines() if _PYTEST_SUMMARY.search(ln)]
     if lines:
         key["summary"] = lines[-1].strip("= ")
+    log = read_results_log(Path(results) / RESULTS_LOG)
+    if log is not None:
+        bad = log["failed_ids"][:MAX_FAILED_IDS]
+        key.update(tests=len(log["tests"]), failures=log["failed"], errors=log["error"], skipped=log["skipped"],
+                   passed=log["passed"], failed_ids=bad, errors_by_id={i: log["errors"][i] for i in bad
+                                                                      if i in log["errors"]},
+                   session_finished=log["finished"], per_test=log["tests"])
+        if log["running"]:
+            key["running_when_cut"] = log["running"]
+        if log["collect_errors"]:
+            key["collect_errors"] = log["collect_errors"]
     xml = Path(results) / "gpu_tests.xml"
     if not xml.exists():
         return key
@@ -267,7 +287,8 @@ STEPS: tuple[Step, ...] = (
          must=True, dry_argv=("{py}", "-m", "pip", "--version"), needs=("pyproject.toml", "CMakeLists.txt"),
          env=INSTALL_ENV, reuse=reusable_build, done=record_install, key=install_key),
     Step("gpu_tests", 120, 200, ("{py}", "-m", "pytest", "-q", *GPU_TEST_ARGS, "--continue-on-collection-errors",
-                                 "{timeout_args}", "--junitxml", "{results}/gpu_tests.xml"),
+                                 "{timeout_args}", "--junitxml", "{results}/gpu_tests.xml",
+                                 "--results-log", "{results}/" + RESULTS_LOG),
          must=True, after_install=True, dry_argv=("{py}", "-m", "pytest", "-q", "--collect-only", *GPU_TEST_ARGS),
          needs=("tests/conftest.py",), dry_check=check_gpu_collection, key=tests_key),
     _bench("loss", 90, 150, "bench_ppo_loss.py", "--production", "--skip-compile", "--skip-liger", must=True),
@@ -389,9 +410,11 @@ def _die_with_suite() -> None:
         _PRCTL(1, int(signal.SIGKILL))
 
 
-def run_step(step: Step, results: str, limit_s: float, dry: bool) -> dict:
+def run_step(step: Step, results: str, limit_s: float, dry: bool,
+             progress: Callable[[dict], None] | None = None) -> dict:
     """Run one step in its own process group (its output in ``<results>/<step>.log``); a step that
-    runs past ``limit_s`` is killed with everything it started, and so is anything it leaves behind."""
+    runs past ``limit_s`` is killed with everything it started, and so is anything it leaves behind.
+    ``progress(key)`` gets the step's key numbers so far every :data:`PROGRESS_S` while it runs."""
     rec = {"step": step.name, "deadline_s": round(limit_s, 1)}
     missing = [f for f in step.needs if not (ROOT / f).exists()]
     if missing:
@@ -418,10 +441,7 @@ def run_step(step: Step, results: str, limit_s: float, dry: bool) -> dict:
         p = subprocess.Popen(cmd, cwd=ROOT, env=_step_env(step, dry), stdout=f, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_suite)
         try:
-            rc, timed_out = p.wait(timeout=limit_s), False
-        except subprocess.TimeoutExpired:
-            _kill_group(p.pid)
-            rc, timed_out = p.wait(), True
+            rc, timed_out = _wait(p, t0 + limit_s, None if dry else _progress(step, log, results, progress))
         except BaseException:  # the suite interrupted (SIGTERM, Ctrl-C): the step goes with it
             _kill_group(p.pid)
             p.wait()
@@ -445,6 +465,32 @@ def run_step(step: Step, results: str, limit_s: float, dry: bool) -> dict:
     if rec["status"] == "ok" and not dry and step.done is not None:
         step.done()
     return rec
+
+
+def _wait(p: subprocess.Popen, end: float, tick: Callable[[], None] | None) -> tuple[int, bool]:
+    """``(returncode, timed_out)``: waits for the step until ``end`` (``perf_counter``), calling
+    ``tick`` every PROGRESS_S meanwhile; past ``end`` its process group is killed."""
+    while True:
+        left = end - time.perf_counter()
+        try:
+            return p.wait(timeout=max(0.0, min(left, PROGRESS_S) if tick is not None else left)), False
+        except subprocess.TimeoutExpired:
+            if tick is None or time.perf_counter() >= end:
+                _kill_group(p.pid)
+                return p.wait(), True
+            tick()
+
+
+def _progress(step: Step, log: Path, results: str, progress) -> Callable[[], None] | None:
+    if progress is None or step.key is None:
+        return None
+
+    def tick() -> None:
+        try:
+            progress(step.key(log.read_text(errors="replace"), results))
+        except Exception as e:  # a half-written file or a parser's slip must not cost the step
+            progress({"error": f"{type(e).__name__}: {e}"})
+    return tick
 
 
 def collect_rows(results: str) -> dict[str, list[dict]]:
@@ -635,8 +681,13 @@ def _day(args, steps: list[Step], report: Report, work: Path) -> int:
             report.set(current)
             report.write()
             print(f"[gpu_day] {step.name} (deadline {deadline:.0f} s, estimate {step.estimate_s} s) ...", flush=True)
-            rec, tail = _summarise(run_step(step, str(work / step.name), deadline, dry=False), step.must,
-                                   step.estimate_s)
+
+            def progress(key: dict, running: dict = current) -> None:  # so far: a kill now keeps it
+                report.set(running | {"key": key})
+                report.write()
+
+            rec, tail = _summarise(run_step(step, str(work / step.name), deadline, dry=False, progress=progress),
+                                   step.must, step.estimate_s)
             report.set(rec, tail)
             current = None
             report.write()
@@ -645,8 +696,9 @@ def _day(args, steps: list[Step], report: Report, work: Path) -> int:
             if rec["status"] != "ok":
                 print(rec.get("error", "") + "\n" + tail[-1500:], flush=True)
     except (_Interrupted, KeyboardInterrupt) as e:
-        if current is not None:
-            report.set(current | {"status": "timeout", "error": f"the suite was interrupted ({e or 'SIGINT'})"})
+        if current is not None:  # with the key numbers it had so far
+            report.set(report.records.get(current["step"], current)
+                       | {"status": "timeout", "error": f"the suite was interrupted ({e or 'SIGINT'})"})
         report.write()
         print(f"[gpu_day] interrupted ({e or 'SIGINT'}); wrote {report.out}", flush=True)
         return 130

@@ -5,10 +5,10 @@ fp32 master moves by ~lr, less than half a bf16 step for most weights): 2.8 % pe
 on a Qwen3-0.6B-shaped model, ~85 % at the tiny example's 2e-4 (``bench/bench_delta.py``). So
 trainer rank 0 keeps a *shadow*: the bytes every server holds, as sent, in **host memory** (pinned
 where CUDA is available: one model in the sent dtype, 15.2 GB at 7B, would not fit beside a 32B
-model's shards on rank 0's GPU). For each bucket of an update, each 16-bit tensor's shadow is
-copied to the bucket's device, compared with the new values there
-(:mod:`areal_fast.weights.delta_codec`, a kernel) and freed; the changes (indices and values, a
-few percent of the tensor) come back to update the host shadow. The device holds one tensor's
+model's shards on rank 0's GPU), as views of ONE host buffer of exactly the shadow's size. For
+each bucket of an update, each 16-bit tensor's shadow is copied to the bucket's device, compared
+with the new values there (:mod:`areal_fast.weights.delta_codec`, a kernel) and freed; the changes
+(indices and values, a few percent of the tensor) come back to update the host shadow. The device holds one tensor's
 staged shadow at a time (at most one bucket). The tensor travels as
 
 * nothing, when no element changed;
@@ -20,6 +20,13 @@ The entries of a bucket are laid out widest dtype first (8-, 4-, 2-, 1-byte), so
 at a multiple of its element size and the bucket is a valid SGLang ``flattened_bucket``. A bucket
 whose tensors all stayed the same is not sent, unless it is the update's last (it carries the
 version and the cache flush): then it re-sends one unchanged element.
+
+The buffer: torch's pinned allocator (``pin_memory=True``) rounds every block up to a power of two,
+which made a shadow pinned tensor by tensor nearly twice the model at 7B; one buffer page-locked
+by registering it with CUDA costs exactly its size. A whole update whose tensors (names, dtypes,
+shapes) are those of the buffer writes into it; one whose tensors are new (the first, or after the
+model changed) keeps exact-size host copies as it goes and moves them into a new buffer when it
+succeeds (host memory holds the shadow twice for that moment).
 
 Whole updates: the first after the transport (re)connects, every ``delta_full_every``-th, and the
 one after any failed update (the servers' state is then unknown). The shadow is updated as each
@@ -36,7 +43,9 @@ The wire names and the server side (split an update's entries, write a delta int
 
 from __future__ import annotations
 
+import logging
 import math
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +56,8 @@ from areal_fast.weights.delta_wire import DELTA_IDX, DELTA_VAL, delta_name
 from areal_fast.weights.gather import Bucket
 
 __all__ = ["DELTA_IDX", "DELTA_VAL", "DeltaEncoder", "DeltaStats", "wants_delta"]
+
+log = logging.getLogger(__name__)
 
 def wants_delta(mode: str, engine: str | None, on_cuda: bool) -> bool:
     """Does a server get deltas? ``on``: every server (SGLang must run our model package, or it skips
@@ -94,27 +105,50 @@ class DeltaEncoder:
     shadow: dict[str, torch.Tensor] = field(default_factory=dict)
     since_full: int | None = None  # updates since the last whole one; None: the next is whole
     stats: DeltaStats = field(default_factory=DeltaStats)
+    buffer: torch.Tensor | None = None  # the one host buffer (uint8) the shadow's tensors are views of
+    _layout: list[tuple[str, torch.dtype, tuple]] = field(default_factory=list)  # the buffer's tensors
+    _seen: list[tuple[str, torch.dtype, tuple]] = field(default_factory=list)  # kept in this update
+    _loose: bool = False  # a shadow tensor outside the buffer (a new name, dtype or shape)
 
     def begin(self) -> bool:
         """Start an update; True if it may send deltas."""
         delta = self.since_full is not None and self.since_full + 1 < self.full_every and bool(self.shadow)
-        if not delta:
-            self.shadow.clear()
+        if not delta and self.buffer is None:
+            self.shadow.clear()  # a whole update rewrites the buffer's views in place; loose copies go
+        self._seen = []
         self.stats = DeltaStats(mode="delta" if delta else "whole")
         return delta
 
     def done(self, ok: bool) -> None:
-        """End an update: count it, or forget everything after a failure."""
+        """End an update: count it, or forget everything after a failure; the shadow in one buffer."""
         if not ok:
             self.invalidate()
-        elif self.stats.mode == "whole":
+            return
+        if self.stats.mode == "whole":
             self.since_full = 0
+            if self._seen != self._layout or self._loose:
+                self._into_one_buffer(self._seen)
         else:
             self.since_full = (self.since_full or 0) + 1
+            if self._loose:
+                self._into_one_buffer([(n, t.dtype, tuple(t.shape)) for n, t in self.shadow.items()])
 
     def invalidate(self) -> None:
         self.shadow.clear()
         self.since_full = None
+        self.buffer, self._layout, self._loose = None, [], False
+
+    def _into_one_buffer(self, layout: list[tuple[str, torch.dtype, tuple]]) -> None:
+        """The shadow of ``layout``'s tensors moved into one new host buffer of exactly their bytes."""
+        sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in layout]  # 16-bit: every offset aligned
+        buf = host_buffer(sum(sizes))
+        shadow, off = {}, 0
+        for (name, dtype, shape), n in zip(layout, sizes):
+            view = buf[off : off + n].view(dtype).view(shape)
+            view.copy_(self.shadow[name])
+            shadow[name] = view
+            off += n
+        self.shadow, self.buffer, self._layout, self._loose = shadow, buf, list(layout), False
 
     def encode(self, bucket: Bucket) -> Bucket | None:
         """The bucket to send instead of ``bucket`` (None: send nothing), updating the shadow."""
@@ -141,10 +175,13 @@ class DeltaEncoder:
         return out
 
     def _keep(self, name: str, t: torch.Tensor) -> None:
-        """The shadow of ``name`` := ``t`` (a host copy; the old one is reused when it fits)."""
+        """The shadow of ``name`` := ``t`` (into its place in the buffer when it has one, else an
+        exact-size host copy, moved into a new buffer at the update's end)."""
+        self._seen.append((name, t.dtype, tuple(t.shape)))
         old = self.shadow.get(name)
         if old is None or old.dtype != t.dtype or old.shape != t.shape:
-            old = self.shadow[name] = host_empty(t.shape, t.dtype)
+            old = self.shadow[name] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            self._loose = True
         old.copy_(t)  # device -> host; a blocking copy: the host shadow is read next on the CPU
 
     def _encode_tensor(self, name: str, t: torch.Tensor) -> list[_Entry]:
@@ -191,10 +228,35 @@ class DeltaEncoder:
         raise AssertionError("a bucket with no 16-bit tensor is always sent whole")
 
 
-def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised host tensor for the shadow: pinned where CUDA is available (fast, asynchronous
-    copies to the device; the caching host allocator reuses the blocks of a dropped shadow)."""
-    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=torch.cuda.is_available())
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """An uninitialised host buffer (uint8) of exactly ``nbytes``: page-locked where CUDA is available
+    (fast, asynchronous copies to the device) by registering it with CUDA, since ``pin_memory=True``
+    would round it up to a power of two; pageable where CUDA is not, or where registering fails."""
+    if nbytes == 0 or not torch.cuda.is_available():
+        return torch.empty(nbytes, dtype=torch.uint8)
+    mem = _PageLocked(-1, nbytes)
+    buf = torch.frombuffer(mem, dtype=torch.uint8, count=nbytes)  # holds ``mem`` while any view lives
+    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+    if int(getattr(err, "value", err)) != 0:
+        log.warning("delta shadow: registering %d bytes of host memory with CUDA failed (%s); the shadow stays "
+                    "pageable (slower copies to the device)", nbytes, err)
+        return buf
+    mem.ptr = buf.data_ptr()
+    return buf
+
+
+class _PageLocked(mmap.mmap):
+    """Anonymous host memory, unregistered from CUDA when the last tensor over it is gone (then unmapped)."""
+
+    ptr = 0
+
+    def __del__(self):
+        if self.ptr:
+            ptr, self.ptr = self.ptr, 0
+            try:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+            except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
+                pass
 
 
 def _pack(entries: list[_Entry], index: int, last: bool, device) -> Bucket:

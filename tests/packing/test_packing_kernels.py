@@ -279,31 +279,99 @@ KERNEL_RUNS = [pytest.param("cuda", "triton", dt, marks=pytest.mark.gpu, id=f"cu
 @pytest.mark.parametrize("device,backend,dtype", KERNEL_RUNS)
 def test_kernels_match_reference_every_case(device, backend, dtype):
     """Every case above; on CUDA also long sequences and a wide row; and a capped grid."""
+    every_case(device, backend, dtype)
+
+
+def _check(ok: bool) -> None:
+    assert ok
+
+
+def every_case(device, backend, dtype, check=_check, long_case=None):
+    """The cases of :func:`test_kernels_match_reference_every_case` (``check`` gets each comparison;
+    the variant count below runs them with a no-op)."""
     from areal_fast.kernels import packing as K
 
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(7)
     cases = [(LENGTHS[c], L, t) for c in LENGTHS for t in TRAILING]
-    if device == "cuda":
+    if device == "cuda" if long_case is None else long_case:
         cases.append(([3000, 0, 1, 4097, 2500], 4100, (1000,)))
     for lengths, Lmax, trailing in cases:
         padded = random_bits((len(lengths), Lmax, *trailing), dtype, gen).to(dev)
         got, want = pack(padded, lengths, backend=backend), pack_ref(padded, lengths)
-        assert all(same_bits(g, w) for g, w in zip(got, want))
+        check(all(same_bits(g, w) for g, w in zip(got, want)))
         packed, cu, _ = got
         for pad in (0, 7):
-            assert same_bits(unpack(packed, cu, Lmax + 1, pad, backend=backend), unpack_ref(packed, cu, Lmax + 1, pad))
+            check(same_bits(unpack(packed, cu, Lmax + 1, pad, backend=backend), unpack_ref(packed, cu, Lmax + 1, pad)))
         order = torch.randperm(len(lengths), generator=gen)
         extra = [random_bits((packed.shape[0], 3), torch.bfloat16, gen).to(dev), packed[:, None].clone()]
         g, new_cu = gather_segments([packed, *extra], cu, order, backend=backend)
         gr, new_cu_r = gather_segments_ref([packed, *extra], cu, order)
-        assert torch.equal(new_cu, new_cu_r) and all(same_bits(a, b) for a, b in zip(g, gr))
+        check(torch.equal(new_cu, new_cu_r) and all(same_bits(a, b) for a, b in zip(g, gr)))
         back = scatter_segments(g, cu, order, backend=backend)
-        assert all(same_bits(a, b) for a, b in zip(back, [packed, *extra]))
+        check(all(same_bits(a, b) for a, b in zip(back, [packed, *extra])))
     out = torch.empty_like(packed)
     K.segment_copy([packed], [out], new_cu, cu.long()[:-1][order.to(dev)].contiguous(), scatter=False,
                    max_programs=2)
-    assert same_bits(out, gr[0])
+    check(same_bits(out, gr[0]))
+
+
+# Specialisations of the GPU test above, counted on CPU: its launches (every dtype, the long case too)
+# go to stand-ins that ask the real JIT functions for their cache keys (what decides a compile) under a
+# driver that targets sm_90a, without compiling or launching anything.
+_VARIANTS_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class FakeDriver:
+        def get_current_target(self): return GPUTarget("cuda", 90, 32)
+        def get_current_device(self): return 0
+        def get_current_stream(self, device=None): return 0
+        def get_device_interface(self): return torch.cuda
+        def get_active_torch_device(self): return torch.device("cpu")
+        def get_benchmarker(self): return None
+
+    driver.set_active(FakeDriver())
+    from areal_fast import dispatch
+    from areal_fast.kernels import packing as K
+
+    dispatch.why_unavailable = lambda backend, device=None: None  # 'triton' on CPU tensors: nothing runs
+    keys = set()
+
+    class Keyed:
+        def __init__(self, jit): self.jit = jit
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                _, spec, options = self.jit.device_caches[0][4](*args, **meta)  # the JIT's own binder
+                keys.add((self.jit.fn.__name__, str(spec), str(options)))
+            return launch
+
+    K._segment_copy_kernel, K._unpack_kernel = Keyed(K._segment_copy_kernel), Keyed(K._unpack_kernel)
+    sys.path.insert(0, sys.argv[1])
+    import test_packing_kernels as t
+
+    t.random_bits = lambda shape, dtype, gen: torch.empty(shape, dtype=dtype)  # contents change no key
+    for dtype in t.DTYPES:
+        t.every_case("cpu", "triton", dtype, check=lambda ok: None, long_case=True)
+    print("variants", len(keys), sum(k[0] == "_unpack_kernel" for k in keys))
+    """
+)
+# 84 while counts (T, B, the block counts...) were specialised; the kernels' comment says which stay
+MAX_COLD_VARIANTS = 51
+
+
+def test_the_gpu_test_compiles_few_kernel_variants():
+    """Cold, every distinct specialisation is one Triton compile on the GPU machine: the GPU test's
+    launches may need at most MAX_COLD_VARIANTS of them (sizes and counts are not specialised)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _VARIANTS_SCRIPT, str(Path(__file__).parent)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    total, unpack_variants = map(int, proc.stdout.split("variants")[-1].split())
+    assert 0 < unpack_variants < total <= MAX_COLD_VARIANTS, proc.stdout
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -444,9 +512,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
         cu, starts = torch.zeros(B + 1, dtype=torch.int32), torch.zeros(B, dtype=torch.int64)
         tiles = [K.tile_shape(w.shape[1]) for w in ws]
         return K._segment_copy_kernel.warmup(
-            tuple(ws), tuple(ws), tuple(w.shape[1] for w in ws), tuple(triton.cdiv(T, t) for t, _ in tiles),
-            cu, starts, starts, T, B, B.bit_length(), N_TENSORS=len(ws), BLOCK_TS=tuple(t for t, _ in tiles),
-            BLOCK_WS=tuple(w for _, w in tiles), SCATTER=scatter, WRITE_POS=write_pos, grid=(1, len(ws)))
+            tuple(ws), tuple(ws), tuple(w.shape[1] for w in ws), cu, starts, starts, T, B, B.bit_length(),
+            N_TENSORS=len(ws), BLOCK_TS=tuple(t for t, _ in tiles), BLOCK_WS=tuple(w for _, w in tiles),
+            SCATTER=scatter, WRITE_POS=write_pos, grid=(1, len(ws)))
 
     T = 1000
     ws = [torch.zeros(T, 1024, dtype=torch.int64), torch.zeros(T, 1, dtype=torch.int16),
@@ -454,7 +522,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     k = compile_segment_copy(T, 7, ws, True, True)
     # 16-byte vector loads for the 8-byte-word rows (1024 words: 16-byte aligned rows)
     assert "ld.global.v2.b64" in k.asm["ptx"], "no 16-byte loads"
-    compile_segment_copy(1, 1, [torch.zeros(1, 1, dtype=torch.uint8)], False, False)  # ints == 1 specialize
+    compile_segment_copy(1, 1, [torch.zeros(1, 1, dtype=torch.uint8)], False, False)  # a width of 1 specializes
     cu = torch.zeros(8, dtype=torch.int32)
     for M, W in ((16, 1024), (1, 1)):
         K._unpack_kernel.warmup(ws[0], ws[0], ws[0], cu, 7 * M, M, W, 10, BLOCK_T=16, BLOCK_W=256,

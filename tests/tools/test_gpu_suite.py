@@ -209,6 +209,40 @@ def test_the_key_numbers_of_env_tests_and_benchmarks(tmp_path):
     assert gpu_suite.rows_key("", str(tmp_path)) == {"rows": {"loss": [{"T": 1}]}}
 
 
+# A GPU test run cut short: the fourth test kills pytest's whole process group, as the step's limit
+# would, before the fifth runs and before pytest could write its JUnit file.
+CUT_TESTS = """
+import os, signal, pytest
+def test_a(): pass
+def test_b(): assert 1 == 2, "b is wrong"
+def test_c(): pytest.skip("not here")
+def test_d(): os.killpg(os.getpgid(0), signal.SIGKILL)
+def test_e(): pass
+"""
+
+
+def test_a_cut_gpu_test_run_still_reports_each_finished_test(tmp_path):
+    """The gpu_tests step's pytest writes each result as it finishes (tools/results_log.py), so a
+    step killed mid-run keeps every finished test's outcome, the failure, and the test it was in;
+    run here as the GPU image would, without pytest-xdist (which the suite's options do not need)."""
+    (tmp_path / "test_cut.py").write_text(CUT_TESTS)
+    results = tmp_path / "results"
+    argv = ("{py}", "-m", "pytest", "-q", "-c", str(ROOT / "pyproject.toml"), "-p", "no:xdist",
+            "-p", "no:cacheprovider", "-p", "tools.results_log", str(tmp_path / "test_cut.py"),
+            "--junitxml", "{results}/gpu_tests.xml", "--results-log", "{results}/" + gpu_suite.RESULTS_LOG)
+    rec = gpu_suite.run_step(gpu_suite.Step("gpu_tests", 1, 60, argv, key=gpu_suite.tests_key), str(results), 60,
+                             dry=False)
+    key, mod = rec["key"], str(tmp_path / "test_cut.py").lstrip("/")
+    assert rec["rc"] == -9 and not (results / "gpu_tests.xml").exists(), rec["output_tail"]
+    ids = [t[0].split("::")[1] for t in key["per_test"]]
+    assert ids == ["test_a", "test_b", "test_c"] and [t[1] for t in key["per_test"]] == ["passed", "failed", "skipped"]
+    assert (key["tests"], key["passed"], key["failures"], key["skipped"]) == (3, 1, 1, 1)
+    assert [i.split("::")[1] for i in key["failed_ids"]] == ["test_b"] and mod.endswith(key["failed_ids"][0]
+                                                                                           .split("::")[0])
+    assert "b is wrong" in key["errors_by_id"][key["failed_ids"][0]]
+    assert [i.split("::")[1] for i in key["running_when_cut"]] == ["test_d"] and not key["session_finished"]
+
+
 def test_the_documented_tables_match_the_plan():
     """docs/benchmarks.md names each step with its estimate and deadline (the one table of them)."""
     docs = (ROOT / "docs" / "benchmarks.md").read_text()
@@ -374,6 +408,32 @@ def test_sigterm_ends_the_step_and_records_it(tmp_path):
     assert stuck["status"] == "timeout" and "SIGTERM" in stuck["error"]
 
 
+# A step that says it started, then waits until told (a file) to finish.
+WAITS_FOR_GO = ("import os, sys, time\nprint('started', flush=True)\n"
+                "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.01)\nprint('done', flush=True)")
+
+
+def test_a_running_step_puts_its_results_so_far_in_the_summary(tmp_path, monkeypatch):
+    """While a step runs, its key numbers so far reach the day's summary every PROGRESS_S (a kill
+    from outside then keeps them): here the step finishes only once its first progress was seen."""
+    monkeypatch.setattr(gpu_suite, "PROGRESS_S", 0.05)
+    go = tmp_path / "go"
+    seen = []
+
+    def progress(key: dict) -> None:
+        seen.append(key)
+        if key.get("lines") == ["started"]:
+            go.touch()
+
+    def key(output: str, results: str) -> dict:
+        return {"lines": output.split()}
+
+    step = gpu_suite.Step("waits", 1, 60, ("{py}", "-c", WAITS_FOR_GO, str(go)), key=key)
+    rec = gpu_suite.run_step(step, str(tmp_path / "results"), 60, dry=False, progress=progress)
+    assert rec["status"] == "ok" and rec["key"] == {"lines": ["started", "done"]}
+    assert {"lines": ["started"]} in seen and all(k["lines"][:1] in ([], ["started"]) for k in seen)
+
+
 # ----------------------------------------------------------------------------- reusing the build
 
 
@@ -522,7 +582,8 @@ def test_deep_dry_run_of_the_whole_plan(tmp_path):
 def test_the_dry_run_and_the_real_step_select_the_same_tests():
     step = next(s for s in gpu_suite.STEPS if s.name == "gpu_tests")
     real, dry = gpu_suite._expand(step.argv, "R"), gpu_suite._expand(step.dry_argv, "R")
-    sel = list(gpu_suite.GPU_TEST_ARGS)
+    sel = gpu_suite._expand(gpu_suite.GPU_TEST_ARGS, "R")
+    assert "tools.results_log" in sel  # the plugin loads in the CPU check too
     assert any(real[i:i + len(sel)] == sel for i in range(len(real)))
     assert any(dry[i:i + len(sel)] == sel for i in range(len(dry)))
     env = gpu_suite._step_env(step, dry=True)

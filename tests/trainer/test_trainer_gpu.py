@@ -75,30 +75,35 @@ import torch
 sys.path[:0] = sys.argv[2:]
 from test_trainer_actor import hf_logprobs, make_batch, make_tiny_model
 from areal_fast.trainer import OptimConfig, PPOActor, PPOConfig, TrainerConfig
+from areal_fast.trainer.model import shutdown_process_group
 
-model = make_tiny_model(sys.argv[1]).eval()
-actor = PPOActor(TrainerConfig(model_path=sys.argv[1], device="cuda", ppo=PPOConfig(prox_mode="none"),
-                               optim=OptimConfig(lr=3e-3)))
-batch = make_batch(8, seed=1)
-for s in batch:  # on-policy behaviour log-probs: the ratio starts at 1
-    s.output_logprobs = hf_logprobs(model, s).tolist()
-recomputed = actor.compute_logprobs(batch)
-err = max(float((lp.float().cpu() - torch.tensor(s.output_logprobs)).abs().max()) for lp, s in zip(recomputed, batch))
-before = {n: t.detach().float().cpu().clone() for n, t in actor.iter_full_params()}
-m = actor.train_batch(batch)
-after = {n: t.detach().float().cpu() for n, t in actor.iter_full_params()}
-moved = sum(not torch.equal(before[n], after[n]) for n in before)
-print("RESULT " + json.dumps({"loss": m["loss"], "grad_norm": m["grad_norm"], "moved": moved, "n": len(before),
-                              "logprob_err": err, "version": actor.version,
-                              "device": str(next(actor.model.parameters()).device),
-                              "peak_mib": torch.cuda.max_memory_allocated() / 2**20}))
+try:
+    model = make_tiny_model(sys.argv[1]).eval()
+    actor = PPOActor(TrainerConfig(model_path=sys.argv[1], device="cuda", ppo=PPOConfig(prox_mode="none"),
+                                   optim=OptimConfig(lr=3e-3)))
+    batch = make_batch(8, seed=1)
+    for s in batch:  # on-policy behaviour log-probs: the ratio starts at 1
+        s.output_logprobs = hf_logprobs(model, s).tolist()
+    recomputed = actor.compute_logprobs(batch)
+    err = max(float((lp.float().cpu() - torch.tensor(s.output_logprobs)).abs().max())
+              for lp, s in zip(recomputed, batch))
+    before = {n: t.detach().float().cpu().clone() for n, t in actor.iter_full_params()}
+    m = actor.train_batch(batch)
+    after = {n: t.detach().float().cpu() for n, t in actor.iter_full_params()}
+    moved = sum(not torch.equal(before[n], after[n]) for n in before)
+    print("RESULT " + json.dumps({"loss": m["loss"], "grad_norm": m["grad_norm"], "moved": moved, "n": len(before),
+                                  "logprob_err": err, "version": actor.version,
+                                  "device": str(next(actor.model.parameters()).device),
+                                  "peak_mib": torch.cuda.max_memory_allocated() / 2**20}), flush=True)
+finally:  # the actor's NCCL group, torn down here: at interpreter exit it can abort a finished step
+    shutdown_process_group()
 """
 
 
 @pytest.mark.gpu
 def test_one_trainer_step_on_cuda(tmp_path):
     """In its own process: a CUDA trainer needs an NCCL default group, and other tests of a session
-    may have made a gloo one already."""
+    may have made a gloo one already. The process destroys its group before it exits (exit status 0)."""
     paths = [str(TESTS), str(TESTS / "trainer")]
     res = subprocess.run([sys.executable, "-c", _STEP, str(tmp_path / "tiny"), *paths], capture_output=True,
                          text=True, timeout=300)

@@ -188,6 +188,79 @@ def test_delta_after_host_shadow_applies_to_the_servers_copy():
     assert enc.stats.tensors_delta == 3
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_the_shadow_is_one_host_buffer_of_exactly_the_16_bit_bytes():
+    """Views of one buffer, of exactly the shadowed tensors' bytes (pinned tensor by tensor, the
+    pinned allocator rounded each up to a power of two), reused by later updates, whole ones too,
+    and replaced by one of the new size when the tensors change."""
+    g = torch.Generator().manual_seed(3)
+    v0 = _model(g)
+    states = [v0, _step(v0, g, 0.05), _step(v0, g, 0.6)]  # whole, deltas, then more than max_changed
+    enc = DeltaEncoder(full_every=2, max_changed=0.25, backend="reference")  # the third update is whole
+    want = sum(t.numel() * t.element_size() for t in v0.values() if t.dtype != torch.float32)
+    first = None
+    for state in states:
+        enc.begin()
+        for b in _buckets(state, on_device=False):
+            enc.encode(b)
+        enc.done(True)
+        assert len({_storage(t) for t in enc.shadow.values()}) == 1, "one buffer, not one block per tensor"
+        assert enc.buffer.untyped_storage().nbytes() == want
+        assert {_storage(t) for t in enc.shadow.values()} == {_storage(enc.buffer)}
+        first = first or _storage(enc.buffer)
+        assert _storage(enc.buffer) == first, "an update of the same tensors writes into the same buffer"
+        for n, t in enc.shadow.items():
+            assert torch.equal(t.view(torch.int16), state[n].view(torch.int16)), n
+    assert enc.stats.mode == "whole"  # the third update: whole, into the same buffer
+    grown = dict(states[-1], q=torch.randn(16, 24, generator=g).to(torch.bfloat16))  # a tensor changed shape
+    enc.begin()
+    for b in _buckets(grown, on_device=False):
+        enc.encode(b)
+    enc.done(True)
+    assert enc.buffer.untyped_storage().nbytes() == want + 16 * 8 * 2
+    assert {_storage(t) for t in enc.shadow.values()} == {_storage(enc.buffer)}
+    assert torch.equal(enc.shadow["q"].view(torch.int16), grown["q"].view(torch.int16))
+    enc.done(False)  # a failed update drops the shadow and its buffer
+    assert enc.buffer is None and not enc.shadow
+
+
+def test_the_page_locked_buffer_is_registered_once_and_unregistered_with_its_last_view(monkeypatch):
+    """Where CUDA is available the buffer is host memory registered with CUDA (exact size); it is
+    unregistered when the last tensor over it goes, not before (CUDA's registry played here)."""
+    import gc
+
+    from areal_fast.weights import delta
+
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - CUDA's names
+            calls.append(("register", ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):  # noqa: N802
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    buf = delta.host_buffer(3000)
+    view = buf[1000:2000].view(torch.bfloat16)
+    view.fill_(1.5)
+    ptr = buf.data_ptr()
+    assert calls == [("register", ptr, 3000)] and buf.numel() == 3000
+    del buf
+    gc.collect()
+    assert calls == [("register", ptr, 3000)], "unregistered while a view was alive"
+    assert bool((view == 1.5).all())
+    del view
+    gc.collect()
+    assert calls == [("register", ptr, 3000), ("unregister", ptr)]
+
+
 @pytest.mark.gpu
 def test_host_shadow_on_cuda_is_pinned_and_the_device_holds_one_tensor_at_most():
     g = torch.Generator().manual_seed(2)
@@ -207,6 +280,10 @@ def test_host_shadow_on_cuda_is_pinned_and_the_device_holds_one_tensor_at_most()
     enc.done(True)
     for t in enc.shadow.values():
         assert t.device.type == "cpu" and t.is_pinned()
+    # one page-locked buffer of exactly the shadow's bytes, not a power-of-two block per tensor
+    want = sum(t.numel() * t.element_size() for t in v0.values() if t.dtype != torch.float32)
+    assert enc.buffer.is_pinned() and enc.buffer.untyped_storage().nbytes() == want
+    assert {_storage(t) for t in enc.shadow.values()} == {_storage(enc.buffer)}
     assert enc.begin()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -137,18 +137,49 @@ class _GlooChannel:
         dist.destroy_process_group(self.pg)
 
 
-class _Enqueued:
-    """A broadcast enqueued on a CUDA stream: complete as far as the host can tell."""
+class _StreamWork:
+    """A broadcast on the side stream: complete when its event has fired; ``wait()`` puts the event
+    in front of whatever the compute stream does next (a bucket buffer is refilled only after the
+    broadcast that reads it), without blocking the host."""
+
+    def __init__(self, cuda, event, device):
+        self.cuda, self.event, self.device = cuda, event, device
 
     def is_completed(self) -> bool:
-        return True
+        return bool(self.event.query())
 
     def wait(self) -> None:
-        pass
+        self.cuda.current_stream(self.device).wait_event(self.event)
+
+
+class SideStream:
+    """Runs the broadcasts on a CUDA stream of their own, as ``torch.distributed``'s NCCL group does
+    for the SGLang path: the next bucket's packing, gather and unpack (on the compute stream and
+    NCCL's) then run while this bucket is broadcast, instead of queueing behind it on one stream.
+
+    Ordering: the side stream first waits for the compute stream (the bucket was written there),
+    the broadcast is enqueued on the side stream, the tensor's memory is marked in use by the side
+    stream (the caching allocator hands it out again only after the broadcast read it) and an
+    event is recorded after it; :class:`_StreamWork` waits on that event. ``cuda`` is
+    ``torch.cuda`` (a stand-in in the CPU tests of this ordering)."""
+
+    def __init__(self, device, cuda=torch.cuda):
+        self.cuda, self.device = cuda, device
+        self.stream = cuda.Stream(device=device)
+
+    def broadcast(self, send, t: torch.Tensor) -> _StreamWork:
+        """``send(t, stream)`` enqueues the collective on ``stream``."""
+        self.stream.wait_stream(self.cuda.current_stream(self.device))
+        send(t, self.stream)
+        t.record_stream(self.stream)
+        event = self.cuda.Event()
+        event.record(self.stream)
+        return _StreamWork(self.cuda, event, self.device)
 
 
 class _NcclChannel:
-    """vLLM's own NCCL communicator over a prefix-less store that rank 0 hosts (vLLM's rendezvous)."""
+    """vLLM's own NCCL communicator over a prefix-less store that rank 0 hosts (vLLM's rendezvous),
+    broadcasting on a side stream (:class:`SideStream`)."""
 
     def __init__(self, store: HostedStore, world_size: int, timeout_s: float):
         try:
@@ -158,11 +189,14 @@ class _NcclChannel:
             raise WeightSyncError("weights.method 'distributed' to vLLM servers from CUDA tensors uses vLLM's own NCCL "
                                   f"communicator: install vllm (the servers' release) on the trainer ({e})") from e
         pg = StatelessProcessGroup(rank=0, world_size=world_size, store=store.store)
-        self.comm = PyNcclCommunicator(pg, device=torch.cuda.current_device())
+        device = torch.cuda.current_device()
+        self.comm = PyNcclCommunicator(pg, device=device)
+        self.side = SideStream(device)
 
     def broadcast(self, t: torch.Tensor):
-        self.comm.broadcast(t if t.is_contiguous() else t.contiguous(), src=0, stream=torch.cuda.current_stream())
-        return _Enqueued()
+        # a non-contiguous tensor's copy is made on the compute stream, before the side stream waits for it
+        return self.side.broadcast(lambda x, stream: self.comm.broadcast(x, src=0, stream=stream),
+                                   t if t.is_contiguous() else t.contiguous())
 
     def close(self) -> None:
         destroy = getattr(self.comm, "destroy", None)
