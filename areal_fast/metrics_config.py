@@ -40,6 +40,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+METRICS_KEY_ENV = "AREAL_FAST_METRICS_KEY"
+"""The environment variable of the Prometheus endpoint's own scrape key (the user's, and how a rank process
+gets it: ``launch.train``)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class WandbConfig:
     """Weights & Biases: every scalar of metrics.jsonl under TensorBoard's names."""
@@ -100,7 +105,9 @@ class PrometheusConfig:
     """Serve /metrics in Prometheus's text format (needs prometheus-client)."""
     host: str = "127.0.0.1"
     """Address to bind. Any other than loopback (127.0.0.1, ::1, localhost) requires a bearer token on every
-    scrape: the key of api_key or $AREAL_FAST_API_KEY, which must then be set."""
+    scrape: $AREAL_FAST_METRICS_KEY when set, else (servers the run launches) the key of api_key or
+    $AREAL_FAST_API_KEY; one of them must then be set (with servers started by hand, the first:
+    docs/observability.md)."""
     port: int = option(9400, ge=0, le=65535)
     """Port to bind (0 = any free port; the run prints the URL)."""
 

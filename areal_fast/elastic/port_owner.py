@@ -9,8 +9,14 @@ one), its listening socket must belong to its own process tree: Linux's ``/proc/
 the socket's inode for the port in LISTEN state, ``/proc/<pid>/fd`` the sockets of each process of
 the tree. The ``/health`` probe before it carries no key.
 
-Where this cannot be told (no ``/proc``, a server on another node), :func:`listener_owner` answers
-None and the caller goes on: the check protects servers started on this machine.
+A server is taken only when *every* socket listening on its port is its own: nobody listening is
+no proof (a neighbour that answered ``/health`` may have closed its socket for a moment and bind
+it again before our keyed request), and neither is a listener of ours beside another process's.
+Nobody listening yet (a server that is still binding) is asked again until the caller's deadline.
+
+Where this cannot be told (no ``/proc``, a server on another node), :func:`listener_state` answers
+``"unknown"`` and the caller goes on: the check protects servers started on this machine (a local
+process, or a Slurm step on this node: :func:`on_this_machine`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 
 
 class PortTaken(RuntimeError):
-    """A launched server's port answers, but its listening socket is another process's."""
+    """A launched server's port answers, but its listening socket is another process's (or nobody's)."""
 
 
 def listening_inodes(port: int, proc: Path = Path("/proc")) -> set[int]:
@@ -79,29 +85,64 @@ def socket_inodes(pids: set[int], proc: Path = Path("/proc")) -> set[int]:
     return out
 
 
-def listener_owner(pid: int | None, port: int, proc: Path = Path("/proc")) -> bool | None:
-    """True when a socket listening on ``port`` is open in ``pid``'s process tree; False when the
-    port is listened on by others only; None when nobody listens (nothing can be sent there) or it
-    cannot be told here."""
-    if pid is None or not (proc / "net" / "tcp").exists() or not (proc / str(pid)).exists():
-        return None
+OWN, OTHER, NOBODY, GONE, UNKNOWN = "own", "other", "nobody", "gone", "unknown"
+
+
+def listener_state(pid: int | None, port: int, proc: Path = Path("/proc")) -> str:
+    """Who listens on TCP ``port``, seen from ``pid``'s process tree: ``"own"`` (every listening socket
+    of the port is open in the tree), ``"other"`` (one is not: another process's), ``"nobody"`` (no
+    socket listens), ``"gone"`` (no process ``pid`` here) or ``"unknown"`` (no ``/proc`` to tell)."""
+    if pid is None or not (proc / "net" / "tcp").exists():
+        return UNKNOWN
+    if not (proc / str(pid)).exists():
+        return GONE
     listening = listening_inodes(port, proc)
     if not listening:
-        return None
-    return bool(listening & socket_inodes(process_tree(pid, proc), proc))
+        return NOBODY
+    return OWN if listening <= socket_inodes(process_tree(pid, proc), proc) else OTHER
 
 
-def check_listener(name: str, url: str, pid: int | None, local: bool = True) -> None:
-    """Raise :class:`PortTaken` when the server ``name`` (``pid``, on this machine when ``local``)
-    at ``url`` does not hold its own listening port; nothing when it does or it cannot be told."""
+def listener_owner(pid: int | None, port: int, proc: Path = Path("/proc")) -> bool | None:
+    """True when the sockets listening on ``port`` are all open in ``pid``'s process tree; False when
+    one is another process's, nobody listens, or ``pid`` is gone; None when it cannot be told here."""
+    state = listener_state(pid, port, proc)
+    return None if state == UNKNOWN else state == OWN
+
+
+def on_this_machine(p) -> bool:
+    """A launched server's process can be looked up in this machine's ``/proc``: a local child
+    (``popen``), or a Slurm step that wrote it runs here, in this process's pid and network namespaces
+    (``extra['this_machine']``, ``launch.slurm``). A Ray actor's server and others: False."""
+    return getattr(p, "popen", None) is not None or bool(getattr(p, "extra", {}).get("this_machine"))
+
+
+def check_listener(name: str, url: str, pid: int | None, local: bool = True) -> bool:
+    """Whether the server ``name`` (``pid``, on this machine when ``local``) at ``url`` may be sent the
+    run's key: True when it holds every listening socket of its port (or it cannot be told: not local,
+    no ``/proc``); False when nobody listens there now (ask again until the caller's deadline, then
+    raise :func:`nobody_listens`); :class:`PortTaken` when another process listens on it."""
     if not local or pid is None:
-        return
+        return True
     from urllib.parse import urlsplit
 
     port = urlsplit(url).port
     if port is None:
-        return
-    if listener_owner(pid, port) is False:
-        raise PortTaken(f"{name}: {url} answers, but its listening socket is not held by {name}'s process "
-                        f"(pid {pid}) or its children: another process took port {port}. Nothing with the "
-                        f"run's key was sent to it; {name} is stopped")
+        return True
+    state = listener_state(pid, port)
+    if state == OTHER:
+        raise PortTaken(f"{name}: {url} answers, but a socket listening on port {port} is not held by {name}'s "
+                        f"process (pid {pid}) or its children: another process listens on port {port}. Nothing "
+                        f"with the run's key was sent to it; {name} is stopped")
+    return state in (OWN, UNKNOWN)
+
+
+def nobody_listens(name: str, url: str, pid: int | None, waited_s: float) -> PortTaken:
+    """The error for a server whose ``/health`` was answered while its own process never listened on
+    the port within ``waited_s`` seconds (whatever answered closed its socket)."""
+    from urllib.parse import urlsplit
+
+    port = urlsplit(url).port
+    return PortTaken(f"{name}: {url} answered /health, but within {waited_s:.0f}s no socket of {name}'s process "
+                     f"(pid {pid}) or its children listened on port {port} (nobody listened there when checked: "
+                     f"what answered closed its socket). Nothing with the run's key was sent to it; {name} is "
+                     f"stopped")

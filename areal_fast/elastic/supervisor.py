@@ -51,7 +51,7 @@ from typing import Any, Protocol
 from areal_fast.elastic import liveness
 from areal_fast.elastic.liveness import DEFAULT_HANG_TIMEOUT_S, server_ready  # the default: a config without it
 from areal_fast.elastic.members import MAX_SERVERS, TARGET_FILE, Member, read_pool, read_target, write_members
-from areal_fast.elastic.port_owner import PortTaken, check_listener
+from areal_fast.elastic.port_owner import PortTaken, check_listener, nobody_listens, on_this_machine
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class _Starting:
     proc: ServerProcess
     key_file: Path | None
     t0: float
+    unheard: bool = False  # its /health answered while nobody listened on its port (``_own_port``)
 
 
 class ServerSupervisor:
@@ -182,13 +183,7 @@ class ServerSupervisor:
         for s in list(self.starting):
             if not s.proc.alive():
                 self._failed(s, f"it died while starting: {s.proc.death_message()[:1500]}")
-            elif server_ready(s.proc.url):
-                try:  # the port must be its own before any keyed request reaches it
-                    check_listener(s.proc.name, s.proc.url, s.proc.pid, local=s.proc.popen is not None)
-                except PortTaken as e:
-                    self._stop_proc(s.proc)
-                    self._failed(s, str(e))
-                    continue
+            elif server_ready(s.proc.url) and self._own_port(s):
                 self.starting.remove(s)
                 self._forget_key(s)
                 self.members[s.slot] = s.proc
@@ -196,9 +191,25 @@ class ServerSupervisor:
                 self.failed_starts = 0
                 log.warning("server %s (%s) is up after %.1f s; it joins at the next weight update (at once "
                             "into an empty pool)", s.proc.name, s.proc.url, time.monotonic() - s.t0)
-            elif time.monotonic() - s.t0 > self.cfg.health_timeout:
+            elif s in self.starting and time.monotonic() - s.t0 > self.cfg.health_timeout:
                 self._stop_proc(s.proc)
-                self._failed(s, f"not healthy after {self.cfg.health_timeout:.0f} s")
+                waited = time.monotonic() - s.t0
+                self._failed(s, str(nobody_listens(s.proc.name, s.proc.url, s.proc.pid, waited)) if s.unheard
+                             else f"not healthy after {self.cfg.health_timeout:.0f} s")
+
+    def _own_port(self, s: _Starting) -> bool:
+        """``s`` answered /health: whether its port is its own (``port_owner``) before any keyed request
+        reaches it. Another process's listener fails the start at once; nobody listening is asked again
+        at the next tick, until ``rollout.health_timeout``."""
+        p = s.proc
+        try:
+            own = check_listener(p.name, p.url, p.pid, local=on_this_machine(p))
+        except PortTaken as e:
+            self._stop_proc(p)
+            self._failed(s, str(e))
+            return False
+        s.unheard = not own
+        return own
 
     def _failed(self, s: _Starting, why: str) -> None:
         self.starting.remove(s)

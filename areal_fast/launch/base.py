@@ -33,6 +33,8 @@ from areal_fast.weights.config import API_KEY_ENV, HOST_ENV  # noqa: F401 - the 
 PYTHON = "{python}"  # placeholder in a command: the interpreter of the machine that runs it
 TRAINER_CONFIG_FILE = "trainer_config.yaml"  # in the output dir: what the trainer ranks read
 SECRETS_DIR = ".secrets"  # in the output dir (mode 0700): the servers' API key file while they start
+STEPS_DIR = "slurm"  # in the output dir: each Slurm step's spec, the address it writes, the rendezvous (launch.slurm)
+SBATCH_OUTPUT = "slurm-%j.out"  # in the output dir: what sbatch writes the batch script's output to (%j: job id)
 
 
 class ProcessDied(RuntimeError):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from areal_fast.backends.keyfile import redact_command
 from areal_fast.elastic.liveness import server_ready
-from areal_fast.elastic.port_owner import PortTaken, check_listener
+from areal_fast.elastic.port_owner import PortTaken, check_listener, nobody_listens, on_this_machine
 from areal_fast.launch.base import (
     LaunchedProcess,
     ProcessDied,
@@ -84,24 +84,35 @@ class LocalLauncher:
 
     def wait_healthy(self, procs: list[LaunchedProcess], timeout: float) -> None:
         """Block until every process answers 200 on /health (``elastic.liveness.server_ready``) from a listening
-        socket of its own (``port_owner.check_listener``: else PortTaken, and it is stopped); fail fast
-        when one exits."""
-        deadline = time.monotonic() + timeout
+        socket of its own (``port_owner.check_listener``, for a process this machine can look up: another's
+        socket on its port is PortTaken at once, and nobody listening is asked again until the deadline, then
+        PortTaken; either way it is stopped); fail fast when one exits."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         pending = [p for p in procs if p.url]
+        unheard: set[str] = set()  # names whose /health answered while nobody listened on the port
         while pending:
             for p in list(pending):
                 if not p.alive():
                     raise ProcessDied(f"{p.death_message()}\n(it died while starting up)")
                 if server_ready(p.url):  # /health carries no key; then the port must be p's own
                     try:
-                        check_listener(p.name, p.url, p.pid, local=p.popen is not None)
+                        own = check_listener(p.name, p.url, p.pid, local=on_this_machine(p))
                     except PortTaken:
                         self.stop_process(p)
                         raise
-                    pending.remove(p)
+                    if own:
+                        pending.remove(p)
+                        unheard.discard(p.name)
+                    else:
+                        unheard.add(p.name)
             if not pending:
                 return
             if time.monotonic() > deadline:
+                for p in pending:
+                    if p.name in unheard:  # what answered was not listening when checked: never taken
+                        self.stop_process(p)
+                        raise nobody_listens(p.name, p.url, p.pid, time.monotonic() - t0)
                 names = ", ".join(p.name for p in pending)
                 raise TimeoutError(f"not healthy after {timeout:.0f}s: {names}; see logs in {self.log_dir}")
             time.sleep(_POLL_S)

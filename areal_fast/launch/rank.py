@@ -129,7 +129,7 @@ def run_rank(cfg, *, api_key: str | None = None, progress: bool = False, say=Non
         follower_loop(PPOActor(trainer_config(cfg, cfg.model.path)))
         shutdown_process_group(barrier=False)  # rank 0's "stop" was the last collective, after success or failure
         return {}
-    from areal_fast.metrics.prometheus import METRICS_KEY_ENV
+    from areal_fast.metrics_config import METRICS_KEY_ENV
     from areal_fast.rollout.loop import run_event_loop  # uvloop where installed (AREAL_FAST_EVENT_LOOP)
 
     metrics_key = metrics_key or os.environ.get(METRICS_KEY_ENV)
@@ -173,12 +173,12 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool, metrics_key: str
             where["prometheus"] = exporter.where()
             say(f"prometheus: {exporter.where()}")
         lora = cfg.train.lora
-        width = None
+        width = experts = None
         if r.return_routed_experts:  # routing replay's record: decoder layers x top-k ids a position
-            from areal_fast.moe_routing import routing_width
+            from areal_fast.moe_routing import routing_shape
 
-            width = routing_width(path)
-        async with rollout_port(r, urls, api_key, lora.name if lora else None, width) as rollout:
+            width, experts = routing_shape(path)
+        async with rollout_port(r, urls, api_key, lora.name if lora else None, width, experts) as rollout:
             await service.start()
             actor = await asyncio.to_thread(PPOActor, trainer_config(cfg, path))
             trainer = ActorTrainer(actor)
@@ -257,7 +257,7 @@ def empty_pool(cfg, rollout, syncer):
 
 @contextlib.asynccontextmanager
 async def rollout_port(r, urls: list[str], api_key: str | None, lora_name: str | None = None,
-                       routed_experts_width: int | None = None):
+                       routed_experts_width: int | None = None, num_experts: int | None = None):
     """The controller's rollout port over the servers at ``urls``, started, and closed on exit:
     ``ClientRollout`` over one ``RolloutClient`` in this process, or with ``rollout.client_processes``
     > 1 a ``ShardedRollout`` (the same port over clients in worker processes). Either forgets a
@@ -267,8 +267,9 @@ async def rollout_port(r, urls: list[str], api_key: str | None, lora_name: str |
                    down_cooldown_s=2.0, pause_mode=r.pause_mode)
     if lora_name is not None:  # a LoRA run: every request names the adapter (docs/lora.md)
         options["lora_name"] = lora_name
-    if routed_experts_width:  # every request asks for its routing (docs/moe.md)
+    if routed_experts_width:  # every request asks for its routing (docs/moe.md), ids below the model's experts
         options["routed_experts_width"] = routed_experts_width
+        options["num_experts"] = num_experts
     from areal_fast.backends.registry import client_class, client_options, make_client  # the API's adapter
 
     if r.client_processes > 1:

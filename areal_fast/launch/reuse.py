@@ -137,14 +137,21 @@ def stop_kept(members: list[Member], why: str) -> None:
                 pass
 
 
-def _port_taken(m: Member) -> bool:
-    """The kept server's address is listened on, but not by its process (``port_owner``)."""
+def _port_not_own(m: Member) -> str | None:
+    """Why the kept server's port is not its own (``port_owner``): another process listens there, or
+    nobody does (what answered /health closed its socket); None when its process holds it (or it
+    cannot be told here)."""
     from urllib.parse import urlsplit
 
-    from areal_fast.elastic.port_owner import listener_owner
+    from areal_fast.elastic.port_owner import GONE, NOBODY, OTHER, listener_state
 
     port = urlsplit(m.url).port
-    return port is not None and listener_owner(m.pid, port) is False
+    state = listener_state(m.pid, port) if port is not None else None
+    if state == OTHER:
+        return f"its port {port} is listened on by another process"
+    if state in (NOBODY, GONE):
+        return f"nobody listens on its port {port}"
+    return None
 
 
 def kept_model(out: Path) -> str | None:
@@ -190,12 +197,13 @@ def started_since(out: Path, say=print) -> list[Member]:
     for m in read_starting(out):
         if not is_kept_server(m.pid):
             continue
-        if server_ready(m.url) and not _port_taken(m):
+        why = _port_not_own(m) if server_ready(m.url) else "does not answer /health"
+        if why is None:
             say(f"kept server {m.name} ({m.url}, pid {m.pid}) was starting when the run stopped and is up now")
             up.append(m)
         else:
-            say(f"kept server {m.name} ({m.url}, pid {m.pid}) was starting when the run stopped and does not "
-                "answer /health: stopped")
+            say(f"kept server {m.name} ({m.url}, pid {m.pid}) was starting when the run stopped and {why}: "
+                "stopped")
             stop_kept([m], "still starting when the run stopped")
     return up
 
@@ -213,9 +221,8 @@ def reuse_kept_servers(out: Path, model: str, ckpt_version: int, say=print,
         return [], None
     keep, drop, model_of = [], [], kept_model(out)
     for m in members:
-        if _port_taken(m):
-            say(f"kept server {m.name} ({m.url}, pid {m.pid}): not reused: its port is held by another process "
-                "(the run's key is not sent there)")
+        if why := _port_not_own(m):
+            say(f"kept server {m.name} ({m.url}, pid {m.pid}): not reused: {why} (the run's key is not sent there)")
             drop.append(m)
             continue
         answers, version = probe(m.url, key, rollout_cfg)

@@ -12,9 +12,10 @@
 
 Other users: :func:`check_output_dir` refuses an output directory that is not owned by this user or
 that its group or every user may write to (another user could plant a symlink or a file there), a
-run directory or file in it (``checkpoints``, ``logs``, ``final``... and everything below them) that
-is a symlink, not ours, or writable by others; :class:`RunLock` then makes the run create its files
-and directories writable by their owner alone whatever the umask; and the files we write in it (the
+run directory or file in it (every entry a run writes: ``checkpoints``, ``logs``, ``final``, ``slurm``,
+``tracking``... and everything below them) that is a symlink, not ours, or writable by others;
+:class:`RunLock` then makes the run create its files and directories writable by their owner alone
+whatever the umask; and the files we write in it (the
 lock, every log, metrics, samples, the summary: ``diskutil.open_private``; temporaries:
 ``diskutil.open_private_temp``, ``O_EXCL`` too) are opened with ``O_NOFOLLOW`` and mode 0600, so a planted
 symlink is refused, never followed.
@@ -23,6 +24,7 @@ symlink is refused, never followed.
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import os
 import stat
 import time
@@ -30,14 +32,20 @@ from pathlib import Path
 
 from areal_fast.checkpoint import CHECKPOINTS_DIR
 from areal_fast.diskutil import UnsafeOutputDir, open_private
+from areal_fast.elastic.members import SERVERS_DIR
+from areal_fast.launch.base import SBATCH_OUTPUT, SECRETS_DIR, STEPS_DIR, TRAINER_CONFIG_FILE
+from areal_fast.metrics.services import TRACKING_DIR
 
 LOCK_FILE = ".lock"
 KEPT_ON_FRESH_START = ("warm_start",)  # a cache keyed by its own signature, not a result of the run
 RUN_CONFIG = "config.yaml"  # written by every run first thing (``launch.train``), with config.RESOLVED_HEADER
-# what a run writes in its output directory (a run that died before writing config.yaml is one still)
-RUN_PRODUCTS = frozenset({RUN_CONFIG, "trainer_config.yaml", CHECKPOINTS_DIR, "logs", "metrics.jsonl", "samples.jsonl",
-                          "summary.json", "final", "plots", "tensorboard", "weights_sync", ".secrets", "eval",
-                          "servers"})
+# what a run writes in its output directory (a run that died before writing config.yaml is one still);
+# each is checked at the start of a run (check_output_dir), with LOCK_FILE, the warm-start cache and
+# sbatch's output files (SBATCH_OUTPUT, whose names hold the job id: matched by RUN_PRODUCT_PATTERNS)
+RUN_PRODUCTS = frozenset({RUN_CONFIG, TRAINER_CONFIG_FILE, CHECKPOINTS_DIR, "logs", "metrics.jsonl", "samples.jsonl",
+                          "summary.json", "final", "plots", "tensorboard", "weights_sync", SECRETS_DIR, "eval",
+                          SERVERS_DIR, STEPS_DIR, TRACKING_DIR})
+RUN_PRODUCT_PATTERNS = (SBATCH_OUTPUT.replace("%j", "*"),)  # fnmatch patterns of names a run's job writes
 # never in a run's output directory: a repository, a source tree, a home directory
 NOT_A_RUN = frozenset({".git", ".hg", ".svn", "src", "setup.py", "pyproject.toml", "Makefile", "package.json",
                        ".ssh", ".bashrc", ".profile", ".config"})
@@ -74,9 +82,22 @@ def check_output_dir(out: str | os.PathLike) -> Path:
         raise UnsafeOutputDir(f"experiment.output_dir {out} is writable by its group (mode {mode:04o}): a member "
                               f"of the group could plant a symlink there (the run's metrics, summary or checkpoints "
                               f"written or read elsewhere). Run chmod g-w {out}")
-    for name in sorted(RUN_PRODUCTS | set(KEPT_ON_FRESH_START)):
+    for name in sorted(RUN_PRODUCTS | set(KEPT_ON_FRESH_START) | {LOCK_FILE} |
+                       {n for n in os.listdir(out) if is_checked_entry(n)}):
         _check_run_entry(out, out / name)
     return out
+
+
+def is_checked_entry(name: str) -> bool:
+    """``check_output_dir`` checks the entry ``name`` of an output directory (and all below it): what a
+    run writes, its lock and the warm-start cache."""
+    return is_run_product(name) or name == LOCK_FILE or name in KEPT_ON_FRESH_START
+
+
+def is_run_product(name: str) -> bool:
+    """``name`` is an entry a run writes in its output directory (:data:`RUN_PRODUCTS`, or a name of
+    :data:`RUN_PRODUCT_PATTERNS`: ``slurm-<job id>.out``)."""
+    return name in RUN_PRODUCTS or any(fnmatch.fnmatchcase(name, p) for p in RUN_PRODUCT_PATTERNS)
 
 
 def _check_run_entry(out: Path, top: Path) -> None:
@@ -193,9 +214,10 @@ def _check_looks_like_a_run(out: Path, entries: list[Path]) -> None:
             ours = f.read(len(RESOLVED_HEADER)) == RESOLVED_HEADER.encode()
     except OSError:
         pass
-    if foreign or not (ours or names <= RUN_PRODUCTS):
+    others = sorted(n for n in names if not is_run_product(n))
+    if foreign or not (ours or not others):
         why = (f"it holds {', '.join(foreign)}" if foreign else
-               f"it has no {RUN_CONFIG} written by a run and holds {', '.join(sorted(names - RUN_PRODUCTS)[:5])}")
+               f"it has no {RUN_CONFIG} written by a run and holds {', '.join(others[:5])}")
         raise NotARunDir(f"experiment.resume=false would move everything in {out} aside, but it does not look like "
                          f"the output directory of a run ({why}). Choose another experiment.output_dir; nothing "
                          f"was moved")

@@ -11,7 +11,8 @@ from the local one (which it extends) only in how a process starts and how its a
       |           (node, address, port, step id, pid) and becomes the server (exec)
       `-- srun --jobid=<slurm.job or $SLURM_JOB_ID> -n world_size -c C --exact --kill-on-bad-exit=1
             `-- python -m areal_fast.launch.slurm <output_dir>/slurm/trainer.json   (one step, every rank)
-                  rank 0 (SLURM_PROCID 0) picks the rendezvous port and writes it under <output_dir>/slurm,
+                  rank 0 (SLURM_PROCID 0) picks the rendezvous port and writes it under <output_dir>/slurm
+                  (a file named for this launch: a requeued job never reads the previous attempt's),
                   every rank reads it and becomes ``python -m areal_fast.launch.rank`` with what torchrun
                   would set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
 
@@ -48,9 +49,10 @@ import time
 from pathlib import Path
 
 from areal_fast.elastic.members import read_json, write_json
-from areal_fast.elastic.port_owner import PortTaken, check_listener
 from areal_fast.launch.base import (
     HOST_ENV,
+    SBATCH_OUTPUT,
+    STEPS_DIR,
     LaunchedProcess,
     ProcessDied,
     gpus_per_server,
@@ -65,7 +67,7 @@ from areal_fast.netutil import find_free_port, url_host
 from areal_fast.procutil import die_with_parent
 
 log = logging.getLogger(__name__)
-STEPS_DIR = "slurm"  # in the output dir: the spec of each step, the address it writes, the rendezvous
+RENDEZVOUS_PREFIX = "rendezvous-"  # in STEPS_DIR: rank 0's address, one file per launch of the trainer step
 _POLL_S = 0.1
 _RENDEZVOUS_TIMEOUT_S = 600.0
 _ENV_PREFIXES = ("SLURM_", "SRUN_", "SALLOC_", "SBATCH_")  # an allocation's settings, not a step's
@@ -176,7 +178,7 @@ class SlurmLauncher(LocalLauncher):
                 info = read_json(p.extra["started_file"])
                 if info:
                     p.node, p.pid, p.extra["step"] = info["node"], info["pid"], info["step"]
-                    p.extra["this_machine"] = info.get("boot_id") == _boot_id()
+                    p.extra["this_machine"] = _here(info)  # its pid can be looked up (``port_owner``)
                     if info.get("port"):
                         p.url = f"http://{url_host(info['host'])}:{info['port']}"
                     pending.remove(p)
@@ -223,14 +225,7 @@ class SlurmLauncher(LocalLauncher):
             for i, p in enumerate(out):
                 p.extra["slot"] = i
             self.wait_started(out)
-            self.wait_healthy(out, rollout_cfg.health_timeout)
-            for p in out:  # the port must be the server's own where that can be told (on this machine)
-                if p.extra.get("this_machine"):
-                    try:
-                        check_listener(p.name, p.url, p.pid, local=True)
-                    except PortTaken:
-                        self.stop_process(p)
-                        raise
+            self.wait_healthy(out, rollout_cfg.health_timeout)  # the port checked on this machine's steps
             return out
 
     def start_trainer_ranks(self, train_cfg, config_file: Path, env: dict[str, str]) -> list[LaunchedProcess]:
@@ -238,12 +233,28 @@ class SlurmLauncher(LocalLauncher):
         ends the step (``--kill-on-bad-exit``)."""
         c, t = self.cfg, train_cfg
         gpus = c.gpus_per_rank if c.gpus_per_rank is not None else int(t.device == "cuda")
-        spec = {"kind": "ranks", "cmd": rank_command(config_file)}
+        spec = {"kind": "ranks", "cmd": rank_command(config_file), "rendezvous": str(self._fresh_rendezvous())}
         p = self._launch("trainer", self.job, spec, ntasks=t.world_size, cpus=c.cpus_per_rank or t.threads,
                          gpus=gpus, extra=list(c.rank_srun_args), env={"OMP_NUM_THREADS": str(t.threads), **env},
                          critical=True, nodes=None)
         self.wait_started([p])
         return [p]
+
+    def _fresh_rendezvous(self) -> Path:
+        """Where rank 0 of the trainer step about to start publishes its address: a name of this launch
+        alone (the job, its attempt ``$SLURM_RESTART_COUNT`` and a random part), every earlier one
+        removed first. A requeued job keeps its id and numbers its steps from 0 again, so a name made
+        of the job and step ids would be the previous attempt's, address included, read by the ranks
+        above 0 before rank 0 rewrites it."""
+        import secrets
+
+        self._remove_rendezvous()
+        attempt = os.environ.get("SLURM_RESTART_COUNT") or "0"
+        return self.steps_dir / f"{RENDEZVOUS_PREFIX}{self.job}.{attempt}.{secrets.token_hex(4)}.json"
+
+    def _remove_rendezvous(self) -> None:
+        for old in self.steps_dir.glob(f"{RENDEZVOUS_PREFIX}*.json"):
+            old.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ stopping
     def stop_process(self, p: LaunchedProcess, grace: float | None = None) -> None:
@@ -276,6 +287,7 @@ class SlurmLauncher(LocalLauncher):
             time.sleep(_POLL_S)
         for p in live:
             self.stop_process(p, 0)
+        self._remove_rendezvous()  # every rank read it, or the step is gone
         if self._own_secrets_dir is not None:
             import shutil
 
@@ -307,7 +319,7 @@ def batch_script(cfg, config_path: str, overrides: list[str], *, python: str = s
     lines = ["#!/bin/bash", f"#SBATCH --job-name=areal-{cfg.experiment.name}", f"#SBATCH --nodes={s.nodes}",
              f"#SBATCH --ntasks={n_servers + t.world_size}",
              f"#SBATCH --cpus-per-task={max(cpus_rank, cpus_server if n_servers else 1)}",
-             f"#SBATCH --output={out}/slurm-%j.out"]
+             f"#SBATCH --output={out}/{SBATCH_OUTPUT}"]
     gpus = n_servers * gpus_server + t.world_size * gpus_rank
     if gpus:
         lines.append(f"#SBATCH --gpus={gpus}")
@@ -335,6 +347,23 @@ def _boot_id() -> str:
         return socket.gethostname()
 
 
+def _namespaces() -> dict[str, str]:
+    """This process's pid and network namespaces (``pid:[4026531836]``), where /proc tells them."""
+    out = {}
+    for ns in ("pid", "net"):
+        try:
+            out[f"{ns}ns"] = os.readlink(f"/proc/self/ns/{ns}")
+        except OSError:
+            pass
+    return out
+
+
+def _here(info: dict) -> bool:
+    """A step's start record (``_started``) was written on this machine, in this process's pid and
+    network namespaces: its pid and its listening socket can be looked up in this ``/proc``."""
+    return info.get("boot_id") == _boot_id() and all(info.get(k) == v for k, v in _namespaces().items())
+
+
 def node_address(host: str | None) -> str:
     """Where this node's processes listen and are reached: ``slurm.host``, else the address its
     hostname resolves to (127.0.0.1 when it resolves to nothing)."""
@@ -360,6 +389,7 @@ def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
 def _started(spec: dict, environ=os.environ, **info) -> None:
     env = environ
     write_json(Path(spec["started_file"]), {"node": socket.gethostname(), "pid": os.getpid(), "boot_id": _boot_id(),
+                                            **_namespaces(),
                                             "step": f"{env.get('SLURM_JOB_ID')}.{env.get('SLURM_STEP_ID')}", **info})
 
 
@@ -391,8 +421,7 @@ def run_rank(spec: dict, environ=os.environ) -> None:
         _started(spec, environ, host=host)
     if world > 1:
         node_id = int(environ["SLURM_NODEID"])
-        rdv = Path(spec["started_file"]).with_name(f"rendezvous-{environ['SLURM_JOB_ID']}.{environ['SLURM_STEP_ID']}"
-                                                   ".json")
+        rdv = Path(spec["rendezvous"])  # named by the launcher for this launch alone (``_fresh_rendezvous``)
         if rank == 0:
             write_json(rdv, {"addr": host, "port": find_free_port(host)})
         deadline = time.monotonic() + _RENDEZVOUS_TIMEOUT_S

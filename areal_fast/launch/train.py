@@ -35,7 +35,7 @@ from areal_fast.checkpoint import CorruptCheckpoint, ResumeMismatch, checkpoints
 from areal_fast.launch.base import API_KEY_ENV, SECRETS_DIR, TRAINER_CONFIG_FILE, LaunchedProcess, ProcessDied
 from areal_fast.launch.rank import run_rank, setup_logging
 from areal_fast.launch.run_dir import NotARunDir, RunDirBusy, RunLock, UnsafeOutputDir, move_previous_run_aside
-from areal_fast.metrics.prometheus import METRICS_KEY_ENV
+from areal_fast.metrics_config import METRICS_KEY_ENV
 from areal_fast.metrics.sinks import ProgressBar, plot_run
 
 log = logging.getLogger("areal_fast")
@@ -47,7 +47,12 @@ class RewardCheckFailed(RuntimeError):
     """The configured reward could not score a trivial input."""
 
 
-RUN_REFUSED = (RunDirBusy, ResumeMismatch, RewardCheckFailed, UnsafeOutputDir, NotARunDir, CorruptCheckpoint)
+class NoScrapeKey(ValueError):
+    """An exposed Prometheus endpoint has no key of its own: the one it would take opens the servers."""
+
+
+RUN_REFUSED = (RunDirBusy, ResumeMismatch, RewardCheckFailed, UnsafeOutputDir, NotARunDir, CorruptCheckpoint,
+               NoScrapeKey)
 """Errors that refuse a run before it starts, with a message that says what to do (no traceback needed)."""
 
 
@@ -59,6 +64,8 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
     progress = cfg.log.progress if progress is None else progress
     out = cfg.experiment.out.resolve()
     in_process = cfg.launcher == "local" and cfg.train.world_size == 1
+    kind = server_kind(cfg.rollout)  # the one decision: external, embedded or sglang servers
+    scrape_key = metrics_key(cfg, kind)  # before anything starts: NoScrapeKey
     with RunLock(out):
         if not cfg.experiment.resume:
             _stop_kept_servers(out)
@@ -69,10 +76,8 @@ def run_train(cfg, *, progress: bool | None = None, say=None) -> dict:
         save_config(cfg, out / "config.yaml")
         model = model_dir(cfg, say)
         check_data_and_reward(cfg, model)
-        kind = server_kind(cfg.rollout)  # the one decision: external, embedded or sglang servers
         reused, api_key = kept_servers(cfg, kind, out, model, say)  # rollout.keep_servers (launch.reuse)
         api_key = api_key or run_api_key(cfg, kind)
-        scrape_key = metrics_key(cfg)
         with open_launcher(cfg, out / "logs", out / SECRETS_DIR) as launcher:
             procs = run_servers(cfg, kind, launcher, model, api_key, say, reused=reused)
             urls = [p.url for p in procs] if kind.launched else [u.rstrip("/") for u in cfg.rollout.servers]
@@ -115,15 +120,29 @@ def run_api_key(cfg, kind: ServerKind) -> str | None:
     return secrets.token_hex(32)  # hex: a key starting with "-" would be read as a flag by the server
 
 
-def metrics_key(cfg) -> str | None:
-    """The bearer key of a Prometheus endpoint bound beyond loopback: the key the user gave the run
-    (``api_key`` or $AREAL_FAST_API_KEY; the config load refused such a host without one). It
-    reaches rank 0 as an argument or in its environment ($AREAL_FAST_METRICS_KEY), never in a file.
-    Launched servers keep their own fresh key: a scraper never holds the servers' key."""
+def metrics_key(cfg, kind: ServerKind, environ=os.environ) -> str | None:
+    """The bearer key of a Prometheus endpoint bound beyond loopback (None on loopback: no key there),
+    a key that opens nothing else: $AREAL_FAST_METRICS_KEY when the user set it; else, for servers the
+    run launches (each run gives them a fresh key of their own), the key the user gave the run
+    (``api_key`` or $AREAL_FAST_API_KEY). With servers started by hand that key is theirs, so a scraper
+    holding it could drive them: the run is refused (:class:`NoScrapeKey`) unless
+    $AREAL_FAST_METRICS_KEY names another. It reaches rank 0 as an argument or in its environment
+    ($AREAL_FAST_METRICS_KEY), never in a file."""
     from areal_fast.metrics_config import is_loopback
 
     p = cfg.metrics.prometheus
-    return cfg.weights.resolved_api_key if p.enabled and not is_loopback(p.host) else None
+    if not p.enabled or is_loopback(p.host):
+        return None
+    own, given = environ.get(METRICS_KEY_ENV) or None, cfg.weights.resolved_api_key
+    if kind.launched:
+        return own or given
+    if own is None or own == given:
+        why = "is not set" if own is None else "is that key too"
+        raise NoScrapeKey(f"metrics.prometheus.host {p.host!r} needs a bearer key on every scrape, and with servers "
+                          f"started by hand (rollout.servers) the run's key (api_key or $AREAL_FAST_API_KEY) is "
+                          f"theirs: a scraper holding it could drive them. Set ${METRICS_KEY_ENV} to a key of its "
+                          f"own for the scrapes ({METRICS_KEY_ENV} {why}; docs/observability.md)")
+    return own
 
 
 def run_servers(cfg, kind: ServerKind, launcher, model: str, api_key: str | None, say=print,

@@ -7,9 +7,10 @@ after 10 s, and connections that have not proved the key are capped (``http.conn
 prometheus_client's own server has neither a key check nor such limits.
 
 Who may scrape: on a loopback address (the default, 127.0.0.1) anyone on this machine, without a
-key; on any other address only a scrape with ``Authorization: Bearer <key>``, ``key`` being the key
-the user gave the run (``api_key`` or ``$AREAL_FAST_API_KEY``), compared in constant time.
-Without such a key the endpoint refuses to start (the config load refuses it first).
+key; on any other address only a scrape with ``Authorization: Bearer <key>``, compared in constant
+time, ``key`` being the run's scrape key (``launch.train.metrics_key``: ``$AREAL_FAST_METRICS_KEY``,
+else the key the user gave a run that launches its servers; never the key of servers started by
+hand). Without such a key the endpoint refuses to start (the config load refuses it first).
 
 What it exposes (``docs/observability.md`` has the table; ``docs/grafana_dashboard.json`` plots
 them): the step, servers live and dropped, generate requests in flight, the buffer, the staleness of
@@ -38,7 +39,6 @@ from areal_fast.metrics_config import is_loopback
 
 log = logging.getLogger(__name__)
 
-METRICS_KEY_ENV = "AREAL_FAST_METRICS_KEY"  # the bearer key, to a rank process (launch.train.metrics_key)
 PREFIX = "areal_fast_"
 SAMPLE_S = 0.5  # the watchdog's cadence: a server dropped between two samples is still counted
 RATE_WINDOW_S = 30.0  # tokens/s gauges: the rate over this window (rate() in PromQL over the counters is finer)

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from _shared import wait_until
+from _shared import poll_until, wait_until
 
 from areal_fast.elastic import pool_watch, supervisor
 from areal_fast.elastic.members import Member, Target, read_members, write_members, write_pool, write_target
@@ -218,13 +218,20 @@ def test_a_starting_server_is_recorded_with_its_pid_and_state_before_it_is_healt
     assert read_starting(tmp_path) == [] and _member_urls(tmp_path) == [new.url, servers[1].url]
 
 
-def _fake_server(tmp_path):
-    """A process whose command line reads like an inference server's (``reuse.is_kept_server``)."""
+def _fake_server(tmp_path, listen: bool = False):
+    """A process whose command line reads like an inference server's (``reuse.is_kept_server``);
+    ``listen``: it listens on a free port of 127.0.0.1 (``proc.port``), as a healthy server does."""
     import subprocess
     import sys
 
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "areal_fast.embedded"],
-                            start_new_session=True)
+    code = "import time; time.sleep(120)"
+    if listen:
+        code = ("import socket, time; s = socket.create_server(('127.0.0.1', 0)); print(s.getsockname()[1], "
+                "flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code, "areal_fast.embedded"], start_new_session=True,
+                            stdout=subprocess.PIPE if listen else None, text=True)
+    proc.port = int(proc.stdout.readline()) if listen else 45001
+    return proc
 
 
 @pytest.mark.parametrize("marker", ["areal_fast.embedded", "vllm.entrypoints.openai.api_server",
@@ -251,25 +258,29 @@ def test_every_launched_kind_of_server_is_recognised_as_a_kept_server(marker):
         other.wait()
 
 
-@pytest.mark.parametrize("healthy", [False, True])
-def test_a_resume_stops_a_server_still_starting_or_adopts_it_once_healthy(tmp_path, monkeypatch, healthy):
+@pytest.mark.parametrize("state", ["down", "up", "silent"])
+def test_a_resume_stops_a_server_still_starting_or_adopts_it_once_healthy(tmp_path, monkeypatch, state):
+    """``silent``: its address answers /health while nobody listens on the port (what answered closed its
+    socket): not its own, so it is stopped, never sent the key."""
     from areal_fast.launch import reuse
 
-    proc = _fake_server(tmp_path)
+    proc = _fake_server(tmp_path, listen=state == "up")  # a healthy server listens on its port itself
     try:
-        url = "http://127.0.0.1:45001"
+        url = f"http://127.0.0.1:{proc.port}"
         write_members(tmp_path, [], model="/m", starting=[Member("server0-3", url, 0, pid=proc.pid,
                                                                  state="starting")])
-        monkeypatch.setattr(reuse, "server_ready", lambda u: healthy and u == url)
-        monkeypatch.setattr(reuse, "probe", lambda u, key, rollout_cfg=None: (True, "0"))
+        monkeypatch.setattr(reuse, "server_ready", lambda u: state != "down" and u == url)
+        probed: list[str] = []
+        monkeypatch.setattr(reuse, "probe", lambda u, key, rollout_cfg=None: probed.append(u) or (True, "0"))
         monkeypatch.setattr(reuse, "release_groups", lambda *a: None)
         said: list[str] = []
         procs, _ = reuse.reuse_kept_servers(tmp_path, "/m", 2, say=said.append)
-        if healthy:  # at version 0, checkpoint 2: the first update brings it there
+        if state == "up":  # at version 0, checkpoint 2: the first update brings it there
             assert [(p.url, p.pid, p.extra["slot"]) for p in procs] == [(url, proc.pid, 0)]
             assert proc.poll() is None
         else:
-            assert procs == [] and "was starting" in said[0]
+            assert procs == [] and probed == [] and "was starting" in said[0]
+            assert ("nobody listens on its port" if state == "silent" else "does not answer") in said[0]
             proc.wait(timeout=20)  # stopped (SIGTERM to its group); a hang fails here
     finally:
         proc.kill()
@@ -532,3 +543,51 @@ def test_a_target_file_above_the_cap_is_refused_and_the_target_kept(tmp_path, re
     assert launcher.started == [] and sup.target == 2
     refusals = [m for m in caplog.messages if "100000" in m and "at most 1024" in m]
     assert len(refusals) == 1, caplog.messages  # said once, not every tick
+
+
+@pytest.mark.parametrize("neighbour", [True, False])
+def test_a_relaunched_slurm_step_on_this_node_must_hold_its_own_port(tmp_path, ready, neighbour):
+    """A server the supervisor relaunches as a Slurm step that runs on this machine is port-checked
+    like a local one: another process listening on its port fails the start at once; nobody listening
+    after its /health answered is never promoted (refused at ``rollout.health_timeout``)."""
+    import socket
+    import subprocess
+    import sys
+
+    from areal_fast.launch.slurm import SlurmStep
+
+    step_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # the step's task
+    squat = socket.create_server(("127.0.0.1", 0))  # this test's process: not in the step's process tree
+    port = squat.getsockname()[1]
+    if not neighbour:
+        squat.close()
+    try:
+        launcher = FakeLauncher()
+
+        def start_step(rollout_cfg, model_path, slot, name, *, seed, key_file):
+            launcher.started.append((slot, name))
+            p = SlurmStep(name=name, log_path=Path("/dev/null"), url=f"http://127.0.0.1:{port}", critical=False,
+                          pid=step_proc.pid, node="this-node")
+            p.extra.update(step="5.7", this_machine=True)  # wait_started read its start record: here
+            p.alive = lambda: p.url not in launcher.stopped  # type: ignore[method-assign]
+            return p
+
+        launcher.start_server = start_step
+        sup, servers = _supervisor(tmp_path, launcher, n=1)
+        sup.cfg.health_timeout = 0.3
+        launcher.dead.add(servers[0].url)
+        ready.add(f"http://127.0.0.1:{port}")  # its /health answers (the neighbour's, or before it closed)
+        sup.tick()  # server0 reaped; the replacement starts
+        assert launcher.started and len(sup.starting) == 1
+        sup.tick()  # /health answers: promoted only if the port is the step's own
+        assert 0 not in sup.members, "promoted a server whose port is not its own"
+        if neighbour:
+            assert launcher.stopped == [f"http://127.0.0.1:{port}"] and sup.failed_starts == 1
+        else:
+            assert launcher.stopped == [] and len(sup.starting) == 1  # asked again until the deadline
+            poll_until(lambda: sup.tick() or sup.failed_starts == 1, "refused at the health timeout")
+            assert launcher.stopped == [f"http://127.0.0.1:{port}"] and 0 not in sup.members
+    finally:
+        squat.close()
+        step_proc.kill()
+        step_proc.wait()

@@ -2,8 +2,9 @@
 
 The launcher names the port on the server's command line (readable in /proc) before the server
 binds it. A neighbour that binds it first and answers ``/health`` must be found out before any
-request with ``Authorization: Bearer <key>`` goes there: the listening socket must be the server's
-own (``elastic.port_owner``).
+request with ``Authorization: Bearer <key>`` goes there: every socket listening on the port must be
+the server's own (``elastic.port_owner``). Nobody listening is no proof: a neighbour that closes its
+socket while answering ``/health`` and binds again a moment later is refused too.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
-from areal_fast.elastic.port_owner import PortTaken, listener_owner, process_tree
+from areal_fast.elastic.port_owner import PortTaken, listener_owner, listener_state, process_tree
 from areal_fast.launch.local import LocalLauncher
 
 _LISTENER = ("import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
@@ -97,3 +99,81 @@ def test_the_start_up_wait_takes_a_server_listening_itself(tmp_path):
                            critical=False)
         launcher.wait_healthy([p], timeout=60)
         assert p.alive()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_nobody_listening_or_a_listener_beside_the_servers_own_is_no_proof():
+    child = subprocess.Popen([sys.executable, "-c", _LISTENER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(child.stdout.readline())
+        silent = _free_port()
+        assert listener_state(child.pid, silent) == "nobody" and listener_owner(child.pid, silent) is False
+        with socket.socket() as beside:  # another process's listener on the same port, another address
+            beside.bind(("127.0.0.2", port))
+            beside.listen()
+            assert listener_state(child.pid, port) == "other" and listener_owner(child.pid, port) is False
+        assert listener_owner(child.pid, port) is True
+    finally:
+        child.kill()
+        child.wait()
+
+
+class _Squatter:
+    """A neighbour that answers the first ``/health`` while closing its listening socket (nobody listens
+    when the launcher looks), then binds the port again ``rebind_s`` later and answers everything,
+    writing down every Authorization header it is sent."""
+
+    def __init__(self, rebind_s: float):
+        self.first = socket.create_server(("127.0.0.1", 0))
+        self.port = self.first.getsockname()[1]
+        self.rebind_s = rebind_s
+        self.seen: list = []
+        self.srv: http.server.ThreadingHTTPServer | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        conn, _ = self.first.accept()
+        self.first.close()  # nobody listens on the port from here until the rebind
+        self.seen.append((conn.recv(65536).split(b"\r\n")[0].decode(), None))
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        conn.close()
+        time.sleep(self.rebind_s)  # the squatter's own pause, part of the scenario (not a synchronisation)
+        seen = self.seen
+
+        class H(_Neighbour):
+            def do_GET(self):
+                seen.append((self.path, self.headers.get("Authorization")))
+                super().do_GET()
+
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), H)
+        self.srv.serve_forever()
+
+    def close(self):
+        if self.srv is not None:
+            self.srv.shutdown()
+            self.srv.server_close()
+
+
+@pytest.mark.parametrize("rebind_s", [0.5, None])
+def test_a_neighbour_that_stops_listening_while_answering_health_is_refused(tmp_path, rebind_s):
+    """It answers /health, closes its socket, and binds the port again half a second later (or never):
+    the start-up wait must not take the silence for the server's own socket."""
+    squatter = _Squatter(rebind_s if rebind_s is not None else 3600)
+    try:
+        with LocalLauncher(tmp_path / "logs") as launcher:
+            p = launcher.start("server0", [sys.executable, "-c", "import time; time.sleep(60)"],
+                               url=f"http://127.0.0.1:{squatter.port}", critical=False)
+            silent = rebind_s is None  # refused at the deadline, as nobody's socket; else as another's
+            with pytest.raises(PortTaken, match=rf"port {squatter.port} \(nobody listened" if silent else
+                               f"another process listens on port {squatter.port}"):
+                launcher.wait_healthy([p], timeout=2 if silent else 30)
+            assert not p.alive()  # stopped
+        assert squatter.seen and all(auth is None for _, auth in squatter.seen), squatter.seen
+    finally:
+        squatter.close()

@@ -242,11 +242,49 @@ def test_a_taken_port_is_refused_naming_the_setting():
 def test_an_exposed_endpoint_without_a_key_is_refused_at_config_load(monkeypatch):
     from areal_fast.config import ConfigError, load_config
 
+    exposed = ["metrics.prometheus.enabled=true", "metrics.prometheus.host=0.0.0.0"]
     monkeypatch.delenv("AREAL_FAST_API_KEY", raising=False)
+    monkeypatch.delenv("AREAL_FAST_METRICS_KEY", raising=False)
     with pytest.raises(ConfigError, match=r"metrics\.prometheus\.host '0\.0\.0\.0'.*AREAL_FAST_API_KEY"):
-        load_config(None, ["metrics.prometheus.enabled=true", "metrics.prometheus.host=0.0.0.0"])
+        load_config(None, exposed)
+    monkeypatch.setenv("AREAL_FAST_METRICS_KEY", "scrapes-only")  # the endpoint's own key is enough
+    assert load_config(None, exposed)
+    monkeypatch.delenv("AREAL_FAST_METRICS_KEY")
     monkeypatch.setenv("AREAL_FAST_API_KEY", "k")
-    assert load_config(None, ["metrics.prometheus.enabled=true", "metrics.prometheus.host=0.0.0.0"])
+    assert load_config(None, exposed)
+
+
+def test_with_servers_started_by_hand_the_scrape_key_is_never_the_servers_key(tmp_path, monkeypatch):
+    """``api_key`` is then the hand-started servers' key: a scraper holding it could drive them. The run
+    is refused before anything starts unless $AREAL_FAST_METRICS_KEY names a key of its own; with
+    launched servers (a fresh key of their own) the key the user gave the run serves."""
+    from areal_fast.config import load_config
+    from areal_fast.launch import train
+
+    monkeypatch.delenv("AREAL_FAST_API_KEY", raising=False)
+    monkeypatch.delenv("AREAL_FAST_METRICS_KEY", raising=False)
+    run = ["api_key=given-key", f"experiment.output_dir={tmp_path / 'run'}", "metrics.prometheus.enabled=true"]
+    by_hand = ["rollout.servers=[http://127.0.0.1:1]"]  # given-key is these servers' key
+    exposed = ["metrics.prometheus.host=0.0.0.0"]
+    cfg = load_config(None, [*run, *exposed, *by_hand])
+    monkeypatch.setattr(train, "model_dir", lambda *a, **kw: pytest.fail("the run started before the key check"))
+    with pytest.raises(train.NoScrapeKey, match="AREAL_FAST_METRICS_KEY is not set"):
+        train.run_train(cfg, progress=False, say=lambda m: None)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+    monkeypatch.setenv("AREAL_FAST_METRICS_KEY", "given-key")
+    with pytest.raises(train.NoScrapeKey, match="AREAL_FAST_METRICS_KEY is that key too"):
+        train.run_train(cfg, progress=False, say=lambda m: None)
+
+    def key(overrides):
+        c = load_config(None, [*run, *overrides])
+        return train.metrics_key(c, train.server_kind(c.rollout))
+
+    monkeypatch.setenv("AREAL_FAST_METRICS_KEY", "scrape-key")
+    assert key([*exposed, *by_hand]) == "scrape-key"
+    assert key(exposed) == "scrape-key"  # launched servers: a key of its own still wins
+    monkeypatch.delenv("AREAL_FAST_METRICS_KEY")
+    assert key(exposed) == "given-key"  # launched servers have a fresh key: given-key opens none of them
+    assert key(by_hand) is None  # loopback: no key
 
 
 def test_the_grafana_dashboard_plots_only_names_the_endpoint_serves():
@@ -313,6 +351,9 @@ def test_a_run_is_scraped_while_it_trains_and_every_sink_gets_the_same_metrics(t
         assert f"metrics ({sink}): " in text, text[-3000:]
     assert re.search(r"metrics \(prometheus\): http://127\.0\.0\.1:\d+/metrics", text)
     assert f"sqlite:///{out}/tracking/mlflow.db" in text
+    from areal_fast.launch.run_dir import is_checked_entry  # every entry it wrote is checked at the next start
+
+    assert all(is_checked_entry(p.name) for p in out.iterdir()), sorted(p.name for p in out.iterdir())
     tb = tensorboard_values(out)
     assert len(tb["train/reward"]) == 40
     assert_same(wandb_values(out), tb, "W&B vs TensorBoard")

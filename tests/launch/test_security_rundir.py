@@ -130,6 +130,7 @@ from areal_fast.launch.run_dir import (  # noqa: E402
     RunLock,
     UnsafeOutputDir,
     check_output_dir,
+    is_checked_entry,
     move_previous_run_aside,
 )
 
@@ -239,9 +240,12 @@ def test_an_output_directory_created_under_a_permissive_umask_is_accepted_and_ke
         pass
 
 
-@pytest.mark.parametrize("name", ["checkpoints", "logs", "final", "warm_start"])
+@pytest.mark.parametrize("name", ["checkpoints", "logs", "final", "warm_start", "slurm", "tracking", "servers",
+                                  ".secrets", "weights_sync", "slurm-77.out"])
 def test_a_run_directory_planted_as_a_symlink_is_refused_at_start(tmp_path, name):
-    """A planted ``checkpoints`` symlink would steer what the next resume loads (and where it writes)."""
+    """A planted ``checkpoints`` symlink would steer what the next resume loads (and where it writes); a
+    planted ``slurm`` one would take the Slurm steps' specs (``trainer.json``: the command every rank
+    runs) into the planter's directory, a ``tracking`` one the W&B and MLflow state."""
     out = tmp_path / "run"
     out.mkdir()
     elsewhere = tmp_path / "elsewhere"
@@ -267,6 +271,60 @@ def test_a_group_writable_entry_of_the_run_is_refused_at_start(tmp_path, where):
     with pytest.raises(UnsafeOutputDir, match=f"{out / where} is writable by its group.*chmod -R g-w {out}"):
         check_output_dir(out)
     os.chmod(out / where, 0o755 if (out / where).is_dir() else 0o644)
+    check_output_dir(out)
+
+
+def _write_what_a_run_writes(out: Path) -> None:
+    """What the launchers and the metric services create in a run's output directory, each by its own
+    code: the lock, configs, logs, metrics, summary, the Slurm steps' files, the tracking state, the
+    members files, the kept servers' key."""
+    from areal_fast.config import load_config, save_config
+    from areal_fast.elastic.members import Member, write_members
+    from areal_fast.launch import reuse, slurm
+    from areal_fast.launch.rank import write_summary
+    from areal_fast.launch_config import SlurmConfig
+    from areal_fast.metrics.services import SinkState
+    from areal_fast.metrics.sinks import JsonlSink
+
+    with RunLock(out):
+        save_config(load_config(None), out / "config.yaml")
+        (out / "logs").mkdir()
+        open_private_log(out / "logs" / "launcher.log").close()
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            sink = JsonlSink(out / name)
+            sink({"step": 1})
+            sink.close()
+        write_summary(out, {"steps": 1})
+        launcher = slurm.SlurmLauncher(out / "logs", SlurmConfig(job="5"), run_dir=out)
+        launcher._closed = True  # nothing started: nothing to stop
+        (out / slurm.SBATCH_OUTPUT.replace("%j", "5")).write_text("the batch script's output\n")
+        SinkState(out).save()
+        write_members(out, [Member("server0", "http://127.0.0.1:1", 0, pid=1)], model="/m")
+        reuse.save_key(out, "k" * 64)
+
+
+def test_every_entry_a_run_writes_is_checked_at_start(tmp_path):
+    """Whatever the run's own code writes at the top of its output directory, a symlink planted in its
+    place is refused at the next start (none is left out of the checked entries)."""
+    import shutil
+
+    out = tmp_path / "run"
+    _write_what_a_run_writes(out)
+    entries = sorted(p.name for p in out.iterdir())
+    assert {"slurm", "tracking", "servers", ".secrets", "slurm-5.out"} <= set(entries), entries
+    assert all(is_checked_entry(n) for n in entries), entries
+    check_output_dir(out)  # as written: accepted
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name in entries:
+        aside = tmp_path / "aside"
+        os.rename(out / name, aside)
+        (out / name).symlink_to(elsewhere, target_is_directory=True)
+        with pytest.raises(UnsafeOutputDir, match=f"{out / name} is a symlink"):
+            check_output_dir(out)
+        (out / name).unlink()
+        os.rename(aside, out / name)
+    shutil.rmtree(elsewhere)
     check_output_dir(out)
 
 

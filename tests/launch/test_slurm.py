@@ -7,7 +7,8 @@ real Slurm is ``test_slurm_e2e.py``.
 - an ``srun`` line holds sizes and the spec file's path, nothing else: no key, no address; a step
   gets its size from those options alone, not from the allocation's SLURM_* settings;
 - a trainer rank's rendezvous: rank 0 publishes its address, the others read it, each gets what
-  torchrun would set (its node's share of the tasks read from Slurm's compressed list);
+  torchrun would set (its node's share of the tasks read from Slurm's compressed list); a requeued
+  job's ranks never read the previous attempt's address;
 - a hung server step is killed with ``scancel`` (killing its srun would leave the step running);
 - ``areal-fast slurm-script`` writes an sbatch script sized for the run that resumes it when
   submitted again.
@@ -81,7 +82,7 @@ def test_rank_rendezvous_through_the_run_directory(tmp_path, monkeypatch):
     execs = []
     monkeypatch.setattr(slurm, "_exec", lambda cmd, env: execs.append((cmd, env)))
     spec = {"kind": "ranks", "cmd": ["python", "-m", "areal_fast.launch.rank", "cfg.yaml"], "host": "127.0.0.1",
-            "started_file": str(tmp_path / "trainer.step.json")}
+            "started_file": str(tmp_path / "trainer.step.json"), "rendezvous": str(tmp_path / "rendezvous-5.0.ab.json")}
     step = {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "3", "SLURM_NTASKS": "3", "SLURM_STEP_TASKS_PER_NODE": "2,1"}
     slurm.run_rank(spec, {**step, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"})
     slurm.run_rank(spec, {**step, "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "1"})
@@ -95,6 +96,60 @@ def test_rank_rendezvous_through_the_run_directory(tmp_path, monkeypatch):
     execs.clear()
     slurm.run_rank(spec, {**step, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"})
     assert "MASTER_ADDR" not in execs[0][1]  # one rank: no process group, as with the other launchers
+
+
+class _NoSrun:
+    """Stands for the ``srun`` of a step: nothing runs, it has ended."""
+
+    pid = 2**22 + 11
+
+    def __init__(self, cmd, **kw):
+        self.cmd = cmd
+
+    def poll(self):
+        return 0
+
+
+def test_a_requeued_job_never_meets_at_the_previous_attempts_address(tmp_path, monkeypatch):
+    """A requeued job keeps its id and numbers its steps from 0 again: the ranks above 0 of the new
+    attempt must wait for the new rank 0's address, not read the one the previous attempt left."""
+    from types import SimpleNamespace
+
+    steps = tmp_path / slurm.STEPS_DIR
+    steps.mkdir()
+    (steps / "rendezvous-5.0.json").write_text(json.dumps({"addr": "10.9.9.9", "port": 1}))  # attempt 0's
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.setattr(slurm.subprocess, "Popen", _NoSrun)
+    monkeypatch.setattr(slurm.SlurmLauncher, "wait_started", lambda self, steps, timeout=None: None)
+    monkeypatch.setattr(slurm, "_RENDEZVOUS_TIMEOUT_S", 0.3)
+    execs = []
+    monkeypatch.setattr(slurm, "_exec", lambda cmd, env: execs.append(env))
+    with slurm.SlurmLauncher(tmp_path / "logs", SlurmConfig(job="5", host="127.0.0.1"), run_dir=tmp_path) as launcher:
+        launcher.start_trainer_ranks(SimpleNamespace(world_size=2, threads=1, device="cpu"), tmp_path / "t.yaml", {})
+        spec = json.loads((steps / "trainer.json").read_text())
+        assert list(steps.glob("rendezvous-*")) == []  # the previous attempt's is gone
+        step = {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1,1",
+                "SLURM_LOCALID": "0"}
+        with pytest.raises(SystemExit, match="rank 0 wrote no rendezvous file"):  # before rank 0: it waits
+            slurm.run_rank(spec, {**step, "SLURM_PROCID": "1", "SLURM_NODEID": "1"})
+        assert execs == []
+        slurm.run_rank(spec, {**step, "SLURM_PROCID": "0", "SLURM_NODEID": "0"})
+        slurm.run_rank(spec, {**step, "SLURM_PROCID": "1", "SLURM_NODEID": "1"})
+        assert [(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in execs] == [("127.0.0.1", execs[0]["MASTER_PORT"])] * 2
+        assert execs[0]["MASTER_PORT"] != 1
+        assert ".1." in Path(spec["rendezvous"]).name  # the attempt is in its name
+    assert list(steps.glob("rendezvous-*")) == []  # removed when the launcher ends
+
+
+def test_a_step_is_port_checked_from_here_only_when_it_runs_in_this_machines_namespaces(tmp_path):
+    """``this_machine`` (the server's port checked against its process tree, ``elastic.port_owner``)
+    needs the step's pid to be this ``/proc``'s: the same boot, pid and network namespaces."""
+    spec = {"started_file": str(tmp_path / "server0.step.json")}
+    slurm._started(spec, {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "1"}, host="127.0.0.1", port=1234)
+    info = json.loads((tmp_path / "server0.step.json").read_text())
+    assert slurm._here(info)
+    assert not slurm._here({**info, "pidns": "pid:[1]"})  # a container on this kernel: its pids are not ours
+    assert not slurm._here({**info, "boot_id": "another-node"})
 
 
 def test_a_hung_server_step_is_killed_with_scancel(monkeypatch):

@@ -150,6 +150,10 @@ def _killed_server_then_trainer(real_slurm, script: Path, out: Path, job: str, s
     positions = [p for e in _events(out) for p in e["positions"]]
     assert len(positions) == len(set(positions)) == steps * 2
     assert (out / "checkpoints" / f"step_{steps:08d}" / "COMPLETE").is_file()
+    from areal_fast.launch.run_dir import is_checked_entry  # slurm/, slurm-<job>.out...: checked at a start
+
+    assert all(is_checked_entry(p.name) for p in out.iterdir()), sorted(p.name for p in out.iterdir())
+    assert not list((out / "slurm").glob("rendezvous-*")), "a rendezvous file outlived its launcher"
 
 
 def test_scancel_stops_every_step_of_servers_and_trainers_in_separate_allocations(tmp_path, real_slurm):
