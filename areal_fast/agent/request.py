@@ -25,6 +25,34 @@ MAX_TOP_LOGPROBS = 20  # as the OpenAI API
 _STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # the latter accepted and ignored
 
 
+SHOWN_CHARS = 200
+"""An error message shows at most this many characters of the value it refused."""
+
+
+def culprit(value) -> str:
+    """``repr(value)`` for an error message, cut to :data:`SHOWN_CHARS` characters; a value with no
+    repr to give (an integer of more than 4,300 digits, which Python will not print; a structure
+    nested past the recursion limit) is named by its type. So that showing a refused value cannot
+    itself fail, and a megabyte of it is not sent back whole."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        size = f" of {value.bit_length()} bits" if isinstance(value, int) else ""
+        return f"<{type(value).__name__}{size}>"
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+
+
+def finite_number(value) -> bool:
+    """A JSON number that a float holds finitely (not a bool, NaN, an infinity, nor an integer too
+    large for a float: ``math.isfinite`` would raise OverflowError on one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 class ChatRequestError(ValueError):
     """A request the chat API refuses: HTTP 400, ``param`` names the culprit."""
 
@@ -156,7 +184,7 @@ def _text(content, where: str) -> str:
             p = _plain(part, f"{where}[{k}]")
             if p.get("type") != "text" or not isinstance(p.get("text"), str):
                 raise ChatRequestError(f"{where}[{k}]: only text content parts are supported, got type "
-                                       f"{p.get('type')!r}", where)
+                                       f"{culprit(p.get('type'))}", where)
             out.append(p["text"])
         return "".join(out)
     raise ChatRequestError(f"{where}: content must be a string or a list of text parts, got "
@@ -168,9 +196,13 @@ def _tool_call(raw, where: str) -> ToolCall:
     fn = _plain(d.get("function") or {}, f"{where}.function")
     name, args = fn.get("name"), fn.get("arguments", "")
     if not isinstance(name, str) or not name:
-        raise ChatRequestError(f"{where}.function.name: expected a non-empty string, got {name!r}", where)
+        raise ChatRequestError(f"{where}.function.name: expected a non-empty string, got {culprit(name)}", where)
     if not isinstance(args, str):
-        args = json.dumps(args)
+        try:
+            args = json.dumps(args)
+        except (TypeError, ValueError, RecursionError):
+            raise ChatRequestError(f"{where}.function.arguments: expected a JSON text or a JSON value, got "
+                                   f"{culprit(args)}", f"{where}.function.arguments") from None
     return ToolCall(id=str(d.get("id") or ""), name=name, arguments=args)
 
 
@@ -180,10 +212,10 @@ def parse_message(raw, i: int) -> Message:
     d = _plain(raw, where)
     role = d.get("role")
     if role not in ROLES:
-        raise ChatRequestError(f"{where}.role: expected one of {ROLES}, got {role!r}", where)
+        raise ChatRequestError(f"{where}.role: expected one of {ROLES}, got {culprit(role)}", where)
     calls = tuple(_tool_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(d.get("tool_calls") or ()))
     if calls and role != "assistant":
-        raise ChatRequestError(f"{where}: only assistant messages carry tool_calls (role {role!r})", where)
+        raise ChatRequestError(f"{where}: only assistant messages carry tool_calls (role {culprit(role)})", where)
     tcid = d.get("tool_call_id")
     if role == "tool" and not isinstance(tcid, str):
         raise ChatRequestError(f"{where}.tool_call_id: a tool message needs the id of the call it answers", where)
@@ -199,11 +231,12 @@ def _tool(raw, k: int) -> Tool:
     where = f"tools[{k}]"
     d = _plain(raw, where)
     if d.get("type", "function") != "function":
-        raise ChatRequestError(f"{where}.type: only 'function' tools are supported, got {d.get('type')!r}", where)
+        raise ChatRequestError(f"{where}.type: only 'function' tools are supported, got {culprit(d.get('type'))}",
+                               where)
     fn = _plain(d.get("function") or {}, f"{where}.function")
     name = fn.get("name")
     if not isinstance(name, str) or not name:
-        raise ChatRequestError(f"{where}.function.name: expected a non-empty string, got {name!r}", where)
+        raise ChatRequestError(f"{where}.function.name: expected a non-empty string, got {culprit(name)}", where)
     params = fn.get("parameters") or {}
     if not isinstance(params, dict):
         raise ChatRequestError(f"{where}.function.parameters: expected a JSON schema object", where)
@@ -214,18 +247,18 @@ def _number(body: dict, key: str, lo: float, hi: float) -> float | None:
     v = body.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
-        raise ChatRequestError(f"{key}: expected a number in [{lo}, {hi}], got {v!r}", key)
+    if not finite_number(v) or not lo <= v <= hi:
+        raise ChatRequestError(f"{key}: expected a number in [{lo}, {hi}], got {culprit(v)}", key)
     return float(v)
 
 
 def _max_tokens(body: dict) -> int | None:
     got = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None}
     if len(set(got.values())) > 1:
-        raise ChatRequestError(f"max_tokens and max_completion_tokens disagree: {got}", "max_tokens")
+        raise ChatRequestError(f"max_tokens and max_completion_tokens disagree: {culprit(got)}", "max_tokens")
     for k, v in got.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ChatRequestError(f"{k}: expected an integer >= 1, got {v!r}", k)
+            raise ChatRequestError(f"{k}: expected an integer >= 1, got {culprit(v)}", k)
         return v
     return None
 
@@ -237,7 +270,8 @@ def _stop(body: dict) -> tuple[str, ...]:
     stop = [stop] if isinstance(stop, str) else stop
     if (not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop)
             or len(stop) > MAX_STOP):
-        raise ChatRequestError(f"stop: expected a non-empty string or a list of up to {MAX_STOP}, got {stop!r}", "stop")
+        raise ChatRequestError(f"stop: expected a non-empty string or a list of up to {MAX_STOP}, got "
+                               f"{culprit(stop)}", "stop")
     return tuple(stop)
 
 
@@ -249,7 +283,7 @@ def _tool_choice(body: dict, tools: tuple[Tool, ...]) -> tuple[str, str | None]:
     if isinstance(choice, str):
         if choice not in TOOL_CHOICES:
             raise ChatRequestError(f"tool_choice: expected one of {TOOL_CHOICES} or a named function, got "
-                                   f"{choice!r}", "tool_choice")
+                                   f"{culprit(choice)}", "tool_choice")
         if choice == "required" and not tools:
             raise ChatRequestError("tool_choice: 'required' needs tools", "tool_choice")
         return choice, None
@@ -257,9 +291,9 @@ def _tool_choice(body: dict, tools: tuple[Tool, ...]) -> tuple[str, str | None]:
     name = _plain(d.get("function") or {}, "tool_choice.function").get("name")
     if d.get("type") != "function" or not isinstance(name, str):
         raise ChatRequestError(f"tool_choice: expected {{'type': 'function', 'function': {{'name': ...}}}}, got "
-                               f"{choice!r}", "tool_choice")
+                               f"{culprit(choice)}", "tool_choice")
     if name not in {t.name for t in tools}:
-        raise ChatRequestError(f"tool_choice: function {name!r} is not among the tools offered "
+        raise ChatRequestError(f"tool_choice: function {culprit(name)} is not among the tools offered "
                                f"{[t.name for t in tools]}", "tool_choice")
     return "function", name
 
@@ -267,7 +301,7 @@ def _tool_choice(body: dict, tools: tuple[Tool, ...]) -> tuple[str, str | None]:
 def _flag(d: Mapping, key: str, where: str | None = None) -> bool:
     v = d.get(key)
     if v is not None and not isinstance(v, bool):
-        raise ChatRequestError(f"{where or key}: expected true or false, got {v!r}", where or key)
+        raise ChatRequestError(f"{where or key}: expected true or false, got {culprit(v)}", where or key)
     return bool(v)
 
 
@@ -277,7 +311,7 @@ def _logprobs(body: dict) -> bool:
     if top is None:
         return wanted
     if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise ChatRequestError(f"top_logprobs: expected an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
+        raise ChatRequestError(f"top_logprobs: expected an integer in [0, {MAX_TOP_LOGPROBS}], got {culprit(top)}",
                                "top_logprobs")
     if top:
         raise ChatRequestError(f"top_logprobs: not supported (only the sampled token's log-prob is recorded), got "
@@ -293,7 +327,7 @@ def _answer_form(body: dict) -> AnswerForm:
     if not stream:
         raise ChatRequestError("stream_options: only allowed with stream=True", "stream_options")
     if not isinstance(opts, Mapping):
-        raise ChatRequestError(f"stream_options: expected an object, got {opts!r}", "stream_options")
+        raise ChatRequestError(f"stream_options: expected an object, got {culprit(opts)}", "stream_options")
     for key in opts:
         if key not in _STREAM_OPTIONS:
             raise ChatRequestError(f"stream_options.{key}: unknown stream option (known: {_STREAM_OPTIONS})",
@@ -306,15 +340,15 @@ def _answer_form(body: dict) -> AnswerForm:
 def _refuse_unsupported(body: dict) -> None:
     n = body.get("n")
     if n is not None and n != 1:
-        raise ChatRequestError(f"n: only n=1 is supported (one recorded completion per call), got {n!r}; "
+        raise ChatRequestError(f"n: only n=1 is supported (one recorded completion per call), got {culprit(n)}; "
                                "call again for more samples", "n")
     for key in ("frequency_penalty", "presence_penalty"):
         if body.get(key) not in (None, 0, 0.0):
             raise ChatRequestError(f"{key}: not supported (it would change the sampled distribution), got "
-                                   f"{body[key]!r}", key)
+                                   f"{culprit(body[key])}", key)
     fmt = body.get("response_format")
     if fmt is not None and _plain(fmt, "response_format").get("type") != "text":
-        raise ChatRequestError(f"response_format: only 'text' is supported, got {fmt!r}", "response_format")
+        raise ChatRequestError(f"response_format: only 'text' is supported, got {culprit(fmt)}", "response_format")
 
 
 KNOWN = {"model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature",
@@ -331,7 +365,8 @@ def parse_request(body: Mapping, served_model: str) -> ChatRequest:
         raise ChatRequestError(f"unsupported parameter(s) {unknown}", unknown[0])
     model = body.get("model")
     if model != served_model:
-        raise ChatRequestError(f"model {model!r} is not served here; this endpoint serves {served_model!r}", "model")
+        raise ChatRequestError(f"model {culprit(model)} is not served here; this endpoint serves {served_model!r}",
+                               "model")
     _refuse_unsupported(body)
     answer = _answer_form(body)
     raw = body.get("messages")
@@ -342,7 +377,8 @@ def parse_request(body: Mapping, served_model: str) -> ChatRequest:
     choice, choice_name = _tool_choice(body, tools)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise ChatRequestError(f"parallel_tool_calls: expected true or false, got {parallel!r}", "parallel_tool_calls")
+        raise ChatRequestError(f"parallel_tool_calls: expected true or false, got {culprit(parallel)}",
+                               "parallel_tool_calls")
     return ChatRequest(model=model, messages=messages, tools=tools, tool_choice=choice, tool_choice_name=choice_name,
                        parallel_tool_calls=parallel is not False,
                        max_tokens=_max_tokens(body), temperature=_number(body, "temperature", 0.0, 2.0),

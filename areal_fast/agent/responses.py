@@ -49,7 +49,7 @@ import re
 from collections.abc import Mapping
 
 from areal_fast.agent.completion import Record, logprobs_dict
-from areal_fast.agent.request import ChatRequestError
+from areal_fast.agent.request import ChatRequestError, culprit
 from areal_fast.agent.sdk_args import sdk_body, within
 from areal_fast.agent.session import ChatCall, Session
 
@@ -91,7 +91,7 @@ def _text(content, where: str) -> str:
         p = _plain(part, f"{where}[{k}]")
         if p.get("type") not in ("input_text", "output_text", "text") or not isinstance(p.get("text"), str):
             raise ChatRequestError(f"{where}[{k}]: only text parts are supported (input_text, output_text), "
-                                   f"got type {p.get('type')!r}", f"{where}[{k}]")
+                                   f"got type {culprit(p.get('type'))}", f"{where}[{k}]")
         out.append(p["text"])
     return "".join(out)
 
@@ -131,7 +131,8 @@ class _Conversation:
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(d.get(key), str):
-                    raise ChatRequestError(f"{where}.{key}: expected a string, got {d.get(key)!r}", f"{where}.{key}")
+                    raise ChatRequestError(f"{where}.{key}: expected a string, got {culprit(d.get(key))}",
+                                           f"{where}.{key}")
             turn = self.assistant(where, joinable=lambda t: True)
             turn.setdefault("tool_calls", []).append(
                 {"id": d["call_id"], "type": "function", "function": {"name": d["name"], "arguments": d["arguments"]}})
@@ -148,7 +149,7 @@ class _Conversation:
                 turn["reasoning_content"] = text
             self.add(turn, where, open_turn=True)
         else:
-            raise ChatRequestError(f"{where}.type: {kind!r} items are not supported (messages, function_call, "
+            raise ChatRequestError(f"{where}.type: {culprit(kind)} items are not supported (messages, function_call, "
                                    "function_call_output and reasoning are)", f"{where}.type")
 
 
@@ -157,7 +158,7 @@ def _tools(raw) -> list[dict]:
     for k, t in enumerate(raw or ()):
         d = _plain(t, f"tools[{k}]")
         if d.get("type") != "function":
-            raise ChatRequestError(f"tools[{k}].type: only function tools are supported, got {d.get('type')!r}",
+            raise ChatRequestError(f"tools[{k}].type: only function tools are supported, got {culprit(d.get('type'))}",
                                    f"tools[{k}].type")
         fn = {"name": d.get("name"), "description": d.get("description") or "", "parameters": d.get("parameters")}
         out.append({"type": "function", "function": fn})
@@ -171,7 +172,7 @@ def _tool_choice(choice):
     if d.get("type") == "function" and isinstance(d.get("name"), str):
         return {"type": "function", "function": {"name": d["name"]}}
     raise ChatRequestError(f"tool_choice: expected auto, none, required or {{'type': 'function', 'name': ...}}, "
-                           f"got {choice!r}", "tool_choice")
+                           f"got {culprit(choice)}", "tool_choice")
 
 
 def _check(body: Mapping) -> None:
@@ -180,22 +181,22 @@ def _check(body: Mapping) -> None:
         raise ChatRequestError(f"unsupported parameter(s) {unknown}", unknown[0])
     for key, what in _REFUSED.items():
         if body.get(key) not in (None, False):
-            raise ChatRequestError(f"{key}: not supported ({what}), got {body[key]!r}", key)
+            raise ChatRequestError(f"{key}: not supported ({what}), got {culprit(body[key])}", key)
     if body.get("truncation") not in (None, "disabled"):
         raise ChatRequestError(f"truncation: only 'disabled' is supported (the context is never cut), got "
-                               f"{body['truncation']!r}", "truncation")
+                               f"{culprit(body['truncation'])}", "truncation")
     fmt = (_plain(body["text"], "text").get("format") if body.get("text") is not None else None)
     if fmt is not None and _plain(fmt, "text.format").get("type") != "text":
-        raise ChatRequestError(f"text.format: only 'text' is supported, got {fmt!r}", "text.format")
+        raise ChatRequestError(f"text.format: only 'text' is supported, got {culprit(fmt)}", "text.format")
     n = body.get("max_output_tokens")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ChatRequestError(f"max_output_tokens: expected an integer >= 1, got {n!r}", "max_output_tokens")
+        raise ChatRequestError(f"max_output_tokens: expected an integer >= 1, got {culprit(n)}", "max_output_tokens")
     include = body.get("include") or []
     if not isinstance(include, list | tuple):
-        raise ChatRequestError(f"include: expected a list, got {include!r}", "include")
+        raise ChatRequestError(f"include: expected a list, got {culprit(include)}", "include")
     for k, v in enumerate(include):
         if v != LOGPROBS_INCLUDE and v not in _INCLUDES_IGNORED:
-            raise ChatRequestError(f"include[{k}]: unknown value {v!r}", f"include[{k}]")
+            raise ChatRequestError(f"include[{k}]: unknown value {culprit(v)}", f"include[{k}]")
 
 
 def chat_body(body: Mapping, session: Session) -> tuple[dict, list[str], list[dict]]:
@@ -212,7 +213,7 @@ def chat_body(body: Mapping, session: Session) -> tuple[dict, list[str], list[di
     if prev is not None:
         earlier = session.responses.get(prev) if isinstance(prev, str) else None
         if earlier is None:
-            raise ChatRequestError(f"previous_response_id: no response {prev!r} in this episode",
+            raise ChatRequestError(f"previous_response_id: no response {culprit(prev)} in this episode",
                                    "previous_response_id")
         for m in earlier:
             conv.add(m, "previous_response_id")
@@ -402,7 +403,7 @@ class EventStream:
 def wants_stream(body: Mapping) -> bool:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise ChatRequestError(f"stream: expected true or false, got {stream!r}", "stream")
+        raise ChatRequestError(f"stream: expected true or false, got {culprit(stream)}", "stream")
     return bool(stream)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from areal_fast.agent.request import ChatRequestError
+from areal_fast.agent.request import ChatRequestError, culprit
 
 SDK_ONLY = ("extra_headers", "extra_query", "extra_body", "timeout")
 """``create``'s keywords of the SDK itself, not of the request (see the module docstring)."""
@@ -33,7 +33,8 @@ def sdk_body(kwargs: dict) -> tuple[dict, float | None]:
     if hasattr(timeout, "read"):  # an httpx Timeout: the wait for the answer
         timeout = timeout.read
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0):
-        raise ChatRequestError(f"timeout: expected seconds > 0, None or an httpx Timeout, got {timeout!r}", "timeout")
+        raise ChatRequestError(f"timeout: expected seconds > 0, None or an httpx Timeout, got {culprit(timeout)}",
+                               "timeout")
     return body, timeout
 
 

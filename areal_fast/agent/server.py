@@ -26,7 +26,9 @@ nor handed to agent code: an agent's key cannot call the engine (load weights, p
 Idle and unauthenticated connections are limited as on the engine (``areal_fast.http.conn_guard``).
 The listener binds 127.0.0.1 unless told otherwise. Errors have the OpenAI API's shape
 (``{"error": {"message", "type", "param", "code"}}``): 400 for a refused request (the SDK raises
-``BadRequestError``), 401 for the key, 404 for an episode that is over or never was.
+``BadRequestError``; a body that is not JSON, nested past the decoder's limit or holding an integer
+of more than 4,300 digits included), 401 for the key, 404 for an episode that is over or never was
+(also one that ended while the request was on its way: its reward then sets nothing).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import secrets
 import weakref
 
@@ -42,7 +43,7 @@ from aiohttp import web
 
 from areal_fast.agent import responses
 from areal_fast.agent.completion import completion_dict
-from areal_fast.agent.request import ChatRequestError
+from areal_fast.agent.request import ChatRequestError, culprit, finite_number
 from areal_fast.agent.stream import chunk_dicts, sse_body
 from areal_fast.http.conn_guard import ConnLimits, authorize, start_site
 
@@ -121,8 +122,9 @@ class AgentServer:
     async def wait_ended(self, base_url: str) -> float:
         """Wait until the episode at ``base_url`` gets its reward over HTTP; that reward."""
         token = _token(base_url)
+        session = self._episodes[token][0].session  # kept: the episode may be closed while this waits
         await self._ended[token].wait()
-        return self._episodes[token][0].session.final_reward
+        return session.final_reward
 
     # ------------------------------------------------------------------ routes
     @web.middleware
@@ -152,7 +154,7 @@ class AgentServer:
     async def _json(request: web.Request):
         try:
             return json.loads(await request.read())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested past the decoder's limit
             raise web.HTTPBadRequest(text=json.dumps({"error": {
                 "message": f"the request body is not JSON: {e}", "type": "invalid_request_error", "param": None,
                 "code": None}}), content_type="application/json") from None
@@ -192,19 +194,20 @@ class AgentServer:
 
     async def _reward(self, request: web.Request) -> web.Response:
         token = request.match_info["token"]
-        episode = self._episodes.get(token)
-        if episode is None:
+        body = await self._json(request)
+        # looked up after the body came: the episode may have been closed meanwhile (then a 404)
+        episode, ended = self._episodes.get(token), self._ended.get(token)
+        if episode is None or ended is None:
             raise _episode_not_found()
         session = episode[0].session
-        body = await self._json(request)
         value = body.get("reward") if isinstance(body, dict) else None
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            return _error(400, f"reward: expected a finite number, got {value!r} (body: {{\"reward\": <number>}})",
-                          "invalid_request_error", "reward")
-        if self._ended[token].is_set():
+        if not finite_number(value):
+            return _error(400, f"reward: expected a finite number, got {culprit(value)} (body: {{\"reward\": "
+                          "<number>}})", "invalid_request_error", "reward")
+        if ended.is_set():
             return _error(409, "this episode's reward is already set", "invalid_request_error", "reward")
         session.final_reward = float(value)
-        self._ended[token].set()  # the episode is over: its routes answer 404 from now on
+        ended.set()  # the episode is over: its routes answer 404 from now on
         return web.json_response({"reward": float(value), "calls": len(session.calls), "ended": True})
 
     async def _models(self, request: web.Request) -> web.Response:

@@ -96,18 +96,18 @@ class Prompt:
     diverged_at: int | None = None
 
 
-def build_prompt(calls: list[ChatCall], req: ChatRequest, template: ChatTemplate) -> Prompt:
+async def build_prompt(calls: list[ChatCall], req: ChatRequest, template: ChatTemplate) -> Prompt:
     """The prompt of ``req`` given the episode's earlier ``calls`` (see the module docstring). A
     template that renders the earlier messages differently once new ones follow, with
     ``continuation='template'``: the whole conversation rendered again, a break from message 0."""
     try:
-        return _build_prompt(calls, req, template)
+        return await _build_prompt(calls, req, template)
     except HistoryRendersDifferently:
-        ids, ends = template.render((), req.messages, req.tools)
+        ids, ends = await template.render_async((), req.messages, req.tools)
         return Prompt(ids, ends, diverged_at=0)
 
 
-def _build_prompt(calls: list[ChatCall], req: ChatRequest, template: ChatTemplate) -> Prompt:
+async def _build_prompt(calls: list[ChatCall], req: ChatRequest, template: ChatTemplate) -> Prompt:
     msgs = req.messages
     best, best_n = None, 0
     for c in calls:
@@ -120,17 +120,17 @@ def _build_prompt(calls: list[ChatCall], req: ChatRequest, template: ChatTemplat
         close = template.close_turn(best.sample.output_ids)
         head = list(best.full_ids) + close
         ends = best.message_ends + [len(head)]
-        new_ids, new_ends = template.render(msgs[:best_n], msgs[best_n:], req.tools)
+        new_ids, new_ends = await template.render_async(msgs[:best_n], msgs[best_n:], req.tools)
         return Prompt(head + new_ids, ends + [len(head) + e for e in new_ends], parent=best.completion_id)
     if best is not None and best_n > 0:  # the agent edited its history: re-tokenize from the first change
         keep = best.ends[best_n - 1]
         head = list(best.full_ids[:keep])
         if best_n == len(best.history):  # it ends with the recorded answer (cut or not): close that turn
             head += template.close_turn(best.sample.output_ids)
-        new_ids, new_ends = template.render(msgs[:best_n], msgs[best_n:], req.tools)
+        new_ids, new_ends = await template.render_async(msgs[:best_n], msgs[best_n:], req.tools)
         ends = best.ends[: best_n - 1] + [len(head)]
         return Prompt(head + new_ids, ends + [len(head) + e for e in new_ends], diverged_at=best_n)
-    ids, ends = template.render((), msgs, req.tools)
+    ids, ends = await template.render_async((), msgs, req.tools)
     return Prompt(ids, ends)
 
 
@@ -191,7 +191,7 @@ class Session:
         """One ``chat.completions.create``: checked, generated, recorded. ChatRequestError: a 400."""
         req = parse_request(body, self.model)
         self.template.check(req)
-        prompt = build_prompt(self.calls, req, self.template)
+        prompt = await build_prompt(list(self.calls), req, self.template)  # the calls as they are now
         overrides = self._sampling(req)
         sample = await self.limits.generate(self.engine, prompt.ids, overrides, req)  # refusals: ChatRequestError
         stopped = bool(req.stop) and _cut_at_stop(self.template, sample, tuple(s for s in req.stop))

@@ -4,9 +4,11 @@ Each parser is ``parse(text, tools) -> (content, calls)``: ``calls`` are the
 :class:`~areal_fast.agent.request.ToolCall` (no ids yet; the session numbers them) of the functions
 offered in ``tools``, in the order written; ``content`` is the text less the call blocks (stripped).
 A block that is not a well-formed call, or that calls a function not offered, stays in the text:
-the agent sees what the model wrote rather than a call it cannot run. Several calls in one output
-are parallel tool calls. Every parser is one left-to-right scan with ``str.find`` (linear in the
-output, whatever the model wrote: these run on the event loop).
+the agent sees what the model wrote rather than a call it cannot run; JSON nested deeper than the
+decoder's recursion limit is not well-formed (its RecursionError would otherwise escape the parser
+and lose the turn). Several calls in one output are parallel tool calls. Every parser is one
+left-to-right scan with ``str.find`` (linear in the output, whatever the model wrote: these run on
+the event loop).
 
 ``hermes``
     ``<tool_call>{"name": "f", "arguments": {...}}</tool_call>``, any number of blocks: the format
@@ -51,14 +53,26 @@ def _call(name, args, offered: dict[str, Tool]) -> ToolCall | None:
     if args is None:
         args = {}
     if isinstance(args, str):  # some models write the arguments as a JSON text already
-        try:
-            json.loads(args)
-        except ValueError:
-            return None
-        return ToolCall(id="", name=name, arguments=args)
+        return ToolCall(id="", name=name, arguments=args) if _loads(args) is not _MALFORMED else None
     if not isinstance(args, dict):
         return None
-    return ToolCall(id="", name=name, arguments=json.dumps(args))
+    try:
+        return ToolCall(id="", name=name, arguments=json.dumps(args))
+    except RecursionError:  # nested about as deep as the decoder allows, then deeper on this stack
+        return None
+
+
+_MALFORMED = object()
+
+
+def _loads(text: str):
+    """``json.loads(text)``, or :data:`_MALFORMED` when it is not JSON. Nesting deeper than the
+    decoder's recursion limit (``[[[[...`` a thousand deep) is malformed too: the decoder raises
+    RecursionError, which would otherwise escape the parser and lose the turn."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return _MALFORMED
 
 
 def blocks(text: str, open_: str, close: str) -> list[tuple[int, int, str]]:
@@ -103,11 +117,7 @@ def parse_hermes(text: str, tools: tuple[Tool, ...]) -> Parsed:
     offered = {t.name: t for t in tools}
     found = []
     for start, end, inner in blocks(text, TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
-        try:
-            d = json.loads(inner.strip())
-        except ValueError:
-            found.append((start, end, None))
-            continue
+        d = _loads(inner.strip())
         ok = isinstance(d, dict)
         found.append((start, end, _call(d.get("name"), d.get("arguments", {}), offered) if ok else None))
     return _from_blocks(text, found, drop_all=True)
@@ -135,7 +145,7 @@ def _typed(value: str, schema: dict):
             if k == "boolean" and value.strip().lower() in ("true", "false"):
                 return value.strip().lower() == "true"
             if k in ("object", "array"):
-                v = json.loads(value)
+                v = _loads(value)
                 if isinstance(v, dict if k == "object" else list):
                     return v
         except ValueError:
@@ -191,9 +201,8 @@ def parse_json(text: str, tools: tuple[Tool, ...]) -> Parsed:
     body = _unfenced(text)
     if body[:1] not in ("{", "["):
         return text, []
-    try:
-        d = json.loads(body)
-    except ValueError:
+    d = _loads(body)
+    if d is _MALFORMED:
         return text, []
     items = d if isinstance(d, list) else [d]
     calls = []

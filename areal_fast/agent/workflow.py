@@ -60,6 +60,7 @@ from areal_fast.agent.session import DEFAULT_MODEL
 from areal_fast.agent.template import CONTINUATIONS
 from areal_fast.agent.tool_parsers import tool_parser as _tool_parser
 from areal_fast.agent.trajectories import REWARD_MODES, assemble
+from areal_fast.reward.result import escape_controls
 from areal_fast.sample import Sample
 from areal_fast.workflow.api import EpisodeFailed, load_workflow
 
@@ -117,7 +118,9 @@ def check_args(args: dict) -> None:
         raise ValueError("rollout.workflow_args.agent: required ('package.module:function', the agent function)")
     a = {k: p.default for k, p in params.items() if k in known and p.default is not inspect.Parameter.empty}
     a.update(args)
-    load_agent(a["agent"])
+    check_agent_args = getattr(load_agent(a["agent"]), "check_args", None)  # e.g. process.run_command's
+    if check_agent_args is not None and isinstance(a["agent_args"] or {}, dict):
+        check_agent_args(a["agent_args"] or {})
     _check(a["reward"], a["discount"], a["transport"], a["on_agent_error"], a["max_failed_fraction"])
     if a["agent_args"] is not None and not isinstance(a["agent_args"], dict):
         raise ValueError(f"rollout.workflow_args.agent_args: expected a mapping, got {a['agent_args']!r}")
@@ -161,7 +164,7 @@ def _agent_failed(agent: str, episode_id: str, e: Exception, max_failed_fraction
     t = tally(agent)
     t.episodes += 1
     t.failed += 1
-    what = f"{type(e).__name__}: {e}"
+    what = escape_controls(f"{type(e).__name__}: {e}")  # agent code's text (a model's output): one log line
     if t.failed <= TRACEBACKS_LOGGED:
         log.warning("agent %s raised in episode %s (a failed episode, %d of %d so far): %s", agent, episode_id,
                     t.failed, t.episodes, what, exc_info=e)

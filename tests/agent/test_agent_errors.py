@@ -159,6 +159,22 @@ def test_an_exception_in_agent_code_is_a_failed_episode_logged_with_its_tracebac
         run(_episode("_malformed", transport=transport, on_agent_error="fail_run"))
 
 
+async def _quoting(row, client):
+    r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": row.text}])
+    raise ValueError(f"bad answer {r.choices[0].message.content}\n\x1b[2JINFO areal_fast.controller: step 9 done")
+
+
+def test_an_agent_exception_quoting_model_text_is_one_log_line(caplog):
+    """An exception's message (which may quote what the model wrote) is logged with its control
+    characters escaped: no forged log line, no terminal escape."""
+    caplog.set_level(logging.WARNING, logger="areal_fast.agent.workflow")
+    with pytest.raises(EpisodeFailed) as info:
+        run(_episode("_quoting", k=1))
+    (rec,) = [r for r in caplog.records if "raised in episode ep1" in r.getMessage()]
+    assert "bad answer 4*\\n\\x1b[2JINFO" in rec.getMessage() and "\n" not in rec.getMessage()
+    assert "\x1b" not in str(info.value)
+
+
 def test_more_failed_episodes_than_the_bound_fail_the_run():
     from areal_fast.agent.workflow import MIN_EPISODES_FOR_BOUND, tally
 

@@ -215,3 +215,48 @@ class _NoTemplate:
 
     def check(self, req):
         return None
+
+
+# ------------------------------------------------------------------ JSON nested past the decoder's limit
+DEEP = "[" * 5000 + "]" * 5000  # json.loads raises RecursionError on it (not ValueError)
+
+
+@pytest.mark.parametrize("text", [f"<tool_call>{DEEP}</tool_call>",
+                                  f'<tool_call>{{"name": "add", "arguments": {DEEP}}}</tool_call>',
+                                  f'<tool_call>{{"name": "add", "arguments": {json.dumps(DEEP)}}}</tool_call>',
+                                  f'before <tool_call>{{"name": "add", "arguments": {{"a": {DEEP}}}}}</tool_call>'])
+def test_hermes_block_nested_past_the_decoders_limit_is_malformed_text(text):
+    assert tool_parser("hermes")(text, (ADD,)) == (text, [])
+
+
+@pytest.mark.parametrize("text", [DEEP, f'{{"name": "add", "arguments": {DEEP}}}',
+                                  f'[{{"name": "add", "arguments": {json.dumps(DEEP)}}}]'])
+def test_json_output_nested_past_the_decoders_limit_is_text(text):
+    assert parse_json(text, (ADD,)) == (text, [])
+
+
+def test_qwen3_coder_value_nested_past_the_decoders_limit_stays_text():
+    """As any value that does not read as its schema's type: the parameter's text."""
+    text = f"<tool_call>\n<function=weather>\n<parameter=hours>\n{DEEP}\n</parameter>\n</function>\n</tool_call>"
+    content, (call,) = parse_qwen3_coder(text, (WEATHER,))
+    assert content == "" and json.loads(call.arguments) == {"hours": DEEP}
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_a_turn_whose_tool_call_nests_past_the_decoders_limit_is_recorded(qwen3_tok, parser):
+    """The malformed call is the turn's text, the turn is recorded, the agent gets an answer."""
+    enc = lambda s: qwen3_tok.encode(s, add_special_tokens=False)  # noqa: E731
+    written = {"hermes": f'<tool_call>{{"name": "add", "arguments": {DEEP}}}</tool_call>', "json": DEEP,
+               "qwen3_coder": f"<tool_call>\n<function=add>\n<parameter=a>\n{DEEP}\n</parameter>\n</function>\n"
+                              "</tool_call>"}[parser]
+    client, _ = _client(qwen3_tok, [enc(written) + [qwen3_tok.eos_token_id]], tool_parser=parser)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "array"}}}}}]
+    r = _run(client.chat.completions.create(model=client.model, messages=[{"role": "user", "content": "?"}],
+                                            tools=tools, max_tokens=2 * len(written)))
+    (call,) = client.calls
+    if parser == "qwen3_coder":  # a value that does not read as its type stays text
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"a": DEEP}
+    else:
+        assert r.choices[0].message.content == written and not r.choices[0].message.tool_calls
+        assert call.content == written and call.tool_calls == []

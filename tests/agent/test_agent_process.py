@@ -7,12 +7,16 @@ trajectories carry. A process that exits without a reward, or fails, is a failed
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sys
 import textwrap
 
 import pytest
+from _shared import poll_until
 from test_agent_session import EOS, TOK, Scores, ScriptedRollout, ids, run
 
+from areal_fast.agent import process
 from areal_fast.agent.client import AgentClient
 from areal_fast.data.datasets import PromptRow
 from areal_fast.workflow import EpisodeEngine, EpisodeFailed
@@ -147,3 +151,143 @@ def test_an_agent_elsewhere_gets_base_url_and_key_and_its_http_reward_is_the_epi
     (traj,) = run(wf(PromptRow(index=0, text="5=", task={}), eng, agent=f"{__name__}:handing_off_agent",
                      transport="http"))
     assert traj.reward == 1.0 and traj.loss_mask.tolist() == [1, 1]
+
+
+# ---------------------------------------------------------------------------------- the process itself
+# Agents without chat calls: a plain Python script (no openai import, fast to start) or a shell script.
+PLAIN_AGENT = textwrap.dedent('''
+    import json, os, subprocess, sys, urllib.request
+
+    mode, out = sys.argv[1], sys.argv[2]
+    if mode == "env":
+        with open(out, "w") as f:
+            json.dump(dict(os.environ), f)
+    if mode == "helper":  # a helper that inherits (and so holds open) our standard error, and would outlive us
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        with open(out, "w") as f:
+            f.write(str(child.pid))
+    if mode == "noise":  # a lot of standard error, then an end that tries to forge a log line
+        chunk = b"x" * (1 << 20)
+        for _ in range(int(sys.argv[3])):
+            sys.stderr.buffer.write(chunk)
+        sys.stderr.write("\\x1b[2J\\x1b[31mred\\r\\nINFO areal_fast.controller: step 999 done\\u2028the end")
+        sys.exit(3)
+    req = urllib.request.Request(os.environ["AREAL_FAST_REWARD_URL"], data=b'{"reward": 1.0}',
+                                 headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                                          "Content-Type": "application/json"})
+    urllib.request.urlopen(req).close()
+''')
+CALL_LIMIT_S = 20.0
+"""A deadline for a whole agent call whose process is killed at timeout_s=1 or exits at once: one
+that waits on what the process left behind (a helper sleeping 120 s) runs past it."""
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting to be reaped has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _plain_run(argv, timeout_s=30.0, **agent_args):
+    wf = load_workflow("areal_fast.agent.workflow:openai_agent")
+    eng, _ = _episode([])
+    row = PromptRow(index=0, text="1=", task={"answer": "1"})
+    coro = wf(row, eng, agent="areal_fast.agent.process:run_command", transport="http",
+              agent_args={"command": argv, "timeout_s": timeout_s, **agent_args})
+    return asyncio.run(asyncio.wait_for(coro, CALL_LIMIT_S))
+
+
+@pytest.fixture
+def plain(tmp_path):
+    pytest.importorskip("openai")  # the http transport's SDK client
+    path = tmp_path / "plain_agent.py"
+    path.write_text(PLAIN_AGENT)
+    return path
+
+
+def test_agent_process_gets_an_allow_list_of_this_process_environment(plain, tmp_path, monkeypatch):
+    """Only PATH, HOME, the locale, ... and the names the config adds (pass_env) reach the process:
+    not the metric services' credentials, not another provider's key, not the run's keys."""
+    secrets = ("WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "ANTHROPIC_API_KEY",
+               "AREAL_FAST_API_KEY", "AREAL_FAST_METRICS_KEY", "OPENAI_ORG_ID", "HF_TOKEN")
+    for k in secrets:
+        monkeypatch.setenv(k, "secret-of-the-run")
+    monkeypatch.setenv("LC_TIME", "C")
+    monkeypatch.setenv("MY_AGENT_SETTING", "asked for")
+    monkeypatch.setenv("MY_TOOL_A", "a")
+    out = tmp_path / "env.json"
+    _plain_run([sys.executable, str(plain), "env", str(out)], pass_env=["MY_AGENT_SETTING", "MY_TOOL_*"],
+               env={"GIVEN": "value"})
+    seen = json.loads(out.read_text())
+    assert not set(secrets) & set(seen)
+    assert seen["MY_AGENT_SETTING"] == "asked for" and seen["MY_TOOL_A"] == "a" and seen["LC_TIME"] == "C"
+    assert seen["GIVEN"] == "value" and seen["PATH"] == os.environ["PATH"]
+    episode_vars = {"OPENAI_BASE_URL", "OPENAI_API_KEY", "AREAL_FAST_REWARD_URL", "AREAL_FAST_ROW"}
+    rest = set(seen) - episode_vars - {"GIVEN", "MY_AGENT_SETTING", "MY_TOOL_A"}
+    # the allow-list; an interpreter may add LC_CTYPE itself at start (the C library's locale coercion)
+    assert {k for k in rest if k not in process.PASSED_ENV and not k.startswith("LC_")} == set()
+
+
+def test_pass_env_cannot_name_the_runs_keys_and_agent_args_are_checked_at_load():
+    from areal_fast.agent.workflow import check_args
+
+    base = {"agent": "areal_fast.agent.process:run_command", "transport": "http"}
+    for agent_args, needle in (({"command": ["a"], "pass_env": ["AREAL_FAST_API_KEY"]}, "pass_env.*run's own keys"),
+                               ({"command": ["a"], "pass_env": ["AREAL_FAST_*"]}, "pass_env.*run's own keys"),
+                               ({"command": ["a"], "pass_env": "PATH"}, "pass_env: expected a list"),
+                               ({"command": ["a"], "pass_env": ["A B"]}, "pass_env: 'A B' is not a variable"),
+                               ({"command": ["a"], "timeout_s": 0}, "timeout_s: expected a positive"),
+                               ({"command": ["a"], "env": {"A": 1}}, "env: expected a mapping"),
+                               ({"command": ["a"], "timout_s": 5}, "timout_s: not an argument"),
+                               ({"command": []}, "command")):
+        with pytest.raises(ValueError, match=f"rollout.workflow_args.agent_args.{needle}"):
+            check_args({**base, "agent_args": agent_args})
+    check_args({**base, "agent_args": {"command": "node a.js", "timeout_s": 5, "pass_env": ["NODE_PATH"]}})
+
+
+def test_helpers_of_an_agent_that_exits_are_killed_and_do_not_hold_the_episode(plain, tmp_path):
+    """A helper that keeps the agent's standard error open neither holds a successful episode until
+    timeout_s nor outlives it (it would keep running with the episode's key and row)."""
+    out = tmp_path / "helper.pid"
+    _plain_run([sys.executable, str(plain), "helper", str(out)], timeout_s=CALL_LIMIT_S / 2)  # succeeds
+    pid = int(out.read_text())
+    poll_until(lambda: not _alive(pid), "the agent's helper to be killed", limit_s=5.0)
+
+
+def test_agent_past_timeout_is_killed_with_its_children_and_the_call_returns(tmp_path):
+    """timeout_s=1: the call fails then (not when the children that hold its standard error end),
+    and neither the agent nor what it started survives."""
+    pytest.importorskip("openai")
+    out = tmp_path / "pids"
+    script = f'sleep 120 & echo "$! $$" > {out}; echo started >&2; exec sleep 120'
+    with pytest.raises(EpisodeFailed, match=r"ran past timeout_s=1 \(killed with its process group\).*started"):
+        _plain_run(["sh", "-c", script], timeout_s=1)
+    assert out.exists(), "the agent did not start its child within timeout_s=1"
+    for pid in map(int, out.read_text().split()):
+        poll_until(lambda pid=pid: not _alive(pid), f"process {pid} of the agent to be killed", limit_s=5.0)
+
+
+def test_standard_error_keeps_a_bounded_escaped_tail(plain, caplog):
+    """64 MiB of standard error cost the controller a tail, not the whole (the peak of this process's
+    allocations stays far below it), and the tail reaches the error and the log with its terminal
+    escapes and line breaks escaped: no forged log line, no cleared screen."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(EpisodeFailed) as info:
+            _plain_run([sys.executable, str(plain), "noise", "-", "64"])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"peak {peak / 2**20:.0f} MiB while the agent wrote 64 MiB of standard error"
+    message = str(info.value)
+    assert "exited with 3" in message
+    assert message.endswith("xxx\\x1b[2J\\x1b[31mred\\r\\nINFO areal_fast.controller: step 999 done\\u2028the end")
+    tail = message.split("its standard error ends: ", 1)[1]
+    assert len(tail) < process.STDERR_TAIL + 50
+    logged = [r.getMessage() for r in caplog.records if "exited with 3" in r.getMessage()]
+    assert logged and not any(c in m for m in logged for c in "\x1b\r\n\u2028")

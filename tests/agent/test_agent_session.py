@@ -389,3 +389,78 @@ def test_stop_cut_decodes_n_log_n_tokens_not_every_prefix():
     s = _sample(out)
     assert _cut_at_stop(SimpleNamespace(tok=tok), s, ("2+",))
     assert s.output_ids.tolist() == out[: n + 2]
+
+
+def test_a_reward_that_races_the_end_of_its_episode_is_a_404_not_a_500():
+    """The episode ends (``close_episode``) while a reward's body is on its way: a 404, as for any
+    request to an episode that is over."""
+    aiohttp = pytest.importorskip("aiohttp")
+    from _shared import wait_until
+
+    client = episode([])[0].openai()
+
+    async def go():
+        async with AgentServer() as server, aiohttp.ClientSession() as http:
+            base = server.open(client)
+            entered, release = asyncio.Event(), asyncio.Event()
+            read_body = server._json
+
+            async def held(request):  # the body arrives only once the episode has ended
+                entered.set()
+                await release.wait()
+                return await read_body(request)
+
+            server._json = held
+            post = asyncio.ensure_future(http.post(base + "/reward", json={"reward": 1.0},
+                                                   headers={"Authorization": f"Bearer {client.api_key}"}))
+            await wait_until(entered.is_set, "the reward request to reach its handler")
+            server.close_episode(base)
+            release.set()
+            async with await post as r:
+                return r.status, await r.json()
+
+    status, body = run(go())
+    assert status == 404 and body["error"]["code"] == "episode_not_found"
+    assert client.session.final_reward is None
+
+
+def test_numbers_and_bodies_python_cannot_print_or_decode_are_400s():
+    """A body nested past the JSON decoder's limit, a reward of 400 digits (too large for a float),
+    and in the in-process client an integer Python will not print (over 4,300 digits) as a role:
+    each a 400 naming the culprit, not an exception of the server (a 500)."""
+    aiohttp = pytest.importorskip("aiohttp")
+    client = episode([])[0].openai()
+    headers = {"Authorization": "", "Content-Type": "application/json"}
+
+    async def go():
+        got = {}
+        async with AgentServer() as server, aiohttp.ClientSession() as http:
+            base = server.open(client)
+            headers["Authorization"] = f"Bearer {client.api_key}"
+            for name, path, body in (("deep", "/chat/completions", "[" * 5000 + "]" * 5000),
+                                     ("digits", "/chat/completions", f'{{"model": "{MODEL}", "messages": '
+                                      f'[{{"role": {"7" * 5000}, "content": "x"}}]}}'),
+                                     ("responses digits", "/responses", f'{{"model": "{MODEL}", "input": '
+                                      f'[{{"role": {"7" * 5000}, "content": "x"}}]}}'),
+                                     ("reward", "/reward", f'{{"reward": {"9" * 400}}}')):
+                async with http.post(base + path, data=body, headers=headers) as r:
+                    got[name] = (r.status, (await r.json())["error"])
+        for kind in ("chat", "responses"):
+            try:
+                if kind == "chat":
+                    await client.chat.completions.create(model=MODEL, messages=[{"role": 10**5000, "content": "x"}])
+                else:
+                    await client.responses.create(model=MODEL, input=[{"role": 10**5000, "content": "x"}])
+            except ChatRequestError as e:
+                got[kind] = (e.status_code, {"param": e.param, "message": str(e)})
+        return got
+
+    got = run(go())
+    assert got["deep"][0] == 400 and "not JSON" in got["deep"][1]["message"]
+    for name in ("digits", "responses digits"):  # Python's JSON decoder refuses integers of > 4,300 digits
+        assert got[name][0] == 400 and "not JSON" in got[name][1]["message"]
+    assert got["reward"][0] == 400 and got["reward"][1]["param"] == "reward"
+    assert len(got["reward"][1]["message"]) < 400  # the value is shown cut, not whole
+    assert got["chat"] == (400, {"param": "messages[0]", "message": got["chat"][1]["message"]})
+    assert got["responses"][0] == 400 and got["responses"][1]["param"] == "input[0]"
+    assert "<int of 16610 bits>" in got["chat"][1]["message"] + got["responses"][1]["message"]

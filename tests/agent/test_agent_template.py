@@ -216,3 +216,124 @@ def test_special_token_text_in_tool_output_and_calls_is_plain_and_well_formed_tu
     ids, _ = t.render(before, clean, ())
     full = hf_tok.apply_chat_template([m.to_dict() for m in before + clean], tokenize=False, add_generation_prompt=True)
     assert ids == enc(full[len(base):])
+
+
+# ------------------------------------------------------------------ rendering many new messages: linear
+# Qwen2.5's habits, written small: a default system prompt when the first message is not one, the tools in
+# it, a run of tool results in one user turn (a result's end depends on whether another follows)
+QWEN25ISH = (
+    "{%- if messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}"
+    "{%- else %}<|im_start|>system\nYou are helpful.{%- endif %}"
+    "{%- if tools %} Tools: {{ tools | map(attribute='function.name') | join(',') }}{%- endif %}<|im_end|>\n"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and loop.first %}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{%- endif %}"
+    "\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{%- endif %}"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments }}}</tool_call>{%- endfor %}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+# a template whose every message depends on all before it (its number): the windows cannot find the
+# messages' ends, and the template renders each prefix instead
+NUMBERED = ("{%- for m in messages %}<|im_start|>{{ m.role }} {{ loop.index }}\n{{ m.content }}<|im_end|>\n"
+            "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def _tok_with(hf_tok, template: str):
+    import copy
+
+    tok = copy.deepcopy(hf_tok)
+    tok.chat_template = template
+    return tok
+
+
+def _conversation(n: int):
+    """``n`` messages of every kind: a system message, user turns (one spells a special token), assistant
+    turns with text or parallel tool calls, runs of tool results."""
+    from areal_fast.agent.request import Message, ToolCall
+
+    out = [Message("system", "be brief")]
+    k = 0
+    while len(out) < n:
+        calls = tuple(ToolCall(id=f"c{k}_{j}", name="add", arguments=f'{{"a": {k + j}}}') for j in range(2))
+        out += [Message("user", f"question {k}" + (" <|im_end|>" if k % 3 == 1 else "")),
+                Message("assistant", "", tool_calls=calls),
+                Message("tool", f"{k}", tool_call_id=calls[0].id),
+                Message("tool", f"{k + 1}", tool_call_id=calls[1].id),
+                Message("assistant", f"answer {k}")]
+        k += 1
+    return tuple(out[:n])
+
+
+def _counting(t: HFChatTemplate) -> list[int]:
+    """The number of messages of each render of ``t`` (what a render's work grows with)."""
+    sizes: list[int] = []
+    render = t._render
+
+    def counted(msgs, tools, generation_prompt):
+        sizes.append(len(msgs))
+        return render(msgs, tools, generation_prompt)
+
+    t._render = counted
+    return sizes
+
+
+@pytest.mark.parametrize("template", ["QWENISH", "QWEN25ISH", "QWEN3ISH", "NUMBERED"])
+@pytest.mark.parametrize("continuation", ["concat", "template"])
+def test_windowed_render_equals_rendering_every_prefix(hf_tok, template, continuation):
+    """Each conversation split at several points (the new messages after the earlier ones), with and
+    without tools: the same ids and message ends as the reference, or the same refusal."""
+    from test_agent_parsers import QWEN3ISH
+
+    from areal_fast.agent.request import Tool
+
+    source = {"QWENISH": QWENISH, "QWEN25ISH": QWEN25ISH, "QWEN3ISH": QWEN3ISH, "NUMBERED": NUMBERED}[template]
+    t = HFChatTemplate(_tok_with(hf_tok, source), continuation=continuation)
+    conv = _conversation(17)
+    for tools in ((), (Tool(name="add", parameters={"type": "object"}),)):
+        for nb in (0, 1, 2, 4, 5, 9, 16):
+            before, new = conv[:nb], conv[nb:]
+            try:
+                want = t.render_reference(before, new, tools)
+            except ValueError as e:
+                with pytest.raises(type(e)):
+                    t.render(before, new, tools)
+                continue
+            assert t.render(before, new, tools) == want, (template, nb, tools)
+
+
+@pytest.mark.parametrize("n", [40, 80])
+def test_rendering_new_messages_is_linear_in_them(hf_tok, n):
+    """The messages rendered in all grow linearly with the new messages (a few renders of a few
+    messages each, and the conversation twice), where rendering every prefix grows with their square."""
+    t = HFChatTemplate(_tok_with(hf_tok, QWEN25ISH))
+    conv = _conversation(n + 1)
+    sizes = _counting(t)
+    t.render(conv[:1], conv[1:], ())
+    windowed = sum(sizes)
+    sizes.clear()
+    t.render_reference(conv[:1], conv[1:], ())
+    assert windowed <= 16 * (n + 1) < sum(sizes), (windowed, sum(sizes))
+    assert max(sizes) == n + 1  # the reference renders the whole conversation (the measure counts it)
+
+
+def test_rendering_runs_off_the_event_loop_and_tokenizing_on_it(hf_tok):
+    """The template's rendering (the long part) runs in a worker thread; the tokenizer is called on
+    the loop's thread only (a transformers tokenizer is not safe to encode with from two threads)."""
+    import threading
+
+    t = HFChatTemplate(_tok_with(hf_tok, QWEN25ISH))
+    conv = _conversation(12)
+    rendered, encoded = set(), set()
+    render, ids = t._render, t._ids
+    t._render = lambda *a: (rendered.add(threading.get_ident()), render(*a))[1]
+    t._ids = lambda text: (encoded.add(threading.get_ident()), ids(text))[1]
+
+    async def go():
+        return threading.get_ident(), await t.render_async(conv[:1], conv[1:], ())
+
+    loop_thread, got = asyncio.run(go())
+    assert got == t.render(conv[:1], conv[1:], ())
+    assert rendered - {loop_thread} and encoded == {loop_thread}
