@@ -86,7 +86,7 @@ def _load(args, machine: bool):
     from areal_fast.preflight import check_machine
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, training=args.cmd != "eval")  # eval: greedy, trains nothing
         if machine:
             check_machine(cfg)
     except ConfigError as e:

@@ -40,6 +40,7 @@ Every section class can still be imported from here; the machine checks are impo
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -63,7 +64,7 @@ from areal_fast.launch_config import (
     RayConfig,
     SlurmConfig,
 )
-from areal_fast.metrics_config import MetricsConfig, is_loopback
+from areal_fast.metrics_config import METRICS_KEY_ENV, MetricsConfig, is_loopback
 from areal_fast.ops.loss_config import PPOLossConfig
 from areal_fast.reward.config import RewardConfig
 from areal_fast.rollout.config import MIN_TEMPERATURE, RESERVED_SERVER_ARGS, RolloutConfig, check_server_url
@@ -138,6 +139,8 @@ class AppConfig:
                 raise ValueError("rollout.server_args: --load-format dummy with weights.method 'disk': vLLM cannot "
                                  "reload a dummy-loaded model from disk (its dummy loader reads no weights); use "
                                  "weights.method 'distributed' or another load format")
+        if _TRAINING.get():
+            check_untruncated_sampling(self.rollout)
         if self.train.ppo.routing_replay and not self.rollout.return_routed_experts:
             raise ValueError("train.ppo.routing_replay: replays the routing the servers record; set "
                              "rollout.return_routed_experts: true as well (docs/moe.md)")
@@ -155,9 +158,11 @@ class AppConfig:
                              "weights.flush_cache to false or null (null: flush unless the pause mode is in_place)")
         self._fill_derived()
         prom = self.metrics.prometheus
-        if prom.enabled and not is_loopback(prom.host) and not self.weights.resolved_api_key:
+        if (prom.enabled and not is_loopback(prom.host) and not self.weights.resolved_api_key
+                and not os.environ.get(METRICS_KEY_ENV)):
             raise ValueError(f"metrics.prometheus.host {prom.host!r} is not a loopback address, so every scrape must "
-                             f"carry a bearer key: set api_key or $AREAL_FAST_API_KEY (docs/observability.md)")
+                             f"carry a bearer key: set ${METRICS_KEY_ENV}, api_key or $AREAL_FAST_API_KEY "
+                             f"(docs/observability.md)")
         if self.model.warm_start.enabled and not self.data.train.startswith("synthetic:"):
             raise ValueError(f"model.warm_start.enabled: only available with data.train = 'synthetic:reverse', "
                              f"got data.train = {self.data.train!r}")
@@ -180,6 +185,26 @@ class AppConfig:
         """The sections the warm start reads (``areal_fast.data.warm_start``, below this assembler)."""
         return Recipe(warm_start=self.model.warm_start, task=self.data.synthetic, seed=self.experiment.seed,
                       max_new_tokens=self.rollout.max_new_tokens, out=self.experiment.out / "warm_start")
+
+
+_TRAINING: contextvars.ContextVar[bool] = contextvars.ContextVar("areal_fast_training_config", default=True)
+"""False while :func:`load_config` loads for a command that trains nothing (``areal-fast eval``)."""
+
+
+def check_untruncated_sampling(r: RolloutConfig) -> None:
+    """A training run samples from the whole distribution: ``rollout.top_p`` < 1 and ``rollout.top_k``
+    other than -1 are refused. The servers draw each token from the distribution top-p / top-k
+    truncated and renormalised (vLLM's ``processed_logprobs`` reports that one's log-prob, SGLang's
+    the full softmax's), while the trainer recomputes log-probs over the whole softmax (the proximal
+    policy and the loss): every token's importance weight is then off by the mass the truncation cut
+    (``bench/bench_top_p_bias.py``, ``docs/config.md`` "Sampling in a training run")."""
+    for key, value, off in (("top_p", r.top_p, 1.0), ("top_k", r.top_k, -1)):
+        if value != off:
+            raise ValueError(
+                f"rollout.{key}: {value!r} is refused in a training run (use {off}): the servers sample from the "
+                f"distribution top-p / top-k truncate, while the trainer recomputes log-probs over the whole "
+                f"softmax, so every token's importance weight would be biased by the probability mass the "
+                f"truncation cut (docs/config.md, 'Sampling in a training run')")
 
 
 DERIVED = {
@@ -291,9 +316,12 @@ def _read_yaml(p: Path) -> tuple[dict, bool]:
     return tree, text.startswith(RESOLVED_HEADER)
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> AppConfig:
+def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = (), *,
+                training: bool = True) -> AppConfig:
     """Read a YAML file (or start from defaults when ``path`` is None), apply dotted overrides,
-    validate every value and resolve every name (:func:`check_names`).
+    validate every value and resolve every name (:func:`check_names`). ``training=False`` (a command
+    that trains nothing: ``areal-fast eval``, which samples greedily) leaves out the rules that guard
+    training only (:func:`check_untruncated_sampling`).
 
     Relative paths inside the file (model.path, model.tokenizer, data.train, data.eval) are resolved
     against the YAML file's directory when they exist there, so a config works from any working
@@ -308,7 +336,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
     for ov in overrides:
         keys, value = parse_override(ov)
         _apply(tree, keys, value)
-    cfg = from_dict(AppConfig, tree)
+    token = _TRAINING.set(training)
+    try:
+        cfg = from_dict(AppConfig, tree)
+    finally:
+        _TRAINING.reset(token)
     check_names(cfg)
     return cfg
 

@@ -141,6 +141,13 @@ def routing_width(model_dir: str | Path) -> int:
     from its ``config.json`` (``num_hidden_layers``, ``num_experts_per_tok``, and ``num_experts`` or
     ``num_local_experts`` to tell a mixture-of-experts model). ValueError naming the file for a
     dense model or a config without those keys."""
+    return routing_shape(model_dir)[0]
+
+
+def routing_shape(model_dir: str | Path) -> tuple[int, int]:
+    """``(width, num_experts)`` of the model in ``model_dir``: :func:`routing_width`, and the experts
+    of each sparse block (an expert id of the record is below it; the rollout client refuses an
+    answer naming another)."""
     path = Path(model_dir) / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -151,7 +158,11 @@ def routing_width(model_dir: str | Path) -> int:
     if not experts or not top_k:
         raise ValueError(f"routing: {path} describes no mixture-of-experts model (model_type "
                          f"{cfg.get('model_type')!r}, no num_experts / num_experts_per_tok): nothing is routed")
-    return int(cfg["num_hidden_layers"]) * int(top_k)
+    try:
+        return int(cfg["num_hidden_layers"]) * int(top_k), int(experts)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"routing: {path}: no whole num_hidden_layers / num_experts_per_tok / num_experts "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def replay_indices(model: nn.Module, rows: torch.Tensor) -> list[torch.Tensor]:

@@ -94,7 +94,7 @@ def engine_paired(seed: int, n_prompts: int, new_tokens: int, work: str, tempera
     from areal_fast.data.warm_start import ensure_warm_start
     from areal_fast.embedded import start_engine_in_thread
     from areal_fast.launch.rank import load_data
-    from areal_fast.moe_routing import routing_width
+    from areal_fast.moe_routing import routing_shape
     from areal_fast.trainer import PPOActor, TrainerConfig
     from areal_fast.trainer.config import PPOConfig
 
@@ -109,7 +109,8 @@ def engine_paired(seed: int, n_prompts: int, new_tokens: int, work: str, tempera
     h = start_engine_in_thread(model, seed=seed, dtype="bfloat16", return_routed_experts=True)
     try:
         async def gen():
-            async with SGLangRolloutClient([h.url], routed_experts_width=routing_width(model)) as c:
+            width, experts = routing_shape(model)
+            async with SGLangRolloutClient([h.url], routed_experts_width=width, num_experts=experts) as c:
                 return await asyncio.gather(*(c.generate(p, {"max_new_tokens": new_tokens, "temperature": temperature,
                                                               "ignore_eos": True}) for p in prompts))
         samples = asyncio.run(gen())

@@ -115,7 +115,7 @@ from areal_fast.rollout.client_pool import (  # noqa: F401 - the pool's names ar
     ServerState,
     ServerUnavailable,
 )
-from areal_fast.rollout.routed_experts import from_sglang
+from areal_fast.rollout.routed_experts import check_expert_ids, from_sglang
 from areal_fast.sample import Sample
 
 try:  # the rollout extra's JSON encoder: it writes a numpy view of an array column without a Python list
@@ -167,7 +167,8 @@ class RolloutClient(ServerPool, ServerControl):
                  retry_backoff_s: float = 0.2, down_cooldown_s: float = 5.0, max_segments: int = 10_000,
                  pause_mode: str = "auto", gc_tuning: bool = True, http: str | None = None,
                  vocab_size: int | None = None, answer_bytes_per_token: int = ANSWER_BYTES_PER_TOKEN,
-                 lora_name: str | None = None, routed_experts_width: int | None = None):
+                 lora_name: str | None = None, routed_experts_width: int | None = None,
+                 num_experts: int | None = None):
         if not urls:
             raise ValueError("RolloutClient needs at least one server url")
         for u in urls:  # user info (it would go in the Host header), a bad port, a query: refused here
@@ -182,8 +183,13 @@ class RolloutClient(ServerPool, ServerControl):
         if routed_experts_width is not None and (type(routed_experts_width) is not int or routed_experts_width <= 0):
             raise ValueError(f"routed_experts_width must be a positive int (layers x top_k) or None, "
                              f"got {routed_experts_width!r}")
-        # MoE routing replay (docs/moe.md): every request asks for its routing, layers x top_k ids a position
+        if routed_experts_width is not None and (type(num_experts) is not int or not 0 < num_experts <= 2**15):
+            raise ValueError(f"num_experts: the model's expert count (1 .. 32768) must come with "
+                             f"routed_experts_width (an answer's expert id outside it is refused), got {num_experts!r}")
+        # MoE routing replay (docs/moe.md): every request asks for its routing, layers x top_k ids a position,
+        # each an expert of the model's num_experts
         self.routed_experts_width = routed_experts_width
+        self.num_experts = num_experts if routed_experts_width is not None else None
         http = http or os.environ.get(HTTP_ENV) or "native"
         if http not in HTTP_CHOICES:
             raise ValueError(f"http (or ${HTTP_ENV}) must be one of {HTTP_CHOICES}, got {http!r}")
@@ -345,7 +351,8 @@ class RolloutClient(ServerPool, ServerControl):
                 ans, server, known = await self._generate_segment(rid, server_rid(rid, seg), payload)
                 del payload
                 if width:
-                    routing += segment_routing(ans, width, sent, len(routing) // width, server.url)
+                    routing += segment_routing(ans, width, sent, len(routing) // width, server.url,
+                                               self.num_experts)
                 seg += 1
                 servers.append(server.url)
                 if ans.weight_version is not None:
@@ -445,23 +452,28 @@ def _token_versions(meta: dict, n: int, fallback: str | None = None) -> array:
     return out
 
 
-def segment_routing(ans: Segment, width: int, sent: int, start: int, url: str) -> array:
+def segment_routing(ans: Segment, width: int, sent: int, start: int, url: str,
+                    num_experts: int | None = None) -> array:
     """The routing rows of one answer (``width`` ids each) for the positions ``[start, sent + len(ans)
     - 1)`` it was asked for (``sent`` tokens sent as its prompt), flat ``array('h')``. An answer
     without routing gives none; an aborted one whose rows do not cover that range gives none either
     (its positions are asked again by the next segment, or stay unrecorded). A finished answer with
-    another count or width is a ``MalformedAnswer``: the server does not record what we ask."""
+    another count or width is a ``MalformedAnswer``: the server does not record what we ask; so is an
+    answer, finished or not, naming an expert outside ``[0, num_experts)`` (the model's count): replay
+    would index past the router (a device assert on CUDA), and a kept sample would carry it into
+    checkpoints."""
     if ans.routing is None:
         return array(ROUTING_ARRAY)
     want = sent + len(ans.ids) - 1 - start
     try:  # SGLang's raw int32 ids (the shape not sent: rows of ``width``), or the vLLM adapter's decoded rows
         rows = from_sglang(ans.routing, 1, width) if isinstance(ans.routing, str) else ans.routing
+        check_expert_ids(rows, num_experts)
     except ValueError as e:
-        raise MalformedAnswer(url, str(ans.rid), f"routed_experts: {e}") from None
+        raise MalformedAnswer(url, str(ans.rid), f"{url} (rid {ans.rid!r}): {e}") from None
     rows = rows.reshape(len(rows), -1)
     if rows.shape != (want, width):
         if ans.finish.get("type") == "abort":
             return array(ROUTING_ARRAY)
-        raise MalformedAnswer(url, str(ans.rid), f"routed_experts: {rows.size} expert ids for {want} positions "
-                              f"of {width} (layers x top_k) asked")
+        raise MalformedAnswer(url, str(ans.rid), f"{url} (rid {ans.rid!r}): routed_experts: {rows.size} expert ids "
+                              f"for {want} positions of {width} (layers x top_k) asked")
     return routing_from_rows(rows)

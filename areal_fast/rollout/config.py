@@ -86,9 +86,12 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature, set once for the run: the trainer recomputes log-probs at the same one."""
     top_p: float = option(1.0, gt=0, le=1)
-    """Nucleus sampling, in (0, 1]."""
+    """Nucleus sampling, in (0, 1]. A training run refuses < 1: the trainer's log-probs are over the
+    whole softmax, the truncated draw's are not, and every token's weight would be biased
+    (``docs/config.md``, "Sampling in a training run")."""
     top_k: int = -1
-    """Top-k sampling: -1 = off (the whole vocabulary), else >= 1 (SGLang refuses 0)."""
+    """Top-k sampling: -1 = off (the whole vocabulary), else >= 1 (SGLang refuses 0). A training run
+    refuses any but -1, for top_p's reason."""
     max_staleness: int = option(4, ge=0)
     """eta: a sample may start at most eta versions before the one that trains on it. 0 = synchronous."""
     max_concurrent: int = option(64, ge=1)

@@ -9,6 +9,11 @@
 
 Both decode to an int16 array ``[tokens, layers, top_k]`` (expert ids fit: below 32768), the
 dtype of the per-token column the trainer would replay; None stays None (routing not returned).
+Given the model's expert count, an id outside ``[0, num_experts)`` (-1: a position not recorded) is
+refused: replaying it would index past the router's experts (a device assert on CUDA). Whatever a
+field holds, a decoder raises ``ValueError`` naming what is wrong (the rollout client's malformed
+answer), never another exception: a field of another type, bytes that are not base64 or not
+``.npy``, a header whose shape the bytes do not fill.
 The encoders (:func:`to_vllm`, :func:`to_sglang`) write each server's field the way its own code
 does; the embedded engine answers with them.
 """
@@ -17,31 +22,37 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 
 import numpy as np
+from numpy.lib import format as npy_format
 
 
-def from_vllm(field: str | None) -> np.ndarray | None:
-    """A vLLM choice's ``routed_experts`` as int16 ``[tokens, layers, top_k]``."""
+def from_vllm(field: str | None, num_experts: int | None = None) -> np.ndarray | None:
+    """A vLLM choice's ``routed_experts`` as int16 ``[tokens, layers, top_k]``; with ``num_experts``
+    (the model's), an id outside ``[0, num_experts)`` is refused. ValueError for anything else than
+    base64 of a ``.npy`` integer array of three dimensions."""
     if field is None:
         return None
-    arr = np.load(io.BytesIO(base64.b64decode(field)), allow_pickle=False)
-    if arr.ndim != 3 or arr.dtype.kind not in "iu":
+    arr = _npy(_b64(field, "base64 of .npy bytes"))
+    if arr.ndim != 3:
         raise ValueError(f"routed_experts: expected an integer array [tokens, layers, top_k], got "
                          f"{arr.dtype} {arr.shape}")
-    return _as_int16(arr)
+    return _as_int16(arr, num_experts)
 
 
-def from_sglang(field: str | None, num_layers: int, top_k: int) -> np.ndarray | None:
-    """SGLang's ``meta_info["routed_experts"]`` as int16 ``[tokens, num_layers, top_k]``."""
+def from_sglang(field: str | None, num_layers: int, top_k: int, num_experts: int | None = None,
+                ) -> np.ndarray | None:
+    """SGLang's ``meta_info["routed_experts"]`` as int16 ``[tokens, num_layers, top_k]``; with
+    ``num_experts`` (the model's), an id outside ``[0, num_experts)`` is refused."""
     if field is None:
         return None
-    raw = base64.b64decode(field)
+    raw = _b64(field, "base64 of int32 bytes")
     row = 4 * num_layers * top_k
     if len(raw) % row:
         raise ValueError(f"routed_experts: {len(raw)} bytes are not whole tokens of {num_layers} layers x "
                          f"{top_k} int32 experts")
-    return _as_int16(np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, top_k))
+    return _as_int16(np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, top_k), num_experts)
 
 
 def vllm_dtype(num_experts: int) -> np.dtype:
@@ -64,7 +75,54 @@ def to_sglang(rows: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(rows, dtype="<i4").tobytes()).decode("ascii")
 
 
-def _as_int16(arr: np.ndarray) -> np.ndarray:
-    if arr.size and (arr.max() >= 2**15 or arr.min() < -1):
-        raise ValueError(f"routed_experts: expert ids outside [-1, 32767] (min {arr.min()}, max {arr.max()})")
+def check_expert_ids(rows: np.ndarray, num_experts: int | None) -> None:
+    """ValueError when ``rows`` holds an id outside ``[0, num_experts)`` (-1, a position not
+    recorded, is allowed); without ``num_experts``, outside what int16 holds."""
+    if not rows.size:
+        return
+    hi, lo = int(rows.max()), int(rows.min())
+    if num_experts is not None and (hi >= num_experts or lo < -1):
+        raise ValueError(f"routed_experts: expert ids outside [0, {num_experts}) of the model's {num_experts} "
+                         f"experts (min {lo}, max {hi}; -1: not recorded)")
+    if hi >= 2**15 or lo < -1:
+        raise ValueError(f"routed_experts: expert ids outside [-1, 32767] (min {lo}, max {hi})")
+
+
+def _b64(field: object, what: str) -> bytes:
+    if type(field) is not str:  # a JSON number, list or object where the servers send a string
+        raise ValueError(f"routed_experts: expected {what} (a string), got a {type(field).__name__}")
+    try:
+        return base64.b64decode(field, validate=True)
+    except ValueError as e:  # binascii.Error, and a non-ASCII character
+        raise ValueError(f"routed_experts: not {what}: {e}") from None
+
+
+def _npy(raw: bytes) -> np.ndarray:
+    """The integer array of ``.npy`` bytes, read from its header without ``np.load``: a header naming
+    a shape the bytes do not hold (np.load would allocate it first), another format (an ``.npz``, a
+    pickle) or a dtype other than a plain integer one is a ValueError."""
+    buf = io.BytesIO(raw)
+    try:
+        version = npy_format.read_magic(buf)
+        if version == (1, 0):
+            shape, fortran, dtype = npy_format.read_array_header_1_0(buf)
+        elif version == (2, 0):
+            shape, fortran, dtype = npy_format.read_array_header_2_0(buf)
+        else:
+            raise ValueError(f".npy format version {version} (1.0 and 2.0 are what np.save writes)")
+    except (ValueError, SyntaxError, TypeError) as e:
+        raise ValueError(f"routed_experts: not .npy bytes of an array: {e}") from None
+    if dtype.kind not in "iu" or dtype.hasobject or dtype.itemsize > 8:
+        raise ValueError(f"routed_experts: expected an integer array [tokens, layers, top_k], got dtype {dtype}")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"routed_experts: the .npy header names the shape {shape}")
+    count = math.prod(shape)
+    if count * dtype.itemsize != len(raw) - buf.tell():
+        raise ValueError(f"routed_experts: the .npy header names {shape} {dtype} ({count * dtype.itemsize} bytes), "
+                         f"the field holds {len(raw) - buf.tell()}")
+    return np.frombuffer(raw, dtype=dtype, count=count, offset=buf.tell()).reshape(shape, order="F" if fortran else "C")
+
+
+def _as_int16(arr: np.ndarray, num_experts: int | None = None) -> np.ndarray:
+    check_expert_ids(arr, num_experts)
     return arr.astype(np.int16)

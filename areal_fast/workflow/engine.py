@@ -96,11 +96,19 @@ class EpisodeEngine:
         client filled (``prompt_ids`` the context, the turn's ``output_*`` columns, loss mask 1).
         Return it as the episode's trajectory, or append it to one with ``add_model``. An
         ``array('i')`` (``traj.context_ids``) is passed on as it is. Keyword arguments override the
-        run's sampling for this turn (e.g. ``max_new_tokens``, ``stop_token_ids``); the temperature
-        cannot change (the trainer recomputes at the run's)."""
+        run's sampling for this turn (e.g. ``max_new_tokens``, ``stop_token_ids``); while training the
+        temperature cannot change (the trainer recomputes at the run's) and no truncation can be
+        asked (top_p, top_k, min_p: the trainer's log-probs are over the whole softmax)."""
         if "temperature" in sampling and self.training and sampling["temperature"] != self.sampling.get("temperature"):
             raise ValueError("EpisodeEngine.generate: temperature is fixed for the run (rollout.temperature); "
                              "the trainer recomputes log-probs at that temperature")
+        if self.training:
+            for key, off in (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0)):
+                if sampling.get(key, off) not in (off, self.sampling.get(key, off)):
+                    raise ValueError(f"EpisodeEngine.generate: {key}={sampling[key]!r} while training: the server "
+                                     f"would sample from a truncated distribution and the trainer recomputes "
+                                     f"log-probs over the whole softmax, biasing every token's weight "
+                                     f"(docs/config.md, 'Sampling in a training run')")
         rid = f"{self.episode_id}-{self._turn}"
         self._turn += 1
         return await self._rollout.generate(tokens(input_ids, "input_ids"), {**self.sampling, **sampling}, rid=rid)

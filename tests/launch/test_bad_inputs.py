@@ -132,7 +132,7 @@ def test_the_same_inputs_pass_when_they_are_right(tmp_path):
     """The checks above are not refusing everything: the fixed versions of the inputs load."""
     rows = b'{"prompt": "1+1", "answer": "2", "fn_name": "f"}\n'
     cfg = load_config(EXAMPLE, _data_file(tmp_path, "d.jsonl.gz", gzip.compress(rows)) + [
-        "rollout.top_k=5", "eval.max_new_tokens=4", "train.max_tokens_per_mb=64", "rollout.temperature=0.5",
+        "rollout.top_k=-1", "eval.max_new_tokens=4", "train.max_tokens_per_mb=64", "rollout.temperature=0.5",
         "reward.name=math", "eval.reward=null", "train.gpus=['1']", "train.device=cuda"])
     check_machine(cfg, gpus=2)
     assert cfg.train.sampling_temperature == 0.5 and cfg.train.loss.temperature == 0.5

@@ -111,6 +111,34 @@ def test_temperature_is_set_once_in_the_rollout_section():
         load_config(EXAMPLE, ["train.ppo.temperature=0.7"])
 
 
+@pytest.mark.parametrize("override, key", [("rollout.top_p=0.9", "rollout.top_p"),
+                                           ("rollout.top_k=20", "rollout.top_k"), ("rollout.top_k=1", "rollout.top_k")])
+def test_truncated_sampling_is_refused_in_a_training_run_with_its_reason(override, key):
+    """The servers draw from the top-p / top-k truncated distribution, the trainer recomputes over the
+    whole softmax: a training run refuses the options, naming them and why; a command that trains
+    nothing (``areal-fast eval``, greedy) still loads a config that sets them."""
+    import argparse
+
+    from areal_fast.cli import _load
+    from areal_fast.config import RolloutConfig
+
+    with pytest.raises(ConfigError) as e:
+        load_config(EXAMPLE, [override])
+    msg = str(e.value)
+    assert msg.startswith(f"{key}: ") and "refused in a training run" in msg and "whole softmax" in msg
+    assert "importance weight would be biased" in msg and "docs/config.md" in msg
+    field, value = key.split(".")[1], override.split("=")[1]
+    with pytest.raises(ValueError, match=f"^{key}: "):  # a config built in code too
+        AppConfig(rollout=RolloutConfig(**{field: type(getattr(RolloutConfig(), field))(value)}))
+    assert str(getattr(load_config(EXAMPLE, [override], training=False).rollout, field)) == value
+    args = argparse.Namespace(cmd="eval", config=str(EXAMPLE), overrides=[override])
+    assert str(getattr(_load(args, machine=False).rollout, field)) == value
+    with pytest.raises(SystemExit):  # any other command loads a training run's config
+        _load(argparse.Namespace(cmd="config", config=str(EXAMPLE), overrides=[override]), machine=False)
+    ok = load_config(EXAMPLE, ["rollout.top_p=1.0", "rollout.top_k=-1"])
+    assert (ok.rollout.top_p, ok.rollout.top_k) == (1.0, -1)
+
+
 def test_override_syntax_errors():
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_override("train.lr")

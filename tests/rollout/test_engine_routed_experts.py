@@ -340,13 +340,13 @@ def test_the_client_stitches_a_requests_routing_across_pauses(api, sglang, twin,
     starts = []
     stitch = client_mod.segment_routing
     monkeypatch.setattr(client_mod, "segment_routing",
-                        lambda ans, w, sent, start, url: starts.append(start) or stitch(ans, w, sent, start, url))
+                        lambda ans, w, sent, start, url, n: starts.append(start) or stitch(ans, w, sent, start, url, n))
     width = hf.config.num_hidden_layers * hf.config.num_experts_per_tok
     make = (SGLangRolloutClient if api == "sglang"
             else lambda urls, **kw: VLLMRolloutClient(urls, vllm_version="0.32.0", **kw))
 
     async def run():
-        async with make([handle.url], routed_experts_width=width) as c:
+        async with make([handle.url], routed_experts_width=width, num_experts=hf.config.num_experts) as c:
             task = asyncio.create_task(c.generate(PROMPTS[1], {"max_new_tokens": 40, "temperature": 1.0,
                                                                 "ignore_eos": True}))
             for _ in range(2):  # each pause once the running segment has made a few tokens (no timer)

@@ -189,6 +189,19 @@ def test_generate_refuses_another_temperature_while_training():
         asyncio.run(engine.generate([1], temperature=0.5))
 
 
+@pytest.mark.parametrize("key, value", [("top_p", 0.9), ("top_k", 20), ("min_p", 0.1)])
+def test_generate_refuses_a_truncated_draw_while_training(key, value):
+    """The trainer's log-probs are over the whole softmax: a turn may not ask for top-p / top-k /
+    min-p while training; during evaluation (nothing trained) it may."""
+    engine = EpisodeEngine(StepRollout(), LengthReward(), LetterTok(), {"temperature": 1.0}, "ep")
+    with pytest.raises(ValueError, match=f"{key}={value!r} while training.*whole softmax"):
+        asyncio.run(engine.generate([1], **{key: value}))
+    asyncio.run(engine.generate([1], top_p=1.0, top_k=-1, min_p=0.0))  # the untruncated values pass
+    evaluating = EpisodeEngine(StepRollout(), LengthReward(), LetterTok(), {"temperature": 0.0}, "ev",
+                               training=False)
+    assert asyncio.run(evaluating.generate([1], **{key: value})) is not None
+
+
 # ---------------------------------------------------------------- loading
 async def wf_ok(row, engine):
     return []
