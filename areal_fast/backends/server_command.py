@@ -114,7 +114,7 @@ def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: 
     python = r.server_python or python  # a real server may live in an environment of its own
     if launched_kind(r.server) is ServerKind.VLLM:  # real vLLM (backends/vllm/server_command.py)
         from areal_fast.backends.vllm.compat import VLLMBehaviour
-        from areal_fast.backends.vllm.server_command import vllm_server_command
+        from areal_fast.backends.vllm.server_command import prefix_caching_for, vllm_server_command
 
         # the weight-transfer engine is on whenever the release has it: the run's weights.method is
         # not known here, and an unused transfer engine costs nothing until /init_weight_transfer_engine
@@ -122,6 +122,7 @@ def server_command(rollout_cfg, model_path: str, host: str, port: int, *, seed: 
                                    api_key_file=api_key_file, seed=seed,
                                    max_num_seqs=max(256, r.max_concurrent * r.group_size),
                                    weight_transfer=VLLMBehaviour.of(r.vllm_version).has_weight_transfer,
+                                   prefix_caching=prefix_caching_for(r.pause_mode, r.vllm_version),
                                    extra_args=rest, python=python)
     return build("sglang", model_path, host, port, tp_size=tp, api_key_file=api_key_file, weight_version="0",
                  seed=seed, extra_args=rest, python=python)
@@ -131,9 +132,12 @@ def server_env(rollout_cfg) -> dict[str, str]:
     """The environment entries of one launched server (vLLM's: its dev-mode endpoints on)."""
     threads = str(rollout_cfg.threads_per_server)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
-    if getattr(rollout_cfg, "server", None) == "vllm":
+    user = getattr(rollout_cfg, "server_env", None) or {}
+    if getattr(rollout_cfg, "server", None) == "vllm":  # dev mode; the key guard's directory on PYTHONPATH
         from areal_fast.backends.vllm.server_command import vllm_server_env
 
         env.update(vllm_server_env())
-    env.update(getattr(rollout_cfg, "server_env", None) or {})
+        if "PYTHONPATH" in user:  # the user's path after the guard's, which stays first
+            user = {**user, **vllm_server_env({"PYTHONPATH": user["PYTHONPATH"]})}
+    env.update(user)
     return env

@@ -98,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the HTTP API to serve: SGLang's, or vLLM's (docs/vllm.md)")
     p.add_argument("--vllm-version", default=None,
                    help="with --api vllm: the vLLM release whose routes to serve (0.11.0 .. 0.33.0)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="with --api vllm: the context in tokens (vLLM's flag; default the model's "
+                   "max_position_embeddings): a longer prompt, or more tokens asked, is answered 400 as vLLM answers")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="with --api vllm: the names a completion's model may give (vLLM's flag; default 'default', "
+                   "the launcher's); another is answered 404 as vLLM answers")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --api vllm: vLLM's flag, accepted and reported by /server_info; the twin caches no "
+                   "prefix (its answers never reuse KV), so its default is off")
     p.add_argument("--dist-timeout", type=float, default=120.0,
                    help="seconds a weight-update rendezvous or broadcast may wait before the call fails")
     p.add_argument("--attn-implementation", default="sdpa", help="sdpa or eager")
@@ -118,6 +127,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(merge_config_file(list(sys.argv[1:] if argv is None else argv), p))
     if not args.api_key:
         args.api_key = os.environ.get(API_KEY_ENV) or None
+    if args.api != "vllm":
+        vllm_flags = (("--max-model-len", args.max_model_len), ("--served-model-name", args.served_model_name),
+                      ("--enable-prefix-caching", args.enable_prefix_caching or None))
+        given = [f for f, v in vllm_flags if v is not None]
+        if given:
+            p.error(f"{given[0]}: a vLLM flag, served with --api vllm only")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        p.error(f"--max-model-len {args.max_model_len}: must be >= 1")
     if args.tp_size != 1:
         p.error(f"--tp-size {args.tp_size}: the embedded engine runs on one device (tp size 1)")
     return args
@@ -151,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         max_lora_rank=args.max_lora_rank,
         max_loras=args.max_loras,
         return_routed_experts=args.enable_return_routed_experts,
+        max_model_len=args.max_model_len,
+        served_model_names=args.served_model_name,
+        prefix_caching=args.enable_prefix_caching,
     )
     serve_forever(server.build_app(), args.host, args.port, server.conn_limits)
 

@@ -213,7 +213,7 @@ class LoRARoutes:
         """The adapter a /v1/completions names in ``model`` (None: the base, 'default'); an unknown
         model is vLLM's 404."""
         model = body.get("model")
-        if model in (None, "default", self.s.model_path):
+        if self.s.serves_model_name(model):
             return None
         if self.serving is not None and model in self.serving.adapters:
             return str(model)

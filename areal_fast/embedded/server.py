@@ -47,6 +47,7 @@ from areal_fast.embedded.sampling import parse_sampling_params
 from areal_fast.embedded.scheduler import PAUSE_MODES, DuplicateRid, Request, Scheduler, SchedulerDown
 from areal_fast.embedded.weight_routes import FLUSH_REFUSED, WeightUpdateRoutes  # noqa: F401
 from areal_fast.embedded.weight_sync import DEFAULT_GROUP_TIMEOUT_S, WeightReceiver, parse_dtype
+from areal_fast.http.auth import AUTH_EXEMPT_PREFIXES
 from areal_fast.http.conn_guard import ConnLimits, authorize
 from areal_fast.rollout.routed_experts import to_sglang
 
@@ -116,6 +117,9 @@ class EngineServer(WeightUpdateRoutes):
         max_lora_rank: int = 16,
         max_loras: int = 4,
         return_routed_experts: bool = False,
+        max_model_len: int | None = None,
+        served_model_names: list[str] | None = None,
+        prefix_caching: bool = False,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -150,6 +154,15 @@ class EngineServer(WeightUpdateRoutes):
         self.tokenizer = None if skip_tokenizer_init else self._try_tokenizer(model_path)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.context_length = int(getattr(self.config, "max_position_embeddings", 2**31 - 1))
+        if api != "vllm" and (max_model_len is not None or served_model_names or prefix_caching):
+            raise ValueError("max_model_len, served_model_names and prefix_caching are vLLM's: api 'vllm' only")
+        if max_model_len is not None:  # vLLM's --max-model-len (the twin's routes check it as vLLM does)
+            if max_model_len < 1:
+                raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+            self.context_length = int(max_model_len)
+        # vLLM's --served-model-name; without it the launcher's name ('default'), and the checkpoint's path
+        self.served_model_names = list(served_model_names) if served_model_names else None
+        self.prefix_caching = bool(prefix_caching)  # reported only: the twin caches no prefix
         self.generate_limit = GENERATE_OVERHEAD + BYTES_PER_ID * min(self.context_length, 1 << 22)
         self.max_running_requests = max_running_requests
         self.seed = seed
@@ -176,6 +189,16 @@ class EngineServer(WeightUpdateRoutes):
             self.routing = self.scheduler.routing = RoutingCapture(self.model)
         self.session_open = False  # a begin_weight_update without its end (SGLang >= 0.5.21)
         self.scheduler.start()
+
+    def serves_model_name(self, name) -> bool:
+        """Whether a vLLM completion's ``model`` names the base model: left out, one of
+        ``--served-model-name``, or without that flag 'default' (the launcher's name) or the
+        checkpoint's path."""
+        if name in (None, ""):
+            return True
+        if self.served_model_names is not None:
+            return name in self.served_model_names
+        return name in ("default", self.model_path)
 
     @staticmethod
     def _try_tokenizer(path: str):
@@ -237,7 +260,9 @@ class EngineServer(WeightUpdateRoutes):
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler):
-        if not authorize(request, self.api_key):  # http/auth.py's check, via http/conn_guard.py
+        # the vLLM twin asks the key as a launched vLLM's key guard does: on every path but /health
+        exempt = AUTH_EXEMPT_PREFIXES if self.vllm is None else ("/health",) if request.path == "/health" else ()
+        if not authorize(request, self.api_key, exempt=exempt):  # http/auth.py's check, via http/conn_guard.py
             return web.json_response({"error": "Unauthorized"}, status=401)
         try:
             return await handler(request)

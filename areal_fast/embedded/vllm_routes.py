@@ -26,6 +26,14 @@ base64 ``.npy`` of the rows ``[routed_experts_prompt_start, seqlen - 1)``; the r
 ``routed_experts_prompt_start`` from 0.32.0, refused as vLLM refuses it (400 naming it) when
 negative or past the prompt.
 
+Started as vLLM is (``--max-model-len``, ``--served-model-name``), a completion is checked as vLLM
+0.32.0 and 0.33.0 check it, in their order and words: a ``model`` it does not serve is 404 (the
+served names listed from 0.32.0), more ``max_tokens`` than the context, a prompt longer than the
+context or one that fills it are 400 naming the parameter, and a request that fits gets at most
+the rest of the context. ``GET /server_info`` reports ``cache_config.enable_prefix_caching`` as
+the twin was started (``--[no-]enable-prefix-caching``; it caches no prefix). Every path but
+``/health`` asks the key, as a launched vLLM's key guard does (``backends/vllm/keyguard``).
+
 Request ids are vLLM's: a completion with ``request_id`` R is registered as ``cmpl-R-0`` (the
 engine's id of its one choice) and /abort_requests matches that id only; its answer is
 ``{"aborted": <number of ids given>}`` whether or not they matched, as vLLM answers.
@@ -59,9 +67,14 @@ _ACCEPTED = {"model", "prompt", "stream", "echo", "logprobs", "return_token_ids"
              "repetition_penalty", "spaces_between_special_tokens", "stop"}
 
 
-def _vllm_error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "BadRequestError", "code": status}},
-                             status=status)
+def _vllm_error(message: str, status: int = 400, param: str | None = None, value=None) -> web.Response:
+    """vLLM's error answer; with ``param``, its validation error's (the message names the parameter and value)."""
+    error = {"message": message, "type": "NotFoundError" if status == 404 else "BadRequestError", "code": status}
+    if param is not None:
+        error["param"] = param
+        if status == 400:
+            error["message"] = f"{message} (parameter={param}, value={value})"
+    return web.json_response({"error": error}, status=status)
 
 
 class VLLMRoutes:
@@ -131,17 +144,22 @@ class VLLMRoutes:
         if self.s.scheduler.paused and self.pause_mode in ("abort", "wait") and self.b.refuses_during_pause:
             return _vllm_error("the engine is paused: retry after /resume", status=503)
         rid, prompt, params, body = self._parse(body)
-        routing_start = self._routing_start(body, len(prompt))
-        if isinstance(routing_start, web.Response):
-            return routing_start
         lora = None
         if self.s.lora is not None:  # an adapter named as the model (engine/lora.py); vLLM's 404 otherwise
             from areal_fast.embedded.lora import LoRARoutes, _NotFound
 
             try:
                 lora = LoRARoutes(self.s).adapter_of_completion(body)
-            except _NotFound as e:
-                return _vllm_error(str(e), status=404)
+            except _NotFound:
+                return self._unknown_model(body)
+        elif not self.s.serves_model_name(body.get("model")):
+            return self._unknown_model(body)
+        too_long = self._context_check(body, prompt, params)
+        if too_long is not None:
+            return too_long
+        routing_start = self._routing_start(body, len(prompt))
+        if isinstance(routing_start, web.Response):
+            return routing_start
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self.s.scheduler.submit(Request(rid=rid, input_ids=prompt, params=params, lora=lora,
@@ -156,6 +174,34 @@ class VLLMRoutes:
         if req.error is not None:
             return _vllm_error(f"engine failed on request {rid!r}: {req.error}", status=500)
         return web.json_response(self._answer(req, body))
+
+    def _unknown_model(self, body: dict) -> web.Response:
+        """vLLM's 404 for a completion naming a model it does not serve."""
+        message = f"The model `{body.get('model')}` does not exist."
+        if self.b.names_model_aliases:
+            message += f" Valid aliases: {', '.join(self.s.served_model_names or ['default'])}."
+        return _vllm_error(message, status=404, param="model")
+
+    def _context_check(self, body: dict, prompt: list[int], params) -> web.Response | None:
+        """vLLM's checks of the context (``--max-model-len``, else the model's max_position_embeddings),
+        in its order and words (0.32.0 and 0.33.0): more tokens asked than the context, a prompt longer
+        than it, a prompt that fills it (no room for one token: vLLM asks for 0 and refuses that). A
+        request that fits gets at most the rest of the context, as vLLM caps ``max_tokens``."""
+        context, n = self.s.context_length, len(prompt)
+        asked = body.get("max_tokens")
+        if isinstance(asked, int) and asked > context:
+            return _vllm_error(f"max_tokens={asked} cannot be greater than max_model_len={context}. Please request "
+                               f"fewer output tokens.", param="max_tokens", value=asked)
+        if n > context:
+            qualifier = "at least " if n == context + 1 else ""
+            return _vllm_error(f"This model's maximum context length is {context} tokens. However, your prompt "
+                               f"contains {qualifier}{n} input tokens, which exceeds this limit even without any "
+                               f"output tokens. Please reduce the length of the input prompt.",
+                               param="input_tokens", value=n)
+        if n == context:
+            return _vllm_error("max_tokens must be at least 1, got 0.", param="max_tokens", value=0)
+        params.max_new_tokens = min(params.max_new_tokens, context - n)
+        return None
 
     @property
     def _has_prompt_start(self) -> bool:
@@ -213,8 +259,9 @@ class VLLMRoutes:
         return web.json_response({"version": str(self.b.version)})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "default", "object": "model",
-                                                              "root": self.s.model_path, "owned_by": "vllm"}]})
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "root": self.s.model_path, "owned_by": "vllm",
+             "max_model_len": self.s.context_length} for name in self.s.served_model_names or ["default"]]})
 
     async def server_info(self, request: web.Request) -> web.Response:
         """vLLM's dev-mode ``GET /server_info?config_format=json``: the parts of ``vllm_config`` the
@@ -223,7 +270,9 @@ class VLLMRoutes:
         parallel = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
                     "data_parallel_size_local": 1}
         return web.json_response({"vllm_config": {"parallel_config": parallel,
-                                                  "device_config": {"device": self.s.device.type}},
+                                                  "device_config": {"device": self.s.device.type},
+                                                  "cache_config": {"enable_prefix_caching": self.s.prefix_caching},
+                                                  "model_config": {"max_model_len": self.s.context_length}},
                                   "areal_fast_engine": "embedded"})
 
     # ------------------------------------------------------------------ pause, resume, abort

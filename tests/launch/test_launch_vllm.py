@@ -75,3 +75,128 @@ def test_launched_vllm_flags_are_vllm_parser_flags(tmp_path, version):
 
     cmd, _, _ = _command(tmp_path, VLLM + [f"rollout.vllm_version={version}"])
     assert unknown_vllm_flags(version, cmd) == []
+
+
+# ---------------------------------------------------------------------------- the key guard
+def test_a_launched_vllm_server_runs_behind_the_key_guard(tmp_path):
+    """vLLM checks its key under /v1 only: the launcher adds the key guard (vLLM's own --middleware),
+    last on the line (vLLM adds it last: the outermost layer, before a middleware of the user's), and
+    puts its directory, which holds that one module, first on the server's PYTHONPATH."""
+    import subprocess
+
+    from areal_fast.backends.vllm.server_command import KEYGUARD, KEYGUARD_DIR
+
+    cmd, env, _ = _command(tmp_path, VLLM + ["rollout.server_args=[--middleware,my.Mw]"])
+    assert cmd[-2:] == ["--middleware", KEYGUARD] and cmd.index("my.Mw") < len(cmd) - 2
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(KEYGUARD_DIR)
+    assert sorted(p.name for p in KEYGUARD_DIR.glob("*.py")) == ["areal_fast_vllm_keyguard.py"]
+    # vLLM's interpreter has no areal_fast: the module imports from its directory alone
+    probe = ("import sys, areal_fast_vllm_keyguard as g; assert 'areal_fast' not in sys.modules; "
+             "print(g.KeyGuard.__name__)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(KEYGUARD_DIR)})
+    assert r.returncode == 0 and r.stdout.strip() == "KeyGuard", r.stderr[-2000:]
+
+
+def _guard_module():
+    import importlib.util
+
+    from areal_fast.backends.vllm.server_command import KEYGUARD_DIR
+
+    spec = importlib.util.spec_from_file_location("areal_fast_vllm_keyguard",
+                                                  KEYGUARD_DIR / "areal_fast_vllm_keyguard.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _through(guard_of, path: str, authorization: str | None = None, kind: str = "http", app=None):
+    """What the guard (``guard_of(inner app)``) does with one request: (the inner app was reached,
+    the messages sent back)."""
+    import asyncio
+
+    reached, sent = [], []
+
+    async def inner(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    headers = [(b"authorization", authorization.encode())] if authorization is not None else []
+    scope = {"type": kind, "path": path, "root_path": "", "method": "POST", "headers": headers}
+    if app is not None:
+        scope["app"] = app
+    asyncio.run(guard_of(inner)(scope, receive, send))
+    return bool(reached), sent
+
+
+def test_the_key_guard_lets_nothing_but_health_through_without_the_key():
+    g = _guard_module()
+    guard = lambda app: g.KeyGuard(app, keys=[KEY])  # noqa: E731
+    for path in ("/pause", "/collective_rpc", "/update_weights", "/adapters", "/v1/load_lora_adapter", "/sleep",
+                 "/invocations", "/v1/completions", "/metrics", "/version", "/healthz", "/"):
+        for auth in (None, "", f"Bearer {KEY}x", f"bearer {KEY}", KEY, f"Bearer  {KEY}", "Bearer"):
+            reached, sent = _through(guard, path, auth)
+            assert not reached and sent[0]["status"] == 401, (path, auth)
+        assert _through(guard, path, f"Bearer {KEY}")[0], path
+    assert _through(guard, "/health")[0]
+    reached, sent = _through(guard, "/pause", kind="websocket")  # closed before it is accepted
+    assert not reached and sent == [{"type": "websocket.close", "code": 1008}]
+    assert _through(guard, "/pause", kind="lifespan")[0]
+    # the keys of several --api-key values: each one opens, others do not
+    assert _through(lambda app: g.KeyGuard(app, keys=["a", "b"]), "/pause", "Bearer b")[0]
+    # no key anywhere: open, as vLLM is; the key file gone before the import: vLLM's own parsed key, else closed
+    assert _through(lambda app: g.KeyGuard(app, keys=[]), "/pause")[0]
+    assert not _through(lambda app: g.KeyGuard(app, keys=None), "/pause", f"Bearer {KEY}")[0]
+
+    class App:  # vLLM's FastAPI app: its parsed arguments on app.state.args
+        class state:
+            class args:
+                api_key = [KEY]
+
+    assert _through(lambda app: g.KeyGuard(app, keys=None), "/pause", f"Bearer {KEY}", app=App)[0]
+    assert not _through(lambda app: g.KeyGuard(app, keys=None), "/pause", "Bearer other", app=App)[0]
+
+
+def test_the_key_guard_reads_the_key_vllm_reads(tmp_path):
+    """--api-key on the line, else the --config file's api-key (the launcher's way), else $VLLM_API_KEY;
+    a named key file that cannot be read: not known (None: closed until vLLM's own key is seen)."""
+    from areal_fast.backends.keyfile import write_api_key_file
+
+    g = _guard_module()
+    key_file = str(write_api_key_file(tmp_path / "secrets", KEY))
+    env = {"VLLM_API_KEY": "from-env"}
+    assert g.server_keys(["--model", "m", "--config", key_file], env) == [KEY]
+    assert g.server_keys(["--config", key_file, "--api-key", "a", "b", "--port", "1"], env) == ["a", "b"]
+    assert g.server_keys([f"--config={key_file}"], {}) == [KEY]
+    assert g.server_keys(["--model", "m"], env) == ["from-env"] and g.server_keys([], {}) == []
+    assert g.server_keys(["--config", str(tmp_path / "gone.yaml")], env) is None
+
+
+# ---------------------------------------------------------------------------- prefix caching
+@pytest.mark.parametrize("overrides, cached", [
+    (["rollout.pause_mode=in_place"], False),
+    (["rollout.pause_mode=auto"], False),  # auto is in place on 0.33.0 (per-token versions)
+    (["rollout.pause_mode=auto", "rollout.vllm_version=0.27.0"], True),  # ... and abort before
+    (["rollout.pause_mode=abort"], True),  # an abort pause resets vLLM's cache (clear_cache)
+])
+def test_a_run_that_pauses_in_place_launches_vllm_without_prefix_caching(tmp_path, overrides, cached):
+    cmd, _, _ = _command(tmp_path, VLLM + overrides)
+    assert ("--no-enable-prefix-caching" not in cmd) is cached
+
+
+def test_prefix_caching_asked_of_a_run_that_pauses_in_place_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="--enable-prefix-caching"):
+        _command(tmp_path, VLLM + ["rollout.pause_mode=in_place",
+                                   "rollout.server_args=[--enable-prefix-caching]"])
+
+
+def test_a_pythonpath_of_the_user_s_keeps_the_key_guard_first(tmp_path):
+    from areal_fast.backends.vllm.server_command import KEYGUARD_DIR
+
+    _, env, _ = _command(tmp_path, VLLM + ["rollout.server_env={PYTHONPATH: /opt/mine}"])
+    assert env["PYTHONPATH"].split(os.pathsep)[:2] == [str(KEYGUARD_DIR), "/opt/mine"]

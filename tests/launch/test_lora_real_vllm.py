@@ -80,11 +80,11 @@ def _peft_greedy(model: Path, adapter: str, n: int):
     return ids[len(PROMPT):], lps
 
 
-def _complete(url: str, model: str, n: int) -> dict:
+def _complete(server: rv.VLLMServer, model: str, n: int) -> dict:
     body = {"model": model, "prompt": PROMPT, "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
             "logprobs": 0, "return_token_ids": True}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{server.url}/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **server.headers()})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())["choices"][0]
 
@@ -94,18 +94,19 @@ def test_real_vllm_serves_our_adapter_files_and_replaces_them_in_place(real_vllm
     from areal_fast.lora_config import LoRAConfig
     from areal_fast.weights import WeightSyncConfig
 
-    sync = VLLMLoRASync([real_vllm.url], WeightSyncConfig(save_root=str(tmp_path)), lora=LoRAConfig(rank=8),
-                        base_model=str(real_vllm.model))
+    sync = VLLMLoRASync([real_vllm.url], WeightSyncConfig(save_root=str(tmp_path), api_key=real_vllm.api_key),
+                        lora=LoRAConfig(rank=8), base_model=str(real_vllm.model))
     try:
         for version, seed in ((1, 1), (2, 2)):  # the second replaces the first in place (same name, same id)
             state = _adapter_state(real_vllm.model, seed)  # the trainer's names (adapter 'default')
             sync.update(state, version)
-            got = _complete(real_vllm.url, "areal-lora", 12)
+            got = _complete(real_vllm, "areal-lora", 12)
             ids, lps = _peft_greedy(real_vllm.model, sync.current, 12)
             assert got["token_ids"] == ids, (version, got["token_ids"], ids)
             torch.testing.assert_close(torch.tensor(got["logprobs"]["token_logprobs"]), torch.tensor(lps),
                                        atol=VLLM_CPU_LOGPROB_ATOL, rtol=0)
-        with urllib.request.urlopen(f"{real_vllm.url}/weight_info", timeout=30) as r:
+        req = urllib.request.Request(f"{real_vllm.url}/weight_info", headers=real_vllm.headers())
+        with urllib.request.urlopen(req, timeout=30) as r:
             assert json.loads(r.read())["weight_version"] == "2"
     finally:
         sync.close()

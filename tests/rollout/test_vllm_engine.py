@@ -169,3 +169,85 @@ def test_pause_in_abort_mode_refuses_new_completions_until_resume(twin):
     assert _post(twin.url + "/pause?mode=retract")[0] == 422
     assert _post(twin.url + "/resume")[0] == 200
     assert _post(twin.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200
+
+
+# ---------------------------------------------------------------------------- started as real vLLM is
+def _call(url: str, method: str, body: dict | None = None, key: str | None = None) -> tuple[int, object]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), method=method,
+                                 headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def test_the_twin_asks_the_key_on_every_route_but_health_as_a_launched_vllm(model_dir):
+    """As real vLLM behind the launcher's key guard: /metrics and paths it does not serve are keyed too."""
+    h = start_engine_in_thread(model_dir, api="vllm", vllm_version="0.33.0", api_key="k1")
+    try:
+        routes = [("POST", "/pause"), ("POST", "/resume"), ("POST", "/collective_rpc"), ("POST", "/abort_requests"),
+                  ("POST", "/v1/completions"), ("GET", "/server_info"), ("GET", "/version"), ("GET", "/metrics"),
+                  ("POST", "/update_weights"), ("GET", "/health_generate"), ("POST", "/sleep")]
+        assert {p: _call(h.url + p, m, {}, key=None)[0] for m, p in routes} == {p: 401 for _, p in routes}
+        assert {p: _call(h.url + p, m, {}, key="k2")[0] for m, p in routes} == {p: 401 for _, p in routes}
+        assert _call(h.url + "/health", "GET")[0] == 200
+        assert _call(h.url + "/pause", "POST", {}, key="k1")[0] == 200
+    finally:
+        h.stop()
+
+
+def test_the_twin_takes_vllm_s_context_and_served_name_flags(model_dir):
+    """``--max-model-len`` and ``--served-model-name`` as vLLM answers them (the real server's answers
+    are held to these in tests/rollout/test_real_vllm.py); the twin caches no prefix, and reports
+    what it was started with."""
+    from areal_fast.embedded.__main__ import parse_args
+
+    args = parse_args(["--model", model_dir, "--api", "vllm", "--max-model-len", "32", "--served-model-name", "a",
+                       "b", "--no-enable-prefix-caching"])
+    assert (args.max_model_len, args.served_model_name, args.enable_prefix_caching) == (32, ["a", "b"], False)
+    with pytest.raises(SystemExit):
+        parse_args(["--model", model_dir, "--max-model-len", "32"])  # vLLM's: --api vllm only
+    h = start_engine_in_thread(model_dir, api="vllm", vllm_version="0.33.0", max_model_len=32,
+                               served_model_names=["a", "b"])
+    try:
+        assert [m["id"] for m in _get(h.url + "/v1/models")[1]["data"]] == ["a", "b"]
+        status, e = _call(h.url + "/v1/completions", "POST", {"model": "default", "prompt": PROMPT})
+        assert status == 404 and e["error"] == {"message": "The model `default` does not exist. Valid aliases: a, b.",
+                                                "type": "NotFoundError", "param": "model", "code": 404}
+        status, e = _call(h.url + "/v1/completions", "POST", {"model": "b", "prompt": [3] * 40})
+        assert status == 400 and e["error"]["param"] == "input_tokens" and "context length is 32 tokens" in \
+            e["error"]["message"]
+        status, e = _call(h.url + "/v1/completions", "POST", {"model": "a", "prompt": [3] * 4, "max_tokens": 33})
+        assert status == 400 and e["error"]["param"] == "max_tokens"
+        status, a = _call(h.url + "/v1/completions", "POST", {"model": "a", "prompt": [3] * 30, "max_tokens": 8,
+                                                                "ignore_eos": True})
+        assert status == 200 and a["usage"]["completion_tokens"] == 2  # the rest of the context
+        info = _get(h.url + "/server_info")[1]["vllm_config"]
+        assert info["cache_config"]["enable_prefix_caching"] is False and info["model_config"]["max_model_len"] == 32
+    finally:
+        h.stop()
+
+
+def test_a_server_that_caches_prefixes_is_not_paused_in_place(model_dir):
+    """A pause in place keeps vLLM's prefix cache across the update: a server that reports prefix
+    caching on (as real vLLM does by default) is refused at connect when the mode resolves to in
+    place (auto on 0.33.0), and at an in-place pause; an abort pause (which resets the cache) is not."""
+    from areal_fast.rollout.calls import RequestError, RolloutError
+
+    h = start_engine_in_thread(model_dir, api="vllm", vllm_version="0.33.0", prefix_caching=True)
+    try:
+        async def connect(mode):
+            async with VLLMRolloutClient([h.url], vllm_version="0.33.0", pause_mode=mode) as c:
+                await c.pause_all("abort")
+                await c.continue_all()
+                await c.pause_all("in_place")
+
+        for mode in ("auto", "in_place"):
+            with pytest.raises(RequestError, match="--no-enable-prefix-caching"):
+                asyncio.run(connect(mode))
+        with pytest.raises(RolloutError, match="enable_prefix_caching"):
+            asyncio.run(connect("abort"))
+    finally:
+        h.stop()

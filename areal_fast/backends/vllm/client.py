@@ -14,6 +14,13 @@ is only what vLLM spells differently (``docs/vllm.md``; the bodies come from ``r
   with the engine's id of the request (``cmpl-{request_id}-0``) from 0.26.0, where it is mounted
   by default; a release without /pause (0.11.x) is paused by letting its requests finish;
 - vLLM has no cache flush to wait for: ``flush_cache_all`` only checks the rule of an in_place pause;
+- prefix caching: an in-place pause (keep with ``clear_cache=false``) keeps vLLM's prefix cache
+  across the update, and a new request with a cached prefix would be computed on KV of the old
+  weights. A server the client pauses in place must run without it: its
+  ``GET /server_info?config_format=json`` (dev mode, as /pause) is read when the client connects
+  with a mode that resolves to in place, or at the first such pause, and a server with
+  ``enable_prefix_caching`` on is refused, naming the fix (``--no-enable-prefix-caching`` or
+  ``pause_mode: abort``; an abort pause with vLLM's default ``clear_cache=true`` resets the cache);
 - a server's release is what its ``/version`` reports, read leniently (``compat.served_release``:
   ``0.33.0+cu126`` is 0.33.0, a newer release behaves as the newest one read, with a warning);
   the model name every completion carries is the one ``/v1/models`` lists.
@@ -62,6 +69,7 @@ from areal_fast.rollout.liveness_route import VLLM_LIVENESS_PATH, register_liven
 from areal_fast.rollout.routed_experts import from_vllm
 
 log = logging.getLogger(__name__)
+SERVER_INFO_PATH = "/server_info?config_format=json"  # vLLM's dev-mode config dump (its prefix caching)
 _DRAIN_POLL_S = 0.02
 _SETTLE_POLL_S = 0.05
 
@@ -109,8 +117,30 @@ class VLLMRolloutClient(RolloutClient):
         except (RolloutError, KeyError, IndexError, TypeError):
             pass  # a twin or server without the list: the launcher's --served-model-name
         apply_server_info(s, {"version": str(release), "reported_version": reported, "engine": "vllm", "model": model})
+        if self._mode_for(s, self.default_pause_mode) == "in_place":
+            refusal = await self._prefix_cache_refusal(s)
+            if refusal:
+                raise RequestError(f"{s.url}{SERVER_INFO_PATH}", 200, refusal)  # refused, not retried
         await self._current_weight_version(s)
         return s.info
+
+    async def _prefix_cache_refusal(self, s: ServerState) -> str | None:
+        """Why ``s`` may not be paused in place (its prefix cache is on: see the module docstring), or
+        None. Read once per server from ``/server_info``; a server without it (not in dev mode, whose
+        /pause is missing too) is not refused here."""
+        if "prefix_caching" not in s.info:
+            try:
+                data = await self._call(s, "GET", SERVER_INFO_PATH, timeout_s=self.control_timeout_s)
+                cache = ((data or {}).get("vllm_config") or {}).get("cache_config") or {}
+                s.info["prefix_caching"] = cache.get("enable_prefix_caching")
+            except (RolloutError, AttributeError, *no_answer_errors()):
+                s.info["prefix_caching"] = None
+        if s.info["prefix_caching"] is True:
+            return (f"pause mode 'in_place' refused for {s.url}: it caches prompt prefixes (enable_prefix_caching), "
+                    f"and a pause in place keeps that cache across a weight update, so new requests would be computed "
+                    f"on KV of the old weights; start it with --no-enable-prefix-caching, or set rollout.pause_mode: "
+                    f"abort")
+        return None
 
     async def _current_weight_version(self, server: ServerState) -> str | None:
         if not self.behaviour(server).labels_weight_version:
@@ -186,6 +216,10 @@ class VLLMRolloutClient(RolloutClient):
             if modes[s.url] == "in_place" and not self.behaviour(s).token_weight_versions:
                 raise RolloutError(f"pause mode 'in_place' refused for {s.url}: vLLM {s.version} returns no per-token "
                                    f"weight versions (from 0.33.0)")
+        for s in self.servers:
+            refusal = await self._prefix_cache_refusal(s) if modes[s.url] == "in_place" else None
+            if refusal:
+                raise RolloutError(refusal)
         self.pause_mode, self.server_pause_modes = mode, modes
         self._running.clear()
         await asyncio.gather(*(self._pause_one(s, modes[s.url]) for s in self.servers))
@@ -231,7 +265,9 @@ class VLLMRolloutClient(RolloutClient):
                                if self.behaviour(s).has_abort_requests))
 
     async def flush_cache_all(self, timeout_s: float = 60.0, poll_s: float = 0.05) -> None:
-        """vLLM clears its prefix cache on a reload itself; only the in_place rule is checked."""
+        """Only the in_place rule is checked: vLLM has no flush of its own to wait for. Its prefix cache
+        is reset by the pause (abort, or keep with ``clear_cache=true``), not by a reload; an in-place
+        pause keeps it, so those servers run without one (see the module docstring)."""
         if not self.may_flush:
             raise RolloutError("flush_cache_all after an in_place pause: the kept requests hold their KV")
 

@@ -43,6 +43,8 @@ PAUSED_REFUSES_SINCE = Version("0.33.0")  # a completion sent during an abort/wa
 # before, it is queued and runs after /resume
 TRANSFER_SHUTDOWN_SINCE = Version("0.32.0")  # POST /shutdown_weight_transfer_engine (read in 0.32.0 and 0.33.0;
 # not in 0.11.0; releases between were not read for it, so it is sent only from here)
+MODEL_ALIASES_SINCE = Version("0.32.0")  # a completion naming an unknown model: the 404 lists the served names
+# ("Valid aliases: ..."; read in 0.32.0 and 0.33.0, not in 0.27.0)
 IS_PAUSED_MISSES_KEEP = (Version("0.16.0"), Version("0.17.0"))  # 0.16.x: /is_paused says false in a keep pause
 
 VLLM_PAUSE_MODES = ("abort", "wait", "keep")
@@ -127,6 +129,11 @@ class VLLMBehaviour:
     def is_paused_misses_keep(self) -> bool:
         """``GET /is_paused`` answers false while the server is paused in keep mode (0.16.x)."""
         return IS_PAUSED_MISSES_KEEP[0] <= self.version < IS_PAUSED_MISSES_KEEP[1]
+
+    @property
+    def names_model_aliases(self) -> bool:
+        """The 404 of a completion naming an unknown model ends with ``Valid aliases: <served names>.``"""
+        return self.version >= MODEL_ALIASES_SINCE
 
     @property
     def has_pause_modes(self) -> bool:

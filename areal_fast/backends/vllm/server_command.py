@@ -6,8 +6,11 @@ SGLang's and the embedded engine's builder), from vLLM's own CLI flags (``docs/v
         --logprobs-mode processed_logprobs --generation-config vllm
         [--dtype D] [--seed S] [--max-num-seqs M] [--load-format F]
         [--weight-transfer-config '{"backend": "nccl"}']      (0.16.0 on, for weights.method distributed)
+        [--no-enable-prefix-caching]                          (runs that pause in place)
+        [extra args] --middleware areal_fast_vllm_keyguard.KeyGuard
     env: VLLM_SERVER_DEV_MODE=1   (mounts /pause, /resume, /abort_requests, /collective_rpc and the
                                    weight-transfer endpoints)
+         PYTHONPATH=<keyguard directory>[:$PYTHONPATH]   (where vLLM imports the middleware from)
 
 Two flags make what vLLM answers what the trainer assumes: ``--logprobs-mode processed_logprobs``
 (each token's log-prob under the distribution it was sampled from, after temperature, penalties and
@@ -17,6 +20,22 @@ checkpoint would bring top_k 20 and a repetition penalty to every request that l
 
 The API key travels as SGLang's does: ``--config FILE.yaml`` holding ``api-key: KEY`` (vLLM reads
 a YAML config file of long option names too), written by ``backends.keyfile.write_api_key_file``.
+
+The key guard. vLLM checks its key only under ``/v1`` (and ``/v2``, ``/inference``, ``/cohere``):
+the dev-mode routes above, the runtime adapter routes and ``/invocations`` would act for anyone who
+reaches the port. ``--middleware`` (vLLM's own flag) loads ``keyguard/areal_fast_vllm_keyguard.py``,
+a dependency-free ASGI middleware that asks the same key on every route but ``/health``; it comes
+last on the line, so vLLM adds it last: the outermost layer, before any middleware of the extra
+arguments. It is imported by vLLM's interpreter (an environment of its own): its directory, which
+holds that one module, goes first on the server's ``PYTHONPATH`` (:func:`vllm_server_env`).
+
+Prefix caching. vLLM caches the KV of prompt prefixes by default; a pause in place
+(``/pause?mode=keep&clear_cache=false``) keeps that cache across a weight update (the kept requests
+hold blocks, so it cannot be reset either), and a new request with a cached prefix would be
+computed on KV of the old weights while labelled with the new version. A run whose pause mode
+resolves to in place launches its servers with ``--no-enable-prefix-caching``
+(:func:`prefix_caching_for`); the rollout client refuses an in-place pause of a server started by
+hand with prefix caching on (``client.VLLMRolloutClient``).
 
 The embedded engine twins vLLM with ``python -m areal_fast.embedded --api vllm
 --vllm-version X`` (built by ``sglang_server_command("embedded", ..., extra_args=embedded_vllm_args(X))``).
@@ -28,11 +47,16 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from areal_fast.backends.vllm.compat import DEV_MODE_ENV, VLLMBehaviour
+from areal_fast.backends.vllm.compat import DEV_MODE_ENV, VLLMBehaviour, auto_vllm_pause_mode
 from areal_fast.backends.vllm.requests import DEFAULT_MODEL
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+KEYGUARD_DIR = Path(__file__).resolve().parent / "keyguard"
+"""The directory of the key guard's one module, put on a launched server's PYTHONPATH."""
+KEYGUARD = "areal_fast_vllm_keyguard.KeyGuard"
+"""The import path vLLM's ``--middleware`` loads (see the module docstring)."""
 SAMPLING_FLAGS = ("--logprobs-mode", "processed_logprobs", "--generation-config", "vllm")
 """Every launched vLLM server's: behaviour log-probs of the sampled distribution, vLLM's own
 sampling defaults (see the module docstring)."""
@@ -60,10 +84,12 @@ def gpus_of(tp_size: int, args: Sequence[str]) -> int:
 def vllm_server_command(model_path: str, host: str, port: int, *, version: str, tp_size: int = 1,
                         api_key_file: str | os.PathLike | None = None, dtype: str | None = None,
                         seed: int | None = None, max_num_seqs: int | None = None,
-                        load_format: str | None = None, weight_transfer: bool = False,
+                        load_format: str | None = None, weight_transfer: bool = False, prefix_caching: bool = True,
                         extra_args: Sequence[str] = (), python: str = sys.executable) -> list[str]:
     """The command of one vLLM ``version`` server. ``weight_transfer`` turns on the NCCL weight-transfer
-    engine (refused, naming the version, before 0.16.0). The key file, never the key, is on the line."""
+    engine (refused, naming the version, before 0.16.0); ``prefix_caching`` False turns vLLM's prefix
+    cache off (a run that pauses in place: :func:`prefix_caching_for`). The key file, never the key,
+    is on the line; the key guard's ``--middleware`` ends it (see the module docstring)."""
     b = VLLMBehaviour.of(version)
     if not model_path:
         raise ValueError("vllm_server_command: model_path is empty")
@@ -78,6 +104,10 @@ def vllm_server_command(model_path: str, host: str, port: int, *, version: str, 
         if any(a == flag or a.startswith(flag + "=") for a in extra_args):
             raise ValueError(f"vllm_server_command: {flag} is set by the launcher ({' '.join(SAMPLING_FLAGS)}: the "
                              f"log-probs and sampling defaults the trainer assumes); remove it from the extra args")
+    if not prefix_caching and "--enable-prefix-caching" in extra_args:
+        raise ValueError("vllm_server_command: --enable-prefix-caching in the extra args of a run that pauses in "
+                         "place: a kept cache would serve KV of the old weights after an update; remove it or "
+                         "pause with 'abort'")
     cmd = [python, "-m", VLLM_MODULE, "--model", model_path, "--host", host, "--port", str(port),
            "--tensor-parallel-size", str(tp_size), "--served-model-name", DEFAULT_MODEL, *SAMPLING_FLAGS]
     if api_key_file is not None:
@@ -90,12 +120,25 @@ def vllm_server_command(model_path: str, host: str, port: int, *, version: str, 
         if not b.has_weight_transfer:
             raise ValueError(f"vllm_server_command: vLLM {b.version} has no weight transfer (from 0.16.0)")
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
-    return cmd + list(extra_args)
+    if not prefix_caching and "--no-enable-prefix-caching" not in extra_args:
+        cmd.append("--no-enable-prefix-caching")
+    return cmd + list(extra_args) + ["--middleware", KEYGUARD]
 
 
-def vllm_server_env() -> dict[str, str]:
-    """Environment entries every vLLM server of a run needs (added to the launcher's environment)."""
-    return {DEV_MODE_ENV: "1"}
+def prefix_caching_for(pause_mode: str, version: str) -> bool:
+    """Whether a launched vLLM ``version`` server of a run with ``rollout.pause_mode`` may cache
+    prompt prefixes: not when the pause resolves to in place (see the module docstring)."""
+    mode = auto_vllm_pause_mode(version) if pause_mode == "auto" else pause_mode
+    return mode != "in_place"
+
+
+def vllm_server_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment entries every vLLM server of a run needs (added to the launcher's environment
+    ``environ``, ``os.environ`` by default): dev mode, and the key guard's directory first on
+    ``PYTHONPATH``."""
+    environ = os.environ if environ is None else environ
+    path = [str(KEYGUARD_DIR), *[p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    return {DEV_MODE_ENV: "1", "PYTHONPATH": os.pathsep.join(path)}
 
 
 def embedded_vllm_args(version: str) -> list[str]:
