@@ -1048,6 +1048,14 @@ def hard_pilot_curve() -> tuple[str, ...]:
     return tuple(str(Decimal(repr(em)).quantize(Decimal("0.001"), rounding=ROUND_HALF_UP)) for _, em in r["eval_curve"])
 
 
+def top_p_bias(top_p: float, top_k: int) -> Callable[[], tuple[str, ...]]:
+    """docs/config.md's truncated-sampling table: mean and largest |log q - log p|, mean and smallest Z."""
+    def figures():
+        r = newest("top_p_bias.jsonl", top_p=top_p, top_k=top_k)
+        return tuple(f"{r[k]:.3f}" for k in ("mean_abs_gap", "max_abs_gap", "mean_weight", "min_weight"))
+    return figures
+
+
 @dataclass(frozen=True)
 class Figure:
     doc: str
@@ -1422,6 +1430,8 @@ FIGURES = [
     *(Figure("docs/weight_sync.md", f"| {model} | {{}} % | {{}} GB | " + ("{} GB (all whole)" if c == 0.8 else "{} GB")
              + " | {} | {} | {} | {}x |", "delta.jsonl", delta_sim(model, c))
       for model in ("Qwen2.5-7B", "Qwen2.5-32B") for c in (0.0236, 0.8)),
+    *(Figure("docs/config.md", f"| {p} | {k} | {{}} | {{}} | {{}} | {{}} |", "top_p_bias.jsonl", top_p_bias(p, k))
+      for p, k in ((0.9, -1), (1.0, 8), (0.9, 8), (1.0, -1))),
 ]
 
 
