@@ -16,14 +16,14 @@ in ``tests/`` (``fakes.py``, ``_shared.py``, ``tolerances.py``, ``e2e_runs.py``,
 there too, so a test may import a helper of another folder's test module (``from test_trainer_actor
 import make_tiny_model``) whatever files the run collects, and in whatever order.
 
-The suite runs in worker processes (pytest-xdist: ``-n auto``; ``--dist loadgroup``, set here), and
+The suite runs in worker processes (pytest-xdist: ``-n auto``, scheduled here), and
 what is costly to start is started once for all of them. Every process of a run
 shares one scratch directory (``$AREAL_FAST_TEST_SHARED``, made by the process that starts the run):
 the warm starts are built there once, under a file lock; the real vLLM server is started by the first
 worker that collects a user of it, and the others attach to it by its address. The tests that share
-one server or cluster run in one worker, one after another (an ``xdist_group`` by rule:
-:func:`xdist_group_of`), as do the tests of a module whose fixtures outlive a test (module-scoped:
-set up once, not once per worker).
+one server or cluster run in one worker, one after another (a group by rule, :func:`xdist_group_of`,
+which :func:`pytest_xdist_make_scheduler` keeps together), as do the tests of a module whose fixtures
+outlive a test (module-scoped: set up once, not once per worker).
 """
 
 import contextlib
@@ -148,20 +148,35 @@ def xdist_group_of(item) -> str | None:
 
 def pytest_configure(config):
     _ensure_shared_dir()
-    if getattr(config.option, "numprocesses", None):  # with workers, the groups above are kept together
-        if config.option.dist == "load":  # what -n implies (before the workers start and the scheduler is made)
-            config.option.dist = "loadgroup"
-        elif config.option.dist != "loadgroup":
-            raise pytest.UsageError(f"tests/conftest.py: the suite's workers take --dist loadgroup (the default with "
-                                    f"-n here), not --dist {config.option.dist}: tests that share one real vLLM "
-                                    "server or Slurm cluster must run in one worker")
+
+
+def _groups_file() -> Path:
+    return shared_dir() / "worker_groups.json"
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, called only where it is installed
+def pytest_xdist_make_scheduler(config, log):
+    """With workers, tests go out one by one (largest groups first), except that the tests of one
+    group (:func:`xdist_group_of`, written down by the workers at collection) go to one worker
+    together. xdist's own ``xdist_group`` marks cannot do it under pytest 9, whose node ids no longer
+    come from the attribute xdist rewrites (``--dist loadgroup`` would silently spread a group)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # read once the workers have collected (the scheduler asks only then)
+                self.groups = json.loads(_groups_file().read_text()) if _groups_file().exists() else {}
+            return self.groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
 
 
 def pytest_unconfigure(config):
     _release_shared_dir()
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     # the users of the session's real vLLM server run last (in their order): its start-up (the warm
     # start, then vLLM's) runs in the background behind every other test instead of before its first user
@@ -176,13 +191,15 @@ def pytest_collection_modifyitems(config, items):
         seen_tests.add((file, getattr(item, "originalname", item.name)))
         if slow_reason(item) is not None:
             item.add_marker(pytest.mark.slow)
-        group = xdist_group_of(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
         if "gpu" in item.keywords and not _has_cuda():
             item.add_marker(skip_gpu)
         if "interpreter" in item.keywords and (not _has_triton() or os.environ.get("TRITON_INTERPRET") != "1"):
             item.add_marker(skip_interp)
+    if hasattr(config, "workerinput"):  # for the scheduler of the process that started the workers
+        groups = {item.nodeid: g for item in items if (g := xdist_group_of(item)) is not None}
+        tmp = _groups_file().with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(_groups_file())
     # A renamed test would silently fall out of SLOW_TESTS and slow the quick loop down: say so
     # (when whole files were collected; `-k` and `-m` filter only after this hook).
     whole_files = not any("::" in str(a) for a in config.args)
