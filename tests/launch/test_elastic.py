@@ -244,14 +244,18 @@ def test_every_launched_kind_of_server_is_recognised_as_a_kept_server(marker):
 
     from areal_fast.launch import reuse
 
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker], start_new_session=True)
+    # each says when it runs: before its exec, a child's command line is still its parent's
+    up = "import sys, time; print('up', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", up, marker], start_new_session=True, stdout=subprocess.PIPE)
     try:
+        assert proc.stdout.readline() == b"up\n"
         assert reuse.is_kept_server(proc.pid)
     finally:
         proc.kill()
         proc.wait()
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", up], start_new_session=True, stdout=subprocess.PIPE)
     try:
+        assert other.stdout.readline() == b"up\n"
         assert not reuse.is_kept_server(other.pid)
     finally:
         other.kill()
