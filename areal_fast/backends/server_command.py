@@ -16,8 +16,10 @@ import enum
 import sys
 from pathlib import Path
 
+from areal_fast.rollout.config import SERVERS
+
 ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"  # the launch flag of all three engines
-KINDS = ("embedded", "sglang", "vllm")  # the kinds of server a run launches
+KINDS = SERVERS  # the kinds of server a run launches: rollout.server's values
 
 
 class ServerKind(str, enum.Enum):

@@ -82,7 +82,7 @@ class ServerLauncher(Protocol):
 
     def stop_process(self, p: ServerProcess, grace: float) -> None: ...
 
-    def _secrets(self) -> Path: ...  # the launcher's private directory (0700) for the key file
+    def private_dir(self) -> Path: ...  # the launcher's private directory (0700) for key files: part of its API
 TICK_S = 0.5
 DRAIN_S = 30.0  # a removed server leaves the pool within a step; past this it is stopped anyway
 MAX_FAILED_STARTS = 5  # in a row: a server that cannot start (bad node, no memory) is not retried forever
@@ -309,7 +309,7 @@ class ServerSupervisor:
         from areal_fast.backends.keyfile import write_api_key_file
 
         name = f"server{slot}" if self.starts == slot else f"server{slot}-{self.starts}"
-        key_file = write_api_key_file(self._secrets(), self.api_key) if self.api_key else None
+        key_file = write_api_key_file(self.private_dir(), self.api_key) if self.api_key else None
         try:
             p = self.launcher.start_server(self.cfg, self.model_path, slot, name, seed=self.seed + self.starts,
                                            key_file=key_file)
@@ -326,9 +326,9 @@ class ServerSupervisor:
         log.warning("starting server %s (%s) in slot %d", name, p.url, slot)
         return True
 
-    def _secrets(self) -> Path:
+    def private_dir(self) -> Path:
         if self.secrets_dir is None:
-            self.secrets_dir = self.launcher._secrets()  # the launcher's private directory (0700)
+            self.secrets_dir = self.launcher.private_dir()  # the launcher's private directory (0700)
         return Path(self.secrets_dir)
 
     @staticmethod

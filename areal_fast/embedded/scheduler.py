@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from areal_fast.embedded.sampling import SamplingParams, sample_batch
+from areal_fast.rollout.config import PAUSE_MODES  # the SGLang modes the engine imitates: the client's names
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,6 @@ class SchedulerDown(RuntimeError):
     """The scheduler thread has stopped (shut down, or crashed the way SGLang's scheduler does)."""
 
 
-PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class Scheduler:

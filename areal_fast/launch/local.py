@@ -121,7 +121,7 @@ class LocalLauncher:
                       ) -> list[LaunchedProcess]:
         """``rollout.n_servers`` inference servers on free ports of ``host``; waits for their health.
         ``api_key`` reaches them in a private key file, removed once they are healthy (or one failed)."""
-        with server_key_file(self._secrets, api_key) as key_file:
+        with server_key_file(self.private_dir, api_key) as key_file:
             out = [self.start_server(rollout_cfg, model_path, i, f"server{i}", seed=seed + i, key_file=key_file)
                    for i in range(rollout_cfg.n_servers)]
             self.wait_healthy(out, rollout_cfg.health_timeout)  # every server has read the key file
@@ -163,7 +163,7 @@ class LocalLauncher:
             while p.alive() and time.monotonic() < deadline:
                 time.sleep(_POLL_S)
 
-    def _secrets(self) -> Path:
+    def private_dir(self) -> Path:
         if self.secrets_dir is None:
             self._own_secrets_dir = tempfile.mkdtemp(prefix="areal_fast_secrets_")  # mode 0700
             self.secrets_dir = Path(self._own_secrets_dir)

@@ -177,7 +177,7 @@ class RayLauncher:
         pg = self._placement_group(bundles, self.cfg.server_strategy, "servers")
         out = []
         env = server_env(r)
-        with server_key_file(self._secrets, api_key) as key_file:
+        with server_key_file(self.private_dir, api_key) as key_file:
             for i, (actor, info) in enumerate(self._hosts(pg, bundles, "server")):
                 host = self.host_for(info["node_ip"])
                 port = ray.get(actor.free_port.remote(host))
@@ -194,7 +194,7 @@ class RayLauncher:
         gpus = rc.gpus_per_server if rc.gpus_per_server is not None else gpus_per_server(r)
         return gpus, _resources(rc.cpus_per_server or float(r.threads_per_server), gpus, rc.server_resources)
 
-    def _secrets(self) -> Path:
+    def private_dir(self) -> Path:
         """Where the API key file goes: ``secrets_dir``, or on a single node a private temporary one."""
         if self.secrets_dir is None:
             if not self.single_node:

@@ -219,7 +219,7 @@ class SlurmLauncher(LocalLauncher):
         """``rollout.n_servers`` server steps, healthy on return (the key in a private file removed then)."""
         from areal_fast.launch.base import server_key_file
 
-        with server_key_file(self._secrets, api_key) as key_file:
+        with server_key_file(self.private_dir, api_key) as key_file:
             out = [self._start_server_step(rollout_cfg, model_path, f"server{i}", seed=seed + i, key_file=key_file)
                    for i in range(rollout_cfg.n_servers)]
             for i, p in enumerate(out):

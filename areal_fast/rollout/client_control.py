@@ -23,9 +23,7 @@ from dataclasses import replace as _replace
 
 from areal_fast.rollout.calls import CONTROL_RETRY
 from areal_fast.rollout.client_pool import ServerState
-
-PAUSE_MODES = ("abort", "retract", "in_place")
-PAUSE_MODE_CHOICES = ("auto", *PAUSE_MODES)
+from areal_fast.rollout.config import PAUSE_MODE_CHOICES, PAUSE_MODES  # noqa: F401 - their home is the config's
 
 
 class ServerControl:

@@ -38,7 +38,10 @@ SERVERS = ("embedded", "sglang", "vllm")
 """Values of ``rollout.server``: the server programs the launcher starts."""
 APIS = ("sglang", "vllm")
 """Values of ``rollout.api``: the inference APIs the client speaks."""
-PAUSE_MODES = ("auto", "retract", "abort", "in_place")
+PAUSE_MODES = ("abort", "retract", "in_place")
+"""The pause modes the client knows, SGLang's names (``rollout.client_control`` maps them onto vLLM's)."""
+PAUSE_MODE_CHOICES = ("auto", *PAUSE_MODES)
+"""Values of ``rollout.pause_mode``: ``auto`` picks per server release."""
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
@@ -107,7 +110,7 @@ class RolloutConfig:
     """Seconds a server's process may leave the liveness check (GET /model_info, or /version of a vLLM
     server: answered without the scheduler) unanswered before it is declared hung (SIGSTOPped,
     deadlocked) and dropped like a dead one, by the watchdog or by a control call that timed out."""
-    pause_mode: str = option("auto", choices=PAUSE_MODES)
+    pause_mode: str = option("auto", choices=PAUSE_MODE_CHOICES)
     """How servers pause for a weight update: 'auto' (per server: 'retract' on SGLang >= 0.5.19, whose
     per-token version spans label retracted requests, else 'abort'), 'retract', 'abort' or 'in_place'
     (requests keep running on their KV across the update; updates then never flush the cache:

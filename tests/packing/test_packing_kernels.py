@@ -316,12 +316,10 @@ def every_case(device, backend, dtype, check=_check, long_case=None):
     check(same_bits(out, gr[0]))
 
 
-# Specialisations of the GPU test above, counted on CPU: its launches (every dtype, the long case too)
-# go to stand-ins that ask the real JIT functions for their cache keys (what decides a compile) under a
-# driver that targets sm_90a, without compiling or launching anything.
-_VARIANTS_SCRIPT = textwrap.dedent(
+# Just enough of a driver targeting sm_90a for the JIT to key and compile kernels without a GPU (the
+# scripts below run it in a subprocess before importing the kernels).
+FAKE_SM90_DRIVER = textwrap.dedent(
     """
-    import sys, torch
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
@@ -334,6 +332,16 @@ _VARIANTS_SCRIPT = textwrap.dedent(
         def get_benchmarker(self): return None
 
     driver.set_active(FakeDriver())
+    """
+)
+
+# Specialisations of the GPU test above, counted on CPU: its launches (every dtype, the long case too)
+# go to stand-ins that ask the real JIT functions for their cache keys (what decides a compile) under a
+# driver that targets sm_90a, without compiling or launching anything.
+_VARIANTS_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+""") + FAKE_SM90_DRIVER + textwrap.dedent("""
     from areal_fast import dispatch
     from areal_fast.kernels import packing as K
 
@@ -494,18 +502,7 @@ def test_backend_dispatch(monkeypatch):
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     import torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-
-    class FakeDriver:  # just enough of a driver for JITFunction.warmup to compile without a GPU
-        def get_current_target(self): return GPUTarget("cuda", 90, 32)
-        def get_current_device(self): return 0
-        def get_current_stream(self, device=None): return 0
-        def get_device_interface(self): return torch.cuda
-        def get_active_torch_device(self): return torch.device("cpu")
-        def get_benchmarker(self): return None
-
-    driver.set_active(FakeDriver())
+""") + FAKE_SM90_DRIVER + textwrap.dedent("""
     from areal_fast.kernels import packing as K
 
     def compile_segment_copy(T, B, ws, scatter, write_pos):

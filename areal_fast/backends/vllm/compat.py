@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from packaging.version import InvalidVersion, Version
 
 from areal_fast.backends.releases import parse_supported_version
+from areal_fast.rollout.config import APIS
 
 OLDEST_SUPPORTED = Version("0.11.0")
 NEWEST_SUPPORTED = Version("0.33.0")
@@ -226,17 +227,14 @@ def auto_vllm_pause_mode(version: str | Version) -> str:
     return "in_place" if VLLMBehaviour.of(version).token_weight_versions else "abort"
 
 
-BACKENDS = ("sglang", "vllm")
-
-
 def check_rollout_backend(api: str, server: str, external: bool, vllm_version: str) -> None:
     """Which servers may serve which API (ValueError naming the ``rollout`` key and the reason):
     ``api`` is 'sglang' or 'vllm'; vLLM servers are given in ``servers``, launched as real vLLM
     (``server: vllm``, which needs api 'vllm') or as the embedded engine's vLLM twin (``server:
     embedded``), never as SGLang; ``vllm_version`` is a release we read. What that release serves
     with the run's options is :func:`vllm_refusal`'s (``backends/checks.py`` asks both, once)."""
-    if api not in BACKENDS:
-        raise ValueError(f"api: must be one of {BACKENDS}, got {api!r}")
+    if api not in APIS:
+        raise ValueError(f"api: must be one of {APIS}, got {api!r}")
     if api != "vllm":
         if server == "vllm" and not external:
             raise ValueError(f"server: launched vLLM servers speak vLLM's API; set api 'vllm' (got {api!r})")
