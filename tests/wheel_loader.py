@@ -306,6 +306,16 @@ class WheelPackage:
         except Exception as e:
             raise ImportError(f"importing {name} from {self.label} {version} ({root}) failed: "
                               f"{type(e).__name__}: {e}; stubbed so far: {sorted(_STUBBED)}") from e
+        finally:
+            self._unlist_stubs()
+
+    def _unlist_stubs(self) -> None:
+        """Take the stubs of other packages out of ``sys.modules`` once an import is done: the wheel's
+        modules keep the stubs they imported (and get new ones on a later import), while the rest of the
+        process, which looks modules up by name (matplotlib reads ``sys.modules['IPython']``'s version),
+        never meets a stub. The package's own runtime stubs stay: they answer every importer."""
+        for k in [k for k, m in sys.modules.items() if isinstance(m, _StubModule) and not self._owns(k)]:
+            del sys.modules[k]
 
 
 @contextlib.contextmanager
