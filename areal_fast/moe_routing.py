@@ -76,6 +76,12 @@ def replay_routing(model: nn.Module, indices: list[torch.Tensor]):
     rs = routers(model)
     if len(indices) != len(rs):
         raise ValueError(f"routing replay: {len(indices)} recorded layers for {len(rs)} routers")
+    for k, (r, idx) in enumerate(zip(rs, indices)):
+        # answers are checked where they arrive; this catches rows from anywhere else (an old checkpoint)
+        # before an index past the experts reaches a gather (on CUDA a device assert, not an error)
+        if idx.numel() and (int(idx.max()) >= r.num_experts or int(idx.min()) < -1):
+            raise ValueError(f"routing replay: router {k} was given expert ids {int(idx.min())}..{int(idx.max())}, "
+                             f"outside [0, {r.num_experts}) (-1: not recorded)")
     try:
         for r, idx in zip(rs, indices):
             r._replay_indices = idx

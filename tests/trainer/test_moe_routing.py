@@ -47,6 +47,14 @@ def test_replaying_the_models_own_routing_changes_nothing_and_another_routing_is
     with pytest.raises(ValueError, match="recorded layers"):
         with replay_routing(model, other[:1]):
             pass
+    # an expert the model does not have (rows kept in an old checkpoint): refused before any forward,
+    # where a gather would index past the experts (a device assert on CUDA)
+    for bad in (3000, -2):
+        wrong = [other[0], other[1].clone()]
+        wrong[1][5, 0] = bad
+        with pytest.raises(ValueError, match=r"router 1 was given expert ids .* outside \[0, 4\)"):
+            with replay_routing(model, wrong):
+                pass
 
 
 def test_replaying_the_bf16_servers_routing_removes_most_of_the_mismatch(moe_dir):
