@@ -78,6 +78,7 @@ from areal_fast.checkpoint import Counters
 from areal_fast.group import Group, group_of, merge_parts, numbers
 from areal_fast.heap import HeapTrimmer
 from areal_fast.rollout.config import DEFAULT_BUFFER_MEMORY_MB
+from areal_fast.rollout.staleness import ADMISSION_ORDER
 from areal_fast.sample import Sample
 from areal_fast.workflow import (
     DEFAULT_WORKFLOW,
@@ -230,6 +231,7 @@ class Controller:
             while self.gate.try_admit():
                 pos = self._next_position()
                 self.counters.admitted += 1
+                ADMISSION_ORDER.set(self.counters.admitted)  # the group's task inherits it: its requests' priority
                 self.running[pos] = asyncio.create_task(self._run_group(pos), name=f"group-{pos}")
                 admitted += 1
                 if admitted % ADMIT_SLICE == 0:  # let the new groups send, and everything else run
@@ -258,8 +260,7 @@ class Controller:
         ok = False
         parked: list[tuple[int, Any]] = []  # (episode, handle): finished episodes wait in the buffer's bound
         try:
-            row = self.prompts.at(pos)
-            v0 = self.version
+            row, v0 = self.prompts.at(pos), self.version
             t0 = time.perf_counter()
 
             async def episode(k: int) -> bool:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(ROOT / "tests"))
-from bench.common import add_harness_args, append_rows, csv_list, provenance  # noqa: E402
+from bench.common import add_harness_args, csv_list, provenance, save_run  # noqa: E402
 
 MODES = ("abort", "keep", "keep_in_place")
 PROMPT = [1, 3, 4, 5, 6, 7, 8, 9]
@@ -164,17 +164,11 @@ def main(argv=None) -> int:
     md = table(rows)
     print(md)
     if not args.no_results:
-        prov = provenance(native=False)
-        res = Path(args.results)
-        res.mkdir(parents=True, exist_ok=True)
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M")
         meta = {"requests": args.requests, "max_new_tokens": args.max_new_tokens, "every_s": args.every,
                 "seconds": args.seconds, "vllm": args.version, "model": "tiny Qwen2 (hidden 128, 2 layers, vocab 32)"}
-        (res / f"vllm_pause_{stamp}.json").write_text(json.dumps({"rows": rows, "settings": meta,
-                                                                   "provenance": prov}, indent=1))
-        (res / f"vllm_pause_{stamp}.md").write_text(
-            f"# Pause modes on real vLLM {args.version} (CPU build)\n\n{json.dumps(meta)}\n\n{md}")
-        append_rows("vllm_pause", [{**r, **meta} for r in rows], res, prov)
+        save_run("vllm_pause", f"Pause modes on real vLLM {args.version} (CPU build)", rows, meta, md, args.results,
+                 stamp, provenance(native=False))
     return 0
 
 

@@ -191,6 +191,19 @@ def append_rows(name: str, rows: list[dict], results_dir: str | os.PathLike | No
     return path
 
 
+def save_run(name: str, title: str, rows: list[dict], meta: dict, md: str, results_dir: str | os.PathLike,
+             stamp: str, prov: dict) -> None:
+    """A measured run's three results: ``<name>_<stamp>.json`` (rows, settings, provenance), ``.md``
+    (``title``, the settings, the table ``md``) and its rows, with the settings, in ``<name>.jsonl``."""
+    res = Path(results_dir)
+    refuse_dirty(res, prov.get("commit"))
+    res.mkdir(parents=True, exist_ok=True)
+    (res / f"{name}_{stamp}.json").write_text(json.dumps({"rows": rows, "settings": meta, "provenance": prov},
+                                                         indent=1))
+    (res / f"{name}_{stamp}.md").write_text(f"# {title}\n\n{json.dumps(meta)}\n\n{md}")
+    append_rows(name, [{**r, **meta} for r in rows], res, prov)
+
+
 def refuse_dirty(path: str | os.PathLike, commit: str | None = None) -> None:
     """Refuse (SystemExit) to write results into the repository from a tree with uncommitted changes:
     a committed number must name the commit that measured it. ``--allow-dirty`` (or

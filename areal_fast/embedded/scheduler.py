@@ -8,7 +8,9 @@ boundary, and it cannot stop for an in-place weight load. This loop is ~300 line
 Each iteration of the scheduler thread:
   1. run queued control commands (abort, pause, continue, weight loads) -- they touch the model, so
      they run here, between two steps, never concurrently with a forward pass;
-  2. admit waiting requests (up to ``max_running``): prefill them in groups of equal length
+  2. admit waiting requests (up to ``max_running``), in vLLM's order (``policy``: ``fcfs``, first
+     come first served, or ``priority``, the lowest ``priority`` first and arrival among equals,
+     as vLLM's ``--scheduling-policy``): prefill them in groups of equal length
      (prompt plus any output kept from before a ``retract`` pause, which is recomputed)
      (no padding inside a prefill, so no attention row is ever fully masked), sample their first
      token, then merge their KV cache into the running batch by left padding (pad keys/values are
@@ -63,6 +65,8 @@ class Request:
     routing_start: int | None = None  # routed experts asked for, from this position (None: not asked)
     routing: object = None  # np.ndarray [positions, layers, top_k] int16 (engine/routing_capture.py)
     routing_end: int = 0  # positions [0, routing_end) recorded
+    priority: int = 0  # vLLM's request priority: lower runs first under the priority policy
+    arrival: int = 0  # the order of submission (set by Scheduler.submit): the tie-break among equal priorities
 
     def prefill_ids(self) -> list[int]:
         """What a prefill computes KV for: the prompt, plus the output kept over a retract."""
@@ -77,6 +81,8 @@ class SchedulerDown(RuntimeError):
     """The scheduler thread has stopped (shut down, or crashed the way SGLang's scheduler does)."""
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""vLLM's ``--scheduling-policy`` values, which order the waiting queue (see the module docstring)."""
 
 
 class Scheduler:
@@ -91,7 +97,12 @@ class Scheduler:
         seed: int = 0,
         weight_version: str = "default",
         tokenizer=None,
+        policy: str = "fcfs",
     ):
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+        self.policy = policy
+        self._arrivals = 0
         self.model = model
         self.device = next(model.parameters()).device
         self.eos_token_ids = set(eos_token_ids)
@@ -142,6 +153,8 @@ class Scheduler:
             if req.rid in self._rids:
                 raise DuplicateRid(f"rid {req.rid!r} is already running or waiting")
             self._rids.add(req.rid)
+            self._arrivals += 1
+            req.arrival = self._arrivals
             self._waiting.append(req)
             self._cv.notify_all()
 
@@ -281,8 +294,13 @@ class Scheduler:
     def _admit(self) -> None:
         admitted: list[Request] = []
         with self._cv:
-            while self._waiting and len(self._rows) + len(admitted) < self.max_running:
-                admitted.append(self._waiting.popleft())
+            room = self.max_running - len(self._rows)
+            if self.policy == "priority" and 0 < room < len(self._waiting):  # vLLM's heap: (priority, arrival)
+                ranked = sorted(self._waiting, key=lambda r: (r.priority, r.arrival))
+                admitted, self._waiting = ranked[:room], collections.deque(ranked[room:])
+            else:  # first come first served (a retract pause put its requests back at the front)
+                while self._waiting and len(self._rows) + len(admitted) < self.max_running:
+                    admitted.append(self._waiting.popleft())
         # prompts of equal length prefill together without padding (GRPO groups share a prompt):
         # 64 prompts of 32 tokens prefill in one forward instead of 64
         groups: dict[int, list[Request]] = {}

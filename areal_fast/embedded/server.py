@@ -120,6 +120,7 @@ class EngineServer(WeightUpdateRoutes):
         max_model_len: int | None = None,
         served_model_names: list[str] | None = None,
         prefix_caching: bool = False,
+        scheduling_policy: str | None = None,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -154,8 +155,10 @@ class EngineServer(WeightUpdateRoutes):
         self.tokenizer = None if skip_tokenizer_init else self._try_tokenizer(model_path)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.context_length = int(getattr(self.config, "max_position_embeddings", 2**31 - 1))
-        if api != "vllm" and (max_model_len is not None or served_model_names or prefix_caching):
-            raise ValueError("max_model_len, served_model_names and prefix_caching are vLLM's: api 'vllm' only")
+        if api != "vllm" and (max_model_len is not None or served_model_names or prefix_caching
+                              or scheduling_policy is not None):
+            raise ValueError("max_model_len, served_model_names, prefix_caching and scheduling_policy are vLLM's: "
+                             "api 'vllm' only")
         if max_model_len is not None:  # vLLM's --max-model-len (the twin's routes check it as vLLM does)
             if max_model_len < 1:
                 raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -173,6 +176,7 @@ class EngineServer(WeightUpdateRoutes):
             seed=seed,
             weight_version=weight_version,
             tokenizer=self.tokenizer,
+            policy=scheduling_policy or "fcfs",  # vLLM's --scheduling-policy (SGLang's routes: first come first served)
         )
         self.receiver = WeightReceiver(self.model, timeout_s=dist_timeout_s)
         self.lora = None  # LoRA adapters (engine/lora.py), wrapped after the receiver took the base's names

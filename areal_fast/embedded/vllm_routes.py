@@ -34,6 +34,14 @@ the rest of the context. ``GET /server_info`` reports ``cache_config.enable_pref
 the twin was started (``--[no-]enable-prefix-caching``; it caches no prefix). Every path but
 ``/health`` asks the key, as a launched vLLM's key guard does (``backends/vllm/keyguard``).
 
+Scheduling (``--scheduling-policy``, vLLM's flag): the waiting queue is first come first served by
+default; with ``priority`` it runs the completions of the lowest ``priority`` first, then by arrival,
+as vLLM's priority queue does (``embedded/scheduler.py``). A completion's ``priority`` field (a
+64-bit integer, 400 otherwise as vLLM's schema answers) is accepted under either policy: vLLM 0.32.0
+and 0.33.0 take a priority under first come first served without a word (their field's description
+says otherwise) and ignore it, and so does the twin. ``GET /server_info`` reports
+``scheduler_config.policy``.
+
 Request ids are vLLM's: a completion with ``request_id`` R is registered as ``cmpl-R-0`` (the
 engine's id of its one choice) and /abort_requests matches that id only; its answer is
 ``{"aborted": <number of ids given>}`` whether or not they matched, as vLLM answers.
@@ -64,7 +72,8 @@ _TO_SAMPLING = {"max_tokens": "max_new_tokens", "temperature": "temperature", "t
 # fields read here, or accepted at their neutral value
 _ACCEPTED = {"model", "prompt", "stream", "echo", "logprobs", "return_token_ids", "request_id", "n", "seed",
              "min_tokens", "return_weight_versions", "frequency_penalty", "presence_penalty",
-             "repetition_penalty", "spaces_between_special_tokens", "stop"}
+             "repetition_penalty", "spaces_between_special_tokens", "stop", "priority"}
+_INT64 = (-(2**63), 2**63 - 1)  # the range of vLLM's integer request fields (priority)
 
 
 def _vllm_error(message: str, status: int = 400, param: str | None = None, value=None) -> web.Response:
@@ -75,6 +84,20 @@ def _vllm_error(message: str, status: int = 400, param: str | None = None, value
         if status == 400:
             error["message"] = f"{message} (parameter={param}, value={value})"
     return web.json_response({"error": error}, status=status)
+
+
+def _schema_error(field: str, value, bound: int | None) -> web.Response:
+    """vLLM's 400 for a request field its schema refuses: not an integer (``bound`` None), or past an
+    integer ``bound`` (a lower bound when the value is below it, else the upper one)."""
+    if bound is None:
+        kind, msg, ctx = "int_type", "Input should be a valid integer", ""
+    else:
+        below = value < bound
+        kind, words, op = ("greater_than_equal", "greater", "ge") if below else ("less_than_equal", "less", "le")
+        msg, ctx = f"Input should be {words} than or equal to {bound}", f", 'ctx': {{'{op}': {bound}}}"
+    detail = f"{{'type': '{kind}', 'loc': 'body.{field}', 'msg': '{msg}', 'input': '{value}'{ctx}}}"
+    return web.json_response({"error": {"message": f"1 validation error:\n  {detail}", "type": "Bad Request",
+                                        "param": f"body.{field}", "code": 400}}, status=400)
 
 
 class VLLMRoutes:
@@ -160,9 +183,13 @@ class VLLMRoutes:
         routing_start = self._routing_start(body, len(prompt))
         if isinstance(routing_start, web.Response):
             return routing_start
+        priority = body.get("priority", 0)
+        if type(priority) is not int or not _INT64[0] <= priority <= _INT64[1]:
+            return _schema_error("priority", priority, None if type(priority) is not int else
+                                 _INT64[0] if priority < _INT64[0] else _INT64[1])
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        self.s.scheduler.submit(Request(rid=rid, input_ids=prompt, params=params, lora=lora,
+        self.s.scheduler.submit(Request(rid=rid, input_ids=prompt, params=params, lora=lora, priority=priority,
                                         routing_start=routing_start if self.s.routing is not None else None,
                                         on_finish=lambda req: loop.call_soon_threadsafe(
                                             lambda: fut.done() or fut.set_result(req))))
@@ -213,13 +240,7 @@ class VLLMRoutes:
         or not the server records routing, as vLLM does."""
         start = body.get("routed_experts_prompt_start", 0) if self._has_prompt_start else 0
         if type(start) is not int or start < 0:
-            kind, msg, ctx = (("greater_than_equal", "Input should be greater than or equal to 0", ", 'ctx': {'ge': 0}")
-                              if type(start) is int else ("int_type", "Input should be a valid integer", ""))
-            detail = (f"{{'type': '{kind}', 'loc': 'body.routed_experts_prompt_start', 'msg': '{msg}', "
-                      f"'input': '{start}'{ctx}}}")
-            return web.json_response({"error": {"message": f"1 validation error:\n  {detail}", "type": "Bad Request",
-                                                "param": "body.routed_experts_prompt_start", "code": 400}},
-                                     status=400)
+            return _schema_error("routed_experts_prompt_start", start, 0 if type(start) is int else None)
         if start > prompt_len:
             return web.json_response({"error": {
                 "message": f"routed_experts_prompt_start must be between 0 and the prompt length ({prompt_len}), "
@@ -272,6 +293,7 @@ class VLLMRoutes:
         return web.json_response({"vllm_config": {"parallel_config": parallel,
                                                   "device_config": {"device": self.s.device.type},
                                                   "cache_config": {"enable_prefix_caching": self.s.prefix_caching},
+                                                  "scheduler_config": {"policy": self.s.scheduler.policy},
                                                   "model_config": {"max_model_len": self.s.context_length}},
                                   "areal_fast_engine": "embedded"})
 

@@ -116,6 +116,7 @@ from areal_fast.rollout.client_pool import (  # noqa: F401 - the pool's names ar
     ServerUnavailable,
 )
 from areal_fast.rollout.routed_experts import check_expert_ids, from_sglang
+from areal_fast.rollout.staleness import ADMISSION_ORDER
 from areal_fast.sample import Sample
 
 try:  # the rollout extra's JSON encoder: it writes a numpy view of an array column without a Python list
@@ -161,6 +162,9 @@ class RolloutClient(ServerPool, ServerControl):
     SAMPLING_KEYS_OF = "the server"  # who knows them, for the error naming an unknown key
     UNKNOWN_KEY_NOTE = ""  # what its servers do with an unknown key, for that error
     INFO_PATH = "its facts call"  # the call that reads a server's facts, for the error when none answered
+    # the segment request carries the request's scheduling priority (``payload["priority"]``: its group's
+    # admission order, rollout.staleness.ADMISSION_ORDER) for the adapter to send where its server uses it
+    SENDS_PRIORITY = False
 
     def __init__(self, urls: list[str], *, api_key: str | None = None, request_timeout_s: float = 3600.0,
                  connect_timeout_s: float = 10.0, control_timeout_s: float = 600.0, max_attempts: int = 6,
@@ -303,8 +307,13 @@ class RolloutClient(ServerPool, ServerControl):
                              f"'{RID_SEP}segment{RID_SEP}' so that no rid on a server is a prefix of another)")
 
     async def generate(self, input_ids: Sequence[int], sampling: dict | None = None, rid: str | None = None,
-                       ) -> Sample:
+                       *, priority: int | None = None) -> Sample:
         """Generate to completion across pauses and weight updates; see the module docstring.
+
+        ``priority``: the request's place in a server's queue where the server schedules by priority
+        (lower first; every segment of the request keeps it, so a request sent again after an abort
+        pause is not queued behind newer ones); None: the admission number of the group it belongs to
+        (``rollout.staleness.ADMISSION_ORDER``, set by the controller), 0 outside a group.
 
         ``input_ids``: the prompt, any sequence of ints (a list, tuple or ``array('i')``: an array is
         sent without a Python list; an array is also the result's ``prompt_ids``, not copied). The
@@ -313,6 +322,10 @@ class RolloutClient(ServerPool, ServerControl):
         sampling = dict(sampling or {})
         self._check_request(input_ids, sampling, rid)
         sampling.pop("n", None)
+        if priority is None:
+            priority = ADMISSION_ORDER.get() or 0
+        elif type(priority) is not int:
+            raise TypeError(f"priority must be an int or None, got {type(priority).__name__}")
         max_new = int(sampling.get("max_new_tokens", 128))
         rid = rid or uuid.uuid4().hex
         if rid in self._active:
@@ -344,6 +357,8 @@ class RolloutClient(ServerPool, ServerControl):
                            "return_logprob": True, "logprob_start_len": -1, "stream": False}
                 if self.lora_name is not None:  # SGLang's name of a loaded adapter
                     payload["lora_path"] = self.lora_name
+                if self.SENDS_PRIORITY:
+                    payload["priority"] = priority
                 sent = len(prompt) + len(out_ids)
                 if width:  # only the positions not recorded yet (SGLang's and vLLM's start offset)
                     payload["return_routed_experts"] = True

@@ -5,13 +5,15 @@ A frame is a 4-byte little-endian length and one pickle (protocol 5). Messages a
 first field names them::
 
     worker -> controller                          controller -> worker
-    ("hello", index, pid)      first frame        ("gen", [(rid, ids, sampling), ...])
+    ("hello", index, pid)      first frame        ("gen", [(rid, ids, sampling, priority), ...])
     ("ready", None | error)    client started     ("cancel", rid)
     ("ans", [item, ...])       answers            ("remove", url)
     ("ack", seq, ok, result)   a control call's   ("ctl", seq, op, arg)   op: pause, continue, health
                                end                ("close",)
 
-``ids`` is the prompt as the raw bytes of an ``array('i')``. An answer ``item`` is either
+``ids`` is the prompt as the raw bytes of an ``array('i')``; ``priority`` the request's scheduling
+priority (its group's admission order, read in the controller's task: ``rollout.staleness``).
+An answer ``item`` is either
 ``(rid, error | None)`` (the worker's error, or None when the controller cancelled it) or
 ``(rid, finish_reason, ids, logprobs, versions, (matched, aborted, num_segments, servers,
 latency_s))`` with the three columns as the raw bytes of their arrays: no per-token Python object

@@ -76,8 +76,8 @@ class _Session:
         """Act on one frame from the controller (``rollout/sharded_wire.py`` has the messages)."""
         kind = msg[0]
         if kind == "gen":
-            for rid, ids, sampling in msg[1]:
-                self.tasks[rid] = asyncio.create_task(self.one(rid, ids, sampling))
+            for rid, ids, sampling, priority in msg[1]:
+                self.tasks[rid] = asyncio.create_task(self.one(rid, ids, sampling, priority))
         elif kind == "cancel":  # the controller hears of it: (rid, None), or the answer already sent
             t = self.tasks.get(msg[1])
             if t is not None and not t.done():
@@ -91,13 +91,13 @@ class _Session:
         elif kind == "ctl":
             asyncio.create_task(self.control(*msg[1:]))
 
-    async def one(self, rid: str, ids: bytes, sampling: dict) -> None:
+    async def one(self, rid: str, ids: bytes, sampling: dict, priority: int = 0) -> None:
         """Generate ``rid``; exactly one item goes back for it: the answer, the error, or (rid, None)
         when the controller cancelled it (whatever the client made of the cancellation)."""
         try:
             # the prompt goes to the client as an array, the answer's columns back as their bytes: no
             # per-token Python object on either way
-            r = await self.client.generate(as_array(ids, TOKEN_ARRAY), sampling, rid=rid)
+            r = await self.client.generate(as_array(ids, TOKEN_ARRAY), sampling, rid=rid, priority=priority)
             item = answer_item(rid, r)
             del r
         except asyncio.CancelledError:

@@ -14,12 +14,27 @@ controller can generate a replacement.
 
 :class:`StalenessManager` is the one implementation of this rule; it is the controller's ``Gate``
 (``areal_fast.controller.Gate``) as it is, with no adapter in between.
+
+The bound holds for groups that finish in the order they were admitted. A server that queues
+requests by arrival breaks that order after every abort pause: every interrupted request is sent
+again, all at once, and arrives in no particular order, so an old request can wait behind newer
+ones through several updates. :data:`ADMISSION_ORDER` is the admission number of the group a request
+belongs to (the controller sets it for each group's task; its episodes' requests inherit it), which
+the rollout client sends as the request's scheduling priority where the server runs priority
+scheduling (vLLM's ``--scheduling-policy priority``: ``docs/staleness.md``), so an interrupted
+request keeps its place in the queue.
 """
 
 from __future__ import annotations
 
 import threading
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
+
+ADMISSION_ORDER: ContextVar[int | None] = ContextVar("areal_fast_admission_order", default=None)
+"""The admission number (1, 2, ... over the run) of the group whose task is running, None outside a
+group (evaluation, a client used on its own). Set by the controller's admission loop when it
+starts a group's task, which inherits it, as do the tasks it starts (its episodes). See the module docstring."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import Any
 
 from areal_fast.columns import tokens
 from areal_fast.data.tokenizer import encode_text
+from areal_fast.rollout.staleness import ADMISSION_ORDER
 from areal_fast.sample import Sample
 from areal_fast.workflow.api import ToolResult
 
@@ -41,6 +42,9 @@ class EpisodeEngine:
         self.tool_counts = tool_counts if tool_counts is not None else Counter()
         self.reward_counts = reward_counts if reward_counts is not None else Counter()
         self._version = version
+        # the admission number of the group this episode belongs to (None outside one): every model turn
+        # carries it, whichever task asks for the turn (an agent endpoint's handler too): rollout.staleness
+        self.admission_order = ADMISSION_ORDER.get()
         self._turn = 0
         self._chat = None  # the episode's chat client (openai()), made on first use
         self._chat_client = chat_client  # its factory: chat_client(engine, **options)
@@ -111,7 +115,12 @@ class EpisodeEngine:
                                      f"(docs/config.md, 'Sampling in a training run')")
         rid = f"{self.episode_id}-{self._turn}"
         self._turn += 1
-        return await self._rollout.generate(tokens(input_ids, "input_ids"), {**self.sampling, **sampling}, rid=rid)
+        order = ADMISSION_ORDER.set(self.admission_order)
+        try:
+            return await self._rollout.generate(tokens(input_ids, "input_ids"), {**self.sampling, **sampling},
+                                                rid=rid)
+        finally:
+            ADMISSION_ORDER.reset(order)
 
     # ------------------------------------------------------------------ rewards and tools
     async def reward(self, task: dict, completion: str):

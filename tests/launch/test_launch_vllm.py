@@ -195,6 +195,25 @@ def test_prefix_caching_asked_of_a_run_that_pauses_in_place_is_refused(tmp_path)
                                    "rollout.server_args=[--enable-prefix-caching]"])
 
 
+# ---------------------------------------------------------------------------- scheduling
+def test_launched_vllm_servers_and_twins_schedule_by_priority(tmp_path):
+    """Requests sent again after an abort pause must not queue behind newer groups' (the staleness
+    bound): launched vLLM servers, and the twins a run launches, take ``--scheduling-policy priority``,
+    and a run's own ``--scheduling-policy`` is refused, naming why."""
+    from areal_fast.embedded.__main__ import parse_args
+
+    for overrides in ([], ["rollout.pause_mode=in_place"]):
+        cmd, _, _ = _command(tmp_path, VLLM + overrides)
+        assert cmd[cmd.index("--scheduling-policy") + 1] == "priority" and cmd.count("--scheduling-policy") == 1
+    twin, _, _ = _command(tmp_path, ["rollout.api=vllm", "rollout.server=embedded"])
+    assert twin[twin.index("--scheduling-policy") + 1] == "priority"
+    args = twin[twin.index("--model-path"):]
+    del args[args.index("--config"):args.index("--config") + 2]  # the key file is gone with its context
+    assert parse_args(args).scheduling_policy == "priority"
+    with pytest.raises(ValueError, match="--scheduling-policy is set by the launcher"):
+        _command(tmp_path, VLLM + ["rollout.server_args=[--scheduling-policy=fcfs]"])
+
+
 def test_a_pythonpath_of_the_user_s_keeps_the_key_guard_first(tmp_path):
     from areal_fast.backends.vllm.server_command import KEYGUARD_DIR
 

@@ -146,6 +146,33 @@ def ci(mean: float, half: float, digits: int = 3) -> tuple[str, ...]:
     return tuple(f"{v:.{digits}f}" for v in (mean, mean - half, mean + half))
 
 
+def vllm_staleness(server_args: list[str]) -> Callable[[], tuple[str, ...]]:
+    """docs/staleness.md's measurement on real vLLM started with ``server_args`` (the newest invocation's
+    runs), per scheduling policy (first come first served, then priority): steps over eta of steps, their
+    largest staleness_max, trained groups over eta of groups; then the runs of each, and the shortest and
+    longest run's wall time (s)."""
+    def figures():
+        found = [r for r in rows("vllm_staleness.jsonl") if r.get("server_args", []) == server_args]
+        assert found, f"bench/results/vllm_staleness.jsonl has no run with server_args {server_args}"
+        runs = [r for r in found if r["measurement"] == found[-1]["measurement"]]
+        out = []
+        for policy in ("fcfs", "priority"):
+            mine = [r for r in runs if r["policy"] == policy]
+            out += [str(sum(r["steps_over_eta"] for r in mine)), thousands(sum(r["steps"] for r in mine)),
+                    str(max(r["staleness_max"] for r in mine)), str(sum(r["groups_over_eta"] for r in mine)),
+                    thousands(sum(r["groups"] for r in mine))]
+        walls = [r["wall_s"] for r in runs]
+        return (*out, str(len(runs) // 2), thousands(min(walls)), thousands(max(walls)))
+    return figures
+
+
+def vllm_staleness_spread() -> tuple[str, ...]:
+    """The fewest and most steps over eta of one run, either policy, in docs/staleness.md's first measurement."""
+    found = [r for r in rows("vllm_staleness.jsonl") if r.get("server_args", []) == []]
+    runs = [r["steps_over_eta"] for r in found if r["measurement"] == found[-1]["measurement"]]
+    return str(min(runs)), str(max(runs))
+
+
 def vllm_pause(mode: str) -> Callable[[], tuple[str, ...]]:
     """docs/vllm.md's pause table: tokens/s, median update time, recomputed tokens, preemptions."""
     def figures():
@@ -1291,6 +1318,17 @@ FIGURES = [
     *(Figure("docs/staleness_ablation.md", f"| {eta} | {objective} | {adv} | {{}} ± {{}} | {{}} ± {{}} | {{}} ± {{}} | "
              "{} | {} / {} | {}% |", "staleness.jsonl", staleness_arm(eta, objective, adv))
       for adv in ("grpo", "rloo") for objective in ("recompute", "loglinear", "naive") for eta in (0, 1, 2, 4, 8, 16)),
+    Figure("docs/staleness.md", "First come first served (vLLM's default): {} of {} steps trained a group older than "
+           "eta (staleness_max up to {}; {} of {} trained groups); by priority: {} of {} steps (staleness_max up to "
+           "{}; {} of {} groups). {} runs of each, alternating; a run of 120 steps took {}-{} s",
+           "vllm_staleness.jsonl", vllm_staleness([])),
+    Figure("docs/staleness.md", "beyond the spread between runs ({} to {} steps a run under either)",
+           "vllm_staleness.jsonl", vllm_staleness_spread),
+    Figure("docs/staleness.md", "With `--max-num-seqs 32` (a quarter of them at once), first come first served: "
+           "{} of {} steps over eta (staleness_max up to {}; {} of {} groups); by priority: {} of {} steps "
+           "(staleness_max up to {}; {} of {} groups). {} runs of each, alternating; a run took {}-{} s",
+           "vllm_staleness.jsonl",
+           vllm_staleness(["--max-num-seqs", "32"])),
     Figure("docs/staleness_ablation.md", "{}/{} runs, none failed, **{} min wall**", "staleness_20261123_1842.json",
            part(staleness_sweep, 0, 3)),
     Figure("docs/staleness_ablation.md", "and ~{} s per run, its start-up included", "staleness_20261123_1842.json",

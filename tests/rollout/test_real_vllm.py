@@ -208,6 +208,18 @@ def test_a_request_that_arrives_during_an_abort_pause_waits_for_resume(server):
     assert len(seg) == 8 and seg.finish["type"] == "length"
 
 
+def test_the_waiting_queue_is_scheduled_by_priority_as_launched(server):
+    """Both run ``--scheduling-policy priority`` (the launcher's; the twin's as a run launches it) and
+    say so in ``/server_info``; a completion's ``priority`` is taken, and one that is not an integer is
+    vLLM's schema error (``tests/rollout/test_vllm_engine.py`` holds the order it gives the queue)."""
+    info = _http(f"{server}/server_info?config_format=json")[1]["vllm_config"]
+    assert info["scheduler_config"]["policy"] == "priority"
+    body = {"model": "default", "prompt": PROMPT, "max_tokens": 2, "priority": 3}
+    assert _http(f"{server}/v1/completions", "POST", body)[0] == 200
+    status, e = _http(f"{server}/v1/completions", "POST", {**body, "priority": "soon"})
+    assert status == 400 and "priority" in json.dumps(e), e
+
+
 def test_every_token_carries_the_version_that_made_it_across_updates(server, real_vllm):
     """Requests in flight across two disk updates (pause abort, reload, label, resume), and one
     segment that reached the server during the pause (it would run under the new weights): every

@@ -68,7 +68,7 @@ def test_config_in_place_for_launched_sglang_needs_its_flags_and_a_release_with_
         _check(RolloutConfig(pause_mode="in_place", server="sglang", server_args=FLAGS))
     # servers the run does not launch: checked by the client before its first pause
     _check(RolloutConfig(pause_mode="in_place", server="sglang", servers=["http://127.0.0.1:1"]))
-    with pytest.raises(ValueError, match=r"one of \('auto', 'retract', 'abort', 'in_place'\)"):
+    with pytest.raises(ValueError, match=r"one of \('auto', 'abort', 'retract', 'in_place'\)"):
         RolloutConfig(pause_mode="sometimes")
 
 

@@ -135,3 +135,58 @@ def test_bound_holds_under_any_interleaving(ops, b, eta, mc, strict):
     s = m.stats()
     assert (s["admitted"], m.counts.accepted, s["rejected"], s["dropped_stale"]) == (
         admitted, accepted, rejected, dropped)
+
+
+def test_every_request_of_a_group_carries_its_admission_order(tmp_path):
+    """The controller sets ``ADMISSION_ORDER`` in each group's task, and every request of the group's
+    episodes inherits it: the numbers 1, 2, ... in the order the groups were admitted (the rollout
+    client sends it as the request's scheduling priority, so a request sent again after a pause keeps
+    its group's place). Outside a group there is none."""
+    import asyncio
+
+    from fakes import VersionTaggingRollout, make_controller
+
+    from areal_fast.rollout.staleness import ADMISSION_ORDER
+
+    seen: dict[str, int | None] = {}
+
+    class Recording(VersionTaggingRollout):
+        async def generate(self, input_ids, sampling, rid):
+            seen[rid] = ADMISSION_ORDER.get()
+            return await super().generate(input_ids, sampling, rid)
+
+    ctl, _, server = make_controller(tmp_path, eta=1, steps=4)
+    ctl.rollout = Recording(server)
+    asyncio.run(ctl.run())
+    by_position: dict[int, set] = {}
+    for rid, order in seen.items():  # <incarnation>-<position>-<episode>-<turn>
+        by_position.setdefault(int(rid.split("-")[1]), set()).add(order)
+    assert all(len(orders) == 1 for orders in by_position.values()), by_position  # one number per group
+    orders = [next(iter(by_position[p])) for p in sorted(by_position)]
+    assert orders == list(range(1, len(orders) + 1)) and len(orders) <= ctl.counters.admitted  # no requeue here
+    assert ADMISSION_ORDER.get() is None
+
+
+def test_an_episode_s_turns_carry_its_group_s_admission_order_from_any_task():
+    """The episode's engine handle keeps the order it was made with: a turn asked from another task (an
+    agent endpoint's handler, which does not run in the group's task) carries it too."""
+    import asyncio
+    import contextvars
+
+    from areal_fast.rollout.staleness import ADMISSION_ORDER
+    from areal_fast.workflow.engine import EpisodeEngine
+
+    seen = []
+
+    class Rollout:
+        async def generate(self, input_ids, sampling, rid):
+            seen.append((rid, ADMISSION_ORDER.get()))
+
+    async def run():
+        ADMISSION_ORDER.set(7)  # the group's task
+        engine = EpisodeEngine(Rollout(), None, None, {}, "ep")
+        await asyncio.create_task(engine.generate([1, 2]), context=contextvars.Context())  # a foreign task
+        await engine.generate([1, 2])
+        return ADMISSION_ORDER.get()
+
+    assert asyncio.run(run()) == 7 and seen == [("ep-0", 7), ("ep-1", 7)]

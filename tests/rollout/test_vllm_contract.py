@@ -44,7 +44,7 @@ def _completion_type(version: str):
 
 def _bodies(version: str) -> list[dict]:
     b = VLLMBehaviour.of(version)
-    return [vr.completion_body([5, 6, 7], SAMPLING, "rid|0|", b),
+    return [vr.completion_body([5, 6, 7], SAMPLING, "rid|0|", b, priority=7),
             vr.completion_body([1], {"max_new_tokens": 1, "top_k": -1}, "r2|3|", b)]
 
 
@@ -61,6 +61,7 @@ def test_completion_bodies_parse_as_vllm_completion_request(version):
         assert getattr(req, "request_id", body["request_id"]) == body["request_id"]
     if VLLMBehaviour.of(version).token_weight_versions:
         assert cls.model_validate(_bodies(version)[0]).return_weight_versions is True
+    assert cls.model_validate(_bodies(version)[0]).priority == 7  # the group's admission order
 
 
 @pytest.mark.parametrize("version", CONTRACT_VERSIONS)
@@ -137,6 +138,11 @@ def test_server_command_flags_are_vllm_flags(version):
     # the check can fail: a prefix of a real flag and SGLang's spelling are not vLLM flags
     assert unknown_vllm_flags(version, [*cmd, "--load", "--model-path"]) == ["--load", "--model-path"]
     assert (source_dir_or_skip(version) / "vllm/entrypoints/openai/api_server.py").is_file()
+    # the value of --scheduling-policy is one of vLLM's policies (its config's Literal, which the parser takes)
+    policy = cmd[cmd.index("--scheduling-policy") + 1]
+    literal = re.search(r"SchedulerPolicy = Literal\[(.*?)\]",
+                        (source_dir_or_skip(version) / "vllm/config/scheduler.py").read_text())
+    assert literal and f'"{policy}"' in literal.group(1), f"vLLM {version}: no scheduling policy {policy!r}"
 
 
 def _dataclass_fields(text: str, cls: str) -> set[str]:

@@ -251,3 +251,101 @@ def test_a_server_that_caches_prefixes_is_not_paused_in_place(model_dir):
             asyncio.run(connect("abort"))
     finally:
         h.stop()
+
+
+# ---------------------------------------------------------------------------- scheduling
+def test_a_request_sent_again_after_an_abort_pause_keeps_its_group_s_place(model_dir):
+    """vLLM queues by arrival unless started with ``--scheduling-policy priority`` (the launcher's, and
+    the twin's as a run launches it: ``embedded_vllm_args``). After an abort pause every interrupted
+    request is sent again at once, and they arrive in no set order: here the newer groups' requests
+    arrive first (sent during the pause, which vLLM 0.32 queues), one request runs at a time, and the
+    interrupted request of the oldest group must still run before the newest group's: every segment
+    carries its group's admission order (``ADMISSION_ORDER``) as its priority. Queued by arrival it
+    ran last, behind both newer groups (and, with updates in between, past the staleness bound)."""
+    from areal_fast.backends.vllm.server_command import embedded_vllm_args
+    from areal_fast.embedded.__main__ import parse_args
+    from areal_fast.rollout.staleness import ADMISSION_ORDER
+
+    launched = parse_args(["--model", model_dir, *embedded_vllm_args("0.32.0")])
+    h = start_engine_in_thread(model_dir, seed=1, api="vllm", vllm_version="0.32.0", weight_version="0",
+                               max_running_requests=1, scheduling_policy=launched.scheduling_policy)
+    sampling = {"max_new_tokens": 24, "ignore_eos": True, "temperature": 1.0}
+    finished: list[str] = []
+
+    async def group_request(client, order: int, rid: str):
+        ADMISSION_ORDER.set(order)  # as the controller sets it in the group's task
+        s = await client.generate(PROMPT, sampling, rid=rid)
+        finished.append(rid)
+        return s
+
+    async def run():
+        async with VLLMRolloutClient([h.url], vllm_version="0.32.0", pause_mode="abort") as c, \
+                VLLMRolloutClient([h.url], vllm_version="0.32.0") as newer:
+            old = asyncio.create_task(group_request(c, 1, "old"))
+            await until_running(h, 2, task=old)
+            await c.pause_all()
+            await wait_until(lambda: c.servers[0].in_flight == 0, "the interrupted segment to come back")
+            news = [asyncio.create_task(group_request(newer, k, f"new{k}")) for k in (2, 3)]
+            await wait_until(lambda: len(h.server.scheduler._waiting) == 2, "the newer requests to queue")
+            assert (await asyncio.to_thread(_post, h.url + "/update_weight_version", {"new_version": "1"}))[0] == 200
+            await c.continue_all()
+            return await asyncio.wait_for(asyncio.gather(old, *news), 120)
+
+    try:
+        old, *_ = asyncio.run(run())
+    finally:
+        h.stop()
+    assert old.num_segments == 2 and old.output_versions[0] == 0 and old.output_versions[-1] == 1
+    assert finished.index("old") < finished.index("new3"), f"finished in the order {finished}"
+
+
+def test_the_twin_schedules_and_reports_as_vllm_started_so(model_dir):
+    """``--scheduling-policy`` (vLLM's flag, ``--api vllm`` only) is reported in ``/server_info``; a
+    completion's ``priority`` is taken under either policy (vLLM 0.32 and 0.33 take it under first
+    come first served and ignore it) and refused with vLLM's schema answer when not a 64-bit integer."""
+    from areal_fast.embedded.__main__ import parse_args
+
+    assert parse_args(["--model", model_dir, "--api", "vllm"]).scheduling_policy is None
+    with pytest.raises(SystemExit):
+        parse_args(["--model", model_dir, "--scheduling-policy", "priority"])  # vLLM's: --api vllm only
+    with pytest.raises(SystemExit):
+        parse_args(["--model", model_dir, "--api", "vllm", "--scheduling-policy", "lifo"])
+    for policy in (None, "priority"):
+        h = start_engine_in_thread(model_dir, api="vllm", vllm_version="0.32.0", scheduling_policy=policy)
+        try:
+            info = _get(h.url + "/server_info")[1]["vllm_config"]
+            assert info["scheduler_config"]["policy"] == (policy or "fcfs")
+            body = {"prompt": PROMPT, "max_tokens": 2, "priority": -5}
+            assert _call(h.url + "/v1/completions", "POST", body)[0] == 200
+            for bad in ("1", 1.5, 2**63):
+                status, e = _call(h.url + "/v1/completions", "POST", {**body, "priority": bad})
+                assert status == 400 and e["error"]["param"] == "body.priority", (bad, e)
+        finally:
+            h.stop()
+
+
+def test_a_first_come_first_served_server_paused_with_abort_is_named_in_a_warning(model_dir, caplog):
+    """The client connects to a server it will pause with abort and reads its scheduling policy: first
+    come first served is named, with the flag that fixes it; a priority server, or one paused in
+    place (its requests stay on the server), is not."""
+    import logging
+
+    async def connect(url, mode):
+        async with VLLMRolloutClient([url], vllm_version="0.32.0", pause_mode=mode) as c:
+            s = await c.generate(PROMPT, {"max_new_tokens": 2}, rid="q")
+            return c.servers[0].info.get("scheduling_policy"), s
+
+    warned = {}
+    for policy in (None, "priority"):
+        h = start_engine_in_thread(model_dir, api="vllm", vllm_version="0.32.0", scheduling_policy=policy)
+        try:
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="areal_fast.backends.vllm.client"):
+                got, _ = asyncio.run(connect(h.url, "abort"))
+            assert got == (policy or "fcfs")
+            warned[got] = [r.getMessage() for r in caplog.records if "--scheduling-policy priority" in r.getMessage()]
+            if got == "fcfs":
+                assert len(warned[got]) == 1 and h.url in warned[got][0], warned[got]
+        finally:
+            h.stop()
+    assert not warned["priority"]

@@ -21,6 +21,14 @@ is only what vLLM spells differently (``docs/vllm.md``; the bodies come from ``r
   with a mode that resolves to in place, or at the first such pause, and a server with
   ``enable_prefix_caching`` on is refused, naming the fix (``--no-enable-prefix-caching`` or
   ``pause_mode: abort``; an abort pause with vLLM's default ``clear_cache=true`` resets the cache);
+- scheduling: every completion carries the request's ``priority``, the admission order of its
+  group (``rollout.staleness.ADMISSION_ORDER``), the same for every segment. A server started with
+  ``--scheduling-policy priority`` (the launcher's) runs the oldest groups' requests first, so a
+  request interrupted by an abort pause and sent again is never queued behind newer ones; vLLM's
+  default, first come first served, ignores the field, and there the requests sent again after a
+  pause queue in whatever order they arrive (``docs/staleness.md``, "The server's queue"). A server
+  the client pauses with abort that reports another policy in its ``/server_info`` is named in a
+  warning when the client connects;
 - a server's release is what its ``/version`` reports, read leniently (``compat.served_release``:
   ``0.33.0+cu126`` is 0.33.0, a newer release behaves as the newest one read, with a warning);
   the model name every completion carries is the one ``/v1/models`` lists.
@@ -82,6 +90,7 @@ class VLLMRolloutClient(RolloutClient):
     SAMPLING_KEYS = SGLANG_SAMPLING_KEYS
     SAMPLING_KEYS_OF = "SGLang (the client's names, mapped to vLLM's)"
     INFO_PATH = "GET /version"
+    SENDS_PRIORITY = True  # every completion carries its group's admission order (see the module docstring)
 
     def __init__(self, urls: list[str], *, vllm_version: str = DEFAULT_VLLM_VERSION, **options):
         if options.get("pause_mode") == "retract":
@@ -117,24 +126,48 @@ class VLLMRolloutClient(RolloutClient):
         except (RolloutError, KeyError, IndexError, TypeError):
             pass  # a twin or server without the list: the launcher's --served-model-name
         apply_server_info(s, {"version": str(release), "reported_version": reported, "engine": "vllm", "model": model})
-        if self._mode_for(s, self.default_pause_mode) == "in_place":
+        mode = self._mode_for(s, self.default_pause_mode)
+        if mode == "in_place":
             refusal = await self._prefix_cache_refusal(s)
             if refusal:
                 raise RequestError(f"{s.url}{SERVER_INFO_PATH}", 200, refusal)  # refused, not retried
+        elif mode == "abort" and self.behaviour(s).has_pause:
+            await self._warn_first_come_first_served(s)
         await self._current_weight_version(s)
         return s.info
+
+    async def _server_config(self, s: ServerState) -> None:
+        """What the client reads of ``s``'s ``/server_info`` (dev mode, as /pause): its prefix caching
+        and its scheduling policy, into ``s.info`` (None where not known), once per server."""
+        if "prefix_caching" in s.info:
+            return
+        try:
+            config = (await self._call(s, "GET", SERVER_INFO_PATH, timeout_s=self.control_timeout_s)
+                      or {}).get("vllm_config") or {}
+            s.info["prefix_caching"] = (config.get("cache_config") or {}).get("enable_prefix_caching")
+            s.info["scheduling_policy"] = str_or_none((config.get("scheduler_config") or {}).get("policy"))
+        except (RolloutError, AttributeError, *no_answer_errors()):
+            s.info["prefix_caching"] = s.info["scheduling_policy"] = None
+
+    async def _warn_first_come_first_served(self, s: ServerState) -> None:
+        """A warning for a server paused with abort that schedules first come first served (see the
+        module docstring). A warning, not a refusal: what it costs is staleness past the bound, which
+        the decoupled objective corrects and ``rollout.strict_staleness`` bounds, not a wrong label or
+        log-prob; and a server started by someone else may not be ours to restart."""
+        await self._server_config(s)
+        policy = s.info.get("scheduling_policy")
+        if policy is not None and policy != "priority":
+            log.warning("%s schedules requests %r (first come first served): the requests an abort pause "
+                        "interrupts are sent again after every weight update in the order they arrive, and can "
+                        "queue behind newer ones, so trained groups can be older than rollout.max_staleness; "
+                        "start it with --scheduling-policy priority (each request carries its group's admission "
+                        "order as its priority; docs/staleness.md)", s.url, policy)
 
     async def _prefix_cache_refusal(self, s: ServerState) -> str | None:
         """Why ``s`` may not be paused in place (its prefix cache is on: see the module docstring), or
         None. Read once per server from ``/server_info``; a server without it (not in dev mode, whose
         /pause is missing too) is not refused here."""
-        if "prefix_caching" not in s.info:
-            try:
-                data = await self._call(s, "GET", SERVER_INFO_PATH, timeout_s=self.control_timeout_s)
-                cache = ((data or {}).get("vllm_config") or {}).get("cache_config") or {}
-                s.info["prefix_caching"] = cache.get("enable_prefix_caching")
-            except (RolloutError, AttributeError, *no_answer_errors()):
-                s.info["prefix_caching"] = None
+        await self._server_config(s)
         if s.info["prefix_caching"] is True:
             return (f"pause mode 'in_place' refused for {s.url}: it caches prompt prefixes (enable_prefix_caching), "
                     f"and a pause in place keeps that cache across a weight update, so new requests would be computed "
@@ -157,10 +190,12 @@ class VLLMRolloutClient(RolloutClient):
         b = self.behaviour(server)
         ids = payload["input_ids"]
         model = self.lora_name or server.info.get("model", DEFAULT_MODEL)  # a LoRA run names its adapter
+        priority = payload.get("priority")  # the group's admission order (see the module docstring)
         if isinstance(ids, list | tuple):
-            body = completion_body(ids, payload["sampling_params"], attempt_rid, b, model)
+            body = completion_body(ids, payload["sampling_params"], attempt_rid, b, model, priority=priority)
         else:  # the shared client's pre-encoded ids (an orjson Fragment): sent as they are
-            body = {**completion_body([0], payload["sampling_params"], attempt_rid, b, model), "prompt": ids}
+            body = {**completion_body([0], payload["sampling_params"], attempt_rid, b, model, priority=priority),
+                    "prompt": ids}
         if payload.get("return_routed_experts"):  # vLLM answers routing when launched to; skip recorded rows
             n = len(ids) if isinstance(ids, list | tuple) else None  # pre-encoded: the client counted them
             body.update(routing_start_field(payload["routed_experts_start_len"], n, b))

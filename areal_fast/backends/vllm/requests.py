@@ -51,13 +51,17 @@ NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, 
 
 
 def completion_body(prompt_ids: Sequence[int], sampling: dict, request_id: str, behaviour: VLLMBehaviour,
-                    model: str = DEFAULT_MODEL, routed_experts_prompt_start: int | None = None) -> dict:
+                    model: str = DEFAULT_MODEL, routed_experts_prompt_start: int | None = None,
+                    priority: int | None = None) -> dict:
     """The body of ``POST /v1/completions`` for one sample of ``prompt_ids`` (token ids in and out,
     one log-prob a token, the weight-version spans where the release has them). Every key of
     ``NEUTRAL_SAMPLING`` is sent, the caller's value or the neutral one; ``top_k`` -1 (ours: off)
     is vLLM's off, 0. ``routed_experts_prompt_start`` (a server started with
     ``--enable-return-routed-experts`` returns the routing of every request): skip that many prompt
-    tokens' rows (``rollout/routed_experts.py``; 0.32.0 on)."""
+    tokens' rows (``rollout/routed_experts.py``; 0.32.0 on). ``priority``: the request's place in a
+    server started with ``--scheduling-policy priority`` (lower first, then arrival); every release
+    we serve takes the field, and one that schedules first come first served ignores it without a
+    word (0.11.0 .. 0.33.0 read it so)."""
     unknown = sorted(k for k in sampling if k not in SAMPLING_KEY_TO_VLLM and k != "n")
     if unknown:
         raise ValueError(f"sampling_params.{unknown[0]}: no vLLM equivalent (vLLM takes "
@@ -74,6 +78,8 @@ def completion_body(prompt_ids: Sequence[int], sampling: dict, request_id: str, 
     body.setdefault("max_tokens", 128)
     if behaviour.token_weight_versions:
         body["return_weight_versions"] = True
+    if priority is not None:
+        body["priority"] = int(priority)
     if routed_experts_prompt_start is not None:
         body.update(routing_start_field(routed_experts_prompt_start, len(body["prompt"]), behaviour))
     return body

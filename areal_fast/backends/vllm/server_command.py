@@ -3,7 +3,7 @@ SGLang's and the embedded engine's builder), from vLLM's own CLI flags (``docs/v
 
     python -m vllm.entrypoints.openai.api_server --model P --host H --port N
         --tensor-parallel-size T --served-model-name default [--config KEYFILE.yaml]
-        --logprobs-mode processed_logprobs --generation-config vllm
+        --logprobs-mode processed_logprobs --generation-config vllm --scheduling-policy priority
         [--dtype D] [--seed S] [--max-num-seqs M] [--load-format F]
         [--weight-transfer-config '{"backend": "nccl"}']      (0.16.0 on, for weights.method distributed)
         [--no-enable-prefix-caching]                          (runs that pause in place)
@@ -28,6 +28,13 @@ a dependency-free ASGI middleware that asks the same key on every route but ``/h
 last on the line, so vLLM adds it last: the outermost layer, before any middleware of the extra
 arguments. It is imported by vLLM's interpreter (an environment of its own): its directory, which
 holds that one module, goes first on the server's ``PYTHONPATH`` (:func:`vllm_server_env`).
+
+Scheduling. ``--scheduling-policy priority``: the waiting queue runs the lowest ``priority`` first
+(then by arrival), and every completion carries its group's admission order as its priority
+(``client.VLLMRolloutClient``). vLLM's default, first come first served, queues by arrival: after
+an abort pause every interrupted request is sent again at once, they arrive in no set order, and an
+old one can wait behind newer groups' requests through several updates, so the staleness bound
+(``docs/staleness.md``) stops holding for it. vLLM 0.11.0 .. 0.33.0 have the flag and the field.
 
 Prefix caching. vLLM caches the KV of prompt prefixes by default; a pause in place
 (``/pause?mode=keep&clear_cache=false``) keeps that cache across a weight update (the kept requests
@@ -60,6 +67,9 @@ KEYGUARD = "areal_fast_vllm_keyguard.KeyGuard"
 SAMPLING_FLAGS = ("--logprobs-mode", "processed_logprobs", "--generation-config", "vllm")
 """Every launched vLLM server's: behaviour log-probs of the sampled distribution, vLLM's own
 sampling defaults (see the module docstring)."""
+SCHEDULING_FLAGS = ("--scheduling-policy", "priority")
+"""Every launched vLLM server's: requests queued by their group's admission order (see the module
+docstring)."""
 # vLLM's flags for its parallel layout: a server takes tensor x pipeline x data-parallel GPUs
 PARALLEL_FLAGS = {"--tensor-parallel-size": "tp", "-tp": "tp", "--pipeline-parallel-size": "pp", "-pp": "pp",
                   "--data-parallel-size": "dp", "-dp": "dp"}
@@ -85,11 +95,14 @@ def vllm_server_command(model_path: str, host: str, port: int, *, version: str, 
                         api_key_file: str | os.PathLike | None = None, dtype: str | None = None,
                         seed: int | None = None, max_num_seqs: int | None = None,
                         load_format: str | None = None, weight_transfer: bool = False, prefix_caching: bool = True,
-                        extra_args: Sequence[str] = (), python: str = sys.executable) -> list[str]:
+                        scheduling_policy: str = "priority", extra_args: Sequence[str] = (),
+                        python: str = sys.executable) -> list[str]:
     """The command of one vLLM ``version`` server. ``weight_transfer`` turns on the NCCL weight-transfer
     engine (refused, naming the version, before 0.16.0); ``prefix_caching`` False turns vLLM's prefix
-    cache off (a run that pauses in place: :func:`prefix_caching_for`). The key file, never the key,
-    is on the line; the key guard's ``--middleware`` ends it (see the module docstring)."""
+    cache off (a run that pauses in place: :func:`prefix_caching_for`); ``scheduling_policy``: the
+    launcher's ``priority`` (see the module docstring), or ``fcfs``, vLLM's default, for a measurement
+    of what a server started without it does. The key file, never the key, is on the line; the key
+    guard's ``--middleware`` ends it (see the module docstring)."""
     b = VLLMBehaviour.of(version)
     if not model_path:
         raise ValueError("vllm_server_command: model_path is empty")
@@ -104,12 +117,20 @@ def vllm_server_command(model_path: str, host: str, port: int, *, version: str, 
         if any(a == flag or a.startswith(flag + "=") for a in extra_args):
             raise ValueError(f"vllm_server_command: {flag} is set by the launcher ({' '.join(SAMPLING_FLAGS)}: the "
                              f"log-probs and sampling defaults the trainer assumes); remove it from the extra args")
+    if scheduling_policy not in ("fcfs", "priority"):
+        raise ValueError(f"vllm_server_command: scheduling_policy must be 'priority' or 'fcfs', "
+                         f"got {scheduling_policy!r}")
+    if any(a == SCHEDULING_FLAGS[0] or a.startswith(SCHEDULING_FLAGS[0] + "=") for a in extra_args):
+        raise ValueError(f"vllm_server_command: {SCHEDULING_FLAGS[0]} is set by the launcher "
+                         f"({' '.join(SCHEDULING_FLAGS)}: a request sent again after an abort pause keeps its "
+                         f"group's place in the queue, which the staleness bound needs); remove it from the extra args")
     if not prefix_caching and "--enable-prefix-caching" in extra_args:
         raise ValueError("vllm_server_command: --enable-prefix-caching in the extra args of a run that pauses in "
                          "place: a kept cache would serve KV of the old weights after an update; remove it or "
                          "pause with 'abort'")
     cmd = [python, "-m", VLLM_MODULE, "--model", model_path, "--host", host, "--port", str(port),
-           "--tensor-parallel-size", str(tp_size), "--served-model-name", DEFAULT_MODEL, *SAMPLING_FLAGS]
+           "--tensor-parallel-size", str(tp_size), "--served-model-name", DEFAULT_MODEL, *SAMPLING_FLAGS,
+           SCHEDULING_FLAGS[0], scheduling_policy]
     if api_key_file is not None:
         cmd += ["--config", os.fspath(api_key_file)]
     for flag, value in (("--dtype", dtype), ("--seed", seed), ("--max-num-seqs", max_num_seqs),
@@ -142,6 +163,7 @@ def vllm_server_env(environ: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def embedded_vllm_args(version: str) -> list[str]:
-    """The embedded engine's flags that make it vLLM ``version``'s twin."""
+    """The embedded engine's flags that make it vLLM ``version``'s twin, scheduling as a launched
+    vLLM server does (``SCHEDULING_FLAGS``)."""
     VLLMBehaviour.of(version)
-    return ["--api", "vllm", "--vllm-version", str(version)]
+    return ["--api", "vllm", "--vllm-version", str(version), *SCHEDULING_FLAGS]
