@@ -288,8 +288,14 @@ def test_keep_pause_recomputes_the_kept_requests_unless_clear_cache_is_false(rea
     def preempted_by(query: str) -> float:
         async def go():
             async with VLLMRolloutClient([url], vllm_version=VLLM_CPU_VERSION, api_key=KEY) as c:
+                # sent while the server is paused (nothing runs, nothing to preempt), the three start
+                # together at /resume: on a loaded machine none ends before the last was even sent
+                assert _http(f"{url}/pause?mode=keep", "POST")[0] == 200
                 tasks = [asyncio.create_task(c.generate(PROMPT, LONG, rid=f"k{i}")) for i in range(3)]
-                await _in_flight(c, tasks, 3)
+                try:
+                    await _in_flight(c, tasks, 3)
+                finally:
+                    assert _http(f"{url}/resume", "POST")[0] == 200
 
                 async def running() -> bool:  # on the server, holding KV (the gauge moves every step)
                     if any(t.done() for t in tasks):
