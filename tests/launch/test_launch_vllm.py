@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -110,7 +111,8 @@ def _guard_module():
     return mod
 
 
-def _through(guard_of, path: str, authorization: str | None = None, kind: str = "http", app=None):
+def _through(guard_of, path: str, authorization: str | None = None, kind: str = "http", app=None,
+             root_path: str = ""):
     """What the guard (``guard_of(inner app)``) does with one request: (the inner app was reached,
     the messages sent back)."""
     import asyncio
@@ -127,7 +129,7 @@ def _through(guard_of, path: str, authorization: str | None = None, kind: str = 
         return {"type": "http.request", "body": b""}
 
     headers = [(b"authorization", authorization.encode())] if authorization is not None else []
-    scope = {"type": kind, "path": path, "root_path": "", "method": "POST", "headers": headers}
+    scope = {"type": kind, "path": path, "root_path": root_path, "method": "POST", "headers": headers}
     if app is not None:
         scope["app"] = app
     asyncio.run(guard_of(inner)(scope, receive, send))
@@ -149,17 +151,22 @@ def test_the_key_guard_lets_nothing_but_health_through_without_the_key():
     assert _through(guard, "/pause", kind="lifespan")[0]
     # the keys of several --api-key values: each one opens, others do not
     assert _through(lambda app: g.KeyGuard(app, keys=["a", "b"]), "/pause", "Bearer b")[0]
-    # no key anywhere: open, as vLLM is; the key file gone before the import: vLLM's own parsed key, else closed
+    # no key anywhere: open, as vLLM is; keys not known (a key file gone on a release without parsed
+    # arguments): closed
     assert _through(lambda app: g.KeyGuard(app, keys=[]), "/pause")[0]
     assert not _through(lambda app: g.KeyGuard(app, keys=None), "/pause", f"Bearer {KEY}")[0]
 
-    class App:  # vLLM's FastAPI app: its parsed arguments on app.state.args
-        class state:
-            class args:
-                api_key = [KEY]
+    def app_with(api_key):  # vLLM's FastAPI app: its parsed arguments on app.state.args
+        return types.SimpleNamespace(state=types.SimpleNamespace(args=types.SimpleNamespace(api_key=api_key)))
 
-    assert _through(lambda app: g.KeyGuard(app, keys=None), "/pause", f"Bearer {KEY}", app=App)[0]
-    assert not _through(lambda app: g.KeyGuard(app, keys=None), "/pause", "Bearer other", app=App)[0]
+    # the server's keys are vLLM's parsed ones, however the command line spelt them (--api_key, --api-ke)
+    assert _through(g.KeyGuard, "/pause", f"Bearer {KEY}", app=app_with([KEY]))[0]
+    assert not _through(g.KeyGuard, "/pause", "Bearer other", app=app_with([KEY]))[0]
+    assert g._keys_of_app({"app": app_with(None)}, {"VLLM_API_KEY": "env"}) == ["env"]  # vLLM's fallback
+    assert g._keys_of_app({"app": app_with(None)}, {}) == [] and g._keys_of_app({}, {}) is None
+    # behind a root path: /health only as the whole path under it
+    for path, opened in (("/x/health", True), ("/xhealth", False), ("/x/pause", False)):
+        assert _through(guard, path, root_path="/x")[0] is opened, path
 
 
 def test_the_key_guard_reads_the_key_vllm_reads(tmp_path):

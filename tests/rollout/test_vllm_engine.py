@@ -253,6 +253,35 @@ def test_a_server_that_caches_prefixes_is_not_paused_in_place(model_dir):
         h.stop()
 
 
+def test_a_lost_server_info_read_is_asked_again_not_taken_as_no_prefix_cache(model_dir, monkeypatch):
+    """The first /server_info read fails (a timeout): the in-place pause after it still reads the
+    server's prefix caching, and refuses."""
+    from areal_fast.rollout.calls import RolloutError
+
+    h = start_engine_in_thread(model_dir, api="vllm", vllm_version="0.33.0", prefix_caching=True)
+    real_call, lost = VLLMRolloutClient._call, []
+
+    async def call(self, s, method, path, *a, **kw):
+        if path.startswith("/server_info") and not lost:
+            lost.append(path)
+            raise TimeoutError("the answer was lost")
+        return await real_call(self, s, method, path, *a, **kw)
+
+    monkeypatch.setattr(VLLMRolloutClient, "_call", call)
+    try:
+        async def go():
+            async with VLLMRolloutClient([h.url], vllm_version="0.33.0", pause_mode="abort") as c:
+                await c.pause_all("abort")  # its first read (at connect) is lost
+                await c.continue_all()
+                await c.pause_all("in_place")
+
+        with pytest.raises(RolloutError, match="enable_prefix_caching"):
+            asyncio.run(go())
+        assert lost
+    finally:
+        h.stop()
+
+
 # ---------------------------------------------------------------------------- scheduling
 def test_a_request_sent_again_after_an_abort_pause_keeps_its_group_s_place(model_dir):
     """vLLM queues by arrival unless started with ``--scheduling-policy priority`` (the launcher's, and
@@ -324,10 +353,10 @@ def test_the_twin_schedules_and_reports_as_vllm_started_so(model_dir):
             h.stop()
 
 
-def test_a_first_come_first_served_server_paused_with_abort_is_named_in_a_warning(model_dir, caplog):
+def test_a_first_come_first_served_server_paused_with_abort_is_named_in_a_note(model_dir, caplog):
     """The client connects to a server it will pause with abort and reads its scheduling policy: first
-    come first served is named, with the flag that fixes it; a priority server, or one paused in
-    place (its requests stay on the server), is not."""
+    come first served is named, with the flag that keeps an interrupted request's place; a priority
+    server is not."""
     import logging
 
     async def connect(url, mode):
@@ -340,7 +369,7 @@ def test_a_first_come_first_served_server_paused_with_abort_is_named_in_a_warnin
         h = start_engine_in_thread(model_dir, api="vllm", vllm_version="0.32.0", scheduling_policy=policy)
         try:
             caplog.clear()
-            with caplog.at_level(logging.WARNING, logger="areal_fast.backends.vllm.client"):
+            with caplog.at_level(logging.INFO, logger="areal_fast.backends.vllm.client"):
                 got, _ = asyncio.run(connect(h.url, "abort"))
             assert got == (policy or "fcfs")
             warned[got] = [r.getMessage() for r in caplog.records if "--scheduling-policy priority" in r.getMessage()]

@@ -7,13 +7,15 @@ runtime adapter routes and ``/invocations`` act for anyone who can reach the por
 401 to every request (HTTP or WebSocket) that does not carry ``Authorization: Bearer KEY`` (compared
 in constant time), on every path but ``/health`` (the launcher's readiness check).
 
-The key is the one vLLM itself is given, read as vLLM reads it when vLLM imports this module (while
-it builds its app, before it answers ``/health``: the launcher removes its key file only then): the
-``--api-key`` values of the command line, else the ``api-key`` of the YAML file of ``--config`` (how
-the launcher hands it over, ``backends/keyfile.py``), else ``$VLLM_API_KEY``. Where the key file is
-named but could not be read (gone already), the key is taken from vLLM's parsed arguments
-(``app.state.args``, 0.27.0 on) at the first request; failing that every request but ``/health`` is
-refused: the guard fails closed. With no key anywhere it lets every request through, as vLLM does.
+The keys are the ones vLLM itself checks under ``/v1``, taken by vLLM's own rule at the first
+request: its parsed arguments' ``--api-key`` values (``app.state.args``, 0.27.0 on; however the key
+was spelt on the command line or in ``--config``), else ``$VLLM_API_KEY``. A release without
+``app.state.args`` (0.11.0 to 0.26) gets the keys read from its command line when vLLM imports this
+module (while it builds its app, before it answers ``/health``: the launcher removes its key file
+only then): ``--api-key``, else the ``api-key`` of the YAML file of ``--config`` (how the launcher
+hands it over, ``backends/keyfile.py``), else ``$VLLM_API_KEY``; a key file named but gone by then
+refuses every request but ``/health``: the guard fails closed. With no key anywhere it lets every
+request through, as vLLM does.
 
 It runs in vLLM's interpreter (another environment, without areal_fast): the standard library only,
 and PyYAML, which vLLM itself needs for ``--config``. The launcher puts this module's directory,
@@ -75,34 +77,44 @@ def server_keys(argv: list[str], environ: dict) -> list[str] | None:
     return keys
 
 
-def _keys_of_app(scope) -> list[str] | None:
-    """The keys of vLLM's parsed arguments (``app.state.args.api_key``), None where it has none."""
+def _keys_of_app(scope, environ: dict) -> list[str] | None:
+    """vLLM's own keys (its rule: ``args.api_key or [$VLLM_API_KEY]``, empty ones dropped) from its
+    parsed arguments (``app.state.args``); None where the app has none (releases before 0.27.0)."""
     args = getattr(getattr(scope.get("app"), "state", None), "args", None)
-    value = getattr(args, "api_key", None)
-    if value is None:
+    if args is None:
         return None
-    keys = [str(v) for v in value] if isinstance(value, list | tuple) else [str(value)]
-    return [k for k in keys if k] or None
+    value = getattr(args, "api_key", None)
+    keys = [str(v) for v in value] if isinstance(value, list | tuple) else [str(value)] if value else []
+    return [k for k in (keys or [environ.get("VLLM_API_KEY", "")]) if k]
 
 
 def _digest(value: str) -> bytes:
     return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()
 
 
+_FROM_SERVER = object()  # the keys of the server the guard runs in
+
+
 class KeyGuard:
     """Pure ASGI middleware: the key on every path but :data:`OPEN_PATHS` (see the module docstring).
-    vLLM builds it with the next app only: the keys of the server (:func:`server_keys` at import);
-    ``keys`` is for tests (None: not known, as when the key file was gone)."""
+    vLLM builds it with the next app only: the server's keys; ``keys`` is for tests (a list: those;
+    None: not known, as when the key file was gone on a release without ``app.state.args``)."""
 
-    def __init__(self, app, keys: list[str] | None | str = "server") -> None:
+    def __init__(self, app, keys: list[str] | None | object = _FROM_SERVER) -> None:
         self.app = app
-        keys = _KEYS if keys == "server" else keys
-        self._digests = None if keys is None else [_digest(f"Bearer {k}") for k in keys]
+        self._given = keys
+        self._digests: list[bytes] | None = None  # set at the first request that needs them
+
+    def _keys(self, scope) -> list[str] | None:
+        if self._given is not _FROM_SERVER:
+            return self._given
+        keys = _keys_of_app(scope, os.environ)
+        return _KEYS if keys is None else keys
 
     def authorized(self, scope) -> bool:
-        if self._digests is None:  # the key file was gone at import: vLLM's own parsed key, or nobody
-            keys = _keys_of_app(scope)
-            if keys is None:
+        if self._digests is None:
+            keys = self._keys(scope)
+            if keys is None:  # the key file was gone at import, and vLLM has no parsed arguments: nobody
                 return False
             self._digests = [_digest(f"Bearer {k}") for k in keys]
         if not self._digests:
