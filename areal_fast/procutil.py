@@ -16,6 +16,18 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child between f
         pass
 
 
+def kill_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
+    """Send ``sig`` to the process group ``pgid`` (a child started with ``start_new_session``: its
+    pid); False when the group is gone or not ours to signal."""
+    import os
+
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def raise_nofile_limit() -> tuple[int, int]:
     """Raise this process's soft limit on open descriptors (RLIMIT_NOFILE) to its hard limit, as
     SGLang does at start: every connection of a listener is a descriptor, and the soft limit (often

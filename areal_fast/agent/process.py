@@ -52,15 +52,14 @@ into the error: what a process writes cannot colour the controller's terminal or
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
 import shlex
-import signal
 
 from areal_fast.agent.request import finite_number
 from areal_fast.agent.server import shared_server
+from areal_fast.procutil import die_with_parent, kill_group
 from areal_fast.reward.result import escape_controls
 
 STDERR_TAIL = 2000
@@ -167,12 +166,6 @@ async def _read_tail(reader: asyncio.StreamReader, tail: bytearray) -> None:
         del tail[:-_TAIL_BYTES]
 
 
-def _kill_group(pgid: int) -> None:
-    """SIGKILL every process of the group ``pgid`` (the agent's session; none left: nothing to do)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
 async def _stderr_pipe() -> tuple[int, asyncio.StreamReader, asyncio.BaseTransport]:
     """A pipe for the process's standard error: its write end (for the child) and a reader of the
     other end whose transport this process closes itself (a descendant may hold the write end)."""
@@ -202,7 +195,8 @@ async def run_command(row, client, command, timeout_s: float = 600.0, env: dict 
         proc = await asyncio.create_subprocess_exec(
             *argv, env={**passed_env(dict(os.environ), names), **extra, **episode_env(row, base_url, key)},
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=w,
-            start_new_session=True)  # its own session and process group (pgid = its pid)
+            start_new_session=True,  # its own session and process group (pgid = its pid)
+            preexec_fn=die_with_parent)  # and killed with this process, even by SIGKILL (its group is its own)
     except BaseException:
         transport.close()
         raise
@@ -216,7 +210,7 @@ async def run_command(row, client, command, timeout_s: float = 600.0, env: dict 
     except TimeoutError:
         timed_out = True
     finally:
-        _kill_group(proc.pid)  # at exit too: what it started dies with it
+        kill_group(proc.pid)  # at exit too: what it started dies with it
         if proc.returncode is None:
             await proc.wait()
         await asyncio.wait({reading}, timeout=DRAIN_S)
