@@ -76,12 +76,6 @@ def replay_routing(model: nn.Module, indices: list[torch.Tensor]):
     rs = routers(model)
     if len(indices) != len(rs):
         raise ValueError(f"routing replay: {len(indices)} recorded layers for {len(rs)} routers")
-    for k, (r, idx) in enumerate(zip(rs, indices)):
-        # answers are checked where they arrive; this catches rows from anywhere else (an old checkpoint)
-        # before an index past the experts reaches a gather (on CUDA a device assert, not an error)
-        if idx.numel() and (int(idx.max()) >= r.num_experts or int(idx.min()) < -1):
-            raise ValueError(f"routing replay: router {k} was given expert ids {int(idx.min())}..{int(idx.max())}, "
-                             f"outside [0, {r.num_experts}) (-1: not recorded)")
     try:
         for r, idx in zip(rs, indices):
             r._replay_indices = idx
@@ -171,16 +165,24 @@ def routing_shape(model_dir: str | Path) -> tuple[int, int]:
                          f"({type(e).__name__}: {e})") from None
 
 
-def replay_indices(model: nn.Module, rows: torch.Tensor) -> list[torch.Tensor]:
+def replay_indices(model: nn.Module, rows: torch.Tensor, device: torch.device | str | None = None
+                   ) -> list[torch.Tensor]:
     """The per-router indices of :func:`replay_routing` from packed routing rows ``[tokens, layers x
-    top_k]`` (the record's layout: decoder layer by decoder layer, top-k ids each); ValueError when
-    the width is not this model's decoder layers x top-k."""
+    top_k]`` (the record's layout: decoder layer by decoder layer, top-k ids each), on ``device``
+    (moved once, after the checks, which read ``rows`` where they are: pass them on the CPU);
+    ValueError when the width is not this model's decoder layers x top-k, or when an id is outside
+    the model's experts (answers are checked where they arrive; this catches rows from anywhere else,
+    an old checkpoint's, before an index past the experts reaches a gather: on CUDA a device assert)."""
     rs = routers(model)
     top_k = int(rs[0].top_k) if rs else 0
     num_layers, layer_of = router_layers(model)
     if not rs or rows.shape[-1] != num_layers * top_k:
         raise ValueError(f"routing replay: the record has {rows.shape[-1]} expert ids a position, this model "
                          f"routes {num_layers} decoder layers x top {top_k}")
-    per = rows.view(rows.shape[0], num_layers, top_k).long()
+    experts = min(int(r.num_experts) for r in rs)
+    if rows.numel() and (int(rows.max()) >= experts or int(rows.min()) < -1):
+        raise ValueError(f"routing replay: the record names expert ids {int(rows.min())}..{int(rows.max())}, "
+                         f"outside [0, {experts}) of this model (-1: not recorded)")
+    per = (rows if device is None else rows.to(device)).view(rows.shape[0], num_layers, top_k).long()
     return [per[:, layer] for layer in layer_of]
 

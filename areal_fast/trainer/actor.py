@@ -175,7 +175,7 @@ class PPOActor:
         stack = contextlib.ExitStack()
         if p.routing is None or not (self.config.ppo.routing_replay or agree is not None):
             return stack
-        idx = replay_indices(self.model, p.routing.to(self.device))  # once for both
+        idx = replay_indices(self.model, p.routing, self.device)  # once for both, checked on the CPU
         with stack:  # closed here only if entering one fails; the caller's block closes it otherwise
             if self.config.ppo.routing_replay:
                 stack.enter_context(replay_routing(self.model, idx))

@@ -28,7 +28,7 @@ def _k3(trainer, behaviour):
 
 def test_replaying_the_models_own_routing_changes_nothing_and_another_routing_is_used(moe_dir):
     from areal_fast.data.tiny_models import load_hf
-    from areal_fast.moe_routing import record_routing, replay_routing, routers
+    from areal_fast.moe_routing import record_routing, replay_indices, replay_routing, routers
 
     model = load_hf(moe_dir)
     assert len(routers(model)) == 2
@@ -47,14 +47,16 @@ def test_replaying_the_models_own_routing_changes_nothing_and_another_routing_is
     with pytest.raises(ValueError, match="recorded layers"):
         with replay_routing(model, other[:1]):
             pass
-    # an expert the model does not have (rows kept in an old checkpoint): refused before any forward,
-    # where a gather would index past the experts (a device assert on CUDA)
+    # packed rows (the trainer's) become the same indices; an expert the model does not have (rows
+    # kept in an old checkpoint) is refused there, before any forward, where a gather would index past
+    # the experts (a device assert on CUDA)
+    rows = torch.cat(other, dim=1).to(torch.int16)
+    assert all(torch.equal(a, b) for a, b in zip(replay_indices(model, rows), other))
     for bad in (3000, -2):
-        wrong = [other[0], other[1].clone()]
-        wrong[1][5, 0] = bad
-        with pytest.raises(ValueError, match=r"router 1 was given expert ids .* outside \[0, 4\)"):
-            with replay_routing(model, wrong):
-                pass
+        wrong = rows.clone()
+        wrong[5, 3] = bad
+        with pytest.raises(ValueError, match=r"expert ids .* outside \[0, 4\) of this model"):
+            replay_indices(model, wrong)
 
 
 def test_replaying_the_bf16_servers_routing_removes_most_of_the_mismatch(moe_dir):
