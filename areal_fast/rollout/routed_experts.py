@@ -9,8 +9,9 @@
 
 Both decode to an int16 array ``[tokens, layers, top_k]`` (expert ids fit: below 32768), the
 dtype of the per-token column the trainer would replay; None stays None (routing not returned).
-Given the model's expert count, an id outside ``[0, num_experts)`` (-1: a position not recorded) is
-refused: replaying it would index past the router's experts (a device assert on CUDA). Whatever a
+:func:`check_expert_ids` holds the ids to the model's expert count (``[0, num_experts)``, -1: a
+position not recorded): replaying one past it would index past the router's experts (a device assert
+on CUDA); the rollout client applies it to every answer, whichever server sent it. Whatever a
 field holds, a decoder raises ``ValueError`` naming what is wrong (the rollout client's malformed
 answer), never another exception: a field of another type, bytes that are not base64 or not
 ``.npy``, a header whose shape the bytes do not fill.
@@ -28,23 +29,20 @@ import numpy as np
 from numpy.lib import format as npy_format
 
 
-def from_vllm(field: str | None, num_experts: int | None = None) -> np.ndarray | None:
-    """A vLLM choice's ``routed_experts`` as int16 ``[tokens, layers, top_k]``; with ``num_experts``
-    (the model's), an id outside ``[0, num_experts)`` is refused. ValueError for anything else than
-    base64 of a ``.npy`` integer array of three dimensions."""
+def from_vllm(field: str | None) -> np.ndarray | None:
+    """A vLLM choice's ``routed_experts`` as int16 ``[tokens, layers, top_k]``. ValueError for
+    anything else than base64 of a ``.npy`` integer array of three dimensions."""
     if field is None:
         return None
     arr = _npy(_b64(field, "base64 of .npy bytes"))
     if arr.ndim != 3:
         raise ValueError(f"routed_experts: expected an integer array [tokens, layers, top_k], got "
                          f"{arr.dtype} {arr.shape}")
-    return _as_int16(arr, num_experts)
+    return _as_int16(arr)
 
 
-def from_sglang(field: str | None, num_layers: int, top_k: int, num_experts: int | None = None,
-                ) -> np.ndarray | None:
-    """SGLang's ``meta_info["routed_experts"]`` as int16 ``[tokens, num_layers, top_k]``; with
-    ``num_experts`` (the model's), an id outside ``[0, num_experts)`` is refused."""
+def from_sglang(field: str | None, num_layers: int, top_k: int) -> np.ndarray | None:
+    """SGLang's ``meta_info["routed_experts"]`` as int16 ``[tokens, num_layers, top_k]``."""
     if field is None:
         return None
     raw = _b64(field, "base64 of int32 bytes")
@@ -52,7 +50,7 @@ def from_sglang(field: str | None, num_layers: int, top_k: int, num_experts: int
     if len(raw) % row:
         raise ValueError(f"routed_experts: {len(raw)} bytes are not whole tokens of {num_layers} layers x "
                          f"{top_k} int32 experts")
-    return _as_int16(np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, top_k), num_experts)
+    return _as_int16(np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, top_k))
 
 
 def vllm_dtype(num_experts: int) -> np.dtype:
@@ -123,6 +121,6 @@ def _npy(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype, count=count, offset=buf.tell()).reshape(shape, order="F" if fortran else "C")
 
 
-def _as_int16(arr: np.ndarray, num_experts: int | None = None) -> np.ndarray:
-    check_expert_ids(arr, num_experts)
+def _as_int16(arr: np.ndarray) -> np.ndarray:
+    check_expert_ids(arr, None)  # what int16 holds
     return arr.astype(np.int16)

@@ -142,19 +142,18 @@ def test_a_malformed_vllm_routing_field_is_a_malformed_answer(case):
     assert "q|0|" in str(e.value)
 
 
-def test_the_decoders_hold_ids_to_the_models_experts():
-    from areal_fast.rollout.routed_experts import from_sglang, from_vllm, to_sglang
+def test_the_decoders_keep_any_int16_id_and_the_check_holds_them_to_the_models_experts():
+    from areal_fast.rollout.routed_experts import check_expert_ids, from_sglang, from_vllm, to_sglang
 
     rows = _out_of_range()
-    for decode in (lambda n: from_vllm(_npy(rows.astype(np.uint16)), n),
-                   lambda n: from_sglang(to_sglang(rows), LAYERS, TOP_K, n)):
-        assert decode(None).max() == 3000  # int16 holds it: only the model's count refuses it
+    for decoded in (from_vllm(_npy(rows.astype(np.uint16))), from_sglang(to_sglang(rows), LAYERS, TOP_K)):
+        assert np.array_equal(decoded, rows) and decoded.max() == 3000  # int16 holds it
         with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
-            decode(NUM_EXPERTS)
-        assert np.array_equal(decode(3001), rows)
-    with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
-        from_sglang(to_sglang(np.full((1, LAYERS, TOP_K), -2)), LAYERS, TOP_K, NUM_EXPERTS)
-    assert from_sglang(to_sglang(np.full((1, LAYERS, TOP_K), -1)), LAYERS, TOP_K, NUM_EXPERTS).min() == -1
+            check_expert_ids(decoded, NUM_EXPERTS)
+        check_expert_ids(decoded, 3001)
+    with pytest.raises(ValueError, match=r"outside \[-1, 32767\]"):  # below -1: not even an id
+        from_sglang(to_sglang(np.full((1, LAYERS, TOP_K), -2)), LAYERS, TOP_K)
+    check_expert_ids(from_sglang(to_sglang(np.full((1, LAYERS, TOP_K), -1)), LAYERS, TOP_K), NUM_EXPERTS)
 
 
 @pytest.mark.parametrize("experts", [None, 0, 40000, 4.0])
