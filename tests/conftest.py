@@ -124,7 +124,7 @@ def slow_reason(item) -> str | None:
 
 
 # Tests that share one stateful server or cluster of the session run in one worker, in order.
-SHARED_SERVICE_GROUPS = {"real_vllm": "real_vllm", "real_slurm": "real_slurm"}
+SHARED_SERVICES = ("real_vllm", "real_slurm")  # their fixtures, each the name of its group
 # Modules that start a real vLLM server of their own (a model the shared one does not serve) join its
 # group: two vLLM servers at once would not fit the CI machine's memory beside the suite.
 REAL_VLLM_MODULES = {"test_moe_real_vllm.py"}
@@ -134,15 +134,15 @@ def xdist_group_of(item) -> str | None:
     """The worker group of ``item``: the shared service it uses, else its module when one of its
     fixtures is module-scoped (set up once for the module), else None (any worker)."""
     names = getattr(item, "fixturenames", ())
-    for fixture, group in SHARED_SERVICE_GROUPS.items():
+    for fixture in SHARED_SERVICES:
         if fixture in names:
-            return group
+            return fixture
     if Path(str(item.fspath)).name in REAL_VLLM_MODULES:
         return "real_vllm"
     info = getattr(item, "_fixtureinfo", None)
     for defs in (info.name2fixturedefs.values() if info is not None else ()):
         if any(d.scope in ("module", "class", "package") for d in defs):
-            return Path(str(item.fspath)).name
+            return item.nodeid.split("::")[0]  # the module's path
     return None
 
 
@@ -222,15 +222,15 @@ SHARED_ENV = "AREAL_FAST_TEST_SHARED"
 _SHARED: dict = {}
 
 
-def _ensure_shared_dir() -> Path:
+def _ensure_shared_dir() -> None:
+    """Made by the process that starts the run (``pytest_configure``); its workers inherit it."""
     if SHARED_ENV not in os.environ:
         os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="areal_fast-tests-")
         _SHARED["owner"] = True
-    return Path(os.environ[SHARED_ENV])
 
 
 def shared_dir() -> Path:
-    return _ensure_shared_dir()
+    return Path(os.environ[SHARED_ENV])  # a KeyError after the run released it: nothing is made again
 
 
 @contextlib.contextmanager
@@ -269,11 +269,17 @@ def shared_warm_start(name: str) -> Path:
         return _WARM[name]
     root = shared_dir() / "warm"
     root.mkdir(exist_ok=True)
-    record = root / f"{name}.path"
+    record, failed = root / f"{name}.path", root / f"{name}.error"
     with _file_lock(root / f"{name}.lock"):
+        if failed.exists():  # another process's build failed: not built again by each waiter in turn
+            raise RuntimeError(f"(built by another process of the run) {failed.read_text()}")
         if not record.exists():
             overrides = {"tiny": e2e_runs.TINY, "recipe": []}[name]
-            built = e2e_runs.build_warm_start(e2e_runs.EXAMPLE, overrides, root / name)
+            try:
+                built = e2e_runs.build_warm_start(e2e_runs.EXAMPLE, overrides, root / name)
+            except Exception as e:
+                failed.write_text(f"{type(e).__name__}: {e}")
+                raise
             record.write_text(str(built))
         _WARM[name] = Path(record.read_text())
     return _WARM[name]
@@ -329,13 +335,12 @@ def _prepare_real_vllm() -> None:
     import areal_fast.backends.vllm.disk  # noqa: F401 - imported here, not in the thread
     import areal_fast.backends.vllm.server_command  # noqa: F401
     import areal_fast.config  # noqa: F401
+    import areal_fast.netutil  # noqa: F401
     import areal_fast.rollout.calls  # noqa: F401
-    from areal_fast.netutil import find_free_port
 
     try:
         _REAL_VLLM["root"] = shared_dir() / "real_vllm"
         _REAL_VLLM["root"].mkdir()
-        _REAL_VLLM["port"] = find_free_port()
     except Exception as e:  # noqa: BLE001 - reported by the fixture
         _REAL_VLLM["error"] = f"{type(e).__name__}: {e}"
         _write_real_vllm_record({"error": _REAL_VLLM["error"]})
@@ -359,6 +364,8 @@ def _start_real_vllm() -> None:
     Ends by writing the shared record: the server's address, or why it is not there."""
     import real_vllm as rv
 
+    from areal_fast.netutil import find_free_port
+
     if "error" in _REAL_VLLM:
         return
     try:
@@ -366,8 +373,9 @@ def _start_real_vllm() -> None:
         model = rv.served_model(shared_warm_start("recipe"), root / "model", REAL_VLLM_CONTEXT)
         python = rv.vllm_python()
         lora_args, lora_env = lora_server_options(python)
+        # the port taken now, not at collection: the other workers take free ports meanwhile
         server = _REAL_VLLM["server"] = rv.VLLMServer(
-            model, _REAL_VLLM["port"], root / "server.log", python=python, env=lora_env, api_key=rv.SESSION_API_KEY,
+            model, find_free_port(), root / "server.log", python=python, env=lora_env, api_key=rv.SESSION_API_KEY,
             extra_args=["--max-model-len", str(REAL_VLLM_CONTEXT), *lora_args])
         _write_real_vllm_record({**server.record(), "ready": False})  # the process to stop, from now on
         server.wait_ready()
@@ -386,8 +394,9 @@ def _attach_real_vllm():
     def read() -> dict:
         try:
             return json.loads(_real_vllm_record().read_text())
-        except (OSError, ValueError):
-            return {}
+        except (OSError, ValueError):  # none yet: unless the process that claimed it is gone
+            claimer = int((shared_dir() / "real_vllm.claim").read_text() or 0)
+            return {} if _alive(claimer) else {"error": f"the worker that started it (pid {claimer}) is gone"}
 
     poll_until(lambda: "error" in read() or read().get("ready"), "the real vLLM server another worker starts",
                REAL_VLLM_WAIT_S, every_s=1.0)
@@ -402,9 +411,7 @@ def pytest_collection_finish(session):
         return
     if not any("real_vllm" in getattr(item, "fixturenames", ()) for item in session.items):
         return
-    try:  # the first process of the run to get here starts it
-        os.close(os.open(shared_dir() / "real_vllm.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
+    if not _claim_real_vllm():  # the first process of the run to get here starts it
         return
     _prepare_real_vllm()
     _REAL_VLLM["thread"] = threading.Thread(target=_start_real_vllm, name="real-vllm-start", daemon=True)
@@ -419,13 +426,35 @@ def pytest_sessionfinish(session, exitstatus):
         _real_vllm_record().unlink(missing_ok=True)
 
 
+def _claim_real_vllm() -> bool:
+    """True for the one process of the run that starts the server (its pid written in the claim)."""
+    try:
+        fd = os.open(shared_dir() / "real_vllm.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
+
+
 def _stop_detached_real_vllm(root: Path) -> None:
     """Stop the server a worker started (it outlives the worker: its users may be in another one)."""
     try:
         pid = json.loads((root / "real_vllm.json").read_text()).get("pid")
-    except (OSError, ValueError):
+        still_vllm = b"vllm" in Path(f"/proc/{pid}/cmdline").read_bytes()  # not a pid used again since
+    except (OSError, ValueError, TypeError):
         return
-    if not pid:
+    if not pid or not still_vllm:
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGTERM)
@@ -448,9 +477,7 @@ def real_vllm():
 
     if "thread" in _REAL_VLLM:
         _REAL_VLLM["thread"].join()
-    elif not (shared_dir() / "real_vllm.claim").exists():
-        # collected by another route (a plugin's hook order): start it now
-        os.close(os.open(shared_dir() / "real_vllm.claim", os.O_CREAT | os.O_WRONLY))
+    elif _claim_real_vllm():  # collected by another route (a plugin's hook order): start it now
         _prepare_real_vllm()
         _start_real_vllm()
     else:
