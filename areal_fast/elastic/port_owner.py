@@ -102,13 +102,6 @@ def listener_state(pid: int | None, port: int, proc: Path = Path("/proc")) -> st
     return OWN if listening <= socket_inodes(process_tree(pid, proc), proc) else OTHER
 
 
-def listener_owner(pid: int | None, port: int, proc: Path = Path("/proc")) -> bool | None:
-    """True when the sockets listening on ``port`` are all open in ``pid``'s process tree; False when
-    one is another process's, nobody listens, or ``pid`` is gone; None when it cannot be told here."""
-    state = listener_state(pid, port, proc)
-    return None if state == UNKNOWN else state == OWN
-
-
 def on_this_machine(p) -> bool:
     """A launched server's process can be looked up in this machine's ``/proc``: a local child
     (``popen``), or a Slurm step that wrote it runs here, in this process's pid and network namespaces

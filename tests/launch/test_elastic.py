@@ -230,7 +230,14 @@ def _fake_server(tmp_path, listen: bool = False):
                 "flush=True); time.sleep(120)")
     proc = subprocess.Popen([sys.executable, "-c", code, "areal_fast.embedded"], start_new_session=True,
                             stdout=subprocess.PIPE if listen else None, text=True)
-    proc.port = int(proc.stdout.readline()) if listen else 45001
+    if listen:
+        proc.port = int(proc.stdout.readline())
+    else:  # a port bound here and never listened on, held for the test: nobody listens on it meanwhile
+        import socket
+
+        proc.reserved = socket.socket()
+        proc.reserved.bind(("127.0.0.1", 0))
+        proc.port = proc.reserved.getsockname()[1]
     return proc
 
 
@@ -578,7 +585,6 @@ def test_a_relaunched_slurm_step_on_this_node_must_hold_its_own_port(tmp_path, r
 
         launcher.start_server = start_step
         sup, servers = _supervisor(tmp_path, launcher, n=1)
-        sup.cfg.health_timeout = 0.3
         launcher.dead.add(servers[0].url)
         ready.add(f"http://127.0.0.1:{port}")  # its /health answers (the neighbour's, or before it closed)
         sup.tick()  # server0 reaped; the replacement starts
@@ -589,6 +595,7 @@ def test_a_relaunched_slurm_step_on_this_node_must_hold_its_own_port(tmp_path, r
             assert launcher.stopped == [f"http://127.0.0.1:{port}"] and sup.failed_starts == 1
         else:
             assert launcher.stopped == [] and len(sup.starting) == 1  # asked again until the deadline
+            sup.cfg.health_timeout = 0  # the deadline now past (the two ticks above ran within the default)
             poll_until(lambda: sup.tick() or sup.failed_starts == 1, "refused at the health timeout")
             assert launcher.stopped == [f"http://127.0.0.1:{port}"] and 0 not in sup.members
     finally:

@@ -14,11 +14,10 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
-from areal_fast.elastic.port_owner import PortTaken, listener_owner, listener_state, process_tree
+from areal_fast.elastic.port_owner import NOBODY, OTHER, OWN, PortTaken, listener_state, process_tree
 from areal_fast.launch.local import LocalLauncher
 
 _LISTENER = ("import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
@@ -56,10 +55,10 @@ def test_a_process_owns_its_listening_socket_and_no_other_process_does():
     child = subprocess.Popen([sys.executable, "-c", _LISTENER], stdout=subprocess.PIPE, text=True)
     try:
         port = int(child.stdout.readline())
-        assert listener_owner(child.pid, port) is True
+        assert listener_state(child.pid, port) == OWN
         other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         try:
-            assert listener_owner(other.pid, port) is False
+            assert listener_state(other.pid, port) == OTHER
         finally:
             other.kill()
             other.wait()
@@ -101,23 +100,18 @@ def test_the_start_up_wait_takes_a_server_listening_itself(tmp_path):
         assert p.alive()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_nobody_listening_or_a_listener_beside_the_servers_own_is_no_proof():
     child = subprocess.Popen([sys.executable, "-c", _LISTENER], stdout=subprocess.PIPE, text=True)
     try:
         port = int(child.stdout.readline())
-        silent = _free_port()
-        assert listener_state(child.pid, silent) == "nobody" and listener_owner(child.pid, silent) is False
+        with socket.socket() as held:  # bound, never listened on: nobody listens on its port meanwhile
+            held.bind(("127.0.0.1", 0))
+            assert listener_state(child.pid, held.getsockname()[1]) == NOBODY
         with socket.socket() as beside:  # another process's listener on the same port, another address
             beside.bind(("127.0.0.2", port))
             beside.listen()
-            assert listener_state(child.pid, port) == "other" and listener_owner(child.pid, port) is False
-        assert listener_owner(child.pid, port) is True
+            assert listener_state(child.pid, port) == OTHER
+        assert listener_state(child.pid, port) == OWN
     finally:
         child.kill()
         child.wait()
@@ -134,6 +128,7 @@ class _Squatter:
         self.rebind_s = rebind_s
         self.seen: list = []
         self.srv: http.server.ThreadingHTTPServer | None = None
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -143,7 +138,8 @@ class _Squatter:
         self.seen.append((conn.recv(65536).split(b"\r\n")[0].decode(), None))
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
         conn.close()
-        time.sleep(self.rebind_s)  # the squatter's own pause, part of the scenario (not a synchronisation)
+        if self._closed.wait(self.rebind_s):  # the squatter's own pause, part of the scenario; or the test ended
+            return
         seen = self.seen
 
         class H(_Neighbour):
@@ -155,6 +151,7 @@ class _Squatter:
         self.srv.serve_forever()
 
     def close(self):
+        self._closed.set()
         if self.srv is not None:
             self.srv.shutdown()
             self.srv.server_close()
