@@ -67,7 +67,13 @@ from areal_fast.launch_config import (
 from areal_fast.metrics_config import METRICS_KEY_ENV, MetricsConfig, is_loopback
 from areal_fast.ops.loss_config import PPOLossConfig
 from areal_fast.reward.config import RewardConfig
-from areal_fast.rollout.config import MIN_TEMPERATURE, RESERVED_SERVER_ARGS, RolloutConfig, check_server_url
+from areal_fast.rollout.config import (
+    MIN_TEMPERATURE,
+    RESERVED_SERVER_ARGS,
+    UNTRUNCATED,
+    RolloutConfig,
+    check_server_url,
+)
 from areal_fast.trainer.config import OptimConfig, PPOConfig, TrainerConfig
 from areal_fast.weights.config import WeightSyncConfig, default_method
 
@@ -198,7 +204,8 @@ def check_untruncated_sampling(r: RolloutConfig) -> None:
     the full softmax's), while the trainer recomputes log-probs over the whole softmax (the proximal
     policy and the loss): every token's importance weight is then off by the mass the truncation cut
     (``bench/bench_top_p_bias.py``, ``docs/config.md`` "Sampling in a training run")."""
-    for key, value, off in (("top_p", r.top_p, 1.0), ("top_k", r.top_k, -1)):
+    for key, off in UNTRUNCATED.items():
+        value = getattr(r, key, off)  # min_p is not a rollout option: asked per turn only (workflow.engine)
         if value != off:
             raise ValueError(
                 f"rollout.{key}: {value!r} is refused in a training run (use {off}): the servers sample from the "

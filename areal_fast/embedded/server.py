@@ -44,11 +44,12 @@ from areal_fast.embedded.request_parsing import (  # noqa: F401 - the errors are
     read_json,
 )
 from areal_fast.embedded.sampling import parse_sampling_params
-from areal_fast.embedded.scheduler import PAUSE_MODES, DuplicateRid, Request, Scheduler, SchedulerDown
+from areal_fast.embedded.scheduler import DuplicateRid, Request, Scheduler, SchedulerDown
 from areal_fast.embedded.weight_routes import FLUSH_REFUSED, WeightUpdateRoutes  # noqa: F401
 from areal_fast.embedded.weight_sync import DEFAULT_GROUP_TIMEOUT_S, WeightReceiver, parse_dtype
 from areal_fast.http.auth import AUTH_EXEMPT_PREFIXES
 from areal_fast.http.conn_guard import ConnLimits, authorize
+from areal_fast.rollout.config import PAUSE_MODES
 from areal_fast.rollout.routed_experts import to_sglang
 
 log = logging.getLogger(__name__)

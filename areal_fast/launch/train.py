@@ -35,8 +35,8 @@ from areal_fast.checkpoint import CorruptCheckpoint, ResumeMismatch, checkpoints
 from areal_fast.launch.base import API_KEY_ENV, SECRETS_DIR, TRAINER_CONFIG_FILE, LaunchedProcess, ProcessDied
 from areal_fast.launch.rank import run_rank, setup_logging
 from areal_fast.launch.run_dir import NotARunDir, RunDirBusy, RunLock, UnsafeOutputDir, move_previous_run_aside
-from areal_fast.metrics_config import METRICS_KEY_ENV
 from areal_fast.metrics.sinks import ProgressBar, plot_run
+from areal_fast.metrics_config import METRICS_KEY_ENV
 
 log = logging.getLogger("areal_fast")
 _WATCH_S = 0.5

@@ -104,17 +104,14 @@ from areal_fast.rollout.calls import (  # noqa: F401 - the errors, health and ke
     is_caller_error,
     no_answer_errors,
 )
-from areal_fast.rollout.client_control import (  # noqa: F401 - the pause modes are part of this module's API
-    PAUSE_MODE_CHOICES,
-    PAUSE_MODES,
-    ServerControl,
-)
+from areal_fast.rollout.client_control import ServerControl
 from areal_fast.rollout.client_pool import (  # noqa: F401 - the pool's names are part of this module's API
     PICK_SCAN_MAX,
     ServerPool,
     ServerState,
     ServerUnavailable,
 )
+from areal_fast.rollout.config import PAUSE_MODE_CHOICES
 from areal_fast.rollout.routed_experts import check_expert_ids, from_sglang
 from areal_fast.rollout.staleness import ADMISSION_ORDER
 from areal_fast.sample import Sample

@@ -3,7 +3,7 @@
 ``RolloutClient`` (``areal_fast.rollout.client``) is the server pool (``client_pool``), the
 generate path (``client``) and this part, which owns:
 
-- the pause modes the client knows (:data:`PAUSE_MODES`: ``abort``, ``retract``, ``in_place``;
+- the pause modes the client knows (``rollout.config.PAUSE_MODES``: ``abort``, ``retract``, ``in_place``;
   ``auto`` lets the backend adapter choose per server) and the pause state: ``pause_mode`` and
   ``server_pause_modes`` while paused, and the ``_running`` event that interrupted generations
   wait on until ``continue_all``;
@@ -23,7 +23,6 @@ from dataclasses import replace as _replace
 
 from areal_fast.rollout.calls import CONTROL_RETRY
 from areal_fast.rollout.client_pool import ServerState
-from areal_fast.rollout.config import PAUSE_MODE_CHOICES, PAUSE_MODES  # noqa: F401 - their home is the config's
 
 
 class ServerControl:
@@ -51,7 +50,7 @@ class ServerControl:
 
     async def pause_all(self, mode: str | None = None) -> None:
         """Pause every server; interrupted requests wait in ``generate`` until ``continue_all()``.
-        ``mode``: one of :data:`PAUSE_MODE_CHOICES` (default the client's ``pause_mode``); the
+        ``mode``: one of ``rollout.config.PAUSE_MODE_CHOICES`` (default the client's ``pause_mode``); the
         adapter refuses one its servers cannot take and records ``server_pause_modes``."""
         raise NotImplementedError(f"{type(self).__name__}: pausing is the backend adapter's")
 

@@ -38,6 +38,9 @@ SERVERS = ("embedded", "sglang", "vllm")
 """Values of ``rollout.server``: the server programs the launcher starts."""
 APIS = ("sglang", "vllm")
 """Values of ``rollout.api``: the inference APIs the client speaks."""
+UNTRUNCATED = {"top_p": 1.0, "top_k": -1, "min_p": 0.0}
+"""The sampling values that leave the distribution whole (no top-p, top-k or min-p truncation): the
+only ones a training run samples with, as the trainer recomputes log-probs over the whole softmax."""
 PAUSE_MODES = ("abort", "retract", "in_place")
 """The pause modes the client knows, SGLang's names (``rollout.client_control`` maps them onto vLLM's)."""
 PAUSE_MODE_CHOICES = ("auto", *PAUSE_MODES)

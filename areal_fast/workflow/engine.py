@@ -18,6 +18,7 @@ from typing import Any
 
 from areal_fast.columns import tokens
 from areal_fast.data.tokenizer import encode_text
+from areal_fast.rollout.config import UNTRUNCATED
 from areal_fast.rollout.staleness import ADMISSION_ORDER
 from areal_fast.sample import Sample
 from areal_fast.workflow.api import ToolResult
@@ -107,7 +108,7 @@ class EpisodeEngine:
             raise ValueError("EpisodeEngine.generate: temperature is fixed for the run (rollout.temperature); "
                              "the trainer recomputes log-probs at that temperature")
         if self.training:
-            for key, off in (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0)):
+            for key, off in UNTRUNCATED.items():
                 if sampling.get(key, off) not in (off, self.sampling.get(key, off)):
                     raise ValueError(f"EpisodeEngine.generate: {key}={sampling[key]!r} while training: the server "
                                      f"would sample from a truncated distribution and the trainer recomputes "

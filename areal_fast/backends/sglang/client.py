@@ -33,8 +33,8 @@ from areal_fast.backends.sglang.compat import (
 from areal_fast.rollout.answer import AnswerError, Segment, parse_generate
 from areal_fast.rollout.calls import RequestError, RetryPolicy, RolloutError, no_answer_errors
 from areal_fast.rollout.client import ABORT_TIMEOUT_S, MalformedAnswer, RolloutClient
-from areal_fast.rollout.client_control import PAUSE_MODE_CHOICES
 from areal_fast.rollout.client_pool import ServerState, apply_server_info, str_or_none
+from areal_fast.rollout.config import PAUSE_MODE_CHOICES
 
 
 def auto_pause_mode(version: Version) -> str:
