@@ -291,6 +291,14 @@ def test_windowed_render_equals_rendering_every_prefix(hf_tok, template, continu
 
     source = {"QWENISH": QWENISH, "QWEN25ISH": QWEN25ISH, "QWEN3ISH": QWEN3ISH, "NUMBERED": NUMBERED}[template]
     t = HFChatTemplate(_tok_with(hf_tok, source), continuation=continuation)
+    window_cuts, windowed = t._window_cuts, []
+
+    def spied(*a):
+        cuts = window_cuts(*a)
+        windowed.append(cuts is not None)
+        return cuts
+
+    t._window_cuts = spied
     conv = _conversation(17)
     for tools in ((), (Tool(name="add", parameters={"type": "object"}),)):
         for nb in (0, 1, 2, 4, 5, 9, 16):
@@ -302,6 +310,9 @@ def test_windowed_render_equals_rendering_every_prefix(hf_tok, template, continu
                     t.render(before, new, tools)
                 continue
             assert t.render(before, new, tools) == want, (template, nb, tools)
+    # the windows did work here, not only the every-prefix fallback (which a template that looks far
+    # ahead, or numbers its messages, still takes for some splits)
+    assert any(windowed), windowed
 
 
 @pytest.mark.parametrize("n", [40, 80])
