@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from areal_fast.backends.vllm.compat import SCHEDULING_POLICIES
 from areal_fast.procutil import raise_nofile_limit
 from areal_fast.weights.config import API_KEY_ENV
 
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="with --api vllm: vLLM's flag, accepted and reported by /server_info; the twin caches no "
                    "prefix (its answers never reuse KV), so its default is off")
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=None,
                    help="with --api vllm: vLLM's flag: the waiting queue first come first served (fcfs, vLLM's "
                    "default) or by each completion's priority, lowest first, then arrival (priority); under fcfs "
                    "a completion's priority is accepted and has no effect, as on vLLM")

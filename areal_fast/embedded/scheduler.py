@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from areal_fast.backends.vllm.compat import SCHEDULING_POLICIES  # the twin queues as vLLM does
 from areal_fast.embedded.sampling import SamplingParams, sample_batch
 from areal_fast.rollout.config import PAUSE_MODES  # the SGLang modes the engine imitates: the client's names
 
@@ -81,8 +82,6 @@ class SchedulerDown(RuntimeError):
     """The scheduler thread has stopped (shut down, or crashed the way SGLang's scheduler does)."""
 
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
-"""vLLM's ``--scheduling-policy`` values, which order the waiting queue (see the module docstring)."""
 
 
 class Scheduler:

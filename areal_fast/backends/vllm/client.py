@@ -55,8 +55,8 @@ from areal_fast.backends.sglang.compat import SGLANG_SAMPLING_KEYS
 from areal_fast.backends.vllm.compat import (
     DEFAULT_VLLM_VERSION,
     VLLMBehaviour,
-    auto_vllm_pause_mode,
     served_release,
+    vllm_pause_mode,
 )
 from areal_fast.backends.vllm.requests import (
     COMPLETIONS_PATH,
@@ -242,9 +242,7 @@ class VLLMRolloutClient(RolloutClient):
 
     # ------------------------------------------------------------------ control
     def _mode_for(self, server: ServerState, mode: str) -> str:
-        if mode == "auto":
-            return auto_vllm_pause_mode(self.behaviour(server).version)
-        return mode
+        return vllm_pause_mode(mode, self.behaviour(server).version)
 
     async def pause_all(self, mode: str | None = None) -> None:
         """Pause every server: 'abort' (requests end and are resubmitted after continue) or 'in_place'

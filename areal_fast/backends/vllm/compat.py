@@ -227,6 +227,15 @@ def auto_vllm_pause_mode(version: str | Version) -> str:
     return "in_place" if VLLMBehaviour.of(version).token_weight_versions else "abort"
 
 
+def vllm_pause_mode(mode: str, version: str | Version) -> str:
+    """``mode`` (a ``rollout.pause_mode``) as a vLLM ``version`` server pauses: 'auto' resolved."""
+    return auto_vllm_pause_mode(version) if mode == "auto" else mode
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""vLLM's ``--scheduling-policy`` values (first come first served, its default; by request priority)."""
+
+
 def check_rollout_backend(api: str, server: str, external: bool, vllm_version: str) -> None:
     """Which servers may serve which API (ValueError naming the ``rollout`` key and the reason):
     ``api`` is 'sglang' or 'vllm'; vLLM servers are given in ``servers``, launched as real vLLM

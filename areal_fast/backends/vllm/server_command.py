@@ -56,7 +56,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from areal_fast.backends.vllm.compat import DEV_MODE_ENV, VLLMBehaviour, auto_vllm_pause_mode
+from areal_fast.backends.vllm.compat import DEV_MODE_ENV, SCHEDULING_POLICIES, VLLMBehaviour, vllm_pause_mode
 from areal_fast.backends.vllm.requests import DEFAULT_MODEL
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -117,7 +117,7 @@ def vllm_server_command(model_path: str, host: str, port: int, *, version: str, 
         if any(a == flag or a.startswith(flag + "=") for a in extra_args):
             raise ValueError(f"vllm_server_command: {flag} is set by the launcher ({' '.join(SAMPLING_FLAGS)}: the "
                              f"log-probs and sampling defaults the trainer assumes); remove it from the extra args")
-    if scheduling_policy not in ("fcfs", "priority"):
+    if scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"vllm_server_command: scheduling_policy must be 'priority' or 'fcfs', "
                          f"got {scheduling_policy!r}")
     if any(a == SCHEDULING_FLAGS[0] or a.startswith(SCHEDULING_FLAGS[0] + "=") for a in extra_args):
@@ -149,8 +149,7 @@ def vllm_server_command(model_path: str, host: str, port: int, *, version: str, 
 def prefix_caching_for(pause_mode: str, version: str) -> bool:
     """Whether a launched vLLM ``version`` server of a run with ``rollout.pause_mode`` may cache
     prompt prefixes: not when the pause resolves to in place (see the module docstring)."""
-    mode = auto_vllm_pause_mode(version) if pause_mode == "auto" else pause_mode
-    return mode != "in_place"
+    return vllm_pause_mode(pause_mode, version) != "in_place"
 
 
 def vllm_server_env(environ: dict[str, str] | None = None) -> dict[str, str]:
