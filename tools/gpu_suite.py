@@ -148,8 +148,8 @@ _PYTEST_SUMMARY = re.compile(r"\b\d+ (?:passed|failed|errors?|skipped|deselected
 def tests_key(output: str, results: str) -> dict:
     """The GPU tests' results: each finished test's ``[id, outcome, seconds]``, the counts, the
     failed ids with their errors and the test a cut was in (from the results log, written test by
-    test, so a step cut at its deadline still has them); the counts and failed ids from the JUnit
-    file when pytest got to write it; pytest's summary line."""
+    test, so a step cut at its deadline still has them); where there is no results log (a pytest run
+    without the plugin), the counts and failed ids of its JUnit file; pytest's summary line."""
     key: dict = {}
     lines = [ln for ln in output.splitlines() if _PYTEST_SUMMARY.search(ln)]
     if lines:
@@ -166,7 +166,7 @@ def tests_key(output: str, results: str) -> dict:
         if log["collect_errors"]:
             key["collect_errors"] = log["collect_errors"]
     xml = Path(results) / "gpu_tests.xml"
-    if not xml.exists():
+    if log is not None or not xml.exists():
         return key
     try:
         root = ET.parse(xml).getroot()
@@ -181,7 +181,7 @@ def tests_key(output: str, results: str) -> dict:
         if tc.find("failure") is not None or tc.find("error") is not None:
             mod = tc.get("classname", "").replace(".", "/")
             bad.append(f"{mod}.py::{tc.get('name')}")
-    key["failed_ids"] = bad[:30]
+    key["failed_ids"] = bad[:MAX_FAILED_IDS]
     return key
 
 
@@ -458,10 +458,7 @@ def run_step(step: Step, results: str, limit_s: float, dry: bool,
         if wrong:
             rec.update(status="failed", error=wrong)
     if not dry and step.key is not None:
-        try:
-            rec["key"] = step.key(out, results)
-        except Exception as e:  # a parser's slip must not cost the day
-            rec["key"] = {"error": f"{type(e).__name__}: {e}"}
+        rec["key"] = _key_of(step, out, results)
     if rec["status"] == "ok" and not dry and step.done is not None:
         step.done()
     return rec
@@ -487,10 +484,21 @@ def _progress(step: Step, log: Path, results: str, progress) -> Callable[[], Non
 
     def tick() -> None:
         try:
-            progress(step.key(log.read_text(errors="replace"), results))
-        except Exception as e:  # a half-written file or a parser's slip must not cost the step
+            out = log.read_text(errors="replace")
+        except OSError as e:
             progress({"error": f"{type(e).__name__}: {e}"})
+            return
+        progress(_key_of(step, out, results))
     return tick
+
+
+def _key_of(step: Step, out: str, results: str) -> dict:
+    """``step.key(out, results)``, or the error: a half-written file or a parser's slip must not cost
+    the step or the day."""
+    try:
+        return step.key(out, results)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def collect_rows(results: str) -> dict[str, list[dict]]:
