@@ -101,7 +101,7 @@ def _pass_env(names) -> tuple[str, ...]:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ValueError(f"rollout.workflow_args.agent_args.pass_env: {name!r} is not a variable name (letters, "
                              "digits and _, optionally ending with * for a prefix)")
-        if _is_run_key(name.rstrip("*")) or name in ("AREAL_FAST_*", "*"):
+        if _is_run_key(name.rstrip("*")) or name == "AREAL_FAST_*":
             raise ValueError(f"rollout.workflow_args.agent_args.pass_env: {name!r} names the run's own keys "
                              "(AREAL_FAST_*KEY), which never reach agent code")
     return tuple(names)

@@ -82,8 +82,7 @@ def check_output_dir(out: str | os.PathLike) -> Path:
         raise UnsafeOutputDir(f"experiment.output_dir {out} is writable by its group (mode {mode:04o}): a member "
                               f"of the group could plant a symlink there (the run's metrics, summary or checkpoints "
                               f"written or read elsewhere). Run chmod g-w {out}")
-    for name in sorted(RUN_PRODUCTS | set(KEPT_ON_FRESH_START) | {LOCK_FILE} |
-                       {n for n in os.listdir(out) if is_checked_entry(n)}):
+    for name in sorted(n for n in os.listdir(out) if is_checked_entry(n)):  # what is there: what a run writes
         _check_run_entry(out, out / name)
     return out
 
@@ -215,7 +214,7 @@ def _check_looks_like_a_run(out: Path, entries: list[Path]) -> None:
     except OSError:
         pass
     others = sorted(n for n in names if not is_run_product(n))
-    if foreign or not (ours or not others):
+    if foreign or (others and not ours):
         why = (f"it holds {', '.join(foreign)}" if foreign else
                f"it has no {RUN_CONFIG} written by a run and holds {', '.join(others[:5])}")
         raise NotARunDir(f"experiment.resume=false would move everything in {out} aside, but it does not look like "
