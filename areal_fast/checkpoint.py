@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from areal_fast import columns
+from areal_fast.configutil import finite_number
 from areal_fast.diskutil import write_failed
 
 log = logging.getLogger(__name__)
@@ -328,10 +328,6 @@ def _is_int(v, low: int = 0) -> bool:
     return type(v) is int and v >= low
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _check_count_map(name: str, d) -> None:
     if not isinstance(d, dict) or not all(isinstance(k, str) and _is_int(v) for k, v in d.items()):
         raise ValueError(f"{name}: expected a mapping of names to counts >= 0, got {d!r:.200}")
@@ -370,10 +366,10 @@ def check_state(st) -> None:
             _check_count_map(f"counters.{k}", v)
         elif not _is_int(v):
             raise ValueError(f"counters.{k}: expected an integer >= 0, got {v!r:.100}")
-    if "elapsed" in st and not (_is_number(st["elapsed"]) and st["elapsed"] >= 0):
+    if "elapsed" in st and not (finite_number(st["elapsed"]) and st["elapsed"] >= 0):
         raise ValueError(f"elapsed: expected a number of seconds >= 0, got {st['elapsed']!r:.100}")
     timers = st.get("timers", {})
-    if not isinstance(timers, dict) or not all(isinstance(k, str) and _is_number(v) for k, v in timers.items()):
+    if not isinstance(timers, dict) or not all(isinstance(k, str) and finite_number(v) for k, v in timers.items()):
         raise ValueError(f"timers: expected a mapping of names to seconds, got {timers!r:.200}")
     evals = st.get("eval_history", [])
     if not isinstance(evals, list) or not all(isinstance(e, dict) for e in evals):

@@ -1,6 +1,6 @@
 """What the config sections and the checks share: the error type, the declarative field rules
-(:func:`option`, :func:`check_rules`), the one dict-to-dataclass loader (:class:`Loader`) and one
-value rule (a device list).
+(:func:`option`, :func:`check_rules`), the one dict-to-dataclass loader (:class:`Loader`) and the
+value rules a config and a JSON record share (a device list, a finite number).
 
 The lowest layer of the configuration: every section module (``rollout/config.py``,
 ``reward/config.py``, ``launch_config.py`` ...), the machine checks (``preflight.py``) and the
@@ -16,7 +16,7 @@ import types
 import typing
 from typing import Any
 
-__all__ = ["ConfigError", "Loader", "check_rules", "device_indices", "from_dict", "option"]
+__all__ = ["ConfigError", "Loader", "check_rules", "device_indices", "finite_number", "from_dict", "option"]
 
 
 class ConfigError(ValueError):
@@ -36,6 +36,17 @@ def device_indices(text: str) -> list[int] | None:
 
 
 # ----------------------------------------------------------------------------- declarative rules
+
+
+def finite_number(value) -> bool:
+    """A JSON number that a float holds finitely (not a bool, NaN, an infinity, nor an integer too
+    large for a float: ``math.isfinite`` would raise OverflowError on one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def option(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, ge=None, gt=None, le=None,

@@ -57,8 +57,8 @@ import os
 import re
 import shlex
 
-from areal_fast.agent.request import finite_number
 from areal_fast.agent.server import shared_server
+from areal_fast.configutil import finite_number
 from areal_fast.procutil import die_with_parent, kill_group
 from areal_fast.reward.result import escape_controls
 

@@ -12,9 +12,10 @@ the same value, so a history the agent sends back can be compared with the one r
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from areal_fast.configutil import finite_number
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 4  # as the OpenAI API
@@ -40,17 +41,6 @@ def culprit(value) -> str:
         size = f" of {value.bit_length()} bits" if isinstance(value, int) else ""
         return f"<{type(value).__name__}{size}>"
     return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
-
-
-def finite_number(value) -> bool:
-    """A JSON number that a float holds finitely (not a bool, NaN, an infinity, nor an integer too
-    large for a float: ``math.isfinite`` would raise OverflowError on one)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
 
 
 class ChatRequestError(ValueError):

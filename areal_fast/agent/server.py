@@ -43,8 +43,9 @@ from aiohttp import web
 
 from areal_fast.agent import responses
 from areal_fast.agent.completion import completion_dict
-from areal_fast.agent.request import ChatRequestError, culprit, finite_number
+from areal_fast.agent.request import ChatRequestError, culprit
 from areal_fast.agent.stream import chunk_dicts, sse_body
+from areal_fast.configutil import finite_number
 from areal_fast.http.conn_guard import ConnLimits, authorize, start_site
 
 log = logging.getLogger(__name__)

@@ -41,6 +41,8 @@ EDITS = {
     "pending past position": lambda st: st.update(pending=[st["position"] + 5]),
     "buffer file elsewhere": lambda st: st["buffer_file"].update(name="../../etc/passwd"),
     "elapsed not a number": lambda st: st.update(elapsed="NaN"),
+    "elapsed past a float": lambda st: st.update(elapsed=10**400),  # math.isfinite overflows on it
+    "a timer past a float": lambda st: st.update(timers={"wait_s": -(10**400)}),
     "timers a list": lambda st: st.update(timers=[1]),
     # consistency with the trainer state and with what the position accounts for
     "version ahead of the trainer": lambda st: st.update(version=st["version"] + 1),
