@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -268,6 +269,30 @@ def test_agent_past_timeout_is_killed_with_its_children_and_the_call_returns(tmp
     assert out.exists(), "the agent did not start its child within timeout_s=3"
     for pid in map(int, out.read_text().split()):
         poll_until(lambda pid=pid: not _alive(pid), f"process {pid} of the agent to be killed", limit_s=5.0)
+
+
+def test_agent_dies_with_the_process_that_started_it_even_by_sigkill(tmp_path):
+    """The controller killed with SIGKILL runs no cleanup: the agent (in its own process group, so
+    a signal to the controller's group misses it) is killed by the kernel with it, not left
+    running with the episode's key."""
+    pytest.importorskip("openai")
+    out = tmp_path / "agent.pid"
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{os.path.dirname(__file__)!r}, {os.path.dirname(os.path.dirname(__file__))!r}]
+        from test_agent_process import _plain_run
+        _plain_run(["sh", "-c", "echo $$ > {out}.tmp && mv {out}.tmp {out} && exec sleep 120"], timeout_s=60)
+        """)])
+    try:
+        poll_until(out.exists, "the agent to start", limit_s=CALL_LIMIT_S)
+        pid = int(out.read_text())
+        assert _alive(pid)
+        parent.kill()
+        parent.wait()
+        poll_until(lambda: not _alive(pid), f"agent {pid} to die with the controller", limit_s=5.0)
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 def test_standard_error_keeps_a_bounded_escaped_tail(plain, caplog):
