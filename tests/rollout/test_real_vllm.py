@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 from _shared import stays_pending, wait_until
-from real_vllm import SESSION_API_KEY, VLLM_CPU_VERSION
+from real_vllm import SESSION_API_KEY, SHARED_CONTEXT, VLLM_CPU_VERSION
 from tolerances import VLLM_CPU_LOGPROB_ATOL
 
 from areal_fast.backends.vllm.client import VLLMRolloutClient
@@ -307,7 +307,12 @@ def test_keep_pause_recomputes_the_kept_requests_unless_clear_cache_is_false(rea
                 if all(t.done() for t in tasks):
                     raise Outrun("the requests ended before the pause")
                 assert _http(f"{url}/pause?mode=keep{query}", "POST")[0] == 200
+                # a paused server ends nothing: one still open here was on the server at the pause (else
+                # no preemption in either arm would say nothing about clear_cache)
+                caught = not all(t.done() for t in tasks)
                 assert _http(f"{url}/resume", "POST")[0] == 200
+                if not caught:
+                    raise Outrun("the requests ended before the pause took effect")
                 done = await asyncio.gather(*tasks)
                 assert all(len(s.output_ids) == LONG["max_new_tokens"] and s.num_segments == 1 for s in done)
                 n = _metric(url, "vllm:num_preemptions_total") - before
@@ -432,16 +437,16 @@ def test_an_in_place_pause_keeps_the_prefix_cache_of_the_old_weights_so_it_is_re
 
 @pytest.mark.parametrize("body", [
     {"model": "planted", "prompt": PROMPT, "max_tokens": 2},  # a model it does not serve: 404
-    {"model": "default", "prompt": [3] * 600, "max_tokens": 2},  # longer than the context
-    {"model": "default", "prompt": [3] * 513, "max_tokens": 2},  # one token longer ("at least")
-    {"model": "default", "prompt": [3] * 512, "max_tokens": 2},  # no room for one token
-    {"model": "default", "prompt": PROMPT, "max_tokens": 600},  # more tokens asked than the context
-    {"model": "default", "prompt": [3] * 510, "max_tokens": 5, "ignore_eos": True},  # capped to the rest: 2 tokens
+    {"model": "default", "prompt": [3] * (SHARED_CONTEXT + 88), "max_tokens": 2},  # longer than the context
+    {"model": "default", "prompt": [3] * (SHARED_CONTEXT + 1), "max_tokens": 2},  # one token longer ("at least")
+    {"model": "default", "prompt": [3] * SHARED_CONTEXT, "max_tokens": 2},  # no room for one token
+    {"model": "default", "prompt": PROMPT, "max_tokens": SHARED_CONTEXT + 88},  # more tokens asked than the context
+    {"model": "default", "prompt": [3] * (SHARED_CONTEXT - 2), "max_tokens": 5, "ignore_eos": True},  # capped: 2 tokens
 ], ids=["unknown-model", "too-long", "one-too-long", "fills-it", "too-many-tokens", "capped"])
 def test_the_twin_started_as_real_vllm_answers_the_context_and_model_checks_as_it_does(real_vllm, twin, body):
     """Both started with ``--max-model-len`` and ``--served-model-name`` (the twin's fixture): the
     same status, and for an error the same answer, word for word."""
-    assert _http(f"{real_vllm.url}/v1/models")[1]["data"][0]["max_model_len"] == 512
+    assert _http(f"{real_vllm.url}/v1/models")[1]["data"][0]["max_model_len"] == SHARED_CONTEXT
     (rs, real), (ts, ours) = _http(f"{real_vllm.url}/v1/completions", "POST", body), \
         _http(f"{twin.url}/v1/completions", "POST", body)
     assert rs == ts, (real, ours)
