@@ -5,6 +5,8 @@
     areal-fast info                                            versions, backends, devices
     areal-fast config CONFIG [KEY=VALUE ...] [--check]        print the resolved configuration
     areal-fast servers list|add|remove|set --run-dir DIR [N | URL]   a running run's servers (docs/elastic.md)
+    areal-fast scale RUN N | auto | --min A --max B          a running run's server count, a bound of its
+                                                             autoscale policy (docs/autoscale.md)
     areal-fast slurm-script CONFIG [KEY=VALUE ...] > job.sh    an sbatch script of the run (launcher 'slurm')
 
 Overrides use dotted keys: ``areal-fast train examples/tiny_reverse.yaml train.optim.lr=1e-3``;
@@ -31,6 +33,7 @@ _COMMANDS = {
     "config": "print the resolved configuration",
     "info": "versions, backends and devices",
     "servers": "list, add or remove the inference servers of a running run",
+    "scale": "pin a running run's server count (a bound its autoscale policy keeps), or give it bounds",
     "slurm-script": "print an sbatch script that trains CONFIG on a Slurm allocation (docs/multinode.md)",
 }
 
@@ -45,6 +48,12 @@ def _command_parser(cmd: str) -> argparse.ArgumentParser:
                        help="add: how many (1); remove: a server URL or how many (1); set: the number "
                             "(the target is at most 1024: elastic.members.MAX_SERVERS)")
         p.add_argument("--run-dir", required=True, help="the run's experiment.output_dir")
+        return p
+    if cmd == "scale":
+        p.add_argument("run", help="the run's experiment.output_dir")
+        p.add_argument("n", nargs="?", help="the server count to pin (both bounds), or 'auto' to clear the bound")
+        p.add_argument("--min", type=int, help="the fewest servers the policy may keep")
+        p.add_argument("--max", type=int, help="the most servers the policy may start")
         return p
     p.add_argument("config", help="YAML run configuration (see docs/config.md)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.optim.lr=1e-5")
@@ -134,6 +143,14 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             print(json.dumps(servers_command(args.action, args.run_dir, args.arg), indent=1))
+        except ValueError as e:
+            raise _fail(str(e)) from None
+        return 0
+    if args.cmd == "scale":
+        from areal_fast.elastic.autoscale import scale_command
+
+        try:
+            print(json.dumps(scale_command(args.run, args.n, args.min, args.max), indent=1))
         except ValueError as e:
             raise _fail(str(e)) from None
         return 0

@@ -74,7 +74,7 @@ from areal_fast.rollout.config import (
     RolloutConfig,
     check_server_url,
 )
-from areal_fast.trainer.config import OptimConfig, PPOConfig, TrainerConfig
+from areal_fast.trainer.config import OptimConfig, PPOConfig, TrainerConfig, check_parallel_run
 from areal_fast.weights.config import WeightSyncConfig, default_method
 
 __all__ = [
@@ -158,6 +158,13 @@ class AppConfig:
             from areal_fast.lora_config import check_run
 
             check_run(self)
+        if (self.weights.quantize is not None and not self.rollout.servers
+                and "--quantization" not in self.rollout.server_args):
+            raise ValueError(f"weights.quantize {self.weights.quantize!r}: the launched servers must serve the FP8 "
+                             f"layout: add \"--quantization\", \"fp8\" to rollout.server_args (SGLang and vLLM also "
+                             f"need model.path to be an FP8 checkpoint: weights.fp8.write_fp8_checkpoint; "
+                             f"docs/mismatch.md)")
+        check_parallel_run(self.train.parallel, self.model.warm_start, self.model.path)  # ep / cp against the model
         if self.weights.flush_cache and self.rollout.pause_mode == "in_place":
             raise ValueError("weights.flush_cache: true flushes the servers' prefix cache with each update, which "
                              "rollout.pause_mode 'in_place' cannot do (the kept requests hold their KV); set "

@@ -80,13 +80,7 @@ from areal_fast.heap import HeapTrimmer
 from areal_fast.rollout.config import DEFAULT_BUFFER_MEMORY_MB
 from areal_fast.rollout.staleness import ADMISSION_ORDER
 from areal_fast.sample import Sample
-from areal_fast.workflow import (
-    DEFAULT_WORKFLOW,
-    EpisodeEngine,
-    EpisodeFailed,
-    check_trajectories,
-    load_workflow,
-)
+from areal_fast.workflow import DEFAULT_WORKFLOW, EpisodeEngine, EpisodeFailed, check_trajectories, load_workflow
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +203,7 @@ class Controller:
         self._elapsed_before = 0.0  # wall seconds of earlier incarnations (resume)
         self._timers = Counter()
         self._last_batch_dump: list = []
+        self.generated_tokens, self._gen_mark = 0, None  # finished groups' model tokens; (time, total) at last step
         # freed column memory back to the OS while the run goes on (glibc; AREAL_FAST_HEAP_TRIM_S)
         self.heap = HeapTrimmer()
 
@@ -284,6 +279,7 @@ class Controller:
             group = merge_parts(parts, gen_seconds=time.perf_counter() - t0, episodes_failed=failed)
             del parts
             self.buffer.append(group)
+            self.generated_tokens += group.n_tokens
             self.counters.finished += 1
             ok = True
             self._buffer_ready.set()
@@ -355,6 +351,7 @@ class Controller:
 
     async def _train_step(self) -> dict:
         t0 = time.perf_counter()
+        at_ask = len(self.buffer)  # groups waiting when the trainer asks (> B: generation runs ahead)
         batch = await self._wait_batch()
         t1 = time.perf_counter()
         samples = [s for g in batch for s in g.samples]  # the records themselves: no conversion
@@ -381,6 +378,7 @@ class Controller:
         self.counters.trained_samples += len(rewards)
         self.counters.trained_tokens += ntok
         elapsed = self.elapsed()
+        mark, self._gen_mark = self._gen_mark or (self._t_start, 0), (t3, self.generated_tokens)
         m = {
             "step": self.version, "time": elapsed,
             "reward": sum(rewards) / max(len(rewards), 1),
@@ -392,6 +390,7 @@ class Controller:
             "staleness": staleness, "positions": stats["positions"],
             "wait_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
             "buffer": len(self.buffer), "buffer_spilled": self.buffer.spilled, "running": len(self.running),
+            "buffer_at_ask": at_ask, "gen_tokens_per_s": (self.generated_tokens - mark[1]) / max(t3 - mark[0], 1e-9),
             "parked_spilled": self.buffer.parked_spilled,
             "trained_tokens_per_s": self.counters.trained_tokens / max(elapsed, 1e-9),
             "trained_samples_per_s": self.counters.trained_samples / max(elapsed, 1e-9),

@@ -99,6 +99,10 @@ def check_run(app) -> None:
     if not app.weights.shared_fs:
         raise ValueError("train.lora with weights.shared_fs false: adapters reach the servers as files (a PEFT "
                          "directory each update); the servers must read trainer rank 0's files")
+    if app.weights.quantize is not None:
+        raise ValueError(f"weights.quantize {app.weights.quantize!r} with train.lora: a LoRA run sends only the "
+                         f"adapters, which the servers apply unquantised on top of the base weights; nothing "
+                         f"would be quantised on sync. Set weights.quantize null (or serve an FP8 base checkpoint)")
     if app.weights.method != "disk":
         raise ValueError(f"train.lora with weights.method {app.weights.method!r}: an adapter travels as a PEFT "
                          f"directory the servers load (no broadcast group, no weight transfer); set "

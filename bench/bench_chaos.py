@@ -1,9 +1,9 @@
 """Chaos benchmark: a tiny run while faults are injected on a schedule; per fault, the time to recover,
 the steps delayed and the throughput dip; per run, every prompt position accounted for (0 lost, 0
 duplicated). Two phases: ``main`` (launched servers, gloo weight sync, reward workers; server,
-reward and controller faults) and ``proxy`` (a server behind :class:`chaos_lib.StallingProxy`).
+reward and controller faults) and ``proxy`` (a server behind :class:`tools.chaos_lib.StallingProxy`).
 The faults, the figures' definitions and the last results: docs/chaos.md; the pure logic is in
-``bench/chaos_lib.py``.
+``tools/chaos_lib.py``.
 
     nice -n 5 python bench/bench_chaos.py                       # both phases, default schedules
     python bench/bench_chaos.py --phases main --schedule "20:server_kill 60:controller_kill"
@@ -26,7 +26,6 @@ from pathlib import Path
 
 if not __package__:  # run as a file, not with -m: the repository root on the path, for bench.*
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.chaos_lib import FAULTS, Arrival, StallingProxy, account, fault_figures, parse_schedule  # noqa: E402
 from bench.chaos_reward import HANG_FILE_ENV  # noqa: E402
 from bench.common import (  # noqa: E402
     add_harness_args,
@@ -36,6 +35,7 @@ from bench.common import (  # noqa: E402
     proc_ppid,
     provenance,
 )
+from tools.chaos_lib import FAULTS, Arrival, StallingProxy, account, fault_figures, parse_schedule  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "tiny_reverse.yaml")
@@ -340,7 +340,7 @@ def fault_rows(name: str, injected: list[dict], arrivals: list[Arrival], pool: l
 
 def reanalyze(path: Path) -> dict:
     """The fault rows of a results JSON again from its saved arrivals and pool (samples: a full batch a step)."""
-    from bench.chaos_lib import Fault
+    from tools.chaos_lib import Fault
 
     res = json.loads(path.read_text())
     for ph in res["phases"]:

@@ -242,7 +242,7 @@ SECTOR_BYTES = 32
 def sim_constants() -> dict:
     """The weight-sync constants of the GPU simulator (bench/bench_async_speedup.py), so both agree."""
     try:
-        from bench.bench_async_speedup import CONSTANTS
+        from tools.gpu_model import CONSTANTS
 
         return {"nccl_bytes_per_s": CONSTANTS["nccl_bytes_per_s"][0], "sync_fixed_s": CONSTANTS["sync_fixed_s"][0]}
     except Exception:  # noqa: BLE001 - the simulator is being edited or cannot import: its values of today

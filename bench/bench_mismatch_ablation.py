@@ -1,11 +1,14 @@
 """The mismatch corrections under a real train/inference mismatch: the embedded engine serves in
-bfloat16 while the trainer computes in fp32, and each correction of the decoupled loss (``CORRECTIONS``)
-is trained against none at eta 0 and 4, with an fp32-served control, over seeds, on the reversal task
-with 6-16 character strings (``TASK``), through the sweep harness (``bench/sweep.py``). Per run it keeps
-the trainer's per-step mismatch dashboard (``STEP_KEYS``). Results and reading: docs/mismatch.md.
+bfloat16 (or, in the ``*_fp8`` arms, serves the block-FP8 weights the trainer sends with
+``weights.quantize: fp8``, ``--quantization fp8``) while the trainer computes in fp32, and each
+correction of the decoupled loss (``CORRECTIONS``) is trained against none at eta 0 and 4, with an
+fp32-served control, over seeds, on the reversal task with 6-16 character strings (``TASK``), through
+the sweep harness (``bench/sweep.py``). Per run it keeps the trainer's per-step mismatch dashboard
+(``STEP_KEYS``). Results and reading: docs/mismatch.md.
 
     python bench/bench_mismatch_ablation.py [--arms none,tis,icepop,seq_mis,m2po,none_fp32] [--etas 0,4]
         [sweep options] [KEY=VALUE ...]
+    python bench/bench_mismatch_ablation.py --arms none_fp8,tis_fp8,icepop_fp8,seq_mis_fp8,m2po_fp8 ...
 
 Writes ``<out>/mismatch_ablation_<date>.{json,md}`` and one row per arm to ``<out>/mismatch_ablation.jsonl``.
 """
@@ -39,8 +42,13 @@ TITLES = {"none": "no correction", "tis": "token TIS (C = 2)", "icepop": "IcePop
 # arm name -> (correction, serving dtype); "none_fp32" is the control without mismatch, "seq_mis_fp32"
 # (not in the default sweep) asks whether what sequence MIS does needs the bf16 mismatch
 ARMS = {**{c: (c, "bfloat16") for c in CORRECTIONS}, "none_fp32": ("none", "float32"),
-        "seq_mis_fp32": ("seq_mis", "float32")}
-DEFAULT_ARMS = tuple(a for a in ARMS if a != "seq_mis_fp32")
+        "seq_mis_fp32": ("seq_mis", "float32"), **{f"{c}_fp8": (c, "fp8") for c in CORRECTIONS}}
+DEFAULT_ARMS = tuple(a for a in ARMS if a != "seq_mis_fp32" and not a.endswith("_fp8"))
+FP8_ARMS = tuple(a for a in ARMS if a.endswith("_fp8"))
+# the servers' flags per serving dtype: FP8 is the engine in bf16 serving the block-FP8 weights
+SERVER_ARGS = {"bfloat16": ["--dtype", "bfloat16"], "float32": ["--dtype", "float32"],
+               "fp8": ["--dtype", "bfloat16", "--quantization", "fp8"]}
+DTYPE_ORDER = ("bfloat16", "fp8", "float32")
 ETAS = (0, 4)
 SEEDS = (1, 2, 3)
 # Longer answers than the recipe's (median 3 characters): 6-16 characters, median 8.
@@ -78,23 +86,25 @@ class Arm:
         return f"eta{self.eta}_{self.arm}"
 
     def server_overrides(self) -> list[str]:
-        return [f'rollout.server_args=["--dtype", "{self.dtype}"]']
+        return [f"rollout.server_args={json.dumps(SERVER_ARGS[self.dtype])}"]
 
     def overrides(self) -> list[str]:
-        return [*self.server_overrides(), f"rollout.max_staleness={self.eta}", "train.ppo.prox_mode=recompute",
-                *CORRECTIONS[self.correction], f"train.ppo.adv_estimator={self.advantage}"]
+        quantize = ["weights.quantize=fp8"] if self.dtype == "fp8" else []
+        return [*self.server_overrides(), *quantize, f"rollout.max_staleness={self.eta}",
+                "train.ppo.prox_mode=recompute", *CORRECTIONS[self.correction],
+                f"train.ppo.adv_estimator={self.advantage}"]
 
 
 def build_runs(arms, etas, seeds) -> list[Run]:
-    """Seed-major (complete seeds first); within a seed the bf16 arms, then the fp32 ones (one server
-    start per seed and dtype)."""
+    """Seed-major (complete seeds first); within a seed the bf16 arms, then the FP8 ones, then the fp32
+    ones (one server start per seed and dtype)."""
     for a in arms:
         if a not in ARMS:
             raise ValueError(f"--arms: unknown arm {a!r} (known: {', '.join(ARMS)})")
     for e in etas:
         if e < 0:
             raise ValueError(f"--etas: eta must be >= 0, got {e}")
-    order = sorted(arms, key=lambda a: ARMS[a][1] == "float32")
+    order = sorted(arms, key=lambda a: DTYPE_ORDER.index(ARMS[a][1]))
     return [Run(Arm(e, a), s) for s in seeds for a in order for e in etas]
 
 
@@ -144,12 +154,15 @@ def aggregate(results: list[dict]) -> list[dict]:
 
 
 def contrasts(results: list[dict]) -> dict[str, list[dict]]:
-    """Paired by seed and eta: each correction minus no correction (bf16), and the fp32 control minus
-    bf16 without correction (what the mismatch costs)."""
+    """Paired by seed and eta: each correction minus no correction (bf16; FP8 against FP8), and the
+    fp32 control minus bf16 without correction (what the mismatch costs), FP8 against bf16 and fp32."""
     arms = {r["objective"] for r in results}
     out = {f"{a}_minus_none": c for a in ("tis", "icepop", "seq_mis", "m2po") if a in arms
            and (c := contrast(results, a=a, b="none"))}
-    for a, b in (("none_fp32", "none"), ("seq_mis_fp32", "none_fp32"), ("seq_mis_fp32", "seq_mis")):
+    out |= {f"{a}_fp8_minus_none_fp8": c for a in ("tis", "icepop", "seq_mis", "m2po") if f"{a}_fp8" in arms
+            and (c := contrast(results, a=f"{a}_fp8", b="none_fp8"))}
+    for a, b in (("none_fp32", "none"), ("seq_mis_fp32", "none_fp32"), ("seq_mis_fp32", "seq_mis"),
+                 ("none_fp8", "none"), ("none_fp32", "none_fp8")):
         if {a, b} <= arms and (c := contrast(results, a=a, b=b)):
             out[f"{a}_minus_{b}"] = c
     return out
@@ -239,7 +252,7 @@ def main(argv=None) -> None:
     runs = build_runs(args.arms, args.etas, args.seeds)
     args.overrides = [*TASK, *args.overrides]  # the task, under the user's word, in every run and server
     sweep.main("mismatch_ablation", runs, args, lambda runs, work, args: sweep.report(
-        "mismatch_ablation", "Mismatch corrections under bf16 serving", runs, work, args, summary),
+        "mismatch_ablation", "Mismatch corrections under bf16 and FP8 serving", runs, work, args, summary),
         after_run=after_run)
 
 

@@ -31,7 +31,7 @@ import pytest
 import sglang_wheel
 from wheel_loader import WheelPackage, cached_dir, run_pip
 
-__all__ = ["vllm_module", "source_dir", "source_dir_or_skip", "unknown_vllm_flags"]
+__all__ = ["vllm_module", "vllm_source_module", "source_dir", "source_dir_or_skip", "unknown_vllm_flags"]
 
 GPU_ONLY = sglang_wheel.GPU_ONLY + ("vllm_flash_attn", "flashinfer", "triton", "xformers", "ray", "cupy", "nixl",
                                     "deep_gemm", "lmcache", "mistral_common", "cbor2", "numba", "cv2", "soundfile",
@@ -100,3 +100,33 @@ def vllm_module(version: str, name: str) -> types.ModuleType:
     _VLLM.check_name(name)
     root = source_dir_or_skip(version)
     return _VLLM.import_module(version, root, name)
+
+
+def vllm_source_module(version: str, name: str) -> types.ModuleType:
+    """Run one module of vLLM ``version``'s runtime subpackages (``RUNTIME_SUBPACKAGES``, stubbed for
+    imports) from its source file, and register it under its name, so the modules imported after it
+    that import it get it and not a stub. For modules whose own imports are torch and the stdlib, or
+    stubs where the code a test runs does not use them (the sparse weight-transfer engine's receive and
+    ``checkpoint_weight_patch``); skips when the wheel cannot be downloaded."""
+    import importlib.util
+    import sys
+
+    import torch  # noqa: F401 - loaded before any stub exists
+
+    _VLLM.check_name(name)
+    root = source_dir_or_skip(version)
+    _VLLM.activate(version, root)
+    path = root / (name.replace(".", "/") + ".py")
+    if getattr(sys.modules.get(name), "__file__", None) == str(path):  # run already (stubs have no file)
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:
+        del sys.modules[name]
+        raise ImportError(f"running {path} (vLLM {version}) failed: {type(e).__name__}: {e}") from e
+    finally:
+        _VLLM._unlist_stubs()
+    return mod

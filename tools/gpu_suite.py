@@ -294,6 +294,7 @@ STEPS: tuple[Step, ...] = (
     _bench("loss", 90, 150, "bench_ppo_loss.py", "--production", "--skip-compile", "--skip-liger", must=True),
     _bench("trainer", 60, 120, "bench_trainer.py", "--shape", "qwen2-0.5b", "--tokens", "16384", "--mb-tokens",
            "8192", "--steps", "1", must=True),
+    _bench("sync_pieces", 20, 60, "bench_sync_senders.py", "--parts", "gpu"),
     _bench("packing", 40, 80, "bench_packing_kernels.py", "--batch", "64", "--max-len", "8192", "--hidden", "3584",
            "--reps", "30"),
     _bench("reshard", 90, 150, "bench_reshard.py", "--parts", "plan,cuda_copy,gpu_sync", "--layers", "28"),

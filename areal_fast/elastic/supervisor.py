@@ -25,7 +25,11 @@ Each tick:
    it to the weight sync: it gets the next update in full, over a re-formed broadcast group, and
    only then enters the pool (``weights.membership``);
 4. a server above the target leaves ``members.json`` first; it is stopped once rank 0's
-   ``pool.json`` no longer lists it (its requests have finished or failed over), or after 30 s;
+   ``pool.json`` no longer lists it (its requests have finished or failed over), or after 30 s.
+   With a launcher that can signal a stop without waiting (``begin_stop``: the local one) the tick
+   sends SIGTERM and goes on, and a later tick SIGKILLs it past ``STOP_GRACE_S``: a server slow to
+   exit never holds up the next start (a removal followed by an addition); its slot stays taken
+   until it is gone;
 5. a member that rank 0 dropped (``pool.json``, written after it became a member, lists it neither in
    the pool nor joining) while its process lives is asked GET /model_info in a thread, with
    ``rollout.hang_timeout`` as the deadline (``elastic.liveness.server_state``). No answer (hung:
@@ -82,6 +86,8 @@ class ServerLauncher(Protocol):
 
     def stop_process(self, p: ServerProcess, grace: float) -> None: ...
 
+    # optional: begin_stop(p) sends the stop signal and returns at once (the local launcher)
+
     def private_dir(self) -> Path: ...  # the launcher's private directory (0700) for key files: part of its API
 TICK_S = 0.5
 DRAIN_S = 30.0  # a removed server leaves the pool within a step; past this it is stopped anyway
@@ -111,6 +117,7 @@ class ServerSupervisor:
         self.members: dict[int, ServerProcess] = dict(enumerate(servers))  # slot -> process
         self.starting: list[_Starting] = []
         self.leaving: dict[str, tuple[ServerProcess, float]] = {}
+        self.stopping: dict[str, tuple[ServerProcess, float]] = {}  # url -> (SIGTERMed, monotonic time)
         self.target = len(servers) if target is None else target  # fewer servers (reused ones): the rest start
         self._target_seen = None  # the last target file read, so a stale one is applied once
         self.starts = len(servers)  # servers started so far (names and seeds of the next ones)
@@ -261,7 +268,22 @@ class ServerSupervisor:
         for url, (p, t0) in list(self.leaving.items()):
             if url not in busy or time.monotonic() - t0 > DRAIN_S or not p.alive():
                 del self.leaving[url]
-                self._stop_proc(p)
+                begin = getattr(self.launcher, "begin_stop", None)
+                if begin is None:
+                    self._stop_proc(p)
+                    continue
+                try:
+                    begin(p)
+                    self.stopping[url] = (p, time.monotonic())
+                except Exception as e:  # noqa: BLE001 - the launcher's shutdown stops it at the end anyway
+                    log.warning("stopping server %s: %s", p.name, e)
+        for url, (p, t0) in list(self.stopping.items()):
+            if not p.alive():
+                del self.stopping[url]
+            elif time.monotonic() - t0 > STOP_GRACE_S:
+                del self.stopping[url]
+                log.warning("server %s (%s) did not exit within %.0f s of SIGTERM: killed", p.name, url, STOP_GRACE_S)
+                kill_now(p)
 
     # ------------------------------------------------------------ hung members
     def _kill_hung(self) -> None:
@@ -295,7 +317,8 @@ class ServerSupervisor:
 
     # ------------------------------------------------------------ starting and stopping
     def _free_slot(self) -> int | None:
-        used = set(self.members) | {s.slot for s in self.starting} | {_slot(p) for p, _ in self.leaving.values()}
+        used = set(self.members) | {s.slot for s in self.starting} | {_slot(p) for p, _ in self.leaving.values()} | \
+            {_slot(p) for p, _ in self.stopping.values()}
         slot = next(i for i in range(len(used) + 1) if i not in used)
         if self.cfg.gpus and slot >= len(self.cfg.gpus):
             log.error("no GPU for another server: rollout.gpus names %d slot(s) and all are taken", len(self.cfg.gpus))

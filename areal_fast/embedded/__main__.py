@@ -13,6 +13,7 @@ on the command line wins. The launcher passes the API key this way, to keep it o
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -112,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --api vllm: vLLM's flag: the waiting queue first come first served (fcfs, vLLM's "
                    "default) or by each completion's priority, lowest first, then arrival (priority); under fcfs "
                    "a completion's priority is accepted and has no effect, as on vLLM")
+    p.add_argument("--weight-transfer-config", default=None,
+                   help='with --api vllm: vLLM\'s flag, JSON {"backend": "nccl"} (whole updates, the default) or '
+                   '{"backend": "sparse_nccl"} (delta updates as checkpoint-coordinate patches, 0.32.0 on)')
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: serve the linear weights block-quantised (E4M3, 128x128 blocks), as SGLang and vLLM "
+                   "serve an FP8 checkpoint; FP8 weights from the trainer are dequantised per block at load")
     p.add_argument("--dist-timeout", type=float, default=120.0,
                    help="seconds a weight-update rendezvous or broadcast may wait before the call fails")
     p.add_argument("--attn-implementation", default="sdpa", help="sdpa or eager")
@@ -135,15 +142,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.api != "vllm":
         vllm_flags = (("--max-model-len", args.max_model_len), ("--served-model-name", args.served_model_name),
                       ("--enable-prefix-caching", args.enable_prefix_caching or None),
-                      ("--scheduling-policy", args.scheduling_policy))
+                      ("--scheduling-policy", args.scheduling_policy),
+                      ("--weight-transfer-config", args.weight_transfer_config))
         given = [f for f, v in vllm_flags if v is not None]
         if given:
             p.error(f"{given[0]}: a vLLM flag, served with --api vllm only")
+    args.weight_transfer_backend = transfer_backend_of(args.weight_transfer_config, p)
     if args.max_model_len is not None and args.max_model_len < 1:
         p.error(f"--max-model-len {args.max_model_len}: must be >= 1")
     if args.tp_size != 1:
         p.error(f"--tp-size {args.tp_size}: the embedded engine runs on one device (tp size 1)")
     return args
+
+
+def transfer_backend_of(config: str | None, p: argparse.ArgumentParser) -> str:
+    """The backend of vLLM's ``--weight-transfer-config`` JSON (default 'nccl'); a parser error otherwise."""
+    if config is None:
+        return "nccl"
+    try:
+        backend = json.loads(config).get("backend", "nccl")
+    except (ValueError, AttributeError):
+        p.error(f"--weight-transfer-config {config!r}: expected JSON like {{\"backend\": \"sparse_nccl\"}}")
+    return str(backend)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
         served_model_names=args.served_model_name,
         prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        weight_transfer_backend=args.weight_transfer_backend,
+        quantization=args.quantization,
     )
     serve_forever(server.build_app(), args.host, args.port, server.conn_limits)
 

@@ -122,6 +122,8 @@ class EngineServer(WeightUpdateRoutes):
         served_model_names: list[str] | None = None,
         prefix_caching: bool = False,
         scheduling_policy: str | None = None,
+        weight_transfer_backend: str = "nccl",
+        quantization: str | None = None,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -153,6 +155,12 @@ class EngineServer(WeightUpdateRoutes):
                 model_path, dtype=self.dtype, attn_implementation=attn_implementation
             )
         self.model = model.to(self.device).eval()
+        if quantization is not None:  # SGLang's / vLLM's --quantization: serve the block-FP8 weights
+            from areal_fast.embedded.fp8 import QUANTIZATIONS, serve_fp8
+
+            if quantization not in QUANTIZATIONS:
+                raise ValueError(f"--quantization {quantization!r}: the embedded engine serves {QUANTIZATIONS[1:]}")
+            serve_fp8(self.model)
         self.tokenizer = None if skip_tokenizer_init else self._try_tokenizer(model_path)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.context_length = int(getattr(self.config, "max_position_embeddings", 2**31 - 1))
@@ -167,6 +175,10 @@ class EngineServer(WeightUpdateRoutes):
         # vLLM's --served-model-name; without it the launcher's name ('default'), and the checkpoint's path
         self.served_model_names = list(served_model_names) if served_model_names else None
         self.prefix_caching = bool(prefix_caching)  # reported only: the twin caches no prefix
+        # vLLM's --weight-transfer-config backend: the wire of /update_weights (embedded/vllm_routes.py)
+        from areal_fast.backends.vllm.compat import check_twin_transfer_backend
+
+        self.weight_transfer_backend = check_twin_transfer_backend(weight_transfer_backend, self.vllm)
         self.generate_limit = GENERATE_OVERHEAD + BYTES_PER_ID * min(self.context_length, 1 << 22)
         self.max_running_requests = max_running_requests
         self.seed = seed

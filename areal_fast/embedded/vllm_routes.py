@@ -10,8 +10,11 @@ Served (each only from the release that has it, as the version table says):
 ``POST /pause`` / ``/resume``, ``GET /is_paused`` (0.12.0), ``POST /abort_requests`` (0.26.0),
 ``/shutdown_weight_transfer_engine`` (0.32.0),
 ``/init_weight_transfer_engine`` and ``/update_weights`` (0.16.0; the NCCL backend's unpacked wire:
-one broadcast per tensor from rank 0, over gloo on CPU), ``/start_weight_update`` and
-``/finish_weight_update`` (0.21.0), ``/update_weight_version`` and ``GET /weight_info`` (0.27.0).
+one broadcast per tensor from rank 0, over gloo on CPU; with ``--weight-transfer-config
+'{"backend": "sparse_nccl"}'`` (0.32.0 on) the sparse backend's: per checkpoint-coordinate patch its
+int32 flat indices, then its values, applied to those elements only, NaN values refused as vLLM does),
+``/start_weight_update`` and ``/finish_weight_update`` (0.21.0), ``/update_weight_version`` and
+``GET /weight_info`` (0.27.0).
 
 Pause modes map onto the scheduler's: vLLM's abort is ours, keep is ``in_place`` (running requests
 stay frozen with their KV) or, from 0.20.0 with ``clear_cache=true`` (vLLM's default), ``retract``
@@ -53,6 +56,7 @@ import asyncio
 import time
 import uuid
 
+import torch
 from aiohttp import web
 
 from areal_fast.backends.vllm.compat import TWIN_TRANSFER_GROUP, VLLM_PAUSE_MODES, VLLMBehaviour
@@ -62,6 +66,7 @@ from areal_fast.embedded.sampling import SamplingError, parse_sampling_params
 from areal_fast.embedded.scheduler import Request
 from areal_fast.embedded.weight_sync import TensorMeta, parse_dtype
 from areal_fast.rollout.routed_experts import to_vllm
+from areal_fast.weights.delta_wire import DELTA_VAL, delta_name
 
 TRANSFER_GROUP = TWIN_TRANSFER_GROUP
 _WAIT_POLL_S = 0.01
@@ -294,7 +299,8 @@ class VLLMRoutes:
                                                   "device_config": {"device": self.s.device.type},
                                                   "cache_config": {"enable_prefix_caching": self.s.prefix_caching},
                                                   "scheduler_config": {"policy": self.s.scheduler.policy},
-                                                  "model_config": {"max_model_len": self.s.context_length}},
+                                                  "model_config": {"max_model_len": self.s.context_length},
+                                                  "weight_transfer_config": {"backend": self._transfer_backend}},
                                   "areal_fast_engine": "embedded"})
 
     # ------------------------------------------------------------------ pause, resume, abort
@@ -389,12 +395,31 @@ class VLLMRoutes:
             return web.json_response({"detail": "update_info: field required"}, status=422)
         if self.b.weight_update_sessions and not self.update_open:
             return _vllm_error("start_weight_update must be called before update_weights.", 500)
-        metas = [TensorMeta(str(n), parse_dtype(str(d)), tuple(int(x) for x in s))
-                 for n, d, s in zip(info.get("names", []), info.get("dtype_names", []), info.get("shapes", []))]
+        if self._transfer_backend == "sparse_nccl":
+            try:
+                metas = sparse_metas(info)
+            except (KeyError, TypeError, ValueError) as e:
+                return _vllm_error(f"sparse update_info: {e}", 500)
+        else:
+            if "num_updates_list" in info:  # vLLM's dense NCCLWeightTransferUpdateInfo has no such field
+                return _vllm_error("NCCLWeightTransferUpdateInfo got an unexpected keyword argument "
+                                   "'num_updates_list' (the server runs backend nccl)", 500)
+            metas = [TensorMeta(str(n), parse_dtype(str(d)), tuple(int(x) for x in s))
+                     for n, d, s in zip(info.get("names", []), info.get("dtype_names", []), info.get("shapes", []))]
         named = await asyncio.get_running_loop().run_in_executor(None, self.s.receiver.receive, metas,
                                                                  TRANSFER_GROUP, None, False)
+        if self._transfer_backend == "sparse_nccl":
+            bad = [n for n, t in named if (t.is_floating_point() and bool(torch.isnan(t).any()))
+                   or (t.dtype == torch.int32 and t.numel() > 1 and int(torch.unique(t).numel()) != t.numel())]
+            if bad:  # vLLM's load_checkpoint_weight_patches: NaN is its unchanged mark; an index given twice
+                return _vllm_error("Sparse checkpoint patches contain NaN values, out-of-range indices, or "
+                                   f"duplicate indices ({bad[0]})", 500)
         await self.s._on_scheduler(lambda: self.s.receiver.load(named))
         return web.json_response({"message": "Weights updated"})
+
+    @property
+    def _transfer_backend(self) -> str:
+        return getattr(self.s, "weight_transfer_backend", "nccl")
 
     async def finish_update(self, request: web.Request) -> web.Response:
         body = await read_json(request) if request.can_read_body else {}
@@ -417,6 +442,22 @@ class VLLMRoutes:
 
     async def weight_info(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.s.scheduler.weight_version})
+
+
+def sparse_metas(info: dict) -> list[TensorMeta]:
+    """The broadcasts of a ``sparse_nccl`` update (vLLM's ``SparseNCCLWeightTransferUpdateInfo``), in its
+    order: per patch the int32 indices, then the values, as our delta wire's entry pair (index entry named
+    with the tensor's full checkpoint shape), so the receiver applies them as it applies a delta."""
+    names, dtypes, shapes, counts = (info[k] for k in ("names", "dtype_names", "shapes", "num_updates_list"))
+    if not len(names) == len(dtypes) == len(shapes) == len(counts) or not counts:
+        raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes, {len(counts)} counts")
+    out = []
+    for n, d, shape, k in zip(names, dtypes, shapes, counts):
+        if int(k) < 0:
+            raise ValueError(f"Sparse `num_updates_list` entries must be non-negative ({n}: {k})")
+        out.append(TensorMeta(delta_name(str(n), [int(x) for x in shape]), torch.int32, (int(k),)))
+        out.append(TensorMeta(str(n) + DELTA_VAL, parse_dtype(str(d)), (int(k),)))
+    return out
 
 
 def _spans(versions: list[str]) -> list[dict]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from areal_fast.weights.delta_wire import apply_named, check_delta, split_entries
+from areal_fast.weights.fp8 import dequantize_state, wire_view
 
 # Names SGLang skips on load (buffers recomputed by the model, never sent by a well-behaved trainer).
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -172,7 +173,7 @@ class WeightReceiver:
         out = []
         for m in metas:
             t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
-            dist.broadcast(t, src=0, group=pg)
+            dist.broadcast(wire_view(t), src=0, group=pg)  # FP8 as its bytes: gloo has no FP8 type
             out.append((m.name, t))
         return out
 
@@ -180,7 +181,7 @@ class WeightReceiver:
         """Copy HF-named tensors into the model (dtype cast) and apply delta entries in place
         (``areal_fast.weights.delta_wire``: only the changed elements, bitwise); unknown names, bad
         shapes and indices outside a parameter raise before anything is written."""
-        whole, deltas = split_entries(named)
+        whole, deltas = split_entries(dequantize_state(named))  # FP8 weights + scales -> dequantised weights
         todo = [(n, t) for n, t in whole if not n.endswith(_SKIPPED_SUFFIXES)]
         deltas = {n: d for n, d in deltas.items() if not n.endswith(_SKIPPED_SUFFIXES)}
         unknown = [n for n, _ in todo if n not in self._params] + [n for n in deltas if n not in self._params]

@@ -163,6 +163,15 @@ class LocalLauncher:
             while p.alive() and time.monotonic() < deadline:
                 time.sleep(_POLL_S)
 
+    def begin_stop(self, p: LaunchedProcess) -> None:
+        """SIGTERM ``p``'s process group and return at once: the caller (``elastic.supervisor``) watches it
+        exit and SIGKILLs it past its grace period, without waiting here."""
+        if p.alive():
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def private_dir(self) -> Path:
         if self.secrets_dir is None:
             self._own_secrets_dir = tempfile.mkdtemp(prefix="areal_fast_secrets_")  # mode 0700

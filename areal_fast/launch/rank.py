@@ -209,6 +209,7 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool, metrics_key: str
             follow = asyncio.create_task(watch_members(rollout, syncer, out, hang_timeout_s=r.hang_timeout,
                                                        external=urls))  # elastic servers (pool_watch)
             refill = asyncio.create_task(refill_empty_pool(rollout, syncer, ctl.sync_between_steps, empty=empty))
+            scaler = autoscaler(cfg, rollout, syncer, ctl)  # the server-count policy (docs/autoscale.md), or None
             run = asyncio.create_task(ctl.run())
             done, _ = await asyncio.wait({watch, run}, return_when=asyncio.FIRST_COMPLETED)
             if run not in done:
@@ -218,6 +219,8 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool, metrics_key: str
             watch.cancel()
             follow.cancel()
             refill.cancel()
+            if scaler is not None:
+                scaler.cancel()
             if exporter is not None:
                 sampler.cancel()
             summary = run.result()
@@ -233,6 +236,27 @@ async def _rank0(cfg, api_key: str | None, say, progress: bool, metrics_key: str
         service.close()
         for s in closers:
             s.close()
+
+
+def autoscaler(cfg, rollout, syncer, ctl) -> asyncio.Task | None:
+    """With ``rollout.autoscale.enabled``: the policy as a callback of the controller (one decision a
+    step, through the launcher's target) and the task that applies ``areal-fast scale``'s bound at once
+    (``elastic.autoscale``); None when off."""
+    r = cfg.rollout
+    if not r.autoscale.enabled:
+        return None
+    from areal_fast.elastic.autoscale import Autoscaler
+    from areal_fast.elastic.members import read_members
+
+    members = read_members(cfg.experiment.out)
+    if members is None:  # servers of rollout.servers: no launcher to start or stop any
+        raise ValueError("rollout.autoscale.enabled: the policy adds and removes the servers the launcher starts; "
+                         "this run's servers were given (rollout.servers): leave them out, or turn autoscale off")
+    scaler = Autoscaler(r.autoscale, cfg.experiment.out, rollout, syncer, ctl._emit,
+                        servers=len(members), eta=r.max_staleness,
+                        batch_groups=cfg.train.batch_size)
+    ctl.callbacks.append(scaler.on_record)
+    return asyncio.create_task(scaler.watch(), name="autoscale")
 
 
 def empty_pool(cfg, rollout, syncer):

@@ -88,6 +88,13 @@ def _resources(cpus: float, gpus: int, custom: dict | None = None) -> dict:
     return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **(custom or {})}
 
 
+def policy_shortfall(cluster: dict, bundle: dict, max_servers: int) -> list[str]:
+    """What a cluster of ``cluster`` resources (``ray.cluster_resources()``) lacks to hold ``max_servers``
+    server bundles (``rollout.autoscale.max_servers``): one line a resource, empty when they fit."""
+    return [f"{k} {v * max_servers:g} (the cluster has {cluster.get(k, 0):g})" for k, v in bundle.items()
+            if v and v * max_servers > cluster.get(k, 0)]
+
+
 class RayLauncher:
     """Owns the actors and placement groups of one run; the Ray counterpart of ``LocalLauncher``.
 
@@ -173,6 +180,9 @@ class RayLauncher:
         if gpus and ray.cluster_resources().get("GPU", 0) < gpus:
             raise ValueError(f"rollout: {r.server} servers need {gpus} GPU(s) each but the Ray cluster has "
                              f"{ray.cluster_resources().get('GPU', 0):g} (set rollout.device=cpu for CPU servers)")
+        policy = getattr(r, "autoscale", None)
+        if policy is not None and policy.enabled:  # before any server starts: the most it may start must fit
+            self._check_policy_room(bundle, policy.max_servers)
         bundles = [bundle] * r.n_servers
         pg = self._placement_group(bundles, self.cfg.server_strategy, "servers")
         out = []
@@ -186,6 +196,21 @@ class RayLauncher:
                                      f"http://{url_host(host)}:{port}", critical=False))
             self.wait_healthy(out, r.health_timeout)  # every server has read the key file
             return out
+
+    def _check_policy_room(self, bundle: dict, max_servers: int) -> None:
+        """``rollout.autoscale.max_servers`` server bundles against the cluster's resources: refused on a
+        Ray the run started itself (its size is fixed); a warning on a cluster it connected to, which may
+        add nodes on demand (an added server that cannot be placed fails its start after
+        ``ray.placement_timeout``)."""
+        ray = _ray()
+        short = policy_shortfall(ray.cluster_resources(), bundle, max_servers)
+        if not short:
+            return
+        msg = (f"rollout.autoscale.max_servers: {max_servers} servers of {bundle} each need "
+               f"{'; '.join(short)}")
+        if not (self.cfg.address or os.environ.get("RAY_ADDRESS")):
+            raise ValueError(f"{msg}: lower it to what this Ray holds")
+        log.warning("%s: servers past what it holds start only if the cluster adds nodes", msg)
 
     def _server_bundle(self, r) -> tuple[float, dict]:
         """A server's GPUs and the Ray resources of its bundle (CPUs, GPUs and ``server_resources``): the

@@ -124,6 +124,28 @@ def job_ids(cfg: SlurmConfig, environ=os.environ) -> tuple[str, str]:
     return cfg.server_job or job, job
 
 
+def job_resources(job: str) -> dict[str, int]:
+    """The CPUs and GPUs of allocation ``job`` (``scontrol show job -o``: NumCPUs, the TRES' gres/gpu);
+    {} when scontrol does not answer."""
+    try:
+        r = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=60,
+                           env=_client_env())
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    if r.returncode != 0:
+        return {}
+    fields = dict(f.split("=", 1) for f in r.stdout.split() if "=" in f)
+    out = {}
+    if fields.get("NumCPUs", "").isdigit():
+        out["CPU"] = int(fields["NumCPUs"])
+    tres = dict(t.split("=", 1) for t in fields.get("TRES", "").split(",") if "=" in t)
+    typed = [v for k, v in tres.items() if k.startswith("gres/gpu:")]  # gres/gpu:a100=2 without gres/gpu
+    gpus = [tres["gres/gpu"]] if "gres/gpu" in tres else typed
+    if fields.get("TRES") and all(g.isdigit() for g in gpus):
+        out["GPU"] = sum(int(g) for g in gpus)
+    return out
+
+
 def srun_command(job: str, name: str, spec: Path, *, ntasks: int, cpus: int, gpus: int, extra: list[str],
                  nodes: int | None = 1, python: str = sys.executable) -> list[str]:
     """The ``srun`` of one step: ``ntasks`` tasks of ``cpus`` CPUs (and ``gpus`` GPUs) each, only
@@ -219,6 +241,9 @@ class SlurmLauncher(LocalLauncher):
         """``rollout.n_servers`` server steps, healthy on return (the key in a private file removed then)."""
         from areal_fast.launch.base import server_key_file
 
+        policy = getattr(rollout_cfg, "autoscale", None)
+        if policy is not None and policy.enabled:  # before any step starts: the most it may start must fit
+            self._check_policy_room(rollout_cfg, policy.max_servers)
         with server_key_file(self.private_dir, api_key) as key_file:
             out = [self._start_server_step(rollout_cfg, model_path, f"server{i}", seed=seed + i, key_file=key_file)
                    for i in range(rollout_cfg.n_servers)]
@@ -227,6 +252,22 @@ class SlurmLauncher(LocalLauncher):
             self.wait_started(out)
             self.wait_healthy(out, rollout_cfg.health_timeout)  # the port checked on this machine's steps
             return out
+
+    def _check_policy_room(self, rollout_cfg, max_servers: int) -> None:
+        """``rollout.autoscale.max_servers`` server steps against the CPUs and GPUs of the servers' job
+        (``scontrol show job``): refused, naming the key, when they cannot all fit (the trainer step of
+        the same job needs room besides). Unknown sizes (scontrol failed) are let through."""
+        c = self.cfg
+        need = {"CPU": max_servers * (c.cpus_per_server or rollout_cfg.threads_per_server),
+                "GPU": max_servers * (c.gpus_per_server if c.gpus_per_server is not None
+                                      else gpus_per_server(rollout_cfg))}
+        have = job_resources(self.server_job)
+        short = [f"{k} {v} (job {self.server_job} has {have[k]})" for k, v in need.items()
+                 if v and k in have and v > have[k]]
+        if short:
+            raise ValueError(f"rollout.autoscale.max_servers: {max_servers} server steps need {'; '.join(short)}: "
+                             "lower it, or run in a larger allocation (`areal-fast slurm-script` sizes one for "
+                             "max_servers)")
 
     def start_trainer_ranks(self, train_cfg, config_file: Path, env: dict[str, str]) -> list[LaunchedProcess]:
         """``train.world_size`` ranks as one step of ``slurm.job`` (or the run's job); a rank that fails
@@ -257,6 +298,12 @@ class SlurmLauncher(LocalLauncher):
             old.unlink(missing_ok=True)
 
     # ------------------------------------------------------------ stopping
+    def begin_stop(self, p: LaunchedProcess) -> None:
+        """SIGTERM the step's tasks (``scancel --signal=TERM``) and return at once (``elastic.supervisor``
+        watches its srun end and SIGKILLs the step past its grace period)."""
+        if p.alive():
+            _scancel(p, "TERM")
+
     def stop_process(self, p: LaunchedProcess, grace: float | None = None) -> None:
         """SIGTERM the step's tasks (``scancel --signal=TERM``), SIGKILL them after ``grace`` seconds,
         then wait for its srun."""
@@ -309,7 +356,10 @@ def batch_script(cfg, config_path: str, overrides: list[str], *, python: str = s
     and trainer ranks of ``cfg`` and ``areal-fast train`` inside it. Submitting it again resumes."""
     s, r, t = cfg.slurm, cfg.rollout, cfg.train
     launched = not r.servers
-    n_servers = r.n_servers if launched and not s.server_job else 0
+    # with the server-count policy the allocation holds the most servers it may start: a step past the
+    # allocation would wait for room until slurm.start_timeout
+    most = r.autoscale.max_servers if r.autoscale.enabled else r.n_servers
+    n_servers = most if launched and not s.server_job else 0
     cpus_server = s.cpus_per_server or r.threads_per_server
     cpus_rank = s.cpus_per_rank or t.threads
     gpus_server = s.gpus_per_server if s.gpus_per_server is not None else gpus_per_server(r)

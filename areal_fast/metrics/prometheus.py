@@ -64,12 +64,17 @@ GAUGES = {
     "reward": "Mean reward of the last trained batch",
     "eval_reward": "Mean held-out reward of the last evaluation",
     "last_step_timestamp_seconds": "Unix time of the last step (alert when it stops moving)",
+    "autoscale_target_servers": "The server-count policy's target (rollout.autoscale; docs/autoscale.md)",
+    "autoscale_trainer_idle_fraction": "Trainer idle fraction over the policy's last window",
+    "autoscale_buffer_batches": "Batches waiting when the trainer asked, over the policy's last window",
+    "autoscale_last_change": "Servers added (+) or removed (-) by the policy's last decision (0: a hold)",
 }
 COUNTERS = {
     "servers_dropped": "Inference servers dropped from the pool (died or hung)",
     "generated_tokens": "Output tokens generated (finished generate requests)",
     "trained_tokens": "Tokens trained",
     "dropped_stale_groups": "Groups dropped as too stale (strict staleness) and regenerated",
+    "autoscale_changes": "Changes of the server count the policy decided",
 }
 
 
@@ -150,6 +155,16 @@ class ControllerExporter:
                 self.sample(*self._sources)
         elif kind == "eval":
             self.g["eval_reward"].set(m["eval_reward"])
+        elif kind == "autoscale":  # one decision of the server-count policy
+            g = self.g
+            g["autoscale_target_servers"].set(m["autoscale/target"])
+            g["autoscale_last_change"].set(m["autoscale/change"])
+            for key, name in (("autoscale/idle", "autoscale_trainer_idle_fraction"),
+                              ("autoscale/buffer_batches", "autoscale_buffer_batches")):
+                if key in m:
+                    g[name].set(m[key])
+            if m["autoscale/change"]:
+                self.c["autoscale_changes"].inc()
 
     def sample(self, ctl, pool) -> None:
         """What changes between steps: read from the controller ``ctl`` and the rollout port ``pool``."""

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 TRACKING_DIR = "tracking"
 STATE_FILE = "state.json"
-_KINDS = ("train", "eval")  # the records that carry scalars (checkpoint and samples records carry none)
+_KINDS = ("train", "eval", "autoscale")  # the records that carry scalars (checkpoint and samples records carry none)
 
 
 class SinkState:

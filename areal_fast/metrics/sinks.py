@@ -1,7 +1,8 @@
 """Metric sinks of a run: JSONL (always), TensorBoard (when installed), a tqdm bar, PNG plots.
 W&B and MLflow are in ``metrics.services``, the Prometheus endpoint in ``metrics.prometheus``.
 
-``metrics.jsonl`` holds one JSON object per event: ``{"kind": "train"|"eval"|"checkpoint", "step": ...}``.
+``metrics.jsonl`` holds one JSON object per event: ``{"kind": "train"|"eval"|"checkpoint"|"autoscale", "step":
+...}`` (``autoscale``: the server-count policy's decision after a step, ``docs/autoscale.md``).
 After a resume from step s the file is cut back to the events of steps <= s, and TensorBoard purges
 the steps after s, so every step appears once in the lineage that produced the final model.
 """
@@ -107,11 +108,14 @@ class TensorBoardSink:
 
 
 class ProgressBar:
-    """tqdm bar over trainer steps: step, reward, tokens/s, staleness (and the last eval reward)."""
+    """tqdm bar over trainer steps: step, reward, tokens/s, staleness (and the last eval reward; with the
+    server-count policy, the servers in the pool and its target: ``srv 3->4``)."""
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True):
         self.bar = None
         self.eval_reward = None
+        self.servers: str | None = None
+        self._post: dict = {}
         if enabled:
             from tqdm import tqdm
 
@@ -122,12 +126,20 @@ class ProgressBar:
             return
         if m.get("kind") == "eval":
             self.eval_reward = m["eval_reward"]
+        if m.get("kind") == "autoscale":
+            self.servers = server_count(m)
+            self._post["srv"] = self.servers
+            self.bar.set_postfix(self._post, refresh=True)
+            return
         if m.get("kind") != "train":
             return
         post = {"reward": f"{m['reward']:.3f}", "tok/s": f"{m['trained_tokens_per_s']:.0f}",
                 "stale": f"{m['staleness_mean']:.2f}"}
         if self.eval_reward is not None:
             post["eval"] = f"{self.eval_reward:.3f}"
+        if self.servers is not None:
+            post["srv"] = self.servers
+        self._post = post
         self.bar.set_postfix(post, refresh=False)
         self.bar.n = m["step"]
         self.bar.refresh()
@@ -135,6 +147,14 @@ class ProgressBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def server_count(m: dict) -> str:
+    """An autoscale record as the progress line shows it: the pool, and the target when it differs
+    (``3->4``: a server being added), with the change's sign (``4 (+1)``) when one was decided."""
+    servers, target, change = m["autoscale/servers"], m["autoscale/target"], m["autoscale/change"]
+    text = f"{servers}" if servers == target else f"{servers}->{target}"
+    return f"{text} ({change:+d})" if change else text
 
 
 def plot_run(metrics_path: Path, out_dir: Path) -> list[Path]:

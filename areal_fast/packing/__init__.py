@@ -1,5 +1,6 @@
 """Dynamic sequence packing: the micro-batch planner and the varlen pack/unpack ops."""
 
+from areal_fast.packing.context_split import ContextSplit, context_split
 from areal_fast.packing.plan import DEFAULT_ATTN_COEF, Plan, lower_bound_mbs
 from areal_fast.packing.planner import plan_microbatches
 from areal_fast.packing.planner_ref import (
@@ -20,6 +21,8 @@ from areal_fast.packing.segments import (
 
 __all__ = [
     "DEFAULT_ATTN_COEF",
+    "ContextSplit",
+    "context_split",
     "Plan",
     "gather_segments",
     "gather_segments_ref",

@@ -15,7 +15,7 @@ from areal_fast.configutil import check_rules, device_indices, option
 from areal_fast.heap import period_from_env as heap_trim_period_from_env
 from areal_fast.netutil import check_server_url  # the one check of a server address
 
-__all__ = ["MIN_TEMPERATURE", "RESERVED_SERVER_ARGS", "RolloutConfig", "check_server_url"]
+__all__ = ["MIN_TEMPERATURE", "RESERVED_SERVER_ARGS", "AutoscaleConfig", "RolloutConfig", "check_server_url"]
 
 MIN_TEMPERATURE = 0.01
 """Smallest sampling temperature of a run: SGLang samples greedily below 1e-6 while the trainer
@@ -52,6 +52,54 @@ _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 SERVER_ENV_TAKEN = {"OMP_NUM_THREADS": "from threads_per_server", "MKL_NUM_THREADS": "from threads_per_server",
                     "VLLM_SERVER_DEV_MODE": "vLLM's control endpoints need it", "AREAL_FAST_API_KEY": "the run's key",
                     "VLLM_API_KEY": "the run's key travels in a private file"}
+
+
+AUTOSCALE_MAX_SERVERS = 1024
+"""The most servers ``rollout.autoscale.max_servers`` may name: the launcher's cap on a target
+(``areal_fast.elastic.members.MAX_SERVERS``, the same number; this section sits below that layer)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class AutoscaleConfig:
+    """The policy that sets the number of launched inference servers while the run goes on
+    (``areal_fast.rollout.autoscale``, ``docs/autoscale.md``). Off by default."""
+
+    enabled: bool = False
+    """Let the run add and remove its launched servers (through the launcher's target, as
+    ``areal-fast servers set`` does) between ``min_servers`` and ``max_servers``."""
+    min_servers: int = option(1, ge=1, le=AUTOSCALE_MAX_SERVERS)
+    """Fewest servers."""
+    max_servers: int | None = option(None, ge=1, le=AUTOSCALE_MAX_SERVERS)
+    """Most servers (null: ``rollout.n_servers``). With ``rollout.gpus`` set, one GPU entry per server
+    up to this count is needed (a slot past the list's end cannot start)."""
+    settle_steps: int = option(2, ge=1)
+    """Full steps measured after a change took effect (the pool at its target) before the next decision."""
+    idle_high: float = option(0.08, gt=0, lt=1)
+    """Trainer idle fraction (waiting for a batch / step time) above which servers are added."""
+    idle_low: float = option(0.03, ge=0, lt=1)
+    """Trainer idle fraction below which servers may be removed (with a full buffer and stale groups)."""
+    buffer_high: float = option(2.0, gt=0)
+    """Batches waiting when the trainer asks for one, at or above which generation runs ahead."""
+    stale_high: float = option(0.9, gt=0, le=1)
+    """Mean staleness of the trained groups, as a fraction of eta, at or above which generation runs ahead."""
+    headroom: float = option(1.1, ge=1)
+    """An increase sizes the generation rate to this factor of what the trainer consumes."""
+    keep: float = option(1.05, ge=1)
+    """A decrease keeps at least this factor of the consumption at the last measured rate per server
+    (below ``headroom``: a decrease never undoes an increase that was just enough)."""
+    down_fraction: float = option(0.1, gt=0, le=1)
+    """Servers removed by one decrease, as a fraction of the count (one at least)."""
+    max_step_fraction: float = option(0.5, gt=0)
+    """Servers added by one increase, at most this fraction of the count (one at least)."""
+
+    def __post_init__(self):
+        check_rules(self)
+        if self.idle_low >= self.idle_high:
+            raise ValueError(f"idle_low: must be below idle_high ({self.idle_high}), got {self.idle_low}")
+        if self.keep > self.headroom:
+            raise ValueError(f"keep: must be at most headroom ({self.headroom}), got {self.keep}")
+        if self.max_servers is not None and self.max_servers < self.min_servers:
+            raise ValueError(f"max_servers: must be >= min_servers ({self.min_servers}), got {self.max_servers}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -152,6 +200,8 @@ class RolloutConfig:
     """MoE models: every request asks for the experts each position was routed to, and launched servers
     record them (``--enable-return-routed-experts``: the embedded engine, vLLM >= 0.32, SGLang >= 0.5.23);
     the samples carry them (``Sample.routed_experts``) for ``train.ppo.routing_replay`` (``docs/moe.md``)."""
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    """The policy that sets the number of launched servers while the run goes on (``docs/autoscale.md``)."""
 
     def __post_init__(self):
         check_rules(self)
@@ -193,7 +243,17 @@ class RolloutConfig:
             raise ValueError(f"client_processes: must be >= 1 and <= the number of servers ({n}), "
                              f"got {self.client_processes!r}")
         heap_trim_period_from_env()  # AREAL_FAST_HEAP_TRIM_S: refused here, before any server starts
-        if self.gpus and not self.servers and len(self.gpus) != self.n_servers:
+        a = self.autoscale
+        if a.enabled:
+            if a.max_servers is None:
+                a.max_servers = max(self.n_servers, a.min_servers)
+            if not a.min_servers <= self.n_servers <= a.max_servers:
+                raise ValueError(f"n_servers: the run starts with {self.n_servers} servers, outside autoscale's "
+                                 f"min_servers..max_servers ({a.min_servers}..{a.max_servers})")
+            if self.gpus and len(self.gpus) != a.max_servers:
+                raise ValueError(f"gpus: one entry per server the policy may start expected (autoscale.max_servers "
+                                 f"= {a.max_servers}), got {len(self.gpus)}: {self.gpus!r}")
+        elif self.gpus and not self.servers and len(self.gpus) != self.n_servers:
             raise ValueError(f"gpus: one entry per server expected ({self.n_servers}), got {self.gpus!r}")
         for i, g in enumerate(self.gpus):
             try:

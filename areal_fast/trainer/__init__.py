@@ -64,6 +64,7 @@ _EXPORTS = {
     "save_checkpoint": "checkpoint",
     "OptimConfig": "config",
     "PPOConfig": "config",
+    "ParallelConfig": "config",
     "TrainerConfig": "config",
 }
 

@@ -8,7 +8,10 @@ the whole batch before any update -> per minibatch: loss and backward per micro-
 global loss-token count as normalizer, global-norm clipping, AdamW step -> LR schedule step.
 
 Gradient invariance: each rank's loss is ``sum_local / D_global``; FSDP2 averages gradients
-over ranks, so the loss is multiplied by the world size to turn that mean into the sum.
+over ranks, so the loss is multiplied by the world size to turn that mean into the sum. Under
+context parallelism (``train.parallel.cp``, ``parallel/context.py``) the ranks of a group take the
+same micro-batches and each computes the loss, the recomputed log-probs and the statistics of its
+share of their tokens: every token is on one rank, so the same sums hold.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ import torch.distributed as dist
 
 from areal_fast import ops
 from areal_fast.moe_routing import replay_indices, replay_routing, routing_agreement
-from areal_fast.packing import plan_microbatches
+from areal_fast.packing import ContextSplit, plan_microbatches
 from areal_fast.trainer import advantages as adv_mod
 from areal_fast.trainer.batch import Packed, Seq, as_sample, dummy_seq, pack, split_minibatches, to_seq
 from areal_fast.trainer.config import OptimConfig, TrainerConfig
 from areal_fast.trainer.model import build_policy, hf_name, init_process_group_if_needed
+from areal_fast.trainer.parallel import context
 
 # Dense bf16 peak FLOP/s by device name (datasheet numbers, no sparsity).
 _PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
@@ -48,6 +52,8 @@ class _Recomputed:
     agree: dict = dataclasses.field(default_factory=lambda: {"differ": 0, "recorded": 0})
     """The servers' MoE routing against the trainer's own in the proximal forward."""
     seconds: float = 0.0
+    first_in_forward: bool = False
+    """The first minibatch's proximal log-probs are taken in its own training forward (not recomputed)."""
 
 
 @dataclasses.dataclass
@@ -87,6 +93,10 @@ def lr_factor(o: OptimConfig, step: int) -> float:
 class PPOActor:
     """See the package docstring for the public API."""
 
+    prox_from_forward = True
+    """The first minibatch's proximal log-probs from its training forward (:meth:`_prox_in_forward`);
+    False: the reference, a separate no-grad forward for every minibatch."""
+
     def __init__(self, config: TrainerConfig):
         if config.model_path is None:
             raise ValueError("TrainerConfig.model_path is required by the actor (a local HF model directory)")
@@ -101,11 +111,14 @@ class PPOActor:
             self.device = torch.device("cuda", torch.cuda.current_device())
         init_process_group_if_needed(self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        from torch.distributed.device_mesh import init_device_mesh
+        from areal_fast.trainer.parallel import build_mesh
 
-        self.mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
+        # parallel ep = cp = 1: a TrainerMesh of today's one-dimensional FSDP2 mesh, nothing else
+        self.pmesh = build_mesh(config.parallel, self.world, self.device)
+        self.mesh = self.pmesh.fsdp_mesh
         torch.manual_seed(config.seed)
-        kw = dict(device=self.device, mesh=self.mesh, param_dtype=config.param_dtype, attn_impl=config.attn_impl,
+        tree = self.mesh if config.parallel.trivial else self.pmesh  # build_policy checks the degrees on the model
+        kw = dict(device=self.device, mesh=tree, param_dtype=config.param_dtype, attn_impl=config.attn_impl,
                   seed=config.seed)
         self.lora = config.lora  # a LoRA actor: only the adapters train (trainer/lora.py, docs/lora.md)
         self.model = build_policy(config.model_path, gradient_checkpointing=config.gradient_checkpointing,
@@ -146,14 +159,33 @@ class PPOActor:
         return box[0]
 
     def _plan(self, seqs: list[Seq], idx: list[int]) -> list[tuple[list[int], list[Seq]]]:
-        """This rank's micro-batches of the samples ``idx``: (sample indices, seqs) each, -1 = dummy."""
-        need = self.world * self.config.min_mbs
+        """This rank's micro-batches of the samples ``idx``: (sample indices, seqs) each, -1 = dummy.
+
+        The samples are split over the data-parallel groups; the ``cp`` ranks of a context-parallel
+        group take the same micro-batches (each keeps 1 / cp of their tokens: :meth:`_share`), so a
+        micro-batch holds up to ``cp * max_tokens_per_mb`` tokens, ``max_tokens_per_mb`` a rank."""
+        dp, cp = self.pmesh.dp, self.pmesh.cp
+        need = dp * self.config.min_mbs
         ids = list(idx) + [-1] * max(0, need - len(idx))
         items = [seqs[i] if i >= 0 else dummy_seq() for i in ids]
-        plan = plan_microbatches([len(s) for s in items], self.config.max_tokens_per_mb, n_ranks=self.world,
+        plan = plan_microbatches([len(s) for s in items], self.config.max_tokens_per_mb * cp, n_ranks=dp,
                                  min_mbs=self.config.min_mbs, cost=self.config.packing_cost,
                                  attn_coef=self._attn_coef)
-        return [([ids[j] for j in mb], [items[j] for j in mb]) for mb in plan.microbatches[self.rank]]
+        mine = plan.microbatches[self.pmesh.index("dp")]
+        return [([ids[j] for j in mb], [items[j] for j in mb]) for mb in mine]
+
+    def _share(self, p: Packed) -> tuple[ContextSplit | None, Packed]:
+        """This rank's share of the micro-batch ``p`` under context parallelism (the cut and the
+        share; ``(None, p)`` without)."""
+        if self.pmesh.cp == 1:
+            return None, p
+        cut = context.split_packed(p, self.pmesh.cp)
+        return cut, context.shard_packed(p, cut, self.pmesh.index("cp"))
+
+    def _cp_block(self):
+        """The block inside which the attention layers run Ulysses (forward and backward: a
+        checkpointed block runs its forward again in the backward)."""
+        return context.ulysses(self.pmesh.group("cp")) if self.pmesh.cp > 1 else contextlib.nullcontext()
 
     # ---------------------------------------------------------------- forward passes
     # The two LM-head ops; a benchmark subclass swaps in the materialised-logits references.
@@ -184,13 +216,19 @@ class PPOActor:
             return stack.pop_all()
 
     @torch.no_grad()
-    def _logprobs(self, model, p: Packed) -> torch.Tensor:
-        labels = p.labels
+    def _logprobs(self, model, p: Packed, routing: bool = False, agree: dict | None = None) -> torch.Tensor:
+        """[T] log-probs of ``p``'s labels, the whole row on every rank of a context-parallel group
+        (each computes its share; the shares are all-gathered). ``routing``: the recorded routing
+        replayed / compared (:meth:`_routing`)."""
+        cut, s = self._share(p)
+        labels = s.labels
 
         def head(h, w, bias):
             return self._token_logprobs_op(h, w, labels, bias)
 
-        return model(head, p.input_ids, p.position_ids, p.cu_seqlens, p.max_seqlen).float()
+        with self._routing(s, agree) if routing else contextlib.nullcontext(), self._cp_block():
+            out = model(head, *s.model_args()).float()
+        return out if cut is None else context.gather_tokens(out, cut, self.pmesh.group("cp"))
 
     def compute_logprobs(self, samples: list) -> list[torch.Tensor]:
         """Recomputed log-probs of each sample's output tokens under the current weights (fp32, CPU).
@@ -200,8 +238,7 @@ class PPOActor:
         self.model.eval()
         for ids, mb in self._plan(seqs, list(range(len(seqs)))):
             p = pack(ids, mb, torch.zeros(len(ids)), self.device)
-            with self._routing(p):
-                lps = self._logprobs(self.model, p).cpu()
+            lps = self._logprobs(self.model, p, routing=True).cpu()
             for i, s, lp in zip(ids, mb, p.split(lps)):
                 if i >= 0:
                     out[i] = lp[s.loss_mask]
@@ -235,11 +272,12 @@ class PPOActor:
             a = torch.stack([adv[i] if i >= 0 else adv.new_zeros(()) for i in ids])
             return pack(ids, mb, a, self.device, prox, ref)
 
-        rec = self._recompute(plans, packed)
+        rec = self._recompute(plans, packed, skip_first=self._prox_in_forward(seqs))
         self.model.train()
         acc = _StepSums()
-        for plan in plans:
-            acc.grad_norms.append(self._minibatch_step(plan, packed, rec, theta_version, acc))
+        for j, plan in enumerate(plans):
+            prox_here = j == 0 and rec.first_in_forward
+            acc.grad_norms.append(self._minibatch_step(plan, packed, rec, theta_version, acc, prox_here))
         self.scheduler.step()
         self.version = theta_version + 1  # what these weights are now, in the caller's numbering
         if self.device.type == "cuda":
@@ -266,24 +304,39 @@ class PPOActor:
         if ppo.adv_batch_norm:
             mine = sorted({i for plan in plans for ids, _ in plan for i in ids if i >= 0})
             w = torch.tensor([seqs[i].n_gen for i in mine], dtype=torch.float64)
+            if self.pmesh.cp > 1 and self.pmesh.index("cp"):
+                w.zero_()  # a context-parallel group holds its samples on every rank: counted once
             adv = adv.clone()
             adv[mine] = adv_mod.batch_normalize(adv[mine], w, unbiased=ppo.adv_std_unbiased, eps=ppo.adv_eps)
         return adv
 
-    def _recompute(self, plans: list, packed) -> _Recomputed:
+    def _prox_in_forward(self, seqs: list[Seq]) -> bool:
+        """May the first minibatch's proximal log-probs come from its own training forward? They are
+        the log-probs under the weights before this step's update, and the first minibatch's forward
+        runs on exactly those weights, on the same packed micro-batches: the same numbers as a
+        separate no-grad forward (tests/trainer/test_trainer_actor.py compares the two paths bit for
+        bit), one forward fewer. Not with MoE routing rows (the proximal forward counts the routing
+        agreement) nor under context parallelism (the recompute gathers whole rows)."""
+        return (self.config.ppo.prox_mode == "recompute" and self.prox_from_forward and self.pmesh.cp == 1
+                and all(s.routing is None for s in seqs))
+
+    def _recompute(self, plans: list, packed, skip_first: bool = False) -> _Recomputed:
         """The proximal (``prox_mode`` 'recompute') and reference log-probs of the whole batch, before
-        any update, keyed by sample index; the MoE routing agreement of the proximal forward."""
+        any update, keyed by sample index; the MoE routing agreement of the proximal forward.
+        ``skip_first``: no proximal forward for the first minibatch (:meth:`_prox_in_forward`)."""
         rec = _Recomputed(prox={} if self.config.ppo.prox_mode == "recompute" else None,
-                          ref={} if self.ref is not None else None)
+                          ref={} if self.ref is not None else None, first_in_forward=skip_first)
         t = time.perf_counter()
         if rec.prox is not None or rec.ref is not None:
             self.model.eval()
-            for plan in plans:
+            for j, plan in enumerate(plans):
                 for ids, mb in plan:
+                    if rec.ref is None and j == 0 and skip_first:
+                        continue
                     p = packed(ids, mb)
-                    if rec.prox is not None:
-                        with self._routing(p, rec.agree):
-                            self._store(rec.prox, ids, p, self._logprobs(self.model, p).cpu())
+                    if rec.prox is not None and not (j == 0 and skip_first):
+                        lps = self._logprobs(self.model, p, routing=True, agree=rec.agree)
+                        self._store(rec.prox, ids, p, lps.cpu())
                     if rec.ref is not None:
                         self._store(rec.ref, ids, p, self._logprobs(self.ref, p).cpu())
         rec.seconds = time.perf_counter() - t
@@ -298,27 +351,31 @@ class PPOActor:
     def _normalizer(self, plan: list) -> float:
         """The loss's denominator for one minibatch over every rank: loss tokens (token-mean) or
         sequences with a loss token (seq-mean-token-mean); at least 1."""
-        if self.loss_config.loss_agg == "token-mean":
+        if self.pmesh.cp > 1 and self.pmesh.index("cp"):
+            local = 0  # the ranks of a context-parallel group hold the same micro-batches: counted once
+        elif self.loss_config.loss_agg == "token-mean":
             local = sum(int(s.loss_mask.sum()) for _, mb in plan for s in mb)
         else:
             local = sum(int(s.loss_mask.any()) for _, mb in plan for s in mb)
         return max(float(adv_mod.all_reduce_sum(torch.tensor([local], dtype=torch.float64)).item()), 1.0)
 
-    def _minibatch_step(self, plan: list, packed, rec: _Recomputed, theta_version: int, acc: _StepSums) -> float:
+    def _minibatch_step(self, plan: list, packed, rec: _Recomputed, theta_version: int, acc: _StepSums,
+                        prox_here: bool = False) -> float:
         """Forward and backward every micro-batch of one minibatch, then one optimizer step; sums
         its statistics into ``acc`` on the device (no host sync per micro-batch). Returns the
-        gradient norm."""
+        gradient norm. ``prox_here``: the proximal log-probs are this forward's own (detached)."""
         normalizer = self._normalizer(plan)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for ids, mb in plan:
-            p = packed(ids, mb, rec.prox, rec.ref)
+            _, p = self._share(packed(ids, mb, None if prox_here else rec.prox, rec.ref))  # this rank's tokens
             acc.n_tokens += p.n_tokens
-            with self._routing(p):  # forward and backward: a checkpointed block routes again in backward
-                out = self.model(self._loss_fn(p, normalizer, theta_version), p.input_ids, p.position_ids,
-                                 p.cu_seqlens, p.max_seqlen)
+            # forward and backward: a checkpointed block routes (and exchanges) again in backward
+            with self._routing(p), self._cp_block():
+                out = self.model(self._loss_fn(p, normalizer, theta_version, prox_here), *p.model_args())
                 loss, stats = out[0], out[3]
-                if p.prox_logprobs is not None:  # p recomputed by the trainer (not approx / none)
-                    acc.dash.append((p.behav_logprobs, p.prox_logprobs, out[1].detach(), p.loss_mask))
+                if p.prox_logprobs is not None or prox_here:  # recomputed by the trainer (not approx / none)
+                    prox = out[4] if prox_here else p.prox_logprobs
+                    acc.dash.append((p.behav_logprobs, prox, out[1].detach(), p.loss_mask))
                 (loss * self.world).backward()
             loss_sum += loss.detach().double()
             n = stats["n_tokens"].detach().double()
@@ -371,11 +428,13 @@ class PPOActor:
     def _acc(totals: dict, key: str, value: torch.Tensor) -> None:
         totals[key] = value if key not in totals else totals[key] + value
 
-    def _loss_fn(self, p: Packed, normalizer: float, theta_version: int):
+    def _loss_fn(self, p: Packed, normalizer: float, theta_version: int, prox_here: bool = False):
         ppo = self.config.ppo
 
         def head(h, w, bias):
             prox = p.prox_logprobs
+            if prox_here:  # the recompute's head on this forward's hidden states (no gradient)
+                prox = self._token_logprobs_op(h.detach(), w.detach(), p.labels, bias).float()
             if ppo.prox_mode == "approx":
                 cur = self._token_logprobs_op(h.detach(), w.detach(), p.labels, bias)
                 prox = adv_mod.approx_prox_logprobs(p.behav_logprobs, cur, p.versions.clamp(min=0), theta_version)
@@ -385,14 +444,20 @@ class PPOActor:
                 normalizer=normalizer, config=self.loss_config,
             )
             # a tuple (not the dataclass) so FSDP2 sees the loss and hooks its backward
-            return out.loss, out.logprobs, out.entropy, dict(out.stats)
+            return out.loss, out.logprobs, out.entropy, dict(out.stats), prox
 
         return head
 
     def _clip_and_step(self) -> float:
         params = [q for q in self.model.parameters() if q.grad is not None]
         clip = self.config.optim.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=True)
+        if self.pmesh.ep > 1:  # experts outside FSDP2: gradients reduced here, one global norm (parallel/expert.py)
+            from areal_fast.trainer.parallel.expert import clip_grad_norm, finalize_expert_grads
+
+            finalize_expert_grads(self.model, self.pmesh)
+            norm = clip_grad_norm(self.model, params, clip if clip > 0 else float("inf"), self.pmesh)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"), foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         if self._grad_observer is not None:  # tests: look at the (clipped) gradients before the step
@@ -427,14 +492,19 @@ class PPOActor:
 
     # ---------------------------------------------------------------- weights for sync / export
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
-        """HF name -> this rank's FSDP2 DTensor shard (no communication)."""
-        return {hf_name(k): v for k, v in self.model.state_dict().items()}
+        """HF name -> this rank's FSDP2 DTensor shard (no communication); with expert parallelism
+        an expert tensor is this rank's experts as a ``Shard(0)`` DTensor over its expert-parallel group."""
+        from areal_fast.trainer.parallel.expert import global_state
+
+        return {hf_name(k): v for k, v in global_state(self.model, self.model.state_dict(), self.pmesh).items()}
 
     def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, full unsharded tensor on this rank's device) one at a time, in a fixed
         order; tied weights once. Collective: every rank must iterate it to the end."""
+        from areal_fast.trainer.parallel.expert import global_state
+
         seen = set()
-        for k, v in self.model.state_dict().items():
+        for k, v in global_state(self.model, self.model.state_dict(), self.pmesh).items():
             name = hf_name(k)
             if id(v) in seen or (name == "lm_head.weight" and getattr(self.hf_config, "tie_word_embeddings", False)):
                 continue

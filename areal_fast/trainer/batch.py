@@ -140,13 +140,28 @@ class Packed:
     prox_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     routing: torch.Tensor | None = None  # int16 [T, layers x top_k] on the CPU: routing replay's rows
+    # A context-parallel share (trainer/parallel/context.py): cu_seqlens are the pieces of sequences
+    # this rank holds, attn_cu_seqlens the whole padded row's (what attention sees after the all-to-all)
+    attn_cu_seqlens: torch.Tensor | None = None
+    attn_max_seqlen: int | None = None
+    n_pad: int = 0  # padding rows at the end (out of the loss)
 
     @property
     def n_tokens(self) -> int:
-        return self.input_ids.numel()
+        """Real tokens (padding not counted)."""
+        return self.input_ids.numel() - self.n_pad
+
+    def model_args(self) -> tuple:
+        """``(input_ids, position_ids, cu_seqlens, max_seqlen)`` as the policy's forward takes them:
+        the attention's boundaries (the whole row's for a context-parallel share)."""
+        if self.attn_cu_seqlens is None:
+            return self.input_ids, self.position_ids, self.cu_seqlens, self.max_seqlen
+        return self.input_ids, self.position_ids, self.attn_cu_seqlens, self.attn_max_seqlen
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         """A packed [T] tensor back into per-sequence pieces."""
+        if self.attn_cu_seqlens is not None:
+            raise ValueError("Packed.split: a context-parallel share holds pieces of sequences; gather the row first")
         return list(torch.split(x, (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()))
 
 

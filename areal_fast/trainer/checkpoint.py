@@ -164,16 +164,25 @@ def _model_options(actor, strict: bool = True):
     return StateDictOptions(ignore_frozen_params=True, strict=strict)
 
 
+def _dcp_state(actor) -> dict:
+    """What DCP saves and loads: the model's and the optimizer's state dicts; with expert parallelism the
+    experts (and their moments) as DTensors of all experts (``parallel/expert.py``), so a checkpoint
+    saved under one mesh loads under another."""
+    from areal_fast.trainer.parallel.expert import global_optim_state, global_state
+
+    mesh = getattr(actor, "pmesh", None)
+    return {
+        "model": global_state(actor.model, get_model_state_dict(actor.model, options=_model_options(actor)), mesh),
+        "optim": global_optim_state(actor.model, get_optimizer_state_dict(actor.model, actor.optimizer), mesh),
+    }
+
+
 def save_checkpoint(actor, path: str, version: int | None = None) -> None:
     """Save everything needed to resume ``actor`` (collective: every rank calls it), recording its
     weights as ``version`` (the controller's; None: ``actor.version``). Returns once every file is on
     disk (see the module docstring)."""
     os.makedirs(path, exist_ok=True)
-    state = {
-        "model": get_model_state_dict(actor.model, options=_model_options(actor)),
-        "optim": get_optimizer_state_dict(actor.model, actor.optimizer),
-    }
-    dcp.save(state, checkpoint_id=path)
+    dcp.save(_dcp_state(actor), checkpoint_id=path)
     rank = dist.get_rank()
     # each rank makes its own shard durable (ranks may not share a page cache); rank 0 the metadata
     for name in os.listdir(path):
@@ -270,15 +279,15 @@ def load_checkpoint(actor, path: str) -> None:
     A missing or damaged file raises :class:`CheckpointError` naming it (checked first by
     :func:`verify_checkpoint`, so a refused metadata global is named rather than lost in DCP's error)."""
     extra = verify_checkpoint(path)
-    state = {
-        "model": get_model_state_dict(actor.model, options=_model_options(actor)),
-        "optim": get_optimizer_state_dict(actor.model, actor.optimizer),
-    }
+    state = _dcp_state(actor)
     try:
         dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
     except (Exception, CheckpointException) as e:  # DCP's own error derives from BaseException
         raise CheckpointError(f"{path}: the model/optimizer state (DCP files) cannot be read "
                               f"({type(e).__name__}: {str(e)[:300]})") from e
+    from areal_fast.trainer.parallel.expert import local_state
+
+    state = local_state(state)  # expert parallelism: the experts were loaded in place, as this rank's rows
     try:  # a checkpoint of another model or optimizer, or an edited scheduler state
         set_model_state_dict(actor.model, state["model"], options=_model_options(actor, strict=False))
         set_optimizer_state_dict(actor.model, actor.optimizer, state["optim"])

@@ -14,6 +14,7 @@ YAML layout (dotted keys of a run config)::
               adv_batch_norm / adv_eps / reward_scale / reward_bias
     train.ppo.loss.*      the objective's options (PPOLossConfig, docs/objective.md)
     train.optim.*         AdamW and the learning-rate schedule
+    train.parallel.ep / cp  expert- and context-parallel degrees (ParallelConfig, docs/parallelism.md)
 
 ``model_path``, ``seed`` and ``sampling_temperature`` are filled by the launcher (from
 ``model.path`` or the warm-start cache, ``experiment.seed`` and ``rollout.temperature``).
@@ -121,6 +122,80 @@ class PPOConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """How the trainer ranks split the work past data parallelism (``docs/parallelism.md``). The
+    data-parallel degree is ``world_size // cp``; expert parallelism borrows its ranks from the
+    data-parallel x context-parallel ranks (as torchtitan's does). Both 1: today's FSDP2 data
+    parallelism, unchanged."""
+
+    ep: int = option(1, ge=1)
+    """Expert-parallel degree: each group of ``ep`` consecutive ranks splits every MoE block's experts
+    (``num_experts / ep`` whole experts a rank); tokens travel to their experts and back by
+    all-to-all. Divides ``world_size`` and the model's expert count; a dense model is refused."""
+    cp: int = option(1, ge=1)
+    """Context-parallel degree (Ulysses): the tokens of a micro-batch are split over ``cp``
+    consecutive ranks, an all-to-all swaps sequence shards for head shards around attention.
+    Divides ``world_size`` and the model's query head count (key/value heads it does not divide are
+    repeated on each rank); the loss options that read whole sequences are refused with it."""
+
+    def __post_init__(self):
+        check_rules(self)
+
+    @property
+    def trivial(self) -> bool:
+        """No expert or context parallelism: the data-parallel trainer of world size ranks."""
+        return self.ep == 1 and self.cp == 1
+
+
+def check_parallel_model(parallel: ParallelConfig, *, num_experts: int | None, num_heads: int | None,
+                         num_kv_heads: int | None, where: str) -> None:
+    """Refuse degrees the model cannot take: ``ep`` must divide the expert count (and needs a
+    mixture-of-experts model: ``num_experts`` None or 0 is a dense one), ``cp`` the query head
+    count (None: not known here; key/value heads ``cp`` does not divide are repeated on each rank's
+    share before the all-to-all, ``parallel/context.py``). ``where`` names the source of the model's sizes."""
+    if parallel.ep > 1:
+        if not num_experts:
+            raise ValueError(f"train.parallel.ep: {parallel.ep} needs a mixture-of-experts model; {where} is dense "
+                             f"(no experts to split): use ep 1")
+        if num_experts % parallel.ep:
+            raise ValueError(f"train.parallel.ep: {parallel.ep} does not divide the {num_experts} experts of "
+                             f"{where} (each rank holds num_experts / ep whole experts)")
+    if parallel.cp > 1:
+        if num_heads is not None and num_heads % parallel.cp:
+            raise ValueError(f"train.parallel.cp: {parallel.cp} does not divide the {num_heads} attention heads of "
+                             f"{where} (Ulysses gives each rank heads / cp whole heads)")
+
+
+def check_parallel_run(parallel: ParallelConfig, warm_start=None, model_path: str | None = None) -> None:
+    """The degrees against the model a run will train, as far as the run config knows it: the warm-start
+    keys (``model.warm_start``, when enabled), else the ``config.json`` of ``model_path`` when that is a
+    local directory (otherwise the trainer checks the model when it builds it)."""
+    if parallel.trivial:
+        return
+    if warm_start is not None and warm_start.enabled:
+        moe = warm_start.arch == "qwen3_moe"
+        check_parallel_model(parallel, num_experts=warm_start.num_experts if moe else 0,
+                             num_heads=warm_start.num_attention_heads, num_kv_heads=warm_start.num_key_value_heads,
+                             where=f"the warm-started model (model.warm_start.arch {warm_start.arch!r})")
+        return
+    import json
+    import os
+
+    path = os.path.join(str(model_path), "config.json") if model_path else None
+    if path is None or not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return  # the trainer's build names the file
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+    check_parallel_model(parallel, num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
+                         num_heads=cfg.get("num_attention_heads"),
+                         num_kv_heads=cfg.get("num_key_value_heads") or cfg.get("num_attention_heads"), where=path)
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainerConfig:
     """Everything the trainer needs, and the run config's ``train`` section.
 
@@ -153,7 +228,9 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     """AdamW and the learning-rate schedule."""
     max_tokens_per_mb: int = option(16384, ge=2)
-    """Token budget of one packed micro-batch (>= 2; a sequence longer than this is an error)."""
+    """Token budget of one packed micro-batch (>= 2; a sequence longer than this is an error). Under
+    context parallelism (``parallel.cp``) the budget of a rank's share: a micro-batch, and so one
+    sequence, may hold up to ``cp`` times this."""
     min_mbs: int = option(1, ge=1)
     """Minimum micro-batches per rank and minibatch (>= 1)."""
     packing_cost: str = option("attention", choices=PACKING_COSTS)
@@ -180,10 +257,13 @@ class TrainerConfig:
     lora: LoRAConfig | None = None
     """Train a LoRA adapter on the frozen base (``rank``, ``alpha``, ``dropout``, ``target_modules``,
     ``name``, ``save_merged``; docs/lora.md); null: the whole model is trained."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Expert- and context-parallel degrees (``ep``, ``cp``; both 1: data parallelism only)."""
 
     def __post_init__(self):
-        _sections(self, ppo=PPOConfig, optim=OptimConfig, lora=LoRAConfig)
+        _sections(self, ppo=PPOConfig, optim=OptimConfig, lora=LoRAConfig, parallel=ParallelConfig)
         check_rules(self)
+        self._check_parallel()
         for i, g in enumerate(self.gpus):
             try:
                 one = device_indices(g) is None or len(device_indices(g)) == 1
@@ -198,6 +278,28 @@ class TrainerConfig:
             raise ValueError(
                 f"ppo.loss.temperature ({lt}) differs from sampling_temperature ({self.sampling_temperature}): "
                 "the loss uses the rollout's sampling temperature; set rollout.temperature instead")
+
+    def _check_parallel(self) -> None:
+        par = self.parallel
+        for key in ("ep", "cp"):
+            n = getattr(par, key)
+            if self.world_size % n:
+                raise ValueError(f"train.parallel.{key}: {n} does not divide train.world_size ({self.world_size})")
+        if par.ep > 1 and self.lora is not None:
+            raise ValueError("train.parallel.ep: expert parallelism with train.lora is not supported (the adapters "
+                             "wrap nn.Linear modules, the fused experts are none, and the expert-parallel "
+                             "gradient path is tested for full training only); use ep 1 with LoRA")
+        if par.cp > 1:  # each context-parallel rank computes the loss of its share of the tokens
+            lc = self.ppo.loss
+            whole = [k for k, on in (("importance_level: sequence", lc.importance_level == "sequence"),
+                                     ("loss_agg: seq-mean-token-mean", lc.loss_agg == "seq-mean-token-mean"),
+                                     ("seq_mis_lower / seq_mis_upper", lc.seq_mis),
+                                     ("m2po_tau", lc.m2po_tau is not None)) if on]
+            if whole:
+                raise ValueError(f"train.parallel.cp: {par.cp} with train.ppo.loss.{whole[0]} is not supported: that "
+                                 f"option reads whole sequences (M2PO: the whole micro-batch) in one loss call, while "
+                                 f"under context parallelism each rank's loss sees its share of the tokens only; "
+                                 f"use cp 1, or the token-level options")
 
     @property
     def loss(self) -> PPOLossConfig:

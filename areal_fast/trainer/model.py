@@ -93,11 +93,15 @@ def build_policy(
     attn_impl: str = "auto",
     seed: int = 1,
     lora=None,
+    expert_parallel: bool = False,
 ) -> PolicyModule:
     """A sharded :class:`PolicyModule` with the weights of ``model_path`` (fp32 master weights).
 
-    ``mesh`` is a 1-D DeviceMesh (None = no sharding: a plain module, for world size 1 without
-    torch.distributed). On CUDA the compute runs in ``param_dtype`` with fp32 gradient reduction.
+    ``mesh`` is a 1-D DeviceMesh, or a ``parallel.TrainerMesh`` (its ``fsdp_mesh`` shards the dense
+    parameters; with ``ep`` > 1 each rank keeps its own experts, ``parallel/expert.py``), or None (no
+    sharding: a plain module, for world size 1 without torch.distributed). ``expert_parallel``: the
+    expert-parallel code path even with ``ep`` 1 (one rank, no exchange; the GPU check runs it).
+    On CUDA the compute runs in ``param_dtype`` with fp32 gradient reduction.
     ``lora`` (a ``LoRAConfig``): PEFT's adapters on the frozen base (``trainer/lora.py``), sharded
     with their blocks.
     """
@@ -108,6 +112,19 @@ def build_policy(
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(f"model_path {model_path!r} has no config.json (a local HF model directory is needed)")
     config = AutoConfig.from_pretrained(model_path)
+    from areal_fast.trainer.parallel.mesh import TrainerMesh
+
+    tmesh = mesh if isinstance(mesh, TrainerMesh) else None
+    if tmesh is not None:
+        from areal_fast.trainer.config import check_parallel_model
+
+        text = getattr(config, "get_text_config", lambda: config)()
+        check_parallel_model(tmesh, num_experts=getattr(text, "num_experts", None)
+                             or getattr(text, "num_local_experts", None),
+                             num_heads=getattr(text, "num_attention_heads", None),
+                             num_kv_heads=getattr(text, "num_key_value_heads", None),
+                             where=os.path.join(model_path, "config.json"))
+        mesh = tmesh.fsdp_mesh
     attn_name = attention.register(attn_impl)
     attention.resolve_impl(attn_impl, device)  # fail early on an impossible explicit choice
     with torch.device("meta"):
@@ -117,6 +134,9 @@ def build_policy(
         from areal_fast.trainer import lora as lora_mod
 
         lm = lora_mod.inject(lm, lora)
+    from areal_fast.trainer.parallel.expert import apply_expert_parallel, expert_slices
+
+    local_experts = set(apply_expert_parallel(lm, tmesh, force=expert_parallel))  # kept out of FSDP2
     if gradient_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -129,6 +149,8 @@ def build_policy(
         if device.type == "cuda" and param_dtype != "float32":
             mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype), reduce_dtype=torch.float32)
         kw = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+        if local_experts:
+            kw["ignored_params"] = local_experts
         for layer in lm.model.layers:
             fully_shard(layer, **kw)
         fully_shard(policy, **kw)
@@ -150,6 +172,11 @@ def build_policy(
     if missing:
         raise ValueError(f"{model_path}: safetensors lack {len(missing)} weights, e.g. {sorted(missing)[:3]}")
     full = {"lm." + k: v for k, v in full.items() if k in expected}
+    for qual, (first, n, total) in expert_slices(policy).items():  # this rank's experts of the full tensors
+        key = "lm." + hf_name(qual)
+        if full[key].shape[0] != total:
+            raise ValueError(f"{model_path}: {hf_name(qual)} has {full[key].shape[0]} experts, the model {total}")
+        full[key] = full[key][first: first + n]
     set_model_state_dict(policy, full, options=StateDictOptions(full_state_dict=True, strict=False))
     return policy
 

@@ -67,19 +67,36 @@ class WeightSyncConfig:
     shared_fs: bool = True
     """The servers see trainer rank 0's files at the same paths: one machine, or several nodes with
     a shared file system. false: the disk path is refused (``docs/multinode.md``)."""
+    senders: str = option("rank", choices=("rank", "node", "one"))
+    """Which trainer ranks send a distributed update: 'rank' (every rank sends its own share of the
+    tensors, each over its own group to every server), 'node' (local rank 0 of each node), 'one'
+    (trainer rank 0 gathers and sends everything). The default where the servers allow it: SGLang 0.5.6
+    on (``compat.keeps_weight_groups_by_name``) and the embedded engine; a server outside that (an older or
+    unnamed release), vLLM's transfer (one sender per group in 0.16-0.33) and a quantised update
+    (``quantize``) get 'one' whatever this says; the disk and colocated transports do not use it
+    (docs/weight_sync.md)."""
     delta: str = option("auto", choices=("auto", "on", "off"))
     """Delta updates (``docs/weight_sync.md``): after a whole update, send only the elements that
-    changed. 'auto': to servers that apply them (the embedded engine) from a CUDA trainer; SGLang
-    servers get whole updates, because a stock SGLang skips the delta entries (it would keep stale
-    weights), and a CPU trainer too (its encode costs more than the bytes it saves); 'on':
-    to every server (SGLang launched with ``SGLANG_EXTERNAL_MODEL_PACKAGE=areal_fast.backends.sglang.models``);
-    'off': never. Trainer rank 0 keeps a copy of the sent weights (one model in the sent dtype) in
-    host memory, pinned where CUDA is available; each tensor is staged to the GPU for its compare."""
+    changed. 'auto': to servers that apply them: the embedded engine from a CUDA trainer, and vLLM
+    servers launched with ``--weight-transfer-config '{"backend": "sparse_nccl"}'`` (0.32.0 on: vLLM's
+    own sparse path, whole anchors as every index and value); SGLang servers get whole updates, because
+    a stock SGLang skips the delta entries (it would keep stale weights), and a CPU trainer too (its
+    encode costs more than the bytes it saves); 'on': to every server (SGLang launched with
+    ``SGLANG_EXTERNAL_MODEL_PACKAGE=areal_fast.backends.sglang.models``); 'off': never (refused for
+    ``sparse_nccl`` servers, which take patches only). The copy of the sent weights (in the sent dtype)
+    is kept in host memory: by trainer rank 0 for the whole model on the one-sender path (pinned where
+    CUDA is available), by every rank for its own rows (1/N) with many senders (``weights.senders``);
+    each piece is staged to the GPU for its compare."""
     delta_full_every: int = option(10, ge=1)
     """With deltas: every N-th update is sent whole (also the first, and the one after a failure)."""
     delta_max_changed: float = option(0.25, ge=0, le=1)
     """With deltas: a tensor with a larger fraction of changed elements is sent whole (a delta costs
     6 bytes per change against 2 per element whole: even at 1/3)."""
+    quantize: str | None = option(None, choices=("fp8",))
+    """Servers that serve in FP8: 'fp8' sends every linear weight as blockwise E4M3 (blocks of 128 by
+    128 elements, one fp32 ``weight_scale_inv`` per block; embeddings, norms, LM head and routers as they
+    are), quantised from the bf16-rounded weights (``weights/fp8.py``, ``docs/mismatch.md``); the servers
+    load a checkpoint with the matching ``quantization_config``. Deltas are off ('auto' resolves to 'off')."""
 
     def __post_init__(self):
         if self.dtype is not None and not isinstance(self.dtype, str):  # a torch.dtype from Python callers
@@ -91,6 +108,12 @@ class WeightSyncConfig:
                                              or any(c.isspace() or c in "/@" for c in self.master_addr)):
             raise ValueError(f"master_addr: expected a host name or an address (e.g. 10.0.0.7, ::1), got "
                              f"{self.master_addr!r}")
+        if self.quantize is not None and self.delta == "on":
+            raise ValueError("delta: 'on' with quantize 'fp8': a delta carries the changed elements of the "
+                             "unquantised weights, but FP8 servers hold quantised blocks (one changed element "
+                             "can move its block's scale and so every element of the block); set delta 'off'")
+        if self.quantize is not None:
+            self.delta = "off"  # 'auto' resolves to off for quantised servers
         if self.method == "disk" and not self.shared_fs:
             raise ValueError("method: 'disk' needs the servers to read the files trainer rank 0 writes, and "
                              "shared_fs is false; use method 'distributed' (no file crosses nodes) or put the "

@@ -59,7 +59,10 @@ def collect_sources(model_or_state, group=None, skip: Callable[[str], bool] | No
         if is_skipped(name) or (skip is not None and skip(name)) or id(t) in seen:
             continue
         seen.add(id(t))
-        if isinstance(t, DTensor):
+        if isinstance(t, DTensor) and tuple(t.placements) == (Shard(0),) and 1 < t.device_mesh.size() < world:
+            loc = _expert_rows(t, world, rank, group)  # an expert-parallel tensor: this rank's FSDP2 rows of it
+            kinds.add("sharded")
+        elif isinstance(t, DTensor):
             if tuple(t.placements) != (Shard(0),) or t.device_mesh.size() != world:
                 raise ValueError(f"{name}: DTensor placements {t.placements} over a mesh of "
                                  f"{t.device_mesh.size()}; only Shard(0) over all {world} ranks is supported")
@@ -80,6 +83,37 @@ def collect_sources(model_or_state, group=None, skip: Callable[[str], bool] | No
         raise ValueError("mix of FSDP2-sharded and plain tensors; shard every parameter with fully_shard")
     n_ranks = world if kinds == {"sharded"} else 1
     return Sources(names, shapes, local, n_ranks)
+
+
+def _expert_rows(t, world: int, rank: int, group) -> torch.Tensor:
+    """Rows ``shard_rows(E, world, rank)`` of an expert-parallel DTensor (``Shard(0)`` over one expert-parallel
+    group of ``ep`` consecutive ranks, the same experts in every such group): the members of this rank's group
+    trade the rows each one's FSDP2-style shard needs (one ``all_to_all_single``), so the gather's plan and the
+    bytes on the wire are the data-parallel ones."""
+    mesh = t.device_mesh
+    ep_group = mesh.get_group()
+    members = dist.get_process_group_ranks(ep_group)  # global ranks, in ep index order
+    if group is not None:
+        members = [dist.get_group_rank(group, g) for g in members]
+    local = t.to_local().detach().contiguous()
+    e_local, total = local.shape[0], t.shape[0]
+    first = mesh.get_local_rank() * e_local
+    cols = local[0].numel() if e_local else 0
+
+    def overlap(lo, hi, a, b):
+        return max(lo, a), max(max(lo, a), min(hi, b))
+
+    send, in_splits, out_splits = [], [], []
+    my_lo, my_hi = shard_rows(total, world, rank)
+    for i, q in enumerate(members):
+        a, b = overlap(*shard_rows(total, world, q), first, first + e_local)
+        send.append(local[a - first: b - first].reshape(-1))
+        in_splits.append((b - a) * cols)
+        a, b = overlap(my_lo, my_hi, i * e_local, (i + 1) * e_local)
+        out_splits.append((b - a) * cols)
+    out = local.new_empty(sum(out_splits))
+    dist.all_to_all_single(out, torch.cat(send), out_splits, in_splits, group=ep_group)
+    return out.view((my_hi - my_lo,) + tuple(t.shape[1:]))
 
 
 def send_dtypes(src: Sources, dtype: torch.dtype | None) -> list[torch.dtype]:
@@ -113,8 +147,12 @@ class Bucket:
 class BucketGatherer:
     """Plans once per (names, shapes, dtypes) and streams buckets to a consumer on rank 0."""
 
-    def __init__(self, bucket_bytes: int, group=None, device: torch.device | None = None):
+    def __init__(self, bucket_bytes: int, group=None, device: torch.device | None = None,
+                 encode: Callable[[Bucket], Bucket] | None = None):
         self.bucket_bytes = int(bucket_bytes)
+        # rank 0's transform of each gathered bucket before it is consumed (``weights/fp8.py``'s
+        # quantisation: every transport then sends the encoded layout); None: sent as gathered
+        self.encode = encode
         self.group = group
         self.device = device
         self._plans: dict = {}
@@ -181,7 +219,7 @@ class BucketGatherer:
                         handle, h = None, handle
                         h.wait()
                     if err is None and consume is not None:
-                        handle = consume(bucket)
+                        handle = consume(bucket if self.encode is None else self.encode(bucket))
                 except Exception as e:  # noqa: BLE001 - re-raised after the loop
                     err = err or e
             if b + 1 < nb:

@@ -55,6 +55,7 @@ class ServerFacts:
     device: str | None = None
     gpu_ids: tuple[int, ...] | None = None  # the GPUs of its TP ranks on its host, when it says
     engine: str | None = None  # "areal_fast.embedded" for our engine (it applies delta updates)
+    dp_attention: bool = False  # enable_dp_attention: the dp_size replicas share ONE TP group of tp_size ranks
 
     @classmethod
     def from_info(cls, url: str, info: dict) -> ServerFacts:
@@ -72,18 +73,32 @@ class ServerFacts:
             gpu_ids = tuple(int(info["base_gpu_id"]) + step * r for r in range(tp))
         return cls(url=url, version=str(info.get("version") or ""), tp_size=tp, dp_size=num("dp_size"),
                    pp_size=num("pp_size"), device=info.get("device"), gpu_ids=gpu_ids,
-                   engine=info.get("engine") if isinstance(info.get("engine"), str) else None)
+                   engine=info.get("engine") if isinstance(info.get("engine"), str) else None,
+                   dp_attention=info.get("enable_dp_attention") is True)
 
-    def check_layout(self) -> None:
-        """``init_weights_update_group`` gives each TP rank the group rank ``rank_offset + tp_rank``:
-        data-parallel replicas would all take the same ranks and pipeline stages hold only part
-        of the model, so both are refused here, naming the server."""
+    def check_layout(self, dp_attention_ok: bool = True) -> None:
+        """``init_weights_update_group`` gives each TP worker the group rank ``rank_offset + tp_rank``
+        (SGLang 0.5.6 and 0.5.23 read; docs/sglang.md). With DP attention (``enable_dp_attention``,
+        how MoE models are served) the ``dp_size`` attention replicas live inside ONE TP group: the
+        server's workers are tp_rank ``0 .. tp_size-1`` (``tp_size`` is the server's total), every one
+        gets each control request once, so the server joins as ``tp_size`` distinct ranks and loads the
+        full tensors through its own loaders (attention sliced by its attention-TP rank): served, except
+        where the sender builds SGLang's TP layout itself (``dp_attention_ok`` False: the colocated
+        transport). Plain data parallelism (``dp_size > 1`` without it) starts ``dp_size`` replicas whose
+        workers each count tp_rank from 0: they would take the same ranks; pipeline stages hold part of
+        the model. Both are refused here, naming the server."""
         if self.tp_size < 1:
             raise WeightSyncError(f"{self.url}: tp_size={self.tp_size} must be >= 1")
-        if self.dp_size != 1:
-            raise WeightSyncError(f"{self.url}: dp_size={self.dp_size}; distributed weight sync joins ranks "
-                                  "rank_offset + tp_rank, which data-parallel replicas would share. Launch one "
-                                  "server per replica (dp_size=1) or use weights.method=disk")
+        if self.dp_size != 1 and not (self.dp_attention and dp_attention_ok):
+            if self.dp_attention:
+                raise WeightSyncError(f"{self.url}: dp_size={self.dp_size} with DP attention; this transport builds "
+                                      "SGLang's TP layout itself (attention split over tp, not tp/dp). Use "
+                                      "weights.method=distributed")
+            raise WeightSyncError(f"{self.url}: dp_size={self.dp_size} without DP attention; SGLang starts "
+                                  f"{self.dp_size} replicas whose TP workers each join the weight group as "
+                                  "rank_offset + tp_rank (tp_rank from 0 in every replica), so they would share "
+                                  "ranks. Launch one server per replica (dp_size=1), serve with "
+                                  "--enable-dp-attention, or use weights.method=disk")
         if self.pp_size != 1:
             raise WeightSyncError(f"{self.url}: pp_size={self.pp_size}; distributed weight sync supports one "
                                   "pipeline stage per server. Use pp_size=1 or weights.method=disk")

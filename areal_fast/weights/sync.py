@@ -214,7 +214,7 @@ def send_gathered(sync, src: Sources, dtypes: list[torch.dtype], group: str,
 # ------------------------------------------------------------------------------------------- disk
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.uint8: "U8", torch.int8: "I8",
-              torch.bool: "BOOL"}
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 def write_safetensors(path: str, bucket: Bucket) -> None:

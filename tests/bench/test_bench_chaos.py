@@ -1,4 +1,4 @@
-"""The chaos benchmark's pure logic (bench/chaos_lib.py, bench/chaos_reward.py): schedule parsing, the
+"""The chaos benchmark's pure logic (tools/chaos_lib.py, bench/chaos_reward.py): schedule parsing, the
 lost/duplicated accounting on synthetic run records, the recovery figures on a synthetic timeline, and
 that the stalling proxy holds bytes until its delay is lowered. Nothing here starts a run; no timing
 is asserted (the proxy test only uses receive deadlines)."""
@@ -9,8 +9,8 @@ import threading
 import pytest
 from tolerances import WINDOW_RATE_RTOL
 
-from bench import chaos_lib as cl
 from bench import chaos_reward as cr
+from tools import chaos_lib as cl
 
 # ----------------------------------------------------------------------------- schedule
 

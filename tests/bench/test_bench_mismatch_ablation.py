@@ -20,11 +20,14 @@ EXPECTED = {"none": (None, None, None, None, None, None), "tis": (2.0, None, Non
 def test_every_runs_overrides_resolve_to_its_arm():
     assert len(bm.build_runs(bm.DEFAULT_ARMS, bm.ETAS, (1,))) == 12  # 5 corrections in bf16 + the fp32 control
     runs = bm.build_runs(list(bm.ARMS), bm.ETAS, (1,))
-    assert len(runs) == 14 and len({r.name for r in runs}) == 14
+    assert len(runs) == 24 and len({r.name for r in runs}) == 24  # and the 5 corrections under FP8 serving
     for run in runs:
         cfg = load_config(RECIPE, [*bm.run_overrides(run, 30, 10, ["rollout.max_staleness=9"], batch_size=4),
                                    f"experiment.output_dir=/tmp/unused/{run.name}"])
-        assert cfg.rollout.server_args == ["--dtype", "float32" if run.arm.arm.endswith("_fp32") else "bfloat16"]
+        fp8 = run.arm.arm.endswith("_fp8")
+        assert cfg.rollout.server_args == (["--dtype", "bfloat16", "--quantization", "fp8"] if fp8 else
+                                           ["--dtype", "float32" if run.arm.arm.endswith("_fp32") else "bfloat16"])
+        assert cfg.weights.quantize == ("fp8" if fp8 else None) and cfg.weights.delta == ("off" if fp8 else "auto")
         assert cfg.rollout.max_staleness == run.arm.eta  # the user's word does not override the arm's key
         assert cfg.train.ppo.prox_mode == "recompute"
         loss = cfg.train.ppo.loss
@@ -36,10 +39,11 @@ def test_every_runs_overrides_resolve_to_its_arm():
 
 
 def test_runs_are_seed_major_with_the_fp32_control_last_in_each_seed():
-    runs = bm.build_runs(["none_fp32", "none", "tis"], [0, 4], [1, 2])
-    assert [r.name for r in runs[:6]] == ["eta0_none_s1", "eta4_none_s1", "eta0_tis_s1", "eta4_tis_s1",
+    runs = bm.build_runs(["none_fp32", "none_fp8", "none", "tis"], [0, 4], [1, 2])
+    assert [r.name for r in runs[:8]] == ["eta0_none_s1", "eta4_none_s1", "eta0_tis_s1", "eta4_tis_s1",
+                                          "eta0_none_fp8_s1", "eta4_none_fp8_s1",
                                           "eta0_none_fp32_s1", "eta4_none_fp32_s1"]
-    assert {r.seed for r in runs[6:]} == {2}
+    assert {r.seed for r in runs[8:]} == {2}
     with pytest.raises(ValueError, match="'icepop2'"):
         bm.build_runs(["icepop2"], [0], [1])
 
@@ -69,3 +73,10 @@ def test_step_curves_aggregate_and_paired_contrasts(tmp_path):
     (row,) = cons["none_fp32_minus_none"]
     assert row["eval_final_diff_mean"] == pytest.approx(0.02) and row["eval_final_diff_ci95"] == pytest.approx(0.0)
     assert "none_fp32 minus none" in bm.markdown(bm.aggregate(results), cons)
+    # FP8 serving: its corrections against FP8 without one, and FP8 against bf16
+    results += [_result(a, 0, s, 0.4 + s / 100 + (0.05 if a == "tis_fp8" else 0), 1e-3)
+                for a in ("none_fp8", "tis_fp8") for s in (1, 2, 3)]
+    cons = bm.contrasts(results)
+    assert {"tis_fp8_minus_none_fp8", "none_fp8_minus_none", "none_fp32_minus_none_fp8"} <= set(cons)
+    assert cons["tis_fp8_minus_none_fp8"][0]["eval_final_diff_mean"] == pytest.approx(0.05)
+    assert "tis_fp8 minus none_fp8" in bm.markdown(bm.aggregate(results), cons)

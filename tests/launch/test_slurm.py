@@ -194,3 +194,58 @@ def test_train_outside_any_allocation_exits_2_naming_the_key_before_starting_any
         cli.main(["train", str(EXAMPLE), "launcher=slurm", f"experiment.output_dir={tmp_path / 'run'}"])
     assert e.value.code == 2 and "slurm.job" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_removed_server_step_is_signalled_with_scancel_without_waiting(monkeypatch):
+    """A server the target removed (the server-count policy's decrease) gets SIGTERM through
+    ``scancel --signal TERM`` and the call returns at once (``elastic.supervisor`` watches its srun end);
+    a step that has already ended is not signalled."""
+    calls = []
+    monkeypatch.setattr(slurm.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0, "", ""))
+    launcher = object.__new__(slurm.SlurmLauncher)  # no allocation needed to signal a step
+    p = slurm.SlurmStep(name="server1", log_path=Path("/nonexistent"), pid=2**22 + 7, critical=False)
+    p.extra["step"] = "5.2"
+    launcher.begin_stop(p)
+    assert calls == [["scancel", "--signal", "TERM", "5.2"]]
+    p.returncode = 0  # its srun ended
+    launcher.begin_stop(p)
+    assert len(calls) == 1
+
+
+def test_slurm_script_sizes_the_allocation_for_the_most_servers_the_policy_may_start(tmp_path):
+    """With ``rollout.autoscale`` on, the allocation has room for ``max_servers`` server steps (CPUs
+    and GPUs), not only the ones the run starts with: an added server's step would otherwise wait
+    for room until ``slurm.start_timeout``."""
+    from areal_fast.config import load_config
+
+    base = [f"experiment.output_dir={tmp_path / 'run'}", "rollout.n_servers=2", "rollout.device=cuda",
+            "train.world_size=1", "slurm.gpus_per_rank=1"]
+    fixed = slurm.batch_script(load_config(str(EXAMPLE), base), str(EXAMPLE), [])
+    policy = slurm.batch_script(load_config(str(EXAMPLE), [*base, "rollout.autoscale.enabled=true",
+                                                           "rollout.autoscale.max_servers=5"]), str(EXAMPLE), [])
+    assert "#SBATCH --ntasks=3" in fixed.splitlines() and "#SBATCH --gpus=3" in fixed.splitlines(), fixed
+    assert "#SBATCH --ntasks=6" in policy.splitlines() and "#SBATCH --gpus=6" in policy.splitlines(), policy
+
+
+def test_the_most_servers_the_policy_may_start_must_fit_the_servers_job(monkeypatch):
+    """In an allocation that exists (``slurm.job``, ``slurm.server_job`` or the job it runs in), the
+    policy's ``max_servers`` server steps are checked against the job's CPUs and GPUs (``scontrol show
+    job``) before any step starts; refused naming the key. A job scontrol cannot describe passes."""
+    from areal_fast.rollout.config import RolloutConfig
+
+    show = ("JobId=7 JobName=areal JobState=RUNNING NumNodes=1 NumCPUs=8 NumTasks=4 "
+            "TRES=cpu=8,mem=16G,node=1,billing=8,gres/gpu=4")
+    answer = {"rc": 0}
+    monkeypatch.setattr(slurm.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, answer["rc"], show if cmd[:3] == ["scontrol", "show", "job"] else "", ""))
+    assert slurm.job_resources("7") == {"CPU": 8, "GPU": 4}
+    launcher = object.__new__(slurm.SlurmLauncher)
+    launcher.cfg, launcher.server_job = slurm.SlurmConfig(job="7", cpus_per_server=2), "7"
+    rollout = RolloutConfig(n_servers=2, device="cuda")  # one GPU a server
+    launcher._check_policy_room(rollout, 4)  # 8 CPUs, 4 GPUs: fits
+    with pytest.raises(ValueError, match=r"rollout\.autoscale\.max_servers: 5 server steps need CPU 10 \(job 7 has "
+                                         r"8\); GPU 5 \(job 7 has 4\)"):
+        launcher._check_policy_room(rollout, 5)
+    answer["rc"] = 1  # scontrol failed: sizes unknown, let through
+    launcher._check_policy_room(rollout, 5)

@@ -68,6 +68,16 @@ def thousands(x: float) -> str:
     return f"{half_up(x):,}"
 
 
+def autoscale_row(scenario: str) -> Callable[[], tuple[str, ...]]:
+    """docs/autoscale.md's table: the policy's and the best fixed split's samples/s, that split's generation
+    GPUs, the policy's difference from it (%) and the seeds, of the newest sweep of ``scenario``."""
+    def figures() -> tuple[str, ...]:
+        r = newest("autoscale.jsonl", scenario=scenario)
+        return (f"{r['policy_samples_per_s']:.1f}", f"{r['best_fixed_samples_per_s']:.1f}",
+                str(r["best_fixed_gen_gpus"]), f"{100 * r['policy_vs_best_fixed']:+.1f}", str(len(r["seeds"])))
+    return figures
+
+
 def e2e_speedup() -> tuple[str, ...]:
     return (f"{newest('e2e.jsonl')['speedup_tokens_per_s']:.2f}",)
 
@@ -237,6 +247,38 @@ def mismatch_row(engine: str, dtype: str, temperature: float, shape: str) -> Cal
     return figures
 
 
+def _fp8_row(arch: str, dtype: str, t: float) -> dict:
+    return newest("mismatch_fp8.jsonl", arch=arch, engine="embedded", dtype=dtype, temperature=t, shape="long")
+
+
+def _share(x: float) -> str:
+    return "0" if x == 0 else f"{100 * x:.2g}"
+
+
+def mismatch_fp8_row(arch: str, dtype: str, t: float) -> Callable[[], tuple[str, ...]]:
+    """docs/mismatch.md's FP8 table: tokens, k1, k3, (FP8: k3 against bf16 serving), w p99 / max, share outside
+    [0.5, 2], per-sequence |sum log w| mean / p90, the shares TIS, IcePop, sequence MIS and M2PO act on."""
+    def figures():
+        r = _fp8_row(arch, dtype, t)
+        vs = (sci(r["bf16_k3"]),) if dtype == "fp8" else ()
+        acts = (_share(r[f"acts_{c}"]) for c in ("tis", "icepop", "seq_mis", "m2po"))
+        return (str(r["tokens"]), sci(r["mismatch_k1"]), sci(r["mismatch_k3"]), *vs, f"{r['mismatch_ratio_p99']:.2f}",
+                f"{r['mismatch_ratio_max']:.2f}", _share(r["outside_0.5_2.0"]), f"{r['seq_abs_log_w_mean']:.3f}",
+                f"{r['seq_abs_log_w_p90']:.3f}", *acts)
+    return figures
+
+
+def mismatch_fp8_prose() -> tuple[str, ...]:
+    """docs/mismatch.md's reading of the FP8 table: the range of FP8 k3 over bf16 k3, the per-sequence p90 ranges
+    (FP8, then bf16), and the largest share any correction acts on under FP8 (%)."""
+    cases = [(a, t) for a in ("qwen2", "qwen3_moe") for t in (1.0, 0.6)]
+    ratio = [_fp8_row(a, "fp8", t)["mismatch_k3"] / _fp8_row(a, "bfloat16", t)["mismatch_k3"] for a, t in cases]
+    p90 = {d: [_fp8_row(a, d, t)["seq_abs_log_w_p90"] for a, t in cases] for d in ("fp8", "bfloat16")}
+    acts = max(_fp8_row(a, "fp8", t)[f"acts_{c}"] for a, t in cases for c in ("tis", "icepop", "seq_mis", "m2po"))
+    spans = (f"{f(p90[d]):.3f}" for d in ("fp8", "bfloat16") for f in (min, max))
+    return f"{min(ratio):.1f}", f"{max(ratio):.1f}", *spans, _share(acts)
+
+
 def mismatch_arm(arm: str) -> Callable[[], tuple[str, ...]]:
     """docs/mismatch.md's ablation table: final EM and mean EM over the run with their 95 % intervals, k3."""
     def figures():
@@ -247,6 +289,18 @@ def mismatch_arm(arm: str) -> Callable[[], tuple[str, ...]]:
 
 
 MISMATCH_SWEEP = "mismatch_ablation_20261128_1002.json"  # docs/mismatch.md's sweep (14 arms x 8 seeds)
+FP8_SWEEP = "mismatch_ablation_20261203_1501.json"  # docs/mismatch.md's FP8 sweep (5 arms x 2 etas x 3 seeds)
+
+
+def mismatch_fp8_arm(arm: str) -> Callable[[], tuple[str, ...]]:
+    """docs/mismatch.md's FP8 ablation table: final and mean EM with their intervals, k3, and the share (%) the
+    arm's correction masked or truncated (none for no correction)."""
+    def figures():
+        r = newest("mismatch_ablation.jsonl", arm=arm)
+        option = arm.split("_", 1)[1].removesuffix("_fp8")
+        share = () if option == "none" else (_share(r[MISMATCH_FRACTION[option]]),)
+        return (*mismatch_arm(arm)(), *share)
+    return figures
 
 
 def mismatch_sweep() -> tuple[str, ...]:
@@ -363,6 +417,34 @@ def delta_gloo(delta: str) -> Callable[[], tuple[str, ...]]:
     return figures
 
 
+def sync_senders_row(ranks: int, senders: str) -> Callable[[], tuple[str, ...]]:
+    """docs/weight_sync.md's many-sender table: whole and delta s per update, MB per rank to the servers
+    (whole, delta), MB rank 0 took in from the other ranks (gather or exchange), delta shadow MB per rank."""
+    def figures():
+        w = newest("sync_senders.jsonl", part="senders", ranks=ranks, senders=senders, update="whole")
+        d = newest("sync_senders.jsonl", part="senders", ranks=ranks, senders=senders, update="delta")
+
+        def mb(xs):
+            return tuple(f"{x / 1e6:.1f}" for x in xs)
+        took = w["gather_received_rank0"] + w["exchange_received_per_rank"][0]
+        return (f"{w['update_s_median']:.2f}", f"{d['update_s_median']:.2f}", *mb(w["bytes_to_servers_per_rank"]),
+                *mb(d["bytes_to_servers_per_rank"]), f"{took / 1e6:.1f}", *mb(d["shadow_bytes_per_rank"]))
+    return figures
+
+
+def sync_breakeven(density: float) -> Callable[[], tuple[str, ...]]:
+    """docs/weight_sync.md's break-even table: encode, apply, delta in all and whole-over-the-wire s per GB,
+    and the delta's time over the whole tensor's (below 1: the delta paid), at one density (native kernels)."""
+    def figures():
+        r = newest("sync_senders.jsonl", part="breakeven", backend="native", density=density)
+        return (f"{r['encode_s_per_gb']:.2f}", f"{r['apply_s_per_gb']:.2f}", f"{r['delta_s_per_gb']:.2f}",
+                f"{r['whole_wire_s_per_gb']:.2f}", f"{r['delta_s_per_gb'] / r['whole_wire_s_per_gb']:.2f}")
+    return figures
+
+
+SYNC_DENSITIES = {0.001: "0.1", 0.01: "1", 0.0236: "2.36", 0.05: "5", 0.1: "10", 0.2: "20", 0.333: "33.3"}
+
+
 def delta_sim(model: str, changed: float) -> Callable[[], tuple[str, ...]]:
     """docs/weight_sync.md's simulated table: bytes whole / delta (GB), sync s whole / delta / mean, speedup."""
     def figures():
@@ -372,6 +454,44 @@ def delta_sim(model: str, changed: float) -> Callable[[], tuple[str, ...]]:
                 f"{r['sync_s_whole']:.2f}", f"{r['sync_s_delta']:.2f}", f"{r['sync_s_delta_mean']:.2f}",
                 f"{r['speedup']:.2f}")
     return figures
+
+
+def sync_model_fit() -> tuple[str, ...]:
+    """docs/weight_sync.md's fitted constants of the re-anchored sync model (tools/sync_model.py)."""
+    r = newest("sync_model.jsonl", part="fit")
+    return (f"{r['fixed_s_one_sender']:.2f}", f"{r['sender_bytes_per_s'] / 1e9:.1f}", f"{r['fixed_s_many']:.2f}",
+            f"{r['aggregate_bytes_per_s_many'] / 1e9:.0f}", f"{r['senders_implied_many']:.0f}")
+
+
+def sync_model_check(source: str, model: str, what: str) -> Callable[[], tuple[str, ...]]:
+    """docs/weight_sync.md's calibration log: the model's seconds for a published number, and their ratio."""
+    def figures():
+        r = newest("sync_model.jsonl", source=source, model=model, what=what)
+        return (f"{r['predicted_s']:.2f}", f"{r['ratio']:.2f}")
+    return figures
+
+
+def sync_model_predict(model: str, path: str) -> Callable[[], tuple[str, ...]]:
+    """docs/weight_sync.md's predictions: whole, delta and mean seconds of one path."""
+    def figures():
+        r = newest("sync_model.jsonl", part="predict", model=model, path=path)
+        return tuple(f"{r[k]:.2f}" for k in ("sync_s_whole", "sync_s_delta", "sync_s_delta_mean"))
+    return figures
+
+
+SYNC_MODEL_LOG = (("verl", "Qwen2.5-7B", "full, taken as one sender", " (fit)", "5.5-6"),
+                  ("verl", "Qwen2.5-7B", "delta, taken as one sender", " (fit)", "3.9-4.9"),
+                  ("Miles", "Qwen3-30B-A3B", "shard-to-shard P2P", " (fit)", "2.16"),
+                  ("Miles", "Qwen3-235B-A22B", "shard-to-shard P2P", " (fit)", "3.16"),
+                  ("Miles", "Kimi-K2", "shard-to-shard P2P", "", "7.2"),
+                  ("Miles", "Kimi-K2", "before P2P, taken as one sender", "", "53.3"),
+                  ("verl", "Qwen3-235B-A22B", "full, taken as one sender", "", "246-266"),
+                  ("verl", "Qwen3-235B-A22B", "delta_sharded, taken as one sender", "", "11.4-14.9"))
+SYNC_MODEL_PATHS = (("Qwen2.5-7B", "one sender (today)", 1), ("Qwen2.5-7B", "many senders", 8),
+                    ("Qwen2.5-7B", "vLLM sparse_nccl (one sender)", 1), ("Qwen2.5-32B", "one sender (today)", 1),
+                    ("Qwen2.5-32B", "many senders", 16), ("Qwen2.5-32B", "vLLM sparse_nccl (one sender)", 1),
+                    ("Qwen3-30B-A3B", "one sender (today)", 1), ("Qwen3-30B-A3B", "many senders", 16),
+                    ("Qwen3-235B-A22B", "one sender (today)", 1), ("Qwen3-235B-A22B", "many senders", 64))
 
 
 def vllm_pause_costs() -> tuple[str, ...]:
@@ -1043,11 +1163,11 @@ def mismatch_fp32_row() -> tuple[str, ...]:
             f"{r['mismatch_ratio_max']:.2f}", one(r["seq_abs_log_w_mean"]), one(r["seq_abs_log_w_p90"]))
 
 
-def mismatch_contrast(label: str, key: str) -> Callable[[], tuple[str]]:
+def mismatch_contrast(label: str, key: str, sweep: str = MISMATCH_SWEEP) -> Callable[[], tuple[str]]:
     """A row of docs/mismatch.md's paired-contrast table: mean EM over the run, arm minus its pair, with its
     95 % interval, at eta 0 and at eta 4 (bold where the interval excludes 0)."""
     def figures():
-        c = json.loads((RESULTS / MISMATCH_SWEEP).read_text())["contrasts"][key]
+        c = json.loads((RESULTS / sweep).read_text())["contrasts"][key]
         cells = [diff_ci(x["eval_mean_diff_mean"], x["eval_mean_diff_ci95"]) for eta in (0, 4) for x in c
                  if x["eta"] == eta]
         return ("| " + " | ".join([label, *cells]) + " |",)
@@ -1083,6 +1203,57 @@ def top_p_bias(top_p: float, top_k: int) -> Callable[[], tuple[str, ...]]:
     return figures
 
 
+def parallel_counted(arm):
+    """docs/parallelism.md's counted table: rank 0's parameter bytes and bytes sent by kind, one step."""
+    def figures():
+        p = newest("parallel_cost.jsonl", kind="counted", arm=arm)["per_rank"][0]
+        sent = p["sent"]
+
+        def by(op):
+            return sum(v for k, v in sent.items() if k.split(":")[0] == op)
+
+        return tuple(thousands(x) for x in (p["param_bytes"]["dense"], p["param_bytes"]["experts"],
+                                            by("all_gather_single"), by("reduce_scatter_single"),
+                                            by("all_to_all_single"), by("all_reduce"), sum(sent.values())))
+    return figures
+
+
+def parallel_computed(arm, micro_batches):
+    """docs/parallelism.md's computed table for Qwen3-30B-A3B on 8 H200: GB held and sent, ms at NVLink and IB."""
+    def figures():
+        nv, ib = (newest("parallel_cost.jsonl", kind="computed", arm=arm, micro_batches=micro_batches, link=link)
+                  for link in ("nvlink", "ib"))
+        gb = tuple(f"{nv[k] / 1e9:.1f}" for k in ("param_bytes_held", "all_gather", "reduce_scatter",
+                                                  "expert_grad_all_reduce", "all_to_all", "sent_total"))
+        return gb + (thousands(nv["comm_seconds"] * 1e3), thousands(ib["comm_seconds"] * 1e3))
+    return figures
+
+
+def parallel_computed_cp(arm, scenario):
+    """docs/parallelism.md's context-parallel table for Qwen3-30B-A3B on 8 H200: tokens a rank, longest
+    sequence, key/value heads sent, all-to-all GB, ms at NVLink and IB, attention PFLOP."""
+    def figures():
+        nv, ib = (newest("parallel_cost.jsonl", kind="computed_cp", arm=arm, scenario=scenario, link=link)
+                  for link in ("nvlink", "ib"))
+        return (thousands(nv["tokens_per_rank"]), thousands(nv["longest_sequence"]), str(nv["kv_heads_exchanged"]),
+                f"{nv['all_to_all'] / 1e9:.1f}", thousands(nv["all_to_all_seconds"] * 1e3),
+                thousands(ib["all_to_all_seconds"] * 1e3), f"{nv['attention_flops'] / 1e15:.2f}")
+    return figures
+
+
+def parallel_learning(tag, arm):
+    """docs/parallelism.md's learning table: seeds, held-out EM at step 0 and at the end (mean over seeds,
+    their standard deviation) and the mean wall time of a run, of the newest sweep tagged ``tag``."""
+    def figures():
+        found = [r for r in rows("parallel_learning.jsonl")
+                 if r["arm"] == arm and r["curves"].endswith(f"_{tag}.json")]
+        assert found, f"bench/results/parallel_learning.jsonl has no {arm} row of a {tag} sweep"
+        r = found[-1]
+        return (str(len(r["seeds"])), f"{r['eval_first_mean']:.3f}", f"{r['eval_final_mean']:.3f}",
+                f"{r['eval_final_spread']:.3f}", thousands(r["wall_s_mean"]))
+    return figures
+
+
 @dataclass(frozen=True)
 class Figure:
     doc: str
@@ -1093,7 +1264,56 @@ class Figure:
     after: str = ""  # where the same text stands twice: only its first occurrence after this text is checked
 
 
+def trainer_step_ab() -> tuple[str, ...]:
+    """The A/B pairs of tools/profile_step.py: the reference paths' and the new paths' median step, lowest-highest."""
+    ab = [r for r in rows("trainer_step.jsonl") if r["note"] == "tiny recipe step, A/B"]
+    ref = [r["step_s_median"] for r in ab if r["variant"] == "reference"]
+    fast = [r["step_s_median"] for r in ab if r["variant"] == "fast"]
+    return tuple(f"{x:.2f}" for x in (min(ref), max(ref), min(fast), max(fast)))
+
+
+def vs_trl_run() -> list[dict]:
+    """The rows of the newest run of bench/bench_vs_trl.py."""
+    every = rows("vs_trl.jsonl")
+    return [r for r in every if r["run"] == every[-1]["run"]]
+
+
+def vs_trl_arm(arm: str) -> Callable[[], tuple[str, ...]]:
+    """One arm's row of the table: seeds, mean RL wall time, mean time to the target over the seeds
+    that reached it, how many reached it, mean final exact match."""
+    def figures():
+        got = [r for r in vs_trl_run() if r["arm"] == arm]
+        hit = [r["time_to_target_s"] for r in got if r["time_to_target_s"] is not None]
+        return (str(len(got)), f"{sum(r['rl_s'] for r in got) / len(got):.1f}",
+                f"{sum(hit) / len(hit):.1f}" if hit else "-", str(len(hit)),
+                f"{sum(r['eval_last'] for r in got) / len(got):.3f}")
+    return figures
+
+
+def vs_trl_load() -> tuple[str, ...]:
+    loads = [x for r in vs_trl_run() for x in (r["load_start"][0], r["load_end"][0])]
+    return f"{min(loads):.1f}", f"{max(loads):.1f}"
+
+
+def vs_trl_split() -> tuple[str, ...]:
+    """The asynchronous arm's seconds a step: training, weight sync, waiting for samples."""
+    got = [r for r in vs_trl_run() if r["arm"] == "async"]
+    n = sum(r["steps"] for r in got)
+    return tuple(f"{sum(r['timers'][k] for r in got) / n:.2f}" for k in ("train_s", "sync_s", "wait_s"))
+
+
 FIGURES = [
+    Figure("docs/benchmarks.md", "| areal_fast, asynchronous | {} | {} s | {} s | {} | {} |", "vs_trl.jsonl",
+           vs_trl_arm("async")),
+    Figure("docs/benchmarks.md", "| areal_fast, synchronous | {} | {} s | {} s | {} | {} |", "vs_trl.jsonl",
+           vs_trl_arm("sync")),
+    Figure("docs/benchmarks.md", "| TRL GRPOTrainer | {} | {} s | {} s | {} | {} |", "vs_trl.jsonl",
+           vs_trl_arm("trl")),
+    Figure("docs/benchmarks.md", "one-minute load average between {} and {} on", "vs_trl.jsonl", vs_trl_load),
+    Figure("docs/benchmarks.md", "a step spent {} s training, {} s in the weight update and {} s waiting",
+           "vs_trl.jsonl", vs_trl_split),
+    Figure("docs/benchmarks.md", "the median trainer step went from {}-{} s to {}-{} s", "trainer_step.jsonl",
+           trainer_step_ab),
     Figure("README.md", "async vs sync on the tiny task {}x", "e2e.jsonl", e2e_speedup),
     Figure("README.md", "at the paper's scale async/sync is {}-{}x", "async_speedup_summary.jsonl",
            sim_paper_scale_range),
@@ -1308,6 +1528,18 @@ FIGURES = [
           ("embedded", "embedded", 1.0, "long", False, True), ("embedded", "embedded", 0.6, "long", False, True),
           ("vLLM 0.32", "vllm", 1.0, "long", False, True), ("vLLM 0.32", "vllm", 0.6, "long", True, True),
           ("vLLM 0.32", "vllm", 1.0, "task", False, False))),
+    *(Figure("docs/mismatch.md", f"| {label} | {serving} | {t} | {{}} | {{}} | {{}} | "
+             f"{'{}' if dtype == 'fp8' else '-'} | {{}} | {{}} | {{}} | {{}} / {{}} | {{}} | {{}} | {{}} | {{}} |",
+             "mismatch_fp8.jsonl", mismatch_fp8_row(arch, dtype, t))
+      for arch, label in (("qwen2", "dense"), ("qwen3_moe", "MoE")) for dtype, serving in (("bfloat16", "bf16"),
+                                                                                           ("fp8", "FP8"))
+      for t in (1.0, 0.6)),
+    Figure("docs/mismatch.md", "grows by {}-{}x over bf16 serving", "mismatch_fp8.jsonl",
+           part(mismatch_fp8_prose, 0, 2)),
+    Figure("docs/mismatch.md", "its 90th percentile is {}-{} with FP8 against {}-{} with bf16", "mismatch_fp8.jsonl",
+           part(mismatch_fp8_prose, 2, 4)),
+    Figure("docs/mismatch.md", "at most {} % of the tokens leave IcePop's band", "mismatch_fp8.jsonl",
+           part(mismatch_fp8_prose, 6, 1)),
     *(Figure("docs/mismatch.md", f"| {eta} | {label} | {serving} | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] | {{}}",
              "mismatch_ablation.jsonl", mismatch_arm(f"eta{eta}_{arm}{'_fp32' if serving == 'fp32' else ''}"))
       for eta in (0, 4)
@@ -1450,6 +1682,16 @@ FIGURES = [
         for x in json.loads((RESULTS / MISMATCH_SWEEP).read_text())["contrasts"][key] if x["eta"] == 4
         for v in (x["eval_final_diff_mean"], x["eval_final_diff_mean"] - x["eval_final_diff_ci95"],
                   x["eval_final_diff_mean"] + x["eval_final_diff_ci95"]))),
+    *(Figure("docs/mismatch.md", f"| {eta} | {label} | FP8 | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] | {{}} | "
+             f"{'-' if arm == 'none' else '{}'} |", "mismatch_ablation.jsonl", mismatch_fp8_arm(f"eta{eta}_{arm}_fp8"))
+      for eta in (0, 4)
+      for label, arm in (("none", "none"), ("TIS C = 2", "tis"), ("IcePop [0.5, 2]", "icepop"),
+                         ("sequence MIS [0.5, 2]", "seq_mis"), ("M2PO tau = 0.04", "m2po"))),
+    *(Figure("docs/mismatch.md", "{}", FP8_SWEEP, mismatch_contrast(f"{label}, FP8 serving", key, FP8_SWEEP),
+             whole=True)
+      for label, key in (("TIS - none", "tis_fp8_minus_none_fp8"), ("IcePop - none", "icepop_fp8_minus_none_fp8"),
+                         ("sequence MIS - none", "seq_mis_fp8_minus_none_fp8"),
+                         ("M2PO - none", "m2po_fp8_minus_none_fp8"))),
     *(Figure("docs/mismatch.md", "{}", MISMATCH_SWEEP, mismatch_contrast(label, key), whole=True)
       for label, key in (("TIS - none", "tis_minus_none"), ("IcePop - none", "icepop_minus_none"),
                          ("sequence MIS - none", "seq_mis_minus_none"), ("M2PO - none", "m2po_minus_none"),
@@ -1468,8 +1710,53 @@ FIGURES = [
     *(Figure("docs/weight_sync.md", f"| {model} | {{}} % | {{}} GB | " + ("{} GB (all whole)" if c == 0.8 else "{} GB")
              + " | {} | {} | {} | {}x |", "delta.jsonl", delta_sim(model, c))
       for model in ("Qwen2.5-7B", "Qwen2.5-32B") for c in (0.0236, 0.8)),
+    *(Figure("docs/weight_sync.md", f"| {n} | {label} | {{}} | {{}} | {', '.join(['{}'] * n)} | "
+             f"{', '.join(['{}'] * n)} | {{}} | {', '.join(['{}'] * n)} |", "sync_senders.jsonl",
+             sync_senders_row(n, senders))
+      for n, senders, label in ((1, "one", "`one`"), (2, "one", "`one` (today)"), (2, "rank", "`rank`"),
+                                (4, "one", "`one` (today)"), (4, "rank", "`rank`"))),
+    *(Figure("docs/weight_sync.md", f"| {label} % | {{}} | {{}} | {{}} | {{}} | {{}} |", "sync_senders.jsonl",
+             sync_breakeven(d)) for d, label in SYNC_DENSITIES.items()),
+    Figure("docs/weight_sync.md", "In this run a delta paid up to {} % changed and cost more than sending the tensor "
+           "whole from {} % on.", "sync_senders.jsonl",
+           lambda: (lambda r: (f"{r['highest_paying_density'] * 100:g}", f"{r['lowest_losing_density'] * 100:g}"))(
+               newest("sync_senders.jsonl", part="breakeven_summary"))),
+    Figure("docs/weight_sync.md", "(65,536 elements, 2.36 % changed) encodes at {} s per GB", "sync_senders.jsonl",
+           lambda: (thousands(newest("sync_senders.jsonl", part="breakeven",
+                                     backend="interpret")["encode_s_per_gb"]),)),
+    Figure("docs/weight_sync.md", "Fitted: one sender `F` {} s and `b` {} GB/s; many senders `F` {} s at {} GB/s in "
+           "all ({} senders", "sync_model.jsonl", sync_model_fit),
+    Figure("docs/weight_sync.md", "the many-sender fit's `F` ({} s, the lower one)", "sync_model.jsonl",
+           lambda: (sync_model_fit()[2],)),
+    Figure("docs/weight_sync.md", "and `b` = {} GB/s per sender", "sync_model.jsonl", lambda: (sync_model_fit()[1],)),
+    *(Figure("docs/weight_sync.md", f"| {src} | {m} | {w}{fit} | {pub} | {{}} | {{}} |", "sync_model.jsonl",
+             sync_model_check(src, m, w)) for src, m, w, fit, pub in SYNC_MODEL_LOG),
+    *(Figure("docs/weight_sync.md", f"| {m} | {path} | {n} | {{}} | {{}} | {{}} |", "sync_model.jsonl",
+             sync_model_predict(m, path)) for m, path, n in SYNC_MODEL_PATHS),
     *(Figure("docs/config.md", f"| {p} | {k} | {{}} | {{}} | {{}} | {{}} |", "top_p_bias.jsonl", top_p_bias(p, k))
       for p, k in ((0.9, -1), (1.0, 8), (0.9, 8), (1.0, -1))),
+    Figure("docs/autoscale.md", "| constant (cap 32k) | {} | {} ({} GPUs) | {}% | {} |", "autoscale.jsonl",
+           autoscale_row("constant")),
+    Figure("docs/autoscale.md", "| growing (cap 8k to 32k) | {} | {} ({} GPUs) | {}% | {} |", "autoscale.jsonl",
+           autoscale_row("growing")),
+    *(Figure("docs/parallelism.md", f"| {label} | {{}} | {{}} | {{}} | {{}} | {{}} | {{}} | {{}} |",
+             "parallel_cost.jsonl", parallel_counted(arm))
+      for arm, label in (("dp", "`dp`: FSDP2 only"), ("ep2", "`ep2`: expert-parallel 2"),
+                         ("cp2", "`cp2`: context-parallel 2"))),
+    *(Figure("docs/parallelism.md", f"| {label} | {{}} | {{}} | {{}} | {{}} GB | {{}} ms | {{}} ms | {{}} |",
+             "parallel_cost.jsonl", parallel_computed_cp(arm, scenario))
+      for arm, scenario, label in [("dp8", "32k_a_rank", "`dp8`")]
+      + [(f"cp{c}", sc, f"`cp{c}`, {text}") for sc, text in (("32k_a_rank", "32k a rank"),
+                                                               ("one_32k_sequence", "one 32k sequence"))
+         for c in (2, 4, 8)]),
+    *(Figure("docs/parallelism.md", f"| `{arm}` | {mbs} | {{}} GB | {{}} GB | {{}} GB | {{}} GB | {{}} GB | {{}} GB | "
+             f"{{}} ms | {{}} ms |", "parallel_cost.jsonl", parallel_computed(arm, mbs))
+      for arm in ("dp8", "ep2", "ep4", "ep8") for mbs in (1, 4)),
+    *(Figure("docs/parallelism.md", f"| {recipe} | {label} | {{}} | {{}} | {{}} ± {{}} | {{}} s |",
+             "parallel_learning.jsonl", parallel_learning(tag, arm))
+      for tag, recipe, arm, label in (("moe", "MoE", "one", "one rank"), ("moe", "MoE", "ep2", "`ep: 2`"),
+                                      ("long", "long strings", "one", "one rank"),
+                                      ("long", "long strings", "cp2", "`cp: 2`"))),
 ]
 
 

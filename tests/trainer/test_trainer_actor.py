@@ -188,3 +188,33 @@ def test_activation_checkpointing_gives_the_same_update(tiny):
     for (n, x), (n2, y) in zip(plain.iter_full_params(), ckpt.iter_full_params()):
         assert n == n2
         torch.testing.assert_close(x, y, atol=FP32_SAME_MATH_ATOL, rtol=0, msg=n)
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_first_minibatch_proximal_logprobs_from_its_forward_equal_the_recompute(tiny, minibatches, monkeypatch):
+    """The first minibatch's proximal log-probs taken in its training forward (no separate no-grad
+    forward) give the recompute's update bit for bit: the same weights after two steps of stale and
+    current tokens, the same metrics (mismatch dashboard included); later minibatches still recompute."""
+    path, _ = tiny
+    runs = []
+    for fast in (True, False):
+        monkeypatch.setattr(PPOActor, "prox_from_forward", fast)
+        actor = actor_for(path, max_tokens_per_mb=64, ppo={"ppo_n_minibatches": minibatches})
+        calls = []
+
+        def counted(*a, real=actor._logprobs, calls=calls, **k):
+            calls.append(1)
+            return real(*a, **k)
+
+        monkeypatch.setattr(actor, "_logprobs", counted)
+        ms = [actor.train_batch(make_batch(10, seed=7, version=0), 0),
+              actor.train_batch(make_batch(10, seed=8, version=0), 1)]  # one version stale
+        runs.append((ms, {n: x.clone() for n, x in actor.iter_full_params()}, len(calls)))
+    (m_fast, w_fast, n_fast), (m_ref, w_ref, n_ref) = runs
+    assert n_fast < n_ref and (n_fast == 0) == (minibatches == 1)
+    for a, b in zip(m_fast, m_ref):
+        assert "mismatch_k3" in a
+        assert {k: v for k, v in a.items() if not k.endswith("_s") and k != "tokens_per_s"} == \
+            {k: v for k, v in b.items() if not k.endswith("_s") and k != "tokens_per_s"}
+    for n in w_ref:
+        assert torch.equal(w_fast[n], w_ref[n]), n

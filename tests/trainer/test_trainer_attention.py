@@ -257,3 +257,29 @@ def test_torch_varlen_call_fits_installed_torch(hkv, window):
         assert type(kwargs["window_size"]) is tuple and kwargs["window_size"] == (-1, 0)
     out = varlen_attn(*args, **kwargs)
     assert out.shape == q.shape and out.device.type == "meta"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_length_bucketed_sdpa_equals_the_per_sequence_reference_bit_for_bit(dtype, monkeypatch):
+    """The CPU kernel batches the sequences of one length into one SDPA call: the same numbers as one
+    call per sequence, forward and gradients, with repeated, unique and empty lengths and trailing
+    tokens outside every sequence (their output is not read: only the sequences' rows compared)."""
+    lens = [3, 7, 3, 1, 0, 7, 7, 12, 3, 1, 5]
+    q, k, v, cu = _packed_qkv(lens, hq=4, hkv=2)
+    q, k, v = (torch.cat([t, t[:2]]).to(dtype).requires_grad_() for t in (q, k, v))  # 2 trailing rows
+    n = int(cu[-1])
+    want = varlen_attention_ref(q, k, v, cu, 0.3)[:n]
+    want_grads = torch.autograd.grad(want.float().square().sum(), (q, k, v))
+    with refusing_kv_repeat(monkeypatch):
+        got = attention.varlen_attention_bucketed(q, k, v, cu, 0.3)[:n]
+        got_grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    assert torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.equal(a, b)
+    # every length once, or a sliding window: the reference itself
+    q1, k1, v1, cu1 = _packed_qkv([2, 5, 9])
+    assert torch.equal(attention.varlen_attention_bucketed(q1, k1, v1, cu1, 0.3),
+                       varlen_attention_ref(q1, k1, v1, cu1, 0.3))
+    q2, k2, v2, cu2 = _packed_qkv([5, 5, 9])
+    assert torch.equal(attention.varlen_attention_bucketed(q2, k2, v2, cu2, 0.3, 3),
+                       varlen_attention_ref(q2, k2, v2, cu2, 0.3, 3))

@@ -78,11 +78,13 @@ def _tp_shard(state, spec, tp, rank):
 def worker(conn, tp, rank, spec_json, dump):
     import torch
 
+    from areal_fast.weights.delta_codec import delta_apply
+    from areal_fast.weights.delta_wire import split_entries
     from areal_fast.weights.layout import ModelSpec
     from areal_fast.weights.sync import init_custom_process_group
 
     spec = ModelSpec(**json.loads(spec_json))
-    pg, state = None, {}
+    pgs, state = {}, {}  # groups by name, as SGLang keeps them (one per trainer sender)
     while True:
         cmd, arg = conn.recv()
         try:
@@ -90,10 +92,15 @@ def worker(conn, tp, rank, spec_json, dump):
                 conn.send(("ok", None))
                 return
             if cmd == "init":
-                pg = init_custom_process_group(arg["backend"], f"tcp://{arg['master_address']}:{arg['master_port']}",
-                                               arg["world_size"], arg["rank_offset"] + rank, arg["group_name"], 60)
+                pgs[arg["group_name"]] = init_custom_process_group(
+                    arg["backend"], f"tcp://{arg['master_address']}:{arg['master_port']}", arg["world_size"],
+                    arg["rank_offset"] + rank, arg["group_name"], 60)
             elif cmd == "update":
-                state.update(_receive(pg, arg["names"], arg["dtypes"], arg["shapes"], arg["load_format"]))
+                got = _receive(pgs[arg["group_name"]], arg["names"], arg["dtypes"], arg["shapes"], arg["load_format"])
+                whole, deltas = split_entries(list(got.items()))
+                state.update(whole)
+                for n, (_shape, idx, val) in deltas.items():  # delta entries: only the changed elements
+                    delta_apply(state[n], idx, val)
             elif cmd == "disk":
                 import glob
 
@@ -104,10 +111,9 @@ def worker(conn, tp, rank, spec_json, dump):
             elif cmd == "destroy":
                 import torch.distributed as dist
 
-                dist.destroy_process_group(pg)
-                pg = None
+                dist.destroy_process_group(pgs.pop(arg["group_name"]))
             if cmd in ("update", "disk"):
-                shard = _tp_shard(state, spec, tp, rank) if len(state) == len(spec.hf_shapes()) else None
+                shard = _tp_shard(state, spec, tp, rank) if set(state) == set(spec.hf_shapes()) else None
                 path = os.path.join(dump, f"v{arg['weight_version']}_rank{rank}.pt")
                 torch.save({"full": state, "shard": shard}, path)
             conn.send(("ok", None))
@@ -185,7 +191,8 @@ class Receiver:
                         return web.json_response({"success": False, "message": "names/dtypes/shapes differ in length"})
                     await self.to_workers("update", body)
                     self.state["calls"].append({"n": len(body["names"]), "load_format": body["load_format"],
-                                                "weight_version": body["weight_version"]})
+                                                "weight_version": body["weight_version"],
+                                                "group": body["group_name"], "flush": body.get("flush_cache")})
                     if self.args.fail_tensor and self.args.fail_tensor in body["names"]:
                         name, self.args.fail_tensor = self.args.fail_tensor, None  # once
                         return refuse(f"Failed to update parameter online: shape mismatch for {name}")

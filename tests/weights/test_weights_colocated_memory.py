@@ -59,7 +59,7 @@ def _offline_sync(monkeypatch, sent: list) -> ColocatedWeightSync:
     """A ColocatedWeightSync whose server side is stubbed: facts of a tp-1 server, no session,
     payloads recorded instead of posted; the serialiser keeps the named tensors."""
     sync = ColocatedWeightSync("http://127.0.0.1:1", SPEC, WeightSyncConfig(bucket_bytes=BUCKET))
-    facts = types.SimpleNamespace(check_layout=lambda: None, tp_size=1, version="0.5.23")
+    facts = types.SimpleNamespace(check_layout=lambda **kw: None, tp_size=1, version="0.5.23")
     monkeypatch.setattr(sync, "read_facts", lambda: {sync.urls[0]: facts})
     monkeypatch.setattr(sync, "session", lambda *a, **k: contextlib.nullcontext([]))
     sync._http = types.SimpleNamespace(all=lambda urls, path, body: sent.append((path, body)) or [{}],

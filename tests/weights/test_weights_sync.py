@@ -146,7 +146,7 @@ def test_protocol_record(sync_run):
     assert summary["n_inits"] == 1 and summary["disk_dir_removed"]
     for url, _tp, ver, _ in servers[:3]:
         st = json.loads(urllib.request.urlopen(url + "/debug/state", timeout=10).read())
-        assert st["init_count"] == 1  # both distributed updates reused one group
+        assert st["init_count"] == 2  # one group per trainer rank (weights.senders: rank), made once, reused
         assert st["weight_version"] == "3"
         calls = st["calls"]
         v1 = [c for c in calls if c.get("weight_version") == "1"]

@@ -78,7 +78,7 @@ class ColocatedWeightSync(SGLangWeightSync):
         if rank == 0:  # checked now, raised after the gathers below (the other ranks take part in them)
             try:
                 facts = self.read_facts()[self.urls[0]]
-                facts.check_layout()
+                facts.check_layout(dp_attention_ok=False)  # it builds SGLang's TP layout itself
                 if facts.tp_size != world:
                     raise ValueError(f"{self.urls[0]} has tp_size={facts.tp_size}, the trainer group "
                                      f"has {world} ranks; colocated sync needs one TP rank per trainer rank")

@@ -39,6 +39,9 @@ PAUSE_MODE_SINCE = Version("0.5.6")  # /pause_generation takes {"mode": "abort" 
 ABORT_IN_WAITING_VERSION_SINCE = Version("0.5.9")  # a request aborted while waiting reports weight_version
 WEIGHT_VERSION_SPANS_SINCE = Version("0.5.19")  # meta_info weight_versions spans; /server_info's is the launch value
 WEIGHT_UPDATE_SESSIONS_SINCE = Version("0.5.21")  # /begin_weight_update and /end_weight_update, required
+# init_weights_update_group keeps {group_name: group} on every TP worker (0.5.6 and 0.5.23 read; earlier
+# releases were not read), and each group broadcasts from its rank 0: one group per trainer sender
+NAMED_WEIGHT_GROUPS_SINCE = Version("0.5.6")
 GENERATE_SCHEMA_400_SINCE = Version("0.5.22")  # unknown sampling keys: a schema 400 (a 500 TypeError before)
 REFUSES_FLUSH_WITH_RUNNING_SINCE = Version("0.5.22")  # a flush with requests holding KV fails the call
 CHECKS_BUCKET_ALIGNMENT_SINCE = Version("0.5.23")  # a misaligned flattened bucket is refused up front
@@ -78,6 +81,12 @@ def server_info_reports_launch_version(version: Version) -> bool:
 def needs_weight_update_sessions(version: Version) -> bool:
     """begin_weight_update / end_weight_update exist, and distributed and tensor updates need an open session."""
     return version >= WEIGHT_UPDATE_SESSIONS_SINCE
+
+
+def keeps_weight_groups_by_name(version: Version) -> bool:
+    """A server holds several weight-update groups at once, by name: several trainer senders, each the
+    rank 0 of its own group (``weights.senders``)."""
+    return version >= NAMED_WEIGHT_GROUPS_SINCE
 
 
 def refuses_unknown_sampling_keys_with_400(version: Version) -> bool:

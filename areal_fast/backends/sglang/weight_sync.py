@@ -1,7 +1,8 @@
 """SGLang's weight-update calls: the transports from (FSDP2) trainer ranks to SGLang servers (and the
 embedded engine), behind the interface of ``areal_fast.weights.sync``.
 
-Usage on every trainer rank (collective calls; only trainer rank 0 talks HTTP)::
+Usage on every trainer rank (collective calls; trainer rank 0 reads the servers' facts and runs their
+sessions; with many senders, ``backends/sglang/senders.py``, each sending rank posts its own buckets)::
 
     sync = DistributedWeightSync(["http://127.0.0.1:30000"], WeightSyncConfig(dtype="bfloat16"))
     sync.connect()                        # once: group rendezvous with all servers
@@ -48,17 +49,22 @@ import torch.distributed as dist
 from packaging.version import InvalidVersion, Version
 
 from areal_fast.backends.sglang.compat import needs_weight_update_sessions
+from areal_fast.backends.sglang.senders import ManySenders, takes_many_senders
 from areal_fast.netutil import url_host
 from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.delta import DeltaEncoder, wants_delta
 from areal_fast.weights.errors import WeightSyncError
 from areal_fast.weights.experts import to_checkpoint_layout
+from areal_fast.weights.fp8 import bucket_encoder, wire_view
 from areal_fast.weights.gather import Bucket, BucketGatherer, Sources
 from areal_fast.weights.group import HostedStore, ServerFacts, choose_backend, host_weight_group, rendezvous
+from areal_fast.weights.senders import (
+    ShardShadow,
+)
 from areal_fast.weights.sync import BROADCAST_GRACE_S, POLL_S, WeightSync, send_gathered, write_safetensors
 
 __all__ = ["SGLangWeightSync", "DistributedWeightSync", "DiskWeightSync", "uses_sessions", "bucket_request",
-           "check_unpadded"]
+           "check_unpadded", "takes_many_senders"]
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +175,7 @@ class _NothingSent:
 _NOTHING_SENT = _NothingSent()
 
 
-class DistributedWeightSync(SGLangWeightSync):
+class DistributedWeightSync(ManySenders, SGLangWeightSync):
     """SGLang's distributed update protocol (see the module docstring)."""
 
     def __init__(self, servers, config: WeightSyncConfig | None = None, group=None,
@@ -182,12 +188,22 @@ class DistributedWeightSync(SGLangWeightSync):
         self.group_tp: dict[str, int] = {}  # tp size of each server when the group was made
         self.n_inits = 0
         self._store: HostedStore | None = None
-        self._gatherer = BucketGatherer(self.config.bucket_bytes, group, device)
+        self._gatherer = BucketGatherer(self.config.bucket_bytes, group, device, encode=bucket_encoder(self.config))
         self._broken: str | None = None
         self._stale_facts = True
         # delta updates (weights/delta.py): the shadow of what the servers hold, rank 0 only
         self.delta = (DeltaEncoder(self.config.delta_full_every, self.config.delta_max_changed)
                       if self.config.delta != "off" else None)
+        # many senders (weights.senders): the sending ranks, this rank's group with each server, the
+        # wire tensors (made once per transport, i.e. per membership) and this rank's delta shadow
+        self.senders: list[int] | None = None
+        self._pairs: dict[str, tuple] = {}
+        self._groups_made = False
+        self._wires = None
+        self._wire_key = None
+        self._shadow = (ShardShadow(self.config.delta_full_every, self.config.delta_max_changed)
+                        if self.config.delta != "off" else None)
+        self.stats: dict = {}  # what the last update moved on this rank (bytes to servers, exchange, gather)
 
     def mark_broken(self, reason: str) -> None:
         self._broken = reason[:300]
@@ -227,7 +243,37 @@ class DistributedWeightSync(SGLangWeightSync):
 
     def _send(self, prepared: tuple[Sources, list[torch.dtype]], version: str) -> None:
         src, dtypes = prepared
+        if self.senders is None:
+            self.senders = self._choose_senders()
+        if len(self.senders) > 1:
+            self._send_many(src, dtypes, version)
+            return
+        self.stats = {"senders": 1, "bytes_to_servers": 0, "bucket_calls": 0, "gather_received": 0,
+                      "exchange_sent": 0, "exchange_received": 0}
+        if self.rank == 0 and src.n_ranks > 1:
+            plan = self._gatherer.plan(src, dtypes)
+            self.stats["gather_received"] = int(plan.seg_bytes.sum()) * (src.n_ranks - 1)
+        elif src.n_ranks > 1:
+            self.stats["gather_sent"] = int(self._gatherer.plan(src, dtypes).seg_bytes.sum())
         send_gathered(self, src, dtypes, "weight update group", lambda begin: self._push(src, dtypes, version, begin))
+        if self.rank == 0 and self.delta is not None:
+            self.stats["mode"] = self.delta.stats.mode
+            self.stats["shadow_bytes"] = sum(t.numel() * t.element_size() for t in self.delta.shadow.values())
+
+    def _send_pair(self, url: str, bucket: Bucket, version: str) -> _PendingSend:
+        """One bucket to one server over this sender's group with it."""
+        cfg = self.config
+        body = bucket_request(bucket, version, cfg)
+        body["group_name"] = self._group_name(url)
+        what = (f"bucket {bucket.index} of sender {self.rank} ({len(bucket.names)} tensors, {bucket.names[0]} .. "
+                f"{bucket.names[-1]})")
+        fut = self.http.submit(url, "/update_weights_from_distributed", body, what=what)
+        pg = self._pairs[url][0]
+        if cfg.load_format == "flattened_bucket":
+            works = [dist.broadcast(bucket.data, src=0, group=pg, async_op=True)]
+        else:
+            works = [dist.broadcast(bucket.tensor(i), src=0, group=pg, async_op=True) for i in range(len(bucket.names))]
+        return _PendingSend(self, [(url, fut)], works, what)
 
     def _push(self, src: Sources, dtypes: list[torch.dtype], version: str, begin: Callable[[], None]) -> None:
         """Rank 0's update (inside :func:`send_gathered`)."""
@@ -270,14 +316,24 @@ class DistributedWeightSync(SGLangWeightSync):
         body = bucket_request(bucket, version, cfg)
         what = f"bucket {bucket.index} ({len(bucket.names)} tensors, {bucket.names[0]} .. {bucket.names[-1]})"
         futs = [(u, self.http.submit(u, "/update_weights_from_distributed", body, what=what)) for u in self.urls]
+        self.stats["bytes_to_servers"] = self.stats.get("bytes_to_servers", 0) + int(bucket.data.numel())
+        self.stats["bucket_calls"] = self.stats.get("bucket_calls", 0) + len(self.urls)
         if cfg.load_format == "flattened_bucket":
             works = [dist.broadcast(bucket.data, src=0, group=self.pg, async_op=True)]
         else:
-            works = [dist.broadcast(bucket.tensor(i), src=0, group=self.pg, async_op=True)
+            works = [dist.broadcast(wire_view(bucket.tensor(i)), src=0, group=self.pg, async_op=True)
                      for i in range(len(bucket.names))]
         return _PendingSend(self, futs, works, what)
 
     def close(self) -> None:
+        for u, (pg, store) in list(self._pairs.items()):
+            try:
+                self.http.call(u, "/destroy_weights_update_group", {"group_name": self._group_name(u)})
+            except WeightSyncError as e:
+                log.info("destroying weight update group %s on %s: %s", self._group_name(u), u, e)
+            dist.destroy_process_group(pg)
+            store.close()
+        self._pairs = {}
         if self.pg is not None:
             try:
                 self.http.all(self.urls, "/destroy_weights_update_group", {"group_name": self.config.group_name})
@@ -304,7 +360,7 @@ class DiskWeightSync(SGLangWeightSync):
         self.config_dir = config_dir
         self.keep = keep
         self.last_path: str | None = None
-        self._gatherer = BucketGatherer(self.config.bucket_bytes, group)
+        self._gatherer = BucketGatherer(self.config.bucket_bytes, group, encode=bucket_encoder(self.config))
 
     def _send(self, prepared: tuple[Sources, list[torch.dtype]], version: str) -> None:
         src, dtypes = prepared

@@ -47,6 +47,17 @@ TRANSFER_SHUTDOWN_SINCE = Version("0.32.0")  # POST /shutdown_weight_transfer_en
 MODEL_ALIASES_SINCE = Version("0.32.0")  # a completion naming an unknown model: the 404 lists the served names
 # ("Valid aliases: ..."; read in 0.32.0 and 0.33.0, not in 0.27.0)
 IS_PAUSED_MISSES_KEEP = (Version("0.16.0"), Version("0.17.0"))  # 0.16.x: /is_paused says false in a keep pause
+SPARSE_TRANSFER_SINCE = Version("0.32.0")  # --weight-transfer-config {"backend": "sparse_nccl"} takes patches in
+# checkpoint coordinates (checkpoint names, full shapes, int32 flat indices, applied through the model's own loader
+# with NaN marking unchanged elements: model_loader/checkpoint_weight_patch.py); read in 0.32.0 and 0.33.0 (the
+# same receive code). 0.27.0's sparse_nccl patches the runtime parameters by their runtime names, tp 1 only: a
+# different wire, not used; 0.28-0.31 were not read
+M2N_TRANSFER_SINCE = Version("0.33.0")  # backend "nccl_m2n": every trainer rank sends its own shard (trainer ranks
+# [0, T), workers after them, one nccl.m2n.reshard per parameter); needs NVIDIA's nccl.m2n runtime on both sides
+# and the trainer's DTensor placements; not in 0.32.0 or earlier read releases. Not used (docs/vllm.md says why)
+TRANSFER_BACKENDS = ("nccl", "sparse_nccl")
+"""The weight-transfer backends (``--weight-transfer-config {"backend": ...}``, fixed at launch) our sender
+speaks: the dense broadcast (every tensor whole) and the sparse one (deltas)."""
 
 VLLM_PAUSE_MODES = ("abort", "wait", "keep")
 """vLLM's pause modes: abort in-flight requests, wait for them to finish, or keep them frozen with
@@ -165,6 +176,18 @@ class VLLMBehaviour:
         return self.version >= RELOAD_FROM_PATH_SINCE
 
     @property
+    def has_sparse_transfer(self) -> bool:
+        """The ``sparse_nccl`` backend takes checkpoint-coordinate patches (names, full shapes, flat
+        indices): what a delta update sends (``backends/vllm/sparse.py``)."""
+        return self.version >= SPARSE_TRANSFER_SINCE
+
+    @property
+    def has_m2n_transfer(self) -> bool:
+        """The ``nccl_m2n`` backend (several trainer senders, each its own shard) exists; it needs
+        NVIDIA's ``nccl.m2n`` runtime, which our sender does not use (docs/vllm.md)."""
+        return self.version >= M2N_TRANSFER_SINCE
+
+    @property
     def weight_update_sessions(self) -> bool:
         """/update_weights must sit between /start_weight_update and /finish_weight_update."""
         return self.version >= WEIGHT_UPDATE_SESSIONS_SINCE
@@ -180,6 +203,21 @@ class VLLMBehaviour:
         """/v1/completions takes ``return_weight_versions``: each choice carries ``weight_versions``
         spans ({version, start, end}) labelling every output token, across kept pauses."""
         return self.version >= TOKEN_WEIGHT_VERSIONS_SINCE
+
+
+def check_twin_transfer_backend(backend: str, behaviour: VLLMBehaviour | None) -> str:
+    """``backend`` of the embedded twin's ``--weight-transfer-config`` (``behaviour``: the twin's release,
+    None when it serves SGLang's API), or ValueError naming the flag."""
+    if behaviour is None:
+        if backend != "nccl":
+            raise ValueError(f"--weight-transfer-config backend {backend!r}: a vLLM flag, served with --api vllm only")
+        return backend
+    if backend not in TRANSFER_BACKENDS:
+        raise ValueError(f"--weight-transfer-config backend {backend!r}: the twin speaks {TRANSFER_BACKENDS}")
+    if backend == "sparse_nccl" and not behaviour.has_sparse_transfer:
+        raise ValueError(f"--weight-transfer-config backend 'sparse_nccl': vLLM {behaviour.version} takes no "
+                         f"checkpoint-coordinate patches (from {SPARSE_TRANSFER_SINCE})")
+    return backend
 
 
 # our rollout.pause_mode -> vLLM's /pause mode

@@ -165,6 +165,22 @@ def update_transfer_body(names: Sequence[str], dtype_names: Sequence[str], shape
                             "shapes": [list(s) for s in shapes]}}
 
 
+def sparse_update_body(names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]],
+                       num_updates: Sequence[int]) -> dict:
+    """``POST /update_weights`` for the ``sparse_nccl`` backend (0.32.0 on): per patch its checkpoint
+    name, values' dtype, the tensor's full checkpoint shape and how many (index, value) pairs follow;
+    the worker then receives, per patch in this order, the int32 indices and the values."""
+    if not len(names) == len(dtype_names) == len(shapes) == len(num_updates):
+        raise ValueError(f"update_weights: {len(names)} names, {len(dtype_names)} dtypes, {len(shapes)} shapes, "
+                         f"{len(num_updates)} counts")
+    if not names:
+        raise ValueError("update_weights: a sparse update of no patch (vLLM refuses an empty num_updates_list)")
+    if any(int(n) < 0 for n in num_updates):
+        raise ValueError(f"update_weights: negative patch sizes in {list(num_updates)[:8]}")
+    return {"update_info": {"names": list(names), "dtype_names": list(dtype_names),
+                            "shapes": [list(s) for s in shapes], "num_updates_list": [int(n) for n in num_updates]}}
+
+
 def finish_transfer_body(weight_version: str | None, behaviour: VLLMBehaviour) -> dict | None:
     """``POST /finish_weight_update`` (0.21.0 on): the new label where the release takes one."""
     if weight_version is None or not behaviour.labels_weight_version:

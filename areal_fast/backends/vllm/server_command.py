@@ -5,7 +5,8 @@ SGLang's and the embedded engine's builder), from vLLM's own CLI flags (``docs/v
         --tensor-parallel-size T --served-model-name default [--config KEYFILE.yaml]
         --logprobs-mode processed_logprobs --generation-config vllm --scheduling-policy priority
         [--dtype D] [--seed S] [--max-num-seqs M] [--load-format F]
-        [--weight-transfer-config '{"backend": "nccl"}']      (0.16.0 on, for weights.method distributed)
+        [--weight-transfer-config '{"backend": "nccl"}']      (0.16.0 on, for weights.method distributed;
+                                                               "sparse_nccl" for delta updates, 0.32.0 on)
         [--no-enable-prefix-caching]                          (runs that pause in place)
         [extra args] --middleware areal_fast_vllm_keyguard.KeyGuard
     env: VLLM_SERVER_DEV_MODE=1   (mounts /pause, /resume, /abort_requests, /collective_rpc and the
@@ -56,7 +57,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from areal_fast.backends.vllm.compat import DEV_MODE_ENV, SCHEDULING_POLICIES, VLLMBehaviour, vllm_pause_mode
+from areal_fast.backends.vllm.compat import (
+    DEV_MODE_ENV,
+    SCHEDULING_POLICIES,
+    SPARSE_TRANSFER_SINCE,
+    TRANSFER_BACKENDS,
+    VLLMBehaviour,
+    vllm_pause_mode,
+)
 from areal_fast.backends.vllm.requests import DEFAULT_MODEL
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -94,12 +102,15 @@ def gpus_of(tp_size: int, args: Sequence[str]) -> int:
 def vllm_server_command(model_path: str, host: str, port: int, *, version: str, tp_size: int = 1,
                         api_key_file: str | os.PathLike | None = None, dtype: str | None = None,
                         seed: int | None = None, max_num_seqs: int | None = None,
-                        load_format: str | None = None, weight_transfer: bool = False, prefix_caching: bool = True,
+                        load_format: str | None = None, weight_transfer: bool | str = False,
+                        prefix_caching: bool = True,
                         scheduling_policy: str = "priority", extra_args: Sequence[str] = (),
                         python: str = sys.executable) -> list[str]:
     """The command of one vLLM ``version`` server. ``weight_transfer`` turns on the NCCL weight-transfer
-    engine (refused, naming the version, before 0.16.0); ``prefix_caching`` False turns vLLM's prefix
-    cache off (a run that pauses in place: :func:`prefix_caching_for`); ``scheduling_policy``: the
+    engine (refused, naming the version, before 0.16.0): True or 'nccl' the dense one, 'sparse_nccl' the
+    sparse one delta updates need (0.32.0 on); a ``--weight-transfer-config`` in ``extra_args`` wins;
+    ``prefix_caching`` False turns vLLM's prefix cache off (a run that pauses in place:
+    :func:`prefix_caching_for`); ``scheduling_policy``: the
     launcher's ``priority`` (see the module docstring), or ``fcfs``, vLLM's default, for a measurement
     of what a server started without it does. The key file, never the key, is on the line; the key
     guard's ``--middleware`` ends it (see the module docstring)."""
@@ -137,10 +148,20 @@ def vllm_server_command(model_path: str, host: str, port: int, *, version: str, 
                         ("--load-format", load_format)):
         if value is not None:
             cmd += [flag, str(value)]
-    if weight_transfer:
-        if not b.has_weight_transfer:
-            raise ValueError(f"vllm_server_command: vLLM {b.version} has no weight transfer (from 0.16.0)")
-        cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    backend = "nccl" if weight_transfer is True else weight_transfer or None
+    if backend is not None and backend not in TRANSFER_BACKENDS:
+        raise ValueError(f"vllm_server_command: weight_transfer must be a bool or one of {TRANSFER_BACKENDS}, "
+                         f"got {weight_transfer!r}")
+    if backend is not None and not b.has_weight_transfer:
+        raise ValueError(f"vllm_server_command: vLLM {b.version} has no weight transfer (from 0.16.0)")
+    if backend == "sparse_nccl" and not b.has_sparse_transfer:
+        raise ValueError(f"vllm_server_command: vLLM {b.version}'s sparse_nccl takes no checkpoint-coordinate "
+                         f"patches (from {SPARSE_TRANSFER_SINCE}); keep 'nccl' (whole updates)")
+    # a --weight-transfer-config among the extra arguments (rollout.server_args: e.g. sparse_nccl, for delta
+    # updates) is the run's choice: ours is not added beside it
+    if backend is not None and not any(a == "--weight-transfer-config" or a.startswith("--weight-transfer-config=")
+                                       for a in extra_args):
+        cmd += ["--weight-transfer-config", json.dumps({"backend": backend})]
     if not prefix_caching and "--no-enable-prefix-caching" not in extra_args:
         cmd.append("--no-enable-prefix-caching")
     return cmd + list(extra_args) + ["--middleware", KEYGUARD]

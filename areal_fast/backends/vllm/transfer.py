@@ -26,6 +26,16 @@ wire is vLLM's by construction); CPU tensors go over gloo, which only the embedd
 twin speaks (``embedded/vllm_routes.py``: same endpoints, same bodies, same ranks, the
 store prefixed with the twin's group name). Anything else is refused before the servers are asked.
 
+Delta updates (``weights.delta``) go to servers launched with ``--weight-transfer-config
+'{"backend": "sparse_nccl"}'`` (0.32.0 on; ``backends/vllm/sparse.py`` has the wire): the backend is
+fixed when a server starts and read from its ``/server_info`` (``vllm_config.weight_transfer_config``).
+Such a server takes nothing but patches, so every update is sent as patches: the delta encoder's
+(``weights/delta.py``) changes, and its whole tensors (every ``delta_full_every``-th update, the first,
+the one after a failure) as patches of every element. One ``/update_weights`` per bucket, answered
+before the next is posted (the counts of a bucket are known only once it is encoded). The servers of one
+sync share the broadcasts, so they must all run the same backend; ``weights.delta: off`` to a sparse
+server, ``on`` to a dense one, are refused before the rendezvous, naming the server.
+
 Gathering FSDP2 shards into buckets is the broadcast transport's (``weights.gather``): every
 trainer rank runs :meth:`VLLMTransferWeightSync.update`; only rank 0 talks to the servers.
 """
@@ -40,22 +50,25 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from areal_fast.backends.vllm.compat import TWIN_TRANSFER_GROUP, VLLMBehaviour
+from areal_fast.backends.vllm.compat import SPARSE_TRANSFER_SINCE, TWIN_TRANSFER_GROUP, VLLMBehaviour
 from areal_fast.backends.vllm.requests import (
     finish_transfer_body,
     init_transfer_body,
     update_transfer_body,
     weight_version_body,
 )
+from areal_fast.backends.vllm.sparse import _Arange, bucket_patches, patch_bytes, patches_body
 from areal_fast.netutil import url_host
 from areal_fast.weights.config import WeightSyncConfig
+from areal_fast.weights.delta import DeltaEncoder
 from areal_fast.weights.errors import WeightSyncError
 from areal_fast.weights.experts import split_entries, to_checkpoint_layout
+from areal_fast.weights.fp8 import bucket_encoder, transfer_wire, wire_view
 from areal_fast.weights.gather import Bucket, BucketGatherer, Sources
 from areal_fast.weights.group import HostedStore, host_weight_group, rendezvous
 from areal_fast.weights.sync import POLL_S, WeightSync, send_gathered
 
-__all__ = ["VLLMTransferWeightSync", "VLLMServer", "read_vllm_server", "transfer_order"]
+__all__ = ["VLLMTransferWeightSync", "VLLMServer", "choose_wire", "read_vllm_server", "transfer_order"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +83,7 @@ class VLLMServer:
     n_ranks: int
     twin: bool
     device: str
+    transfer_backend: str = "nccl"  # --weight-transfer-config's backend: 'nccl' (whole) or 'sparse_nccl' (patches)
 
 
 def _ranks_of(url: str, info: dict) -> int:
@@ -100,8 +114,38 @@ def read_vllm_server(http, url: str) -> VLLMServer:
         raise WeightSyncError(f"{url}: vLLM {b.version} has no weight-transfer endpoints (from 0.16.0); "
                               f"use weights.method 'disk'")
     info = http.call(url, "/server_info?config_format=json", method="GET")
-    device = str(((info.get("vllm_config") or {}).get("device_config") or {}).get("device") or "cuda")
-    return VLLMServer(url, b, _ranks_of(url, info), info.get("areal_fast_engine") == "embedded", device)
+    cfg = info.get("vllm_config") or {}
+    device = str((cfg.get("device_config") or {}).get("device") or "cuda")
+    backend = str((cfg.get("weight_transfer_config") or {}).get("backend") or "nccl")
+    return VLLMServer(url, b, _ranks_of(url, info), info.get("areal_fast_engine") == "embedded", device, backend)
+
+
+def choose_wire(servers: list[VLLMServer], delta: str) -> str:
+    """'nccl' (every tensor whole, one broadcast each) or 'sparse_nccl' (patches) for these servers and
+    ``weights.delta``; WeightSyncError naming the server where they cannot be served together."""
+    backends = {s.transfer_backend for s in servers}
+    odd = [f"{s.url} ({s.transfer_backend})" for s in servers if s.transfer_backend not in ("nccl", "sparse_nccl")]
+    if odd:
+        raise WeightSyncError(f"servers {odd} run a weight-transfer backend our sender does not speak; launch them "
+                              f"with --weight-transfer-config '{{\"backend\": \"nccl\"}}' (or sparse_nccl)")
+    if len(backends) > 1:
+        raise WeightSyncError(f"servers run different weight-transfer backends "
+                              f"({sorted(f'{s.url}: {s.transfer_backend}' for s in servers)}); one broadcast feeds "
+                              f"them all: launch them alike")
+    if backends == {"sparse_nccl"}:
+        old = [f"{s.url} ({s.behaviour.version})" for s in servers if not s.behaviour.has_sparse_transfer]
+        if old:
+            raise WeightSyncError(f"servers {old} run sparse_nccl from before {SPARSE_TRANSFER_SINCE}, which patches "
+                                  f"runtime parameters by runtime name (tp 1): not our wire; launch them with nccl")
+        if delta == "off":
+            raise WeightSyncError(f"weights.delta 'off', but {[s.url for s in servers]} run sparse_nccl, which takes "
+                                  f"patches only: set weights.delta 'auto' or launch them with backend nccl")
+        return "sparse_nccl"
+    if delta == "on":
+        raise WeightSyncError(f"weights.delta 'on' to vLLM servers {[s.url for s in servers]} launched with backend "
+                              f"nccl (whole tensors only): launch them with --weight-transfer-config "
+                              f"'{{\"backend\": \"sparse_nccl\"}}' (vLLM {SPARSE_TRANSFER_SINCE} on), or set 'auto'")
+    return "nccl"
 
 
 def transfer_order(gatherer: BucketGatherer, src: Sources, dtypes: list[torch.dtype]) -> list[int]:
@@ -131,7 +175,7 @@ class _GlooChannel:
         self.pg = host_weight_group("gloo", store, world_size, TWIN_TRANSFER_GROUP, timeout_s)
 
     def broadcast(self, t: torch.Tensor):
-        return dist.broadcast(t, src=0, group=self.pg, async_op=True)
+        return dist.broadcast(wire_view(t), src=0, group=self.pg, async_op=True)
 
     def close(self) -> None:
         dist.destroy_process_group(self.pg)
@@ -209,8 +253,11 @@ class _PendingBucket:
     """One bucket's broadcasts; a server whose /update_weights already failed will not receive the
     rest, so waiting for it would hang: that failure is raised (and the group marked unusable)."""
 
-    def __init__(self, owner: VLLMTransferWeightSync, works: list, calls: list[tuple[str, Future]], what: str):
+    def __init__(self, owner: VLLMTransferWeightSync, works: list, calls: list[tuple[str, Future]], what: str,
+                 answered: bool = False, keep=None):
         self.owner, self.works, self.calls, self.what = owner, works, calls, what
+        self.answered = answered  # also wait for the calls' answers (a sparse bucket's own /update_weights)
+        self.keep = keep  # tensors the broadcasts read, alive until they are done
 
     def wait(self) -> None:
         timeout_s = self.owner.config.timeout_s
@@ -226,6 +273,15 @@ class _PendingBucket:
             time.sleep(POLL_S)
         for w in self.works:
             w.wait()
+        if self.answered:
+            for _u, f in self.calls:
+                f.result(timeout=timeout_s)
+        self.keep = None
+
+
+class _Nothing:
+    def wait(self) -> None:
+        pass
 
 
 class VLLMTransferWeightSync(WeightSync):
@@ -243,8 +299,14 @@ class VLLMTransferWeightSync(WeightSync):
         self.n_inits = 0
         self._channel = None
         self._store: HostedStore | None = None
-        self._gatherer = BucketGatherer(self.config.bucket_bytes, group, device)
+        self._gatherer = BucketGatherer(self.config.bucket_bytes, group, device, encode=bucket_encoder(self.config))
         self._broken: str | None = None
+        self.wire = "nccl"  # or 'sparse_nccl' (choose_wire), set at connect
+        # delta updates (weights/delta.py) to sparse_nccl servers: the shadow of what they hold, rank 0 only
+        self.delta = (DeltaEncoder(self.config.delta_full_every, self.config.delta_max_changed)
+                      if self.config.delta != "off" else None)
+        self._arange = _Arange()
+        self.wire_bytes = 0  # what the last update put on the wire (rank 0)
 
     def mark_broken(self, reason: str) -> None:
         self._broken = reason[:300]
@@ -260,6 +322,10 @@ class VLLMTransferWeightSync(WeightSync):
             return
         cfg = self.config
         self.servers = {u: read_vllm_server(self.http, u) for u in self.urls}
+        self.wire = choose_wire(list(self.servers.values()), cfg.delta)
+        if self.wire == "sparse_nccl" and self._gatherer.encode is not None:
+            raise WeightSyncError(f"servers {self.urls} run sparse_nccl (delta patches of the sent values), and the "
+                                  f"sync sends quantised buckets: launch them with backend nccl for quantised updates")
         self.backend = choose_transfer_backend(self._tensor_device(src), list(self.servers.values()))
         self.world_size = 1 + sum(s.n_ranks for s in self.servers.values())
         store = HostedStore(cfg.resolved_master_addr, cfg.master_port, self.world_size, cfg.timeout_s)
@@ -273,6 +339,8 @@ class VLLMTransferWeightSync(WeightSync):
                                    cfg.timeout_s, "vLLM weight-transfer group")
         self._store = store
         self.n_inits += 1
+        if self.delta is not None:
+            self.delta.invalidate()  # a new group: what the servers hold is not known to be the shadow
 
     def _send(self, prepared: tuple[Sources, list[torch.dtype]], version: str) -> None:
         src, dtypes = prepared
@@ -282,12 +350,17 @@ class VLLMTransferWeightSync(WeightSync):
     def _push(self, src: Sources, dtypes: list[torch.dtype], version: str, begin) -> None:
         """Rank 0's update (inside :func:`~areal_fast.weights.sync.send_gathered`)."""
         self.connect(src)
+        self.wire_bytes = 0
+        if self.wire == "sparse_nccl":
+            return self._push_patches(src, dtypes, version, begin)
         order = transfer_order(self._gatherer, src, dtypes)
         # MoE: the fused expert tensors go as the checkpoint's per-expert tensors (weights/experts.py),
         # in the same order as _broadcast sends them
         wire = [(name, shape, t) for t in order for name, shape, _ in split_entries(src.names[t], src.shapes[t])]
         body = update_transfer_body([n for n, _, _ in wire], [str(dtypes[t]).removeprefix("torch.") for *_, t in wire],
                                     [list(shape) for _, shape, _ in wire])
+        if self._gatherer.encode is not None:  # FP8: the quantised layout, in the order the encoded buckets send it
+            body = update_transfer_body(*transfer_wire(self._gatherer.plan(src, dtypes), src, dtypes))
         with self._update_session(version):
             begin()
             calls = [(u, self.http.submit(u, "/update_weights", body, what=f"{len(order)} tensors"))
@@ -296,8 +369,40 @@ class VLLMTransferWeightSync(WeightSync):
             for _u, f in calls:
                 f.result(timeout=self.config.timeout_s)
 
+    def _push_patches(self, src: Sources, dtypes: list[torch.dtype], version: str, begin) -> None:
+        """A sparse_nccl update: each bucket encoded against the shadow, sent as patches (module docstring)."""
+        delta = self.delta
+        delta.begin()
+        ok = False
+        try:
+            with self._update_session(version):
+                begin()
+                self._gatherer.run(src, dtypes, lambda b: self._send_patches(b, delta))
+            ok = True
+        finally:
+            delta.done(ok)  # a failed update leaves the servers' weights unknown: the next one whole
+            self._arange = _Arange()  # the whole tensors' indices (4 bytes an element) live for one update
+
+    def _send_patches(self, bucket: Bucket, delta: DeltaEncoder):
+        bucket = delta.encode(to_checkpoint_layout(bucket))  # per-expert names, then only what changed
+        if bucket is None:
+            return _Nothing()
+        patches = bucket_patches(bucket, self._arange)
+        if not patches:
+            return _Nothing()
+        body = patches_body(patches)
+        what = f"bucket {bucket.index} ({len(patches)} patches, {patches[0].name} .. {patches[-1].name})"
+        calls = [(u, self.http.submit(u, "/update_weights", body, what=what)) for u in self.urls]
+        works = []
+        for p in patches:  # the order vLLM's worker receives in: per patch its indices, then its values
+            works.append(self._channel.broadcast(p.indices))
+            works.append(self._channel.broadcast(p.values))
+        self.wire_bytes += patch_bytes(patches)
+        return _PendingBucket(self, works, calls, what, answered=True, keep=patches)
+
     def _broadcast(self, bucket: Bucket, calls: list[tuple[str, Future]]) -> _PendingBucket:
         bucket = to_checkpoint_layout(bucket)
+        self.wire_bytes += int(bucket.data.numel())
         works = [self._channel.broadcast(bucket.tensor(i)) for i in range(len(bucket.names))]
         what = f"bucket {bucket.index} ({bucket.names[0]} .. {bucket.names[-1]})"
         return _PendingBucket(self, works, calls, what)
