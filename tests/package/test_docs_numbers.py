@@ -1264,12 +1264,15 @@ class Figure:
     after: str = ""  # where the same text stands twice: only its first occurrence after this text is checked
 
 
-def trainer_step_ab() -> tuple[str, ...]:
-    """The A/B pairs of tools/profile_step.py: the reference paths' and the new paths' median step, lowest-highest."""
-    ab = [r for r in rows("trainer_step.jsonl") if r["note"] == "tiny recipe step, A/B"]
-    ref = [r["step_s_median"] for r in ab if r["variant"] == "reference"]
-    fast = [r["step_s_median"] for r in ab if r["variant"] == "fast"]
-    return tuple(f"{x:.2f}" for x in (min(ref), max(ref), min(fast), max(fast)))
+def trainer_step_ab(note: str = "tiny recipe step, A/B", digits: int = 2) -> Callable[[], tuple[str, ...]]:
+    """The A/B pairs of tools/profile_step.py noted ``note``: the reference paths' and the new paths'
+    median step, lowest-highest."""
+    def figures():
+        ab = [r for r in rows("trainer_step.jsonl") if r["note"] == note]
+        ref = [r["step_s_median"] for r in ab if r["variant"] == "reference"]
+        fast = [r["step_s_median"] for r in ab if r["variant"] == "fast"]
+        return tuple(f"{x:.{digits}f}" for x in (min(ref), max(ref), min(fast), max(fast)))
+    return figures
 
 
 def vs_trl_run() -> list[dict]:
@@ -1287,6 +1290,14 @@ def vs_trl_arm(arm: str) -> Callable[[], tuple[str, ...]]:
         return (str(len(got)), f"{sum(r['rl_s'] for r in got) / len(got):.1f}",
                 f"{sum(hit) / len(hit):.1f}" if hit else "-", str(len(hit)),
                 f"{sum(r['eval_last'] for r in got) / len(got):.3f}")
+    return figures
+
+
+def vs_trl_seed(seed: int) -> Callable[[], tuple[str, ...]]:
+    """One seed's RL wall time and time to the target: asynchronous, synchronous, TRL."""
+    def figures():
+        got = {r["arm"]: r for r in vs_trl_run() if r["seed"] == seed}
+        return tuple(f"{got[a][k]:.1f}" for k in ("rl_s", "time_to_target_s") for a in ("async", "sync", "trl"))
     return figures
 
 
@@ -1310,10 +1321,14 @@ FIGURES = [
     Figure("docs/benchmarks.md", "| TRL GRPOTrainer | {} | {} s | {} s | {} | {} |", "vs_trl.jsonl",
            vs_trl_arm("trl")),
     Figure("docs/benchmarks.md", "one-minute load average between {} and {} on", "vs_trl.jsonl", vs_trl_load),
+    Figure("docs/benchmarks.md", "seed 3, the quietest: RL wall time {} s asynchronous, {} s synchronous, {} s TRL; "
+           "exact match 0.8 after {} s, {} s and {} s", "vs_trl.jsonl", vs_trl_seed(3)),
     Figure("docs/benchmarks.md", "a step spent {} s training, {} s in the weight update and {} s waiting",
            "vs_trl.jsonl", vs_trl_split),
     Figure("docs/benchmarks.md", "the median trainer step went from {}-{} s to {}-{} s", "trainer_step.jsonl",
-           trainer_step_ab),
+           trainer_step_ab()),
+    Figure("docs/benchmarks.md", "on the quieter machine (load average about 1) from {}-{} s to {}-{} s",
+           "trainer_step.jsonl", trainer_step_ab("tiny recipe step, A/B, quieter", 3)),
     Figure("README.md", "async vs sync on the tiny task {}x", "e2e.jsonl", e2e_speedup),
     Figure("README.md", "at the paper's scale async/sync is {}-{}x", "async_speedup_summary.jsonl",
            sim_paper_scale_range),
