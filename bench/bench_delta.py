@@ -141,43 +141,13 @@ def _digest(tensors) -> str:
 def _receiver_main(shapes, port_q, stop_ev):
     """A server (tp 1) that loads through the embedded engine's WeightReceiver: whole tensors and
     deltas, exactly as the engine does; says engine: areal_fast.embedded like the engine."""
-    import asyncio
+    from areal_fast.embedded.weight_sync import WeightReceiver
+    from tools.weight_receiver import receiver_handler, zero_model
 
-    from aiohttp import web
-
-    from areal_fast.embedded.weight_sync import TensorMeta, WeightReceiver, parse_dtype
-
-    model = torch.nn.Module()
-    for n, s in shapes.items():
-        mod = model
-        for part in n.split(".")[:-1]:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
-        mod.register_parameter(n.split(".")[-1], torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16),
-                                                                    requires_grad=False))
+    model = zero_model(shapes)
     recv = WeightReceiver(model, timeout_s=300)
-
-    async def handle(request):
-        body = await request.json() if request.method == "POST" else {}
-        p, loop = request.path, asyncio.get_running_loop()
-        if p in ("/server_info", "/get_server_info"):
-            return web.json_response({"tp_size": 1, "version": "0.5.20", "engine": "areal_fast.embedded"})
-        if p == "/init_weights_update_group":
-            await loop.run_in_executor(None, lambda: recv.init_group(
-                body["master_address"], body["master_port"], body["rank_offset"], body["world_size"],
-                body["group_name"], body["backend"]))
-        elif p == "/update_weights_from_distributed":
-            metas = [TensorMeta(n, parse_dtype(d), tuple(s)) for n, d, s in
-                     zip(body["names"], body["dtypes"], body["shapes"])]
-            named = await loop.run_in_executor(None, recv.receive, metas, body["group_name"], body["load_format"])
-            await loop.run_in_executor(None, recv.load, named)
-        elif p == "/digest":
-            return web.json_response({"digest": _digest(p for _n, p in model.named_parameters())})
-        elif p == "/destroy_weights_update_group":
-            recv.destroy_group(body["group_name"])
-        return web.json_response({"success": True, "message": ""})
-
+    handle = receiver_handler(recv, routes={
+        "/digest": lambda _body: {"digest": _digest(p for _n, p in model.named_parameters())}})
     serve_until_stopped(handle, port_q, stop_ev, client_max_size=1 << 26)
 
 

@@ -6,7 +6,10 @@ import asyncio
 import contextlib
 import inspect
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -151,6 +154,24 @@ def disk_update(urls: list[str], path: str, version: str, api_key: str | None = 
         req = urllib.request.Request(url + "/update_weights_from_disk", headers=headers, data=body)
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.loads(r.read())["success"] is True
+
+
+def run_ranks(script: str, n: int, *args, result=None, timeout_s: float = 480):
+    """Run ``script`` (a test file that is also its own torchrun worker) on ``n`` ranks of this machine with
+    ``args``, one OMP thread a rank; a failed run fails the test with its output's tails. ``--standalone``:
+    torchrun's own store binds a free port itself (a port picked here and bound later by the child can be
+    taken in between by any other process of the suite). Returns what the worker saved in ``result``
+    (``torch.save``d, read back whole), or None without one."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), script,
+           *map(str, args)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if result is None:
+        return None
+    import torch
+
+    return torch.load(result, weights_only=False)
 
 
 # ----------------------------------------------------------------------------- raw connections to our listeners

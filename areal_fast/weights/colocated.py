@@ -31,6 +31,7 @@ from areal_fast.weights.plan import (
     ROWS,
     SRC_IDX,
     TPShardPlan,
+    consecutive_buckets,
     dtype_code,
     plan_tp_shard,
 )
@@ -110,17 +111,7 @@ def source_buckets(nbytes: list[int], bucket_bytes: int | None) -> list[list[int
     None: one group of all."""
     if bucket_bytes is None:
         return [list(range(len(nbytes)))] if nbytes else []
-    out: list[list[int]] = []
-    cur, size = [], 0
-    for i, n in enumerate(nbytes):
-        if cur and size + n > bucket_bytes:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += n
-    if cur:
-        out.append(cur)
-    return out
+    return consecutive_buckets(nbytes, bucket_bytes)
 
 
 def build_tp_shard_streamed(sources: dict[str, torch.Tensor], spec: ModelSpec, tp: int, tp_rank: int,

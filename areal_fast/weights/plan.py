@@ -92,6 +92,18 @@ def assign_buckets_ref(nbytes, align, bucket_bytes: int):
     return (np.array(bucket, np.int64), np.array(offset, np.int64), np.array(sizes, np.int64))
 
 
+def consecutive_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """The indices of ``nbytes`` in order, grouped as :func:`assign_buckets` packs them without alignment:
+    consecutive items of at most ``bucket_bytes`` together, a larger one alone."""
+    if not len(nbytes):
+        return []
+    bucket = assign_buckets(nbytes, np.ones(len(nbytes), np.int64), bucket_bytes)[0].tolist()
+    out: list[list[int]] = [[] for _ in range(bucket[-1] + 1)]
+    for i, b in enumerate(bucket):
+        out[b].append(i)
+    return out
+
+
 def _emit(out: list, src_idx, src_off, src_ld, dst_idx, dst_off, dst_ld, length, rows, sdt, ddt):
     """Reference twin of emit() in planner.cpp (same coalescing rule)."""
     if length <= 0 or rows <= 0:

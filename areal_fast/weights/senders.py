@@ -41,7 +41,18 @@ from areal_fast.weights.delta_codec import MAX_WORDS, WORD_DTYPES, delta_apply, 
 from areal_fast.weights.delta_wire import DELTA_VAL, delta_name
 from areal_fast.weights.experts import split_entries as expert_entries
 from areal_fast.weights.gather import Bucket, Sources
-from areal_fast.weights.plan import BLOCK_COLS, DST_IDX, DST_OFF, LEN, ROWS, SRC_OFF, plan_blocks, rows_cols, shard_rows
+from areal_fast.weights.plan import (
+    BLOCK_COLS,
+    DST_IDX,
+    DST_OFF,
+    LEN,
+    ROWS,
+    SRC_OFF,
+    consecutive_buckets,
+    plan_blocks,
+    rows_cols,
+    shard_rows,
+)
 
 __all__ = ["SENDER_MODES", "sender_ranks", "assign_owners", "assign_owners_ref", "WireTensor", "plan_wire",
            "plan_wire_ref", "Entry", "SendBucket", "whole_entries", "delta_entries", "pack_buckets", "Exchange",
@@ -291,18 +302,8 @@ def keepalive_unit(wires: list[WireTensor], n_ranks: int) -> list[Entry]:
 def pack_buckets(units: list[list[Entry]], bucket_bytes: int) -> list[SendBucket]:
     """Units (a tensor, or a delta's two entries) in order into buckets of at most ``bucket_bytes`` (a
     larger unit alone); inside a bucket the entries widest element first, back to back."""
-    groups: list[list[Entry]] = []
-    cur: list[Entry] = []
-    size = 0
-    for unit in units:
-        n = sum(e.nbytes for e in unit)
-        if cur and size + n > bucket_bytes:
-            groups.append(cur)
-            cur, size = [], 0
-        cur.extend(unit)
-        size += n
-    if cur:
-        groups.append(cur)
+    groups = [[e for u in g for e in units[u]]
+              for g in consecutive_buckets([sum(e.nbytes for e in unit) for unit in units], bucket_bytes)]
     out = []
     for g in groups:
         g = sorted(g, key=lambda e: -e.dtype.itemsize)  # stable: a delta keeps idx before val

@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from _shared import poll_until
 from e2e_runs import ETA, TINY, seed_run_dir
 
 from areal_fast.buffer import checkpoint_groups
@@ -64,6 +65,26 @@ def _wait_for(pred, proc: subprocess.Popen, what: str, timeout=START_TIMEOUT_S):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.2)
+
+
+def kill_run(p: subprocess.Popen, kids: list[int]) -> None:
+    """SIGKILL the run's launcher ``p``; its processes ``kids`` die with it (parent-death signal)."""
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    poll_until(lambda: not any(proc_alive(k) for k in kids), "the processes of the killed run to end", 30, 0.2)
+
+
+def resume(cmd: list[str], out: Path, steps: int) -> tuple[list[dict], list[int]]:
+    """Run the killed run's ``cmd`` again: it resumes and ends, each of its ``steps`` trained once and each
+    task once (two a step). Returns (its train events, their task positions)."""
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from" in r.stderr
+    events = _train_events(out)
+    assert [e["step"] for e in events] == list(range(1, steps + 1))
+    positions = [pos for e in events for pos in e["positions"]]
+    assert len(positions) == len(set(positions)) == steps * 2, positions
+    return events, positions
 
 
 @pytest.fixture
@@ -115,21 +136,9 @@ def test_kill_9_then_the_same_command_resumes_without_loss_or_duplicates(run_dir
                        capture_output=True, text=True, timeout=START_TIMEOUT_S)
     assert r.returncode == 1 and "in use by another live run" in r.stderr and str(out) in r.stderr, r.stderr[-2000:]
     assert p.poll() is None
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
-    deadline = time.monotonic() + 30
-    while any(proc_alive(k) for k in kids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [k for k in kids if proc_alive(k)], "processes of the killed run are still running"
+    kill_run(p, kids)
 
-    r = subprocess.run(_cmd(out, f"experiment.total_steps={steps}", "weights.method=disk"), cwd=ROOT,
-                       capture_output=True, text=True, timeout=START_TIMEOUT_S)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming from" in r.stderr
-    events = _train_events(out)
-    assert [e["step"] for e in events] == list(range(1, steps + 1))
-    positions = [pos for e in events for pos in e["positions"]]
-    assert len(positions) == len(set(positions)) == steps * 2, positions
+    events, positions = resume(_cmd(out, f"experiment.total_steps={steps}", "weights.method=disk"), out, steps)
     assert max(e["staleness_max"] for e in events) <= ETA
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == steps

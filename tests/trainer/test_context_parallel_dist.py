@@ -15,7 +15,6 @@ This file is also the torchrun worker
 
 import contextlib
 import os
-import subprocess
 import sys
 
 import pytest
@@ -24,7 +23,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # as a torchrun worker: this folder and tests/ (tolerances)
 
-from test_expert_parallel import GPU_FP32, on_cpu  # noqa: E402
+from _shared import run_ranks  # noqa: E402
+from test_expert_parallel import DEVICES, GPU_FP32, on_cpu  # noqa: E402
 from test_trainer_actor import VOCAB, make_batch, make_tiny_model  # noqa: E402
 from tolerances import (  # noqa: E402
     FP32_GRAD_TOL,
@@ -178,16 +178,7 @@ def worker(dense, moe, out_dir, device="cpu", mode="cp"):
     shutdown_process_group()
 
 
-def launch(n, dense, moe, root, device, mode):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-           __file__, dense, moe, str(root), device, mode]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-
-
-@pytest.fixture(scope="module", params=[pytest.param("cpu", id="gloo"),
-                                        pytest.param("cuda", id="nccl", marks=pytest.mark.gpu)])
+@pytest.fixture(scope="module", params=DEVICES)
 def cp_run(request, tmp_path_factory):
     """(model paths, with the one-rank reference under "one" on CUDA; rank 0's results)."""
     from areal_fast.data.tiny_models import build_tiny_qwen3_moe
@@ -199,12 +190,11 @@ def cp_run(request, tmp_path_factory):
     dense = str(root / "dense")
     make_tiny_model(dense, seed=7)
     moe = build_tiny_qwen3_moe(str(root / "moe"), vocab_size=VOCAB, seed=7)
-    launch(2, dense, moe, root, device, "cp")
+    two = run_ranks(__file__, 2, dense, moe, root, device, "cp", result=root / "cp2.pt")
     paths = {"dense": dense, "moe": moe, "one": None}
     if device == "cuda":  # a CUDA trainer needs an NCCL default group of its own process
-        launch(1, dense, moe, root, device, "one")
-        paths["one"] = torch.load(root / "one.pt", weights_only=False)
-    return paths, torch.load(root / "cp2.pt", weights_only=False)
+        paths["one"] = run_ranks(__file__, 1, dense, moe, root, device, "one", result=root / "one.pt")
+    return paths, two
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ This file is also the torchrun worker
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -26,6 +25,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # as a torchrun worker: this folder and tests/ (tolerances)
 
+from _shared import run_ranks  # noqa: E402
 from test_trainer_actor import make_batch  # noqa: E402
 from tolerances import FP32_MOE_LOGPROB_ATOL, FP32_MULTI_RANK_PARAM_ATOL, FP32_SAME_MATH_NORM_RTOL  # noqa: E402
 
@@ -37,6 +37,8 @@ WORLD, EP = 4, 2  # expert-parallel 2 x data-parallel 2: the expert_dp reduction
 # On CUDA the trainer computes in fp32 as on CPU (the CPU tolerances hold): fp32 FSDP2 compute, the
 # per-sequence SDPA attention and the reference loss (the bf16 kernels are the GPU tests' business elsewhere).
 GPU_FP32 = dict(param_dtype="float32", attn_impl="sdpa_loop", loss_impl="reference")
+# The devices of the multi-rank modules' runs: gloo ranks on the CPU, and NCCL ranks (marked ``gpu``).
+DEVICES = [pytest.param("cpu", id="gloo"), pytest.param("cuda", id="nccl", marks=pytest.mark.gpu)]
 
 
 def config(model_path, max_tokens, world=1, ep=1, device="cpu"):
@@ -219,16 +221,7 @@ def worker(model_path, out_dir, device="cpu", mode="ep"):
     shutdown_process_group()
 
 
-def launch(n, model_path, root, device="cpu", mode="ep"):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-           __file__, model_path, str(root), device, mode]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-
-
-@pytest.fixture(scope="module", params=[pytest.param("cpu", id="gloo"),
-                                        pytest.param("cuda", id="nccl", marks=pytest.mark.gpu)])
+@pytest.fixture(scope="module", params=DEVICES)
 def runs(request, tmp_path_factory):
     from areal_fast.data.tiny_models import build_tiny_qwen3_moe
 
@@ -240,14 +233,14 @@ def runs(request, tmp_path_factory):
                                       num_experts=EXPERTS, num_experts_per_tok=TOP_K)
     if device == "cpu":
         one_actor, one = one_rank(model_path, str(root))
-        launch(WORLD, model_path, root)
+        two = run_ranks(__file__, WORLD, model_path, root, device, "ep", result=root / "ep2.pt")
         one = resumed_on_one_rank(one_actor, one, str(root))  # the expert-parallel checkpoint on one rank
     else:  # each CUDA trainer in a process of its own: the reference, the ranks, the reference resumed
-        launch(1, model_path, root, device, "one")
-        launch(4 if torch.cuda.device_count() >= 4 else 2, model_path, root, device)
-        launch(1, model_path, root, device, "resume")
-        one = torch.load(root / "one.pt", weights_only=False) | torch.load(root / "one_resumed.pt", weights_only=False)
-    return one, torch.load(root / "ep2.pt", weights_only=False)
+        one = run_ranks(__file__, 1, model_path, root, device, "one", result=root / "one.pt")
+        two = run_ranks(__file__, 4 if torch.cuda.device_count() >= 4 else 2, model_path, root, device, "ep",
+                        result=root / "ep2.pt")
+        one |= run_ranks(__file__, 1, model_path, root, device, "resume", result=root / "one_resumed.pt")
+    return one, two
 
 
 @pytest.mark.slow

@@ -7,7 +7,6 @@ This file is also the torchrun worker (``python -m torch.distributed.run ... tes
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # as a torchrun worker: this folder and tests/ (tolerances)
 
+from _shared import run_ranks  # noqa: E402
 from test_trainer_actor import make_batch  # noqa: E402
 from tolerances import FP32_MULTI_RANK_PARAM_ATOL  # noqa: E402
 
@@ -69,12 +69,7 @@ def two_rank_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("moe_dist")
     model_path = build_tiny_qwen3_moe(str(root / "model"), vocab_size=VOCAB, seed=7)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           __file__, model_path, str(root)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return model_path, torch.load(root / "two_ranks.pt", weights_only=False)
+    return model_path, run_ranks(__file__, 2, model_path, root, result=root / "two_ranks.pt")
 
 
 def test_two_ranks_shard_the_experts_and_step_as_one_rank(two_rank_run):

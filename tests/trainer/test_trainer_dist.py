@@ -6,7 +6,6 @@ This file is also the torchrun worker (``python -m torch.distributed.run ... tes
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # as a torchrun worker: this folder and tests/ (tolerances)
 
+from _shared import run_ranks  # noqa: E402
 from test_trainer_actor import make_batch, make_tiny_model  # noqa: E402
 from tolerances import FP32_GRAD_TOL, FP32_MULTI_RANK_METRIC_TOL, FP32_MULTI_RANK_PARAM_ATOL, FP64_FEW_OPS_ATOL  # noqa: E402
 
@@ -92,14 +92,7 @@ def two_rank_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer_dist")
     model_path = str(root / "model")
     make_tiny_model(model_path, seed=7)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    # --standalone: torchrun's own store binds a free port itself (a port picked here and bound later
-    # by the child can be taken in between by any other process of the suite).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           __file__, model_path, str(root)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=480)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return model_path, root, torch.load(root / "two_ranks.pt", weights_only=False)
+    return model_path, root, run_ranks(__file__, 2, model_path, root, result=root / "two_ranks.pt")
 
 
 def test_two_ranks_many_microbatches_equal_one_rank_one_microbatch(two_rank_run):

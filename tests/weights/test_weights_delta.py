@@ -21,6 +21,7 @@ from areal_fast.weights.config import WeightSyncConfig
 from areal_fast.weights.delta import DeltaEncoder, wants_delta
 from areal_fast.weights.delta_wire import DELTA_IDX, parse_delta_name, split_entries
 from areal_fast.weights.gather import Bucket
+from tools.weight_receiver import zero_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fakes import FakeServer  # noqa: E402
@@ -32,22 +33,12 @@ SHAPES = {  # several buckets at 1 KiB, one tensor larger than a bucket, odd siz
 }
 
 
-class _Model(torch.nn.Module):
-    def __init__(self, dtype):
-        super().__init__()
-        for n, s in SHAPES.items():
-            mod, _, p = n.partition(".")
-            if not hasattr(self, mod):
-                self.add_module(mod, torch.nn.Module())
-            getattr(self, mod).register_parameter(p, torch.nn.Parameter(torch.zeros(s, dtype=dtype)))
-
-
 class EngineLikeServer(FakeServer):
     """The fake SGLang server, loading through the embedded engine's receiver (deltas included)."""
 
     def __init__(self, dtype=torch.bfloat16, **kw):
         super().__init__(**kw)
-        self.model = _Model(dtype)
+        self.model = zero_model(SHAPES, dtype)
         self.receiver = WeightReceiver(self.model)
         self.entry_names: list[str] = []
 
@@ -253,7 +244,7 @@ def test_delta_pairs_that_do_not_match_are_refused():
         split_entries([("w#delta_idx:4", i)])
     with pytest.raises(ValueError, match="do not pair"):
         split_entries([("w#delta_idx:4", i), ("w#delta_val", torch.zeros(3, dtype=torch.bfloat16))])
-    recv = WeightReceiver(_Model(torch.bfloat16))
+    recv = WeightReceiver(zero_model(SHAPES, torch.bfloat16))
     with pytest.raises(ValueError, match="outside"):
         recv.load([("q.bias#delta_idx:16", torch.tensor([16], dtype=torch.int32)),
                    ("q.bias#delta_val", torch.ones(1, dtype=torch.bfloat16))])
@@ -266,7 +257,7 @@ def test_delta_pairs_that_do_not_match_are_refused():
 def test_the_embedded_receiver_refuses_indices_outside_the_tensor_before_writing(bad):
     """The twin of the SGLang applier's check: the error names the tensor and the index, and neither
     the good delta nor the whole tensor of the same call is written."""
-    model = _Model(torch.bfloat16)
+    model = zero_model(SHAPES, torch.bfloat16)
     recv = WeightReceiver(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match=rf"q\.bias: index {bad} outside 16 elements"):

@@ -16,6 +16,7 @@ import torch
 from areal_fast.backends.sglang.delta import delta_model_class, trace_runs
 from areal_fast.weights.delta import DeltaEncoder
 from areal_fast.weights.gather import Bucket
+from tools.weight_receiver import zero_model
 
 H, NH, NKV, HD, INTER, VOCAB = 16, 4, 2, 4, 24, 37
 
@@ -41,15 +42,8 @@ class FakeSGLangQwen(torch.nn.Module):
                   "model.layers.0.mlp.down_proj.weight": (H, inter)}
         self.sizes = {"q": q, "k": kv, "v": kv, 0: inter, 1: inter}
         self.offs = {"q": 0, "k": q, "v": q + kv, 0: 0, 1: inter}
-        self._names = {}
-        for n, s in shapes.items():
-            mod = self
-            for part in n.split(".")[:-1]:
-                if not hasattr(mod, part):
-                    mod.add_module(part, torch.nn.Module())
-                mod = getattr(mod, part)
-            p = torch.nn.Parameter(torch.zeros(s, dtype=dtype), requires_grad=False)
-            mod.register_parameter(n.split(".")[-1], p)
+        zero_model(shapes, dtype, root=self)
+        for n, p in self.named_parameters():
             p.weight_loader = self._loader_for(n)
 
     def _loader_for(self, name):

@@ -22,6 +22,7 @@ from areal_fast.weights.plan import (
     SRC_LD,
     SRC_OFF,
     assign_buckets,
+    consecutive_buckets,
     plan_blocks,
     plan_fsdp_buckets,
     shard_rows,
@@ -145,6 +146,12 @@ def test_assign_buckets_alignment_and_big_tensors():
     np.testing.assert_array_equal(sizes, rsizes)
     assert off.tolist() == [0, 4, 0, 0, 8, 0]  # 8 B aligned at 4; 100 B alone; 2 B @0, 2 B @8 (align 8)
     assert b.tolist() == [0, 0, 1, 2, 2, 3] and sizes.tolist() == [12, 100, 10, 7]
+
+
+def test_consecutive_buckets_group_in_order_a_larger_item_alone():
+    """The unaligned grouping the senders and the colocated path bucket by (zero-byte items join the open group)."""
+    assert consecutive_buckets([3, 8, 100, 2, 0, 14, 16], 16) == [[0, 1], [2], [3, 4, 5], [6]]
+    assert consecutive_buckets([], 16) == []
 
 
 def test_interval_layout_constant():

@@ -6,14 +6,10 @@ and feedback tokens masked, with version -1)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from test_e2e import START_TIMEOUT_S, TINY, _train_events, _wait_for, proc_alive, proc_children, runner  # noqa: F401
+from test_e2e import TINY, _wait_for, kill_run, proc_children, resume, runner  # noqa: F401
 
 from areal_fast.buffer import checkpoint_groups
 from areal_fast.checkpoint import HANG_AFTER_CHECKPOINT_ENV
@@ -34,23 +30,10 @@ def test_multi_turn_run_killed_and_resumed_trains_each_task_exactly_once(tmp_pat
     p = runner(_cmd(out, f"experiment.total_steps={steps}", "weights.method=disk"),
                env={HANG_AFTER_CHECKPOINT_ENV: "2"})
     _wait_for(lambda: (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file(), p, "checkpoint 2")
-    kids = proc_children(p.pid)
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
-    deadline = time.monotonic() + 30  # the children die with the launcher (parent-death signal)
-    while any(proc_alive(k) for k in kids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [k for k in kids if proc_alive(k)], "processes of the killed run are still running"
+    kill_run(p, proc_children(p.pid))
 
     groups2 = list(checkpoint_groups(out / "checkpoints" / "step_00000002"))  # retention deletes it later
-    r = subprocess.run(_cmd(out, f"experiment.total_steps={steps}", "weights.method=disk"), cwd=ROOT,
-                       capture_output=True, text=True, timeout=START_TIMEOUT_S)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "resuming from" in r.stderr
-    events = _train_events(out)
-    assert [e["step"] for e in events] == list(range(1, steps + 1))
-    positions = [pos for e in events for pos in e["positions"]]
-    assert len(positions) == len(set(positions)) == steps * 2, positions
+    events, positions = resume(_cmd(out, f"experiment.total_steps={steps}", "weights.method=disk"), out, steps)
     st = json.loads((out / "checkpoints" / f"step_{steps:08d}" / "controller.json").read_text())
     ck = out / "checkpoints" / f"step_{steps:08d}"
     groups = [*groups2, *checkpoint_groups(ck)]  # per-token columns as arrays

@@ -9,6 +9,7 @@ also outside the supported range: ``Version("0")`` for a server that did not say
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
@@ -60,6 +61,18 @@ IN_PLACE_SERVER_FLAGS = {
         "an update without a flush leaves prefix-cache entries computed by the old weights, which later "
         "requests reuse with nothing in their versions saying so")),
 }
+
+
+def reported_gate(gate: Callable[[Version], bool], version: str | None) -> bool:
+    """``gate`` (a predicate of this table) asked about the ``version`` a server reports in ``/server_info``:
+    a server that does not say gets the oldest behaviour (False); one whose version is not a release
+    number (a source build) is taken as a new server (True)."""
+    if not version:
+        return False
+    try:
+        return gate(Version(version))
+    except InvalidVersion:
+        return True
 
 
 def supports_pause_mode(version: Version) -> bool:

@@ -11,14 +11,12 @@ import logging
 
 import torch
 import torch.distributed as dist
-from packaging.version import InvalidVersion, Version
 
-from areal_fast.backends.sglang.compat import keeps_weight_groups_by_name
-from areal_fast.netutil import url_host
+from areal_fast.backends.sglang.compat import keeps_weight_groups_by_name, reported_gate
 from areal_fast.weights.delta import wants_delta
 from areal_fast.weights.errors import WeightSyncError
 from areal_fast.weights.gather import Bucket, Sources
-from areal_fast.weights.group import HostedStore, choose_backend, host_weight_group, rendezvous
+from areal_fast.weights.group import choose_backend
 from areal_fast.weights.senders import (
     DELTA,
     Exchange,
@@ -40,20 +38,15 @@ log = logging.getLogger(__name__)
 
 def takes_many_senders(version: str | None) -> bool:
     """Does a server of this SGLang version hold one weight group per trainer sender (by name)? A
-    server that does not say its version gets one sender."""
-    if not version:
-        return False
-    try:
-        return keeps_weight_groups_by_name(Version(version))
-    except InvalidVersion:
-        return True  # not a release number (a source build): assume a new server
+    server that does not say its version gets one sender; a source build is taken as a new server."""
+    return reported_gate(keeps_weight_groups_by_name, version)
 
 
 class ManySenders:
     """The many-sender update of a distributed transport. Uses the transport's ``config``, ``urls``,
     ``facts``, ``http``, ``group``, ``session()``, ``read_facts()``, ``mark_broken()``, ``_tensor_device()``,
-    ``_send_pair()`` and its state ``senders``, ``_pairs``, ``_groups_made``, ``_wires``, ``_wire_key``,
-    ``_shadow``, ``stats``."""
+    ``_host_group()``, ``_send_pair()`` and its state ``senders``, ``_pairs``, ``_groups_made``, ``_wires``,
+    ``_wire_key``, ``_shadow``, ``stats``."""
 
     def _world(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -108,16 +101,9 @@ class ManySenders:
         cfg = self.config
         backend = choose_backend(cfg.collective, self._tensor_device(src), [self.facts[u] for u in self.urls])
         for i, u in enumerate(self._server_order()):
-            world, name = 1 + self.facts[u].tp_size, self._group_name(u)
+            name = self._group_name(u)
             port = 0 if cfg.master_port == 0 else cfg.master_port + self.rank * len(self.urls) + i
-            store = HostedStore(cfg.resolved_master_addr, port, world, cfg.timeout_s)
-            body = {"master_address": url_host(store.host), "master_port": store.port, "rank_offset": 1,
-                    "world_size": world, "group_name": name, "backend": backend}
-            fut = self.http.submit(u, "/init_weights_update_group", body)
-            pg = rendezvous(lambda s=store, w=world, nm=name: host_weight_group(backend, s, w, nm, cfg.timeout_s),
-                            [(u, fut)], store, cfg.timeout_s, f"weight update group {name} on {u}",
-                            own_end="the group")
-            self._pairs[u] = (pg, store)
+            self._pairs[u] = self._host_group([u], name, backend, port, f"weight update group {name} on {u}")
         self.backend = backend
         self.group_tp = {u: self.facts[u].tp_size for u in self.urls}
         self.n_inits += 1

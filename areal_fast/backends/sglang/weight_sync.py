@@ -46,9 +46,8 @@ from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
-from packaging.version import InvalidVersion, Version
 
-from areal_fast.backends.sglang.compat import needs_weight_update_sessions
+from areal_fast.backends.sglang.compat import needs_weight_update_sessions, reported_gate
 from areal_fast.backends.sglang.senders import ManySenders, takes_many_senders
 from areal_fast.netutil import url_host
 from areal_fast.weights.config import WeightSyncConfig
@@ -70,13 +69,9 @@ log = logging.getLogger(__name__)
 
 
 def uses_sessions(version: str | None) -> bool:
-    """Does a server of this SGLang version need begin/end around distributed and tensor updates?"""
-    if not version:
-        return False
-    try:
-        return needs_weight_update_sessions(Version(version))
-    except InvalidVersion:
-        return True  # not a release number (a source build): assume a new server
+    """Does a server of this SGLang version need begin/end around distributed and tensor updates? A
+    server that does not say its version gets none; a source build is taken as a new server."""
+    return reported_gate(needs_weight_update_sessions, version)
 
 
 class SGLangWeightSync(WeightSync):
@@ -213,6 +208,25 @@ class DistributedWeightSync(ManySenders, SGLangWeightSync):
             return src.local[0].device if self.device is None else torch.device(self.device)
         return torch.device(self.device) if self.device is not None else torch.device("cpu")
 
+    def _host_group(self, urls: list[str], name: str, backend: str, port: int, what: str) -> tuple:
+        """A weight group ``name`` that this rank hosts (its rank 0) with the TP workers of ``urls`` (ranks
+        1.. in their order, each server's ``tp_size`` of :attr:`facts`): the store on ``port`` (0: any),
+        every server's ``/init_weights_update_group`` and the rendezvous (``what`` names it in errors).
+        Returns (the process group, its store)."""
+        cfg = self.config
+        world = 1 + sum(self.facts[u].tp_size for u in urls)
+        store = HostedStore(cfg.resolved_master_addr, port, world, cfg.timeout_s)
+        futs, offset = [], 1
+        for u in urls:
+            # bracketed when IPv6 ([::1]): the servers build tcp://{master_address}:{master_port}
+            body = {"master_address": url_host(store.host), "master_port": store.port, "rank_offset": offset,
+                    "world_size": world, "group_name": name, "backend": backend}
+            futs.append((u, self.http.submit(u, "/init_weights_update_group", body)))
+            offset += self.facts[u].tp_size
+        pg = rendezvous(lambda: host_weight_group(backend, store, world, name, cfg.timeout_s),
+                        futs, store, cfg.timeout_s, what, own_end="the group")
+        return pg, store
+
     def connect(self, src: Sources | None = None) -> None:
         """Create the group (rank 0; idempotent). The backend follows where ``src``'s tensors are."""
         if self.pg is not None or self.rank != 0:
@@ -223,18 +237,8 @@ class DistributedWeightSync(ManySenders, SGLangWeightSync):
             f.check_layout()
         self.backend = choose_backend(cfg.collective, self._tensor_device(src), list(facts.values()))
         self.world_size = 1 + sum(f.tp_size for f in facts.values())
-        store = HostedStore(cfg.resolved_master_addr, cfg.master_port, self.world_size, cfg.timeout_s)
-        futs, offset = [], 1
-        for u in self.urls:
-            # bracketed when IPv6 ([::1]): the servers build tcp://{master_address}:{master_port}
-            body = {"master_address": url_host(store.host), "master_port": store.port, "rank_offset": offset,
-                    "world_size": self.world_size, "group_name": cfg.group_name, "backend": self.backend}
-            futs.append((u, self.http.submit(u, "/init_weights_update_group", body)))
-            offset += facts[u].tp_size
-        self.pg = rendezvous(
-            lambda: host_weight_group(self.backend, store, self.world_size, cfg.group_name, cfg.timeout_s),
-            futs, store, cfg.timeout_s, "weight update group", own_end="the group")
-        self._store = store
+        self.pg, self._store = self._host_group(self.urls, cfg.group_name, self.backend, cfg.master_port,
+                                                "weight update group")
         self.group_tp = {u: facts[u].tp_size for u in self.urls}
         self.n_inits += 1
         if self.delta is not None:
