@@ -105,9 +105,30 @@ def test_nothing_is_decided_until_the_pool_holds_the_target():
     for s in (1, 2, 3):
         p.step(reading(s, 4, idle=0.5))
     assert p.target == 6
-    for s in range(4, 20):  # the new servers never come: the policy waits, it does not pile on more
+    for s in range(4, 20):  # the new servers do not come yet: the policy waits, it does not pile on more
         d = p.step(reading(s, 4, idle=0.5, changing=True))
         assert d.change == 0 and d.reason.startswith("waiting: 4 of 6")
+
+
+def test_servers_that_never_start_are_given_up_and_no_increase_follows_for_a_while():
+    p = AutoscalePolicy(cfg(start_timeout_steps=5), 4)
+    for s in (1, 2, 3):
+        p.step(reading(s, 4, idle=0.5))
+    assert p.target == 6
+    got = [p.step(reading(s, 4, idle=0.5, changing=True)) for s in range(4, 10)]
+    assert all(d.change == 0 for d in got[:5])
+    assert got[5].change == -2 and got[5].target == 4 and got[5].reason.startswith("gave up: 2 added server(s)")
+    # the pool at its target again, the trainer still waiting: held until step 9 + 5, then up again
+    later = {s: p.step(reading(s, 4, idle=0.5)) for s in range(10, 18)}
+    assert all(later[s].change == 0 for s in range(10, 14))
+    assert "no increase before step 14" in later[13].reason
+    assert later[14].change > 0
+    # a pool that reaches its target in time is not given up
+    q = AutoscalePolicy(cfg(start_timeout_steps=5), 4)
+    for s in (1, 2, 3):
+        q.step(reading(s, 4, idle=0.5))
+    assert [q.step(reading(s, 4, idle=0.5, changing=True)).change for s in range(4, 9)] == [0] * 5
+    assert q.step(reading(9, 6, idle=0.5)).change == 0 and q.target == 6
 
 
 def test_a_hand_bound_moves_the_target_inside_at_once_and_holds_it():
