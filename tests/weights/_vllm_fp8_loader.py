@@ -10,6 +10,17 @@ weight loaders (whole and per shard) and ``Fp8LinearMethod.process_weights_after
 not: the GEMM kernel. vLLM picks it in ``create_weights`` (``init_fp8_linear_kernel``); its CPU build's
 block-FP8 kernels need AMX tiles, which this machine lacks, so a stand-in kernel whose own post-load
 step (a hardware repacking) does nothing takes its place.
+
+The MoE cases (``moe_*``: ``{"hidden", "intermediate", "experts", "top_k", "weights": [(name, tensor)]}``,
+the per-expert tensors as we send them) go through vLLM's fused-MoE path: ``FusedMoEFactory`` (as its
+Qwen3-MoE builds ``mlp.experts``) makes ``RoutedExperts`` with ``Fp8MoEMethod``, and
+``Qwen3MoeModel.load_weights`` (its ``AutoWeightsLoader``, which hands the experts' tensors to the
+experts' own ``load_weights`` and per-expert ``weight_loader``) loads our names. Every ``weight_loader``
+call is recorded. Not vLLM's here either: the MoE GEMM. Its backend oracle finds none on this machine
+(the CPU build's FP8 MoE experts need AMX tiles too: ``Fp8MoeBackend.NONE``), so the method's
+``_setup_kernel`` (convert to the chosen kernel's layout, build the kernel) is a stand-in that does
+nothing; the rest of ``Fp8MoEMethod.process_weights_after_loading`` runs. A case whose construction or
+load raises is reported as the error's text.
 """
 
 from __future__ import annotations
@@ -45,6 +56,12 @@ def main(src: str, out: str, qc: str) -> None:
         cases = torch.load(src)
         res = {}
         for name, t in cases.items():
+            if name.startswith("moe"):
+                try:
+                    res[name] = _moe(cfg, t)
+                except Exception as e:  # noqa: BLE001 - the test reads what vLLM said
+                    res[name] = {"error": f"{type(e).__name__}: {e}"}
+                continue
             if name == "replicated":
                 q = t["weight"]
                 layer = linear.ReplicatedLinear(q.shape[1], q.shape[0], bias=False, quant_config=cfg,
@@ -71,6 +88,42 @@ def main(src: str, out: str, qc: str) -> None:
         gate = GateLinear(64, 4, quant_config=cfg, prefix="model.layers.0.mlp.gate")
         res["router_method"] = type(gate.quant_method).__name__
         torch.save(res, out)
+
+
+def _moe(cfg, t) -> dict:
+    """Our per-expert FP8 tensors through vLLM's fused-MoE layer and its Qwen3-MoE loader (module docstring)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+    from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel
+
+    with set_current_vllm_config(VllmConfig()):  # a config of its own: layer names are unique per config
+        runner = FusedMoEFactory(num_experts=t["experts"], top_k=t["top_k"], hidden_size=t["hidden"],
+                                 intermediate_size=t["intermediate"], params_dtype=torch.bfloat16,
+                                 quant_config=cfg, prefix="model.layers.0.mlp.experts")
+    experts = runner.routed_experts
+    expected = {n: (tuple(p.shape), str(p.dtype)) for n, p in experts.named_parameters()}
+    calls = []
+    for p in experts.parameters():
+        p.data.view(torch.uint8).fill_(0xFF)  # NaN in FP8 and fp32: a slot no loader call wrote stays NaN
+
+        def loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False, _orig=p.weight_loader):
+            ok = _orig(param, loaded_weight, weight_name, shard_id, expert_id, return_success=True)
+            calls.append((weight_name, shard_id, expert_id, bool(ok)))
+            return ok if return_success else None
+
+        p.weight_loader = loader
+    model = torch.nn.Module()  # Qwen3MoeModel's tree down to the experts (prefix "model." stripped by its parent)
+    model.hf_to_vllm_mapper = Qwen3MoeModel.hf_to_vllm_mapper
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].mlp = torch.nn.Module()
+    model.layers[0].mlp.experts = runner
+    loaded = Qwen3MoeModel.load_weights(model, [(n.removeprefix("model."), w) for n, w in t["weights"]])
+    method = experts.quant_method
+    method._setup_kernel = lambda *a, **k: None  # the MoE GEMM's layout and kernel (module docstring)
+    method.process_weights_after_loading(experts)
+    return {"method": type(method).__name__, "block_quant": method.block_quant,
+            "weight_block_size": list(experts.weight_block_size), "expected": expected, "calls": calls,
+            "loaded": sorted(loaded), "params": {n: p.data.clone() for n, p in experts.named_parameters()}}
 
 
 if __name__ == "__main__":

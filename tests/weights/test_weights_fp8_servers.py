@@ -3,12 +3,17 @@
 its linear layers' weight loaders (whole, and per shard for the merged gate/up and q/k/v layers) and
 its ``Fp8LinearMethod.process_weights_after_loading``; the layer then holds our FP8 bytes and scales,
 so it computes with our dequantised values. Its shape rule (every part of a merged layer a whole
-number of 128-row blocks) is checked as SGLang checks it. Skipped only when the wheel cannot be
-downloaded."""
+number of 128-row blocks) is checked as SGLang checks it. The MoE experts: what our sender puts on the
+wire for a tiny Qwen3-MoE (per expert ``gate_proj``/``up_proj``/``down_proj`` in FP8 with their
+``weight_scale_inv``) goes through SGLang's own Qwen3-MoE ``load_weights`` into its ``FusedMoE`` with
+``Fp8MoEMethod``, and through vLLM's (real vLLM 0.32, ``_vllm_fp8_loader.py``): every expert's ``w13``
+(gate, then up) and ``w2`` and their scales hold our bytes, and the layers' parameter shapes are the
+shapes we send. Skipped only when the wheel cannot be downloaded."""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import types
 
@@ -16,6 +21,8 @@ import pytest
 import torch
 
 from areal_fast.weights import fp8
+from areal_fast.weights.config import WeightSyncConfig
+from areal_fast.weights.gather import BucketGatherer, collect_sources
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_wheel import sglang_module  # noqa: E402
@@ -91,6 +98,149 @@ def test_sglang_refuses_a_merged_layer_whose_parts_are_not_whole_blocks(sglang):
                                                  prefix="model.layers.0.mlp.gate_up_proj")
 
 
+# ----------------------------------------------------------------------------------- MoE experts
+MOE_INTERMEDIATE = 128
+"""The experts' width of the tiny MoE judged here. Both servers' block-FP8 MoE needs it a whole number
+of 128-row blocks: SGLang refuses anything else when it builds the layer; vLLM 0.32 (one rank) shrinks
+its blocks (to 32 x 32 for the tiny models' default width, 32) and then fails to load the one scale per
+128 x 128 block every FP8 checkpoint (and our sender) carries. Both are asserted below
+(``test_sglang_refuses_experts_narrower_than_a_block``, ``test_vllm_fused_moe_holds_our_fp8_experts_and_scales``).
+The tiny models' default is served in FP8 by the embedded engine only."""
+
+
+class _Done:
+    def wait(self):
+        pass
+
+
+def _sent(state: dict) -> list[tuple[str, torch.Tensor]]:
+    """What the trainer puts on the wire for ``state`` with ``weights.quantize: fp8``: the bucket
+    gatherer with the FP8 encoder every transport sends through (fused experts split per expert, linear
+    weights quantised); (name, tensor) in wire order, several buckets."""
+    src = collect_sources(state)
+    dtypes = [torch.bfloat16] * len(src.names)
+    buckets = []
+    BucketGatherer(16 << 10, encode=fp8.bucket_encoder(WeightSyncConfig(quantize="fp8"))).run(
+        src, dtypes, lambda b: buckets.append(b) or _Done())
+    assert len(buckets) > 1
+    return [(n, b.tensor(i).clone()) for b in buckets for i, n in enumerate(b.names)]
+
+
+def _tiny_moe(root, intermediate: int):
+    """(path, HF config, the experts' tensors as sent) of a one-layer tiny Qwen3-MoE."""
+    from areal_fast.data.tiny_models import build_tiny_qwen3_moe, load_hf
+
+    path = build_tiny_qwen3_moe(str(root / f"moe{intermediate}"), num_layers=1, moe_intermediate_size=intermediate)
+    model = load_hf(path)
+    experts = [(n, t) for n, t in _sent(model.state_dict()) if ".mlp.experts." in n]
+    return path, model.config, experts
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return _tiny_moe(tmp_path_factory.mktemp("fp8_moe"), MOE_INTERMEDIATE)
+
+
+_PROJ_SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _expert_of(name: str) -> tuple[int, str, bool]:
+    """(expert, the servers' shard id, is a scale) of a sent per-expert name."""
+    m = re.fullmatch(r"model\.layers\.0\.mlp\.experts\.(\d+)\.(\w+_proj)\.weight(_scale_inv)?", name)
+    assert m is not None, f"unexpected expert tensor name {name!r}"
+    return int(m[1]), _PROJ_SHARD[m[2]], m[3] is not None
+
+
+def _assert_experts_hold_ours(params: dict, sent: list, num_experts: int) -> None:
+    """Each expert's ``w13`` (gate rows, then up rows), ``w2`` and both ``weight_scale_inv`` are our sent
+    tensors bit for bit, and each part of the server's parameter has our tensor's shape exactly (the
+    loaders copy with broadcasting or zero-fill a short part: a shape they would reject or pad must fail
+    here, not load)."""
+    ours = dict(sent)
+    assert set(params) == {"w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"}
+    assert params["w13_weight"].dtype == params["w2_weight"].dtype == torch.float8_e4m3fn
+    assert params["w13_weight_scale_inv"].dtype == params["w2_weight_scale_inv"].dtype == torch.float32
+    assert params["w13_weight"].shape[0] == num_experts
+    for e in range(num_experts):
+        for suffix in ("weight", "weight_scale_inv"):
+            gate, up, down = (ours[f"model.layers.0.mlp.experts.{e}.{p}.{suffix}"]
+                              for p in ("gate_proj", "up_proj", "down_proj"))
+            w13, w2 = params[f"w13_{suffix}"][e], params[f"w2_{suffix}"][e]
+            assert tuple(w13.shape) == (2 * gate.shape[0], gate.shape[1]) and up.shape == gate.shape, (e, suffix)
+            assert tuple(w2.shape) == tuple(down.shape), (e, suffix)
+            for got, want in ((w13, torch.cat([gate, up])), (w2, down)):
+                assert got.dtype == want.dtype, (e, suffix)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (e, suffix)
+
+
+def _sglang_experts(sglang, path, hf_config, intermediate: int, cuda_loader: bool = True):
+    """SGLang's MoE layer of a Qwen3-MoE block, built as its ``Qwen3MoeSparseMoeBlock`` builds it
+    (``get_moe_impl_class``), under a runtime context of its own (``create_context``: a ``ServerArgs``
+    for ``model_path`` with ``--quantization fp8`` on one rank; SGLang's embedded use of its layers).
+    ``cuda_loader``: the loader branch a CUDA server takes (SGLang's module flag ``_is_cpu`` False);
+    on CPU it narrows through its padded loader instead."""
+    rc = sglang_module(VERSION, "sglang.srt.runtime_context")
+    server_args = sglang_module(VERSION, "sglang.srt.server_args")
+    ep = sglang_module(VERSION, "sglang.srt.layers.moe.ep_moe.layer")
+    fused = sglang_module(VERSION, "sglang.srt.layers.moe.fused_moe_triton.layer")
+    qwen3_moe = sglang_module(VERSION, "sglang.srt.models.qwen3_moe")
+    args = server_args.ServerArgs(model_path=path, quantization="fp8", device="cpu", skip_tokenizer_init=True)
+    ctx = rc.create_context(args, role="test", ranks=rc.SpawnRanks(world_rank=0))
+    was_cpu = fused._is_cpu
+    fused._is_cpu = not cuda_loader
+    try:
+        with rc.use_context(ctx):
+            experts = ep.get_moe_impl_class(sglang.config)(
+                num_experts=hf_config.num_experts, top_k=hf_config.num_experts_per_tok, layer_id=0,
+                hidden_size=hf_config.hidden_size, intermediate_size=intermediate, quant_config=sglang.config,
+                prefix="model.layers.0.mlp.experts", routing_method_type=qwen3_moe.RoutingMethodType.Renormalize)
+            assert experts.use_padded_loading == (not cuda_loader)
+    finally:
+        fused._is_cpu = was_cpu
+    return rc, ctx, qwen3_moe, experts
+
+
+@pytest.mark.parametrize("cuda_loader", [True, False], ids=["cuda_loader", "cpu_loader"])
+def test_sglang_fused_moe_holds_our_fp8_experts_and_scales(sglang, tiny_moe, cuda_loader):
+    """SGLang's ``FusedMoE`` with ``Fp8MoEMethod`` (128 x 128 blocks), loaded by its Qwen3-MoE
+    ``load_weights`` and post-processed by the method: every tensor we send reaches its expert and shard
+    once, and each expert's ``w13``/``w2`` and scales are ours bit for bit, in shapes that are ours."""
+    path, hf_config, sent = tiny_moe
+    rc, ctx, qwen3_moe, experts = _sglang_experts(sglang, path, hf_config, MOE_INTERMEDIATE, cuda_loader)
+    assert isinstance(experts.quant_method, sglang.fp8.Fp8MoEMethod) and experts.quant_method.block_quant
+    calls = []
+    for n, p in experts.named_parameters():
+        p.data.view(torch.uint8).fill_(0xFF)  # NaN in FP8 and fp32: a slot no loader call wrote stays NaN
+
+        def loader(param, w, name, shard_id, expert_id, _orig=p.weight_loader, _n=n):
+            calls.append((_n, shard_id, expert_id))
+            return _orig(param, w, name, shard_id=shard_id, expert_id=expert_id)
+
+        p.weight_loader = loader
+    model = torch.nn.Module()  # Qwen3MoeForCausalLM's tree down to the experts, for its own load_weights
+    model.config = hf_config
+    model.model = torch.nn.Module()
+    model.model.start_layer, model.model.end_layer = 0, 1
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.model.layers[0].mlp = torch.nn.Module()
+    model.model.layers[0].mlp.experts = experts
+    with rc.use_context(ctx):
+        qwen3_moe.Qwen3MoeForCausalLM.load_weights(model, sent)
+        experts.quant_method.process_weights_after_loading(experts)
+    # every tensor we send reaches its expert and shard once (the model's loader skips a name it cannot place)
+    want = sorted((("w13_" if shard != "w2" else "w2_") + ("weight_scale_inv" if scale else "weight"), shard, e)
+                  for e, shard, scale in map(_expert_of, (n for n, _ in sent)))
+    assert sorted(calls) == want
+    _assert_experts_hold_ours({n: p.data for n, p in experts.named_parameters()}, sent, hf_config.num_experts)
+
+
+def test_sglang_refuses_experts_narrower_than_a_block(sglang, tiny_moe):
+    """The tiny models' default experts (32 wide): SGLang refuses to build the layer."""
+    path, hf_config, _ = tiny_moe
+    with pytest.raises(ValueError, match="32 is not divisible by weight quantization block_n = 128"):
+        _sglang_experts(sglang, path, hf_config, 32)
+
+
 def _vllm_python():
     import real_vllm as rv
 
@@ -100,37 +250,71 @@ def _vllm_python():
         rv.skip_or_fail(str(e))
 
 
-@pytest.mark.slow  # vLLM's interpreter in a subprocess (its import: ~10-20 s)
-def test_vllm_block_fp8_layers_hold_our_weights_and_scales(tmp_path):
-    """Real vLLM 0.32 (its CPU build's interpreter, ``_vllm_fp8_loader.py``): our config makes its
-    ``Fp8LinearMethod`` with 128 x 128 blocks, its loaders put our FP8 bytes and scales into a plain,
-    a merged gate/up and a q/k/v layer bit for bit, and the router stays unquantised."""
+@pytest.fixture(scope="module")
+def vllm_loaded(tmp_path_factory, tiny_moe):
+    """One run of real vLLM 0.32 (its CPU build's interpreter, ``_vllm_fp8_loader.py``) loading every
+    case: (the cases sent, what vLLM's layers hold)."""
     import json
     import subprocess
 
     python = _vllm_python()
+    tmp = tmp_path_factory.mktemp("vllm_fp8")
     cases = {"replicated": dict(zip(("weight", "weight_scale_inv"), fp8.quantize(_w((130, 257), 0))))}
     g, u = fp8.quantize(_w((256, 200), 1)), fp8.quantize(_w((256, 200), 2))
     cases["gate_up"] = {"g": g[0], "g_scale": g[1], "u": u[0], "u_scale": u[1]}
     cases["qkv"] = {}
     for s, rows, seed in (("q", 256, 3), ("k", 128, 4), ("v", 128, 5)):
         cases["qkv"][s], cases["qkv"][s + "_scale"] = fp8.quantize(_w((rows, 200), seed))
-    torch.save(cases, tmp_path / "in.pt")
+    for name, (_path, c, sent) in (("moe", tiny_moe), ("moe_unaligned", _tiny_moe(tmp, 32))):
+        cases[name] = {"hidden": c.hidden_size, "intermediate": c.moe_intermediate_size, "experts": c.num_experts,
+                       "top_k": c.num_experts_per_tok, "weights": sent}
+    torch.save(cases, tmp / "in.pt")
     qc = json.dumps(fp8.quantization_config(["model.layers.0.mlp.gate.weight", "lm_head.weight"]))
     r = subprocess.run([str(python), os.path.join(os.path.dirname(__file__), "_vllm_fp8_loader.py"),
-                        str(tmp_path / "in.pt"), str(tmp_path / "out.pt"), qc],
+                        str(tmp / "in.pt"), str(tmp / "out.pt"), qc],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""})
     assert r.returncode == 0, r.stderr[-3000:]
-    res = torch.load(tmp_path / "out.pt")
+    return cases, torch.load(tmp / "out.pt")
+
+
+@pytest.mark.slow  # vLLM's interpreter in a subprocess (its import: ~10-20 s), shared with the MoE test
+def test_vllm_block_fp8_layers_hold_our_weights_and_scales(vllm_loaded):
+    """Our config makes vLLM's ``Fp8LinearMethod`` with 128 x 128 blocks, its loaders put our FP8 bytes
+    and scales into a plain, a merged gate/up and a q/k/v layer bit for bit, and the router stays
+    unquantised."""
+    cases, res = vllm_loaded
     assert res["router_method"] == "UnquantizedLinearMethod"
-    want = {"replicated": [cases["replicated"]["weight"]], "gate_up": [g[0], u[0]],
-            "qkv": [cases["qkv"][s] for s in "qkv"]}
-    want_s = {"replicated": [cases["replicated"]["weight_scale_inv"]], "gate_up": [g[1], u[1]],
-              "qkv": [cases["qkv"][s + "_scale"] for s in "qkv"]}
+    c = cases
+    want = {"replicated": [c["replicated"]["weight"]], "gate_up": [c["gate_up"]["g"], c["gate_up"]["u"]],
+            "qkv": [c["qkv"][s] for s in "qkv"]}
+    want_s = {"replicated": [c["replicated"]["weight_scale_inv"]],
+              "gate_up": [c["gate_up"]["g_scale"], c["gate_up"]["u_scale"]],
+              "qkv": [c["qkv"][s + "_scale"] for s in "qkv"]}
     for name in want:
         assert res[name]["method"] == "Fp8LinearMethod"
         assert torch.equal(res[name]["weight"].view(torch.uint8), torch.cat(want[name]).view(torch.uint8)), name
         assert torch.equal(res[name]["weight_scale_inv"], torch.cat(want_s[name])), name
+
+
+@pytest.mark.slow  # the vLLM run above
+def test_vllm_fused_moe_holds_our_fp8_experts_and_scales(vllm_loaded, tiny_moe):
+    """vLLM's ``FusedMoEFactory`` layer with ``Fp8MoEMethod`` (128 x 128 blocks), loaded by its
+    Qwen3-MoE ``load_weights``: every tensor we send reaches its expert and shard once, and each
+    expert's ``w13``/``w2`` and scales are ours bit for bit, in shapes that are ours. The tiny models'
+    default experts (32 wide) it cannot load (``MOE_INTERMEDIATE``)."""
+    _path, hf_config, sent = tiny_moe
+    _cases, res = vllm_loaded
+    moe = res["moe"]
+    assert "error" not in moe, moe.get("error")
+    assert moe["method"] == "Fp8MoEMethod" and moe["block_quant"] and moe["weight_block_size"] == [128, 128]
+    assert {n: s for n, (s, _d) in moe["expected"].items()} == {n: tuple(p.shape) for n, p in moe["params"].items()}
+    want = sorted((f"model.layers.0.mlp.experts.{'w2' if shard == 'w2' else 'w13'}_"
+                   f"{'weight_scale_inv' if scale else 'weight'}", shard, e, True)
+                  for e, shard, scale in map(_expert_of, (n for n, _ in sent)))
+    assert sorted(moe["calls"]) == want
+    assert moe["loaded"] == sorted(f"layers.0.mlp.experts.routed_experts.{n}" for n in moe["params"])
+    _assert_experts_hold_ours(moe["params"], sent, hf_config.num_experts)
+    assert "must match the size of tensor" in res["moe_unaligned"]["error"]
 
 
 def test_the_launch_flags_are_the_servers_own(sglang):
