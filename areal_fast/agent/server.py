@@ -23,7 +23,9 @@ by the one check of our listeners (``areal_fast.http.auth``), and the key opens 
 routes only; it ends with the episode. Any other path of this listener is a 401 whatever the key.
 The run's key (the inference servers') is never used here
 nor handed to agent code: an agent's key cannot call the engine (load weights, pause, abort).
-Idle and unauthenticated connections are limited as on the engine (``areal_fast.http.conn_guard``).
+Idle and unauthenticated connections are limited as on the engine (``areal_fast.http.conn_guard``),
+the cap on connections without a key counted beyond one per open episode (the episodes' own
+connections, which a loaded event loop may keep from writing their first request for seconds).
 The listener binds 127.0.0.1 unless told otherwise. Errors have the OpenAI API's shape
 (``{"error": {"message", "type", "param", "code"}}``): 400 for a refused request (the SDK raises
 ``BadRequestError``; a body that is not JSON, nested past the decoder's limit or holding an integer
@@ -85,9 +87,17 @@ class AgentServer:
         app.router.add_get("/episodes/{token}/v1/models", self._models)
         app.router.add_post("/episodes/{token}/v1/responses", self._responses)
         app.router.add_post("/episodes/{token}/v1/reward", self._reward)
-        self._runner = await start_site(app, self.host, self.port, self.conn_limits)
+        # each open episode may be connecting (its agent shares this event loop: on a loaded loop its
+        # request can come past the cap's grace); the cap counts connections beyond those
+        self._runner = await start_site(app, self.host, self.port, self.conn_limits,
+                                        known_clients=lambda: len(self._episodes))
         self.port = self._runner.addresses[0][1]
         return self
+
+    @property
+    def app(self):
+        """The listener's ``aiohttp`` application (None before :meth:`start`)."""
+        return None if self._runner is None else self._runner.app
 
     async def close(self) -> None:
         if self._runner is not None:

@@ -25,6 +25,19 @@ and locked every client out. Three limits (:class:`ConnLimits`):
   cap for that second, then the excess is closed. Authenticated connections are never counted or
   closed for the cap (their holders have the key).
 
+Two things keep the cap and the head timeout off the listener's own clients:
+
+- a connection is closed only while it is idle as aiohttp's keep-alive sees it (waiting for a
+  request head, none queued): one whose head was read but whose handler has not yet checked the
+  key (a late event loop) is not closed under its request;
+- ``known_clients`` (:func:`start_site`): how many connections the listener's own clients may be
+  opening right now, added to the cap. The agent endpoint passes its open episodes (one each).
+  Its clients share the controller's event loop (the openai SDK of every episode of a process):
+  at a run's start a few hundred episodes connect at once, and on a loaded loop a connection may
+  wait more than ``CAP_GRACE_S`` before its client even writes its request. Without the allowance
+  the cap closed those as idle, and every such call failed (``httpx.ReadError`` or "Server
+  disconnected" in the SDK, which must not retry a turn).
+
 A connection becomes authenticated when one of its requests passes :func:`authorize` (the one
 check, ``http/auth.py``) on a path that needs the key; probes (``/health``, ``/metrics``)
 prove nothing. On a listener without a key every request passes, so only connections that have
@@ -49,6 +62,7 @@ import dataclasses
 import logging
 import signal
 import struct
+from collections.abc import Callable
 
 try:
     import fcntl
@@ -87,6 +101,14 @@ class ConnLimits:
             raise ValueError(f"ConnLimits.max_unauthenticated must be an integer >= 1, got {n!r}")
 
 
+def _idle(handler) -> bool:
+    """aiohttp's own test of an idle connection (its keep-alive's, ``RequestHandler._process_keepalive``):
+    waiting for a request head with none queued. False while a request's head is read and its
+    handler has not answered, and before the connection's first wait (the next loop iteration)."""
+    waiter = getattr(handler, "_waiter", None)
+    return waiter is not None and not waiter.done()
+
+
 def _unread_bytes(transport) -> int:
     """Bytes that reached ``transport``'s socket but not yet the event loop (0 when unknown)."""
     sock = transport.get_extra_info("socket")
@@ -102,8 +124,9 @@ class ConnGuard:
     """The connections of one listener: which have not sent a first request head yet (each with
     its timer) and which are unauthenticated (oldest first)."""
 
-    def __init__(self, limits: ConnLimits):
+    def __init__(self, limits: ConnLimits, known_clients: Callable[[], int] | None = None):
         self.limits = limits
+        self._known_clients = known_clients
         # RequestHandler -> (loop time it connected, its transport), oldest first
         self._unauthenticated: dict[object, tuple[float, asyncio.Transport]] = {}
         self._head_timers: dict[object, asyncio.TimerHandle] = {}
@@ -135,6 +158,17 @@ class ConnGuard:
         server.connection_made, server.connection_lost = connection_made, connection_lost
         server.request_factory = request_factory
 
+    def cap(self) -> int:
+        """The unauthenticated connections allowed now: ``max_unauthenticated`` plus the
+        connections the listener's own clients may be opening (``known_clients``)."""
+        known = self._known_clients() if self._known_clients is not None else 0
+        return self.limits.max_unauthenticated + max(0, known)
+
+    @property
+    def unauthenticated(self) -> int:
+        """Connections open now without a request that proved the key."""
+        return len(self._unauthenticated)
+
     def authenticated(self, handler) -> None:
         """``handler``'s connection made a request that proved the key: no longer counted."""
         self._unauthenticated.pop(handler, None)
@@ -143,16 +177,18 @@ class ConnGuard:
         loop = self._loop
         self._unauthenticated[handler] = (loop.time(), transport)
         self._head_timers[handler] = loop.call_later(self.limits.head_timeout_s, self._head_expired, handler)
-        if len(self._unauthenticated) > self.limits.max_unauthenticated:
+        if len(self._unauthenticated) > self.cap():
             self._trim()
 
     def _trim(self) -> None:
-        """Close the oldest unauthenticated connections beyond the cap that had their grace and
-        hold no unread bytes; look again when the next one's grace ends if the cap is still passed."""
+        """Close the oldest unauthenticated connections beyond the cap that had their grace, are
+        idle and hold no unread bytes; look again when the next one's grace ends if the cap is
+        still passed."""
         if self._trim_timer is not None:
             self._trim_timer.cancel()
             self._trim_timer = None
-        excess = len(self._unauthenticated) - self.limits.max_unauthenticated
+        cap = self.cap()
+        excess = len(self._unauthenticated) - cap
         if excess <= 0:
             return
         now, victims, again_at = self._loop.time(), [], None
@@ -162,7 +198,7 @@ class ConnGuard:
             if now - since < CAP_GRACE_S:
                 again_at = since + CAP_GRACE_S  # this one and every later one is still in its grace
                 break
-            if _unread_bytes(transport) == 0:
+            if _idle(handler) and _unread_bytes(transport) == 0:
                 victims.append(handler)
         for handler in victims:
             self._close(handler)
@@ -170,7 +206,7 @@ class ConnGuard:
         if victims and now - self._warned_at >= WARN_EVERY_S:
             self._warned_at = now
             log.warning("more than %d connections without the key: closed the oldest (%d so far)",
-                        self.limits.max_unauthenticated, self.evicted)
+                        cap, self.evicted)
         if len(victims) < excess:
             self._trim_timer = self._loop.call_at(again_at or now + CAP_GRACE_S, self._trim)
 
@@ -178,7 +214,8 @@ class ConnGuard:
         if self._head_timers.pop(handler, None) is None:
             return
         entry = self._unauthenticated.get(handler)
-        if entry is not None and _unread_bytes(entry[1]):  # its head waits unread: the loop is late
+        # its head waits unread, or was read and waits for its handler: the loop is late
+        if entry is not None and (_unread_bytes(entry[1]) or not _idle(handler)):
             self._head_timers[handler] = self._loop.call_later(CAP_GRACE_S, self._head_expired, handler)
             return
         self.timed_out += 1
@@ -198,6 +235,11 @@ class ConnGuard:
 _GUARD = web.AppKey("areal_fast.conn_guard", ConnGuard)
 
 
+def guard_of(app: web.Application) -> ConnGuard | None:
+    """The guard of ``app``'s listener (None when it was not started by :func:`start_site`)."""
+    return app.get(_GUARD)
+
+
 def authorize(request: web.Request, api_key: str | None, *,
               exempt: tuple[str, ...] = AUTH_EXEMPT_PREFIXES) -> bool:
     """``http.auth.authorized`` for ``request`` (``exempt``: the paths that need no key); one that
@@ -212,12 +254,13 @@ def authorize(request: web.Request, api_key: str | None, *,
     return True
 
 
-async def start_site(app: web.Application, host: str, port: int,
-                     limits: ConnLimits | None = None) -> web.AppRunner:
+async def start_site(app: web.Application, host: str, port: int, limits: ConnLimits | None = None, *,
+                     known_clients: Callable[[], int] | None = None) -> web.AppRunner:
     """Serve ``app`` on ``host:port`` (0: a free port; ``runner.addresses`` says which) with the
-    guard; the started runner (``await runner.cleanup()`` stops it)."""
+    guard; the started runner (``await runner.cleanup()`` stops it). ``known_clients``: how many
+    connections the listener's own clients may be opening now, on top of the cap (module docstring)."""
     limits = limits or ConnLimits()
-    guard = ConnGuard(limits)
+    guard = ConnGuard(limits, known_clients)
     app[_GUARD] = guard  # before setup freezes the app
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=limits.keepalive_s)
     await runner.setup()

@@ -301,7 +301,8 @@ def test_an_episode_key_opens_only_its_own_episode():
 def test_agent_endpoint_closes_idle_connections_and_serves_a_key_holder_at_the_cap():
     """The listeners' guard (``areal_fast.http.conn_guard``, shown on the engine in
     ``tests/rollout/test_conn_guard.py``) on the agent endpoint: connections without a request are
-    closed after the head timeout, and at the cap of unauthenticated ones the oldest gives way."""
+    closed after the head timeout, and at the cap of unauthenticated ones (counted beyond one per open
+    episode: ``test_agent_burst.py``) the oldest gives way."""
     aiohttp = pytest.importorskip("aiohttp")
     from areal_fast.http.conn_guard import ConnLimits
 
@@ -322,7 +323,7 @@ def test_agent_endpoint_closes_idle_connections_and_serves_a_key_holder_at_the_c
         limits = ConnLimits(head_timeout_s=3.0, keepalive_s=60, max_unauthenticated=cap)
         async with AgentServer(conn_limits=limits) as server, aiohttp.ClientSession() as http:
             base = server.open(client)
-            idle = [await asyncio.open_connection(server.host, server.port) for _ in range(cap + 20)]
+            idle = [await asyncio.open_connection(server.host, server.port) for _ in range(cap + 1 + 20)]
             evicted = [await closed(r, within_s) for r, _ in idle[:20]]
             async with http.get(base + "/models", headers={"Authorization": f"Bearer {client.api_key}"}) as r:
                 served = r.status
