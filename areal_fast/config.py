@@ -74,8 +74,8 @@ from areal_fast.rollout.config import (
     RolloutConfig,
     check_server_url,
 )
-from areal_fast.trainer.config import OptimConfig, PPOConfig, TrainerConfig, check_parallel_run
-from areal_fast.weights.config import WeightSyncConfig, default_method
+from areal_fast.trainer.config import OptimConfig, PPOConfig, TrainerConfig, check_parallel_run, local_model_config
+from areal_fast.weights.config import WeightSyncConfig, check_fp8_served_model, default_method
 
 __all__ = [
     "DERIVED", "LAUNCHERS", "MAX_SEED", "MIN_TEMPERATURE", "RESERVED_SERVER_ARGS", "RESOLVED_HEADER",
@@ -165,6 +165,14 @@ class AppConfig:
                              f"need model.path to be an FP8 checkpoint: weights.fp8.write_fp8_checkpoint; "
                              f"docs/mismatch.md)")
         check_parallel_run(self.train.parallel, self.model.warm_start, self.model.path)  # ep / cp against the model
+        if self.weights.quantize is not None and not self.rollout.servers and self.rollout.server in ("sglang", "vllm"):
+            if ws.enabled:
+                check_fp8_served_model(ws.moe_intermediate_size if ws.arch == "qwen3_moe" else None,
+                                       f"the warm-started model (model.warm_start.arch {ws.arch!r})")
+            else:
+                where, mcfg = local_model_config(self.model.path)
+                if mcfg is not None:
+                    check_fp8_served_model(mcfg.get("moe_intermediate_size"), where)
         if self.weights.flush_cache and self.rollout.pause_mode == "in_place":
             raise ValueError("weights.flush_cache: true flushes the servers' prefix cache with each update, which "
                              "rollout.pause_mode 'in_place' cannot do (the kept requests hold their KV); set "

@@ -166,6 +166,23 @@ def check_parallel_model(parallel: ParallelConfig, *, num_experts: int | None, n
                              f"{where} (Ulysses gives each rank heads / cp whole heads)")
 
 
+def local_model_config(model_path: str | None) -> tuple[str | None, dict | None]:
+    """(path, the text model's config) from ``model_path/config.json`` when that is a local, readable
+    file; (path, None) otherwise (the trainer's build names a bad file)."""
+    import json
+    import os
+
+    path = os.path.join(str(model_path), "config.json") if model_path else None
+    if path is None or not os.path.isfile(path):
+        return path, None
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return path, None
+    return path, (cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg)
+
+
 def check_parallel_run(parallel: ParallelConfig, warm_start=None, model_path: str | None = None) -> None:
     """The degrees against the model a run will train, as far as the run config knows it: the warm-start
     keys (``model.warm_start``, when enabled), else the ``config.json`` of ``model_path`` when that is a
@@ -178,18 +195,9 @@ def check_parallel_run(parallel: ParallelConfig, warm_start=None, model_path: st
                              num_heads=warm_start.num_attention_heads, num_kv_heads=warm_start.num_key_value_heads,
                              where=f"the warm-started model (model.warm_start.arch {warm_start.arch!r})")
         return
-    import json
-    import os
-
-    path = os.path.join(str(model_path), "config.json") if model_path else None
-    if path is None or not os.path.isfile(path):
+    path, cfg = local_model_config(model_path)
+    if cfg is None:
         return
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return  # the trainer's build names the file
-    cfg = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
     check_parallel_model(parallel, num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
                          num_heads=cfg.get("num_attention_heads"),
                          num_kv_heads=cfg.get("num_key_value_heads") or cfg.get("num_attention_heads"), where=path)

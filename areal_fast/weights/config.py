@@ -139,3 +139,18 @@ class WeightSyncConfig:
         if self.dtype is None or (self.dtype == "auto" and device_type != "cuda"):
             return None  # fp32 on CPU: the CPU engine computes in fp32, behaviour log-probs must match
         return torch.bfloat16 if self.dtype == "auto" else getattr(torch, self.dtype)
+
+
+FP8_BLOCK = (128, 128)
+"""Rows x columns of one FP8 weight block (one ``weight_scale_inv`` each): ``weights.quantize: fp8``."""
+
+
+def check_fp8_served_model(moe_intermediate_size: int | None, where: str) -> None:
+    """``weights.quantize: fp8`` with launched SGLang or vLLM servers: both load block-FP8 MoE experts
+    only when an expert's width is a whole number of blocks (SGLang refuses the layer; vLLM 0.32 on one
+    rank shrinks its blocks and then cannot load one scale a 128 x 128 block). Dense models pass."""
+    if moe_intermediate_size and moe_intermediate_size % FP8_BLOCK[0]:
+        raise ValueError(f"weights.quantize 'fp8': {where} has moe_intermediate_size {moe_intermediate_size}, not a "
+                         f"multiple of {FP8_BLOCK[0]}: SGLang and vLLM load FP8 experts only in whole "
+                         f"{FP8_BLOCK[0]}x{FP8_BLOCK[1]} blocks (the embedded engine serves it: rollout.server "
+                         f"'embedded')")

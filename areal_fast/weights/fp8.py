@@ -33,12 +33,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from areal_fast.weights.config import FP8_BLOCK
+
 __all__ = ["BLOCK", "FP8_MAX", "SCALE_SUFFIX", "SERVER_FLAGS", "quantize", "quantize_ref",
            "dequantize", "dequantize_ref", "is_quantized", "scale_shape", "quantization_config", "wire_entries",
            "encode_bucket", "bucket_encoder", "transfer_wire", "wire_view", "quantize_state", "dequantize_state",
            "write_fp8_checkpoint"]
 
-BLOCK = (128, 128)
+BLOCK = FP8_BLOCK
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 AMAX_FLOOR = 1e-4  # an all-zero block gets scale 1e-4 / 448, not 0 (no 0/0)

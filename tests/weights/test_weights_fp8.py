@@ -171,6 +171,22 @@ def test_config_refuses_deltas_and_lora_and_turns_auto_deltas_off():
     assert load_config("examples/tiny_reverse.yaml", ["weights.quantize=fp8", fp8_engine]).weights.quantize == "fp8"
 
 
+def test_config_refuses_fp8_experts_that_sglang_and_vllm_cannot_load(tmp_path):
+    # both load block-FP8 experts only in whole 128-wide blocks (judged in test_weights_fp8_servers.py)
+    fp8 = ["weights.quantize=fp8", 'rollout.server_args=["--quantization", "fp8"]']
+    for server in (["rollout.server=sglang"], ["rollout.server=vllm", "rollout.api=vllm"]):
+        with pytest.raises(ConfigError, match="moe_intermediate_size 64, not a multiple of 128"):
+            load_config("examples/tiny_reverse_moe.yaml", [*fp8, *server, "model.warm_start.moe_intermediate_size=64"])
+    ok = load_config("examples/tiny_reverse_moe.yaml", [*fp8, "rollout.server=sglang",
+                                                        "model.warm_start.moe_intermediate_size=128"])
+    assert ok.weights.quantize == "fp8"
+    assert load_config("examples/tiny_reverse_moe.yaml", [*fp8, "model.warm_start.moe_intermediate_size=64"])
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "moe_intermediate_size": 96}')
+    with pytest.raises(ConfigError, match=f"{tmp_path}/config.json has moe_intermediate_size 96"):
+        load_config("examples/tiny_reverse_moe.yaml", [*fp8, "rollout.server=sglang", f"model.path={tmp_path}",
+                                                       "model.warm_start.enabled=false"])
+
+
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     from areal_fast.data.tiny_models import build_tiny_qwen2, build_tiny_qwen3_moe
