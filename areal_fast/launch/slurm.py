@@ -72,7 +72,8 @@ _POLL_S = 0.1
 _RENDEZVOUS_TIMEOUT_S = 600.0
 _ENV_PREFIXES = ("SLURM_", "SRUN_", "SALLOC_", "SBATCH_")  # an allocation's settings, not a step's
 
-__all__ = ["SlurmLauncher", "SlurmStep", "batch_script", "job_ids", "srun_command"]
+__all__ = ["SlurmLauncher", "SlurmStep", "batch_script", "job_ids", "rank_step_size", "server_step_size",
+           "srun_command"]
 
 
 class SlurmStep(LaunchedProcess):
@@ -160,6 +161,20 @@ def srun_command(job: str, name: str, spec: Path, *, ntasks: int, cpus: int, gpu
     return [*cmd, *extra, python, "-m", "areal_fast.launch.slurm", str(spec)]
 
 
+def server_step_size(c: SlurmConfig, rollout_cfg) -> tuple[int, int]:
+    """(CPUs, GPUs) of one server step: ``slurm.cpus_per_server`` / ``gpus_per_server``, else from the
+    rollout config (threads per server; the tensor-parallel size, 1 for a CUDA embedded engine, 0)."""
+    return (c.cpus_per_server or rollout_cfg.threads_per_server,
+            c.gpus_per_server if c.gpus_per_server is not None else gpus_per_server(rollout_cfg))
+
+
+def rank_step_size(c: SlurmConfig, train_cfg) -> tuple[int, int]:
+    """(CPUs, GPUs) of each trainer rank's task: ``slurm.cpus_per_rank`` / ``gpus_per_rank``, else the
+    trainer's threads and one GPU with ``train.device: cuda``."""
+    return c.cpus_per_rank or train_cfg.threads, c.gpus_per_rank if c.gpus_per_rank is not None else \
+        int(train_cfg.device == "cuda")
+
+
 class SlurmLauncher(LocalLauncher):
     """Owns the job steps of one run (module docstring)."""
 
@@ -192,10 +207,16 @@ class SlurmLauncher(LocalLauncher):
         return p
 
     def wait_started(self, steps: list[SlurmStep], timeout: float | None = None) -> None:
-        """Block until each step has written where it runs (node, pid, step id; a server its URL)."""
-        deadline = time.monotonic() + (self.cfg.start_timeout if timeout is None else timeout)
+        """Block until each step has written where it runs (node, pid, step id; a server its URL).
+        Meanwhile a step this launcher signalled to stop (``begin_stop``) that still runs past
+        ``slurm.grace`` is killed: in an allocation sized for the servers it may hold the room the new
+        step waits for (a removal followed by an addition), and the caller (the server supervisor's
+        thread, which would kill it itself) is blocked here."""
+        limit = self.cfg.start_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         pending = list(steps)
         while pending:
+            self._kill_late_stops()
             for p in list(pending):
                 info = read_json(p.extra["started_file"])
                 if info:
@@ -210,7 +231,7 @@ class SlurmLauncher(LocalLauncher):
                 names = ", ".join(p.name for p in pending)
                 for p in pending:
                     self.stop_process(p, 0)
-                raise TimeoutError(f"slurm steps not started after {self.cfg.start_timeout:.0f}s (slurm.start_timeout):"
+                raise TimeoutError(f"slurm steps not started after {limit:.0f}s (slurm.start_timeout):"
                                    f" {names}; is the allocation big enough? see {self.log_dir}")
             if pending:
                 time.sleep(_POLL_S)
@@ -228,13 +249,11 @@ class SlurmLauncher(LocalLauncher):
                            key_file: Path | None) -> SlurmStep:
         from areal_fast.config import to_dict
 
-        c = self.cfg
-        gpus = c.gpus_per_server if c.gpus_per_server is not None else gpus_per_server(rollout_cfg)
+        cpus, gpus = server_step_size(self.cfg, rollout_cfg)
         spec = {"kind": "server", "rollout": to_dict(rollout_cfg), "model": model_path, "seed": seed,
                 "key_file": str(key_file) if key_file else None}
-        return self._launch(name, self.server_job, spec, ntasks=1, cpus=c.cpus_per_server or
-                            rollout_cfg.threads_per_server, gpus=gpus, extra=list(c.server_srun_args),
-                            env=server_env(rollout_cfg), critical=False)
+        return self._launch(name, self.server_job, spec, ntasks=1, cpus=cpus, gpus=gpus,
+                            extra=list(self.cfg.server_srun_args), env=server_env(rollout_cfg), critical=False)
 
     def start_servers(self, rollout_cfg, model_path: str, *, seed: int = 0, api_key: str | None = None
                       ) -> list[LaunchedProcess]:
@@ -257,10 +276,8 @@ class SlurmLauncher(LocalLauncher):
         """``rollout.autoscale.max_servers`` server steps against the CPUs and GPUs of the servers' job
         (``scontrol show job``): refused, naming the key, when they cannot all fit (the trainer step of
         the same job needs room besides). Unknown sizes (scontrol failed) are let through."""
-        c = self.cfg
-        need = {"CPU": max_servers * (c.cpus_per_server or rollout_cfg.threads_per_server),
-                "GPU": max_servers * (c.gpus_per_server if c.gpus_per_server is not None
-                                      else gpus_per_server(rollout_cfg))}
+        cpus, gpus = server_step_size(self.cfg, rollout_cfg)
+        need = {"CPU": max_servers * cpus, "GPU": max_servers * gpus}
         have = job_resources(self.server_job)
         short = [f"{k} {v} (job {self.server_job} has {have[k]})" for k, v in need.items()
                  if v and k in have and v > have[k]]
@@ -272,11 +289,11 @@ class SlurmLauncher(LocalLauncher):
     def start_trainer_ranks(self, train_cfg, config_file: Path, env: dict[str, str]) -> list[LaunchedProcess]:
         """``train.world_size`` ranks as one step of ``slurm.job`` (or the run's job); a rank that fails
         ends the step (``--kill-on-bad-exit``)."""
-        c, t = self.cfg, train_cfg
-        gpus = c.gpus_per_rank if c.gpus_per_rank is not None else int(t.device == "cuda")
+        t = train_cfg
+        cpus, gpus = rank_step_size(self.cfg, t)
         spec = {"kind": "ranks", "cmd": rank_command(config_file), "rendezvous": str(self._fresh_rendezvous())}
-        p = self._launch("trainer", self.job, spec, ntasks=t.world_size, cpus=c.cpus_per_rank or t.threads,
-                         gpus=gpus, extra=list(c.rank_srun_args), env={"OMP_NUM_THREADS": str(t.threads), **env},
+        p = self._launch("trainer", self.job, spec, ntasks=t.world_size, cpus=cpus, gpus=gpus,
+                         extra=list(self.cfg.rank_srun_args), env={"OMP_NUM_THREADS": str(t.threads), **env},
                          critical=True, nodes=None)
         self.wait_started([p])
         return [p]
@@ -300,9 +317,22 @@ class SlurmLauncher(LocalLauncher):
     # ------------------------------------------------------------ stopping
     def begin_stop(self, p: LaunchedProcess) -> None:
         """SIGTERM the step's tasks (``scancel --signal=TERM``) and return at once (``elastic.supervisor``
-        watches its srun end and SIGKILLs the step past its grace period)."""
+        watches its srun end and SIGKILLs the step past its grace period; so does ``wait_started``)."""
         if p.alive():
             _scancel(p, "TERM")
+            p.extra["stop_sent"] = time.monotonic()
+
+    def _kill_late_stops(self) -> None:
+        """SIGKILL (``scancel``) every step signalled by ``begin_stop`` more than ``slurm.grace`` ago that
+        still runs."""
+        now = time.monotonic()
+        for p in self.procs:
+            sent = p.extra.get("stop_sent")
+            if sent is not None and now - sent > self.cfg.grace and p.alive():
+                log.warning("step %s (%s) still runs %.0f s after SIGTERM (slurm.grace): killed", p.name, p.step,
+                            now - sent)
+                del p.extra["stop_sent"]
+                _scancel(p, "KILL")
 
     def stop_process(self, p: LaunchedProcess, grace: float | None = None) -> None:
         """SIGTERM the step's tasks (``scancel --signal=TERM``), SIGKILL them after ``grace`` seconds,
@@ -360,10 +390,8 @@ def batch_script(cfg, config_path: str, overrides: list[str], *, python: str = s
     # allocation would wait for room until slurm.start_timeout
     most = r.autoscale.max_servers if r.autoscale.enabled else r.n_servers
     n_servers = most if launched and not s.server_job else 0
-    cpus_server = s.cpus_per_server or r.threads_per_server
-    cpus_rank = s.cpus_per_rank or t.threads
-    gpus_server = s.gpus_per_server if s.gpus_per_server is not None else gpus_per_server(r)
-    gpus_rank = s.gpus_per_rank if s.gpus_per_rank is not None else int(t.device == "cuda")
+    cpus_server, gpus_server = server_step_size(s, r)  # the steps' own sizes (``SlurmLauncher``)
+    cpus_rank, gpus_rank = rank_step_size(s, t)
     out = cfg.experiment.out.resolve()
     out.mkdir(parents=True, exist_ok=True)  # sbatch opens its --output there before the script runs
     lines = ["#!/bin/bash", f"#SBATCH --job-name=areal-{cfg.experiment.name}", f"#SBATCH --nodes={s.nodes}",

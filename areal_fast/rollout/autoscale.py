@@ -33,9 +33,9 @@ What it does:
   removed ones gone) and then ``settle_steps`` full steps measured after it; a load that swings
   faster than that averages out inside the window. The dead band between ``idle_low`` and
   ``idle_high``, and ``keep`` below ``headroom``, keep a change from undoing the last one;
-- **gives up on a start**: servers added but still not in the pool ``start_timeout_steps`` steps later
-  (a slot that cannot start: no GPU, a broken node) are taken back (the target drops to the pool),
-  and no increase follows for as many steps again;
+- **gives up on a start**: servers added but still not in the pool after ``start_timeout_s`` seconds of
+  trainer steps (a slot that cannot start: no GPU, a broken node) are taken back (the target drops to
+  the pool), and no increase follows for as long again;
 - **bounds**: ``min_servers`` .. ``max_servers`` of the config, narrowed by a person's bound
   (``areal-fast scale RUN N`` pins both to N; :meth:`AutoscalePolicy.set_hand_bound`). A target outside
   the bounds moves inside at once.
@@ -76,6 +76,11 @@ class Reading:
     """Mean answer tokens of a trained sample."""
     gen_tokens_per_s: float = 0.0
     """Tokens the servers generated per second since the last step (0: not measured)."""
+
+    @property
+    def seconds(self) -> float:
+        """The step's wall time: waiting, training and the weight sync."""
+        return self.wait_s + self.train_s + self.sync_s
 
 
 @dataclass(frozen=True)
@@ -118,8 +123,8 @@ class AutoscalePolicy:
         self.window: list[Reading] = []
         self.rate: tuple[float, float] | None = None  # (tokens/s per server, gen length) when gen was the bottleneck
         self.changes = 0
-        self.waited = 0  # steps the pool has been short of (below) the target
-        self.no_up_until = 0  # no increase before this step (after a start given up)
+        self.waited_s = 0.0  # step seconds the pool has been short of (below) the target
+        self.no_up_s = 0.0  # step seconds left before an increase may follow a start given up
 
     # ------------------------------------------------------------- bounds
     def bounds(self) -> tuple[int, int]:
@@ -152,16 +157,17 @@ class AutoscalePolicy:
             return self._change(self._clamp(self.target), f"bound {lo}..{hi}", base, {})
         if r.changing or r.servers != self.target:
             self.window.clear()
-            self.waited = self.waited + 1 if r.servers < self.target else 0
-            timeout = self.cfg.start_timeout_steps
-            if self.waited > timeout:
-                self.waited, self.no_up_until = 0, r.step + timeout
+            self.no_up_s = max(0.0, self.no_up_s - r.seconds)
+            self.waited_s = self.waited_s + r.seconds if r.servers < self.target else 0.0
+            timeout = self.cfg.start_timeout_s
+            if self.waited_s > timeout:
+                self.waited_s, self.no_up_s = 0.0, timeout
                 return self._change(max(r.servers, lo), f"gave up: {self.target - r.servers} added server(s) not in "
-                                    f"the pool after {timeout} steps; no increase before step {self.no_up_until}",
-                                    base, {})
+                                    f"the pool after {timeout:g} s; no increase for {timeout:g} s", base, {})
             return Decision(**base, target=self.target, change=0,
                             reason=f"waiting: {r.servers} of {self.target} servers in the pool")
-        self.waited = 0
+        self.waited_s = 0.0
+        self.no_up_s = max(0.0, self.no_up_s - r.seconds)
         self.window.append(r)
         if len(self.window) <= self.cfg.settle_steps:  # the first step may have begun before the change
             return Decision(**base, target=self.target, change=0,
@@ -182,9 +188,9 @@ class AutoscalePolicy:
             g = self.rate[0] if self.rate and abs(glen / self.rate[1] - 1) <= RATE_LENGTH_TOLERANCE else None
         read = {"idle": idle, "buffer_batches": buf, "staleness_fraction": stale,
                 "gen_tokens_per_s_per_server": g, "gen_len_mean": glen, "window_steps": len(w)}
-        if idle > self.cfg.idle_high and n < hi and r.step < self.no_up_until:
-            return Decision(**base, target=n, change=0, reason=f"hold: trainer idle {idle:.0%}, but no increase before "
-                            f"step {self.no_up_until} (a start was given up)", **read)
+        if idle > self.cfg.idle_high and n < hi and self.no_up_s > 0:
+            return Decision(**base, target=n, change=0, reason=f"hold: trainer idle {idle:.0%}, but no increase for "
+                            f"{self.no_up_s:.0f} s more (a start was given up)", **read)
         if idle > self.cfg.idle_high and n < hi:
             want = self._balanced(g, tokens, T, S, n, hi)
             cap = n + max(1, math.ceil(n * self.cfg.max_step_fraction))

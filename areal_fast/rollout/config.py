@@ -91,9 +91,9 @@ class AutoscaleConfig:
     """Servers removed by one decrease, as a fraction of the count (one at least)."""
     max_step_fraction: float = option(0.5, gt=0)
     """Servers added by one increase, at most this fraction of the count (one at least)."""
-    start_timeout_steps: int = option(20, ge=1)
-    """Steps the policy waits for servers it added to join the pool; past it the increase is taken
-    back (the target drops to the servers in the pool) and none follows for as many steps again."""
+    start_timeout_s: float = option(900.0, gt=0)
+    """Seconds (of trainer steps) the policy waits for servers it added to join the pool; past it the
+    increase is taken back (the target drops to the servers in the pool) and none follows for as long again."""
 
     def __post_init__(self):
         check_rules(self)

@@ -9,7 +9,8 @@ real Slurm is ``test_slurm_e2e.py``.
 - a trainer rank's rendezvous: rank 0 publishes its address, the others read it, each gets what
   torchrun would set (its node's share of the tasks read from Slurm's compressed list); a requeued
   job's ranks never read the previous attempt's address;
-- a hung server step is killed with ``scancel`` (killing its srun would leave the step running);
+- a hung server step is killed with ``scancel`` (killing its srun would leave the step running); a removed
+  server step that outlives its grace is killed while an added one waits for its room;
 - ``areal-fast slurm-script`` writes an sbatch script sized for the run that resumes it when
   submitted again.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -211,6 +213,49 @@ def test_a_removed_server_step_is_signalled_with_scancel_without_waiting(monkeyp
     p.returncode = 0  # its srun ended
     launcher.begin_stop(p)
     assert len(calls) == 1
+
+
+def test_a_removed_step_outliving_its_grace_is_killed_while_a_new_step_waits_for_its_room(tmp_path, monkeypatch):
+    """A removal then an addition (the server-count policy) in an allocation sized for the servers: the
+    added server's step waits for the room the removed step holds until it ends. A removed step that
+    ignores its SIGTERM past ``slurm.grace`` is killed while the new step waits (the server supervisor,
+    which would kill it, is the caller blocked in the start), so the new step starts then, not after
+    ``slurm.start_timeout`` (a failed start)."""
+    from areal_fast.elastic.members import write_json
+
+    class Srun:  # a step's srun on this machine: exits when its step is killed
+        def __init__(self):
+            self.rc = None
+
+        def poll(self):
+            return self.rc
+
+        def send_signal(self, sig):
+            self.rc = -sig
+
+    calls, started = [], tmp_path / "server2.step.json"
+
+    def scancel(cmd, **kw):
+        calls.append(cmd)
+        if cmd == ["scancel", "--signal", "KILL", "5.1"]:  # the removed step is gone: the new one gets its room
+            removed.extra["srun"].rc = 137
+            write_json(started, {"node": "n1", "pid": 2**22 + 9, "step": "5.2", "host": "127.0.0.1", "port": 8000})
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(slurm.subprocess, "run", scancel)
+    launcher = object.__new__(slurm.SlurmLauncher)  # no allocation needed
+    launcher.cfg, launcher.procs, launcher.log_dir = SlurmConfig(grace=0.2, start_timeout=5), [], tmp_path
+    removed = slurm.SlurmStep(name="server1", log_path=Path("/nonexistent"), pid=2**22 + 7, critical=False)
+    removed.extra.update(step="5.1", srun=Srun())
+    added = slurm.SlurmStep(name="server2", log_path=Path("/nonexistent"), critical=False)
+    added.extra.update(srun=Srun(), started_file=started)
+    launcher.procs += [removed, added]
+    launcher.begin_stop(removed)  # SIGTERM, which it ignores
+    t0 = time.monotonic()
+    launcher.wait_started([added])
+    assert calls == [["scancel", "--signal", "TERM", "5.1"], ["scancel", "--signal", "KILL", "5.1"]]
+    assert added.step == "5.2" and added.url == "http://127.0.0.1:8000" and not removed.alive()
+    assert time.monotonic() - t0 < 4, "started only near slurm.start_timeout"
 
 
 def test_slurm_script_sizes_the_allocation_for_the_most_servers_the_policy_may_start(tmp_path):

@@ -6,8 +6,16 @@ slurmd on this machine): the tiny recipe, shrunken, submitted with ``sbatch`` as
   relaunched step serving the current weights (strict staleness 1: the old weights' samples could
   not be trained); then the trainer step's rank is killed with SIGKILL, the job fails with its
   checkpoint complete, and the same script submitted again resumes: every step trained exactly once;
-- servers and trainer ranks in separate allocations (``slurm.server_job``): ``scancel`` of the run's
-  job stops every step of both, and no process of the run is left.
+- servers and trainer ranks in separate allocations (``slurm.server_job``), the server count set by the
+  policy (``rollout.autoscale``, ``docs/autoscale.md``) on the growing-answers task of
+  ``test_autoscale_e2e.py``: it removes one of two server steps while answers are short (the step
+  cancelled) and adds one back once they are long (a new step of the servers' allocation, which joins
+  the pool), staleness within the bound and every prompt group trained once through both changes; then
+  ``scancel`` of the run's job stops every step of both allocations, and no process of the run is left;
+- the allocation ``areal-fast slurm-script`` writes for ``rollout.autoscale`` holds the policy's most
+  server steps beside the trainer step, all running at once.
+
+Each run starts from the session's warm start of the shrunken task (``tiny_warm_start``).
 """
 
 from __future__ import annotations
@@ -21,11 +29,13 @@ import time
 from pathlib import Path
 
 import pytest
+from e2e_runs import ETA, seed_run_dir
 from test_e2e import EXAMPLE, ROOT, TINY, _train_events
 
 from areal_fast.checkpoint import HANG_AFTER_CHECKPOINT_ENV
 
 pytestmark = pytest.mark.slow
+TINY_GROUP_SIZE = 2  # rollout.group_size of TINY
 TIMEOUT_S = 240  # imports of three interpreters, the warm start and a few steps on a busy 2-core machine
 from bench.common import proc_alive  # noqa: E402
 
@@ -83,8 +93,9 @@ def _events(out: Path) -> list[dict]:
     return _train_events(out) if (out / "metrics.jsonl").is_file() else []
 
 
-def test_killed_server_step_is_relaunched_and_a_killed_trainer_resumes_exactly_once(tmp_path, real_slurm):
-    out, steps = tmp_path / "run", 8
+def test_killed_server_step_is_relaunched_and_a_killed_trainer_resumes_exactly_once(tmp_path, real_slurm,
+                                                                                   tiny_warm_start):
+    out, steps = seed_run_dir(tiny_warm_start, tmp_path / "run"), 8
     script = _script(tmp_path, out, f"experiment.total_steps={steps}", "weights.method=distributed")
     # the first job holds still right after checkpoint steps - 1 (a test hook): the trainer kill lands there
     before = set(real_slurm.jobs())
@@ -156,25 +167,172 @@ def _killed_server_then_trainer(real_slurm, script: Path, out: Path, job: str, s
     assert not list((out / "slurm").glob("rendezvous-*")), "a rendezvous file outlived its launcher"
 
 
-def test_scancel_stops_every_step_of_servers_and_trainers_in_separate_allocations(tmp_path, real_slurm):
-    servers_job = real_slurm.run(["sbatch", "--parsable", "-n1", "-c2", f"--output={tmp_path}/holder-%j.out",
-                                   "--wrap", "sleep 600"]).stdout.strip()
-    out = tmp_path / "run"
+# In the allocation of the script: the launcher's steps of a server's and of the trainer's size, each a
+# process that only waits, all started at once (``wait_started``), and the policy's room check against the
+# job as scontrol describes it; the outcome written to <output_dir>/fit.json.
+_FIT = """
+import json, sys
+from areal_fast.config import load_config
+from areal_fast.launch import slurm
+
+cfg = load_config(sys.argv[1], [a for a in sys.argv[2:] if not a.startswith("--")])
+out, most = cfg.experiment.out, cfg.rollout.autoscale.max_servers
+launcher = slurm.SlurmLauncher(out / "logs", cfg.slurm, run_dir=out)
+waits = {"kind": "ranks", "cmd": [sys.executable, "-c", "import time; time.sleep(600)"], "rendezvous": ""}
+result = {}
+try:
+    cpus, gpus = slurm.server_step_size(cfg.slurm, cfg.rollout)
+    steps = [launcher._launch(f"server{i}", launcher.server_job, waits, ntasks=1, cpus=cpus, gpus=gpus, extra=[],
+                              env={}, critical=False) for i in range(most)]
+    cpus, gpus = slurm.rank_step_size(cfg.slurm, cfg.train)
+    steps.append(launcher._launch("trainer", launcher.job, waits, ntasks=cfg.train.world_size, cpus=cpus, gpus=gpus,
+                                  extra=[], env={}, critical=True, nodes=None))
+    launcher.wait_started(steps, timeout=60)  # a deadline, reached only when a step finds no room
+    result["running"] = [p.step for p in steps]
+    launcher._check_policy_room(cfg.rollout, most)
     try:
-        script = _script(tmp_path, out, "experiment.total_steps=100000", "checkpoint.every_steps=0",
-                         f"slurm.server_job={servers_job}")
+        launcher._check_policy_room(cfg.rollout, most + cfg.train.world_size + 1)
+    except ValueError as e:
+        result["refused"] = str(e)
+except Exception as e:
+    result["error"] = f"{type(e).__name__}: {e}"
+finally:
+    launcher.shutdown()
+    (out / "fit.json").write_text(json.dumps(result))
+"""
+
+
+def test_the_allocation_of_slurm_script_holds_the_most_servers_the_policy_may_start(tmp_path, real_slurm):
+    """``areal-fast slurm-script`` with ``rollout.autoscale`` sizes the allocation for ``max_servers``
+    server steps beside the trainer step, not for the servers the run starts with: in the allocation it
+    writes, steps of the launcher's sizes for all of them run at once (sized for the start, the added
+    servers' steps would wait for room until ``slurm.start_timeout``), and the launcher's check of the
+    policy's room reads the job's size from the real ``scontrol``: the most fits, more is refused."""
+    out, probe = tmp_path / "run", tmp_path / "fit.py"
+    probe.write_text(_FIT)
+    script = _script(tmp_path, out, "rollout.n_servers=1", "rollout.autoscale.enabled=true",
+                     "rollout.autoscale.max_servers=3")
+    lines = script.read_text().splitlines()
+    train = next(i for i, x in enumerate(lines) if x.startswith("exec "))
+    assert " -m areal_fast.cli train " in lines[train], lines[train]
+    lines[train] = lines[train].replace(" -m areal_fast.cli train ", f" {probe} ")  # the same config, the probe
+    script.write_text("\n".join(lines) + "\n")
+    job = _sbatch(real_slurm, script)
+    _wait_gone(real_slurm, job)
+    fit = json.loads((out / "fit.json").read_text()) if (out / "fit.json").is_file() else {"error": _job_out(out, job)}
+    assert "error" not in fit, fit["error"]
+    assert len(set(fit["running"])) == 4 and all(s.startswith(f"{job}.") for s in fit["running"]), fit
+    assert "rollout.autoscale.max_servers: 5 server steps need CPU 5 (job" in fit["refused"], fit
+
+
+# the server-count policy's run (``test_e2e.TINY`` with the growing-answers task, as test_autoscale_e2e.py)
+SWITCH = 6  # the weight version from which answers are long
+AUTOSCALE = ["rollout.n_servers=2", "rollout.workflow=tools.autoscale_task:growing_answers",
+             f"rollout.workflow_args.switch={SWITCH}", "log.samples=true",
+             "rollout.autoscale.enabled=true", "rollout.autoscale.min_servers=1", "rollout.autoscale.max_servers=2",
+             "rollout.autoscale.settle_steps=1",
+             # the tiny run's signals (test_autoscale_e2e.py): a whole batch waiting is full, any staleness stale
+             "rollout.autoscale.buffer_high=1", "rollout.autoscale.stale_high=0.01"]
+
+
+def _changes(out: Path) -> list[dict]:
+    """The policy's decisions that changed the count (``kind: autoscale`` records of metrics.jsonl)."""
+    try:
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    except OSError:
+        return []
+    return [r for r in rows if r.get("kind") == "autoscale" and r["autoscale/change"]]
+
+
+def _checkpointed(out: Path) -> int:
+    """The newest checkpoint's step (0: none; retention may delete one as it is read)."""
+    from areal_fast.checkpoint import CorruptCheckpoint, latest_checkpoint, read_state
+
+    try:
+        ck = latest_checkpoint(out / "checkpoints")
+        return read_state(ck)["version"] if ck is not None else 0
+    except (OSError, CorruptCheckpoint):
+        return 0
+
+
+def test_the_policy_removes_and_adds_server_steps_and_scancel_stops_every_step_of_both_allocations(
+        tmp_path, real_slurm, tiny_warm_start):
+    """Servers and trainer ranks in separate allocations (``slurm.server_job``), the server count set by
+    the policy (``rollout.autoscale``, the growing-answers task of ``test_autoscale_e2e.py``): while the
+    answers are short it removes one of the two server steps (its step cancelled), once they are long it
+    adds one back, a new step of the servers' allocation that joins the pool; staleness within the bound
+    on every step, every prompt group trained once or held at the last checkpoint. Then ``scancel`` of the
+    run's job stops every step of both allocations, the added one included, and no process of the run is
+    left."""
+    # room for the policy's two server steps of 1 CPU and one more: the added step starts while the removed one
+    # is still exiting (in an allocation with room for two, it waits for that: test_slurm.py)
+    servers_job = real_slurm.run(["sbatch", "--parsable", "-n1", "-c3", f"--output={tmp_path}/holder-%j.out",
+                                   "--wrap", "sleep 600"]).stdout.strip()
+    out = seed_run_dir(tiny_warm_start, tmp_path / "run")
+    try:
+        script = _script(tmp_path, out, "experiment.total_steps=100000", f"slurm.server_job={servers_job}",
+                         *AUTOSCALE)
         job = _sbatch(real_slurm, script)
-        _wait(lambda: _step(out, "server0") and _step(out, "trainer"), real_slurm, job, "the trainer step", out=out)
-        server, trainer = _step(out, "server0"), _step(out, "trainer")
-        assert server["step"].startswith(f"{servers_job}.") and trainer["step"].startswith(f"{job}.")
+        _wait(lambda: _step(out, "server0") and _step(out, "server1") and _step(out, "trainer"), real_slurm, job,
+              "the trainer step", out=out)
+        first, removed, trainer = _step(out, "server0"), _step(out, "server1"), _step(out, "trainer")
+        assert first["step"].startswith(f"{servers_job}.") and removed["step"].startswith(f"{servers_job}.")
+        assert trainer["step"].startswith(f"{job}.")
+        _wait(lambda: [c["autoscale/change"] for c in _changes(out)][:1] == [-1], real_slurm, job,
+              "the policy to remove a server", out=out)
+        _wait(lambda: removed["step"] not in real_slurm.steps() and not proc_alive(removed["pid"]), real_slurm, job,
+              "the removed server's step to end", out=out)
+        _wait(lambda: [c["autoscale/change"] for c in _changes(out)][:2] == [-1, 1], real_slurm, job,
+              "the policy to add one back", out=out)
+        added_at = _changes(out)[1]["step"]
+
+        def joined():
+            return [e for e in _events(out) if e["step"] > added_at and e.get("sync/servers") == 2]
+
+        _wait(joined, real_slurm, job, "the added server to join the pool", out=out)
+        _wait(lambda: _checkpointed(out) >= joined()[0]["step"], real_slurm, job,
+              "a checkpoint of a step on the grown pool", out=out)
+        names = [m["name"] for m in json.loads((out / "servers" / "members.json").read_text())["servers"]]
+        added = [_step(out, n) for n in names if n != "server0"]  # its slot's name, or the next free slot's
+        assert len(added) == 1 and added[0]["step"].startswith(f"{servers_job}.") and \
+            added[0]["step"] not in (first["step"], removed["step"]), (names, added)  # a new step of the servers' job
+        assert sorted(real_slurm.steps()) == sorted([first["step"], added[0]["step"], trainer["step"]])
+
         real_slurm.run(["scancel", job])
         _wait_gone(real_slurm, job)
+        pids = [first["pid"], added[0]["pid"], trainer["pid"]]
         deadline = time.monotonic() + 30
-        while (real_slurm.steps() or proc_alive(server["pid"]) or proc_alive(trainer["pid"])) and \
-                time.monotonic() < deadline:
+        while (real_slurm.steps() or any(proc_alive(p) for p in pids)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert real_slurm.steps() == [], real_slurm.run(["squeue", "-s"]).stdout
-        assert not proc_alive(server["pid"]) and not proc_alive(trainer["pid"])
+        assert not [p for p in pids if proc_alive(p)]
         assert servers_job in real_slurm.jobs()  # the other allocation itself is the user's
     finally:
         real_slurm.run(["scancel", servers_job], check=False)
+    _policy_checks(out, added_at)
+
+
+def _policy_checks(out: Path, added_at: int) -> None:
+    """What ``test_autoscale_e2e.py`` checks of the local run, for the Slurm one."""
+    from areal_fast.buffer import checkpoint_groups
+    from areal_fast.checkpoint import latest_checkpoint, read_state
+    from tools.chaos_lib import account
+
+    events = _events(out)
+    removal, addition = _changes(out)[:2]
+    assert removal["step"] < SWITCH <= added_at, _changes(out)  # fewer while short, more once long
+    assert [e["step"] for e in events] == list(range(1, len(events) + 1))
+    assert all(e["staleness_max"] <= ETA for e in events), [e["staleness_max"] for e in events]
+    assert any(e.get("sync/servers") == 1 for e in events if removal["step"] < e["step"] <= added_at)
+    assert all("sync/broadcast_s" in e and "sync/disk_sync_s" not in e for e in events)
+    ck = latest_checkpoint(out / "checkpoints")
+    st = read_state(ck)
+    upto = [e for e in events if e["step"] <= st["version"]]
+    per_group = {int(g["position"]): len(g["samples"])
+                 for r in (json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines() if x.strip())
+                 for g in r.get("groups", []) if g.get("position") is not None}
+    acc = account(upto, st, [g.position for g in checkpoint_groups(ck, st)], per_group, TINY_GROUP_SIZE)
+    assert acc.ok and acc.trained > 0, acc.to_dict()
+    assert "generation runs ahead" in removal["reason"] and "trainer idle" in addition["reason"]
+    text = (out / "logs" / "controller.log").read_text()
+    assert "autoscale: servers 2 -> 1" in text and "autoscale: servers 1 -> 2" in text

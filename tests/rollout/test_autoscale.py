@@ -111,23 +111,25 @@ def test_nothing_is_decided_until_the_pool_holds_the_target():
 
 
 def test_servers_that_never_start_are_given_up_and_no_increase_follows_for_a_while():
-    p = AutoscalePolicy(cfg(start_timeout_steps=5), 4)
+    p = AutoscalePolicy(cfg(start_timeout_s=100.0), 4)  # a step here: 11 s busy + the waiting
     for s in (1, 2, 3):
         p.step(reading(s, 4, idle=0.5))
     assert p.target == 6
-    got = [p.step(reading(s, 4, idle=0.5, changing=True)) for s in range(4, 10)]
-    assert all(d.change == 0 for d in got[:5])
-    assert got[5].change == -2 and got[5].target == 4 and got[5].reason.startswith("gave up: 2 added server(s)")
-    # the pool at its target again, the trainer still waiting: held until step 9 + 5, then up again
-    later = {s: p.step(reading(s, 4, idle=0.5)) for s in range(10, 18)}
-    assert all(later[s].change == 0 for s in range(10, 14))
-    assert "no increase before step 14" in later[13].reason
-    assert later[14].change > 0
-    # a pool that reaches its target in time is not given up
-    q = AutoscalePolicy(cfg(start_timeout_steps=5), 4)
+    got = [p.step(reading(s, 4, idle=0.5, changing=True)) for s in range(4, 9)]  # 22 s a step
+    assert all(d.change == 0 for d in got[:4])  # 88 s
+    assert got[4].change == -2 and got[4].target == 4 and got[4].reason.startswith("gave up: 2 added server(s)")
+    # the pool at its target again, the trainer still waiting: no increase for 100 s, then up again
+    later = [p.step(reading(s, 4, idle=0.5)) for s in range(9, 14)]  # 78, 56, 34, 12, 0 s left
+    assert [d.change for d in later[:4]] == [0] * 4
+    assert "no increase for 12 s more" in later[3].reason
+    assert later[4].change > 0
+    # a pool that joins within the time is not given up, however many (short) steps that takes
+    q = AutoscalePolicy(cfg(start_timeout_s=100.0), 4)
     for s in (1, 2, 3):
         q.step(reading(s, 4, idle=0.5))
-    assert [q.step(reading(s, 4, idle=0.5, changing=True)).change for s in range(4, 9)] == [0] * 5
+    fast = Reading(**{**reading(4, 4, idle=0.5, changing=True).__dict__, "wait_s": 0.1, "train_s": 0.1,
+                      "sync_s": 0.0})
+    assert all(q.step(fast).change == 0 for _ in range(400))  # 80 s in 400 steps
     assert q.step(reading(9, 6, idle=0.5)).change == 0 and q.target == 6
 
 
