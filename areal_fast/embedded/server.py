@@ -48,7 +48,7 @@ from areal_fast.embedded.scheduler import DuplicateRid, Request, Scheduler, Sche
 from areal_fast.embedded.weight_routes import FLUSH_REFUSED, WeightUpdateRoutes  # noqa: F401
 from areal_fast.embedded.weight_sync import DEFAULT_GROUP_TIMEOUT_S, WeightReceiver, parse_dtype
 from areal_fast.http.auth import AUTH_EXEMPT_PREFIXES
-from areal_fast.http.conn_guard import ConnLimits, authorize
+from areal_fast.http.conn_guard import MAX_UNAUTHENTICATED, ConnLimits, authorize
 from areal_fast.rollout.config import PAUSE_MODES
 from areal_fast.rollout.routed_experts import to_sglang
 
@@ -138,7 +138,10 @@ class EngineServer(WeightUpdateRoutes):
             raise ValueError(f"dist_timeout_s must be > 0, got {dist_timeout_s}")
         self.model_path = model_path
         self.host, self.port, self.api_key = host, port, api_key
-        self.conn_limits = conn_limits or ConnLimits()  # idle connections: http/conn_guard.py
+        # idle connections (http/conn_guard.py); the rollout client opens one connection per request in
+        # flight, up to the requests this engine runs: a run's start burst is its own, not a flood
+        self.conn_limits = conn_limits or ConnLimits(max_unauthenticated=max(MAX_UNAUTHENTICATED,
+                                                                             max_running_requests))
         self.load_format = load_format
         self.launch_weight_version = weight_version
         self.health_check_timeout_s = (DEFAULT_HEALTH_CHECK_TIMEOUT_S if health_check_timeout_s is None

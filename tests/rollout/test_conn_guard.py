@@ -125,6 +125,35 @@ def test_a_burst_of_clients_beyond_the_cap_is_served(capped):
             s.close()
 
 
+def test_the_engine_keeps_as_many_connections_without_a_key_as_requests_it_runs(model_dir, monkeypatch):
+    """The rollout client opens one connection per request in flight (the launcher sizes
+    --max-running-requests to the run's requests in flight): a start burst past the default cap of 64,
+    every connection late with its first request (a loaded controller loop; here the cap's grace is
+    zero), is the engine's own clients, not a flood, and none is closed."""
+    from areal_fast.http import conn_guard
+
+    monkeypatch.setattr(conn_guard, "CAP_GRACE_S", 0.0)
+    n = 80
+    def answer(s: socket.socket) -> int | None:  # None: the engine closed it
+        try:
+            s.sendall(f"GET /server_info HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+            return request_answer(s)
+        except (AssertionError, OSError):
+            return None
+
+    for running in (96, 8):  # 8: the cap stays 64, and the burst past it loses connections
+        h = start_engine_in_thread(model_dir, api_key=KEY, max_running_requests=running)
+        burst = [connect(h.url) for _ in range(n)]
+        try:
+            answers = [answer(s) for s in burst]  # every head only after all connected
+            lost = sum(a != 200 for a in answers)
+            assert lost == 0 if running >= n else lost > 0, (running, answers)
+        finally:
+            for s in burst:
+                s.close()
+            h.stop()
+
+
 _LIMIT_SCRIPT = textwrap.dedent("""
     import resource
     from areal_fast.procutil import raise_nofile_limit
