@@ -78,6 +78,60 @@ def autoscale_row(scenario: str) -> Callable[[], tuple[str, ...]]:
     return figures
 
 
+LOADED_SWEEP = ("20261203_1649", (1, 2))  # docs/autoscale.md's first real-run sweep: its seeds run on a loaded machine
+
+
+def autoscale_real_rows(arm: str | None = None, sweep: tuple | None = None) -> list[dict]:
+    """The rows of one real-run comparison of ``bench_autoscale_real`` (its ``run`` stamp), of ``arm``:
+    ``sweep`` None: the newest; else (stamp, seeds)."""
+    rs = rows("autoscale_real.jsonl")
+    run, seeds = sweep or (rs[-1]["run"], None)
+    return [r for r in rs if r["run"] == run and arm in (None, r["arm"]) and (seeds is None or r["seed"] in seeds)]
+
+
+def _seed_mean(rs: list[dict], key: str) -> float:
+    return sum(r[key] for r in rs) / len(rs)
+
+
+def autoscale_real_arm(arm: str, sweep: tuple | None = None) -> Callable[[], tuple[str, ...]]:
+    """docs/autoscale.md's real-run tables, one arm: servers in the pool (mean over steps), RL wall time (s),
+    held-out exact match at the end and over the evaluations after the start, the largest staleness of any
+    step, the seeds, and the load average's range around the runs; means over the sweep's seeds."""
+    def figures() -> tuple[str, ...]:
+        rs = autoscale_real_rows(arm, sweep)
+        loads = [x for r in rs for x in (r["load_1m_start"], r["load_1m_end"])]
+        return (f"{_seed_mean(rs, 'server_mean'):.2f}", f"{_seed_mean(rs, 'rl_s'):.0f}",
+                f"{_seed_mean(rs, 'eval_final'):.3f}", f"{_seed_mean(rs, 'eval_mean'):.3f}",
+                str(max(r["staleness_max"] for r in rs)), str(len(rs)), f"{min(loads):.1f}", f"{max(loads):.1f}")
+    return figures
+
+
+def autoscale_real_policy(seed: int, sweep: tuple | None = None) -> Callable[[], tuple[str, ...]]:
+    """docs/autoscale.md: one seed's policy run, as a phrase: the servers it held and when it changed them."""
+    def figures() -> tuple[str, ...]:
+        (r,) = [x for x in autoscale_real_rows("policy", sweep) if x["seed"] == seed]
+        held = ", then ".join(f"{n} for {k} steps" for n, k in r["server_steps"])
+        moves = ", ".join(f"{c['target'] - c['change']} -> {c['target']} at step {c['step']}" for c in r["changes"])
+        return (f"seed {seed}: {held} ({moves or 'no change'})",)
+    return figures
+
+
+def autoscale_real_gap(sweep: tuple | None = None) -> Callable[[], tuple[str, ...]]:
+    """The policy's mean final and mean-over-run exact match less the best fixed split's (the fixed arm highest
+    on each), with that arm's server count."""
+    def figures() -> tuple[str, ...]:
+        rs = autoscale_real_rows(None, sweep)
+        fixed = sorted({r["arm"] for r in rs if r["arm"] != "policy"})
+        out = []
+        for key in ("eval_final", "eval_mean"):
+            best = max(fixed, key=lambda a: _seed_mean(autoscale_real_rows(a, sweep), key))
+            gap = _seed_mean(autoscale_real_rows("policy", sweep), key) - _seed_mean(autoscale_real_rows(best, sweep),
+                                                                                      key)
+            out += [f"{gap:+.3f}", best[len("fixed"):]]
+        return tuple(out)
+    return figures
+
+
 def e2e_speedup() -> tuple[str, ...]:
     return (f"{newest('e2e.jsonl')['speedup_tokens_per_s']:.2f}",)
 
@@ -1321,14 +1375,17 @@ FIGURES = [
     Figure("docs/benchmarks.md", "| TRL GRPOTrainer | {} | {} s | {} s | {} | {} |", "vs_trl.jsonl",
            vs_trl_arm("trl")),
     Figure("docs/benchmarks.md", "one-minute load average between {} and {} on", "vs_trl.jsonl", vs_trl_load),
-    Figure("docs/benchmarks.md", "seed 3, the quietest: RL wall time {} s asynchronous, {} s synchronous, {} s TRL; "
-           "exact match 0.8 after {} s, {} s and {} s", "vs_trl.jsonl", vs_trl_seed(3)),
+    Figure("docs/benchmarks.md", "seed 1, the quietest: RL wall time {} s asynchronous, {} s synchronous, {} s TRL; "
+           "exact match 0.8 after {} s, {} s and {} s", "vs_trl.jsonl", vs_trl_seed(1)),
     Figure("docs/benchmarks.md", "a step spent {} s training, {} s in the weight update and {} s waiting",
            "vs_trl.jsonl", vs_trl_split),
     Figure("docs/benchmarks.md", "the median trainer step went from {}-{} s to {}-{} s", "trainer_step.jsonl",
            trainer_step_ab()),
     Figure("docs/benchmarks.md", "on the quieter machine (load average about 1) from {}-{} s to {}-{} s",
            "trainer_step.jsonl", trainer_step_ab("tiny recipe step, A/B, quieter", 3)),
+    Figure("README.md", "120 steps take {} s of RL wall time asynchronously against TRL's {} s, and held-out exact "
+           "match 0.8 comes after {} s against {} s", "vs_trl.jsonl",
+           lambda: tuple(vs_trl_arm(a)()[k] for k in (1, 2) for a in ("async", "trl"))),
     Figure("README.md", "async vs sync on the tiny task {}x", "e2e.jsonl", e2e_speedup),
     Figure("README.md", "at the paper's scale async/sync is {}-{}x", "async_speedup_summary.jsonl",
            sim_paper_scale_range),
@@ -1754,6 +1811,16 @@ FIGURES = [
            autoscale_row("constant")),
     Figure("docs/autoscale.md", "| growing (cap 8k to 32k) | {} | {} ({} GPUs) | {}% | {} |", "autoscale.jsonl",
            autoscale_row("growing")),
+    *(Figure("docs/autoscale.md", f"| {label} | {{}} | {{}} | {{}} | {{}} | {{}} | {{}} | {{}} to {{}} |",
+             "autoscale_real.jsonl", autoscale_real_arm(arm, sweep), after=after)
+      for sweep, after in ((None, "newest sweep"), (LOADED_SWEEP, "first sweep"))
+      for arm, label in (("policy", "policy, 1 to 2 servers"), ("fixed1", "1 server"), ("fixed2", "2 servers"))),
+    *(Figure("docs/autoscale.md", "- {}", "autoscale_real.jsonl", autoscale_real_policy(seed, sweep), whole=True)
+      for sweep, seeds in ((None, (1, 2, 3)), (LOADED_SWEEP, LOADED_SWEEP[1])) for seed in seeds),
+    *(Figure("docs/autoscale.md", "the policy's held-out exact match at the end is {} from the best fixed split's (the "
+             "{}-server one), its mean over the evaluations {} from the best fixed split's (the {}-server one)",
+             "autoscale_real.jsonl", autoscale_real_gap(sweep), after=after)
+      for sweep, after in ((None, "newest sweep"), (LOADED_SWEEP, "first sweep"))),
     *(Figure("docs/parallelism.md", f"| {label} | {{}} | {{}} | {{}} | {{}} | {{}} | {{}} | {{}} |",
              "parallel_cost.jsonl", parallel_counted(arm))
       for arm, label in (("dp", "`dp`: FSDP2 only"), ("ep2", "`ep2`: expert-parallel 2"),
