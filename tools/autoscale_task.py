@@ -5,7 +5,12 @@ then on (the end-of-sequence token is ignored), so generation is cheap and then 
 long-CoT run's answers lengthen.
 
 It runs as the workflow ``tools.autoscale_task:growing_answers`` (``rollout.workflow``); its lengths are
-``rollout.workflow_args``. The run's working directory is the repository root (``tools`` importable)."""
+``rollout.workflow_args``. The run's working directory is the repository root (``tools`` importable).
+
+The answers here are forced, not the model's own (exact match means nothing under it): it is the step in
+cost the real-run test needs at a known version, in a few steps. A task whose answers lengthen by
+themselves, and where exact match is the model's, is the synthetic task's ``data.synthetic.growth``
+(``areal_fast.data.tiny_task``), which the comparison with fixed splits runs (``tools/autoscale_compare.py``)."""
 
 from __future__ import annotations
 

@@ -144,6 +144,13 @@ class DataConfig:
                 check_source(source)
             except ValueError as e:
                 raise ValueError(f"{key}: {e}") from None
+        if self.synthetic.growth.rows:  # the schedule is the training order of the synthetic rows
+            if not self.train.startswith("synthetic:"):
+                raise ValueError(f"synthetic.growth.rows: lengths grow only on a synthetic training set, and "
+                                 f"train is {self.train!r}; set it to 0")
+            if self.shuffle:
+                raise ValueError("shuffle: must be false with synthetic.growth.rows > 0 (the training order is "
+                                 "the growth schedule; each row is already random)")
         if "{prompt}" not in self.prompt_template:
             raise ValueError(f"prompt_template: must contain '{{prompt}}', got {self.prompt_template!r}")
         try:

@@ -9,6 +9,11 @@ minutes, and its answer length (= the input length) follows a log-normal tail
 samples while an asynchronous run keeps generating. That is exactly the regime where AReaL's
 asynchrony pays off.
 
+With ``data.synthetic.growth`` (:class:`LengthGrowthConfig`) the strings lengthen over the run, as a
+long-CoT run's answers do: the centre of the length distribution (mu) moves from ``log_mean`` to
+``growth.end_log_mean`` along the training order (:func:`progress_of`), the held-out rows spread evenly
+over the same range, and the warm start's demonstrations are drawn over all of it.
+
 The reward (:func:`reward`) is importable by name (``areal_fast.data.tiny_task:reward``) so the
 reward service can run it in its worker processes.
 """
@@ -17,13 +22,32 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from areal_fast.configutil import check_rules, option
+from areal_fast.configutil import check_rules, finite_number, option
 
 SEPARATOR = "="
 TRAIN_SEED_OFFSET = 0
 EVAL_SEED_OFFSET = 1_000_003  # a different stream for the held-out split
+
+
+@dataclass(kw_only=True, slots=True)
+class LengthGrowthConfig:
+    """Strings (and so answers) that lengthen over the run, as a long-CoT run's answers do: the
+    centre of the log-normal length distribution moves linearly from ``data.synthetic.log_mean`` to
+    ``end_log_mean`` along the training order. Needs ``data.shuffle: false`` (the order is the schedule)."""
+
+    rows: int = option(0, ge=0)
+    """Training rows over which the centre moves (row i of the training order is at fraction
+    i / rows of the way; later rows stay at the end). A run of S steps takes about S x
+    ``train.batch_size`` rows. 0 = off: the lengths do not change."""
+    end_log_mean: float = 2.0
+    """mu of the log-normal part of the length at the end of the growth (the start is ``log_mean``)."""
+
+    def __post_init__(self):
+        check_rules(self)
+        if not finite_number(self.end_log_mean):
+            raise ValueError(f"end_log_mean: must be a finite number, got {self.end_log_mean!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,6 +68,8 @@ class SyntheticTaskConfig:
     """Training prompts (the order is a seeded permutation; the run cycles through it)."""
     n_eval: int = option(128, ge=0)
     """Held-out prompts (a disjoint seed)."""
+    growth: LengthGrowthConfig = field(default_factory=LengthGrowthConfig)
+    """Lengths that grow over the run (off by default)."""
 
     def __post_init__(self):
         check_rules(self)
@@ -53,15 +79,53 @@ class SyntheticTaskConfig:
             raise ValueError(f"alphabet: must not contain the separator {SEPARATOR!r}")
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"min_len/max_len: need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
+        g = self.growth
+        if g.rows:
+            if g.rows > self.n_train:
+                raise ValueError(f"growth.rows: must be at most n_train ({self.n_train}): the run cycles through "
+                                 f"the training rows, got {g.rows}")
+            end_median = self.min_len + math.exp(g.end_log_mean)
+            if end_median > self.max_len:
+                raise ValueError(f"growth.end_log_mean: the median length at the end, min_len + exp(mu) = "
+                                 f"{end_median:.1f}, is above max_len ({self.max_len}): most strings would be cut "
+                                 f"there, got {g.end_log_mean}")
 
 
-def sample_length(rng: random.Random, cfg: SyntheticTaskConfig) -> int:
-    extra = int(math.exp(rng.gauss(cfg.log_mean, cfg.log_std)))
+def centre(cfg: SyntheticTaskConfig, progress: float) -> float:
+    """mu of the log-normal part of the length at ``progress`` (0: the start, 1: the end of the growth)."""
+    if not cfg.growth.rows:
+        return cfg.log_mean
+    p = min(max(progress, 0.0), 1.0)
+    return cfg.log_mean + p * (cfg.growth.end_log_mean - cfg.log_mean)
+
+
+def median_length(cfg: SyntheticTaskConfig, progress: float = 0.0) -> float:
+    """The median string length at ``progress`` (before the floor: min_len + exp(mu), cut at max_len)."""
+    return min(cfg.min_len + math.exp(centre(cfg, progress)), cfg.max_len)
+
+
+def progress_of(cfg: SyntheticTaskConfig, split: str, i: int) -> float:
+    """Where row ``i`` of a split sits in the growth: a training row at i / ``growth.rows`` (1 past it),
+    a held-out row evenly over the whole range (i / (n_eval - 1)), so the held-out exact match weighs
+    every length of the run alike."""
+    if not cfg.growth.rows:
+        return 0.0
+    if split == "train":
+        return min(i / cfg.growth.rows, 1.0)
+    return i / (cfg.n_eval - 1) if cfg.n_eval > 1 else 0.0
+
+
+def sample_length(rng: random.Random, cfg: SyntheticTaskConfig, progress: float = 0.0) -> int:
+    extra = int(math.exp(rng.gauss(centre(cfg, progress), cfg.log_std)))
     return min(cfg.min_len + extra, cfg.max_len)
 
 
-def make_row(rng: random.Random, cfg: SyntheticTaskConfig) -> dict:
-    s = "".join(rng.choice(cfg.alphabet) for _ in range(sample_length(rng, cfg)))
+def make_row(rng: random.Random, cfg: SyntheticTaskConfig, progress: float | None = None) -> dict:
+    """A row at ``progress`` of the growth; None: anywhere in it (uniform, drawn from ``rng``: the warm
+    start's demonstrations cover the whole range). Without growth the progress changes nothing."""
+    if progress is None:
+        progress = rng.random() if cfg.growth.rows else 0.0
+    s = "".join(rng.choice(cfg.alphabet) for _ in range(sample_length(rng, cfg, progress)))
     return {"prompt": s + SEPARATOR, "answer": s[::-1]}
 
 
@@ -71,7 +135,7 @@ def generate(cfg: SyntheticTaskConfig, split: str, seed: int) -> list[dict]:
         raise ValueError(f"tiny_task.generate: split must be 'train' or 'eval', got {split!r}")
     n = cfg.n_train if split == "train" else cfg.n_eval
     rng = random.Random(seed * 7919 + (TRAIN_SEED_OFFSET if split == "train" else EVAL_SEED_OFFSET))
-    return [make_row(rng, cfg) for _ in range(n)]
+    return [make_row(rng, cfg, progress_of(cfg, split, i)) for i in range(n)]
 
 
 def vocabulary(cfg: SyntheticTaskConfig) -> str:

@@ -99,8 +99,11 @@ def signature(r: Recipe) -> dict:
     if ws["arch"] == "qwen2":  # the dense model's key as before the MoE options existed
         for k in MOE_FIELDS:
             ws.pop(k)
+    task = dataclasses.asdict(r.task)
+    if not task["growth"]["rows"]:  # lengths that do not grow: the key as before the growth option existed
+        task.pop("growth")
     return {"format": SIGNATURE_FORMAT, "warm_start": ws,
-            "task": dataclasses.asdict(r.task), "seed": r.seed,
+            "task": task, "seed": r.seed,
             "max_new_tokens": r.max_new_tokens, "max_len": r.task.max_len,
             "tokenizer": {"chars": tok.chars, "specials": list(SPECIALS)},
             "model": model_kwargs(r, tok), "versions": versions}

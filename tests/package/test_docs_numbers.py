@@ -343,7 +343,7 @@ def mismatch_arm(arm: str) -> Callable[[], tuple[str, ...]]:
 
 
 MISMATCH_SWEEP = "mismatch_ablation_20261128_1002.json"  # docs/mismatch.md's sweep (14 arms x 8 seeds)
-FP8_SWEEP = "mismatch_ablation_20261203_1501.json"  # docs/mismatch.md's FP8 sweep (5 arms x 2 etas x 3 seeds)
+FP8_SWEEP = "mismatch_ablation_20261203_1731.json"  # docs/mismatch.md's FP8 sweep (5 arms x 2 etas x 6 seeds)
 
 
 def mismatch_fp8_arm(arm: str) -> Callable[[], tuple[str, ...]]:
@@ -1228,6 +1228,14 @@ def mismatch_contrast(label: str, key: str, sweep: str = MISMATCH_SWEEP) -> Call
     return figures
 
 
+def fp8_contrast_at(key: str, eta: int) -> tuple[str, ...]:
+    """One FP8 contrast at ``eta``: the mean-over-the-run difference, then the final one with its interval."""
+    x = next(x for x in json.loads((RESULTS / FP8_SWEEP).read_text())["contrasts"][key] if x["eta"] == eta)
+    m, f, h = x["eval_mean_diff_mean"], x["eval_final_diff_mean"], x["eval_final_diff_ci95"]
+    return tuple(f"{v:+.3f}" if i == 0 else f"{v:.3f}" if v < 0 else f"+{v:.3f}" for i, v in
+                 enumerate((m, f, f - h, f + h)))
+
+
 MINIBATCHES4 = "staleness_20261123_1848_minibatches4.json"  # docs/staleness_ablation.md's four-minibatch sweep
 
 
@@ -1759,6 +1767,10 @@ FIGURES = [
       for eta in (0, 4)
       for label, arm in (("none", "none"), ("TIS C = 2", "tis"), ("IcePop [0.5, 2]", "icepop"),
                          ("sequence MIS [0.5, 2]", "seq_mis"), ("M2PO tau = 0.04", "m2po"))),
+    Figure("docs/mismatch.md", "by a hair ({} of mean exact match over the run, final exact match {} [{}, {}])",
+           FP8_SWEEP, lambda: fp8_contrast_at("m2po_fp8_minus_none_fp8", 0)),
+    Figure("docs/mismatch.md", "a cost (final exact match {} [{}, {}]), as it was", FP8_SWEEP,
+           lambda: fp8_contrast_at("seq_mis_fp8_minus_none_fp8", 4)[1:]),
     *(Figure("docs/mismatch.md", "{}", FP8_SWEEP, mismatch_contrast(f"{label}, FP8 serving", key, FP8_SWEEP),
              whole=True)
       for label, key in (("TIS - none", "tis_fp8_minus_none_fp8"), ("IcePop - none", "icepop_fp8_minus_none_fp8"),
