@@ -75,25 +75,32 @@ def test_the_policy_removes_a_server_then_adds_one_as_answers_grow_and_loses_not
     p.send_signal(signal.SIGTERM)
     p.communicate(timeout=START_TIMEOUT_S)
 
+    removal, addition = check_policy_run(out, added_at)
+    assert "generation runs ahead" in removal["reason"] and removal["autoscale/idle"] < 0.03
+    assert "trainer idle" in addition["reason"] and addition["autoscale/idle"] > 0.08
+
+
+def check_policy_run(out: Path, added_at: int, group_size: int = GROUP_SIZE, eta: int = ETA) -> tuple[dict, dict]:
+    """What a run of the policy on the growing-answers task must show, here and on real Slurm
+    (``test_slurm_e2e.py``): a removal while the answers are short and an addition once they are long,
+    steps contiguous, staleness within eta on every step, a step served by one server between the two,
+    every update a broadcast, nothing lost or trained twice up to the last checkpoint (the chaos
+    accounting), both decisions in the run's log. Returns the two decisions."""
     events = _train_events(out)
-    removed_at = _changes(out)[0]["step"]
-    assert removed_at < SWITCH <= added_at, _changes(out)  # fewer while short, more once long
+    removal, addition = _changes(out)[:2]
+    assert removal["step"] < SWITCH <= added_at, _changes(out)  # fewer while short, more once long
     assert [e["step"] for e in events] == list(range(1, len(events) + 1))
-    assert all(e["staleness_max"] <= ETA for e in events), [e["staleness_max"] for e in events]
-    assert any(e.get("sync/servers") == 1 for e in events if removed_at < e["step"] <= added_at)
+    assert all(e["staleness_max"] <= eta for e in events), [e["staleness_max"] for e in events]
+    assert any(e.get("sync/servers") == 1 for e in events if removal["step"] < e["step"] <= added_at)
     assert all("sync/broadcast_s" in e and "sync/disk_sync_s" not in e for e in events)
-    # nothing lost, nothing trained twice: the lineage up to the last checkpoint against its state
     ck = latest_checkpoint(out / "checkpoints")
     st = read_state(ck)
     upto = [e for e in events if e["step"] <= st["version"]]
     per_group = {int(g["position"]): len(g["samples"])
                  for r in (json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines() if x.strip())
                  for g in r.get("groups", []) if g.get("position") is not None}
-    acc = account(upto, st, [g.position for g in checkpoint_groups(ck, st)], per_group, GROUP_SIZE)
+    acc = account(upto, st, [g.position for g in checkpoint_groups(ck, st)], per_group, group_size)
     assert acc.ok and acc.trained > 0, acc.to_dict()
-    # each decision carries what it read, and the run's log says it
-    removal, addition = _changes(out)[:2]
-    assert "generation runs ahead" in removal["reason"] and removal["autoscale/idle"] < 0.03
-    assert "trainer idle" in addition["reason"] and addition["autoscale/idle"] > 0.08
     text = (out / "logs" / "controller.log").read_text()
     assert "autoscale: servers 2 -> 1" in text and "autoscale: servers 1 -> 2" in text
+    return removal, addition

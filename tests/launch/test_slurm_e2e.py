@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 from e2e_runs import ETA, seed_run_dir
+from test_autoscale_e2e import _changes, check_policy_run
 from test_e2e import EXAMPLE, ROOT, TINY, _train_events
 
 from areal_fast.checkpoint import HANG_AFTER_CHECKPOINT_ENV
@@ -235,15 +236,6 @@ AUTOSCALE = ["rollout.n_servers=2", "rollout.workflow=tools.autoscale_task:growi
              "rollout.autoscale.buffer_high=1", "rollout.autoscale.stale_high=0.01"]
 
 
-def _changes(out: Path) -> list[dict]:
-    """The policy's decisions that changed the count (``kind: autoscale`` records of metrics.jsonl)."""
-    try:
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    except OSError:
-        return []
-    return [r for r in rows if r.get("kind") == "autoscale" and r["autoscale/change"]]
-
-
 def _checkpointed(out: Path) -> int:
     """The newest checkpoint's step (0: none; retention may delete one as it is read)."""
     from areal_fast.checkpoint import CorruptCheckpoint, latest_checkpoint, read_state
@@ -309,30 +301,5 @@ def test_the_policy_removes_and_adds_server_steps_and_scancel_stops_every_step_o
         assert servers_job in real_slurm.jobs()  # the other allocation itself is the user's
     finally:
         real_slurm.run(["scancel", servers_job], check=False)
-    _policy_checks(out, added_at)
-
-
-def _policy_checks(out: Path, added_at: int) -> None:
-    """What ``test_autoscale_e2e.py`` checks of the local run, for the Slurm one."""
-    from areal_fast.buffer import checkpoint_groups
-    from areal_fast.checkpoint import latest_checkpoint, read_state
-    from tools.chaos_lib import account
-
-    events = _events(out)
-    removal, addition = _changes(out)[:2]
-    assert removal["step"] < SWITCH <= added_at, _changes(out)  # fewer while short, more once long
-    assert [e["step"] for e in events] == list(range(1, len(events) + 1))
-    assert all(e["staleness_max"] <= ETA for e in events), [e["staleness_max"] for e in events]
-    assert any(e.get("sync/servers") == 1 for e in events if removal["step"] < e["step"] <= added_at)
-    assert all("sync/broadcast_s" in e and "sync/disk_sync_s" not in e for e in events)
-    ck = latest_checkpoint(out / "checkpoints")
-    st = read_state(ck)
-    upto = [e for e in events if e["step"] <= st["version"]]
-    per_group = {int(g["position"]): len(g["samples"])
-                 for r in (json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines() if x.strip())
-                 for g in r.get("groups", []) if g.get("position") is not None}
-    acc = account(upto, st, [g.position for g in checkpoint_groups(ck, st)], per_group, TINY_GROUP_SIZE)
-    assert acc.ok and acc.trained > 0, acc.to_dict()
+    removal, addition = check_policy_run(out, added_at, TINY_GROUP_SIZE, ETA)
     assert "generation runs ahead" in removal["reason"] and "trainer idle" in addition["reason"]
-    text = (out / "logs" / "controller.log").read_text()
-    assert "autoscale: servers 2 -> 1" in text and "autoscale: servers 1 -> 2" in text

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # as a torchrun worker: this folder and tests/ (tolerances)
 
 from _shared import run_ranks  # noqa: E402
-from test_expert_parallel import DEVICES, GPU_FP32, on_cpu  # noqa: E402
+from test_expert_parallel import GPU_FP32, on_cpu  # noqa: E402
 from test_trainer_actor import VOCAB, make_batch, make_tiny_model  # noqa: E402
 from tolerances import (  # noqa: E402
     FP32_GRAD_TOL,
@@ -37,6 +37,9 @@ from tolerances import (  # noqa: E402
 from areal_fast.sample import Sample  # noqa: E402
 from areal_fast.trainer import OptimConfig, PPOActor, PPOConfig, TrainerConfig  # noqa: E402
 from areal_fast.trainer.config import ParallelConfig  # noqa: E402
+
+# the gpu mark stays in this file: the GPU day finds its test files by it (tools/gpu_suite.gpu_test_files)
+DEVICES = [pytest.param("cpu", id="gloo"), pytest.param("cuda", id="nccl", marks=pytest.mark.gpu)]
 
 pytestmark = pytest.mark.slow  # two trainer ranks under torchrun (gloo)
 SHARE = 24  # max_tokens_per_mb of a context-parallel rank: micro-batches of up to 48 tokens on 2 ranks
