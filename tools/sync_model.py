@@ -57,7 +57,7 @@ SECTOR_BYTES = 32  # a scattered 2-byte write costs a 32-byte sector
 LANES_PER_NODE = 8  # an H200 node: 8 GPUs, one 400 Gb/s NIC each
 TRAINER_GPUS = {"Qwen2.5-7B": 8, "Qwen2.5-32B": 16, "Qwen3-30B-A3B": 16, "Qwen3-235B-A22B": 64}  # senders
 
-# other projects' published sync seconds (the issue quotes them; ranges as (low, high))
+# other projects' published sync seconds (ranges as (low, high))
 PUBLISHED = [
     {"source": "verl", "model": "Qwen2.5-7B", "what": "full, taken as one sender", "s": (5.5, 6.0), "use": "fit_one"},
     {"source": "verl", "model": "Qwen2.5-7B", "what": "delta, taken as one sender", "s": (3.9, 4.9), "use": "fit_one"},
@@ -139,11 +139,9 @@ def checks(c: dict) -> list[dict]:
     rows = []
     for p in PUBLISHED:
         m = model_bytes(PARAMS[p["model"]])
-        if p["use"] in ("fit_one", "check_one"):
-            b = delta_bytes(PARAMS[p["model"]]) if "delta" in p["what"] else m
+        if p["use"] in ("fit_one", "check_one", "check_one_delta"):
+            b = delta_bytes(PARAMS[p["model"]]) if p["use"] == "check_one_delta" or "delta" in p["what"] else m
             pred = c["fixed_s_one_sender"] + b / c["sender_bytes_per_s"]
-        elif p["use"] == "check_one_delta":
-            pred = c["fixed_s_one_sender"] + delta_bytes(PARAMS[p["model"]]) / c["sender_bytes_per_s"]
         else:
             pred = c["fixed_s_many"] + m / c["aggregate_bytes_per_s_many"]
         rows.append({"part": "fit" if p["use"].startswith("fit") else "check", "source": p["source"],

@@ -236,14 +236,17 @@ class SendBucket:
     nbytes: int
 
 
-def whole_entries(wires: list[WireTensor], n_ranks: int, which=None) -> dict[int, list[list[Entry]]]:
+def _whole_unit(wt: WireTensor, w: int, n_ranks: int) -> list[Entry]:
+    """Wire tensor ``w`` sent whole: one entry, each rank's piece of it."""
+    return [Entry(wt.name, wt.dtype, wt.shape, w, WHOLE, [wt.piece_elems(r) * wt.dtype.itemsize
+                                                         for r in range(n_ranks)])]
+
+
+def whole_entries(wires: list[WireTensor], n_ranks: int) -> dict[int, list[list[Entry]]]:
     """Per owner, its wire tensors as whole entries (one unit each)."""
     out: dict[int, list[list[Entry]]] = {}
     for w, wt in enumerate(wires):
-        if which is not None and not which(w):
-            continue
-        pieces = [wt.piece_elems(r) * wt.dtype.itemsize for r in range(n_ranks)]
-        out.setdefault(wt.owner, []).append([Entry(wt.name, wt.dtype, wt.shape, w, WHOLE, pieces)])
+        out.setdefault(wt.owner, []).append(_whole_unit(wt, w, n_ranks))
     return out
 
 
@@ -276,8 +279,7 @@ def delta_entries(wires: list[WireTensor], fates: list[str], counts: np.ndarray)
         if fate == SKIP:
             continue
         if fate == WHOLE:
-            pieces = [wt.piece_elems(r) * wt.dtype.itemsize for r in range(n_ranks)]
-            out.setdefault(wt.owner, []).append([Entry(wt.name, wt.dtype, wt.shape, w, WHOLE, pieces)])
+            out.setdefault(wt.owner, []).append(_whole_unit(wt, w, n_ranks))
             continue
         c = [int(x) for x in counts[:, w]]
         n = sum(c)
@@ -371,13 +373,14 @@ class Exchange:
     def _assemble(self, sb: SendBucket, k: int, out: torch.Tensor, splits: list[int], device) -> Bucket:
         data = torch.empty(sb.nbytes, dtype=torch.uint8, device=device)
         pos = 0
+        at = list(sb.offsets)  # where each entry's next rank's piece goes (ranks in order)
         for r in range(self.n):
-            for e, off in zip(sb.entries, sb.offsets):
+            for i, e in enumerate(sb.entries):
                 n = e.pieces[r]
                 if n:
-                    within = off + sum(e.pieces[:r])
-                    data[within : within + n].copy_(out[pos : pos + n])
+                    data[at[i] : at[i] + n].copy_(out[pos : pos + n])
                     pos += n
+                at[i] += n
         return Bucket(k, [e.name for e in sb.entries], [e.dtype for e in sb.entries], [e.shape for e in sb.entries],
                       list(sb.offsets), data)
 

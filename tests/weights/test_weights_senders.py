@@ -45,7 +45,6 @@ def test_sender_ranks_and_owners():
     owner = assign_owners(sizes, [0, 1, 2])
     load = [sum(s for s, o in zip(sizes, owner) if o == k) for k in range(3)]
     assert max(load) <= sum(sizes) / 3 + max(sizes) and sorted(set(owner)) == [0, 1, 2]
-    assert owner == assign_owners(sizes, [0, 1, 2])  # every rank computes the same
 
 
 def test_owners_heap_equals_the_linear_rule():

@@ -174,10 +174,12 @@ class ManySenders:
             pieces = {w: local_piece(src, wt, rank) for w, wt in enumerate(wires) if wt.segs[rank] is not None}
             changes: dict = {}
             if delta_now:
+                # on the trainer's device: the group is NCCL's alone on a CUDA trainer (no CPU tensors)
                 counts = torch.from_numpy(shadow.count(wires, {w: p for w, p in pieces.items() if deltable(wires[w])}))
+                counts = counts.to(self._tensor_device(src))
                 every = [torch.zeros_like(counts) for _ in range(n)]
                 dist.all_gather(every, counts, group=self.group)
-                counts = torch.stack(every).numpy()
+                counts = torch.stack(every).cpu().numpy()
                 fates = decide(wires, counts, cfg.delta_max_changed)
                 units = delta_entries(wires, fates, counts)
                 changes = shadow.commit(wires, fates, pieces, rank)

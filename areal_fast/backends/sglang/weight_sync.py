@@ -337,7 +337,7 @@ class DistributedWeightSync(ManySenders, SGLangWeightSync):
                 log.info("destroying weight update group %s on %s: %s", self._group_name(u), u, e)
             dist.destroy_process_group(pg)
             store.close()
-        self._pairs = {}
+        self._pairs, self._groups_made = {}, False
         if self.pg is not None:
             try:
                 self.http.all(self.urls, "/destroy_weights_update_group", {"group_name": self.config.group_name})

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from areal_fast.backends.vllm.compat import SPARSE_TRANSFER_SINCE, TWIN_TRANSFER_GROUP, VLLMBehaviour
+from areal_fast.backends.vllm.compat import SPARSE_TRANSFER_SINCE, TRANSFER_BACKENDS, TWIN_TRANSFER_GROUP, VLLMBehaviour
 from areal_fast.backends.vllm.requests import (
     finish_transfer_body,
     init_transfer_body,
@@ -124,7 +124,7 @@ def choose_wire(servers: list[VLLMServer], delta: str) -> str:
     """'nccl' (every tensor whole, one broadcast each) or 'sparse_nccl' (patches) for these servers and
     ``weights.delta``; WeightSyncError naming the server where they cannot be served together."""
     backends = {s.transfer_backend for s in servers}
-    odd = [f"{s.url} ({s.transfer_backend})" for s in servers if s.transfer_backend not in ("nccl", "sparse_nccl")]
+    odd = [f"{s.url} ({s.transfer_backend})" for s in servers if s.transfer_backend not in TRANSFER_BACKENDS]
     if odd:
         raise WeightSyncError(f"servers {odd} run a weight-transfer backend our sender does not speak; launch them "
                               f"with --weight-transfer-config '{{\"backend\": \"nccl\"}}' (or sparse_nccl)")
@@ -354,13 +354,15 @@ class VLLMTransferWeightSync(WeightSync):
         if self.wire == "sparse_nccl":
             return self._push_patches(src, dtypes, version, begin)
         order = transfer_order(self._gatherer, src, dtypes)
-        # MoE: the fused expert tensors go as the checkpoint's per-expert tensors (weights/experts.py),
-        # in the same order as _broadcast sends them
-        wire = [(name, shape, t) for t in order for name, shape, _ in split_entries(src.names[t], src.shapes[t])]
-        body = update_transfer_body([n for n, _, _ in wire], [str(dtypes[t]).removeprefix("torch.") for *_, t in wire],
-                                    [list(shape) for _, shape, _ in wire])
         if self._gatherer.encode is not None:  # FP8: the quantised layout, in the order the encoded buckets send it
             body = update_transfer_body(*transfer_wire(self._gatherer.plan(src, dtypes), src, dtypes))
+        else:
+            # MoE: the fused expert tensors go as the checkpoint's per-expert tensors (weights/experts.py),
+            # in the same order as _broadcast sends them
+            wire = [(name, shape, t) for t in order for name, shape, _ in split_entries(src.names[t], src.shapes[t])]
+            body = update_transfer_body([n for n, _, _ in wire],
+                                        [str(dtypes[t]).removeprefix("torch.") for *_, t in wire],
+                                        [list(shape) for _, shape, _ in wire])
         with self._update_session(version):
             begin()
             calls = [(u, self.http.submit(u, "/update_weights", body, what=f"{len(order)} tensors"))
