@@ -117,8 +117,8 @@ class PPOActor:
         self.pmesh = build_mesh(config.parallel, self.world, self.device)
         self.mesh = self.pmesh.fsdp_mesh
         torch.manual_seed(config.seed)
-        tree = self.mesh if config.parallel.trivial else self.pmesh  # build_policy checks the degrees on the model
-        kw = dict(device=self.device, mesh=tree, param_dtype=config.param_dtype, attn_impl=config.attn_impl,
+        # build_policy checks the degrees on the model
+        kw = dict(device=self.device, mesh=self.pmesh, param_dtype=config.param_dtype, attn_impl=config.attn_impl,
                   seed=config.seed)
         self.lora = config.lora  # a LoRA actor: only the adapters train (trainer/lora.py, docs/lora.md)
         self.model = build_policy(config.model_path, gradient_checkpointing=config.gradient_checkpointing,
@@ -304,7 +304,7 @@ class PPOActor:
         if ppo.adv_batch_norm:
             mine = sorted({i for plan in plans for ids, _ in plan for i in ids if i >= 0})
             w = torch.tensor([seqs[i].n_gen for i in mine], dtype=torch.float64)
-            if self.pmesh.cp > 1 and self.pmesh.index("cp"):
+            if self.pmesh.index("cp"):
                 w.zero_()  # a context-parallel group holds its samples on every rank: counted once
             adv = adv.clone()
             adv[mine] = adv_mod.batch_normalize(adv[mine], w, unbiased=ppo.adv_std_unbiased, eps=ppo.adv_eps)
@@ -351,7 +351,7 @@ class PPOActor:
     def _normalizer(self, plan: list) -> float:
         """The loss's denominator for one minibatch over every rank: loss tokens (token-mean) or
         sequences with a loss token (seq-mean-token-mean); at least 1."""
-        if self.pmesh.cp > 1 and self.pmesh.index("cp"):
+        if self.pmesh.index("cp"):
             local = 0  # the ranks of a context-parallel group hold the same micro-batches: counted once
         elif self.loss_config.loss_agg == "token-mean":
             local = sum(int(s.loss_mask.sum()) for _, mb in plan for s in mb)

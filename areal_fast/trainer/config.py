@@ -148,7 +148,7 @@ class ParallelConfig:
 
 
 def check_parallel_model(parallel: ParallelConfig, *, num_experts: int | None, num_heads: int | None,
-                         num_kv_heads: int | None, where: str) -> None:
+                         where: str) -> None:
     """Refuse degrees the model cannot take: ``ep`` must divide the expert count (and needs a
     mixture-of-experts model: ``num_experts`` None or 0 is a dense one), ``cp`` the query head
     count (None: not known here; key/value heads ``cp`` does not divide are repeated on each rank's
@@ -192,15 +192,14 @@ def check_parallel_run(parallel: ParallelConfig, warm_start=None, model_path: st
     if warm_start is not None and warm_start.enabled:
         moe = warm_start.arch == "qwen3_moe"
         check_parallel_model(parallel, num_experts=warm_start.num_experts if moe else 0,
-                             num_heads=warm_start.num_attention_heads, num_kv_heads=warm_start.num_key_value_heads,
+                             num_heads=warm_start.num_attention_heads,
                              where=f"the warm-started model (model.warm_start.arch {warm_start.arch!r})")
         return
     path, cfg = local_model_config(model_path)
     if cfg is None:
         return
     check_parallel_model(parallel, num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
-                         num_heads=cfg.get("num_attention_heads"),
-                         num_kv_heads=cfg.get("num_key_value_heads") or cfg.get("num_attention_heads"), where=path)
+                         num_heads=cfg.get("num_attention_heads"), where=path)
 
 
 @dataclass(kw_only=True, slots=True)

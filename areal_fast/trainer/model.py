@@ -122,7 +122,6 @@ def build_policy(
         check_parallel_model(tmesh, num_experts=getattr(text, "num_experts", None)
                              or getattr(text, "num_local_experts", None),
                              num_heads=getattr(text, "num_attention_heads", None),
-                             num_kv_heads=getattr(text, "num_key_value_heads", None),
                              where=os.path.join(model_path, "config.json"))
         mesh = tmesh.fsdp_mesh
     attn_name = attention.register(attn_impl)

@@ -220,7 +220,7 @@ def test_attention_refuses_a_share_without_the_whole_rows_boundaries(sim):
 # ----------------------------------------------------------------------------------- config
 
 
-def test_config_refuses_whole_sequence_loss_options_under_cp_and_repeats_kv_heads():
+def test_config_refuses_whole_sequence_loss_options_under_cp_and_head_counts_cp_does_not_divide():
     from areal_fast.ops import PPOLossConfig
     from areal_fast.trainer.config import ParallelConfig, PPOConfig, TrainerConfig, check_parallel_model
 
@@ -230,9 +230,9 @@ def test_config_refuses_whole_sequence_loss_options_under_cp_and_repeats_kv_head
         with pytest.raises(ValueError, match=f"train.parallel.cp: 2 with train.ppo.loss.{name}"):
             TrainerConfig(world_size=2, parallel=ParallelConfig(cp=2), ppo=PPOConfig(loss=PPOLossConfig(**opt)))
         TrainerConfig(world_size=2, ppo=PPOConfig(loss=PPOLossConfig(**opt)))  # without CP: allowed
-    check_parallel_model(ParallelConfig(cp=2), num_experts=None, num_heads=2, num_kv_heads=1, where="m")
+    check_parallel_model(ParallelConfig(cp=2), num_experts=None, num_heads=2, where="m")
     with pytest.raises(ValueError, match="does not divide the 3 attention heads"):
-        check_parallel_model(ParallelConfig(cp=2), num_experts=None, num_heads=3, num_kv_heads=1, where="m")
+        check_parallel_model(ParallelConfig(cp=2), num_experts=None, num_heads=3, where="m")
 
 
 # ----------------------------------------------------------------------------------- CUDA

@@ -37,6 +37,7 @@ from tolerances import (  # noqa: E402
 from areal_fast.sample import Sample  # noqa: E402
 from areal_fast.trainer import OptimConfig, PPOActor, PPOConfig, TrainerConfig  # noqa: E402
 from areal_fast.trainer.config import ParallelConfig  # noqa: E402
+from areal_fast.trainer.parallel.cost import CollectiveCounter  # noqa: E402
 
 # the gpu mark stays in this file: the GPU day finds its test files by it (tools/gpu_suite.gpu_test_files)
 DEVICES = [pytest.param("cpu", id="gloo"), pytest.param("cuda", id="nccl", marks=pytest.mark.gpu)]
@@ -79,46 +80,6 @@ def step(actor) -> dict:
     return out
 
 
-class Counter:
-    """Bytes a rank sends, by collective: a ring all-gather, reduce-scatter or all-to-all sends
-    (n - 1) / n of the whole buffer from each of n ranks."""
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        from areal_fast.trainer.parallel import context
-
-        self.sent = {"fsdp_all_gather": 0, "fsdp_reduce_scatter": 0, "cp_all_to_all": 0}
-        # (module, function, key, the whole buffer: position, keyword)
-        self._patches = [(dist, "all_gather_single", "fsdp_all_gather", (0, "output_tensor")),
-                         (dist, "reduce_scatter_single", "fsdp_reduce_scatter", (1, "input"))]
-        self._ctx, self._dist = context, dist
-
-    def __enter__(self):
-        self._old = [getattr(m, f) for m, f, _, _ in self._patches] + [self._ctx._exchange["fn"]]
-        for (mod, fn, key, whole), old in zip(self._patches, self._old):
-            def wrapped(*a, _old=old, _key=key, _whole=whole, **kw):
-                group = kw.get("group")
-                n = self._dist.get_world_size(group)
-                t = a[_whole[0]] if len(a) > _whole[0] else kw[_whole[1]]
-                self.sent[_key] += t.numel() * t.element_size() * (n - 1) // n
-                return _old(*a, **kw)
-            setattr(mod, fn, wrapped)
-        old_ex = self._old[-1]
-
-        def exchange(buf, group):
-            n = group.size()
-            self.sent["cp_all_to_all"] += buf.numel() * buf.element_size() * (n - 1) // n
-            return old_ex(buf, group)
-        self._ctx._exchange["fn"] = exchange
-        return self
-
-    def __exit__(self, *exc):
-        for (mod, fn, _, _), old in zip(self._patches, self._old):
-            setattr(mod, fn, old)
-        self._ctx._exchange["fn"] = self._old[-1]
-
-
 def micro_batch_cost(actor, share: bool) -> dict:
     """One micro-batch of the whole batch (loss forward and backward) on this rank: the bytes of the
     tensors autograd saves (parameters excluded; a storage once) and the bytes each collective sends.
@@ -140,12 +101,14 @@ def micro_batch_cost(actor, share: bool) -> dict:
         return t
 
     actor.model.train()
-    with Counter() as c, actor._cp_block() if share else contextlib.nullcontext():
+    with CollectiveCounter() as c, actor._cp_block() if share else contextlib.nullcontext():
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             out = actor.model(actor._loss_fn(p, 1.0, 0), *p.model_args())
         out[0].backward()
     actor.optimizer.zero_grad(set_to_none=True)
-    return {"tokens": full.n_tokens, "rank_tokens": p.input_ids.numel(), "saved_bytes": saved[0], **c.sent}
+    return {"tokens": full.n_tokens, "rank_tokens": p.input_ids.numel(), "saved_bytes": saved[0],
+            "fsdp_all_gather": c.sent["all_gather_single"], "fsdp_reduce_scatter": c.sent["reduce_scatter_single"],
+            "cp_all_to_all": c.sent["all_to_all_single"]}
 
 
 def one_rank_steps(paths, device="cpu"):
