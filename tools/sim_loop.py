@@ -175,11 +175,8 @@ class Loop:
     _buffer_at_ask = 0
 
     def _decide(self, row: dict) -> None:
-        r = Reading(step=row["step"], servers=self.pool, changing=bool(self.starting), wait_s=row["wait_s"],
-                    train_s=row["train_s"], sync_s=row["sync_s"], tokens=row["tokens"],
-                    buffer_groups=row["buffer_at_ask"], batch_groups=self.B, eta=self.eta,
-                    staleness_mean=row["staleness_mean"], gen_len_mean=row["gen_len_mean"],
-                    gen_tokens_per_s=row["gen_tokens_per_s"])
+        r = Reading.from_record(row, servers=self.pool, changing=bool(self.starting), batch_groups=self.B,
+                                eta=self.eta)
         d = self.policy.step(r)
         row.update(target=d.target, change=d.change, reason=d.reason)
         if d.change > 0:  # GPUs leave the trainer at its next step; the servers start now

@@ -94,9 +94,6 @@ def main(argv=None) -> None:
     json.dump({"rl_s": rl_s, "evals": evals, "eval_s": eval_s[0]}, open(a.out, "w"))
 
 
-if __name__ == "__main__":
-    main()
-
 
 def _areal_arm(recipe: str, out: str, seed: int, steps: int, extra: list[str]) -> dict:
     """One areal_fast run of the recipe; RL wall time and eval times without the evaluations."""
@@ -149,3 +146,7 @@ def compare(out_dir: str, seeds: list[int], steps: int, target: float, recipe: s
                    "elapsed_s": res.get("elapsed_s")}
             print(json.dumps({k: v for k, v in row.items() if k != "evals"}), flush=True)
             yield row
+
+
+if __name__ == "__main__":
+    main()

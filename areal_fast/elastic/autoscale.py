@@ -66,9 +66,6 @@ class Autoscaler:
         self.policy = AutoscalePolicy(cfg, servers)
         self.last: Decision | None = None
         self._hand_seen: tuple[int, int] | None = None
-        self._t_last: float | None = None
-        self._gen_last = 0
-        self.decisions: list[Decision] = []
         self._written: int | None = None  # the target this autoscaler wrote last
         self._apply_hand(step=0)
         self._write_state()
@@ -81,11 +78,8 @@ class Autoscaler:
             len(members) != self.policy.target
 
     def reading(self, m: dict) -> Reading:
-        return Reading(step=int(m["step"]), servers=len(self.rollout.urls), changing=self._changing(),
-                       wait_s=float(m["wait_s"]), train_s=float(m["train_s"]), sync_s=float(m["sync_s"]),
-                       tokens=int(m["tokens"]), buffer_groups=int(m.get("buffer_at_ask", m.get("buffer", 0))),
-                       batch_groups=self.batch_groups, eta=self.eta, staleness_mean=float(m["staleness_mean"]),
-                       gen_len_mean=float(m["gen_len_mean"]), gen_tokens_per_s=float(m.get("gen_tokens_per_s", 0.0)))
+        return Reading.from_record(m, servers=len(self.rollout.urls), changing=self._changing(),
+                                   batch_groups=self.batch_groups, eta=self.eta)
 
     # ------------------------------------------------------------- decisions
     def on_record(self, m: dict) -> None:
@@ -103,7 +97,6 @@ class Autoscaler:
 
     def _act(self, d: Decision) -> None:
         self.last = d
-        self.decisions.append(d)
         if d.change:
             write_target(self.out, Target(d.target))
             self._written = d.target
@@ -123,12 +116,9 @@ class Autoscaler:
         lo, hi = self.policy.bounds()
         log.warning("autoscale: bound %s (servers %d..%d)", f"{hand[0]}..{hand[1]} by hand" if hand else "cleared",
                     lo, hi)
-        if not lo <= self.policy.target <= hi:
-            old = self.policy.target
-            self.policy.target = min(max(old, lo), hi)
-            self.policy.window.clear()
-            self._act(Decision(step=step, servers=len(self.rollout.urls), target=self.policy.target,
-                               change=self.policy.target - old, reason=f"bound {lo}..{hi} by hand", lo=lo, hi=hi))
+        moved = self.policy.into_bounds(step, len(self.rollout.urls), " by hand")
+        if moved is not None:
+            self._act(moved)
 
     async def watch(self, every_s: float = WATCH_S) -> None:
         """Apply a person's bound as soon as ``servers/scale.json`` changes (until cancelled)."""

@@ -26,7 +26,7 @@ Each tick:
    only then enters the pool (``weights.membership``);
 4. a server above the target leaves ``members.json`` first; it is stopped once rank 0's
    ``pool.json`` no longer lists it (its requests have finished or failed over), or after 30 s.
-   With a launcher that can signal a stop without waiting (``begin_stop``: the local one) the tick
+   With a launcher that can signal a stop without waiting (``begin_stop``: the local and Slurm ones) the tick
    sends SIGTERM and goes on, and a later tick SIGKILLs it past ``STOP_GRACE_S``: a server slow to
    exit never holds up the next start (a removal followed by an addition); its slot stays taken
    until it is gone;
@@ -86,7 +86,7 @@ class ServerLauncher(Protocol):
 
     def stop_process(self, p: ServerProcess, grace: float) -> None: ...
 
-    # optional: begin_stop(p) sends the stop signal and returns at once (the local launcher)
+    # optional: begin_stop(p) sends the stop signal and returns at once (the local and Slurm launchers)
 
     def private_dir(self) -> Path: ...  # the launcher's private directory (0700) for key files: part of its API
 TICK_S = 0.5

@@ -105,7 +105,9 @@ def _idle(handler) -> bool:
     """aiohttp's own test of an idle connection (its keep-alive's, ``RequestHandler._process_keepalive``):
     waiting for a request head with none queued. False while a request's head is read and its
     handler has not answered, and before the connection's first wait (the next loop iteration)."""
-    waiter = getattr(handler, "_waiter", None)
+    if not hasattr(handler, "_waiter"):  # an aiohttp without it: every connection counts as idle, as before
+        return True
+    waiter = handler._waiter
     return waiter is not None and not waiter.done()
 
 

@@ -77,6 +77,15 @@ class Reading:
     gen_tokens_per_s: float = 0.0
     """Tokens the servers generated per second since the last step (0: not measured)."""
 
+    @classmethod
+    def from_record(cls, m: dict, *, servers: int, changing: bool, batch_groups: int, eta: int) -> Reading:
+        """A reading from a controller train record ``m`` (the simulator's steps use the same keys)."""
+        return cls(step=int(m["step"]), servers=servers, changing=changing, wait_s=float(m["wait_s"]),
+                   train_s=float(m["train_s"]), sync_s=float(m["sync_s"]), tokens=int(m["tokens"]),
+                   buffer_groups=int(m.get("buffer_at_ask", m.get("buffer", 0))), batch_groups=batch_groups,
+                   eta=eta, staleness_mean=float(m["staleness_mean"]), gen_len_mean=float(m["gen_len_mean"]),
+                   gen_tokens_per_s=float(m.get("gen_tokens_per_s", 0.0)))
+
     @property
     def seconds(self) -> float:
         """The step's wall time: waiting, training and the weight sync."""
@@ -150,11 +159,20 @@ class AutoscalePolicy:
         self.hand = (lo, hi)
 
     # ------------------------------------------------------------- the decision
+    def into_bounds(self, step: int, servers: int, why: str = "") -> Decision | None:
+        """A target outside the bounds moved inside them at once (the decision), else None."""
+        lo, hi = self.bounds()
+        if lo <= self.target <= hi:
+            return None
+        return self._change(self._clamp(self.target), f"bound {lo}..{hi}{why}",
+                            {"step": step, "servers": servers, "lo": lo, "hi": hi}, {})
+
     def step(self, r: Reading) -> Decision:
+        moved = self.into_bounds(r.step, r.servers)
+        if moved is not None:
+            return moved
         lo, hi = self.bounds()
         base = {"step": r.step, "servers": r.servers, "lo": lo, "hi": hi}
-        if not lo <= self.target <= hi:
-            return self._change(self._clamp(self.target), f"bound {lo}..{hi}", base, {})
         if r.changing or r.servers != self.target:
             self.window.clear()
             self.no_up_s = max(0.0, self.no_up_s - r.seconds)

@@ -29,14 +29,13 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_runs import ETA, seed_run_dir
-from test_autoscale_e2e import _changes, check_policy_run
+from e2e_runs import seed_run_dir
+from test_autoscale_e2e import AUTOSCALE, _changes, _checkpointed, check_policy_run
 from test_e2e import EXAMPLE, ROOT, TINY, _train_events
 
 from areal_fast.checkpoint import HANG_AFTER_CHECKPOINT_ENV
 
 pytestmark = pytest.mark.slow
-TINY_GROUP_SIZE = 2  # rollout.group_size of TINY
 TIMEOUT_S = 240  # imports of three interpreters, the warm start and a few steps on a busy 2-core machine
 from bench.common import proc_alive  # noqa: E402
 
@@ -226,27 +225,6 @@ def test_the_allocation_of_slurm_script_holds_the_most_servers_the_policy_may_st
     assert "rollout.autoscale.max_servers: 5 server steps need CPU 5 (job" in fit["refused"], fit
 
 
-# the server-count policy's run (``test_e2e.TINY`` with the growing-answers task, as test_autoscale_e2e.py)
-SWITCH = 6  # the weight version from which answers are long
-AUTOSCALE = ["rollout.n_servers=2", "rollout.workflow=tools.autoscale_task:growing_answers",
-             f"rollout.workflow_args.switch={SWITCH}", "log.samples=true",
-             "rollout.autoscale.enabled=true", "rollout.autoscale.min_servers=1", "rollout.autoscale.max_servers=2",
-             "rollout.autoscale.settle_steps=1",
-             # the tiny run's signals (test_autoscale_e2e.py): a whole batch waiting is full, any staleness stale
-             "rollout.autoscale.buffer_high=1", "rollout.autoscale.stale_high=0.01"]
-
-
-def _checkpointed(out: Path) -> int:
-    """The newest checkpoint's step (0: none; retention may delete one as it is read)."""
-    from areal_fast.checkpoint import CorruptCheckpoint, latest_checkpoint, read_state
-
-    try:
-        ck = latest_checkpoint(out / "checkpoints")
-        return read_state(ck)["version"] if ck is not None else 0
-    except (OSError, CorruptCheckpoint):
-        return 0
-
-
 def test_the_policy_removes_and_adds_server_steps_and_scancel_stops_every_step_of_both_allocations(
         tmp_path, real_slurm, tiny_warm_start):
     """Servers and trainer ranks in separate allocations (``slurm.server_job``), the server count set by
@@ -301,5 +279,5 @@ def test_the_policy_removes_and_adds_server_steps_and_scancel_stops_every_step_o
         assert servers_job in real_slurm.jobs()  # the other allocation itself is the user's
     finally:
         real_slurm.run(["scancel", servers_job], check=False)
-    removal, addition = check_policy_run(out, added_at, TINY_GROUP_SIZE, ETA)
+    removal, addition = check_policy_run(out, added_at)
     assert "generation runs ahead" in removal["reason"] and "trainer idle" in addition["reason"]

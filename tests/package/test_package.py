@@ -41,7 +41,8 @@ def test_a_checkout_does_not_shadow_a_top_level_kernels_package(tmp_path):
     other = tmp_path / "site" / "kernels"
     other.mkdir(parents=True)
     (other / "__init__.py").write_text("CUDAProperties = 'theirs'\n")
-    probe = ("import sys; sys.path[:0] = [{root!r}] + {extra!r}\n"
+    probe = ("import os, sys; sys.path[:] = [{root!r}] + {extra!r} + [p for p in sys.path if not os.path.isdir("
+             "os.path.join(p or '.', 'kernels'))]\n"  # no other kernels but the one given
              "import kernels; print(getattr(kernels, 'CUDAProperties', None), kernels.__file__)\n"
              "import areal_fast.kernels as k; print(k.__name__, k.__file__)\n")
     run = lambda extra: subprocess.run(  # noqa: E731
@@ -55,6 +56,7 @@ def test_a_checkout_does_not_shadow_a_top_level_kernels_package(tmp_path):
     # with no other one, ours stays as it was (no version: transformers' "not installed")
     alone = run([])
     assert alone.returncode == 0, alone.stderr
+    assert alone.stdout.splitlines()[0] == f"None {os.path.join(root, 'kernels', '__init__.py')}"
 
 
 def test_native_core_reports_its_build():

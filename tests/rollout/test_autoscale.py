@@ -176,11 +176,8 @@ def test_the_controller_gives_each_step_the_readings_the_policy_needs(tmp_path):
     assert all(r["gen_tokens_per_s"] >= 0 for r in train) and sum(r["gen_tokens_per_s"] for r in train) > 0
     assert ctl.generated_tokens >= ctl.counters.trained_tokens > 0  # every finished group's tokens, trained or not
     p = AutoscalePolicy(cfg(), 2)
-    for r in train[:3]:  # a controller record is a reading as it is (the run's autoscaler builds it the same way)
-        d = p.step(Reading(step=r["step"], servers=2, changing=False, wait_s=r["wait_s"], train_s=r["train_s"],
-                           sync_s=r["sync_s"], tokens=r["tokens"], buffer_groups=r["buffer_at_ask"], batch_groups=2,
-                           eta=2, staleness_mean=r["staleness_mean"], gen_len_mean=r["gen_len_mean"],
-                           gen_tokens_per_s=r["gen_tokens_per_s"]))
+    for r in train[:3]:  # a controller record is a reading (as the run's autoscaler reads it)
+        d = p.step(Reading.from_record(r, servers=2, changing=False, batch_groups=2, eta=2))
     assert d.window_steps == 2 and d.idle is not None and d.gen_len_mean > 0  # the first decision, from real records
 
 
