@@ -72,15 +72,25 @@ def test_varlen_attention_on_cuda_matches_the_reference(impl, hkv, monkeypatch):
 _STEP = r"""
 import json, math, sys
 import torch
-sys.path[:0] = sys.argv[2:]
+param_dtype, attn_impl = sys.argv[2:4]
+sys.path[:0] = sys.argv[4:]
 from test_trainer_actor import hf_logprobs, make_batch, make_tiny_model
-from areal_fast.trainer import OptimConfig, PPOActor, PPOConfig, TrainerConfig
+from areal_fast.trainer import OptimConfig, PPOActor, PPOConfig, TrainerConfig, attention
 from areal_fast.trainer.model import shutdown_process_group
 
+kernels, compute = [], set()
+kernel = attention.varlen_kernel
+
+def counted(q, *a, **kw):  # the kernel each attention layer ran, and the dtype it computed in
+    kernels.append(attention.resolve_impl(attention._selected["impl"], q.device))
+    compute.add(str(q.dtype))
+    return kernel(q, *a, **kw)
+
+attention.varlen_kernel = counted
 try:
     model = make_tiny_model(sys.argv[1]).eval()
     actor = PPOActor(TrainerConfig(model_path=sys.argv[1], device="cuda", ppo=PPOConfig(prox_mode="none"),
-                                   optim=OptimConfig(lr=3e-3)))
+                                   optim=OptimConfig(lr=3e-3), param_dtype=param_dtype, attn_impl=attn_impl))
     batch = make_batch(8, seed=1)
     for s in batch:  # on-policy behaviour log-probs: the ratio starts at 1
         s.output_logprobs = hf_logprobs(model, s).tolist()
@@ -93,6 +103,7 @@ try:
     moved = sum(not torch.equal(before[n], after[n]) for n in before)
     print("RESULT " + json.dumps({"loss": m["loss"], "grad_norm": m["grad_norm"], "moved": moved, "n": len(before),
                                   "logprob_err": err, "version": actor.version,
+                                  "kernels": sorted(set(kernels)), "compute": sorted(compute),
                                   "device": str(next(actor.model.parameters()).device),
                                   "peak_mib": torch.cuda.max_memory_allocated() / 2**20}), flush=True)
 finally:  # the actor's NCCL group, torn down here: at interpreter exit it can abort a finished step
@@ -101,16 +112,24 @@ finally:  # the actor's NCCL group, torn down here: at interpreter exit it can a
 
 
 @pytest.mark.gpu
-def test_one_trainer_step_on_cuda(tmp_path):
+@pytest.mark.parametrize("param_dtype,attn_impl,logprob_atol", [
+    ("bfloat16", "auto", 0.1),  # bf16 compute against the fp32 HF model on the CPU
+    ("float32", "sdpa_loop", 0.01),
+])
+def test_one_trainer_step_on_cuda(tmp_path, param_dtype, attn_impl, logprob_atol):
     """In its own process: a CUDA trainer needs an NCCL default group, and other tests of a session
-    may have made a gloo one already. The process destroys its group before it exits (exit status 0)."""
+    may have made a gloo one already. The process destroys its group before it exits (exit status 0).
+    ``train.param_dtype`` and ``train.attn_impl`` reach the model: its attention computes in that dtype
+    with that kernel ('auto': flash-attn's, else torch's varlen kernel, where the GPU's image has one)."""
     paths = [str(TESTS), str(TESTS / "trainer")]
-    res = subprocess.run([sys.executable, "-c", _STEP, str(tmp_path / "tiny"), *paths], capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", _STEP, str(tmp_path / "tiny"), param_dtype, attn_impl, *paths],
+                         capture_output=True, text=True, timeout=300)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     assert res.returncode == 0 and lines, res.stdout[-3000:] + res.stderr[-3000:]
     r = json.loads(lines[-1][len("RESULT "):])
     assert r["device"].startswith("cuda")
     assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, r
     assert r["moved"] == r["n"] and r["version"] == 1, r  # every parameter took the AdamW step
-    assert r["logprob_err"] < 0.1, r  # bf16 compute against the fp32 HF model on the CPU
+    assert r["logprob_err"] < logprob_atol, r
+    assert r["compute"] == [f"torch.{param_dtype}"], r
+    assert r["kernels"] == [attention.resolve_impl(attn_impl, torch.device("cuda"))], r
