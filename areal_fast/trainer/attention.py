@@ -267,9 +267,11 @@ def varlen_attention_forward(
         return kernel(q, k, v).unsqueeze(0), None
     # a context-parallel share: the boundaries are the whole row's, the tokens 1 / cp of it
     cp = group.size()
-    if q.shape[0] * cp != int(cu_seq_lens_q[-1]):
-        raise ValueError(f"context parallelism: a share of {q.shape[0]} tokens on {cp} ranks, but cu_seqlens end "
-                         f"at {int(cu_seq_lens_q[-1])} (the whole padded row's boundaries are needed)")
+    # checked where the boundaries are, without waiting for the device (a host sync in every layer
+    # otherwise): on a CPU it raises here, on a GPU as a device-side assert at the next sync
+    torch._assert_async(cu_seq_lens_q[-1] == q.shape[0] * cp,
+                        f"context parallelism: a share of {q.shape[0]} tokens on {cp} ranks, but cu_seqlens do not "
+                        f"end at {q.shape[0] * cp} (the whole padded row's boundaries are needed)")
     return context.ulysses_attention(q, k, v, kernel, group).unsqueeze(0), None
 
 
