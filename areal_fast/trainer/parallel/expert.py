@@ -104,14 +104,17 @@ class ExpertParallelExperts(nn.Module):
             recv = torch.empty_like(counts)
             dist.all_to_all_single(recv, counts, group=self.group)  # [ep x E/ep]: what each source sends mine
             recv = recv.view(self.ep, self.local)
-        send_splits = counts.view(self.ep, self.local).sum(1).tolist()
-        recv_splits = recv.sum(1).tolist()
+        # the one wait for the device in this layer: the split sizes the exchanges need on the host
+        host = torch.cat([counts, recv.reshape(-1)]).tolist()
+        sent, got = host[:self.num_experts], host[self.num_experts:]  # [E] counts, [ep x local] received
+        send_splits = [sum(sent[r * self.local:(r + 1) * self.local]) for r in range(self.ep)]
+        recv_splits = [sum(got[r * self.local:(r + 1) * self.local]) for r in range(self.ep)]
         rows = all_to_all(hidden_states[token], recv_splits, send_splits, self.group)
         # received: per source rank, rows sorted by expert; regroup by local expert for the MLPs
         local_id = torch.repeat_interleave(torch.arange(self.local, device=rows.device).repeat(self.ep),
-                                           recv.reshape(-1).to(rows.device))
+                                           recv.reshape(-1).to(rows.device), output_size=sum(recv_splits))
         perm = torch.argsort(local_id, stable=True)
-        out = self._experts(rows[perm], recv.sum(0).tolist())
+        out = self._experts(rows[perm], [sum(got[e::self.local]) for e in range(self.local)])
         out = out[torch.argsort(perm)]
         back = all_to_all(out, send_splits, recv_splits, self.group)
         back = back * top_k_weights.reshape(-1)[order, None]
