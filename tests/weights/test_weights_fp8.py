@@ -249,11 +249,11 @@ def test_quantise_on_sync_on_cuda_matches_the_cpu_codec():
     assert seen == set(want)
 
 
-@pytest.mark.slow  # a sender subprocess (torch import) and two engines
+@pytest.mark.slow  # a sender subprocess (torch import) and three engines
 def test_every_transport_delivers_the_fp8_weights_to_the_engine(tmp_path):
     """SGLang's broadcast and disk transports and vLLM's weight transfer, with ``quantize: fp8``, each
-    leave the embedded engine (``--quantization fp8``; the vLLM twin) holding the dequantised FP8 values
-    of the trainer's bf16-rounded weights, and its other weights as sent."""
+    leave its own embedded engine (``--quantization fp8``; the vLLM twin) holding the dequantised FP8
+    values of the trainer's bf16-rounded weights, and its other weights as sent."""
     import os
     import subprocess
     import sys
@@ -268,22 +268,23 @@ def test_every_transport_delivers_the_fp8_weights_to_the_engine(tmp_path):
     ckpt = to_checkpoint_state(state)
     want = {n: fp8.dequantize_ref(*fp8.quantize_ref(t)) if fp8.is_quantized(n, t.shape) else t.to(torch.bfloat16)
             for n, t in ckpt.items()}
-    engine = start_engine_in_thread(model_dir, seed=1, dtype="float32", quantization="fp8")
-    twin = start_engine_in_thread(model_dir, seed=1, api="vllm", vllm_version="0.33.0", dtype="float32",
-                                  quantization="fp8")
+    engines = [start_engine_in_thread(model_dir, seed=1, dtype="float32", quantization="fp8") for _ in range(2)]
+    engines.append(start_engine_in_thread(model_dir, seed=1, api="vllm", vllm_version="0.33.0", dtype="float32",
+                                          quantization="fp8"))
     sender = Path(__file__).with_name("_fp8_sender.py")
     try:
-        r = subprocess.run([sys.executable, str(sender), str(tmp_path / "s.pt"), engine.url, twin.url, str(tmp_path)],
+        r = subprocess.run([sys.executable, str(sender), str(tmp_path / "s.pt"), *(h.url for h in engines),
+                            str(tmp_path)],
                            capture_output=True, text=True, timeout=240,
                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(sender.parent),
                                                                                os.environ.get("PYTHONPATH", "")])})
         assert r.returncode == 0, r.stderr[-3000:]
         assert r.stdout.count("SENT") == 3
-        for h, version in ((engine, "2"), (twin, "1")):
-            assert h.server.scheduler.weight_version == version
+        for h, transport in zip(engines, ("broadcast", "disk", "vLLM transfer")):
+            assert h.server.scheduler.weight_version == "1", transport
             got = to_checkpoint_state({k: v.detach() for k, v in h.server.model.state_dict().items()})
             for n, w in want.items():
-                assert torch.equal(got[n], w.float()), n
+                assert torch.equal(got[n], w.float()), (transport, n)
     finally:
-        engine.stop()
-        twin.stop()
+        for h in engines:
+            h.stop()
