@@ -17,8 +17,8 @@ if __name__ == "kernels":
     import os
     import sys
 
-    _here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _rest = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _here]
+    _here = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    _rest = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != _here]  # every spelling of the checkout
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _rest)
     if _spec is not None and _spec.loader is not None:
         _module = importlib.util.module_from_spec(_spec)

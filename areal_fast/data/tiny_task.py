@@ -84,11 +84,9 @@ class SyntheticTaskConfig:
             if g.rows > self.n_train:
                 raise ValueError(f"growth.rows: must be at most n_train ({self.n_train}): the run cycles through "
                                  f"the training rows, got {g.rows}")
-            end_median = self.min_len + math.exp(g.end_log_mean)
-            if end_median > self.max_len:
-                raise ValueError(f"growth.end_log_mean: the median length at the end, min_len + exp(mu) = "
-                                 f"{end_median:.1f}, is above max_len ({self.max_len}): most strings would be cut "
-                                 f"there, got {g.end_log_mean}")
+            if self.min_len + math.exp(min(g.end_log_mean, 700.0)) > self.max_len:  # 700: exp stays finite
+                raise ValueError(f"growth.end_log_mean: the median length at the end, min_len + exp(mu), is above "
+                                 f"max_len ({self.max_len}): most strings would be cut there, got {g.end_log_mean}")
 
 
 def centre(cfg: SyntheticTaskConfig, progress: float) -> float:

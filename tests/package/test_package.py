@@ -57,6 +57,11 @@ def test_a_checkout_does_not_shadow_a_top_level_kernels_package(tmp_path):
     alone = run([])
     assert alone.returncode == 0, alone.stderr
     assert alone.stdout.splitlines()[0] == f"None {os.path.join(root, 'kernels', '__init__.py')}"
+    # the checkout on the path a second time under another spelling (a link to it) is still the checkout
+    (tmp_path / "link").symlink_to(root)
+    twice = run([str(tmp_path / "link")])
+    assert twice.returncode == 0, twice.stderr[-2000:]
+    assert twice.stdout.splitlines()[0] == f"None {os.path.join(root, 'kernels', '__init__.py')}"
 
 
 def test_native_core_reports_its_build():
