@@ -3,7 +3,7 @@ with the load (tools/trl_arm.py runs the arms; TRL: the ``trl`` extra). ``python
 import argparse
 import time
 
-from bench.common import add_harness_args, append_rows
+from bench.common import add_harness_args, append_rows, provenance
 from tools.trl_arm import compare
 
 if __name__ == "__main__":
@@ -12,6 +12,6 @@ if __name__ == "__main__":
                           ("--out", "runs/vs_trl"), ("--recipe", "examples/tiny_reverse.yaml")):
         ap.add_argument(flag, default=default, type=type(default))
     a = add_harness_args(ap, results=False, dry_run="").parse_args()
-    stamp = time.strftime("%Y%m%d_%H%M", time.gmtime())
+    stamp, prov = time.strftime("%Y%m%d_%H%M", time.gmtime()), provenance()  # the tree as the run starts
     for row in compare(a.out, [int(s) for s in a.seeds.split(",")], a.steps, a.target, a.recipe, a.eval_every):
-        append_rows("vs_trl", [{"run": stamp, **row}])  # row by row: a partial run counts
+        append_rows("vs_trl", [{"run": stamp, **row}], prov=prov)  # row by row: a partial run counts

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     it finishes (a partial sweep counts), then the per-arm means."""
     import argparse
 
-    from bench.common import add_harness_args, append_rows, print_table
+    from bench.common import add_harness_args, append_rows, print_table, provenance
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="1,2,3", help="comma-separated seeds; every arm runs each")
@@ -189,9 +189,10 @@ def main(argv: list[str] | None = None) -> None:
             print(arm, " ".join([*task_overrides(a.steps), *extra]))
         return
     stamp = a.run or time.strftime("%Y%m%d_%H%M", time.gmtime())
+    prov = provenance()  # the tree as the sweep starts (its own rows then make the results file differ)
     rows = []
     for row in compare(a.out, seeds, a.steps, a.max_servers, a.start, a.eval_every):
         rows.append(row)
         if not a.no_results:
-            append_rows("autoscale_real", [{"run": stamp, **row}], a.results)
+            append_rows("autoscale_real", [{"run": stamp, **row}], a.results, prov=prov)
     print_table(summarize(rows))

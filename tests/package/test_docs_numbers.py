@@ -189,6 +189,8 @@ def answer_parse(tokens: int) -> Callable[[], tuple[str, ...]]:
 def suite_sentence() -> str:
     """What the README says of the newest full-suite row of ``bench/results/suite_time.jsonl``."""
     r = newest("suite_time.jsonl", selection="all")
+    # the README quotes it as a passing clean-clone run
+    assert r["exitstatus"] == 0 and not r["provenance"]["commit"].endswith("-dirty"), (r["exitstatus"], r["provenance"])
     counts = ", ".join(f"{thousands(r[k])} {k}" for k in ("passed", "skipped", "xfailed", "failed") if r.get(k))
     total = f" and {thousands(r['total_s'])} s in all with the install" if r.get("total_s") else ""
     workers = r.get("workers") or 1
@@ -1232,8 +1234,7 @@ def fp8_contrast_at(key: str, eta: int) -> tuple[str, ...]:
     """One FP8 contrast at ``eta``: the mean-over-the-run difference, then the final one with its interval."""
     x = next(x for x in json.loads((RESULTS / FP8_SWEEP).read_text())["contrasts"][key] if x["eta"] == eta)
     m, f, h = x["eval_mean_diff_mean"], x["eval_final_diff_mean"], x["eval_final_diff_ci95"]
-    return tuple(f"{v:+.3f}" if i == 0 else f"{v:.3f}" if v < 0 else f"+{v:.3f}" for i, v in
-                 enumerate((m, f, f - h, f + h)))
+    return tuple(f"{v:+.3f}" for v in (m, f, f - h, f + h))
 
 
 MINIBATCHES4 = "staleness_20261123_1848_minibatches4.json"  # docs/staleness_ablation.md's four-minibatch sweep
