@@ -95,8 +95,14 @@ ENGINE_LOGPROB_ATOL = 1e-4
 # vLLM's CPU build (its own fp32 attention and matmul kernels) vs the HF forward, at the tiny shapes
 # of the real-vLLM tests: other kernels, not only another order.
 VLLM_CPU_LOGPROB_ATOL = 2e-3
+# The CUDA trainer's log-probs in fp32 (param_dtype float32, TF32 off by torch's default) vs HF's fp32
+# forward on the CPU: other kernels (cuBLAS), as for vLLM's CPU build; not yet seen on a GPU.
+FP32_CUDA_TRAINER_LOGPROB_ATOL = 2e-3
 
 # -------------------------------------------------------------------------------------- bfloat16
+# The CUDA trainer's log-probs with bf16 compute (param_dtype bfloat16: weights and activations with
+# 8 bits of mantissa) vs HF's fp32 forward on the CPU, on a tiny 2-layer model.
+BF16_TRAINER_LOGPROB_ATOL = 0.1
 # The loss from the same bf16 GEMMs on both sides (fused-linear vs materialised logits), fp32 loss
 # math after them: fp32 reordering only.
 BF16_SAME_GEMM_LOSS_TOL = dict(atol=1e-5, rtol=1e-5)

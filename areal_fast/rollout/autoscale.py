@@ -173,9 +173,9 @@ class AutoscalePolicy:
             return moved
         lo, hi = self.bounds()
         base = {"step": r.step, "servers": r.servers, "lo": lo, "hi": hi}
+        self.no_up_s = max(0.0, self.no_up_s - r.seconds)
         if r.changing or r.servers != self.target:
             self.window.clear()
-            self.no_up_s = max(0.0, self.no_up_s - r.seconds)
             self.waited_s = self.waited_s + r.seconds if r.servers < self.target else 0.0
             timeout = self.cfg.start_timeout_s
             if self.waited_s > timeout:
@@ -185,7 +185,6 @@ class AutoscalePolicy:
             return Decision(**base, target=self.target, change=0,
                             reason=f"waiting: {r.servers} of {self.target} servers in the pool")
         self.waited_s = 0.0
-        self.no_up_s = max(0.0, self.no_up_s - r.seconds)
         self.window.append(r)
         if len(self.window) <= self.cfg.settle_steps:  # the first step may have begun before the change
             return Decision(**base, target=self.target, change=0,
@@ -206,10 +205,10 @@ class AutoscalePolicy:
             g = self.rate[0] if self.rate and abs(glen / self.rate[1] - 1) <= RATE_LENGTH_TOLERANCE else None
         read = {"idle": idle, "buffer_batches": buf, "staleness_fraction": stale,
                 "gen_tokens_per_s_per_server": g, "gen_len_mean": glen, "window_steps": len(w)}
-        if idle > self.cfg.idle_high and n < hi and self.no_up_s > 0:
-            return Decision(**base, target=n, change=0, reason=f"hold: trainer idle {idle:.0%}, but no increase for "
-                            f"{self.no_up_s:.0f} s more (a start was given up)", **read)
         if idle > self.cfg.idle_high and n < hi:
+            if self.no_up_s > 0:
+                return Decision(**base, target=n, change=0, reason=f"hold: trainer idle {idle:.0%}, but no increase "
+                                f"for {self.no_up_s:.0f} s more (a start was given up)", **read)
             want = self._balanced(g, tokens, T, S, n, hi)
             cap = n + max(1, math.ceil(n * self.cfg.max_step_fraction))
             new = min(max(want, n + 1), cap, hi)

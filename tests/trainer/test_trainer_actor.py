@@ -78,27 +78,24 @@ def test_recomputed_logprobs_equal_unpacked_hf(tiny):
 
 
 def test_the_configured_attention_kernel_runs_the_packed_forward(tiny, monkeypatch):
-    """``train.attn_impl`` reaches the model: its attention layers call our packed kernel with the
-    configured choice (the one a CPU offers besides 'auto', which picks it too: the choice is what
-    the kernel was handed, the GPU test tells the kernels apart)."""
+    """``train.attn_impl`` reaches the model: its attention layers run our packed kernel with the
+    configured choice (the one a CPU offers besides 'auto', which picks it too: the choice recorded is
+    what tells them apart here; the GPU test tells the kernels apart)."""
     from areal_fast.trainer import attention
 
     ran = []
-    kernel = attention.varlen_kernel
+    loop = attention.varlen_attention_bucketed  # the 'sdpa_loop' kernel
 
-    def counted(q, *a, **kw):
-        choice = attention._selected["impl"]
-        ran.append((choice, attention.resolve_impl(choice, q.device)))
-        return kernel(q, *a, **kw)
+    def counted(*a, **kw):
+        ran.append(attention._selected["impl"])
+        return loop(*a, **kw)
 
-    monkeypatch.setattr(attention, "varlen_kernel", counted)
+    monkeypatch.setattr(attention, "varlen_attention_bucketed", counted)
     path, model = tiny
     actor = actor_for(path, attn_impl="sdpa_loop")
-    batch = make_batch(3, seed=4)
-    actor.compute_logprobs(batch)
-    layers = model.config.num_hidden_layers
+    actor.compute_logprobs(make_batch(3, seed=4))
     assert actor.model.lm.config._attn_implementation == attention.ATTN_NAME
-    assert len(ran) >= layers and set(ran) == {("sdpa_loop", "sdpa_loop")}, ran
+    assert len(ran) >= model.config.num_hidden_layers and set(ran) == {"sdpa_loop"}, ran
 
 
 def test_tied_embeddings_load_and_stay_tied(tmp_path):

@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tolerances import BF16_ATTN_GRAD_TOL, BF16_ATTN_OUT_TOL
+from tolerances import (
+    BF16_ATTN_GRAD_TOL,
+    BF16_ATTN_OUT_TOL,
+    BF16_TRAINER_LOGPROB_ATOL,
+    FP32_CUDA_TRAINER_LOGPROB_ATOL,
+)
 
 from areal_fast.trainer import attention
 from areal_fast.trainer.attention import varlen_attention_ref
@@ -70,7 +75,7 @@ def test_varlen_attention_on_cuda_matches_the_reference(impl, hkv, monkeypatch):
 
 
 _STEP = r"""
-import json, math, sys
+import functools, json, math, sys
 import torch
 param_dtype, attn_impl = sys.argv[2:4]
 sys.path[:0] = sys.argv[4:]
@@ -78,15 +83,30 @@ from test_trainer_actor import hf_logprobs, make_batch, make_tiny_model
 from areal_fast.trainer import OptimConfig, PPOActor, PPOConfig, TrainerConfig, attention
 from areal_fast.trainer.model import shutdown_process_group
 
-kernels, compute = [], set()
-kernel = attention.varlen_kernel
+kernels, compute = set(), set()
 
-def counted(q, *a, **kw):  # the kernel each attention layer ran, and the dtype it computed in
-    kernels.append(attention.resolve_impl(attention._selected["impl"], q.device))
-    compute.add(str(q.dtype))
-    return kernel(q, *a, **kw)
+def counting(name, fn, record):
+    @functools.wraps(fn)  # its signature stays readable (the torch varlen call inspects it)
+    def run(*a, **kw):
+        record(name, a)
+        return fn(*a, **kw)
+    return run
 
-attention.varlen_kernel = counted
+# the dtype each attention layer computed in, and the kernels that ran (wrapped where each lives)
+attention.varlen_kernel = counting("", attention.varlen_kernel, lambda _, a: compute.add(str(a[0].dtype)))
+attention.varlen_attention_bucketed = counting("sdpa_loop", attention.varlen_attention_bucketed,
+                                               lambda n, a: kernels.add(n))
+try:
+    import torch.nn.attention.varlen as tv
+    tv.varlen_attn = counting("torch_varlen", tv.varlen_attn, lambda n, a: kernels.add(n))
+except ImportError:
+    pass
+try:
+    import flash_attn
+    flash_attn.flash_attn_varlen_func = counting("flash_attn", flash_attn.flash_attn_varlen_func,
+                                                 lambda n, a: kernels.add(n))
+except ImportError:
+    pass
 try:
     model = make_tiny_model(sys.argv[1]).eval()
     actor = PPOActor(TrainerConfig(model_path=sys.argv[1], device="cuda", ppo=PPOConfig(prox_mode="none"),
@@ -103,7 +123,7 @@ try:
     moved = sum(not torch.equal(before[n], after[n]) for n in before)
     print("RESULT " + json.dumps({"loss": m["loss"], "grad_norm": m["grad_norm"], "moved": moved, "n": len(before),
                                   "logprob_err": err, "version": actor.version,
-                                  "kernels": sorted(set(kernels)), "compute": sorted(compute),
+                                  "kernels": sorted(kernels), "compute": sorted(compute),
                                   "device": str(next(actor.model.parameters()).device),
                                   "peak_mib": torch.cuda.max_memory_allocated() / 2**20}), flush=True)
 finally:  # the actor's NCCL group, torn down here: at interpreter exit it can abort a finished step
@@ -113,8 +133,8 @@ finally:  # the actor's NCCL group, torn down here: at interpreter exit it can a
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("param_dtype,attn_impl,logprob_atol", [
-    ("bfloat16", "auto", 0.1),  # bf16 compute against the fp32 HF model on the CPU
-    ("float32", "sdpa_loop", 0.01),
+    ("bfloat16", "auto", BF16_TRAINER_LOGPROB_ATOL),  # against the fp32 HF model on the CPU
+    ("float32", "sdpa_loop", FP32_CUDA_TRAINER_LOGPROB_ATOL),
 ])
 def test_one_trainer_step_on_cuda(tmp_path, param_dtype, attn_impl, logprob_atol):
     """In its own process: a CUDA trainer needs an NCCL default group, and other tests of a session

@@ -173,12 +173,13 @@ def _assert_experts_hold_ours(params: dict, sent: list, num_experts: int) -> Non
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (e, suffix)
 
 
-def _sglang_experts(sglang, path, hf_config, intermediate: int, cuda_loader: bool = True):
+def _sglang_experts(sglang, monkeypatch, path, hf_config, intermediate: int, cuda_loader: bool = True):
     """SGLang's MoE layer of a Qwen3-MoE block, built as its ``Qwen3MoeSparseMoeBlock`` builds it
     (``get_moe_impl_class``), under a runtime context of its own (``create_context``: a ``ServerArgs``
     for ``model_path`` with ``--quantization fp8`` on one rank; SGLang's embedded use of its layers).
     ``cuda_loader``: the loader branch a CUDA server takes (SGLang's module flag ``_is_cpu`` False);
-    on CPU it narrows through its padded loader instead."""
+    on CPU it narrows through its padded loader instead. The flag stays set for the rest of the test:
+    the loader reads it when it loads, not only when the layer is built."""
     rc = sglang_module(VERSION, "sglang.srt.runtime_context")
     server_args = sglang_module(VERSION, "sglang.srt.server_args")
     ep = sglang_module(VERSION, "sglang.srt.layers.moe.ep_moe.layer")
@@ -186,27 +187,23 @@ def _sglang_experts(sglang, path, hf_config, intermediate: int, cuda_loader: boo
     qwen3_moe = sglang_module(VERSION, "sglang.srt.models.qwen3_moe")
     args = server_args.ServerArgs(model_path=path, quantization="fp8", device="cpu", skip_tokenizer_init=True)
     ctx = rc.create_context(args, role="test", ranks=rc.SpawnRanks(world_rank=0))
-    was_cpu = fused._is_cpu
-    fused._is_cpu = not cuda_loader
-    try:
-        with rc.use_context(ctx):
-            experts = ep.get_moe_impl_class(sglang.config)(
-                num_experts=hf_config.num_experts, top_k=hf_config.num_experts_per_tok, layer_id=0,
-                hidden_size=hf_config.hidden_size, intermediate_size=intermediate, quant_config=sglang.config,
-                prefix="model.layers.0.mlp.experts", routing_method_type=qwen3_moe.RoutingMethodType.Renormalize)
-            assert experts.use_padded_loading == (not cuda_loader)
-    finally:
-        fused._is_cpu = was_cpu
+    monkeypatch.setattr(fused, "_is_cpu", not cuda_loader)
+    with rc.use_context(ctx):
+        experts = ep.get_moe_impl_class(sglang.config)(
+            num_experts=hf_config.num_experts, top_k=hf_config.num_experts_per_tok, layer_id=0,
+            hidden_size=hf_config.hidden_size, intermediate_size=intermediate, quant_config=sglang.config,
+            prefix="model.layers.0.mlp.experts", routing_method_type=qwen3_moe.RoutingMethodType.Renormalize)
     return rc, ctx, qwen3_moe, experts
 
 
 @pytest.mark.parametrize("cuda_loader", [True, False], ids=["cuda_loader", "cpu_loader"])
-def test_sglang_fused_moe_holds_our_fp8_experts_and_scales(sglang, tiny_moe, cuda_loader):
+def test_sglang_fused_moe_holds_our_fp8_experts_and_scales(sglang, tiny_moe, cuda_loader, monkeypatch):
     """SGLang's ``FusedMoE`` with ``Fp8MoEMethod`` (128 x 128 blocks), loaded by its Qwen3-MoE
     ``load_weights`` and post-processed by the method: every tensor we send reaches its expert and shard
     once, and each expert's ``w13``/``w2`` and scales are ours bit for bit, in shapes that are ours."""
     path, hf_config, sent = tiny_moe
-    rc, ctx, qwen3_moe, experts = _sglang_experts(sglang, path, hf_config, MOE_INTERMEDIATE, cuda_loader)
+    rc, ctx, qwen3_moe, experts = _sglang_experts(sglang, monkeypatch, path, hf_config, MOE_INTERMEDIATE, cuda_loader)
+    assert experts.use_padded_loading == (not cuda_loader)  # the branch asked for
     assert isinstance(experts.quant_method, sglang.fp8.Fp8MoEMethod) and experts.quant_method.block_quant
     calls = []
     for n, p in experts.named_parameters():
@@ -234,11 +231,11 @@ def test_sglang_fused_moe_holds_our_fp8_experts_and_scales(sglang, tiny_moe, cud
     _assert_experts_hold_ours({n: p.data for n, p in experts.named_parameters()}, sent, hf_config.num_experts)
 
 
-def test_sglang_refuses_experts_narrower_than_a_block(sglang, tiny_moe):
+def test_sglang_refuses_experts_narrower_than_a_block(sglang, tiny_moe, monkeypatch):
     """The tiny models' default experts (32 wide): SGLang refuses to build the layer."""
     path, hf_config, _ = tiny_moe
     with pytest.raises(ValueError, match="32 is not divisible by weight quantization block_n = 128"):
-        _sglang_experts(sglang, path, hf_config, 32)
+        _sglang_experts(sglang, monkeypatch, path, hf_config, 32)
 
 
 def _vllm_python():
