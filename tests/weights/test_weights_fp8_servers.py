@@ -21,11 +21,10 @@ import pytest
 import torch
 
 from areal_fast.weights import fp8
-from areal_fast.weights.config import WeightSyncConfig
-from areal_fast.weights.gather import BucketGatherer, collect_sources
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sglang_wheel import sglang_module  # noqa: E402
+from test_weights_fp8 import _encoded_buckets  # noqa: E402  (the wire of every FP8 transport)
 
 VERSION = "0.5.23"
 
@@ -108,20 +107,11 @@ its blocks (to 32 x 32 for the tiny models' default width, 32) and then fails to
 The tiny models' default is served in FP8 by the embedded engine only."""
 
 
-class _Done:
-    def wait(self):
-        pass
-
-
 def _sent(state: dict) -> list[tuple[str, torch.Tensor]]:
     """What the trainer puts on the wire for ``state`` with ``weights.quantize: fp8``: the bucket
     gatherer with the FP8 encoder every transport sends through (fused experts split per expert, linear
     weights quantised); (name, tensor) in wire order, several buckets."""
-    src = collect_sources(state)
-    dtypes = [torch.bfloat16] * len(src.names)
-    buckets = []
-    BucketGatherer(16 << 10, encode=fp8.bucket_encoder(WeightSyncConfig(quantize="fp8"))).run(
-        src, dtypes, lambda b: buckets.append(b) or _Done())
+    buckets, *_ = _encoded_buckets(state, torch.bfloat16, 16 << 10)
     assert len(buckets) > 1
     return [(n, b.tensor(i).clone()) for b in buckets for i, n in enumerate(b.names)]
 
